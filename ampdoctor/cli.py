@@ -1,0 +1,84 @@
+"""The ``ampdoctor`` command: each command validates, makes one library call, renders.
+
+Exit codes: 0 success (whatever the verdict); 1 ``diagnose --fail-on`` matched; 2 the input
+could not be used (missing or unreadable run file, bad option, output not writable).
+``record`` exits with the training command's own exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import click
+
+from .errors import AmpDoctorError
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="ampdoctor", prog_name="ampdoctor")
+def cli() -> None:
+    """Debugger for numeric failures in PyTorch mixed-precision (fp16/bf16) training.
+
+    \b
+        ampdoctor record -o run.h5 -- python train.py
+        ampdoctor diagnose run.h5
+    """
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]),
+              default="text", show_default=True, help="Output format.")
+@click.option("--fail-on", type=click.Choice(["unhealthy", "never"]), default="never",
+              show_default=True, help="Exit 1 when the verdict is not healthy (for CI).")
+def diagnose(run: str, fmt: str, fail_on: str) -> None:
+    """Say what went wrong in a recorded run, where, and what to change.
+
+    \b
+        ampdoctor diagnose run.h5
+        ampdoctor diagnose run.h5 --format json
+    """
+    from . import analyze, report
+
+    d = analyze.diagnose(run)
+    click.echo(report.render(d, fmt), nl=False)
+    if fail_on == "unhealthy" and not d.healthy:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+def dump(run: str) -> None:
+    """Show what a run file holds: attributes, configuration, tables and row counts.
+
+    \b
+        ampdoctor dump run.h5
+    """
+    from . import report, store
+
+    click.echo(report.render_dump(store.inspect(run)), nl=False)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: maps ampdoctor's errors to one sentence and an exit code."""
+    try:
+        cli.main(args=argv, prog_name="ampdoctor", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except AmpDoctorError as exc:
+        click.echo(f"ampdoctor: {exc}", err=True)
+        return exc.exit_code
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""One exception root for everything ampdoctor tells a user; the CLI maps these to exit codes.
+
+Bugs are not wrapped: they keep their tracebacks. A user error is one sentence that names the
+input and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+
+class AmpDoctorError(Exception):
+    """A problem with what the user gave ampdoctor (a file, an option, a command)."""
+
+    exit_code = 2
+
+
+class RunFileError(AmpDoctorError):
+    """A path that is not a readable ampdoctor run file."""
+
+
+class FormatTooNewError(RunFileError):
+    """A run file written by a newer ampdoctor than this one."""
+
+
+class RecordError(AmpDoctorError):
+    """``ampdoctor record`` cannot start: bad output path, existing file, no command."""
+
+
+class RecorderFault(Exception):
+    """An internal failure while recording; raised only in strict mode (ampdoctor's own tests)."""

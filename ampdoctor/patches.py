@@ -1,0 +1,204 @@
+"""Every change ampdoctor makes to torch's globals, each undoable through a handle.
+
+A recorder sees a training loop through five doors, all opened here and nowhere else:
+
+* ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
+  the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
+* ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
+* ``torch.nn.utils.clip_grad_norm_``: the pre-clip norm and the unscale/clip order;
+* global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
+* global module forward hooks, installed only while discovering the model or sampling a step.
+
+Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
+which never lets an ampdoctor failure reach the training loop. ``PatchSet.remove`` restores
+every original, is safe to call twice, and leaves alone an attribute someone else re-patched
+after us.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.modules.module as module_hooks
+import torch.nn.utils.clip_grad as clip_grad
+import torch.optim.optimizer as optimizer_hooks
+
+_MARK = "__ampdoctor_original__"
+
+
+class Patch:
+    """One attribute of ``owner`` replaced by ``wrapper``; ``remove`` puts the original back."""
+
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable]):
+        self.owner = owner
+        self.name = name
+        self.original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
+        self.wrapper = make(self.original)
+        setattr(self.wrapper, _MARK, self.original)
+        setattr(owner, name, self.wrapper)
+
+    def remove(self) -> None:
+        if self.owner is None:
+            return
+        if getattr(self.owner, self.name, None) is self.wrapper:
+            setattr(self.owner, self.name, self.original)
+        self.owner = None
+
+
+class PatchSet:
+    """Patches and hook handles that go away together. A context manager."""
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+
+    def add(self, item: Any) -> Any:
+        self._items.append(item)
+        return item
+
+    def remove(self) -> None:
+        while self._items:
+            self._items.pop().remove()
+
+    def __enter__(self) -> "PatchSet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def guard(listener: Any, method: str, *args: Any) -> Any:
+    """Call ``listener.<method>(*args)``; an exception goes to ``listener.fault``, not the caller."""
+    try:
+        return getattr(listener, method)(*args)
+    except Exception as exc:  # noqa: BLE001 - a debugger must never break the run it watches
+        listener.fault(exc, method)
+        return None
+
+
+def _scaler_classes() -> list[type]:
+    classes = [torch.amp.GradScaler]
+    todo = list(torch.amp.GradScaler.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return classes
+
+
+def patch_scaler(patches: PatchSet, listener: Any) -> None:
+    """Wrap GradScaler's public methods on the class and on subclasses that override them."""
+
+    def scale(orig):
+        @functools.wraps(orig)
+        def wrapper(self, outputs):
+            out = orig(self, outputs)
+            guard(listener, "on_scale", self, outputs, out)
+            return out
+        return wrapper
+
+    def unscale_(orig):
+        @functools.wraps(orig)
+        def wrapper(self, optimizer):
+            guard(listener, "before_unscale", self, optimizer)
+            out = orig(self, optimizer)
+            guard(listener, "after_unscale", self, optimizer)
+            return out
+        return wrapper
+
+    def step(orig):
+        @functools.wraps(orig)
+        def wrapper(self, optimizer, *args, **kwargs):
+            guard(listener, "enter_scaler_step", self, optimizer)
+            try:
+                return orig(self, optimizer, *args, **kwargs)
+            finally:
+                guard(listener, "exit_scaler_step", self, optimizer)
+        return wrapper
+
+    def update(orig):
+        @functools.wraps(orig)
+        def wrapper(self, new_scale=None):
+            guard(listener, "before_update", self)
+            out = orig(self, new_scale)
+            guard(listener, "after_update", self)
+            return out
+        return wrapper
+
+    def init(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            guard(listener, "on_scaler_init", self)
+        return wrapper
+
+    makers = {"scale": scale, "unscale_": unscale_, "step": step, "update": update,
+              "__init__": init}
+    for cls in _scaler_classes():
+        for name, make in makers.items():
+            if name in cls.__dict__:
+                patches.add(Patch(cls, name, make))
+
+
+def patch_backward(patches: PatchSet, listener: Any) -> None:
+    """See every backward pass: ``Tensor.backward`` goes through ``torch.autograd.backward``."""
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(tensors, *args, **kwargs):
+            guard(listener, "before_backward", tensors)
+            return orig(tensors, *args, **kwargs)
+        return wrapper
+
+    patches.add(Patch(torch.autograd, "backward", make))
+
+
+def patch_clip(patches: PatchSet, listener: Any) -> None:
+    """See ``clip_grad_norm_``: grads before clipping, the norm it returns, and call order."""
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(parameters, *args, **kwargs):
+            if not isinstance(parameters, torch.Tensor):
+                parameters = list(parameters)  # a generator can be read only once
+            guard(listener, "before_clip", parameters)
+            out = orig(parameters, *args, **kwargs)
+            guard(listener, "after_clip", out)
+            return out
+        return wrapper
+
+    patch = patches.add(Patch(clip_grad, "clip_grad_norm_", make))
+    if getattr(torch.nn.utils, "clip_grad_norm_", None) is patch.original:
+        utils_patch = Patch(torch.nn.utils, "clip_grad_norm_", lambda _orig: patch.wrapper)
+        patches.add(utils_patch)
+
+
+def hook_optimizers(patches: PatchSet, listener: Any) -> None:
+    """Global optimizer step pre/post hooks (every optimizer, including ones made later)."""
+
+    def pre(optimizer, args, kwargs):
+        guard(listener, "before_optimizer_step", optimizer)
+
+    def post(optimizer, args, kwargs):
+        guard(listener, "after_optimizer_step", optimizer)
+
+    patches.add(optimizer_hooks.register_optimizer_step_pre_hook(pre))
+    patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
+
+
+def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Optional[str]) -> None:
+    """Global forward (pre-)hooks on every module; used only while discovering or sampling."""
+    if pre is not None:
+        def pre_hook(module, args):
+            guard(listener, pre, module, args)
+        patches.add(module_hooks.register_module_forward_pre_hook(pre_hook))
+    if post is not None:
+        def post_hook(module, args, output):
+            guard(listener, post, module, args, output)
+        patches.add(module_hooks.register_module_forward_hook(post_hook))
+
+
+def original(fn: Any) -> Any:
+    """The unpatched function behind a wrapper made here (or ``fn`` itself)."""
+    return getattr(fn, _MARK, fn)

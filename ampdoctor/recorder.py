@@ -1,0 +1,866 @@
+"""The in-process recorder: ``watch()`` and what ``ampdoctor record`` starts in a child process.
+
+Tiers (see the README's design section):
+
+1. **Sentinel, every step.** Loss (seen where backward starts, or at ``GradScaler.scale``),
+   loss scale before and after ``update``, found_inf/skipped, LR of each group, global grad
+   norm (unscaled, before clipping), step time and peak memory. Device values are stacked into
+   one small tensor per step and fetched together at the next flush: one host sync per flush.
+   While forensic replays remain, one sync per step reads found_inf (GradScaler already syncs
+   on the same value inside ``step``) or, without a scaler, the finiteness of loss and grads
+   before ``optimizer.step``, so that a replay still sees the parameters that failed.
+2. **Sampled, every N steps.** ``sampler.Sampler``: per-module output and grad_output stats,
+   per-parameter grad stats in scaled space, weight norms, update ratios, buffers, the batch.
+   Module hooks exist only on these steps; sentinel steps run no Python per module.
+3. **Forensic, on the event.** ``forensics.Forensics`` replays the failing micro-batch.
+
+Step boundaries: ``GradScaler.update`` when an enabled scaler scaled the loss this step (a
+skipped step never calls ``optimizer.step``), else the step of the first optimizer seen.
+Gradient accumulation: a step is an optimizer step; backward calls count micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+
+from . import __version__, patches, schema, stats, store
+from .errors import AmpDoctorError, RecorderFault
+from .sampler import Sampler, tensors_in
+from .schema import Event, Kind, flag
+
+DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
+FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
+
+_ACTIVE: Optional["Recorder"] = None
+
+
+@dataclass
+class _Step:
+    """What the current optimizer step has shown so far."""
+
+    index: int
+    t0: float
+    micro: int = 0
+    loss_sum: Optional[torch.Tensor] = None
+    loss_n: int = 0
+    loss_dtype: int = 0
+    scaled: bool = False  # an enabled GradScaler scaled a loss in this step
+    unscaled: bool = False
+    in_scaler_step: bool = False
+    grads_ready: bool = False
+    grad_norm: Optional[torch.Tensor] = None
+    clip_norm: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    scale_after: Optional[torch.Tensor] = None
+    found_inf: Optional[torch.Tensor] = None
+    stepped: bool = False
+    flags: int = 0
+    sampled: bool = False
+    keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
+
+
+class Recorder:
+    """Records a training loop into an ampdoctor run file.
+
+    Args:
+        model: the model (or a list of root modules). None: discovered as the outermost
+            modules called in the first step that own trained parameters.
+        optimizer: an optimizer or a list. None: every optimizer that steps the model's
+            parameters (or any optimizer, when the model is discovered too).
+        scaler: the ``GradScaler``. None: the first enabled scaler that scales a loss.
+        path: the run file to write (overwritten).
+        every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
+        forensics: replay a failing step to find the culprit (tier 3).
+        max_replays: forensic replays per run (the first events only, so a run that skips
+            every step does not crawl).
+        flush_seconds: the longest time between two flushes to the file.
+        sample: elements gathered per tensor for range counts in the sampled tier.
+        strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
+        rank, world_size: for distributed runs (read from the environment when None).
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
+                 path: str = "run.h5", every: Optional[int] = None, forensics: bool = True,
+                 max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
+                 sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, argv: Optional[list[str]] = None):
+        self.path = os.fspath(path)
+        self.every = DEFAULT_EVERY if every is None else int(every)
+        if self.every < 0:
+            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
+        self.forensics_on = forensics
+        self.max_replays = max_replays
+        self.flush_seconds = flush_seconds
+        self.sample = sample
+        self.strict = strict
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self._argv = argv
+        self.roots: list[torch.nn.Module] = _as_list(model)
+        self.optimizers: list[Any] = _as_list(optimizer)
+        self.scaler = scaler
+        self._given = {"model": bool(self.roots), "optimizer": bool(self.optimizers),
+                       "scaler": scaler is not None}
+        self.names: dict[torch.nn.Module, str] = {}
+        self.param_names: dict[int, str] = {}
+        self._tensor_ids: dict[tuple[int, str, int], int] = {}
+        self._writer: Optional[store.Writer] = None
+        self._patches = patches.PatchSet()
+        self._root_hooks = patches.PatchSet()
+        self._sample_hooks = patches.PatchSet()
+        self._discovery = patches.PatchSet()
+        self._candidates: list[torch.nn.Module] = []
+        self._depth = 0
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []  # host row, device values
+        self._last_flush = 0.0
+        self._last_boundary = 0.0
+        self._step: Optional[_Step] = None
+        self._sampler: Optional[Sampler] = None
+        self._autocast_seen: Optional[tuple] = None
+        self._optimizer_meta_done: set[int] = set()
+        self._own_optimizer: dict[int, bool] = {}
+        self._warned: set[str] = set()
+        self._device: Optional[torch.device] = None
+        self.forensics = None
+        self.replays = 0
+        self.active = False
+        self.closed = False
+        self.faulted = False
+        self.steps = 0
+
+    # ---------------------------------------------------------------------------------------
+    # lifecycle
+
+    def start(self) -> "Recorder":
+        global _ACTIVE
+        if _ACTIVE is not None and not _ACTIVE.closed:
+            raise AmpDoctorError(
+                f"ampdoctor is already recording into {_ACTIVE.path}; close that recorder first")
+        self._writer = store.Writer(self.path, rank=self.rank, world_size=self.world_size,
+                                    argv=self._argv)
+        _ACTIVE = self
+        self.active = True
+        self._write_start_meta()
+        patches.patch_scaler(self._patches, self)
+        patches.patch_backward(self._patches, self)
+        patches.patch_clip(self._patches, self)
+        patches.hook_optimizers(self._patches, self)
+        if self.roots:
+            self._adopt_roots(self.roots)
+        else:
+            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post")
+        if self.scaler is not None:
+            self._adopt_scaler(self.scaler)
+        if self.forensics_on:
+            from .forensics import Forensics
+
+            self.forensics = Forensics(self)
+        now = time.perf_counter()
+        self._last_flush = self._last_boundary = now
+        self._begin_step(0)
+        self._writer.flush()
+        return self
+
+    def close(self, status: str = schema.STATUS_FINISHED) -> None:
+        """Stop recording, put back every hook and patch, and finish the file. Idempotent."""
+        global _ACTIVE
+        if self.closed:
+            return
+        self.closed = True
+        self.active = False
+        self._detach()
+        if _ACTIVE is self:
+            _ACTIVE = None
+        if self._writer is not None and not self._writer.closed:
+            try:
+                self._drain()
+                self._writer.close(status)
+            except Exception as exc:  # noqa: BLE001
+                self._writer.abandon()
+                self._warn_once("close", f"could not finish {self.path}: {exc}")
+                if self.strict:
+                    raise RecorderFault(str(exc)) from exc
+
+    def _detach(self) -> None:
+        for handles in (self._sample_hooks, self._root_hooks, self._discovery, self._patches):
+            handles.remove()
+        if self._sampler is not None:
+            self._sampler.active = False
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.record_exception(exc_type, exc)
+            self.close(schema.STATUS_EXCEPTION + exc_type.__name__)
+
+    def record_exception(self, exc_type: Any, exc: Any) -> None:
+        if self._writer is not None and not self._writer.closed:
+            self._event(Event.EXCEPTION, text=f"{exc_type.__name__}: {exc}"[:2000])
+
+    def flush(self) -> None:
+        """Write everything recorded so far to the file (the training loop may go on)."""
+        if self.active and self._writer is not None:
+            try:
+                self._drain()
+            except Exception as exc:  # noqa: BLE001
+                self.fault(exc, "flush")
+
+    def diagnose(self, **options: Any):
+        """Diagnose what was recorded so far (same result as ``ampdoctor diagnose <path>``)."""
+        from .analyze import diagnose
+
+        if not self.closed:
+            self.flush()
+        return diagnose(self.path, **options)
+
+    # ---------------------------------------------------------------------------------------
+    # fault handling: a debugger must never break the training run it watches
+
+    def fault(self, exc: BaseException, where: str) -> None:
+        if self.strict:
+            raise RecorderFault(f"{where}: {type(exc).__name__}: {exc}") from exc
+        if self.faulted:
+            return
+        self.faulted = True
+        self._warn_once("fault", f"internal error in {where} ({type(exc).__name__}: {exc}); "
+                                 f"recording stopped at step {self.steps}, training continues, "
+                                 f"{self.path} keeps what was recorded before")
+        self._detach()
+        self.active = False
+        if self._writer is not None and not self._writer.closed:
+            try:
+                self._event(Event.RECORDER_ERROR, text=f"{where}: {type(exc).__name__}: {exc}")
+                self._writer.flush()
+            except Exception:  # noqa: BLE001 - the file itself may be what failed
+                self._writer.abandon()
+
+    def warn_tensor(self, what: str, exc: BaseException) -> None:
+        """A tensor that could not be measured: skipped, reported once."""
+        if self.strict:
+            raise RecorderFault(f"{what}: {exc}") from exc
+        self._warn_once(what, f"could not measure {what} ({type(exc).__name__}: {exc}); "
+                              "it is left out of the sampled statistics")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"ampdoctor: {message}", RuntimeWarning, stacklevel=3)
+
+    # ---------------------------------------------------------------------------------------
+    # discovery of roots, optimizers, scaler
+
+    def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._depth == 0 and module not in self._candidates:
+            self._candidates.append(module)
+        self._depth += 1
+
+    def discover_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _finish_discovery(self) -> None:
+        if self.roots or not self._candidates:
+            return
+        trained = {id(p) for opt in self.optimizers for g in opt.param_groups
+                   for p in g["params"]}
+        roots = [m for m in self._candidates
+                 if any(id(p) in trained for p in m.parameters())] if trained else []
+        if not roots:
+            roots = [m for m in self._candidates
+                     if any(p.requires_grad for p in m.parameters())]
+        self._discovery.remove()
+        self._candidates.clear()
+        if roots:
+            self._adopt_roots(roots)
+
+    def _adopt_roots(self, roots: list[torch.nn.Module]) -> None:
+        self.roots = roots
+        self.names.clear()
+        self.param_names.clear()
+        prefixes = _root_prefixes(roots)
+        for root, prefix in zip(roots, prefixes):
+            inner = _unwrap(root)
+            self.names[root] = prefix.rstrip(".") or type(inner).__name__
+            for name, m in inner.named_modules():
+                if name:
+                    self.names[m] = prefix + name
+            for name, p in inner.named_parameters():
+                self.param_names[id(p)] = prefix + name
+            self._root_hooks.add(root.register_forward_pre_hook(
+                lambda m, a, k: patches.guard(self, "root_pre", m, a, k), with_kwargs=True))
+            self._root_hooks.add(root.register_forward_hook(
+                lambda m, a, o: patches.guard(self, "root_post", m, a, o)))
+        self._device = _first_device(roots)
+        self._meta("roots", [type(_unwrap(r)).__name__ for r in roots])
+        self._meta("model", _model_summary(roots))
+        self._meta("device", _device_info(self._device))
+
+    def _adopt_scaler(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self._meta("scaler", _scaler_info(scaler))
+
+    def on_scaler_init(self, scaler: Any) -> None:
+        self._event(Event.SCALER_CREATED, value=float(getattr(scaler, "_init_scale", math.nan)))
+        if not self._given["scaler"] and self.scaler is not None and scaler is not self.scaler:
+            self.scaler = None  # a re-created scaler replaces the old one once it scales a loss
+
+    def _owns(self, optimizer: Any) -> bool:
+        """Is this an optimizer of the watched model?"""
+        if self.optimizers and any(optimizer is o for o in self.optimizers):
+            return True
+        if self._given["optimizer"]:
+            return False
+        known = self._own_optimizer.get(id(optimizer))
+        if known is None:
+            if self.roots and self.param_names:
+                known = any(id(p) in self.param_names for g in optimizer.param_groups
+                            for p in g["params"])
+            else:
+                known = True
+            self._own_optimizer[id(optimizer)] = known
+            if known:
+                self.optimizers.append(optimizer)
+        return known
+
+    def _uses_scaler(self, scaler: Any) -> bool:
+        if self.scaler is None and not self._given["scaler"] and _enabled(scaler):
+            self._adopt_scaler(scaler)
+        return scaler is self.scaler
+
+    # ---------------------------------------------------------------------------------------
+    # root module: autocast state, the batch (forensics, input audit)
+
+    def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._note_autocast()
+        if self._step.sampled and self._sampler is not None:
+            self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
+        if self.forensics is not None and self.replays < self.max_replays:
+            self.forensics.capture_inputs(module, args, kwargs)
+
+    def root_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.forensics is not None and self.replays < self.max_replays:
+            self.forensics.capture_output(module, output)
+
+    def _note_autocast(self) -> None:
+        dev = self._device.type if self._device is not None else "cpu"
+        state = _autocast_state(dev)
+        if state != self._autocast_seen:
+            self._autocast_seen = state
+            self._meta("autocast", {"device_type": dev, "enabled": state[0],
+                                    "dtype": state[1] if state[0] else None},
+                       step=self._step.index)
+
+    # ---------------------------------------------------------------------------------------
+    # loss and backward
+
+    def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
+        if not self._uses_scaler(scaler) or not _enabled(scaler):
+            return
+        self._step.scaled = True
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            self._add_loss(outputs)
+            self._step.keep.append(out)
+
+    def before_backward(self, tensors: Any) -> None:
+        st = self._step
+        st.micro += 1
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+                if not any(t is k for k in st.keep):
+                    self._add_loss(t)
+                break
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        st = self._step
+        value = loss.detach().reshape(()).float()
+        st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
+        st.loss_n += 1
+        if not st.loss_dtype:
+            st.loss_dtype = stats.dtype_code(loss.dtype)
+
+    # ---------------------------------------------------------------------------------------
+    # gradients: the moment they are complete (before unscale_, clip or step)
+
+    def _trained_params(self, fallback: Optional[list] = None) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        groups = [g["params"] for o in self.optimizers for g in o.param_groups]
+        if not groups and fallback is not None:
+            groups = [fallback]
+        for params in groups:
+            for p in params:
+                if id(p) not in seen and isinstance(p, torch.Tensor):
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _grads_ready(self, fallback: Optional[list] = None) -> None:
+        st = self._step
+        if st.grads_ready:
+            return
+        st.grads_ready = True
+        params = self._trained_params(fallback)
+        grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
+        if grads:
+            norm = _global_norm(grads)
+            if st.scaled and not st.unscaled and self.scaler is not None:
+                scale = self.scaler._scale
+                if scale is not None:
+                    norm = norm / scale.to(norm.device).reshape(())
+            st.grad_norm = norm
+        if st.sampled and self._sampler is not None:
+            named = [(self._param_name(p), p) for p in params]
+            self._sampler.on_grads_ready(named)
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        name = self.param_names.get(id(p))
+        if name is None:
+            name = self.param_names[id(p)] = f"param{len(self.param_names)}"
+        return name
+
+    def before_unscale(self, scaler: Any, optimizer: Any) -> None:
+        if self._uses_scaler(scaler):
+            self._owns(optimizer)
+            self._grads_ready()
+
+    def after_unscale(self, scaler: Any, optimizer: Any) -> None:
+        if self._uses_scaler(scaler):
+            self._step.unscaled = True
+
+    def before_clip(self, parameters: Any) -> None:
+        st = self._step
+        if st.scaled and not st.unscaled and _enabled(self.scaler):
+            if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step
+                self._event(Event.CLIP_BEFORE_UNSCALE)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        self._grads_ready(fallback=params)
+
+    def after_clip(self, total_norm: Any) -> None:
+        if isinstance(total_norm, torch.Tensor):
+            self._step.clip_norm = total_norm.detach().float().reshape(())
+
+    # ---------------------------------------------------------------------------------------
+    # optimizer and scaler steps
+
+    def enter_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        if self._uses_scaler(scaler):
+            self._owns(optimizer)
+            self._step.in_scaler_step = True
+            self._grads_ready()
+
+    def exit_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        if scaler is self.scaler:
+            self._step.in_scaler_step = False
+
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        if not self._owns(optimizer):
+            return
+        st = self._step
+        if st.scaled and not st.in_scaler_step:
+            st.flags |= flag(Event.STEP_BYPASSES_SCALER)
+            self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
+        self._grads_ready()
+        if not st.scaled and self._primary(optimizer):
+            self._check_before_step()
+        if st.sampled and self._sampler is not None:
+            self._sampler.before_step([(self._param_name(p), p)
+                                       for p in self._trained_params()])
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        if not self._owns(optimizer):
+            return
+        st = self._step
+        st.stepped = True
+        if id(optimizer) not in self._optimizer_meta_done:
+            self._optimizer_meta_done.add(id(optimizer))
+            self._meta("optimizer", _optimizer_info(self.optimizers))
+        if not st.scaled and self._primary(optimizer):
+            if st.sampled and self._sampler is not None:
+                self._sampler.after_step()
+            self._end_step()
+        elif st.sampled and self._sampler is not None:
+            self._sampler.after_step()
+
+    def _primary(self, optimizer: Any) -> bool:
+        return bool(self.optimizers) and optimizer is self.optimizers[0]
+
+    def before_update(self, scaler: Any) -> None:
+        if not self._uses_scaler(scaler) or not _enabled(scaler):
+            return
+        st = self._step
+        if scaler._scale is not None:
+            st.scale = scaler._scale.detach().reshape(()).clone()
+        found = [v for s in scaler._per_optimizer_states.values()
+                 for v in s["found_inf_per_device"].values()]
+        if found:
+            dev = found[0].device
+            st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
+        if self.forensics is not None and self.replays < self.max_replays:
+            # The one sync of this step; GradScaler.step has just synced on the same values.
+            bad = st.found_inf is not None and bool(st.found_inf.item() > 0)
+            if bad:
+                self._trigger(Event.SKIPPED)
+
+    def after_update(self, scaler: Any) -> None:
+        if scaler is not self.scaler or not _enabled(scaler) or not self._step.scaled:
+            return
+        if scaler._scale is not None:
+            self._step.scale_after = scaler._scale.detach().reshape(()).clone()
+        self._end_step()
+
+    def _check_before_step(self) -> None:
+        """Without a scaler: is this step about to apply non-finite values? (one sync)"""
+        if self.forensics is None or self.replays >= self.max_replays:
+            return
+        st = self._step
+        checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
+        if not checks:
+            return
+        dev = checks[0].device
+        ok = bool(torch.stack([torch.isfinite(v.to(dev)) for v in checks]).all().item())
+        if not ok:
+            self._trigger(Event.NONFINITE_LOSS if st.loss_sum is not None and not bool(
+                torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
+
+    def _trigger(self, why: Event) -> None:
+        """Parameters are still those that failed: replay the step (tier 3)."""
+        self.replays += 1
+        self._step.flags |= flag(Event.FORENSICS)
+        snapshot = self.forensics.replay(self._step, why)
+        if snapshot is not None:
+            self._event(Event.FORENSICS, value=float(snapshot))
+            self._flush_now = True
+
+    # ---------------------------------------------------------------------------------------
+    # step boundaries
+
+    def _begin_step(self, index: int) -> None:
+        sampled = (self.every > 0 and index % self.every == 0 and bool(self.roots))
+        self._step = _Step(index=index, t0=time.time(), sampled=sampled)
+        if self.forensics is not None:
+            self.forensics.begin_step()
+        if sampled:
+            if self._sampler is None:
+                self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
+                                        sample=self.sample)
+            self._sampler.active = True
+            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+        self._flush_now = False
+
+    def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._sampler.on_forward(module, output)
+
+    def _end_step(self) -> None:
+        st = self._step
+        if not self.roots:
+            self._finish_discovery()
+        now = time.perf_counter()
+        dt = now - self._last_boundary
+        self._last_boundary = now
+        row = schema.empty("steps", 1)
+        row["step"] = st.index
+        row["time"] = time.time()
+        row["dt"] = dt
+        row["loss_dtype"] = st.loss_dtype
+        row["micro"] = st.micro
+        row["sampled"] = int(st.sampled)
+        row["flags"] = st.flags
+        row["peak_mem"] = _peak_memory(self._device)
+        row["skipped"] = 0 if st.stepped or st.scaled else 1
+        lrs = self._write_groups(st.index)
+        row["lr"] = max(lrs) if lrs else math.nan
+        self._pending.append((row, _device_values(st)))
+        if st.sampled and self._sampler is not None:
+            self._sample_hooks.remove()
+            self._sampler.active = False
+            self._sample_rows(st.index)
+        self._after_step_audit()
+        self.steps = st.index + 1
+        if self._flush_now or now - self._last_flush >= self.flush_seconds:
+            self._drain()
+        self._begin_step(st.index + 1)
+
+    def _after_step_audit(self) -> None:
+        if self.forensics is not None:
+            self.forensics.end_step(self._step)
+
+    def _sample_rows(self, step: int) -> None:
+        buffers = [(f"{self.names[m]}.{n}", b) for m in list(self.names)
+                   for n, b in m.named_buffers(recurse=False)]
+        self._sampler.on_buffers(buffers)
+        rows = self._sampler.finish(step)
+        self._writer.append("stats", rows)
+
+    def _write_groups(self, step: int) -> list[float]:
+        lrs = []
+        rows = []
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                lr = g.get("lr", math.nan)
+                lr = float(lr) if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu" \
+                    else math.nan
+                lrs.append(lr)
+                wd = g.get("weight_decay", math.nan)
+                rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))
+                             else math.nan))
+        if rows:
+            self._writer.append("groups", np.array(rows, schema.GROUPS))
+        return lrs
+
+    def _drain(self) -> None:
+        """Fetch the pending steps' device values (the documented sync) and flush the file."""
+        if self._pending:
+            rows = np.concatenate([r for r, _ in self._pending])
+            values = _fetch([v for _, v in self._pending])
+            rows["loss"] = values[:, 0]
+            rows["scale"] = values[:, 1]
+            rows["scale_after"] = values[:, 2]
+            found = values[:, 3]
+            rows["found_inf"] = np.where(np.isnan(found), -1, found > 0)
+            rows["grad_norm"] = values[:, 4]
+            rows["clip_norm"] = values[:, 5]
+            with np.errstate(invalid="ignore"):
+                by_scale = rows["scale_after"] < rows["scale"]
+            skipped = np.where(rows["found_inf"] >= 0, rows["found_inf"] == 1, by_scale)
+            scaled = ~np.isnan(rows["scale"])
+            rows["skipped"] = np.where(scaled, skipped, rows["skipped"])
+            rows["flags"] |= (np.where(rows["skipped"] == 1, flag(Event.SKIPPED), 0)
+                              | np.where(values[:, 6] > 0, flag(Event.NONFINITE_LOSS), 0)
+                              | np.where(values[:, 7] > 0, flag(Event.NONFINITE_GRAD), 0)
+                              ).astype(np.int32)
+            self._writer.append("steps", rows)
+            self._pending.clear()
+        self._writer.flush()
+        self._last_flush = time.perf_counter()
+
+    # ---------------------------------------------------------------------------------------
+    # the file
+
+    def _tensor_id(self, kind: Kind, name: str, index: int, t: Any, owner_type: str) -> int:
+        key = (int(kind), name, index)
+        tid = self._tensor_ids.get(key)
+        if tid is None:
+            tid = self._tensor_ids[key] = len(self._tensor_ids)
+            row = schema.empty("tensors", 1)
+            row["id"] = tid
+            row["kind"] = int(kind)
+            row["index"] = index
+            if isinstance(t, torch.Tensor):
+                row["dtype"] = stats.dtype_code(t.dtype)
+                row["numel"] = t.numel()
+            row["name_off"], row["name_len"] = self._writer.text(name)
+            row["type_off"], row["type_len"] = self._writer.text(owner_type)
+            self._writer.append("tensors", row)
+        return tid
+
+    def _event(self, kind: Event, *, tensor: int = -1, value: float = math.nan,
+               text: str = "") -> None:
+        row = schema.empty("events", 1)
+        row["step"] = self._step.index if self._step is not None else 0
+        row["kind"] = int(kind)
+        row["tensor"] = tensor
+        row["value"] = value
+        if text:
+            row["text_off"], row["text_len"] = self._writer.text(text)
+        self._writer.append("events", row)
+        if self._step is not None:
+            self._step.flags |= flag(kind)
+
+    def _meta(self, key: str, value: Any, step: int = -1) -> None:
+        self._writer.meta(key, value, step)
+
+    def _write_start_meta(self) -> None:
+        self._meta("status", schema.STATUS_RUNNING)
+        self._meta("recorder", {"every": self.every, "sample": self.sample,
+                                "forensics": self.forensics_on, "max_replays": self.max_replays,
+                                "flush_seconds": self.flush_seconds, "version": __version__,
+                                "given": self._given})
+        self._meta("torch", {"version": torch.__version__,
+                             "cuda": getattr(torch.version, "cuda", None),
+                             "threads": torch.get_num_threads()})
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (no state)
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
+    for _ in range(4):
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+    return module
+
+
+def _root_prefixes(roots: list[torch.nn.Module]) -> list[str]:
+    if len(roots) == 1:
+        return [""]
+    names = [type(_unwrap(r)).__name__ for r in roots]
+    return [f"{n}{i}." if names.count(n) > 1 else f"{n}." for i, n in enumerate(names)]
+
+
+def _first_device(roots: list[torch.nn.Module]) -> torch.device:
+    for root in roots:
+        for p in root.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _enabled(scaler: Any) -> bool:
+    return scaler is not None and bool(getattr(scaler, "_enabled", True))
+
+
+def _autocast_state(device_type: str) -> tuple:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return bool(enabled), str(dtype).replace("torch.", "")
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    parts = []
+    dev = grads[0].device
+    for members in groups.values():
+        norms = torch._foreach_norm(members, 2.0, dtype=torch.float32)
+        parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
+    return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
+
+
+_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
+           "loss_bad", "grad_bad")
+
+
+def _device_values(st: _Step) -> torch.Tensor:
+    """The step's device scalars stacked into one tensor (no sync); order as in _VALUES."""
+    loss = st.loss_sum / st.loss_n if st.loss_sum is not None else None
+    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
+    dev = next((v.device for v in values if v is not None), torch.device("cpu"))
+    nan = torch.full((), math.nan, device=dev)
+    zero = torch.zeros((), device=dev)
+    values = [nan if v is None else v.to(dev).float().reshape(()) for v in values]
+    # Absent values are NaN too, so non-finiteness is decided here, where presence is known.
+    values.append(zero if loss is None else (~torch.isfinite(values[0])).float())
+    values.append(zero if st.grad_norm is None else (~torch.isfinite(values[4])).float())
+    return torch.stack(values)
+
+
+def _fetch(values: list[torch.Tensor]) -> np.ndarray:
+    """Device values of many steps in one host copy per device (the sync point)."""
+    out = np.full((len(values), len(_VALUES)), np.nan)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        by_dev.setdefault(v.device, []).append(i)
+    for idx in by_dev.values():
+        out[idx] = torch.stack([values[i] for i in idx]).double().cpu().numpy()
+    return out
+
+
+def _peak_memory(device: Optional[torch.device]) -> int:
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "name": device.type}
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        info["name"] = torch.cuda.get_device_name(idx)
+        info["capability"] = list(torch.cuda.get_device_capability(idx))
+        info["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
+    else:
+        import platform
+
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def _scaler_info(scaler: Any) -> dict:
+    return {"class": type(scaler).__name__, "enabled": _enabled(scaler),
+            "init_scale": getattr(scaler, "_init_scale", None),
+            "growth_factor": getattr(scaler, "_growth_factor", None),
+            "backoff_factor": getattr(scaler, "_backoff_factor", None),
+            "growth_interval": getattr(scaler, "_growth_interval", None),
+            "device": str(getattr(scaler, "_device", ""))}
+
+
+def _model_summary(roots: list[torch.nn.Module]) -> dict:
+    dtypes: dict[str, int] = {}
+    trainable = 0
+    modules = 0
+    for root in roots:
+        modules += sum(1 for _ in root.modules())
+        for p in root.parameters():
+            key = str(p.dtype).replace("torch.", "")
+            dtypes[key] = dtypes.get(key, 0) + p.numel()
+            trainable += p.numel() if p.requires_grad else 0
+    return {"param_dtypes": dtypes, "trainable": trainable, "modules": modules}
+
+
+_HYPER = ("lr", "eps", "betas", "weight_decay", "momentum", "amsgrad", "fused", "foreach",
+          "capturable", "nesterov")
+
+
+def _optimizer_info(optimizers: Iterable[Any]) -> list[dict]:
+    out = []
+    for opt in optimizers:
+        hyper = {k: _plain(opt.defaults[k]) for k in _HYPER if k in opt.defaults}
+        state_dtypes: dict[str, str] = {}
+        param_dtypes: dict[str, int] = {}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                key = str(p.dtype).replace("torch.", "")
+                param_dtypes[key] = param_dtypes.get(key, 0) + p.numel()
+                for name, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        state_dtypes[name] = str(value.dtype).replace("torch.", "")
+        out.append({"class": type(opt).__name__, "hyper": hyper, "groups": len(opt.param_groups),
+                    "param_dtypes": param_dtypes, "state_dtypes": state_dtypes})
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 and value.device.type == "cpu" else None
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
+
+
+def active() -> Optional[Recorder]:
+    """The recorder currently recording in this process, if any."""
+    return _ACTIVE

@@ -1,0 +1,204 @@
+"""The sampled tier: full per-module and per-parameter statistics on one step in N.
+
+On a sampled step a global forward hook sees every module of the watched model; each floating
+output goes into a ``stats.Collector`` (device work, no sync), and a tensor hook on it catches
+the gradient arriving there in backward. Tensor hooks on outputs, rather than full backward
+hooks, keep in-place modules such as ``ReLU(inplace=True)`` working (pytorch#61519).
+
+Containers (``nn.Sequential``, a block returning its last child's tensor) hand on a tensor a
+child already produced: the (object, version) pair recognises it and it is not measured twice.
+At the step's end ``finish`` drains the collector once and returns ``schema.STATS`` rows.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from . import schema, stats
+from .schema import Kind, Source
+
+MAX_DEPTH = 4  # nesting of tuples/lists/dicts searched for tensors in a module output
+
+
+def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside a module output: tuples, lists, dict values (HF ModelOutput) — never
+    generators or other iterables, which iterating would consume."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < MAX_DEPTH and isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item, depth + 1)
+    elif depth < MAX_DEPTH and isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item, depth + 1)
+
+
+class Sampler:
+    """Statistics of one step: module outputs, their gradients, parameters, buffers, inputs.
+
+    ``tensor_id(kind, name, index, t)`` comes from the recorder, which owns the /tensors table.
+    ``warn(what)`` reports a tensor that could not be measured (once per name).
+    """
+
+    def __init__(self, names: dict[torch.nn.Module, str], tensor_id: Callable[..., int],
+                 warn: Callable[[str, BaseException], None], sample: int = stats.SAMPLE):
+        self.names = names
+        self.tensor_id = tensor_id
+        self.warn = warn
+        self.sample = sample
+        self.collector = stats.Collector(sample=sample)
+        self._rows: list[tuple[int, int, int]] = []  # per collector slot: tensor id, call, seq
+        self._seen: dict[tuple[int, int], torch.Tensor] = {}
+        self._calls: dict[int, int] = {}
+        self._seq: collections.Counter = collections.Counter()
+        self.active = False
+        self._params: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._param_rows: Optional[np.ndarray] = None
+        self._after: dict[int, torch.Tensor] = {}
+
+    # -- forward and backward ---------------------------------------------------------------
+
+    def on_forward(self, module: torch.nn.Module, output: Any) -> None:
+        name = self.names.get(module)
+        if name is None:
+            return
+        call = self._calls.get(id(module), 0)
+        self._calls[id(module)] = call + 1
+        for index, t in enumerate(tensors_in(output)):
+            key = (id(t), t._version)
+            if key in self._seen:  # a container handing on its child's tensor
+                continue
+            self._seen[key] = t
+            try:
+                self._measure(t, Kind.OUTPUT, name, index, call, type(module).__name__)
+            except Exception as exc:  # noqa: BLE001 - one odd output must not stop the rest
+                self.warn(f"output {index} of {name} ({type(t).__name__})", exc)
+
+    def _measure(self, t: torch.Tensor, kind: Kind, name: str, index: int, call: int,
+                 owner_type: str) -> None:
+        slot = self.collector.add(t)
+        if slot is None:
+            return
+        tid = self.tensor_id(kind, name, index, t, owner_type)
+        self._rows.append((tid, call, self._seq[kind]))
+        self._seq[kind] += 1
+        if kind == Kind.OUTPUT and t.requires_grad and t.grad_fn is not None:
+            gid = self.tensor_id(Kind.GRAD_OUTPUT, name, index, t, owner_type)
+            t.register_hook(lambda grad, gid=gid, call=call: self._on_grad(gid, call, grad))
+
+    def _on_grad(self, gid: int, call: int, grad: torch.Tensor) -> None:
+        if not self.active:  # backward of a sampled forward that ran after the step ended
+            return None
+        try:
+            if self.collector.add(grad) is not None:
+                self._rows.append((gid, call, self._seq[Kind.GRAD_OUTPUT]))
+                self._seq[Kind.GRAD_OUTPUT] += 1
+        except Exception as exc:  # noqa: BLE001
+            self.warn(f"gradient of tensor {gid}", exc)
+        return None
+
+    def on_inputs(self, root_name: str, args: tuple, kwargs: dict) -> None:
+        """The batch given to the root module (input audit)."""
+        items = [(f"args.{i}", a) for i, a in enumerate(args)]
+        items += [(f"kwargs.{k}", v) for k, v in kwargs.items()]
+        for label, value in items:
+            for index, t in enumerate(tensors_in(value)):
+                if stats.measurable(t):
+                    name = f"{root_name}:{label}" if root_name else label
+                    self._measure(t.detach(), Kind.INPUT, name, index, 0, "input")
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def on_grads_ready(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Gradients as they stand before unscale_/clip/step (scaled space under a scaler)."""
+        for name, p in params:
+            if p.grad is not None and stats.measurable(p.grad):
+                self._measure(p.grad, Kind.PARAM_GRAD, name, 0, 0, "param")
+
+    def before_step(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Norms and a fixed sample of each parameter and its grad, to compare after the step."""
+        if self._params or not params:
+            return
+        with torch.no_grad():
+            for name, p in params:
+                if p.grad is None or not stats.measurable(p):
+                    continue
+                idx = stats.sample_index(p.numel(), self.sample, p.device)
+                w0 = torch.take(p.detach(), idx).float()
+                g0 = torch.take(p.grad.detach(), idx).float()
+                tid = self.tensor_id(Kind.PARAM, name, 0, p, "param")
+                self._params.append((tid, p, idx, w0, g0))
+            groups: dict[tuple, list[int]] = {}
+            for i, (_, p, _, _, _) in enumerate(self._params):
+                groups.setdefault((p.device, p.dtype), []).append(i)
+            self._norms = [None] * len(self._params)
+            for members in groups.values():
+                norms = torch._foreach_norm([self._params[i][1].detach() for i in members], 2.0,
+                                            dtype=torch.float32)
+                for i, n in zip(members, norms):
+                    self._norms[i] = n
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for tid, p, idx, _, _ in self._params:
+                self._after[tid] = torch.take(p.detach(), idx).float()
+
+    def _param_table(self) -> np.ndarray:
+        rows = schema.empty("stats", len(self._params))
+        if not self._params:
+            return rows
+        norms = torch.stack([n.to(self._norms[0].device) for n in self._norms]).double().cpu()
+        rows["tensor"] = [tid for tid, *_ in self._params]
+        rows["norm"] = norms.numpy()
+        rows["numel"] = [p.numel() for _, p, *_ in self._params]
+        rows["dtype"] = [stats.dtype_code(p.dtype) for _, p, *_ in self._params]
+        rows["sample_n"] = [idx.numel() for _, _, idx, _, _ in self._params]
+        if self._after:
+            update, unchanged = [], []
+            for tid, _, _, w0, g0 in self._params:
+                w1 = self._after.get(tid)
+                if w1 is None:
+                    update.append(torch.tensor(float("nan")))
+                    unchanged.append(torch.tensor(float("nan")))
+                    continue
+                d = (w1 - w0).double()
+                update.append(d.norm() / w0.double().norm().clamp_min(1e-300))
+                moved_grad = g0 != 0
+                same = (w1 == w0) & moved_grad
+                unchanged.append(same.sum().double() / moved_grad.sum().double().clamp_min(1))
+            rows["update"] = torch.stack([u.cpu() for u in update]).numpy()
+            rows["unchanged"] = torch.stack([u.cpu() for u in unchanged]).numpy()
+        rows["seq"] = np.arange(len(rows))
+        return rows
+
+    # -- buffers and the end of the step ----------------------------------------------------
+
+    def on_buffers(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
+        for name, b in buffers:
+            if stats.measurable(b):
+                self._measure(b, Kind.BUFFER, name, 0, 0, "buffer")
+
+    def finish(self, step: int) -> np.ndarray:
+        """Every row of this step (one host sync per device); resets for the next sample."""
+        rows = self.collector.drain()
+        if len(rows):
+            meta = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
+            rows["tensor"], rows["call"], rows["seq"] = meta[:, 0], meta[:, 1], meta[:, 2]
+        rows = np.concatenate([rows, self._param_table()])
+        rows["step"] = step
+        rows["source"] = int(Source.SAMPLED)
+        self.reset()
+        return rows
+
+    def reset(self) -> None:
+        self.collector.reset()
+        self._rows.clear()
+        self._seen.clear()
+        self._calls.clear()
+        self._seq = collections.Counter()
+        self._params = []
+        self._after = {}

@@ -1,0 +1,74 @@
+"""The CLI veneer: help for every command, README coverage, exit codes, renderings."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ampdoctor
+from ampdoctor import cli
+
+from conftest import PYTHON, ROOT, python_env
+from helpers import fresh, train
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli") / "run.h5")
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=path, every=2):
+        train(model, opt, scaler, steps=6, bad_step=3)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(cli.cli.commands))
+def test_every_command_has_help_and_is_in_the_readme(name):
+    command = cli.cli.commands[name]
+    assert command.help and len(command.help) > 20
+    result = CliRunner().invoke(cli.cli, [name, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"ampdoctor {name}" in readme
+
+
+def test_diagnose_text_json_markdown(recorded):
+    assert cli.main(["diagnose", recorded]) == 0
+    runner = CliRunner()
+    out = runner.invoke(cli.cli, ["diagnose", recorded, "--format", "json"])
+    data = json.loads(out.output)
+    assert set(data) >= {"verdict", "confidence", "first_bad", "causes", "evidence", "fixes",
+                         "run"}
+    assert data["first_bad"]["step"] == 3
+    md = runner.invoke(cli.cli, ["diagnose", recorded, "--format", "markdown"]).output
+    assert md.startswith("## ampdoctor:")
+
+
+def test_fail_on_unhealthy(recorded):
+    assert cli.main(["diagnose", recorded, "--fail-on", "unhealthy"]) == 1
+    assert cli.main(["diagnose", recorded]) == 0
+
+
+def test_dump(recorded, capsys):
+    assert cli.main(["dump", recorded]) == 0
+    out = capsys.readouterr().out
+    assert "format version 1" in out and "steps" in out and "stats" in out
+
+
+@pytest.mark.parametrize("args", [["diagnose", "/nonexistent/run.h5"], ["dump", "/"],
+                                  ["diagnose", "--format", "xml", "x"]])
+def test_bad_input_is_one_line_and_exit_2(args):
+    proc = subprocess.run([PYTHON, "-m", "ampdoctor", *args], env=python_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip()
+
+
+def test_version():
+    proc = subprocess.run([PYTHON, "-m", "ampdoctor", "--version"], env=python_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and ampdoctor.__version__ in proc.stdout

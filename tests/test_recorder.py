@@ -1,0 +1,290 @@
+"""watch(): what is recorded, that it matches what the loop saw, and that it changes nothing."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor import patches, schema
+from ampdoctor.schema import Event, Kind, Source, flag
+
+from helpers import TinyNet, fresh, train
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bit_identical(a, b):
+    """Same bits, NaN payloads included (torch.equal says NaN != NaN)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,use_scaler", [(torch.float16, True), (torch.bfloat16, False)])
+def test_observer_effect_is_zero(run_path, dtype, use_scaler):
+    def run(record):
+        model, opt = fresh()
+        scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+        ctx = ampdoctor.watch(model, opt, scaler, path=run_path, every=1, strict=True) \
+            if record else None
+        losses = train(model, opt, scaler, steps=8, dtype=dtype, clip=1.0, recorder_ctx=ctx,
+                       bad_step=4)
+        return losses, weights(model), (scaler.get_scale() if scaler else None)
+
+    plain = run(False)
+    recorded = run(True)
+    np.testing.assert_array_equal(np.array(plain[0]), np.array(recorded[0]))
+    assert_bit_identical(plain[1], recorded[1])
+    assert plain[2] == recorded[2]
+
+
+def test_readback_matches_the_loop(run_path):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    seen_scales, seen_losses = [], []
+    with ampdoctor.watch(model, opt, scaler, path=run_path, every=2, strict=True):
+        for i, (x, y) in enumerate(__import__("helpers").batches(7)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            seen_losses.append(loss.item())
+            seen_scales.append(scaler.get_scale() if i else 2.0**16)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert run.status == "finished"
+    assert list(run.steps["step"]) == list(range(7))
+    np.testing.assert_allclose(run.steps["loss"], seen_losses, rtol=1e-6)
+    np.testing.assert_array_equal(run.steps["scale"], seen_scales)
+    # growth_interval=3: the scale doubles after every third clean step.
+    assert run.steps["scale_after"][2] == 2.0**17 and run.steps["scale_after"][5] == 2.0**18
+    assert run.steps["skipped"].sum() == 0
+    assert np.all(run.steps["lr"] == np.float32(1e-3))
+    assert np.all(run.steps["micro"] == 1)
+    assert list(run.steps["sampled"]) == [1, 0, 1, 0, 1, 0, 1]
+    assert run.meta["autocast"]["dtype"] == "float16"
+    assert run.meta["scaler"]["init_scale"] == 2.0**16
+    assert run.meta["optimizer"][0]["class"] == "AdamW"
+    assert run.meta["optimizer"][0]["hyper"]["eps"] == 1e-8
+    assert run.meta["optimizer"][0]["state_dtypes"]["exp_avg_sq"] == "float32"
+
+    stats = run.stats.read()
+    kinds = {int(i): int(k) for i, k in zip(run.tensors["id"], run.tensors["kind"])}
+    names = {int(i): n for i, n in zip(run.tensors["id"], run.tensors["name"])}
+    sampled = stats[stats["source"] == Source.SAMPLED]
+    assert set(sampled["step"]) == {0, 2, 4, 6}
+    step0 = sampled[sampled["step"] == 0]
+    outputs = [names[int(t)] for t in step0["tensor"] if kinds[int(t)] == Kind.OUTPUT]
+    # Execution order; the containers (block, the root) hand on a child's tensor and are
+    # not measured twice.
+    assert outputs == ["fc1", "act", "block.0", "block.1", "head"]
+    grads = [names[int(t)] for t in step0["tensor"] if kinds[int(t)] == Kind.GRAD_OUTPUT]
+    assert grads[0] == "head" and set(grads) == set(outputs)
+    params = {names[int(t)] for t in step0["tensor"] if kinds[int(t)] == Kind.PARAM_GRAD}
+    assert params == {n for n, _ in model.named_parameters()}
+    # Parameter grads are in scaled space: about 2**16 times the unscaled gradient norm.
+    grad_rows = step0[[kinds[int(t)] == Kind.PARAM_GRAD for t in step0["tensor"]]]
+    assert grad_rows["rms"].max() > 10
+    upd = step0[[kinds[int(t)] == Kind.PARAM for t in step0["tensor"]]]
+    assert len(upd) == len(list(model.parameters())) and np.all(upd["norm"] > 0)
+    assert np.all((upd["update"] > 1e-5) & (upd["update"] < 0.1))
+    assert np.all(upd["unchanged"] == 0)
+    inputs = [names[int(t)] for t in step0["tensor"] if kinds[int(t)] == Kind.INPUT]
+    assert inputs == ["TinyNet:args.0"]
+
+
+def test_gradient_accumulation_counts_micro_batches(run_path):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    rec = ampdoctor.watch(model, opt, scaler, path=run_path, every=0, strict=True)
+    losses = train(model, opt, scaler, steps=3, accum=4)
+    rec.close()
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 3
+    assert np.all(run.steps["micro"] == 4)
+    np.testing.assert_allclose(run.steps["loss"], np.array(losses).reshape(3, 4).mean(1),
+                               rtol=1e-6)
+
+
+def test_without_scaler_boundaries_come_from_the_optimizer(run_path):
+    model, opt = fresh()
+    with ampdoctor.watch(model, path=run_path, every=3, strict=True):  # optimizer discovered
+        train(model, opt, None, steps=5, dtype=torch.bfloat16, clip=0.5)
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 5
+    assert np.all(np.isnan(run.steps["scale"]))
+    assert np.all(run.steps["skipped"] == 0)
+    # grad_norm is measured before clipping, and equals what clip_grad_norm_ returned.
+    np.testing.assert_allclose(run.steps["grad_norm"], run.steps["clip_norm"], rtol=1e-5)
+    assert run.meta["autocast"]["dtype"] == "bfloat16"
+    assert run.meta["optimizer"][0]["class"] == "AdamW"
+
+
+def test_skipped_step_and_nonfinite_flags(run_path):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, every=1, strict=True,
+                         forensics=False):
+        train(model, opt, scaler, steps=5, bad_step=2)
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["skipped"]) == [0, 0, 1, 0, 0]
+    assert run.steps["scale_after"][2] == run.steps["scale"][2] / 2
+    flags = run.steps["flags"]
+    assert flags[2] & flag(Event.SKIPPED) and flags[2] & flag(Event.NONFINITE_LOSS)
+    assert not flags[1] & flag(Event.SKIPPED)
+    d = ampdoctor.diagnose(run_path)
+    assert d.first_bad["step"] == 2
+
+
+def test_clip_before_unscale_is_an_event(run_path):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before unscale_
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    kinds = list(run.events["kind"])
+    assert kinds.count(Event.CLIP_BEFORE_UNSCALE) == 3
+    # What clip saw was the scaled norm: the scale times the true one.
+    ratio = run.steps["clip_norm"] / run.steps["grad_norm"]
+    np.testing.assert_allclose(ratio, run.steps["scale"], rtol=1e-3)
+    assert float(norm) > 1000
+
+
+def test_context_manager_puts_everything_back(run_path):
+    import torch.nn.modules.module as mm
+    import torch.optim.optimizer as oo
+
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    before = {
+        "scale": torch.amp.GradScaler.__dict__["scale"],
+        "update": torch.amp.GradScaler.__dict__["update"],
+        "backward": torch.autograd.backward,
+        "clip": torch.nn.utils.clip_grad_norm_,
+    }
+    n_fwd, n_pre = len(mm._global_forward_hooks), len(mm._global_forward_pre_hooks)
+    n_opt = len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks)
+    with ampdoctor.watch(model, opt, scaler, path=run_path, every=1, strict=True):
+        train(model, opt, scaler, steps=2)
+        assert torch.autograd.backward is not before["backward"]
+    after = {
+        "scale": torch.amp.GradScaler.__dict__["scale"],
+        "update": torch.amp.GradScaler.__dict__["update"],
+        "backward": torch.autograd.backward,
+        "clip": torch.nn.utils.clip_grad_norm_,
+    }
+    assert after == before
+    assert (len(mm._global_forward_hooks), len(mm._global_forward_pre_hooks)) == (n_fwd, n_pre)
+    assert (len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks)) == n_opt
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+
+
+def test_only_one_recorder_at_a_time(run_path, tmp_path):
+    model, opt = fresh()
+    with ampdoctor.watch(model, opt, path=run_path):
+        with pytest.raises(ampdoctor.AmpDoctorError, match="already recording"):
+            ampdoctor.watch(model, opt, path=str(tmp_path / "b.h5"))
+    rec = ampdoctor.watch(model, opt, path=str(tmp_path / "c.h5"))
+    rec.close()
+    rec.close()  # twice is harmless
+
+
+def test_exception_in_the_loop_is_recorded(run_path):
+    model, opt = fresh()
+    with pytest.raises(ZeroDivisionError):
+        with ampdoctor.watch(model, opt, path=run_path):
+            train(model, opt, None, steps=2, dtype=None)
+            1 / 0
+    run = ampdoctor.load(run_path)
+    assert run.status == "exception:ZeroDivisionError"
+    assert len(run.steps) == 2
+    assert Event.EXCEPTION in list(run.events["kind"])
+
+
+def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch):
+    model, opt = fresh()
+    ref_model, ref_opt = fresh()
+    ref_losses = train(ref_model, ref_opt, None, steps=4, dtype=torch.bfloat16)
+
+    from ampdoctor import recorder
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(recorder.Recorder, "_end_step", broken)
+    with pytest.warns(RuntimeWarning, match="recording stopped"):
+        with ampdoctor.watch(model, opt, path=run_path):
+            losses = train(model, opt, None, steps=4, dtype=torch.bfloat16)
+    assert losses == ref_losses
+    assert_bit_identical(weights(model), weights(ref_model))
+    run = ampdoctor.load(run_path)
+    assert Event.RECORDER_ERROR in list(run.events["kind"])
+
+
+def test_strict_mode_raises(run_path, monkeypatch):
+    from ampdoctor import recorder
+    from ampdoctor.errors import RecorderFault
+
+    monkeypatch.setattr(recorder.Recorder, "_end_step", lambda self: 1 / 0)
+    model, opt = fresh()
+    with pytest.raises(RecorderFault):
+        with ampdoctor.watch(model, opt, path=run_path, strict=True):
+            train(model, opt, None, steps=1, dtype=None)
+
+
+def test_exotic_module_outputs_are_skipped(run_path):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"y": y, "c": torch.ones(2, dtype=torch.complex64), "none": None,
+                    "gen": (i for i in range(3)), "sparse": torch.eye(3).to_sparse(),
+                    "ints": torch.arange(3)}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.odd = Odd()
+
+        def forward(self, x):
+            return self.odd(x)["y"].sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with ampdoctor.watch(net, opt, path=run_path, every=1, strict=True):
+        for _ in range(2):
+            net(torch.randn(3, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 2
+    names = set(run.tensors["name"])
+    assert "odd.lin" in names  # "odd" hands on odd.lin's tensor: measured once
+
+
+def test_record_peak_memory_and_time(run_path):
+    model, opt = fresh()
+    with ampdoctor.watch(model, opt, path=run_path, every=0):
+        train(model, opt, None, steps=3, dtype=None)
+    run = ampdoctor.load(run_path)
+    assert np.all(run.steps["peak_mem"] > 10 << 20)
+    assert np.all(run.steps["dt"] > 0)
+    assert np.all(np.diff(run.steps["time"]) >= 0)

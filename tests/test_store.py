@@ -1,0 +1,206 @@
+"""The run file: round trip, SWMR reading while written, and one clear sentence for bad files."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from ampdoctor import schema, store
+from ampdoctor.errors import FormatTooNewError, RunFileError
+
+from conftest import PYTHON, python_env
+
+
+def write_small(path, steps=5, close=True):
+    w = store.Writer(path, rank=1, world_size=2, argv=["train.py", "--lr", "3"])
+    rows = schema.empty("steps", steps)
+    rows["step"] = np.arange(steps)
+    rows["loss"] = np.linspace(2, 1, steps)
+    rows["scale"] = 2.0**16
+    w.append("steps", rows)
+    t = schema.empty("tensors", 1)
+    t["id"] = 0
+    t["kind"] = schema.Kind.OUTPUT
+    t["name_off"], t["name_len"] = w.text("blocks.3.attn")
+    t["type_off"], t["type_len"] = w.text("Attention")
+    w.append("tensors", t)
+    s = schema.empty("stats", 3)
+    s["step"] = [0, 0, 2]
+    s["tensor"] = 0
+    s["absmax"] = [1.0, 2.0, 70000.0]
+    w.append("stats", s)
+    w.meta("autocast", {"dtype": "float16", "enabled": True})
+    w.meta("status", "running")
+    if close:
+        w.close("finished")
+    else:
+        w.flush()
+    return w
+
+
+def test_round_trip(tmp_path):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    with store.load(path) as run:
+        assert run.status == "finished"
+        assert run.attrs["rank"] == 1 and run.attrs["world_size"] == 2
+        assert run.attrs["argv"] == ["train.py", "--lr", "3"]
+        assert run.attrs["format"] == schema.FORMAT_NAME
+        assert run.meta["autocast"]["dtype"] == "float16"
+        np.testing.assert_allclose(run.steps["loss"], np.linspace(2, 1, 5), rtol=1e-6)
+        assert run.tensor_name(0) == "blocks.3.attn"
+        assert run.tensors["type"][0] == "Attention"
+        assert len(run.stats) == 3
+        np.testing.assert_array_equal(run.stats.column("absmax"), [1.0, 2.0, 70000.0])
+        chunks = list(run.stats.chunks(size=2, names=("step", "absmax")))
+        assert [len(c) for c in chunks] == [2, 1]
+
+
+def test_every_table_exists_up_front_and_is_chunked_compressed(tmp_path):
+    path = str(tmp_path / "r.h5")
+    store.Writer(path).close()
+    with h5py.File(path, "r") as f:
+        for name, dtype in schema.TABLES.items():
+            assert f[name].dtype == dtype
+            assert f[name].chunks is not None and f[name].compression == "gzip"
+            assert f[name].maxshape == (None,)
+
+
+def test_killed_writer_leaves_a_readable_prefix(tmp_path):
+    path = str(tmp_path / "killed.h5")
+    code = textwrap.dedent(f"""
+        import os, signal, numpy as np
+        from ampdoctor import schema, store
+        w = store.Writer({path!r})
+        w.meta("status", "running")
+        for i in range(10):
+            rows = schema.empty("steps", 1); rows["step"] = i
+            w.append("steps", rows)
+            if i < 7:
+                w.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env())
+    assert proc.returncode == -9
+    with store.load(path) as run:
+        assert list(run.steps["step"]) == list(range(7))
+        assert run.status == "interrupted"
+
+
+def test_live_file_can_be_read_while_written(tmp_path):
+    path = str(tmp_path / "live.h5")
+    w = write_small(path, close=False)
+    with store.load(path) as run:
+        assert len(run.steps) == 5
+        assert run.status == "interrupted"  # still 'running' for a reader
+    rows = schema.empty("steps", 2)
+    rows["step"] = [5, 6]
+    w.append("steps", rows)
+    w.flush()
+    with store.load(path) as run:
+        assert len(run.steps) == 7
+    w.close("finished")
+
+
+def make_other_hdf5(path):
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(3)
+
+
+def make_newer(path):
+    write_small(path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = schema.FORMAT_VERSION + 1
+
+
+def make_missing_table(path):
+    write_small(path)
+    with h5py.File(path, "r+") as f:
+        del f["events"]
+
+
+def make_wrong_dtype(path):
+    write_small(path)
+    with h5py.File(path, "r+") as f:
+        del f["steps"]
+        f.create_dataset("steps", data=np.zeros(3, dtype=[("step", "<i8")]))
+
+
+def make_truncated(path):
+    write_small(path)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(size // 2)
+
+
+BAD = {
+    "missing": (lambda p: None, "no such file"),
+    "directory": (lambda p: os.mkdir(p), "is a directory"),
+    "empty": (lambda p: open(p, "wb").close(), "is empty"),
+    "random": (lambda p: open(p, "wb").write(os.urandom(4096)), "not HDF5"),
+    "other_hdf5": (make_other_hdf5, "not an ampdoctor run"),
+    "newer": (make_newer, "upgrade ampdoctor"),
+    "missing_table": (make_missing_table, "table /events is missing"),
+    "wrong_dtype": (make_wrong_dtype, "table /steps has unexpected columns"),
+    "truncated": (make_truncated, "truncated or damaged"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_files_get_one_sentence(tmp_path, case):
+    make, expected = BAD[case]
+    path = str(tmp_path / f"{case}.h5")
+    make(path)
+    with pytest.raises(RunFileError) as info:
+        store.load(path)
+    message = str(info.value)
+    assert expected in message and path in message
+    assert "\n" not in message
+    if case == "newer":
+        assert isinstance(info.value, FormatTooNewError)
+        assert f"format version {schema.FORMAT_VERSION + 1}" in message
+
+
+def test_inspect_shows_tables_and_meta(tmp_path):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    info = store.inspect(path)
+    assert info["tables"]["steps"]["rows"] == 5
+    assert info["tables"]["stats"]["rows"] == 3
+    assert info["meta"]["status"] == "finished"
+    make_missing_table(str(tmp_path / "m.h5"))
+    assert store.inspect(str(tmp_path / "m.h5"))["tables"]["events"] is None
+
+
+def test_arrays_round_trip_without_pickle(tmp_path):
+    path = str(tmp_path / "a.h5")
+    w = store.Writer(path)
+    data = np.arange(12, dtype=np.float16).reshape(3, 4)
+    row = schema.empty("arrays", 1)
+    row["snapshot"] = 0
+    row["name_off"], row["name_len"] = w.text("args.0.0")
+    row["dtype"] = data.dtype.str.encode()
+    row["ndim"] = 2
+    row["shape"][0, :2] = data.shape
+    row["numel"] = row["saved"] = data.size
+    row["data_off"], row["data_len"] = w.bytes(data.tobytes())
+    w.append("arrays", row)
+    w.close("finished")
+    with store.load(path) as run:
+        np.testing.assert_array_equal(run.array(0), data)
+        assert run.arrays["name"][0] == "args.0.0"
+
+
+def test_reading_never_imports_torch(tmp_path):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    code = (f"import sys, ampdoctor; r = ampdoctor.load({path!r}); "
+            f"d = ampdoctor.diagnose({path!r}); from ampdoctor import report; "
+            "report.render(d, 'json'); report.render(d, 'markdown'); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(d.verdict)")
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -10,8 +10,14 @@ per table at each flush, so the cost of a flush does not grow with the number of
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import glob
 import json
 import os
+import re
+import stat
 import socket
 import struct
 import sys
@@ -40,6 +46,11 @@ class Writer:
         w.append("steps", rows)
         w.flush()            # rows reach the file; a SIGKILL after this keeps them
         w.close("finished")
+
+    Failure model: the first exception inside ``flush`` (disk full, file system gone, an
+    interrupt between two writes) marks the writer ``failed``; it never writes again, and
+    ``abandon`` leaves the file on disk exactly as the last good flush left it, which reads
+    like the file of a killed writer.
     """
 
     def __init__(self, path: str, *, rank: int = 0, world_size: int = 1,
@@ -47,7 +58,37 @@ class Writer:
         self.path = os.fspath(path)
         if not overwrite and os.path.exists(self.path):
             raise FileExistsError(self.path)
-        self._file = h5py.File(self.path, "w", libver="latest")
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(f"{self.path} is a directory")
+        # Built under a temporary name and renamed into place once every table exists and
+        # SWMR is on, so that a writer killed while creating never leaves a half-made file
+        # (or a half-overwritten old run) at `path`.
+        building = _partial_name(self.path) if os.name == "posix" else self.path
+        try:
+            self._file = h5py.File(building, "w", libver="latest")
+        except OSError as exc:
+            raise OSError(getattr(exc, "errno", None),
+                          f"cannot create {self.path}: {_reason(exc)}") from None
+        try:
+            self._create(rank, world_size, argv)
+            self._file.swmr_mode = True
+            self._file.flush()
+            if building != self.path:
+                os.replace(building, self.path)
+        except BaseException:
+            self._file.close()
+            _remove_quietly(building)
+            raise
+        self._fd = _file_descriptor(self._file)
+        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
+        self._placed = {name: 0 for name in schema.TABLES}  # rows given a place in the file
+        self.committed = {name: 0 for name in schema.TABLES}  # rows on disk (last good flush)
+        self._blob = bytearray()  # queued bytes of /blob, which start at self._blob_placed
+        self._blob_placed = 0
+        self.closed = False
+        self.failed: BaseException | None = None
+
+    def _create(self, rank: int, world_size: int, argv: list[str] | None) -> None:
         attrs = {
             "format": schema.FORMAT_NAME,
             "format_version": schema.FORMAT_VERSION,
@@ -60,7 +101,10 @@ class Writer:
             "argv": json.dumps(list(sys.argv if argv is None else argv)),
         }
         for key, value in attrs.items():
-            self._file.attrs[key] = value
+            # Text as fixed-length bytes: a variable-length string lives in HDF5's global
+            # heap, which has no checksum, and a damaged one can send HDF5 into a loop.
+            self._file.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) \
+                else value
         for name, dtype in schema.TABLES.items():
             self._file.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=dtype,
@@ -69,21 +113,14 @@ class Writer:
         self._file.create_dataset(schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1",
                                   chunks=(schema.BLOB_CHUNK,), compression="gzip",
                                   compression_opts=4)
-        self._file.swmr_mode = True
-        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
-        self._rows = {name: 0 for name in schema.TABLES}  # rows written or pending
-        self._blob_pending: list[bytes] = []
-        self._blob_len = 0
-        self.closed = False
 
     # -- buffering --------------------------------------------------------------------------
 
     def append(self, table: str, rows: np.ndarray) -> int:
         """Queue rows for ``table``; return the index of the first one."""
-        first = self._rows[table]
+        first = self.rows(table)
         if len(rows):
             self._pending[table].append(np.asarray(rows, schema.TABLES[table]))
-            self._rows[table] += len(rows)
         return first
 
     def text(self, value: str) -> tuple[int, int]:
@@ -91,15 +128,15 @@ class Writer:
         return self.bytes(value.encode("utf-8"))
 
     def bytes(self, data: bytes) -> tuple[int, int]:
-        off = self._blob_len
-        if data:
-            self._blob_pending.append(data)
-            self._blob_len += len(data)
+        # The offset is read off the buffer itself (not a separate counter), so that an
+        # interrupt between two statements here can never hand out a wrong offset.
+        off = self._blob_placed + len(self._blob)
+        self._blob += data
         return off, len(data)
 
     def rows(self, table: str) -> int:
         """Rows of ``table`` written or queued so far."""
-        return self._rows[table]
+        return self._placed[table] + sum(len(chunk) for chunk in self._pending[table])
 
     def meta(self, key: str, value: Any, step: int = -1) -> None:
         """Record a configuration value (JSON). A later row for the same key wins."""
@@ -112,28 +149,47 @@ class Writer:
     # -- committing -------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write every queued row and make it visible to readers (the crash-safe point)."""
+        """Write every queued row and make it visible to readers (the crash-safe point).
+
+        Raises what the file system raised (``OSError``); after that the writer is
+        ``failed`` and every later flush raises too, so nothing is written twice or out of
+        order.
+        """
         if self.closed:
             return
+        if self.failed is not None:
+            raise OSError(f"{self.path} is no longer written after an earlier failure "
+                          f"({_reason(self.failed)})")
+        try:
+            self._check_still_there()
+            self._write_queued()
+            self._file.flush()
+        except BaseException as exc:
+            self.failed = exc
+            raise
+        self.committed = dict(self._placed)
+
+    def _write_queued(self) -> None:
         # The blob goes first: a row that points into it must never reach the file before
         # the bytes it points at.
-        if self._blob_pending:
-            data = np.frombuffer(b"".join(self._blob_pending), dtype="u1")
-            ds = self._file[schema.BLOB]
-            start = ds.shape[0]
-            ds.resize((start + len(data),))
-            ds[start:] = data
-            self._blob_pending.clear()
+        if self._blob:
+            data = np.frombuffer(bytes(self._blob), dtype="u1")
+            self._blob_placed += len(data)
+            self._blob = bytearray()
+            _append_rows(self._file[schema.BLOB], data)
         for name, chunks in self._pending.items():
             if not chunks:
                 continue
             rows = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-            ds = self._file[name]
-            start = ds.shape[0]
-            ds.resize((start + len(rows),))
-            ds[start:] = rows
-            chunks.clear()
-        self._file.flush()
+            self._pending[name] = []
+            self._placed[name] += len(rows)
+            _append_rows(self._file[name], rows)
+
+    def _check_still_there(self) -> None:
+        """A deleted file (its directory removed) still takes writes that nobody will read."""
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+            raise FileNotFoundError(errno.ENOENT, f"{self.path} was deleted while being "
+                                                  "written (its directory removed?)")
 
     def close(self, status: str | None = None) -> None:
         """Record the final status, flush and close. Safe to call twice."""
@@ -143,56 +199,153 @@ class Writer:
             if status is not None:
                 self.meta("status", status)
             self.flush()
-        finally:
-            self.closed = True
-            self._file.close()
+        except BaseException:
+            self.abandon()
+            raise
+        self.closed = True
+        self._file.close()
 
     def abandon(self) -> None:
-        """Close without writing what is queued (the disk is gone); never raises."""
+        """Stop writing and leave the file as the last good flush left it; never raises.
+
+        HDF5 writes cached metadata when a file is closed; after a failed write that would
+        mix a half-finished flush into the file. So the descriptor is first pointed at
+        /dev/null: whatever the close still writes goes nowhere, and the file on disk reads
+        like that of a killed writer (every row up to the last good flush).
+        """
+        if self.closed:
+            return
         self.closed = True
+        self.disown()
         try:
             self._file.close()
         except Exception:  # noqa: BLE001 - the file is already lost; nothing to report twice
             pass
 
+    def disown(self) -> None:
+        """Make this process unable to write the file again (after a failure, or in a
+        forked child that inherited the writer): the descriptor now points at /dev/null.
+        Plain OS calls only, so it is safe right after ``fork``."""
+        self.closed = True
+        if self._fd is None:
+            return
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, self._fd)
+            finally:
+                os.close(null)
+        except OSError:
+            pass
+        self._fd = None
+
+
+def _append_rows(ds: Any, rows: np.ndarray) -> None:
+    start = ds.shape[0]
+    ds.resize((start + len(rows),))
+    ds[start:] = rows
+
+
+def _partial_name(path: str) -> str:
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{os.getpid()}.partial")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _file_descriptor(f: h5py.File) -> int | None:
+    """The OS descriptor under an HDF5 file (default sec2 driver), or None."""
+    try:
+        fd = int(f.id.get_vfd_handle())
+        os.fstat(fd)
+        return fd
+    except Exception:  # noqa: BLE001 - another driver: no descriptor checks, nothing else
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    """The useful part of an exception's message, on one line.
+
+    h5py nests the cause in parentheses ("Unable to open file (file signature not found)")
+    and a failed write names the OS error inside ("... error message = 'No space left ...'").
+    """
+    if isinstance(exc, OSError) and exc.errno and exc.strerror:
+        return exc.strerror
+    text = (str(exc).strip().splitlines() or [""])[0]
+    os_error = re.search(r"error message = '([^']*)'", text)
+    if os_error:
+        return os_error.group(1)
+    _head, paren, rest = text.partition("(")
+    if paren and rest.endswith(")"):
+        text = rest[:-1]
+    return text.strip() or type(exc).__name__
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading
+#
+# Everything read from a file is data: numbers, UTF-8 text, JSON. Nothing is unpickled or
+# evaluated. Every failure of h5py on a damaged file becomes one RunFileError sentence.
+
+H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)  # what h5py raises
+
+# HDF5 gives a SWMR reader 100 attempts, with back-off, at each metadata block whose checksum
+# fails, because a live writer may be half-way through a flush. On a damaged file that is
+# minutes of retrying. A few attempts cover a live writer; `load` retries the whole read.
+SWMR_READ_ATTEMPTS = 4
+LIVE_RETRIES = 3
+BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
 
 
 class Table:
     """Rows of one table, read on demand: columns, slices and chunks, never more than asked.
 
     Wraps an HDF5 dataset (a loaded run) or a numpy array (a run built in memory, tests).
+    A read that fails on a damaged file raises ``RunFileError`` naming the file.
     """
 
-    def __init__(self, data: Any, nrows: int | None = None):
+    def __init__(self, data: Any, nrows: int | None = None, path: str | None = None,
+                 name: str = "stats"):
         self._data = data
         self._n = len(data) if nrows is None else nrows
         self.dtype = data.dtype
+        self._path = path
+        self._name = name
 
     def __len__(self) -> int:
         return self._n
 
-    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+    def _read(self, what: Any, start: int, stop: int | None) -> np.ndarray:
         stop = self._n if stop is None else min(stop, self._n)
         if isinstance(self._data, np.ndarray):
-            return self._data[name][start:stop]
-        return self._data.fields(name)[start:stop] if stop > start else np.empty(
-            0, self.dtype[name])
+            data = self._data if what is None else self._data[what]
+            return data[start:stop]
+        if stop <= start:
+            dtype = self.dtype if what is None else (
+                self.dtype[what] if isinstance(what, str)
+                else np.dtype([(n, self.dtype[n]) for n in what]))
+            return np.empty(0, dtype)
+        try:
+            source = self._data if what is None else self._data.fields(what)
+            return source[start:stop]
+        except H5_ERRORS as exc:
+            raise RunFileError(f"{self._path} is damaged: reading /{self._name} failed "
+                               f"({_reason(exc)})") from None
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._read(name, start, stop)
 
     def columns(self, names: list[str] | tuple[str, ...], start: int = 0,
                 stop: int | None = None) -> np.ndarray:
-        stop = self._n if stop is None else min(stop, self._n)
-        if isinstance(self._data, np.ndarray):
-            return self._data[list(names)][start:stop]
-        if stop <= start:
-            return np.empty(0, np.dtype([(n, self.dtype[n]) for n in names]))
-        return self._data.fields(list(names))[start:stop]
+        return self._read(list(names), start, stop)
 
     def rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        stop = self._n if stop is None else min(stop, self._n)
-        return self._data[start:stop] if stop > start else np.empty(0, self.dtype)
+        return self._read(None, start, stop)
 
     def chunks(self, size: int = 1 << 16, names: tuple[str, ...] | None = None
                ) -> Iterator[np.ndarray]:
@@ -205,6 +358,50 @@ class Table:
 
     def read(self) -> np.ndarray:
         return self.rows()
+
+
+class Blob:
+    """The /blob byte heap: text and array bytes by (offset, length).
+
+    A small heap is read once; a large one (snapshots' batches) is read by range, so that
+    decoding a few names never loads the saved arrays.
+    """
+
+    def __init__(self, data: Any = None, path: str | None = None):
+        self._path = path
+        self._ds = None
+        self._bytes = b""
+        if isinstance(data, (bytes, bytearray, np.ndarray)):
+            self._bytes = bytes(np.asarray(data, dtype="u1").tobytes()
+                                if isinstance(data, np.ndarray) else data)
+            self.size = len(self._bytes)
+        elif data is not None:
+            self.size = int(data.shape[0])
+            if self.size <= BLOB_WHOLE:
+                self._bytes = np.asarray(data[:]).tobytes()
+            else:
+                self._ds = data
+        else:
+            self.size = 0
+
+    def read(self, off: int, length: int) -> bytes | None:
+        """The bytes at ``off``, or None when the range lies outside the heap (damage)."""
+        if length <= 0:
+            return b""
+        if off < 0 or off + length > self.size:
+            return None
+        if self._ds is None:
+            return self._bytes[off:off + length]
+        try:
+            return np.asarray(self._ds[off:off + length]).tobytes()
+        except H5_ERRORS as exc:
+            raise RunFileError(f"{self._path} is damaged: reading /blob failed "
+                               f"({_reason(exc)})") from None
+
+    def text(self, off: int, length: int) -> str:
+        """Text at a reference; '' for a reference outside the heap (a damaged file)."""
+        raw = self.read(off, length)
+        return raw.decode("utf-8", errors="replace") if raw else ""
 
 
 TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype", "i1"),
@@ -242,9 +439,12 @@ class Run:
 
     @property
     def status(self) -> str:
-        """'finished', 'exception:<Type>', or 'interrupted' (the writer never closed it)."""
+        """'finished', 'exception:<Type>', 'signal:<NAME>', or 'interrupted' (the writer
+        never closed the file: killed, or still running)."""
         status = self.meta.get("status", schema.STATUS_RUNNING)
-        return "interrupted" if status == schema.STATUS_RUNNING else status
+        if not isinstance(status, str) or status == schema.STATUS_RUNNING:
+            return "interrupted"
+        return status
 
     @property
     def rank(self) -> int:
@@ -257,17 +457,20 @@ class Run:
     def array(self, row: int) -> np.ndarray:
         """The saved array of ``arrays[row]`` (a snapshot's batch), as numpy."""
         meta = self.arrays[row]
-        raw = self._read_blob(int(meta["data_off"]), int(meta["data_len"]))
-        shape = tuple(int(d) for d in meta["shape"][: int(meta["ndim"])])
-        out = np.frombuffer(raw, dtype=np.dtype(meta["dtype"].decode()))
-        if int(meta["saved"]) != int(meta["numel"]) and shape:
-            shape = (-1,) + shape[1:]
-        return out.reshape(shape)
-
-    def _read_blob(self, off: int, length: int) -> bytes:
-        if self._blob is None or length <= 0:
-            return b""
-        return bytes(self._blob[off:off + length])
+        blob = self._blob if isinstance(self._blob, Blob) else Blob(self._blob)
+        raw = blob.read(int(meta["data_off"]), int(meta["data_len"]))
+        try:
+            dtype = np.dtype(bytes(meta["dtype"]).decode("ascii"))
+            if dtype.kind not in "biuf" or dtype.fields or dtype.subdtype or raw is None:
+                raise ValueError(f"array {row} has an unusable dtype or data")
+            shape = tuple(int(d) for d in meta["shape"][: max(0, int(meta["ndim"]))])
+            out = np.frombuffer(raw, dtype=dtype)
+            if int(meta["saved"]) != int(meta["numel"]) and shape:
+                shape = (-1,) + shape[1:]
+            return out.reshape(shape)
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{self.path} is damaged: saved array {row} cannot be read "
+                               f"({exc})") from None
 
     def close(self) -> None:
         if self._file is not None:
@@ -281,7 +484,7 @@ class Run:
         self.close()
 
 
-def _decoded(rows: np.ndarray, texts: list[str], blob: Any = None) -> np.ndarray:
+def _decoded(rows: np.ndarray, texts: list[str], blob: Blob | None = None) -> np.ndarray:
     """Replace each (name_off, name_len) pair by a ``name`` column of Python strings."""
     fields = [(n, rows.dtype[n]) for n in rows.dtype.names
               if not any(n in (f"{t}_off", f"{t}_len") for t in texts)]
@@ -289,45 +492,98 @@ def _decoded(rows: np.ndarray, texts: list[str], blob: Any = None) -> np.ndarray
     for name, _ in fields:
         out[name] = rows[name]
     for t in texts:
-        out[t] = [_text_at(blob, int(o), int(n)) for o, n in zip(rows[f"{t}_off"], rows[f"{t}_len"])]
+        out[t] = [blob.text(int(o), int(n)) if blob is not None else ""
+                  for o, n in zip(rows[f"{t}_off"], rows[f"{t}_len"])]
     return out
 
 
-def _text_at(blob: Any, off: int, length: int) -> str:
-    if blob is None or length <= 0:
-        return ""
-    if off < 0 or off + length > len(blob):
-        raise RunFileError("a text reference points outside /blob")
-    return bytes(blob[off:off + length]).decode("utf-8", errors="replace")
+# -- opening ----------------------------------------------------------------------------------
 
 
-def _open(path: str) -> h5py.File:
-    if not os.path.exists(path):
-        raise RunFileError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise RunFileError(f"{path} is a directory, not a run file")
-    if os.path.getsize(path) == 0:
-        raise RunFileError(f"{path} is empty: not an ampdoctor run file")
+def _open(path: str) -> tuple[h5py.File, bool]:
+    """Open ``path`` read-only; return the file and whether it is flagged as being written.
+
+    A file whose writer has not closed it (still running, or killed) can only be opened by
+    a SWMR reader. Such a reader skips HDF5's end-of-file check and retries unreadable
+    metadata, so a truncated file is refused here first, and the retries are bounded.
+    """
+    _check_path(path)
     try:
-        return h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        error = str(exc)
-    if "signature" in error:
+        return h5py.File(path, "r"), False
+    except H5_ERRORS as exc:
+        error = exc
+    message = str(error)
+    if "signature" in message:
         raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)")
-    if "already open for write" in error:
-        # A file still being written, or whose writer was killed: SWMR is the way in. A SWMR
-        # reader skips HDF5's own end-of-file check and retries unreadable metadata for a long
-        # time, so a truncated file must be refused here, before it gets that far.
-        if os.path.getsize(path) < _stored_eof(path):
-            raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
-                               "shorter than its header says)")
-        try:
-            return h5py.File(path, "r", libver="latest", swmr=True)
-        except (OSError, ValueError) as exc:
-            error = str(exc)
-    reason = error.split("(")[-1].split(")")[0].strip() if "(" in error else error.strip()
-    raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
-                       f"{reason.splitlines()[0] if reason else 'unknown'})")
+    if "already open for write" not in message:
+        raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
+                           f"{_reason(error)})")
+    if os.path.getsize(path) < _stored_eof(path):
+        raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
+                           "shorter than its header says)")
+    try:
+        return _open_swmr(path), True
+    except H5_ERRORS as exc:
+        raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
+                           f"{_reason(exc)})") from None
+
+
+def _check_path(path: str) -> None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise RunFileError(f"{path} cannot be read ({_reason(exc)})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise RunFileError(f"{path} is a directory, not a run file")
+    if not stat.S_ISREG(info.st_mode):
+        raise RunFileError(f"{path} is not a regular file, not a run file")
+    if info.st_size == 0:
+        raise RunFileError(f"{path} is empty: not an ampdoctor run file")
+    if not os.access(path, os.R_OK):
+        raise RunFileError(f"{path} cannot be read (permission denied)")
+
+
+def _open_swmr(path: str) -> h5py.File:
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    lib = _hdf5_library()
+    if lib is not None:
+        lib.H5Pset_metadata_read_attempts(fapl.id, SWMR_READ_ATTEMPTS)
+    fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ,
+                        fapl=fapl)
+    return h5py.File(fid)
+
+
+@functools.lru_cache(maxsize=None)
+def _hdf5_library() -> Any:
+    """The HDF5 library h5py runs on, for the one setting h5py does not expose (the SWMR
+    reader's metadata read attempts). None when it cannot be told for sure which library
+    that is; readers then keep HDF5's default."""
+    paths = set()
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libhdf5" in line}
+    except OSError:
+        pass
+    here = os.path.dirname(os.path.dirname(h5py.__file__))
+    paths |= set(glob.glob(os.path.join(os.path.dirname(h5py.__file__), ".dylibs", "libhdf5*")))
+    paths = {p for p in paths if re.match(r"libhdf5([-.]|$)", os.path.basename(p))}
+    if len(paths) > 1:
+        paths = {p for p in paths if p.startswith(here)}
+    if len(paths) != 1:
+        return None
+    try:
+        lib = ctypes.CDLL(paths.pop())
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        lib.H5get_libversion(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        if (major.value, minor.value, release.value) != h5py.version.hdf5_version_tuple[:3]:
+            return None
+        lib.H5Pset_metadata_read_attempts.argtypes = [ctypes.c_int64, ctypes.c_uint]
+        lib.H5Pset_metadata_read_attempts.restype = ctypes.c_int
+        return lib
+    except (OSError, AttributeError):
+        return None
 
 
 def _stored_eof(path: str) -> int:
@@ -344,17 +600,17 @@ def _stored_eof(path: str) -> int:
 
 
 def _check_format(path: str, f: h5py.File) -> int:
-    name = f.attrs.get("format")
+    name = _attr(f, "format")
     if isinstance(name, bytes):
         name = name.decode(errors="replace")
     if name != schema.FORMAT_NAME:
         raise RunFileError(f"{path} is an HDF5 file but not an ampdoctor run "
                            "(no 'ampdoctor-run' format attribute)")
-    version = f.attrs.get("format_version")
+    version = _attr(f, "format_version")
     try:
         version = int(version)
     except (TypeError, ValueError):
-        raise RunFileError(f"{path} has an unreadable format version ({version!r})") from None
+        raise RunFileError(f"{path} has an unreadable format version") from None
     if version > schema.FORMAT_VERSION:
         raise FormatTooNewError(
             f"{path} was written by format version {version}; this ampdoctor reads up to "
@@ -364,6 +620,33 @@ def _check_format(path: str, f: h5py.File) -> int:
     return version
 
 
+_PLAIN_TYPES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING)
+MAX_ATTR_ELEMENTS = 4096
+
+
+def _attr(f: h5py.File, key: str) -> Any:
+    """One root attribute, or None when it is absent, unreadable, or not plain data.
+
+    Only numbers and fixed-length strings are read. A variable-length value is kept in
+    HDF5's global heap, which has no checksum: a damaged one can loop forever inside HDF5,
+    so such an attribute (which ampdoctor never writes) is treated as absent.
+    """
+    try:
+        if key not in f.attrs:
+            return None
+        attr = h5py.h5a.open(f.id, key.encode())
+        kind = attr.get_type()
+        if kind.get_class() not in _PLAIN_TYPES or (
+                kind.get_class() == h5py.h5t.STRING and kind.is_variable_str()):
+            return None
+        if attr.get_storage_size() > MAX_ATTR_ELEMENTS * 64 or \
+                int(np.prod(attr.shape or ())) > MAX_ATTR_ELEMENTS:
+            return None
+        return f.attrs[key]
+    except H5_ERRORS:
+        return None
+
+
 def _dataset(path: str, f: h5py.File, name: str, dtype: np.dtype) -> Any:
     if name not in f or not isinstance(f[name], h5py.Dataset):
         raise RunFileError(f"{path} is damaged: table /{name} is missing")
@@ -371,6 +654,9 @@ def _dataset(path: str, f: h5py.File, name: str, dtype: np.dtype) -> Any:
     if ds.dtype != dtype or ds.ndim != 1:
         raise RunFileError(f"{path} is damaged: table /{name} has unexpected columns or shape")
     return ds
+
+
+# -- loading ----------------------------------------------------------------------------------
 
 
 def load(path: str | os.PathLike) -> Run:
@@ -386,36 +672,59 @@ def load(path: str | os.PathLike) -> Run:
             print(len(run.steps), run.status)
     """
     path = os.fspath(path)
-    f = _open(path)
-    try:
-        _check_format(path, f)
-        tables = {n: _dataset(path, f, n, dt) for n, dt in schema.TABLES.items()}
-        blob = _dataset(path, f, schema.BLOB, np.dtype("u1"))
-        blob_bytes = np.asarray(blob[:]) if blob.shape[0] < (64 << 20) else blob
-        run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
-        run._blob = blob_bytes
-        run.meta = _meta(tables["meta"][:], blob_bytes)
-        run.steps = tables["steps"][:]
-        run.groups = tables["groups"][:]
-        run.tensors = _tensor_view(tables["tensors"][:], blob_bytes)
-        run.stats = Table(tables["stats"], nrows=tables["stats"].shape[0])
-        run.events = _decoded(tables["events"][:], ["text"], blob_bytes)
-        run.snapshots = _decoded(tables["snapshots"][:], ["module", "module_type", "detail"],
-                                 blob_bytes)
-        run.arrays = _decoded(tables["arrays"][:], ["name"], blob_bytes)
-        return run
-    except RunFileError:
-        f.close()
-        raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
-        f.close()
-        raise RunFileError(f"{path} is damaged and could not be read ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
+    for attempt in range(LIVE_RETRIES):
+        f, live = _open(path)
+        try:
+            return _read(path, f, live)
+        except RunFileError:
+            f.close()
+            # A live writer may have been mid-flush; a damaged file fails the same way again.
+            if not live or attempt == LIVE_RETRIES - 1:
+                raise
+        except H5_ERRORS as exc:
+            f.close()
+            if not live or attempt == LIVE_RETRIES - 1:
+                raise RunFileError(f"{path} is damaged and could not be read "
+                                   f"({_reason(exc)})") from None
+        time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _read(path: str, f: h5py.File, live: bool) -> Run:
+    """Read a run; tables that point into others are read before what they point at.
+
+    On a live file every table may grow between two reads. Reading the referring tables
+    (stats → tensors, rows → /blob) first means every reference read has its target.
+    """
+    _check_format(path, f)
+    ds = {n: _dataset(path, f, n, dt) for n, dt in schema.TABLES.items()}
+    stats = Table(ds["stats"], nrows=ds["stats"].shape[0], path=path)
+    raw = {n: ds[n][:] for n in ("events", "snapshots", "arrays", "steps", "groups", "meta",
+                                 "tensors")}
+    blob_ds = _dataset(path, f, schema.BLOB, np.dtype("u1"))
+    if live:
+        blob_ds.refresh()
+    blob = Blob(blob_ds, path)
+    run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
+    run.meta = _meta(raw["meta"], blob)
+    run.steps = raw["steps"]
+    run.groups = raw["groups"]
+    run.tensors = _tensor_view(raw["tensors"], blob)
+    run.stats = stats
+    run.events = _decoded(raw["events"], ["text"], blob)
+    run.snapshots = _decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
+    run.arrays = _decoded(raw["arrays"], ["name"], blob)
+    return run
 
 
 def _attrs(f: h5py.File) -> dict[str, Any]:
     out = {}
-    for key, value in f.attrs.items():
+    try:
+        keys = list(f.attrs.keys())
+    except H5_ERRORS:
+        keys = []
+    for key in keys:
+        value = _attr(f, key)
         if isinstance(value, bytes):
             value = value.decode(errors="replace")
         elif isinstance(value, np.generic):
@@ -423,59 +732,66 @@ def _attrs(f: h5py.File) -> dict[str, Any]:
         out[key] = value
     try:
         out["argv"] = json.loads(out.get("argv", "[]"))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         pass
     return out
 
 
-def _meta(rows: np.ndarray, blob: Any) -> dict[str, Any]:
+def _meta(rows: np.ndarray, blob: Blob) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for row in rows:
-        key = row["key"].decode(errors="replace")
-        text = _text_at(blob, int(row["value_off"]), int(row["value_len"]))
+        key = bytes(row["key"]).decode(errors="replace")
+        text = blob.text(int(row["value_off"]), int(row["value_len"]))
         try:
             meta[key] = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             meta[key] = text
     return meta
 
 
-def _tensor_view(rows: np.ndarray, blob: Any) -> np.ndarray:
+def _tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out = np.zeros(len(rows), TENSOR_VIEW)
     for name in ("id", "kind", "index", "dtype", "numel"):
         out[name] = rows[name]
-    out["name"] = [_text_at(blob, int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
-    out["type"] = [_text_at(blob, int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
+    out["name"] = [blob.text(int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
+    out["type"] = [blob.text(int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
     return out
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a file holds, for ``ampdoctor dump``: attributes, meta, and each table's rows.
 
-    Unlike ``load`` it shows a damaged run as far as it can (a missing table is listed as
-    missing), but it still refuses what is not an ampdoctor run.
+    Unlike ``load`` it shows a damaged run as far as it can (a missing or unreadable table is
+    listed as missing), but it still refuses what is not an ampdoctor run.
     """
     path = os.fspath(path)
-    with _open(path) as f:
+    f, live = _open(path)
+    with f:
         version = _check_format(path, f)
         info: dict[str, Any] = {"path": path, "format_version": version, "attrs": _attrs(f),
-                                "tables": {}}
+                                "tables": {}, "live": live}
         for name in list(schema.TABLES) + [schema.BLOB]:
-            obj = f.get(name)
-            if not isinstance(obj, h5py.Dataset):
-                info["tables"][name] = None
-                continue
-            info["tables"][name] = {
-                "rows": int(obj.shape[0]) if obj.ndim else 0,
-                "columns": list(obj.dtype.names or ("bytes",)),
-                "chunk_rows": obj.chunks[0] if obj.chunks else None,
-                "compression": obj.compression,
-                "stored_bytes": int(obj.id.get_storage_size()),
-            }
+            info["tables"][name] = _table_info(f, name)
         try:
-            blob = np.asarray(f[schema.BLOB][:])
+            blob = Blob(f[schema.BLOB], path)
             info["meta"] = _meta(f["meta"][:], blob)
-        except (KeyError, OSError, ValueError, RunFileError):
+        except (*H5_ERRORS, RunFileError):
             info["meta"] = {}
         info["file_bytes"] = os.path.getsize(path)
         return info
+
+
+def _table_info(f: h5py.File, name: str) -> dict[str, Any] | None:
+    try:
+        obj = f.get(name)
+        if not isinstance(obj, h5py.Dataset):
+            return None
+        return {
+            "rows": int(obj.shape[0]) if obj.ndim else 0,
+            "columns": list(obj.dtype.names or ("bytes",)),
+            "chunk_rows": obj.chunks[0] if obj.chunks else None,
+            "compression": obj.compression,
+            "stored_bytes": int(obj.id.get_storage_size()),
+        }
+    except H5_ERRORS:
+        return None

@@ -339,11 +339,17 @@ def run_summary(f: Facts) -> dict:
 def _notes(f: Facts) -> list[str]:
     notes = []
     status = f.run.status
-    if status == "interrupted":
-        last = int(f.steps["step"][-1]) if f.n else None
-        notes.append(f"The run was interrupted (its writer never closed the file); the last "
-                     f"recorded step is {last}." if last is not None else
-                     "The run was interrupted before its first recorded step.")
-    elif status.startswith("exception:"):
-        notes.append(f"The training script raised {status.split(':', 1)[1]}.")
+    last = int(f.steps["step"][-1]) if f.n else None
+    if status == "interrupted" or status.startswith(schema.STATUS_SIGNAL):
+        how = "interrupted (its writer never closed the file)" if status == "interrupted" \
+            else f"interrupted by {status.split(':', 1)[1]}"
+        notes.append(f"The run was {how}; the last recorded step is {last}." if last is not None
+                     else f"The run was {how} before its first recorded step.")
+    elif status.startswith(schema.STATUS_EXCEPTION):
+        after = f" after step {last}" if last is not None else ""
+        notes.append(f"The training script raised {status.split(':', 1)[1]}{after}.")
+    errors = f.run.events[f.run.events["kind"] == Event.RECORDER_ERROR]
+    if len(errors):
+        notes.append(f"Recording stopped early at step {int(errors['step'][0])} after an internal "
+                     f"ampdoctor error ({errors['text'][0]}); later steps are not in the file.")
     return notes

@@ -1,7 +1,8 @@
 """The ``ampdoctor`` command: each command validates, makes one library call, renders.
 
 Exit codes: 0 success (whatever the verdict); 1 ``diagnose --fail-on`` matched; 2 the input
-could not be used (missing or unreadable run file, bad option, output not writable).
+could not be used (missing, unreadable or damaged run file, a run with no step to diagnose, bad
+option, output not writable).
 ``record`` exits with the training command's own exit code.
 """
 
@@ -12,7 +13,7 @@ from typing import Optional
 
 import click
 
-from .errors import AmpDoctorError
+from .errors import AmpDoctorError, EmptyRunError
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -44,6 +45,10 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
     from . import analyze, report
 
     d = analyze.diagnose(run)
+    if d.verdict == "no_training":  # a file with no step is unusable input: exit 2
+        reason = d.summary.rstrip(".")
+        raise EmptyRunError(f"{run} holds no optimizer step to diagnose "
+                            f"({reason[:1].lower() + reason[1:]})")
     click.echo(report.render(d, fmt), nl=False)
     if fail_on == "unhealthy" and not d.healthy:
         sys.exit(1)

@@ -21,6 +21,10 @@ class FormatTooNewError(RunFileError):
     """A run file written by a newer ampdoctor than this one."""
 
 
+class EmptyRunError(RunFileError):
+    """A readable run file that holds no optimizer step: there is nothing to diagnose."""
+
+
 class RecordError(AmpDoctorError):
     """``ampdoctor record`` cannot start: bad output path, existing file, no command."""
 

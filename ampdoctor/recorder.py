@@ -21,9 +21,13 @@ Gradient accumulation: a step is an optimizer step; backward calls count micro-b
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import resource
+import signal
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,6 +43,8 @@ from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
+STOP_SIGNALS = ("SIGTERM",)  # finish the file, then let the signal do what it did before
+SIGNAL_PATIENCE = 10.0  # seconds a stop signal may wait for a write in progress to end
 
 _ACTIVE: Optional["Recorder"] = None
 
@@ -149,6 +155,8 @@ class Recorder:
                                     argv=self._argv)
         _ACTIVE = self
         self.active = True
+        self._pid = os.getpid()
+        self._catch_exit()
         self._write_start_meta()
         patches.patch_scaler(self._patches, self)
         patches.patch_backward(self._patches, self)
@@ -178,15 +186,17 @@ class Recorder:
         self.closed = True
         self.active = False
         self._detach()
+        self._release_exit()
         if _ACTIVE is self:
             _ACTIVE = None
         if self._writer is not None and not self._writer.closed:
+            status = self._status_if_signalled(status)
             try:
                 self._drain()
                 self._writer.close(status)
             except Exception as exc:  # noqa: BLE001
                 self._writer.abandon()
-                self._warn_once("close", f"could not finish {self.path}: {exc}")
+                self._warn_once("close", self._lost(exc, "close"))
                 if self.strict:
                     raise RecorderFault(str(exc)) from exc
 
@@ -230,22 +240,46 @@ class Recorder:
     # fault handling: a debugger must never break the training run it watches
 
     def fault(self, exc: BaseException, where: str) -> None:
+        """An internal failure: save what can be saved, warn once, step aside for good."""
         if self.strict:
             raise RecorderFault(f"{where}: {type(exc).__name__}: {exc}") from exc
         if self.faulted:
             return
         self.faulted = True
-        self._warn_once("fault", f"internal error in {where} ({type(exc).__name__}: {exc}); "
-                                 f"recording stopped at step {self.steps}, training continues, "
-                                 f"{self.path} keeps what was recorded before")
         self._detach()
         self.active = False
-        if self._writer is not None and not self._writer.closed:
+        self._save_after_fault(exc, where)
+        self._warn_once("fault", self._lost(exc, where))
+
+    def _save_after_fault(self, exc: BaseException, where: str) -> None:
+        """Steps already taken, and a RECORDER_ERROR event, reach the file if it still works."""
+        w = self._writer
+        if w is None or w.closed:
+            return
+        try:
+            self._event(Event.RECORDER_ERROR, text=f"{where}: {type(exc).__name__}: {exc}"[:2000])
+            self._drain()
+        except Exception:  # noqa: BLE001 - the file itself may be what failed
             try:
-                self._event(Event.RECORDER_ERROR, text=f"{where}: {type(exc).__name__}: {exc}")
-                self._writer.flush()
-            except Exception:  # noqa: BLE001 - the file itself may be what failed
-                self._writer.abandon()
+                w.flush()
+            except Exception:  # noqa: BLE001
+                w.abandon()
+
+    def _lost(self, exc: BaseException, where: str) -> str:
+        """The warning after a failure: what happened, and what the file does and does not hold."""
+        w = self._writer
+        kept = w.committed["steps"] if w is not None else 0
+        if isinstance(exc, FileNotFoundError) and "deleted" in str(exc):
+            return (f"{self.path} was deleted while recording (its directory removed?): what it "
+                    f"held is gone, and steps from {self.steps} on are not recorded; training "
+                    "continues")
+        if isinstance(exc, OSError):
+            what = f"could not write {self.path} ({store._reason(exc)})"
+        else:
+            what = f"internal error in {where} ({type(exc).__name__}: {exc})"
+        held = f"steps 0-{kept - 1}" if kept else "no step"
+        return (f"{what}; recording stopped at step {self.steps} and {self.path} keeps {held}; "
+                "training continues")
 
     def warn_tensor(self, what: str, exc: BaseException) -> None:
         """A tensor that could not be measured: skipped, reported once."""
@@ -258,6 +292,101 @@ class Recorder:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"ampdoctor: {message}", RuntimeWarning, stacklevel=3)
+
+    # ---------------------------------------------------------------------------------------
+    # how the process ends: SIGTERM, an uncaught exception, a fork
+
+    def _catch_exit(self) -> None:
+        """Finish the file however the process ends, without changing how it ends."""
+        self._signal_previous: dict[int, Any] = {}
+        self._signal_deadline = 0.0
+        self._signal_pending: Optional[int] = None
+        self._last_value_at_start = getattr(sys, "last_value", None)
+        atexit.register(self._at_exit)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            try:
+                previous = signal.getsignal(signum) if signum is not None else None
+                if previous is None or previous == signal.SIG_IGN:
+                    continue  # ignored, or a handler set outside Python: left alone
+                signal.signal(signum, self._on_stop_signal)
+            except (ValueError, OSError):
+                continue
+            self._signal_previous[signum] = previous
+
+    def _release_exit(self) -> None:
+        if not hasattr(self, "_signal_previous"):
+            return
+        try:
+            atexit.unregister(self._at_exit)
+        except Exception:  # noqa: BLE001 - interpreter shutting down
+            pass
+        for signum, previous in self._signal_previous.items():
+            try:
+                if signal.getsignal(signum) == self._on_stop_signal:  # not replaced since
+                    signal.signal(signum, previous)
+            except (ValueError, OSError):
+                pass  # closed from another thread: the handler passes signals on
+
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM: flush, record ``signal:SIGTERM`` and close, then do what was set before
+        (by default, end the process by that same signal). A handler the script set itself
+        is called instead, after a flush: the script decides what SIGTERM means."""
+        previous = self._signal_previous.get(signum, signal.SIG_DFL)
+        if os.getpid() == self._pid and not self.closed:
+            if _inside_recorder(frame) and self._wait_for_signal(signum):
+                return  # half-way through a write: the signal comes back when it is done
+            self._signal_pending = None
+            if callable(previous):
+                self.flush()
+            else:
+                self.close(schema.STATUS_SIGNAL + signal.Signals(signum).name)
+        _pass_on(signum, frame, previous)
+
+    def _wait_for_signal(self, signum: int) -> bool:
+        """Send ``signum`` again in 10 ms (for at most SIGNAL_PATIENCE seconds)."""
+        self._signal_pending = signum
+        now = time.monotonic()
+        if not self._signal_deadline:
+            self._signal_deadline = now + SIGNAL_PATIENCE
+        if now > self._signal_deadline:
+            return False
+        timer = threading.Timer(0.01, os.kill, (self._pid, signum))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _status_if_signalled(self, status: str) -> str:
+        """Closing while a stop signal waits to be taken again: the process is ending by it."""
+        signum = getattr(self, "_signal_pending", None)
+        if signum is None or status != schema.STATUS_FINISHED or \
+                callable(self._signal_previous.get(signum)):
+            return status
+        return schema.STATUS_SIGNAL + signal.Signals(signum).name
+
+    def _at_exit(self) -> None:
+        """The interpreter is exiting with the recorder still open (no ``with``, no close)."""
+        if os.getpid() != self._pid or self.closed:
+            return
+        exc = getattr(sys, "last_value", None)
+        if exc is not None and exc is not self._last_value_at_start:
+            self.record_exception(type(exc), exc)
+            self.close(schema.STATUS_EXCEPTION + type(exc).__name__)
+        else:
+            self.close()
+
+    def _disown(self) -> None:
+        """In a forked child (a DataLoader worker): the file is the parent's; never touch it."""
+        global _ACTIVE
+        self.closed = True
+        self.active = False
+        if self._writer is not None:
+            self._writer.disown()
+        self._detach()
+        if _ACTIVE is self:
+            _ACTIVE = None
 
     # ---------------------------------------------------------------------------------------
     # discovery of roots, optimizers, scaler
@@ -623,8 +752,10 @@ class Recorder:
     def _drain(self) -> None:
         """Fetch the pending steps' device values (the documented sync) and flush the file."""
         if self._pending:
-            rows = np.concatenate([r for r, _ in self._pending])
-            values = _fetch([v for _, v in self._pending])
+            # Taken first: an interrupt below can lose these steps but never write them twice.
+            pending, self._pending = self._pending, []
+            rows = np.concatenate([r for r, _ in pending])
+            values = _fetch([v for _, v in pending])
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
             rows["scale_after"] = values[:, 2]
@@ -642,7 +773,6 @@ class Recorder:
                               | np.where(values[:, 7] > 0, flag(Event.NONFINITE_GRAD), 0)
                               ).astype(np.int32)
             self._writer.append("steps", rows)
-            self._pending.clear()
         self._writer.flush()
         self._last_flush = time.perf_counter()
 
@@ -864,3 +994,36 @@ def _plain(value: Any) -> Any:
 def active() -> Optional[Recorder]:
     """The recorder currently recording in this process, if any."""
     return _ACTIVE
+
+
+# Code that changes the recorder's or the writer's state. A signal that lands in it is held
+# back until that code is done, so the file is never finished from half-made state.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_RECORDING_CODE = frozenset(os.path.join(_HERE, name) for name in (
+    "recorder.py", "store.py", "sampler.py", "stats.py", "forensics.py"))
+
+
+def _inside_recorder(frame: Any) -> bool:
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename) in _RECORDING_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _pass_on(signum: int, frame: Any, previous: Any) -> None:
+    """Do with a signal what would have been done without ampdoctor."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _forget_in_child() -> None:
+    if _ACTIVE is not None:
+        _ACTIVE._disown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -299,6 +299,7 @@ ROOT_ATTRS = ("format", "format_version", "ampdoctor_version", "created", "pid",
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"
 STATUS_EXCEPTION = "exception:"  # followed by the exception type name
+STATUS_SIGNAL = "signal:"  # followed by the signal name: stopped by SIGTERM
 
 
 def empty(table: str, n: int = 0) -> np.ndarray:

@@ -128,5 +128,7 @@ def render_dump(info: dict) -> str:
             lines.append(f"  {name:<10} MISSING")
             continue
         cols = ", ".join(t["columns"])
+        if t.get("damaged"):
+            cols = "UNEXPECTED COLUMNS OR SHAPE: " + cols
         lines.append(f"  {name:<10} {t['rows']:>9} {t['stored_bytes']:>10}  {cols}")
     return "\n".join(lines) + "\n"

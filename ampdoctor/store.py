@@ -712,9 +712,17 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.tensors = _tensor_view(raw["tensors"], blob)
     run.stats = stats
     run.events = _decoded(raw["events"], ["text"], blob)
+    _known(raw["snapshots"], "phase", schema.Phase, schema.Phase.UNKNOWN)
+    _known(raw["snapshots"], "autocast", schema.DType, schema.DType.UNKNOWN)
     run.snapshots = _decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
     run.arrays = _decoded(raw["arrays"], ["name"], blob)
     return run
+
+
+def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:
+    """A code this reader does not know (damage, or a later writer) reads as ``unknown``."""
+    valid = np.isin(rows[column], [int(c) for c in codes])
+    rows[column] = np.where(valid, rows[column], int(unknown))
 
 
 def _attrs(f: h5py.File) -> dict[str, Any]:
@@ -772,6 +780,9 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
                                 "tables": {}, "live": live}
         for name in list(schema.TABLES) + [schema.BLOB]:
             info["tables"][name] = _table_info(f, name)
+            expected = schema.TABLES.get(name, np.dtype("u1"))
+            if info["tables"][name] is not None:
+                info["tables"][name]["damaged"] = info["tables"][name].pop("dtype") != expected
         try:
             blob = Blob(f[schema.BLOB], path)
             info["meta"] = _meta(f["meta"][:], blob)
@@ -792,6 +803,7 @@ def _table_info(f: h5py.File, name: str) -> dict[str, Any] | None:
             "chunk_rows": obj.chunks[0] if obj.chunks else None,
             "compression": obj.compression,
             "stored_bytes": int(obj.id.get_storage_size()),
+            "dtype": obj.dtype if obj.ndim == 1 else None,
         }
     except H5_ERRORS:
         return None

@@ -178,3 +178,229 @@ def test_cli_says_interrupted_with_the_last_step(ended):
         last = int(run.steps["step"][-1])
     assert f"status interrupted" in proc.stdout
     assert f"the last recorded step is {last}" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad files: one sentence naming the file, exit 2, no traceback, through the real CLI
+
+from reliability_tools import bad_file, synthetic_run  # noqa: E402
+
+BAD = {
+    "missing": "no such file",
+    "directory": "is a directory",
+    "empty": "is empty",
+    "random_bytes": "not HDF5",
+    "truncated": "truncated or damaged",
+    "truncated_live": "truncated or damaged",
+    "other_hdf5": "not an ampdoctor run",
+    "missing_table": "table /events is missing",
+    "wrong_dtype": "table /steps has unexpected columns",
+    "newer_version": "upgrade ampdoctor",
+    "zero_steps": "holds no optimizer step",
+}
+DUMP_SHOWS = {"zero_steps": "steps              0", "missing_table": "events     MISSING",
+              "wrong_dtype": "UNEXPECTED COLUMNS OR SHAPE: step\n"}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bad")
+    good = str(folder / "good.h5")
+    synthetic_run(good)
+    live = str(folder / "live.h5")
+    subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reliability_tools.py"), "killed", live],
+                   env=python_env(), check=False)
+    paths = {}
+    for case in BAD:
+        path = str(folder / f"{case}.h5")
+        if case == "truncated_live":  # flagged as being written: only a SWMR reader gets in
+            data = open(live, "rb").read()
+            open(path, "wb").write(data[: len(data) // 2])
+        else:
+            bad_file(case, path, good)
+        paths[case] = path
+    return paths
+
+
+def test_bad_files_get_one_sentence_and_exit_2_through_the_cli(bad_files):
+    runs = {(case, command): subprocess.Popen(
+        [PYTHON, "-m", "ampdoctor", command, path], env=python_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+        for case, path in bad_files.items() for command in ("diagnose", "dump")}
+    for (case, command), proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        path = bad_files[case]
+        if command == "dump" and case in DUMP_SHOWS:  # dump shows what is there
+            assert proc.returncode == 0 and DUMP_SHOWS[case] in out, (case, out, err)
+            continue
+        assert proc.returncode == 2, (case, command, out, err)
+        assert out == "" and "Traceback" not in err, (case, command, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ampdoctor: "), (case, command, err)
+        assert path in lines[0] and BAD[case] in lines[0], (case, command, lines[0])
+
+
+def test_zero_steps_says_why(tmp_path):
+    from reliability_tools import bad_file as make
+
+    path = make("zero_steps", str(tmp_path / "zero.h5"), "")
+    from ampdoctor import cli
+
+    assert cli.main(["diagnose", path]) == 2
+    assert analyze.diagnose(path).verdict == "no_training"  # the library still answers
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged and hostile files: never a crash, a hang or a traceback; nothing in a file runs
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from reliability_tools import read_everything  # noqa: E402
+
+TOOLS = os.path.join(ROOT, "tests", "reliability_tools.py")
+FORMATS = os.path.join(ROOT, "fixtures", "formats")
+
+
+@pytest.fixture(scope="module")
+def fuzz_bases(tmp_path_factory, bad_files):
+    folder = tmp_path_factory.mktemp("fuzz")
+    good, live = str(folder / "good.h5"), str(folder / "live.h5")
+    synthetic_run(good)
+    subprocess.run([PYTHON, TOOLS, "killed", live], env=python_env(), check=False)
+    recorded = sorted(os.path.join(FORMATS, n) for n in os.listdir(FORMATS) if n.endswith(".h5"))
+    return folder, [good, live] + recorded
+
+
+def test_fuzzed_run_files_get_an_answer_never_a_crash_or_hang(fuzz_bases):
+    folder, bases = fuzz_bases
+    proc = subprocess.run([PYTHON, TOOLS, "fuzz", str(folder), "360", "2024", *bases],
+                          env=python_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["failures"] == [], json.dumps(result["failures"][:3], indent=1)
+    assert result["counts"].get("refused", 0) > 50 and result["counts"].get("diagnosis", 0) > 10
+
+
+_TABLE_SIZES = st.integers(min_value=0, max_value=5)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_values_in_a_well_formed_file_get_an_answer(tmp_path_factory, data):
+    """Every column holds arbitrary bits (NaN, huge ids, offsets outside /blob, unknown codes):
+    the reader and the analysis answer with a diagnosis or one sentence."""
+    path = str(tmp_path_factory.mktemp("values") / "run.h5")
+    w = store.Writer(path)
+    for table, dtype in schema.TABLES.items():
+        n = data.draw(_TABLE_SIZES, label=table)
+        raw = data.draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+        w.append(table, np.frombuffer(raw, dtype).copy())
+    w.bytes(data.draw(st.binary(max_size=64), label="blob"))
+    if data.draw(st.booleans(), label="close"):
+        w.close()
+    else:
+        w.flush()
+    try:
+        assert read_everything(path) in ("diagnosis", "refused")
+    finally:
+        if not w.closed:
+            w.close()
+
+
+class _Payload:
+    """Unpickling this runs a shell command: the marker file appears if anything unpickles."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+_AUDIT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from reliability_tools import read_everything
+from ampdoctor import store
+from ampdoctor.errors import RunFileError
+
+def arrays(path):
+    with store.load(path) as run:
+        for row in range(len(run.arrays)):
+            try:
+                run.array(row)
+            except RunFileError:
+                pass
+
+read_everything(sys.argv[1]); arrays(sys.argv[1])  # every module and library loaded now
+seen = []
+def audit(event, args):
+    if event in ("exec", "compile", "import", "pickle.find_class", "marshal.loads", "os.system",
+                 "subprocess.Popen", "os.posix_spawn", "os.exec", "os.spawn", "os.fork",
+                 "ctypes.dlopen", "builtins.input") or event.startswith("os.exec"):
+        seen.append(event)
+sys.addaudithook(audit)
+outcome = read_everything(sys.argv[2]); arrays(sys.argv[2])
+print(json.dumps({"outcome": outcome, "events": seen}))
+"""
+
+
+def test_reading_a_file_never_runs_anything_in_it(tmp_path):
+    import pickle
+
+    import h5py
+
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(_Payload(marker))
+    benign, hostile = str(tmp_path / "benign.h5"), str(tmp_path / "hostile.h5")
+    synthetic_run(benign)
+    w = synthetic_run(hostile, close=False)
+    w.meta("model", {"py/reduce": payload.hex(), "__class__": "os.system"})
+    w.meta("optimizer", f"__import__('os').system('touch {marker}')")
+    row = schema.empty("arrays", 1)  # an array row that claims to hold a pickled object
+    row["dtype"], row["ndim"], row["numel"], row["saved"] = b"|O", 1, 1, 1
+    row["data_off"], row["data_len"] = w.bytes(payload)
+    w.append("arrays", row)
+    w.close(schema.STATUS_FINISHED)
+    with h5py.File(hostile, "r+") as f:
+        f.attrs["pickled"] = np.void(payload)
+        f.attrs["argv"] = np.bytes_(f"__import__('os').system('touch {marker}')".encode())
+        f.create_dataset("pickled", data=np.frombuffer(payload, "u1"))
+    proc = subprocess.run([PYTHON, "-c", _AUDIT, benign, hostile, os.path.join(ROOT, "tests")],
+                          env=python_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"outcome": "diagnosis", "events": []}
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Every format version ever released stays readable
+
+
+def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
+    for version in range(1, schema.FORMAT_VERSION + 1):
+        path = os.path.join(FORMATS, f"v{version}.h5")
+        assert os.path.exists(path), f"no fixture run for format version {version}: " \
+                                     "python fixtures/formats/make_fixture.py"
+        with open(os.path.join(FORMATS, f"v{version}.json")) as fh:
+            expected = json.load(fh)
+        with store.load(path) as run:
+            assert int(run.attrs["format_version"]) == version == expected["format_version"]
+            assert run.status == expected["status"] and len(run.steps) == expected["steps"]
+            steps = run.steps["step"]
+            assert list(steps[run.steps["skipped"] == 1]) == expected["skipped_steps"]
+            assert list(steps[run.steps["sampled"] == 1]) == expected["sampled_steps"]
+            assert sorted(set(run.tensors["name"])) == expected["tensors"]
+            assert len(run.stats) == expected["stats_rows"]
+            assert len(run.stats.read()) == expected["stats_rows"]
+            assert list(run.snapshots["step"]) == expected["snapshot_steps"]
+            assert len(run.arrays) == expected["arrays"]
+            batches = [run.array(i) for i in range(len(run.arrays))]
+            assert all(b.size for b in batches)
+            assert run.meta["autocast"]["dtype"] == expected["autocast_dtype"]
+            assert run.meta["optimizer"][0]["class"] == expected["optimizer"]
+            d = analyze.diagnose(run)
+        assert d.verdict in analyze.VERDICTS
+        assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]

@@ -340,7 +340,11 @@ def _notes(f: Facts) -> list[str]:
     notes = []
     status = f.run.status
     last = int(f.steps["step"][-1]) if f.n else None
-    if status == "interrupted" or status.startswith(schema.STATUS_SIGNAL):
+    if status == "running":
+        notes.append(f"The run is still being recorded; this covers the steps up to {last}, "
+                     "the writer's last flush." if last is not None else
+                     "The run is still being recorded and has no step yet.")
+    elif status == "interrupted" or status.startswith(schema.STATUS_SIGNAL):
         how = "interrupted (its writer never closed the file)" if status == "interrupted" \
             else f"interrupted by {status.split(':', 1)[1]}"
         notes.append(f"The run was {how}; the last recorded step is {last}." if last is not None

@@ -186,19 +186,25 @@ class Recorder:
         self.closed = True
         self.active = False
         self._detach()
-        self._release_exit()
         if _ACTIVE is self:
             _ACTIVE = None
-        if self._writer is not None and not self._writer.closed:
-            status = self._status_if_signalled(status)
-            try:
-                self._drain()
-                self._writer.close(status)
-            except Exception as exc:  # noqa: BLE001
-                self._writer.abandon()
-                self._warn_once("close", self._lost(exc, "close"))
-                if self.strict:
-                    raise RecorderFault(str(exc)) from exc
+        try:
+            self._finish(status)
+        finally:
+            self._release_exit()  # only now: a SIGTERM during close still waits for it
+
+    def _finish(self, status: str) -> None:
+        if self._writer is None or self._writer.closed:
+            return
+        status = self._status_if_signalled(status)
+        try:
+            self._drain()
+            self._writer.close(status)
+        except Exception as exc:  # noqa: BLE001
+            self._writer.abandon()
+            self._warn_once("close", self._lost(exc, "close"))
+            if self.strict:
+                raise RecorderFault(str(exc)) from exc
 
     def _detach(self) -> None:
         for handles in (self._sample_hooks, self._root_hooks, self._discovery, self._patches):
@@ -335,27 +341,38 @@ class Recorder:
         (by default, end the process by that same signal). A handler the script set itself
         is called instead, after a flush: the script decides what SIGTERM means."""
         previous = self._signal_previous.get(signum, signal.SIG_DFL)
-        if os.getpid() == self._pid and not self.closed:
-            if _inside_recorder(frame) and self._wait_for_signal(signum):
-                return  # half-way through a write: the signal comes back when it is done
-            self._signal_pending = None
+        mine = os.getpid() == self._pid  # not a forked child (a DataLoader worker)
+        if mine and _inside_recorder(frame) and self._wait_for_signal(signum, frame):
+            return  # half-way through a write, or through close: back when that is done
+        self._signal_pending = None
+        if mine and not self.closed:
             if callable(previous):
                 self.flush()
             else:
                 self.close(schema.STATUS_SIGNAL + signal.Signals(signum).name)
         _pass_on(signum, frame, previous)
 
-    def _wait_for_signal(self, signum: int) -> bool:
-        """Send ``signum`` again in 10 ms (for at most SIGNAL_PATIENCE seconds)."""
+    def _wait_for_signal(self, signum: int, frame: Any) -> bool:
+        """Take ``signum`` again as soon as ampdoctor's code on the stack has returned.
+
+        The outermost such frame gets a local trace function (``_Retake``) that re-sends the
+        signal once that frame has returned. Under a debugger or coverage,
+        which own the trace function, the signal is re-sent every 10 ms instead. Either way
+        it waits SIGNAL_PATIENCE seconds at most.
+        """
         self._signal_pending = signum
         now = time.monotonic()
         if not self._signal_deadline:
             self._signal_deadline = now + SIGNAL_PATIENCE
         if now > self._signal_deadline:
             return False
-        timer = threading.Timer(0.01, os.kill, (self._pid, signum))
-        timer.daemon = True
-        timer.start()
+        outer = _outermost_recorder_frame(frame)
+        if sys.gettrace() is None and outer is not None:
+            _Retake(outer, self._pid, signum)
+        else:
+            timer = threading.Timer(0.01, _resend, (self._pid, signum))
+            timer.daemon = True
+            timer.start()
         return True
 
     def _status_if_signalled(self, status: str) -> str:
@@ -1004,11 +1021,63 @@ _RECORDING_CODE = frozenset(os.path.join(_HERE, name) for name in (
 
 
 def _inside_recorder(frame: Any) -> bool:
+    return _outermost_recorder_frame(frame) is not None
+
+
+def _outermost_recorder_frame(frame: Any) -> Any:
+    outer = None
     while frame is not None:
-        if os.path.abspath(frame.f_code.co_filename) in _RECORDING_CODE:
-            return True
+        if frame.f_code not in _RETAKE_CODE and \
+                os.path.abspath(frame.f_code.co_filename) in _RECORDING_CODE:
+            outer = frame
         frame = frame.f_back
-    return False
+    return outer
+
+
+class _Retake:
+    """Sends a held-back signal again once ``outer`` has returned, as a debugger stops at a
+    return: a local trace function on ``outer``, then one on its caller, whose first event
+    comes after ``outer`` is off the stack. Tracing is on only until then."""
+
+    def __init__(self, outer: Any, pid: int, signum: int):
+        self.outer, self.pid, self.signum = outer, pid, signum
+        outer.f_trace_lines = False
+        outer.f_trace = self.on_outer
+        sys.settrace(_untraced)
+
+    def on_outer(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame is self.outer and event == "return":
+            caller = frame.f_back
+            if caller is None:
+                self.fire()
+                return None
+            caller.f_trace_lines = True
+            caller.f_trace = self.on_caller
+        return self.on_outer
+
+    def on_caller(self, frame: Any, event: str, arg: Any) -> None:
+        frame.f_trace = None
+        self.fire()
+
+    def fire(self) -> None:
+        sys.settrace(None)
+        _resend(self.pid, self.signum)
+
+
+def _untraced(frame: Any, event: str, arg: Any) -> None:
+    return None  # a global trace function that traces no new frame
+
+
+def _resend(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
+# The signal machinery's own frames do not count as "inside the recorder".
+_RETAKE_CODE = frozenset(f.__code__ for f in (_Retake.on_outer, _Retake.on_caller, _Retake.fire,
+                                              _resend, _untraced))
 
 
 def _pass_on(signum: int, frame: Any, previous: Any) -> None:

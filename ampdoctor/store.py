@@ -434,16 +434,17 @@ class Run:
     snapshots: np.ndarray = field(default_factory=lambda: _decoded(
         schema.empty("snapshots"), ["module", "module_type", "detail"]))
     arrays: np.ndarray = field(default_factory=lambda: _decoded(schema.empty("arrays"), ["name"]))
+    live: bool = False  # the writer has the file open and is still running
     _file: Any = field(default=None, repr=False)
     _blob: Any = field(default=None, repr=False)
 
     @property
     def status(self) -> str:
-        """'finished', 'exception:<Type>', 'signal:<NAME>', or 'interrupted' (the writer
-        never closed the file: killed, or still running)."""
+        """'finished', 'exception:<Type>', 'signal:<NAME>', 'running' (still being written),
+        or 'interrupted' (the writer never closed the file: it was killed)."""
         status = self.meta.get("status", schema.STATUS_RUNNING)
         if not isinstance(status, str) or status == schema.STATUS_RUNNING:
-            return "interrupted"
+            return "running" if self.live else "interrupted"
         return status
 
     @property
@@ -706,6 +707,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
         blob_ds.refresh()
     blob = Blob(blob_ds, path)
     run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
+    run.live = live and _writer_alive(run.attrs)
     run.meta = _meta(raw["meta"], blob)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
@@ -717,6 +719,37 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.snapshots = _decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
     run.arrays = _decoded(raw["arrays"], ["name"], blob)
     return run
+
+
+def _writer_alive(attrs: dict[str, Any]) -> bool:
+    """Is the process that is writing this file still running? (Same host only: elsewhere
+    a live writer and a killed one look alike.)"""
+    if attrs.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(attrs.get("pid"))
+        created = float(attrs.get("created"))
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # someone else's process, alive
+    except (OSError, TypeError, ValueError, OverflowError):
+        return False
+    started = _process_start(pid)
+    return started is None or started <= created + 1.0  # a later process reusing the pid
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (unix time), where /proc tells; else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:

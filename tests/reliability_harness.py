@@ -81,9 +81,9 @@ def train(path, report, case):
 
     store.Writer.flush = reporting_flush
 
-    def reporting_wait(self, signum):
+    def reporting_wait(self, *args):
         say("W")
-        return _WAIT(self, signum)
+        return _WAIT(self, *args)
 
     Recorder._wait_for_signal = reporting_wait
     torch.manual_seed(0)

@@ -49,7 +49,10 @@ def _cases():
     term += [{"id": f"term-async-{k}", "async_step": 3 + 6 * k, "delay_us": 300 * k,
               "signal": signal.SIGTERM} for k in range(3)]
     term += [{"id": "term-user-handler", "user_handler": True, "async_step": 5, "delay_us": 0,
-              "signal": signal.SIGTERM}]
+              "signal": signal.SIGTERM},
+             # Lands in ampdoctor's flush: waits for it, then the script's handler runs once.
+             {"id": "term-user-handler-in-flush", "user_handler": True,
+              "call": ["store.py", "flush", 6, 5], "signal": signal.SIGTERM}]
     raised = [{"id": "raise-with", "raise_at": 7},
               {"id": "raise-no-with", "raise_at": 7, "with": False}]
     return kill + term + raised
@@ -135,10 +138,11 @@ def test_sigterm_finishes_the_file_and_still_ends_the_process(ended, reference, 
     result = ended[case]
     with store.load(result["path"]) as run:
         n = _check_prefix(result, reference, run)
-        if case == "term-user-handler":
+        if case.startswith("term-user-handler"):
             # The script's own handler decides what SIGTERM means: here, nothing.
             assert result["exit"] == 0 and result["lines"].count("H") == 1
             assert run.status == "finished" and n == STEPS
+            assert ("W" in result["lines"]) == case.endswith("in-flush")
             return
         assert result["signal"] == signal.SIGTERM, f"not ended by SIGTERM: {result}"
         assert run.status == "signal:SIGTERM"

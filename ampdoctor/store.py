@@ -691,6 +691,11 @@ def load(path: str | os.PathLike) -> Run:
     raise AssertionError("unreachable")
 
 
+# Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
+_READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "meta", "tensors",
+               schema.BLOB)
+
+
 def _read(path: str, f: h5py.File, live: bool) -> Run:
     """Read a run; tables that point into others are read before what they point at.
 
@@ -698,14 +703,19 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     (stats → tensors, rows → /blob) first means every reference read has its target.
     """
     _check_format(path, f)
-    ds = {n: _dataset(path, f, n, dt) for n, dt in schema.TABLES.items()}
-    stats = Table(ds["stats"], nrows=ds["stats"].shape[0], path=path)
-    raw = {n: ds[n][:] for n in ("events", "snapshots", "arrays", "steps", "groups", "meta",
-                                 "tensors")}
-    blob_ds = _dataset(path, f, schema.BLOB, np.dtype("u1"))
-    if live:
-        blob_ds.refresh()
-    blob = Blob(blob_ds, path)
+    # HDF5 shares one open file among every open of it in a process (a Run not closed yet):
+    # a plain open may hand back a SWMR reader's file, whose cached tables can be stale.
+    live = live or bool(f.swmr_mode)
+    ds = {n: _dataset(path, f, n, schema.TABLES.get(n, np.dtype("u1"))) for n in _READ_ORDER}
+    raw = {}
+    for name in _READ_ORDER:  # each table's length is fixed here, in this order
+        if live:
+            ds[name].refresh()
+        if name == "stats":
+            stats = Table(ds[name], nrows=ds[name].shape[0], path=path)
+        elif name != schema.BLOB:
+            raw[name] = ds[name][:]
+    blob = Blob(ds[schema.BLOB], path)
     run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
     run.live = live and _writer_alive(run.attrs)
     run.meta = _meta(raw["meta"], blob)

@@ -408,3 +408,82 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
             d = analyze.diagnose(run)
         assert d.verdict in analyze.VERDICTS
         assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Live reading: diagnose and dump a file while it is written, without disturbing the writer
+
+_WRITER = r"""
+import os, sys, time, torch
+sys.path.insert(0, sys.argv[3])
+import ampdoctor
+from helpers import fresh, batches
+import torch.nn.functional as F
+
+def run(path, stop, limit):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    rec = ampdoctor.watch(model, opt, scaler, path=path, every=2, flush_seconds=0.0) \
+        if path else None
+    losses = []
+    for i, (x, y) in enumerate(batches(limit)):
+        if stop and os.path.exists(stop):
+            break
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        losses.append(loss.item())
+        scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
+        time.sleep(0.01)
+    if rec:
+        rec.close()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+losses, weights = run(sys.argv[1], sys.argv[2], 100000)
+plain, plain_weights = run(None, None, len(losses))  # the same steps, not recorded
+same = plain == losses and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+print(len(losses), "identical" if same else "DIFFERENT")
+"""
+
+
+def test_live_file_is_read_while_written_without_disturbing_the_writer(tmp_path):
+    import time
+
+    path, stop = str(tmp_path / "live.h5"), str(tmp_path / "stop")
+    writer = subprocess.Popen([PYTHON, "-c", _WRITER, path, stop, os.path.join(ROOT, "tests")],
+                              env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if os.path.exists(path) and len(store.load(path).steps) >= 5:
+                break
+            time.sleep(0.1)
+        seen = []
+        for _ in range(25):
+            with store.load(path) as run:
+                assert run.status == "running"
+                np.testing.assert_array_equal(run.steps["step"], np.arange(len(run.steps)))
+                known = set(run.tensors["id"].tolist())
+                assert set(run.stats.column("tensor").tolist()) <= known
+                assert all(run.tensors["name"])
+                seen.append(len(run.steps))
+                d = analyze.diagnose(run)
+            assert "still being recorded" in " ".join(d.notes)
+        assert seen == sorted(seen) and seen[-1] > seen[0], seen
+        cli = {cmd: subprocess.run([PYTHON, "-m", "ampdoctor", cmd, path], env=python_env(),
+                                   capture_output=True, text=True) for cmd in ("diagnose", "dump")}
+        for cmd, proc in cli.items():
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, (cmd, proc.stderr)
+        assert "status running" in cli["diagnose"].stdout
+        assert "The run is still being recorded" in cli["diagnose"].stdout
+        assert '"status": "running"' in cli["dump"].stdout.replace("status: ", '"status": ')
+    finally:
+        open(stop, "w").close()
+        out, err = writer.communicate(timeout=300)
+    assert writer.returncode == 0, err
+    assert "ampdoctor:" not in err  # no warning: recording never stepped aside
+    steps, verdict = out.split()
+    assert verdict == "identical"
+    with store.load(path) as run:
+        assert run.status == "finished" and len(run.steps) == int(steps) > seen[-1]
+        assert list(run.steps["sampled"][:6]) == [1, 0, 1, 0, 1, 0]

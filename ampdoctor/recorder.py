@@ -277,15 +277,13 @@ class Recorder:
         kept = w.committed["steps"] if w is not None else 0
         if isinstance(exc, FileNotFoundError) and "deleted" in str(exc):
             return (f"{self.path} was deleted while recording (its directory removed?): what it "
-                    f"held is gone, and steps from {self.steps} on are not recorded; training "
-                    "continues")
+                    "held is gone and nothing more is recorded; training continues")
         if isinstance(exc, OSError):
             what = f"could not write {self.path} ({store._reason(exc)})"
         else:
             what = f"internal error in {where} ({type(exc).__name__}: {exc})"
         held = f"steps 0-{kept - 1}" if kept else "no step"
-        return (f"{what}; recording stopped at step {self.steps} and {self.path} keeps {held}; "
-                "training continues")
+        return f"{what}; {self.path} keeps {held}, nothing after is recorded; training continues"
 
     def warn_tensor(self, what: str, exc: BaseException) -> None:
         """A tensor that could not be measured: skipped, reported once."""
@@ -401,6 +399,7 @@ class Recorder:
         self.active = False
         if self._writer is not None:
             self._writer.disown()
+            self._writer.closed = True
         self._detach()
         if _ACTIVE is self:
             _ACTIVE = None

@@ -36,6 +36,13 @@ from .errors import FormatTooNewError, RunFileError
 # Writing
 
 
+_WRITING: set[tuple[int, int]] = set()  # files this process's open writers are writing
+
+
+class WriteError(OSError):
+    """Writing the run file failed (disk full, file system gone, HDF5 error)."""
+
+
 class Writer:
     """Append-only writer of one run file.
 
@@ -69,17 +76,23 @@ class Writer:
         except OSError as exc:
             raise OSError(getattr(exc, "errno", None),
                           f"cannot create {self.path}: {_reason(exc)}") from None
+        self._fd = _file_descriptor(self._file)
+        self._identity = _identity(building)
+        _WRITING.add(self._identity)
+        self._tables: dict[str, Any] = {}
         try:
             self._create(rank, world_size, argv)
             self._file.swmr_mode = True
             self._file.flush()
             if building != self.path:
                 os.replace(building, self.path)
-        except BaseException:
-            self._file.close()
+        except BaseException as exc:
+            self.abandon()
             _remove_quietly(building)
+            if isinstance(exc, Exception) and not isinstance(exc, OSError):
+                raise WriteError(_errno(exc), f"cannot create {self.path}: "
+                                              f"{_reason(exc)}") from exc
             raise
-        self._fd = _file_descriptor(self._file)
         self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
         self._placed = {name: 0 for name in schema.TABLES}  # rows given a place in the file
         self.committed = {name: 0 for name in schema.TABLES}  # rows on disk (last good flush)
@@ -105,14 +118,17 @@ class Writer:
             # heap, which has no checksum, and a damaged one can send HDF5 into a loop.
             self._file.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) \
                 else value
+        # The datasets stay open as long as the writer: closing one flushes its chunk cache,
+        # and a write that fails there (disk full) is swallowed by h5py and leaves HDF5 in a
+        # state that crashes the process at exit. Open, every failed write reaches flush().
         for name, dtype in schema.TABLES.items():
-            self._file.create_dataset(
+            self._tables[name] = self._file.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=dtype,
                 chunks=(schema.CHUNK_ROWS[name],), compression="gzip", compression_opts=4,
                 shuffle=True)
-        self._file.create_dataset(schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1",
-                                  chunks=(schema.BLOB_CHUNK,), compression="gzip",
-                                  compression_opts=4)
+        self._tables[schema.BLOB] = self._file.create_dataset(
+            schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1", chunks=(schema.BLOB_CHUNK,),
+            compression="gzip", compression_opts=4)
 
     # -- buffering --------------------------------------------------------------------------
 
@@ -158,14 +174,21 @@ class Writer:
         if self.closed:
             return
         if self.failed is not None:
-            raise OSError(f"{self.path} is no longer written after an earlier failure "
-                          f"({_reason(self.failed)})")
+            raise WriteError(None, f"no longer written after an earlier failure "
+                                   f"({_reason(self.failed)})")
         try:
             self._check_still_there()
             self._write_queued()
             self._file.flush()
         except BaseException as exc:
+            # Whatever HDF5 still writes for this flush (when the objects of the failed call
+            # are released, at close) must not reach the file: it stays as the last good
+            # flush left it. Writes that keep failing inside HDF5 can also crash it later.
             self.failed = exc
+            self._fit_superblock()
+            self.disown()
+            if isinstance(exc, Exception) and not isinstance(exc, OSError):
+                raise WriteError(_errno(exc), _reason(exc)) from exc
             raise
         self.committed = dict(self._placed)
 
@@ -176,20 +199,38 @@ class Writer:
             data = np.frombuffer(bytes(self._blob), dtype="u1")
             self._blob_placed += len(data)
             self._blob = bytearray()
-            _append_rows(self._file[schema.BLOB], data)
+            _append_rows(self._tables[schema.BLOB], data)
         for name, chunks in self._pending.items():
             if not chunks:
                 continue
             rows = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
             self._pending[name] = []
             self._placed[name] += len(rows)
-            _append_rows(self._file[name], rows)
+            _append_rows(self._tables[name], rows)
 
     def _check_still_there(self) -> None:
         """A deleted file (its directory removed) still takes writes that nobody will read."""
         if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
             raise FileNotFoundError(errno.ENOENT, f"{self.path} was deleted while being "
                                                   "written (its directory removed?)")
+
+    def _fit_superblock(self) -> None:
+        """After a failed write, make the superblock's end-of-file match the file's size.
+
+        HDF5 writes the superblock (with the new end of file) before it extends the file; a
+        write that fails in between (disk full) leaves a file shorter than its header says,
+        which HDF5 refuses to open although everything up to the last good flush is there.
+        Rewriting the 48 bytes in place needs no new disk space.
+        """
+        if self._fd is None:
+            return
+        try:
+            head = os.pread(self._fd, 48, 0)
+            fixed = _superblock_with_eof(head, os.fstat(self._fd).st_size)
+            if fixed is not None:
+                os.pwrite(self._fd, fixed, 0)
+        except OSError:
+            pass
 
     def close(self, status: str | None = None) -> None:
         """Record the final status, flush and close. Safe to call twice."""
@@ -203,6 +244,7 @@ class Writer:
             self.abandon()
             raise
         self.closed = True
+        _WRITING.discard(self._identity)
         self._file.close()
 
     def abandon(self) -> None:
@@ -213,20 +255,21 @@ class Writer:
         /dev/null: whatever the close still writes goes nowhere, and the file on disk reads
         like that of a killed writer (every row up to the last good flush).
         """
-        if self.closed:
-            return
-        self.closed = True
         self.disown()
+        self.closed = True
+        if getattr(self, "_file", None) is None:
+            return
         try:
             self._file.close()
         except Exception:  # noqa: BLE001 - the file is already lost; nothing to report twice
             pass
+        self._file = None
 
     def disown(self) -> None:
         """Make this process unable to write the file again (after a failure, or in a
         forked child that inherited the writer): the descriptor now points at /dev/null.
         Plain OS calls only, so it is safe right after ``fork``."""
-        self.closed = True
+        _WRITING.discard(getattr(self, "_identity", None))
         if self._fd is None:
             return
         try:
@@ -244,6 +287,60 @@ def _append_rows(ds: Any, rows: np.ndarray) -> None:
     start = ds.shape[0]
     ds.resize((start + len(rows),))
     ds[start:] = rows
+
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _superblock_with_eof(head: bytes, size: int) -> bytes | None:
+    """A version 2/3 superblock whose end of file is clamped to ``size``; None if unchanged
+    or not a superblock this knows (8-byte addresses, checksum intact)."""
+    if len(head) < 48 or head[:8] != _SIGNATURE or head[8] not in (2, 3) or head[9] != 8:
+        return None
+    if struct.unpack("<I", head[44:48])[0] != _lookup3(head[:44]):
+        return None
+    base, ext, eof, root = struct.unpack("<4Q", head[12:44])
+    if base + eof <= size or size < base:
+        return None
+    body = head[:28] + struct.pack("<Q", size - base) + head[36:44]
+    return body + struct.pack("<I", _lookup3(body))
+
+
+def _lookup3(data: bytes, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 hash ("hashlittle"): HDF5's checksum of metadata blocks."""
+    mask = 0xFFFFFFFF
+
+    def rot(x: int, k: int) -> int:
+        return ((x << k) | (x >> (32 - k))) & mask
+
+    n = len(data)
+    v = [(0xDEADBEEF + n + initval) & mask] * 3  # a, b, c
+    i = 0
+    while n - i > 12:
+        for j in range(3):
+            v[j] = (v[j] + int.from_bytes(data[i + 4 * j:i + 4 * j + 4], "little")) & mask
+        # mix(a, b, c): x -= y; x ^= rot(y, k); y += z
+        for x, y, z, k in ((0, 2, 1, 4), (1, 0, 2, 6), (2, 1, 0, 8), (0, 2, 1, 16),
+                           (1, 0, 2, 19), (2, 1, 0, 4)):
+            v[x] = ((v[x] - v[y]) & mask) ^ rot(v[y], k)
+            v[y] = (v[y] + v[z]) & mask
+        i += 12
+    if n == i:
+        return v[2]
+    tail = data[i:] + bytes(12 - (n - i))
+    for j in range(3):
+        v[j] = (v[j] + int.from_bytes(tail[4 * j:4 * j + 4], "little")) & mask
+    # final(a, b, c): x ^= y; x -= rot(y, k)
+    for x, y, k in ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14),
+                    (2, 1, 24)):
+        v[x] = ((v[x] ^ v[y]) - rot(v[y], k)) & mask
+    return v[2]
+
+
+def _errno(exc: BaseException) -> int | None:
+    """The OS error number inside an h5py message ("errno = 28"), if any."""
+    found = re.search(r"errno = (\d+)", str(exc))
+    return int(found.group(1)) if found else None
 
 
 def _partial_name(path: str) -> str:
@@ -274,12 +371,12 @@ def _reason(exc: BaseException) -> str:
     h5py nests the cause in parentheses ("Unable to open file (file signature not found)")
     and a failed write names the OS error inside ("... error message = 'No space left ...'").
     """
-    if isinstance(exc, OSError) and exc.errno and exc.strerror:
+    if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
-    text = (str(exc).strip().splitlines() or [""])[0]
-    os_error = re.search(r"error message = '([^']*)'", text)
+    os_error = re.search(r"error message = '([^']*)'", str(exc))
     if os_error:
         return os_error.group(1)
+    text = (str(exc).strip().splitlines() or [""])[0]
     _head, paren, rest = text.partition("(")
     if paren and rest.endswith(")"):
         text = rest[:-1]
@@ -712,12 +809,12 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
         if live:
             ds[name].refresh()
         if name == "stats":
-            stats = Table(ds[name], nrows=ds[name].shape[0], path=path)
+            stats = Table(ds[name], nrows=_written_rows(ds[name]), path=path)
         elif name != schema.BLOB:
-            raw[name] = ds[name][:]
+            raw[name] = _without_unwritten_tail(name, ds[name][:])
     blob = Blob(ds[schema.BLOB], path)
     run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
-    run.live = live and _writer_alive(run.attrs)
+    run.live = live and _writer_alive(run.attrs, path)
     run.meta = _meta(raw["meta"], blob)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
@@ -731,9 +828,9 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     return run
 
 
-def _writer_alive(attrs: dict[str, Any]) -> bool:
-    """Is the process that is writing this file still running? (Same host only: elsewhere
-    a live writer and a killed one look alike.)"""
+def _writer_alive(attrs: dict[str, Any], path: str) -> bool:
+    """Is the process that wrote this file still running, with the file open? (Same host
+    only: elsewhere a live writer and a killed one look alike.)"""
     if attrs.get("host") != socket.gethostname():
         return False
     try:
@@ -747,7 +844,37 @@ def _writer_alive(attrs: dict[str, Any]) -> bool:
     except (OSError, TypeError, ValueError, OverflowError):
         return False
     started = _process_start(pid)
-    return started is None or started <= created + 1.0  # a later process reusing the pid
+    if started is not None and started > created + 1.0:
+        return False  # a later process reusing the pid
+    if pid == os.getpid():  # this process's own readers hold the file too: ask its writers
+        return _identity(path) in _WRITING
+    return _has_open(pid, path) is not False
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+        return info.st_dev, info.st_ino
+    except OSError:
+        return None
+
+
+def _has_open(pid: int, path: str) -> bool | None:
+    """Does process ``pid`` hold ``path`` open? None where /proc cannot tell. (A writer that
+    stepped aside after a failure, in a process still training, has let go of it.)"""
+    try:
+        target = os.stat(path)
+        folder = f"/proc/{pid}/fd"
+        for name in os.listdir(folder):
+            try:
+                held = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if (held.st_dev, held.st_ino) == (target.st_dev, target.st_ino):
+                return True
+        return False
+    except OSError:
+        return None
 
 
 def _process_start(pid: int) -> float | None:
@@ -760,6 +887,36 @@ def _process_start(pid: int) -> float | None:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def _without_unwritten_tail(name: str, rows: np.ndarray) -> np.ndarray:
+    """Rows up to the last one a writer wrote.
+
+    A flush cut short (disk full, or a kill while HDF5 evicted part of it) can leave a table
+    longer than what reached it: the rows past the end read as HDF5's fill value, zeros.
+    The writer never writes an all-zero row (text has a length, floats default to NaN, a
+    step has its time), so trailing zero rows are rows that never arrived.
+    """
+    if not len(rows):
+        return rows
+    if name == "steps":
+        written = rows["time"] != 0
+    else:
+        written = np.frombuffer(rows.tobytes(), np.uint8).reshape(len(rows), -1).any(axis=1)
+    last = np.flatnonzero(written)
+    return rows[: last[-1] + 1 if len(last) else 0]
+
+
+def _written_rows(ds: Any, block: int = 4096) -> int:
+    """Like ``_without_unwritten_tail`` for a table read on demand: reads only its end."""
+    n = int(ds.shape[0])
+    while n > 0:
+        start = max(0, n - block)
+        tail = _without_unwritten_tail(ds.name.lstrip("/"), ds[start:n])
+        if len(tail):
+            return start + len(tail)
+        n = start
+    return 0
 
 
 def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:

@@ -487,3 +487,174 @@ def test_live_file_is_read_while_written_without_disturbing_the_writer(tmp_path)
     with store.load(path) as run:
         assert run.status == "finished" and len(run.steps) == int(steps) > seen[-1]
         assert list(run.steps["sampled"][:6]) == [1, 0, 1, 0, 1, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults inside ampdoctor: training goes on, bit-identical; one warning says what was lost
+
+import shutil  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ampdoctor  # noqa: E402
+from ampdoctor.errors import RecorderFault  # noqa: E402
+from helpers import batches, fresh  # noqa: E402
+
+
+def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None):
+    losses = []
+    for i, (x, y) in enumerate(batches(steps)):
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        losses.append(loss.detach().float().item())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(i, model)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def _ampdoctor_warnings(caught):
+    return [str(w.message) for w in caught if str(w.message).startswith("ampdoctor:")]
+
+
+def _record(path, steps, after_step=None, make=fresh, dtype=torch.float16, scaler=True, **kw):
+    model, opt = make()
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampdoctor.watch(model, opt, sc, path=str(path), every=1, flush_seconds=0.0, **kw):
+            result = _loop(model, opt, sc, steps, dtype, after_step)
+    return result, _ampdoctor_warnings(caught)
+
+
+def _plain(steps, make=fresh, dtype=torch.float16, scaler=True, after_step=None):
+    model, opt = make()
+    return _loop(model, opt, torch.amp.GradScaler("cpu") if scaler else None, steps, dtype,
+                 after_step)
+
+
+def test_output_directory_removed_mid_run(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def remove(i, model):
+        if i == 3:
+            shutil.rmtree(folder)
+
+    recorded, said = _record(folder / "run.h5", 8, remove)
+    _same(recorded, _plain(8))
+    assert len(said) == 1, said
+    assert str(folder / "run.h5") in said[0] and "was deleted while recording" in said[0]
+    assert "training continues" in said[0]
+
+
+def test_output_directory_removed_mid_run_strict(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def remove(i, model):
+        if i == 3:
+            shutil.rmtree(folder)
+
+    with pytest.raises(RecorderFault, match="was deleted"):
+        _record(folder / "run.h5", 8, remove, strict=True)
+
+
+def test_a_write_error_keeps_what_was_flushed(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "run.h5"
+    real = store._append_rows
+    calls = []
+
+    def full(ds, rows):
+        calls.append(ds.name)
+        if len(calls) > 15:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(ds, rows)
+
+    monkeypatch.setattr(store, "_append_rows", full)
+    recorded, said = _record(path, 10)
+    _same(recorded, _plain(10))
+    assert len(said) == 1, said
+    assert f"could not write {path} (No space left on device)" in said[0]
+    kept = int(said[0].split("keeps steps 0-")[1].split(",")[0]) + 1
+    with store.load(path) as run:
+        assert run.status == "interrupted"
+        np.testing.assert_array_equal(run.steps["step"], np.arange(kept))
+        assert 0 < kept < 10
+
+
+_DISK_FULL = r"""
+import json, os, resource, signal, sys, warnings
+sys.path.insert(0, sys.argv[3])
+import torch
+import test_reliability as t
+from ampdoctor import store
+
+path, limit = sys.argv[1], int(sys.argv[2])
+plain = t._plain(30)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
+if limit:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+recorded, said = t._record(path, 30)
+same = recorded[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
+print(json.dumps({"same": same, "said": said}))
+"""
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 64 KiB tmpfs when this process may mount one, else None."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        yield None
+        return
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("how", ["file-size-limit", "tiny-filesystem"])
+def test_disk_full_keeps_what_was_flushed(tmp_path, tiny_filesystem, how):
+    """A real write failure inside HDF5 (EFBIG past RLIMIT_FSIZE, or ENOSPC on a full tmpfs)."""
+    if how == "tiny-filesystem":
+        if tiny_filesystem is None:
+            pytest.skip("cannot mount a tmpfs here; file-size-limit makes the same failure")
+        path, limit = tiny_filesystem / "run.h5", 0
+    else:
+        path, limit = tmp_path / "run.h5", 48 << 10
+    proc = subprocess.run([PYTHON, "-c", _DISK_FULL, str(path), str(limit),
+                           os.path.join(ROOT, "tests")], env=python_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same"] and len(result["said"]) == 1, result
+    said = result["said"][0]
+    assert f"could not write {path} (" in said and "training continues" in said
+    assert "File too large" in said or "No space left on device" in said
+    kept = int(said.split("keeps steps 0-")[1].split(",")[0]) + 1
+    with store.load(str(path)) as run:
+        assert run.status == "interrupted"
+        n = len(run.steps)  # what the failed flush wrote before failing may be there too
+        np.testing.assert_array_equal(run.steps["step"], np.arange(n))
+        assert 0 < kept <= n < 30 and np.all(run.steps["time"] > 0)

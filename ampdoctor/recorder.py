@@ -276,14 +276,14 @@ class Recorder:
         w = self._writer
         kept = w.committed["steps"] if w is not None else 0
         if isinstance(exc, FileNotFoundError) and "deleted" in str(exc):
-            return (f"{self.path} was deleted while recording (its directory removed?): what it "
-                    "held is gone and nothing more is recorded; training continues")
+            return (f"{self.path} was deleted while recording (its directory removed?): "
+                    "recording stopped and what the file held is gone; training continues")
         if isinstance(exc, OSError):
             what = f"could not write {self.path} ({store._reason(exc)})"
         else:
             what = f"internal error in {where} ({type(exc).__name__}: {exc})"
         held = f"steps 0-{kept - 1}" if kept else "no step"
-        return f"{what}; {self.path} keeps {held}, nothing after is recorded; training continues"
+        return f"{what}; recording stopped, {self.path} keeps {held}; training continues"
 
     def warn_tensor(self, what: str, exc: BaseException) -> None:
         """A tensor that could not be measured: skipped, reported once."""

@@ -606,16 +606,18 @@ def _open(path: str) -> tuple[h5py.File, bool]:
     metadata, so a truncated file is refused here first, and the retries are bounded.
     """
     _check_path(path)
-    try:
-        return h5py.File(path, "r"), False
-    except H5_ERRORS as exc:
-        error = exc
-    message = str(error)
-    if "signature" in message:
-        raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)")
-    if "already open for write" not in message:
-        raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
-                           f"{_reason(error)})")
+    if not _flagged_as_written(path):
+        try:
+            return h5py.File(path, "r"), False
+        except H5_ERRORS as exc:
+            message = str(exc)
+            if "signature" in message:
+                raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)") from None
+            if "already open for write" not in message:  # a writer may just have opened it
+                raise RunFileError(f"{path} could not be opened as HDF5 (truncated or "
+                                   f"damaged: {_reason(exc)})") from None
+    # A live writer's flush writes the header's new end of file just before it extends the
+    # file, so "shorter than its header says" can last a moment: `load` tries again.
     if os.path.getsize(path) < _stored_eof(path):
         raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
                            "shorter than its header says)")
@@ -624,6 +626,17 @@ def _open(path: str) -> tuple[h5py.File, bool]:
     except H5_ERRORS as exc:
         raise RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: "
                            f"{_reason(exc)})") from None
+
+
+def _flagged_as_written(path: str) -> bool:
+    """The superblock says a writer has the file open (it is being written, or was killed)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+    except OSError:
+        return False
+    return len(head) == 12 and head[:8] == _SIGNATURE and head[8] in (2, 3) and \
+        bool(head[11] & 0x05)  # write access, SWMR write access
 
 
 def _check_path(path: str) -> None:
@@ -770,22 +783,34 @@ def load(path: str | os.PathLike) -> Run:
             print(len(run.steps), run.status)
     """
     path = os.fspath(path)
-    for attempt in range(LIVE_RETRIES):
-        f, live = _open(path)
+    return _retrying(path, lambda: _load_once(path))
+
+
+def _retrying(path: str, read: Any) -> Any:
+    """``read()``, tried again a few times for a file flagged as being written: its writer
+    may have been half-way through a flush. A damaged file fails the same way each time."""
+    tries = LIVE_RETRIES if _flagged_as_written(path) else 1
+    for attempt in range(tries):
         try:
-            return _read(path, f, live)
+            return read()
         except RunFileError:
-            f.close()
-            # A live writer may have been mid-flush; a damaged file fails the same way again.
-            if not live or attempt == LIVE_RETRIES - 1:
+            if attempt == tries - 1:
                 raise
-        except H5_ERRORS as exc:
-            f.close()
-            if not live or attempt == LIVE_RETRIES - 1:
-                raise RunFileError(f"{path} is damaged and could not be read "
-                                   f"({_reason(exc)})") from None
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(0.01 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+def _load_once(path: str) -> Run:
+    f, live = _open(path)
+    try:
+        return _read(path, f, live)
+    except RunFileError:
+        f.close()
+        raise
+    except H5_ERRORS as exc:
+        f.close()
+        raise RunFileError(f"{path} is damaged and could not be read "
+                           f"({_reason(exc)})") from None
 
 
 # Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
@@ -973,6 +998,10 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
     listed as missing), but it still refuses what is not an ampdoctor run.
     """
     path = os.fspath(path)
+    return _retrying(path, lambda: _inspect_once(path))
+
+
+def _inspect_once(path: str) -> dict[str, Any]:
     f, live = _open(path)
     with f:
         version = _check_format(path, f)

@@ -593,7 +593,7 @@ def test_a_write_error_keeps_what_was_flushed(tmp_path, monkeypatch):
     _same(recorded, _plain(10))
     assert len(said) == 1, said
     assert f"could not write {path} (No space left on device)" in said[0]
-    kept = int(said[0].split("keeps steps 0-")[1].split(",")[0]) + 1
+    kept = int(said[0].split("keeps steps 0-")[1].split(";")[0]) + 1
     with store.load(path) as run:
         assert run.status == "interrupted"
         np.testing.assert_array_equal(run.steps["step"], np.arange(kept))
@@ -652,7 +652,7 @@ def test_disk_full_keeps_what_was_flushed(tmp_path, tiny_filesystem, how):
     said = result["said"][0]
     assert f"could not write {path} (" in said and "training continues" in said
     assert "File too large" in said or "No space left on device" in said
-    kept = int(said.split("keeps steps 0-")[1].split(",")[0]) + 1
+    kept = int(said.split("keeps steps 0-")[1].split(";")[0]) + 1
     with store.load(str(path)) as run:
         assert run.status == "interrupted"
         n = len(run.steps)  # what the failed flush wrote before failing may be there too

@@ -352,6 +352,10 @@ def _notes(f: Facts) -> list[str]:
     elif status.startswith(schema.STATUS_EXCEPTION):
         after = f" after step {last}" if last is not None else ""
         notes.append(f"The training script raised {status.split(':', 1)[1]}{after}.")
+    damaged = getattr(f.run, "damaged", [])
+    if damaged:
+        notes.append("Part of the file is damaged and was left out: table(s) "
+                     f"{', '.join('/' + t for t in damaged)} could not be read.")
     errors = f.run.events[f.run.events["kind"] == Event.RECORDER_ERROR]
     if len(errors):
         notes.append(f"Recording stopped early at step {int(errors['step'][0])} after an internal "

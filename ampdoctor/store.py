@@ -532,6 +532,7 @@ class Run:
         schema.empty("snapshots"), ["module", "module_type", "detail"]))
     arrays: np.ndarray = field(default_factory=lambda: _decoded(schema.empty("arrays"), ["name"]))
     live: bool = False  # the writer has the file open and is still running
+    damaged: list = field(default_factory=list)  # tables that could not be read (left empty)
     _file: Any = field(default=None, repr=False)
     _blob: Any = field(default=None, repr=False)
 
@@ -828,16 +829,18 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     # HDF5 shares one open file among every open of it in a process (a Run not closed yet):
     # a plain open may hand back a SWMR reader's file, whose cached tables can be stale.
     live = live or bool(f.swmr_mode)
-    ds = {n: _dataset(path, f, n, schema.TABLES.get(n, np.dtype("u1"))) for n in _READ_ORDER}
-    raw = {}
+    raw: dict[str, Any] = {}
+    damaged = []
     for name in _READ_ORDER:  # each table's length is fixed here, in this order
-        if live:
-            ds[name].refresh()
-        if name == "stats":
-            stats = Table(ds[name], nrows=_written_rows(ds[name]), path=path)
-        elif name != schema.BLOB:
-            raw[name] = _without_unwritten_tail(name, ds[name][:])
-    blob = Blob(ds[schema.BLOB], path)
+        try:
+            raw[name] = _read_table(path, f, name, live)
+        except H5_ERRORS as exc:
+            if name == "steps":  # without its steps a run has nothing to tell
+                raise
+            damaged.append(name)  # one damaged table (a torn write) does not lose the rest
+            raw[name] = Table(schema.empty("stats")) if name == "stats" else \
+                Blob() if name == schema.BLOB else schema.empty(name)
+    stats, blob = raw["stats"], raw[schema.BLOB]
     run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
     run.live = live and _writer_alive(run.attrs, path)
     run.meta = _meta(raw["meta"], blob)
@@ -850,7 +853,20 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     _known(raw["snapshots"], "autocast", schema.DType, schema.DType.UNKNOWN)
     run.snapshots = _decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
     run.arrays = _decoded(raw["arrays"], ["name"], blob)
+    run.damaged = damaged
     return run
+
+
+def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:
+    """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``."""
+    ds = _dataset(path, f, name, schema.TABLES.get(name, np.dtype("u1")))
+    if live:
+        ds.refresh()
+    if name == "stats":
+        return Table(ds, nrows=_written_rows(ds), path=path)
+    if name == schema.BLOB:
+        return Blob(ds, path)
+    return _without_unwritten_tail(name, ds[:])
 
 
 def _writer_alive(attrs: dict[str, Any], path: str) -> bool:

@@ -69,11 +69,13 @@ class Sampler:
         call = self._calls.get(id(module), 0)
         self._calls[id(module)] = call + 1
         for index, t in enumerate(tensors_in(output)):
-            key = (id(t), t._version)
-            if key in self._seen:  # a container handing on its child's tensor
-                continue
-            self._seen[key] = t
             try:
+                if t.is_inference():  # an evaluation inside the step, not the step's values
+                    continue
+                key = (id(t), t._version)
+                if key in self._seen:  # a container handing on its child's tensor
+                    continue
+                self._seen[key] = t
                 self._measure(t, Kind.OUTPUT, name, index, call, type(module).__name__)
             except Exception as exc:  # noqa: BLE001 - one odd output must not stop the rest
                 self.warn(f"output {index} of {name} ({type(t).__name__})", exc)

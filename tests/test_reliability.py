@@ -506,9 +506,9 @@ from ampdoctor.errors import RecorderFault  # noqa: E402
 from helpers import batches, fresh  # noqa: E402
 
 
-def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None):
+def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None, bad_step=None):
     losses = []
-    for i, (x, y) in enumerate(batches(steps)):
+    for i, (x, y) in enumerate(batches(steps, bad_step=bad_step)):
         with torch.autocast("cpu", dtype=dtype):
             loss = F.cross_entropy(model(x), y)
         losses.append(loss.detach().float().item())
@@ -526,28 +526,32 @@ def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None):
 
 
 def _same(a, b):
-    assert a[0] == b[0]
-    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    """Bit-identical losses and weights (NaN payloads included)."""
+    np.testing.assert_array_equal(np.array(a[0]).view(np.uint64), np.array(b[0]).view(np.uint64))
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
 
 
 def _ampdoctor_warnings(caught):
     return [str(w.message) for w in caught if str(w.message).startswith("ampdoctor:")]
 
 
-def _record(path, steps, after_step=None, make=fresh, dtype=torch.float16, scaler=True, **kw):
+def _record(path, steps, after_step=None, make=fresh, dtype=torch.float16, scaler=True,
+            bad_step=None, **kw):
     model, opt = make()
     sc = torch.amp.GradScaler("cpu") if scaler else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ampdoctor.watch(model, opt, sc, path=str(path), every=1, flush_seconds=0.0, **kw):
-            result = _loop(model, opt, sc, steps, dtype, after_step)
+            result = _loop(model, opt, sc, steps, dtype, after_step, bad_step)
     return result, _ampdoctor_warnings(caught)
 
 
-def _plain(steps, make=fresh, dtype=torch.float16, scaler=True, after_step=None):
+def _plain(steps, make=fresh, dtype=torch.float16, scaler=True, after_step=None, bad_step=None):
     model, opt = make()
     return _loop(model, opt, torch.amp.GradScaler("cpu") if scaler else None, steps, dtype,
-                 after_step)
+                 after_step, bad_step)
 
 
 def test_output_directory_removed_mid_run(tmp_path):
@@ -660,3 +664,100 @@ def test_disk_full_keeps_what_was_flushed(tmp_path, tiny_filesystem, how):
         n = len(run.steps)  # what the failed flush wrote before failing may be there too
         np.testing.assert_array_equal(run.steps["step"], np.arange(n))
         assert 0 < kept <= n < 30 and np.all(run.steps["time"] > 0)
+
+
+class _Refusing(torch.Tensor):
+    """A tensor subclass whose reductions raise: what a hook meets in some libraries'
+    tensor wrappers. Arithmetic still works, so the model trains."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("aminmax", "amax", "isfinite", "take", "flatten",
+                                             "reshape", "view", "abs"):
+            raise RuntimeError(f"{cls.__name__} does not support {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _DictOut(nn.Module):
+    def forward(self, h):
+        return {"a": h * 2, "b": h + 1}
+
+
+class _SubclassOut(nn.Module):
+    def forward(self, h):
+        return h.as_subclass(_Refusing)
+
+
+class _SparseOut(nn.Module):
+    def forward(self, h):
+        return h.detach().to_sparse()
+
+
+class _ComplexOut(nn.Module):
+    def forward(self, h):
+        return torch.complex(h.float(), h.float())
+
+
+class _NoneOut(nn.Module):
+    def forward(self, h):
+        return None
+
+
+class _GeneratorOut(nn.Module):
+    def forward(self, h):
+        return (h * k for k in (1.0, 0.5))
+
+
+class _Exotic(nn.Module):
+    """A model whose modules return everything a hook should not choke on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.dict_out, self.sub, self.sparse = _DictOut(), _SubclassOut(), _SparseOut()
+        self.complex, self.none, self.gen = _ComplexOut(), _NoneOut(), _GeneratorOut()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        d = self.dict_out(h)
+        h = d["a"] - d["b"]
+        h = self.sub(h).as_subclass(torch.Tensor)
+        h = h + 0.0 * self.sparse(h).to_dense()
+        h = h + 0.0 * self.complex(h).real.to(h.dtype)
+        self.none(h)
+        h = sum(self.gen(h))
+        with torch.inference_mode():  # an evaluation inside the step: inference tensors
+            self.fc(x.detach())
+        return self.head(h)
+
+
+def _exotic(seed=0):
+    torch.manual_seed(seed)
+    model = _Exotic()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_exotic_module_outputs_lose_only_what_cannot_be_measured(tmp_path):
+    # A NaN batch at step 3 sends the forensic replay through the same modules.
+    args = dict(make=_exotic, dtype=torch.bfloat16, scaler=False, bad_step=3)
+    recorded, said = _record(tmp_path / "run.h5", 6, **args)
+    _same(recorded, _plain(6, **args))
+    assert len(said) == 1, said  # the subclass, once, though every step is sampled
+    assert "output 0 of sub (_Refusing)" in said[0] and "left out" in said[0]
+    with store.load(str(tmp_path / "run.h5")) as run:
+        assert run.status == "finished" and len(run.steps) == 6
+        names = set(run.tensors["name"])
+        assert {"fc", "dict_out", "head"} <= names
+        sub = run.tensors["id"][run.tensors["name"] == "sub"]
+        sampled = run.stats.read()
+        sampled = sampled[sampled["source"] == schema.Source.SAMPLED]
+        assert not np.isin(sampled["tensor"], sub).any()  # what the warning said was lost
+        assert not any(run.events["kind"] == schema.Event.RECORDER_ERROR)
+        assert int(run.snapshots["step"][0]) == 3  # the replay ran through them too
+
+
+def test_exotic_module_outputs_strict_raises(tmp_path):
+    with pytest.raises(RecorderFault, match="_Refusing"):
+        _record(tmp_path / "run.h5", 3, make=_exotic, dtype=torch.bfloat16, scaler=False,
+                strict=True)

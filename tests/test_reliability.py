@@ -761,3 +761,106 @@ def test_exotic_module_outputs_strict_raises(tmp_path):
     with pytest.raises(RecorderFault, match="_Refusing"):
         _record(tmp_path / "run.h5", 3, make=_exotic, dtype=torch.bfloat16, scaler=False,
                 strict=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forked children (DataLoader workers, a script's own fork) never touch the parent's file
+
+_FORKS = r"""
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[2])
+import ampdoctor
+from helpers import fresh, batches
+import torch.nn.functional as F
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), int(i % 4)
+
+model, opt = fresh()
+scaler = torch.amp.GradScaler("cpu")
+loader = torch.utils.data.DataLoader(Data(), batch_size=8, num_workers=2,
+                                     multiprocessing_context="fork")
+codes = []
+
+def step(x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
+
+with ampdoctor.watch(model, opt, scaler, path=sys.argv[1], every=2, flush_seconds=0.0):
+    for x, y in loader:  # two worker processes forked from a recording process
+        step(x, y)
+    for i, (x, y) in enumerate(batches(4)):
+        step(x, y)
+        pid = os.fork()
+        if pid == 0:  # a child that trains a step, then exits as a script does (atexit, HDF5)
+            step(x, y)
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            sys.exit(0)
+        codes.append(os.waitpid(pid, 0)[1])
+print(codes[2:])
+"""
+
+
+def test_forked_children_leave_the_parents_file_alone(tmp_path):
+    path = str(tmp_path / "run.h5")
+    proc = subprocess.run([PYTHON, "-c", _FORKS, path, os.path.join(ROOT, "tests")],
+                          env=python_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ampdoctor:" not in proc.stderr
+    exit_ok, by_sigterm = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own
+    assert os.WIFEXITED(exit_ok) and os.WEXITSTATUS(exit_ok) == 0
+    assert os.WIFSIGNALED(by_sigterm) and os.WTERMSIG(by_sigterm) == signal.SIGTERM
+    with store.load(path) as run:
+        assert run.status == "finished" and len(run.steps) == 12
+        np.testing.assert_array_equal(run.steps["step"], np.arange(12))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale: the recorder's own memory does not grow with the run
+
+
+def _sizes(obj, prefix, out, seen):
+    """len() of every container reachable from ``obj``'s attributes, two levels deep."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for name, value in vars(obj).items():
+        key = f"{prefix}.{name}"
+        if isinstance(value, (list, dict, set, tuple, bytearray)) and not name.startswith("__"):
+            out[key] = len(value)
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("ampdoctor") \
+                and prefix.count(".") < 2:
+            _sizes(value, key, out, seen)
+
+
+def test_recorder_buffers_stay_bounded_over_a_long_run(tmp_path):
+    model, opt = fresh()
+    rec = ampdoctor.watch(model, opt, path=str(tmp_path / "run.h5"), every=10, strict=True)
+    snapshots = {}
+
+    def measure(i, model):
+        if i in (201, 1191):  # the same place in the sampling cycle
+            rec.flush()  # what waits for the next flush is bounded by flush_seconds
+            out = {}
+            _sizes(rec, "rec", out, set())
+            snapshots[i] = out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add contention on a shared machine
+    try:
+        _loop(model, opt, None, 1200, torch.bfloat16, measure)
+    finally:
+        torch.set_num_threads(threads)
+    rec.close()
+    early, late = snapshots[201], snapshots[1191]
+    assert early.keys() == late.keys() and len(early) > 10
+    grown = {k: (early[k], late[k]) for k in early if late[k] > early[k]}
+    assert not grown, grown
+    with store.load(str(tmp_path / "run.h5")) as run:
+        assert len(run.steps) == 1200

@@ -352,6 +352,20 @@ class _Replay:
         self._fill(result, rows, call)
         check = _Fp32Check(self, call, phase, result["detail"]).run()
         result.update(check)
+        if phase == Phase.FORWARD:
+            self._probe_ops(call, result["detail"])
+
+    def _probe_ops(self, call: _CallRecord, detail: dict) -> None:
+        """Which op inside the culprit went non-finite first (tells a mask from a product)."""
+        from .opprobe import first_nonfinite_op
+
+        try:
+            op = first_nonfinite_op(call.module, call.args, self.cap.autocast)
+        except Exception as exc:  # noqa: BLE001 - some modules need kwargs we did not capture
+            detail["op_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            return
+        if op is not None:
+            detail["op"] = op
 
     def _fill(self, result: dict, rows: np.ndarray, call: Optional[_CallRecord]) -> None:
         result["detail"]["nonfinite_modules"] = sum(

@@ -307,8 +307,10 @@ def safe_mask(c: Context) -> Fix:
 
 
 def guard_buffers(c: Context) -> Fix:
-    snippet = ("if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
-               "    continue\n"
+    snippet = ("for x, y in loader:\n"
+               "    if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
+               "        continue\n"
+               "    ...\n"
                "# or undo a skipped step's statistics:\n"
                'stats = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}\n'
                "scale = scaler.get_scale()\n"

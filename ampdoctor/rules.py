@@ -103,6 +103,7 @@ def context(f: Facts, module: Optional[str] = None, module_type: Optional[str] =
 
 
 def rule_no_training(f: Facts) -> Optional[Finding]:
+    """No optimizer step was recorded at all."""
     if f.n:
         return None
     exc = f.exception
@@ -283,6 +284,7 @@ def rule_stale_grads(f: Facts) -> Optional[Finding]:
 
 
 def rule_unscale_twice(f: Facts) -> Optional[Finding]:
+    """C6d: unscale_ called more than once per optimizer step (per micro-batch)."""
     rows = f.events(Event.UNSCALE_TWICE)
     if not len(rows):
         return None
@@ -663,7 +665,8 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
         return Finding("mask_overflow", 0.85, f"An attention mask overflows fp16 in {module}: "
                        "a large negative constant becomes -inf and fully masked rows turn into "
                        "NaN in softmax. In fp32 the same code is fine.", ev,
-                       fixes.make(["safe_mask", "fp32_island"], context(f, module, step=first)),
+                       fixes.make(["safe_mask", "fp32_island"],
+                                  context(f, module, snap["module_type"], first)),
                        where, priority=PRIORITY["mask_overflow"])
     score, growth = growth_evidence(f)
     if score >= GROWTH_SIGNALS or (fp32 == 0 and score >= 1):
@@ -832,6 +835,8 @@ def rule_grad_underflow(f: Facts) -> Optional[Finding]:
         step = _first_underflow_step(f)
     elif len(measured):
         return None  # measured, and nothing underflows: healthy enough (a note says the risk)
+    elif f.failure_index is not None:
+        return None  # something else failed; an unmeasured risk is no explanation of it
     else:
         module, conf, step = None, 0.4, None
         ev.append(Evidence("no sampled step measured the gradients, so the underflow itself "

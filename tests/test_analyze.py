@@ -518,3 +518,15 @@ def test_thresholds_are_named_constants():
 def test_every_rule_is_documented():
     for rule in rules.RULES:
         assert rule.__doc__, rule.__name__
+
+
+def test_readme_lists_every_verdict_and_fix():
+    import os
+    from conftest import ROOT
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for verdict_id in analyze.VERDICTS:
+        assert f"| `{verdict_id}` |" in readme, verdict_id
+    table = [line for line in readme.splitlines() if line.startswith("| `")]
+    for fix_id in fixes.FIX_IDS:
+        assert any(f"`{fix_id}`" in line for line in table), fix_id

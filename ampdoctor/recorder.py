@@ -38,6 +38,11 @@ from .sampler import Sampler, tensors_in
 from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
+# A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
+# at too high a scale) far more often than a failure: replay the first such step, and then
+# only an overflow that has lasted this many steps in a row (deeper than a calibration from
+# 2**16 usually goes), so that the replay budget is left for the failures that matter.
+GRAD_REPLAY_RUN = 8
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
 
 _ACTIVE: Optional["Recorder"] = None
@@ -132,6 +137,8 @@ class Recorder:
         self._device: Optional[torch.device] = None
         self.forensics = None
         self.replays = 0
+        self._overflow_run = 0  # skipped steps in a row with a finite loss
+        self._grad_replayed = False  # a finite-loss skip has had its one replay
         self.active = False
         self.closed = False
         self.faulted = False
@@ -510,8 +517,11 @@ class Recorder:
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
         if self.forensics is not None and self.replays < self.max_replays:
             # The one sync of this step; GradScaler.step has just synced on the same values.
-            bad = st.found_inf is not None and bool(st.found_inf.item() > 0)
-            if bad:
+            found, loss_bad = self._found_inf_and_loss(st)
+            self._overflow_run = self._overflow_run + 1 if found and not loss_bad else 0
+            first_ever = found and not loss_bad and not self._grad_replayed
+            if loss_bad or first_ever or (found and self._overflow_run == GRAD_REPLAY_RUN):
+                self._grad_replayed = self._grad_replayed or first_ever
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
@@ -520,6 +530,16 @@ class Recorder:
         if scaler._scale is not None:
             self._step.scale_after = scaler._scale.detach().reshape(()).clone()
         self._end_step()
+
+    def _found_inf_and_loss(self, st: _Step) -> tuple[bool, bool]:
+        """Did GradScaler find inf/NaN, and is the loss itself non-finite? (one host sync)"""
+        if st.found_inf is None:
+            return False, False
+        values = [st.found_inf.reshape(()).float()]
+        if st.loss_sum is not None:
+            values.append((~torch.isfinite(st.loss_sum.to(values[0].device))).float())
+        flags = torch.stack(values).tolist()
+        return flags[0] > 0, len(flags) > 1 and flags[1] > 0
 
     def _check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values? (one sync)"""
@@ -537,6 +557,8 @@ class Recorder:
 
     def _trigger(self, why: Event) -> None:
         """Parameters are still those that failed: replay the step (tier 3)."""
+        if not self.forensics.captures:
+            return  # nothing captured yet (the model is found at the end of the first step)
         self.replays += 1
         self._step.flags |= flag(Event.FORENSICS)
         snapshot = self.forensics.replay(self._step, why)

@@ -172,7 +172,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite")]
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
     causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence) + [e for x in consequences for e in x.evidence]
     seen = {fx.id for fx in top.fixes}
@@ -284,6 +284,9 @@ def notes(f: Any, top: Finding) -> list[str]:
         out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
                    + (f" after step {last}." if last is not None else "."))
     if not f.n:
+        if top.verdict != "no_training":
+            out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
+                       "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
     recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
     every = recorder.get("every")

@@ -182,7 +182,8 @@ class Stats:
       ratio), unchanged (element-weighted unchanged fraction), buffer_bad, input_bad,
       input_over (input elements beyond fp16 range), input_absmax.
     Per tensor (arrays over tensor ids), before ``horizon`` (the first failing step):
-      under_sum / under_cnt (layer underflow fraction, summed over samples), out_max and
+      under_sum / under_cnt (share of a gradient's non-zero elements that are subnormal,
+      summed over samples), out_max and
       near_max (largest output abs max and near-overflow fraction), norm_first / norm_last,
       upd_sum / upd_cnt (mean log10 update ratio), unch_sum / unch_cnt; over the whole run:
       first_bad_step (first sampled step with a non-finite value), last_bad (non-finite at the
@@ -194,6 +195,7 @@ class Stats:
     rows: int = 0
     first_nonfinite: Optional[dict] = None  # step, module, phase, kind, tensor
     first_forward: Optional[dict] = None  # the same, for module outputs only
+    first_backward: Optional[dict] = None  # ... for gradients arriving at module outputs
 
     def __post_init__(self) -> None:
         n, t = self.n_steps, self.n_tensors
@@ -278,6 +280,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
     sub_col = "subbf16" if low == "bf16" else "sub16"
     best: Optional[tuple] = None
     best_fwd: Optional[tuple] = None
+    best_bwd: Optional[tuple] = None
     for rows in run.stats.chunks(chunk, names=_COLUMNS):
         rows = rows[(rows["source"] == Source.SAMPLED) & (rows["tensor"] >= 0)
                     & (rows["tensor"] < t)]
@@ -298,6 +301,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         out.sampled[pos] = True
         best = _first_nonfinite(rows, kind, bad, best)
         best_fwd = _first_nonfinite(rows, kind, bad & (kind == Kind.OUTPUT), best_fwd)
+        best_bwd = _first_nonfinite(rows, kind, bad & (kind == Kind.GRAD_OUTPUT), best_bwd)
         _reduce_outputs(out, rows, pos, tid, kind == Kind.OUTPUT, bad, pre)
         _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
@@ -305,6 +309,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_flags(out, rows, pos, tid, kind, bad)
     out.first_nonfinite = _located(best, kinds, names)
     out.first_forward = _located(best_fwd, kinds, names)
+    out.first_backward = _located(best_bwd, kinds, names)
     return out
 
 
@@ -350,23 +355,31 @@ def _reduce_outputs(out: Stats, rows, pos, tid, sel, bad, pre) -> None:
         np.maximum.at(out.near_max, t[pr], frac)
 
 
+# Exact zeros in a gradient count as flushed only when its non-zero values sit this deep in
+# the subnormal band: zeros beside healthy values are structural (dead units, masked
+# positions, embedding rows the batch did not use), and a large vocabulary makes most of an
+# embedding's gradient such zeros.
+ZEROS_FLUSHED_IF = 0.25
+
+
 def _reduce_grads(out: Stats, rows, pos, tid, sel, pre, sub_col: str) -> None:
-    """Underflow of each gradient: the fraction of its elements that the low precision held as
-    a subnormal or flushed to zero. Exact zeros count only in a tensor whose non-zero values
-    also reach the subnormal band (zeros next to healthy values are structural: dead units,
-    masked positions, unused rows)."""
+    """Underflow of each gradient. Per tensor: the fraction of its non-zero elements that the
+    low precision held as subnormals (precision lost; the tail beyond flushed to zero). Per
+    step: elements subnormal, plus zeros where the non-zero values are that low."""
     if not sel.any():
         return
     r, p, t = rows[sel], pos[sel], tid[sel]
     n = np.maximum(r["sample_n"], 1).astype(np.float64)
     sub = r[sub_col].astype(np.float64)
-    zeros = np.where(sub > 0, r["zeros"], 0).astype(np.float64)
-    under = sub + zeros
-    np.add.at(out.grad_under, p, under)
+    nonzero = n - r["zeros"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        deep = np.where(nonzero > 0, sub / np.maximum(nonzero, 1), np.nan)
+    flushed = np.where(deep >= ZEROS_FLUSHED_IF, r["zeros"], 0).astype(np.float64)
+    np.add.at(out.grad_under, p, sub + flushed)
     np.add.at(out.grad_n, p, n)
-    pr = pre[sel]
+    pr = pre[sel] & np.isfinite(deep)
     if pr.any():
-        np.add.at(out.under_sum, t[pr], (under / n)[pr])
+        np.add.at(out.under_sum, t[pr], deep[pr])
         np.add.at(out.under_cnt, t[pr], 1.0)
 
 

@@ -54,6 +54,8 @@ class Context:
     module_type: Optional[str] = None  # its class, e.g. "Attention"
     autocast: Optional[str] = None  # "float16", "bfloat16" or None
     step: Optional[int] = None  # the first bad step, for comments
+    low: Optional[str] = "fp16"  # the run's low precision: "fp16", "bf16" or None (fp32)
+    scaler: bool = True  # the run uses a GradScaler
 
 
 @dataclass
@@ -196,19 +198,22 @@ def fp32_master_weights(c: Context) -> Fix:
 def lower_lr(c: Context) -> Fix:
     lr = c.lr
     new = _num(lr / 4, "lr / 4") if lr else "lr / 4"
+    step = ("scaler.scale(loss).backward()\n"
+            "scaler.unscale_(optimizer)\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "scaler.step(optimizer)\n"
+            "scaler.update()") if c.scaler else (
+            "loss.backward()\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "optimizer.step()")
     snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})"
                f"{f'  # peak was {_num(lr, str(lr))}' if lr else ''}\n"
                "warmup = 2000  # steps; longer than now\n"
                "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
-               "...\n"
-               "scaler.scale(loss).backward()\n"
-               "scaler.unscale_(optimizer)\n"
-               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-               "scaler.step(optimizer)\n"
-               "scaler.update()")
+               "...\n" + step)
     return Fix("lower_lr", "Lower the peak learning rate 2-4x and warm up longer, and clip "
-               "gradients (after unscale_); resume from a checkpoint before the weights grew. "
+               f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint before the weights grew. "
                "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
                snippet)
 
@@ -367,8 +372,9 @@ assert set(MAKERS) == set(FIX_IDS)
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:
-    """The fixes ``ids``, in that order, written for ``context``."""
-    return [MAKERS[i](context) for i in ids]
+    """The fixes ``ids``, in that order, written for ``context`` (bf16 is suggested only to a
+    run in fp16: a bf16 or fp32 run has its range already)."""
+    return [MAKERS[i](context) for i in ids if i != "use_bf16" or context.low == "fp16"]
 
 
 def is_attention(module: Optional[str], module_type: Optional[str]) -> bool:

@@ -26,7 +26,8 @@ from .schema import DType, Event, Kind
 
 # -- thresholds ------------------------------------------------------------------------------
 
-# taxonomy §3: a layer whose gradient is >= 50 % zero-or-subnormal in fp16 is underflowing.
+# taxonomy §3: a layer whose gradient is >= 50 % subnormal-or-flushed in fp16 is underflowing
+# (measured on its non-zero elements; see facts.ZEROS_FLUSHED_IF for the zeros).
 LAYER_UNDERFLOW = 0.5
 # A layer under 10 % is "training normally" (C8a needs other layers healthy; C1 does not).
 LAYER_HEALTHY = 0.1
@@ -61,7 +62,7 @@ CLIP_SCALED_SHARE = 0.5
 STALE_RUN = 5
 
 PRIORITY = {
-    "exception": 95, "misuse": 90, "state_poisoning": 88, "adam_eps": 87, "bad_input": 84,
+    "exception": 95, "misuse": 90, "no_training": 70, "state_poisoning": 88, "adam_eps": 87, "bad_input": 84,
     "fp16_loss": 82, "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,
     "sampled": 70, "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,
     "nonfinite": 5,
@@ -95,7 +96,8 @@ def context(f: Facts, module: Optional[str] = None, module_type: Optional[str] =
     return fixes.Context(device=f.device_type, optimizer=opt.get("class") or "AdamW",
                          lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
                          growth_interval=scaler.get("growth_interval"), module=module,
-                         module_type=module_type, autocast=f.autocast_dtype, step=step)
+                         module_type=module_type, autocast=f.autocast_dtype, step=step,
+                         low=f.low_precision, scaler=f.has_scaler if f.n else bool(f.scaler))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +115,9 @@ def rule_no_training(f: Facts) -> Optional[Finding]:
     else:
         summary = ("No optimizer step was recorded: the script never trained (or was stopped "
                    "before its first step).")
-    return Finding("no_training", 1.0, summary, priority=100)
+    # Below the exception and misuse rules: a script that died on its first step of an AMP
+    # error (a -1e9 mask in fp16, fp16 weights under a scaler) is told by its error.
+    return Finding("no_training", 1.0, summary, priority=PRIORITY["no_training"])
 
 
 # Messages PyTorch raises for AMP mistakes (taxonomy §0.2 and C6, C7): (pattern, verdict,
@@ -150,10 +154,12 @@ def rule_exception(f: Facts) -> Optional[Finding]:
         if re.search(pattern, text):
             step = f.step_at(f.n - 1) + 1 if f.n else 0
             ev = [Evidence(f"the script raised {text[:300]}", "exception", None, step)]
+            # The call-order errors are what a misuse leads to; the misuse's own event, when
+            # recorded (optimizer.step() bypassing the scaler), says more and wins.
+            priority = PRIORITY["exception"] - (6 if kind == "call_order" else 0)
             return Finding(verdict, 0.9, f"{why} The script raised {exc[0]} after {f.n} "
                            "recorded steps.", ev, fixes.make(fix_ids, context(f, step=step)),
-                           _first_bad(step, None, None), priority=PRIORITY["exception"],
-                           kind=kind)
+                           _first_bad(step, None, None), priority=priority, kind=kind)
     return None
 
 
@@ -302,6 +308,26 @@ def rule_unscale_twice(f: Facts) -> Optional[Finding]:
 # Located causes of the first non-finite value
 
 
+def input_out_of_range(f: Facts, snap: dict) -> Optional[float]:
+    """The batch's largest magnitude, when a forward culprit of an fp16 run was fed a batch
+    beyond fp16's range (C5's range subtype); else None."""
+    if snap["phase"] != "forward" or not snap["in_absmax"] > schema.FP16_MAX or \
+            f.low_precision != "fp16":
+        return None
+    biggest, bad = f.batch_absmax(snap["id"])
+    return biggest if biggest > schema.FP16_MAX or bad else None
+
+
+def _run_start(f: Facts, step: int) -> int:
+    """The first step of the unbroken run of failing steps that ``step`` belongs to (the
+    first steps of a run are not replayed while the recorder discovers the model)."""
+    i = f.index_of(step)
+    bad = f.loss_bad | f.skipped
+    while i > 0 and bad[i - 1] and bad[i]:
+        i -= 1
+    return f.step_at(i)
+
+
 def rule_bad_input(f: Facts) -> Optional[Finding]:
     """C5: the batch itself holds NaN/inf, or values beyond fp16's range."""
     if not f.n:
@@ -325,10 +351,8 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
     fp16 = f.low_precision == "fp16"
     if not inputs and fp16:
         for s in f.snapshots:  # an fp16 culprit fed a batch beyond fp16's range
-            if s["phase"] != "forward" or not s["in_absmax"] > schema.FP16_MAX:
-                continue
-            biggest, bad = f.batch_absmax(s["id"])
-            if biggest > schema.FP16_MAX or bad:
+            biggest = input_out_of_range(f, s)
+            if biggest is not None:
                 where = _first_bad(s["step"], s["module"], "input")
                 conf = 0.85
                 ev.append(Evidence(f"the batch at step {s['step']} holds values up to "
@@ -355,6 +379,7 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
                 where, conf = _first_bad(f.step_at(i), None, "input"), 0.7
     if where is None:
         return None
+    where["step"] = _run_start(f, where["step"])
     bad_losses = int(f.loss_bad.sum())
     if bad_losses:
         ev.append(Evidence(f"{bad_losses} of {f.n} steps had a non-finite loss; the others "
@@ -634,8 +659,8 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     if fi is None:
         return None
     snap = _snapshot_at(f, f.failure_step)
-    if snap is None:
-        return None
+    if snap is None or input_out_of_range(f, snap) is not None:
+        return None  # (a batch beyond fp16's range is bad_input's)
     module, phase = snap["module"], snap["phase"]
     same = [s for s in f.snapshots if s["module"] == module and s["phase"] == phase]
     first = min(f.failure_step, snap["step"])
@@ -704,9 +729,16 @@ def _op_text(op: dict, module: str) -> str:
 def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Finding:
     ev = ev + lr_evidence(f)
     module = where.get("module") if where else None
-    return Finding("lr_overflow", conf, "The learning rate is too high: weights and activations "
-                   "grew step after step until the forward pass overflowed fp16 (it diverges in "
-                   "bf16/fp32 too, later). Lowering the LR, not the precision, fixes it.", ev,
+    if f.low_precision == "fp16":
+        text = ("The learning rate is too high: weights and activations grew step after step "
+                "until the forward pass overflowed fp16 (it diverges in bf16/fp32 too, later). "
+                "Lowering the LR, not the precision, fixes it.")
+    else:
+        text = ("The learning rate is too high: weights and activations grew step after step "
+                "until they overflowed even "
+                + ("bf16, which has fp32's range" if f.low_precision == "bf16" else "fp32")
+                + ". This is divergence, not a precision problem: lower the LR.")
+    return Finding("lr_overflow", conf, text, ev,
                    fixes.make(["lower_lr", "use_bf16"], context(f, module, step=where.get(
                        "step") if where else None)), where, priority=PRIORITY["lr_overflow"])
 
@@ -720,9 +752,10 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
         return None
     # The first forward overflow names the module (gradients overflow first on the way there
     # but only say where the scale was too high); else the first backward one.
+    # (A parameter's .grad is left out: it can hold an inf from an earlier step.)
     st = f.stats
-    located = next((x for x in (st.first_forward, st.first_nonfinite) if x and x["step"] >=
-                    f.failure_step and x["phase"] in ("forward", "backward")), None)
+    located = next((x for x in (st.first_forward, st.first_backward) if x and x["step"] >=
+                    f.failure_step), None)
     score, growth = growth_evidence(f)
     where = _first_bad(f.failure_step, located["module"] if located else None,
                        located["phase"] if located else None)
@@ -736,9 +769,7 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
         return _lr_finding(f, where, ev + growth, 0.75 if located else 0.65)
     if not located:
         return None
-    module = module_of(located["module"]) if located["kind"] == Kind.PARAM_GRAD else \
-        located["module"]
-    where["module"] = module
+    module = located["module"]
     ev += growth
     return Finding("unstable_op", 0.5, f"{module} is the first module with non-finite values "
                    f"({located['phase']}) on a sampled step while the weights were steady; the "
@@ -779,18 +810,21 @@ def _underflow_evidence(f: Facts, hot: np.ndarray, measured: np.ndarray) -> list
     st, names = f.stats, f.tensor_names
     under = st.layer_under
     band = "bf16" if f.low_precision == "bf16" else "fp16"
-    ev = [Evidence(f"{len(hot)} of {len(measured)} parameter gradients are mostly zero or "
-                   f"{band}-subnormal (< 6.1e-5 in scaled space): worst {names[hot[0]]} at "
-                   f"{under[hot[0]]:.0%}", "layers_underflowing", float(len(hot)), None,
-                   module_of(names[hot[0]]))]
+    tiny = "6.1e-5" if band == "fp16" else "1.2e-38"
+    ev = [Evidence(f"{len(hot)} of {len(measured)} parameter gradients sit in {band}'s "
+                   f"subnormal band (below {tiny} as stored, in scaled space, where precision "
+                   f"is lost and the smallest flush to 0): worst {names[hot[0]]} with "
+                   f"{under[hot[0]]:.0%} of its non-zero elements there", "layers_underflowing",
+                   float(len(hot)), None, module_of(names[hot[0]]))]
     for t in hot[1:4]:
-        ev.append(Evidence(f"{names[t]}: {under[t]:.0%} of its gradient zero or subnormal",
+        ev.append(Evidence(f"{names[t]}: {under[t]:.0%} of its non-zero gradient subnormal",
                            "layer_underflow", float(under[t]), None, module_of(names[t])))
     n = st.grad_n[: f.failure_index].sum() if f.failure_index is not None else st.grad_n.sum()
     u = st.grad_under[: f.failure_index].sum() if f.failure_index is not None else \
         st.grad_under.sum()
     if n:
-        ev.append(Evidence(f"{u / n:.0%} of all sampled gradient elements are zero or subnormal",
+        ev.append(Evidence(f"{u / n:.0%} of all sampled gradient elements are subnormal or "
+                           "flushed to zero",
                            "grad_underflow_fraction", float(u / n)))
     return ev
 

@@ -338,6 +338,20 @@ def test_known_amp_exceptions(message, expected, kind):
     assert any("raised" in n for n in d.notes)
 
 
+def test_amp_error_before_the_first_step_is_named_not_no_training():
+    s = Synth(0).exception("RuntimeError", "value cannot be converted to type at::Half without "
+                           "overflow")
+    assert verdict(s).verdict == "mask_overflow"
+
+
+def test_bypass_event_says_more_than_the_error_it_leads_to():
+    s = Synth(0)
+    s.event(0, Event.STEP_BYPASSES_SCALER, "AdamW")
+    s.exception("AssertionError", "No inf checks were recorded prior to update.")
+    d = verdict(s)
+    assert d.verdict == "clip_order" and fix_ids(d)[0] == "use_scaler_step"
+
+
 def test_unknown_exception_keeps_the_numeric_verdict():
     s = Synth(30).exception("KeyError", "'label'")
     d = verdict(s)
@@ -384,11 +398,14 @@ def test_fp16_without_scaler_not_measured_is_a_low_confidence_warning():
     assert any("No sampled step" in n for n in d.notes)
 
 
-def test_structural_zeros_are_not_underflow():
-    s = Synth(60, scaler=False)
-    # half the elements exactly zero (dead units), the rest healthy: no subnormal values
-    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "fc.weight", zeros=2048, sub16=0,
-              absmax=1e-2, rms=1e-3)
+@pytest.mark.parametrize("zeros,sub", [(2048, 0), (3900, 20)])
+def test_structural_zeros_are_not_underflow(zeros, sub):
+    s = Synth(60)
+    # most elements exactly zero (unused embedding rows, dead units), the rest healthy with a
+    # few subnormal ones: not underflow
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "embed.weight", zeros=zeros, sub16=sub,
+              absmax=10.0, rms=1.0)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "fc.weight", absmax=10.0, rms=1.0)
     assert verdict(s).verdict == "healthy"
 
 

@@ -27,7 +27,7 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -77,7 +77,13 @@ class Recorder:
         optimizer: an optimizer or a list. None: every optimizer that steps the model's
             parameters (or any optimizer, when the model is discovered too).
         scaler: the ``GradScaler``. None: the first enabled scaler that scales a loss.
-        path: the run file to write (overwritten).
+        path: the run file to write (overwritten), or a function of (rank, world_size) that
+            names it, called when the file is created.
+        lazy: create the file only once training begins (the first backward, scaled loss or
+            optimizer step); until then rows wait in memory, and ``close()`` of a recorder that
+            never saw training writes nothing unless ``keep_empty=True``. This is what
+            ``ampdoctor record`` uses, so that DataLoader workers leave no files, and so that
+            the rank is read from ``torch.distributed`` once the process group exists.
         every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
         forensics: replay a failing step to find the culprit (tier 3).
         max_replays: forensic replays per run (the first events only, so a run that skips
@@ -89,11 +95,11 @@ class Recorder:
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-                 path: str = "run.h5", every: Optional[int] = None, forensics: bool = True,
+                 path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5",
+                 every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
                  max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None):
-        self.path = os.fspath(path)
         self.every = DEFAULT_EVERY if every is None else int(every)
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
@@ -104,6 +110,9 @@ class Recorder:
         self.strict = strict
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)
+        self.path = self._name(self.rank, self.world_size)
+        self.lazy = lazy
         self._argv = argv
         self.roots: list[torch.nn.Module] = _as_list(model)
         self.optimizers: list[Any] = _as_list(optimizer)
@@ -118,8 +127,9 @@ class Recorder:
         self._root_hooks = patches.PatchSet()
         self._sample_hooks = patches.PatchSet()
         self._discovery = patches.PatchSet()
-        self._candidates: list[torch.nn.Module] = []
         self._depth = 0
+        self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
+        self._discovery_open = False  # global module hooks looking for roots (first step)
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []  # host row, device values
         self._last_flush = 0.0
         self._last_boundary = 0.0
@@ -146,7 +156,7 @@ class Recorder:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {_ACTIVE.path}; close that recorder first")
         self._writer = store.Writer(self.path, rank=self.rank, world_size=self.world_size,
-                                    argv=self._argv)
+                                    argv=self._argv, create=not self.lazy)
         _ACTIVE = self
         self.active = True
         self._write_start_meta()
@@ -157,7 +167,9 @@ class Recorder:
         if self.roots:
             self._adopt_roots(self.roots)
         else:
-            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post")
+            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post",
+                                 post_kwargs=True)
+            self._discovery_open = True
         if self.scaler is not None:
             self._adopt_scaler(self.scaler)
         if self.forensics_on:
@@ -170,8 +182,12 @@ class Recorder:
         self._writer.flush()
         return self
 
-    def close(self, status: str = schema.STATUS_FINISHED) -> None:
-        """Stop recording, put back every hook and patch, and finish the file. Idempotent."""
+    def close(self, status: str = schema.STATUS_FINISHED, *, keep_empty: bool = False) -> None:
+        """Stop recording, put back every hook and patch, and finish the file. Idempotent.
+
+        ``keep_empty``: a lazy recorder that never saw training still writes its (stepless)
+        file, so that ``diagnose`` can say the script never trained.
+        """
         global _ACTIVE
         if self.closed:
             return
@@ -182,6 +198,8 @@ class Recorder:
             _ACTIVE = None
         if self._writer is not None and not self._writer.closed:
             try:
+                if keep_empty and not self._writer.created:
+                    self._create_file()
                 self._drain()
                 self._writer.close(status)
             except Exception as exc:  # noqa: BLE001
@@ -205,6 +223,18 @@ class Recorder:
         else:
             self.record_exception(exc_type, exc)
             self.close(schema.STATUS_EXCEPTION + exc_type.__name__)
+
+    @property
+    def trained(self) -> bool:
+        """Has training begun (and, for a lazy recorder, the file been created)?"""
+        return self._writer is not None and self._writer.created
+
+    def _create_file(self) -> None:
+        """Training begins (lazy mode): name the file now that the rank is known, create it."""
+        self.rank, self.world_size = _rank_and_world(self.rank, self.world_size)
+        self.path = os.fspath(self._name(self.rank, self.world_size))
+        self._writer.create(self.path, rank=self.rank, world_size=self.world_size)
+        self._writer.flush()
 
     def record_exception(self, exc_type: Any, exc: Any) -> None:
         if self._writer is not None and not self._writer.closed:
@@ -263,27 +293,49 @@ class Recorder:
     # discovery of roots, optimizers, scaler
 
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if self._depth == 0 and module not in self._candidates:
-            self._candidates.append(module)
-        self._depth += 1
+        """First step of a recorder given no model: the outermost module called with grad
+        enabled that owns trainable parameters is a root, adopted before its forward runs.
 
-    def discover_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        DDP/DataParallel wrappers are looked through: the module they wrap is the root, so that
+        a forensic replay never runs the wrapper's collectives on one rank alone."""
+        if _is_wrapper(module):
+            return
+        self._depth += 1
+        if self._depth != 1 or module in self.names or not torch.is_grad_enabled():
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # a loss module, a frozen model, a parameter-free transform
+        self._root_hooks.remove()
+        self._adopt_roots(self.roots + [module])
+        # The root's own hooks fire from its next call on; this call is seen from here. A
+        # global pre-hook gets no kwargs: they are filled in by discover_post.
+        self._discovering = module
+        self.root_pre(module, args, {})
+
+    def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        if _is_wrapper(module):
+            return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and module is self._discovering:
+            self._discovering = None
+            if self.forensics is not None and kwargs:
+                caps = self.forensics.captures
+                if caps and caps[-1].root is module:
+                    caps[-1].kwargs = dict(kwargs)
+            self.root_post(module, args, output)
 
     def _finish_discovery(self) -> None:
-        if self.roots or not self._candidates:
-            return
+        """End of the first step: keep the roots whose parameters an optimizer trains."""
+        self._discovery.remove()
+        self._discovery_open = False
+        self._discovering = None
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
-        roots = [m for m in self._candidates
-                 if any(id(p) in trained for p in m.parameters())] if trained else []
-        if not roots:
-            roots = [m for m in self._candidates
-                     if any(p.requires_grad for p in m.parameters())]
-        self._discovery.remove()
-        self._candidates.clear()
-        if roots:
-            self._adopt_roots(roots)
+        keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
+        if trained and keep and len(keep) < len(self.roots):
+            self._root_hooks.remove()
+            self._adopt_roots(keep)
 
     def _adopt_roots(self, roots: list[torch.nn.Module]) -> None:
         self.roots = roots
@@ -368,12 +420,16 @@ class Recorder:
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
+        if not self._writer.created:
+            self._create_file()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._add_loss(outputs)
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
+        if not self._writer.created:
+            self._create_file()
         st = self._step
         st.micro += 1
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -468,6 +524,8 @@ class Recorder:
     def before_optimizer_step(self, optimizer: Any) -> None:
         if not self._owns(optimizer):
             return
+        if not self._writer.created:
+            self._create_file()
         st = self._step
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
@@ -550,6 +608,7 @@ class Recorder:
     def _begin_step(self, index: int) -> None:
         sampled = (self.every > 0 and index % self.every == 0 and bool(self.roots))
         self._step = _Step(index=index, t0=time.time(), sampled=sampled)
+        self._depth = 0
         if self.forensics is not None:
             self.forensics.begin_step()
         if sampled:
@@ -565,7 +624,7 @@ class Recorder:
 
     def _end_step(self) -> None:
         st = self._step
-        if not self.roots:
+        if self._discovery_open:
             self._finish_discovery()
         now = time.perf_counter()
         dt = now - self._last_boundary
@@ -705,11 +764,16 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
+def _is_wrapper(module: torch.nn.Module) -> bool:
+    """DDP or DataParallel: a module whose forward calls the user's model inside it."""
+    return type(module).__name__ in ("DistributedDataParallel", "DataParallel")
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
     for _ in range(4):
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+        if inner is None and _is_wrapper(module):
             inner = getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return module
@@ -729,6 +793,15 @@ def _first_device(roots: list[torch.nn.Module]) -> torch.device:
         for p in root.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    """This process's rank: torch.distributed's once a process group exists (mp.spawn sets no
+    RANK variable), else what the environment said (torchrun)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return rank, world_size
 
 
 def _enabled(scaler: Any) -> bool:

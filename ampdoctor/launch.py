@@ -252,7 +252,8 @@ def exit_like(code: int) -> int:
         return code
     sig = -code
     try:
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these cannot be caught anyway
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     except (OSError, ValueError):
         pass

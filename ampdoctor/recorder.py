@@ -310,6 +310,7 @@ class Recorder:
         # The root's own hooks fire from its next call on; this call is seen from here. A
         # global pre-hook gets no kwargs: they are filled in by discover_post.
         self._discovering = module
+        self._maybe_sample()  # the first step is sampled, as with a model given to watch()
         self.root_pre(module, args, {})
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -606,18 +607,25 @@ class Recorder:
     # step boundaries
 
     def _begin_step(self, index: int) -> None:
-        sampled = (self.every > 0 and index % self.every == 0 and bool(self.roots))
-        self._step = _Step(index=index, t0=time.time(), sampled=sampled)
+        self._step = _Step(index=index, t0=time.time())
         self._depth = 0
         if self.forensics is not None:
             self.forensics.begin_step()
-        if sampled:
-            if self._sampler is None:
-                self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
-                                        sample=self.sample)
-            self._sampler.active = True
-            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+        if self.roots:
+            self._maybe_sample()
         self._flush_now = False
+
+    def _maybe_sample(self) -> None:
+        """Turn the sampled tier on for this step if it is due (before its first forward)."""
+        st = self._step
+        if st.sampled or self.every <= 0 or st.index % self.every or st.micro:
+            return
+        st.sampled = True
+        if self._sampler is None:
+            self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
+                                    sample=self.sample)
+        self._sampler.active = True
+        patches.hook_modules(self._sample_hooks, self, None, "sample_post")
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._sampler.on_forward(module, output)

@@ -15,9 +15,8 @@ leave behind:
   trained;
 * every other process (DataLoader workers, helper interpreters) writes nothing.
 
-A forked child (DataLoader workers on Linux) inherits the recorder: it is switched off there,
-and the inherited HDF5 handle is pointed at /dev/null so that the child can never write into
-its parent's file.
+A forked child (DataLoader workers on Linux) inherits the recorder: the recorder switches
+itself off there and can never write into its parent's file (``recorder._after_fork_in_child``).
 """
 
 from __future__ import annotations
@@ -42,12 +41,12 @@ class Session:
         self.settings = settings
         self.pid = os.getpid()
         self.top = os.environ.pop(launch.ENV_TOP, None) == "1"
-        self.recorder = Recorder(path=self.file_name, every=settings.every, lazy=True)
+        self.recorder = Recorder(path=self.file_name, every=settings.every, lazy=True,
+                                 replaceable=True)
 
     def start(self) -> "Session":
         self.recorder.start()
         atexit.register(self.at_exit)
-        os.register_at_fork(after_in_child=self.forked)
         return self
 
     def file_name(self, rank: int, world_size: int) -> str:
@@ -71,19 +70,6 @@ class Session:
         if exc_type is not None and (rec.trained or keep):
             rec.record_exception(exc_type, exc)
         rec.close(status, keep_empty=keep)
-
-    def forked(self) -> None:
-        """In a forked child: stop recording here, never touch the parent's file."""
-        rec = self.recorder
-        rec.closed = True
-        rec.active = False
-        try:
-            rec._detach()
-            writer = rec._writer
-            if writer is not None and writer.created and not writer.closed:
-                writer.disown()
-        except Exception:  # noqa: BLE001 - the child's own work must go on regardless
-            pass
 
 
 def _placeholder(path: str) -> bool:

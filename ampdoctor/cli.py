@@ -86,12 +86,16 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
 def dump(run: str) -> None:
     """Show what a run file holds: attributes, configuration, tables and row counts.
 
+    RUN may name the rank files of a torchrun recording (run.h5 for run.rank{R}.h5):
+    each of them is shown.
+
     \b
         ampdoctor dump run.h5
     """
-    from . import report, store
+    from . import ranks, report, store
 
-    click.echo(report.render_dump(store.inspect(run)), nl=False)
+    for path in ranks.resolve(run):
+        click.echo(report.render_dump(store.inspect(path)), nl=False)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -92,6 +92,8 @@ class Recorder:
         sample: elements gathered per tensor for range counts in the sampled tier.
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
+        replaceable: a recorder started later closes this one instead of failing (what
+            ``ampdoctor record`` uses, so that a script calling ``watch()`` itself still works).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
@@ -99,7 +101,8 @@ class Recorder:
                  every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
                  max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, argv: Optional[list[str]] = None):
+                 world_size: Optional[int] = None, argv: Optional[list[str]] = None,
+                 replaceable: bool = False):
         self.every = DEFAULT_EVERY if every is None else int(every)
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
@@ -111,8 +114,10 @@ class Recorder:
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
         self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)
-        self.path = self._name(self.rank, self.world_size)
+        # A function names the file only when it is created: the rank may not be known before.
+        self.path = "" if callable(path) else os.fspath(path)
         self.lazy = lazy
+        self.replaceable = replaceable
         self._argv = argv
         self.roots: list[torch.nn.Module] = _as_list(model)
         self.optimizers: list[Any] = _as_list(optimizer)
@@ -152,9 +157,13 @@ class Recorder:
 
     def start(self) -> "Recorder":
         global _ACTIVE
+        if _ACTIVE is not None and not _ACTIVE.closed and _ACTIVE.replaceable:
+            _ACTIVE.close()  # ampdoctor record's own recorder yields to the script's watch()
         if _ACTIVE is not None and not _ACTIVE.closed:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {_ACTIVE.path}; close that recorder first")
+        if not self.lazy and not self.path:
+            self.path = os.fspath(self._name(self.rank, self.world_size))
         self._writer = store.Writer(self.path, rank=self.rank, world_size=self.world_size,
                                     argv=self._argv, create=not self.lazy)
         _ACTIVE = self
@@ -945,3 +954,22 @@ def _plain(value: Any) -> Any:
 def active() -> Optional[Recorder]:
     """The recorder currently recording in this process, if any."""
     return _ACTIVE
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the active recorder: there it records
+    nothing and can never write into the parent's file (see ``store.Writer.disown``)."""
+    global _ACTIVE
+    rec, _ACTIVE = _ACTIVE, None
+    if rec is None or rec.closed:
+        return
+    rec.closed = True
+    rec.active = False
+    try:
+        rec._detach()
+    finally:
+        if rec._writer is not None:
+            rec._writer.disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -91,7 +91,11 @@ class _TorchImportHook:
 
 
 def _chain():
-    """Run the next ``sitecustomize`` on the path, which this file would otherwise hide."""
+    """Run the next ``sitecustomize`` on the path, which this file would otherwise hide.
+
+    Executed from source without importlib.util, whose import would cost every interpreter
+    of the command more than the rest of this file.
+    """
     here = os.path.normcase(_HERE)
     for entry in sys.path:
         folder = os.path.abspath(entry or os.curdir)
@@ -100,15 +104,14 @@ def _chain():
         for candidate in (os.path.join(folder, "sitecustomize.py"),
                           os.path.join(folder, "sitecustomize", "__init__.py")):
             if os.path.isfile(candidate):
-                import importlib.util
-
-                package = [os.path.dirname(candidate)] if candidate.endswith("__init__.py") \
-                    else None
-                spec = importlib.util.spec_from_file_location(
-                    "sitecustomize", candidate, submodule_search_locations=package)
-                module = importlib.util.module_from_spec(spec)
+                module = type(sys)("sitecustomize")
+                module.__file__ = candidate
+                if candidate.endswith("__init__.py"):
+                    module.__path__ = [os.path.dirname(candidate)]
                 sys.modules["sitecustomize"] = module  # `import sitecustomize` finds theirs
-                spec.loader.exec_module(module)
+                with open(candidate, "rb") as source:
+                    code = compile(source.read(), candidate, "exec")
+                exec(code, module.__dict__)
                 return
 
 

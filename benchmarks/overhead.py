@@ -78,7 +78,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return self.head(self.ln(self.blocks(x)))
 
 
@@ -96,9 +96,25 @@ class ConvNet(nn.Module):
         return self.fc(self.features(x).flatten(1))
 
 
+DEVICE = torch.device("cpu")
+DTYPE = torch.bfloat16
+
+
 def make_workload(name: str, seed: int = 0):
     """(model, optimizer, batch function, loss function) for a named workload."""
     torch.manual_seed(seed)
+    model, opt, batch, loss_fn = _make_workload(name, seed)
+    if DEVICE.type != "cpu":
+        model.to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        cpu_batch = batch
+
+        def batch(i):
+            return tuple(t.to(DEVICE, non_blocking=True) for t in cpu_batch(i))
+    return model, opt, batch, loss_fn
+
+
+def _make_workload(name: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     if name == "gpt":
         model = GPT()
@@ -123,14 +139,18 @@ def make_workload(name: str, seed: int = 0):
     return model, opt, batch, loss_fn
 
 
-def step(model, opt, batch, loss_fn, i, dtype=torch.bfloat16):
+def step(model, opt, batch, loss_fn, i):
+    """One training step as users write it; on a GPU, it ends with the loss on the host
+    (a logging ``loss.item()``), so that per-step times are real."""
     x, y = batch(i)
-    with torch.autocast("cpu", dtype=dtype):
+    with torch.autocast(DEVICE.type, dtype=DTYPE):
         loss = loss_fn(model(x), y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if DEVICE.type != "cpu":
+        loss.item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +250,10 @@ def _memory_child(mode: str, workload: str, steps: int, path: str) -> None:
     with ctx:
         for i in range(steps):
             step(model, opt, batch, loss_fn, i)
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if DEVICE.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(DEVICE)  # the allocator's peak, not RSS
+    print(json.dumps({"peak_rss": peak,
                       "file_bytes": os.path.getsize(path) if os.path.exists(path) else 0}))
 
 
@@ -243,7 +266,8 @@ def memory(workload: str, steps: int, pairs: int) -> dict:
                 path = os.path.join(tmp, f"{mode}{p}.h5")
                 out = subprocess.run(
                     [sys.executable, __file__, "--memory-child", mode, "--workload", workload,
-                     "--steps", str(steps), "--path", path],
+                     "--steps", str(steps), "--path", path, "--device", str(DEVICE),
+                     "--dtype", str(DTYPE).replace("torch.", "")],
                     capture_output=True, text=True, check=True)
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 rss[mode].append(res["peak_rss"])
@@ -251,8 +275,9 @@ def memory(workload: str, steps: int, pairs: int) -> dict:
                     size.append(res["file_bytes"])
     ratio = float(np.median(np.array(rss["ampdoctor"]) / np.array(rss["plain"])))
     return {"workload": workload, "steps": steps, "pairs": pairs,
-            "peak_rss_plain_mb": round(float(np.median(rss["plain"])) / 2**20, 1),
-            "peak_rss_ratio": round(ratio, 4),
+            "peak_memory": "CUDA allocator peak" if DEVICE.type == "cuda" else "peak RSS",
+            "peak_plain_mb": round(float(np.median(rss["plain"])) / 2**20, 1),
+            "peak_ratio": round(ratio, 4),
             "file_bytes_per_step": round(float(np.median(size)) / steps, 1)}
 
 
@@ -281,10 +306,14 @@ def main() -> None:
     parser.add_argument("--curve", action="store_true", help="overhead vs sampling interval")
     parser.add_argument("--memory", action="store_true", help="peak RSS and file growth")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     workloads = ["gpt", "conv"] if args.workload == "all" else [args.workload]
     if args.memory_child:
@@ -302,6 +331,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"torch": torch.__version__, "threads": args.threads,
+                       "device": str(DEVICE), "dtype": args.dtype,
                        "default_every": recorder.DEFAULT_EVERY, "results": results}, fh,
                       indent=2)
 

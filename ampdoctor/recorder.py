@@ -58,6 +58,7 @@ class _Step:
     in_scaler_step: bool = False
     grads_ready: bool = False
     grad_norm: Optional[torch.Tensor] = None
+    fallback: Optional[list] = None  # parameters clip_grad_norm_ saw, before optimizers are known
     clip_norm: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
     scale_after: Optional[torch.Tensor] = None
@@ -135,7 +136,9 @@ class Recorder:
         self._depth = 0
         self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
         self._discovery_open = False  # global module hooks looking for roots (first step)
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []  # host row, device values
+        self._pending: list[tuple[tuple, torch.Tensor]] = []  # host fields, device values
+        self._constants = _Constants()
+        self._pending_groups: list[tuple] = []
         self._last_flush = 0.0
         self._last_boundary = 0.0
         self._step: Optional[_Step] = None
@@ -474,22 +477,35 @@ class Recorder:
         return out
 
     def _grads_ready(self, fallback: Optional[list] = None) -> None:
+        """Gradients are complete (first of unscale_, clip, step): sampled grad statistics,
+        in scaled space under a scaler."""
         st = self._step
         if st.grads_ready:
             return
         st.grads_ready = True
-        params = self._trained_params(fallback)
+        st.fallback = fallback
+        if st.sampled and self._sampler is not None:
+            params = self._trained_params(fallback)
+            self._sampler.on_grads_ready([(self._param_name(p), p) for p in params])
+
+    def _ensure_grad_norm(self) -> None:
+        """The global grad norm, unscaled, computed as late as possible: when clip_grad_norm_
+        ran, its own pre-clip norm is taken instead of a second pass over the gradients."""
+        st = self._step
+        if st.grad_norm is not None:
+            return
+        params = self._trained_params(st.fallback)
         grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
         if grads:
-            norm = _global_norm(grads)
-            if st.scaled and not st.unscaled and self.scaler is not None:
-                scale = self.scaler._scale
-                if scale is not None:
-                    norm = norm / scale.to(norm.device).reshape(())
-            st.grad_norm = norm
-        if st.sampled and self._sampler is not None:
-            named = [(self._param_name(p), p) for p in params]
-            self._sampler.on_grads_ready(named)
+            st.grad_norm = self._unscaled(_global_norm(grads))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        st = self._step
+        if st.scaled and not st.unscaled and self.scaler is not None:
+            scale = self.scaler._scale
+            if scale is not None:
+                return norm / scale.to(norm.device).reshape(())
+        return norm
 
     def _param_name(self, p: torch.Tensor) -> str:
         name = self.param_names.get(id(p))
@@ -516,7 +532,10 @@ class Recorder:
 
     def after_clip(self, total_norm: Any) -> None:
         if isinstance(total_norm, torch.Tensor):
-            self._step.clip_norm = total_norm.detach().float().reshape(())
+            st = self._step
+            st.clip_norm = total_norm.detach().float().reshape(())
+            if st.grad_norm is None:
+                st.grad_norm = self._unscaled(st.clip_norm)
 
     # ---------------------------------------------------------------------------------------
     # optimizer and scaler steps
@@ -541,6 +560,7 @@ class Recorder:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
         self._grads_ready()
+        self._ensure_grad_norm()
         if not st.scaled and self._primary(optimizer):
             self._check_before_step()
         if st.sampled and self._sampler is not None:
@@ -569,6 +589,7 @@ class Recorder:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
         st = self._step
+        self._ensure_grad_norm()
         if scaler._scale is not None:
             st.scale = scaler._scale.detach().reshape(()).clone()
         found = [v for s in scaler._per_optimizer_states.values()
@@ -597,11 +618,11 @@ class Recorder:
         checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
         if not checks:
             return
-        dev = checks[0].device
-        ok = bool(torch.stack([torch.isfinite(v.to(dev)) for v in checks]).all().item())
-        if not ok:
-            self._trigger(Event.NONFINITE_LOSS if st.loss_sum is not None and not bool(
-                torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
+        # A sum is finite only if every term is (inf - inf is NaN): one kernel, one sync.
+        total = checks[0] if len(checks) == 1 else checks[0] + checks[1].to(checks[0].device)
+        if not bool(torch.isfinite(total).item()):
+            loss_ok = st.loss_sum is None or bool(torch.isfinite(st.loss_sum).item())
+            self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
     def _trigger(self, why: Event) -> None:
         """Parameters are still those that failed: replay the step (tier 3)."""
@@ -646,19 +667,14 @@ class Recorder:
         now = time.perf_counter()
         dt = now - self._last_boundary
         self._last_boundary = now
-        row = schema.empty("steps", 1)
-        row["step"] = st.index
-        row["time"] = time.time()
-        row["dt"] = dt
-        row["loss_dtype"] = st.loss_dtype
-        row["micro"] = st.micro
-        row["sampled"] = int(st.sampled)
-        row["flags"] = st.flags
-        row["peak_mem"] = _peak_memory(self._device)
-        row["skipped"] = 0 if st.stepped or st.scaled else 1
         lrs = self._write_groups(st.index)
-        row["lr"] = max(lrs) if lrs else math.nan
-        self._pending.append((row, _device_values(st)))
+        # Host fields as a plain tuple (order: _HOST); device values stay on the device.
+        self._pending.append(((st.index, time.time(), dt, st.loss_dtype, st.micro,
+                               int(st.sampled), st.flags, _peak_memory(self._device),
+                               0 if st.stepped or st.scaled else 1,
+                               max(lrs) if lrs else math.nan,
+                               st.loss_sum is not None, st.grad_norm is not None),
+                              _device_values(st, self._constants)))
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
@@ -692,14 +708,18 @@ class Recorder:
                 wd = g.get("weight_decay", math.nan)
                 rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))
                              else math.nan))
-        if rows:
-            self._writer.append("groups", np.array(rows, schema.GROUPS))
+        self._pending_groups.extend(rows)
         return lrs
 
     def _drain(self) -> None:
         """Fetch the pending steps' device values (the documented sync) and flush the file."""
         if self._pending:
-            rows = np.concatenate([r for r, _ in self._pending])
+            host = [h for h, _ in self._pending]
+            rows = schema.empty("steps", len(host))
+            for i, name in enumerate(_HOST):
+                rows[name] = [h[i] for h in host]
+            has_loss = np.array([h[-2] for h in host], bool)
+            has_grad = np.array([h[-1] for h in host], bool)
             values = _fetch([v for _, v in self._pending])
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
@@ -714,11 +734,16 @@ class Recorder:
             scaled = ~np.isnan(rows["scale"])
             rows["skipped"] = np.where(scaled, skipped, rows["skipped"])
             rows["flags"] |= (np.where(rows["skipped"] == 1, flag(Event.SKIPPED), 0)
-                              | np.where(values[:, 6] > 0, flag(Event.NONFINITE_LOSS), 0)
-                              | np.where(values[:, 7] > 0, flag(Event.NONFINITE_GRAD), 0)
+                              | np.where(has_loss & ~np.isfinite(values[:, 0]),
+                                         flag(Event.NONFINITE_LOSS), 0)
+                              | np.where(has_grad & ~np.isfinite(values[:, 4]),
+                                         flag(Event.NONFINITE_GRAD), 0)
                               ).astype(np.int32)
             self._writer.append("steps", rows)
             self._pending.clear()
+        if self._pending_groups:
+            self._writer.append("groups", np.array(self._pending_groups, schema.GROUPS))
+            self._pending_groups.clear()
         self._writer.flush()
         self._last_flush = time.perf_counter()
 
@@ -850,22 +875,33 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
 
 
-_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
-           "loss_bad", "grad_bad")
+_HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
+         "skipped", "lr")
+_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
 
 
-def _device_values(st: _Step) -> torch.Tensor:
+class _Constants:
+    """NaN placeholders per device, made once (not a kernel per step)."""
+
+    def __init__(self) -> None:
+        self._nan: dict[torch.device, torch.Tensor] = {}
+
+    def nan(self, device: torch.device) -> torch.Tensor:
+        t = self._nan.get(device)
+        if t is None:
+            t = self._nan[device] = torch.full((), math.nan, device=device)
+        return t
+
+
+def _device_values(st: _Step, constants: _Constants) -> torch.Tensor:
     """The step's device scalars stacked into one tensor (no sync); order as in _VALUES."""
-    loss = st.loss_sum / st.loss_n if st.loss_sum is not None else None
+    loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
     values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
     dev = next((v.device for v in values if v is not None), torch.device("cpu"))
-    nan = torch.full((), math.nan, device=dev)
-    zero = torch.zeros((), device=dev)
-    values = [nan if v is None else v.to(dev).float().reshape(()) for v in values]
-    # Absent values are NaN too, so non-finiteness is decided here, where presence is known.
-    values.append(zero if loss is None else (~torch.isfinite(values[0])).float())
-    values.append(zero if st.grad_norm is None else (~torch.isfinite(values[4])).float())
-    return torch.stack(values)
+    nan = constants.nan(dev)
+    return torch.stack([nan if v is None else
+                        v if (v.device == dev and v.dtype == torch.float32 and v.dim() == 0)
+                        else v.to(dev).float().reshape(()) for v in values])
 
 
 def _fetch(values: list[torch.Tensor]) -> np.ndarray:

@@ -60,11 +60,12 @@ class Settings:
 
     output: str  # absolute path of the run file
     every: Optional[int] = None  # sampled-tier interval; None: the recorder's default
-    quiet: bool = False
+    quiet: bool = False  # the parent's two lines (children print nothing anyway)
     shown: str = ""  # the output as the user typed it, for messages
 
     def to_env(self) -> dict[str, str]:
-        env = {ENV_OUTPUT: self.output, ENV_QUIET: "1" if self.quiet else "0", ENV_ACTIVE: "1"}
+        """What the children need: where to write, how often to sample, and the switch."""
+        env = {ENV_ACTIVE: "1", ENV_OUTPUT: self.output}
         if self.every is not None:
             env[ENV_EVERY] = str(self.every)
         return env
@@ -77,7 +78,6 @@ class Settings:
         every = environ.get(ENV_EVERY)
         return cls(output=environ[ENV_OUTPUT],
                    every=int(every) if every and every.strip().isdigit() else None,
-                   quiet=environ.get(ENV_QUIET, "0") not in ("", "0"),
                    shown=environ[ENV_OUTPUT])
 
 
@@ -121,6 +121,7 @@ def _probe(folder: str, shown: str) -> None:
 
 
 def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
+    """``RecordError`` unless ``command[0]`` is a program that can be started."""
     if not command:
         raise RecordError("no command to record: put it after --, as in "
                           "ampdoctor record -o run.h5 -- python train.py")
@@ -141,7 +142,6 @@ def clear_output(path: str) -> None:
 def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
     """The command's environment: the user's, the bootstrap first on PYTHONPATH, the settings."""
     env = dict(environ)
-    env.pop(ENV_FORCE, None)  # already applied; children must not see it as a setting
     env.update(settings.to_env())
     env[ENV_TOP] = "1"
     rest = env.get("PYTHONPATH", "")
@@ -189,11 +189,7 @@ def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
     except OSError as exc:
         raise RecordError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
     with _forwarding(proc):
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:  # a SIGINT between our handler's install and removal
-                continue
+        return proc.wait()  # resumed after each forwarded signal (PEP 475)
 
 
 class _forwarding:
@@ -269,11 +265,14 @@ def _say(line: str) -> None:
 
 
 def start_line(settings: Settings) -> str:
+    """Where it records and what it samples: ``ampdoctor: recording into run.h5 (...)``."""
     every = DEFAULT_EVERY if settings.every is None else settings.every
-    sampled = (f"per-layer statistics every {every} steps" if every > 1 else
-               "per-layer statistics every step" if every == 1 else "per-layer statistics off")
-    return (f"ampdoctor: recording into {settings.shown} (loss, loss scale, grad norm every "
-            f"step; {sampled}; forensic replay of the first failing steps)")
+    tiers = "every step: loss, loss scale, grad norm"
+    if every == 1:
+        tiers += ", per-layer statistics"
+    elif every > 1:
+        tiers += f"; every {every} steps: per-layer statistics"
+    return f"ampdoctor: recording into {settings.shown} ({tiers})"
 
 
 def summary(settings: Settings) -> str:

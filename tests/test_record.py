@@ -73,7 +73,7 @@ def test_plain_script_records_and_its_own_options_pass_through(tmp_path):
     assert proc.stderr.strip().splitlines() == lines  # nothing else on the user's stderr
     assert len(lines) == 2
     assert lines[0].startswith("ampdoctor: recording into run.h5")
-    assert "every 100 steps" in lines[0]
+    assert "every 100 steps: per-layer statistics" in lines[0]
     assert "recorded 8 steps into run.h5, 1 skipped" in lines[1]
     assert "first non-finite at step 3" in lines[1]
     assert lines[1].endswith("next: ampdoctor diagnose run.h5")
@@ -375,19 +375,25 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
 def test_bootstrap_and_launcher_agree():
     from ampdoctor import recorder
 
+    from ampdoctor import cli
+
     text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
     assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
     assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
+    envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
+    assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
+                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "command": None}
 
 
 def test_settings_round_trip_through_the_environment():
     s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5")
     back = launch.Settings.from_env(s.to_env())
-    assert (back.output, back.every, back.quiet) == ("/tmp/x/run.h5", 7, True)
+    assert (back.output, back.every) == ("/tmp/x/run.h5", 7)
     assert launch.Settings.from_env({"AMPDOCTOR_OUTPUT": "run.h5"}) is None  # not recording
-    env = launch.child_env(s, {"PYTHONPATH": "/mine", "AMPDOCTOR_FORCE": "1"})
+    env = launch.child_env(s, {"PYTHONPATH": "/mine", "HOME": "/home/me"})
     assert env["PYTHONPATH"] == launch.BOOTSTRAP_DIR + os.pathsep + "/mine"
-    assert "AMPDOCTOR_FORCE" not in env and env[launch.ENV_TOP] == "1"
+    assert env["HOME"] == "/home/me" and env[launch.ENV_TOP] == "1"
+    assert launch.child_env(s, {})["PYTHONPATH"] == launch.BOOTSTRAP_DIR
 
 
 # ---------------------------------------------------------------------------------------------

@@ -550,3 +550,56 @@ def test_script_with_its_own_watch_keeps_working(tmp_path):
     with ampdoctor.load(tmp_path / "own.h5") as run:
         assert len(run.steps) == 3
     assert not (tmp_path / "run.h5").exists()
+
+
+@pytest.mark.slow
+def test_several_python_processes_in_one_command(tmp_path):
+    """A driver (no torch) runs an evaluation that never trains, then two trainings: the
+    first training replaces the evaluation's empty run, the second gets a file of its own."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        for args in (["{example('no_training.py')}"], ["{TRAIN}", "--steps", "2"],
+                     ["{TRAIN}", "--steps", "3"]):
+            subprocess.run([sys.executable, *args], check=True)
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(driver)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    names = files(tmp_path)
+    assert names[0] == "run.h5" and len(names) == 2 and names[1].startswith("run.pid")
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 2
+    with ampdoctor.load(tmp_path / names[1]) as run:
+        assert len(run.steps) == 3
+    assert f"other training processes wrote {names[1]}" in ours(proc.stderr)[-1]
+
+
+@pytest.mark.slow
+def test_mp_spawn_ranks_are_named_by_torch_distributed(tmp_path):
+    """mp.spawn sets no RANK variable: the rank is read from the process group when the
+    file is created."""
+    script = tmp_path / "spawned.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, torch, torch.distributed as dist, torch.multiprocessing as mp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def worker(rank, world, port):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=world)
+            model = DDP(torch.nn.Linear(4, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+            mp.spawn(worker, args=(2, port), nprocs=2)
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["run.rank0.h5", "run.rank1.h5"]
+    for rank in (0, 1):
+        with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as run:
+            assert (run.rank, run.attrs["world_size"], len(run.steps)) == (rank, 2, 3)

@@ -603,3 +603,20 @@ def test_mp_spawn_ranks_are_named_by_torch_distributed(tmp_path):
     for rank in (0, 1):
         with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as run:
             assert (run.rank, run.attrs["world_size"], len(run.steps)) == (rank, 2, 3)
+
+
+def test_record_and_rank_merging_never_import_torch(tmp_path):
+    """The parent process and the merged diagnosis are analysis side: numpy and h5py only."""
+    base = str(tmp_path / "ranks.h5")
+    write_rank(ranks.rank_path(base, 0), 0, 2, [8.0, 4.0], skipped={0})
+    write_rank(ranks.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
+    out = str(tmp_path / "none.h5")
+    code = ("import sys, ampdoctor; from ampdoctor import cli, launch; "
+            f"assert cli.main(['record', '-o', {out!r}, '--', sys.executable, '-c', 'pass']) == 0; "
+            f"print(launch.summary(launch.Settings(output={base!r}, shown='ranks.h5'))); "
+            f"d = ampdoctor.diagnose({base!r}); assert d.first_bad['rank'] == 1; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "first non-finite at step 0 on rank 1" in proc.stdout

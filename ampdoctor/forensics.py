@@ -48,7 +48,6 @@ class _Capture:
     kwargs: dict
     rng: dict
     autocast: tuple  # (device_type, enabled, dtype, cache_enabled)
-    outputs: list = field(default_factory=list)
     grads: dict = field(default_factory=dict)  # output index -> gradient
 
 
@@ -96,11 +95,13 @@ class Forensics:
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        cap = self.captures[-1]
+        grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
-            cap.outputs.append(t)
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, i=i, cap=cap: cap.grads.__setitem__(i, g.detach()))
+                # The hook may hold only the dict: a closure that reached the output tensor
+                # (through the capture) would make a cycle through autograd's C++ hook table
+                # that Python's collector cannot see, and leak every step's graph.
+                t.register_hook(lambda g, i=i, grads=grads: grads.__setitem__(i, g.detach()))
 
     # -- on the event -----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from .facts import Facts
 from .fixes import Fix
 
 VERDICTS = {
@@ -138,7 +139,6 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
         d = ampdoctor.diagnose("run.h5")
         d.verdict, d.first_bad, [fx.id for fx in d.fixes]
     """
-    from .facts import Facts
     from .store import Run, load
 
     if isinstance(run, (str, os.PathLike, list, tuple)):

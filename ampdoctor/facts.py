@@ -728,6 +728,11 @@ class Facts:
             self.run, self.tensor_kinds, self.tensor_names, self.step_values, self.skipped,
             self.horizon, self.low_precision or "fp16", self.chunk))
 
+    def first_nonfinite_sampled(self) -> Optional[dict]:
+        """The first non-finite tensor in the sampled tier: {"step", "module", "phase"}."""
+        x = self.stats.first_nonfinite
+        return {k: x[k] for k in ("step", "module", "phase")} if x else None
+
     @property
     def sampled_steps(self) -> int:
         return int(self.stats.sampled.sum())

@@ -1,9 +1,8 @@
 """Record a training script into a run file, in a subprocess, the way a user would.
 
-The one place the fixture tests start a recording. Until ``ampdoctor record`` lands on main,
-the child runs the script under the in-process discovery recorder (no model, optimizer or
-scaler given: they are found as the script uses them, exactly what ``record`` does); switching
-to ``ampdoctor record -o OUT --every N -- python SCRIPT ARGS`` is a change to ``command`` only.
+The one place the fixture tests start a recording: ``ampdoctor record -o OUT --every N --force
+-q -- python SCRIPT ARGS``, the no-code-change door (the model, optimizer and scaler are
+discovered as the script uses them).
 """
 
 from __future__ import annotations
@@ -13,26 +12,10 @@ import sys
 
 from conftest import PYTHON, python_env
 
-# Runs in the child: start the recorder, run the script as __main__, finish the file with the
-# script's outcome (an exception becomes the run's status, as `ampdoctor record` records it).
-_CHILD = """
-import runpy, sys
-import ampdoctor.recorder as r
-out, every, script, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-rec = r.Recorder(path=out, every=every).start()
-sys.argv = [script, *args]
-try:
-    runpy.run_path(script, run_name="__main__")
-except BaseException as exc:
-    rec.record_exception(type(exc), exc)
-    rec.close("exception:" + type(exc).__name__)
-    raise
-rec.close()
-"""
-
 
 def command(script: str, out: str, args: list[str], every: int) -> list[str]:
-    return [PYTHON, "-c", _CHILD, out, str(every), script, *args]
+    return [PYTHON, "-m", "ampdoctor", "record", "-o", out, "--every", str(every), "--force",
+            "-q", "--", PYTHON, script, *args]
 
 
 def record(script: str, out: str, args: list[str] = (), every: int = 10,

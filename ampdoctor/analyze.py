@@ -275,24 +275,40 @@ SHORT_RUN = 50
 
 def notes(f: Any, top: Finding) -> list[str]:
     """What the diagnosis could and could not tell from this run, and risks worth knowing."""
-    out = []
-    status = f.run.status
-    last = int(f.steps["step"][-1]) if f.n else None
-    if status == "interrupted":
-        out.append(f"The run was interrupted (its writer never closed the file); the last "
-                   f"recorded step is {last}: whatever happened later is not in this file."
-                   if last is not None else
-                   "The run was interrupted before its first recorded step.")
-    elif status.startswith("exception:"):
-        exc = f.exception
-        msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
-        out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
-                   + (f" after step {last}." if last is not None else "."))
+    out = _status_notes(f)
     if not f.n:
         if top.verdict != "no_training":
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
+    out += _coverage_notes(f, top)
+    if not f.optimizers and np.all(f.skipped):
+        out.append("The optimizer never stepped (every step was skipped), so its settings were "
+                   "not recorded.")
+    if top.verdict == "healthy":
+        out += _risks(f)
+    return out
+
+
+def _status_notes(f: Any) -> list[str]:
+    status = f.run.status
+    last = int(f.steps["step"][-1]) if f.n else None
+    if status == "interrupted":
+        return [f"The run was interrupted (its writer never closed the file); the last recorded "
+                f"step is {last}: whatever happened later is not in this file."
+                if last is not None else
+                "The run was interrupted before its first recorded step."]
+    if status.startswith("exception:"):
+        exc = f.exception
+        msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
+        return [f"The training script raised {status.split(':', 1)[1]}{msg}"
+                + (f" after step {last}." if last is not None else ".")]
+    return []
+
+
+def _coverage_notes(f: Any, top: Finding) -> list[str]:
+    """Checks that lacked the data they need: no sampled step, a short run, no replay."""
+    out = []
     recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
     every = recorder.get("every")
     if not f.sampled_steps:
@@ -306,23 +322,17 @@ def notes(f: Any, top: Finding) -> list[str]:
     if f.n < SHORT_RUN and top.verdict == "healthy":
         out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
                    "growth, scale probing) may not have shown yet.")
-    fi = f.failure_index
-    if fi is not None and top.verdict not in ("no_training",):
-        located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
-        max_replays = recorder.get("max_replays")
-        if not located and not any(s["phase"] == "input" for s in f.snapshots):
-            if recorder.get("forensics") is False:
-                out.append("Forensic replay was off: the failing op could not be located and "
-                           "checked in fp32.")
-            elif max_replays is not None and len(f.snapshots) >= max_replays:
-                out.append(f"The forensic replay budget ({max_replays}) was spent on earlier "
-                           "skipped steps, so the failing step was not replayed; the module "
-                           "comes from sampled statistics, if any.")
-    if not f.optimizers and f.n and np.all(f.skipped):
-        out.append("The optimizer never stepped (every step was skipped), so its settings were "
-                   "not recorded.")
-    if top.verdict == "healthy":
-        out += _risks(f)
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    if f.failure_index is None or located or top.verdict == "no_training":
+        return out
+    if recorder.get("forensics") is False:
+        out.append("Forensic replay was off: the failing op could not be located and checked "
+                   "in fp32.")
+    elif recorder.get("max_replays") is not None and len(f.snapshots) >= \
+            recorder["max_replays"]:
+        out.append(f"The forensic replay budget ({recorder['max_replays']}) was spent on "
+                   "earlier skipped steps, so the failing step was not replayed; the module "
+                   "comes from sampled statistics, if any.")
     return out
 
 

@@ -103,6 +103,7 @@ class ScaleStory:
 
 
 def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray) -> ScaleStory:
+    """Read GradScaler's history from /steps (``loss_bad``: per step, the loss was non-finite)."""
     n = len(steps)
     scale = steps["scale"].astype(np.float64)
     has = bool(n) and bool(np.any(np.isfinite(scale)))
@@ -110,16 +111,26 @@ def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray)
     if not has:
         return story
     skipped = steps["skipped"] == 1
-    info = scaler or {}
-    story.init_scale = float(info.get("init_scale") or scale[np.isfinite(scale)][0])
-    story.growth_interval = int(info.get("growth_interval") or 2000)
-    finite_scale = scale[np.isfinite(scale)]
-    story.min_scale = float(finite_scale.min())
     after = steps["scale_after"].astype(np.float64)
+    finite_scale = scale[np.isfinite(scale)]
+    info = scaler or {}
+    story.init_scale = float(info.get("init_scale") or finite_scale[0])
+    story.growth_interval = int(info.get("growth_interval") or 2000)
+    story.min_scale = float(finite_scale.min())
     story.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(finite_scale[-1])
+    _calibration(story, skipped, scale, after, loss_bad)
+    _probing(story, skipped, loss_bad)
+    starts, lengths = runs_of(skipped)
+    if len(starts) and starts[-1] + lengths[-1] == n:
+        story.terminal_run = int(lengths[-1])
+    story.halvings = _halvings(story, scale[story.calib_len:])
+    return story
 
-    # Calibration: skips from the first step on, loss finite, ending in an applied step at a
-    # scale GradScaler can work with.
+
+def _calibration(story: ScaleStory, skipped, scale, after, loss_bad) -> None:
+    """Skips from the first step on, with a finite loss, ending in an applied step at a scale
+    GradScaler can work with (>= 1): benign."""
+    n = len(skipped)
     starts, lengths = runs_of(skipped)
     calib = int(lengths[0]) if len(starts) and starts[0] == 0 else 0
     story.calib_len = calib
@@ -134,31 +145,29 @@ def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray)
     story.calibrated_scale = float(scale[calib]) if calib < n and np.isfinite(scale[calib]) \
         else story.min_scale
 
+
+def _probing(story: ScaleStory, skipped, loss_bad) -> None:
+    """Skips after calibration are probing while few, short and with a finite loss."""
+    n, calib = len(skipped), story.calib_len
     post = skipped.copy()
     post[:calib] = False
     story.post_skips = int(post.sum())
     story.allowed_post = PROBE_SKIPS_FREE + int(math.ceil(max(0, n - calib) * max(
         PROBE_SKIP_RATE, 1.0 / max(story.growth_interval, 1))))
-    p_starts, p_lengths = runs_of(post)
-    story.longest_post_run = int(p_lengths.max()) if len(p_lengths) else 0
-    benign_post = (story.post_skips <= story.allowed_post
-                   and story.longest_post_run <= PROBE_MAX_RUN)
-    story.benign_mask |= post & benign_post & ~loss_bad
+    _, lengths = runs_of(post)
+    story.longest_post_run = int(lengths.max()) if len(lengths) else 0
+    probing = story.post_skips <= story.allowed_post and story.longest_post_run <= PROBE_MAX_RUN
+    story.benign_mask |= post & probing & ~loss_bad
     story.bad_skip |= post & ~story.benign_mask
-    if len(starts) and starts[-1] + lengths[-1] == n and not (calib and starts[-1] == 0
-                                                              and story.calib_benign):
-        story.terminal_run = int(lengths[-1])
-    if np.isfinite(story.calibrated_scale) and story.min_scale > 0:
-        tail = scale[calib:]
-        tail = tail[np.isfinite(tail)]
-        low = float(min(tail.min(), story.final_scale)) if len(tail) else story.calibrated_scale
-        if low > 0:
-            story.halvings = max(0, int(round(math.log2(story.calibrated_scale / low))))
-        else:
-            story.halvings = 200
-    elif story.min_scale <= 0:
-        story.halvings = 200
-    return story
+
+
+def _halvings(story: ScaleStory, tail: np.ndarray) -> int:
+    """How far (in halvings) the scale fell below its calibrated level; 200 if it reached 0."""
+    tail = tail[np.isfinite(tail)]
+    low = float(min(tail.min(), story.final_scale)) if len(tail) else story.calibrated_scale
+    if not np.isfinite(story.calibrated_scale) or story.calibrated_scale <= 0 or low <= 0:
+        return 200 if story.min_scale <= 0 or low <= 0 else 0
+    return max(0, int(round(math.log2(story.calibrated_scale / low))))
 
 
 # ---------------------------------------------------------------------------------------------

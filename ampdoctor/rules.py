@@ -328,63 +328,66 @@ def _run_start(f: Facts, step: int) -> int:
     return f.step_at(i)
 
 
-def rule_bad_input(f: Facts) -> Optional[Finding]:
-    """C5: the batch itself holds NaN/inf, or values beyond fp16's range."""
-    if not f.n:
-        return None
-    ev: list[Evidence] = []
-    where: Optional[dict] = None
-    conf = 0.0
+def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence]]:
+    """Replays that found the batch non-finite, or an fp16 culprit fed a batch beyond range."""
     inputs = [s for s in f.snapshots if s["phase"] == "input"]
     if inputs:
         s = inputs[0]
-        biggest, bad = f.batch_absmax(s["id"])
-        where = _first_bad(s["step"], s["module"], "input")
-        conf = 0.95
-        ev.append(Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']}"
-                           " held NaN/inf (forensic replay)", "input_nonfinite_step", None,
-                           s["step"], s["module"]))
+        ev = [Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']} "
+                       "held NaN/inf (forensic replay)", "input_nonfinite_step", None,
+                       s["step"], s["module"])]
         if len(inputs) > 1:
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
                                f"{', '.join(str(x['step']) for x in inputs[:8])})",
                                "input_nonfinite_replays", float(len(inputs))))
-    fp16 = f.low_precision == "fp16"
-    if not inputs and fp16:
-        for s in f.snapshots:  # an fp16 culprit fed a batch beyond fp16's range
-            biggest = input_out_of_range(f, s)
-            if biggest is not None:
-                where = _first_bad(s["step"], s["module"], "input")
-                conf = 0.85
-                ev.append(Evidence(f"the batch at step {s['step']} holds values up to "
-                                   f"{_fmt(biggest)}, beyond fp16's 65504; {s['module']} "
-                                   "overflows on them", "input_absmax", biggest, s["step"],
-                                   s["module"]))
-                break
-    st = f.stats if f.n else None
-    if st is not None:
-        bad_steps = np.flatnonzero(st.input_bad > 0)
-        over = np.flatnonzero(st.input_over > 0) if fp16 else np.zeros(0, int)
-        if len(bad_steps):
-            i = int(bad_steps[0])
-            ev.append(Evidence(f"sampled step {f.step_at(i)}: the model's input held NaN/inf",
-                               "sampled_input_nonfinite", None, f.step_at(i)))
-            if where is None:
-                where, conf = _first_bad(f.step_at(i), None, "input"), 0.8
-        if len(over) and (where is not None or f.failure_index is not None):
-            i = int(over[0])
-            ev.append(Evidence(f"sampled step {f.step_at(i)}: input values up to "
-                               f"{_fmt(float(st.input_absmax[i]))}, beyond fp16's 65504",
-                               "sampled_input_absmax", float(st.input_absmax[i]), f.step_at(i)))
-            if where is None:
-                where, conf = _first_bad(f.step_at(i), None, "input"), 0.7
+        return _first_bad(s["step"], s["module"], "input"), 0.95, ev
+    for s in f.snapshots:
+        biggest = input_out_of_range(f, s)
+        if biggest is not None:
+            ev = [Evidence(f"the batch at step {s['step']} holds values up to {_fmt(biggest)}, "
+                           f"beyond fp16's 65504; {s['module']} overflows on them",
+                           "input_absmax", biggest, s["step"], s["module"])]
+            return _first_bad(s["step"], s["module"], "input"), 0.85, ev
+    return None, 0.0, []
+
+
+def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float, list[Evidence]]:
+    """The sampled tier's audit of the batch: non-finite, or beyond fp16's range (the latter
+    only counts beside a failure: a large input that fp32 layers take in stride is fine)."""
+    st, where, conf, ev = f.stats, None, 0.0, []
+    bad_steps = np.flatnonzero(st.input_bad > 0)
+    if len(bad_steps):
+        i = int(bad_steps[0])
+        ev.append(Evidence(f"sampled step {f.step_at(i)}: the model's input held NaN/inf",
+                           "sampled_input_nonfinite", None, f.step_at(i)))
+        where, conf = _first_bad(f.step_at(i), None, "input"), 0.8
+    over = np.flatnonzero(st.input_over > 0) if f.low_precision == "fp16" else []
+    if len(over) and (known or where is not None or f.failure_index is not None):
+        i = int(over[0])
+        ev.append(Evidence(f"sampled step {f.step_at(i)}: input values up to "
+                           f"{_fmt(float(st.input_absmax[i]))}, beyond fp16's 65504",
+                           "sampled_input_absmax", float(st.input_absmax[i]), f.step_at(i)))
+        if where is None:
+            where, conf = _first_bad(f.step_at(i), None, "input"), 0.7
+    return where, conf, ev
+
+
+def rule_bad_input(f: Facts) -> Optional[Finding]:
+    """C5: the batch itself holds NaN/inf, or values beyond fp16's range."""
+    if not f.n:
+        return None
+    where, conf, ev = _inputs_from_replays(f)
+    sampled_where, sampled_conf, sampled_ev = _inputs_from_samples(f, where is not None)
+    ev += sampled_ev
+    if where is None:
+        where, conf = sampled_where, sampled_conf
     if where is None:
         return None
     where["step"] = _run_start(f, where["step"])
     bad_losses = int(f.loss_bad.sum())
     if bad_losses:
-        ev.append(Evidence(f"{bad_losses} of {f.n} steps had a non-finite loss; the others "
-                           "trained normally" if bad_losses < f.n / 2 else
-                           f"{bad_losses} of {f.n} steps had a non-finite loss",
+        ev.append(Evidence(f"{bad_losses} of {f.n} steps had a non-finite loss"
+                           + ("; the others trained normally" if bad_losses < f.n / 2 else ""),
                            "nonfinite_loss_steps", float(bad_losses)))
     return Finding("bad_input", conf, "The data is the cause: a batch held NaN/inf (or values "
                    "beyond fp16's range) before the model touched it. GradScaler skipped those "
@@ -393,43 +396,42 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
                    priority=PRIORITY["bad_input"])
 
 
+def _poisoned_buffers(f: Facts) -> tuple[list[str], int, int]:
+    """Buffers non-finite at their last sample (first-poisoned first), the step they were first
+    seen so, and the last sampled step."""
+    st, names = f.stats, f.tensor_names
+    buffers = np.flatnonzero((f.tensor_kinds == Kind.BUFFER) & st.last_bad)
+    if len(buffers):
+        buffers = buffers[np.argsort(st.first_bad_step[buffers], kind="stable")]
+        return ([names[b] for b in buffers], int(st.first_bad_step[buffers[0]]),
+                int(st.last_step[buffers[0]]))
+    rows = f.events(Event.NONFINITE_BUFFER)  # recorded by a buffer audit, where there is one
+    if len(rows):
+        t = int(rows["tensor"][0])
+        name = names[t] if 0 <= t < len(names) else ""
+        return [name], int(rows["step"][0]), int(rows["step"][-1])
+    return [], -1, -1
+
+
 def rule_state_poisoning(f: Facts) -> Optional[Finding]:
     """C10: buffers (BatchNorm running stats, EMA) non-finite while the parameters are finite."""
     if not f.n:
         return None
-    st = f.stats
-    kinds, names = f.tensor_kinds, f.tensor_names
-    buffers = np.flatnonzero((kinds == Kind.BUFFER) & st.last_bad)
-    event_rows = f.events(Event.NONFINITE_BUFFER)
-    if not len(buffers) and not len(event_rows):
-        return None
-    if len(buffers):
-        order = np.argsort(st.first_bad_step[buffers], kind="stable")
-        buffers = buffers[order]
-        first_seen = int(st.first_bad_step[buffers[0]])
-        last_seen = int(st.last_step[buffers[0]])
-        name = names[buffers[0]]
-    else:
-        first_seen = last_seen = int(event_rows["step"][0])
-        t = int(event_rows["tensor"][0])
-        name = names[t] if 0 <= t < len(names) else ""
-    at = f.index_of(last_seen)
-    if st.param_bad[at] > 0:
-        return None  # the weights are gone too: not a buffer-only poisoning
+    buffers, first_seen, last_seen = _poisoned_buffers(f)
+    if not buffers or f.stats.param_bad[f.index_of(last_seen)] > 0:
+        return None  # nothing poisoned, or the weights are gone too
     after = slice(f.index_of(first_seen), f.n)
-    trained_on = bool(np.any(~f.loss_bad[after] & ~f.skipped[after]))
-    if not trained_on:
-        return None
-    module = module_of(name) if name else None
+    if not np.any(~f.loss_bad[after] & ~f.skipped[after]):
+        return None  # training did not go on: this is no buffer-only damage
+    module = module_of(buffers[0]) or None
     trigger = f.failure_step if f.failure_step is not None and f.failure_step <= first_seen \
         else first_seen
-    ev = [Evidence(f"{name} is non-finite from sampled step {first_seen} to the last sample "
-                   f"({last_seen})", "buffer_nonfinite_step", float(first_seen), first_seen,
-                   module)]
+    ev = [Evidence(f"{buffers[0]} is non-finite from sampled step {first_seen} to the last "
+                   f"sample ({last_seen})", "buffer_nonfinite_step", float(first_seen),
+                   first_seen, module)]
     if len(buffers) > 1:
-        ev.append(Evidence(f"{len(buffers)} buffers non-finite: "
-                           f"{', '.join(names[b] for b in buffers[:6])}", "buffers_nonfinite",
-                           float(len(buffers))))
+        ev.append(Evidence(f"{len(buffers)} buffers non-finite: {', '.join(buffers[:6])}",
+                           "buffers_nonfinite", float(len(buffers))))
     ev.append(Evidence(f"the parameters stay finite and training goes on with finite losses "
                        f"after step {trigger}: only the buffers were poisoned",
                        "params_finite", None, last_seen))
@@ -553,65 +555,83 @@ def _snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:
     return later[0] if later else located[-1]
 
 
+def _weight_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    st = f.stats
+    full = idx[st.wcount[idx] == st.wcount[idx].max()] if len(idx) else idx
+    if len(full) < 2:
+        return None
+    w0, w1 = math.sqrt(st.wnorm2[full[0]]), math.sqrt(st.wnorm2[full[-1]])
+    if not (w0 > 0 and w1 / w0 >= WEIGHT_GROWTH):
+        return None
+    return Evidence(f"the weight norm grew {w1 / w0:.1f}x, from {_fmt(w0)} at step "
+                    f"{f.step_at(full[0])} to {_fmt(w1)} at step {f.step_at(full[-1])}",
+                    "weight_norm_growth", w1 / w0, f.step_at(full[-1]))
+
+
+def _update_size(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    upd = f.stats.upd_log[idx] if len(idx) else np.zeros(0)
+    upd = upd[np.isfinite(upd)]
+    if not len(upd) or np.median(upd) < math.log10(UPDATE_TOO_LARGE):
+        return None
+    ratio = 10 ** float(np.median(upd))
+    return Evidence(f"update ratio |dW|/|W| ~{_fmt(ratio)} per step (median of {len(upd)} "
+                    f"samples; above {UPDATE_TOO_LARGE:g} is too large)", "update_ratio", ratio)
+
+
+def _activation_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    act = f.stats.out_absmax[idx] if len(idx) else np.zeros(0)
+    ok = np.isfinite(act)
+    if ok.sum() < 2:
+        return None
+    a_idx, act = idx[ok], act[ok]
+    a0, a1 = float(act[0]), float(np.max(act[-max(1, len(act) // 3):]))
+    if not (a0 > 0 and a1 / a0 >= ACTIVATION_GROWTH):
+        return None
+    return Evidence(f"the largest activation grew {a1 / a0:.0f}x, from {_fmt(a0)} at step "
+                    f"{f.step_at(a_idx[0])} to {_fmt(a1)} by step {f.step_at(a_idx[-1])}",
+                    "activation_growth", a1 / a0, f.step_at(a_idx[-1]))
+
+
+def _loss_spike(f: Facts, hi: int) -> Optional[Evidence]:
+    loss = f.steps["loss"][:hi + 1].astype(float)
+    fin = np.flatnonzero(np.isfinite(loss))
+    if len(fin) < 6:
+        return None
+    early = np.median(loss[fin[: len(fin) // 2]])
+    recent = fin[-3:]
+    peak = int(recent[np.argmax(loss[recent])])
+    if not (early > 0 and loss[peak] >= LOSS_SPIKE * early):
+        return None
+    return Evidence(f"the loss rose to {_fmt(float(loss[peak]))} at step {f.step_at(peak)}, "
+                    f"{loss[peak] / early:.0f}x its earlier median {_fmt(float(early))}",
+                    "loss_spike", float(loss[peak] / early), f.step_at(peak))
+
+
+def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
+    gn = f.steps["grad_norm"][:hi].astype(float)
+    fin = np.flatnonzero(np.isfinite(gn) & (gn > 0))
+    if len(fin) < 10:
+        return None
+    tenth = max(1, len(fin) // 10)
+    g0, g1 = np.median(gn[fin[:tenth]]), np.median(gn[fin[-tenth:]])
+    if not (g0 > 0 and g1 / g0 >= GRAD_GROWTH):
+        return None
+    return Evidence(f"the gradient norm grew {g1 / g0:.0f}x before the failure "
+                    f"({_fmt(float(g0))} -> {_fmt(float(g1))})", "grad_norm_growth",
+                    float(g1 / g0))
+
+
 def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
     """C2's signature before the failure: weights, updates, activations, gradients and the loss
     growing. Returns how many of those signals fired, and their evidence."""
     if not f.n:
         return 0, []
     hi = f.failure_index if f.failure_index is not None else f.n
-    st = f.stats
-    idx = np.flatnonzero(st.sampled[:hi] & ~f.skipped[:hi])
-    score, ev = 0, []
-    full = idx[st.wcount[idx] == st.wcount[idx].max()] if len(idx) else idx
-    if len(full) >= 2:
-        w0, w1 = math.sqrt(st.wnorm2[full[0]]), math.sqrt(st.wnorm2[full[-1]])
-        if w0 > 0 and w1 / w0 >= WEIGHT_GROWTH:
-            score += 1
-            ev.append(Evidence(f"the weight norm grew {w1 / w0:.1f}x, from {_fmt(w0)} at step "
-                               f"{f.step_at(full[0])} to {_fmt(w1)} at step "
-                               f"{f.step_at(full[-1])}", "weight_norm_growth", w1 / w0,
-                               f.step_at(full[-1])))
-    upd = st.upd_log[idx] if len(idx) else np.zeros(0)
-    upd = upd[np.isfinite(upd)]
-    if len(upd) and np.median(upd) >= math.log10(UPDATE_TOO_LARGE):
-        score += 1
-        ev.append(Evidence(f"update ratio |dW|/|W| ~{_fmt(10 ** float(np.median(upd)))} per step "
-                           f"(median of {len(upd)} samples; above {UPDATE_TOO_LARGE:g} is too "
-                           "large)", "update_ratio", 10 ** float(np.median(upd))))
-    act = st.out_absmax[idx] if len(idx) else np.zeros(0)
-    ok = np.isfinite(act)
-    if ok.sum() >= 2:
-        a_idx = idx[ok]
-        a0, a1 = float(act[ok][0]), float(np.max(act[ok][-max(1, ok.sum() // 3):]))
-        if a0 > 0 and a1 / a0 >= ACTIVATION_GROWTH:
-            score += 1
-            ev.append(Evidence(f"the largest activation grew {a1 / a0:.0f}x, from {_fmt(a0)} at "
-                               f"step {f.step_at(a_idx[0])} to {_fmt(a1)} by step "
-                               f"{f.step_at(a_idx[-1])}", "activation_growth", a1 / a0,
-                               f.step_at(a_idx[-1])))
-    loss = f.steps["loss"][:hi + 1].astype(float)
-    fin = np.flatnonzero(np.isfinite(loss))
-    if len(fin) >= 6:
-        early = np.median(loss[fin[: len(fin) // 2]])
-        recent = fin[-3:]
-        peak = int(recent[np.argmax(loss[recent])])
-        if early > 0 and loss[peak] >= LOSS_SPIKE * early:
-            score += 1
-            ev.append(Evidence(f"the loss rose to {_fmt(float(loss[peak]))} at step "
-                               f"{f.step_at(peak)}, {loss[peak] / early:.0f}x its earlier median "
-                               f"{_fmt(float(early))}", "loss_spike", float(loss[peak] / early),
-                               f.step_at(peak)))
-    gn = f.steps["grad_norm"][:hi].astype(float)
-    g_fin = np.flatnonzero(np.isfinite(gn) & (gn > 0))
-    if len(g_fin) >= 10:
-        tenth = max(1, len(g_fin) // 10)
-        g0, g1 = np.median(gn[g_fin[:tenth]]), np.median(gn[g_fin[-tenth:]])
-        if g0 > 0 and g1 / g0 >= GRAD_GROWTH:
-            score += 1
-            ev.append(Evidence(f"the gradient norm grew {g1 / g0:.0f}x before the failure "
-                               f"({_fmt(float(g0))} -> {_fmt(float(g1))})", "grad_norm_growth",
-                               float(g1 / g0)))
-    return score, ev
+    idx = np.flatnonzero(f.stats.sampled[:hi] & ~f.skipped[:hi])
+    found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
+                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi))
+             if e is not None]
+    return len(found), found
 
 
 def lr_evidence(f: Facts) -> list[Evidence]:
@@ -653,19 +673,10 @@ def mask_pattern(op: Optional[dict]) -> Optional[str]:
     return None
 
 
-def rule_culprit(f: Facts) -> Optional[Finding]:
-    """C3 / C7a / C2 located by the forensic replay of the failing step."""
-    fi = f.failure_index
-    if fi is None:
-        return None
-    snap = _snapshot_at(f, f.failure_step)
-    if snap is None or input_out_of_range(f, snap) is not None:
-        return None  # (a batch beyond fp16's range is bad_input's)
+def _culprit_evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
+    """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
     same = [s for s in f.snapshots if s["module"] == module and s["phase"] == phase]
-    first = min(f.failure_step, snap["step"])
-    where = _first_bad(first, module, phase)
-    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
     ev = [Evidence(f"replay of step {snap['step']}: the first non-finite value appears in the "
                    f"{phase} of {module} ({snap['module_type']}) while its inputs are finite"
                    + (f"; {len(same)} replays agree" if len(same) > 1 else ""),
@@ -673,17 +684,30 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     if op:
         ev.append(Evidence(_op_text(op, module), "first_nonfinite_op", op.get("in_absmax"),
                            snap["step"], module))
-    fp32 = snap["fp32_finite"]
-    if fp32 == 1:
+    if snap["fp32_finite"] == 1:
+        beyond = ", beyond fp16's 65504" if snap["fp32_absmax"] > schema.FP16_MAX else ""
         ev.append(Evidence(f"re-run in fp32, {module} is finite (output abs max "
-                           f"{_fmt(snap['fp32_absmax'])}"
-                           + (", beyond fp16's 65504)" if snap["fp32_absmax"] > schema.FP16_MAX
-                              else ")"), "fp32_absmax", snap["fp32_absmax"], snap["step"],
-                           module))
-    elif fp32 == 0:
+                           f"{_fmt(snap['fp32_absmax'])}{beyond})", "fp32_absmax",
+                           snap["fp32_absmax"], snap["step"], module))
+    elif snap["fp32_finite"] == 0:
         ev.append(Evidence(f"re-run in fp32, {module} is still non-finite: the values reaching "
                            "it are themselves out of range", "fp32_nonfinite", None,
                            snap["step"], module))
+    return ev
+
+
+def rule_culprit(f: Facts) -> Optional[Finding]:
+    """C3 / C7a / C2 located by the forensic replay of the failing step."""
+    if f.failure_index is None:
+        return None
+    snap = _snapshot_at(f, f.failure_step)
+    if snap is None or input_out_of_range(f, snap) is not None:
+        return None  # (a batch beyond fp16's range is bad_input's)
+    module, phase, fp32 = snap["module"], snap["phase"], snap["fp32_finite"]
+    first = min(f.failure_step, snap["step"])
+    where = _first_bad(first, module, phase)
+    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    ev = _culprit_evidence(f, snap, op)
     mask = mask_pattern(op) if phase == "forward" else None
     if mask:
         ev.insert(1, Evidence(mask, "mask_overflow", None, snap["step"], module))
@@ -698,22 +722,29 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
         return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
     if fp32 == 0 and phase == "forward":
         return None  # out of range in fp32 too, and no sign of growth: leave it to the fallback
-    conf = 0.9 if fp32 == 1 else 0.65
-    if phase == "backward":
+    return _unstable_op(f, snap, where, ev + growth)
+
+
+def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence]) -> Finding:
+    module = snap["module"]
+    low = "bf16" if f.low_precision == "bf16" else "fp16"
+    if snap["phase"] == "backward":
         text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
                 "derivative at a singularity: log/sqrt/division near 0, or a clamp that rounds "
                 "to its bound in low precision). Doing that op in fp32 avoids it.")
-    else:
+    elif low == "fp16":
         text = (f"One op in {module} overflows fp16 while the weights are steady: its output "
                 "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "
                 "it fixes the step.")
-    if score == 1:
-        ev += growth
+    else:
+        text = (f"One op in {module} produces inf/NaN in bf16 while the weights are steady (a "
+                "singularity such as log(0) or 0/0 that bf16's 8-bit precision reaches where "
+                "fp32 does not). An fp32 island around it fixes the step.")
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
-    return Finding("unstable_op", conf, text, ev,
-                   fixes.make(ids, context(f, module, snap["module_type"], first)), where,
-                   priority=PRIORITY["unstable_op"])
+    return Finding("unstable_op", 0.9 if snap["fp32_finite"] == 1 else 0.65, text, ev,
+                   fixes.make(ids, context(f, module, snap["module_type"], where["step"])),
+                   where, priority=PRIORITY["unstable_op"])
 
 
 def _op_text(op: dict, module: str) -> str:
@@ -840,53 +871,53 @@ def _first_underflow_step(f: Facts) -> Optional[int]:
     return f.step_at(int(idx[0])) if len(idx) else None
 
 
+def _scaling_evidence(f: Facts, scale: float) -> Evidence:
+    """Why fp16 gradients get no help: the scaler is missing, or its scale is low."""
+    if f.has_scaler:
+        return Evidence(f"the loss scale sat at {_fmt(scale)} (median after calibration; "
+                        f"{LOW_SCALE:g} or less cannot lift small fp16 gradients)",
+                        "median_scale", scale)
+    if f.autocast_dtype == "float16":
+        return Evidence("fp16 autocast runs without a GradScaler: gradients below 6e-8 flush to "
+                        "zero, below 6.1e-5 lose precision", "no_scaler", None)
+    return Evidence("the parameters are fp16 and no GradScaler is used", "no_scaler", None)
+
+
+def _underflow_fixes(f: Facts) -> list[str]:
+    if f.params_mostly("float16"):  # GradScaler refuses fp16 weights: master weights first
+        return ["fp32_master_weights", "use_bf16"]
+    return ["raise_init_scale", "use_bf16"] if f.has_scaler else ["add_grad_scaler", "use_bf16"]
+
+
 def rule_grad_underflow(f: Facts) -> Optional[Finding]:
     """C1: fp16 gradients flush to zero: no scaler, or a scale stuck low."""
     if not f.n or f.low_precision != "fp16":
         return None
-    scaler = f.has_scaler
     scale = _post_calibration_scale(f)
-    if scaler and not scale <= LOW_SCALE:
+    if f.has_scaler and not scale <= LOW_SCALE:
         return None
     hot, measured = _underflowing(f)
-    collapsed = f.story.collapsed
-    ev: list[Evidence] = []
-    if scaler:
-        ev.append(Evidence(f"the loss scale sat at {_fmt(scale)} (median after calibration; "
-                           f"{LOW_SCALE:g} or less cannot lift small fp16 gradients)",
-                           "median_scale", scale))
-    elif f.autocast_dtype == "float16":
-        ev.append(Evidence("fp16 autocast runs without a GradScaler: gradients below 6e-8 flush "
-                           "to zero, below 6.1e-5 lose precision", "no_scaler", None))
-    else:
-        ev.append(Evidence("the parameters are fp16 and no GradScaler is used", "no_scaler",
-                           None))
+    ev = [_scaling_evidence(f, scale)]
     if len(hot):
         ev += _underflow_evidence(f, hot, measured)
         module = _common_module([f.tensor_names[t] for t in hot]) or \
             module_of(f.tensor_names[hot[0]])
-        conf = 0.85 if len(measured) and f.sampled_steps >= 2 else 0.7
+        conf = 0.85 if f.sampled_steps >= 2 else 0.7
         step = _first_underflow_step(f)
-    elif len(measured):
-        return None  # measured, and nothing underflows: healthy enough (a note says the risk)
-    elif f.failure_index is not None:
-        return None  # something else failed; an unmeasured risk is no explanation of it
+    elif len(measured) or f.failure_index is not None:
+        # measured and nothing underflows (a note says the risk), or something else failed
+        # and an unmeasured risk explains nothing
+        return None
     else:
         module, conf, step = None, 0.4, None
         ev.append(Evidence("no sampled step measured the gradients, so the underflow itself "
                            "was not seen", "not_measured", None))
-    if f.params_mostly("float16"):  # GradScaler refuses fp16 weights: master weights first
-        ids = ["fp32_master_weights", "use_bf16"]
-    elif not scaler:
-        ids = ["add_grad_scaler", "use_bf16"]
-    else:
-        ids = ["raise_init_scale", "use_bf16"]
-    return Finding("grad_underflow", conf, "fp16 gradients underflow: with "
-                   + ("no loss scaling" if not scaler else f"a loss scale of {_fmt(scale)}")
-                   + ", small gradients fall below fp16's smallest values and flush to zero or "
-                   "lose their precision, so those weights stop learning (no NaN, no error).",
-                   ev, fixes.make(ids, context(f, module, step=step)),
-                   _first_bad(step, module, "backward"), root=not collapsed,
+    how = "no loss scaling" if not f.has_scaler else f"a loss scale of {_fmt(scale)}"
+    return Finding("grad_underflow", conf, f"fp16 gradients underflow: with {how}, small "
+                   "gradients fall below fp16's smallest values and flush to zero or lose their "
+                   "precision, so those weights stop learning (no NaN, no error).", ev,
+                   fixes.make(_underflow_fixes(f), context(f, module, step=step)),
+                   _first_bad(step, module, "backward"), root=not f.story.collapsed,
                    priority=PRIORITY["grad_underflow"])
 
 

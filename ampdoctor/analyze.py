@@ -24,6 +24,7 @@ import numpy as np
 
 from .facts import Facts
 from .fixes import Fix
+from .schema import Event
 
 VERDICTS = {
     "healthy": "no failure; GradScaler calibration and probing skips are normal",
@@ -271,6 +272,8 @@ def _num(x: float) -> Optional[float]:
 
 # Below this many steps a run is "short": trends need several sampled steps.
 SHORT_RUN = 50
+# taxonomy §3: a "runaway" scale, S >= 2**24 and rising, means gradients ~0 (C8b).
+RUNAWAY_SCALE = 2.0 ** 24
 
 
 def notes(f: Any, top: Finding) -> list[str]:
@@ -298,12 +301,18 @@ def _status_notes(f: Any) -> list[str]:
                 f"step is {last}: whatever happened later is not in this file."
                 if last is not None else
                 "The run was interrupted before its first recorded step."]
+    out = []
     if status.startswith("exception:"):
         exc = f.exception
         msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
-        return [f"The training script raised {status.split(':', 1)[1]}{msg}"
-                + (f" after step {last}." if last is not None else ".")]
-    return []
+        out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
+                   + (f" after step {last}." if last is not None else "."))
+    errors = f.events(Event.RECORDER_ERROR)
+    if len(errors):
+        out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "
+                   f"internal error ({str(errors['text'][0])[:160]}); training went on, but "
+                   "what followed is not in this file.")
+    return out
 
 
 def _coverage_notes(f: Any, top: Finding) -> list[str]:
@@ -351,6 +360,10 @@ def _risks(f: Any) -> list[str]:
     if f.params_mostly("bfloat16") and not f.sampled_steps:
         out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
                    "round away. Keep fp32 master weights if the loss stalls.")
+    if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
+        out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
+                   "gradients this small are often zero or disconnected (a detached loss, "
+                   "parameters missing from the optimizer, a loss weight of 0).")
     if f.has_scaler and f.story.post_skips:
         out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
                    f"({f.story.calib_len} while calibrating, {f.story.post_skips} later, each "

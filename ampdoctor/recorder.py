@@ -680,6 +680,8 @@ class Recorder:
         patches.hook_modules(self._sample_hooks, self, None, "sample_post")
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.forensics is not None and self.forensics.replaying:
+            return  # a forensic replay's forwards are not the step's: they have their own rows
         self._sampler.on_forward(module, output)
 
     def _end_step(self) -> None:

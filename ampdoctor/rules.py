@@ -65,7 +65,7 @@ PRIORITY = {
     "exception": 95, "misuse": 90, "no_training": 70, "state_poisoning": 88, "adam_eps": 87, "bad_input": 84,
     "fp16_loss": 82, "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,
     "sampled": 70, "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,
-    "nonfinite": 5,
+    "risk": 20, "nonfinite": 5,
 }
 
 
@@ -465,46 +465,61 @@ def _adam_eps_config(f: Facts) -> Optional[dict]:
     return None
 
 
+def _adam_eps_confirmed(f: Facts) -> tuple[float, Optional[dict], list[Evidence]]:
+    """How sure the failure is the optimizer's (C4's discriminator: weights non-finite after a
+    step whose gradients were finite). Returns a confidence (0: it is not), where, evidence."""
+    fi = f.failure_index
+    if fi is None or not f.loss_bad[fi]:
+        return 0.5, None, [Evidence("no NaN yet: it appears as soon as a gradient element is 0 "
+                                    "(0/0) or below 2.4e-4 (its square flushes to 0, m/0 = inf)",
+                                    "not_yet", None)]
+    s = f.steps
+    prev_ok = fi > 0 and np.isfinite(s["loss"][fi - 1]) and np.isfinite(
+        s["grad_norm"][fi - 1]) and not f.skipped[fi - 1]
+    culprit = _snapshot_at(f, f.failure_step)
+    weights_bad = culprit is not None and culprit["fp32_finite"] == 0
+    module = culprit["module"] if culprit else None
+    ev = []
+    if prev_ok:
+        ev.append(Evidence(f"step {f.step_at(fi - 1)} had a finite loss "
+                           f"({_fmt(float(s['loss'][fi - 1]))}) and finite gradients (norm "
+                           f"{_fmt(float(s['grad_norm'][fi - 1]))}); after its optimizer step, "
+                           f"step {f.step_at(fi)}'s loss is NaN", "first_nan_after_step",
+                           float(f.step_at(fi)), f.step_at(fi)))
+    if weights_bad:
+        ev.append(Evidence(f"replay of step {culprit['step']}: {module} is non-finite even in "
+                           "fp32 with finite inputs, so its weights are", "weights_nonfinite",
+                           None, culprit["step"], module))
+    if culprit is not None and culprit["fp32_finite"] == 1:
+        conf = 0.0  # the culprit's weights are finite: an op overflowed, not the update
+    elif weights_bad:
+        conf = 0.9 if prev_ok else 0.8
+    elif prev_ok:
+        conf = 0.75 if fi <= 3 else 0.55  # the first updates are the ones eps breaks
+    else:
+        conf = 0.0
+    where = _first_bad(f.step_at(fi - 1) if prev_ok else f.step_at(fi), module, "optimizer")
+    return conf, where, ev
+
+
 def rule_adam_eps(f: Facts) -> Optional[Finding]:
     """C4: fp16 parameters/state with an eps that rounds to 0: NaN/inf made by the update."""
     cfg = _adam_eps_config(f)
     if cfg is None:
         return None
+    conf, where, confirm = _adam_eps_confirmed(f)
     ev = [Evidence(f"{cfg['class']}(eps={cfg['eps']:g}) updates fp16 "
                    f"{'parameters' if cfg['fp16_params'] else 'optimizer state'}: eps is 0.0 "
-                   "in fp16", "eps", cfg["eps"])]
-    where, conf = None, 0.5
-    fi = f.failure_index
-    if fi is not None and f.loss_bad[fi]:
-        prev_ok = fi > 0 and np.isfinite(f.steps["loss"][fi - 1]) and np.isfinite(
-            f.steps["grad_norm"][fi - 1]) and not f.skipped[fi - 1]
-        culprit = _snapshot_at(f, f.failure_step)
-        module = culprit["module"] if culprit else None
-        if prev_ok:
-            conf = 0.9
-            ev.append(Evidence(f"step {f.step_at(fi - 1)} had a finite loss "
-                               f"({_fmt(float(f.steps['loss'][fi - 1]))}) and finite gradients "
-                               f"(norm {_fmt(float(f.steps['grad_norm'][fi - 1]))}); its "
-                               f"optimizer step made the weights non-finite, and step "
-                               f"{f.step_at(fi)}'s loss is NaN", "first_nan_after_step",
-                               float(f.step_at(fi)), f.step_at(fi)))
-        if culprit and culprit["fp32_finite"] == 0:
-            conf = max(conf, 0.85)
-            ev.append(Evidence(f"replay of step {culprit['step']}: {module} is non-finite even "
-                               "in fp32 with finite inputs, so its weights are",
-                               "weights_nonfinite", None, culprit["step"], module))
-        where = _first_bad(f.step_at(fi - 1) if prev_ok else f.step_at(fi), module,
-                           "optimizer")
-    else:
-        ev.append(Evidence("no NaN yet: it appears as soon as a gradient element is 0 (0/0) or "
-                           "below 2.4e-4 (its square flushes to 0, m/0 = inf)", "not_yet", None))
-    return Finding("adam_eps", conf, f"{cfg['class']} runs on fp16 weights with eps="
+                   "in fp16", "eps", cfg["eps"])] + confirm
+    # A failure the update did not cause: the risk is still worth a line beside the real cause.
+    priority = PRIORITY["adam_eps"] if conf else PRIORITY["risk"]
+    return Finding("adam_eps", conf or 0.4, f"{cfg['class']} runs on fp16 weights with eps="
                    f"{cfg['eps']:g}, which is 0 in fp16: wherever the gradient is 0 or tiny the "
                    "update divides by zero, and the weights become NaN/inf inside "
                    "optimizer.step() although every gradient is finite.", ev,
                    fixes.make(["adam_eps", "fp32_master_weights"], context(
                        f, where["module"] if where else None, step=where and where["step"])),
-                   where, priority=PRIORITY["adam_eps"])
+                   where if conf else None, priority=priority)
 
 
 def rule_fp16_loss(f: Facts) -> Optional[Finding]:

@@ -236,6 +236,15 @@ def test_adam_eps_needs_fp16_weights_and_an_eps_fp16_cannot_hold(eps, params):
     assert verdict(s).verdict != "adam_eps"
 
 
+def test_an_overflowing_op_in_a_half_model_is_not_blamed_on_adam():
+    s = Synth(30, dtype=None, scaler=False, params="float16", optimizer="Adam", eps=1e-8)
+    s.nan_loss(range(30)).nan_grad(range(30))
+    s.snapshot(0, "forward", "energy.exp", "ExpHead", fp32_finite=1, fp32_absmax=1.6e5)
+    d = verdict(s)
+    assert d.verdict == "unstable_op"
+    assert any(c["verdict"] == "adam_eps" and c["role"] == "also" for c in d.causes)
+
+
 def test_adam_eps_risk_before_any_nan():
     s = Synth(10, dtype=None, scaler=False, params="float16", optimizer="AdamW", eps=1e-8)
     d = verdict(s)
@@ -547,3 +556,17 @@ def test_readme_lists_every_verdict_and_fix():
     table = [line for line in readme.splitlines() if line.startswith("| `")]
     for fix_id in fixes.FIX_IDS:
         assert any(f"`{fix_id}`" in line for line in table), fix_id
+
+
+def test_runaway_scale_is_noted():
+    s = Synth(200, growth_interval=5)
+    s.set("grad_norm", 0.0)
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("without overflowing" in n for n in d.notes)
+
+
+def test_recorder_error_is_noted():
+    s = Synth(30)
+    s.event(12, Event.RECORDER_ERROR, "flush: OSError: disk full")
+    d = verdict(s)
+    assert any("stopped recording at step 12" in n for n in d.notes)

@@ -654,6 +654,21 @@ class Recorder:
         if snapshot is not None:
             self._event(Event.FORENSICS, value=float(snapshot))
             self._flush_now = True
+        self._audit_buffers()
+
+    def _audit_buffers(self) -> None:
+        """On a failing step: module buffers the forward made non-finite (BatchNorm statistics
+        are updated before GradScaler skips the step, and stay poisoned). One host sync."""
+        buffers = [(f"{self.names[m]}.{n}", b, type(m).__name__) for m in list(self.names)
+                   for n, b in m.named_buffers(recurse=False) if stats.measurable(b)]
+        if not buffers:
+            return
+        dev = buffers[0][1].device
+        finite = torch.stack([torch.isfinite(b).all().to(dev) for _, b, _ in buffers]).tolist()
+        for (name, b, owner), ok in zip(buffers, finite):
+            if not ok:
+                tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
+                self._event(Event.NONFINITE_BUFFER, tensor=tid)
 
     # ---------------------------------------------------------------------------------------
     # step boundaries

@@ -397,20 +397,24 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
 
 
 def _poisoned_buffers(f: Facts) -> tuple[list[str], int, int]:
-    """Buffers non-finite at their last sample (first-poisoned first), the step they were first
-    seen so, and the last sampled step."""
-    st, names = f.stats, f.tensor_names
-    buffers = np.flatnonzero((f.tensor_kinds == Kind.BUFFER) & st.last_bad)
-    if len(buffers):
-        buffers = buffers[np.argsort(st.first_bad_step[buffers], kind="stable")]
-        return ([names[b] for b in buffers], int(st.first_bad_step[buffers[0]]),
-                int(st.last_step[buffers[0]]))
-    rows = f.events(Event.NONFINITE_BUFFER)  # recorded by a buffer audit, where there is one
-    if len(rows):
-        t = int(rows["tensor"][0])
-        name = names[t] if 0 <= t < len(names) else ""
-        return [name], int(rows["step"][0]), int(rows["step"][-1])
-    return [], -1, -1
+    """Buffers that went non-finite and stayed so (first-poisoned first), the step they were
+    first seen so, and the last step they were seen so. Two sources: the sampled tier (still
+    non-finite at the buffer's last sample) and the recorder's audit on failing steps (unless a
+    later sample shows the buffer finite again)."""
+    st, names, kinds = f.stats, f.tensor_names, f.tensor_kinds
+    bad: dict[str, tuple[int, int]] = {}
+    for t in np.flatnonzero((kinds == Kind.BUFFER) & st.last_bad):
+        bad[names[t]] = (int(st.first_bad_step[t]), int(st.last_step[t]))
+    rows = f.events(Event.NONFINITE_BUFFER)
+    for step, t in zip(rows["step"].tolist(), rows["tensor"].tolist()):
+        if not 0 <= t < len(names) or (st.last_step[t] > step and not st.last_bad[t]):
+            continue  # unknown, or finite again at a later sample
+        first, last = bad.get(names[t], (step, step))
+        bad[names[t]] = (min(first, step), max(last, step))
+    if not bad:
+        return [], -1, -1
+    order = sorted(bad, key=lambda name: (bad[name][0], name))
+    return order, bad[order[0]][0], max(last for _, last in bad.values())
 
 
 def rule_state_poisoning(f: Facts) -> Optional[Finding]:
@@ -426,9 +430,9 @@ def rule_state_poisoning(f: Facts) -> Optional[Finding]:
     module = module_of(buffers[0]) or None
     trigger = f.failure_step if f.failure_step is not None and f.failure_step <= first_seen \
         else first_seen
-    ev = [Evidence(f"{buffers[0]} is non-finite from sampled step {first_seen} to the last "
-                   f"sample ({last_seen})", "buffer_nonfinite_step", float(first_seen),
-                   first_seen, module)]
+    ev = [Evidence(f"{buffers[0]} is non-finite from step {first_seen}"
+                   + (f" to the last sample ({last_seen})" if last_seen > first_seen else ""),
+                   "buffer_nonfinite_step", float(first_seen), first_seen, module)]
     if len(buffers) > 1:
         ev.append(Evidence(f"{len(buffers)} buffers non-finite: {', '.join(buffers[:6])}",
                            "buffers_nonfinite", float(len(buffers))))

@@ -208,6 +208,26 @@ def test_state_poisoning_when_buffers_stay_nonfinite_and_weights_do_not():
     assert any(c["verdict"] == "bad_input" and c["role"] == "also" for c in d.causes)
 
 
+def test_state_poisoning_from_the_audit_of_a_failing_step():
+    s = Synth(40, every=100)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "input", "BNNet", "BNNet")
+    tid = s.tensor(Kind.BUFFER, "features.1.running_var")
+    s.event(12, Event.NONFINITE_BUFFER, tensor=tid)
+    d = verdict(s)
+    assert d.verdict == "state_poisoning" and d.first_bad["module"] == "features.1"
+
+
+def test_a_buffer_finite_again_at_a_later_sample_is_not_poisoned():
+    s = Synth(40)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "input", "BNNet", "BNNet")
+    tid = s.tensor(Kind.BUFFER, "features.1.running_var")
+    s.event(12, Event.NONFINITE_BUFFER, tensor=tid)
+    s.stat(20, Kind.BUFFER, "features.1.running_var", nonfinite=0)  # the user reset it
+    assert verdict(s).verdict == "bad_input"
+
+
 def test_buffers_nonfinite_with_weights_nonfinite_is_not_poisoning():
     s = Synth(40)
     s.skip(range(12, 40), loss_nan=True)

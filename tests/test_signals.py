@@ -80,3 +80,26 @@ def test_calibration_skips_leave_the_replay_budget_for_the_failure(run_path):
     assert 25 in set(int(s) for s in snaps["step"]), snaps["step"]
     d = ampdoctor.diagnose(run_path)
     assert d.verdict == "bad_input" and d.first_bad["step"] == 25
+
+
+def test_a_failing_step_audits_the_buffers(run_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, every=0):
+        for i, (x, y) in enumerate(batches(12)):
+            if i == 5:
+                x[0, 0] = math.inf  # one corrupt sample: BatchNorm's statistics take it
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    run = ampdoctor.load(run_path)
+    audit = run.events[run.events["kind"] == int(ampdoctor.schema.Event.NONFINITE_BUFFER)]
+    names = {run.tensor_name(int(t)) for t in audit["tensor"]}
+    assert set(audit["step"].tolist()) == {5} and "1.running_mean" in names
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "state_poisoning" and d.first_bad["module"] == "1"

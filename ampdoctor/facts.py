@@ -227,6 +227,8 @@ class Stats:
         self.input_absmax = np.full(n, np.nan)
         self.under_sum = np.zeros(t)
         self.under_cnt = np.zeros(t)
+        self.grms_sum = np.zeros(t)  # sum of log10 gradient rms (scaled space), per tensor
+        self.grms_cnt = np.zeros(t)
         self.out_max = np.full(t, np.nan)
         self.near_max = np.zeros(t)
         self.norm_first = np.full(t, np.nan)
@@ -258,6 +260,13 @@ class Stats:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.under_cnt > 0, self.under_sum / np.maximum(self.under_cnt, 1),
                             np.nan)
+
+    @property
+    def layer_grad_rms(self) -> np.ndarray:
+        """Geometric mean rms of each tensor's gradient before the horizon (NaN: none)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.grms_cnt > 0, 10 ** (self.grms_sum / np.maximum(
+                self.grms_cnt, 1)), np.nan)
 
     @property
     def layer_unchanged(self) -> np.ndarray:
@@ -390,6 +399,11 @@ def _reduce_grads(out: Stats, rows, pos, tid, sel, pre, sub_col: str) -> None:
     if pr.any():
         np.add.at(out.under_sum, t[pr], deep[pr])
         np.add.at(out.under_cnt, t[pr], 1.0)
+    rms = r["rms"].astype(np.float64)
+    pr = pre[sel] & np.isfinite(rms) & (rms > 0)
+    if pr.any():
+        np.add.at(out.grms_sum, t[pr], np.log10(rms[pr]))
+        np.add.at(out.grms_cnt, t[pr], 1.0)
 
 
 def _reduce_params(out: Stats, rows, pos, tid, sel, pre_clean) -> None:

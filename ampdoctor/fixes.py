@@ -54,6 +54,7 @@ class Context:
     module_type: Optional[str] = None  # its class, e.g. "Attention"
     autocast: Optional[str] = None  # "float16", "bfloat16" or None
     step: Optional[int] = None  # the first bad step, for comments
+    ratio: Optional[float] = None  # how much smaller the small gradients are than the rest
     low: Optional[str] = "fp16"  # the run's low precision: "fp16", "bf16" or None (fp32)
     scaler: bool = True  # the run uses a GradScaler
 
@@ -333,19 +334,20 @@ def guard_buffers(c: Context) -> Fix:
 
 def rebalance_losses(c: Context) -> Fix:
     mod = c.module or "the small head"
-    snippet = (f"# the gradients reaching {mod} are ~1e6x smaller than the rest: one loss scale\n"
-               "# cannot serve both. Bring its loss term up to the others' scale and lower\n"
-               "# that head's learning rate instead of weighting the loss by a tiny factor:\n"
-               "loss = main_loss + aux_loss  # was: main_loss + 1e-7 * aux_loss\n"
+    ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e6"
+    head = module_expr(mod) if c.module else "small_head"
+    snippet = (f"# the gradients reaching {mod} are ~{ratio}x smaller than the rest's: one loss\n"
+               "# scale cannot serve both. Weight that loss term up to the others' size (and,\n"
+               "# with SGD, lower that head's learning rate by the same factor):\n"
+               f"loss = main_loss + aux_weight * {ratio} * aux_loss\n"
                "optimizer = torch.optim.AdamW([\n"
                f"    {{\"params\": [p for n, p in model.named_parameters() if not "
-               f"n.startswith(\"{mod}\")]}},\n"
-               f"    {{\"params\": {module_expr(mod) if c.module else 'small_head'}.parameters(), "
-               "\"lr\": 1e-7 * lr},\n"
+               f"n.startswith(\"{mod}.\")]}},\n"
+               f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"
                "], lr=lr)")
     return Fix("rebalance_losses", f"Or keep fp16 and bring the gradients of {mod} into range: "
-               "weight its loss term like the others and scale its learning rate instead.",
-               snippet)
+               "a loss term weighted far below the others gives its head gradients that no "
+               "single loss scale can hold.", snippet)
 
 
 MAKERS = {

@@ -961,12 +961,22 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
                    "median_scale", scale)]
     ev += _underflow_evidence(f, hot, measured)
     step = _first_underflow_step(f)
+    rms = f.stats.layer_grad_rms
+    small, rest = rms[hot], rms[healthy]
+    small, rest = small[np.isfinite(small)], rest[np.isfinite(rest)]
+    ratio = float(np.median(rest) / np.median(small)) if len(small) and len(rest) and \
+        np.median(small) > 0 else None
+    if ratio:
+        ev.append(Evidence(f"their gradients are ~{ratio:.0e} times smaller (rms) than the "
+                           "others'", "grad_rms_ratio", ratio, None, module))
+    ctx = context(f, module, step=step)
+    ctx.ratio = ratio
     conf = 0.8 if f.sampled_steps >= 2 else 0.6
     return Finding("masked_underflow", conf, f"The gradients of {module} are far smaller than "
                    "the rest of the model's: one loss scale serves every layer and is set by "
                    "the largest gradients, so even at a healthy scale these flush to zero or "
                    "sit in fp16's subnormal band, and that part of the model hardly learns.", ev,
-                   fixes.make(["use_bf16", "rebalance_losses"], context(f, module, step=step)),
+                   fixes.make(["use_bf16", "rebalance_losses"], ctx),
                    _first_bad(step, module, "backward"), priority=PRIORITY["masked_underflow"])
 
 

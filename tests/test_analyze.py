@@ -447,6 +447,8 @@ def test_masked_underflow_at_a_healthy_scale():
     assert d.verdict == "masked_underflow" and d.first_bad["module"] == "aux_head"
     assert fix_ids(d) == ["use_bf16", "rebalance_losses"]
     assert "model.aux_head.parameters()" in d.fixes[1].snippet
+    ratio = next(e.value for e in d.evidence if e.key == "grad_rms_ratio")
+    assert ratio == pytest.approx(50.0 / 1e-6) and "5e7" in d.fixes[1].snippet
 
 
 def test_bf16_weights_whose_updates_round_away():

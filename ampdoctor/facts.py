@@ -35,6 +35,10 @@ PROBE_SKIPS_FREE = 2
 PROBE_SKIP_RATE = 1 / 500
 PROBE_MAX_RUN = 2
 
+# A weight whose norm is below this is (close to) zero-initialised: its update ratio says
+# nothing about the step size.
+TINY_NORM = 1e-6
+
 PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.INPUT: "input",
           Phase.LOSS: "loss", Phase.OPTIMIZER: "optimizer", Phase.NONE: "none",
           Phase.UNKNOWN: "unknown"}
@@ -175,8 +179,8 @@ def _halvings(story: ScaleStory, tail: np.ndarray) -> int:
 
 
 # Columns read from /stats; nothing else is loaded.
-_COLUMNS = ("step", "tensor", "seq", "source", "nonfinite", "sample_n", "zeros", "sub16",
-            "subbf16", "near16", "over16", "absmax", "rms", "norm", "update", "unchanged")
+_COLUMNS = ("step", "tensor", "seq", "source", "nonfinite", "numel", "sample_n", "zeros",
+            "sub16", "subbf16", "near16", "over16", "absmax", "rms", "norm", "update", "unchanged")
 
 
 @dataclass
@@ -415,12 +419,15 @@ def _reduce_params(out: Stats, rows, pos, tid, sel, pre_clean) -> None:
     np.add.at(out.wnorm2, p[fin], norm[fin] ** 2)
     np.add.at(out.wcount, p[fin], 1)
     np.add.at(out.param_bad, p[~fin], 1)
+    # Update ratios, as log10, clipped and weighted by size: a zero-initialised bias has
+    # |dW|/|W| of 1e300 on its first step, and must not outvote the weight matrices.
     upd = r["update"].astype(np.float64)
-    good = np.isfinite(upd) & (upd > 0)
+    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM)
     with np.errstate(divide="ignore"):
-        lu = np.log10(np.where(good, upd, 1.0))
-    np.add.at(out._upd_sum, p[good], lu[good])
-    np.add.at(out._upd_cnt, p[good], 1.0)
+        lu = np.clip(np.log10(np.where(good, upd, 1.0)), -12.0, 1.0)
+    size = np.maximum(r["numel"], 1).astype(np.float64)
+    np.add.at(out._upd_sum, p[good], (lu * size)[good])
+    np.add.at(out._upd_cnt, p[good], size[good])
     unch = r["unchanged"].astype(np.float64)
     u_ok = np.isfinite(unch)
     wts = np.maximum(r["sample_n"], 1).astype(np.float64)

@@ -214,7 +214,8 @@ def lower_lr(c: Context) -> Fix:
                "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
                "...\n" + step)
     return Fix("lower_lr", "Lower the peak learning rate 2-4x and warm up longer, and clip "
-               f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint before the weights grew. "
+               f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint "
+               "before the weights grew. "
                "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
                snippet)
 

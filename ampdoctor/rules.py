@@ -62,10 +62,12 @@ CLIP_SCALED_SHARE = 0.5
 STALE_RUN = 5
 
 PRIORITY = {
-    "exception": 95, "misuse": 90, "no_training": 70, "state_poisoning": 88, "adam_eps": 87, "bad_input": 84,
-    "fp16_loss": 82, "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,
-    "sampled": 70, "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,
-    "risk": 20, "nonfinite": 5,
+    "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
+    "state_poisoning": 88, "adam_eps": 87, "bad_input": 84, "fp16_loss": 82,
+    "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
+    "sampled": 70, "no_training": 70,  # located by sampled statistics only
+    "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
+    "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
 }
 
 
@@ -544,7 +546,8 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     if alone.any():
         i = int(np.flatnonzero(alone)[0])
         ev.append(Evidence(f"{int(alone.sum())} applied steps have a non-finite loss with finite "
-                           f"gradients (first step {f.step_at(i)}, loss {_fmt(float(s['loss'][i]))}, "
+                           f"gradients (first step {f.step_at(i)}, "
+                           f"loss {_fmt(float(s['loss'][i]))}, "
                            f"grad norm {_fmt(float(s['grad_norm'][i]))})", "loss_alone_steps",
                            float(alone.sum()), f.step_at(i)))
     if loss_snaps:

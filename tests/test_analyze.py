@@ -9,7 +9,7 @@ import pytest
 
 from ampdoctor import analyze, fixes, rules
 from ampdoctor.analyze import diagnose
-from ampdoctor.facts import Facts, fp16_rounds_to_zero, runs_of, scale_story
+from ampdoctor.facts import Facts, fp16_rounds_to_zero, runs_of
 from ampdoctor.schema import DType, Event, Kind
 
 from synthetic import Synth, grow

@@ -364,10 +364,16 @@ def _risks(f: Any) -> list[str]:
         out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
                    "gradients this small are often zero or disconnected (a detached loss, "
                    "parameters missing from the optimizer, a loss weight of 0).")
-    if f.has_scaler and f.story.post_skips:
+    story = f.story
+    if f.has_scaler and story.post_skips and story.benign:
         out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
-                   f"({f.story.calib_len} while calibrating, {f.story.post_skips} later, each "
+                   f"({story.calib_len} while calibrating, {story.post_skips} later, each "
                    "with a finite loss): normal probing, not a failure.")
+    elif f.has_scaler and story.post_skips:
+        out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
+                   "than probing explains (gradients overflowing fp16 at the current scale); "
+                   f"each skip halved the scale, now {story.final_scale:g}. Not a failure yet: "
+                   "watch for a falling scale.")
     elif f.has_scaler and f.story.calib_len:
         out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
                    "calibrated its scale: normal.")

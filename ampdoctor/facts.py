@@ -27,12 +27,17 @@ from .schema import DType, Event, Kind, Phase, Source, flag
 # halvings; a calibration that has to go below a scale of 1 has found no working scale at all
 # (pytorch#99640: "there is likely no valid scale for which fp16 works").
 MIN_CALIBRATED_SCALE = 1.0
+# taxonomy §3: a "low" scale, S <= 2**3, no longer lifts small fp16 gradients out of the
+# subnormal band; a fall that ends above it is the scale adapting, not collapsing.
+COLLAPSED_SCALE = 8.0
 # After calibration GradScaler probes upward once per growth_interval and backs off once:
-# about one skip per interval (taxonomy C0: ~0.05 %). We allow two skips whatever the length
-# plus one per 500 steps (4x the probing rate at the default interval, for gradient noise),
-# none of them back to back beyond a pair, all with a finite loss.
+# about one skip per interval in a steady state (taxonomy C0: ~0.05 %). Early in training the
+# gradients still grow and each growth costs a skip and a halving (apex#864, DeepSpeed#931:
+# "step=510, skipped=8" is normal). We allow two skips whatever the length plus one per 100
+# steps, none of them back to back beyond a pair, all with a finite loss; what the halvings
+# cost shows up as a low scale, which grad_underflow judges.
 PROBE_SKIPS_FREE = 2
-PROBE_SKIP_RATE = 1 / 500
+PROBE_SKIP_RATE = 1 / 100
 PROBE_MAX_RUN = 2
 
 # A weight whose norm is below this is (close to) zero-initialised: its update ratio says
@@ -100,9 +105,12 @@ class ScaleStory:
 
     @property
     def collapsed(self) -> bool:
-        """The scale kept falling: skipping to the end of the run, far below its calibrated
-        level, or a calibration that found no scale >= 1."""
-        return self.has_scaler and (self.terminal_run >= 3 or self.halvings >= 8 or (
+        """The scale kept falling: skipping to the end of the run, 8 or more halvings below its
+        calibrated level down to a scale that cannot lift small gradients, or a calibration
+        that found no scale >= 1."""
+        low = min(self.min_scale, self.final_scale)
+        return self.has_scaler and (self.terminal_run >= 3 or (
+            self.halvings >= 8 and low <= COLLAPSED_SCALE) or (
             self.calib_len >= 3 and not self.calib_level >= MIN_CALIBRATED_SCALE))
 
 

@@ -1047,7 +1047,9 @@ def rule_scale_collapse(f: Facts) -> Optional[Finding]:
 def rule_nonfinite(f: Facts) -> Optional[Finding]:
     """Non-finite values that no rule explains (an honest fallback, low confidence)."""
     fi = f.failure_index
-    if fi is None or not (f.loss_bad.any() or f.grad_bad.any()):
+    # A non-finite loss, or non-finite gradients with no scaler to skip them; gradient
+    # overflows that GradScaler skipped are its job (scale_collapse judges when they persist).
+    if fi is None or not (f.loss_bad.any() or (not f.has_scaler and f.grad_bad.any())):
         return None
     if f.story.collapsed:
         return None  # scale_collapse speaks for it

@@ -48,6 +48,20 @@ def test_calibration_and_probing_skips_are_healthy():
     assert any("calibrat" in n for n in d.notes)
 
 
+def test_a_few_gradient_overflows_while_training_are_healthy():
+    s = Synth(400)
+    s.skip([74, 150, 190, 260])  # gradients growing during warmup: 4 halvings, finite loss
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("normal probing" in n for n in d.notes)
+
+
+def test_frequent_gradient_overflows_are_not_called_nonfinite():
+    s = Synth(400)
+    s.skip(range(20, 400, 60))  # 7 skips: more than probing, finite loss, scale 2**16 -> 2**9
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("more often than probing" in n for n in d.notes)
+
+
 def test_calibration_with_a_nan_loss_is_not_healthy():
     s = Synth(30)
     s.skip(range(0, 3), loss_nan=True)

@@ -528,6 +528,12 @@ class Facts:
         return str(dev.get("type", "cuda")) if isinstance(dev, dict) else "cuda"
 
     @property
+    def root_names(self) -> set[str]:
+        """Names the recorder gives the root module(s): its class name, for a single root."""
+        roots = self.meta.get("roots")
+        return {str(r) for r in roots} if isinstance(roots, list) else set()
+
+    @property
     def optimizers(self) -> list[dict]:
         opt = self.meta.get("optimizer")
         return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []

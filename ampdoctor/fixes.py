@@ -55,6 +55,8 @@ class Context:
     autocast: Optional[str] = None  # "float16", "bfloat16" or None
     step: Optional[int] = None  # the first bad step, for comments
     ratio: Optional[float] = None  # how much smaller the small gradients are than the rest
+    op: Optional[str] = None  # the op inside the module that went non-finite first ("exp")
+    root: bool = False  # the module is the model itself: the op sits in its own forward
     low: Optional[str] = "fp16"  # the run's low precision: "fp16", "bf16" or None (fp32)
     scaler: bool = True  # the run uses a GradScaler
 
@@ -101,9 +103,25 @@ def _wrap_lines(path: str, wrapper: str) -> str:
     return f"{target} = {wrapper}({target})"
 
 
+def _op_island(c: Context) -> Fix:
+    """The culprit is the model itself: the island goes around the op in its forward."""
+    cls = c.module_type or c.module or "the model"
+    op = c.op or "the op"
+    snippet = (f"# in {cls}.forward, around {op} (and the ops that produce its input):\n"
+               f'with torch.autocast("{c.device}", enabled=False):\n'
+               "    y = op(x.float())  # fp32 in, fp32 out\n"
+               "y = y.to(x.dtype)  # back to the low precision only once it is in range")
+    return Fix("fp32_island", f"The overflow is in {cls}'s own forward ({op}), not in a "
+               "submodule: run that op in fp32, with autocast off and its inputs cast to "
+               "float32.", snippet)
+
+
 def fp32_island(c: Context) -> Fix:
+    if c.root:
+        return _op_island(c)
     path = c.module or "the_module"
     what = f"{path} ({c.module_type})" if c.module_type else path
+    inside = f" (its first op to overflow is {c.op})" if c.op else ""
     snippet = (
         "import torch\n\n"
         "class FP32Island(torch.nn.Module):\n"
@@ -116,9 +134,9 @@ def fp32_island(c: Context) -> Fix:
         f'        with torch.autocast("{c.device}", enabled=False):\n'
         "            return self.inner(*map(up, args), **{k: up(v) for k, v in kwargs.items()})\n\n"
         + _wrap_lines(path, "FP32Island"))
-    return Fix("fp32_island", f"Run {what} in fp32: autocast off inside it and its inputs cast "
-               "to float32, so the values it produces have fp32's range. Wrap the module that "
-               "produces the large values, not the one after it.", snippet)
+    return Fix("fp32_island", f"Run {what} in fp32{inside}: autocast off inside it and its "
+               "inputs cast to float32, so the values it produces have fp32's range. Wrap the "
+               "module that produces the large values, not the one after it.", snippet)
 
 
 def scale_attention(c: Context) -> Fix:

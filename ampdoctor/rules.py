@@ -764,9 +764,12 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence]) -> Findi
                 "fp32 does not). An fp32 island around it fixes the step.")
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
+    ctx = context(f, module, snap["module_type"], where["step"])
+    op = snap["detail"].get("op")
+    ctx.op = op.get("op") if isinstance(op, dict) else None
+    ctx.root = module in f.root_names
     return Finding("unstable_op", 0.9 if snap["fp32_finite"] == 1 else 0.65, text, ev,
-                   fixes.make(ids, context(f, module, snap["module_type"], where["step"])),
-                   where, priority=PRIORITY["unstable_op"])
+                   fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"])
 
 
 def _op_text(op: dict, module: str) -> str:

@@ -106,6 +106,17 @@ def test_unstable_op_from_replay_with_fp32_check():
     assert any(e.key == "first_nonfinite_op" and "matmul" in e.text for e in d.evidence)
 
 
+def test_an_op_in_the_models_own_forward_gets_an_op_island():
+    s = Synth(20)
+    s.meta["roots"] = ["EnergyNet"]
+    s.skip(range(20), loss_nan=True)
+    s.snapshot(1, "forward", "EnergyNet", "EnergyNet", fp32_finite=1,
+               op={"op": "exp", "created": ["posinf"], "in_absmax": 14.0})
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and "EnergyNet.forward" in d.fixes[0].snippet
+    assert "model.EnergyNet" not in d.fixes[0].snippet and "(exp)" in d.fixes[0].text
+
+
 def test_mask_constant_overflow_is_told_from_an_unstable_op():
     s = Synth(20)
     s.skip(range(20), loss_nan=True)
@@ -606,3 +617,9 @@ def test_recorder_error_is_noted():
     s.event(12, Event.RECORDER_ERROR, "flush: OSError: disk full")
     d = verdict(s)
     assert any("stopped recording at step 12" in n for n in d.notes)
+
+
+def test_a_short_run_says_what_it_could_not_see():
+    d = verdict(Synth(12, every=100))
+    assert d.verdict == "healthy" and d.confidence < 0.8
+    assert any("Only 12 steps" in n for n in d.notes)

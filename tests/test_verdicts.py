@@ -9,13 +9,14 @@ two at a time in subprocesses (``recording.py``), once per test session.
 import fnmatch
 import json
 import os
+import subprocess
 import time
 
 import pytest
 
 import ampdoctor
 
-from conftest import ROOT
+from conftest import PYTHON, ROOT, python_env
 from recording import start
 
 FIXTURES = os.path.join(ROOT, "fixtures", "verdicts")
@@ -89,3 +90,20 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert rc == 0, stderr[-3000:]
     d = ampdoctor.diagnose(path)
     assert d.verdict == EXPECTED[name]["fixed"], str(d)
+
+
+@pytest.mark.parametrize("name", ["unstable_op", "clip_order"])
+def test_cli_json_and_exit_codes(recorded, name):
+    """What a CI job sees: the JSON verdict, exit 0 by default, 1 with --fail-on unhealthy."""
+    def run(*args):
+        return subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", *args], env=python_env(),
+                              capture_output=True, text=True)
+
+    bad, _, _ = recorded[(name, False)]
+    good, _, _ = recorded[(name, True)]
+    out = run(bad, "--format", "json")
+    assert out.returncode == 0 and json.loads(out.stdout)["verdict"] == EXPECTED[name]["verdict"]
+    assert run(bad, "--fail-on", "unhealthy").returncode == 1
+    assert run(good, "--fail-on", "unhealthy").returncode == 0
+    md = run(bad, "--format", "markdown").stdout
+    assert md.startswith(f"## ampdoctor: `{EXPECTED[name]['verdict']}`")

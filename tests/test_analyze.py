@@ -623,3 +623,42 @@ def test_a_short_run_says_what_it_could_not_see():
     d = verdict(Synth(12, every=100))
     assert d.verdict == "healthy" and d.confidence < 0.8
     assert any("Only 12 steps" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# whatever a run holds, the diagnosis is one of the verdicts, and JSON
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 60), dtype=st.sampled_from(["float16", "bfloat16", None]),
+       scaler=st.booleans(), params=st.sampled_from(["float32", "float16", "bfloat16"]),
+       skips=st.lists(st.integers(0, 59), max_size=30), nans=st.lists(st.integers(0, 59),
+                                                                       max_size=10),
+       snaps=st.lists(st.tuples(st.integers(0, 59), st.sampled_from(list(
+           ["forward", "backward", "input", "loss", "none"])), st.sampled_from([-1, 0, 1])),
+           max_size=4),
+       grads=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 4096), st.integers(0, 4096),
+                                st.floats(0, 1e3)), max_size=12),
+       status=st.sampled_from(["finished", "running", "exception:ValueError"]))
+def test_any_run_gets_a_verdict(n, dtype, scaler, params, skips, nans, snaps, grads, status):
+    s = Synth(n, dtype=dtype, scaler=scaler, params=params, status=status)
+    s.skip([i for i in skips if i < n])
+    s.nan_loss([i for i in nans if i < n])
+    for step, phase, fp32 in snaps:
+        if step < n:
+            s.snapshot(step, phase, "blocks.0.attn", "Attention", fp32_finite=fp32)
+    for step, zeros, sub, rms in grads:
+        if step < n:
+            s.stat(step, Kind.PARAM_GRAD, "fc.weight", zeros=min(zeros, 4096), sub16=sub,
+                   rms=rms, nonfinite=int(rms > 900))
+            s.stat(step, Kind.PARAM, "fc.weight", norm=rms, update=rms / 1e4, unchanged=0.1)
+    d = verdict(s)
+    assert d.verdict in analyze.VERDICTS
+    assert 0.0 <= d.confidence <= 1.0
+    json.dumps(d.to_dict(), allow_nan=False)
+    assert all(fx.id in fixes.FIX_IDS for fx in d.fixes)
+    if d.verdict not in ("healthy", "no_training"):
+        assert d.summary and d.causes[0]["role"] == "root"

@@ -239,6 +239,7 @@ class Stats:
         self.input_absmax = np.full(n, np.nan)
         self.under_sum = np.zeros(t)
         self.under_cnt = np.zeros(t)
+        self.zero_sum = np.zeros(t)  # sum of exact-zero fractions of the gradient, per tensor
         self.grms_sum = np.zeros(t)  # sum of log10 gradient rms (scaled space), per tensor
         self.grms_cnt = np.zeros(t)
         self.out_max = np.full(t, np.nan)
@@ -271,6 +272,13 @@ class Stats:
         """Mean underflow fraction of each tensor's gradient before the horizon (NaN: none)."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.under_cnt > 0, self.under_sum / np.maximum(self.under_cnt, 1),
+                            np.nan)
+
+    @property
+    def layer_zeros(self) -> np.ndarray:
+        """Mean exact-zero fraction of each tensor's gradient, where layer_under is measured."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.under_cnt > 0, self.zero_sum / np.maximum(self.under_cnt, 1),
                             np.nan)
 
     @property
@@ -410,6 +418,7 @@ def _reduce_grads(out: Stats, rows, pos, tid, sel, pre, sub_col: str) -> None:
     pr = pre[sel] & np.isfinite(deep)
     if pr.any():
         np.add.at(out.under_sum, t[pr], deep[pr])
+        np.add.at(out.zero_sum, t[pr], (r["zeros"] / n)[pr])
         np.add.at(out.under_cnt, t[pr], 1.0)
     rms = r["rms"].astype(np.float64)
     pr = pre[sel] & np.isfinite(rms) & (rms > 0)

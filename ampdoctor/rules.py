@@ -864,24 +864,27 @@ def _common_module(names: list[str]) -> Optional[str]:
 
 def _underflow_evidence(f: Facts, hot: np.ndarray, measured: np.ndarray) -> list[Evidence]:
     st, names = f.stats, f.tensor_names
-    under = st.layer_under
-    band = "bf16" if f.low_precision == "bf16" else "fp16"
-    tiny = "6.1e-5" if band == "fp16" else "1.2e-38"
+    under, zeros = st.layer_under, st.layer_zeros
+    band, tiny = ("bf16", "1.2e-38") if f.low_precision == "bf16" else ("fp16", "6.1e-5")
+    scaled = " once multiplied by the loss scale" if f.has_scaler else ""
+
+    def layer(t: int) -> str:
+        z = f", {zeros[t]:.0%} exactly zero" if zeros[t] >= 0.01 else ""
+        return f"{names[t]}: {under[t]:.0%} of its non-zero gradient subnormal{z}"
+
     ev = [Evidence(f"{len(hot)} of {len(measured)} parameter gradients sit in {band}'s "
-                   f"subnormal band (below {tiny} as stored, in scaled space, where precision "
-                   f"is lost and the smallest flush to 0): worst {names[hot[0]]} with "
-                   f"{under[hot[0]]:.0%} of its non-zero elements there", "layers_underflowing",
-                   float(len(hot)), None, module_of(names[hot[0]]))]
-    for t in hot[1:4]:
-        ev.append(Evidence(f"{names[t]}: {under[t]:.0%} of its non-zero gradient subnormal",
-                           "layer_underflow", float(under[t]), None, module_of(names[t])))
+                   f"subnormal band (below {tiny}{scaled}), where they keep a few significant "
+                   "bits and the smallest flush to 0", "layers_underflowing", float(len(hot)),
+                   None, module_of(names[hot[0]]))]
+    for t in hot[:4]:
+        ev.append(Evidence(layer(t), "layer_underflow", float(under[t]), None,
+                           module_of(names[t])))
     n = st.grad_n[: f.failure_index].sum() if f.failure_index is not None else st.grad_n.sum()
     u = st.grad_under[: f.failure_index].sum() if f.failure_index is not None else \
         st.grad_under.sum()
     if n:
         ev.append(Evidence(f"{u / n:.0%} of all sampled gradient elements are subnormal or "
-                           "flushed to zero",
-                           "grad_underflow_fraction", float(u / n)))
+                           "flushed to zero", "grad_underflow_fraction", float(u / n)))
     return ev
 
 

@@ -80,8 +80,9 @@ class Recorder:
         path: the run file to write (overwritten).
         every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
         forensics: replay a failing step to find the culprit (tier 3).
-        max_replays: forensic replays per run (the first events only, so a run that skips
-            every step does not crawl).
+        max_replays: forensic replays per run. Events in one episode (a run of close bad
+            steps) are replayed at the 1st, 2nd, 4th, 8th... event only, so a run that skips
+            every step does not crawl; after the last replay the tier costs nothing.
         flush_seconds: the longest time between two flushes to the file.
         sample: elements gathered per tensor for range counts in the sampled tier.
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
@@ -90,7 +91,7 @@ class Recorder:
 
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
                  path: str = "run.h5", every: Optional[int] = None, forensics: bool = True,
-                 max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
+                 max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None):
         self.path = os.fspath(path)
@@ -343,15 +344,21 @@ class Recorder:
     # root module: autocast state, the batch (forensics, input audit)
 
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying():
+            return
         self._note_autocast()
         if self._step.sampled and self._sampler is not None:
             self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_inputs(module, args, kwargs)
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_output(module, output)
+
+    def _replaying(self) -> bool:
+        """A forensic replay is re-running the model: none of its calls belong to the step."""
+        return self.forensics is not None and self.forensics.replaying
 
     def _note_autocast(self) -> None:
         dev = self._device.type if self._device is not None else "cpu"
@@ -390,6 +397,8 @@ class Recorder:
         st.loss_n += 1
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_loss(loss)
 
     # ---------------------------------------------------------------------------------------
     # gradients: the moment they are complete (before unscale_, clip or step)
@@ -508,7 +517,7 @@ class Recorder:
         if found:
             dev = found[0].device
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             # The one sync of this step; GradScaler.step has just synced on the same values.
             bad = st.found_inf is not None and bool(st.found_inf.item() > 0)
             if bad:
@@ -523,7 +532,7 @@ class Recorder:
 
     def _check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values? (one sync)"""
-        if self.forensics is None or self.replays >= self.max_replays:
+        if self.forensics is None or not self.forensics.armed:
             return
         st = self._step
         checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
@@ -536,13 +545,31 @@ class Recorder:
                 torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
 
     def _trigger(self, why: Event) -> None:
-        """Parameters are still those that failed: replay the step (tier 3)."""
-        self.replays += 1
-        self._step.flags |= flag(Event.FORENSICS)
-        snapshot = self.forensics.replay(self._step, why)
+        """Parameters are still those that failed: hand the step to the forensic tier."""
+        self._drain()  # the steps up to the event reach the file before anything else
+        snapshot = self.forensics.on_event(self._step, why)
         if snapshot is not None:
+            self.replays += 1
             self._event(Event.FORENSICS, value=float(snapshot))
             self._flush_now = True
+
+    @property
+    def events(self) -> list:
+        """What the forensic tier caught, as ``forensics.ForensicEvent`` (step, trigger,
+        phase, module, fp32 verdict); empty with ``forensics=False``."""
+        return list(self.forensics.events) if self.forensics is not None else []
+
+    def replay(self, step: int):
+        """Re-run a replayed event's micro-batches, instrumented; a ``ReplayResult``.
+
+        Runs against the model's current weights with the batch, RNG state and output
+        gradient kept from the event; ``result.faithful`` says whether the weights are still
+        those of the event. Works after the recorder is closed; writes nothing to the file.
+        """
+        if self.forensics is None:
+            raise AmpDoctorError("this recorder was started with forensics=False: "
+                                 "nothing was captured to replay")
+        return self.forensics.replay(step)
 
     # ---------------------------------------------------------------------------------------
     # step boundaries
@@ -561,7 +588,8 @@ class Recorder:
         self._flush_now = False
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._sampler.on_forward(module, output)
+        if not self._replaying():
+            self._sampler.on_forward(module, output)
 
     def _end_step(self) -> None:
         st = self._step

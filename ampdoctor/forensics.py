@@ -68,7 +68,7 @@ from .sampler import tensors_in
 from .schema import Event, Kind, Phase, Source
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
-KEEP_BYTES = 256 << 20  # CPU copies kept per replayed event for rec.replay
+KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
 GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
 MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
 HISTORY = 64  # steps of scale/LR/grad-norm history in a snapshot's detail
@@ -180,6 +180,7 @@ class Forensics:
         self._history: deque = deque(maxlen=HISTORY)
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
         self._kept: dict[int, _Kept] = {}
+        self._too_big: set[int] = set()
         self._held = 0  # bytes of output gradients held for earlier micro-batches
 
     @property
@@ -252,6 +253,10 @@ class Forensics:
         ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
+        if not self.captures:
+            ev.note = ("not replayed: no call of the model with grad enabled was captured in "
+                       "this step (in discovery mode the model is known after its first step)")
+            return None
         start, due = self._due(step.index)
         if not due:
             ev.note = f"not replayed: same episode as step {start} (rate limit)"
@@ -280,6 +285,9 @@ class Forensics:
     def replay(self, step: int) -> ReplayResult:
         """Re-run a replayed event's micro-batches now (see the module docstring)."""
         kept = self._kept.get(step)
+        if kept is None and step in self._too_big:
+            raise AmpDoctorError(f"step {step}'s batch was over {KEEP_BYTES >> 20} MiB and was "
+                                 "not kept; its snapshot in the run file has what was found")
         if kept is None:
             have = sorted(self._kept)
             raise AmpDoctorError(
@@ -322,16 +330,21 @@ class Forensics:
     def _search(self, captures: list, scale: Optional[float], stale_check: bool):
         names = self.rec.names
         last = None
+        forward_only = []  # micro-batches whose output gradient was not kept (GRAD_BYTES)
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
                 holder["scale"] = scale
             root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
             trace, finding = replay.explain(cap, names, root_name, _cuda_devices(),
-                                            self.rec.param_names)
+                                            self.rec.param_names, self.rec.strict)
             if _versions((cap.args, cap.kwargs)) != cap.versions:
                 finding.detail["input_modified"] = True
+            if forward_only:
+                finding.detail["micro_batches_forward_only"] = list(forward_only)
             if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
                 return trace, finding, micro
+            if cap.grads_dropped:
+                forward_only.append(micro)
             last = (trace, finding, micro)
         trace, finding, micro = last
         stale = self._stale_grads() if stale_check else []
@@ -364,11 +377,15 @@ class Forensics:
         return out
 
     def _keep_for_later(self, step: int, captures: list, scale: Optional[float]) -> None:
-        size = sum(_nbytes(tensors_in((c.args, c.kwargs, list(c.grads.values()))))
-                   for c in captures)
-        if not captures or size > KEEP_BYTES:
+        """CPU copies of the step's micro-batches within KEEP_BYTES; the output gradients
+        go first when over it (a later replay is then forward-only)."""
+        inputs = sum(_nbytes(tensors_in((c.args, c.kwargs))) for c in captures)
+        grads = sum(_nbytes(c.grads.values()) for c in captures)
+        if not captures or inputs > KEEP_BYTES:
+            self._too_big.add(step)
             return
-        self._kept[step] = _Kept([_offload(c) for c in captures],
+        keep_grads = inputs + grads <= KEEP_BYTES
+        self._kept[step] = _Kept([_offload(c, keep_grads) for c in captures],
                                  _param_versions(self._roots(captures)), scale)
 
     # -- the result and the snapshot --------------------------------------------------------
@@ -611,12 +628,12 @@ def _reload_value(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def _offload(cap: Capture) -> Capture:
+def _offload(cap: Capture, grads: bool = True) -> Capture:
     return Capture(cap.root, _offload_value(cap.args), _offload_value(cap.kwargs),
                    {k: v.clone() for k, v in cap.rng.items()}, cap.autocast, cap.micro,
-                   (), {i: _offload_value(g) for i, g in cap.grads.items()},
+                   (), {i: _offload_value(g) for i, g in cap.grads.items()} if grads else {},
                    [(_offload_value(loss), {k: _offload_value(v) for k, v in h.items()})
-                    for loss, h in cap.losses], cap.grads_dropped)
+                    for loss, h in cap.losses], cap.grads_dropped or not grads)
 
 
 def _reload(cap: Capture) -> Capture:

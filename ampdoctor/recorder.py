@@ -551,7 +551,8 @@ class Recorder:
         if snapshot is not None:
             self.replays += 1
             self._event(Event.FORENSICS, value=float(snapshot))
-            self._flush_now = True
+            self._writer.flush()  # the snapshot survives a crash that may follow the event
+            self._flush_now = True  # and the event's own step row is written at its end
 
     @property
     def events(self) -> list:

@@ -1,11 +1,11 @@
 """One instrumented re-run of a captured root call: who went non-finite first, would fp32 help.
 
 ``forensics`` captures each step's root-module calls; on an event it hands each one to
-``explain(capture, names)``, which
+``explain(capture, names, ...)``, which
 
 1. re-runs the root's forward from the captured RNG state, in the captured autocast state,
-   with a forward pre/post hook on every named module, and measures every module input and
-   output exactly (``stats.Collector(exact=True)``);
+   with a forward pre/post hook on every named module, measuring every module input and
+   output (``stats.Collector``: NaN/inf presence and abs max exact, counts sampled);
 2. runs backward from the gradient that arrived at the root output in the real step, with
    ``torch.autograd.grad`` (``.grad`` is never written), measuring every module's
    grad_output, grad_input and the gradient of each parameter;
@@ -13,9 +13,10 @@
    non-finite while its inputs are finite, preferring the innermost one that explains it;
    else the first module in backward order whose grad_input (or own parameter gradient) is
    non-finite while its grad_output is finite; else the batch or the loss;
-4. re-runs the culprit alone in fp32 (``_fp32_check``): autocast off, inputs ``.float()``,
-   an fp32 copy of the module if its parameters are half. For a backward culprit its
-   backward is re-run in fp32 from the same grad_output.
+4. re-runs the culprit alone (``_culprit_check``), once as it ran (exact statistics in the
+   run's precision) and once in fp32: autocast off, inputs ``.float()``, an fp32 copy of
+   the module if its parameters are half; for a backward culprit, its backward from the
+   same grad_output.
 
 The culprit's inputs (and its grad_output) are not held during the instrumented pass, which
 keeps the replay's memory close to the training step's: a second, lean pass re-runs the
@@ -28,7 +29,7 @@ the module, and its gradient is exactly the module's grad_input. An alias is mad
 tensor object, so ``query is key`` stays true for self-attention, and values never change.
 
 -inf is not always an accident: an additive attention mask holds 0 and -inf by design. A
-tensor whose only non-finite values are -inf and whose finite values are all 0 counts as
+tensor whose only non-finite values are -inf and whose other values are all 0 counts as
 finite. A tensor holding -inf among other values ("soft") is followed: when a module turns
 it into NaN/+inf, the module that produced the -inf from finite inputs is the culprit.
 
@@ -129,21 +130,25 @@ class Finding:
 
 
 def explain(cap: Capture, names: dict, root_name: str, devices: list,
-            param_names: Optional[dict] = None) -> tuple["Trace", Finding]:
+            param_names: Optional[dict] = None, strict: bool = False) -> tuple["Trace", Finding]:
     """Replay one captured root call and decide what went non-finite first.
 
     ``names`` maps modules to their qualified names and ``param_names`` parameter ids to
     theirs (the recorder's); ``devices`` lists the CUDA devices whose RNG the replay may
-    draw from. The caller forks the RNG and restores module buffers around this call.
+    draw from. The caller forks the RNG and restores module buffers around this call. An
+    exception in the re-run (the user's code may refuse to run twice) becomes part of the
+    finding, unless ``strict``.
     """
     trace = Trace(cap, names, root_name, devices, param_names or {})
+    trace.strict = strict
     bad_inputs = trace.measure_batch()
     if any(level == HARD for _, _, level in bad_inputs):
         return trace, _bad_batch(trace, bad_inputs)
     trace.run()
     finding = _decide(trace, bad_inputs)
     if finding.call is not None and finding.phase in (Phase.FORWARD, Phase.BACKWARD):
-        _fp32_check(trace, finding)
+        _culprit_check(trace, finding)
+        _describe(trace, finding)
     return trace, finding
 
 
@@ -163,13 +168,15 @@ class Trace:
         self.names.setdefault(self.root, root_name)
         self.root_name = root_name
         self.devices = devices
-        self.collector = stats.Collector(exact=True)
+        # Presence of NaN/inf and abs max are exact in sampled mode (one aminmax pass); counts
+        # come from a fixed sample. The culprit's own tensors are then measured exactly.
+        self.collector = stats.Collector()
         self.slots: list[Slot] = []
         self.calls: list[Call] = []
         self.rows = schema.empty("stats")
         self.outputs: list = []  # the root's output tensors (replayed)
-        self.param_grads: list = []  # (parameter, gradient) from the replayed backward
         self.error: Optional[str] = None
+        self.strict = False
         self.backward_note: Optional[str] = None
         self.fired = 0
         self._stack: list[Call] = []
@@ -177,23 +184,22 @@ class Trace:
         self._origin: dict[int, tuple] = {}  # id(tensor) -> (weakref, source call)
         self._aliasing = _Aliases()
         self._forward_done = False
-        self._batch_slots: list[int] = []
+        self._batch_slots: dict[int, int] = {}  # id(batch tensor) -> slot
 
     # -- the batch --------------------------------------------------------------------------
 
     def measure_batch(self) -> list:
         """Exact stats of every batch tensor; returns (label, slot, level) of non-finite ones."""
-        items = list(labeled(self.cap.args, self.cap.kwargs))
+        owner = type(self.root).__name__
         slots = []
-        for label, t in items:
-            slot = self._measure(t, Kind.INPUT, self.root_name, len(slots), "input", 0, label,
-                                 -1)
+        for label, t in labeled(self.cap.args, self.cap.kwargs):
+            slot = self._measure(t, Kind.INPUT, self.root_name, len(slots), owner, 0, label, 0)
             if slot is not None:
                 slots.append((label, slot))
                 self._origin[id(t)] = (weakref.ref(t), ROOT_INPUT)
+                self._batch_slots[id(t)] = slot
         rows = self.collector.drain()
         self.rows = rows
-        self._batch_slots = [s for _, s in slots]
         return [(label, slot, tensor_level(rows[slot])) for label, slot in slots
                 if tensor_level(rows[slot]) != CLEAN]
 
@@ -204,12 +210,17 @@ class Trace:
         handles = patches.PatchSet()
         try:
             self._install(handles)
-            with torch.enable_grad(), autocast(self.cap.autocast):
+            # Anomaly mode would raise at the first NaN: the replay wants to see them all.
+            with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
+                    autocast(self.cap.autocast):
                 output = self.root(*self.cap.args, **self.cap.kwargs)
             self._forward_done = True
             self.outputs = list(tensors_in(output))
-            self._backward(handles)
+            with torch.autograd.set_detect_anomaly(False):
+                self._backward(handles)
         except Exception as exc:  # noqa: BLE001 - the replay reports what it could not do
+            if self.strict:
+                raise
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             handles.remove()
@@ -238,8 +249,10 @@ class Trace:
                     self._stack[-1].index if self._stack else -1)
         owner = type(module).__name__
         for label, t in labeled(args, kwargs):
-            slot = self._measure(t, Kind.INPUT, name, len(call.inputs), owner, nth, label,
-                                 call.index)
+            slot = self._batch_slots.get(id(t)) if call.index == 0 else None
+            if slot is None or self._source(t) != ROOT_INPUT:  # not the batch as captured
+                slot = self._measure(t, Kind.INPUT, name, len(call.inputs), owner, nth, label,
+                                     call.index)
             if slot is not None:
                 call.inputs.append((label, slot, self._source(t)))
         self.calls.append(call)
@@ -289,7 +302,7 @@ class Trace:
             call.grad_in.append((slot, self._tick()))
 
     def _on_param_grad(self, owners: list, pname: str, grad: torch.Tensor) -> None:
-        slot = self._measure(grad, Kind.PARAM_GRAD, pname, 0, "param", 0, pname.split(".")[-1],
+        slot = self._measure(grad, Kind.PARAM_GRAD, pname, 0, "param", 0, pname,
                              owners[-1].index if owners else -1)
         if slot is None:
             return
@@ -317,9 +330,8 @@ class Trace:
             self.backward_note = "the model has no parameter that requires grad"
             return
         self._hook_params(handles, params)
-        out = torch.autograd.grad([t for t, _ in pairs], params + leaves,
-                                  [g for _, g in pairs], allow_unused=True)
-        self.param_grads = [(p, g) for p, g in zip(params, out[:len(params)]) if g is not None]
+        torch.autograd.grad([t for t, _ in pairs], params + leaves, [g for _, g in pairs],
+                            allow_unused=True)
 
     def _hook_params(self, handles: patches.PatchSet, params: list) -> None:
         owners: dict[int, list] = {}
@@ -388,8 +400,8 @@ def tensor_level(row: np.ndarray) -> int:
         return HARD
     if bits & 4:
         # An additive mask (0 where kept, -inf where masked) is -inf by design.
-        zeros = int(row["zeros"])
-        if zeros and zeros + int(row["neginf"]) == int(row["numel"]):
+        zeros = int(row["zeros"])  # counts are over sample_n elements (all, when exact)
+        if zeros and zeros + int(row["neginf"]) == int(row["sample_n"]):
             return CLEAN
         return SOFT
     return CLEAN
@@ -466,6 +478,8 @@ def _decide(trace: Trace, soft_inputs: list) -> Finding:
     f = _forward_culprit(trace) or _backward_culprit(trace)
     if f is None and soft_inputs and trace.out_level(trace.calls[0]) != CLEAN:
         f = _bad_batch(trace, soft_inputs)
+    if f is None and trace.error is not None:
+        f = Finding(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
     if f is None:
         f = _loss_or_nothing(trace)
     f.detail["chain"] = trace.chain()
@@ -561,19 +575,25 @@ def _backward_culprit(trace: Trace) -> Optional[Finding]:
 
 def _blame(trace: Trace, call: Call, phase: Phase) -> Finding:
     f = Finding(phase, call=call, module=call.name, module_type=type(call.module).__name__)
-    rows = trace.rows
-    if phase == Phase.FORWARD:
-        ins = [s for _, s, _ in call.inputs]
-        outs = [s for _, s in call.outputs]
-    else:  # the backward's input is grad_output; its outputs are grad_input and param grads
-        ins = [s for s, _ in call.grad_out]
-        outs = [s for s, _ in call.grad_in]
-    f.in_absmax = _max_abs(rows, ins)
-    f.out_absmax = _max_abs(rows, outs, finite_only=False)
-    f.detail["run"] = {"inputs": [trace.summary(s) for s in ins][:16],
-                       "outputs": [trace.summary(s) for s in outs][:16]}
     f.detail["weights_nonfinite"] = _nonfinite_weights(call)
     return f
+
+
+def _culprit_slots(call: Call, phase: Phase) -> tuple[list, list]:
+    """Slots of what goes into and out of the culprit: its forward, or its backward (whose
+    input is grad_output and outputs are grad_input and its own parameters' gradients)."""
+    if phase == Phase.FORWARD:
+        return [s for _, s, _ in call.inputs], [s for _, s in call.outputs]
+    return [s for s, _ in call.grad_out], [s for s, _ in call.grad_in]
+
+
+def _describe(trace: Trace, f: Finding) -> None:
+    """The culprit's abs max in and out, and a summary of each tensor (run precision)."""
+    ins, outs = _culprit_slots(f.call, f.phase)
+    f.in_absmax = _max_abs(trace.rows, ins)
+    f.out_absmax = _max_abs(trace.rows, outs, finite_only=False)
+    f.detail["run"] = {"inputs": [trace.summary(s) for s in ins][:16],
+                       "outputs": [trace.summary(s) for s in outs][:16]}
 
 
 def _max_abs(rows: np.ndarray, slots: list, finite_only: bool = True) -> float:
@@ -605,14 +625,14 @@ def _loss_or_nothing(trace: Trace) -> Finding:
     f.detail["loss_nonfinite"] = loss_bad
     loss_info = _loss_info(cap)
     f.detail["loss"] = loss_info
-    f.in_absmax = max((float(trace.rows["absmax"][s]) for _, s in trace.calls[0].outputs),
-                      default=math.nan) if trace.calls else math.nan
+    f.in_absmax = _max_abs(trace.rows, [s for _, s in trace.calls[0].outputs]) \
+        if trace.calls else math.nan
     dtype = loss_info.get("dtype")
+    scale = loss_info.get("grad_fp32")
     if loss_bad:
         f.summary = (f"the model output is finite but the loss ({dtype}) is not: the loss "
-                     "computation, outside the model, overflowed")
-    elif loss_info.get("grad_nonfinite") and dtype in ("float16", "bfloat16"):
-        scale = loss_info.get("grad_fp32")
+                     "computation outside the model (or its targets) overflowed")
+    elif loss_info.get("grad_nonfinite") and dtype in ("float16", "bfloat16") and scale:
         f.summary = (f"the loss is finite but the gradient arriving at it, {scale:g} (the "
                      f"loss scale), overflows {dtype}: compute the loss in float32")
         f.fp32_finite = math.isfinite(scale)
@@ -627,7 +647,10 @@ def _loss_info(cap: Capture) -> dict:
     """dtype, value and the gradient that arrived at the loss of this micro-batch."""
     if not cap.losses:
         return {}
-    loss, holder = cap.losses[0]
+    # The first loss that went wrong (a step may add several), else the first.
+    loss, holder = next((x for x in cap.losses if not bool(torch.isfinite(x[0]).all()) or (
+        x[1].get("grad") is not None and not bool(torch.isfinite(x[1]["grad"]).all()))),
+        cap.losses[0])
     info: dict[str, Any] = {"dtype": str(loss.dtype).replace("torch.", ""),
                             "value": float(loss.detach().float().sum())}
     grad = holder.get("grad")
@@ -643,11 +666,12 @@ def _loss_info(cap: Capture) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# the fp32 check
+# the culprit alone: exact statistics in the run's precision and in fp32
 
 
 class _Target:
-    """A lean second pass: re-run the step, keep only the culprit call's inputs (and grads)."""
+    """A lean second pass: re-run the step, keep only the culprit call's inputs (and the
+    grad_output it receives), the RNG and autocast state it ran in."""
 
     def __init__(self, trace: Trace, call: Call, backward: bool):
         self.trace = trace
@@ -658,10 +682,11 @@ class _Target:
         self.args: Optional[tuple] = None
         self.kwargs: Optional[dict] = None
         self.rng: Optional[dict] = None
+        self.autocast: Optional[tuple] = None
         self.grad_out: dict[int, torch.Tensor] = {}
         self.requires_grad: set[int] = set()
 
-    def run(self) -> None:
+    def run(self) -> "_Target":
         cap = self.trace.cap
         set_rng(cap.rng)
         with patches.PatchSet() as handles:
@@ -678,11 +703,17 @@ class _Target:
                 if pairs and params:
                     torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs],
                                         allow_unused=True)
+        if self.args is None:
+            raise RuntimeError("the second pass did not reach the culprit (the replay diverged)")
+        return self
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.seen == self.nth and self.args is None:
             self.args, self.kwargs = args, kwargs
             self.rng = rng_state(self.trace.devices)
+            device = self.trace.cap.autocast[0]
+            enabled, dtype = _autocast_now(device)
+            self.autocast = (device, enabled, dtype, torch.is_autocast_cache_enabled())
             self.requires_grad = {id(t) for _, t in labeled(args, kwargs)
                                   if isinstance(t, torch.Tensor) and t.requires_grad}
         self.seen += 1
@@ -699,52 +730,117 @@ class _Target:
         self.grad_out[index] = grad.detach() if prev is None else prev + grad.detach()
 
 
-def _fp32_check(trace: Trace, f: Finding) -> None:
-    """Re-run the culprit alone in fp32 on its replayed inputs; fills f.fp32_*."""
-    call = f.call
-    backward = f.phase == Phase.BACKWARD
+def _culprit_check(trace: Trace, f: Finding) -> None:
+    """Re-run the culprit alone, as it ran and in fp32; exact statistics of both.
+
+    The run-precision re-run (same inputs, RNG, autocast state and grad_output) reproduces
+    the replay's numbers and replaces the culprit's sampled rows with exact ones; the fp32
+    re-run (autocast off, inputs ``.float()``, an fp32 copy of a half module) gives the
+    verdict: finite means an fp32 island around the module fixes the step.
+    """
+    call, backward = f.call, f.phase == Phase.BACKWARD
     try:
-        target = _Target(trace, call, backward)
-        target.run()
-        if target.args is None:
-            raise RuntimeError("the second pass did not reach the culprit (the replay diverged)")
+        target = _Target(trace, call, backward).run()
         f.culprit_inputs = list(labeled(target.args, target.kwargs))
+        prefix = "" if call.module is trace.root else f"{call.name}."
+        qualified = {n: trace.param_names.get(id(p), prefix + n)
+                     for n, p in call.module.named_parameters()}
+        run = _Local(target, qualified, backward)
+        measured = run.measure(call.module, target.args, target.kwargs, target.autocast)
+        _replace_rows(trace, call, measured)
         module = _fp32_module(call.module)
-        args, kwargs = to_fp32(target.args), to_fp32(target.kwargs)
-        set_rng(target.rng)
-        with torch.autocast(trace.cap.autocast[0], enabled=False):
-            if backward:
-                prefix = "" if call.module is trace.root else f"{call.name}."
-                qualified = {n: trace.param_names.get(id(p), prefix + n)
-                             for n, p in call.module.named_parameters()}
-                finite, absmax, measured = _fp32_backward(module, args, kwargs, target,
-                                                          qualified)
-            else:
-                finite, absmax, measured = _fp32_forward(module, args, kwargs)
+        off = (target.autocast[0], False, None, False)
+        fp32 = run.measure(module, to_fp32(target.args), to_fp32(target.kwargs), off, fp32=True)
     except Exception as exc:  # noqa: BLE001 - some modules refuse fp32 inputs; say so
         f.detail["fp32_error"] = f"{type(exc).__name__}: {exc}"
         return
-    f.fp32_finite = finite
-    f.fp32_absmax = absmax
+    f.fp32_finite, f.fp32_absmax = _finite(run.results), _absmax(run.results)
     owner = type(call.module).__name__
     positions = {label: i for i, (label, _, _) in enumerate(call.inputs)}
     rows = []
-    for kind, label, index, t in measured:
-        row = stats.exact(t)
-        if row is None:
-            continue
-        name = label if kind == Kind.PARAM_GRAD else call.name
-        if kind in (Kind.INPUT, Kind.GRAD_INPUT):  # same /tensors id as the replay's row
+    for kind, label, index, row in fp32:
+        if kind in (Kind.INPUT, Kind.GRAD_INPUT):  # the replay's /tensors id for it
             index = positions.get(label, index)
+        name = label if kind == Kind.PARAM_GRAD else call.name
         rows.append((Slot(kind, name, index, owner, call.nth, label, call.index), row))
     f.fp32_rows = rows
+    into = (Kind.INPUT, Kind.GRAD_OUTPUT)
     f.detail["fp32"] = {
-        "inputs": [_row_summary(r, s.label) for s, r in rows
-                   if s.kind in (Kind.INPUT, Kind.GRAD_OUTPUT)][:16],
-        "outputs": [_row_summary(r, s.label) for s, r in rows
-                    if s.kind not in (Kind.INPUT, Kind.GRAD_OUTPUT)][:16],
+        "inputs": [_row_summary(r, s.label) for s, r in rows if s.kind in into][:16],
+        "outputs": [_row_summary(r, s.label) for s, r in rows if s.kind not in into][:16],
         "copied_module": module is not call.module,
     }
+
+
+class _Local:
+    """The culprit module alone: forward, or forward and backward from its grad_output."""
+
+    def __init__(self, target: _Target, qualified: dict, backward: bool):
+        self.target = target
+        self.qualified = qualified
+        self.backward = backward
+        self.results: list = []  # outputs (forward) or gradients (backward) of the last run
+
+    def measure(self, module: torch.nn.Module, args: Any, kwargs: Any, state: tuple,
+                fp32: bool = False) -> list:
+        """[(kind, label, index, exact stats row)] of what went in and came out."""
+        set_rng(self.target.rng)
+        with autocast(state), torch.autograd.set_detect_anomaly(False):
+            if self.backward:
+                measured = self._backward(module, args, kwargs, fp32)
+            else:
+                with torch.no_grad():
+                    out = module(*args, **kwargs)
+                self.results = [t for t in tensors_in(out) if stats.measurable(t)]
+                measured = [(Kind.INPUT, label, i, t) for i, (label, t) in enumerate(
+                    (lab, t) for lab, t in labeled(args, kwargs) if stats.measurable(t))]
+                measured += [(Kind.OUTPUT, f"out.{i}", i, t) for i, t in enumerate(self.results)]
+        return [(kind, label, i, row) for kind, label, i, t in measured
+                for row in [stats.exact(t)] if row is not None]
+
+    def _backward(self, module: torch.nn.Module, args: Any, kwargs: Any, fp32: bool) -> list:
+        wanted = self.target.requires_grad
+
+        def leaf(original: Any, t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and id(original) in wanted and t.is_floating_point():
+                t = t.detach().requires_grad_(True)
+            return t
+
+        args = _zip_map(self.target.args, args, leaf)
+        kwargs = _zip_map(self.target.kwargs, kwargs, leaf)
+        leaves = [(label, t) for label, t in labeled(args, kwargs) if t.requires_grad]
+        with torch.enable_grad():
+            out = module(*args, **kwargs)
+        outs = list(tensors_in(out))
+        pairs = [(i, outs[i], g.float() if fp32 else g)
+                 for i, g in sorted(self.target.grad_out.items())
+                 if i < len(outs) and isinstance(outs[i], torch.Tensor) and outs[i].requires_grad]
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not pairs or not (leaves or params):
+            raise RuntimeError("the culprit's backward could not be re-run (no gradient "
+                               "reached it)")
+        wrt = [t for _, t in leaves] + [p for _, p in params]
+        grads = torch.autograd.grad([t for _, t, _ in pairs], wrt, [g for _, _, g in pairs],
+                                    allow_unused=True)
+        self.results = [g for g in grads if g is not None]
+        measured = [(Kind.GRAD_OUTPUT, f"out.{i}", i, g) for i, _, g in pairs]
+        measured += [(Kind.GRAD_INPUT, label, i, g)
+                     for i, ((label, _), g) in enumerate(zip(leaves, grads)) if g is not None]
+        measured += [(Kind.PARAM_GRAD, self.qualified.get(n, n), 0, g)
+                     for (n, _), g in zip(params, grads[len(leaves):]) if g is not None]
+        return measured
+
+
+def _replace_rows(trace: Trace, call: Call, measured: list) -> None:
+    """Swap the culprit's sampled rows for the exact ones of its run-precision re-run."""
+    exact = {(int(kind), label): row for kind, label, _, row in measured}
+    prefix = "" if call.module is trace.root else f"{call.name}."
+    params = {trace.param_names.get(id(p), prefix + n) for n, p in call.module.named_parameters()}
+    for slot, meta in enumerate(trace.slots):
+        if meta.call == call.index or (meta.kind == Kind.PARAM_GRAD and meta.label in params):
+            row = exact.get((int(meta.kind), meta.label))
+            if row is not None and int(row["numel"]) == int(trace.rows[slot]["numel"]):
+                trace.rows[slot] = row
 
 
 def _fp32_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -755,48 +851,6 @@ def _fp32_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module).float()
 
 
-def _fp32_forward(module: torch.nn.Module, args: tuple, kwargs: dict):
-    with torch.no_grad():
-        out = module(*args, **kwargs)
-    outs = [t for t in tensors_in(out) if stats.measurable(t)]
-    measured = [(Kind.INPUT, label, i, t) for i, (label, t) in enumerate(
-        (lab, t) for lab, t in labeled(args, kwargs) if stats.measurable(t))]
-    measured += [(Kind.OUTPUT, f"out.{i}", i, t) for i, t in enumerate(outs)]
-    return _finite(outs), _absmax(outs), measured
-
-
-def _fp32_backward(module: torch.nn.Module, args: tuple, kwargs: dict, target: _Target,
-                   qualified: dict):
-    wanted = target.requires_grad
-
-    def leaf(original: Any, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and id(original) in wanted and t.is_floating_point():
-            t = t.detach().requires_grad_(True)
-        return t
-
-    args = _zip_map(target.args, args, leaf)
-    kwargs = _zip_map(target.kwargs, kwargs, leaf)
-    leaves = [(label, t) for label, t in labeled(args, kwargs) if t.requires_grad]
-    with torch.enable_grad():
-        out = module(*args, **kwargs)
-    outs = list(tensors_in(out))
-    pairs = [(i, outs[i], g.float()) for i, g in sorted(target.grad_out.items())
-             if i < len(outs) and isinstance(outs[i], torch.Tensor) and outs[i].requires_grad]
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not pairs or not (leaves or params):
-        raise RuntimeError("the culprit's backward could not be re-run (no gradient reached it)")
-    wrt = [t for _, t in leaves] + [p for _, p in params]
-    grads = torch.autograd.grad([t for _, t, _ in pairs], wrt, [g for _, _, g in pairs],
-                                allow_unused=True)
-    measured = [(Kind.GRAD_OUTPUT, f"out.{i}", i, g) for i, _, g in pairs]
-    measured += [(Kind.GRAD_INPUT, label, i, g)
-                 for i, ((label, _), g) in enumerate(zip(leaves, grads)) if g is not None]
-    measured += [(Kind.PARAM_GRAD, qualified.get(n, n), 0, g)
-                 for (n, _), g in zip(params, grads[len(leaves):]) if g is not None]
-    got = [g for g in grads if g is not None]
-    return _finite(got), _absmax(got), measured
-
-
 def _zip_map(original: Any, converted: Any, fn: Any, depth: int = 0) -> Any:
     if isinstance(converted, torch.Tensor):
         return fn(original, converted)
@@ -805,6 +859,12 @@ def _zip_map(original: Any, converted: Any, fn: Any, depth: int = 0) -> Any:
     if depth < 4 and type(converted) is dict:
         return {k: _zip_map(original[k], v, fn, depth + 1) for k, v in converted.items()}
     return converted
+
+
+def _autocast_now(device_type: str) -> tuple:
+    from .recorder import _autocast_state
+
+    return _autocast_state(device_type)
 
 
 def _finite(tensors: list) -> bool:

@@ -421,6 +421,103 @@ def test_gradients_left_non_finite_by_a_skipped_zero_grad_are_named(run_path):
     assert not rec.events[2].replayed  # 3rd event of the episode: rate-limited
 
 
+def test_earlier_micro_batch_gradients_are_bounded(run_path, monkeypatch):
+    monkeypatch.setattr(forensics, "GRAD_BYTES", 0)  # only the latest micro-batch's is held
+    model = make(ClampNet)
+    sc = scaler(2.0**8)
+    with record(run_path, model, sc) as rec:
+        train(model, batches(3), scaler=sc, accum=3)
+    r = rec.events[0].result
+    # Micro-batches 0 and 1 replay forward only (finite); micro-batch 2 names the culprit.
+    assert (r.micro, r.phase, r.module) == (2, "backward", "comp")
+    assert r.detail["micro_batches_forward_only"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# models the replay must handle
+
+
+def test_pure_half_model_is_checked_on_an_fp32_copy(run_path):
+    model = make(NegOverflow)
+    with torch.no_grad():
+        model.lin.weight.mul_(40000.0)  # fp16 weights near the top of the range
+    model.half()
+    model.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = [(x.half(), y) for x, y in batches(2)]
+    with record(run_path, model) as rec:  # no autocast, no scaler: a .half() model
+        train(model, data, dtype=None)
+    ev = rec.events[0]
+    assert (ev.phase, ev.module, ev.fp32) == ("forward", "lin", "finite")
+    assert ev.result.detail["fp32"]["copied_module"] is True
+    assert model.lin.weight.dtype == torch.float16  # the model itself is left in half
+
+
+class Fussy(nn.Module):
+    """A model whose forward refuses to run twice in one step (some assert on their state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = ExpNet(20.0)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("forward called twice in one step")
+        return self.inner(x)
+
+
+def test_a_replay_that_fails_in_user_code_is_reported_and_training_goes_on(run_path):
+    def run(recorded):
+        model = make(Fussy)
+        sc = scaler(2.0**10)
+        ctx = ampdoctor.watch(model, model.opt, sc, path=run_path, every=0) if recorded \
+            else None
+
+        def reset(step):
+            model.calls = 0
+
+        if ctx is None:
+            return train(model, batches(3), scaler=sc, on_step=reset), None, model
+        with ctx as rec:
+            return train(model, batches(3), scaler=sc, on_step=reset), rec, model
+
+    plain, _, m1 = run(False)
+    losses, rec, m2 = run(True)
+    assert np.array_equal(np.array(plain), np.array(losses), equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(),
+                                                  m2.state_dict().values()))
+    ev = rec.events[0]
+    assert ev.replayed and ev.phase == "unknown"
+    assert "called twice" in ev.result.detail["replay_error"]
+    assert len(ampdoctor.load(run_path).snapshots) >= 1
+
+
+class Wrapper(nn.Module):
+    """Stands for DDP or torch.compile: the replay must run the module inside it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self._orig_mod = module
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self._orig_mod(x)
+
+
+def test_replay_runs_the_module_inside_a_wrapper(run_path):
+    inner = make(ExpNet, 20.0)
+    model = Wrapper(inner)
+    model.opt = inner.opt
+    sc = scaler(2.0**10)
+    with record(run_path, model, sc, max_replays=1) as rec:
+        train(model, batches(2), scaler=sc)
+    assert model.calls == 2  # the training steps only: the replay bypassed the wrapper
+    ev = rec.events[0]
+    assert (ev.phase, ev.module) == ("forward", "body.1")
+
+
 # ---------------------------------------------------------------------------------------------
 # rate limit
 

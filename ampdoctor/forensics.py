@@ -3,8 +3,8 @@
 **Every step (capture, references only).** The recorder's root-module hooks hand over each
 root call: references to its arguments, the RNG state (host copies of the generators'
 states, no device sync), the autocast state, and a tensor hook on each root output that keeps
-a reference to the gradient arriving there in backward. The loss gets the same hook (a
-scalar). Nothing is copied; the references are dropped at the step boundary. While
+a reference to the gradient arriving there in backward, and a reference to the loss.
+Nothing is copied; the references are dropped at the step boundary. While
 micro-batches accumulate, earlier micro-batches' output gradients are held only up to
 ``GRAD_BYTES`` (the latest always is).
 
@@ -181,6 +181,7 @@ class Forensics:
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
+        self._devices: list = _cuda_devices()
         self._held = 0  # bytes of output gradients held for earlier micro-batches
 
     @property
@@ -194,10 +195,11 @@ class Forensics:
         self.captures = []
         self.dropped = 0
         self._held = 0
+        self._devices = _cuda_devices()
 
     def end_step(self, step: Any) -> None:
         pending = self.rec._pending
-        if pending and int(pending[-1][0]["step"][0]) == step.index:
+        if pending and pending[-1][0]["step"][0] == step.index:
             self._history.append(pending[-1])  # (host row, device values): no copy, no sync
         self.begin_step()
 
@@ -208,9 +210,12 @@ class Forensics:
             self.captures.pop(0)
             self.dropped += 1
         device = self.rec._device.type if self.rec._device is not None else "cpu"
+        seen = self.rec._autocast_seen  # (enabled, dtype), just read by the recorder
+        enabled, dtype = seen if seen is not None else (False, None)
         st = self.rec._step
-        self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(_cuda_devices()),
-                                     _autocast(device), micro=st.micro if st else 0,
+        self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
+                                     (device, enabled, dtype, torch.is_autocast_cache_enabled()),
+                                     micro=st.micro if st else 0,
                                      versions=_versions((args, kwargs))))
 
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
@@ -222,18 +227,19 @@ class Forensics:
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(partial(self._on_output_grad, cap, i))
 
-    def capture_loss(self, loss: torch.Tensor) -> None:
-        """The loss of the latest root call: its value and the gradient that reaches it."""
+    def capture_loss(self, loss: torch.Tensor, scaled: bool) -> None:
+        """The loss of the latest root call (a reference), and whether GradScaler scaled it:
+        the gradient reaching it is then the scale, in the loss's dtype."""
         if self.replaying or not self.captures or loss.grad_fn is None:
             return
-        holder: dict = {}
-        self.captures[-1].losses.append((loss.detach(), holder))
-        loss.register_hook(partial(_keep, holder))
+        self.captures[-1].losses.append((loss.detach(), {"scaled": scaled}))
 
     def _on_output_grad(self, cap: Capture, index: int, grad: torch.Tensor) -> None:
+        if grad.requires_grad:  # create_graph=True: keep the value, not its graph
+            grad = grad.detach()
         prev = cap.grads.get(index)
-        cap.grads[index] = grad.detach() if prev is None else prev + grad.detach()
-        if not self.captures or cap is not self.captures[-1]:
+        cap.grads[index] = grad if prev is None else prev + grad
+        if len(self.captures) < 2 or cap is not self.captures[-1]:
             return
         # Earlier micro-batches' gradients are what accumulation would have freed: bound them.
         self._held = sum(_nbytes(c.grads.values()) for c in self.captures[:-1])
@@ -264,6 +270,8 @@ class Forensics:
         scale = _scalar(getattr(step, "scale", None))
         captures = list(self.captures)
         trace, finding, micro = self._run(captures, scale)
+        if self.dropped:
+            finding.detail["model_calls_dropped"] = self.dropped
         result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
         self._note_history(result, step)
         ev.replayed, ev.result = True, result
@@ -333,9 +341,9 @@ class Forensics:
         forward_only = []  # micro-batches whose output gradient was not kept (GRAD_BYTES)
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
-                holder["scale"] = scale
+                holder["scale"] = scale if holder.get("scaled") else None
             root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
-            trace, finding = replay.explain(cap, names, root_name, _cuda_devices(),
+            trace, finding = replay.explain(cap, names, root_name, self._devices,
                                             self.rec.param_names, self.rec.strict)
             if _versions((cap.args, cap.kwargs)) != cap.versions:
                 finding.detail["input_modified"] = True
@@ -364,8 +372,15 @@ class Forensics:
                  and stats.measurable(p.grad)]
         if not named:
             return []
-        flags = [torch.isfinite(g).all().cpu() for _, g in named]  # event only: one sync each
-        return [n for (n, _), ok in zip(named, flags) if not bool(ok)]
+        by_device: dict = {}
+        for i, (_, g) in enumerate(named):
+            by_device.setdefault(g.device, []).append(i)
+        ok = [True] * len(named)
+        for idx in by_device.values():  # event only: one sync per device
+            flags = torch.stack([torch.isfinite(named[i][1]).all() for i in idx]).cpu()
+            for i, flag in zip(idx, flags.tolist()):
+                ok[i] = flag
+        return [n for (n, _), good in zip(named, ok) if not good]
 
     def _roots(self, captures: Optional[list] = None) -> list:
         roots = [c.root for c in captures] if captures else list(self.rec.roots)
@@ -392,10 +407,11 @@ class Forensics:
 
     def _result(self, step: int, trigger: str, trace: Optional[replay.Trace], f: Finding,
                 micro: int, captures: list) -> ReplayResult:
-        f.detail["micro_batches"] = len(captures)
-        if self.dropped:
-            f.detail["micro_batches_dropped"] = self.dropped
-        r = ReplayResult(step=step, micro=max(micro, 0), trigger=trigger,
+        # A micro-batch is a backward call; a step may call the model more than once per one.
+        micro = captures[micro].micro if 0 <= micro < len(captures) else 0
+        f.detail["micro_batches"] = max((c.micro for c in captures), default=0) + 1
+        f.detail["model_calls"] = len(captures)
+        r = ReplayResult(step=step, micro=micro, trigger=trigger,
                          phase=f.phase.name.lower(), module=f.module or None,
                          module_type=f.module_type or None, fp32_finite=f.fp32_finite,
                          fp32_absmax=f.fp32_absmax, in_absmax=f.in_absmax,
@@ -438,7 +454,7 @@ class Forensics:
         row["trigger"], row["phase"] = int(why), int(f.phase)
         row["module_off"], row["module_len"] = w.text(f.module)
         row["module_type_off"], row["module_type_len"] = w.text(f.module_type)
-        cap = captures[r.micro] if 0 <= r.micro < len(captures) else None
+        cap = next((c for c in captures if c.micro == r.micro), None)
         row["autocast"] = _autocast_code(cap.autocast) if cap else 0
         row["fp32_finite"] = -1 if f.fp32_finite is None else int(f.fp32_finite)
         row["fp32_absmax"], row["in_absmax"], row["out_absmax"] = (
@@ -512,10 +528,6 @@ def _summary(r: ReplayResult, f: Finding) -> str:
     return f"{where}: {f.summary}."
 
 
-def _keep(holder: dict, grad: torch.Tensor) -> None:
-    holder["grad"] = grad.detach()
-
-
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -540,13 +552,6 @@ def _cuda_devices() -> list:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return list(range(torch.cuda.device_count()))
     return []
-
-
-def _autocast(device_type: str) -> tuple:
-    from .recorder import _autocast_state
-
-    enabled, dtype = _autocast_state(device_type)
-    return (device_type, enabled, dtype, torch.is_autocast_cache_enabled())
 
 
 def _autocast_code(state: tuple) -> int:

@@ -377,7 +377,7 @@ class Recorder:
             return
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            self._add_loss(outputs)
+            self._add_loss(outputs, scaled=True)
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
@@ -390,7 +390,7 @@ class Recorder:
                     self._add_loss(t)
                 break
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
+    def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
         value = loss.detach().reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
@@ -398,7 +398,7 @@ class Recorder:
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
         if self.forensics is not None and self.forensics.armed:
-            self.forensics.capture_loss(loss)
+            self.forensics.capture_loss(loss, scaled)
 
     # ---------------------------------------------------------------------------------------
     # gradients: the moment they are complete (before unscale_, clip or step)
@@ -539,8 +539,10 @@ class Recorder:
         if not checks:
             return
         dev = checks[0].device
-        ok = bool(torch.stack([torch.isfinite(v.to(dev)) for v in checks]).all().item())
-        if not ok:
+        # x * 0 is 0 for a finite x and NaN otherwise: one value to fetch, no false alarm
+        # from a sum of two large finite values overflowing.
+        probe = checks[0] * 0 if len(checks) == 1 else checks[0] * 0 + checks[1].to(dev) * 0
+        if not math.isfinite(probe.item()):
             self._trigger(Event.NONFINITE_LOSS if st.loss_sum is not None and not bool(
                 torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
 

@@ -73,7 +73,7 @@ class Capture:
     micro: int  # backward calls seen in the step before this call
     versions: tuple = ()  # _version of each input tensor: in-place edits since are visible
     grads: dict = field(default_factory=dict)  # output index -> gradient seen in backward
-    losses: list = field(default_factory=list)  # [loss (detached), {"grad": tensor}] pairs
+    losses: list = field(default_factory=list)  # (loss, {"scaled": bool, "scale": S}) pairs
     grads_dropped: bool = False
 
 
@@ -189,7 +189,7 @@ class Trace:
     # -- the batch --------------------------------------------------------------------------
 
     def measure_batch(self) -> list:
-        """Exact stats of every batch tensor; returns (label, slot, level) of non-finite ones."""
+        """Stats of every batch tensor; returns (label, slot, level) of the non-finite ones."""
         owner = type(self.root).__name__
         slots = []
         for label, t in labeled(self.cap.args, self.cap.kwargs):
@@ -644,24 +644,21 @@ def _loss_or_nothing(trace: Trace) -> Finding:
 
 
 def _loss_info(cap: Capture) -> dict:
-    """dtype, value and the gradient that arrived at the loss of this micro-batch."""
+    """dtype and value of this micro-batch's loss, and the gradient that reached it."""
     if not cap.losses:
         return {}
     # The first loss that went wrong (a step may add several), else the first.
-    loss, holder = next((x for x in cap.losses if not bool(torch.isfinite(x[0]).all()) or (
-        x[1].get("grad") is not None and not bool(torch.isfinite(x[1]["grad"]).all()))),
-        cap.losses[0])
+    loss, holder = next((x for x in cap.losses if not bool(torch.isfinite(x[0]).all())),
+                        cap.losses[0])
     info: dict[str, Any] = {"dtype": str(loss.dtype).replace("torch.", ""),
-                            "value": float(loss.detach().float().sum())}
-    grad = holder.get("grad")
-    if grad is not None:
-        info["grad"] = float(grad.float().sum())
-        info["grad_nonfinite"] = not bool(torch.isfinite(grad).all())
-        scale = holder.get("scale")
-        if scale is not None:
-            # The gradient that reached the loss is the loss scale (d(loss * S)/d loss = S),
-            # cast to the loss's dtype: in fp32 it would be S itself.
-            info["grad_fp32"] = float(scale)
+                            "value": float(loss.float().sum())}
+    scale = holder.get("scale")
+    if scale is not None:
+        # GradScaler multiplies the loss by S in fp32, so the gradient reaching the loss is S
+        # itself, cast to the loss's dtype: it overflows an fp16 loss once S > 65504.
+        info["grad_fp32"] = float(scale)
+        info["grad"] = float(torch.tensor(scale, dtype=torch.float32).to(loss.dtype))
+        info["grad_nonfinite"] = not math.isfinite(info["grad"])
     return info
 
 

@@ -1,17 +1,20 @@
 """What the forensic tier costs: capture on every step, and one replay on an event.
 
-    OMP_NUM_THREADS=2 python benchmarks/forensics_cost.py            # ~2 min on 2 CPU cores
+    OMP_NUM_THREADS=2 python benchmarks/forensics_cost.py            # ~5 min on 2 CPU cores
     python benchmarks/forensics_cost.py --steps 200 --pairs 6 --device cuda
 
-1. **Capture (every step).** The same bf16 GPT-style training loop is recorded with
-   ``watch(every=0, forensics=False)`` and ``watch(every=0, forensics=True)``, interleaved in
-   pairs; the figure is the median over pairs of the ratio of the 5th-percentile step times
+1. **Capture, absolute.** A one-layer model whose step takes a fraction of a millisecond,
+   recorded with ``watch(every=0, forensics=False)`` and ``forensics=True`` in alternating
+   blocks: the difference of the median step times is what capturing adds to every step
+   (microseconds: Python hooks on the root module and the loss, references, an RNG state).
+2. **Capture, relative.** The same on a bf16 GPT-style model, interleaved in pairs; the
+   figure is the median over pairs of the ratio of the 5th-percentile step times
    (``shared/notes/overhead-measurements.md``: noise only ever adds time). An A/A pair
    (forensics off twice) gives the noise floor. Without a GradScaler the tier also makes one
    host sync per step (finiteness of loss and grad norm before ``optimizer.step``), which
    costs nothing on a CPU and is part of what a GPU run measures.
-2. **Replay (on an event).** A batch that overflows one layer is fed at one step; the replay's
-   wall time is printed as a multiple of the median step time.
+3. **Replay (on an event).** A layer's output overflows bf16 at one step; the replay's wall
+   time is printed as a multiple of the median step time.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class GPT(nn.Module):
 def run(steps: int, forensics: bool, device: str, bad_step: int = -1) -> tuple[list, float]:
     """Step times of one recorded run (and the replay's time when bad_step is hit)."""
     torch.manual_seed(0)
-    model = GPT().to(device)
+    model = GPT(dim=128, layers=2).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randint(0, 256, (steps, 8, 65), generator=torch.Generator().manual_seed(1))
     times, replay = [], float("nan")
@@ -101,6 +104,27 @@ def run(steps: int, forensics: bool, device: str, bad_step: int = -1) -> tuple[l
     return times, replay
 
 
+def tiny(steps: int, forensics: bool, device: str) -> list:
+    """Step times of a model so small that the recorder's own per-step work shows."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 16, device=device)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with ampdoctor.watch(model, opt, path=os.path.join(tmp, "run.h5"), every=0,
+                             forensics=forensics, flush_seconds=1e9):
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+    return times
+
+
 def p5(times: list, warmup: int) -> float:
     steady = sorted(times[warmup:])
     return steady[max(0, len(steady) // 20)]
@@ -108,11 +132,18 @@ def p5(times: list, warmup: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     warmup = min(20, args.steps // 4)
+    diffs = []
+    for _ in range(5):
+        off = statistics.median(tiny(2000, False, args.device)[200:])
+        with_capture = statistics.median(tiny(2000, True, args.device)[200:])
+        diffs.append(with_capture - off)
+    print(f"capture, absolute: {statistics.median(diffs) * 1e6:.1f} us per step "
+          f"(blocks: {', '.join(f'{d * 1e6:.1f}' for d in diffs)})")
     on, aa = [], []
     for _ in range(args.pairs):
         off = p5(run(args.steps, False, args.device)[0], warmup)

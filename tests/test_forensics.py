@@ -146,11 +146,13 @@ def train(model, data, *, dtype=torch.float16, scaler=None, accum=1, loss_fn=Non
           rec=None, zero_grad_after_skip=True, on_step=None):
     """A user's loop: autocast forward, (scaled) backward, step; returns the losses."""
     opt = model.opt
+    device = next(model.parameters()).device
+    data = [(x.to(device), y.to(device)) for x, y in data]
     losses = []
     loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y))
     outside = getattr(loss_fn, "outside_autocast", False)
     for i, (x, y) in enumerate(data):
-        with torch.autocast("cpu", dtype=dtype or torch.float16, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
             out = model(x)
             if not outside:
                 loss = loss_fn(out, y) / accum
@@ -181,8 +183,8 @@ def make(cls, *args, lr=1e-3, seed=0, **kw):
     return model
 
 
-def scaler(init=2.0**16):
-    return torch.amp.GradScaler("cpu", init_scale=init)
+def scaler(init=2.0**16, device="cpu"):
+    return torch.amp.GradScaler(device, init_scale=init)
 
 
 def record(path, model, sc=None, **options):
@@ -752,3 +754,56 @@ def test_capture_holds_references_not_copies(run_path):
         assert cap.grads[0].shape == out.shape
         model.opt.step()
         assert rec.forensics.captures == []  # dropped at the step boundary
+
+
+def test_discovered_model_is_replayed_from_its_second_step(run_path):
+    model = make(ExpNet)
+    sc = scaler(2.0**10)
+    data = batches(4)
+    data[0] = (data[0][0] * 40, data[0][1])
+    data[2] = (data[2][0] * 40, data[2][1])
+    with ampdoctor.watch(path=run_path, every=0, strict=True) as rec:  # nothing given
+        train(model, data, scaler=sc)
+    first, second = rec.events
+    assert not first.replayed and "discovery" in first.note  # the model was not known yet
+    assert (second.step, second.phase, second.module) == (2, "forward", "body.1")
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("culprit", ["attn", "exp"])
+def test_cuda_replay_names_the_culprit_and_leaves_every_rng_alone(tmp_path, culprit):
+    def run(recorded):
+        torch.manual_seed(1)
+        torch.cuda.manual_seed_all(1)
+        model = make(AttnNet if culprit == "attn" else DropBN, seed=1).cuda()
+        sc = scaler(2.0**8, "cuda")
+        shape = (4, 6, 8) if culprit == "attn" else (8, 8)
+        data = batches(6, seed=3, shape=shape)
+        if culprit == "exp":
+            data[3] = (data[3][0] * 100, data[3][1])
+        rng = []
+        path = str(tmp_path / f"run{int(recorded)}.h5")
+        rec = record(path, model, sc) if recorded else None
+
+        def after(step):
+            rng.append((torch.get_rng_state(), torch.cuda.get_rng_state()))
+
+        if rec is None:
+            losses = train(model, data, scaler=sc, on_step=after)
+        else:
+            with rec:
+                losses = train(model, data, scaler=sc, on_step=after)
+        return losses, rng, _bits(list(model.parameters()) + list(model.buffers())), rec
+
+    plain, watched = run(False), run(True)
+    rec = watched[3]
+    ev = rec.events[0]
+    assert ev.replayed and (ev.phase, ev.module, ev.fp32) == ("forward", culprit, "finite")
+    assert np.array_equal(np.array(plain[0]), np.array(watched[0]), equal_nan=True)
+    for (cpu_a, gpu_a), (cpu_b, gpu_b) in zip(plain[1], watched[1]):
+        assert torch.equal(cpu_a, cpu_b) and torch.equal(gpu_a, gpu_b)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(plain[2], watched[2]))

@@ -65,7 +65,7 @@ from . import replay, schema, stats
 from .errors import AmpDoctorError
 from .replay import Capture, Finding
 from .sampler import tensors_in
-from .schema import Event, Kind, Phase, Source
+from .schema import Event, Phase, Source
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -502,8 +502,10 @@ class Forensics:
 # ---------------------------------------------------------------------------------------------
 # helpers
 
-_TORCH_DTYPES = {int(schema.DType.FLOAT32): torch.float32, int(schema.DType.FLOAT16): torch.float16,
-                 int(schema.DType.BFLOAT16): torch.bfloat16, int(schema.DType.FLOAT64): torch.float64}
+_TORCH_DTYPES = {int(schema.DType.FLOAT32): torch.float32,
+                 int(schema.DType.FLOAT16): torch.float16,
+                 int(schema.DType.BFLOAT16): torch.bfloat16,
+                 int(schema.DType.FLOAT64): torch.float64}
 
 
 def _summary(r: ReplayResult, f: Finding) -> str:

@@ -223,7 +223,10 @@ def test_attention_without_scaling_is_a_forward_culprit_fixed_by_fp32(run_path, 
     r = ev.result
     assert math.isfinite(r.fp32_absmax) and r.fp32_absmax > 0
     assert "own code" in r.summary and "fp32 island" in r.summary
-    assert r.detail["chain"][:2] == ["AttnNet", "attn"] or "attn" in r.detail["chain"]
+    # Execution order of what went non-finite: the culprit, then whatever consumed it.
+    assert r.detail["chain"] == ["AttnNet", "attn", "attn.proj", "head"]
+    qkv = [t for t in r.trace if t.module == "attn.qkv" and t.kind == "output"]
+    assert qkv and not qkv[0].nonfinite
     run, snap, detail = first_snapshot(run_path)
     assert (snap["step"], snap["phase"], snap["module"]) == (0, Phase.FORWARD, "attn")
     assert snap["module_type"] == "Attention" and snap["fp32_finite"] == 1
@@ -580,7 +583,7 @@ def test_snapshot_keeps_history_statistics_and_the_batch(run_path):
             seen["steps"] = list(run.steps["step"])
             seen["snapshots"] = len(run.snapshots)
 
-    with record(run_path, model, sc) as rec:
+    with record(run_path, model, sc):
         train(model, data, scaler=sc, on_step=after)
     assert seen == {"steps": [0, 1, 2, 3, 4], "snapshots": 1}
     run, snap, detail = first_snapshot(run_path)
@@ -678,6 +681,30 @@ def test_forensics_leave_no_trace_on_the_run(run_path, dtype, use_scaler):
     assert all(torch.equal(x, y) for x, y in zip(state_a, state_b))
 
 
+def test_a_replay_leaves_grads_buffers_and_rng_exactly_as_it_found_them(run_path, monkeypatch):
+    model = make(DropBN, seed=4)
+    sc = scaler(2.0**8)
+    data = batches(3, seed=6)
+    data[1] = (data[1][0] * 100, data[1][1])
+    checked = []
+    original = forensics.Forensics.on_event
+
+    def on_event(self, step, why):
+        state = lambda: (_bits([p.grad for p in model.parameters()] + list(model.buffers())),
+                         torch.get_rng_state(), torch.is_grad_enabled())
+        before = state()
+        out = original(self, step, why)
+        after = state()
+        checked.append(all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+                       and torch.equal(before[1], after[1]) and before[2] == after[2])
+        return out
+
+    monkeypatch.setattr(forensics.Forensics, "on_event", on_event)
+    with record(run_path, model, sc) as rec:
+        train(model, data, scaler=sc)
+    assert rec.events[0].replayed and checked == [True]
+
+
 def test_replay_reproduces_the_real_step_dropout_masks_included(run_path):
     model = make(DropBN, seed=2)
     sc = scaler(2.0**8)
@@ -741,6 +768,21 @@ def test_forensics_off_catches_nothing(run_path):
     with pytest.raises(ampdoctor.AmpDoctorError, match="forensics=False"):
         rec.replay(0)
     assert len(ampdoctor.load(run_path).snapshots) == 0
+
+
+def test_a_batch_edited_in_place_after_the_step_is_flagged(run_path):
+    model = make(ExpNet, 20.0)
+    sc = scaler(2.0**10)
+    x, y = batches(1)[0]
+    with record(run_path, model, sc) as rec:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        sc.scale(loss).backward()
+        x.mul_(0.0)  # the loader reuses its buffer before the step ends
+        sc.step(model.opt)
+        sc.update()
+    r = rec.events[0].result
+    assert r.detail["input_modified"] is True and not r.faithful
 
 
 def test_capture_holds_references_not_copies(run_path):

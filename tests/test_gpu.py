@@ -10,7 +10,7 @@ import torch
 import ampdoctor
 from ampdoctor import stats
 
-from helpers import fresh, train
+from helpers import fresh
 
 pytestmark = pytest.mark.gpu
 

@@ -288,8 +288,13 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     """
     from .store import Run, load
 
-    if isinstance(run, (str, os.PathLike)):
-        with load(run) as loaded:
+    if isinstance(run, (str, os.PathLike, list, tuple)):
+        from . import ranks  # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
+
+        paths = ranks.resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
+        if len(paths) > 1:
+            return ranks.diagnose_files(paths, rules=rules)
+        with load(paths[0]) as loaded:
             return diagnose(loaded, rules=rules)
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")

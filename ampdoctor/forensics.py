@@ -182,7 +182,6 @@ class Forensics:
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
-        self._held = 0  # bytes of output gradients held for earlier micro-batches
 
     @property
     def armed(self) -> bool:
@@ -194,13 +193,12 @@ class Forensics:
     def begin_step(self) -> None:
         self.captures = []
         self.dropped = 0
-        self._held = 0
         self._devices = _cuda_devices()
 
     def end_step(self, step: Any) -> None:
         pending = self.rec._pending
-        if pending and pending[-1][0]["step"][0] == step.index:
-            self._history.append(pending[-1])  # (host row, device values): no copy, no sync
+        if pending and pending[-1][0][0] == step.index:
+            self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
         self.begin_step()
 
     def capture_inputs(self, root: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -209,6 +207,8 @@ class Forensics:
         if len(self.captures) >= MAX_CAPTURES:
             self.captures.pop(0)
             self.dropped += 1
+        if self.captures:  # a new micro-batch: the previous ones' backward is done
+            self._bound_held_grads()
         device = self.rec._device.type if self.rec._device is not None else "cpu"
         seen = self.rec._autocast_seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
@@ -218,14 +218,26 @@ class Forensics:
                                      micro=st.micro if st else 0,
                                      versions=_versions((args, kwargs))))
 
+    def capture_kwargs(self, root: torch.nn.Module, kwargs: dict) -> None:
+        """Keyword arguments of the latest root call, known only after it (discovery mode:
+        a global forward pre-hook gets no kwargs)."""
+        cap = self.captures[-1] if self.captures else None
+        if cap is not None and cap.root is root:
+            cap.kwargs = dict(kwargs)
+            cap.versions = _versions((cap.args, cap.kwargs))
+
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        cap = self.captures[-1]
+        grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(partial(self._on_output_grad, cap, i))
+                # The hook holds the dict and nothing else: a hook that reached the output
+                # tensor (through the capture, or this recorder and the step's loss) would
+                # make a cycle through autograd's C++ hook table that Python's collector
+                # cannot see, and leak each step's graph.
+                t.register_hook(partial(_keep_grad, grads, i))
 
     def capture_loss(self, loss: torch.Tensor, scaled: bool) -> None:
         """The loss of the latest root call (a reference), and whether GradScaler scaled it:
@@ -234,21 +246,16 @@ class Forensics:
             return
         self.captures[-1].losses.append((loss.detach(), {"scaled": scaled}))
 
-    def _on_output_grad(self, cap: Capture, index: int, grad: torch.Tensor) -> None:
-        if grad.requires_grad:  # create_graph=True: keep the value, not its graph
-            grad = grad.detach()
-        prev = cap.grads.get(index)
-        cap.grads[index] = grad if prev is None else prev + grad
-        if len(self.captures) < 2 or cap is not self.captures[-1]:
-            return
-        # Earlier micro-batches' gradients are what accumulation would have freed: bound them.
-        self._held = sum(_nbytes(c.grads.values()) for c in self.captures[:-1])
-        for old in self.captures[:-1]:
-            if self._held <= GRAD_BYTES:
+    def _bound_held_grads(self) -> None:
+        """Earlier micro-batches' output gradients are what accumulation would have freed:
+        keep them within GRAD_BYTES, oldest dropped first (the step's last is always kept)."""
+        held = sum(_nbytes(c.grads.values()) for c in self.captures)
+        for old in self.captures:
+            if held <= GRAD_BYTES:
                 break
             if old.grads:
-                self._held -= _nbytes(old.grads.values())
-                old.grads = {}
+                held -= _nbytes(old.grads.values())
+                old.grads.clear()
                 old.grads_dropped = True
 
     # -- on the event -----------------------------------------------------------------------
@@ -429,19 +436,17 @@ class Forensics:
 
     def _note_history(self, result: ReplayResult, step: Any) -> None:
         """Scale, LR, grad norm and loss of the steps up to the event (one sync, event only)."""
-        from .recorder import _device_values, _fetch
+        from .recorder import _HOST, _device_values, _fetch
 
-        rows = list(self._history)
-        current = schema.empty("steps", 1)
-        current["step"] = step.index
-        current["lr"] = _max_lr(self.rec.optimizers)
-        rows.append((current, _device_values(step)))
-        values = _fetch([v for _, v in rows])
-        steps = [int(r["step"][0]) for r, _ in rows]
+        lr = _HOST.index("lr")
+        rows = [(host[0], host[lr], values) for host, values in self._history]
+        rows.append((step.index, _max_lr(self.rec.optimizers),
+                     _device_values(step, self.rec._constants)))
+        values = _fetch([v for _, _, v in rows])
         result.detail["history"] = {
-            "step": steps, "loss": values[:, 0].tolist(), "scale": values[:, 1].tolist(),
-            "found_inf": values[:, 3].tolist(), "grad_norm": values[:, 4].tolist(),
-            "lr": [float(r["lr"][0]) for r, _ in rows]}
+            "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
+            "scale": values[:, 1].tolist(), "found_inf": values[:, 3].tolist(),
+            "grad_norm": values[:, 4].tolist(), "lr": [float(x) for _, x, _ in rows]}
 
     def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[replay.Trace],
                f: Finding, captures: list) -> Optional[int]:
@@ -528,6 +533,14 @@ def _summary(r: ReplayResult, f: Finding) -> str:
             text += f" The fp32 re-run could not be done ({f.detail['fp32_error']})."
         return text
     return f"{where}: {f.summary}."
+
+
+def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
+    """Tensor hook on a root output: keep a reference to the gradient arriving there."""
+    if grad.requires_grad:  # create_graph=True: keep the value, not its graph
+        grad = grad.detach()
+    prev = grads.get(index)
+    grads[index] = grad if prev is None else prev + grad
 
 
 def _nbytes(tensors: Any) -> int:

@@ -27,7 +27,7 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ class _Step:
     in_scaler_step: bool = False
     grads_ready: bool = False
     grad_norm: Optional[torch.Tensor] = None
+    fallback: Optional[list] = None  # parameters clip_grad_norm_ saw, before optimizers are known
     clip_norm: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
     scale_after: Optional[torch.Tensor] = None
@@ -77,7 +78,13 @@ class Recorder:
         optimizer: an optimizer or a list. None: every optimizer that steps the model's
             parameters (or any optimizer, when the model is discovered too).
         scaler: the ``GradScaler``. None: the first enabled scaler that scales a loss.
-        path: the run file to write (overwritten).
+        path: the run file to write (overwritten), or a function of (rank, world_size) that
+            names it, called when the file is created.
+        lazy: create the file only once training begins (the first backward, scaled loss or
+            optimizer step); until then rows wait in memory, and ``close()`` of a recorder that
+            never saw training writes nothing unless ``keep_empty=True``. This is what
+            ``ampdoctor record`` uses, so that DataLoader workers leave no files, and so that
+            the rank is read from ``torch.distributed`` once the process group exists.
         every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
         forensics: replay a failing step to find the culprit (tier 3).
         max_replays: forensic replays per run. Events in one episode (a run of close bad
@@ -87,14 +94,17 @@ class Recorder:
         sample: elements gathered per tensor for range counts in the sampled tier.
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
+        replaceable: a recorder started later closes this one instead of failing (what
+            ``ampdoctor record`` uses, so that a script calling ``watch()`` itself still works).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-                 path: str = "run.h5", every: Optional[int] = None, forensics: bool = True,
+                 path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5",
+                 every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
                  max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, argv: Optional[list[str]] = None):
-        self.path = os.fspath(path)
+                 world_size: Optional[int] = None, argv: Optional[list[str]] = None,
+                 replaceable: bool = False):
         self.every = DEFAULT_EVERY if every is None else int(every)
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
@@ -105,6 +115,11 @@ class Recorder:
         self.strict = strict
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)
+        # A function names the file only when it is created: the rank may not be known before.
+        self.path = "" if callable(path) else os.fspath(path)
+        self.lazy = lazy
+        self.replaceable = replaceable
         self._argv = argv
         self.roots: list[torch.nn.Module] = _as_list(model)
         self.optimizers: list[Any] = _as_list(optimizer)
@@ -119,9 +134,12 @@ class Recorder:
         self._root_hooks = patches.PatchSet()
         self._sample_hooks = patches.PatchSet()
         self._discovery = patches.PatchSet()
-        self._candidates: list[torch.nn.Module] = []
         self._depth = 0
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []  # host row, device values
+        self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
+        self._discovery_open = False  # global module hooks looking for roots (first step)
+        self._pending: list[tuple[tuple, torch.Tensor]] = []  # host fields, device values
+        self._constants = _Constants()
+        self._pending_groups: list[tuple] = []
         self._last_flush = 0.0
         self._last_boundary = 0.0
         self._step: Optional[_Step] = None
@@ -143,11 +161,15 @@ class Recorder:
 
     def start(self) -> "Recorder":
         global _ACTIVE
+        if _ACTIVE is not None and not _ACTIVE.closed and _ACTIVE.replaceable:
+            _ACTIVE.close()  # ampdoctor record's own recorder yields to the script's watch()
         if _ACTIVE is not None and not _ACTIVE.closed:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {_ACTIVE.path}; close that recorder first")
+        if not self.lazy and not self.path:
+            self.path = os.fspath(self._name(self.rank, self.world_size))
         self._writer = store.Writer(self.path, rank=self.rank, world_size=self.world_size,
-                                    argv=self._argv)
+                                    argv=self._argv, create=not self.lazy)
         _ACTIVE = self
         self.active = True
         self._write_start_meta()
@@ -158,7 +180,9 @@ class Recorder:
         if self.roots:
             self._adopt_roots(self.roots)
         else:
-            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post")
+            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post",
+                                 post_kwargs=True)
+            self._discovery_open = True
         if self.scaler is not None:
             self._adopt_scaler(self.scaler)
         if self.forensics_on:
@@ -171,8 +195,12 @@ class Recorder:
         self._writer.flush()
         return self
 
-    def close(self, status: str = schema.STATUS_FINISHED) -> None:
-        """Stop recording, put back every hook and patch, and finish the file. Idempotent."""
+    def close(self, status: str = schema.STATUS_FINISHED, *, keep_empty: bool = False) -> None:
+        """Stop recording, put back every hook and patch, and finish the file. Idempotent.
+
+        ``keep_empty``: a lazy recorder that never saw training still writes its (stepless)
+        file, so that ``diagnose`` can say the script never trained.
+        """
         global _ACTIVE
         if self.closed:
             return
@@ -183,6 +211,8 @@ class Recorder:
             _ACTIVE = None
         if self._writer is not None and not self._writer.closed:
             try:
+                if keep_empty and not self._writer.created:
+                    self._create_file()
                 self._drain()
                 self._writer.close(status)
             except Exception as exc:  # noqa: BLE001
@@ -206,6 +236,18 @@ class Recorder:
         else:
             self.record_exception(exc_type, exc)
             self.close(schema.STATUS_EXCEPTION + exc_type.__name__)
+
+    @property
+    def trained(self) -> bool:
+        """Has training begun (and, for a lazy recorder, the file been created)?"""
+        return self._writer is not None and self._writer.created
+
+    def _create_file(self) -> None:
+        """Training begins (lazy mode): name the file now that the rank is known, create it."""
+        self.rank, self.world_size = _rank_and_world(self.rank, self.world_size)
+        self.path = os.fspath(self._name(self.rank, self.world_size))
+        self._writer.create(self.path, rank=self.rank, world_size=self.world_size)
+        self._writer.flush()
 
     def record_exception(self, exc_type: Any, exc: Any) -> None:
         if self._writer is not None and not self._writer.closed:
@@ -264,27 +306,48 @@ class Recorder:
     # discovery of roots, optimizers, scaler
 
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if self._depth == 0 and module not in self._candidates:
-            self._candidates.append(module)
-        self._depth += 1
+        """First step of a recorder given no model: the outermost module called with grad
+        enabled that owns trainable parameters is a root, adopted before its forward runs.
 
-    def discover_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        DDP/DataParallel wrappers are looked through: the module they wrap is the root, so that
+        a forensic replay never runs the wrapper's collectives on one rank alone."""
+        if _is_wrapper(module):
+            return
+        self._depth += 1
+        if self._depth != 1 or module in self.names or not torch.is_grad_enabled():
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # a loss module, a frozen model, a parameter-free transform
+        self._root_hooks.remove()
+        self._adopt_roots(self.roots + [module])
+        # The root's own hooks fire from its next call on; this call is seen from here. A
+        # global pre-hook gets no kwargs: they are filled in by discover_post.
+        self._discovering = module
+        self._maybe_sample()  # the first step is sampled, as with a model given to watch()
+        self.root_pre(module, args, {})
+
+    def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        if _is_wrapper(module):
+            return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and module is self._discovering:
+            self._discovering = None
+            if self.forensics is not None and kwargs:
+                self.forensics.capture_kwargs(module, kwargs)
+            self.root_post(module, args, output)
 
     def _finish_discovery(self) -> None:
-        if self.roots or not self._candidates:
-            return
+        """End of the first step: keep the roots whose parameters an optimizer trains."""
+        self._discovery.remove()
+        self._discovery_open = False
+        self._discovering = None
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
-        roots = [m for m in self._candidates
-                 if any(id(p) in trained for p in m.parameters())] if trained else []
-        if not roots:
-            roots = [m for m in self._candidates
-                     if any(p.requires_grad for p in m.parameters())]
-        self._discovery.remove()
-        self._candidates.clear()
-        if roots:
-            self._adopt_roots(roots)
+        keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
+        if trained and keep and len(keep) < len(self.roots):
+            self._root_hooks.remove()
+            self._adopt_roots(keep)
 
     def _adopt_roots(self, roots: list[torch.nn.Module]) -> None:
         self.roots = roots
@@ -375,12 +438,16 @@ class Recorder:
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
+        if not self._writer.created:
+            self._create_file()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._add_loss(outputs, scaled=True)
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
+        if not self._writer.created:
+            self._create_file()
         st = self._step
         st.micro += 1
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -417,22 +484,35 @@ class Recorder:
         return out
 
     def _grads_ready(self, fallback: Optional[list] = None) -> None:
+        """Gradients are complete (first of unscale_, clip, step): sampled grad statistics,
+        in scaled space under a scaler."""
         st = self._step
         if st.grads_ready:
             return
         st.grads_ready = True
-        params = self._trained_params(fallback)
+        st.fallback = fallback
+        if st.sampled and self._sampler is not None:
+            params = self._trained_params(fallback)
+            self._sampler.on_grads_ready([(self._param_name(p), p) for p in params])
+
+    def _ensure_grad_norm(self) -> None:
+        """The global grad norm, unscaled, computed as late as possible: when clip_grad_norm_
+        ran, its own pre-clip norm is taken instead of a second pass over the gradients."""
+        st = self._step
+        if st.grad_norm is not None:
+            return
+        params = self._trained_params(st.fallback)
         grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
         if grads:
-            norm = _global_norm(grads)
-            if st.scaled and not st.unscaled and self.scaler is not None:
-                scale = self.scaler._scale
-                if scale is not None:
-                    norm = norm / scale.to(norm.device).reshape(())
-            st.grad_norm = norm
-        if st.sampled and self._sampler is not None:
-            named = [(self._param_name(p), p) for p in params]
-            self._sampler.on_grads_ready(named)
+            st.grad_norm = self._unscaled(_global_norm(grads))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        st = self._step
+        if st.scaled and not st.unscaled and self.scaler is not None:
+            scale = self.scaler._scale
+            if scale is not None:
+                return norm / scale.to(norm.device).reshape(())
+        return norm
 
     def _param_name(self, p: torch.Tensor) -> str:
         name = self.param_names.get(id(p))
@@ -459,7 +539,10 @@ class Recorder:
 
     def after_clip(self, total_norm: Any) -> None:
         if isinstance(total_norm, torch.Tensor):
-            self._step.clip_norm = total_norm.detach().float().reshape(())
+            st = self._step
+            st.clip_norm = total_norm.detach().float().reshape(())
+            if st.grad_norm is None:
+                st.grad_norm = self._unscaled(st.clip_norm)
 
     # ---------------------------------------------------------------------------------------
     # optimizer and scaler steps
@@ -477,11 +560,14 @@ class Recorder:
     def before_optimizer_step(self, optimizer: Any) -> None:
         if not self._owns(optimizer):
             return
+        if not self._writer.created:
+            self._create_file()
         st = self._step
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
         self._grads_ready()
+        self._ensure_grad_norm()
         if not st.scaled and self._primary(optimizer):
             self._check_before_step()
         if st.sampled and self._sampler is not None:
@@ -510,6 +596,7 @@ class Recorder:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
         st = self._step
+        self._ensure_grad_norm()
         if scaler._scale is not None:
             st.scale = scaler._scale.detach().reshape(()).clone()
         found = [v for s in scaler._per_optimizer_states.values()
@@ -538,13 +625,13 @@ class Recorder:
         checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
         if not checks:
             return
+        # x * 0 is 0 for a finite x and NaN otherwise: one value to fetch, and no false alarm
+        # when the sum of two large finite values would overflow.
         dev = checks[0].device
-        # x * 0 is 0 for a finite x and NaN otherwise: one value to fetch, no false alarm
-        # from a sum of two large finite values overflowing.
         probe = checks[0] * 0 if len(checks) == 1 else checks[0] * 0 + checks[1].to(dev) * 0
         if not math.isfinite(probe.item()):
-            self._trigger(Event.NONFINITE_LOSS if st.loss_sum is not None and not bool(
-                torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
+            loss_ok = st.loss_sum is None or bool(torch.isfinite(st.loss_sum).item())
+            self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
     def _trigger(self, why: Event) -> None:
         """Parameters are still those that failed: hand the step to the forensic tier."""
@@ -578,17 +665,25 @@ class Recorder:
     # step boundaries
 
     def _begin_step(self, index: int) -> None:
-        sampled = (self.every > 0 and index % self.every == 0 and bool(self.roots))
-        self._step = _Step(index=index, t0=time.time(), sampled=sampled)
+        self._step = _Step(index=index, t0=time.time())
+        self._depth = 0
         if self.forensics is not None:
             self.forensics.begin_step()
-        if sampled:
-            if self._sampler is None:
-                self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
-                                        sample=self.sample)
-            self._sampler.active = True
-            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+        if self.roots:
+            self._maybe_sample()
         self._flush_now = False
+
+    def _maybe_sample(self) -> None:
+        """Turn the sampled tier on for this step if it is due (before its first forward)."""
+        st = self._step
+        if st.sampled or self.every <= 0 or st.index % self.every or st.micro:
+            return
+        st.sampled = True
+        if self._sampler is None:
+            self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
+                                    sample=self.sample)
+        self._sampler.active = True
+        patches.hook_modules(self._sample_hooks, self, None, "sample_post")
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not self._replaying():
@@ -596,24 +691,19 @@ class Recorder:
 
     def _end_step(self) -> None:
         st = self._step
-        if not self.roots:
+        if self._discovery_open:
             self._finish_discovery()
         now = time.perf_counter()
         dt = now - self._last_boundary
         self._last_boundary = now
-        row = schema.empty("steps", 1)
-        row["step"] = st.index
-        row["time"] = time.time()
-        row["dt"] = dt
-        row["loss_dtype"] = st.loss_dtype
-        row["micro"] = st.micro
-        row["sampled"] = int(st.sampled)
-        row["flags"] = st.flags
-        row["peak_mem"] = _peak_memory(self._device)
-        row["skipped"] = 0 if st.stepped or st.scaled else 1
         lrs = self._write_groups(st.index)
-        row["lr"] = max(lrs) if lrs else math.nan
-        self._pending.append((row, _device_values(st)))
+        # Host fields as a plain tuple (order: _HOST); device values stay on the device.
+        self._pending.append(((st.index, time.time(), dt, st.loss_dtype, st.micro,
+                               int(st.sampled), st.flags, _peak_memory(self._device),
+                               0 if st.stepped or st.scaled else 1,
+                               max(lrs) if lrs else math.nan,
+                               st.loss_sum is not None, st.grad_norm is not None),
+                              _device_values(st, self._constants)))
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
@@ -647,14 +737,18 @@ class Recorder:
                 wd = g.get("weight_decay", math.nan)
                 rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))
                              else math.nan))
-        if rows:
-            self._writer.append("groups", np.array(rows, schema.GROUPS))
+        self._pending_groups.extend(rows)
         return lrs
 
     def _drain(self) -> None:
         """Fetch the pending steps' device values (the documented sync) and flush the file."""
         if self._pending:
-            rows = np.concatenate([r for r, _ in self._pending])
+            host = [h for h, _ in self._pending]
+            rows = schema.empty("steps", len(host))
+            for i, name in enumerate(_HOST):
+                rows[name] = [h[i] for h in host]
+            has_loss = np.array([h[-2] for h in host], bool)
+            has_grad = np.array([h[-1] for h in host], bool)
             values = _fetch([v for _, v in self._pending])
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
@@ -669,11 +763,16 @@ class Recorder:
             scaled = ~np.isnan(rows["scale"])
             rows["skipped"] = np.where(scaled, skipped, rows["skipped"])
             rows["flags"] |= (np.where(rows["skipped"] == 1, flag(Event.SKIPPED), 0)
-                              | np.where(values[:, 6] > 0, flag(Event.NONFINITE_LOSS), 0)
-                              | np.where(values[:, 7] > 0, flag(Event.NONFINITE_GRAD), 0)
+                              | np.where(has_loss & ~np.isfinite(values[:, 0]),
+                                         flag(Event.NONFINITE_LOSS), 0)
+                              | np.where(has_grad & ~np.isfinite(values[:, 4]),
+                                         flag(Event.NONFINITE_GRAD), 0)
                               ).astype(np.int32)
             self._writer.append("steps", rows)
             self._pending.clear()
+        if self._pending_groups:
+            self._writer.append("groups", np.array(self._pending_groups, schema.GROUPS))
+            self._pending_groups.clear()
         self._writer.flush()
         self._last_flush = time.perf_counter()
 
@@ -736,11 +835,16 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
+def _is_wrapper(module: torch.nn.Module) -> bool:
+    """DDP or DataParallel: a module whose forward calls the user's model inside it."""
+    return type(module).__name__ in ("DistributedDataParallel", "DataParallel")
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
     for _ in range(4):
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+        if inner is None and _is_wrapper(module):
             inner = getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return module
@@ -760,6 +864,15 @@ def _first_device(roots: list[torch.nn.Module]) -> torch.device:
         for p in root.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    """This process's rank: torch.distributed's once a process group exists (mp.spawn sets no
+    RANK variable), else what the environment said (torchrun)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return rank, world_size
 
 
 def _enabled(scaler: Any) -> bool:
@@ -791,22 +904,33 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
 
 
-_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
-           "loss_bad", "grad_bad")
+_HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
+         "skipped", "lr")
+_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
 
 
-def _device_values(st: _Step) -> torch.Tensor:
+class _Constants:
+    """NaN placeholders per device, made once (not a kernel per step)."""
+
+    def __init__(self) -> None:
+        self._nan: dict[torch.device, torch.Tensor] = {}
+
+    def nan(self, device: torch.device) -> torch.Tensor:
+        t = self._nan.get(device)
+        if t is None:
+            t = self._nan[device] = torch.full((), math.nan, device=device)
+        return t
+
+
+def _device_values(st: _Step, constants: _Constants) -> torch.Tensor:
     """The step's device scalars stacked into one tensor (no sync); order as in _VALUES."""
-    loss = st.loss_sum / st.loss_n if st.loss_sum is not None else None
+    loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
     values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
     dev = next((v.device for v in values if v is not None), torch.device("cpu"))
-    nan = torch.full((), math.nan, device=dev)
-    zero = torch.zeros((), device=dev)
-    values = [nan if v is None else v.to(dev).float().reshape(()) for v in values]
-    # Absent values are NaN too, so non-finiteness is decided here, where presence is known.
-    values.append(zero if loss is None else (~torch.isfinite(values[0])).float())
-    values.append(zero if st.grad_norm is None else (~torch.isfinite(values[4])).float())
-    return torch.stack(values)
+    nan = constants.nan(dev)
+    return torch.stack([nan if v is None else
+                        v if (v.device == dev and v.dtype == torch.float32 and v.dim() == 0)
+                        else v.to(dev).float().reshape(()) for v in values])
 
 
 def _fetch(values: list[torch.Tensor]) -> np.ndarray:
@@ -895,3 +1019,22 @@ def _plain(value: Any) -> Any:
 def active() -> Optional[Recorder]:
     """The recorder currently recording in this process, if any."""
     return _ACTIVE
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the active recorder: there it records
+    nothing and can never write into the parent's file (see ``store.Writer.disown``)."""
+    global _ACTIVE
+    rec, _ACTIVE = _ACTIVE, None
+    if rec is None or rec.closed:
+        return
+    rec.closed = True
+    rec.active = False
+    try:
+        rec._detach()
+    finally:
+        if rec._writer is not None:
+            rec._writer.disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

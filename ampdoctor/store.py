@@ -29,6 +29,8 @@ from .errors import FormatTooNewError, RunFileError
 # ---------------------------------------------------------------------------------------------
 # Writing
 
+_DISOWNED: list = []  # files inherited through fork: never closed in this process (Writer.disown)
+
 
 class Writer:
     """Append-only writer of one run file.
@@ -40,15 +42,16 @@ class Writer:
         w.append("steps", rows)
         w.flush()            # rows reach the file; a SIGKILL after this keeps them
         w.close("finished")
+
+    ``create=False`` defers the file: rows queue in memory until ``create(path)`` (or are
+    dropped by ``close``), so a process that turns out not to train leaves nothing behind.
     """
 
     def __init__(self, path: str, *, rank: int = 0, world_size: int = 1,
-                 argv: list[str] | None = None, overwrite: bool = True):
+                 argv: list[str] | None = None, overwrite: bool = True, create: bool = True):
         self.path = os.fspath(path)
-        if not overwrite and os.path.exists(self.path):
-            raise FileExistsError(self.path)
-        self._file = h5py.File(self.path, "w", libver="latest")
-        attrs = {
+        self.overwrite = overwrite
+        self._attrs = {
             "format": schema.FORMAT_NAME,
             "format_version": schema.FORMAT_VERSION,
             "ampdoctor_version": __version__,
@@ -59,22 +62,56 @@ class Writer:
             "world_size": world_size,
             "argv": json.dumps(list(sys.argv if argv is None else argv)),
         }
-        for key, value in attrs.items():
-            self._file.attrs[key] = value
-        for name, dtype in schema.TABLES.items():
-            self._file.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dtype,
-                chunks=(schema.CHUNK_ROWS[name],), compression="gzip", compression_opts=4,
-                shuffle=True)
-        self._file.create_dataset(schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1",
-                                  chunks=(schema.BLOB_CHUNK,), compression="gzip",
-                                  compression_opts=4)
-        self._file.swmr_mode = True
+        self._file: h5py.File | None = None
         self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
         self._rows = {name: 0 for name in schema.TABLES}  # rows written or pending
         self._blob_pending: list[bytes] = []
         self._blob_len = 0
         self.closed = False
+        if create:
+            self.create()
+
+    @property
+    def created(self) -> bool:
+        """Has the file been created? (A writer made with ``create=False`` waits for ``create``.)"""
+        return self._file is not None
+
+    def create(self, path: str | None = None, *, rank: int | None = None,
+               world_size: int | None = None) -> None:
+        """Create the file, under ``path`` if given; rows queued so far reach it at the next flush.
+
+        A deferred writer (``create=False``) queues rows in memory and touches no file until
+        this is called: ``ampdoctor record`` creates a process's file only once it trains.
+        """
+        if self._file is not None or self.closed:
+            return
+        if path is not None:
+            self.path = os.fspath(path)
+        if rank is not None:
+            self._attrs["rank"] = rank
+        if world_size is not None:
+            self._attrs["world_size"] = world_size
+        self._attrs["created"] = time.time()
+        if not self.overwrite and os.path.exists(self.path):
+            raise FileExistsError(self.path)
+        # "w-" fails if another process created the file in between (overwrite=False).
+        f = h5py.File(self.path, "w" if self.overwrite else "w-", libver="latest")
+        try:
+            for key, value in self._attrs.items():
+                f.attrs[key] = value
+            for name, dtype in schema.TABLES.items():
+                f.create_dataset(
+                    name, shape=(0,), maxshape=(None,), dtype=dtype,
+                    chunks=(schema.CHUNK_ROWS[name],), compression="gzip", compression_opts=4,
+                    shuffle=True)
+            f.create_dataset(schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1",
+                             chunks=(schema.BLOB_CHUNK,), compression="gzip",
+                             compression_opts=4)
+            f.swmr_mode = True
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
 
     # -- buffering --------------------------------------------------------------------------
 
@@ -112,8 +149,11 @@ class Writer:
     # -- committing -------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write every queued row and make it visible to readers (the crash-safe point)."""
-        if self.closed:
+        """Write every queued row and make it visible to readers (the crash-safe point).
+
+        Before ``create`` (a deferred writer) the rows stay queued.
+        """
+        if self.closed or self._file is None:
             return
         # The blob goes first: a row that points into it must never reach the file before
         # the bytes it points at.
@@ -136,8 +176,14 @@ class Writer:
         self._file.flush()
 
     def close(self, status: str | None = None) -> None:
-        """Record the final status, flush and close. Safe to call twice."""
+        """Record the final status, flush and close. Safe to call twice.
+
+        A deferred writer that was never created closes without writing anything.
+        """
         if self.closed:
+            return
+        if self._file is None:
+            self.closed = True
             return
         try:
             if status is not None:
@@ -147,9 +193,31 @@ class Writer:
             self.closed = True
             self._file.close()
 
+    def disown(self) -> None:
+        """In a forked child: make this process's copy of the open file unable to write to it.
+
+        The child holds a copy of HDF5's state for the parent's file; closing that copy (or the
+        child exiting normally) would flush it into the file the parent is still writing. The
+        descriptor is pointed at /dev/null, and the handle is kept alive, so nothing from the
+        child ever reaches the parent's file.
+        """
+        self.closed = True
+        if self._file is None:
+            return
+        try:
+            fd = self._file.id.get_vfd_handle()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, fd)
+            os.close(null)
+        except Exception:  # noqa: BLE001 - a driver without a descriptor: nothing to redirect
+            pass
+        _DISOWNED.append(self._file)
+
     def abandon(self) -> None:
         """Close without writing what is queued (the disk is gone); never raises."""
         self.closed = True
+        if self._file is None:
+            return
         try:
             self._file.close()
         except Exception:  # noqa: BLE001 - the file is already lost; nothing to report twice

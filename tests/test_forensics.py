@@ -798,17 +798,23 @@ def test_capture_holds_references_not_copies(run_path):
         assert rec.forensics.captures == []  # dropped at the step boundary
 
 
-def test_discovered_model_is_replayed_from_its_second_step(run_path):
-    model = make(ExpNet)
-    sc = scaler(2.0**10)
-    data = batches(4)
-    data[0] = (data[0][0] * 40, data[0][1])
-    data[2] = (data[2][0] * 40, data[2][1])
+def test_a_discovered_model_is_replayed_from_its_first_step(run_path):
+    model = make(MaskedNet)
+    sc = scaler(2.0**8)
+    mask = torch.full((5, 5), float("-inf")).triu(1)
+    data = batches(2, shape=(2, 5, 8))
+    data[0] = (data[0][0] * 30, data[0][1])
     with ampdoctor.watch(path=run_path, every=0, strict=True) as rec:  # nothing given
-        train(model, data, scaler=sc)
-    first, second = rec.events
-    assert not first.replayed and "discovery" in first.note  # the model was not known yet
-    assert (second.step, second.phase, second.module) == (2, "forward", "body.1")
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x, mask=mask), y[:2])
+            sc.scale(loss).backward()
+            sc.step(model.opt)
+            sc.update()
+            model.opt.zero_grad()
+    ev = rec.events[0]  # the keyword argument arrived after the call: replayed with it
+    assert (ev.step, ev.phase, ev.module) == (0, "forward", "exp")
+    assert not ev.result.detail.get("input_modified")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -288,3 +288,23 @@ def test_record_peak_memory_and_time(run_path):
     assert np.all(run.steps["peak_mem"] > 10 << 20)
     assert np.all(run.steps["dt"] > 0)
     assert np.all(np.diff(run.steps["time"]) >= 0)
+
+
+def test_no_reference_kept_to_past_steps(run_path):
+    """Hooks and captures must not keep a step's outputs (and so its autograd graph) alive."""
+    import gc
+    import weakref
+
+    model, opt = fresh()
+    refs = []
+    with ampdoctor.watch(model, opt, path=run_path, every=2, strict=True):
+        for x, y in __import__("helpers").batches(6):
+            out = model(x)
+            refs.append(weakref.ref(out))
+            loss = torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            del out, loss
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 6

@@ -855,3 +855,29 @@ def test_cuda_replay_names_the_culprit_and_leaves_every_rng_alone(tmp_path, culp
     for (cpu_a, gpu_a), (cpu_b, gpu_b) in zip(plain[1], watched[1]):
         assert torch.equal(cpu_a, cpu_b) and torch.equal(gpu_a, gpu_b)
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(plain[2], watched[2]))
+
+
+def test_no_reference_kept_to_past_steps_or_replays(run_path):
+    """Captures, kept events and replays must not keep any step's graph alive."""
+    import gc
+    import weakref
+
+    model = make(ExpNet, 20.0)
+    sc = scaler(2.0**10)
+    refs = []
+    with record(run_path, model, sc) as rec:
+        for i, (x, y) in enumerate(batches(8)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+                loss = F.cross_entropy(out, y) / 2
+            refs.append(weakref.ref(out))
+            sc.scale(loss).backward()
+            if i % 2:
+                sc.step(model.opt)
+                sc.update()
+                model.opt.zero_grad()
+            del out, loss
+    assert sum(e.replayed for e in rec.events) >= 2
+    rec.replay(rec.events[0].step)
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 8

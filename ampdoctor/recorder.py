@@ -622,15 +622,9 @@ class Recorder:
         if self.forensics is None or not self.forensics.armed:
             return
         st = self._step
-        checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
-        if not checks:
-            return
-        # x * 0 is 0 for a finite x and NaN otherwise: one value to fetch, and no false alarm
-        # when the sum of two large finite values would overflow.
-        dev = checks[0].device
-        probe = checks[0] * 0 if len(checks) == 1 else checks[0] * 0 + checks[1].to(dev) * 0
-        if not math.isfinite(probe.item()):
-            loss_ok = st.loss_sum is None or bool(torch.isfinite(st.loss_sum).item())
+        # Two scalar fetches and no kernel: the first waits for backward, the second is free.
+        loss_ok = st.loss_sum is None or math.isfinite(st.loss_sum.item())
+        if not loss_ok or (st.grad_norm is not None and not math.isfinite(st.grad_norm.item())):
             self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
     def _trigger(self, why: Event) -> None:

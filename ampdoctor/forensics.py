@@ -270,6 +270,11 @@ class Forensics:
             ev.note = ("not replayed: no call of the model with grad enabled was captured in "
                        "this step (in discovery mode the model is known after its first step)")
             return None
+        unsafe = _collective_forward([c.root for c in self.captures])
+        if unsafe:
+            ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay "
+                       "on one rank would wait for the others")
+            return None
         start, due = self._due(step.index)
         if not due:
             ev.note = f"not replayed: same episode as step {start} (rate limit)"
@@ -533,6 +538,23 @@ def _summary(r: ReplayResult, f: Finding) -> str:
             text += f" The fp32 re-run could not be done ({f.detail['fp32_error']})."
         return text
     return f"{where}: {f.summary}."
+
+
+_SHARDED = ("FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+def _collective_forward(roots: list) -> Optional[str]:
+    """The first module whose forward gathers sharded parameters (FSDP, FSDP2, ZeRO-3,
+    tensor parallel), or None. DDP is fine: the replay runs the module inside it."""
+    for root in roots:
+        for m in root.modules():
+            name = type(m).__name__
+            if name in _SHARDED or name.startswith("FSDP"):
+                return name
+        for p in root.parameters():
+            if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+                return "a DTensor parameter"
+    return None
 
 
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:

@@ -523,6 +523,22 @@ def test_replay_runs_the_module_inside_a_wrapper(run_path):
     assert (ev.phase, ev.module) == ("forward", "body.1")
 
 
+class FullyShardedDataParallel(Wrapper):
+    """Stands for FSDP: its forward would gather parameters from every rank."""
+
+
+def test_a_sharded_model_is_not_replayed(run_path):
+    inner = make(ExpNet, 20.0)
+    model = FullyShardedDataParallel(inner)
+    model.opt = inner.opt
+    sc = scaler(2.0**10)
+    with record(run_path, model, sc) as rec:
+        train(model, batches(2), scaler=sc)
+    assert [e.replayed for e in rec.events] == [False, False]
+    assert "collectives" in rec.events[0].note and rec.replays == 0
+    assert len(ampdoctor.load(run_path).snapshots) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # rate limit
 

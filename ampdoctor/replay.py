@@ -98,7 +98,6 @@ class Call:
     module: torch.nn.Module
     name: str
     nth: int
-    parent: int
     end: int = -1  # calls[index+1:end] are its descendants
     inputs: list = field(default_factory=list)  # (label, slot, source call or ROOT/UNKNOWN)
     outputs: list = field(default_factory=list)  # (output index, slot)
@@ -245,8 +244,7 @@ class Trace:
             return self._aliasing.apply(args, kwargs, None)
         nth = self._nth.get(id(module), 0)
         self._nth[id(module)] = nth + 1
-        call = Call(len(self.calls), module, name, nth,
-                    self._stack[-1].index if self._stack else -1)
+        call = Call(len(self.calls), module, name, nth)
         owner = type(module).__name__
         for label, t in labeled(args, kwargs):
             slot = self._batch_slots.get(id(t)) if call.index == 0 else None

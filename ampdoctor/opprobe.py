@@ -14,6 +14,7 @@ costs one host sync there, which an event can afford.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -25,9 +26,11 @@ from .sampler import tensors_in
 _KINDS = ("nan", "posinf", "neginf")
 
 
-def first_nonfinite_op(module: torch.nn.Module, args: tuple, autocast: tuple) -> Optional[dict]:
-    """Re-run ``module(*args)`` under ``autocast`` = (device_type, enabled, dtype name, cache)
-    and describe the first op that created a kind of non-finite value its inputs did not hold.
+def first_nonfinite_op(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None,
+                       context: Any = None) -> Optional[dict]:
+    """Re-run ``module(*args, **kwargs)`` inside ``context`` (the step's autocast state, as a
+    context manager) and describe the first op that created a kind of non-finite value its
+    inputs did not hold.
 
     Returns None when every op stayed finite. The dict holds: ``op`` (name), ``created`` (kinds
     among nan/posinf/neginf), ``dtype`` of the result, ``counts`` of each kind, ``numel``,
@@ -35,11 +38,9 @@ def first_nonfinite_op(module: torch.nn.Module, args: tuple, autocast: tuple) ->
     constant passed to the op), ``in_nan``/``in_posinf``/``in_neginf`` (what the inputs held),
     ``index`` (how many ops ran before it).
     """
-    device_type, enabled, dtype, cache = autocast
     probe = _Probe()
-    with torch.no_grad(), torch.autocast(device_type, dtype=getattr(torch, dtype, torch.float16),
-                                         enabled=enabled, cache_enabled=cache), probe:
-        module(*args)
+    with torch.no_grad(), context if context is not None else contextlib.nullcontext(), probe:
+        module(*args, **(kwargs or {}))
     return probe.found
 
 

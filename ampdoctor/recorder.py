@@ -38,11 +38,6 @@ from .sampler import Sampler, tensors_in
 from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
-# A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
-# at too high a scale) far more often than a failure: replay the first such step, and then
-# only an overflow that has lasted this many steps in a row (deeper than a calibration from
-# 2**16 usually goes), so that the replay budget is left for the failures that matter.
-GRAD_REPLAY_RUN = 8
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
 
 _ACTIVE: Optional["Recorder"] = None
@@ -56,6 +51,7 @@ class _Step:
     t0: float
     micro: int = 0
     loss_sum: Optional[torch.Tensor] = None
+    loss_nonfinite: Optional[bool] = None  # read with found_inf on a skipped step
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
@@ -92,8 +88,9 @@ class Recorder:
             the rank is read from ``torch.distributed`` once the process group exists.
         every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
         forensics: replay a failing step to find the culprit (tier 3).
-        max_replays: forensic replays per run (the first events only, so a run that skips
-            every step does not crawl).
+        max_replays: forensic replays per run. Events in one episode (a run of close bad
+            steps) are replayed at the 1st, 2nd, 4th, 8th... event only, so a run that skips
+            every step does not crawl; after the last replay the tier costs nothing.
         flush_seconds: the longest time between two flushes to the file.
         sample: elements gathered per tensor for range counts in the sampled tier.
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
@@ -105,7 +102,7 @@ class Recorder:
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
                  path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5",
                  every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
-                 max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
+                 max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None,
                  replaceable: bool = False):
@@ -155,8 +152,6 @@ class Recorder:
         self._device: Optional[torch.device] = None
         self.forensics = None
         self.replays = 0
-        self._overflow_run = 0  # skipped steps in a row with a finite loss
-        self._grad_replayed = False  # a finite-loss skip has had its one replay
         self.active = False
         self.closed = False
         self.faulted = False
@@ -340,9 +335,7 @@ class Recorder:
         if self._depth == 0 and module is self._discovering:
             self._discovering = None
             if self.forensics is not None and kwargs:
-                caps = self.forensics.captures
-                if caps and caps[-1].root is module:
-                    caps[-1].kwargs = dict(kwargs)
+                self.forensics.capture_kwargs(module, kwargs)
             self.root_post(module, args, output)
 
     def _finish_discovery(self) -> None:
@@ -415,15 +408,21 @@ class Recorder:
     # root module: autocast state, the batch (forensics, input audit)
 
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying():
+            return
         self._note_autocast()
         if self._step.sampled and self._sampler is not None:
             self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_inputs(module, args, kwargs)
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_output(module, output)
+
+    def _replaying(self) -> bool:
+        """A forensic replay is re-running the model: none of its calls belong to the step."""
+        return self.forensics is not None and self.forensics.replaying
 
     def _note_autocast(self) -> None:
         dev = self._device.type if self._device is not None else "cpu"
@@ -444,7 +443,7 @@ class Recorder:
             self._create_file()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            self._add_loss(outputs)
+            self._add_loss(outputs, scaled=True)
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
@@ -459,13 +458,15 @@ class Recorder:
                     self._add_loss(t)
                 break
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
+    def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
         value = loss.detach().reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_loss(loss, scaled)
 
     # ---------------------------------------------------------------------------------------
     # gradients: the moment they are complete (before unscale_, clip or step)
@@ -604,13 +605,10 @@ class Recorder:
         if found:
             dev = found[0].device
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             # The one sync of this step; GradScaler.step has just synced on the same values.
-            found, loss_bad = self._found_inf_and_loss(st)
-            self._overflow_run = self._overflow_run + 1 if found and not loss_bad else 0
-            first_ever = found and not loss_bad and not self._grad_replayed
-            if loss_bad or first_ever or (found and self._overflow_run == GRAD_REPLAY_RUN):
-                self._grad_replayed = self._grad_replayed or first_ever
+            found, st.loss_nonfinite = self._found_inf_and_loss(st)
+            if found:
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
@@ -632,28 +630,23 @@ class Recorder:
 
     def _check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values? (one sync)"""
-        if self.forensics is None or self.replays >= self.max_replays:
+        if self.forensics is None or not self.forensics.armed:
             return
         st = self._step
-        checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
-        if not checks:
-            return
-        # A sum is finite only if every term is (inf - inf is NaN): one kernel, one sync.
-        total = checks[0] if len(checks) == 1 else checks[0] + checks[1].to(checks[0].device)
-        if not bool(torch.isfinite(total).item()):
-            loss_ok = st.loss_sum is None or bool(torch.isfinite(st.loss_sum).item())
+        # Two scalar fetches and no kernel: the first waits for backward, the second is free.
+        loss_ok = st.loss_sum is None or math.isfinite(st.loss_sum.item())
+        if not loss_ok or (st.grad_norm is not None and not math.isfinite(st.grad_norm.item())):
             self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
     def _trigger(self, why: Event) -> None:
-        """Parameters are still those that failed: replay the step (tier 3)."""
-        if not self.forensics.captures:
-            return  # nothing captured yet (the model is found at the end of the first step)
-        self.replays += 1
-        self._step.flags |= flag(Event.FORENSICS)
-        snapshot = self.forensics.replay(self._step, why)
+        """Parameters are still those that failed: hand the step to the forensic tier."""
+        self._drain()  # the steps up to the event reach the file before anything else
+        snapshot = self.forensics.on_event(self._step, why)
         if snapshot is not None:
+            self.replays += 1
             self._event(Event.FORENSICS, value=float(snapshot))
-            self._flush_now = True
+            self._writer.flush()  # the snapshot survives a crash that may follow the event
+            self._flush_now = True  # and the event's own step row is written at its end
         self._audit_buffers()
 
     def _audit_buffers(self) -> None:
@@ -669,6 +662,24 @@ class Recorder:
             if not ok:
                 tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
                 self._event(Event.NONFINITE_BUFFER, tensor=tid)
+
+    @property
+    def events(self) -> list:
+        """What the forensic tier caught, as ``forensics.ForensicEvent`` (step, trigger,
+        phase, module, fp32 verdict); empty with ``forensics=False``."""
+        return list(self.forensics.events) if self.forensics is not None else []
+
+    def replay(self, step: int):
+        """Re-run a replayed event's micro-batches, instrumented; a ``ReplayResult``.
+
+        Runs against the model's current weights with the batch, RNG state and output
+        gradient kept from the event; ``result.faithful`` says whether the weights are still
+        those of the event. Works after the recorder is closed; writes nothing to the file.
+        """
+        if self.forensics is None:
+            raise AmpDoctorError("this recorder was started with forensics=False: "
+                                 "nothing was captured to replay")
+        return self.forensics.replay(step)
 
     # ---------------------------------------------------------------------------------------
     # step boundaries
@@ -695,9 +706,8 @@ class Recorder:
         patches.hook_modules(self._sample_hooks, self, None, "sample_post")
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.forensics is not None and self.forensics.replaying:
-            return  # a forensic replay's forwards are not the step's: they have their own rows
-        self._sampler.on_forward(module, output)
+        if not self._replaying():
+            self._sampler.on_forward(module, output)
 
     def _end_step(self) -> None:
         st = self._step

@@ -483,7 +483,8 @@ def _adam_eps_confirmed(f: Facts) -> tuple[float, Optional[dict], list[Evidence]
     prev_ok = fi > 0 and np.isfinite(s["loss"][fi - 1]) and np.isfinite(
         s["grad_norm"][fi - 1]) and not f.skipped[fi - 1]
     culprit = _snapshot_at(f, f.failure_step)
-    weights_bad = culprit is not None and culprit["fp32_finite"] == 0
+    poisoned = list(culprit["detail"].get("weights_nonfinite") or []) if culprit else []
+    weights_bad = culprit is not None and (culprit["fp32_finite"] == 0 or bool(poisoned))
     module = culprit["module"] if culprit else None
     ev = []
     if prev_ok:
@@ -493,10 +494,11 @@ def _adam_eps_confirmed(f: Facts) -> tuple[float, Optional[dict], list[Evidence]
                            f"step {f.step_at(fi)}'s loss is NaN", "first_nan_after_step",
                            float(f.step_at(fi)), f.step_at(fi)))
     if weights_bad:
-        ev.append(Evidence(f"replay of step {culprit['step']}: {module} is non-finite even in "
-                           "fp32 with finite inputs, so its weights are", "weights_nonfinite",
+        which = f" ({', '.join(poisoned[:4])})" if poisoned else ""
+        ev.append(Evidence(f"replay of step {culprit['step']}: the weights of {module} are "
+                           f"non-finite{which} while its inputs are finite", "weights_nonfinite",
                            None, culprit["step"], module))
-    if culprit is not None and culprit["fp32_finite"] == 1:
+    if culprit is not None and culprit["fp32_finite"] == 1 and not poisoned:
         conf = 0.0  # the culprit's weights are finite: an op overflowed, not the update
     elif weights_bad:
         conf = 0.9 if prev_ok else 0.8
@@ -718,11 +720,25 @@ def _culprit_evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence
     return ev
 
 
+def _failure_replay(f: Facts) -> Optional[dict]:
+    """The replay that locates the failure: the first forward culprit from the failure on;
+    else a backward one, but only when the skipping persists (an overflow of gradients alone,
+    which GradScaler answers by lowering the scale, is its calibration at work: taxonomy C0)."""
+    after = [s for s in f.snapshots if s["step"] >= f.failure_step]
+    forward = [s for s in after if s["phase"] == "forward"]
+    if forward:
+        return forward[0]
+    if f.story.collapsed or f.story.terminal_run >= 3 or f.loss_bad.any():
+        backward = [s for s in after if s["phase"] == "backward"]
+        return backward[0] if backward else None
+    return None
+
+
 def rule_culprit(f: Facts) -> Optional[Finding]:
     """C3 / C7a / C2 located by the forensic replay of the failing step."""
     if f.failure_index is None:
         return None
-    snap = _snapshot_at(f, f.failure_step)
+    snap = _failure_replay(f)
     if snap is None or input_out_of_range(f, snap) is not None:
         return None  # (a batch beyond fp16's range is bad_input's)
     module, phase, fp32 = snap["module"], snap["phase"], snap["fp32_finite"]

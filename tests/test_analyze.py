@@ -55,6 +55,14 @@ def test_a_few_gradient_overflows_while_training_are_healthy():
     assert d.verdict == "healthy" and any("normal probing" in n for n in d.notes)
 
 
+def test_a_replayed_calibration_overflow_is_not_an_unstable_op():
+    s = Synth(400)
+    s.skip([0])
+    s.snapshot(0, "backward", "out", "Linear", fp32_finite=1)  # a weight gradient overflowed
+    s.skip(range(20, 400, 60))  # later overflows, finite loss, beyond probing
+    assert verdict(s).verdict == "healthy"
+
+
 def test_frequent_gradient_overflows_are_not_called_nonfinite():
     s = Synth(400)
     s.skip(range(20, 400, 60))  # 7 skips: more than probing, finite loss, scale 2**16 -> 2**9

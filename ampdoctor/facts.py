@@ -712,13 +712,14 @@ class Facts:
 
     def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
         """Largest finite magnitude in a snapshot's saved float batch, and whether it held
-        NaN/inf (the output gradient saved with it is left out)."""
+        NaN/inf. Only the batch ("args.*", "kwargs.*"): not the culprit's own inputs, the
+        output gradient or the RNG state saved beside it."""
         arrays = self.run.arrays
         rows = np.flatnonzero(arrays["snapshot"] == snapshot_id)
         biggest, bad = math.nan, False
         for r in rows:
             name = str(arrays["name"][r])
-            if name.startswith("grad_output"):
+            if not name.startswith(("args.", "kwargs.")):
                 continue
             try:
                 a = self.run.array(int(r))

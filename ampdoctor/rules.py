@@ -595,7 +595,8 @@ def _weight_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
 def _update_size(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
     upd = f.stats.upd_log[idx] if len(idx) else np.zeros(0)
     upd = upd[np.isfinite(upd)]
-    if not len(upd) or np.median(upd) < math.log10(UPDATE_TOO_LARGE):
+    # Two samples at least: the very first updates are large for every optimizer.
+    if len(upd) < 2 or np.median(upd) < math.log10(UPDATE_TOO_LARGE):
         return None
     ratio = 10 ** float(np.median(upd))
     return Evidence(f"update ratio |dW|/|W| ~{_fmt(ratio)} per step (median of {len(upd)} "
@@ -700,10 +701,15 @@ def mask_pattern(op: Optional[dict]) -> Optional[str]:
 def _culprit_evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
-    same = [s for s in f.snapshots if s["module"] == module and s["phase"] == phase]
-    ev = [Evidence(f"replay of step {snap['step']}: the first non-finite value appears in the "
-                   f"{phase} of {module} ({snap['module_type']}) while its inputs are finite"
-                   + (f"; {len(same)} replays agree" if len(same) > 1 else ""),
+    passed = snap["detail"].get("passed_on_by")
+    same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
+    if passed:
+        text = (f"replay of step {snap['step']}: {module} is the first module whose output "
+                f"went non-finite (-inf); {passed} then turned it into NaN")
+    else:
+        text = (f"replay of step {snap['step']}: the first non-finite value appears in the "
+                f"{phase} of {module} ({snap['module_type']}) while its inputs are finite")
+    ev = [Evidence(text + (f"; {len(same)} replays agree" if len(same) > 1 else ""),
                    "culprit", None, snap["step"], module)]
     if op:
         ev.append(Evidence(_op_text(op, module), "first_nonfinite_op", op.get("in_absmax"),
@@ -728,10 +734,36 @@ def _failure_replay(f: Facts) -> Optional[dict]:
     forward = [s for s in after if s["phase"] == "forward"]
     if forward:
         return forward[0]
-    if f.story.collapsed or f.story.terminal_run >= 3 or f.loss_bad.any():
+    stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
+    if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
         backward = [s for s in after if s["phase"] == "backward"]
         return backward[0] if backward else None
     return None
+
+
+def chain_origin(chain: list, roots: set) -> Optional[str]:
+    """The first module in a replay's propagation chain (modules whose output went
+    non-finite, in execution order) that is not a container of the next one."""
+    names = [c for c in chain or [] if c not in roots]
+    for i, name in enumerate(names):
+        if i + 1 == len(names) or not names[i + 1].startswith(name + "."):
+            return name
+    return None
+
+
+def _producer(f: Facts, snap: dict) -> dict:
+    """A culprit that only turned an incoming -inf into NaN (the replay could not follow the
+    -inf back, e.g. through a residual add in the parent's own code) is not where the overflow
+    happened: the first module of the propagation chain is. Returns the snapshot as seen from
+    the producer (its fp32 verdict then unknown)."""
+    if "turned -inf in its inputs" not in str(snap["detail"].get("how", "")):
+        return snap
+    origin = chain_origin(snap["detail"].get("chain"), f.root_names)
+    if origin is None or origin == snap["module"]:
+        return snap
+    detail = dict(snap["detail"], op=None, passed_on_by=snap["module"])
+    return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
+                in_absmax=math.nan, detail=detail)
 
 
 def rule_culprit(f: Facts) -> Optional[Finding]:
@@ -741,6 +773,7 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     snap = _failure_replay(f)
     if snap is None or input_out_of_range(f, snap) is not None:
         return None  # (a batch beyond fp16's range is bad_input's)
+    snap = _producer(f, snap)
     module, phase, fp32 = snap["module"], snap["phase"], snap["fp32_finite"]
     first = min(f.failure_step, snap["step"])
     where = _first_bad(first, module, phase)
@@ -756,10 +789,11 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
                                   context(f, module, snap["module_type"], first)),
                        where, priority=PRIORITY["mask_overflow"])
     score, growth = growth_evidence(f)
-    if score >= GROWTH_SIGNALS or (fp32 == 0 and score >= 1):
+    poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
+    if score >= GROWTH_SIGNALS or (fp32 == 0 and score >= 1 and not poisoned):
         return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
-    if fp32 == 0 and phase == "forward":
-        return None  # out of range in fp32 too, and no sign of growth: leave it to the fallback
+    if (fp32 == 0 or poisoned) and phase == "forward":
+        return None  # out of range in fp32 too (or its weights are): not one op's overflow
     return _unstable_op(f, snap, where, ev + growth)
 
 

@@ -125,6 +125,19 @@ def test_an_op_in_the_models_own_forward_gets_an_op_island():
     assert "model.EnergyNet" not in d.fixes[0].snippet and "(exp)" in d.fixes[0].text
 
 
+def test_an_overflow_passed_on_through_a_residual_add_is_blamed_on_its_producer():
+    s = Synth(20)
+    s.skip(range(20), loss_nan=True)
+    chain = ["Enc", "layers.1.ffn", "layers.1.ffn.wo", "layers.2.norm", "layers.2.ffn", "out"]
+    s.meta["roots"] = ["Enc"]
+    s.snapshot(1, "forward", "layers.2.norm", "LayerNorm", fp32_finite=0, in_absmax=math.inf,
+               how="it turned -inf in its inputs into NaN/inf", chain=chain)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "layers.1.ffn.wo"
+    assert "block.ffn.wo = FP32Island(block.ffn.wo)" in d.fixes[0].snippet
+    assert rules.chain_origin(chain, {"Enc"}) == "layers.1.ffn.wo"
+
+
 def test_mask_constant_overflow_is_told_from_an_unstable_op():
     s = Synth(20)
     s.skip(range(20), loss_nan=True)
@@ -185,6 +198,14 @@ def test_lr_overflow_located_from_sampled_steps_without_a_replay():
     s.sampled([90], Kind.OUTPUT, "trunk.2", nonfinite=2, absmax=math.inf)
     d = verdict(s)
     assert d.verdict == "lr_overflow" and d.first_bad["module"] == "trunk.2"
+
+
+def test_poisoned_weights_are_not_one_ops_overflow():
+    s = Synth(30, scaler=False, dtype="bfloat16")
+    s.nan_loss(range(10, 30)).nan_grad(range(10, 30))
+    s.sampled([0, 5], Kind.PARAM, "fc.weight", norm=1.0, update=0.05)  # one growth signal
+    s.snapshot(10, "forward", "fc", "Linear", fp32_finite=0, weights_nonfinite=["weight"])
+    assert verdict(s).verdict not in ("unstable_op", "lr_overflow")
 
 
 def test_backward_culprit_is_an_unstable_op_in_backward():

@@ -174,7 +174,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     else:
         top = Finding("healthy", _healthy_confidence(f), "No failure: no non-finite loss or "
                       "gradient reached the weights, and the loss scale behaved normally."
-                      if f.n else "")
+                      if f.n else "", _checked(f))
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
@@ -204,6 +204,36 @@ def _cause(x: Finding, role: str) -> dict:
     if x.first_bad:
         out["first_bad"] = x.first_bad
     return out
+
+
+def _checked(f: Any) -> list[Evidence]:
+    """What a healthy verdict rests on: the numbers that were looked at."""
+    if not f.n:
+        return []
+    s = f.steps
+    finite = int(np.isfinite(s["loss"]).sum())
+    ev = [Evidence(f"{finite} of {f.n} losses finite, {int(f.skipped.sum())} steps skipped",
+                   "finite_losses", float(finite))]
+    if f.has_scaler:
+        st = f.story
+        ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
+                           f"{st.min_scale:g})", "loss_scale", st.final_scale))
+    stats = f.stats
+    under = stats.layer_under
+    measured = np.isfinite(under)
+    if measured.any() and f.low_precision:
+        worst = int(np.nanargmax(np.where(measured, under, -1)))
+        ev.append(Evidence(f"gradients measured on {f.sampled_steps} sampled steps: the worst "
+                           f"layer, {f.tensor_names[worst]}, has {under[worst]:.1%} of its "
+                           f"non-zero gradient in the {f.low_precision} subnormal band",
+                           "worst_layer_underflow", float(under[worst]), None,
+                           f.tensor_names[worst]))
+    upd = stats.upd_log[np.isfinite(stats.upd_log)]
+    if len(upd):
+        ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
+                           "(median over the sampled steps)", "update_ratio",
+                           10 ** float(np.median(upd))))
+    return ev
 
 
 def _healthy_confidence(f: Any) -> float:

@@ -808,7 +808,5 @@ def _phase_name(code: int) -> str:
 
 
 def _num(v: Any) -> Any:
-    v = v.item() if isinstance(v, np.generic) else v
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (math.inf if v > 0 else -math.inf)
-    return v
+    """A plain Python number; NaN stays NaN (the text report prints it, JSON makes it null)."""
+    return v.item() if isinstance(v, np.generic) else v

@@ -34,7 +34,7 @@ import torch
 
 from . import __version__, patches, schema, stats, store
 from .errors import AmpDoctorError, RecorderFault
-from .sampler import Sampler, tensors_in
+from .sampler import Sampler
 from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
@@ -205,6 +205,8 @@ class Recorder:
         global _ACTIVE
         if self.closed:
             return
+        if self.active and self._step is not None:
+            patches.guard(self, "_end_step_without_update")  # its update() never came
         self.closed = True
         self.active = False
         self._detach()
@@ -397,6 +399,9 @@ class Recorder:
             self._own_optimizer[id(optimizer)] = known
             if known:
                 self.optimizers.append(optimizer)
+                # Hyperparameters now (a run whose every step is skipped never steps);
+                # the optimizer-state dtypes follow after its first step.
+                self._meta("optimizer", _optimizer_info(self.optimizers))
         return known
 
     def _uses_scaler(self, scaler: Any) -> bool:
@@ -441,6 +446,7 @@ class Recorder:
             return
         if not self._writer.created:
             self._create_file()
+        self._end_step_without_update()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._add_loss(outputs, scaled=True)
@@ -449,6 +455,7 @@ class Recorder:
     def before_backward(self, tensors: Any) -> None:
         if not self._writer.created:
             self._create_file()
+        self._end_step_without_update()
         st = self._step
         st.micro += 1
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -589,6 +596,16 @@ class Recorder:
             self._end_step()
         elif st.sampled and self._sampler is not None:
             self._sampler.after_step()
+
+    def _end_step_without_update(self) -> None:
+        """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
+        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        st = self._step
+        if st.scaled and st.stepped and not st.in_scaler_step:
+            scale = getattr(self.scaler, "_scale", None)
+            if scale is not None and st.scale is None:
+                st.scale = st.scale_after = scale.detach().reshape(()).clone()
+            self._end_step()
 
     def _primary(self, optimizer: Any) -> bool:
         return bool(self.optimizers) and optimizer is self.optimizers[0]

@@ -1,470 +1,615 @@
-"""Forensic replay (tier 3): find the op that first went non-finite, and whether fp32 fixes it.
+"""Forensic tier (tier 3): catch the failing step cheaply, replay it, keep the evidence.
 
-Every step the recorder keeps references to what the root module was given (arguments, RNG
-state, autocast state) and to the gradient that arrived at its output in backward. When the
-sentinel sees a non-finite loss or gradient while the parameters are still the ones that
-produced it (GradScaler skipped the step, or ``optimizer.step`` has not run yet), ``replay``:
+**Every step (capture, references only).** The recorder's root-module hooks hand over each
+root call: references to its arguments, the RNG state (host copies of the generators'
+states, no device sync), the autocast state, and a tensor hook on each root output that keeps
+a reference to the gradient arriving there in backward, and a reference to the loss.
+Nothing is copied; the references are dropped at the step boundary. While
+micro-batches accumulate, earlier micro-batches' output gradients are held only up to
+``GRAD_BYTES`` (the latest always is).
 
-1. re-runs the root's forward on the same batch, with the same RNG state and autocast state,
-   with every module instrumented (exact statistics of each input and output);
-2. runs backward from the captured output gradient with ``torch.autograd.grad``, so ``.grad``
-   is never touched, with tensor hooks recording each module's grad_output and grad_input;
-3. names the culprit: the first module in execution order whose output is non-finite while its
-   inputs are finite (forward), else the first in backward order whose grad_input is
-   non-finite while its grad_output is finite (backward), else the batch or the loss;
-4. re-runs the culprit alone in fp32 (autocast off, inputs ``.float()``): finite means an fp32
-   island around it fixes the step; non-finite means the values themselves are too large;
-5. writes a snapshot: the culprit, its statistics in both precisions, the batch.
+**On the event.** The recorder calls ``on_event`` while the parameters are still the ones that
+failed: with a GradScaler from ``update`` once found_inf says the step is being skipped, or
+without one just before ``optimizer.step`` when the loss or the grad norm is non-finite. The
+micro-batches of the step are replayed in order by ``replay.explain`` until one explains the
+event (forward culprit, backward culprit, bad batch or loss); if none does and ``.grad`` is
+non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped).
 
-No observer effect: RNG is forked (and set to the captured state for the replay), module
-buffers such as BatchNorm running statistics are restored bit for bit afterwards, ``.grad`` and
-the optimizer state are never written.
+**Rate limit.** Events close together (at most ``EPISODE_GAP`` steps apart) form an episode.
+In an episode the 1st, 2nd, 4th, 8th... events are replayed (and the next one whenever a
+replay found nothing), and a run replays at most ``max_replays`` times. After that the tier
+disarms: no capture, no sync. A run that skips every step thus costs a handful of replays.
+
+**No observer effect.** A replay forks the RNG of the CPU and of every initialised CUDA
+device, restores every module buffer it changed bit for bit (BatchNorm running statistics),
+reads gradients with ``torch.autograd.grad`` only (``.grad`` and the optimizer state are never
+written) and never runs the DDP/compile wrapper, only the module inside.
+
+**What is kept.** Each replay writes a /snapshots row (culprit, phase, fp32 verdict, scale, LR,
+and in its detail JSON the culprit's statistics in both precisions and the scale/LR/grad-norm
+history up to the event), /stats rows of every tensor of the replay (``Source.REPLAY``) and of
+the fp32 re-run (``Source.REPLAY_FP32``), and /arrays: the batch, the culprit's inputs, the
+output gradient and the RNG state, within ``BATCH_BYTES``. For a backward culprit the
+snapshot's ``in_absmax``/``out_absmax`` describe its grad_output/grad_input and ``fp32_absmax``
+its fp32 gradients.
+
+In a notebook::
+
+    with ampdoctor.watch(model, optimizer, scaler) as rec:
+        ...train...
+    rec.events          # [ForensicEvent(step=12, trigger='skipped', phase='forward',
+                        #                module='blocks.0.attn', fp32='finite'), ...]
+    r = rec.replay(12)  # re-run step 12's micro-batches, instrumented
+    print(r); r.trace   # what went non-finite, in execution order
+
+``rec.replay`` runs against the model's *current* weights, with the batch, RNG state and
+output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event);
+``r.faithful`` says whether the weights are still those of the event (nothing has stepped
+the optimizer since, e.g. the event's step was skipped and was the last one).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from . import patches, schema, stats
+from . import replay, schema, stats
+from .errors import AmpDoctorError
+from .replay import Capture, Finding
 from .sampler import tensors_in
-from .schema import Event, Kind, Phase, Source
+from .schema import Event, Phase, Source
 
-BATCH_BYTES = 16 << 20  # the most bytes of batch saved with one snapshot
+BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
+KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
+GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
+MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
+HISTORY = 64  # steps of scale/LR/grad-norm history in a snapshot's detail
+EPISODE_GAP = 16  # events at most this many steps apart belong to one episode
+# A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
+# at too high a scale) far more often than a failure: the first such step is replayed, then
+# only an overflow that has lasted this many steps in a row (deeper than a calibration from
+# 2**16 usually goes), so that the budget is left for the failures that follow.
+GRAD_REPLAY_RUN = 8
+MAX_EVENTS = 1024  # entries kept in rec.events
+
+TRIGGERS = {Event.SKIPPED: "skipped", Event.NONFINITE_LOSS: "nonfinite_loss",
+            Event.NONFINITE_GRAD: "nonfinite_grad"}
+FP32 = {True: "finite", False: "non-finite", None: "not run"}
 
 
 @dataclass
-class _Capture:
-    """One call of a root module during the step (one micro-batch)."""
+class TraceRow:
+    """One tensor measured in a replay, in the order it was seen."""
 
-    root: torch.nn.Module
-    args: tuple
-    kwargs: dict
-    rng: dict
-    autocast: tuple  # (device_type, enabled, dtype, cache_enabled)
-    outputs: list = field(default_factory=list)
-    grads: dict = field(default_factory=dict)  # output index -> gradient
+    order: int
+    kind: str  # "input", "output", "grad_output", "grad_input", "param_grad"
+    module: str
+    label: str
+    dtype: str
+    absmax: float
+    rms: float
+    zeros: int
+    nonfinite: bool
 
 
 @dataclass
-class _CallRecord:
-    """One module call seen during the replay."""
+class ReplayResult:
+    """What a forensic replay found. ``str(result)`` is one paragraph for a person.
 
-    module: torch.nn.Module
-    name: str
-    depth: int
-    args: tuple
-    kwargs: dict
-    in_slots: list = field(default_factory=list)
-    out_slots: list = field(default_factory=list)
-    outputs: list = field(default_factory=list)
-    grad_out_slots: list = field(default_factory=list)  # (slot, fire order)
-    grad_in_slots: list = field(default_factory=list)
-    grad_values: list = field(default_factory=list)  # grad_output tensors, for the fp32 check
-    call: int = 0
+    ``phase``: "forward", "backward", "input" (the batch held NaN/inf), "loss" (the loss,
+    outside the model), "none" (the replay stayed finite) or "unknown" (it failed).
+    ``fp32_finite``: True when the culprit re-run alone in fp32 is finite (an fp32 island
+    fixes the step), False when it is non-finite in fp32 too (the values are too large: LR or
+    data), None when no fp32 re-run applies.
+    """
+
+    step: int
+    micro: int
+    trigger: str
+    phase: str
+    module: Optional[str] = None
+    module_type: Optional[str] = None
+    fp32_finite: Optional[bool] = None
+    fp32_absmax: float = math.nan
+    in_absmax: float = math.nan
+    out_absmax: float = math.nan
+    summary: str = ""
+    detail: dict = field(default_factory=dict, repr=False)
+    faithful: bool = True
+    snapshot: Optional[int] = None
+    trace: list = field(default_factory=list, repr=False)
+
+    @property
+    def fp32(self) -> str:
+        return FP32[self.fp32_finite]
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+@dataclass
+class ForensicEvent:
+    """An event the forensic tier caught: a skipped step, or a non-finite loss or grad norm."""
+
+    step: int
+    trigger: str
+    replayed: bool = False
+    result: Optional[ReplayResult] = None
+    note: str = ""
+
+    @property
+    def phase(self) -> Optional[str]:
+        return self.result.phase if self.result else None
+
+    @property
+    def module(self) -> Optional[str]:
+        return self.result.module if self.result else None
+
+    @property
+    def fp32(self) -> Optional[str]:
+        return self.result.fp32 if self.result else None
+
+    def __repr__(self) -> str:
+        if not self.replayed:
+            return f"ForensicEvent(step={self.step}, trigger={self.trigger!r}, {self.note})"
+        return (f"ForensicEvent(step={self.step}, trigger={self.trigger!r}, "
+                f"phase={self.phase!r}, module={self.module!r}, fp32={self.fp32!r})")
+
+
+@dataclass
+class _Kept:
+    """What rec.replay needs after the step is gone: CPU copies and the weights' versions."""
+
+    captures: list
+    versions: tuple
+    scale: Optional[float]
 
 
 class Forensics:
-    """Captures each step's root calls; ``replay`` explains a failing one."""
+    """The forensic tier of one recorder: capture, trigger policy, replay, snapshot."""
 
     def __init__(self, recorder: Any):
         self.rec = recorder
-        self.captures: list[_Capture] = []
+        self.captures: list[Capture] = []
+        self.events: list[ForensicEvent] = []
         self.replaying = False
+        self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
+        self._history: deque = deque(maxlen=HISTORY)
+        self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
+        self._overflows = (-2, 0, False)  # finite-loss skips: last step, run length, any yet
+        self._kept: dict[int, _Kept] = {}
+        self._too_big: set[int] = set()
+        self._devices: list = _cuda_devices()
 
-    # -- every step: cheap references -------------------------------------------------------
+    @property
+    def armed(self) -> bool:
+        """Replays remain: capture every step, and sync once per step to see the event."""
+        return self.rec.replays < self.rec.max_replays
+
+    # -- every step: references only --------------------------------------------------------
 
     def begin_step(self) -> None:
         self.captures = []
+        self.dropped = 0
+        self._devices = _cuda_devices()
 
     def end_step(self, step: Any) -> None:
-        self.captures = []
+        pending = self.rec._pending
+        if pending and pending[-1][0][0] == step.index:
+            self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
+        self.begin_step()
 
     def capture_inputs(self, root: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.replaying or not torch.is_grad_enabled():
             return
-        device_type = self.rec._device.type if self.rec._device is not None else "cpu"
-        self.captures.append(_Capture(root, args, dict(kwargs), _rng_state(device_type),
-                                      _autocast(device_type)))
+        if len(self.captures) >= MAX_CAPTURES:
+            self.captures.pop(0)
+            self.dropped += 1
+        if self.captures:  # a new micro-batch: the previous ones' backward is done
+            self._bound_held_grads()
+        device = self.rec._device.type if self.rec._device is not None else "cpu"
+        seen = self.rec._autocast_seen  # (enabled, dtype), just read by the recorder
+        enabled, dtype = seen if seen is not None else (False, None)
+        st = self.rec._step
+        self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
+                                     (device, enabled, dtype, torch.is_autocast_cache_enabled()),
+                                     micro=st.micro if st else 0,
+                                     versions=_versions((args, kwargs))))
+
+    def capture_kwargs(self, root: torch.nn.Module, kwargs: dict) -> None:
+        """Keyword arguments of the latest root call, known only after it (discovery mode:
+        a global forward pre-hook gets no kwargs)."""
+        cap = self.captures[-1] if self.captures else None
+        if cap is not None and cap.root is root:
+            cap.kwargs = dict(kwargs)
+            cap.versions = _versions((cap.args, cap.kwargs))
 
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        cap = self.captures[-1]
+        grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
-            cap.outputs.append(t)
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, i=i, cap=cap: cap.grads.__setitem__(i, g.detach()))
+            # A leaf (a parameter handed back) would keep the hook after the step: skip it.
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                # The hook holds the dict and nothing else: a hook that reached the output
+                # tensor (through the capture, or this recorder and the step's loss) would
+                # make a cycle through autograd's C++ hook table that Python's collector
+                # cannot see, and leak each step's graph.
+                t.register_hook(partial(_keep_grad, grads, i))
+
+    def capture_loss(self, loss: torch.Tensor, scaled: bool) -> None:
+        """The loss of the latest root call (a reference), and whether GradScaler scaled it:
+        the gradient reaching it is then the scale, in the loss's dtype."""
+        if self.replaying or not self.captures or loss.grad_fn is None:
+            return
+        self.captures[-1].losses.append((loss.detach(), {"scaled": scaled}))
+
+    def _bound_held_grads(self) -> None:
+        """Earlier micro-batches' output gradients are what accumulation would have freed:
+        keep them within GRAD_BYTES, oldest dropped first (the step's last is always kept)."""
+        held = sum(_nbytes(c.grads.values()) for c in self.captures)
+        for old in self.captures:
+            if held <= GRAD_BYTES:
+                break
+            if old.grads:
+                held -= _nbytes(old.grads.values())
+                old.grads.clear()
+                old.grads_dropped = True
 
     # -- on the event -----------------------------------------------------------------------
 
-    def replay(self, step: Any, why: Event) -> Optional[int]:
-        """Replay the failing step; return the snapshot id written, or None."""
+    def on_event(self, step: Any, why: Event) -> Optional[int]:
+        """The recorder saw an event with the failing parameters in place; returns the
+        snapshot id when a replay ran (and wrote it), None when the rate limit skipped it."""
+        ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(ev)
         if not self.captures:
+            ev.note = ("not replayed: no call of the model with grad enabled was captured in "
+                       "this step (in discovery mode the model is known after its first step)")
             return None
-        self.replaying = True
-        saved = _save_buffers([c.root for c in self.captures])
-        try:
-            with torch.random.fork_rng(devices=_rng_devices(self.rec._device)):
-                result = self._find(step)
-            return self._write(step, why, result)
-        finally:
-            _restore_buffers(saved)
-            self.replaying = False
+        unsafe = _collective_forward([c.root for c in self.captures])
+        if unsafe:
+            ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay "
+                       "on one rank would wait for the others")
+            return None
+        if self._calibrating(step, why):
+            ev.note = ("not replayed: gradients overflowed with a finite loss, as while "
+                       "GradScaler calibrates (the first such step is replayed, then one that "
+                       f"has lasted {GRAD_REPLAY_RUN} steps in a row)")
+            return None
+        start, due = self._due(step.index)
+        if not due:
+            ev.note = f"not replayed: same episode as step {start} (rate limit)"
+            return None
+        scale = _scalar(getattr(step, "scale", None))
+        captures = list(self.captures)
+        trace, finding, micro = self._run(captures, scale)
+        if self.dropped:
+            finding.detail["model_calls_dropped"] = self.dropped
+        result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
+        self._note_history(result, step)
+        ev.replayed, ev.result = True, result
+        explained = finding.phase not in (Phase.NONE, Phase.UNKNOWN) or \
+            bool(finding.detail.get("stale_grads"))
+        self._episode = self._episode[:3] + (explained,)
+        result.snapshot = self._write(step, why, result, trace, finding, captures)
+        self._keep_for_later(step.index, captures, scale)
+        return result.snapshot
 
-    def replay_capture(self, cap: _Capture) -> dict:
-        """Replay one captured root call; the result of the culprit search (no file writes)."""
-        self.replaying = True
-        saved = _save_buffers([cap.root])
-        try:
-            with torch.random.fork_rng(devices=_rng_devices(self.rec._device)):
-                return _Replay(self.rec, cap).run()
-        finally:
-            _restore_buffers(saved)
-            self.replaying = False
-
-    def _find(self, step: Any) -> dict:
-        results = []
-        for micro, cap in enumerate(self.captures):
-            result = _Replay(self.rec, cap).run()
-            result["micro"] = micro
-            results.append(result)
-            if result["phase"] not in (Phase.NONE, Phase.UNKNOWN):
-                return result
-        result = results[-1]
-        if self._stale_grads(results):
-            result["detail"]["stale_grads"] = True
-        return result
-
-    def _stale_grads(self, results: list) -> bool:
-        """Every micro-batch replays finite, yet .grad holds inf/NaN: left from an earlier step."""
-        grads = [p.grad for p in self.rec._trained_params() if p.grad is not None]
-        if not grads or not all(r["phase"] == Phase.NONE for r in results):
+    def _calibrating(self, step: Any, why: Event) -> bool:
+        """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
+        run of them: GradScaler adjusting its scale, not worth a replay."""
+        if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
             return False
-        return not all(bool(torch.isfinite(g).all()) for g in grads)
+        last, run, seen = self._overflows
+        run = run + 1 if step.index == last + 1 else 1
+        self._overflows = (step.index, run, True)
+        return seen and run != GRAD_REPLAY_RUN
 
-    def _write(self, step: Any, why: Event, result: dict) -> int:
-        rec = self.rec
-        w = rec._writer
-        sid = w.rows("snapshots")
-        row = schema.empty("snapshots", 1)
-        row["id"] = sid
-        row["step"] = step.index
-        row["micro"] = result.get("micro", 0)
-        row["trigger"] = int(why)
-        row["phase"] = int(result["phase"])
-        row["culprit"] = result.get("culprit", -1)
-        row["module_off"], row["module_len"] = w.text(result.get("module", ""))
-        row["module_type_off"], row["module_type_len"] = w.text(result.get("module_type", ""))
-        row["autocast"] = result.get("autocast", 0)
-        for key in ("fp32_finite", "fp32_absmax", "in_absmax", "out_absmax"):
-            if key in result:
-                row[key] = result[key]
-        row["scale"] = _scalar(getattr(step, "scale", None))
-        lrs = [g.get("lr") for o in rec.optimizers for g in o.param_groups]
-        row["lr"] = max((float(x) for x in lrs if isinstance(x, (int, float))), default=math.nan)
-        row["detail_off"], row["detail_len"] = w.text(json.dumps(result.get("detail", {}),
-                                                                 default=str))
-        w.append("snapshots", row)
-        for key in ("rows", "fp32_rows"):
-            rows = result.get(key)
-            if rows is not None and len(rows):
-                rows["step"] = step.index
-                rows["snapshot"] = sid
-                w.append("stats", rows)
-        if result.get("capture") is not None:
-            _write_batch(w, sid, result["capture"])
-        return sid
+    def _due(self, index: int) -> tuple[int, bool]:
+        start, last, n, found = self._episode
+        if index - last > EPISODE_GAP:
+            start, n, found = index, 0, True
+        n += 1
+        self._episode = (start, index, n, found)
+        return start, (n & (n - 1)) == 0 or not found
 
-
-class _Replay:
-    """One instrumented forward + backward of a captured root call."""
-
-    def __init__(self, rec: Any, cap: _Capture):
-        self.rec = rec
-        self.cap = cap
-        self.collector = stats.Collector(exact=True)
-        self.slot_meta: list[tuple[int, int, int, int]] = []  # tensor id, call, seq, source
-        self.calls: list[_CallRecord] = []
-        self.stack: list[_CallRecord] = []
-        self.fired = 0
-        self.call_count: dict[int, int] = {}
-
-    def run(self) -> dict:
-        cap = self.cap
-        result: dict[str, Any] = {"phase": Phase.NONE, "detail": {}, "capture": cap,
-                                  "autocast": _autocast_code(cap.autocast)}
-        _set_rng(cap.rng)
-        input_bad = self._inputs_nonfinite()
-        hooks = patches.PatchSet()
-        patches.hook_modules(hooks, self, "pre", "post")
-        try:
-            device_type, enabled, dtype, cache = cap.autocast
-            with torch.enable_grad(), torch.autocast(device_type, dtype=_torch_dtype(dtype),
-                                                     enabled=enabled, cache_enabled=cache):
-                output = cap.root(*cap.args, **cap.kwargs)
-            outs = [t for t in tensors_in(output)]
-            self._backward(outs)
-        except Exception as exc:  # noqa: BLE001 - report what the replay could not do
-            result["detail"]["replay_error"] = f"{type(exc).__name__}: {exc}"
-            outs = []
-        finally:
-            hooks.remove()
-        rows = self.collector.drain()
-        if len(rows):
-            meta = np.array(self.slot_meta, dtype=np.int64).reshape(-1, 4)
-            rows["tensor"], rows["call"], rows["seq"] = meta[:, 0], meta[:, 1], meta[:, 2]
-            rows["source"] = meta[:, 3]
-        result["rows"] = rows
-        self._decide(result, rows, input_bad, outs)
+    def replay(self, step: int) -> ReplayResult:
+        """Re-run a replayed event's micro-batches now (see the module docstring)."""
+        kept = self._kept.get(step)
+        if kept is None and step in self._too_big:
+            raise AmpDoctorError(f"step {step}'s batch was over {KEEP_BYTES >> 20} MiB and was "
+                                 "not kept; its snapshot in the run file has what was found")
+        if kept is None:
+            have = sorted(self._kept)
+            raise AmpDoctorError(
+                f"step {step} has no kept batch to replay; replayed events: "
+                f"{', '.join(map(str, have)) if have else 'none'} (see rec.events)")
+        captures = [_reload(c) for c in kept.captures]
+        trace, finding, micro = self._run(captures, kept.scale, stale_check=False)
+        trigger = next((e.trigger for e in self.events if e.step == step), "on_demand")
+        result = self._result(step, trigger, trace, finding, micro, captures)
+        result.faithful = result.faithful and \
+            kept.versions == _param_versions(self._roots(captures))
+        result.detail["weights"] = "as at the event" if result.faithful else \
+            "current: the optimizer has stepped since the event"
+        if not result.faithful:
+            result.summary += (" (Replayed against the current weights: the optimizer has "
+                               "stepped since the event.)")
         return result
 
-    def _inputs_nonfinite(self) -> bool:
-        for t in tensors_in((self.cap.args, self.cap.kwargs)):
-            if stats.measurable(t) and not bool(torch.isfinite(t).all()):
-                return True
-        return False
-
-    # -- instrumentation --------------------------------------------------------------------
-
-    def pre(self, module: torch.nn.Module, args: tuple) -> None:
-        name = self.rec.names.get(module)
-        if name is None:
-            self.stack.append(None)
-            return
-        call = self.call_count.get(id(module), 0)
-        self.call_count[id(module)] = call + 1
-        depth = 0 if module is self.cap.root else name.count(".") + 1
-        rec = _CallRecord(module, name, depth, args, {})
-        for i, t in enumerate(tensors_in(args)):
-            slot = self._add(t, Kind.INPUT, name, i, call, module)
-            if slot is not None:
-                rec.in_slots.append(slot)
-                self._hook_grad(t, rec, Kind.GRAD_INPUT, i, call)
-        rec.call = call
-        self.calls.append(rec)
-        self.stack.append(rec)
-
-    def post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        rec = self.stack.pop() if self.stack else None
-        if rec is None:
-            return
-        for i, t in enumerate(tensors_in(output)):
-            slot = self._add(t, Kind.OUTPUT, rec.name, i, rec.call, module)
-            if slot is not None:
-                rec.out_slots.append(slot)
-                rec.outputs.append(t)
-                self._hook_grad(t, rec, Kind.GRAD_OUTPUT, i, rec.call)
-
-    def _add(self, t: Any, kind: Kind, name: str, index: int, call: int,
-             module: torch.nn.Module) -> Optional[int]:
-        if not stats.measurable(t):
-            return None
-        slot = self.collector.add(t)
-        tid = self.rec._tensor_id(kind, name, index, t, type(module).__name__)
-        self.slot_meta.append((tid, call, slot, int(Source.REPLAY)))
-        return slot
-
-    def _hook_grad(self, t: torch.Tensor, rec: _CallRecord, kind: Kind, index: int,
-                   call: int) -> None:
-        if not (isinstance(t, torch.Tensor) and t.requires_grad):
-            return
-        target = rec.grad_out_slots if kind == Kind.GRAD_OUTPUT else rec.grad_in_slots
-
-        def hook(grad: torch.Tensor) -> None:
-            slot = self._add(grad, kind, rec.name, index, call, rec.module)
-            if slot is not None:
-                target.append((slot, self.fired))
-                self.fired += 1
-                if kind == Kind.GRAD_OUTPUT:
-                    rec.grad_values.append(grad.detach())
-
-        t.register_hook(hook)
-
-    def _backward(self, outs: list) -> None:
-        grads = self.cap.grads
-        pairs = [(t, grads[i]) for i, t in enumerate(outs)
-                 if i in grads and isinstance(t, torch.Tensor) and t.requires_grad]
-        if not pairs:
-            return
-        params = [p for p in self.cap.root.parameters() if p.requires_grad]
-        torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs],
-                            allow_unused=True)
-
-    # -- the verdict ------------------------------------------------------------------------
-
-    def _decide(self, result: dict, rows: np.ndarray, input_bad: bool, outs: list) -> None:
-        bad = rows["nonfinite"] > 0 if len(rows) else np.zeros(0, bool)
-
-        def any_bad(slots):
-            return any(bad[s] for s in slots)
-
-        root_name = self.rec.names.get(self.cap.root, "")
-        if input_bad:
-            result.update(phase=Phase.INPUT, module=root_name,
-                          module_type=type(self.cap.root).__name__)
-            self._fill(result, rows, None)
-            return
-        for call in self.calls:  # execution order of completion is post-order; use start order
-            if any_bad(call.out_slots) and not any_bad(call.in_slots) and \
-                    not self._child_explains(call, bad):
-                self._blame(result, rows, call, Phase.FORWARD)
-                return
-        order = sorted(((fired, -c.depth, c) for c in self.calls
-                        for slot, fired in c.grad_in_slots if bad[slot]),
-                       key=lambda x: (x[0], x[1]))
-        for _, _, call in order:
-            if not any(bad[s] for s, _ in call.grad_out_slots):
-                self._blame(result, rows, call, Phase.BACKWARD)
-                return
-        grads_bad = any(not bool(torch.isfinite(g).all()) for g in self.cap.grads.values())
-        outs_bad = any(stats.measurable(t) and not bool(torch.isfinite(t).all()) for t in outs)
-        if grads_bad or (not outs_bad and self.rec._step.loss_sum is not None and
-                         not bool(torch.isfinite(self.rec._step.loss_sum).all())):
-            result.update(phase=Phase.LOSS, module="", module_type="")
-            result["detail"]["output_grad_nonfinite"] = grads_bad
-        self._fill(result, rows, None)
-
-    def _child_explains(self, call: _CallRecord, bad: np.ndarray) -> bool:
-        """A descendant that itself went non-finite from finite inputs is the real culprit."""
-        for other in self.calls:
-            if other is call or not self._descends(other, call):
-                continue
-            if any(bad[s] for s in other.out_slots) and not any(bad[s] for s in other.in_slots):
-                return True
-        return False
-
-    def _descends(self, other: _CallRecord, call: _CallRecord) -> bool:
-        if call.module is self.cap.root:
-            return other.module is not self.cap.root
-        return other.name.startswith(call.name + ".")
-
-    def _blame(self, result: dict, rows: np.ndarray, call: _CallRecord, phase: Phase) -> None:
-        result.update(phase=phase, module=call.name, module_type=type(call.module).__name__)
-        if call.out_slots:
-            result["culprit"] = int(self.slot_meta[call.out_slots[0]][0])
-        self._fill(result, rows, call)
-        check = _Fp32Check(self, call, phase, result["detail"]).run()
-        result.update(check)
-
-    def _fill(self, result: dict, rows: np.ndarray, call: Optional[_CallRecord]) -> None:
-        result["detail"]["nonfinite_modules"] = sum(
-            1 for c in self.calls if any(rows["nonfinite"][s] for s in c.out_slots))
-        if call is None:
-            batch = [t for t in tensors_in((self.cap.args, self.cap.kwargs))
-                     if stats.measurable(t)]
-            mags = [float(t.detach().float().abs().nan_to_num(nan=0.0).max()) for t in batch]
-            result["in_absmax"] = max(mags, default=math.nan)
-            return
-        if call.in_slots:
-            result["in_absmax"] = float(np.nanmax(rows["absmax"][call.in_slots]))
-        if call.out_slots:
-            result["out_absmax"] = float(np.max(rows["absmax"][call.out_slots]))
-
-
-class _Fp32Check:
-    """Re-run the culprit alone in fp32 on its captured inputs."""
-
-    def __init__(self, replay: _Replay, call: _CallRecord, phase: Phase, detail: dict):
-        self.replay = replay
-        self.replay_detail = detail
-        self.call = call
-        self.phase = phase
-
-    def run(self) -> dict:
-        call = self.call
-        module = call.module
-        if any(p.dtype != torch.float32 for p in module.parameters(recurse=True)
-               if p.is_floating_point()):
-            module = copy.deepcopy(module).float()
-        args = _to_fp32(call.args)
-        device_type = self.replay.cap.autocast[0]
-        out: dict[str, Any] = {}
+    def _run(self, captures: list, scale: Optional[float], stale_check: bool = True):
+        """Replay the micro-batches until one explains the event; (trace, finding, micro)."""
+        if not captures:
+            return None, Finding(Phase.UNKNOWN, summary="no root-module call of this step was "
+                                 "captured (the model ran without grad, or is not the "
+                                 "watched one)"), -1
+        self.replaying = True
         try:
-            with torch.autocast(device_type, enabled=False):
-                if self.phase == Phase.BACKWARD:
-                    out_t, finite = self._backward(module, args)
-                else:
-                    with torch.no_grad():
-                        out_t = module(*args)
-                    finite = all(bool(torch.isfinite(t).all()) for t in tensors_in(out_t)
-                                 if stats.measurable(t))
-        except Exception as exc:  # noqa: BLE001 - some modules refuse fp32 inputs
-            self.replay_detail["fp32_error"] = f"{type(exc).__name__}: {exc}"
-            return out
-        out["fp32_finite"] = int(finite)
-        mags = [float(t.detach().abs().float().nan_to_num(nan=math.inf).max())
-                for t in tensors_in(out_t) if stats.measurable(t)]
-        out["fp32_absmax"] = max(mags, default=math.nan)
-        rows = [stats.exact(t) for t in tensors_in(out_t) if stats.measurable(t)]
-        if rows:
-            rec = self.replay.rec
-            table = np.array(rows, dtype=schema.STATS)
-            table["tensor"] = [rec._tensor_id(Kind.OUTPUT, call.name, i, t,
-                                              type(call.module).__name__)
-                               for i, t in enumerate(t for t in tensors_in(out_t)
-                                                     if stats.measurable(t))][:len(rows)]
-            table["source"] = int(Source.REPLAY_FP32)
-            out["fp32_rows"] = table
+            with _preserved(self._roots(captures), _cuda_devices()):
+                return self._search(captures, scale, stale_check)
+        except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
+            if self.rec.strict:
+                raise
+            self.rec._warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
+                                          f"{exc}); recording goes on")
+            f = Finding(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
+            f.detail["replay_error"] = f"{type(exc).__name__}: {exc}"
+            return None, f, -1
+        finally:
+            self.replaying = False
+
+    def _search(self, captures: list, scale: Optional[float], stale_check: bool):
+        names = self.rec.names
+        last = None
+        forward_only = []  # micro-batches whose output gradient was not kept (GRAD_BYTES)
+        for micro, cap in enumerate(captures):
+            for _, holder in cap.losses:
+                holder["scale"] = scale if holder.get("scaled") else None
+            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            trace, finding = replay.explain(cap, names, root_name, self._devices,
+                                            self.rec.param_names, self.rec.strict)
+            if _versions((cap.args, cap.kwargs)) != cap.versions:
+                finding.detail["input_modified"] = True
+            if forward_only:
+                finding.detail["micro_batches_forward_only"] = list(forward_only)
+            if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
+                return trace, finding, micro
+            if cap.grads_dropped:
+                forward_only.append(micro)
+            last = (trace, finding, micro)
+        trace, finding, micro = last
+        stale = self._stale_grads() if stale_check else []
+        if stale:
+            finding.detail["stale_grads"] = stale
+            finding.summary = (f"every micro-batch replays finite, yet .grad already holds "
+                               f"NaN/inf ({', '.join(stale[:3])}): left over from an earlier "
+                               "step whose gradients were not zeroed (zero_grad skipped)")
+        elif finding.phase == Phase.NONE:
+            finding.summary = ("the replay of every micro-batch stayed finite: the event did "
+                               "not reproduce (inputs changed in place, or nondeterminism)")
+        return trace, finding, micro
+
+    def _stale_grads(self) -> list[str]:
+        named = [(self.rec.param_names.get(id(p), "param"), p.grad)
+                 for p in self.rec._trained_params() if p.grad is not None
+                 and stats.measurable(p.grad)]
+        if not named:
+            return []
+        by_device: dict = {}
+        for i, (_, g) in enumerate(named):
+            by_device.setdefault(g.device, []).append(i)
+        ok = [True] * len(named)
+        for idx in by_device.values():  # event only: one sync per device
+            flags = torch.stack([torch.isfinite(named[i][1]).all() for i in idx]).cpu()
+            for i, flag in zip(idx, flags.tolist()):
+                ok[i] = flag
+        return [n for (n, _), good in zip(named, ok) if not good]
+
+    def _roots(self, captures: Optional[list] = None) -> list:
+        roots = [c.root for c in captures] if captures else list(self.rec.roots)
+        out: list = []
+        for r in roots:
+            inner = replay.unwrap(r)
+            if all(inner is not o for o in out):
+                out.append(inner)
         return out
 
-    def _backward(self, module: torch.nn.Module, args: tuple):
-        leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
-                  and a.is_floating_point() else a for a in args]
-        with torch.enable_grad():
-            out_t = module(*leaves)
-        outs = [t for t in tensors_in(out_t) if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads_out = self._grad_outputs(outs)
-        inputs = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not outs or not inputs or grads_out is None:
-            return out_t, True
-        grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
-        finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-        return out_t, finite
+    def _keep_for_later(self, step: int, captures: list, scale: Optional[float]) -> None:
+        """CPU copies of the step's micro-batches within KEEP_BYTES; the output gradients
+        go first when over it (a later replay is then forward-only)."""
+        inputs = sum(_nbytes(tensors_in((c.args, c.kwargs))) for c in captures)
+        grads = sum(_nbytes(c.grads.values()) for c in captures)
+        if not captures or inputs > KEEP_BYTES:
+            self._too_big.add(step)
+            return
+        keep_grads = inputs + grads <= KEEP_BYTES
+        self._kept[step] = _Kept([_offload(c, keep_grads) for c in captures],
+                                 _param_versions(self._roots(captures)), scale)
 
-    def _grad_outputs(self, outs: list) -> Optional[list]:
-        """The grad_output the culprit received in the replay, in fp32."""
-        captured = self.call.grad_values
-        if captured:
-            return [g.float() for g in captured][: len(outs)]
-        # Without a stored value, a unit gradient tests the backward formula itself.
-        return [torch.ones_like(o) for o in outs]
+    # -- the result and the snapshot --------------------------------------------------------
+
+    def _result(self, step: int, trigger: str, trace: Optional[replay.Trace], f: Finding,
+                micro: int, captures: list) -> ReplayResult:
+        # A micro-batch is a backward call; a step may call the model more than once per one.
+        micro = captures[micro].micro if 0 <= micro < len(captures) else 0
+        f.detail["micro_batches"] = max((c.micro for c in captures), default=0) + 1
+        f.detail["model_calls"] = len(captures)
+        r = ReplayResult(step=step, micro=micro, trigger=trigger,
+                         phase=f.phase.name.lower(), module=f.module or None,
+                         module_type=f.module_type or None, fp32_finite=f.fp32_finite,
+                         fp32_absmax=f.fp32_absmax, in_absmax=f.in_absmax,
+                         out_absmax=f.out_absmax, detail=f.detail,
+                         faithful=not f.detail.get("input_modified", False))
+        r.summary = _summary(r, f)
+        f.detail["summary"] = r.summary
+        if trace is not None:
+            r.trace = [TraceRow(i, s.kind.name.lower(), s.name, s.label,
+                                schema.DType(int(row["dtype"])).name.lower(),
+                                float(row["absmax"]), float(row["rms"]), int(row["zeros"]),
+                                bool(row["nonfinite"]))
+                       for i, (s, row) in enumerate(zip(trace.slots, trace.rows))]
+        return r
+
+    def _note_history(self, result: ReplayResult, step: Any) -> None:
+        """Scale, LR, grad norm and loss of the steps up to the event (one sync, event only)."""
+        from .recorder import _HOST, _device_values, _fetch
+
+        lr = _HOST.index("lr")
+        rows = [(host[0], host[lr], values) for host, values in self._history]
+        rows.append((step.index, _max_lr(self.rec.optimizers),
+                     _device_values(step, self.rec._constants)))
+        values = _fetch([v for _, _, v in rows])
+        result.detail["history"] = {
+            "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
+            "scale": values[:, 1].tolist(), "found_inf": values[:, 3].tolist(),
+            "grad_norm": values[:, 4].tolist(), "lr": [float(x) for _, x, _ in rows]}
+
+    def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[replay.Trace],
+               f: Finding, captures: list) -> Optional[int]:
+        w = self.rec._writer
+        if w is None or w.closed:
+            return None
+        sid = w.rows("snapshots")
+        row = schema.empty("snapshots", 1)
+        row["id"], row["step"], row["micro"] = sid, step.index, r.micro
+        row["trigger"], row["phase"] = int(why), int(f.phase)
+        row["module_off"], row["module_len"] = w.text(f.module)
+        row["module_type_off"], row["module_type_len"] = w.text(f.module_type)
+        cap = next((c for c in captures if c.micro == r.micro), None)
+        row["autocast"] = _autocast_code(cap.autocast) if cap else 0
+        row["fp32_finite"] = -1 if f.fp32_finite is None else int(f.fp32_finite)
+        row["fp32_absmax"], row["in_absmax"], row["out_absmax"] = (
+            f.fp32_absmax, f.in_absmax, f.out_absmax)
+        row["scale"] = _scalar(getattr(step, "scale", None))
+        row["lr"] = _max_lr(self.rec.optimizers)
+        if trace is not None:
+            ids = self._stats_rows(w, sid, step.index, trace, f)
+            if f.culprit_slot is not None:
+                row["culprit"] = ids[f.culprit_slot]
+        items = _array_items(cap, f) if cap is not None else []
+        f.detail["arrays"] = _write_arrays(w, sid, items)
+        row["detail_off"], row["detail_len"] = w.text(json.dumps(f.detail, default=str))
+        w.append("snapshots", row)
+        return sid
+
+    def _stats_rows(self, w: Any, sid: int, step: int, trace: replay.Trace,
+                    f: Finding) -> list[int]:
+        rows = trace.rows.copy()
+        ids = [self._tensor_id(s, row) for s, row in zip(trace.slots, rows)]
+        if len(rows):
+            rows["tensor"] = ids
+            rows["call"] = [s.nth for s in trace.slots]
+            rows["seq"] = np.arange(len(rows))
+            rows["source"] = int(Source.REPLAY)
+            rows["step"], rows["snapshot"] = step, sid
+            w.append("stats", rows)
+        if f.fp32_rows:
+            fp32 = np.array([row for _, row in f.fp32_rows], dtype=schema.STATS)
+            fp32["tensor"] = [self._tensor_id(s, row) for s, row in f.fp32_rows]
+            fp32["call"] = [s.nth for s, _ in f.fp32_rows]
+            fp32["seq"] = np.arange(len(fp32))
+            fp32["source"] = int(Source.REPLAY_FP32)
+            fp32["step"], fp32["snapshot"] = step, sid
+            w.append("stats", fp32)
+        return ids
+
+    def _tensor_id(self, slot: replay.Slot, row: np.ndarray) -> int:
+        # A meta tensor carries the dtype and size to /tensors without any memory.
+        dtype = _TORCH_DTYPES.get(int(row["dtype"]), torch.float32)
+        meta = torch.empty(int(row["numel"]), dtype=dtype, device="meta")
+        return self.rec._tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 
+_TORCH_DTYPES = {int(schema.DType.FLOAT32): torch.float32,
+                 int(schema.DType.FLOAT16): torch.float16,
+                 int(schema.DType.BFLOAT16): torch.bfloat16,
+                 int(schema.DType.FLOAT64): torch.float64}
 
-def _rng_devices(device: Optional[torch.device]) -> list:
-    if device is not None and device.type == "cuda":
-        return [device.index if device.index is not None else torch.cuda.current_device()]
+
+def _summary(r: ReplayResult, f: Finding) -> str:
+    where = f"step {r.step}" + (f", micro-batch {r.micro}" if f.detail.get("micro_batches", 1) > 1
+                                else "")
+    if f.phase in (Phase.FORWARD, Phase.BACKWARD):
+        text = (f"{where}: {f.module} ({f.module_type}) went non-finite in {r.phase}: "
+                f"{f.detail.get('how', '')}.")
+        if f.detail.get("weights_nonfinite"):
+            text += (" Its weights already hold NaN/inf "
+                     f"({', '.join(f.detail['weights_nonfinite'][:3])}): poisoned earlier.")
+        if f.fp32_finite is True:
+            what = "output" if f.phase == Phase.FORWARD else "backward"
+            text += (f" Re-run alone in fp32 its {what} is finite (abs max "
+                     f"{f.fp32_absmax:.4g}): an fp32 island around {f.module} fixes this step.")
+        elif f.fp32_finite is False:
+            text += (" It is non-finite in fp32 too: the values themselves are too large "
+                     "(weights grown by the learning rate, or the data).")
+        elif "fp32_error" in f.detail:
+            text += f" The fp32 re-run could not be done ({f.detail['fp32_error']})."
+        return text
+    return f"{where}: {f.summary}."
+
+
+_SHARDED = ("FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+def _collective_forward(roots: list) -> Optional[str]:
+    """The first module whose forward gathers sharded parameters (FSDP, FSDP2, ZeRO-3,
+    tensor parallel), or None. DDP is fine: the replay runs the module inside it."""
+    for root in roots:
+        for m in root.modules():
+            name = type(m).__name__
+            if name in _SHARDED or name.startswith("FSDP"):
+                return name
+        for p in root.parameters():
+            if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+                return "a DTensor parameter"
+    return None
+
+
+def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
+    """Tensor hook on a root output: keep a reference to the gradient arriving there."""
+    if grad.requires_grad:  # create_graph=True: keep the value, not its graph
+        grad = grad.detach()
+    prev = grads.get(index)
+    grads[index] = grad if prev is None else prev + grad
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _versions(value: Any) -> tuple:
+    out = []
+    for t in tensors_in(value):
+        try:
+            out.append(t._version)
+        except RuntimeError:  # inference tensors have no version counter
+            out.append(-1)
+    return tuple(out)
+
+
+def _param_versions(roots: list) -> tuple:
+    return tuple((p._version, p.data_ptr()) for r in roots for p in r.parameters())
+
+
+def _cuda_devices() -> list:
+    """CUDA devices whose RNG a replay may draw from: all of them, once CUDA is initialised
+    (never initialise it here: a CPU run must not get a CUDA context)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
     return []
-
-
-def _rng_state(device_type: str) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device_type == "cuda" and torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _autocast(device_type: str) -> tuple:
-    from .recorder import _autocast_state
-
-    enabled, dtype = _autocast_state(device_type)
-    return (device_type, enabled, dtype, torch.is_autocast_cache_enabled())
 
 
 def _autocast_code(state: tuple) -> int:
@@ -473,77 +618,138 @@ def _autocast_code(state: tuple) -> int:
     return int(schema.DTYPE_NAMES.get(state[2], schema.DType.OTHER))
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name, torch.float16)
-
-
-def _save_buffers(roots: list) -> list:
-    seen: set[int] = set()
-    saved = []
-    for root in roots:
-        for b in root.buffers():
-            if id(b) not in seen:
-                seen.add(id(b))
-                saved.append((b, b.detach().clone()))
-    return saved
-
-
-def _restore_buffers(saved: list) -> None:
-    with torch.no_grad():
-        for b, value in saved:
-            b.copy_(value)
-
-
-def _to_fp32(args: Any) -> Any:
-    if isinstance(args, torch.Tensor):
-        return args.detach().float() if args.is_floating_point() else args
-    if isinstance(args, tuple):
-        return tuple(_to_fp32(a) for a in args)
-    if isinstance(args, list):
-        return [_to_fp32(a) for a in args]
-    if isinstance(args, dict):
-        return {k: _to_fp32(v) for k, v in args.items()}
-    return args
-
-
-def _scalar(t: Any) -> float:
+def _scalar(t: Any) -> Optional[float]:
     if isinstance(t, torch.Tensor):
         return float(t.detach().float().cpu())
-    return math.nan if t is None else float(t)
+    return None if t is None else float(t)
 
 
-def _write_batch(writer: Any, sid: int, cap: _Capture) -> None:
-    """The captured batch and output gradient as arrays (size-capped, never pickled)."""
-    items = [(f"args.{i}.{j}", t) for i, a in enumerate(cap.args)
-             for j, t in enumerate(tensors_in(a))]
-    items += [(f"kwargs.{k}.{j}", t) for k, v in cap.kwargs.items()
-              for j, t in enumerate(tensors_in(v))]
+def _max_lr(optimizers: list) -> float:
+    lrs = [g.get("lr") for o in optimizers for g in o.param_groups]
+    return max((float(x) for x in lrs if isinstance(x, (int, float))), default=math.nan)
+
+
+@contextlib.contextmanager
+def _preserved(roots: list, devices: list):
+    """Fork the RNG of the CPU and the listed CUDA devices; restore module buffers."""
+    saved = []
+    for root in roots:
+        for m in root.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    saved.append((m, name, b, b.detach().clone()))
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, name, b, value in saved:
+                    if m._buffers.get(name) is not b:
+                        m._buffers[name] = b  # the forward replaced the attribute: put it back
+                    if not _same_bits(b, value):
+                        b.copy_(value)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    try:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except RuntimeError:
+        return False
+
+
+# -- kept copies for rec.replay ---------------------------------------------------------------
+
+
+@dataclass
+class _Offloaded:
+    tensor: torch.Tensor
+    device: torch.device
+    requires_grad: bool
+
+
+def _offload_value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Offloaded(value.detach().to("cpu", copy=True), value.device,
+                          value.requires_grad and value.is_leaf)
+    if depth < 4 and type(value) in (tuple, list):
+        return type(value)(_offload_value(v, depth + 1) for v in value)
+    if depth < 4 and type(value) is dict:
+        return {k: _offload_value(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _reload_value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, _Offloaded):
+        t = value.tensor.to(value.device, copy=True)
+        return t.requires_grad_(True) if value.requires_grad else t
+    if depth < 4 and type(value) in (tuple, list):
+        return type(value)(_reload_value(v, depth + 1) for v in value)
+    if depth < 4 and type(value) is dict:
+        return {k: _reload_value(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _offload(cap: Capture, grads: bool = True) -> Capture:
+    return Capture(cap.root, _offload_value(cap.args), _offload_value(cap.kwargs),
+                   {k: v.clone() for k, v in cap.rng.items()}, cap.autocast, cap.micro,
+                   (), {i: _offload_value(g) for i, g in cap.grads.items()} if grads else {},
+                   [(_offload_value(loss), {k: _offload_value(v) for k, v in h.items()})
+                    for loss, h in cap.losses], cap.grads_dropped or not grads)
+
+
+def _reload(cap: Capture) -> Capture:
+    args, kwargs = _reload_value(cap.args), _reload_value(cap.kwargs)
+    return Capture(cap.root, args, kwargs, cap.rng, cap.autocast, cap.micro,
+                   _versions((args, kwargs)), {i: _reload_value(g) for i, g in cap.grads.items()},
+                   [(_reload_value(loss), {k: _reload_value(v) for k, v in h.items()})
+                    for loss, h in cap.losses], cap.grads_dropped)
+
+
+# -- arrays -----------------------------------------------------------------------------------
+
+
+def _array_items(cap: Capture, f: Finding) -> list[tuple[str, torch.Tensor]]:
+    """What a user needs to reproduce the event, most important first."""
+    items = [(f"rng.{k}", v) for k, v in cap.rng.items()]
+    items += list(replay.labeled(cap.args, cap.kwargs))
+    items += [(f"culprit.{label}", t) for label, t in f.culprit_inputs]
     items += [(f"grad_output.{i}", g) for i, g in sorted(cap.grads.items())]
+    return items
+
+
+def _write_arrays(writer: Any, sid: int, items: list) -> dict:
+    """Arrays (never pickles) within BATCH_BYTES; a tensor over the budget keeps its leading
+    rows. Returns {name: "saved" | "truncated" | "skipped"} for the snapshot's detail."""
     budget = BATCH_BYTES
-    rows = []
+    rows, report = [], {}
     for name, t in items:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_complex():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_complex() \
+                or t.device.type == "meta":
             continue
-        arr = t.detach()
-        if arr.dtype == torch.bfloat16:
-            arr = arr.float()  # numpy has no bfloat16; fp32 holds every bf16 value exactly
-        arr = arr.cpu().numpy()
-        keep = arr
-        if arr.nbytes > budget and arr.ndim:
-            per_row = max(1, arr.nbytes // max(1, arr.shape[0]))
-            keep = arr[: max(0, budget // per_row)]
-        if keep.nbytes > budget:
+        t = t.detach()
+        per_row = t[0].numel() * t.element_size() if t.ndim and len(t) else t.element_size()
+        keep = t.numel() if not t.ndim else min(len(t), budget // max(per_row, 1))
+        if keep <= 0 or (not t.ndim and t.element_size() > budget):
+            report[name] = "skipped"
             continue
-        budget -= keep.nbytes
+        part = t[:keep] if t.ndim else t
+        if part.dtype == torch.bfloat16:
+            part = part.float()  # numpy has no bfloat16; fp32 holds every bf16 value exactly
+        arr = np.ascontiguousarray(part.cpu().numpy())
+        budget -= arr.nbytes
         row = schema.empty("arrays", 1)
         row["snapshot"] = sid
         row["name_off"], row["name_len"] = writer.text(name)
-        row["dtype"] = keep.dtype.str.encode()
-        row["ndim"] = min(arr.ndim, 8)
-        row["shape"][0, : min(arr.ndim, 8)] = arr.shape[:8]
-        row["numel"] = arr.size
-        row["saved"] = keep.size
-        row["data_off"], row["data_len"] = writer.bytes(np.ascontiguousarray(keep).tobytes())
+        row["dtype"] = arr.dtype.str.encode()
+        row["ndim"] = min(t.ndim, 8)
+        row["shape"][0, :min(t.ndim, 8)] = tuple(t.shape)[:8]
+        row["numel"] = t.numel()
+        row["saved"] = arr.size
+        row["data_off"], row["data_len"] = writer.bytes(arr.tobytes())
         rows.append(row)
+        report[name] = "saved" if arr.size == t.numel() else "truncated"
     if rows:
         writer.append("arrays", np.concatenate(rows))
+    return report

@@ -187,13 +187,23 @@ def hook_optimizers(patches: PatchSet, listener: Any) -> None:
     patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
 
 
-def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Optional[str]) -> None:
-    """Global forward (pre-)hooks on every module; used only while discovering or sampling."""
+def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Optional[str],
+                 post_kwargs: bool = False) -> None:
+    """Global forward (pre-)hooks on every module; used only while discovering or sampling.
+
+    ``post_kwargs``: the post-hook also gets the call's kwargs (``post(module, args, kwargs,
+    output)``) and runs even when the forward raises, so that call depth stays balanced.
+    """
     if pre is not None:
         def pre_hook(module, args):
             guard(listener, pre, module, args)
         patches.add(module_hooks.register_module_forward_pre_hook(pre_hook))
-    if post is not None:
+    if post is not None and post_kwargs:
+        def post_kw_hook(module, args, kwargs, output):
+            guard(listener, post, module, args, kwargs, output)
+        patches.add(module_hooks.register_module_forward_hook(post_kw_hook, with_kwargs=True,
+                                                              always_call=True))
+    elif post is not None:
         def post_hook(module, args, output):
             guard(listener, post, module, args, output)
         patches.add(module_hooks.register_module_forward_hook(post_hook))

@@ -31,14 +31,14 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
 
 from . import __version__, patches, schema, stats, store
 from .errors import AmpDoctorError, RecorderFault
-from .sampler import Sampler, tensors_in
+from .sampler import Sampler
 from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
@@ -57,6 +57,7 @@ class _Step:
     t0: float
     micro: int = 0
     loss_sum: Optional[torch.Tensor] = None
+    loss_nonfinite: Optional[bool] = None  # read with found_inf on a skipped step
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
@@ -64,6 +65,7 @@ class _Step:
     in_scaler_step: bool = False
     grads_ready: bool = False
     grad_norm: Optional[torch.Tensor] = None
+    fallback: Optional[list] = None  # parameters clip_grad_norm_ saw, before optimizers are known
     clip_norm: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
     scale_after: Optional[torch.Tensor] = None
@@ -83,23 +85,33 @@ class Recorder:
         optimizer: an optimizer or a list. None: every optimizer that steps the model's
             parameters (or any optimizer, when the model is discovered too).
         scaler: the ``GradScaler``. None: the first enabled scaler that scales a loss.
-        path: the run file to write (overwritten).
+        path: the run file to write (overwritten), or a function of (rank, world_size) that
+            names it, called when the file is created.
+        lazy: create the file only once training begins (the first backward, scaled loss or
+            optimizer step); until then rows wait in memory, and ``close()`` of a recorder that
+            never saw training writes nothing unless ``keep_empty=True``. This is what
+            ``ampdoctor record`` uses, so that DataLoader workers leave no files, and so that
+            the rank is read from ``torch.distributed`` once the process group exists.
         every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
         forensics: replay a failing step to find the culprit (tier 3).
-        max_replays: forensic replays per run (the first events only, so a run that skips
-            every step does not crawl).
+        max_replays: forensic replays per run. Events in one episode (a run of close bad
+            steps) are replayed at the 1st, 2nd, 4th, 8th... event only, so a run that skips
+            every step does not crawl; after the last replay the tier costs nothing.
         flush_seconds: the longest time between two flushes to the file.
         sample: elements gathered per tensor for range counts in the sampled tier.
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
+        replaceable: a recorder started later closes this one instead of failing (what
+            ``ampdoctor record`` uses, so that a script calling ``watch()`` itself still works).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-                 path: str = "run.h5", every: Optional[int] = None, forensics: bool = True,
-                 max_replays: int = 4, flush_seconds: float = FLUSH_SECONDS,
+                 path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5",
+                 every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
+                 max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, argv: Optional[list[str]] = None):
-        self.path = os.fspath(path)
+                 world_size: Optional[int] = None, argv: Optional[list[str]] = None,
+                 replaceable: bool = False):
         self.every = DEFAULT_EVERY if every is None else int(every)
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
@@ -110,6 +122,11 @@ class Recorder:
         self.strict = strict
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)
+        # A function names the file only when it is created: the rank may not be known before.
+        self.path = "" if callable(path) else os.fspath(path)
+        self.lazy = lazy
+        self.replaceable = replaceable
         self._argv = argv
         self.roots: list[torch.nn.Module] = _as_list(model)
         self.optimizers: list[Any] = _as_list(optimizer)
@@ -124,9 +141,12 @@ class Recorder:
         self._root_hooks = patches.PatchSet()
         self._sample_hooks = patches.PatchSet()
         self._discovery = patches.PatchSet()
-        self._candidates: list[torch.nn.Module] = []
         self._depth = 0
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []  # host row, device values
+        self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
+        self._discovery_open = False  # global module hooks looking for roots (first step)
+        self._pending: list[tuple[tuple, torch.Tensor]] = []  # host fields, device values
+        self._constants = _Constants()
+        self._pending_groups: list[tuple] = []
         self._last_flush = 0.0
         self._last_boundary = 0.0
         self._step: Optional[_Step] = None
@@ -148,11 +168,15 @@ class Recorder:
 
     def start(self) -> "Recorder":
         global _ACTIVE
+        if _ACTIVE is not None and not _ACTIVE.closed and _ACTIVE.replaceable:
+            _ACTIVE.close()  # ampdoctor record's own recorder yields to the script's watch()
         if _ACTIVE is not None and not _ACTIVE.closed:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {_ACTIVE.path}; close that recorder first")
+        if not self.lazy and not self.path:
+            self.path = os.fspath(self._name(self.rank, self.world_size))
         self._writer = store.Writer(self.path, rank=self.rank, world_size=self.world_size,
-                                    argv=self._argv)
+                                    argv=self._argv, create=not self.lazy)
         _ACTIVE = self
         self.active = True
         self._pid = os.getpid()
@@ -165,7 +189,9 @@ class Recorder:
         if self.roots:
             self._adopt_roots(self.roots)
         else:
-            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post")
+            patches.hook_modules(self._discovery, self, "discover_pre", "discover_post",
+                                 post_kwargs=True)
+            self._discovery_open = True
         if self.scaler is not None:
             self._adopt_scaler(self.scaler)
         if self.forensics_on:
@@ -178,26 +204,36 @@ class Recorder:
         self._writer.flush()
         return self
 
-    def close(self, status: str = schema.STATUS_FINISHED) -> None:
-        """Stop recording, put back every hook and patch, and finish the file. Idempotent."""
+    def close(self, status: str = schema.STATUS_FINISHED, *, keep_empty: bool = False) -> None:
+        """Stop recording, put back every hook and patch, and finish the file. Idempotent.
+
+        ``keep_empty``: a lazy recorder that never saw training still writes its (stepless)
+        file, so that ``diagnose`` can say the script never trained.
+        """
         global _ACTIVE
         if self.closed:
             return
-        self.closed = True
-        self.active = False
-        self._detach()
-        if _ACTIVE is self:
-            _ACTIVE = None
         try:
-            self._finish(status)
-        finally:
-            self._release_exit()  # only now: a SIGTERM during close still waits for it
+            if self.active and self._step is not None:
+                patches.guard(self, "_end_step_without_update")  # its update() never came
+        finally:  # closed even when that raised (strict mode): never left half-attached
+            self.closed = True
+            self.active = False
+            self._detach()
+            if _ACTIVE is self:
+                _ACTIVE = None
+            try:
+                self._finish(status, keep_empty)
+            finally:
+                self._release_exit()  # only now: a SIGTERM during close still waits for it
 
-    def _finish(self, status: str) -> None:
+    def _finish(self, status: str, keep_empty: bool) -> None:
         if self._writer is None or self._writer.closed:
             return
         status = self._status_if_signalled(status)
         try:
+            if keep_empty and not self._writer.created:
+                self._create_file()
             self._drain()
             self._writer.close(status)
         except Exception as exc:  # noqa: BLE001
@@ -221,6 +257,18 @@ class Recorder:
         else:
             self.record_exception(exc_type, exc)
             self.close(schema.STATUS_EXCEPTION + exc_type.__name__)
+
+    @property
+    def trained(self) -> bool:
+        """Has training begun (and, for a lazy recorder, the file been created)?"""
+        return self._writer is not None and self._writer.created
+
+    def _create_file(self) -> None:
+        """Training begins (lazy mode): name the file now that the rank is known, create it."""
+        self.rank, self.world_size = _rank_and_world(self.rank, self.world_size)
+        self.path = os.fspath(self._name(self.rank, self.world_size))
+        self._writer.create(self.path, rank=self.rank, world_size=self.world_size)
+        self._writer.flush()
 
     def record_exception(self, exc_type: Any, exc: Any) -> None:
         if self._writer is not None and not self._writer.closed:
@@ -385,50 +433,60 @@ class Recorder:
         """The interpreter is exiting with the recorder still open (no ``with``, no close)."""
         if os.getpid() != self._pid or self.closed:
             return
-        exc = getattr(sys, "last_value", None)
-        if exc is not None and exc is not self._last_value_at_start:
+        exc = getattr(sys, "last_value", None)  # set when Python printed an uncaught one
+        if exc is not None and exc is not self._last_value_at_start and \
+                not isinstance(exc, SystemExit):  # an exit, not a failure
             self.record_exception(type(exc), exc)
             self.close(schema.STATUS_EXCEPTION + type(exc).__name__)
         else:
             self.close()
 
-    def _disown(self) -> None:
-        """In a forked child (a DataLoader worker): the file is the parent's; never touch it."""
-        global _ACTIVE
-        self.closed = True
-        self.active = False
-        if self._writer is not None:
-            self._writer.disown()
-            self._writer.closed = True
-        self._detach()
-        if _ACTIVE is self:
-            _ACTIVE = None
-
     # ---------------------------------------------------------------------------------------
     # discovery of roots, optimizers, scaler
 
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if self._depth == 0 and module not in self._candidates:
-            self._candidates.append(module)
-        self._depth += 1
+        """First step of a recorder given no model: the outermost module called with grad
+        enabled that owns trainable parameters is a root, adopted before its forward runs.
 
-    def discover_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        DDP/DataParallel wrappers are looked through: the module they wrap is the root, so that
+        a forensic replay never runs the wrapper's collectives on one rank alone."""
+        if _is_wrapper(module):
+            return
+        self._depth += 1
+        if self._depth != 1 or module in self.names or not torch.is_grad_enabled():
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # a loss module, a frozen model, a parameter-free transform
+        self._root_hooks.remove()
+        self._adopt_roots(self.roots + [module])
+        # The root's own hooks fire from its next call on; this call is seen from here. A
+        # global pre-hook gets no kwargs: they are filled in by discover_post.
+        self._discovering = module
+        self._maybe_sample()  # the first step is sampled, as with a model given to watch()
+        self.root_pre(module, args, {})
+
+    def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        if _is_wrapper(module):
+            return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and module is self._discovering:
+            self._discovering = None
+            if self.forensics is not None and kwargs:
+                self.forensics.capture_kwargs(module, kwargs)
+            self.root_post(module, args, output)
 
     def _finish_discovery(self) -> None:
-        if self.roots or not self._candidates:
-            return
+        """End of the first step: keep the roots whose parameters an optimizer trains."""
+        self._discovery.remove()
+        self._discovery_open = False
+        self._discovering = None
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
-        roots = [m for m in self._candidates
-                 if any(id(p) in trained for p in m.parameters())] if trained else []
-        if not roots:
-            roots = [m for m in self._candidates
-                     if any(p.requires_grad for p in m.parameters())]
-        self._discovery.remove()
-        self._candidates.clear()
-        if roots:
-            self._adopt_roots(roots)
+        keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
+        if trained and keep and len(keep) < len(self.roots):
+            self._root_hooks.remove()
+            self._adopt_roots(keep)
 
     def _adopt_roots(self, roots: list[torch.nn.Module]) -> None:
         self.roots = roots
@@ -477,6 +535,9 @@ class Recorder:
             self._own_optimizer[id(optimizer)] = known
             if known:
                 self.optimizers.append(optimizer)
+                # Hyperparameters now (a run whose every step is skipped never steps);
+                # the optimizer-state dtypes follow after its first step.
+                self._meta("optimizer", _optimizer_info(self.optimizers))
         return known
 
     def _uses_scaler(self, scaler: Any) -> bool:
@@ -488,15 +549,21 @@ class Recorder:
     # root module: autocast state, the batch (forensics, input audit)
 
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying():
+            return
         self._note_autocast()
         if self._step.sampled and self._sampler is not None:
             self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_inputs(module, args, kwargs)
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_output(module, output)
+
+    def _replaying(self) -> bool:
+        """A forensic replay is re-running the model: none of its calls belong to the step."""
+        return self.forensics is not None and self.forensics.replaying
 
     def _note_autocast(self) -> None:
         dev = self._device.type if self._device is not None else "cpu"
@@ -513,12 +580,18 @@ class Recorder:
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
+        if not self._writer.created:
+            self._create_file()
+        self._end_step_without_update()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            self._add_loss(outputs)
+            self._add_loss(outputs, scaled=True)
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
+        if not self._writer.created:
+            self._create_file()
+        self._end_step_without_update()
         st = self._step
         st.micro += 1
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -528,13 +601,15 @@ class Recorder:
                     self._add_loss(t)
                 break
 
-    def _add_loss(self, loss: torch.Tensor) -> None:
+    def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
         value = loss.detach().reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_loss(loss, scaled)
 
     # ---------------------------------------------------------------------------------------
     # gradients: the moment they are complete (before unscale_, clip or step)
@@ -553,22 +628,35 @@ class Recorder:
         return out
 
     def _grads_ready(self, fallback: Optional[list] = None) -> None:
+        """Gradients are complete (first of unscale_, clip, step): sampled grad statistics,
+        in scaled space under a scaler."""
         st = self._step
         if st.grads_ready:
             return
         st.grads_ready = True
-        params = self._trained_params(fallback)
+        st.fallback = fallback
+        if st.sampled and self._sampler is not None:
+            params = self._trained_params(fallback)
+            self._sampler.on_grads_ready([(self._param_name(p), p) for p in params])
+
+    def _ensure_grad_norm(self) -> None:
+        """The global grad norm, unscaled, computed as late as possible: when clip_grad_norm_
+        ran, its own pre-clip norm is taken instead of a second pass over the gradients."""
+        st = self._step
+        if st.grad_norm is not None:
+            return
+        params = self._trained_params(st.fallback)
         grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
         if grads:
-            norm = _global_norm(grads)
-            if st.scaled and not st.unscaled and self.scaler is not None:
-                scale = self.scaler._scale
-                if scale is not None:
-                    norm = norm / scale.to(norm.device).reshape(())
-            st.grad_norm = norm
-        if st.sampled and self._sampler is not None:
-            named = [(self._param_name(p), p) for p in params]
-            self._sampler.on_grads_ready(named)
+            st.grad_norm = self._unscaled(_global_norm(grads))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        st = self._step
+        if st.scaled and not st.unscaled and self.scaler is not None:
+            scale = self.scaler._scale
+            if scale is not None:
+                return norm / scale.to(norm.device).reshape(())
+        return norm
 
     def _param_name(self, p: torch.Tensor) -> str:
         name = self.param_names.get(id(p))
@@ -595,7 +683,10 @@ class Recorder:
 
     def after_clip(self, total_norm: Any) -> None:
         if isinstance(total_norm, torch.Tensor):
-            self._step.clip_norm = total_norm.detach().float().reshape(())
+            st = self._step
+            st.clip_norm = total_norm.detach().float().reshape(())
+            if st.grad_norm is None:
+                st.grad_norm = self._unscaled(st.clip_norm)
 
     # ---------------------------------------------------------------------------------------
     # optimizer and scaler steps
@@ -613,11 +704,14 @@ class Recorder:
     def before_optimizer_step(self, optimizer: Any) -> None:
         if not self._owns(optimizer):
             return
+        if not self._writer.created:
+            self._create_file()
         st = self._step
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
         self._grads_ready()
+        self._ensure_grad_norm()
         if not st.scaled and self._primary(optimizer):
             self._check_before_step()
         if st.sampled and self._sampler is not None:
@@ -639,6 +733,16 @@ class Recorder:
         elif st.sampled and self._sampler is not None:
             self._sampler.after_step()
 
+    def _end_step_without_update(self) -> None:
+        """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
+        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        st = self._step
+        if st.scaled and st.stepped and not st.in_scaler_step:
+            scale = getattr(self.scaler, "_scale", None)
+            if scale is not None and st.scale is None:
+                st.scale = st.scale_after = scale.detach().reshape(()).clone()
+            self._end_step()
+
     def _primary(self, optimizer: Any) -> bool:
         return bool(self.optimizers) and optimizer is self.optimizers[0]
 
@@ -646,6 +750,7 @@ class Recorder:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
         st = self._step
+        self._ensure_grad_norm()
         if scaler._scale is not None:
             st.scale = scaler._scale.detach().reshape(()).clone()
         found = [v for s in scaler._per_optimizer_states.values()
@@ -653,10 +758,10 @@ class Recorder:
         if found:
             dev = found[0].device
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
-        if self.forensics is not None and self.replays < self.max_replays:
+        if self.forensics is not None and self.forensics.armed:
             # The one sync of this step; GradScaler.step has just synced on the same values.
-            bad = st.found_inf is not None and bool(st.found_inf.item() > 0)
-            if bad:
+            found, st.loss_nonfinite = self._found_inf_and_loss(st)
+            if found:
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
@@ -666,68 +771,112 @@ class Recorder:
             self._step.scale_after = scaler._scale.detach().reshape(()).clone()
         self._end_step()
 
+    def _found_inf_and_loss(self, st: _Step) -> tuple[bool, bool]:
+        """Did GradScaler find inf/NaN, and is the loss itself non-finite? (one host sync)"""
+        if st.found_inf is None:
+            return False, False
+        values = [st.found_inf.reshape(()).float()]
+        if st.loss_sum is not None:
+            values.append((~torch.isfinite(st.loss_sum.to(values[0].device))).float())
+        flags = torch.stack(values).tolist()
+        return flags[0] > 0, len(flags) > 1 and flags[1] > 0
+
     def _check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values? (one sync)"""
-        if self.forensics is None or self.replays >= self.max_replays:
+        if self.forensics is None or not self.forensics.armed:
             return
         st = self._step
-        checks = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
-        if not checks:
-            return
-        dev = checks[0].device
-        ok = bool(torch.stack([torch.isfinite(v.to(dev)) for v in checks]).all().item())
-        if not ok:
-            self._trigger(Event.NONFINITE_LOSS if st.loss_sum is not None and not bool(
-                torch.isfinite(st.loss_sum).item()) else Event.NONFINITE_GRAD)
+        # Two scalar fetches and no kernel: the first waits for backward, the second is free.
+        loss_ok = st.loss_sum is None or math.isfinite(st.loss_sum.item())
+        if not loss_ok or (st.grad_norm is not None and not math.isfinite(st.grad_norm.item())):
+            self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
     def _trigger(self, why: Event) -> None:
-        """Parameters are still those that failed: replay the step (tier 3)."""
-        self.replays += 1
-        self._step.flags |= flag(Event.FORENSICS)
-        snapshot = self.forensics.replay(self._step, why)
+        """Parameters are still those that failed: hand the step to the forensic tier."""
+        self._drain()  # the steps up to the event reach the file before anything else
+        snapshot = self.forensics.on_event(self._step, why)
         if snapshot is not None:
+            self.replays += 1
             self._event(Event.FORENSICS, value=float(snapshot))
-            self._flush_now = True
+            self._writer.flush()  # the snapshot survives a crash that may follow the event
+            self._flush_now = True  # and the event's own step row is written at its end
+        self._audit_buffers()
+
+    def _audit_buffers(self) -> None:
+        """On a failing step: module buffers the forward made non-finite (BatchNorm statistics
+        are updated before GradScaler skips the step, and stay poisoned). One host sync."""
+        buffers = [(f"{self.names[m]}.{n}", b, type(m).__name__) for m in list(self.names)
+                   for n, b in m.named_buffers(recurse=False) if stats.measurable(b)]
+        if not buffers:
+            return
+        dev = buffers[0][1].device
+        finite = torch.stack([torch.isfinite(b).all().to(dev) for _, b, _ in buffers]).tolist()
+        for (name, b, owner), ok in zip(buffers, finite):
+            if not ok:
+                tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
+                self._event(Event.NONFINITE_BUFFER, tensor=tid)
+
+    @property
+    def events(self) -> list:
+        """What the forensic tier caught, as ``forensics.ForensicEvent`` (step, trigger,
+        phase, module, fp32 verdict); empty with ``forensics=False``."""
+        return list(self.forensics.events) if self.forensics is not None else []
+
+    def replay(self, step: int):
+        """Re-run a replayed event's micro-batches, instrumented; a ``ReplayResult``.
+
+        Runs against the model's current weights with the batch, RNG state and output
+        gradient kept from the event; ``result.faithful`` says whether the weights are still
+        those of the event. Works after the recorder is closed; writes nothing to the file.
+        """
+        if self.forensics is None:
+            raise AmpDoctorError("this recorder was started with forensics=False: "
+                                 "nothing was captured to replay")
+        return self.forensics.replay(step)
 
     # ---------------------------------------------------------------------------------------
     # step boundaries
 
     def _begin_step(self, index: int) -> None:
-        sampled = (self.every > 0 and index % self.every == 0 and bool(self.roots))
-        self._step = _Step(index=index, t0=time.time(), sampled=sampled)
+        self._step = _Step(index=index, t0=time.time())
+        self._depth = 0
         if self.forensics is not None:
             self.forensics.begin_step()
-        if sampled:
-            if self._sampler is None:
-                self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
-                                        sample=self.sample)
-            self._sampler.active = True
-            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+        if self.roots:
+            self._maybe_sample()
         self._flush_now = False
 
+    def _maybe_sample(self) -> None:
+        """Turn the sampled tier on for this step if it is due (before its first forward)."""
+        st = self._step
+        if st.sampled or self.every <= 0 or st.index % self.every or st.micro:
+            return
+        st.sampled = True
+        if self._sampler is None:
+            self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
+                                    sample=self.sample)
+        self._sampler.active = True
+        patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._sampler.on_forward(module, output)
+        if not self._replaying():
+            self._sampler.on_forward(module, output)
 
     def _end_step(self) -> None:
         st = self._step
-        if not self.roots:
+        if self._discovery_open:
             self._finish_discovery()
         now = time.perf_counter()
         dt = now - self._last_boundary
         self._last_boundary = now
-        row = schema.empty("steps", 1)
-        row["step"] = st.index
-        row["time"] = time.time()
-        row["dt"] = dt
-        row["loss_dtype"] = st.loss_dtype
-        row["micro"] = st.micro
-        row["sampled"] = int(st.sampled)
-        row["flags"] = st.flags
-        row["peak_mem"] = _peak_memory(self._device)
-        row["skipped"] = 0 if st.stepped or st.scaled else 1
         lrs = self._write_groups(st.index)
-        row["lr"] = max(lrs) if lrs else math.nan
-        self._pending.append((row, _device_values(st)))
+        # Host fields as a plain tuple (order: _HOST); device values stay on the device.
+        self._pending.append(((st.index, time.time(), dt, st.loss_dtype, st.micro,
+                               int(st.sampled), st.flags, _peak_memory(self._device),
+                               0 if st.stepped or st.scaled else 1,
+                               max(lrs) if lrs else math.nan,
+                               st.loss_sum is not None, st.grad_norm is not None),
+                              _device_values(st, self._constants)))
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
@@ -761,8 +910,7 @@ class Recorder:
                 wd = g.get("weight_decay", math.nan)
                 rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))
                              else math.nan))
-        if rows:
-            self._writer.append("groups", np.array(rows, schema.GROUPS))
+        self._pending_groups.extend(rows)
         return lrs
 
     def _drain(self) -> None:
@@ -770,7 +918,12 @@ class Recorder:
         if self._pending:
             # Taken first: an interrupt below can lose these steps but never write them twice.
             pending, self._pending = self._pending, []
-            rows = np.concatenate([r for r, _ in pending])
+            host = [h for h, _ in pending]
+            rows = schema.empty("steps", len(host))
+            for i, name in enumerate(_HOST):
+                rows[name] = [h[i] for h in host]
+            has_loss = np.array([h[-2] for h in host], bool)
+            has_grad = np.array([h[-1] for h in host], bool)
             values = _fetch([v for _, v in pending])
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
@@ -785,10 +938,15 @@ class Recorder:
             scaled = ~np.isnan(rows["scale"])
             rows["skipped"] = np.where(scaled, skipped, rows["skipped"])
             rows["flags"] |= (np.where(rows["skipped"] == 1, flag(Event.SKIPPED), 0)
-                              | np.where(values[:, 6] > 0, flag(Event.NONFINITE_LOSS), 0)
-                              | np.where(values[:, 7] > 0, flag(Event.NONFINITE_GRAD), 0)
+                              | np.where(has_loss & ~np.isfinite(values[:, 0]),
+                                         flag(Event.NONFINITE_LOSS), 0)
+                              | np.where(has_grad & ~np.isfinite(values[:, 4]),
+                                         flag(Event.NONFINITE_GRAD), 0)
                               ).astype(np.int32)
             self._writer.append("steps", rows)
+        if self._pending_groups:
+            groups, self._pending_groups = self._pending_groups, []
+            self._writer.append("groups", np.array(groups, schema.GROUPS))
         self._writer.flush()
         self._last_flush = time.perf_counter()
 
@@ -851,11 +1009,16 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
+def _is_wrapper(module: torch.nn.Module) -> bool:
+    """DDP or DataParallel: a module whose forward calls the user's model inside it."""
+    return type(module).__name__ in ("DistributedDataParallel", "DataParallel")
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
     for _ in range(4):
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+        if inner is None and _is_wrapper(module):
             inner = getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return module
@@ -875,6 +1038,15 @@ def _first_device(roots: list[torch.nn.Module]) -> torch.device:
         for p in root.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    """This process's rank: torch.distributed's once a process group exists (mp.spawn sets no
+    RANK variable), else what the environment said (torchrun)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return rank, world_size
 
 
 def _enabled(scaler: Any) -> bool:
@@ -906,22 +1078,33 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
 
 
-_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
-           "loss_bad", "grad_bad")
+_HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
+         "skipped", "lr")
+_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
 
 
-def _device_values(st: _Step) -> torch.Tensor:
+class _Constants:
+    """NaN placeholders per device, made once (not a kernel per step)."""
+
+    def __init__(self) -> None:
+        self._nan: dict[torch.device, torch.Tensor] = {}
+
+    def nan(self, device: torch.device) -> torch.Tensor:
+        t = self._nan.get(device)
+        if t is None:
+            t = self._nan[device] = torch.full((), math.nan, device=device)
+        return t
+
+
+def _device_values(st: _Step, constants: _Constants) -> torch.Tensor:
     """The step's device scalars stacked into one tensor (no sync); order as in _VALUES."""
-    loss = st.loss_sum / st.loss_n if st.loss_sum is not None else None
+    loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
     values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
     dev = next((v.device for v in values if v is not None), torch.device("cpu"))
-    nan = torch.full((), math.nan, device=dev)
-    zero = torch.zeros((), device=dev)
-    values = [nan if v is None else v.to(dev).float().reshape(()) for v in values]
-    # Absent values are NaN too, so non-finiteness is decided here, where presence is known.
-    values.append(zero if loss is None else (~torch.isfinite(values[0])).float())
-    values.append(zero if st.grad_norm is None else (~torch.isfinite(values[4])).float())
-    return torch.stack(values)
+    nan = constants.nan(dev)
+    return torch.stack([nan if v is None else
+                        v if (v.device == dev and v.dtype == torch.float32 and v.dim() == 0)
+                        else v.to(dev).float().reshape(()) for v in values])
 
 
 def _fetch(values: list[torch.Tensor]) -> np.ndarray:
@@ -1012,11 +1195,33 @@ def active() -> Optional[Recorder]:
     return _ACTIVE
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the active recorder: there it records
+    nothing and can never write into the parent's file (see ``store.Writer.disown``)."""
+    global _ACTIVE
+    rec, _ACTIVE = _ACTIVE, None
+    if rec is None or rec.closed:
+        return
+    rec.closed = True
+    rec.active = False
+    try:
+        rec._detach()
+    finally:
+        if rec._writer is not None:
+            rec._writer.disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # Code that changes the recorder's or the writer's state. A signal that lands in it is held
 # back until that code is done, so the file is never finished from half-made state.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_RECORDING_CODE = frozenset(os.path.join(_HERE, name) for name in (
-    "recorder.py", "store.py", "sampler.py", "stats.py", "forensics.py"))
+_RECORDING_CODE = frozenset(
+    os.path.join(_HERE, name) for name in os.listdir(_HERE) if name.endswith(".py")
+    # patches.py only holds the wrappers that call into the recorder and then the original
+    # (user-facing) function; the launcher and the CLI never run around training code.
+    and name not in ("patches.py", "launch.py", "cli.py", "__init__.py", "__main__.py"))
 
 
 def _inside_recorder(frame: Any) -> bool:
@@ -1086,12 +1291,3 @@ def _pass_on(signum: int, frame: Any, previous: Any) -> None:
     elif previous != signal.SIG_IGN:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-
-
-def _forget_in_child() -> None:
-    if _ACTIVE is not None:
-        _ACTIVE._disown()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)

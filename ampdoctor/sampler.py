@@ -56,9 +56,7 @@ class Sampler:
         self._calls: dict[int, int] = {}
         self._seq: collections.Counter = collections.Counter()
         self.active = False
-        self._params: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._param_rows: Optional[np.ndarray] = None
-        self._after: dict[int, torch.Tensor] = {}
+        self._probe = _ParamProbe(sample)
 
     # -- forward and backward ---------------------------------------------------------------
 
@@ -123,59 +121,14 @@ class Sampler:
 
     def before_step(self, params: list[tuple[str, torch.Tensor]]) -> None:
         """Norms and a fixed sample of each parameter and its grad, to compare after the step."""
-        if self._params or not params:
+        if self._probe.started or not params:
             return
-        with torch.no_grad():
-            for name, p in params:
-                if p.grad is None or not stats.measurable(p):
-                    continue
-                idx = stats.sample_index(p.numel(), self.sample, p.device)
-                w0 = torch.take(p.detach(), idx).float()
-                g0 = torch.take(p.grad.detach(), idx).float()
-                tid = self.tensor_id(Kind.PARAM, name, 0, p, "param")
-                self._params.append((tid, p, idx, w0, g0))
-            groups: dict[tuple, list[int]] = {}
-            for i, (_, p, _, _, _) in enumerate(self._params):
-                groups.setdefault((p.device, p.dtype), []).append(i)
-            self._norms = [None] * len(self._params)
-            for members in groups.values():
-                norms = torch._foreach_norm([self._params[i][1].detach() for i in members], 2.0,
-                                            dtype=torch.float32)
-                for i, n in zip(members, norms):
-                    self._norms[i] = n
+        named = [(self.tensor_id(Kind.PARAM, name, 0, p, "param"), p) for name, p in params
+                 if p.grad is not None and stats.measurable(p)]
+        self._probe.before(named)
 
     def after_step(self) -> None:
-        with torch.no_grad():
-            for tid, p, idx, _, _ in self._params:
-                self._after[tid] = torch.take(p.detach(), idx).float()
-
-    def _param_table(self) -> np.ndarray:
-        rows = schema.empty("stats", len(self._params))
-        if not self._params:
-            return rows
-        norms = torch.stack([n.to(self._norms[0].device) for n in self._norms]).double().cpu()
-        rows["tensor"] = [tid for tid, *_ in self._params]
-        rows["norm"] = norms.numpy()
-        rows["numel"] = [p.numel() for _, p, *_ in self._params]
-        rows["dtype"] = [stats.dtype_code(p.dtype) for _, p, *_ in self._params]
-        rows["sample_n"] = [idx.numel() for _, _, idx, _, _ in self._params]
-        if self._after:
-            update, unchanged = [], []
-            for tid, _, _, w0, g0 in self._params:
-                w1 = self._after.get(tid)
-                if w1 is None:
-                    update.append(torch.tensor(float("nan")))
-                    unchanged.append(torch.tensor(float("nan")))
-                    continue
-                d = (w1 - w0).double()
-                update.append(d.norm() / w0.double().norm().clamp_min(1e-300))
-                moved_grad = g0 != 0
-                same = (w1 == w0) & moved_grad
-                unchanged.append(same.sum().double() / moved_grad.sum().double().clamp_min(1))
-            rows["update"] = torch.stack([u.cpu() for u in update]).numpy()
-            rows["unchanged"] = torch.stack([u.cpu() for u in unchanged]).numpy()
-        rows["seq"] = np.arange(len(rows))
-        return rows
+        self._probe.after()
 
     # -- buffers and the end of the step ----------------------------------------------------
 
@@ -190,7 +143,7 @@ class Sampler:
         if len(rows):
             meta = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
             rows["tensor"], rows["call"], rows["seq"] = meta[:, 0], meta[:, 1], meta[:, 2]
-        rows = np.concatenate([rows, self._param_table()])
+        rows = np.concatenate([rows, self._probe.rows()])
         rows["step"] = step
         rows["source"] = int(Source.SAMPLED)
         self.reset()
@@ -202,5 +155,77 @@ class Sampler:
         self._seen.clear()
         self._calls.clear()
         self._seq = collections.Counter()
-        self._params = []
-        self._after = {}
+        self._probe = _ParamProbe(self.sample)
+
+
+class _ParamProbe:
+    """Weight norms and update ratios of the trained parameters across one optimizer step.
+
+    Before the step: exact norms (one ``_foreach_norm`` per device and dtype) and, per
+    parameter, the values and gradients at ``sample`` fixed positions. After: the values at
+    the same positions. ``rows`` compares them for all parameters at once: update ratio
+    |dW|/|W| and the fraction of sampled weights left unchanged although their gradient was
+    not zero (updates lost to bf16/fp16 rounding).
+    """
+
+    def __init__(self, sample: int):
+        self.sample = sample
+        self.started = False
+        self.params: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # tid, param, index
+        self.norms: list[torch.Tensor] = []
+        self.w0: list[torch.Tensor] = []
+        self.g0: list[torch.Tensor] = []
+        self.w1: list[torch.Tensor] = []
+
+    def before(self, named: list[tuple[int, torch.Tensor]]) -> None:
+        self.started = True
+        with torch.no_grad():
+            groups: dict[tuple, list[int]] = {}
+            for i, (tid, p) in enumerate(named):
+                idx = stats._INDEX.get(p.numel(), self.sample, p.device)
+                self.params.append((tid, p, idx))
+                self.w0.append(torch.take(p.detach(), idx))
+                self.g0.append(torch.take(p.grad.detach(), idx))
+                groups.setdefault((p.device, p.dtype), []).append(i)
+            self.norms = [None] * len(named)
+            for members in groups.values():
+                norms = torch._foreach_norm([named[i][1].detach() for i in members], 2.0,
+                                            dtype=torch.float32)
+                for i, norm in zip(members, norms):
+                    self.norms[i] = norm
+
+    def after(self) -> None:
+        with torch.no_grad():
+            self.w1 = [torch.take(p.detach(), idx) for _, p, idx in self.params]
+
+    def rows(self) -> np.ndarray:
+        n = len(self.params)
+        rows = schema.empty("stats", n)
+        if not n:
+            return rows
+        dev = self.norms[0].device
+        rows["tensor"] = [tid for tid, _, _ in self.params]
+        rows["numel"] = [p.numel() for _, p, _ in self.params]
+        rows["dtype"] = [stats.dtype_code(p.dtype) for _, p, _ in self.params]
+        rows["sample_n"] = [idx.numel() for _, _, idx in self.params]
+        rows["seq"] = np.arange(n)
+        results = [torch.stack([x.to(dev) for x in self.norms])]
+        if self.w1:
+            w0 = torch.cat([x.to(dev).float() for x in self.w0])
+            w1 = torch.cat([x.to(dev).float() for x in self.w1])
+            g0 = torch.cat([x.to(dev).float() for x in self.g0])
+            lengths = torch.tensor([x.numel() for x in self.w0], device=dev)
+            seg = torch.repeat_interleave(torch.arange(n, device=dev), lengths)
+            zero = torch.zeros(n, dtype=torch.float32, device=dev)
+            d = w1 - w0
+            moved = g0 != 0
+            results += [zero.index_add(0, seg, d * d), zero.index_add(0, seg, w0 * w0),
+                        zero.index_add(0, seg, ((w1 == w0) & moved).float()),
+                        zero.index_add(0, seg, moved.float())]
+        host = torch.stack(results).double().cpu().numpy()
+        rows["norm"] = host[0]
+        if self.w1:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                rows["update"] = np.sqrt(host[1]) / np.sqrt(host[2])
+                rows["unchanged"] = np.where(host[4] > 0, host[3] / np.maximum(host[4], 1), 0.0)
+        return rows

@@ -27,7 +27,7 @@ import torch
 
 from . import schema
 
-SAMPLE = 4096  # elements gathered per tensor in sampled mode
+SAMPLE = 1024  # elements gathered per tensor in sampled mode (see README: Performance)
 EXACT_CHUNK = 1 << 24  # elements classified at once in exact mode (bounds temporary memory)
 
 # Buckets of a finite, non-zero magnitude a (bucketize with right=True counts bounds <= a):
@@ -48,8 +48,8 @@ _BOUNDS = (
     float(np.nextafter(np.float32(schema.FP16_MAX), np.float32(np.inf))),
     float(np.nextafter(np.float32(schema.BF16_MAX), np.float32(np.inf))),
 )
-_ZERO, _NAN, _POSINF, _NEGINF, _PAD = 8, 9, 10, 11, 12
-_NCODES = 13
+_ZERO, _NAN, _POSINF, _NEGINF = 8, 9, 10, 11
+_NCODES = 12
 
 _DTYPES = {
     torch.float32: schema.DType.FLOAT32,
@@ -102,40 +102,31 @@ class _IndexCache:
 _INDEX = _IndexCache()
 
 
-def _codes(values: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """Range class of every element (see _BOUNDS), as int64 codes."""
+def _classify(values: torch.Tensor, rows: torch.Tensor, n: int):
+    """Per-row counts by range class, smallest non-zero magnitude, finite max, sum of squares.
+
+    ``values``: flat float32/float64 elements of many tensors; ``rows``: the row (tensor) each
+    element belongs to; ``n``: the number of rows. Returns counts [n, _NCODES] int64, absmin
+    [n], finite max [n] and the sum of (a / finite max)**2 over finite values [n] (scaled so
+    that squares of values near fp32's top do not overflow). No host sync.
+    """
     a = values.abs()
     bounds = torch.tensor(_BOUNDS, dtype=values.dtype, device=values.device)
     codes = torch.bucketize(a, bounds, right=True)
-    codes = torch.where(a == 0, _ZERO, codes)
-    codes = torch.where(values == math.inf, _POSINF, codes)
-    codes = torch.where(values == -math.inf, _NEGINF, codes)
-    codes = torch.where(torch.isnan(values), _NAN, codes)
-    if valid is not None:
-        codes = torch.where(valid, codes, _PAD)
-    return codes
-
-
-def _classify(values: torch.Tensor, valid: Optional[torch.Tensor] = None):
-    """Per-row counts, smallest non-zero magnitude and (scaled) sum of squares.
-
-    ``values``: [rows, m] float32/float64; ``valid``: [rows, m] bool or None.
-    Returns counts [rows, _NCODES] int64, absmin [rows], finite_max [rows], sumsq [rows]
-    where sumsq is the sum of (a / finite_max)**2 over finite values (no fp32 overflow).
-    """
-    rows = values.shape[0]
-    codes = _codes(values, valid)
-    offsets = torch.arange(rows, device=values.device).unsqueeze(1) * _NCODES
-    counts = torch.bincount((codes + offsets).reshape(-1), minlength=rows * _NCODES)
-    counts = counts.view(rows, _NCODES)
-    a = values.abs()
-    finite = (codes < _ZERO)  # finite and non-zero
-    inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
-    absmin = torch.where(finite, a, inf).amin(dim=1)
-    fmax = torch.where(finite, a, torch.zeros((), dtype=values.dtype, device=values.device))
-    fmax = fmax.amax(dim=1)
-    scaled = torch.where(finite, a / torch.where(fmax > 0, fmax, 1).unsqueeze(1), 0)
-    sumsq = (scaled * scaled).sum(dim=1)
+    codes.masked_fill_(a == 0, _ZERO)
+    codes.masked_fill_(values == math.inf, _POSINF)
+    codes.masked_fill_(values == -math.inf, _NEGINF)
+    codes.masked_fill_(torch.isnan(values), _NAN)
+    counts = torch.bincount(codes + rows * _NCODES, minlength=n * _NCODES).view(n, _NCODES)
+    other = codes >= _ZERO  # zero, NaN or inf: not a finite non-zero magnitude
+    finite_a = a.masked_fill(other, 0)
+    fmax = torch.zeros(n, dtype=a.dtype, device=a.device).scatter_reduce_(
+        0, rows, finite_a, "amax", include_self=True)
+    absmin = torch.full((n,), math.inf, dtype=a.dtype, device=a.device).scatter_reduce_(
+        0, rows, a.masked_fill(other, math.inf), "amin", include_self=True)
+    scale = torch.where(fmax > 0, fmax, 1)
+    scaled = finite_a / scale[rows]
+    sumsq = torch.zeros(n, dtype=a.dtype, device=a.device).index_add_(0, rows, scaled * scaled)
     return counts, absmin, fmax, sumsq
 
 
@@ -169,8 +160,7 @@ def _pack(counts, absmin, fmax, sumsq, numel, sample_n, minmax=None) -> np.ndarr
     absmax = np.where(nfinite + counts[:, _POSINF] + counts[:, _NEGINF] > 0, absmax, np.nan)
     if minmax is not None:
         # Sampled rows: presence bits and abs max come from the full-tensor aminmax.
-        mm = minmax.double().cpu().numpy()
-        lo, hi = mm[:, 0], mm[:, 1]
+        lo, hi = minmax
         has_nan = np.isnan(lo) | np.isnan(hi)
         full = ((has_nan * 1) | ((hi == np.inf) * 2) | ((lo == -np.inf) * 4)).astype(np.int64)
         bits = np.where(has_nan, bits | full, full)  # NaN hides infs from aminmax
@@ -191,15 +181,14 @@ class Collector:
         rows = c.drain()              # one host sync per device; rows[slot] describes it
 
     ``exact=True`` counts every element (forensic replay); otherwise each tensor contributes
-    one aminmax pass and a ``sample``-element gather.
+    one aminmax pass and a ``sample``-element gather, and the counting of all tensors of a
+    drain happens together, in a fixed number of kernels.
     """
 
-    def __init__(self, sample: int = SAMPLE, exact: bool = False, capacity: int = 256):
+    def __init__(self, sample: int = SAMPLE, exact: bool = False):
         self.sample = sample
         self.exact = exact
-        self._capacity = capacity
         self._slots: list[tuple[torch.device, int]] = []  # slot -> (device, row on that device)
-        self._numel: list[int] = []
         self._dtype: list[int] = []
         self._dev: dict[torch.device, _DeviceBuffer] = {}
 
@@ -213,11 +202,8 @@ class Collector:
         t = t.detach()
         buf = self._dev.get(t.device)
         if buf is None:
-            buf = self._dev[t.device] = _DeviceBuffer(t.device, self.sample, self._capacity,
-                                                       self.exact)
-        row = buf.add(t)
-        self._slots.append((t.device, row))
-        self._numel.append(t.numel())
+            buf = self._dev[t.device] = _DeviceBuffer(t.device, self.sample, self.exact)
+        self._slots.append((t.device, buf.add(t)))
         self._dtype.append(dtype_code(t.dtype))
         return len(self._slots) - 1
 
@@ -225,82 +211,70 @@ class Collector:
         """Rows for every slot, in slot order (``schema.STATS`` dtype); resets the collector."""
         out = schema.empty("stats", len(self._slots))
         if self._slots:
-            per_dev = {dev: buf.finish() for dev, buf in self._dev.items()}
-            for i, (dev, row) in enumerate(self._slots):
-                out[i] = per_dev[dev][row]
+            per_dev = {dev: buf.finish() for dev, buf in self._dev.items() if buf.items}
+            for dev, rows in per_dev.items():
+                idx = [i for i, (d, _) in enumerate(self._slots) if d == dev]
+                out[idx] = rows
             out["dtype"] = self._dtype
         self.reset()
         return out
 
     def reset(self) -> None:
         self._slots.clear()
-        self._numel.clear()
         self._dtype.clear()
         for buf in self._dev.values():
             buf.reset()
 
 
 class _DeviceBuffer:
-    """Preallocated per-device storage for one drain's worth of tensors."""
+    """One drain's worth of tensors on one device: references to small device results only."""
 
-    def __init__(self, device: torch.device, sample: int, capacity: int, exact: bool):
+    def __init__(self, device: torch.device, sample: int, exact: bool):
         self.device = device
         self.sample = sample
         self.exact = exact
-        self.n = 0
-        self.numel: list[int] = []
-        self.valid: list[int] = []
-        self._exact_rows: list[tuple] = []
-        self.capacity = 0 if exact else capacity
-        if not exact:
-            self.values = torch.zeros((capacity, sample), dtype=torch.float32, device=device)
-            self.minmax = torch.zeros((capacity, 2), dtype=torch.float32, device=device)
-
-    def _grow(self) -> None:
-        values = torch.zeros((2 * self.capacity, self.sample), dtype=torch.float32,
-                             device=self.device)
-        minmax = torch.zeros((2 * self.capacity, 2), dtype=torch.float32, device=self.device)
-        values[: self.n].copy_(self.values[: self.n])
-        minmax[: self.n].copy_(self.minmax[: self.n])
-        self.values, self.minmax, self.capacity = values, minmax, 2 * self.capacity
+        self.items: list[tuple] = []
 
     def add(self, t: torch.Tensor) -> int:
-        row = self.n
-        numel = t.numel()
         if self.exact:
-            self._exact_rows.append(_exact_device(t))
+            self.items.append((_exact_device(t), t.numel()))
         else:
-            if row >= self.capacity:
-                self._grow()
             lo, hi = torch.aminmax(t)
-            self.minmax[row, 0] = lo
-            self.minmax[row, 1] = hi
-            idx = _INDEX.get(numel, self.sample, t.device)
-            n = idx.numel()
-            self.values[row, :n] = torch.take(t, idx)
-            self.valid.append(n)
-        self.numel.append(numel)
-        self.n += 1
-        return row
+            sample = torch.take(t, _INDEX.get(t.numel(), self.sample, t.device))
+            self.items.append((t.dtype, lo, hi, sample, t.numel()))
+        return len(self.items) - 1
 
     def finish(self) -> np.ndarray:
         if self.exact:
-            rows = [_pack(*parts, numel=n, sample_n=n) for parts, n in
-                    zip(self._exact_rows, self.numel)]
-            return np.concatenate(rows) if rows else schema.empty("stats")
-        n = self.n
-        values = self.values[:n]
-        valid = torch.tensor(self.valid, device=self.device).unsqueeze(1)
-        mask = torch.arange(self.sample, device=self.device).unsqueeze(0) < valid
-        counts, absmin, fmax, sumsq = _classify(values, mask)
-        return _pack(counts, absmin, fmax, sumsq, numel=np.array(self.numel),
-                     sample_n=np.array(self.valid), minmax=self.minmax[:n])
+            return np.concatenate([_pack(*parts, numel=n, sample_n=n)
+                                   for parts, n in self.items])
+        n = len(self.items)
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, item in enumerate(self.items):
+            groups.setdefault(item[0], []).append(i)
+        lo = torch.empty(n, dtype=torch.float32, device=self.device)
+        hi = torch.empty(n, dtype=torch.float32, device=self.device)
+        values, rows = [], []
+        for dtype, members in groups.items():
+            index = torch.tensor(members, device=self.device)
+            lo[index] = torch.stack([self.items[i][1] for i in members]).float()
+            hi[index] = torch.stack([self.items[i][2] for i in members]).float()
+            samples = [self.items[i][3] for i in members]
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            values.append(torch.cat(samples).to(work))
+            lengths = torch.tensor([s.numel() for s in samples], device=self.device)
+            rows.append(torch.repeat_interleave(index, lengths))
+        work = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+        values = torch.cat([v.to(work) for v in values])
+        counts, absmin, fmax, sumsq = _classify(values, torch.cat(rows), n)
+        sample_n = np.array([item[3].numel() for item in self.items])
+        numel = np.array([item[4] for item in self.items])
+        mm = torch.stack([lo, hi]).double().cpu().numpy()
+        return _pack(counts, absmin, fmax, sumsq, numel=numel, sample_n=sample_n,
+                     minmax=(mm[0], mm[1]))
 
     def reset(self) -> None:
-        self.n = 0
-        self.numel.clear()
-        self.valid.clear()
-        self._exact_rows.clear()
+        self.items = []
 
 
 def _exact_device(t: torch.Tensor):
@@ -309,8 +283,9 @@ def _exact_device(t: torch.Tensor):
     flat = t.reshape(-1)
     total = None
     for start in range(0, flat.numel(), EXACT_CHUNK):
-        part = flat[start:start + EXACT_CHUNK].to(work).unsqueeze(0)
-        counts, absmin, fmax, sumsq = _classify(part)
+        part = flat[start:start + EXACT_CHUNK].to(work)
+        rows = torch.zeros(part.numel(), dtype=torch.int64, device=part.device)
+        counts, absmin, fmax, sumsq = _classify(part, rows, 1)
         if total is None:
             total = [counts, absmin, fmax, sumsq]
             continue

@@ -37,6 +37,7 @@ from .errors import FormatTooNewError, RunFileError
 
 
 _WRITING: set[tuple[int, int]] = set()  # files this process's open writers are writing
+_DISOWNED: list = []  # files inherited through fork: never closed in this process (Writer.disown)
 
 
 class WriteError(OSError):
@@ -61,48 +62,10 @@ class Writer:
     """
 
     def __init__(self, path: str, *, rank: int = 0, world_size: int = 1,
-                 argv: list[str] | None = None, overwrite: bool = True):
+                 argv: list[str] | None = None, overwrite: bool = True, create: bool = True):
         self.path = os.fspath(path)
-        if not overwrite and os.path.exists(self.path):
-            raise FileExistsError(self.path)
-        if os.path.isdir(self.path):
-            raise IsADirectoryError(f"{self.path} is a directory")
-        # Built under a temporary name and renamed into place once every table exists and
-        # SWMR is on, so that a writer killed while creating never leaves a half-made file
-        # (or a half-overwritten old run) at `path`.
-        building = _partial_name(self.path) if os.name == "posix" else self.path
-        try:
-            self._file = h5py.File(building, "w", libver="latest")
-        except OSError as exc:
-            raise OSError(getattr(exc, "errno", None),
-                          f"cannot create {self.path}: {_reason(exc)}") from None
-        self._fd = _file_descriptor(self._file)
-        self._identity = _identity(building)
-        _WRITING.add(self._identity)
-        self._tables: dict[str, Any] = {}
-        try:
-            self._create(rank, world_size, argv)
-            self._file.swmr_mode = True
-            self._file.flush()
-            if building != self.path:
-                os.replace(building, self.path)
-        except BaseException as exc:
-            self.abandon()
-            _remove_quietly(building)
-            if isinstance(exc, Exception) and not isinstance(exc, OSError):
-                raise WriteError(_errno(exc), f"cannot create {self.path}: "
-                                              f"{_reason(exc)}") from exc
-            raise
-        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
-        self._placed = {name: 0 for name in schema.TABLES}  # rows given a place in the file
-        self.committed = {name: 0 for name in schema.TABLES}  # rows on disk (last good flush)
-        self._blob = bytearray()  # queued bytes of /blob, which start at self._blob_placed
-        self._blob_placed = 0
-        self.closed = False
-        self.failed: BaseException | None = None
-
-    def _create(self, rank: int, world_size: int, argv: list[str] | None) -> None:
-        attrs = {
+        self.overwrite = overwrite
+        self._attrs = {
             "format": schema.FORMAT_NAME,
             "format_version": schema.FORMAT_VERSION,
             "ampdoctor_version": __version__,
@@ -113,7 +76,74 @@ class Writer:
             "world_size": world_size,
             "argv": json.dumps(list(sys.argv if argv is None else argv)),
         }
-        for key, value in attrs.items():
+        self._file: h5py.File | None = None
+        self._fd: int | None = None
+        self._identity: tuple[int, int] | None = None
+        self._tables: dict[str, Any] = {}
+        self._pending: dict[str, list[np.ndarray]] = {name: [] for name in schema.TABLES}
+        self._placed = {name: 0 for name in schema.TABLES}  # rows given a place in the file
+        self.committed = {name: 0 for name in schema.TABLES}  # rows on disk (last good flush)
+        self._blob = bytearray()  # queued bytes of /blob, which start at self._blob_placed
+        self._blob_placed = 0
+        self.closed = False
+        self.failed: BaseException | None = None
+        if create:
+            self.create()
+
+    @property
+    def created(self) -> bool:
+        """Has the file been created? (A writer made with ``create=False`` waits for ``create``.)"""
+        return self._file is not None
+
+    def create(self, path: str | None = None, *, rank: int | None = None,
+               world_size: int | None = None) -> None:
+        """Create the file, under ``path`` if given; rows queued so far reach it at the next flush.
+
+        A deferred writer (``create=False``) queues rows in memory and touches no file until
+        this is called: ``ampdoctor record`` creates a process's file only once it trains.
+
+        The file is built under a temporary name and renamed into place once every table
+        exists and SWMR is on, so that a writer killed while creating never leaves a half-made
+        file (or a half-overwritten old run) at ``path``.
+        """
+        if self._file is not None or self.closed:
+            return
+        if path is not None:
+            self.path = os.fspath(path)
+        if rank is not None:
+            self._attrs["rank"] = rank
+        if world_size is not None:
+            self._attrs["world_size"] = world_size
+        self._attrs["created"] = time.time()
+        if not self.overwrite and os.path.exists(self.path):
+            raise FileExistsError(self.path)
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(f"{self.path} is a directory")
+        building = _partial_name(self.path) if os.name == "posix" else self.path
+        try:
+            self._file = h5py.File(building, "w", libver="latest")
+        except OSError as exc:
+            raise OSError(getattr(exc, "errno", None),
+                          f"cannot create {self.path}: {_reason(exc)}") from None
+        self._fd = _file_descriptor(self._file)
+        self._identity = _identity(building)
+        _WRITING.add(self._identity)
+        try:
+            self._create_tables()
+            self._file.swmr_mode = True
+            self._file.flush()
+            if building != self.path:
+                _put_in_place(building, self.path, self.overwrite)
+        except BaseException as exc:
+            self.abandon()
+            _remove_quietly(building)
+            if isinstance(exc, Exception) and not isinstance(exc, OSError):
+                raise WriteError(_errno(exc), f"cannot create {self.path}: "
+                                              f"{_reason(exc)}") from exc
+            raise
+
+    def _create_tables(self) -> None:
+        for key, value in self._attrs.items():
             # Text as fixed-length bytes: a variable-length string lives in HDF5's global
             # heap, which has no checksum, and a damaged one can send HDF5 into a loop.
             self._file.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) \
@@ -171,7 +201,7 @@ class Writer:
         ``failed`` and every later flush raises too, so nothing is written twice or out of
         order.
         """
-        if self.closed:
+        if self.closed or self._file is None:  # closed, or deferred: rows stay queued
             return
         if self.failed is not None:
             raise WriteError(None, f"no longer written after an earlier failure "
@@ -186,7 +216,7 @@ class Writer:
             # flush left it. Writes that keep failing inside HDF5 can also crash it later.
             self.failed = exc
             self._fit_superblock()
-            self.disown()
+            self._retire_descriptor()
             if isinstance(exc, Exception) and not isinstance(exc, OSError):
                 raise WriteError(_errno(exc), _reason(exc)) from exc
             raise
@@ -233,8 +263,14 @@ class Writer:
             pass
 
     def close(self, status: str | None = None) -> None:
-        """Record the final status, flush and close. Safe to call twice."""
+        """Record the final status, flush and close. Safe to call twice.
+
+        A deferred writer that was never created closes without writing anything.
+        """
         if self.closed:
+            return
+        if self._file is None:
+            self.closed = True
             return
         try:
             if status is not None:
@@ -255,7 +291,7 @@ class Writer:
         /dev/null: whatever the close still writes goes nowhere, and the file on disk reads
         like that of a killed writer (every row up to the last good flush).
         """
-        self.disown()
+        self._retire_descriptor()
         self.closed = True
         if getattr(self, "_file", None) is None:
             return
@@ -266,9 +302,22 @@ class Writer:
         self._file = None
 
     def disown(self) -> None:
-        """Make this process unable to write the file again (after a failure, or in a
-        forked child that inherited the writer): the descriptor now points at /dev/null.
-        Plain OS calls only, so it is safe right after ``fork``."""
+        """In a forked child: make this process's copy of the open file unable to write to it.
+
+        The child holds a copy of HDF5's state for the parent's file; closing that copy (or the
+        child exiting normally) would flush it into the file the parent is still writing. The
+        descriptor is pointed at /dev/null, and the handle is kept alive, so nothing from the
+        child ever reaches the parent's file. Plain OS calls only (the descriptor was noted
+        when the file was created), so it is safe right after ``fork``.
+        """
+        self.closed = True
+        self._retire_descriptor()
+        if self._file is not None:
+            _DISOWNED.append(self._file)
+
+    def _retire_descriptor(self) -> None:
+        """Point the file's descriptor at /dev/null: nothing this process's HDF5 still
+        writes reaches the file (after a failed write, or in a forked child)."""
         _WRITING.discard(getattr(self, "_identity", None))
         if self._fd is None:
             return
@@ -341,6 +390,16 @@ def _errno(exc: BaseException) -> int | None:
     """The OS error number inside an h5py message ("errno = 28"), if any."""
     found = re.search(r"errno = (\d+)", str(exc))
     return int(found.group(1)) if found else None
+
+
+def _put_in_place(building: str, path: str, overwrite: bool) -> None:
+    """Rename the finished new file to ``path``; without ``overwrite``, never replace a file
+    another process created there in the meantime (a hard link fails if the name exists)."""
+    if overwrite:
+        os.replace(building, path)
+        return
+    os.link(building, path)
+    os.remove(building)
 
 
 def _partial_name(path: str) -> str:
@@ -846,7 +905,13 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.meta = _meta(raw["meta"], blob)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
-    run.tensors = _tensor_view(raw["tensors"], blob)
+    # A writer numbers tensors 0, 1, 2... in row order; an id outside that (damage) would
+    # make a reader size its id -> tensor maps by it (a 2**31 id: gigabytes).
+    ids = raw["tensors"]["id"]
+    valid = (ids >= 0) & (ids < len(ids))
+    if not valid.all():
+        damaged.append("tensors")
+    run.tensors = _tensor_view(raw["tensors"][valid], blob)
     run.stats = stats
     run.events = _decoded(raw["events"], ["text"], blob)
     _known(raw["snapshots"], "phase", schema.Phase, schema.Phase.UNKNOWN)

@@ -1,0 +1,622 @@
+"""``ampdoctor record -- <command>``: the real CLI in a subprocess on scripts written as users
+write them (fixtures/examples), then the files it left; plus the pieces it is built from."""
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+
+import numpy as np
+import pytest
+
+import ampdoctor
+from ampdoctor import launch, ranks, schema, store
+from ampdoctor.schema import Event, Phase, flag
+
+from conftest import PYTHON, ROOT, python_env
+
+EXAMPLES = os.path.join(ROOT, "fixtures", "examples")
+TRAIN = os.path.join(EXAMPLES, "train.py")
+
+
+def example(name):
+    return os.path.join(EXAMPLES, name)
+
+
+def record(args, cwd, env=None, **kwargs):
+    """``ampdoctor record ARGS`` as a user runs it; returns the finished process."""
+    full_env = python_env()
+    full_env.update(env or {})
+    kwargs.setdefault("timeout", 300)
+    return subprocess.run([PYTHON, "-m", "ampdoctor", "record", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, **kwargs)
+
+
+def ours(stderr):
+    """The lines ampdoctor itself printed on stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("ampdoctor:")]
+
+
+def files(folder):
+    return sorted(f for f in os.listdir(folder) if f.endswith(".h5"))
+
+
+def torchrun():
+    script = os.path.join(os.path.dirname(PYTHON), "torchrun")
+    return [script] if os.path.exists(script) else [PYTHON, "-m", "torch.distributed.run"]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: one script per way users train
+
+
+@pytest.mark.slow
+def test_plain_script_records_and_its_own_options_pass_through(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, TRAIN, "--bad-step", "3", "-o", "w.pt", "--",
+                   "--inner", "x"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout.splitlines()[0].split(" ", 1)[1])
+    assert argv == ["--bad-step", "3", "-o", "w.pt", "--", "--inner", "x"]
+    assert (tmp_path / "w.pt").exists()  # the script's own -o, not ours
+    assert files(tmp_path) == ["run.h5"]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.status == "finished"
+        assert len(run.steps) == 8
+        assert run.meta["roots"] == ["Net"]
+        assert run.meta["autocast"]["dtype"] == "float16"
+        assert run.meta["scaler"]["class"] == "GradScaler"
+        assert list(np.flatnonzero(run.steps["skipped"])) == [3]
+        assert int(run.snapshots["step"][0]) == 3
+        assert int(run.snapshots["phase"][0]) == Phase.INPUT
+    lines = ours(proc.stderr)
+    assert proc.stderr.strip().splitlines() == lines  # nothing else on the user's stderr
+    assert len(lines) == 2
+    assert lines[0].startswith("ampdoctor: recording into run.h5")
+    assert "every 100 steps: per-layer statistics" in lines[0]
+    assert "recorded 8 steps into run.h5, 1 skipped" in lines[1]
+    assert "first non-finite at step 3" in lines[1]
+    assert lines[1].endswith("next: ampdoctor diagnose run.h5")
+    d = ampdoctor.diagnose(str(tmp_path / "run.h5"))
+    assert d.first_bad["step"] == 3
+
+
+@pytest.mark.slow
+def test_recorded_losses_and_weights_are_bit_identical(tmp_path):
+    """The script prints every loss and the final weights in float.hex; a recorded run with
+    every tier busy (sampling each step, a forensic replay at step 3) prints the same."""
+    command = [PYTHON, TRAIN, "--bad-step", "3", "--steps", "8"]
+    plain = subprocess.run(command, cwd=tmp_path, env=python_env(), capture_output=True,
+                           text=True, timeout=300)
+    recorded = record(["-o", "run.h5", "--every", "1", "--", *command], tmp_path)
+    assert plain.returncode == recorded.returncode == 0
+    assert "step 3 loss nan" in plain.stdout
+    assert recorded.stdout == plain.stdout
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.steps["sampled"].tolist() == [1] * 8
+        assert len(run.snapshots) >= 1
+
+
+@pytest.mark.slow
+def test_python_m_module_bf16_without_scaler(tmp_path):
+    out = str(tmp_path / "run.h5")
+    proc = record(["-o", out, "--", PYTHON, "-m", "mypkg.train", "--bad-step", "0"], EXAMPLES)
+    assert proc.returncode == 0, proc.stderr
+    with ampdoctor.load(out) as run:
+        assert len(run.steps) == 6
+        assert run.steps["micro"].tolist() == [2] * 6  # gradient accumulation
+        assert np.isnan(run.steps["scale"]).all()  # no GradScaler
+        assert run.meta["autocast"]["dtype"] == "bfloat16"
+        assert run.meta["roots"] == ["MaskedMLP"]  # not the loss module
+        # The very first call of the model was captured, keyword arguments included: the
+        # replay of step 0 ran the model (a missing mask= would be a replay error).
+        snap = run.snapshots[0]
+        assert int(snap["step"]) == 0 and int(snap["phase"]) == Phase.INPUT
+        assert "replay_error" not in json.loads(snap["detail"])
+
+
+@pytest.mark.slow
+def test_dataloader_workers_write_nothing(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, example("train_loader.py")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["run.h5"]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.status == "finished"
+        assert len(run.steps) == 8  # 2 epochs x 4 batches, workers forked twice
+        assert run.attrs["pid"] != 0
+
+
+@pytest.mark.slow
+def test_script_that_raises_leaves_a_complete_file(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, example("train_raises.py")], tmp_path)
+    assert proc.returncode == 1
+    assert "RuntimeError: data shard 5 is missing" in proc.stderr  # the user's traceback
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.status == "exception:RuntimeError"
+        assert len(run.steps) == 5
+        texts = run.events["text"][run.events["kind"] == Event.EXCEPTION]
+        assert any("data shard 5 is missing" in t for t in texts)
+    assert "the command raised RuntimeError" in ours(proc.stderr)[-1]
+
+
+@pytest.mark.slow
+def test_script_that_never_trains(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, example("no_training.py")], tmp_path)
+    assert proc.returncode == 0
+    assert "prediction" in proc.stdout
+    assert files(tmp_path) == ["run.h5"]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 0 and run.status == "finished"
+    assert "never trained" in ours(proc.stderr)[-1]
+    diag = subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", "run.h5", "--format", "json"],
+                          cwd=tmp_path, env=python_env(), capture_output=True, text=True)
+    data = json.loads(diag.stdout)
+    assert data["verdict"] == "no_training"
+    assert data["summary"].count(". ") == 0  # one sentence
+
+
+@pytest.mark.slow
+def test_script_without_torch_records_nothing_and_keeps_stdin(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, example("no_torch.py")], tmp_path,
+                  input="hello\n")
+    assert proc.returncode == 0
+    assert proc.stdout == "HELLO\n"
+    assert "torch imported: False" in proc.stderr  # nothing of ampdoctor pulled torch in
+    assert files(tmp_path) == []
+    assert "nothing recorded" in ours(proc.stderr)[-1]
+
+
+@pytest.mark.slow
+def test_exit_code_passes_through_and_quiet_prints_nothing(tmp_path):
+    proc = record(["-o", "run.h5", "--quiet", "--", PYTHON, TRAIN, "--steps", "1",
+                   "--exit-code", "3"], tmp_path)
+    assert proc.returncode == 3
+    assert ours(proc.stderr) == []
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 1 and run.status == "finished"  # sys.exit is not a crash
+
+
+@pytest.mark.slow
+def test_command_killed_by_a_signal(tmp_path):
+    proc = record(["-o", "run.h5", "--", PYTHON, "-c",
+                   "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], tmp_path)
+    assert proc.returncode == -signal.SIGKILL  # record dies the way its command died
+
+
+def _start_forever(tmp_path, *extra):
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ampdoctor", "record", "-o", "run.h5", *extra, "--", PYTHON, TRAIN,
+         "--steps", "-1", "--sleep", "0.05"],
+        cwd=tmp_path, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)  # no terminal: SIGINT must be forwarded
+    for line in proc.stdout:
+        if line.startswith("step 2 "):
+            return proc
+    proc.kill()
+    raise AssertionError(f"training did not start: {proc.stderr.read()}")
+
+
+@pytest.mark.slow
+def test_sigint_is_forwarded_and_the_file_says_so(tmp_path):
+    proc = _start_forever(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    stderr = proc.stderr.read()
+    assert proc.returncode == -signal.SIGINT, stderr
+    assert "KeyboardInterrupt" in stderr  # the child got it, once
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.status == "exception:KeyboardInterrupt"
+        assert len(run.steps) >= 3
+    assert "the command raised KeyboardInterrupt" in ours(stderr)[-1]
+
+
+@pytest.mark.slow
+def test_sigterm_is_forwarded(tmp_path):
+    proc = _start_forever(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    stderr = proc.stderr.read()
+    assert proc.returncode == -signal.SIGTERM, stderr
+    with ampdoctor.load(tmp_path / "run.h5") as run:  # the recorder finished the file first
+        assert run.status == "signal:SIGTERM"
+    assert "stopped by SIGTERM" in ours(stderr)[-1]
+
+
+@pytest.mark.slow
+def test_settings_from_the_environment(tmp_path):
+    env = {"AMPDOCTOR_OUTPUT": "env.h5", "AMPDOCTOR_EVERY": "2", "AMPDOCTOR_QUIET": "1"}
+    proc = record(["--", PYTHON, TRAIN, "--steps", "4"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert ours(proc.stderr) == []
+    with ampdoctor.load(tmp_path / "env.h5") as run:
+        assert run.steps["sampled"].tolist() == [1, 0, 1, 0]
+    # An existing file is replaced only with AMPDOCTOR_FORCE (or --force).
+    again = record(["--", PYTHON, TRAIN, "--steps", "1"], tmp_path, env=env)
+    assert again.returncode == 2 and "--force" in again.stderr
+    forced = record(["--", PYTHON, TRAIN, "--steps", "1"], tmp_path,
+                    env=dict(env, AMPDOCTOR_FORCE="1"))
+    assert forced.returncode == 0
+    with ampdoctor.load(tmp_path / "env.h5") as run:
+        assert len(run.steps) == 1
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_on_gloo(tmp_path):
+    proc = record(["-o", "run.h5", "--", *torchrun(), "--standalone", "--nproc_per_node=2",
+                   example("train_ddp.py"), "--bad-rank", "1", "--bad-step", "3"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["run.rank0.h5", "run.rank1.h5"]  # the launcher wrote nothing
+    for rank in (0, 1):
+        with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as run:
+            assert (run.rank, run.attrs["world_size"]) == (rank, 2)
+            assert len(run.steps) == 6 and run.status == "finished"
+            assert run.meta["roots"] == ["Sequential"]  # the model inside DDP
+    summary = ours(proc.stderr)[-1]
+    assert "on 2 ranks into run.rank{0,1}.h5" in summary
+    assert "first non-finite at step 3 on rank 1" in summary
+    diag = subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", "run.h5", "--format", "json"],
+                          cwd=tmp_path, env=python_env(), capture_output=True, text=True)
+    assert diag.returncode == 0, diag.stderr
+    data = json.loads(diag.stdout)
+    assert data["first_bad"]["rank"] == 1 and data["first_bad"]["step"] == 3
+    assert [r["rank"] for r in data["run"]["ranks"]] == [0, 1]
+    first = next(e for e in data["evidence"] if e["key"] == "first_rank")
+    assert first["text"].startswith("rank 1 went non-finite first, at step 3")
+    assert "rank 0 only received it" in first["text"]
+    scale = next(e for e in data["evidence"] if e["key"] == "scale_divergence")
+    assert "identical" in scale["text"]
+    dump = subprocess.run([PYTHON, "-m", "ampdoctor", "dump", "run.h5"], cwd=tmp_path,
+                          env=python_env(), capture_output=True, text=True)
+    assert dump.returncode == 0 and dump.stdout.count("format version 1") == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one sentence, exit 2, the command never starts
+
+
+def _marker_command(tmp_path):
+    return [PYTHON, "-c", f"open({str(tmp_path / 'started')!r}, 'w')"]
+
+
+@pytest.mark.parametrize("output,message", [
+    ("missing/run.h5", "does not exist"),
+    (".", "is a directory"),
+    ("/proc/run.h5", "not writable"),
+])
+def test_output_that_cannot_be_written(tmp_path, output, message):
+    proc = record(["-o", output, "--", *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize("existing", ["run.h5", "run.rank1.h5"])
+def test_existing_run_needs_force(tmp_path, existing):
+    (tmp_path / existing).write_bytes(b"an earlier run")
+    proc = record(["-o", "run.h5", "--", *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 2
+    assert f"{existing} already exists" in proc.stderr and "--force" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "started").exists()
+    assert (tmp_path / existing).read_bytes() == b"an earlier run"  # untouched
+
+
+def test_force_replaces_the_runs_of_that_name(tmp_path):
+    for name in ("run.h5", "run.rank0.h5", "run.rank1.h5", "other.h5"):
+        (tmp_path / name).write_bytes(b"old")
+    proc = record(["-o", "run.h5", "--force", "--", *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 0
+    assert (tmp_path / "started").exists()
+    assert files(tmp_path) == ["other.h5"]  # the command never imported torch
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-o", "run.h5", "--", "no-such-command-xyz"], "no-such-command-xyz: no such command"),
+    (["-o", "run.h5"], "Missing argument"),
+    (["--every", "-1", "--", "python"], "--every"),
+])
+def test_bad_command_line(tmp_path, args, message):
+    proc = record(args, tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The bootstrap inside the child
+
+
+@pytest.mark.slow
+def test_user_sitecustomize_still_runs(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nwith open(os.path.join(os.path.dirname(__file__), 'ran'), 'a') as f:\n"
+        "    f.write(os.environ.get('AMPDOCTOR_RECORD', 'parent') + '\\n')\n")
+    env = {"PYTHONPATH": str(site) + os.pathsep + python_env()["PYTHONPATH"]}
+    proc = record(["-o", "run.h5", "--", PYTHON, TRAIN, "--steps", "2"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    # Once in `record` itself (an ordinary Python), once in the recorded script.
+    assert sorted((site / "ran").read_text().split()) == ["1", "parent"]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 2
+
+
+@pytest.mark.slow
+def test_forked_child_never_writes_into_the_parents_file(tmp_path):
+    """A child forked after training began (and leaving through sys.exit, which closes what
+    it inherited) must leave the parent's file intact."""
+    script = tmp_path / "forks.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import torch
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def step():
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        step(); step()
+        pid = os.fork()
+        if pid == 0:
+            step()                 # the child even trains: still nothing of it in the file
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        step(); step()
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["run.h5"]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert run.status == "finished"
+        assert run.steps["step"].tolist() == [0, 1, 2, 3]
+
+
+def test_bootstrap_and_launcher_agree():
+    from ampdoctor import recorder
+
+    from ampdoctor import cli
+
+    text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
+    assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
+    assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
+    envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
+    assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
+                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "command": None}
+
+
+def test_settings_round_trip_through_the_environment():
+    s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5")
+    back = launch.Settings.from_env(s.to_env())
+    assert (back.output, back.every) == ("/tmp/x/run.h5", 7)
+    assert launch.Settings.from_env({"AMPDOCTOR_OUTPUT": "run.h5"}) is None  # not recording
+    env = launch.child_env(s, {"PYTHONPATH": "/mine", "HOME": "/home/me"})
+    assert env["PYTHONPATH"] == launch.BOOTSTRAP_DIR + os.pathsep + "/mine"
+    assert env["HOME"] == "/home/me" and env[launch.ENV_TOP] == "1"
+    assert launch.child_env(s, {})["PYTHONPATH"] == launch.BOOTSTRAP_DIR
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process pieces: the lazy recorder, the deferred writer
+
+
+def test_deferred_writer_touches_no_file_until_created(tmp_path):
+    path = str(tmp_path / "late.h5")
+    w = store.Writer(path, create=False)
+    w.meta("status", "running")
+    w.flush()
+    assert not os.path.exists(path)
+    w.create(str(tmp_path / "named.h5"), rank=3, world_size=4)
+    w.close("finished")
+    with ampdoctor.load(tmp_path / "named.h5") as run:
+        assert run.rank == 3 and run.meta["status"] == "finished"
+    never = store.Writer(path, create=False)
+    never.close("finished")
+    assert not os.path.exists(path)
+
+
+def test_lazy_recorder_creates_its_file_when_training_begins(tmp_path):
+    import torch
+
+    from helpers import TinyNet, batches
+
+    named = []
+
+    def name(rank, world):
+        named.append((rank, world))
+        return str(tmp_path / "run.h5")
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = ampdoctor.watch(path=name, lazy=True, strict=True)
+    try:
+        with torch.no_grad():
+            model(torch.ones(2, 16))  # inference is not training
+        assert not os.path.exists(tmp_path / "run.h5") and named == []
+        for x, y in batches(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            assert os.path.exists(tmp_path / "run.h5")
+            opt.step()
+            opt.zero_grad()
+    finally:
+        rec.close()
+    assert named == [(0, 1)]  # once, when the file was created
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 3 and run.meta["roots"] == ["TinyNet"]
+
+
+def test_lazy_recorder_that_never_trains_writes_nothing_unless_kept(tmp_path):
+    import torch
+
+    path = str(tmp_path / "run.h5")
+    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    rec.close()
+    assert not os.path.exists(path)
+    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
+    rec.close(keep_empty=True)
+    with ampdoctor.load(path) as run:
+        assert len(run.steps) == 0 and run.status == "finished"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank files (numpy only)
+
+
+def test_rank_file_names(tmp_path):
+    base = str(tmp_path / "run.h5")
+    assert ranks.rank_path(base, 3) == str(tmp_path / "run.rank3.h5")
+    assert ranks.run_name(str(tmp_path / "run.rank3.h5")) == base
+    for r in (10, 2, 0):
+        (tmp_path / f"run.rank{r}.h5").write_bytes(b"")
+    (tmp_path / "run.rankx.h5").write_bytes(b"")
+    (tmp_path / "runner.rank1.h5").write_bytes(b"")
+    assert [os.path.basename(p) for p in ranks.rank_files(base)] == \
+        ["run.rank0.h5", "run.rank2.h5", "run.rank10.h5"]
+    assert len(ranks.resolve(base)) == 3
+    (tmp_path / "run.h5").write_bytes(b"")
+    assert ranks.resolve(base) == [base]  # a file of that name wins over rank files
+
+
+def write_rank(path, rank, world, scales, bad_loss=(), bad_grad=(), skipped=()):
+    w = store.Writer(path, rank=rank, world_size=world)
+    n = len(scales)
+    rows = schema.empty("steps", n)
+    rows["step"] = np.arange(n)
+    rows["loss"] = 1.0
+    rows["scale"] = scales
+    rows["skipped"] = [int(i in skipped) for i in range(n)]
+    rows["flags"] = [(flag(Event.NONFINITE_LOSS) if i in bad_loss else 0)
+                     | (flag(Event.NONFINITE_GRAD) if i in bad_grad else 0)
+                     | (flag(Event.SKIPPED) if i in skipped else 0) for i in range(n)]
+    w.append("steps", rows)
+    w.close("finished")
+
+
+def test_merged_diagnosis_names_the_origin_rank_and_scale_divergence(tmp_path):
+    base = str(tmp_path / "run.h5")
+    # Rank 1's loss went NaN at step 2; ranks 0 and 2 only received NaN gradients there.
+    # Rank 2's scaler then disagreed (it did not back off): the scales diverge at step 3.
+    write_rank(ranks.rank_path(base, 0), 0, 3, [8.0, 8.0, 8.0, 4.0], bad_grad={2}, skipped={2})
+    write_rank(ranks.rank_path(base, 1), 1, 3, [8.0, 8.0, 8.0, 4.0], bad_loss={2},
+               bad_grad={2}, skipped={2})
+    write_rank(ranks.rank_path(base, 2), 2, 3, [8.0, 8.0, 8.0, 8.0], bad_grad={2})
+    d = ampdoctor.diagnose(base)
+    assert d.first_bad["rank"] == 1 and d.first_bad["step"] == 2
+    assert d.run["path"] == base and d.run["world_size"] == 3
+    assert [o["rank"] for o in d.run["ranks"]] == [0, 1, 2]
+    texts = [e.text for e in d.evidence]
+    assert texts[0].startswith("rank 1 went non-finite first, at step 2: a non-finite loss")
+    assert "ranks 0, 2 only received it" in texts[0]
+    assert "loss scale diverged across ranks at step 3 (rank 0: 4, rank 1: 4, rank 2: 8)" in \
+        texts[1]
+    assert any("weights no longer match" in n for n in d.notes)
+
+
+def test_merge_reports_missing_ranks_and_healthy_ranks(tmp_path):
+    base = str(tmp_path / "run.h5")
+    write_rank(ranks.rank_path(base, 0), 0, 4, [8.0, 8.0])
+    write_rank(ranks.rank_path(base, 1), 1, 4, [8.0, 8.0])
+    d = ampdoctor.diagnose(base)
+    assert d.verdict == "healthy" and d.first_bad is None
+    assert any("Only 2 of 4 rank files" in n for n in d.notes)
+    assert any("identical on every rank" in e.text for e in d.evidence)
+
+
+def test_scale_divergence_is_none_when_scales_agree():
+    assert ranks.scale_divergence({0: {0: 2.0, 1: 1.0}, 1: {0: 2.0, 1: 1.0}}) is None
+    assert ranks.scale_divergence({0: {0: 2.0}}) is None
+    assert ranks.scale_divergence({0: {}, 1: {}}) is None
+
+
+@pytest.mark.slow
+def test_script_with_its_own_watch_keeps_working(tmp_path):
+    """A script that calls ampdoctor.watch() itself, run under record by habit: its recorder
+    takes over from the automatic one instead of failing."""
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent("""
+        import torch, ampdoctor
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ampdoctor.watch(model, opt, path="own.h5"):
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with ampdoctor.load(tmp_path / "own.h5") as run:
+        assert len(run.steps) == 3
+    assert not (tmp_path / "run.h5").exists()
+
+
+@pytest.mark.slow
+def test_several_python_processes_in_one_command(tmp_path):
+    """A driver (no torch) runs an evaluation that never trains, then two trainings: the
+    first training replaces the evaluation's empty run, the second gets a file of its own."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        for args in (["{example('no_training.py')}"], ["{TRAIN}", "--steps", "2"],
+                     ["{TRAIN}", "--steps", "3"]):
+            subprocess.run([sys.executable, *args], check=True)
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(driver)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    names = files(tmp_path)
+    assert names[0] == "run.h5" and len(names) == 2 and names[1].startswith("run.pid")
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 2
+    with ampdoctor.load(tmp_path / names[1]) as run:
+        assert len(run.steps) == 3
+    assert f"other training processes wrote {names[1]}" in ours(proc.stderr)[-1]
+
+
+@pytest.mark.slow
+def test_mp_spawn_ranks_are_named_by_torch_distributed(tmp_path):
+    """mp.spawn sets no RANK variable: the rank is read from the process group when the
+    file is created."""
+    script = tmp_path / "spawned.py"
+    script.write_text(textwrap.dedent("""
+        import os, socket, torch, torch.distributed as dist, torch.multiprocessing as mp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def worker(rank, world, port):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=world)
+            model = DDP(torch.nn.Linear(4, 2))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+            mp.spawn(worker, args=(2, port), nprocs=2)
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert files(tmp_path) == ["run.rank0.h5", "run.rank1.h5"]
+    for rank in (0, 1):
+        with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as run:
+            assert (run.rank, run.attrs["world_size"], len(run.steps)) == (rank, 2, 3)
+
+
+def test_record_and_rank_merging_never_import_torch(tmp_path):
+    """The parent process and the merged diagnosis are analysis side: numpy and h5py only."""
+    base = str(tmp_path / "ranks.h5")
+    write_rank(ranks.rank_path(base, 0), 0, 2, [8.0, 4.0], skipped={0})
+    write_rank(ranks.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
+    out = str(tmp_path / "none.h5")
+    code = ("import sys, ampdoctor; from ampdoctor import cli, launch; "
+            f"assert cli.main(['record', '-o', {out!r}, '--', sys.executable, '-c', 'pass']) == 0; "
+            f"print(launch.summary(launch.Settings(output={base!r}, shown='ranks.h5'))); "
+            f"d = ampdoctor.diagnose({base!r}); assert d.first_bad['rank'] == 1; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "first non-finite at step 0 on rank 1" in proc.stdout

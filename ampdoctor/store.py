@@ -515,6 +515,10 @@ class Table:
     def read(self) -> np.ndarray:
         return self.rows()
 
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``table["lr"]``: a whole column; anything else indexes the rows (reads them all)."""
+        return self.column(key) if isinstance(key, str) else self.rows()[key]
+
 
 class Blob:
     """The /blob byte heap: text and array bytes by (offset, length).
@@ -568,8 +572,9 @@ TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype
 class Run:
     """A recorded run: numpy views of every table plus what the run learnt about itself.
 
-    ``steps``, ``groups``, ``events``, ``snapshots``, ``arrays`` and ``tensors`` are small and
-    loaded whole (text decoded to ``str``); ``stats`` is a ``Table`` read on demand.
+    ``steps``, ``events``, ``snapshots``, ``arrays`` and ``tensors`` are loaded whole (text
+    decoded to ``str``); ``stats`` and ``groups`` (a row per step and param group, which the
+    analysis does not need) are ``Table``s read on demand: ``run.groups["lr"]``.
 
     Example::
 
@@ -583,7 +588,7 @@ class Run:
     attrs: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     steps: np.ndarray = field(default_factory=lambda: schema.empty("steps"))
-    groups: np.ndarray = field(default_factory=lambda: schema.empty("groups"))
+    groups: Any = field(default_factory=lambda: Table(schema.empty("groups"), name="groups"))
     tensors: np.ndarray = field(default_factory=lambda: np.zeros(0, TENSOR_VIEW))
     stats: Table = field(default_factory=lambda: Table(schema.empty("stats")))
     events: np.ndarray = field(default_factory=lambda: _decoded(schema.empty("events"), ["text"]))
@@ -873,6 +878,7 @@ def _load_once(path: str) -> Run:
                            f"({_reason(exc)})") from None
 
 
+_ON_DEMAND = ("stats", "groups")  # tables read by range when asked, never whole at load
 # Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
 _READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "meta", "tensors",
                schema.BLOB)
@@ -897,7 +903,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
             if name == "steps":  # without its steps a run has nothing to tell
                 raise
             damaged.append(name)  # one damaged table (a torn write) does not lose the rest
-            raw[name] = Table(schema.empty("stats")) if name == "stats" else \
+            raw[name] = Table(schema.empty(name), name=name) if name in _ON_DEMAND else \
                 Blob() if name == schema.BLOB else schema.empty(name)
     stats, blob = raw["stats"], raw[schema.BLOB]
     run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
@@ -927,8 +933,8 @@ def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:
     ds = _dataset(path, f, name, schema.TABLES.get(name, np.dtype("u1")))
     if live:
         ds.refresh()
-    if name == "stats":
-        return Table(ds, nrows=_written_rows(ds), path=path)
+    if name in _ON_DEMAND:
+        return Table(ds, nrows=_written_rows(ds), path=path, name=name)
     if name == schema.BLOB:
         return Blob(ds, path)
     return _without_unwritten_tail(name, ds[:])

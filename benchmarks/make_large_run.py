@@ -8,7 +8,8 @@ What it writes, per step: a /steps row and a /groups row per param group (two). 
 PARAM_GRAD and a PARAM row per parameter (weight and bias, for the two thirds of the modules
 that hold parameters), ``--every`` steps apart as the recorder's default. The numbers look
 like a healthy fp16 run (lognormal abs max and rms, a few subnormal and near-overflow counts,
-the loss scale doubling every 2000 clean steps). With ``--overflow-step S`` one module's
+the loss scale doubling every 2000 clean steps and probing: a skipped step whenever it passes
+2**24). With ``--overflow-step S`` one module's
 output overflows at step S (rounded up to a sampled step): that step is skipped, the scale
 halves, and the sampled tier sees the inf, so ``diagnose`` has something to find late in the
 file, after reading all that comes before. The writer flushes every
@@ -89,7 +90,28 @@ def _sampled_rows(step: int, ids: dict, rng: np.random.Generator, overflow: bool
     return np.concatenate(parts)
 
 
-def _step_rows(first: int, n: int, overflow_step: int, rng: np.random.Generator) -> np.ndarray:
+def scale_history(steps: int, overflow_step: int, growth: int = 2000,
+                  ceiling: float = 2.0**24) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GradScaler's scale before and after each update, and which steps it skipped: it
+    doubles after ``growth`` clean steps and halves on a skip; above ``ceiling`` the
+    gradients of this synthetic model overflow (the periodic probing skip of a healthy run)."""
+    before, after = np.empty(steps), np.empty(steps)
+    skipped = np.zeros(steps, bool)
+    scale, clean = 65536.0, 0
+    for i in range(steps):
+        before[i] = scale
+        skipped[i] = i == overflow_step or scale > ceiling
+        if skipped[i]:
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == growth:
+                scale, clean = scale * 2, 0
+        after[i] = scale
+    return before, after, skipped
+
+
+def _step_rows(first: int, n: int, scales: tuple, rng: np.random.Generator) -> np.ndarray:
     steps = np.arange(first, first + n)
     rows = schema.empty("steps", n)
     rows["step"] = steps
@@ -97,10 +119,9 @@ def _step_rows(first: int, n: int, overflow_step: int, rng: np.random.Generator)
     rows["dt"] = 0.25
     rows["loss"] = 3.0 * np.exp(-steps / 50000) + 0.05 * rng.standard_normal(n)
     rows["loss_dtype"], rows["micro"] = 1, 1
-    scale = 2.0 ** np.minimum(16 + steps // 2000, 24)
-    after = np.where((steps + 1) % 2000 == 0, scale * 2, scale)
-    bad = steps == overflow_step
-    rows["scale"], rows["scale_after"] = scale, np.where(bad, scale / 2, after)
+    before, after, skipped = (s[first:first + n] for s in scales)
+    rows["scale"], rows["scale_after"] = before, after
+    bad = skipped
     rows["found_inf"] = rows["skipped"] = bad.astype(np.int8)
     rows["grad_norm"] = np.where(bad, np.inf, 0.5 + 0.1 * rng.standard_normal(n))
     rows["lr"] = 3e-4
@@ -124,9 +145,10 @@ def write_large_run(path: str, steps: int = 200_000, modules: int = 300, every: 
     ids = _tensors(w, modules)
     if overflow_step >= 0:  # on a sampled step, so that the sampled tier sees it
         overflow_step = -(-overflow_step // every) * every
+    scales = scale_history(steps, overflow_step)
     for first in range(0, steps, flush_steps):
         n = min(flush_steps, steps - first)
-        w.append("steps", _step_rows(first, n, overflow_step, rng))
+        w.append("steps", _step_rows(first, n, scales, rng))
         groups = np.zeros(2 * n, schema.GROUPS)
         groups["step"] = np.repeat(np.arange(first, first + n), 2)
         groups["group"] = np.tile([0, 1], n)
@@ -134,10 +156,6 @@ def write_large_run(path: str, steps: int = 200_000, modules: int = 300, every: 
         w.append("groups", groups)
         for step in range(-(-first // every) * every, first + n, every):
             w.append("stats", _sampled_rows(step, ids, rng, step == overflow_step))
-        if overflow_step in range(first, first + n):
-            event = schema.empty("events", 1)
-            event["step"], event["kind"] = overflow_step, int(Event.SKIPPED)
-            w.append("events", event)
         w.flush()
     counts = {t: w.rows(t) for t in ("steps", "groups", "tensors", "stats", "events")}
     w.close(schema.STATUS_FINISHED)

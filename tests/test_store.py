@@ -204,3 +204,146 @@ def test_reading_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'; print(d.verdict)")
     proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness of the writer and the reader (see also tests/test_reliability.py)
+
+
+def test_lookup3_is_the_checksum_hdf5_writes(tmp_path):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    head = open(path, "rb").read(48)
+    assert int.from_bytes(head[44:48], "little") == store._lookup3(head[:44])
+    assert store._lookup3(b"") == 0xDEADBEEF  # lookup3's value for no bytes, initval 0
+
+
+def test_superblock_end_of_file_is_clamped_to_the_file(tmp_path):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    head = open(path, "rb").read(48)
+    size = os.path.getsize(path)
+    assert store._superblock_with_eof(head, size) is None  # nothing to fix
+    fixed = store._superblock_with_eof(head, size - 100)
+    assert fixed[:28] == head[:28] and fixed[36:44] == head[36:44]
+    assert int.from_bytes(fixed[28:36], "little") == size - 100
+    assert int.from_bytes(fixed[44:48], "little") == store._lookup3(fixed[:44])
+    damaged = bytearray(head)
+    damaged[40] ^= 1  # the root group's address
+    assert store._superblock_with_eof(bytes(damaged), size - 100) is None  # checksum fails
+
+
+def test_a_failed_flush_never_writes_again_and_the_file_keeps_what_was_flushed(tmp_path,
+                                                                              monkeypatch):
+    path = str(tmp_path / "r.h5")
+    w = store.Writer(path)
+    rows = schema.empty("steps", 3)
+    rows["step"], rows["time"] = np.arange(3), 1.0
+    w.append("steps", rows)
+    w.flush()
+    assert w.committed["steps"] == 3
+
+    def full(ds, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_append_rows", full)
+    more = schema.empty("steps", 2)
+    more["step"], more["time"] = [3, 4], 1.0
+    w.append("steps", more)
+    with pytest.raises(OSError, match="No space left"):
+        w.flush()
+    monkeypatch.undo()
+    with pytest.raises(store.WriteError, match="no longer written"):
+        w.flush()  # even with the disk back: nothing is written twice or out of order
+    w.abandon()
+    assert w.closed and w.committed["steps"] == 3
+    with store.load(path) as run:
+        assert list(run.steps["step"]) == [0, 1, 2] and run.status == "interrupted"
+
+
+def test_text_offsets_stay_right_across_flushes(tmp_path):
+    path = str(tmp_path / "r.h5")
+    w = store.Writer(path)
+    refs = []
+    for i in range(50):
+        refs.append((f"name-{i}-" + "x" * (i % 7), w.text(f"name-{i}-" + "x" * (i % 7))))
+        if i % 9 == 0:
+            w.flush()
+    w.close()
+    with store.load(path) as run:
+        for text, (off, n) in refs:
+            assert run._blob.text(off, n) == text
+        assert run._blob.text(run._blob.size - 1, 5) == ""  # outside the heap: damage, ""
+
+
+def test_creation_is_atomic_and_leaves_nothing_behind_when_it_fails(tmp_path, monkeypatch):
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    before = open(path, "rb").read()
+
+    def broken(self):
+        raise RuntimeError("interrupted while creating tables")
+
+    monkeypatch.setattr(store.Writer, "_create_tables", broken)
+    with pytest.raises(store.WriteError, match="cannot create"):
+        store.Writer(path)
+    assert open(path, "rb").read() == before  # the old run is untouched
+    assert os.listdir(tmp_path) == ["r.h5"]  # and no half-made file is left
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError):
+        store.Writer(path, overwrite=False)
+
+
+def test_rows_that_never_arrived_are_not_read(tmp_path):
+    """A flush cut short can leave a table longer than what reached it (fill-value rows)."""
+    path = str(tmp_path / "r.h5")
+    write_small(path)
+    with h5py.File(path, "r+") as f:
+        for name in ("steps", "stats", "events"):
+            f[name].resize((f[name].shape[0] + 3,))  # zeros past the end
+    with store.load(path) as run:
+        assert list(run.steps["step"]) == [0, 1, 2, 3, 4]
+        assert len(run.stats) == 3 and len(run.events) == 0
+
+
+def test_one_damaged_table_is_left_out_not_the_whole_run(tmp_path):
+    from ampdoctor import analyze
+
+    path = str(tmp_path / "r.h5")
+    w = write_small(path, close=False)
+    ev = schema.empty("events", 1)
+    ev["step"], ev["kind"] = 2, int(schema.Event.SKIPPED)
+    w.append("events", ev)
+    w.close("finished")
+    with h5py.File(path, "r") as f:
+        chunk = f["events"].id.get_chunk_info(0)
+    with open(path, "r+b") as fh:  # garble the compressed chunk of /events
+        fh.seek(chunk.byte_offset)
+        fh.write(bytes(chunk.size))
+    with store.load(path) as run:
+        assert run.damaged == ["events"] and len(run.events) == 0 and len(run.steps) == 5
+        d = analyze.diagnose(run)
+    assert any("/events could not be read" in note for note in d.notes)
+
+
+def test_tensor_ids_outside_the_table_are_dropped(tmp_path):
+    path = str(tmp_path / "r.h5")
+    w = write_small(path, close=False)
+    t = schema.empty("tensors", 1)
+    t["id"], t["kind"] = 2**31 - 1, int(schema.Kind.OUTPUT)  # would size an id map at 16 GB
+    w.append("tensors", t)
+    w.close("finished")
+    with store.load(path) as run:
+        assert list(run.tensors["id"]) == [0] and "tensors" in run.damaged
+
+
+def test_groups_are_read_on_demand(tmp_path):
+    path = str(tmp_path / "r.h5")
+    w = store.Writer(path)
+    w.append("groups", np.array([(s, g, 1e-3 * (g + 1), 0.0) for s in range(4) for g in range(2)],
+                                schema.GROUPS))
+    w.close("finished")
+    with store.load(path) as run:
+        assert isinstance(run.groups, store.Table) and len(run.groups) == 8
+        np.testing.assert_allclose(run.groups["lr"][:2], [1e-3, 2e-3])
+        assert list(run.groups[run.groups["group"] == 1]["step"]) == [0, 1, 2, 3]

@@ -6,6 +6,16 @@ Writing follows the SWMR recipe (h5py ``docs/swmr.rst``): create every table up 
 SWMR on, then only append and flush. A writer killed at any moment leaves a file that opens,
 holding every row up to its last flush. Rows are buffered in memory and written in one append
 per table at each flush, so the cost of a flush does not grow with the number of steps.
+
+What can go wrong, and what happens then (tests/test_reliability.py shows each):
+
+* the writer is killed: the file reads as it was at the last flush (status "interrupted");
+* a write fails (disk full, file deleted): the writer stops for good, and the file is left as
+  the last good flush left it, readable (``Writer.flush``, ``Writer.abandon``);
+* the file is damaged, truncated or not ours: ``load`` and ``inspect`` raise ``RunFileError``,
+  one sentence naming the file, and never hang: a SWMR reader's metadata retries are bounded,
+  and nothing is read from HDF5's unchecksummed global heap (no variable-length data);
+* one table is damaged but ``/steps`` is not: the run loads without it (``Run.damaged``).
 """
 
 from __future__ import annotations
@@ -899,7 +909,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     for name in _READ_ORDER:  # each table's length is fixed here, in this order
         try:
             raw[name] = _read_table(path, f, name, live)
-        except H5_ERRORS as exc:
+        except H5_ERRORS:
             if name == "steps":  # without its steps a run has nothing to tell
                 raise
             damaged.append(name)  # one damaged table (a torn write) does not lose the rest

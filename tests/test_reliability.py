@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from ampdoctor import analyze, schema, store
-from ampdoctor.errors import RunFileError
 
 from conftest import PYTHON, ROOT, python_env
 
@@ -190,7 +189,7 @@ def test_cli_says_interrupted_with_the_last_step(ended):
     assert proc.returncode == 0, proc.stderr
     with store.load(result["path"]) as run:
         last = int(run.steps["step"][-1])
-    assert f"status interrupted" in proc.stdout
+    assert "status interrupted" in proc.stdout
     assert f"the last recorded step is {last}" in proc.stdout
 
 
@@ -301,7 +300,8 @@ def test_fuzzed_run_files_get_an_answer_never_a_crash_or_hang(fuzz_bases):
 _TABLE_SIZES = st.integers(min_value=0, max_value=5)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_values_in_a_well_formed_file_get_an_answer(tmp_path_factory, data):
     """Every column holds arbitrary bits (NaN, huge ids, offsets outside /blob, unknown codes):

@@ -195,6 +195,8 @@ def describe(run: Any) -> dict:
 def _nothing_to_compare(b: Any, a: Any, common: int) -> str:
     if not len(b.steps):
         return f"{b.path} recorded no optimizer step: there is no baseline to compare with"
+    if not len(a.steps):
+        return f"{a.path} recorded no optimizer step: there is nothing to compare"
     if not common:
         return (f"{b.path} and {a.path} share no step numbers: they are not two runs of the "
                 "same training")
@@ -303,35 +305,51 @@ def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
 
 
 def _layer_diffs(b: Any, a: Any, common: np.ndarray) -> tuple[list[LayerDiff], int]:
+    """The layers whose rms differs most between the runs, and how many steps both sampled."""
+    matched, lb, nsteps = _matched_rows(b, a, common)
+    if matched is None:
+        return [], nsteps
+    matched = matched[np.argsort(matched["layer"], kind="stable")]
+    diffs = []
+    for rows in np.split(matched, np.flatnonzero(np.diff(matched["layer"])) + 1):
+        if not len(rows):
+            continue
+        worst = int(np.argmax(np.abs(rows["log"])))
+        layer = lb[int(rows["layer"][0])]
+        diffs.append(LayerDiff(layer.name, layer.label, int(len(np.unique(rows["step"]))),
+                               float(2 ** np.median(rows["log"])),
+                               float(np.median(np.abs(rows["log"]))),
+                               float(2 ** rows["log"][worst]), int(rows["step"][worst]),
+                               _nanmax(rows["max_b"]), _nanmax(rows["max_a"])))
+    diffs.sort(key=lambda d: -d.spread)
+    return diffs[:TOP_LAYERS], nsteps
+
+
+_MATCHED = np.dtype([("layer", "<i8"), ("step", "<i8"), ("log", "<f8"), ("max_b", "<f8"),
+                     ("max_a", "<f8")])
+
+
+def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarray], list, int]:
+    """Rows of the same tensor on the same step in both runs: layer (index into the baseline's
+    layers), step, log2 of the rms ratio (amp over base, gradients unscaled), abs maxima."""
     rb, lb = _layers.sampled(b, COMPARED_KINDS, ("rms", "absmax"))
     ra, la = _layers.sampled(a, COMPARED_KINDS, ("rms", "absmax"))
     steps = np.intersect1d(np.intersect1d(rb["step"], ra["step"]), common)
     if not len(steps):
-        return [], 0
+        return None, lb, 0
     rb, ra = rb[np.isin(rb["step"], steps)], ra[np.isin(ra["step"], steps)]
     names: dict[_layers.Layer, int] = {}
     _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
                                return_indices=True)
     rms_b = _layers.unscale(b, rb, lb, "rms")[ib]
     rms_a = _layers.unscale(a, ra, la, "rms")[ia]
-    max_b = _layers.unscale(b, rb, lb, "absmax")[ib]
-    max_a = _layers.unscale(a, ra, la, "absmax")[ia]
     ok = np.isfinite(rms_b) & np.isfinite(rms_a) & (rms_b > 0) & (rms_a > 0)
-    log = np.full(len(ib), np.nan)
-    log[ok] = np.log2(rms_a[ok] / rms_b[ok])
-    layer_ids, row_steps = rb["layer"][ib], rb["step"][ib]
-    diffs = []
-    for lid in np.unique(layer_ids[ok]):
-        sel = ok & (layer_ids == lid)
-        logs = log[sel]
-        worst = int(np.argmax(np.abs(logs)))
-        layer = lb[int(lid)]
-        diffs.append(LayerDiff(layer.name, layer.label, int(len(np.unique(row_steps[sel]))),
-                               float(2 ** np.median(logs)), float(np.median(np.abs(logs))),
-                               float(2 ** logs[worst]), int(row_steps[sel][worst]),
-                               _nanmax(max_b[sel]), _nanmax(max_a[sel])))
-    diffs.sort(key=lambda d: -d.spread)
-    return diffs[:TOP_LAYERS], int(len(steps))
+    out = np.zeros(int(ok.sum()), _MATCHED)
+    out["layer"], out["step"] = rb["layer"][ib][ok], rb["step"][ib][ok]
+    out["log"] = np.log2(rms_a[ok] / rms_b[ok])
+    out["max_b"] = _layers.unscale(b, rb, lb, "absmax")[ib][ok]
+    out["max_a"] = _layers.unscale(a, ra, la, "absmax")[ia][ok]
+    return out, lb, int(len(steps))
 
 
 def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.ndarray:
@@ -404,7 +422,10 @@ def _notes(b: Any, a: Any, c: Comparison) -> list[str]:
     if c.base["params"] and c.amp["params"] and c.base["params"] != c.amp["params"]:
         notes.append(f"The runs train different models ({c.base['params']} vs "
                      f"{c.amp['params']} trainable parameters): the comparison may mean little.")
-    if c.base["dtype"] != "float32" and c.amp["dtype"] == "float32":
+    if c.base["dtype"] == c.amp["dtype"]:
+        notes.append(f"Both runs ran in {c.base['dtype']}: this compares two runs of one "
+                     "precision (run to run noise, or a change other than the dtype).")
+    elif c.base["dtype"] != "float32" and c.amp["dtype"] == "float32":
         notes.append("The baseline ran under autocast and the other run in fp32: were the "
                      "two files given in the wrong order (compare BASE AMP)?")
     if c.common_steps < max(c.base["steps"], c.amp["steps"]):

@@ -38,7 +38,7 @@ import numpy as np
 from . import layers as _layers
 from .errors import AmpDoctorError
 from .layers import Kind
-from .readiness import Readiness, fp16_readiness, plain
+from .readiness import Readiness, fp16_readiness, plain, precision
 
 VERDICTS = {
     "match": "the loss curves agree within the tolerance at every step",
@@ -182,11 +182,10 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
 
 def describe(run: Any) -> dict:
     """Path, precision, device and size of a run, as the comparison shows it."""
-    ac = run.meta.get("autocast") or {}
     scaler = run.meta.get("scaler") or {}
     dev = run.meta.get("device") or {}
     model = run.meta.get("model") or {}
-    return {"path": run.path, "dtype": ac.get("dtype") if ac.get("enabled") else "float32",
+    return {"path": run.path, "dtype": precision(run),
             "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
             "device_name": dev.get("name"), "steps": int(len(run.steps)),
             "params": model.get("trainable"), "status": run.status}
@@ -370,12 +369,14 @@ def _nanmax(x: np.ndarray) -> float:
 def _range_summary(r: Readiness) -> dict:
     def entry(x: Any) -> dict:
         return {"name": x.name, "kind": x.kind, "absmax": x.absmax, "step": x.absmax_step,
-                "flush": x.flush, "flush_step": x.flush_step, "scale": x.scale}
+                "sub": x.sub, "flush": x.flush, "sub_step": x.sub_step,
+                "first_nonfinite": x.first_nonfinite, "scale": x.scale}
 
     return {"status": r.status, "advice": r.advice,
             "overflowing": [entry(x) for x in r.overflowing[:TOP_LAYERS]],
             "near": [entry(x) for x in r.near[:TOP_LAYERS]],
-            "flushing": [entry(x) for x in r.flushing[:TOP_LAYERS]]}
+            "underflowing": [entry(x) for x in r.underflowing[:TOP_LAYERS]],
+            "nonfinite": [entry(x) for x in r.nonfinite[:TOP_LAYERS]]}
 
 
 # ---------------------------------------------------------------------------------------------

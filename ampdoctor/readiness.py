@@ -32,24 +32,29 @@ import numpy as np
 
 from . import layers as _layers
 from .layers import GRAD_KINDS, VALUE_KINDS, Kind
-from .schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+from .schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+
+_DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
 KINDS = VALUE_KINDS + GRAD_KINDS
-# A layer "flushes" when at least this share of its non-zero gradient values is below 2**-24
-# at one sampled step: one value in a 1024-element sample is noise, ten are a pattern.
-FLUSH_SIGNIFICANT = 0.01
+# taxonomy §3: a layer whose gradient is >= 50 % subnormal-or-flushed in fp16 (of its non-zero
+# values, at one sampled step) is underflowing. The subnormal band counts too because in a
+# tensor recorded in fp16 what fell below it is already an exact zero: the pile-up just above
+# is what can still be seen.
+LAYER_UNDERFLOW = 0.5
 # GradScaler starts at 2**16 and doubles every 2000 clean steps; 2**24 is about as high as
 # a real run's scale climbs before one overflow halves it again.
 MAX_SCALE = 2.0**24
-_COLUMNS = ("sample_n", "zeros", "nan", "posinf", "neginf", "absmax", "absmin", "over16",
-            "near16", "sub16", "flush16")
+_COLUMNS = ("dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf", "neginf", "absmax",
+            "absmin", "over16", "near16", "sub16", "flush16")
 
 STATUSES = {
     "unknown": "no sampled statistics to judge from",
     "overflow": "some values exceed fp16's max (65504)",
-    "underflow": "some gradients flush to zero in fp16 even under GradScaler",
+    "underflow": "some layers' gradients underflow in fp16 even under GradScaler",
+    "nonfinite": "some values were already NaN or inf on sampled steps",
     "tight": "values within a factor 2 of fp16's max",
-    "needs_scaler": "fp16 works only with a GradScaler (gradients flush at scale 1)",
+    "needs_scaler": "fp16 works only with a GradScaler (gradients underflow at scale 1)",
     "ready": "every recorded value fits fp16's range",
 }
 
@@ -59,12 +64,14 @@ class LayerRange:
     """One layer's values against fp16's range, over the sampled steps.
 
     Fractions are of the sampled elements (``flush``/``sub``: of the non-zero ones) at the
-    step where they were largest; ``absmax`` is exact, over whole tensors.
+    step where they were largest; ``absmax`` is exact, over whole tensors. ``sub`` includes
+    ``flush``: subnormal or flushed.
     """
 
     name: str
     kind: str  # 'input', 'activation', 'activation grad', 'weight grad'
     steps: int  # sampled steps seen
+    dtype: str = ""  # as recorded: 'float16' means what flushed is already zero
     absmax: float = math.nan  # as recorded (scaled for gradients under GradScaler)
     absmax_step: Optional[int] = None
     absmin: float = math.nan  # smallest non-zero magnitude in the samples, as recorded
@@ -77,6 +84,9 @@ class LayerRange:
     flush: float = 0.0
     flush_step: Optional[int] = None
     sub: float = 0.0
+    sub_step: Optional[int] = None
+    nonfinite_steps: int = 0  # sampled steps where it held NaN or inf
+    first_nonfinite: Optional[int] = None
 
     @property
     def is_grad(self) -> bool:
@@ -87,7 +97,7 @@ class LayerRange:
 class Readiness:
     """What fp16 would do to a run's values, layer by layer, and what that means."""
 
-    dtype: Optional[str]  # autocast dtype of the run (None: fp32)
+    dtype: str  # what the run computed in (``precision``)
     scaled: bool  # gradients were recorded under a GradScaler
     sampled_steps: int
     status: str  # a key of STATUSES
@@ -106,15 +116,20 @@ class Readiness:
                        and not x.is_grad), key=lambda x: -x.absmax)
 
     @property
-    def flushing(self) -> list[LayerRange]:
-        """Gradient layers with a significant share flushing to zero at the recorded scale."""
-        return sorted((x for x in self.layers if x.is_grad and x.flush >= FLUSH_SIGNIFICANT),
-                      key=lambda x: -x.flush)
+    def underflowing(self) -> list[LayerRange]:
+        """Gradient layers at least half subnormal or flushed, at the recorded scale."""
+        return sorted((x for x in self.layers if x.is_grad and x.sub >= LAYER_UNDERFLOW),
+                      key=lambda x: (-x.sub, -x.flush))
+
+    @property
+    def nonfinite(self) -> list[LayerRange]:
+        """Layers that held NaN or inf on a sampled step (overflowing ones aside)."""
+        return [x for x in self.layers if x.nonfinite_steps and not _overflows(x)]
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for key, items in (("overflowing", self.overflowing), ("near", self.near),
-                           ("flushing", self.flushing)):
+                           ("underflowing", self.underflowing), ("nonfinite", self.nonfinite)):
             out[key] = [x.name + f" ({x.kind})" for x in items]
         return plain(out)
 
@@ -127,19 +142,38 @@ def _overflows(x: LayerRange) -> bool:
     return x.over_steps > 0
 
 
+def precision(run: Any) -> str:
+    """What a run computed in: autocast's dtype, else its weights' when they are mostly half
+    (``model.half()``, ``model.bfloat16()``), else 'float32'."""
+    ac = run.meta.get("autocast") or {}
+    if ac.get("enabled") and ac.get("dtype"):
+        return str(ac["dtype"])
+    dtypes = (run.meta.get("model") or {}).get("param_dtypes") or {}
+    if dtypes:
+        top = max(dtypes, key=lambda k: dtypes[k])
+        if top in ("float16", "bfloat16"):
+            return top
+    return "float32"
+
+
 def fp16_readiness(run: Any) -> Readiness:
     """Judge a loaded ``Run``'s recorded values against fp16's range (see the module doc)."""
     rows, found = _layers.sampled(run, KINDS, _COLUMNS)
-    ac = run.meta.get("autocast") or {}
-    dtype = ac.get("dtype") if ac.get("enabled") else None
     scale = _layers.step_scale(run, rows["step"])
     scaled = bool(np.any(scale != 1.0))
+    # Under GradScaler a skipped step's gradients are inf by design (calibration, probing):
+    # they say nothing about the range.
+    skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
+    grad = np.isin(np.array([int(x.kind) for x in found] or [0])[rows["layer"]],
+                   [int(k) for k in GRAD_KINDS])
+    keep = ~(grad & np.isin(rows["step"], skipped) & (scale != 1.0))
+    rows, scale = rows[keep], scale[keep]
     order = np.argsort(rows["layer"], kind="stable")
     rows, scale = rows[order], scale[order]
     bounds = np.searchsorted(rows["layer"], np.arange(len(found) + 1))
     ranges = [_layer_range(found[i], rows[a:b], scale[a:b])
               for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-    r = Readiness(dtype=dtype, scaled=scaled, sampled_steps=int(len(np.unique(rows["step"]))),
+    r = Readiness(dtype=precision(run), scaled=scaled, sampled_steps=int(len(np.unique(rows["step"]))),
                   status="unknown", advice="", layers=ranges)
     r.grad_range = _grad_range(ranges, scaled)
     r.status, r.advice = _judge(r)
@@ -150,6 +184,8 @@ def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> L
     out = LayerRange(layer.name, layer.label, int(len(np.unique(rows["step"]))))
     if not len(rows):
         return out
+    codes, counts = np.unique(rows["dtype"], return_counts=True)
+    out.dtype = _DTYPE_NAMES.get(int(codes[np.argmax(counts)]), "")
     n = np.maximum(rows["sample_n"].astype(np.float64), 1)
     bad = (rows["nan"] + rows["posinf"] + rows["neginf"]).astype(np.float64)
     nonzero = np.maximum(n - rows["zeros"] - bad, 1)
@@ -171,11 +207,18 @@ def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> L
     out.over, out.over_steps = float(over_frac.max()), _steps(rows, over)
     out.first_over = int(rows["step"][over].min()) if over.any() else None
     out.near, out.near_steps = float((rows["near16"] / n).max()), _steps(rows, near)
-    worst = int(np.argmax(flush))
-    out.flush = float(flush[worst])
-    out.flush_step = int(rows["step"][worst]) if out.flush > 0 else None
-    out.sub = float((rows["sub16"] / nonzero).max())
+    out.flush, out.flush_step = _worst(rows, flush)
+    out.sub, out.sub_step = _worst(rows, rows["sub16"] / nonzero)
+    bad_rows = rows["nonfinite"] > 0
+    out.nonfinite_steps = _steps(rows, bad_rows)
+    out.first_nonfinite = int(rows["step"][bad_rows].min()) if bad_rows.any() else None
     return out
+
+
+def _worst(rows: np.ndarray, fraction: np.ndarray) -> tuple[float, Optional[int]]:
+    i = int(np.argmax(fraction))
+    value = float(fraction[i])
+    return value, (int(rows["step"][i]) if value > 0 else None)
 
 
 def _steps(rows: np.ndarray, mask: np.ndarray) -> int:
@@ -202,29 +245,37 @@ def _judge(r: Readiness) -> tuple[str, str]:
     if not r.layers:
         return "unknown", ("No per-layer statistics were recorded (the sampled tier never ran: "
                            "record with --every N), so fp16's range cannot be judged.")
-    over, flushing, near = r.overflowing, r.flushing, r.near
+    over, under, bad, near = r.overflowing, r.underflowing, r.nonfinite, r.near
     if over:
         return "overflow", (f"fp16 would overflow in {_count(over)} ({_names(over)}): use bf16 "
                             "where the hardware has it, else keep these layers in fp32 "
                             "(autocast(enabled=False) around them).")
-    if flushing and r.scaled:
-        return "underflow", (f"Under GradScaler, {_count(flushing)} still flush gradients to "
-                             f"zero in fp16 ({_flush_names(flushing)}): bf16, whose exponent "
-                             "range is fp32's, keeps them.")
+    if under and r.scaled:
+        return "underflow", (f"Under GradScaler, {_count(under)} still underflow in fp16 "
+                             f"({_under_names(under)}): bf16, whose exponent range is fp32's, "
+                             "keeps their gradients.")
+    if bad:
+        return "nonfinite", (f"{_count(bad)} held NaN or inf on sampled steps "
+                             f"({_bad_names(bad)}): something overflowed or went wrong before "
+                             "them, which the diagnosis locates; there the recorded values "
+                             "cannot tell fp16's headroom.")
     if near:
         return "tight", (f"{_count(near)} come within a factor 2 of fp16's max ({_names(near)}): "
                          "fp16 works today with little headroom; bf16 has room to spare.")
-    if flushing:
-        return "needs_scaler", (f"Without loss scaling, {_count(flushing)} flush gradients to "
-                                f"zero in fp16 ({_flush_names(flushing)}): fp16 needs a "
-                                f"GradScaler. {_at_scale(r.grad_range)}")
+    if under:
+        return "needs_scaler", (f"Without loss scaling, {_count(under)} underflow in fp16 "
+                                f"({_under_names(under)}): fp16 needs a GradScaler. "
+                                + _at_scale(r.grad_range, under))
     return "ready", ("Every recorded value fits fp16's range" + (
         " with a GradScaler" if r.scaled else "") + ": fp16 is safe by range (bf16 too).")
 
 
-def _at_scale(g: dict) -> str:
+def _at_scale(g: dict, under: list[LayerRange]) -> str:
     """What GradScaler's settled scale would do for the smallest gradients recorded. Only a
     hint: the smallest magnitude comes from a sample, and one tiny value is not a pattern."""
+    if any(x.dtype == "float16" for x in under):
+        return ("In this fp16 run what fell below 2**-24 is already zero, so how small those "
+                "gradients really are is not known.")
     if not g:
         return ""
     if g["flushes_at_scale"]:
@@ -245,9 +296,14 @@ def _names(items: list[LayerRange], k: int = 3) -> str:
     return shown + (f" and {len(items) - k} more" if len(items) > k else "")
 
 
-def _flush_names(items: list[LayerRange], k: int = 3) -> str:
-    shown = ", ".join(f"{x.name} {x.kind} {100 * x.flush:.1f}% at step {x.flush_step}"
-                      for x in items[:k])
+def _under_names(items: list[LayerRange], k: int = 3) -> str:
+    shown = ", ".join(f"{x.name} {x.kind} {100 * x.sub:.0f}% subnormal or flushed at step "
+                      f"{x.sub_step}" for x in items[:k])
+    return shown + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def _bad_names(items: list[LayerRange], k: int = 3) -> str:
+    shown = ", ".join(f"{x.name} {x.kind} from step {x.first_nonfinite}" for x in items[:k])
     return shown + (f" and {len(items) - k} more" if len(items) > k else "")
 
 

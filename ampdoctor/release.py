@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .parity import Comparison, compare, median_step_time, peak_memory
-from .readiness import Readiness, fp16_readiness, plain
+from .readiness import Readiness, fp16_readiness, plain, precision
 from .schema import Event, flag
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
@@ -71,7 +71,7 @@ class Decision:
 
     device: str  # 'NVIDIA A100-SXM4-80GB (sm80, Ampere)' or 'CPU (x86_64)'
     device_type: str
-    run_dtype: str  # 'float16', 'bfloat16' or 'float32'
+    run_dtype: str  # 'float16', 'bfloat16' or 'float32' (readiness.precision)
     scaler: bool
     recommendation: str  # 'bf16 autocast', 'fp16 autocast + GradScaler', ...
     reasons: list[str] = field(default_factory=list)
@@ -79,6 +79,7 @@ class Decision:
     generation: Optional[str] = None  # 'Ampere'
     bf16_supported: Optional[bool] = None  # None: not known from this run
     fix_first: Optional[str] = None  # a bug to fix before any dtype choice matters
+    autocast: bool = False  # False with a half run_dtype: the weights themselves are half
 
 
 @dataclass
@@ -234,10 +235,10 @@ def decide(run: Any, verdict: str, readiness: Readiness) -> Decision:
     """Recommend a precision for this training on the hardware it ran on."""
     dev = run.meta.get("device") or {}
     ac = run.meta.get("autocast") or {}
-    dtype = ac.get("dtype") if ac.get("enabled") else "float32"
     scaler = bool((run.meta.get("scaler") or {}).get("enabled"))
     d = Decision(device=_device_text(dev), device_type=dev.get("type") or "unknown",
-                 run_dtype=dtype or "float32", scaler=scaler, recommendation="")
+                 run_dtype=precision(run), scaler=scaler, recommendation="",
+                 autocast=bool(ac.get("enabled")))
     cap = dev.get("capability")
     if dev.get("type") == "cuda" and cap and len(cap) >= 2:
         d.capability = f"{cap[0]}.{cap[1]}"
@@ -275,6 +276,14 @@ def _recommend(d: Decision, verdict: str, r: Readiness) -> tuple[str, list[str]]
     if verdict == "nonfinite":
         reasons.append("The run went non-finite for a reason the diagnosis could not classify: "
                        "this advice rests on the recorded ranges alone.")
+    if verdict in ("bf16_precision", "adam_eps") or (d.run_dtype != "float32" and
+                                                      not d.autocast):
+        reasons.append("Half-precision weights lose small updates (and fp16 an Adam eps "
+                       "below 6e-8): keep the weights and optimizer state in fp32 and let "
+                       "autocast cast the compute.")
+        if d.bf16_supported is False:
+            return "fp16 autocast + GradScaler, with fp32 weights", reasons
+        return _bf16(d).replace("bf16 autocast", "bf16 autocast with fp32 weights"), reasons
     if d.run_dtype == "float16":
         return _after_fp16(d, verdict, r, reasons)
     if d.run_dtype == "bfloat16":
@@ -284,8 +293,13 @@ def _recommend(d: Decision, verdict: str, r: Readiness) -> tuple[str, list[str]]
 
 def _after_fp16(d: Decision, verdict: str, r: Readiness,
                 reasons: list[str]) -> tuple[str, list[str]]:
-    if verdict in RANGE_VERDICTS:
-        reasons.append(f"This fp16 run failed by fp16's range ({verdict}).")
+    failed = verdict in RANGE_VERDICTS
+    reasons.append(f"This fp16 run failed by fp16's range ({verdict})." if failed else
+                   "This fp16 run " + ("is healthy." if verdict == "healthy" else
+                                       f"is diagnosed {verdict}."))
+    if r.status != "unknown":
+        reasons.append(r.advice)
+    if failed or r.status in ("overflow", "underflow", "nonfinite"):
         if d.bf16_supported is False:
             reasons.append("Without bf16 on this GPU, keep fp16 and apply the diagnosis' "
                            "fixes (fp32 islands, init scale, learning rate).")
@@ -293,21 +307,13 @@ def _after_fp16(d: Decision, verdict: str, r: Readiness,
         reasons.append("bf16 has fp32's exponent range: no overflow at 65504, no gradient "
                        "underflow, no GradScaler.")
         return _bf16(d), reasons
-    reasons.append("This fp16 run " + ("is healthy." if verdict == "healthy" else
-                                       f"is diagnosed {verdict}."))
-    if r.status != "unknown":
-        reasons.append(r.advice)
-    if r.status in ("tight", "underflow") and d.bf16_supported:
+    if r.status == "tight" and d.bf16_supported:
         return "bf16 autocast", reasons
     return "fp16 autocast + GradScaler", reasons
 
 
 def _after_bf16(d: Decision, verdict: str, r: Readiness,
                 reasons: list[str]) -> tuple[str, list[str]]:
-    if verdict == "bf16_precision":
-        reasons.append("bf16 rounded small weight updates away: keep the weights and "
-                       "optimizer state in fp32 and let autocast cast the compute.")
-        return "bf16 autocast with fp32 weights", reasons
     if d.bf16_supported is False:
         reasons.append("This GPU has no bf16 units, so bf16 runs emulated and slow.")
         reasons.append(r.advice)
@@ -328,7 +334,7 @@ def _after_fp32(d: Decision, r: Readiness, reasons: list[str]) -> tuple[str, lis
                        "bf16 is the safe choice where the hardware has it.")
     else:
         reasons.append(r.advice)
-    if r.status in ("overflow", "underflow", "unknown"):
+    if r.status in ("overflow", "underflow", "nonfinite", "unknown"):
         if d.bf16_supported is False:
             return "fp16 autocast + GradScaler, with fp32 islands", reasons
         return _bf16(d), reasons

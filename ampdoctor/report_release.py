@@ -109,13 +109,15 @@ def decision_rows(d: Any) -> list[tuple[str, str]]:
     return [("device", d.device),
             ("bf16 supported", {True: "yes", False: "no", None: "not known from this run"}[
                 d.bf16_supported]),
-            ("this run", d.run_dtype + (" + GradScaler" if d.scaler else "")),
+            ("this run", d.run_dtype + ("" if d.autocast or d.run_dtype == "float32"
+                                        else " weights, no autocast")
+             + (" + GradScaler" if d.scaler else "")),
             ("recommendation", d.recommendation)]
 
 
 def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
-    """The layers worth a line: overflowing, near the max, flushing; (layer, kind, finding,
-    where)."""
+    """The layers worth a line: overflowing, near the max, underflowing, non-finite; (layer,
+    kind, finding, where)."""
     out = []
     for x in r.overflowing:
         frac = f", {_pct(x.over)} of values" if x.over else ""
@@ -126,9 +128,16 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
     for x in r.near:
         out.append((x.name, x.kind, f"within 2x of fp16's max: abs max {_fmt(x.absmax)}",
                     _step(x.absmax_step)))
-    for x in r.flushing:
-        out.append((x.name, x.kind, f"{_pct(x.flush)} of non-zero values flush to zero, "
-                    f"{_pct(x.sub)} subnormal", _step(x.flush_step)))
+    for x in r.underflowing:
+        out.append((x.name, x.kind, f"{_pct(x.sub)} of non-zero values subnormal or flushed, "
+                    f"{_pct(x.flush)} flushed to zero" + (" (recorded in fp16: what flushed "
+                                                          "is already zero)"
+                                                          if x.dtype == "float16" else ""),
+                    _step(x.sub_step)))
+    for x in r.nonfinite:
+        out.append((x.name, x.kind, "NaN or inf",
+                    f"{_plural(x.nonfinite_steps, 'sampled step')}, first at step "
+                    f"{x.first_nonfinite}"))
     return out[:READINESS_ROWS]
 
 
@@ -200,13 +209,15 @@ def comparison_text(c: Any) -> str:
     if rng:
         lines += ["", f"fp16 range in the mixed-precision run: {rng['status']}",
                   f"  {rng['advice']}"]
-        for key, what in (("overflowing", "overflow"), ("near", "near fp16's max"),
-                          ("flushing", "gradients flushing")):
-            for x in rng.get(key, []):
-                lines.append(f"  - {x['name']} ({x['kind']}): {what}, abs max "
-                             f"{_fmt(x['absmax'])} at step {x['step']}" +
-                             (f", {_pct(x['flush'])} flushed at step {x['flush_step']}"
-                              if key == "flushing" else ""))
+        for x in rng.get("overflowing", []) + rng.get("near", []):
+            lines.append(f"  - {x['name']} ({x['kind']}): abs max {_fmt(x['absmax'])} at step "
+                         f"{x['step']}")
+        for x in rng.get("underflowing", []):
+            lines.append(f"  - {x['name']} ({x['kind']}): {_pct(x['sub'])} subnormal or "
+                         f"flushed at step {x['sub_step']}")
+        for x in rng.get("nonfinite", []):
+            lines.append(f"  - {x['name']} ({x['kind']}): NaN or inf from step "
+                         f"{x['first_nonfinite']}")
     for note in c.notes:
         lines += ["", f"note: {note}"]
     return "\n".join(lines) + "\n"

@@ -144,12 +144,16 @@ def test_an_outlier_the_sample_missed_still_counts_as_overflow():
 
 
 @pytest.mark.parametrize("cols, scaler, status, says", [
-    (dict(absmax=0.5, absmin=1e-9, flush16=30, sub16=90), False, "needs_scaler", "fits"),
+    (dict(absmax=0.5, absmin=1e-9, flush16=30, sub16=600), False, "needs_scaler", "fits"),
     # 2**70 between largest and smallest: GradScaler (about 64 here) cannot lift them all
-    (dict(absmax=1e3, absmin=1e-12, flush16=30, sub16=90), False, "needs_scaler", "still flush"),
-    (dict(absmax=2000.0, absmin=1e-12, flush16=30, sub16=90), True, "underflow", "bf16"),
+    (dict(absmax=1e3, absmin=1e-12, flush16=30, sub16=600), False, "needs_scaler",
+     "still flush"),
+    # recorded in fp16: what flushed is zero already, only the subnormal pile-up shows
+    (dict(absmax=2e-3, absmin=6e-8, sub16=600, dtype=schema.DType.FLOAT16), False,
+     "needs_scaler", "already zero"),
+    (dict(absmax=2000.0, absmin=1e-12, flush16=30, sub16=600), True, "underflow", "bf16"),
     (dict(absmax=1e5, absmin=1e-3), True, "ready", "safe"),  # scaled by 2**16: 1.5 unscaled
-    (dict(absmax=0.5, absmin=1e-6, flush16=3), False, "ready", "safe"),  # 0.3%: noise
+    (dict(absmax=0.5, absmin=1e-6, flush16=3, sub16=90), False, "ready", "safe"),  # 9%: fine
 ])
 def test_readiness_of_gradients(cols, scaler, status, says):
     run = synth(dtype="float16" if scaler else None, scaler=scaler,
@@ -157,8 +161,20 @@ def test_readiness_of_gradients(cols, scaler, status, says):
     r = readiness.fp16_readiness(run)
     assert r.status == status and says in r.advice, r.advice
     if status != "ready":
-        [x] = r.flushing
-        assert x.flush == pytest.approx(30 / 1024) and x.flush_step == 0
+        [x] = r.underflowing
+        assert x.sub == pytest.approx(600 / 1024) and x.sub_step == 0
+
+
+def test_nan_values_are_named_and_skipped_steps_gradients_ignored():
+    run = synth(skips=(0,), layers=[
+        (Kind.OUTPUT, "blocks.1.attn", lambda t: {"nonfinite": 1, "nan": 1024, "absmax": np.nan}
+         if t >= 12 else {}),
+        (Kind.PARAM_GRAD, "fc.weight", lambda t: {"nonfinite": 2, "posinf": 5,
+                                                  "absmax": np.inf} if t == 0 else {})])
+    r = readiness.fp16_readiness(run)
+    assert r.status == "nonfinite" and "blocks.1.attn activation from step 12" in r.advice
+    assert [x.name for x in r.nonfinite] == ["blocks.1.attn"]  # step 0 was a calibration skip
+    assert not r.overflowing
 
 
 def test_readiness_near_the_limit_and_without_statistics():
@@ -217,6 +233,23 @@ def test_decision_from_an_fp32_run_follows_readiness():
     d = release.decide(run, "healthy", readiness.fp16_readiness(run))
     assert d.recommendation.startswith("bf16 autocast (on an Ampere") and d.bf16_supported is None
     assert "CPU" in d.reasons[0]
+
+
+def test_decision_for_half_weights_without_autocast_keeps_fp32_weights():
+    run = synth(dtype=None, scaler=False, device=CUDA)
+    run.meta["model"]["param_dtypes"] = {"bfloat16": 1000}
+    d = release.decide(run, "healthy", readiness.fp16_readiness(run))
+    assert d.run_dtype == "bfloat16" and not d.autocast
+    assert d.recommendation == "bf16 autocast with fp32 weights"
+
+
+def test_decision_after_an_fp16_run_whose_gradients_underflow_under_the_scaler():
+    run = synth(device=CUDA, layers=[(Kind.PARAM_GRAD, "aux.weight", const(sub16=900))])
+    r = readiness.fp16_readiness(run)
+    assert r.status == "underflow"
+    assert release.decide(run, "healthy", r).recommendation == "bf16 autocast"
+    run.meta["device"] = V100
+    assert "fixes" in release.decide(run, "healthy", r).recommendation
 
 
 def test_a_script_bug_is_fixed_first_whatever_the_dtype():

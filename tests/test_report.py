@@ -510,3 +510,37 @@ def test_the_readme_parity_commands_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "wrote report.html" in proc.stderr
     assert "fp32 parity: <code>match</code>" in (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.gpu
+def test_report_of_a_cuda_run_names_the_gpu_and_its_bf16(tmp_path):
+    """On a CUDA machine (benchmarks/gpu_check.sh): device meta, decision and memory measure."""
+    import torch
+    import torch.nn.functional as F
+    from helpers import batches, fresh
+
+    def record(name, dtype):
+        path = str(tmp_path / f"{name}.h5")
+        model, opt = fresh()
+        model.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with ampdoctor.watch(model, opt, None, path=path, every=5):
+            for x, y in batches(20):
+                with torch.autocast("cuda", dtype=dtype or torch.bfloat16,
+                                    enabled=dtype is not None):
+                    loss = F.cross_entropy(model(x.cuda()), y.cuda())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return path
+
+    base, amp = record("fp32", None), record("bf16", torch.bfloat16)
+    cap = torch.cuda.get_device_capability()
+    with ampdoctor.release_report(amp, baseline=base) as r:
+        assert r.decision.capability == f"{cap[0]}.{cap[1]}"
+        assert r.decision.bf16_supported == torch.cuda.is_bf16_supported()
+        assert r.decision.generation == release.generation(cap)
+        assert r.summary.memory_measure == "CUDA allocator peak" and r.summary.peak_memory > 0
+        assert r.comparison.verdict == "match", r.comparison.summary
+        page = report_release.render_release(r, "html")
+    assert torch.cuda.get_device_name() in page

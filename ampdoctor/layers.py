@@ -114,7 +114,7 @@ def step_scale(run: Any, steps: np.ndarray) -> np.ndarray:
 def unscale(run: Any, rows: np.ndarray, layers: list[Layer], column: str) -> np.ndarray:
     """``rows[column]`` as float64, gradients divided by their step's loss scale."""
     values = rows[column].astype(np.float64)
-    grad = np.isin(np.array([int(l.kind) for l in layers], np.int64)[rows["layer"]],
+    grad = np.isin(np.array([int(x.kind) for x in layers], np.int64)[rows["layer"]],
                    [int(k) for k in GRAD_KINDS]) if len(rows) else np.zeros(0, bool)
     if grad.any():
         values[grad] /= step_scale(run, rows["step"][grad])

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import layers as _layers
-from .layers import GRAD_KINDS, VALUE_KINDS, Kind
+from .layers import GRAD_KINDS, VALUE_KINDS
 from .schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
@@ -164,8 +164,8 @@ def fp16_readiness(run: Any) -> Readiness:
     # Under GradScaler a skipped step's gradients are inf by design (calibration, probing):
     # they say nothing about the range.
     skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
-    grad = np.isin(np.array([int(x.kind) for x in found] or [0])[rows["layer"]],
-                   [int(k) for k in GRAD_KINDS])
+    kinds = np.array([int(x.kind) for x in found] or [0])
+    grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
     keep = ~(grad & np.isin(rows["step"], skipped) & (scale != 1.0))
     rows, scale = rows[keep], scale[keep]
     order = np.argsort(rows["layer"], kind="stable")
@@ -173,8 +173,9 @@ def fp16_readiness(run: Any) -> Readiness:
     bounds = np.searchsorted(rows["layer"], np.arange(len(found) + 1))
     ranges = [_layer_range(found[i], rows[a:b], scale[a:b])
               for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-    r = Readiness(dtype=precision(run), scaled=scaled, sampled_steps=int(len(np.unique(rows["step"]))),
-                  status="unknown", advice="", layers=ranges)
+    r = Readiness(dtype=precision(run), scaled=scaled,
+                  sampled_steps=int(len(np.unique(rows["step"]))), status="unknown", advice="",
+                  layers=ranges)
     r.grad_range = _grad_range(ranges, scaled)
     r.status, r.advice = _judge(r)
     return r
@@ -190,7 +191,9 @@ def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> L
     bad = (rows["nan"] + rows["posinf"] + rows["neginf"]).astype(np.float64)
     nonzero = np.maximum(n - rows["zeros"] - bad, 1)
     absmax = rows["absmax"].astype(np.float64)
-    inf = (rows["posinf"] + rows["neginf"]) > 0
+    # Presence bits and abs max are exact over the whole tensor; the counts are the sample's.
+    inf = np.isinf(absmax) | ((rows["nonfinite"] & 6) != 0) | (rows["posinf"] + rows["neginf"]
+                                                               > 0)
     finite_max = np.where(np.isfinite(absmax), absmax, -1.0)
     # absmax is exact over the whole tensor: an outlier the sample missed still counts.
     over = (rows["over16"] > 0) | inf | (absmax > FP16_MAX)

@@ -10,6 +10,7 @@ Example::
     with ampdoctor.release_report("amp.h5", baseline="fp32.h5") as r:
         r.decision.recommendation        # 'bf16 autocast'
         r.summary.skip_rate, r.comparison.verdict
+        open("report.html", "w").write(r.html())   # in Jupyter, ``r`` displays the page
 """
 
 from __future__ import annotations
@@ -100,6 +101,20 @@ class ReleaseReport:
                       "decision": asdict(self.decision), "readiness": self.readiness.to_dict(),
                       "comparison": self.comparison.to_dict() if self.comparison else None,
                       "notes": list(self.notes)})
+
+    def html(self) -> str:
+        """The self-contained page ``ampdoctor report`` writes (draws the figures)."""
+        from .report_release import render_release
+
+        return render_release(self, "html")
+
+    def markdown(self) -> str:
+        from .report_release import render_release
+
+        return render_release(self, "markdown")
+
+    def _repr_html_(self) -> str:
+        return self.html()
 
     def close(self) -> None:
         if self._owned and self.run is not None:
@@ -276,8 +291,8 @@ def _recommend(d: Decision, verdict: str, r: Readiness) -> tuple[str, list[str]]
     if verdict == "nonfinite":
         reasons.append("The run went non-finite for a reason the diagnosis could not classify: "
                        "this advice rests on the recorded ranges alone.")
-    if verdict in ("bf16_precision", "adam_eps") or (d.run_dtype != "float32" and
-                                                      not d.autocast):
+    half_weights = d.run_dtype != "float32" and not d.autocast
+    if verdict in ("bf16_precision", "adam_eps") or half_weights:
         reasons.append("Half-precision weights lose small updates (and fp16 an Adam eps "
                        "below 6e-8): keep the weights and optimizer state in fp32 and let "
                        "autocast cast the compute.")

@@ -127,10 +127,14 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
         return None
     fig, ax = _axes("gradient norm")
     steps = s["step"]
-    _line(ax, steps, norm, color=_MAIN, label="grad norm")
     clip = s["clip_norm"].astype(np.float64)
     shown = np.isfinite(clip)
-    if shown.any() and not np.allclose(clip[shown & ok], norm[shown & ok], rtol=1e-3):
+    # clip_grad_norm_ returns the norm it saw: the grad norm, unless it ran on scaled
+    # gradients (before unscale_), which is worth a line of its own.
+    same = not shown.any() or np.allclose(clip[shown & ok], norm[shown & ok], rtol=1e-3)
+    _line(ax, steps, norm, color=_MAIN, label="grad norm" + (
+        " (= what clip_grad_norm_ saw)" if shown.any() and same else ""))
+    if not same:
         _line(ax, steps[shown], clip[shown], color=_SKIP, lw=0.8,
               label="norm clip_grad_norm_ saw")
     i = int(np.argmax(np.where(ok, norm, -np.inf)))

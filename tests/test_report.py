@@ -112,6 +112,16 @@ def test_a_run_without_scaler_or_sampled_steps_gets_only_the_curves_it_has():
     assert plots.figures(synth(n=0, scaler=False, every=0)) == {}
 
 
+def test_grad_norm_plot_shows_clipping_on_scaled_gradients():
+    run = synth()
+    run.steps["clip_norm"] = run.steps["grad_norm"] * 2.0**16  # clip_grad_norm_ before unscale_
+    labels = plots.grad_norm_figure(run).axes[0].get_legend_handles_labels()[1]
+    assert "norm clip_grad_norm_ saw" in labels
+    run.steps["clip_norm"] = run.steps["grad_norm"]
+    labels = plots.grad_norm_figure(run).axes[0].get_legend_handles_labels()[1]
+    assert labels[0] == "grad norm (= what clip_grad_norm_ saw)"
+
+
 def test_thinning_keeps_a_one_step_spike():
     x = np.arange(1_000_000)
     y = np.ones(len(x))

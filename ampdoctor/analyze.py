@@ -2,10 +2,14 @@
 
 numpy only: this module (like ``store`` reading and ``report``) never imports torch.
 
-The engine is a list of small rules over ``Facts`` (views of a run computed once, streaming
-the big stats table). Each rule returns a ``Finding`` or None. Findings are either root causes
-or consequences (a scale collapse is the consequence of an overflowing op); the verdict is the
-strongest root cause, and the consequences become the causal chain in ``causes``.
+The engine is a list of small rules (``rules.py``) over ``Facts`` (``facts.py``: views of a
+run computed once, streaming the big stats table). Each rule returns a ``Finding`` or None.
+Findings are root causes or consequences (a scale collapse is the consequence of an
+overflowing op); the verdict is the strongest root cause, the consequences and any other
+roots become the causal chain in ``causes``. When no rule fires the run is healthy, with
+notes on what could not be checked.
+
+Verdict ids are a public contract (JSON, exit codes, tests, README):
 """
 
 from __future__ import annotations
@@ -18,21 +22,29 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from . import schema
-from .schema import Event, Kind, Phase, Source, flag
+from .facts import Facts
+from .fixes import Fix
+from .schema import Event
 
-VERDICTS = (
-    "healthy",
-    "grad_underflow",
-    "lr_overflow",
-    "unstable_op",
-    "adam_eps",
-    "bad_input",
-    "clip_order",
-    "scale_collapse",
-    "nonfinite",
-    "no_training",
-)
+VERDICTS = {
+    "healthy": "no failure; GradScaler calibration and probing skips are normal",
+    "grad_underflow": "fp16 gradients flush to zero: no GradScaler, or a scale stuck low",
+    "masked_underflow": "the scale looks healthy but some layers' gradients flush anyway",
+    "lr_overflow": "weights and activations grow with the LR until fp16 overflows",
+    "unstable_op": "one op overflows fp16 (or its backward goes NaN) while weights are steady",
+    "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
+    "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
+    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
+    "fp16_loss": "the loss is computed in fp16 and overflows while the model is finite",
+    "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
+                  "scaler, scaler re-created, grads not zeroed, calls out of order",
+    "bf16_precision": "bf16 weights updated in place: small updates round away",
+    "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
+    "scale_collapse": "the scale fell persistently and no root cause could be told",
+    "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
+    "no_training": "no optimizer step was recorded",
+}
+__doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
 
 
 @dataclass
@@ -47,13 +59,6 @@ class Evidence:
 
 
 @dataclass
-class Fix:
-    id: str
-    text: str
-    snippet: str = ""
-
-
-@dataclass
 class Finding:
     """What one rule concluded."""
 
@@ -65,11 +70,12 @@ class Finding:
     first_bad: Optional[dict] = None
     root: bool = True  # False: a consequence of some other cause (scale collapse, underflow)
     priority: int = 50  # among root causes, the higher wins
+    kind: str = ""  # a sub-class, e.g. clip_order's "step_bypasses_scaler"
 
 
 @dataclass
 class Diagnosis:
-    """The answer for one run (or the ranks of one run). Rendered by ``report``.
+    """The answer for one run. Rendered by ``report``.
 
     In a notebook it displays itself; ``str(d)`` is the text ``ampdoctor diagnose`` prints.
     """
@@ -123,163 +129,11 @@ def _jsonable(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Facts: what every rule may look at, computed once
-
-
-class Facts:
-    """Derived views of a ``Run``. Properties are computed on first use and cached."""
-
-    def __init__(self, run: Any):
-        self.run = run
-        self.steps = run.steps
-        self.meta = run.meta
-        self._cache: dict[str, Any] = {}
-
-    def _memo(self, key: str, fn: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
-
-    @property
-    def n(self) -> int:
-        return len(self.steps)
-
-    @property
-    def has_scaler(self) -> bool:
-        return bool(np.any(~np.isnan(self.steps["scale"]))) if self.n else False
-
-    @property
-    def autocast_dtype(self) -> Optional[str]:
-        ac = self.meta.get("autocast")
-        if isinstance(ac, dict) and ac.get("enabled"):
-            return ac.get("dtype")
-        return None
-
-    @property
-    def skipped(self) -> np.ndarray:
-        return self.steps["skipped"] == 1
-
-    @property
-    def bad_loss(self) -> np.ndarray:
-        return (self.steps["flags"] & flag(Event.NONFINITE_LOSS)) != 0
-
-    @property
-    def bad_grad(self) -> np.ndarray:
-        return (self.steps["flags"] & flag(Event.NONFINITE_GRAD)) != 0
-
-    def first(self, mask: np.ndarray) -> Optional[int]:
-        idx = np.flatnonzero(mask)
-        return int(self.steps["step"][idx[0]]) if len(idx) else None
-
-    def snapshots(self) -> np.ndarray:
-        return self.run.snapshots
-
-    def tensor_info(self) -> dict[int, tuple[int, str, str]]:
-        t = self.run.tensors
-        return self._memo("tinfo", lambda: {int(i): (int(k), str(n), str(ty)) for i, k, n, ty in
-                                            zip(t["id"], t["kind"], t["name"], t["type"])})
-
-    def first_nonfinite_sampled(self) -> Optional[dict]:
-        """The first non-finite tensor in the sampled tier: step, module, phase."""
-        return self._memo("fns", self._first_nonfinite_sampled)
-
-    def _first_nonfinite_sampled(self) -> Optional[dict]:
-        info = self.tensor_info()
-        names = ("step", "tensor", "seq", "source", "nonfinite")
-        for chunk in self.run.stats.chunks(names=names):
-            hit = np.flatnonzero((chunk["nonfinite"] > 0) & (chunk["source"] == Source.SAMPLED))
-            if not len(hit):
-                continue
-            step = chunk["step"][hit[0]]
-            rows = chunk[hit][chunk["step"][hit] == step]
-            kinds = np.array([info.get(int(t), (-1, "", ""))[0] for t in rows["tensor"]])
-            for kind, phase in ((Kind.INPUT, "input"), (Kind.OUTPUT, "forward"),
-                                (Kind.GRAD_OUTPUT, "backward"), (Kind.PARAM_GRAD, "backward"),
-                                (Kind.BUFFER, "buffer")):
-                sel = rows[kinds == kind]
-                if len(sel):
-                    first = sel[np.argsort(sel["seq"])[0]]
-                    return {"step": int(step), "module": info[int(first["tensor"])][1],
-                            "phase": phase}
-        return None
-
-    def window(self, step: int, before: int = 5, after: int = 2) -> dict:
-        """Scale, LR and loss around ``step`` (for the report)."""
-        s = self.steps
-        sel = (s["step"] >= step - before) & (s["step"] <= step + after)
-        return {k: [_num(v) for v in s[k][sel]] for k in ("step", "loss", "scale", "lr",
-                                                          "grad_norm", "skipped")}
-
-
-def _num(v: Any) -> Any:
-    v = v.item() if isinstance(v, np.generic) else v
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (math.inf if v > 0 else -math.inf)
-    return v
-
-
-# ---------------------------------------------------------------------------------------------
-# Rules
-
-
-def rule_no_training(f: Facts) -> Optional[Finding]:
-    if f.n:
-        return None
-    status = f.run.status
-    if status.startswith("exception:"):
-        summary = (f"The script raised {status.split(':', 1)[1]} before its first optimizer "
-                   "step; nothing was trained.")
-    else:
-        summary = "No optimizer step was recorded: the script never trained (or was stopped " \
-                  "before its first step)."
-    return Finding("no_training", 1.0, summary, priority=100)
-
-
-def rule_first_nonfinite(f: Facts) -> Optional[Finding]:
-    """Fallback root cause: where the first non-finite value appeared."""
-    snaps = f.snapshots()
-    bad = f.bad_loss | f.bad_grad | f.skipped
-    first_step = f.first(bad)
-    if first_step is None:
-        return None
-    located = None
-    if len(snaps):
-        s = snaps[0]
-        phase = Phase(int(s["phase"])).name.lower()
-        located = {"step": int(s["step"]), "module": s["module"] or None, "phase": phase}
-    if located is None:
-        located = f.first_nonfinite_sampled()
-    ev = [Evidence(f"first non-finite loss or gradient at step {first_step}", "first_bad_step",
-                   float(first_step), first_step)]
-    if located:
-        where = f"in {located['module']} ({located['phase']})" if located.get("module") \
-            else f"in the {located['phase']}"
-        ev.append(Evidence(f"first non-finite value {where} at step {located['step']}",
-                           "first_module", None, located["step"], located.get("module")))
-    return Finding("nonfinite", 0.3, "Non-finite values appeared; the cause could not be "
-                   "classified further.", ev, first_bad=located or {"step": first_step,
-                                                                    "module": None,
-                                                                    "phase": None},
-                   priority=1)
-
-
-def rule_healthy(f: Facts) -> Optional[Finding]:
-    return Finding("healthy", 0.6, "No failure: no non-finite loss or gradient reached the "
-                   "weights, and the loss scale behaved normally.", priority=0)
-
-
-RULES: list[Callable[[Facts], Optional[Finding]]] = [
-    rule_no_training,
-    rule_first_nonfinite,
-]
-
-
-# ---------------------------------------------------------------------------------------------
 # Entry points
 
 
 def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
-    """Diagnose a run: a path, a list of rank-file paths, or a loaded ``Run``.
+    """Diagnose a run: a path or a loaded ``Run``.
 
     Example::
 
@@ -299,29 +153,124 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
     facts = Facts(run)
-    findings = [x for rule in (rules if rules is not None else RULES)
-                for x in [rule(facts)] if x is not None]
+    chosen = rules if rules is not None else _rules.RULES
+    findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
     return _conclude(facts, findings)
 
 
-def _conclude(f: Facts, findings: list[Finding]) -> Diagnosis:
+def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
+    """The strongest root cause is the verdict; consequences and other roots form the chain."""
     roots = sorted((x for x in findings if x.root), key=lambda x: -x.priority)
-    top = roots[0] if roots else rule_healthy(f)
     consequences = [x for x in findings if not x.root]
-    causes = [{"verdict": top.verdict, "role": "root", "text": top.summary}]
-    causes += [{"verdict": x.verdict, "role": "consequence", "text": x.summary}
-               for x in consequences]
+    if not roots and consequences:
+        # Something went wrong and no rule could tell why: the most telling consequence
+        # becomes the verdict, honest about its low confidence.
+        top = max(consequences, key=lambda x: x.verdict == "scale_collapse")
+        consequences.remove(top)
+        top.summary += " " + _missing(f)
+        top.confidence = min(top.confidence, 0.4)
+    elif roots:
+        top = roots[0]
+    else:
+        top = Finding("healthy", _healthy_confidence(f), "No failure: no non-finite loss or "
+                      "gradient reached the weights, and the loss scale behaved normally."
+                      if f.n else "", _checked(f))
+    causes = [_cause(top, "root")]
+    causes += [_cause(x, "consequence") for x in consequences]
+    # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
+    causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence) + [e for x in consequences for e in x.evidence]
-    fixes = list(top.fixes) + [fx for x in consequences for fx in x.fixes
-                               if fx.id not in {y.id for y in top.fixes}]
-    history = f.window(top.first_bad["step"]) if top.first_bad and f.n else {}
+    seen = {fx.id for fx in top.fixes}
+    fixes = list(top.fixes)
+    for x in consequences + also:
+        for fx in x.fixes:
+            if fx.id not in seen:
+                seen.add(fx.id)
+                fixes.append(fx)
+    history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
+        "step") is not None and f.n else {}
     return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),
                      summary=top.summary, first_bad=top.first_bad, causes=causes,
-                     evidence=evidence, fixes=fixes, run=run_summary(f), notes=_notes(f),
-                     history=history)
+                     evidence=evidence, fixes=fixes, run=run_summary(f),
+                     notes=notes(f, top), history=history)
 
 
-def run_summary(f: Facts) -> dict:
+def _cause(x: Finding, role: str) -> dict:
+    out = {"verdict": x.verdict, "role": role, "text": x.summary,
+           "confidence": round(x.confidence, 2)}
+    if x.kind:
+        out["kind"] = x.kind
+    if x.first_bad:
+        out["first_bad"] = x.first_bad
+    return out
+
+
+def _checked(f: Any) -> list[Evidence]:
+    """What a healthy verdict rests on: the numbers that were looked at."""
+    if not f.n:
+        return []
+    s = f.steps
+    finite = int(np.isfinite(s["loss"]).sum())
+    ev = [Evidence(f"{finite} of {f.n} losses finite, {int(f.skipped.sum())} steps skipped",
+                   "finite_losses", float(finite))]
+    if f.has_scaler:
+        st = f.story
+        ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
+                           f"{st.min_scale:g})", "loss_scale", st.final_scale))
+    stats = f.stats
+    under = stats.layer_under
+    measured = np.isfinite(under)
+    if measured.any() and f.low_precision:
+        worst = int(np.nanargmax(np.where(measured, under, -1)))
+        ev.append(Evidence(f"gradients measured on {f.sampled_steps} sampled steps: the worst "
+                           f"layer, {f.tensor_names[worst]}, has {under[worst]:.1%} of its "
+                           f"non-zero gradient in the {f.low_precision} subnormal band",
+                           "worst_layer_underflow", float(under[worst]), None,
+                           f.tensor_names[worst]))
+    upd = stats.upd_log[np.isfinite(stats.upd_log)]
+    if len(upd):
+        ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
+                           "(median over the sampled steps)", "update_ratio",
+                           10 ** float(np.median(upd))))
+    return ev
+
+
+def _healthy_confidence(f: Any) -> float:
+    """How sure "healthy" is: it rests on what was measured."""
+    if not f.n:
+        return 0.0
+    conf = 0.6
+    if f.sampled_steps >= 2:
+        conf += 0.2
+    if f.run.status == "finished":
+        conf += 0.1
+    return conf
+
+
+def _missing(f: Any) -> str:
+    """What would have told the root cause, and why it is not in this run."""
+    missing = []
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
+    if not located:
+        if recorder.get("forensics") is False:
+            missing.append("forensic replay was off, so the op that first went non-finite "
+                           "was not searched for")
+        elif f.snapshots:
+            missing.append(f"the {len(f.snapshots)} forensic replays found every value finite "
+                           "(the overflow is in a parameter's gradient, or did not reproduce)")
+        else:
+            missing.append("no forensic replay was recorded for the failing steps")
+    if not f.sampled_steps:
+        missing.append("no sampled step (per-layer statistics) was recorded")
+    elif f.stats.first_nonfinite is None:
+        missing.append("the sampled steps saw no non-finite value")
+    return ("The root cause could not be told: " + "; ".join(missing) + ".") if missing else \
+        "No recorded signal points to one cause."
+
+
+def run_summary(f: Any) -> dict:
     s = f.steps
     run = f.run
     return {
@@ -332,23 +281,135 @@ def run_summary(f: Facts) -> dict:
         "steps": int(f.n),
         "last_step": int(s["step"][-1]) if f.n else None,
         "skipped_steps": int(np.sum(f.skipped)) if f.n else 0,
+        "sampled_steps": f.sampled_steps if f.n else 0,
+        "replays": len(f.snapshots),
         "autocast_dtype": f.autocast_dtype,
+        "low_precision": f.low_precision,
+        "loss_scale": {"init": _num(f.story.init_scale), "final": _num(f.story.final_scale),
+                       "min": _num(f.story.min_scale)} if f.n and f.has_scaler else None,
         "scaler": f.meta.get("scaler"),
         "optimizer": f.meta.get("optimizer"),
+        "param_dtypes": f.param_dtypes,
         "device": f.meta.get("device"),
         "torch": (f.meta.get("torch") or {}).get("version"),
         "argv": run.attrs.get("argv"),
     }
 
 
-def _notes(f: Facts) -> list[str]:
-    notes = []
+def _num(x: float) -> Optional[float]:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+# Below this many steps a run is "short": trends need several sampled steps.
+SHORT_RUN = 50
+# taxonomy §3: a "runaway" scale, S >= 2**24 and rising, means gradients ~0 (C8b).
+RUNAWAY_SCALE = 2.0 ** 24
+
+
+def notes(f: Any, top: Finding) -> list[str]:
+    """What the diagnosis could and could not tell from this run, and risks worth knowing."""
+    out = _status_notes(f)
+    if not f.n:
+        if top.verdict != "no_training":
+            out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
+                       "optimizer.step() without a scaler), so no per-step data was recorded.")
+        return out
+    out += _coverage_notes(f, top)
+    if not f.optimizers and np.all(f.skipped):
+        out.append("The optimizer never stepped (every step was skipped), so its settings were "
+                   "not recorded.")
+    if top.verdict == "healthy":
+        out += _risks(f)
+    return out
+
+
+def _status_notes(f: Any) -> list[str]:
     status = f.run.status
+    last = int(f.steps["step"][-1]) if f.n else None
     if status == "interrupted":
-        last = int(f.steps["step"][-1]) if f.n else None
-        notes.append(f"The run was interrupted (its writer never closed the file); the last "
-                     f"recorded step is {last}." if last is not None else
-                     "The run was interrupted before its first recorded step.")
-    elif status.startswith("exception:"):
-        notes.append(f"The training script raised {status.split(':', 1)[1]}.")
-    return notes
+        return [f"The run was interrupted (its writer never closed the file); the last recorded "
+                f"step is {last}: whatever happened later is not in this file."
+                if last is not None else
+                "The run was interrupted before its first recorded step."]
+    out = []
+    if status.startswith("exception:"):
+        exc = f.exception
+        msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
+        out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
+                   + (f" after step {last}." if last is not None else "."))
+    errors = f.events(Event.RECORDER_ERROR)
+    if len(errors):
+        out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "
+                   f"internal error ({str(errors['text'][0])[:160]}); training went on, but "
+                   "what followed is not in this file.")
+    return out
+
+
+def _coverage_notes(f: Any, top: Finding) -> list[str]:
+    """Checks that lacked the data they need: no sampled step, a short run, no replay."""
+    out = []
+    recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
+    every = recorder.get("every")
+    if not f.sampled_steps:
+        why = (f" (the sampling interval, {every} steps, is longer than the run)"
+               if every and every > f.n else "")
+        out.append("No sampled step was recorded" + why + ": gradient underflow, LR-driven "
+                   "growth, bf16 rounding and BatchNorm buffers could not be checked. Record "
+                   "with `--every N` (N below the run length) to measure them.")
+    elif f.sampled_steps < 3 and top.verdict == "healthy":
+        out.append(f"Only {f.sampled_steps} sampled step(s): trends are measured on few points.")
+    if f.n < SHORT_RUN and top.verdict == "healthy":
+        out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
+                   "growth, scale probing) may not have shown yet.")
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    if f.failure_index is None or located or top.verdict == "no_training":
+        return out
+    if recorder.get("forensics") is False:
+        out.append("Forensic replay was off: the failing op could not be located and checked "
+                   "in fp32.")
+    elif recorder.get("max_replays") is not None and len(f.snapshots) >= \
+            recorder["max_replays"]:
+        out.append(f"The forensic replay budget ({recorder['max_replays']}) was spent on "
+                   "earlier skipped steps, so the failing step was not replayed; the module "
+                   "comes from sampled statistics, if any.")
+    return out
+
+
+def _risks(f: Any) -> list[str]:
+    """Configurations that have not failed in this run but are known to (taxonomy Stage A)."""
+    out = []
+    s = f.steps
+    if f.low_precision == "fp16" and not f.has_scaler and f.autocast_dtype == "float16":
+        out.append("fp16 autocast without a GradScaler: gradients below 6e-8 flush to zero. "
+                   "None were seen to underflow here, but a GradScaler (or bf16) is the safe "
+                   "setup.")
+    seen = s["loss_dtype"] != 0
+    if seen.any() and np.mean(s["loss_dtype"][seen] == 2) >= 0.5:
+        out.append("The loss is computed in float16 (outside autocast): a sum or mean over many "
+                   "elements can pass 65504. Compute it in fp32.")
+    if f.params_mostly("bfloat16") and not f.sampled_steps:
+        out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
+                   "round away. Keep fp32 master weights if the loss stalls.")
+    if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
+        out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
+                   "gradients this small are often zero or disconnected (a detached loss, "
+                   "parameters missing from the optimizer, a loss weight of 0).")
+    story = f.story
+    if f.has_scaler and story.post_skips and story.benign:
+        out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
+                   f"({story.calib_len} while calibrating, {story.post_skips} later, each "
+                   "with a finite loss): normal probing, not a failure.")
+    elif f.has_scaler and story.post_skips:
+        out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
+                   "than probing explains (gradients overflowing fp16 at the current scale); "
+                   f"each skip halved the scale, now {story.final_scale:g}. Not a failure yet: "
+                   "watch for a falling scale.")
+    elif f.has_scaler and f.story.calib_len:
+        out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
+                   "calibrated its scale: normal.")
+    return out
+
+
+from . import rules as _rules  # noqa: E402 - the rules import this module's dataclasses
+
+RULES = _rules.RULES

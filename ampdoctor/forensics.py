@@ -73,6 +73,11 @@ GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one
 MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
 HISTORY = 64  # steps of scale/LR/grad-norm history in a snapshot's detail
 EPISODE_GAP = 16  # events at most this many steps apart belong to one episode
+# A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
+# at too high a scale) far more often than a failure: the first such step is replayed, then
+# only an overflow that has lasted this many steps in a row (deeper than a calibration from
+# 2**16 usually goes), so that the budget is left for the failures that follow.
+GRAD_REPLAY_RUN = 8
 MAX_EVENTS = 1024  # entries kept in rec.events
 
 TRIGGERS = {Event.SKIPPED: "skipped", Event.NONFINITE_LOSS: "nonfinite_loss",
@@ -179,6 +184,7 @@ class Forensics:
         self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
         self._history: deque = deque(maxlen=HISTORY)
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
+        self._overflows = (-2, 0, False)  # finite-loss skips: last step, run length, any yet
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
@@ -275,6 +281,11 @@ class Forensics:
             ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay "
                        "on one rank would wait for the others")
             return None
+        if self._calibrating(step, why):
+            ev.note = ("not replayed: gradients overflowed with a finite loss, as while "
+                       "GradScaler calibrates (the first such step is replayed, then one that "
+                       f"has lasted {GRAD_REPLAY_RUN} steps in a row)")
+            return None
         start, due = self._due(step.index)
         if not due:
             ev.note = f"not replayed: same episode as step {start} (rate limit)"
@@ -293,6 +304,16 @@ class Forensics:
         result.snapshot = self._write(step, why, result, trace, finding, captures)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
+
+    def _calibrating(self, step: Any, why: Event) -> bool:
+        """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
+        run of them: GradScaler adjusting its scale, not worth a replay."""
+        if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
+            return False
+        last, run, seen = self._overflows
+        run = run + 1 if step.index == last + 1 else 1
+        self._overflows = (step.index, run, True)
+        return seen and run != GRAD_REPLAY_RUN
 
     def _due(self, index: int) -> tuple[int, bool]:
         start, last, n, found = self._episode

@@ -34,7 +34,7 @@ import torch
 
 from . import __version__, patches, schema, stats, store
 from .errors import AmpDoctorError, RecorderFault
-from .sampler import Sampler, tensors_in
+from .sampler import Sampler
 from .schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
@@ -51,6 +51,7 @@ class _Step:
     t0: float
     micro: int = 0
     loss_sum: Optional[torch.Tensor] = None
+    loss_nonfinite: Optional[bool] = None  # read with found_inf on a skipped step
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
@@ -204,6 +205,8 @@ class Recorder:
         global _ACTIVE
         if self.closed:
             return
+        if self.active and self._step is not None:
+            patches.guard(self, "_end_step_without_update")  # its update() never came
         self.closed = True
         self.active = False
         self._detach()
@@ -396,6 +399,9 @@ class Recorder:
             self._own_optimizer[id(optimizer)] = known
             if known:
                 self.optimizers.append(optimizer)
+                # Hyperparameters now (a run whose every step is skipped never steps);
+                # the optimizer-state dtypes follow after its first step.
+                self._meta("optimizer", _optimizer_info(self.optimizers))
         return known
 
     def _uses_scaler(self, scaler: Any) -> bool:
@@ -440,6 +446,7 @@ class Recorder:
             return
         if not self._writer.created:
             self._create_file()
+        self._end_step_without_update()
         self._step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._add_loss(outputs, scaled=True)
@@ -448,6 +455,7 @@ class Recorder:
     def before_backward(self, tensors: Any) -> None:
         if not self._writer.created:
             self._create_file()
+        self._end_step_without_update()
         st = self._step
         st.micro += 1
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -589,6 +597,16 @@ class Recorder:
         elif st.sampled and self._sampler is not None:
             self._sampler.after_step()
 
+    def _end_step_without_update(self) -> None:
+        """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
+        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        st = self._step
+        if st.scaled and st.stepped and not st.in_scaler_step:
+            scale = getattr(self.scaler, "_scale", None)
+            if scale is not None and st.scale is None:
+                st.scale = st.scale_after = scale.detach().reshape(()).clone()
+            self._end_step()
+
     def _primary(self, optimizer: Any) -> bool:
         return bool(self.optimizers) and optimizer is self.optimizers[0]
 
@@ -606,8 +624,8 @@ class Recorder:
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
         if self.forensics is not None and self.forensics.armed:
             # The one sync of this step; GradScaler.step has just synced on the same values.
-            bad = st.found_inf is not None and bool(st.found_inf.item() > 0)
-            if bad:
+            found, st.loss_nonfinite = self._found_inf_and_loss(st)
+            if found:
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
@@ -616,6 +634,16 @@ class Recorder:
         if scaler._scale is not None:
             self._step.scale_after = scaler._scale.detach().reshape(()).clone()
         self._end_step()
+
+    def _found_inf_and_loss(self, st: _Step) -> tuple[bool, bool]:
+        """Did GradScaler find inf/NaN, and is the loss itself non-finite? (one host sync)"""
+        if st.found_inf is None:
+            return False, False
+        values = [st.found_inf.reshape(()).float()]
+        if st.loss_sum is not None:
+            values.append((~torch.isfinite(st.loss_sum.to(values[0].device))).float())
+        flags = torch.stack(values).tolist()
+        return flags[0] > 0, len(flags) > 1 and flags[1] > 0
 
     def _check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values? (one sync)"""
@@ -636,6 +664,21 @@ class Recorder:
             self._event(Event.FORENSICS, value=float(snapshot))
             self._writer.flush()  # the snapshot survives a crash that may follow the event
             self._flush_now = True  # and the event's own step row is written at its end
+        self._audit_buffers()
+
+    def _audit_buffers(self) -> None:
+        """On a failing step: module buffers the forward made non-finite (BatchNorm statistics
+        are updated before GradScaler skips the step, and stay poisoned). One host sync."""
+        buffers = [(f"{self.names[m]}.{n}", b, type(m).__name__) for m in list(self.names)
+                   for n, b in m.named_buffers(recurse=False) if stats.measurable(b)]
+        if not buffers:
+            return
+        dev = buffers[0][1].device
+        finite = torch.stack([torch.isfinite(b).all().to(dev) for _, b, _ in buffers]).tolist()
+        for (name, b, owner), ok in zip(buffers, finite):
+            if not ok:
+                tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
+                self._event(Event.NONFINITE_BUFFER, tensor=tid)
 
     @property
     def events(self) -> list:

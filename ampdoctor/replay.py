@@ -750,6 +750,8 @@ def _culprit_check(trace: Trace, f: Finding) -> None:
         f.detail["fp32_error"] = f"{type(exc).__name__}: {exc}"
         return
     f.fp32_finite, f.fp32_absmax = _finite(run.results), _absmax(run.results)
+    if not backward:
+        _probe_ops(f, call.module, target)
     owner = type(call.module).__name__
     positions = {label: i for i, (label, _, _) in enumerate(call.inputs)}
     rows = []
@@ -765,6 +767,21 @@ def _culprit_check(trace: Trace, f: Finding) -> None:
         "outputs": [_row_summary(r, s.label) for s, r in rows if s.kind not in into][:16],
         "copied_module": module is not call.module,
     }
+
+
+def _probe_ops(f: Finding, module: torch.nn.Module, target: _Target) -> None:
+    """Which op inside a forward culprit went non-finite first (``opprobe``): tells a mask
+    constant that fp16 cannot hold from a product that overflows."""
+    from .opprobe import first_nonfinite_op
+
+    set_rng(target.rng)
+    try:
+        op = first_nonfinite_op(module, target.args, target.kwargs, autocast(target.autocast))
+    except Exception as exc:  # noqa: BLE001 - the probe only adds detail; it must not fail
+        f.detail["op_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return
+    if op is not None:
+        f.detail["op"] = op
 
 
 class _Local:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from typing import Any
 
 from .analyze import Diagnosis
@@ -49,43 +50,78 @@ def _where(first_bad: dict | None) -> str:
     return ", ".join(parts)
 
 
+WIDTH = 100
+
+
+def _wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def _run_line(run: dict) -> str:
+    parts = [f"{run.get('steps', 0)} steps recorded", f"{run.get('skipped_steps', 0)} skipped",
+             f"status {run.get('status')}",
+             f"autocast {run.get('autocast_dtype') or 'off'}"]
+    scale = run.get("loss_scale")
+    if scale:
+        parts.append(f"loss scale {_fmt(scale.get('init'))} -> {_fmt(scale.get('final'))}")
+    parts.append(f"{run.get('sampled_steps', 0)} sampled, {run.get('replays', 0)} replayed")
+    return ", ".join(parts)
+
+
+def _chain(d: Diagnosis) -> tuple[list[dict], list[dict]]:
+    """The causal chain (root, then consequences) and the other causes also found."""
+    chain = [c for c in d.causes if c["role"] in ("root", "consequence")]
+    also = [c for c in d.causes if c["role"] == "also"]
+    return chain, also
+
+
+def _bullet(text: str) -> list[str]:
+    lines = _wrap(text, "    ")
+    lines[0] = "  - " + lines[0][4:]
+    return lines
+
+
+def _also(cause: dict, quote: str = "") -> str:
+    """Another cause found beside the verdict: its id, where, and its first sentence."""
+    where = _where(cause.get("first_bad"))
+    first = cause["text"].split(". ")[0].rstrip(".") + "."
+    return f"{quote}{cause['verdict']}{quote}" + (f" at {where}" if where else "") + f": {first}"
+
+
 def render_text(d: Diagnosis) -> str:
     run = d.run
-    lines = [f"ampdoctor: {run.get('path') or 'run'}",
-             f"  {run.get('steps', 0)} steps recorded, {run.get('skipped_steps', 0)} skipped, "
-             f"status {run.get('status')}, autocast {run.get('autocast_dtype') or 'off'}"]
-    lines.append("")
+    lines = [f"ampdoctor: {run.get('path') or 'run'}", f"  {_run_line(run)}", ""]
     lines.append(f"verdict: {d.verdict}  (confidence {d.confidence:.2f})")
-    lines.append(f"  {d.summary}")
+    lines += _wrap(d.summary, "  ")
     if d.first_bad:
         lines.append(f"  first bad: {_where(d.first_bad)}")
-    if len(d.causes) > 1:
-        chain = " -> ".join(c["verdict"] for c in d.causes)
-        lines.append(f"  chain: {chain}")
+    chain, also = _chain(d)
+    if len(chain) > 1:
+        lines.append("  chain: " + " -> ".join(c["verdict"] for c in chain))
+    for c in also:
+        lines += _wrap(f"also: {_also(c)}", "  ")
     if d.evidence:
-        lines.append("")
-        lines.append("evidence:")
+        lines += ["", "evidence:"]
         for e in d.evidence:
-            lines.append(f"  - {e.text}")
+            lines += _bullet(e.text)
     if d.history and d.history.get("step"):
-        lines.append("")
-        lines.append("around the first bad step:")
-        lines.append("  step       loss        scale       lr          grad_norm  skipped")
+        lines += ["", "around the first bad step:",
+                  "  step       loss        scale       lr          grad_norm  skipped"]
         h = d.history
         for i, step in enumerate(h["step"]):
             lines.append(f"  {step:<10} {_fmt(h['loss'][i]):<11} {_fmt(h['scale'][i]):<11} "
                          f"{_fmt(h['lr'][i]):<11} {_fmt(h['grad_norm'][i]):<10} "
                          f"{'yes' if h['skipped'][i] else ''}")
     if d.fixes:
-        lines.append("")
-        lines.append("what to change:")
+        lines += ["", "what to change:"]
         for fx in d.fixes:
-            lines.append(f"  [{fx.id}] {fx.text}")
+            lines += _wrap(f"[{fx.id}] {fx.text}", "  ")
             for code in fx.snippet.splitlines():
-                lines.append(f"      {code}")
+                lines.append(f"      {code}".rstrip())
     for note in d.notes:
         lines.append("")
-        lines.append(f"note: {note}")
+        lines += _wrap(f"note: {note}", "")
     return "\n".join(lines) + "\n"
 
 
@@ -94,8 +130,11 @@ def render_markdown(d: Diagnosis) -> str:
     out = [f"## ampdoctor: `{d.verdict}` (confidence {d.confidence:.2f})", "", d.summary, ""]
     if d.first_bad:
         out += [f"**First bad:** {_where(d.first_bad)}", ""]
-    if len(d.causes) > 1:
-        out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in d.causes), ""]
+    chain, also = _chain(d)
+    if len(chain) > 1:
+        out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in chain), ""]
+    for c in also:
+        out += [f"**Also:** {_also(c, '`')}", ""]
     if d.evidence:
         out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
     if d.fixes:
@@ -106,8 +145,12 @@ def render_markdown(d: Diagnosis) -> str:
                 out += ["", "```python", fx.snippet, "```", ""]
         out += [""]
     out += ["### Run", "", "| | |", "|---|---|"]
-    for key in ("path", "status", "steps", "skipped_steps", "autocast_dtype", "torch"):
+    for key in ("path", "status", "steps", "skipped_steps", "sampled_steps", "replays",
+                "autocast_dtype", "torch"):
         out.append(f"| {key} | {_fmt(run.get(key))} |")
+    scale = run.get("loss_scale")
+    if scale:
+        out.append(f"| loss scale | {_fmt(scale.get('init'))} → {_fmt(scale.get('final'))} |")
     for note in d.notes:
         out += ["", f"> {note}"]
     return "\n".join(out) + "\n"

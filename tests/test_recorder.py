@@ -308,3 +308,22 @@ def test_no_reference_kept_to_past_steps(run_path):
             del out, loss
     gc.collect()
     assert [r() is None for r in refs] == [True] * 6
+
+
+def test_scaled_steps_without_update_still_end(run_path):
+    """A loop that scales the loss but calls optimizer.step() itself (no scaler.update()):
+    every step is recorded, each with a bypass event, and the optimizer is still known."""
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["step"]) == [0, 1, 2, 3, 4]
+    assert np.all(run.steps["scale"] == 2.0**16)
+    assert list(run.events["kind"]).count(Event.STEP_BYPASSES_SCALER) == 5
+    assert run.meta["optimizer"][0]["class"] == "AdamW"

@@ -1,0 +1,41 @@
+"""Record a training script into a run file, in a subprocess, the way a user would.
+
+The one place the fixture tests start a recording: ``ampdoctor record -o OUT --every N --force
+-q -- python SCRIPT ARGS``, the no-code-change door (the model, optimizer and scaler are
+discovered as the script uses them).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import PYTHON, python_env
+
+
+def command(script: str, out: str, args: list[str], every: int) -> list[str]:
+    return [PYTHON, "-m", "ampdoctor", "record", "-o", out, "--every", str(every), "--force",
+            "-q", "--", PYTHON, script, *args]
+
+
+def record(script: str, out: str, args: list[str] = (), every: int = 10,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """Record ``python script *args`` into ``out``; returns the finished process."""
+    return subprocess.run(command(script, out, list(args), every), env=python_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start(script: str, out: str, args: list[str] = (), every: int = 10) -> subprocess.Popen:
+    """Like ``record`` but without waiting (several fixtures record side by side)."""
+    return subprocess.Popen(command(script, out, list(args), every), env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+if __name__ == "__main__":  # python tests/recording.py SCRIPT OUT [EVERY] [-- ARGS]
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    proc = record(head[0], head[1], rest, int(head[2]) if len(head) > 2 else 10)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    sys.exit(proc.returncode)

@@ -1,0 +1,230 @@
+"""Runs built in memory, without torch: what a recorder would have written, table by table.
+
+``Synth`` fills /steps like GradScaler would (a skipped step halves the scale), and adds
+tensors, sampled statistics, forensic snapshots, events and configuration on request; ``run()``
+returns a ``store.Run`` that ``ampdoctor.diagnose`` takes as is.
+
+Example::
+
+    s = Synth(40, dtype="float16", scaler=True)
+    s.skip(range(5, 40), loss_nan=True)
+    s.snapshot(5, "forward", "blocks.0.attn", "Attention", fp32_finite=1)
+    d = diagnose(s.run())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Iterable, Optional
+
+import numpy as np
+
+from ampdoctor import schema, store
+from ampdoctor.schema import DType, Event, Kind, Phase, Source, flag
+
+PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "input": Phase.INPUT,
+         "loss": Phase.LOSS, "none": Phase.NONE}
+
+
+class Synth:
+    def __init__(self, n: int, *, dtype: Optional[str] = "float16", scaler: bool = True,
+                 init_scale: float = 2.0 ** 16, growth_interval: int = 2000, lr: float = 1e-3,
+                 optimizer: str = "AdamW", eps: float = 1e-8, params: str = "float32",
+                 status: str = "finished", every: int = 10, device: str = "cuda"):
+        self.n = n
+        s = schema.empty("steps", n)
+        s["step"] = np.arange(n)
+        s["time"] = np.arange(n, dtype=float)
+        s["dt"] = 0.1
+        s["loss"] = 2.0 - np.arange(n) / max(n, 1)
+        s["loss_dtype"] = DType.FLOAT32
+        s["micro"] = 1
+        s["grad_norm"] = 1.0
+        s["lr"] = lr
+        s["peak_mem"] = 1 << 20
+        s["flags"] = 0
+        s["found_inf"] = 0
+        s["skipped"] = 0
+        s["sampled"] = (np.arange(n) % every == 0) if every else 0
+        self.steps = s
+        self.skips = np.zeros(n, bool)
+        self.scaler = scaler
+        self.init_scale = init_scale
+        self.growth_interval = growth_interval
+        self._scale_override: Optional[np.ndarray] = None
+        self.tensors: list[tuple] = []
+        self.stats: list[np.ndarray] = []
+        self.events: list[tuple] = []
+        self.snaps: list[dict] = []
+        self.meta = {
+            "status": status,
+            "recorder": {"every": every, "sample": 4096, "forensics": True, "max_replays": 4},
+            "torch": {"version": "2.13.0"},
+            "device": {"type": device, "name": device},
+            "autocast": {"device_type": device, "enabled": dtype is not None, "dtype": dtype},
+            "model": {"param_dtypes": {params: 1000}, "trainable": 1000, "modules": 5},
+            "optimizer": [{"class": optimizer, "hyper": {"lr": lr, "eps": eps},
+                           "groups": 1, "param_dtypes": {params: 1000},
+                           "state_dtypes": {"exp_avg": params, "exp_avg_sq": params}}],
+        }
+        if scaler:
+            self.meta["scaler"] = {"class": "GradScaler", "enabled": True,
+                                   "init_scale": init_scale, "growth_factor": 2.0,
+                                   "backoff_factor": 0.5, "growth_interval": growth_interval}
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def skip(self, steps: Iterable[int], loss_nan: bool = False, grad_inf: bool = True) -> "Synth":
+        """GradScaler found inf/NaN on these steps (optionally the loss was NaN too)."""
+        for i in steps:
+            self.skips[i] = True
+            self.steps["found_inf"][i] = 1
+            self.steps["flags"][i] |= flag(Event.SKIPPED)
+            if grad_inf:
+                self.steps["grad_norm"][i] = np.inf
+                self.steps["flags"][i] |= flag(Event.NONFINITE_GRAD)
+            if loss_nan:
+                self.nan_loss([i])
+        return self
+
+    def nan_loss(self, steps: Iterable[int], value: float = np.nan) -> "Synth":
+        for i in steps:
+            self.steps["loss"][i] = value
+            self.steps["flags"][i] |= flag(Event.NONFINITE_LOSS)
+        return self
+
+    def nan_grad(self, steps: Iterable[int]) -> "Synth":
+        for i in steps:
+            self.steps["grad_norm"][i] = np.nan
+            self.steps["flags"][i] |= flag(Event.NONFINITE_GRAD)
+        return self
+
+    def set(self, column: str, values, steps: Optional[Iterable[int]] = None) -> "Synth":
+        idx = np.arange(self.n) if steps is None else np.asarray(list(steps))
+        self.steps[column][idx] = values
+        return self
+
+    def scales(self, values: np.ndarray) -> "Synth":
+        """Use these scales before update (scale_after follows from skips/next value)."""
+        self._scale_override = np.asarray(values, float)
+        return self
+
+    def _fill_scale(self) -> None:
+        s = self.steps
+        if not self.scaler:
+            s["scale"] = np.nan
+            s["scale_after"] = np.nan
+            s["found_inf"] = -1
+            s["skipped"] = 0
+            return
+        if self._scale_override is not None:
+            s["scale"] = self._scale_override
+            s["scale_after"] = np.where(self.skips, self._scale_override / 2,
+                                        self._scale_override)
+            s["skipped"] = self.skips
+            return
+        scale, clean = self.init_scale, 0
+        for i in range(self.n):
+            s["scale"][i] = scale
+            if self.skips[i]:
+                scale, clean = scale / 2, 0
+            else:
+                clean += 1
+                if clean == self.growth_interval:
+                    scale, clean = scale * 2, 0
+            s["scale_after"][i] = scale
+        s["skipped"] = self.skips
+
+    # -- tensors and statistics -------------------------------------------------------------
+
+    def tensor(self, kind: Kind, name: str, type_: str = "Linear", numel: int = 4096) -> int:
+        for tid, k, n, *_ in self.tensors:
+            if k == kind and n == name:
+                return tid
+        tid = len(self.tensors)
+        self.tensors.append((tid, int(kind), name, type_, numel))
+        return tid
+
+    def stat(self, step: int, kind: Kind, name: str, type_: str = "Linear",
+             source: Source = Source.SAMPLED, **fields) -> "Synth":
+        row = schema.empty("stats", 1)
+        row["step"] = step
+        row["tensor"] = self.tensor(kind, name, type_)
+        row["source"] = int(source)
+        row["seq"] = sum(len(r) for r in self.stats)
+        row["numel"] = 4096
+        row["sample_n"] = 4096
+        for key in ("nonfinite", "nan", "posinf", "neginf", "zeros", "over16", "near16",
+                    "sub16", "flush16", "overbf16", "subbf16", "flushbf16"):
+            row[key] = 0
+        row["absmax"], row["absmin"], row["rms"] = 1.0, 1e-3, 0.3
+        for key, value in fields.items():
+            row[key] = value
+        self.stats.append(row)
+        return self
+
+    def sampled(self, steps: Iterable[int], kind: Kind, name: str, **fields) -> "Synth":
+        """The same statistics on several sampled steps; callables get the step."""
+        for i in steps:
+            self.stat(i, kind, name, **{k: (v(i) if callable(v) else v)
+                                        for k, v in fields.items()})
+            self.steps["sampled"][i] = 1
+        return self
+
+    # -- snapshots, events, configuration ---------------------------------------------------
+
+    def snapshot(self, step: int, phase: str, module: str = "", module_type: str = "",
+                 fp32_finite: int = -1, fp32_absmax: float = np.nan, in_absmax: float = np.nan,
+                 out_absmax: float = np.nan, **detail) -> "Synth":
+        self.snaps.append({"step": step, "phase": PHASE[phase], "module": module,
+                           "module_type": module_type, "fp32_finite": fp32_finite,
+                           "fp32_absmax": fp32_absmax, "in_absmax": in_absmax,
+                           "out_absmax": out_absmax, "detail": json.dumps(detail)})
+        self.event(step, Event.FORENSICS, value=len(self.snaps) - 1)
+        return self
+
+    def event(self, step: int, kind: Event, text: str = "", value: float = np.nan,
+              tensor: int = -1) -> "Synth":
+        self.events.append((step, int(kind), tensor, value, text))
+        if 0 <= step < self.n:
+            self.steps["flags"][step] |= flag(kind)
+        return self
+
+    def exception(self, type_: str, message: str) -> "Synth":
+        self.meta["status"] = schema.STATUS_EXCEPTION + type_
+        return self.event(max(self.n - 1, 0), Event.EXCEPTION, f"{type_}: {message}")
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> store.Run:
+        self._fill_scale()
+        tensors = np.zeros(len(self.tensors), store.TENSOR_VIEW)
+        for i, (tid, kind, name, type_, numel) in enumerate(self.tensors):
+            tensors[i] = (tid, kind, 0, DType.FLOAT32, numel, name, type_)
+        stats = np.concatenate(self.stats) if self.stats else schema.empty("stats")
+        events = store._decoded(schema.empty("events", len(self.events)), ["text"])
+        for i, (step, kind, tensor, value, text) in enumerate(self.events):
+            events[i] = (step, kind, tensor, value, text)
+        snaps = store._decoded(schema.empty("snapshots", len(self.snaps)),
+                               ["module", "module_type", "detail"])
+        for i, s in enumerate(self.snaps):
+            snaps["id"][i] = i
+            for key, value in s.items():
+                snaps[key][i] = value
+            snaps["trigger"][i] = int(Event.SKIPPED)
+            snaps["scale"][i] = self.steps["scale"][s["step"]] if s["step"] < self.n else np.nan
+        groups = np.zeros(self.n, schema.GROUPS)
+        groups["step"] = self.steps["step"]
+        groups["lr"] = self.steps["lr"]
+        return store.Run(path="synthetic.h5", attrs={"rank": 0, "world_size": 1, "argv": []},
+                         meta=self.meta, steps=self.steps, groups=groups, tensors=tensors,
+                         stats=store.Table(stats), events=events, snapshots=snaps)
+
+
+def grow(start: float, factor: float, steps: int):
+    """A value growing geometrically by ``factor`` over ``steps`` (for sampled trends)."""
+    return lambda i: start * factor ** (i / max(steps, 1))
+
+
+INF = math.inf

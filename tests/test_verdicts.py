@@ -1,0 +1,109 @@
+"""Each fixture training script, recorded as a user would, gets its expected diagnosis; the same
+script with ``--fix`` (the textbook fix) is healthy.
+
+``fixtures/verdicts/expected.json`` holds the expectations: verdict, module (an fnmatch
+pattern, or null when the verdict names none) and the first fix id. The scripts are recorded
+two at a time in subprocesses (``recording.py``), once per test session.
+"""
+
+import fnmatch
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+import ampdoctor
+
+from conftest import PYTHON, ROOT, python_env
+from recording import start
+
+FIXTURES = os.path.join(ROOT, "fixtures", "verdicts")
+EXPECTED = {k: v for k, v in json.load(open(os.path.join(FIXTURES, "expected.json"))).items()
+            if not k.startswith("_")}
+PARALLEL = 2  # the CI machine has two cores; each child runs single-threaded
+EVERY = 10  # sampled tier every 10 steps: the fixtures run tens of steps, not thousands
+
+pytestmark = pytest.mark.slow
+
+
+def _jobs():
+    for name, e in EXPECTED.items():
+        yield name, False, e
+        if e.get("fixed"):
+            yield name, True, e
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Record every fixture (and its fixed variant); returns {(name, fixed): (path, proc)}."""
+    out_dir = tmp_path_factory.mktemp("verdicts")
+    pending, running, done = list(_jobs()), [], {}
+    while pending or running:
+        while pending and len(running) < PARALLEL:
+            name, fixed, e = pending.pop(0)
+            path = str(out_dir / f"{name}{'.fixed' if fixed else ''}.h5")
+            args = list(e.get("args") or []) + (["--fix"] if fixed else [])
+            running.append(((name, fixed), path, start(os.path.join(FIXTURES, f"{name}.py"),
+                                                       path, args, every=EVERY)))
+        for item in list(running):
+            key, path, proc = item
+            if proc.poll() is not None:
+                running.remove(item)
+                stdout, stderr = proc.communicate()
+                done[key] = (path, proc.returncode, stderr)
+        time.sleep(0.05)
+    return done
+
+
+def test_every_fixture_has_an_expectation():
+    scripts = {f[:-3] for f in os.listdir(FIXTURES) if f.endswith(".py")}
+    assert scripts == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_verdict(recorded, name):
+    e = EXPECTED[name]
+    path, rc, stderr = recorded[(name, False)]
+    assert rc == 0, stderr[-3000:]
+    d = ampdoctor.diagnose(path)
+    assert d.verdict == e["verdict"], str(d)
+    module = (d.first_bad or {}).get("module")
+    if e["module"] is None:
+        assert module is None, str(d)
+    else:
+        assert module and fnmatch.fnmatch(module, e["module"]), str(d)
+    if e["fix"] is None:
+        assert not d.fixes
+    else:
+        assert d.fixes and d.fixes[0].id == e["fix"], str(d)
+        if e["module"] is not None and d.fixes[0].id == "fp32_island":
+            assert module.split(".")[0] in d.fixes[0].snippet  # the user's own module path
+    if not d.healthy:
+        assert d.evidence and d.first_bad and d.first_bad.get("step") is not None
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in EXPECTED.items() if v.get("fixed")))
+def test_fixed_fixture_is_healthy(recorded, name):
+    path, rc, stderr = recorded[(name, True)]
+    assert rc == 0, stderr[-3000:]
+    d = ampdoctor.diagnose(path)
+    assert d.verdict == EXPECTED[name]["fixed"], str(d)
+
+
+@pytest.mark.parametrize("name", ["unstable_op", "clip_order"])
+def test_cli_json_and_exit_codes(recorded, name):
+    """What a CI job sees: the JSON verdict, exit 0 by default, 1 with --fail-on unhealthy."""
+    def run(*args):
+        return subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", *args], env=python_env(),
+                              capture_output=True, text=True)
+
+    bad, _, _ = recorded[(name, False)]
+    good, _, _ = recorded[(name, True)]
+    out = run(bad, "--format", "json")
+    assert out.returncode == 0 and json.loads(out.stdout)["verdict"] == EXPECTED[name]["verdict"]
+    assert run(bad, "--fail-on", "unhealthy").returncode == 1
+    assert run(good, "--fail-on", "unhealthy").returncode == 0
+    md = run(bad, "--format", "markdown").stdout
+    assert md.startswith(f"## ampdoctor: `{EXPECTED[name]['verdict']}`")

@@ -48,6 +48,8 @@ class Summary:
     calibration_skips: int = 0  # skipped steps in a row from the first one (GradScaler probing)
     skipped_after: int = 0  # skipped steps after that
     skip_rate: Optional[float] = None  # skipped_after / steps after calibration
+    probing_allowance: Optional[int] = None  # skips after calibration GradScaler's probing
+    #                                          explains (the diagnosis' allowance)
     nonfinite_loss: int = 0
     first_nonfinite_loss: Optional[int] = None
     nonfinite_grad: int = 0
@@ -175,7 +177,7 @@ def summarize(run: Any) -> Summary:
     out.last_step = int(steps[-1])
     out.sampled_steps = int(np.sum(s["sampled"] == 1))
     bad_loss = (s["flags"] & flag(Event.NONFINITE_LOSS)) != 0
-    _skips(out, s, bad_loss)
+    _skips(out, run, bad_loss)
     bad_grad = (s["flags"] & flag(Event.NONFINITE_GRAD)) != 0
     out.nonfinite_loss, out.first_nonfinite_loss = _count_first(steps, bad_loss)
     out.nonfinite_grad, out.first_nonfinite_grad = _count_first(steps, bad_grad)
@@ -191,18 +193,22 @@ def summarize(run: Any) -> Summary:
     return out
 
 
-def _skips(out: Summary, s: np.ndarray, bad_loss: np.ndarray) -> None:
+def _skips(out: Summary, run: Any, bad_loss: np.ndarray) -> None:
+    """Skipped steps, with GradScaler's initial calibration told apart as the diagnosis tells
+    it (``facts.scale_story``): skips from the first step, with a finite loss, until the scale
+    fits are how GradScaler works, so the rate that matters starts after them."""
+    from .facts import scale_story
+
+    s = run.steps
     skipped = s["skipped"] == 1
     out.skipped = int(skipped.sum())
-    # GradScaler calibrates by skipping from the first step (with a finite loss: only the
-    # scaled gradients overflow) until its scale fits: those skips are how it works, not a
-    # failure, so the rate that matters starts after them.
-    calibrating = skipped & ~bad_loss
-    calib = int(np.argmin(calibrating)) if not calibrating.all() else len(skipped)
+    story = scale_story(s, run.meta.get("scaler"), bad_loss)
+    calib = story.calib_len if story.has_scaler and story.calib_benign else 0
     out.calibration_skips = calib
     out.skipped_after = int(skipped[calib:].sum())
     rest = len(skipped) - calib
     out.skip_rate = out.skipped_after / rest if rest else None
+    out.probing_allowance = story.allowed_post if story.has_scaler else None
 
 
 def _count_first(steps: np.ndarray, mask: np.ndarray) -> tuple[int, Optional[int]]:
@@ -314,6 +320,10 @@ def _after_fp16(d: Decision, verdict: str, r: Readiness,
                                        f"is diagnosed {verdict}."))
     if r.status != "unknown":
         reasons.append(r.advice)
+    if verdict == "grad_underflow" and not d.scaler and r.status == "needs_scaler":
+        reasons.append("A GradScaler lifts these gradients back into fp16's range; bf16 "
+                       "needs none.")
+        return _either(d), reasons
     if failed or r.status in ("overflow", "underflow", "nonfinite"):
         if d.bf16_supported is False:
             reasons.append("Without bf16 on this GPU, keep fp16 and apply the diagnosis' "
@@ -353,14 +363,17 @@ def _after_fp32(d: Decision, r: Readiness, reasons: list[str]) -> tuple[str, lis
         if d.bf16_supported is False:
             return "fp16 autocast + GradScaler, with fp32 islands", reasons
         return _bf16(d), reasons
-    if d.bf16_supported is False:
-        return "fp16 autocast + GradScaler", reasons
     if d.bf16_supported is None:
         reasons.append("Both fit: fp16 + GradScaler keeps 3 more mantissa bits; bf16 needs no "
                        "scaler but an Ampere (sm80) or newer GPU.")
-        return ("bf16 autocast on an Ampere (sm80) or newer GPU, else fp16 autocast + "
-                "GradScaler"), reasons
-    return "bf16 autocast", reasons
+    return _either(d), reasons
+
+
+def _either(d: Decision) -> str:
+    """Where fp16 with a GradScaler and bf16 both work: bf16 if the GPU has it."""
+    if d.bf16_supported is None:
+        return "bf16 autocast on an Ampere (sm80) or newer GPU, else fp16 autocast + GradScaler"
+    return "bf16 autocast" if d.bf16_supported else "fp16 autocast + GradScaler"
 
 
 def _bf16(d: Decision) -> str:

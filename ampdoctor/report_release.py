@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from . import __version__
 from .parity import percent as _pct
-from .report import _fmt, _where, render_markdown as diagnosis_markdown
+from .report import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")
 COMPARE_FORMATS = ("text", "json", "markdown")
@@ -82,7 +82,8 @@ def summary_rows(s: Any) -> list[tuple[str, str]]:
             skips += f" ({s.calibration_skips} while GradScaler calibrated)"
         rows += [("skipped steps", skips),
                  ("skip rate after calibration", _pct(s.skip_rate, 3) +
-                  f" ({s.skipped_after} of {s.steps - s.calibration_skips})"),
+                  f" ({s.skipped_after} of {s.steps - s.calibration_skips}; GradScaler's "
+                  f"probing accounts for up to {s.probing_allowance})"),
                  ("loss scale: initial / final", f"{_scale(s.init_scale)} / "
                                                  f"{_scale(s.final_scale)}"),
                  ("loss scale: lowest", f"{_scale(s.min_scale)} ({_step(s.min_scale_step)})")]
@@ -383,10 +384,12 @@ def _diagnosis_html(d: Any) -> str:
            f'<div class="verdict {cls}"><p>{_esc(d.summary)}</p>']
     if d.first_bad:
         out.append(f"<p><b>First bad:</b> {_esc(_where(d.first_bad))}</p>")
-    chain = [c["verdict"] for c in d.causes if c.get("role") in ("root", "consequence")]
+    chain, also = _chain(d)
     if len(chain) > 1:
-        out.append("<p><b>Chain:</b> " + " → ".join(f"<code>{_esc(v)}</code>" for v in chain)
-                   + "</p>")
+        out.append("<p><b>Chain:</b> " + " → ".join(f"<code>{_esc(c['verdict'])}</code>"
+                                                    for c in chain) + "</p>")
+    for cause in also:
+        out.append(f"<p><b>Also:</b> {_esc(_also(cause))}</p>")
     out.append("</div>")
     if d.evidence:
         out.append("<h3>Evidence</h3><ul>" + "".join(f"<li>{_esc(e.text)}</li>"

@@ -397,13 +397,31 @@ def test_html_of_an_fp16_run_shows_its_scaler_story():
     with ampdoctor.release_report(run) as r:
         page = r._repr_html_()
         md = r.markdown()
-    for text in ("skip rate after calibration", "2.63% (1 of 38)", "65536 (2**16)",
+    for text in ("skip rate after calibration", "2.63% (1 of 38;", "65536 (2**16)",
                  "8192 (2**13)", "non-finite loss steps</th><td>1 (first at step 25)",
                  'id="fig-scale"', "NVIDIA A100-SXM4-80GB", "fp16 readiness: <code>overflow",
                  "attn"):
         assert text in page, text
-    assert "| skip rate after calibration | 2.63% (1 of 38) |" in md
+    assert ("| skip rate after calibration | 2.63% (1 of 38; GradScaler's probing accounts "
+            "for up to 3) |") in md
     assert "![" not in md  # no --plots-dir: no figures
+
+
+def test_html_diagnosis_escapes_and_keeps_chain_also_and_fix_snippets():
+    from ampdoctor.analyze import Diagnosis, Evidence
+    from ampdoctor.fixes import Fix
+
+    d = Diagnosis("unstable_op", 0.9, "q @ k.T passes 65504 in <attn>.", {"step": 3,
+                  "module": "blocks.0.attn", "phase": "forward"},
+                  [{"verdict": "unstable_op", "role": "root", "text": "x"},
+                   {"verdict": "scale_collapse", "role": "consequence", "text": "y"},
+                   {"verdict": "adam_eps", "role": "also", "text": "eps rounds to 0. More."}],
+                  [Evidence("abs max 7e4 at step 3")], [Fix("fp32_island", "Wrap it.",
+                                                            "x = a < b")], {"path": "r.h5"})
+    page = report_release._diagnosis_html(d)
+    assert "&lt;attn&gt;" in page and "<attn>" not in page and "x = a &lt; b" in page
+    assert "<code>unstable_op</code> → <code>scale_collapse</code>" in page
+    assert "<b>Also:</b> adam_eps: eps rounds to 0." in page
 
 
 def test_markdown_report_writes_its_plots_beside_it(runs, tmp_path):

@@ -4,6 +4,8 @@ Three doors into one library::
 
     ampdoctor record -o run.h5 -- python train.py      # any script, no code change
     ampdoctor diagnose run.h5                           # verdict, evidence, fix
+    ampdoctor report run.h5 --baseline fp32.h5 -o report.html   # release material
+    ampdoctor compare fp32.h5 amp.h5                    # fp32 parity
 
     with ampdoctor.watch(model, optimizer, scaler) as rec:   # a notebook or your own loop
         ...train...
@@ -23,13 +25,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpDoctorError",
+    "Comparison",
     "Diagnosis",
     "FormatTooNewError",
+    "Readiness",
     "Recorder",
+    "ReleaseReport",
     "Run",
     "RunFileError",
+    "compare",
     "diagnose",
+    "fp16_readiness",
     "load",
+    "release_report",
     "watch",
     "__version__",
 ]
@@ -71,6 +79,56 @@ def diagnose(run: Any, **options: Any) -> "Diagnosis":
     return _diagnose(run, **options)
 
 
+def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
+    """fp32 parity: a baseline run (fp32 or bf16) against a mixed-precision run of the same
+    training, paths or loaded ``Run`` objects (see ``ampdoctor.parity``).
+
+    Example::
+
+        c = ampdoctor.compare("fp32.h5", "amp.h5")
+        c.verdict            # 'match', 'drift' or 'diverged'
+        c.divergence_step, c.speedup, c.memory_ratio
+    """
+    from .parity import compare as _compare
+
+    return _compare(base, amp, **options)
+
+
+def release_report(run: Any, baseline: Any = None, **options: Any) -> "ReleaseReport":
+    """What ``ampdoctor report`` shows: diagnosis, summary figures, precision decision, fp16
+    readiness and, with a baseline, fp32 parity (see ``ampdoctor.release``).
+
+    Example::
+
+        with ampdoctor.release_report("amp.h5", baseline="fp32.h5") as r:
+            r.decision.recommendation, r.summary.peak_grad_norm, r.comparison.verdict
+    """
+    from .release import release_report as _release_report
+
+    return _release_report(run, baseline, **options)
+
+
+def fp16_readiness(run: Any) -> "Readiness":
+    """Which layers of a run (a path or a loaded ``Run``) would overflow or flush to zero in
+    fp16, and the advice that follows; most useful on an fp32 or bf16 run before switching.
+
+    Example::
+
+        r = ampdoctor.fp16_readiness("fp32.h5")
+        r.status, r.advice, [(x.name, x.kind, x.absmax) for x in r.overflowing]
+    """
+    from .readiness import fp16_readiness as _readiness
+    from .store import Run
+
+    if isinstance(run, Run):
+        return _readiness(run)
+    from . import ranks
+    from .store import load as _load
+
+    with _load(ranks.resolve(run)[0]) as loaded:
+        return _readiness(loaded)
+
+
 def __getattr__(name: str) -> Any:
     # Classes are imported on first use so that `import ampdoctor` stays light.
     if name == "Run":
@@ -81,6 +139,18 @@ def __getattr__(name: str) -> Any:
         from .analyze import Diagnosis
 
         return Diagnosis
+    if name == "Comparison":
+        from .parity import Comparison
+
+        return Comparison
+    if name == "ReleaseReport":
+        from .release import ReleaseReport
+
+        return ReleaseReport
+    if name == "Readiness":
+        from .readiness import Readiness
+
+        return Readiness
     if name == "Recorder":
         from .recorder import Recorder
 

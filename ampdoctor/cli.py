@@ -1,8 +1,8 @@
 """The ``ampdoctor`` command: each command validates, makes one library call, renders.
 
-Exit codes: 0 success (whatever the verdict); 1 ``diagnose --fail-on`` matched; 2 the input
-could not be used (missing, unreadable or damaged run file, a run with no step to diagnose, bad
-option, output not writable).
+Exit codes: 0 success (whatever the verdict); 1 ``diagnose --fail-on`` or ``compare
+--fail-on`` matched; 2 the input could not be used (missing, unreadable or damaged run file, a
+run with no step to diagnose, bad option, output not writable).
 ``record`` exits with the training command's own exit code (and dies by the same signal when
 the command was killed by one).
 """
@@ -27,6 +27,8 @@ def cli() -> None:
     \b
         ampdoctor record -o run.h5 -- python train.py
         ampdoctor diagnose run.h5
+        ampdoctor report run.h5 --baseline fp32.h5 -o report.html
+        ampdoctor compare fp32.h5 run.h5
     """
 
 
@@ -101,6 +103,91 @@ def dump(run: str) -> None:
 
     for path in ranks.resolve(run):
         click.echo(report.render_dump(store.inspect(path)), nl=False)
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--baseline", type=click.Path(dir_okay=True), default=None,
+              help="An fp32 (or bf16) run of the same training: adds the fp32 parity section.")
+@click.option("-o", "--output", default=None, metavar="FILE",
+              help="Where to write ('-': stdout).  [default: report.html; stdout for "
+                   "markdown and json]")
+@click.option("--format", "fmt", type=click.Choice(["html", "markdown", "json"]),
+              default="html", show_default=True, help="Output format.")
+@click.option("--plots-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="With --format markdown: write the figures there as PNG files and link "
+                   "them.")
+def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
+           plots_dir: Optional[str]) -> None:
+    """Write a release report: one self-contained HTML page (or Markdown for a PR).
+
+    It holds the diagnosis (verdict, evidence, fixes), the loss, loss-scale, grad-norm and LR
+    curves, per-layer ranges against fp16's limits, the summary figures (skipped and
+    non-finite steps, peak grad norm, loss scale, memory, step time), the precision decision
+    for the run's hardware, fp16 readiness and, with --baseline, fp32 parity.
+
+    \b
+        ampdoctor report run.h5 -o report.html
+        ampdoctor report amp.h5 --baseline fp32.h5 -o report.html
+        ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
+    """
+    from . import outputs, release, report_release
+
+    if plots_dir is not None and fmt != "markdown":
+        raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
+                               "embeds its figures)")
+    target = output or ("report.html" if fmt == "html" else "-")
+    outputs.check_target(target, protect=[run] + ([baseline] if baseline else []))
+    if plots_dir is not None:
+        outputs.check_dir(plots_dir)
+    with release.release_report(run, baseline) as r:
+        images = None
+        if plots_dir is not None:
+            images = outputs.write_plots(r, plots_dir, relative_to=target)
+        text = report_release.render_release(r, fmt, images)
+    outputs.write(target, text)
+    if target != "-":
+        click.echo(f"ampdoctor: wrote {target} ({r.diagnosis.verdict}"
+                   + (f"; fp32 parity: {r.comparison.verdict}" if r.comparison else "")
+                   + ")", err=True)
+
+
+@cli.command()
+@click.argument("base", type=click.Path(dir_okay=True))
+@click.argument("amp", type=click.Path(dir_okay=True))
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]),
+              default="text", show_default=True, help="Output format.")
+@click.option("--rtol", type=click.FloatRange(min=0, min_open=True), default=0.02,
+              show_default=True, help="Loss difference (relative) within which the runs match.")
+@click.option("--diverge", type=click.FloatRange(min=0, min_open=True), default=0.10,
+              show_default=True,
+              help="Loss difference (relative) that, never back within --rtol, is a "
+                   "divergence.")
+@click.option("--window", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Steps in the trailing mean the verdict reads.  [default: a tenth of the "
+                   "steps, 1 to 100]")
+@click.option("--fail-on", type=click.Choice(["diverged", "drift", "never"]), default="never",
+              show_default=True, help="Exit 1 on this verdict or a worse one (for CI).")
+def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: Optional[int],
+            fail_on: str) -> None:
+    """Compare a baseline (fp32 or bf16) run with a mixed-precision run of the same training.
+
+    Loss curves lined up by step (match, drift or diverged, with the step), per-layer
+    statistics on the steps both sampled, layers near fp16's limits in the mixed-precision
+    run, and its throughput and memory gain.
+
+    \b
+        ampdoctor compare fp32.h5 amp.h5
+        ampdoctor compare fp32.h5 amp.h5 --format markdown
+        ampdoctor compare fp32.h5 amp.h5 --fail-on diverged     # exit 1 if it diverged
+    """
+    from . import parity, report_release
+
+    c = parity.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
+    click.echo(report_release.render_comparison(c, fmt), nl=False)
+    if (fail_on == "diverged" and c.verdict == "diverged") or (
+            fail_on == "drift" and c.verdict in ("drift", "diverged")):
+        sys.exit(1)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -13,6 +13,7 @@ At the step's end ``finish`` drains the collector once and returns ``schema.STAT
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -52,7 +53,9 @@ class Sampler:
         self.sample = sample
         self.collector = stats.Collector(sample=sample)
         self._rows: list[tuple[int, int, int]] = []  # per collector slot: tensor id, call, seq
-        self._seen: dict[tuple[int, int], torch.Tensor] = {}
+        # Outputs measured this step, by (id, version): weak, so that measuring never keeps an
+        # activation alive that autograd would have freed (a dead entry's id may be reused).
+        self._seen: dict[tuple[int, int], weakref.ref] = {}
         self._calls: dict[int, int] = {}
         self._seq: collections.Counter = collections.Counter()
         self.active = False
@@ -71,9 +74,10 @@ class Sampler:
                 if t.is_inference():  # an evaluation inside the step, not the step's values
                     continue
                 key = (id(t), t._version)
-                if key in self._seen:  # a container handing on its child's tensor
+                seen = self._seen.get(key)
+                if seen is not None and seen() is t:  # a container handing on its child's
                     continue
-                self._seen[key] = t
+                self._seen[key] = weakref.ref(t)
                 self._measure(t, Kind.OUTPUT, name, index, call, type(module).__name__)
             except Exception as exc:  # noqa: BLE001 - one odd output must not stop the rest
                 self.warn(f"output {index} of {name} ({type(t).__name__})", exc)

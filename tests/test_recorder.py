@@ -310,6 +310,33 @@ def test_no_reference_kept_to_past_steps(run_path):
     assert [r() is None for r in refs] == [True] * 6
 
 
+def test_sampled_step_keeps_no_activation_alive(run_path):
+    """Within a sampled step, an output that autograd does not save (consumed by an add) is
+    freed as it would be without ampdoctor: measuring it keeps no reference."""
+    import weakref
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), AddOne())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    with ampdoctor.watch(model, opt, path=run_path, every=1, strict=True):
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).sum()
+            assert seen[-1]() is None  # the Linear's output is gone before backward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    grad_rows = run.stats.read()
+    kinds = {int(run.tensors["kind"][run.tensors["id"] == t][0]) for t in grad_rows["tensor"]}
+    assert int(Kind.GRAD_OUTPUT) in kinds  # gradients of the freed outputs still measured
+
+
 def test_scaled_steps_without_update_still_end(run_path):
     """A loop that scales the loss but calls optimizer.step() itself (no scaler.update()):
     every step is recorded, each with a bypass event, and the optimizer is still known."""

@@ -12,7 +12,7 @@ the loss scale doubling every 2000 clean steps and probing: a skipped step whene
 2**24). With ``--overflow-step S`` one module's
 output overflows at step S (rounded up to a sampled step): that step is skipped, the scale
 halves, and the sampled tier sees the inf, so ``diagnose`` has something to find late in the
-file, after reading all that comes before. The writer flushes every
+file, after reading all that comes before; with ``--persist`` every later step overflows too. The writer flushes every
 ``--flush-steps`` steps (the recorder flushes about once a second).
 
 No torch needed. Reusable: ``write_large_run(path, steps=..., modules=...)`` returns counts.
@@ -91,16 +91,19 @@ def _sampled_rows(step: int, ids: dict, rng: np.random.Generator, overflow: bool
 
 
 def scale_history(steps: int, overflow_step: int, growth: int = 2000,
-                  ceiling: float = 2.0**24) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  ceiling: float = 2.0**24, persist: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GradScaler's scale before and after each update, and which steps it skipped: it
     doubles after ``growth`` clean steps and halves on a skip; above ``ceiling`` the
-    gradients of this synthetic model overflow (the periodic probing skip of a healthy run)."""
+    gradients of this synthetic model overflow (the periodic probing skip of a healthy run).
+    ``persist``: every step from ``overflow_step`` on overflows too."""
     before, after = np.empty(steps), np.empty(steps)
     skipped = np.zeros(steps, bool)
     scale, clean = 65536.0, 0
     for i in range(steps):
         before[i] = scale
-        skipped[i] = i == overflow_step or scale > ceiling
+        failing = i == overflow_step or (persist and 0 <= overflow_step <= i)
+        skipped[i] = failing or scale > ceiling
         if skipped[i]:
             scale, clean = scale / 2, 0
         else:
@@ -132,7 +135,8 @@ def _step_rows(first: int, n: int, scales: tuple, rng: np.random.Generator) -> n
 
 
 def write_large_run(path: str, steps: int = 200_000, modules: int = 300, every: int = 100,
-                    flush_steps: int = 100, overflow_step: int = -1, seed: int = 0) -> dict:
+                    flush_steps: int = 100, overflow_step: int = -1, persist: bool = False,
+                    seed: int = 0) -> dict:
     """Write the run; return what it holds (rows per table)."""
     rng = np.random.default_rng(seed)
     w = store.Writer(path, argv=["benchmarks/make_large_run.py", path])
@@ -145,7 +149,7 @@ def write_large_run(path: str, steps: int = 200_000, modules: int = 300, every: 
     ids = _tensors(w, modules)
     if overflow_step >= 0:  # on a sampled step, so that the sampled tier sees it
         overflow_step = -(-overflow_step // every) * every
-    scales = scale_history(steps, overflow_step)
+    scales = scale_history(steps, overflow_step, persist=persist)
     for first in range(0, steps, flush_steps):
         n = min(flush_steps, steps - first)
         w.append("steps", _step_rows(first, n, scales, rng))
@@ -155,7 +159,8 @@ def write_large_run(path: str, steps: int = 200_000, modules: int = 300, every: 
         groups["lr"], groups["weight_decay"] = 3e-4, np.tile([0.01, 0.0], n)
         w.append("groups", groups)
         for step in range(-(-first // every) * every, first + n, every):
-            w.append("stats", _sampled_rows(step, ids, rng, step == overflow_step))
+            overflow = step == overflow_step or (persist and 0 <= overflow_step <= step)
+            w.append("stats", _sampled_rows(step, ids, rng, overflow))
         w.flush()
     counts = {t: w.rows(t) for t in ("steps", "groups", "tensors", "stats", "events")}
     w.close(schema.STATUS_FINISHED)
@@ -171,10 +176,12 @@ def main() -> None:
     parser.add_argument("--flush-steps", type=int, default=100)
     parser.add_argument("--overflow-step", type=int, default=-1,
                         help="a step whose sampled stats see an fp16 overflow (-1: none)")
+    parser.add_argument("--persist", action="store_true",
+                        help="the overflow repeats on every step after --overflow-step")
     args = parser.parse_args()
     t0 = time.perf_counter()
     counts = write_large_run(args.out, args.steps, args.modules, args.every, args.flush_steps,
-                             args.overflow_step)
+                             args.overflow_step, args.persist)
     print(f"wrote {args.out}: {os.path.getsize(args.out) / 2**20:.1f} MiB, "
           f"{counts['steps']} steps, {counts['stats']} stats rows, {counts['tensors']} tensors "
           f"in {time.perf_counter() - t0:.1f} s")

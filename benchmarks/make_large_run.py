@@ -9,10 +9,10 @@ PARAM_GRAD and a PARAM row per parameter (weight and bias, for the two thirds of
 that hold parameters), ``--every`` steps apart as the recorder's default. The numbers look
 like a healthy fp16 run (lognormal abs max and rms, a few subnormal and near-overflow counts,
 the loss scale doubling every 2000 clean steps and probing: a skipped step whenever it passes
-2**24). With ``--overflow-step S`` one module's
-output overflows at step S (rounded up to a sampled step): that step is skipped, the scale
-halves, and the sampled tier sees the inf, so ``diagnose`` has something to find late in the
-file, after reading all that comes before; with ``--persist`` every later step overflows too. The writer flushes every
+2**24). With ``--overflow-step S`` one module's output overflows at step S (rounded up to a
+sampled step): that step is skipped, the scale halves, and the sampled tier sees the inf, so
+``diagnose`` has something to find late in the file, after reading all that comes before;
+with ``--persist`` every later step overflows too. The writer flushes every
 ``--flush-steps`` steps (the recorder flushes about once a second).
 
 No torch needed. Reusable: ``write_large_run(path, steps=..., modules=...)`` returns counts.

@@ -27,6 +27,8 @@ import glob
 import json
 import os
 import re
+import select
+import signal
 import stat
 import socket
 import struct
@@ -785,14 +787,14 @@ def _stored_eof(path: str) -> int:
     return base + eof
 
 
-def _check_format(path: str, f: h5py.File) -> int:
-    name = _attr(f, "format")
-    if isinstance(name, bytes):
-        name = name.decode(errors="replace")
+def _check_format(path: str, attrs: dict[str, Any]) -> int:
+    name = attrs.get("format")
+    if name is _VLEN:  # stored variable-length, and its value could not be read in time
+        raise RunFileError(f"{path} is damaged: its format attribute could not be read")
     if name != schema.FORMAT_NAME:
         raise RunFileError(f"{path} is an HDF5 file but not an ampdoctor run "
                            "(no 'ampdoctor-run' format attribute)")
-    version = _attr(f, "format_version")
+    version = attrs.get("format_version")
     try:
         version = int(version)
     except (TypeError, ValueError):
@@ -810,27 +812,89 @@ _PLAIN_TYPES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING)
 MAX_ATTR_ELEMENTS = 4096
 
 
-def _attr(f: h5py.File, key: str) -> Any:
-    """One root attribute, or None when it is absent, unreadable, or not plain data.
+_VLEN = object()  # _attr's answer for a variable-length string attribute
+VLEN_SECONDS = 5.0  # time limit for reading variable-length root attributes
 
-    Only numbers and fixed-length strings are read. A variable-length value is kept in
-    HDF5's global heap, which has no checksum: a damaged one can loop forever inside HDF5,
-    so such an attribute (which ampdoctor never writes) is treated as absent.
+
+def _attr(f: h5py.File, key: str) -> Any:
+    """One root attribute, None when it is absent, unreadable or not plain data, or ``_VLEN``
+    for a variable-length string (read apart: see ``_vlen_attrs``).
+
+    Numbers and fixed-length strings are read here. A variable-length value is kept in HDF5's
+    global heap, which has no checksum: a damaged one can loop forever inside HDF5.
     """
     try:
         if key not in f.attrs:
             return None
         attr = h5py.h5a.open(f.id, key.encode())
         kind = attr.get_type()
-        if kind.get_class() not in _PLAIN_TYPES or (
-                kind.get_class() == h5py.h5t.STRING and kind.is_variable_str()):
+        if kind.get_class() not in _PLAIN_TYPES:
             return None
         if attr.get_storage_size() > MAX_ATTR_ELEMENTS * 64 or \
                 int(np.prod(attr.shape or ())) > MAX_ATTR_ELEMENTS:
             return None
+        if kind.get_class() == h5py.h5t.STRING and kind.is_variable_str():
+            return _VLEN if attr.shape == () else None
         return f.attrs[key]
     except H5_ERRORS:
         return None
+
+
+def _vlen_attrs(f: h5py.File, keys: list[str]) -> dict[str, str]:
+    """Variable-length string root attributes, as the first writer of format 1 (ampdoctor
+    0.1.0 before fixed-length attributes) stored ``format``, ``argv`` and ``host``.
+
+    Their values sit in HDF5's global heap, which has no checksum, and a damaged heap can hang
+    HDF5; so they are read in a forked child (which shares the open file: HDF5 reads with
+    pread, so the parent's file position is untouched) that has ``VLEN_SECONDS`` to answer.
+    What it cannot read reads as absent. Without fork, they are read directly.
+    """
+    def read() -> dict[str, str]:
+        out = {}
+        for key in keys:
+            try:
+                value = f.attrs[key]
+            except H5_ERRORS:
+                continue
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            if isinstance(value, str):
+                out[key] = value
+        return out
+
+    if not hasattr(os, "fork"):
+        return read()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, never return into the caller
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, json.dumps(read()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + VLEN_SECONDS
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                chunks = []
+                break
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    try:
+        out = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return {}
+    return {k: v for k, v in out.items() if isinstance(v, str)} if isinstance(out, dict) else {}
 
 
 def _dataset(path: str, f: h5py.File, name: str, dtype: np.dtype) -> Any:
@@ -900,7 +964,8 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     On a live file every table may grow between two reads. Reading the referring tables
     (stats → tensors, rows → /blob) first means every reference read has its target.
     """
-    _check_format(path, f)
+    attrs = _attrs(f)
+    _check_format(path, attrs)
     # HDF5 shares one open file among every open of it in a process (a Run not closed yet):
     # a plain open may hand back a SWMR reader's file, whose cached tables can be stale.
     live = live or bool(f.swmr_mode)
@@ -916,7 +981,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
             raw[name] = Table(schema.empty(name), name=name) if name in _ON_DEMAND else \
                 Blob() if name == schema.BLOB else schema.empty(name)
     stats, blob = raw["stats"], raw[schema.BLOB]
-    run = Run(path=path, attrs=_attrs(f), _file=f, _blob=blob)
+    run = Run(path=path, attrs=attrs, _file=f, _blob=blob)
     run.live = live and _writer_alive(run.attrs, path)
     run.meta = _meta(raw["meta"], blob)
     run.steps = raw["steps"]
@@ -1048,6 +1113,7 @@ def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:
 
 
 def _attrs(f: h5py.File) -> dict[str, Any]:
+    """The root attributes (what ``Run.attrs`` holds); ``argv`` decoded from JSON."""
     out = {}
     try:
         keys = list(f.attrs.keys())
@@ -1060,6 +1126,11 @@ def _attrs(f: h5py.File) -> dict[str, Any]:
         elif isinstance(value, np.generic):
             value = value.item()
         out[key] = value
+    vlen = [key for key, value in out.items() if value is _VLEN]
+    if vlen:
+        found = _vlen_attrs(f, vlen)
+        for key in vlen:  # an unreadable format stays _VLEN, for _check_format to name
+            out[key] = found.get(key, _VLEN if key == "format" else None)
     try:
         out["argv"] = json.loads(out.get("argv", "[]"))
     except (TypeError, ValueError, RecursionError):
@@ -1101,8 +1172,9 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
 def _inspect_once(path: str) -> dict[str, Any]:
     f, live = _open(path)
     with f:
-        version = _check_format(path, f)
-        info: dict[str, Any] = {"path": path, "format_version": version, "attrs": _attrs(f),
+        attrs = _attrs(f)
+        version = _check_format(path, attrs)
+        info: dict[str, Any] = {"path": path, "format_version": version, "attrs": attrs,
                                 "tables": {}, "live": live}
         for name in list(schema.TABLES) + [schema.BLOB]:
             info["tables"][name] = _table_info(f, name)

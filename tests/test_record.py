@@ -359,6 +359,7 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
         step(); step()
         pid = os.fork()
         if pid == 0:
+            torch.set_num_threads(1)  # OpenMP is not fork-safe
             step()                 # the child even trains: still nothing of it in the file
             sys.exit(0)
         os.waitpid(pid, 0)

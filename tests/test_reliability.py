@@ -816,6 +816,7 @@ with ampdoctor.watch(model, opt, scaler, path=sys.argv[1], every=2, flush_second
         step(x, y)
         pid = os.fork()
         if pid == 0:  # a child that trains a step, then exits as a script does (atexit, HDF5)
+            torch.set_num_threads(1)  # as DataLoader workers do: OpenMP is not fork-safe
             step(x, y)
             if i == 3:
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -870,7 +870,9 @@ def _vlen_attrs(f: h5py.File, keys: list[str]) -> dict[str, str]:
         code = 1
         try:
             os.close(r)
-            os.write(w, json.dumps(read()).encode())
+            answer = memoryview(json.dumps(read()).encode())
+            while answer:
+                answer = answer[os.write(w, answer):]
             code = 0
         finally:
             os._exit(code)

@@ -50,6 +50,9 @@ ACTIVATION_GROWTH = 10.0
 LOSS_SPIKE = 10.0
 # Gradient norm growth, same idea: median of the last tenth vs the first tenth before failure.
 GRAD_GROWTH = 10.0
+# taxonomy C2 ("near the end of warmup, or at peak"): an LR that rose 10x from the first step
+# to the failure (a warmup or one-cycle ramp) is the cause side of the same story.
+LR_RISE = 10.0
 # C2 needs two of the growth signals above; one alone is common in healthy early training.
 GROWTH_SIGNALS = 2
 # C6a: clip_grad_norm_'s returned norm over the unscaled norm equals the loss scale S when the
@@ -635,7 +638,7 @@ def _loss_spike(f: Facts, hi: int) -> Optional[Evidence]:
 def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
     gn = f.steps["grad_norm"][:hi].astype(float)
     fin = np.flatnonzero(np.isfinite(gn) & (gn > 0))
-    if len(fin) < 10:
+    if len(fin) < 5:  # an early failure still shows its ramp (first vs last of five)
         return None
     tenth = max(1, len(fin) // 10)
     g0, g1 = np.median(gn[fin[:tenth]]), np.median(gn[fin[-tenth:]])
@@ -644,6 +647,19 @@ def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
     return Evidence(f"the gradient norm grew {g1 / g0:.0f}x before the failure "
                     f"({_fmt(float(g0))} -> {_fmt(float(g1))})", "grad_norm_growth",
                     float(g1 / g0))
+
+
+def _lr_rise(f: Facts, hi: int) -> Optional[Evidence]:
+    lr = f.steps["lr"][:hi + 1].astype(float)
+    fin = np.flatnonzero(np.isfinite(lr) & (lr > 0))
+    if len(fin) < 2 or fin[-1] != hi:
+        return None
+    rise = lr[hi] / lr[fin[0]]
+    if rise < LR_RISE:
+        return None
+    return Evidence(f"the LR rose {rise:.0f}x before the failure ({_fmt(float(lr[fin[0]]))} at "
+                    f"step {f.step_at(fin[0])} -> {_fmt(float(lr[hi]))} at step "
+                    f"{f.step_at(hi)})", "lr_rise", float(rise), f.step_at(hi))
 
 
 def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
@@ -656,6 +672,9 @@ def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
     found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
                          _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi))
              if e is not None]
+    if found and hi < f.n:  # the LR ramp counts beside an effect, never alone
+        rise = _lr_rise(f, hi)
+        found += [rise] if rise is not None else []
     return len(found), found
 
 

@@ -192,6 +192,34 @@ def test_steady_weights_make_it_an_unstable_op_not_the_lr():
     assert verdict(s).verdict == "unstable_op"
 
 
+def test_early_lr_ramp_overflow_without_sampled_steps_is_the_lr():
+    """A one-cycle ramp overflows at step 6, before any sampled step could show the weights
+    growing: the loss and the gradient norm ramping in the steps before are enough, even
+    though the culprit is finite in fp32 (an island would only postpone it)."""
+    s = Synth(40, lr=1.0, every=100)
+    s.set("lr", np.linspace(0.1, 3.0, 40))
+    s.set("loss", [0.5, 0.5, 0.49, 0.47, 0.41, 1.4, 14.0], steps=range(7))
+    s.set("grad_norm", [0.3, 0.35, 0.42, 0.57, 1.1, 4.2], steps=range(6))
+    s.skip(range(6, 40)).nan_loss(range(8, 40))  # gradients overflow first, then the loss
+    s.snapshot(6, "forward", "body.4", "Linear", fp32_finite=1, fp32_absmax=3e6)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow" and d.first_bad["module"] == "body.4"
+    assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
+
+
+def test_an_lr_ramp_alone_does_not_make_an_op_overflow_the_lr():
+    s = Synth(40, lr=1.0, every=100)
+    s.set("lr", np.linspace(0.01, 1.0, 40))  # 100x warmup, but the loss and grads are calm
+    s.skip(range(30, 40), loss_nan=True)
+    s.snapshot(30, "forward", "blocks.0.attn", "Attention", fp32_finite=1, fp32_absmax=9e4)
+    assert verdict(s).verdict == "unstable_op"
+    # the same ramp with the loss blowing up right before the overflow: the LR's doing
+    s.set("loss", [2.0, 9.0, 30.0], steps=[27, 28, 29])
+    d = verdict(s)
+    assert d.verdict == "lr_overflow"
+    assert {"loss_spike", "lr_rise"} <= {e.key for e in d.evidence}
+
+
 def test_lr_overflow_located_from_sampled_steps_without_a_replay():
     s = _growing(Synth(120), 80)
     s.skip(range(80, 120), loss_nan=True)

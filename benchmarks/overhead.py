@@ -255,8 +255,8 @@ def measure(workload: str, rounds: int, steps: int, warmup: int, curve=None) -> 
             for name, times in round_sampled.items():
                 sampled[name].extend((times / plain_median[-1]).tolist())
     plain = np.array(steady["plain"])
-    reference = (float(np.median(sampled["ampdoctor --every 1" if not curve else "every=1"]))
-                 if any(e == 1 for _, e, _ in modes.values()) else None)
+    every_step = [name for name, (_, every, _) in modes.items() if every == 1]
+    reference = float(np.median(sampled[every_step[0]])) if every_step else None
     out = {"workload": workload, "rounds": rounds, "steps_per_round": steps,
            "plain_p5_ms": round(float(np.median(plain)) * 1e3, 2), "modes": {}}
     for name, series in steady.items():

@@ -4,9 +4,21 @@
 root call: references to its arguments, the RNG state (host copies of the generators'
 states, no device sync), the autocast state, and a tensor hook on each root output that keeps
 a reference to the gradient arriving there in backward, and a reference to the loss.
-Nothing is copied; the references are dropped at the step boundary. While
-micro-batches accumulate, earlier micro-batches' output gradients are held only up to
-``GRAD_BYTES`` (the latest always is).
+Nothing is copied. While micro-batches accumulate, earlier micro-batches' output gradients
+are held only up to ``GRAD_BYTES`` (the latest always is).
+
+**Nothing kept past the step.** When the step ends the tensor hooks are removed from the
+outputs (a user's ``logits`` variable, still bound until the next forward returns, no longer
+reaches the gradient) and the references are dropped. One exception, the deferred decision:
+with a fused optimizer under GradScaler on CUDA, nothing syncs on found_inf, so whether the
+step was skipped is known only once a non-blocking copy lands, at the latest at the next
+step's first hook (before its forward). Until then ``held`` keeps that step's captures: its
+batch (which the loop usually holds too) and the gradient at its outputs, for an LLM
+B x T x vocab values in the logits' dtype, e.g. 134 MB for 16 x 256 x 8192 fp32. It is held
+between the two steps, never during the next forward or backward, so the peak is unchanged;
+memory between steps grows by it only while the device is still running the step when the
+host has finished it. A replay from there is still faithful: a skipped step left the weights
+as they were.
 
 **On the event.** The recorder calls ``on_event`` while the parameters are still the ones that
 failed: with a GradScaler from ``update`` once found_inf says the step is being skipped, or
@@ -188,6 +200,8 @@ class Forensics:
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
+        self._hooks: list = []  # handles of this step's output-gradient hooks
+        self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
 
     @property
     def armed(self) -> bool:
@@ -197,15 +211,28 @@ class Forensics:
     # -- every step: references only --------------------------------------------------------
 
     def begin_step(self) -> None:
+        self._unhook()
         self.captures = []
         self.dropped = 0
         self._devices = _cuda_devices()
 
-    def end_step(self, step: Any) -> None:
+    def end_step(self, step: Any, hold: bool = False) -> None:
+        """The step is over: its output-gradient hooks go, and its captures with them, unless
+        ``hold`` (its skip is decided at the next step's start; ``release_held`` then)."""
         pending = self.rec._pending
         if pending and pending[-1][0][0] == step.index:
             self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
+        self._unhook()
+        self.held = (self.captures, self.dropped) if hold and self.captures else None
         self.begin_step()
+
+    def release_held(self) -> None:
+        self.held = None
+
+    def _unhook(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for handle in hooks:
+            handle.remove()
 
     def capture_inputs(self, root: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self.replaying or not torch.is_grad_enabled():
@@ -243,7 +270,7 @@ class Forensics:
                 # tensor (through the capture, or this recorder and the step's loss) would
                 # make a cycle through autograd's C++ hook table that Python's collector
                 # cannot see, and leak each step's graph.
-                t.register_hook(partial(_keep_grad, grads, i))
+                self._hooks.append(t.register_hook(partial(_keep_grad, grads, i)))
 
     def capture_loss(self, loss: torch.Tensor, scaled: bool) -> None:
         """The loss of the latest root call (a reference), and whether GradScaler scaled it:
@@ -266,17 +293,19 @@ class Forensics:
 
     # -- on the event -----------------------------------------------------------------------
 
-    def on_event(self, step: Any, why: Event) -> Optional[int]:
+    def on_event(self, step: Any, why: Event, held: bool = False) -> Optional[int]:
         """The recorder saw an event with the failing parameters in place; returns the
-        snapshot id when a replay ran (and wrote it), None when the rate limit skipped it."""
+        snapshot id when a replay ran (and wrote it), None when the rate limit skipped it.
+        ``held``: the event is a step already ended, whose captures are ``self.held``."""
         ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
-        if not self.captures:
+        captures, dropped = (self.held or ([], 0)) if held else (self.captures, self.dropped)
+        if not captures:
             ev.note = ("not replayed: no call of the model with grad enabled was captured in "
                        "this step (in discovery mode the model is known after its first step)")
             return None
-        unsafe = _collective_forward([c.root for c in self.captures])
+        unsafe = _collective_forward([c.root for c in captures])
         if unsafe:
             ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay "
                        "on one rank would wait for the others")
@@ -291,10 +320,10 @@ class Forensics:
             ev.note = f"not replayed: same episode as step {start} (rate limit)"
             return None
         scale = _scalar(getattr(step, "scale", None))
-        captures = list(self.captures)
+        captures = list(captures)
         trace, finding, micro = self._run(captures, scale)
-        if self.dropped:
-            finding.detail["model_calls_dropped"] = self.dropped
+        if dropped:
+            finding.detail["model_calls_dropped"] = dropped
         result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
         self._note_history(result, step)
         ev.replayed, ev.result = True, result
@@ -466,8 +495,9 @@ class Forensics:
 
         lr = _HOST.index("lr")
         rows = [(host[0], host[lr], values) for host, values in self._history]
-        rows.append((step.index, _max_lr(self.rec.optimizers),
-                     _device_values(step, self.rec._constants)))
+        if not rows or rows[-1][0] != step.index:  # a step decided later is there already
+            rows.append((step.index, _max_lr(self.rec.optimizers),
+                         _device_values(step, self.rec._constants)))
         values = _fetch([v for _, _, v in rows])
         result.detail["history"] = {
             "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
@@ -491,7 +521,8 @@ class Forensics:
         row["fp32_absmax"], row["in_absmax"], row["out_absmax"] = (
             f.fp32_absmax, f.in_absmax, f.out_absmax)
         row["scale"] = _scalar(getattr(step, "scale", None))
-        row["lr"] = _max_lr(self.rec.optimizers)
+        lrs = r.detail.get("history", {}).get("lr")  # at the event (a later decision: LR moved)
+        row["lr"] = lrs[-1] if lrs else _max_lr(self.rec.optimizers)
         if trace is not None:
             ids = self._stats_rows(w, sid, step.index, trace, f)
             if f.culprit_slot is not None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from . import __version__, patches, schema, stats, store
+from . import __version__, patches, readback, schema, stats, store
 from .errors import AmpDoctorError, RecorderFault
 from .sampler import Sampler
 from .schema import Event, Kind, flag
@@ -57,7 +57,7 @@ class _Step:
     t0: float
     micro: int = 0
     loss_sum: Optional[torch.Tensor] = None
-    loss_nonfinite: Optional[bool] = None  # read with found_inf on a skipped step
+    loss_nonfinite: Optional[bool] = None  # read with found_inf from the step's host mirrors
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
@@ -74,6 +74,8 @@ class _Step:
     flags: int = 0
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
+    staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
+    undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
 
 
 class Recorder:
@@ -148,7 +150,11 @@ class Recorder:
         self._constants = _Constants()
         self._pending_groups: list[tuple] = []
         self._last_flush = 0.0
-        self._last_boundary = 0.0
+        self._clock = readback.StepClock(None)
+        self._pools: dict[torch.device, readback.MirrorPool] = {}
+        self._undecided: Optional[_Step] = None  # a scaled step whose skip is not known yet
+        self._params_key: Optional[tuple] = None  # param_groups the cached list was made from
+        self._params: list[torch.Tensor] = []
         self._step: Optional[_Step] = None
         self._sampler: Optional[Sampler] = None
         self._autocast_seen: Optional[tuple] = None
@@ -198,8 +204,8 @@ class Recorder:
             from .forensics import Forensics
 
             self.forensics = Forensics(self)
-        now = time.perf_counter()
-        self._last_flush = self._last_boundary = now
+        self._last_flush = time.perf_counter()
+        self._clock = readback.StepClock(self._device)
         self._begin_step(0)
         self._writer.flush()
         return self
@@ -216,6 +222,7 @@ class Recorder:
         try:
             if self.active and self._step is not None:
                 patches.guard(self, "_end_step_without_update")  # its update() never came
+                patches.guard(self, "_settle")  # a skip still in flight is decided now
         finally:  # closed even when that raised (strict mode): never left half-attached
             self.closed = True
             self.active = False
@@ -247,6 +254,9 @@ class Recorder:
             handles.remove()
         if self._sampler is not None:
             self._sampler.active = False
+        self._undecided = None  # (close decides it first; a fault or a fork drops it)
+        if self.forensics is not None:
+            self.forensics.release_held()
 
     def __enter__(self) -> "Recorder":
         return self
@@ -506,6 +516,8 @@ class Recorder:
             self._root_hooks.add(root.register_forward_hook(
                 lambda m, a, o: patches.guard(self, "root_post", m, a, o)))
         self._device = _first_device(roots)
+        if self._clock.device != self._device:  # discovered: the device is known from now on
+            self._clock = readback.StepClock(self._device)
         self._meta("roots", [type(_unwrap(r)).__name__ for r in roots])
         self._meta("model", _model_summary(roots))
         self._meta("device", _device_info(self._device))
@@ -551,6 +563,8 @@ class Recorder:
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying():
             return
+        if self._undecided is not None and torch.is_grad_enabled():
+            self._settle()  # before this forward allocates, or changes a BatchNorm buffer
         self._note_autocast()
         if self._step.sampled and self._sampler is not None:
             self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
@@ -580,6 +594,7 @@ class Recorder:
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
+        self._settle()
         if not self._writer.created:
             self._create_file()
         self._end_step_without_update()
@@ -589,6 +604,7 @@ class Recorder:
             self._step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
+        self._settle()
         if not self._writer.created:
             self._create_file()
         self._end_step_without_update()
@@ -615,17 +631,17 @@ class Recorder:
     # gradients: the moment they are complete (before unscale_, clip or step)
 
     def _trained_params(self, fallback: Optional[list] = None) -> list[torch.Tensor]:
-        seen: set[int] = set()
-        out = []
+        """Parameters of the watched optimizers, each once; those ``clip_grad_norm_`` saw
+        while no optimizer is known yet. The list is made again only when the param groups
+        change (``add_param_group``, ``load_state_dict``, a new optimizer): the key is each
+        group's params list and its length, read in a few microseconds."""
         groups = [g["params"] for o in self.optimizers for g in o.param_groups]
-        if not groups and fallback is not None:
-            groups = [fallback]
-        for params in groups:
-            for p in params:
-                if id(p) not in seen and isinstance(p, torch.Tensor):
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        if not groups:
+            return _unique([fallback] if fallback is not None else [])
+        key = tuple((id(params), len(params)) for params in groups)
+        if key != self._params_key:
+            self._params_key, self._params = key, _unique(groups)
+        return self._params
 
     def _grads_ready(self, fallback: Optional[list] = None) -> None:
         """Gradients are complete (first of unscale_, clip, step): sampled grad statistics,
@@ -666,14 +682,20 @@ class Recorder:
 
     def before_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self._uses_scaler(scaler):
+            self._settle()
             self._owns(optimizer)
             self._grads_ready()
 
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self._uses_scaler(scaler):
             self._step.unscaled = True
+            if self._armed() and _enabled(scaler):
+                # Queued before GradScaler.step reads found_inf (non-fused optimizers):
+                # its own sync lands this copy too.
+                self._stage_found(scaler, optimizer)
 
     def before_clip(self, parameters: Any) -> None:
+        self._settle()
         st = self._step
         if st.scaled and not st.unscaled and _enabled(self.scaler):
             if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step
@@ -693,6 +715,7 @@ class Recorder:
 
     def enter_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         if self._uses_scaler(scaler):
+            self._settle()
             self._owns(optimizer)
             self._step.in_scaler_step = True
             self._grads_ready()
@@ -704,12 +727,17 @@ class Recorder:
     def before_optimizer_step(self, optimizer: Any) -> None:
         if not self._owns(optimizer):
             return
+        self._settle()
         if not self._writer.created:
             self._create_file()
         st = self._step
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
+        elif st.in_scaler_step and self._armed() and _enabled(self.scaler):
+            # A fused optimizer: GradScaler checked found_inf and syncs on nothing; the copy
+            # is queued ahead of the fused step's kernels.
+            self._stage_found(self.scaler, optimizer)
         self._grads_ready()
         self._ensure_grad_norm()
         if not st.scaled and self._primary(optimizer):
@@ -749,60 +777,152 @@ class Recorder:
     def before_update(self, scaler: Any) -> None:
         if not self._uses_scaler(scaler) or not _enabled(scaler):
             return
+        self._settle()
         st = self._step
         self._ensure_grad_norm()
         if scaler._scale is not None:
-            st.scale = scaler._scale.detach().reshape(()).clone()
+            st.scale = scaler._scale.detach().reshape(()).clone()  # update() changes it in place
         found = [v for s in scaler._per_optimizer_states.values()
                  for v in s["found_inf_per_device"].values()]
-        if found:
+        if len(found) == 1:  # made fresh by each unscale and never written after: no copy
+            st.found_inf = found[0].reshape(())
+        elif found:
             dev = found[0].device
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
-        if self.forensics is not None and self.forensics.armed:
-            # The one sync of this step; GradScaler.step has just synced on the same values.
-            found, st.loss_nonfinite = self._found_inf_and_loss(st)
-            if found:
+        if self._armed():
+            self._stage_found(scaler)  # optimizers no hook has staged yet
+            skipped = self._decide(st, wait=False)
+            if skipped is None:
+                st.undecided = True  # a fused optimizer on a device still running the step
+            elif skipped:
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
         if scaler is not self.scaler or not _enabled(scaler) or not self._step.scaled:
             return
-        if scaler._scale is not None:
-            self._step.scale_after = scaler._scale.detach().reshape(()).clone()
+        if scaler._scale is not None:  # stacked by _end_step right away: a view is enough
+            self._step.scale_after = scaler._scale.detach().reshape(())
         self._end_step()
 
-    def _found_inf_and_loss(self, st: _Step) -> tuple[bool, bool]:
-        """Did GradScaler find inf/NaN, and is the loss itself non-finite? (one host sync)"""
-        if st.found_inf is None:
-            return False, False
-        values = [st.found_inf.reshape(()).float()]
-        if st.loss_sum is not None:
-            values.append((~torch.isfinite(st.loss_sum.to(values[0].device))).float())
-        flags = torch.stack(values).tolist()
-        return flags[0] > 0, len(flags) > 1 and flags[1] > 0
+    # ---------------------------------------------------------------------------------------
+    # the forensic tier's trigger: is this step failing, while its parameters are in place?
+    #
+    # The syncs of a steady step, all of them (tests/test_host_reads.py counts them):
+    # - GradScaler, any optimizer: none of ampdoctor's own. found_inf and the loss are copied
+    #   into host mirrors (readback.HostMirror) with non-blocking copies. A non-fused optimizer
+    #   makes GradScaler.step sync on found_inf (``.item()``) after the copy was queued, so the
+    #   mirror has landed by update(): decided there, as before. A fused one makes GradScaler
+    #   sync on nothing: decided at the next step's start (``_settle``), if need be after a wait
+    #   for that copy alone, queued a step earlier (the device still has the step's optimizer
+    #   kernels queued behind it, so it never runs dry).
+    # - No scaler, forensics armed: one read before optimizer.step (``_check_before_step``).
+    # - Every flush (about once a second): one read per device of all pending steps' values.
+
+    def _armed(self) -> bool:
+        return self.forensics is not None and self.forensics.armed
+
+    def _pool(self, device: torch.device) -> readback.MirrorPool:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = readback.MirrorPool(device)
+        return pool
+
+    def _stage_found(self, scaler: Any, optimizer: Any = None) -> None:
+        """Queue found_inf of ``optimizer`` (default: every optimizer GradScaler has checked
+        this step and no hook has staged), with the step's loss, into a host mirror. Two
+        small kernels (a stack, a non-blocking copy) and no wait."""
+        st = self._step
+        states = scaler._per_optimizer_states
+        keys = [id(optimizer)] if optimizer is not None else list(states)
+        for key in keys:
+            if key in st.staged or key not in states:  # a defaultdict: never index a new key
+                continue
+            found = list(states[key]["found_inf_per_device"].values())
+            if not found:
+                continue
+            dev = found[0].device
+            total = found[0] if len(found) == 1 else sum(f.to(dev) for f in found)
+            loss = st.loss_sum.to(dev) if st.loss_sum is not None else self._constants.nan(dev)
+            mirror = self._pool(dev).take()
+            mirror.stage(torch.stack([total.reshape(()).float(), loss.reshape(())]))
+            st.staged[key] = mirror
+
+    def _decide(self, st: _Step, wait: bool) -> Optional[bool]:
+        """Was the scaled step ``st`` skipped? From its mirrors: True or False (and
+        ``st.loss_nonfinite``), or None while a copy is in flight and ``wait`` is False."""
+        mirrors = list(st.staged.values())
+        if not all(m.ready() for m in mirrors):
+            if not wait:
+                return None
+            for m in mirrors:
+                m.wait()
+        values = [m.read() for m in mirrors]
+        self._give_back(st)
+        if not values:
+            return False  # GradScaler checked no optimizer of ours: nothing to decide
+        st.loss_nonfinite = st.loss_sum is not None and not math.isfinite(values[0][1])
+        return any(v[0] > 0 for v in values)
+
+    def _give_back(self, st: _Step) -> None:
+        for mirror in st.staged.values():
+            self._pool(mirror.device).give(mirror)
+        st.staged.clear()
+
+    def _settle(self, wait: bool = True) -> None:
+        """The previous step's skip, decided now (its mirrors landed, or ``wait``): at the
+        first hook of the next step, before its forward allocates anything or any weight
+        changes. Until then the forensic tier holds that step's captures (see
+        ``forensics.Forensics.end_step``); they are released here, replayed or not."""
+        st = self._undecided
+        if st is None:
+            return
+        skipped = self._decide(st, wait)
+        if skipped is None:
+            return
+        self._undecided = None
+        try:
+            if skipped and self._armed():
+                self._trigger(Event.SKIPPED, st)
+        finally:
+            if self.forensics is not None:
+                self.forensics.release_held()
 
     def _check_before_step(self) -> None:
-        """Without a scaler: is this step about to apply non-finite values? (one sync)"""
-        if self.forensics is None or not self.forensics.armed:
+        """Without a scaler: is this step about to apply non-finite values?
+
+        The one sync of such a step, made only while the forensic tier is armed: one read of
+        the loss and the grad norm stacked together, just before ``optimizer.step``. It waits
+        for backward (and clipping) to finish on the device, so the host launches the
+        optimizer step only then. A faithful replay needs it: without a scaler a non-finite
+        step writes NaN into the weights, so a decision one step later would replay against
+        the poisoned weights. ``forensics=False``, or ``max_replays`` used up, removes it.
+        """
+        if not self._armed():
             return
         st = self._step
-        # Two scalar fetches and no kernel: the first waits for backward, the second is free.
-        loss_ok = st.loss_sum is None or math.isfinite(st.loss_sum.item())
-        if not loss_ok or (st.grad_norm is not None and not math.isfinite(st.grad_norm.item())):
+        values = [v for v in (st.loss_sum, st.grad_norm) if v is not None]
+        if not values:
+            return
+        dev = values[0].device
+        read = torch.stack([v.to(dev).reshape(()) for v in values]).tolist()  # the sync
+        loss_ok = st.loss_sum is None or math.isfinite(read[0])
+        if not loss_ok or (st.grad_norm is not None and not math.isfinite(read[-1])):
             self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
-    def _trigger(self, why: Event) -> None:
-        """Parameters are still those that failed: hand the step to the forensic tier."""
+    def _trigger(self, why: Event, st: Optional[_Step] = None) -> None:
+        """Parameters are still those that failed: hand the step to the forensic tier.
+        ``st``: a step already ended, whose skip was decided at the next step's start."""
+        st = st if st is not None else self._step
         self._drain()  # the steps up to the event reach the file before anything else
-        snapshot = self.forensics.on_event(self._step, why)
+        snapshot = self.forensics.on_event(st, why, held=st is not self._step)
         if snapshot is not None:
             self.replays += 1
-            self._event(Event.FORENSICS, value=float(snapshot))
+            self._event(Event.FORENSICS, value=float(snapshot), step=st)
             self._writer.flush()  # the snapshot survives a crash that may follow the event
             self._flush_now = True  # and the event's own step row is written at its end
-        self._audit_buffers()
+        self._audit_buffers(st)
 
-    def _audit_buffers(self) -> None:
+    def _audit_buffers(self, st: _Step) -> None:
         """On a failing step: module buffers the forward made non-finite (BatchNorm statistics
         are updated before GradScaler skips the step, and stay poisoned). One host sync."""
         buffers = [(f"{self.names[m]}.{n}", b, type(m).__name__) for m in list(self.names)
@@ -814,7 +934,7 @@ class Recorder:
         for (name, b, owner), ok in zip(buffers, finite):
             if not ok:
                 tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
-                self._event(Event.NONFINITE_BUFFER, tensor=tid)
+                self._event(Event.NONFINITE_BUFFER, tensor=tid, step=st)
 
     @property
     def events(self) -> list:
@@ -864,15 +984,16 @@ class Recorder:
 
     def _end_step(self) -> None:
         st = self._step
+        if self._undecided is not None and self._undecided is not st:
+            self._settle()  # a step with no hook of ours between: decided before this one ends
         if self._discovery_open:
             self._finish_discovery()
         now = time.perf_counter()
-        dt = now - self._last_boundary
-        self._last_boundary = now
         lrs = self._write_groups(st.index)
-        # Host fields as a plain tuple (order: _HOST); device values stay on the device.
-        self._pending.append(((st.index, time.time(), dt, st.loss_dtype, st.micro,
-                               int(st.sampled), st.flags, _peak_memory(self._device),
+        # Host fields as a plain tuple (order: _HOST); device values stay on the device. The
+        # step time is a CUDA event span on CUDA, and the peak memory is read at the flush.
+        self._pending.append(((st.index, time.time(), self._clock.mark(), st.loss_dtype,
+                               st.micro, int(st.sampled), st.flags, 0,
                                0 if st.stepped or st.scaled else 1,
                                max(lrs) if lrs else math.nan,
                                st.loss_sum is not None, st.grad_norm is not None),
@@ -882,14 +1003,22 @@ class Recorder:
             self._sampler.active = False
             self._sample_rows(st.index)
         self._after_step_audit()
+        st.keep.clear()
+        st.fallback = None
+        if st.undecided:
+            self._undecided = st  # its captures stay with the forensic tier until then
+        elif st.staged:
+            self._give_back(st)  # staged, never decided (no update(), or disarmed since)
         self.steps = st.index + 1
         if self._flush_now or now - self._last_flush >= self.flush_seconds:
             self._drain()
         self._begin_step(st.index + 1)
+        if self._undecided is not None:
+            self._settle(wait=False)  # landed already: release its captures at once
 
     def _after_step_audit(self) -> None:
         if self.forensics is not None:
-            self.forensics.end_step(self._step)
+            self.forensics.end_step(self._step, hold=self._step.undecided)
 
     def _sample_rows(self, step: int) -> None:
         buffers = [(f"{self.names[m]}.{n}", b) for m in list(self.names)
@@ -914,17 +1043,21 @@ class Recorder:
         return lrs
 
     def _drain(self) -> None:
-        """Fetch the pending steps' device values (the documented sync) and flush the file."""
+        """Fetch the pending steps' device values (the documented sync: one read per device)
+        and flush the file. Step times (CUDA events) and the peak memory are read here too."""
         if self._pending:
             # Taken first: an interrupt below can lose these steps but never write them twice.
             pending, self._pending = self._pending, []
             host = [h for h, _ in pending]
             rows = schema.empty("steps", len(host))
             for i, name in enumerate(_HOST):
-                rows[name] = [h[i] for h in host]
+                if name != "dt":
+                    rows[name] = [h[i] for h in host]
             has_loss = np.array([h[-2] for h in host], bool)
             has_grad = np.array([h[-1] for h in host], bool)
             values = _fetch([v for _, v in pending])
+            rows["dt"] = readback.StepClock.seconds([h[_HOST.index("dt")] for h in host])
+            rows["peak_mem"] = _peak_memory(self._device)  # never reset: the run's peak so far
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
             rows["scale_after"] = values[:, 2]
@@ -971,17 +1104,21 @@ class Recorder:
         return tid
 
     def _event(self, kind: Event, *, tensor: int = -1, value: float = math.nan,
-               text: str = "") -> None:
+               text: str = "", step: Optional[_Step] = None) -> None:
+        """An /events row, at ``step`` (default: the current one). A step already ended (a
+        skip decided at the next step's start) keeps its event rows; its /steps flags were
+        written without these bits."""
         row = schema.empty("events", 1)
-        row["step"] = self._step.index if self._step is not None else 0
+        step = step if step is not None else self._step
+        row["step"] = step.index if step is not None else 0
         row["kind"] = int(kind)
         row["tensor"] = tensor
         row["value"] = value
         if text:
             row["text_off"], row["text_len"] = self._writer.text(text)
         self._writer.append("events", row)
-        if self._step is not None:
-            self._step.flags |= flag(kind)
+        if step is not None:
+            step.flags |= flag(kind)
 
     def _meta(self, key: str, value: Any, step: int = -1) -> None:
         self._writer.meta(key, value, step)
@@ -999,6 +1136,18 @@ class Recorder:
 
 # ---------------------------------------------------------------------------------------------
 # helpers (no state)
+
+
+def _unique(groups: list) -> list[torch.Tensor]:
+    """The tensors of several lists, each once, in order."""
+    seen: set[int] = set()
+    out = []
+    for params in groups:
+        for p in params:
+            if id(p) not in seen and isinstance(p, torch.Tensor):
+                seen.add(id(p))
+                out.append(p)
+    return out
 
 
 def _as_list(value: Any) -> list:
@@ -1108,13 +1257,13 @@ def _device_values(st: _Step, constants: _Constants) -> torch.Tensor:
 
 
 def _fetch(values: list[torch.Tensor]) -> np.ndarray:
-    """Device values of many steps in one host copy per device (the sync point)."""
+    """Device values of many steps in one host read per device (the sync point)."""
     out = np.full((len(values), len(_VALUES)), np.nan)
     by_dev: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         by_dev.setdefault(v.device, []).append(i)
     for idx in by_dev.values():
-        out[idx] = torch.stack([values[i] for i in idx]).double().cpu().numpy()
+        out[idx] = torch.stack([values[i] for i in idx]).double().tolist()
     return out
 
 

@@ -705,11 +705,11 @@ def test_a_replay_leaves_grads_buffers_and_rng_exactly_as_it_found_them(run_path
     checked = []
     original = forensics.Forensics.on_event
 
-    def on_event(self, step, why):
+    def on_event(self, step, why, **kw):
         state = lambda: (_bits([p.grad for p in model.parameters()] + list(model.buffers())),
                          torch.get_rng_state(), torch.is_grad_enabled())
         before = state()
-        out = original(self, step, why)
+        out = original(self, step, why, **kw)
         after = state()
         checked.append(all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
                        and torch.equal(before[1], after[1]) and before[2] == after[2])

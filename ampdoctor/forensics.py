@@ -21,7 +21,8 @@ host has finished it. A replay from there is still faithful: a skipped step left
 as they were.
 
 **On the event.** The recorder calls ``on_event`` while the parameters are still the ones that
-failed: with a GradScaler from ``update`` once found_inf says the step is being skipped, or
+failed: with a GradScaler from ``update`` once found_inf says the step is being skipped (or
+at the next step's first hook, when found_inf had not reached the host yet: ``held``), or
 without one just before ``optimizer.step`` when the loss or the grad norm is non-finite. The
 micro-batches of the step are replayed in order by ``replay.explain`` until one explains the
 event (forward culprit, backward culprit, bad batch or loss); if none does and ``.grad`` is

@@ -4,11 +4,13 @@ Tiers (see the README's design section):
 
 1. **Sentinel, every step.** Loss (seen where backward starts, or at ``GradScaler.scale``),
    loss scale before and after ``update``, found_inf/skipped, LR of each group, global grad
-   norm (unscaled, before clipping), step time and peak memory. Device values are stacked into
-   one small tensor per step and fetched together at the next flush: one host sync per flush.
-   While forensic replays remain, one sync per step reads found_inf (GradScaler already syncs
-   on the same value inside ``step``) or, without a scaler, the finiteness of loss and grads
-   before ``optimizer.step``, so that a replay still sees the parameters that failed.
+   norm (unscaled, before clipping), step time (CUDA events on a GPU) and peak memory (read at
+   the flush). Device values are stacked into one small tensor per step and fetched together
+   at the next flush: one host read per device per flush. While forensic replays remain, the
+   step's failure must be seen while its parameters are still in place: with a GradScaler,
+   found_inf and the loss reach host mirrors by non-blocking copy (no sync of ours: see
+   "The syncs of a steady step" below ``after_update``); without one, one read of the loss
+   and the grad norm before ``optimizer.step``.
 2. **Sampled, every N steps.** ``sampler.Sampler``: per-module output and grad_output stats,
    per-parameter grad stats in scaled space, weight norms, update ratios, buffers, the batch.
    Module hooks exist only on these steps; sentinel steps run no Python per module.

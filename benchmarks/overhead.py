@@ -1,22 +1,49 @@
-"""Recording overhead, measured side by side in one process: step-time ratios against plain.
+"""Recording overhead as users train: step time and memory, side by side with the same loop.
 
-    python benchmarks/overhead.py                     # reference GPT + conv net, table
-    python benchmarks/overhead.py --json out.json     # also machine-readable
-    python benchmarks/overhead.py --curve             # overhead vs sampling interval
-    python benchmarks/overhead.py --memory            # peak RSS and file growth (subprocesses)
+    python benchmarks/overhead.py                        # the 5 configurations, reference GPT
+    python benchmarks/overhead.py --memory               # between steps and at peak, large vocab
+    python benchmarks/overhead.py --modes all --config clip --workload conv   # + --every 1 ...
+    python benchmarks/overhead.py --curve                # overhead vs sampling interval
+    python benchmarks/overhead.py --device cuda --workload gpt2   # on a GPU
+    python benchmarks/overhead.py --json out.json        # also machine-readable
 
-Method (``shared/notes/overhead-measurements.md``): the machine is noisy (an A/A test moves
+**Configurations** (``--config``, default all), the loops users run:
+
+    scaler       fp16 autocast, GradScaler, AdamW (foreach), no clipping
+    scaler+clip  fp16 autocast, GradScaler, unscale_ + clip_grad_norm_, AdamW (foreach)
+    fused        fp16 autocast, GradScaler, fused AdamW (nanoGPT's, the HF Trainer's default)
+    clip         bf16 autocast, no scaler, clip_grad_norm_, AdamW (foreach)
+    bf16         bf16 autocast, no scaler, no clipping, AdamW (foreach)
+
+**Low precision that the CPU emulates.** The script first times a 512x1024x1024 GEMM in fp32,
+bf16 and fp16 (``shared/notes/measuring-like-a-user.md``, probe 1) and prints it with the CPU's
+capability. A dtype more than 3x slower than fp32 is emulated: compute that dwarfs any recorder
+cost and flatters the ratio. A configuration whose dtype is emulated is then timed in fp32
+compute (autocast off), with its GradScaler where it has one (the recorder's path is the same).
+
+**Method** (``shared/notes/overhead-measurements.md``): the machine is noisy (an A/A test moves
 +-3% in median step time), so the modes run interleaved in rounds on the same model, each
-round timing ``--steps`` steady steps per mode after warm-up. A round's *steady* figure for a
-mode is the 5th percentile of its step times that did not run the sampled tier (noise only
-ever adds time), over the round's plain figure; the median over rounds is reported. Sampled
-steps are costed apart: the median, over all of them, of each one's time over its round's
-plain median (medians on both sides, as noise hits both). The *ratio* is what a long run pays
-on average at interval N: ``steady + (sampled step - steady) / N``. ``plain-again`` (an A/A
-pair) shows the floor.
+round timing ``--steps`` steady steps per mode after warm-up. Step times are ``perf_counter``
+on CPU and CUDA events on a GPU (what the device ran, idle gaps included; the loop itself
+never syncs). A round's *steady* figure for a mode is the 5th percentile of its step times
+that did not run the sampled tier (noise only ever adds time), over the round's plain figure;
+the median over rounds is reported. Sampled steps are costed apart: the median, over all of
+them, of each one's time over its round's plain median. The *ratio* is what a long run pays on
+average at interval N: ``steady + (sampled step - steady) / N``. ``plain-again`` (an A/A pair)
+shows the floor.
 
-Models: the reference GPT of issue 6 (4 layers, width 256, sequence 64, batch 8, bf16 autocast,
-AdamW, clipping) and a small conv net (BatchNorm, ReLU in place). CPU, ``--threads`` threads.
+**Memory** (``--memory``, separate processes, plain and recorded in pairs): the large-vocabulary
+model (16 x 256 x 8192 logits, 134 MB in fp32) trained in an ordinary loop whose ``logits``
+stays bound until the next forward returns. *Between steps*: resident memory (CUDA: the
+allocator's ``memory_allocated``) after ``zero_grad``, median over the steady steps; *peak*:
+``ru_maxrss`` (CUDA: ``max_memory_allocated``). Targets: peak <= +5%; between steps within one
+sampled step's statistics (what a sampled step leaves queued for the flush).
+
+Models: the reference GPT of issue 6 (4 layers, width 256, sequence 64, batch 8), a small conv
+net (BatchNorm, ReLU in place), GPT-2 small (12 layers, width 768, 50257-token vocabulary,
+sequence 1024, batch 8: for GPUs), and the large-vocabulary LM (2 layers, width 256, vocabulary
+8192, sequence 256, batch 16). ``--smoke`` shrinks every model to a few milliseconds per step,
+to check the paths (``gpu_check.sh --device cpu`` uses it).
 """
 
 from __future__ import annotations
@@ -25,11 +52,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
+import platform
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -41,6 +70,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import ampdoctor  # noqa: E402
 from ampdoctor import recorder  # noqa: E402
+
+DEVICE = torch.device("cpu")
+SMOKE = False
+EMULATED = 3.0  # a dtype this many times slower than fp32 at GEMM is emulated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +103,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The reference model: 4 layers, width 256, sequence 64."""
+    """A GPT: the reference model by default (4 layers, width 256, sequence 64)."""
 
     def __init__(self, vocab=512, dim=256, layers=4, heads=4, ctx=64):
         super().__init__()
@@ -99,68 +132,200 @@ class ConvNet(nn.Module):
         return self.fc(self.features(x).flatten(1))
 
 
-DEVICE = torch.device("cpu")
-DTYPE = torch.bfloat16
+# (vocab, dim, layers, heads, sequence, batch); --smoke: every one tiny
+GPTS = {"gpt": (512, 256, 4, 4, 64, 8), "gpt2": (50257, 768, 12, 12, 1024, 8),
+        "lm": (8192, 256, 2, 4, 256, 16)}
+TINY = (512, 64, 2, 2, 32, 4)
+WORKLOADS = ["gpt", "conv", "gpt2", "lm"]
+NAMES = {"gpt": "reference GPT", "conv": "conv net", "gpt2": "GPT-2 small",
+         "lm": "large-vocabulary LM"}
 
 
-def make_workload(name: str, seed: int = 0):
-    """(model, optimizer, batch function, loss function) for a named workload."""
+# ---------------------------------------------------------------------------------------------
+# configurations: the loops users run
+
+
+@dataclass(frozen=True)
+class Config:
+    scaler: bool
+    clip: bool
+    fused: bool
+    dtype: torch.dtype
+
+
+CONFIGS = {
+    "scaler": Config(True, False, False, torch.float16),
+    "scaler+clip": Config(True, True, False, torch.float16),
+    "fused": Config(True, False, True, torch.float16),
+    "clip": Config(False, True, False, torch.bfloat16),
+    "bf16": Config(False, False, False, torch.bfloat16),
+}
+
+
+@dataclass
+class Workload:
+    """One model trained one way; ``step(i)`` is one training step as users write it."""
+
+    model: nn.Module
+    opt: Any
+    scaler: Any
+    batch: Callable[[int], tuple]
+    config: Config
+    autocast: Optional[torch.dtype]  # None: fp32 compute (the dtype is emulated here)
+
+    def step(self, i: int):
+        x, y = self.batch(i)
+        with torch.autocast(DEVICE.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            out = self.model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        sc = self.scaler
+        (sc.scale(loss) if sc is not None else loss).backward()
+        if self.config.clip:
+            if sc is not None:
+                sc.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if sc is not None:
+            sc.step(self.opt)
+            sc.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return out
+
+
+def make_workload(name: str, config: Config, native: dict, seed: int = 0) -> Workload:
     torch.manual_seed(seed)
-    model, opt, batch, loss_fn = _make_workload(name, seed)
-    if DEVICE.type != "cpu":
-        model.to(DEVICE)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cpu_batch = batch
-
-        def batch(i):
-            return tuple(t.to(DEVICE, non_blocking=True) for t in cpu_batch(i))
-    return model, opt, batch, loss_fn
-
-
-def _make_workload(name: str, seed: int):
     g = torch.Generator().manual_seed(seed)
-    if name == "gpt":
-        model = GPT()
-        data = torch.randint(0, 512, (16, 8, 65), generator=g)
-
-        def batch(i):
-            b = data[i % len(data)]
-            return b[:, :-1], b[:, 1:]
-
-        def loss_fn(out, y):
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    else:
+    if name == "conv":
         model = ConvNet()
-        data = torch.randn(16, 16, 3, 32, 32, generator=g)
+        side = 8 if SMOKE else 32
+        data = torch.randn(16, 16, 3, side, side, generator=g)
         labels = torch.randint(0, 10, (16, 16), generator=g)
+        pairs = [(data[i], labels[i]) for i in range(16)]
+    else:
+        vocab, dim, layers, heads, seq, batch = TINY if SMOKE else GPTS[name]
+        model = GPT(vocab, dim, layers, heads, seq)
+        tokens = torch.randint(0, vocab, (4, batch, seq + 1), generator=g)
+        pairs = [(b[:, :-1], b[:, 1:]) for b in tokens]
+    model.to(DEVICE)
+    pairs = [(x.to(DEVICE), y.to(DEVICE)) for x, y in pairs]  # on the device before timing
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=config.fused,
+                            foreach=not config.fused)
+    sc = torch.amp.GradScaler(DEVICE.type) if config.scaler else None
+    dtype = config.dtype if native.get(config.dtype, True) else None
+    return Workload(model, opt, sc, lambda i: pairs[i % len(pairs)], config, dtype)
 
-        def batch(i):
-            return data[i % 16], labels[i % 16]
 
-        loss_fn = F.cross_entropy
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, opt, batch, loss_fn
+# ---------------------------------------------------------------------------------------------
+# the machine: GEMM speed per dtype, CPU capability
 
 
-def step(model, opt, batch, loss_fn, i):
-    """One training step as users write it; on a GPU, it ends with the loss on the host
-    (a logging ``loss.item()``), so that per-step times are real."""
-    x, y = batch(i)
-    with torch.autocast(DEVICE.type, dtype=DTYPE):
-        loss = loss_fn(model(x), y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if DEVICE.type != "cpu":
-        loss.item()
+def gemm_probe() -> dict:
+    """Milliseconds of a 512x1024 @ 1024x1024 matmul per dtype (probe 1 of the notes; a
+    64x128 @ 128x128 one with --smoke)."""
+    m, k = (64, 128) if SMOKE else (512, 1024)
+    a, b = torch.randn(m, k, device=DEVICE), torch.randn(k, k, device=DEVICE)
+    out = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        x, y = a.to(dt), b.to(dt)
+        x @ y
+        _sync()
+        reps = 3 if DEVICE.type == "cpu" else 50
+        t = time.perf_counter()
+        for _ in range(reps):
+            x @ y
+        _sync()
+        out[str(dt).replace("torch.", "")] = (time.perf_counter() - t) / reps * 1e3
+    return out
+
+
+def native_dtypes(gemm: dict) -> dict:
+    base = gemm["float32"]
+    return {dt: gemm[str(dt).replace("torch.", "")] <= EMULATED * base
+            for dt in (torch.bfloat16, torch.float16)}
+
+
+def cpu_capability() -> str:
+    """torch's CPU capability and the low-precision ISA flags of this CPU."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older torch
+        cap = "?"
+    flags: set = set()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"]
+    have = [f for f in wanted if f in flags]
+    return f"{cap} ({' '.join(have) if have else 'no AVX2/AVX-512 flags read'})"
+
+
+def machine() -> dict:
+    gemm = gemm_probe()
+    info = {"device": str(DEVICE), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "gemm": "64x128x128" if SMOKE else "512x1024x1024",
+            "gemm_ms": {k: round(v, 3) for k, v in gemm.items()}}
+    if DEVICE.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(DEVICE)
+        info["native"] = {"bfloat16": True, "float16": True}
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["capability"] = cpu_capability()
+        info["native"] = {str(k).replace("torch.", ""): v for k, v in native_dtypes(gemm).items()}
+    return info
+
+
+def machine_line(info: dict) -> str:
+    g = info["gemm_ms"]
+    parts = []
+    for dt in ("bfloat16", "float16"):
+        how = "native" if info["native"][dt] else "EMULATED: timed in fp32 compute"
+        parts.append(f"{dt} {g[dt]:.2f} ms ({g[dt] / g['float32']:.1f}x fp32, {how})")
+    where = info.get("capability", info["name"])
+    return (f"{info['name']} [{where}], torch {info['torch']}, {info['threads']} threads; GEMM "
+            f"{info['gemm']}: float32 {g['float32']:.2f} ms, " + ", ".join(parts))
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------
+# step times as the device sees them
+
+
+class Timer:
+    """Per-step times of a block of steps: perf_counter on CPU; CUDA events around each step
+    on a GPU, read after the block (the loop itself never syncs)."""
+
+    def __init__(self):
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if DEVICE.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> np.ndarray:
+        if DEVICE.type != "cuda":
+            return np.diff(np.array(self.marks))
+        self.marks[-1].synchronize()
+        return np.array([a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])])
 
 
 # ---------------------------------------------------------------------------------------------
 # modes: each a context manager factory around a block of steps
 
 
-def mode_contexts(model, opt, tmp: str, curve: list[int] | None = None):
+def mode_contexts(w: Workload, tmp: str, modes: str, curve: Optional[list]) -> dict:
     """Mode name -> (context factory, sampled-tier interval or None, run file or None)."""
     def plain():
         return contextlib.nullcontext()
@@ -169,32 +334,20 @@ def mode_contexts(model, opt, tmp: str, curve: list[int] | None = None):
         path = os.path.join(tmp, f"every{n}.h5")
 
         def ctx():
-            return recorder.Recorder(model, opt, path=path, every=n).start()
+            return recorder.Recorder(w.model, w.opt, w.scaler, path=path, every=n).start()
         return ctx, n, path
 
-    modes = {"plain": (plain, None, None), "plain-again": (plain, None, None)}
+    out = {"plain": (plain, None, None), "plain-again": (plain, None, None)}
     if curve:
         for n in curve:
-            modes[f"every={n}"] = ampdoctor_every(n)
-        return modes
-    modes["ampdoctor"] = ampdoctor_every(recorder.DEFAULT_EVERY)
-    modes["ampdoctor --every 1"] = ampdoctor_every(1)
-    modes["detect_anomaly"] = (lambda: torch.autograd.detect_anomaly(check_nan=True), None, None)
-    return modes
-
-
-def hf_detector(model):
-    """transformers' DebugUnderflowOverflow on its own copy of the model (its hooks are
-    permanent), or None when transformers is not installed."""
-    try:
-        from transformers.debug_utils import DebugUnderflowOverflow
-    except Exception:  # noqa: BLE001 - optional: the `bench` extra
-        return None
-    import copy
-
-    twin = copy.deepcopy(model)
-    DebugUnderflowOverflow(twin)
-    return twin
+            out[f"every={n}"] = ampdoctor_every(n)
+        return out
+    out["ampdoctor"] = ampdoctor_every(recorder.DEFAULT_EVERY)
+    if modes == "all":
+        out["ampdoctor --every 1"] = ampdoctor_every(1)
+        out["detect_anomaly"] = (lambda: torch.autograd.detect_anomaly(check_nan=True), None,
+                                 None)
+    return out
 
 
 def _sampled_flags(path: str, first: int, count: int) -> np.ndarray:
@@ -204,65 +357,73 @@ def _sampled_flags(path: str, first: int, count: int) -> np.ndarray:
     return np.array([bool(by_index.get(first + k, 0)) for k in range(count)])
 
 
-def measure(workload: str, rounds: int, steps: int, warmup: int, curve=None) -> dict:
+def _block(w: Workload, factory, steps: int, settle: int, i: int) -> tuple[np.ndarray, int]:
+    """``settle`` untimed steps, then ``steps`` timed ones, under one mode."""
+    timer = Timer()
+    with factory():
+        for _ in range(settle):
+            w.step(i)
+            i += 1
+        for _ in range(steps):
+            timer.mark()
+            w.step(i)
+            i += 1
+        timer.mark()
+        times = timer.seconds()
+    return times, i
+
+
+def measure(workload: str, cname: str, native: dict, rounds: int, steps: int, warmup: int,
+            modes: str = "default", curve: Optional[list] = None) -> dict:
     """Interleaved rounds; per mode a steady ratio (5th percentile of the steps that did not
     sample, over the round's plain 5th percentile), a sampled-step ratio (median of the sampled
     steps, pooled over rounds) and the amortized ratio a long run pays at interval N:
     ``steady + (sampled - steady) / N``. A sampled step costs the same whatever N is (the
     module hooks are installed for that step alone), so where a mode's window holds too few
-    sampled steps (N > steps per round) the ``--every 1`` mode's sampled steps stand in."""
-    model, opt, batch, loss_fn = make_workload(workload)
+    sampled steps (N > steps per round) the ``--every 1`` mode's, else the measured every-step
+    cost, stands in."""
+    w = make_workload(workload, CONFIGS[cname], native)
     settle = 2  # first steps of a block build hooks and caches; untimed
     with tempfile.TemporaryDirectory() as tmp:
-        modes = mode_contexts(model, opt, tmp, curve)
-        twin = None if curve else hf_detector(model)
-        twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-4) if twin is not None else None
-        if twin is not None:
-            modes["transformers DebugUnderflowOverflow"] = (contextlib.nullcontext, None, None)
-        steady: dict[str, list[float]] = {m: [] for m in modes}  # seconds, per round
-        sampled: dict[str, list[float]] = {m: [] for m in modes}  # ratios to plain, per step
+        table = mode_contexts(w, tmp, modes, curve)
+        steady: dict[str, list[float]] = {m: [] for m in table}
+        sampled: dict[str, list[float]] = {m: [] for m in table}
         plain_median = []
         i = 0
         for _ in range(warmup):
-            step(model, opt, batch, loss_fn, i)
+            w.step(i)
             i += 1
+        _sync()
         for r in range(rounds):
-            order = list(modes)
-            if r % 2:
-                order.reverse()  # no mode always runs right after the same other mode
+            order = list(table) if r % 2 == 0 else list(table)[::-1]
             round_sampled: dict[str, np.ndarray] = {}
             for name in order:
-                factory, every, path = modes[name]
-                m, o = (twin, twin_opt) if name.startswith("transformers") else (model, opt)
-                per_step = []
-                with factory():
-                    for _ in range(settle):
-                        step(m, o, batch, loss_fn, i)
-                        i += 1
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        step(m, o, batch, loss_fn, i)
-                        per_step.append(time.perf_counter() - t0)
-                        i += 1
-                per_step = np.array(per_step)
+                factory, every, path = table[name]
+                times, i = _block(w, factory, steps, settle, i)
                 flags = (_sampled_flags(path, settle, steps) if path
                          else np.zeros(steps, dtype=bool))
-                calm = per_step[~flags] if (~flags).sum() >= 5 else per_step
+                calm = times[~flags] if (~flags).sum() >= 5 else times
                 steady[name].append(float(np.percentile(calm, 5)))
-                round_sampled[name] = per_step[flags]
+                round_sampled[name] = times[flags]
                 if name == "plain":
-                    plain_median.append(float(np.median(per_step)))
+                    plain_median.append(float(np.median(times)))
             for name, times in round_sampled.items():
                 sampled[name].extend((times / plain_median[-1]).tolist())
+    return _summary(workload, cname, w, table, steady, sampled, rounds, steps)
+
+
+def _summary(workload, cname, w, table, steady, sampled, rounds, steps) -> dict:
     plain = np.array(steady["plain"])
-    every_step = [name for name, (_, every, _) in modes.items() if every == 1]
+    every_step = [n for n, (_, every, _) in table.items() if every == 1 and sampled[n]]
     reference = float(np.median(sampled[every_step[0]])) if every_step else None
-    out = {"workload": workload, "rounds": rounds, "steps_per_round": steps,
+    compute = str(w.autocast).replace("torch.", "") if w.autocast else "float32"
+    out = {"workload": workload, "config": cname, "compute": compute,
+           "scaler": w.scaler is not None, "rounds": rounds, "steps_per_round": steps,
            "plain_p5_ms": round(float(np.median(plain)) * 1e3, 2), "modes": {}}
     for name, series in steady.items():
         ratios = np.array(series) / plain
         floor = float(np.median(ratios))
-        every = modes[name][1]
+        every = table[name][1]
         row = {"steady": round(floor, 4), "steady_min": round(float(ratios.min()), 4),
                "steady_max": round(float(ratios.max()), 4),
                "steady_ms": round(float(np.median(series)) * 1e3, 2), "every": every}
@@ -270,113 +431,222 @@ def measure(workload: str, rounds: int, steps: int, warmup: int, curve=None) -> 
         if every:
             own = len(sampled[name]) >= 3
             cost = float(np.median(sampled[name])) if own else reference
-            row.update(sampled_step=round(cost, 4), sampled_from="own" if own else "every=1")
+            source = "own" if own else "every=1"
+            if cost is None:  # no sampled step measured at all: the steady figure stands
+                cost, source = floor, "none measured"
+            row.update(sampled_step=round(cost, 4), sampled_from=source)
             ratio = floor + (cost - floor) / every if every > 1 else cost
         row["ratio"] = round(ratio, 4)
         out["modes"][name] = row
     return out
 
 
+def table_text(results: list[dict]) -> str:
+    """The overhead table, one row per configuration and mode (what the README quotes)."""
+    lines = [f"  {'workload':<20} {'config':<12} {'compute':<21} {'plain step':>11}  "
+             f"{'mode':<22} {'ratio':>7}  {'steady':>7} {'steady range':>15}  sampled step"]
+    for res in results:
+        compute = res["compute"] + (" + GradScaler" if res["scaler"] else "")
+        first = True
+        for name, m in res["modes"].items():
+            if name == "plain":
+                continue
+            head = (f"  {NAMES.get(res['workload'], res['workload']):<20} {res['config']:<12} "
+                    f"{compute:<21} {res['plain_p5_ms']:>8.2f} ms  ")
+            head = head if first else " " * len(head)
+            first = False
+            cost = (f"{m['sampled_step']:.3f}x" + (f" ({m['sampled_from']})"
+                                                   if m["sampled_from"] != "own" else "")
+                    if m["every"] else "")
+            lines.append(f"{head}{name:<22} {m['ratio']:>6.3f}x  {m['steady']:>6.3f}x "
+                         f"[{m['steady_min']:.3f}, {m['steady_max']:.3f}]  {cost}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
-# memory and file size: separate processes (peak RSS only ever grows within a process)
+# memory: separate processes (peak RSS only ever grows within a process)
 
 
-def _memory_child(mode: str, workload: str, steps: int, path: str) -> None:
+def _resident() -> int:
+    if DEVICE.type == "cuda":
+        return int(torch.cuda.memory_allocated(DEVICE))
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    if DEVICE.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(DEVICE))
     import resource
 
-    model, opt, batch, loss_fn = make_workload(workload)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _memory_child(mode: str, workload: str, cname: str, native: dict, steps: int,
+                  path: str) -> None:
+    w = make_workload(workload, CONFIGS[cname], native)
     ctx = contextlib.nullcontext() if mode == "plain" else recorder.Recorder(
-        model, opt, path=path).start()
+        w.model, w.opt, w.scaler, path=path).start()
+    between = []
     with ctx:
+        _sync()
+        base = _resident()  # before training: the recorder's own footprint is in it
         for i in range(steps):
-            step(model, opt, batch, loss_fn, i)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if DEVICE.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(DEVICE)  # the allocator's peak, not RSS
-    print(json.dumps({"peak_rss": peak,
-                      "file_bytes": os.path.getsize(path) if os.path.exists(path) else 0}))
+            logits = w.step(i)  # the loop's own: bound until the next forward returns
+            if i >= steps // 4:
+                _sync()
+                between.append(_resident())
+        del logits
+    stats_bytes = 0
+    if mode != "plain" and os.path.exists(path):  # step 0 is sampled: its rows, in bytes
+        stats = ampdoctor.load(path).stats
+        stats_bytes = int((stats.column("step") == 0).sum()) * stats.dtype.itemsize
+    print(json.dumps({"base": base, "between": float(np.median(between)), "between_iqr": float(
+        np.subtract(*np.percentile(between, [75, 25]))), "peak": _peak(),
+        "sampled_stats_bytes": stats_bytes,
+        "file_bytes": os.path.getsize(path) if os.path.exists(path) else 0}))
 
 
-def memory(workload: str, steps: int, pairs: int) -> dict:
-    rss = {"plain": [], "ampdoctor": []}
-    size = []
+def memory(workload: str, cname: str, native: dict, steps: int, pairs: int) -> dict:
+    res: dict = {"plain": [], "ampdoctor": []}
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(pairs):
             for mode in ("plain", "ampdoctor") if p % 2 == 0 else ("ampdoctor", "plain"):
                 path = os.path.join(tmp, f"{mode}{p}.h5")
-                out = subprocess.run(
-                    [sys.executable, __file__, "--memory-child", mode, "--workload", workload,
-                     "--steps", str(steps), "--path", path, "--device", str(DEVICE),
-                     "--dtype", str(DTYPE).replace("torch.", "")],
-                    capture_output=True, text=True, check=True)
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                rss[mode].append(res["peak_rss"])
-                if mode == "ampdoctor":
-                    size.append(res["file_bytes"])
-    ratio = float(np.median(np.array(rss["ampdoctor"]) / np.array(rss["plain"])))
-    return {"workload": workload, "steps": steps, "pairs": pairs,
-            "peak_memory": "CUDA allocator peak" if DEVICE.type == "cuda" else "peak RSS",
-            "peak_plain_mb": round(float(np.median(rss["plain"])) / 2**20, 1),
-            "peak_ratio": round(ratio, 4),
-            "file_bytes_per_step": round(float(np.median(size)) / steps, 1)}
+                cmd = [sys.executable, __file__, "--memory-child", mode, "--workload",
+                       workload, "--config", cname, "--steps", str(steps), "--path", path,
+                       "--device", str(DEVICE), "--native", json.dumps(
+                           {str(k).replace("torch.", ""): v for k, v in native.items()})]
+                if SMOKE:
+                    cmd.append("--smoke")
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                res[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {m: {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+           for m, rows in res.items()}
+    vocab, _, _, _, seq, batch = TINY if SMOKE else GPTS.get(workload, (0,) * 6)
+    return {"workload": workload, "config": cname, "steps": steps, "pairs": pairs,
+            "measure": "CUDA allocator" if DEVICE.type == "cuda" else "RSS",
+            "logits_mb": round(batch * seq * vocab * 4 / 2**20, 1),
+            "between_plain_mb": round(med["plain"]["between"] / 2**20, 1),
+            "between_delta_mb": round((med["ampdoctor"]["between"] - med["plain"]["between"])
+                                      / 2**20, 2),
+            # of which the recorder's footprint before the first step (modules, file, caches),
+            # and what it allocated once training began (the sampled tier, HDF5 chunk caches)
+            "static_mb": round((med["ampdoctor"]["base"] - med["plain"]["base"]) / 2**20, 2),
+            "training_mb": round((med["ampdoctor"]["between"] - med["ampdoctor"]["base"]
+                              - med["plain"]["between"] + med["plain"]["base"]) / 2**20, 2),
+            "between_iqr_mb": round(med["plain"]["between_iqr"] / 2**20, 2),
+            "sampled_stats_kb": round(med["ampdoctor"]["sampled_stats_bytes"] / 1024, 1),
+            "peak_plain_mb": round(med["plain"]["peak"] / 2**20, 1),
+            "peak_ratio": round(med["ampdoctor"]["peak"] / med["plain"]["peak"], 4),
+            "file_bytes_per_step": round(med["ampdoctor"]["file_bytes"] / steps, 1)}
+
+
+def memory_text(m: dict) -> str:
+    return (f"  memory, {NAMES.get(m['workload'], m['workload'])}, {m['config']} "
+            f"({m['measure']}, logits {m['logits_mb']} MB, median of {m['pairs']} pairs): "
+            f"between steps {m['between_plain_mb']} MB plain, {m['between_delta_mb']:+.2f} MB "
+            f"recorded = {m['static_mb']:+.2f} MB before the first step {m['training_mb']:+.2f} "
+            f"MB after (steps' own spread {m['between_iqr_mb']} MB; a sampled step's "
+            f"statistics {m['sampled_stats_kb']} KB); peak {m['peak_plain_mb']} MB plain, "
+            f"{m['peak_ratio']:.3f}x recorded; file {m['file_bytes_per_step']} bytes/step")
+
+
+# ---------------------------------------------------------------------------------------------
+# markdown: the README's tables (gpu_check.sh writes its summary with it)
+
+
+def markdown(paths: list[str]) -> str:
+    """The overhead and memory results of ``--json`` files as the README's markdown tables."""
+    speed = ["| workload | config | compute | plain step | A/A | ampdoctor (default) | "
+             "steady range | machine |", "|---|---|---|---|---|---|---|---|"]
+    mem = ["| workload | config | measured | between steps, plain | recorded | of which after "
+           "the first step | peak, plain | peak, recorded |", "|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        where = data["machine"].get("capability") or data["machine"]["name"]
+        for r in data["results"]:
+            name = NAMES.get(r["workload"], r["workload"])
+            if "modes" in r:
+                m, aa = r["modes"]["ampdoctor"], r["modes"]["plain-again"]
+                compute = r["compute"] + (" + GradScaler" if r["scaler"] else "")
+                speed.append(f"| {name} | {r['config']} | {compute} | {r['plain_p5_ms']} ms | "
+                             f"{aa['ratio']:.3f}x | **{m['ratio']:.3f}x** | "
+                             f"{m['steady_min']:.3f}-{m['steady_max']:.3f} | {where} |")
+            else:
+                mem.append(f"| {name} | {r['config']} | {r['measure']} | "
+                           f"{r['between_plain_mb']} MB | {r['between_delta_mb']:+.2f} MB | "
+                           f"{r['training_mb']:+.2f} MB | {r['peak_plain_mb']} MB | "
+                           f"{r['peak_ratio']:.3f}x |")
+    tables = [t for t in (speed, mem) if len(t) > 2]
+    return "\n\n".join("\n".join(t) for t in tables)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def table(result: dict) -> str:
-    lines = [f"{result['workload']}: plain step {result['plain_p5_ms']} ms (5th pct), "
-             f"{result['rounds']} rounds x {result['steps_per_round']} steps",
-             f"  {'mode':<36} {'ratio':>7}  {'steady':>7} {'steady range':>15}  "
-             f"{'sampled step':>12}"]
-    for name, m in result["modes"].items():
-        if name == "plain":
-            continue
-        cost = (f"{m['sampled_step']:>11.3f}x" + (" (every=1)" if m["sampled_from"] != "own"
-                                                  else "")) if m["every"] else ""
-        lines.append(f"  {name:<36} {m['ratio']:>6.3f}x  {m['steady']:>6.3f}x "
-                     f"[{m['steady_min']:.3f}, {m['steady_max']:.3f}]  {cost}")
-    return "\n".join(lines)
-
-
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=["gpt", "conv", "all"], default="all")
+    parser.add_argument("--workload", choices=WORKLOADS + ["all"], default="gpt")
+    parser.add_argument("--config", default="all",
+                        help=f"comma-separated, of: {', '.join(CONFIGS)} (default all)")
+    parser.add_argument("--modes", choices=["default", "all"], default="default",
+                        help="all: also --every 1 and detect_anomaly")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--curve", action="store_true", help="overhead vs sampling interval")
-    parser.add_argument("--memory", action="store_true", help="peak RSS and file growth")
+    parser.add_argument("--memory", action="store_true", help="between steps and at peak")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--smoke", action="store_true", help="tiny models: check the paths")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--markdown", nargs="+", metavar="JSON",
+                        help="print these --json results as the README's markdown tables")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    global DEVICE, DTYPE
-    DEVICE, DTYPE = torch.device(args.device), getattr(torch, args.dtype)
+    parser.add_argument("--native", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    global DEVICE, SMOKE
+    args = parse()
+    if args.markdown:
+        return print(markdown(args.markdown))
+    DEVICE, SMOKE = torch.device(args.device), args.smoke
     torch.set_num_threads(args.threads)
-    workloads = ["gpt", "conv"] if args.workload == "all" else [args.workload]
+    configs = list(CONFIGS) if args.config == "all" else args.config.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    workloads = WORKLOADS if args.workload == "all" else [args.workload]
     if args.memory_child:
-        return _memory_child(args.memory_child, workloads[0], args.steps, args.path)
+        native = {getattr(torch, k): v for k, v in json.loads(args.native).items()}
+        return _memory_child(args.memory_child, workloads[0], configs[0], native, args.steps,
+                             args.path)
+    info = machine()
+    print(machine_line(info), flush=True)
+    native = {getattr(torch, k): v for k, v in info["native"].items()}
     results = []
-    for w in workloads:
-        if args.memory:
-            res = memory(w, max(args.steps, 200), args.pairs)
-            print(json.dumps(res))
-        else:
-            curve = [1, 2, 5, 10, 20, 50, 100, 200, 1000] if args.curve else None
-            res = measure(w, args.rounds, args.steps, args.warmup, curve)
-            print(table(res), flush=True)
-        results.append(res)
+    for wl in workloads:
+        for cname in configs:
+            if args.memory:
+                res = memory(wl, cname, native, args.steps, args.pairs)
+                print(memory_text(res), flush=True)
+            else:
+                curve = [1, 2, 5, 10, 20, 50, 100, 200, 1000] if args.curve else None
+                res = measure(wl, cname, native, args.rounds, args.steps, args.warmup,
+                              args.modes, curve)
+            results.append(res)
+    if not args.memory:
+        print(table_text(results), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"torch": torch.__version__, "threads": args.threads,
-                       "device": str(DEVICE), "dtype": args.dtype,
-                       "default_every": recorder.DEFAULT_EVERY, "results": results}, fh,
-                      indent=2)
+            json.dump({"machine": info, "default_every": recorder.DEFAULT_EVERY,
+                       "results": results}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ def bench(*args: str) -> str:
 
 def test_overhead_reports_every_mode(tmp_path):
     path = tmp_path / "o.json"
-    bench("overhead.py", "--workload", "conv", "--rounds", "1", "--steps", "6", "--warmup",
-          "1", "--json", str(path))
+    bench("overhead.py", "--smoke", "--workload", "conv", "--config", "clip", "--modes", "all",
+          "--rounds", "1", "--steps", "6", "--warmup", "1", "--json", str(path))
     result = json.loads(path.read_text())
+    assert set(result["machine"]["gemm_ms"]) == {"float32", "bfloat16", "float16"}
     modes = result["results"][0]["modes"]
     assert {"plain", "plain-again", "ampdoctor", "ampdoctor --every 1",
             "detect_anomaly"} <= set(modes)
@@ -36,6 +37,23 @@ def test_overhead_reports_every_mode(tmp_path):
     lo, hi = sorted((default["steady"], default["sampled_step"]))
     assert lo <= default["ratio"] <= hi
     assert all(m["ratio"] > 0 for m in modes.values())
+
+
+def test_overhead_covers_the_configurations_users_run(tmp_path):
+    """Every configuration of the table and the memory pairs, on tiny models (the paths
+    gpu_check.sh runs on CUDA)."""
+    path = tmp_path / "o.json"
+    out = bench("overhead.py", "--smoke", "--rounds", "1", "--steps", "5", "--warmup", "1",
+                "--json", str(path))
+    assert "GEMM 64x128x128: float32" in out.splitlines()[0]
+    results = json.loads(path.read_text())["results"]
+    assert [r["config"] for r in results] == ["scaler", "scaler+clip", "fused", "clip", "bf16"]
+    assert [r["scaler"] for r in results] == [True, True, True, False, False]
+    memory = tmp_path / "m.json"
+    bench("overhead.py", "--smoke", "--memory", "--workload", "lm", "--config", "fused",
+          "--steps", "6", "--pairs", "1", "--json", str(memory))
+    m = json.loads(memory.read_text())["results"][0]
+    assert m["peak_ratio"] > 0 and m["between_plain_mb"] > 0 and m["sampled_stats_kb"] > 0
 
 
 def test_diagnose_speed_finds_the_overflow():

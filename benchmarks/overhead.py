@@ -30,7 +30,9 @@ that did not run the sampled tier (noise only ever adds time), over the round's 
 the median over rounds is reported. Sampled steps are costed apart: the median, over all of
 them, of each one's time over its round's plain median. The *ratio* is what a long run pays on
 average at interval N: ``steady + (sampled step - steady) / N``. ``plain-again`` (an A/A pair)
-shows the floor.
+shows the floor. ``ampdoctor`` is the default recorder, amortized over the default interval
+(100); within a block it samples every 10th step so that its own sampled steps are costed (a
+sampled step costs the same whatever the interval, and the steps between are the same).
 
 **Memory** (``--memory``, separate processes, plain and recorded in pairs): the large-vocabulary
 model (16 x 256 x 8192 logits, 134 MB in fp32) trained in an ordinary loop whose ``logits``
@@ -325,24 +327,29 @@ class Timer:
 # modes: each a context manager factory around a block of steps
 
 
-def mode_contexts(w: Workload, tmp: str, modes: str, curve: Optional[list]) -> dict:
-    """Mode name -> (context factory, sampled-tier interval or None, run file or None)."""
+def mode_contexts(w: Workload, tmp: str, modes: str, curve: Optional[list],
+                  steps: int) -> dict:
+    """Mode name -> (context factory, sampled-tier interval it is amortized over or None, run
+    file or None). The default mode samples every ``steps // 3`` steps (at most 10) within a
+    block, so that its own sampled steps are costed; amortized over the default interval that
+    is the default's figure (a sampled step costs the same whatever the interval, and the
+    steps between are the same steps)."""
     def plain():
         return contextlib.nullcontext()
 
-    def ampdoctor_every(n):
+    def ampdoctor_every(n, amortized=None):
         path = os.path.join(tmp, f"every{n}.h5")
 
         def ctx():
             return recorder.Recorder(w.model, w.opt, w.scaler, path=path, every=n).start()
-        return ctx, n, path
+        return ctx, amortized or n, path
 
     out = {"plain": (plain, None, None), "plain-again": (plain, None, None)}
     if curve:
         for n in curve:
             out[f"every={n}"] = ampdoctor_every(n)
         return out
-    out["ampdoctor"] = ampdoctor_every(recorder.DEFAULT_EVERY)
+    out["ampdoctor"] = ampdoctor_every(max(2, min(10, steps // 3)), recorder.DEFAULT_EVERY)
     if modes == "all":
         out["ampdoctor --every 1"] = ampdoctor_every(1)
         out["detect_anomaly"] = (lambda: torch.autograd.detect_anomaly(check_nan=True), None,
@@ -380,12 +387,11 @@ def measure(workload: str, cname: str, native: dict, rounds: int, steps: int, wa
     steps, pooled over rounds) and the amortized ratio a long run pays at interval N:
     ``steady + (sampled - steady) / N``. A sampled step costs the same whatever N is (the
     module hooks are installed for that step alone), so where a mode's window holds too few
-    sampled steps (N > steps per round) the ``--every 1`` mode's, else the measured every-step
-    cost, stands in."""
+    sampled steps (N > steps per round) the ``--every 1`` mode's stands in."""
     w = make_workload(workload, CONFIGS[cname], native)
     settle = 2  # first steps of a block build hooks and caches; untimed
     with tempfile.TemporaryDirectory() as tmp:
-        table = mode_contexts(w, tmp, modes, curve)
+        table = mode_contexts(w, tmp, modes, curve, steps)
         steady: dict[str, list[float]] = {m: [] for m in table}
         sampled: dict[str, list[float]] = {m: [] for m in table}
         plain_median = []
@@ -409,7 +415,43 @@ def measure(workload: str, cname: str, native: dict, rounds: int, steps: int, wa
                     plain_median.append(float(np.median(times)))
             for name, times in round_sampled.items():
                 sampled[name].extend((times / plain_median[-1]).tolist())
-    return _summary(workload, cname, w, table, steady, sampled, rounds, steps)
+    out = _summary(workload, cname, w, table, steady, sampled, rounds, steps)
+    if curve is None:
+        out["modes"]["ampdoctor"]["own_us"] = round(own_time(w, steps) * 1e6, 1)
+    return out
+
+
+def own_time(w: Workload, steps: int) -> float:
+    """Seconds per steady step spent in ampdoctor's own code (every hook goes through
+    ``patches.guard``): the median over steps of the time inside it, a figure the machine's
+    load moves far less than the ratios. On CPU it includes the recorder's kernels (they run
+    inside its hooks) and the flushes, about one a second; on a GPU, the host time only."""
+    from ampdoctor import patches
+
+    spent = [0.0]
+    original = patches.guard
+
+    def timed(listener, method, *args):
+        t = time.perf_counter()
+        try:
+            return original(listener, method, *args)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    per_step = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = recorder.Recorder(w.model, w.opt, w.scaler, path=os.path.join(tmp, "own.h5"))
+        with rec.start():
+            w.step(0)  # step 0: sampled, metadata; not counted
+            patches.guard = timed
+            try:
+                for i in range(1, steps + 1):
+                    spent[0] = 0.0
+                    w.step(i)
+                    per_step.append(spent[0])
+            finally:
+                patches.guard = original
+    return float(np.median(per_step))
 
 
 def _summary(workload, cname, w, table, steady, sampled, rounds, steps) -> dict:
@@ -444,7 +486,8 @@ def _summary(workload, cname, w, table, steady, sampled, rounds, steps) -> dict:
 def table_text(results: list[dict]) -> str:
     """The overhead table, one row per configuration and mode (what the README quotes)."""
     lines = [f"  {'workload':<20} {'config':<12} {'compute':<21} {'plain step':>11}  "
-             f"{'mode':<22} {'ratio':>7}  {'steady':>7} {'steady range':>15}  sampled step"]
+             f"{'mode':<22} {'ratio':>7}  {'steady':>7} {'steady range':>15}  sampled step"
+             f"  own time/step"]
     for res in results:
         compute = res["compute"] + (" + GradScaler" if res["scaler"] else "")
         first = True
@@ -458,8 +501,9 @@ def table_text(results: list[dict]) -> str:
             cost = (f"{m['sampled_step']:.3f}x" + (f" ({m['sampled_from']})"
                                                    if m["sampled_from"] != "own" else "")
                     if m["every"] else "")
+            own = f"{m['own_us']:.0f} us" if "own_us" in m else ""
             lines.append(f"{head}{name:<22} {m['ratio']:>6.3f}x  {m['steady']:>6.3f}x "
-                         f"[{m['steady_min']:.3f}, {m['steady_max']:.3f}]  {cost}")
+                         f"[{m['steady_min']:.3f}, {m['steady_max']:.3f}]  {cost:<12}  {own}")
     return "\n".join(lines)
 
 
@@ -559,7 +603,8 @@ def memory_text(m: dict) -> str:
 def markdown(paths: list[str]) -> str:
     """The overhead and memory results of ``--json`` files as the README's markdown tables."""
     speed = ["| workload | config | compute | plain step | A/A | ampdoctor (default) | "
-             "steady range | machine |", "|---|---|---|---|---|---|---|---|"]
+             "steady range | ampdoctor's own time | machine |",
+             "|---|---|---|---|---|---|---|---|---|"]
     mem = ["| workload | config | measured | between steps, plain | recorded | of which after "
            "the first step | peak, plain | peak, recorded |", "|---|---|---|---|---|---|---|---|"]
     for path in paths:
@@ -573,7 +618,8 @@ def markdown(paths: list[str]) -> str:
                 compute = r["compute"] + (" + GradScaler" if r["scaler"] else "")
                 speed.append(f"| {name} | {r['config']} | {compute} | {r['plain_p5_ms']} ms | "
                              f"{aa['ratio']:.3f}x | **{m['ratio']:.3f}x** | "
-                             f"{m['steady_min']:.3f}-{m['steady_max']:.3f} | {where} |")
+                             f"{m['steady_min']:.3f}-{m['steady_max']:.3f} | "
+                             f"{m.get('own_us', float('nan')):.0f} µs/step | {where} |")
             else:
                 mem.append(f"| {name} | {r['config']} | {r['measure']} | "
                            f"{r['between_plain_mb']} MB | {r['between_delta_mb']:+.2f} MB | "
@@ -588,7 +634,8 @@ def markdown(paths: list[str]) -> str:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=WORKLOADS + ["all"], default="gpt")
+    parser.add_argument("--workload", choices=WORKLOADS + ["all"], default="gpt",
+                        help="all: gpt and conv (the CPU-sized ones)")
     parser.add_argument("--config", default="all",
                         help=f"comma-separated, of: {', '.join(CONFIGS)} (default all)")
     parser.add_argument("--modes", choices=["default", "all"], default="default",
@@ -622,7 +669,7 @@ def main() -> None:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         sys.exit(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
-    workloads = WORKLOADS if args.workload == "all" else [args.workload]
+    workloads = ["gpt", "conv"] if args.workload == "all" else [args.workload]
     if args.memory_child:
         native = {getattr(torch, k): v for k, v in json.loads(args.native).items()}
         return _memory_child(args.memory_child, workloads[0], configs[0], native, args.steps,

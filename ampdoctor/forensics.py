@@ -747,7 +747,7 @@ def _write_arrays(writer: Any, sid: int, items: list) -> dict:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_complex() \
                 or t.device.type == "meta":
             continue
-        t = t.detach()
+        t = sharding.local(t).detach()  # a DTensor batch (tensor parallel): this rank's part
         per_row = t[0].numel() * t.element_size() if t.ndim and len(t) else t.element_size()
         keep = t.numel() if not t.ndim else min(len(t), budget // max(per_row, 1))
         if keep <= 0 or (not t.ndim and t.element_size() > budget):

@@ -619,7 +619,9 @@ class Recorder:
 
     def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
-        value = loss.detach().reshape(()).float()
+        # A DTensor loss (loss_parallel): its local value; reading the DTensor would be a
+        # collective that a rank whose replay budget ran out earlier would not join.
+        value = sharding.local(loss.detach()).reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         if not st.loss_dtype:

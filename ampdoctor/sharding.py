@@ -55,14 +55,23 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _dtensor_class() -> Optional[type]:
     """DTensor, if torch.distributed.tensor is loaded (never imported here: a model that is
     not sharded must not pay for it)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None)
+    return _loaded("DTensor", "torch.distributed.tensor", "torch.distributed._tensor")
 
 
 def _fsdp_classes() -> tuple[Optional[type], Optional[type]]:
     """(FSDPModule, FullyShardedDataParallel), where torch.distributed.fsdp is loaded."""
-    mod = sys.modules.get("torch.distributed.fsdp")
-    return getattr(mod, "FSDPModule", None), getattr(mod, "FullyShardedDataParallel", None)
+    return (_loaded("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp"),
+            _loaded("FullyShardedDataParallel", "torch.distributed.fsdp"))
+
+
+def _loaded(name: str, *modules: str) -> Optional[type]:
+    """``name`` from the first of ``modules`` already imported (before torch 2.4-2.6 these
+    lived in private modules)."""
+    for module in modules:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            return cls
+    return None
 
 
 def is_dtensor(t: Any) -> bool:

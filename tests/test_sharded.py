@@ -30,7 +30,7 @@ def torchrun(*args):
 
 def run(cmd, cwd):
     proc = subprocess.run(cmd, cwd=cwd, env=python_env(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=180)  # a hang fails the test
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -144,13 +144,19 @@ def test_fsdp2_nan_batch_without_clip_is_bad_input_on_its_rank(healthy, tmp_path
 
 
 @pytest.mark.slow
-def test_fsdp1_clip_method_gives_the_global_norm(tmp_path):
-    proc = record(tmp_path, "--fsdp", "1", "--bad-rank", "0", "--bad-step", "7")
-    assert "first non-finite at step 7 on rank 0" in ours(proc.stderr)[-1]
+def test_fsdp1_fp16_sharded_scaler_and_clip_method(tmp_path):
+    proc = record(tmp_path, "--fsdp", "1", "--autocast", "float16", "--scaler",
+                  "--bad-rank", "0", "--bad-step", "7")
+    assert "1 skipped, first non-finite at step 7 on rank 0" in ours(proc.stderr)[-1]
     for rank in (0, 1):
         with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as r:
             s = r.steps
             assert r.meta["sharding"]["kind"] == "fsdp1"
+            # ShardedGradScaler is imported after recording began: its overrides seen anyway
+            assert r.meta["scaler"]["class"] == "ShardedGradScaler"
+            assert r.meta["autocast"]["dtype"] == "float16"
+            assert np.flatnonzero(s["skipped"]).tolist() == [7]  # both ranks skipped it
+            assert s["scale"][8] == s["scale"][7] / 2
             assert r.meta["sharding"]["strategy"] == ["FULL_SHARD"]
             assert r.meta["roots"] == ["Net"]  # the model inside the wrapper
             names = set(str(n) for n in r.tensors["name"])

@@ -214,6 +214,15 @@ def per_shard(d: Any, meta: dict) -> Any:
     return d
 
 
+def combine_into(run: Any, others: list[str]) -> int:
+    """``combine_grad_norms`` for one loaded rank file (the report's curves), reading the
+    other ranks' files ``others`` only for their shares."""
+    from .store import load
+
+    with contextlib.ExitStack() as stack:
+        return combine_grad_norms([run] + [stack.enter_context(load(p)) for p in others])
+
+
 def sharding_notes(meta: dict, steps: Any) -> list[str]:
     """What a diagnosis of a sharded run (FSDP) must say: per-layer numbers are per shard,
     forensic replay is off and why, and grad norms still per rank in this file."""

@@ -138,6 +138,8 @@ def test_fsdp2_nan_batch_without_clip_is_bad_input_on_its_rank(healthy, tmp_path
     assert any(t.startswith("rank 1 went non-finite first, at step 5") for t in texts)
     assert any("no replay under FSDP" in t for t in texts)
     assert any("combined from the 2 ranks' shards" in n for n in d["notes"])
+    with ampdoctor.release_report(str(tmp_path / "run.h5")) as rep:  # rank 0, combined
+        assert rep.summary.peak_grad_norm == pytest.approx(max(clipped), rel=1e-5)
     # One rank's file alone: its grad norm is a share, and the note says how to combine
     alone = diagnose(tmp_path, "run.rank0.h5")
     assert any("this rank's share" in n for n in alone["notes"])

@@ -156,7 +156,9 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     facts = Facts(run)
     chosen = rules if rules is not None else _rules.RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
-    return _conclude(facts, findings)
+    from . import ranks
+
+    return ranks.per_shard(_conclude(facts, findings), run.meta)
 
 
 def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
@@ -261,6 +263,10 @@ def _missing(f: Any) -> str:
         elif f.snapshots:
             missing.append(f"the {len(f.snapshots)} forensic replays found every value finite "
                            "(the overflow is in a parameter's gradient, or did not reproduce)")
+        elif isinstance(f.meta.get("sharding"), dict) and \
+                f.meta["sharding"].get("replay") == "off":
+            missing.append("forensic replay is off for a sharded model (a rank replaying "
+                           "alone would hang the job), and each rank's batch was finite")
         else:
             missing.append("no forensic replay was recorded for the failing steps")
     if not f.sampled_steps:
@@ -316,6 +322,9 @@ def notes(f: Any, top: Finding) -> list[str]:
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
     out += _coverage_notes(f, top)
+    from . import ranks  # a sharded (FSDP) run: per-shard numbers, replay off
+
+    out += ranks.sharding_notes(f.meta, f.steps)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")

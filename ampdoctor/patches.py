@@ -5,7 +5,8 @@ A recorder sees a training loop through five doors, all opened here and nowhere 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
 * ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
-* ``torch.nn.utils.clip_grad_norm_``: the pre-clip norm and the unscale/clip order;
+* ``torch.nn.utils.clip_grad_norm_`` (and FSDP1's ``clip_grad_norm_`` method, patched once
+  a sharded model is seen): the pre-clip norm and the unscale/clip order;
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
 * global module forward hooks, installed only while discovering the model or sampling a step.
 
@@ -137,7 +138,9 @@ def patch_scaler(patches: PatchSet, listener: Any) -> None:
               "__init__": init}
     for cls in _scaler_classes():
         for name, make in makers.items():
-            if name in cls.__dict__:
+            # Called again once a sharded model is seen: ShardedGradScaler, imported after
+            # recording began, gets its overrides patched then (the rest are left as they are).
+            if name in cls.__dict__ and not hasattr(cls.__dict__[name], _MARK):
                 patches.add(Patch(cls, name, make))
 
 
@@ -172,6 +175,24 @@ def patch_clip(patches: PatchSet, listener: Any) -> None:
     if getattr(torch.nn.utils, "clip_grad_norm_", None) is patch.original:
         utils_patch = Patch(torch.nn.utils, "clip_grad_norm_", lambda _orig: patch.wrapper)
         patches.add(utils_patch)
+
+
+def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> None:
+    """See a wrapper's own ``clip_grad_norm_`` method (FSDP1's, which combines the shards
+    with a collective): ``after_clip`` is told the norm it returns is global."""
+    if cls is None or "clip_grad_norm_" not in cls.__dict__:
+        return
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_clip", list(self.parameters()))
+            out = orig(self, *args, **kwargs)
+            guard(listener, "after_clip", out, True)
+            return out
+        return wrapper
+
+    patches.add(Patch(cls, "clip_grad_norm_", make))
 
 
 def hook_optimizers(patches: PatchSet, listener: Any) -> None:

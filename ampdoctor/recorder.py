@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from . import __version__, patches, schema, stats, store
+from . import __version__, patches, schema, sharding, stats, store
 from .errors import AmpDoctorError, RecorderFault
 from .sampler import Sampler
 from .schema import Event, Kind, flag
@@ -156,6 +156,7 @@ class Recorder:
         self._own_optimizer: dict[int, bool] = {}
         self._warned: set[str] = set()
         self._device: Optional[torch.device] = None
+        self._sharding: Optional[sharding.Sharding] = None
         self.forensics = None
         self.replays = 0
         self.active = False
@@ -497,18 +498,33 @@ class Recorder:
             inner = _unwrap(root)
             self.names[root] = prefix.rstrip(".") or type(inner).__name__
             for name, m in inner.named_modules():
+                name = sharding.clean_name(name)
                 if name:
                     self.names[m] = prefix + name
             for name, p in inner.named_parameters():
-                self.param_names[id(p)] = prefix + name
+                self.param_names[id(p)] = prefix + sharding.clean_name(name)
             self._root_hooks.add(root.register_forward_pre_hook(
                 lambda m, a, k: patches.guard(self, "root_pre", m, a, k), with_kwargs=True))
             self._root_hooks.add(root.register_forward_hook(
                 lambda m, a, o: patches.guard(self, "root_post", m, a, o)))
         self._device = _first_device(roots)
+        self._adopt_sharding(roots)
         self._meta("roots", [type(_unwrap(r)).__name__ for r in roots])
         self._meta("model", _model_summary(roots))
         self._meta("device", _device_info(self._device))
+
+    def _adopt_sharding(self, roots: list[torch.nn.Module]) -> None:
+        """A sharded model (FSDP2, FSDP1): per-shard statistics, norms from shards, no
+        replay (sharding.py); /meta says so."""
+        found = sharding.detect(roots, self.world_size)
+        if found is None:
+            return
+        if self._sharding is None:
+            patches.patch_scaler(self._patches, self)  # ShardedGradScaler, loaded since
+            if found.kind == "fsdp1":
+                patches.patch_clip_method(self._patches, self, sharding.fsdp1_class())
+        self._sharding = found
+        self._meta("sharding", found.meta(self.forensics_on))
 
     def _adopt_scaler(self, scaler: Any) -> None:
         self.scaler = scaler
@@ -603,7 +619,9 @@ class Recorder:
 
     def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
-        value = loss.detach().reshape(()).float()
+        # A DTensor loss (loss_parallel): its local value; reading the DTensor would be a
+        # collective that a rank whose replay budget ran out earlier would not join.
+        value = sharding.local(loss.detach()).reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         if not st.loss_dtype:
@@ -646,6 +664,12 @@ class Recorder:
         if st.grad_norm is not None:
             return
         params = self._trained_params(st.fallback)
+        if self._sharding is not None:  # no rank holds the whole gradient: its share
+            share = self._sharding.norm_share(params)
+            if share is not None:
+                st.grad_norm = self._unscaled(share)
+                st.flags |= flag(Event.GRAD_NORM_LOCAL)
+            return
         grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
         if grads:
             st.grad_norm = self._unscaled(_global_norm(grads))
@@ -681,12 +705,15 @@ class Recorder:
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         self._grads_ready(fallback=params)
 
-    def after_clip(self, total_norm: Any) -> None:
+    def after_clip(self, total_norm: Any, combined: bool = False) -> None:
+        """``combined``: FSDP1's ``model.clip_grad_norm_`` returned it (a global norm)."""
         if isinstance(total_norm, torch.Tensor):
             st = self._step
-            st.clip_norm = total_norm.detach().float().reshape(())
-            if st.grad_norm is None:
+            st.clip_norm, whole = sharding.clip_result(total_norm, self._sharding, combined)
+            share = flag(Event.GRAD_NORM_LOCAL)
+            if st.grad_norm is None or (whole and st.flags & share):  # a global norm wins
                 st.grad_norm = self._unscaled(st.clip_norm)
+                st.flags = (st.flags & ~share) | (0 if whole else share)
 
     # ---------------------------------------------------------------------------------------
     # optimizer and scaler steps
@@ -810,7 +837,8 @@ class Recorder:
         if not buffers:
             return
         dev = buffers[0][1].device
-        finite = torch.stack([torch.isfinite(b).all().to(dev) for _, b, _ in buffers]).tolist()
+        finite = torch.stack([torch.isfinite(sharding.local(b)).all().to(dev)
+                              for _, b, _ in buffers]).tolist()
         for (name, b, owner), ok in zip(buffers, finite):
             if not ok:
                 tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
@@ -1015,10 +1043,10 @@ def _is_wrapper(module: torch.nn.Module) -> bool:
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
+    """The user's model inside DDP/DataParallel/FSDP1/torch.compile wrappers (for names)."""
     for _ in range(4):
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and _is_wrapper(module):
+        if inner is None and (_is_wrapper(module) or sharding.is_fsdp1(module)):
             inner = getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return module

@@ -143,6 +143,7 @@ def release_report(run: Any, baseline: Any = None, **compare_options: Any) -> Re
         d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
         loaded, owned = load(paths[0]), True
         if len(paths) > 1:
+            ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms
             notes.append(f"Curves and figures are rank {loaded.rank}'s ({loaded.path}); the "
                          f"diagnosis reads all {len(paths)} ranks.")
     else:

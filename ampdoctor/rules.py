@@ -338,8 +338,10 @@ def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence
     inputs = [s for s in f.snapshots if s["phase"] == "input"]
     if inputs:
         s = inputs[0]
+        how = "batch check; no replay under FSDP" if str(
+            (s["detail"] or {}).get("replay", "")).startswith("off") else "forensic replay"
         ev = [Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']} "
-                       "held NaN/inf (forensic replay)", "input_nonfinite_step", None,
+                       f"held NaN/inf ({how})", "input_nonfinite_step", None,
                        s["step"], s["module"])]
         if len(inputs) > 1:
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "

@@ -81,7 +81,7 @@ def diagnose(run: Any, **options: Any) -> "Diagnosis":
 
 def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
     """fp32 parity: a baseline run (fp32 or bf16) against a mixed-precision run of the same
-    training, paths or loaded ``Run`` objects (see ``ampdoctor.parity``).
+    training, paths or loaded ``Run`` objects (see ``ampdoctor.comparison``).
 
     Example::
 
@@ -89,7 +89,7 @@ def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
         c.verdict            # 'match', 'drift' or 'diverged'
         c.divergence_step, c.speedup, c.memory_ratio
     """
-    from .parity import compare as _compare
+    from .comparison import compare as _compare
 
     return _compare(base, amp, **options)
 
@@ -140,7 +140,7 @@ def __getattr__(name: str) -> Any:
 
         return Diagnosis
     if name == "Comparison":
-        from .parity import Comparison
+        from .comparison import Comparison
 
         return Comparison
     if name == "ReleaseReport":

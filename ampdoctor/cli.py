@@ -181,9 +181,9 @@ def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: 
         ampdoctor compare fp32.h5 amp.h5 --format markdown
         ampdoctor compare fp32.h5 amp.h5 --fail-on diverged     # exit 1 if it diverged
     """
-    from . import parity, report_release
+    from . import comparison, report_release
 
-    c = parity.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
+    c = comparison.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
     click.echo(report_release.render_comparison(c, fmt), nl=False)
     if (fail_on == "diverged" and c.verdict == "diverged") or (
             fail_on == "drift" and c.verdict in ("drift", "diverged")):

@@ -1,7 +1,7 @@
 """The release report's data: diagnosis, summary figures, dtype decision, fp16 readiness, parity.
 
 numpy only. ``release_report`` gathers what a release note about a mixed-precision training
-run needs, from the library's own answers (``analyze.diagnose``, ``readiness``, ``parity``)
+run needs, from the library's own answers (``analyze.diagnose``, ``readiness``, ``comparison``)
 plus the run's headline numbers and the hardware it ran on; ``report_release`` renders it as
 one self-contained HTML page or as Markdown, with ``plots`` drawing the curves.
 
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .parity import Comparison, compare, median_step_time, peak_memory
+from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
 from .schema import Event, flag
 

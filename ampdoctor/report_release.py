@@ -19,7 +19,7 @@ import math
 from typing import Any, Optional
 
 from . import __version__
-from .parity import percent as _pct
+from .comparison import percent as _pct
 from .report import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")

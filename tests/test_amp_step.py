@@ -169,7 +169,7 @@ MISUSES = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 @pytest.mark.parametrize("step,kw,vid,fix", MISUSES, ids=[m[0].__name__ if callable(m[0])
                                                          and m[0].__name__ != "step" else m[2]
                                                          for m in MISUSES])

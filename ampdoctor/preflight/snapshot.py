@@ -26,17 +26,18 @@ class Snapshot:
     """The state of ``model`` (parameters, ``.grad``, buffers, train/eval flags),
     ``optimizer`` (state and param groups), ``scaler`` and the RNGs (torch CPU and CUDA,
     Python's ``random``, numpy's global one); LR schedulers are added with ``add_scheduler``
-    as they are met. ``restore`` may be called once."""
+    as they are met. ``params=False`` leaves parameters and ``.grad`` out (a forward-only
+    user such as ``parity`` that never writes them). ``restore`` may be called once."""
 
     def __init__(self, model: Optional[torch.nn.Module], optimizer: Any = None,
-                 scaler: Any = None):
+                 scaler: Any = None, *, params: bool = True):
         self._rng = _rng_state()
         modules = list(model.modules()) if model is not None else []
         self._training = [(m, m.training) for m in modules]
-        params = _unique(list(model.parameters()) if model is not None else [])
+        kept = _unique(list(model.parameters()) if model is not None and params else [])
         if optimizer is not None:
-            params = _unique(params + [p for g in optimizer.param_groups for p in g["params"]])
-        self._params = [_TensorState(p) for p in params]
+            kept = _unique(kept + [p for g in optimizer.param_groups for p in g["params"]])
+        self._params = [_TensorState(p) for p in kept]
         self._buffers = [(m, name, b, b.detach().clone() if b is not None else None)
                          for m in modules for name, b in m._buffers.items()]
         self._optimizer = _OptimizerState(optimizer) if optimizer is not None else None

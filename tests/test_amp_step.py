@@ -296,7 +296,7 @@ def test_the_fixture_is_registered_by_the_plugin(pytester):
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             amp_contract(step, model, opt, None, torch.randn(4, 3))
     """)
-    result = pytester.runpytest_subprocess("-p", "ampdoctor.testing")
+    result = pytester.runpytest_inprocess("-p", "ampdoctor.testing")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*AMP step contract broken (1): grad_not_zeroed*"])
 

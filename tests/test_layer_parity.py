@@ -312,3 +312,33 @@ def test_rendering_a_saved_result_needs_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=python_env())
     assert out.stdout.strip() == "Cancel", out.stderr
+
+
+def test_the_readme_example_overflows_in_fp16_and_is_ok_in_bf16(capsys):
+    from conftest import ROOT
+
+    target = os.path.join(ROOT, "fixtures", "examples", "layer_parity.py") + ":make"
+    assert cli.main(["parity", target, "--dtype", "float16", "--fail-on", "overflows"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("parity: overflows\n")
+    assert "  blocks.1.attn (Attention): " in out and "are inf/NaN in float16" in out
+    assert cli.main(["parity", target, "--dtype", "bfloat16", "--fail-on", "lossy"]) == 0
+    assert capsys.readouterr().out.startswith("parity: ok\n")
+
+
+def test_a_transformers_model_built_from_its_config():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16))
+    before = [p.detach().clone() for p in model.parameters()]
+    r = ampdoctor.parity(model, {"input_ids": ids, "labels": ids}, FP16,
+                         loss_fn=lambda out: out.loss)  # a ModelOutput, kwargs everywhere
+    assert r.verdict == "ok", str(r)
+    names = {m.name for m in r.modules}
+    assert {"transformer.h.0.attn", "transformer.h.1.mlp.c_fc", "lm_head"} <= names
+    assert all(m.grad_rel_err is not None for m in r.modules if m.name == "lm_head")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())

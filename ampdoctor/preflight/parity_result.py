@@ -95,10 +95,10 @@ class ModuleParity:
         """Set ``verdict`` and ``reason`` from the numbers (see the module docstring)."""
         top, limit = DTYPE_MAX[dtype], lossy_rel_err(dtype)
         if self.nonfinite or self.grad_nonfinite:
-            what = "output" if self.nonfinite else "gradient"
+            what = "values it produces" if self.nonfinite else "gradient values"
             n = self.nonfinite or self.grad_nonfinite
-            self.verdict, self.reason = "overflows", f"{n} {what} values inf/NaN in {dtype} " \
-                                                      "and finite in fp32"
+            self.verdict = "overflows"
+            self.reason = f"{n} {what} are inf/NaN in {dtype} and finite in fp32"
         elif self.absmax_fp32 > top or (self.grad_absmax or 0.0) > top:
             self.verdict = "overflows"
             self.reason = f"values up to {_num(max(self.absmax_fp32, self.grad_absmax or 0))} " \

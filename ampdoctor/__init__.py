@@ -11,6 +11,10 @@ Three doors into one library::
         ...train...
     rec.diagnose()
 
+Before a long run: ``ampdoctor.parity(model, batch, torch.bfloat16)`` (which modules lose
+precision under autocast) and ``ampdoctor.testing.check_amp_step`` (the AMP contract of your
+training step, in your own tests).
+
 Importing ampdoctor imports neither torch nor h5py: ``watch`` pulls in torch when called, and
 ``load``/``diagnose`` need only numpy and h5py, so a run file can be read anywhere.
 """

@@ -105,6 +105,9 @@ class AmpContractError(AssertionError):
         super().__init__("\n".join([head] + [v.render() for v in violations]))
 
 
+AmpContractError.__module__ = "ampdoctor.testing"  # where users import it from
+
+
 def check_amp_step(train_step: Callable[..., Any], model: torch.nn.Module, optimizer: Any,
                    scaler: Any = None, batch: Any = None) -> None:
     """Run ``train_step(model, optimizer, scaler, batch)`` twice under watch; raise
@@ -136,6 +139,8 @@ def check_amp_step(train_step: Callable[..., Any], model: torch.nn.Module, optim
                            "contract: " + ", ".join(v.id for v in found))
         raise error
     if found:
+        order = list(VIOLATIONS)
+        found.sort(key=lambda v: order.index(v.id) if v.id in order else len(order))
         raise AmpContractError(found) from error
 
 

@@ -310,3 +310,48 @@ def test_importing_the_testing_module_needs_neither_torch_nor_pytest():
             "assert not hasattr(t, 'amp_contract'); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_step_that_cannot_survive_a_skip_is_told_so():
+    def step(model, opt, scaler, batch):
+        scaler.scale(fp16_loss(model, batch)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    model, opt, scaler, batch = make()
+    with pytest.raises(RuntimeError, match="non-finite") as info:
+        check_amp_step(step, model, opt, scaler, batch)
+    assert any("this first call was made to skip" in n for n in info.value.__notes__)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_correct_fp16_step_passes_and_a_misuse_is_named():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = (torch.randn(4, 8, device="cuda"), torch.randint(0, 4, (4,), device="cuda"))
+
+    def step(model, opt, scaler, batch, clip_first=False):
+        x, y = batch
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if not clip_first:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    scaler = torch.amp.GradScaler("cuda")
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.cuda.get_rng_state()
+    check_amp_step(step, model, opt, scaler, batch)
+    with pytest.raises(AssertionError, match="clip_before_unscale"):
+        check_amp_step(lambda *a: step(*a, clip_first=True), model, opt, scaler, batch)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert torch.equal(rng, torch.cuda.get_rng_state())

@@ -342,3 +342,13 @@ def test_a_transformers_model_built_from_its_config():
     assert all(m.grad_rel_err is not None for m in r.modules if m.name == "lm_head")
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_fragile_module_ranks_first():
+    model = seeded(lambda: nn.Sequential(nn.Linear(16, 16), Cancel(), nn.Linear(16, 4))).cuda()
+    x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+    rng = torch.cuda.get_rng_state()
+    r = ampdoctor.parity(model, x, BF16, loss_fn=ce(y))
+    assert r.device == "cuda" and (r.modules[0].type, r.verdict) == ("Cancel", "lossy")
+    assert torch.equal(rng, torch.cuda.get_rng_state())

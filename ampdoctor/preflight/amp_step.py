@@ -134,14 +134,26 @@ def check_amp_step(train_step: Callable[..., Any], model: torch.nn.Module, optim
         with store.load(path) as run:
             found = _violations(Facts(run), watch, error)
     if error is not None and not any(v.raised for v in found):
-        if found and hasattr(error, "add_note"):
-            error.add_note("ampdoctor: before this exception the step also broke the AMP "
-                           "contract: " + ", ".join(v.id for v in found))
+        _annotate(error, found, watch)
         raise error
     if found:
         order = list(VIOLATIONS)
         found.sort(key=lambda v: order.index(v.id) if v.id in order else len(order))
         raise AmpContractError(found) from error
+
+
+def _annotate(error: Exception, found: list[Violation], watch: "_StepWatch") -> None:
+    """Say what ampdoctor knows about an exception of the step's own."""
+    if not hasattr(error, "add_note"):  # Python < 3.11
+        return
+    if watch.calls == 1 and watch.forced:
+        error.add_note("ampdoctor: this first call was made to skip (one gradient set to inf "
+                       "before GradScaler checked them, as an overflow or GradScaler's "
+                       "calibration does at the start of training), and the step raised on "
+                       "it: a step must survive a skipped one")
+    if found:
+        error.add_note("ampdoctor: before this exception the step also broke the AMP "
+                       "contract: " + ", ".join(v.id for v in found))
 
 
 def _run(train_step: Callable[..., Any], args: tuple, path: str,
@@ -232,6 +244,7 @@ class _StepWatch:
         self.faults: list[str] = []
         self.scaled = False  # an enabled GradScaler scaled a loss
         self.calls = 0
+        self.forced = False  # this call's skip was made by setting a gradient to inf
         self._patches = patches.PatchSet()
         self._skipped_before = False  # an earlier call was a skipped step
 

@@ -61,6 +61,7 @@ def parity(model: torch.nn.Module, batch: Any, dtype: Any = torch.bfloat16,
     keeps them so).
     """
     low = _dtype(dtype)
+    model = _unwrap(model)
     device = _device(model)
     snap = Snapshot(model, params=False)  # buffers, train/eval flags, RNG
     try:
@@ -74,6 +75,20 @@ def parity(model: torch.nn.Module, batch: Any, dtype: Any = torch.bfloat16,
     rel, nonfinite = _output_error(tape.output, amp_out)
     return ParityResult(name, device.type, type(model).__name__, modules, rel, nonfinite,
                         tape.loss, loss_low, scale, _notes(model, tape, modules))
+
+
+def _unwrap(model: Any) -> Any:
+    """The user's model inside torch.compile, DDP or DataParallel: its module hooks fire in
+    eager mode, and a wrapper's collectives would run on one process alone."""
+    for _ in range(4):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and type(model).__name__ in ("DistributedDataParallel",
+                                                       "DataParallel"):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
 
 
 def _dtype(dtype: Any) -> torch.dtype:

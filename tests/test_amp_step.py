@@ -15,9 +15,12 @@ from ampdoctor.testing import AmpContractError, check_amp_step
 DEV = "cpu"
 
 
-def make(scaler: bool = True, init_scale: float = 2.0 ** 16, adam: bool = False):
+def make(scaler: bool = True, init_scale: float = 2.0 ** 16, adam: bool = False,
+         half: bool = False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if half:
+        model.half()
     opt = (torch.optim.AdamW if adam else torch.optim.SGD)(model.parameters(), lr=0.1)
     sc = torch.amp.GradScaler(DEV, init_scale=init_scale) if scaler else None
     batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
@@ -166,13 +169,13 @@ MISUSES = [
      "scheduler_after_real_step"),
     (fp16_without_scaler, {"scaler": False}, "fp16_without_scaler", "add_grad_scaler"),
     (loss_outside_autocast, {}, "fp16_loss", "loss_in_fp32"),
+    # GradScaler's own error, named as diagnose names it
+    (good_fp16, {"half": True}, "fp16_params_with_scaler", "fp32_master_weights"),
 ]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
-@pytest.mark.parametrize("step,kw,vid,fix", MISUSES, ids=[m[0].__name__ if callable(m[0])
-                                                         and m[0].__name__ != "step" else m[2]
-                                                         for m in MISUSES])
+@pytest.mark.parametrize("step,kw,vid,fix", MISUSES, ids=[m[2] for m in MISUSES])
 def test_each_misuse_is_named_with_its_fix(step, kw, vid, fix):
     model, opt, scaler, batch = make(**kw)
     with pytest.raises(AssertionError) as info:

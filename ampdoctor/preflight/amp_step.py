@@ -45,8 +45,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import analyze, fixes, patches, schema, store  # analyze before rules (it loads them)
-from .. import rules
+from .. import analyze  # noqa: F401 - before rules: analyze loads them at its end
+from .. import fixes, patches, rules, schema, store
 from ..facts import Facts
 from ..recorder import Recorder
 from ..schema import DType, Event

@@ -366,12 +366,34 @@ class _Alone:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, grad)
         self.wrt: list[torch.Tensor] = []
-        # Tensors the module did not make: its inputs as given, and what its stubbed
-        # children returned. Handing them on (a container does only that) is not judged.
-        self.not_mine: set[int] = set()
+        # Tensors the module did not make, with their version counter: its inputs as given,
+        # and what its stubbed children returned. Handing them on (a container does only
+        # that) is not judged; changing them in place (ReLU(inplace=True)) is. They are
+        # kept alive here, so that no tensor the module makes can take a freed one's id.
+        self.given: dict[int, tuple[torch.Tensor, int]] = {}
 
     def mine(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and id(t) not in self.not_mine
+        if not isinstance(t, torch.Tensor):
+            return False
+        kept = self.given.get(id(t))
+        return kept is None or kept[0] is not t or kept[1] != t._version
+
+    def hand(self, leaves: list, dtypes: list, wants: Callable[[int], bool]) -> list:
+        """Fresh copies of taped leaves, rounded to ``dtypes``; those ``wants`` marks get an
+        autograd leaf behind them (differentiated, in ``wrt``), and the copy handed on is a
+        non-leaf, so that the module may change it in place as it did in the model."""
+        out = []
+        for i, (t, dtype) in enumerate(zip(leaves, dtypes)):
+            if isinstance(t, torch.Tensor):
+                t = t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() \
+                    else t.clone()
+                if wants(i) and t.is_floating_point():
+                    leaf = t.requires_grad_(True)
+                    self.wrt.append(leaf)
+                    t = leaf.clone()
+                self.given[id(t)] = (t, t._version)
+            out.append(t)
+        return out
 
     def backward(self, scale: float) -> list[Optional[torch.Tensor]]:
         targets = [(t, g) for t, g in self.targets if t.requires_grad]
@@ -385,11 +407,8 @@ class _Alone:
 def _run_alone(tape: _Tape, call: _Call, device: torch.device, low: Optional[torch.dtype],
                grads: bool) -> _Alone:
     run = _Alone()
-    leaves = [_as(t, d if low is not None else None, grads and _wants(call, i, "in"))
-              for i, (t, d) in enumerate(zip(call.inputs, _or_none(call.in_dtypes,
-                                                                 call.inputs)))]
-    run.not_mine.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
-    run.wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = run.hand(call.inputs, _dtypes_for(call.in_dtypes, call.inputs, low),
+                      lambda i: grads and i in call.grad_in)
     run.wrt += [p for p in call.module.parameters(recurse=False) if p.requires_grad] \
         if grads else []
     args, kwargs = pytree.tree_unflatten(leaves, call.spec)
@@ -430,11 +449,8 @@ def _stubbed(tape: _Tape, call: _Call, low: Optional[torch.dtype], grads: bool,
                     if i in child.grad_in:
                         run.targets.append((t, child.grad_in[i]))
             _set_rng(tape.device, child.rng_post)
-            leaves = [_as(t, d if low is not None else None, grads and _wants(child, i, "out"))
-                      for i, (t, d) in enumerate(zip(child.outputs,
-                                                     _or_none(child.out_dtypes, child.outputs)))]
-            run.not_mine.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
-            run.wrt += [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves = run.hand(child.outputs, _dtypes_for(child.out_dtypes, child.outputs, low),
+                              lambda i: grads and i in child.grad_out)
             return pytree.tree_unflatten(leaves, child.out_spec)
         return stub
 
@@ -453,23 +469,12 @@ def _stubbed(tape: _Tape, call: _Call, low: Optional[torch.dtype], grads: bool,
                 module.forward = before
 
 
-def _wants(call: _Call, i: int, side: str) -> bool:
-    """Did leaf ``i`` of the call's inputs/outputs take part in the reference backward?"""
-    return i in (call.grad_in if side == "in" else call.grad_out)
-
-
-def _or_none(dtypes: Optional[list], leaves: list) -> list:
-    return dtypes if dtypes is not None and len(dtypes) == len(leaves) else [None] * len(leaves)
-
-
-def _as(t: Any, dtype: Optional[torch.dtype], grad: bool) -> Any:
-    """A fresh copy of a taped leaf, rounded to ``dtype``, a leaf of autograd if ``grad``."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    out = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-    if grad and out.is_floating_point():
-        out = out.detach().requires_grad_(True)
-    return out
+def _dtypes_for(dtypes: Optional[list], leaves: list, low: Optional[torch.dtype]) -> list:
+    """The dtypes autocast gave these leaves (fp32 in the fp32 run, or where the autocast
+    pass took another path)."""
+    if low is None or dtypes is None or len(dtypes) != len(leaves):
+        return [None] * len(leaves)
+    return dtypes
 
 
 def _grad_scale(tape: _Tape, low: torch.dtype) -> float:

@@ -290,24 +290,32 @@ class _Sums:
     nonfinite: int = 0
 
     def add(self, low: torch.Tensor, ref: torch.Tensor) -> None:
-        if low.shape != ref.shape or not ref.is_floating_point():
+        if low.shape != ref.shape or not ref.is_floating_point() or not ref.numel():
             return
-        low, ref = low.detach().double(), ref.detach().double()
-        ok = torch.isfinite(ref)
-        bad = ok & ~torch.isfinite(low)
-        diff = torch.where(ok & ~bad, low - ref, torch.zeros_like(ref))
-        values = torch.stack([diff.square().sum(), torch.where(ok, ref, 0).square().sum(),
-                              torch.where(ok, ref.abs(), 0).max() if ref.numel() else
-                              ref.new_zeros(()),
-                              torch.where(torch.isfinite(low), low.abs(), 0).max()
-                              if low.numel() else low.new_zeros(()),
-                              bad.sum().double()]).tolist()  # one host read per tensor pair
+        low, ref = low.detach().float(), ref.detach().float()
+        diff = low - ref
+        f64 = torch.float64
+        # One host read per pair; the masked pass below only when something is inf/NaN.
+        values = torch.stack([diff.square().sum(dtype=f64), ref.square().sum(dtype=f64),
+                              ref.abs().amax().double(), low.abs().amax().double()]).tolist()
+        bad = 0
+        if not all(math.isfinite(v) for v in values):
+            ok_ref, ok_low = torch.isfinite(ref), torch.isfinite(low)
+            both = ok_ref & ok_low
+            zero = torch.zeros((), device=ref.device)
+            values = torch.stack([
+                torch.where(both, diff, zero).square().sum(dtype=f64),
+                torch.where(ok_ref, ref, zero).square().sum(dtype=f64),
+                torch.where(ok_ref, ref.abs(), zero).amax().double(),
+                torch.where(ok_low, low.abs(), zero).amax().double(),
+                (ok_ref & ~ok_low).sum().double()]).tolist()
+            bad = int(values[4])
         self.numel += ref.numel()
         self.err2 += values[0]
         self.ref2 += values[1]
         self.absmax_ref = max(self.absmax_ref, values[2])
         self.absmax_low = max(self.absmax_low, values[3])
-        self.nonfinite += int(values[4])
+        self.nonfinite += bad
 
     @property
     def rel_err(self) -> float:
@@ -399,9 +407,11 @@ class _Alone:
         targets = [(t, g) for t, g in self.targets if t.requires_grad]
         if not targets or not self.wrt:
             return [None] * len(self.wrt)
-        outs = [t for t, _ in targets]
-        gos = [(g * scale).to(t.dtype) for t, g in targets]
-        return list(torch.autograd.grad(outs, self.wrt, gos, allow_unused=True))
+        # sum <t, g>: its gradient is each g, as grad_outputs would pass it (cast to t's
+        # dtype by the .float() backward), without the symbolic-shape machinery (and its
+        # sympy import) that torch.autograd.grad loads for explicit grad_outputs
+        surrogate = sum((t.float() * (g * scale)).sum() for t, g in targets)
+        return list(torch.autograd.grad(surrogate, self.wrt, allow_unused=True))
 
 
 def _run_alone(tape: _Tape, call: _Call, device: torch.device, low: Optional[torch.dtype],

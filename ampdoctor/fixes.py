@@ -37,6 +37,7 @@ FIX_IDS = {
     "safe_mask": "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
     "guard_buffers": "keep inf/NaN batches away from BatchNorm statistics, or restore them",
     "rebalance_losses": "bring a tiny loss term up to the others' scale",
+    "scheduler_after_real_step": "step the LR scheduler only when the optimizer step ran",
 }
 
 
@@ -369,6 +370,19 @@ def rebalance_losses(c: Context) -> Fix:
                "single loss scale can hold.", snippet)
 
 
+def scheduler_after_real_step(c: Context) -> Fix:
+    snippet = ("scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() >= scale:  # applied (a skipped step halves the scale)\n"
+               "    scheduler.step()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return Fix("scheduler_after_real_step", "Step the LR scheduler only after a step the "
+               "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
+               "schedule that advances on them ends its warmup before the model trained.",
+               snippet)
+
+
 MAKERS = {
     "fp32_island": fp32_island,
     "scale_attention": scale_attention,
@@ -388,6 +402,7 @@ MAKERS = {
     "safe_mask": safe_mask,
     "guard_buffers": guard_buffers,
     "rebalance_losses": rebalance_losses,
+    "scheduler_after_real_step": scheduler_after_real_step,
 }
 assert set(MAKERS) == set(FIX_IDS)
 

@@ -233,3 +233,31 @@ def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Opt
 def original(fn: Any) -> Any:
     """The unpatched function behind a wrapper made here (or ``fn`` itself)."""
     return getattr(fn, _MARK, fn)
+
+
+def _scheduler_classes() -> list[type]:
+    base = torch.optim.lr_scheduler.LRScheduler
+    classes, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+    return classes
+
+
+def patch_schedulers(patches: PatchSet, listener: Any) -> None:
+    """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
+    base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
+    Used by ``ampdoctor.testing.check_amp_step``, not by the recorder."""
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_scheduler_step", self)
+            return orig(self, *args, **kwargs)
+        return wrapper
+
+    for cls in _scheduler_classes():
+        if "step" in cls.__dict__:
+            patches.add(Patch(cls, "step", make))

@@ -691,6 +691,9 @@ class Recorder:
     def before_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self._uses_scaler(scaler):
             self._owns(optimizer)
+            if _unscaled_already(scaler, optimizer) and \
+                    not self._step.flags & flag(Event.UNSCALE_TWICE):
+                self._event(Event.UNSCALE_TWICE)  # GradScaler raises next; this says why
             self._grads_ready()
 
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
@@ -1079,6 +1082,14 @@ def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
 
 def _enabled(scaler: Any) -> bool:
     return scaler is not None and bool(getattr(scaler, "_enabled", True))
+
+
+def _unscaled_already(scaler: Any, optimizer: Any) -> bool:
+    """Has ``scaler.unscale_(optimizer)`` run since the last update? (GradScaler's own
+    per-optimizer stage, read without creating an entry in its defaultdict.)"""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
 
 
 def _autocast_state(device_type: str) -> tuple:

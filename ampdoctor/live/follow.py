@@ -234,6 +234,7 @@ class _Source:
         self.tail = Tail(path)
         self.state = RankState(path, attrs=dict(self.tail.attrs), stale=stale)
         self.stats_done = 0
+        self.polls = 0
         self.failures = 0
         self._seen = _stamp(path)
         # Until a change is seen, the file's own modification time is the only evidence.
@@ -251,8 +252,10 @@ class _Source:
         self.failures, self.state.error = 0, None
         delta = Delta(self.path, self.state.rank, rows, self.tail.stats, self.stats_done)
         self.stats_done = len(self.tail.stats)
+        first, self.polls = self.polls == 0, self.polls + 1
         self.state.apply(delta, self.layers)
-        self._watch_writer(any(len(v) for v in rows.values()))
+        # What the first read finds was there before: growth is what later reads find.
+        self._watch_writer(not first and any(len(v) for v in rows.values()))
         return delta
 
     def _watch_writer(self, grew: bool) -> None:

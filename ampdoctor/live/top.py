@@ -71,7 +71,7 @@ def render(fr: _frame.Frame, width: int = 80, height: Optional[int] = None, *,
     head = _header(fr, now, paint)
     body = _curves(fr, width, unicode) + _skips(fr, paint) + _gradients(fr)
     layers = _layer_table(fr, width, paint)
-    tail = _event(fr, width) + _ranks(fr) + _reason(fr, paint)
+    tail = _event(fr, width) + _ranks(fr) + _reason(fr, width, paint)
     lines = head + [""] + body + [""] + layers + tail
     if height is not None and len(lines) > height:
         cut = len(lines) - height
@@ -93,7 +93,7 @@ def _header(fr: _frame.Frame, now: float, paint: Callable) -> list[str]:
     age = f"last {_ago(now - fr.last_time)} ago" if fr.last_time and not fr.final else ""
     detail = ", ".join(x for x in (rate, age) if x)
     rank = f" · rank {fr.rank} of {fr.world_size}" if fr.world_size > 1 else ""
-    return [paint("bold", f"ampdoctor top · {fr.path} · ") +
+    return [paint("bold", f"ampdoctor top · {os.path.basename(fr.path)} · ") +
             paint("red" if bad else "bold", status) + paint("bold", f" · {where}") +
             (f" ({detail})" if detail else ""),
             (fr.precision or "precision not recorded yet") + rank + " · " +
@@ -230,8 +230,8 @@ def _ranks(fr: _frame.Frame) -> list[str]:
     return ["ranks     " + " · ".join(parts)]
 
 
-def _reason(fr: _frame.Frame, paint: Callable) -> list[str]:
-    return [paint("red", fr.reason)] if fr.reason else []
+def _reason(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
+    return [paint("red", line) for line in _wrap(fr.reason, width, "")] if fr.reason else []
 
 
 def _num(x: Any) -> str:

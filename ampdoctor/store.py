@@ -1246,6 +1246,7 @@ class Tail:
         self.identity = _identity(self.path)
         self.done = {name: 0 for name in schema.TABLES}  # rows handed out so far, per table
         self.stats = Table(schema.empty("stats"), name="stats")
+        self._datasets: dict[str, Any] = {}  # opened and checked once, refreshed at each read
         self._stats_shape = -1  # /stats length at the last read, all of it written
 
     def read(self) -> dict[str, Any]:
@@ -1279,9 +1280,7 @@ class Tail:
         for name in _READ_ORDER:  # referring tables first, as in ``_read``
             if name == schema.BLOB:
                 continue
-            ds = _dataset(self.path, self._file, name, schema.TABLES[name])
-            if self.live:
-                ds.refresh()
+            ds = self._table(name)
             if name == "stats":
                 if ds.shape[0] != self._stats_shape:  # finding the written end reads rows
                     stats = Table(ds, nrows=_written_rows(ds), path=self.path, name="stats")
@@ -1292,10 +1291,16 @@ class Tail:
         return rows, stats
 
     def _blob(self) -> "_Ranged":
-        ds = _dataset(self.path, self._file, schema.BLOB, np.dtype("u1"))
+        return _Ranged(self._table(schema.BLOB), self.path)
+
+    def _table(self, name: str) -> Any:
+        ds = self._datasets.get(name)
+        if ds is None:
+            ds = self._datasets[name] = _dataset(self.path, self._file, name, schema.TABLES.get(
+                name, np.dtype("u1")))
         if self.live:
             ds.refresh()
-        return _Ranged(ds, self.path)
+        return ds
 
     def writer_alive(self) -> bool | None:
         """Is the writer still running with the file open? None where this cannot be told
@@ -1309,6 +1314,7 @@ class Tail:
         return _identity(self.path) != self.identity
 
     def close(self) -> None:
+        self._datasets.clear()
         if self._file is not None:
             self._file.close()
             self._file = None

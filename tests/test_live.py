@@ -446,8 +446,10 @@ def test_export_follows_a_live_run_and_splits_ranks(tmp_path):
         scalars, texts = _scalars(os.path.join(logdir, f"rank{rank}"))
         assert sorted(scalars["ampdoctor/loss"]) == [0, 1, 2, 3, 4]
         assert len(texts["ampdoctor/diagnosis"]) == 1
-    _, texts = _scalars(os.path.join(logdir, "rank1"))
-    assert math.isnan(_scalars(os.path.join(logdir, "rank1"))[0]["ampdoctor/loss"][4])
+    rank1, _ = _scalars(os.path.join(logdir, "rank1"))
+    assert math.isnan(rank1["ampdoctor/loss"][4]) and rank1["ampdoctor/skipped"][4] == 1.0
+    rank0, _ = _scalars(os.path.join(logdir, "rank0"))
+    assert list(rank0["ampdoctor-absmax/activation/blocks.0.attn"]) == [4]
 
 
 def test_export_without_tensorboard_says_how_to_install_it(tmp_path):

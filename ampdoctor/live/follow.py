@@ -264,7 +264,7 @@ class _Source:
         if grew or stamp != self._seen:
             self._seen, self._changed = stamp, now
         self.state.idle = now - self._changed
-        if not self.state.final or self.state.writer is not None:
+        if not self.state.final:  # once finished or gone, it stays so
             self.state.writer = self.tail.writer_alive()
 
     def close(self) -> None:
@@ -342,6 +342,13 @@ class Follower:
                 delta.reset = reset
                 deltas.append(delta)
         return deltas
+
+    def signature(self) -> tuple:
+        """Changes whenever what a frame shows of the run does (new rows, status, writer),
+        so that a caller rebuilds its frame only then."""
+        return tuple((s.path, len(s.steps), len(s.events), len(s.snapshots), s.layer_step,
+                      len(s.layer_rows), s.status, s.gone, s.error) for s in self.states) + \
+            (self.final,)
 
     @property
     def states(self) -> list[RankState]:

@@ -225,6 +225,15 @@ def steps_per_second(times: np.ndarray) -> Optional[float]:
 def _layers(fr: Frame, state: Any, run: Any) -> None:
     if state.layer_step is None or not len(run.stats):
         return
+    # The rows change only when a sampled step arrives: judge them once per sampled step.
+    key = (state.layer_step, len(state.layer_rows))
+    cached = getattr(state, "_frame_layers", None)
+    if cached is None or cached[0] != key:
+        cached = state._frame_layers = (key, _layer_lines(run))
+    fr.layers, fr.layer_step = cached[1], state.layer_step
+
+
+def _layer_lines(run: Any) -> list[LayerLine]:
     r = fp16_readiness(run)
     lines = [LayerLine(x.name, x.kind, x.absmax if x.absmax >= 0 else math.nan,
                        math.nan if x.nonfinite_steps else _headroom(x.absmax),
@@ -237,7 +246,7 @@ def _layers(fr: Frame, state: Any, run: Any) -> None:
                      if math.isnan(x.headroom) else (1, x.headroom, order[x]))[:NEAREST_MAX]
     under = sorted((x for x in lines if x.underflow >= UNDERFLOW_SHOWN and x not in nearest),
                    key=lambda x: -x.underflow)[:MOST_UNDERFLOW]
-    fr.layers, fr.layer_step = nearest + under, state.layer_step
+    return nearest + under
 
 
 def _headroom(absmax: float) -> float:

@@ -77,7 +77,7 @@ def render(fr: _frame.Frame, width: int = 80, height: Optional[int] = None, *,
         cut = len(lines) - height
         keep = max(2, len(layers) - cut)  # the table's title and first row stay longest
         lines = head + [""] + body + [""] + layers[:keep] + tail
-    lines = [_clip(line, width) for line in lines]
+    lines = [_clip(line, width).rstrip() for line in lines]
     return lines[:height] if height is not None else lines
 
 
@@ -166,12 +166,17 @@ def _skips(fr: _frame.Frame, paint: Callable) -> list[str]:
     out = [line]
     bad = []
     if s.nonfinite_loss:
-        bad.append(f"loss on {s.nonfinite_loss} steps (first {s.first_nonfinite_loss})")
+        bad.append(f"loss on {_steps_n(s.nonfinite_loss)} (first {s.first_nonfinite_loss})")
     if s.nonfinite_grad:
-        bad.append(f"gradients on {s.nonfinite_grad} steps (first {s.first_nonfinite_grad})")
+        bad.append(f"gradients on {_steps_n(s.nonfinite_grad)} (first "
+                   f"{s.first_nonfinite_grad})")
     if bad:
         out.append(paint("red", f"{'nonfinite':<10}" + "; ".join(bad)))
     return out
+
+
+def _steps_n(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
 
 
 def _gradients(fr: _frame.Frame) -> list[str]:
@@ -454,12 +459,19 @@ def top(path: str, *, once: bool = False, options: Optional[Options] = None,
         follower.close()
 
 
-def _build(follower: Follower, path: str, opts: Options) -> Optional[_frame.Frame]:
+def _build(follower: Follower, path: str, opts: Options,
+           last: Optional[_frame.Frame]) -> Optional[_frame.Frame]:
+    """Poll; a new frame when the run changed (or another rank is asked for), else ``last``."""
     follower.poll()
     states = follower.states
     if not states:
         return None
-    return _frame.build(states, rank=opts.rank, path=path, final=follower.final)
+    key = (follower.signature(), opts.rank)
+    if last is not None and getattr(last, "_key", None) == key:
+        return last
+    fr = _frame.build(states, rank=opts.rank, path=path, final=follower.final)
+    fr._key = key
+    return fr
 
 
 def _plain(follower: Follower, path: str, opts: Options, out: TextIO, once: bool,
@@ -470,7 +482,7 @@ def _plain(follower: Follower, path: str, opts: Options, out: TextIO, once: bool
     fr = None
     try:
         while True:
-            fr = _build(follower, path, opts) or fr
+            fr = _build(follower, path, opts, fr) or fr
             if fr is not None and (once or fr.final or (fr.steps, fr.status, fr.reason)
                                    != shown):
                 shown = (fr.steps, fr.status, fr.reason)
@@ -500,7 +512,7 @@ def _interactive(follower: Follower, path: str, opts: Options, screen: Screen,
         if follower.wait(opts.wait, show) in ("q", "Q"):
             return Outcome("quit", None, [])
         while True:
-            fr = _build(follower, path, opts) or fr
+            fr = _build(follower, path, opts, fr) or fr
             key = None
             while True:
                 if fr is not None:

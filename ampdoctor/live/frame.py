@@ -127,6 +127,7 @@ class Frame:
     summary: Summary = field(default_factory=lambda: Summary(steps=0))
     layers: list = field(default_factory=list)  # LayerLine, nearest to fp16's limits first
     layer_step: Optional[int] = None  # the sampled step they come from
+    nonfinite_layers: int = 0  # layers holding NaN/inf on that step (the first is shown)
     every: Optional[int] = None  # the sampling interval (0: never)
     event: Optional[EventLine] = None
     series: dict = field(default_factory=dict, repr=False)  # 'step', 'loss', 'scale' arrays
@@ -229,24 +230,28 @@ def _layers(fr: Frame, state: Any, run: Any) -> None:
     key = (state.layer_step, len(state.layer_rows))
     cached = getattr(state, "_frame_layers", None)
     if cached is None or cached[0] != key:
-        cached = state._frame_layers = (key, _layer_lines(run))
-    fr.layers, fr.layer_step = cached[1], state.layer_step
+        cached = state._frame_layers = (key, *_layer_lines(run))
+    fr.layers, fr.nonfinite_layers, fr.layer_step = cached[1], cached[2], state.layer_step
 
 
-def _layer_lines(run: Any) -> list[LayerLine]:
+def _layer_lines(run: Any) -> tuple[list[LayerLine], int]:
     r = fp16_readiness(run)
     lines = [LayerLine(x.name, x.kind, x.absmax if x.absmax >= 0 else math.nan,
                        math.nan if x.nonfinite_steps else _headroom(x.absmax),
                        x.sub if x.is_grad else 0.0, x.is_grad and x.scale != 1.0)
              for x in r.layers]
-    # Non-finite layers first, values before gradients (a NaN in a forward spreads to every
-    # gradient behind it), each in the order the run first met them; then the nearest to 65504.
+    # The first non-finite layer (a value before a gradient: a NaN in a forward spreads to
+    # every gradient behind it; else the first the run met), then the finite ones nearest
+    # 65504, then the gradients most underflowing.
     order = {x: i for i, x in enumerate(lines)}
-    nearest = sorted(lines, key=lambda x: (0, x.kind.endswith("grad"), order[x])
-                     if math.isnan(x.headroom) else (1, x.headroom, order[x]))[:NEAREST_MAX]
+    bad = sorted((x for x in lines if math.isnan(x.headroom)),
+                 key=lambda x: (x.kind.endswith("grad"), order[x]))
+    finite = sorted((x for x in lines if not math.isnan(x.headroom)),
+                    key=lambda x: (x.headroom, order[x]))
+    nearest = bad[:1] + finite[:NEAREST_MAX]
     under = sorted((x for x in lines if x.underflow >= UNDERFLOW_SHOWN and x not in nearest),
                    key=lambda x: -x.underflow)[:MOST_UNDERFLOW]
-    return nearest + under
+    return nearest + under, len(bad)
 
 
 def _headroom(absmax: float) -> float:

@@ -108,22 +108,22 @@ def _curves(fr: _frame.Frame, width: int, unicode: bool) -> list[str]:
     scaled = s.init_scale is not None
     scale_note = f"lowest {_num(s.min_scale)}" if scaled else ""
     note_w = max(len(loss_note), len(scale_note))
-    spark_w = max(8, width - 18 - (note_w + 2 if note_w else 0))
+    spark_w = max(8, width - 20 - (note_w + 2 if note_w else 0))
     steps = fr.series["step"]
     loss_cols = _frame.buckets(fr.series["loss"], spark_w, "mean")
-    lines = [f"{'loss':<9}{_num(fr.loss):>7}  {sparkline(loss_cols, unicode):<{spark_w}}"
+    lines = [f"{'loss':<8}{_num(fr.loss):>10}  {sparkline(loss_cols, unicode):<{spark_w}}"
              + (f"  {loss_note}" if loss_note else "")]
     if scaled:
         # A scale that reached 0 is a value (the bottom of the curve), not a non-finite one.
         scale = np.log2(np.maximum(fr.series["scale"].astype(np.float64), 2.0 ** -150))
         cols = _frame.buckets(scale, spark_w, "min")
-        lines.append(f"{'scale':<9}{_num(fr.scale):>7}  {sparkline(cols, unicode):<{spark_w}}"
+        lines.append(f"{'scale':<8}{_num(fr.scale):>10}  {sparkline(cols, unicode):<{spark_w}}"
                      + f"  {scale_note}")
     first, last = f"step {int(steps[0])}", f"step {int(steps[-1])}"
     span = len(loss_cols)
     axis = first + " " * max(1, span - len(first) - len(last)) + last if span > len(
         first) + len(last) else last
-    lines.append(" " * 18 + axis)
+    lines.append(" " * 20 + axis)
     return lines
 
 
@@ -213,6 +213,9 @@ def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
                f"{room:>11}{under:>10}")
         lines.append(paint("red", row) if (math.isnan(x.headroom) or x.headroom <= 1
                                             or x.underflow >= 0.5) else row)
+    if fr.nonfinite_layers > 1:
+        lines.append(f"  {fr.nonfinite_layers} layers hold NaN/inf on this step; the first "
+                     "is shown")
     if any(x.scaled for x in fr.layers):
         lines.append("  * gradients as fp16 held them, multiplied by the loss scale")
     return lines

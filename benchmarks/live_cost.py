@@ -59,7 +59,7 @@ WATCHERS = {
 }
 
 
-def one(mode: str, steps: int, folder: str) -> tuple[float, float, float]:
+def one(mode: str, steps: int, folder: str, settle: float = 2.0) -> tuple[float, float, float]:
     """Median steady step time of one training watched as ``mode`` says, the training's wall
     time, and the CPU seconds the watcher used (its start and final diagnosis included)."""
     run = os.path.join(folder, f"{mode}.h5")
@@ -70,7 +70,7 @@ def one(mode: str, steps: int, folder: str) -> tuple[float, float, float]:
                 WATCHERS[mode]]
         watcher = subprocess.Popen([sys.executable, "-m", "ampdoctor", *args], env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(2.0)  # its imports done before training starts
+        time.sleep(settle)  # its imports done before training starts
     cpu = 0.0
     try:
         t0 = time.perf_counter()
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--modes", default=",".join(WATCHERS))
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="seconds given to the watcher to start before the training")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -114,7 +116,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = modes if r % 2 == 0 else modes[::-1]  # interleaved, alternating order
             for mode in order:
-                results[mode].append(one(mode, args.steps, folder))
+                results[mode].append(one(mode, args.steps, folder, args.settle))
     base = statistics.median(r[0] for r in results[modes[0]])
     table = {}
     for m, rows in results.items():

@@ -489,3 +489,18 @@ def test_top_follows_a_real_recording_to_its_diagnosis(tmp_path):
     assert "finished · step 29" in frames[-1]
     assert "fp16 headroom at step 28" in frames[-1]
     assert watched.stdout.endswith("\n" + ampdoctor("diagnose", path).stdout)
+
+
+@pytest.mark.slow
+def test_live_cost_benchmark_runs(tmp_path):
+    """The README quotes it: it must keep running (nothing timed here)."""
+    import json
+
+    out = tmp_path / "cost.json"
+    proc = subprocess.run([PYTHON, os.path.join(ROOT, "benchmarks", "live_cost.py"), "--rounds",
+                           "1", "--steps", "60", "--modes", "plain,top", "--settle", "0.5",
+                           "--json", str(out)], env=python_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert modes["plain"]["ratio"] == 1.0 and modes["top"]["watcher_cpu_s"] > 0

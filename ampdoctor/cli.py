@@ -242,6 +242,80 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--once", is_flag=True, help="Print one frame as plain text and exit.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              metavar="SECONDS", help="Seconds between refreshes.")
+@click.option("--wait", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for a run file that does not exist "
+                                      "yet.")
+@click.option("--stale", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              metavar="SECONDS",
+              help="A file written on another host that has not changed for this long is "
+                   "taken as abandoned (on this host the writer's process is checked).")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="The rank to show (default: the first to go non-finite, else rank 0).")
+@click.option("--ascii", "ascii_only", is_flag=True, help="Draw curves with ASCII only.")
+def top(run: str, once: bool, interval: float, wait: float, stale: float,
+        rank: Optional[int], ascii_only: bool) -> None:
+    """Watch a run while it is recorded: a view that refreshes every second.
+
+    Step, steps per second, loss and loss-scale curves, skipped steps beside GradScaler's
+    probing allowance, grad norm, LR, the layers closest to fp16's limits and the latest
+    forensic replay; rank files of a torchrun job too. It ends by itself when the run does
+    (or its writer is gone) and prints the diagnosis. q or Ctrl-C quits.
+
+    \b
+        ampdoctor top run.h5
+        ampdoctor top run.h5 --once          # one frame, for scripts
+    """
+    from . import analyze, report
+    from .live import top as live_top
+
+    opts = live_top.Options(interval=interval, wait=wait, stale=stale, rank=rank,
+                            unicode=False if ascii_only else None)
+    outcome = live_top.top(run, once=once, options=opts)
+    if outcome.ended == "interrupt":
+        sys.exit(130)
+    if outcome.ended == "final" and outcome.paths:
+        paths = outcome.paths
+        d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
+        click.echo("")
+        click.echo(report.render(d, "text"), nl=False)
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--tensorboard", "logdir", required=True, type=click.Path(file_okay=False),
+              metavar="DIR", help="TensorBoard log directory to write into (your run's own, "
+                                  "to see ampdoctor's curves beside yours).")
+@click.option("--follow", is_flag=True,
+              help="Keep writing while the run is recorded, until it ends.")
+@click.option("--wait", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              metavar="SECONDS", help="With --follow: how long to wait for a run file that "
+                                      "does not exist yet.")
+def export(run: str, logdir: str, follow: bool, wait: float) -> None:
+    """Write a run's curves into TensorBoard: loss, loss scale, skips, grad norm, LR per
+    group, per-layer abs max and underflow shares, forensic replays and the diagnosis.
+
+    Needs the tensorboard package: pip install 'ampdoctor[tensorboard]'. Rank files of a
+    torchrun job become runs rank0, rank1... under DIR.
+
+    \b
+        ampdoctor export run.h5 --tensorboard runs/exp1
+        ampdoctor export run.h5 --tensorboard runs/exp1 --follow     # while it trains
+    """
+    from .live import tensorboard
+
+    done = tensorboard.export(run, logdir, follow=follow, wait=wait if follow else 0.0)
+    click.echo(f"ampdoctor: wrote {done.scalars} scalars and {done.texts} texts "
+               f"({done.steps} steps) into {logdir}; view with: tensorboard --logdir "
+               f"{logdir}", err=True)
+    if done.interrupted:
+        sys.exit(130)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point: maps ampdoctor's errors to one sentence and an exit code."""
     try:

@@ -27,17 +27,20 @@ import torch.nn.utils.clip_grad as clip_grad
 import torch.optim.optimizer as optimizer_hooks
 
 _MARK = "__ampdoctor_original__"
+_LISTENER = "__ampdoctor_listener__"
 
 
 class Patch:
     """One attribute of ``owner`` replaced by ``wrapper``; ``remove`` puts the original back."""
 
-    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable]):
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable],
+                 listener: Any = None):
         self.owner = owner
         self.name = name
         self.original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
         self.wrapper = make(self.original)
         setattr(self.wrapper, _MARK, self.original)
+        setattr(self.wrapper, _LISTENER, listener)
         setattr(owner, name, self.wrapper)
 
     def remove(self) -> None:
@@ -139,9 +142,10 @@ def patch_scaler(patches: PatchSet, listener: Any) -> None:
     for cls in _scaler_classes():
         for name, make in makers.items():
             # Called again once a sharded model is seen: ShardedGradScaler, imported after
-            # recording began, gets its overrides patched then (the rest are left as they are).
-            if name in cls.__dict__ and not hasattr(cls.__dict__[name], _MARK):
-                patches.add(Patch(cls, name, make))
+            # recording began, gets its overrides patched then (what this listener already
+            # wraps is left as it is; another listener's wrapper is wrapped again).
+            if name in cls.__dict__ and not _wrapped_for(cls.__dict__[name], listener):
+                patches.add(Patch(cls, name, make, listener))
 
 
 def patch_backward(patches: PatchSet, listener: Any) -> None:
@@ -228,6 +232,15 @@ def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Opt
         def post_hook(module, args, output):
             guard(listener, post, module, args, output)
         patches.add(module_hooks.register_module_forward_hook(post_hook))
+
+
+def _wrapped_for(fn: Any, listener: Any) -> bool:
+    """Is ``listener`` already behind ``fn`` (a chain of wrappers made here)?"""
+    while hasattr(fn, _MARK):
+        if getattr(fn, _LISTENER, None) is listener:
+            return True
+        fn = getattr(fn, _MARK)
+    return False
 
 
 def original(fn: Any) -> Any:

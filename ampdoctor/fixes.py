@@ -286,7 +286,7 @@ def revive_units(c: Context) -> Fix:
     else:
         snippet = ("# ReLU -> a non-saturating activation in the model's definition\n"
                    "act = torch.nn.LeakyReLU(0.01)  # or torch.nn.GELU()\n"
-                   "# biases start at 0, not below it; a LayerNorm/BatchNorm before the activation\n"
+                   "# biases start at 0, not below it; a LayerNorm before the activation\n"
                    "torch.nn.init.zeros_(layer.bias)")
     return Fix("revive_units", "Units whose input is negative for every example output 0 "
                "and pass no gradient, so they never recover: use an activation with a slope "

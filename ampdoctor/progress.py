@@ -8,9 +8,11 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
   learning rate (or its warm-up) is the cause; fp32 would do the same. Fix: ``lower_lr``.
 - ``dead_units``: most of the model gets exactly zero gradient on the last sampled steps (a
   ReLU layer whose every unit is off for the whole batch blocks everything before it), with
-  no blow-up that explains it: an initialisation or an activation that lets units die. Fix:
-  ``revive_units``. When a spike came first, ``dead_units`` is the consequence in
-  ``diverged``'s chain.
+  no blow-up that explains it. Units that lived and then died were pushed off by the updates
+  (fix: ``lower_lr``, then ``revive_units``); units dead from the first sample were never on
+  (the initialisation: ``revive_units`` first). When a spike came first, ``dead_units`` is the
+  consequence in ``diverged``'s chain. Without exact zeros, update ratios that fell >= 1000x at
+  an unchanged LR while the loss stays flat (saturated units) are the same verdict.
 
 Each finding answers the precision question (``precision_answer``): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
@@ -34,7 +36,7 @@ import numpy as np
 
 from . import curve, fixes
 from .analyze import Evidence, Finding
-from .facts import Facts, module_of
+from .facts import Facts
 from .rules import PRIORITY, UNCHANGED_HIGH, _first_bad, _fmt, context
 from .schema import Kind
 
@@ -51,6 +53,12 @@ DEAD_SHARE = 0.9
 # from zeros that are structural and there all along (embedding rows the batch did not use,
 # experts no token was routed to, a branch the loss does not reach).
 ALIVE_SHARE = 0.5
+# Without a layer seen dead, the new zeros must also fill whole tensors: parameters whose
+# gradient is >= 99 % zeros hold at least half the elements. Everything upstream of a dead
+# layer is silent as a whole; pruning masks (90 % sparsity set mid-run, the loss flat in the
+# fine-tune that follows) leave zeros scattered in every tensor and are not dead units.
+SILENT_TENSOR = 0.99
+SILENT_SHARE = 0.5
 # Update ratios collapse: the median |dW|/|W| on the last sample is >= 1000x below its
 # largest earlier sample while the LR fell less than 10x. Over a healthy run Adam's ratio
 # drifts 3-10x (its first step is sign-sized, the weights grow), SGD's follows the gradient,
@@ -78,6 +86,7 @@ class Dead:
     layer_alive: dict = field(default_factory=dict)  # layer -> last step it was not 0
     silent: list[str] = field(default_factory=list)  # parameters with no gradient at all
     learning: list[str] = field(default_factory=list)  # parameters still getting one
+    silent_share: float = 0.0  # elements in parameters with >= SILENT_TENSOR zeros
 
     @property
     def first_step(self) -> int:
@@ -119,8 +128,8 @@ def _find_dead(f: Facts) -> Optional[Dead]:
         out.fresh = bool(np.min(share[idx[:-k]]) < ALIVE_SHARE)
     _dead_layers(f, out)
     _silent_params(f, out)
-    if not out.layers and not out.fresh:
-        return None  # zeros that may have been there all along
+    if not out.layers and not (out.fresh and out.silent_share >= SILENT_SHARE):
+        return None  # zeros there all along, or scattered (a pruning mask), not dead units
     if f.curve.judged and not f.curve.flat:
         return None  # the loss still halved: whatever the zeros are, the model learns
     return out
@@ -146,6 +155,10 @@ def _silent_params(f: Facts, out: Dead) -> None:
     order = grads[np.argsort(-numel[grads], kind="stable")]
     out.silent = [names[t] for t in order if st.grad_zero_last[t] >= 1.0]
     out.learning = [names[t] for t in order if st.grad_zero_last[t] < 1.0]
+    total = float(numel[grads].sum())
+    if total:
+        out.silent_share = float(numel[grads][st.grad_zero_last[grads] >= SILENT_TENSOR].sum()
+                                 / total)
 
 
 def _numel(f: Facts) -> np.ndarray:

@@ -233,6 +233,19 @@ def test_structural_zeros_there_from_the_start_are_not_dead_units():
     assert d.verdict == "healthy", str(d)
 
 
+def test_a_pruning_mask_set_mid_run_is_not_dead_units():
+    """torch.nn.utils.prune at 95 % sparsity from step 100 of a fine-tune: the masked weights
+    get zero gradient, scattered through every tensor; no layer goes dark."""
+    s = Synth(300, dtype="bfloat16", scaler=False, every=20)
+    s.set("loss", noisy(np.full(300, 0.8), 0.05, 18))
+    for name in ("fc1.weight_orig", "fc2.weight_orig"):
+        s.sampled(range(0, 300, 20), Kind.PARAM_GRAD, name,
+                  zeros=lambda i: 3900 if i >= 100 else 50, absmax=0.2)
+    s.sampled(range(0, 300, 20), Kind.OUTPUT, "fc2", absmax=1.0, zeros=100)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+
+
 def test_units_dying_while_the_loss_still_halves_are_not_a_failure():
     s = Synth(120, dtype="bfloat16", scaler=False, every=10)
     s.set("loss", noisy(decay(120, floor=0.05), 0.1, 11))
@@ -339,7 +352,8 @@ def test_a_training_loss_has_no_warning():
 def test_thresholds_are_named_constants():
     for mod, names in ((curve, ("SPIKE", "SPIKE_SIGMAS", "STUCK", "STUCK_SIGMAS", "CLIMB",
                                 "NO_PROGRESS", "FLAT_END", "NOISY", "MOST")),
-                       (progress, ("DEAD_SHARE", "ALIVE_SHARE", "UPDATE_COLLAPSE", "LR_KEPT"))):
+                       (progress, ("DEAD_SHARE", "ALIVE_SHARE", "SILENT_TENSOR", "SILENT_SHARE",
+                                   "UPDATE_COLLAPSE", "LR_KEPT", "GRAD_JUMP", "UNSURE"))):
         for name in names:
             assert isinstance(getattr(mod, name), float), name
     assert isinstance(curve.MIN_STEPS, int)
@@ -349,3 +363,34 @@ def test_the_dead_units_view_is_computed_once_per_run():
     f = Facts(_lightning_like().run())
     assert progress.dead_units(f) is progress.dead_units(f)
     assert math.isclose(progress.dead_units(f).share, 4095 / 4096)
+    assert progress.dead_units(f).silent_share == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The issue-15 Lightning run, recorded as a user would (needs lightning: the test extra)
+
+
+@pytest.mark.slow
+def test_the_lightning_run_of_issue_15(tmp_path):
+    """Lightning 2.x, precision="16-mixed" on CPU (bf16 there), Adam warming up to LR 3.0:
+    diverged with dead units, not precision; the same run at LR 1e-3 is healthy."""
+    pytest.importorskip("lightning")
+    import os
+
+    from conftest import ROOT
+    from recording import start
+
+    script = os.path.join(ROOT, "fixtures", "lightning", "issue15.py")
+    runs = {lr: (str(tmp_path / f"lr{lr}.h5"), start(script, str(tmp_path / f"lr{lr}.h5"),
+                                                       ["--lr", lr, "--steps", "120"], every=20))
+            for lr in ("3.0", "1e-3")}
+    for lr, (path, proc) in runs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    bad, good = diagnose(runs["3.0"][0]), diagnose(runs["1e-3"][0])
+    assert bad.run["autocast_dtype"] == "bfloat16" and bad.run["steps"] == 120
+    assert bad.verdict == "diverged", str(bad)
+    assert [c["verdict"] for c in bad.causes] == ["diverged", "dead_units"]
+    assert bad.first_bad["step"] == 1 and evidence(bad, "fp32_same").value == 1.0
+    assert bad.fixes[0].id == "lower_lr"
+    assert good.verdict == "healthy" and evidence(good, "loss_flat") is None, str(good)

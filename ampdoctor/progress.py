@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from . import curve, fixes
-from .analyze import Evidence, Finding
+from .analyze import SHORT_RUN, Evidence, Finding
 from .facts import Facts
 from .rules import PRIORITY, UNCHANGED_HIGH, _first_bad, _fmt, context
 from .schema import Kind
@@ -463,7 +463,8 @@ def _collapsed_only(f: Facts) -> Optional[Finding]:
 
 def flat_warning(f: Facts) -> Optional[Evidence]:
     """For a run no rule called a failure: evidence "loss_flat" when its loss did not fall (it
-    ended where it began, or a spike came and the run never got below half its start)."""
+    ended where it began, or a spike came and the run never got below half its start). A run
+    shorter than SHORT_RUN steps is not expected to show learning: without a spike, no word."""
     c = f.curve
     if not c.judged or f.failure_index is not None:
         return None
@@ -475,7 +476,7 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
                         f"({_fmt(c.start)})" + ("" if seen else "; no sampled step came after "
                                                "the jump, so dead units could not be checked"),
                         "loss_flat", c.end / c.start, f.step_at(s.index))
-    if c.end >= curve.FLAT_END * c.start:
+    if c.end >= curve.FLAT_END * c.start and f.n >= SHORT_RUN:
         return Evidence(f"it began at {_fmt(c.start)} and ended at {_fmt(c.end)} (median of the "
                         f"last {c.tail_steps} of {c.n} steps)", "loss_flat", c.end / c.start,
                         f.step_at(f.n - 1))

@@ -40,6 +40,8 @@ VERDICTS = {
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
                   "scaler, scaler re-created, grads not zeroed, calls out of order",
     "bf16_precision": "bf16 weights updated in place: small updates round away",
+    "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
+    "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
     "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
@@ -154,7 +156,7 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
     facts = Facts(run)
-    chosen = rules if rules is not None else _rules.RULES
+    chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
     from . import ranks
 
@@ -175,15 +177,18 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     elif roots:
         top = roots[0]
     else:
-        top = Finding("healthy", _healthy_confidence(f), "No failure: no non-finite loss or "
-                      "gradient reached the weights, and the loss scale behaved normally."
-                      if f.n else "", _checked(f))
+        top = _healthy(f)
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
     also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
     causes += [_cause(x, "also") for x in also]
-    evidence = list(top.evidence) + [e for x in consequences for e in x.evidence]
+    evidence = list(top.evidence)
+    seen_ev = {(e.key, e.text) for e in evidence}
+    for e in (e for x in consequences for e in x.evidence):
+        if (e.key, e.text) not in seen_ev:  # a consequence may restate the root's numbers
+            seen_ev.add((e.key, e.text))
+            evidence.append(e)
     seen = {fx.id for fx in top.fixes}
     fixes = list(top.fixes)
     for x in consequences + also:
@@ -197,6 +202,29 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
                      summary=top.summary, first_bad=top.first_bad, causes=causes,
                      evidence=evidence, fixes=fixes, run=run_summary(f),
                      notes=notes(f, top), history=history)
+
+
+# A healthy verdict whose loss did not fall (progress.flat_warning) is no more sure than this.
+FLAT_CONFIDENCE = 0.6
+
+
+def _healthy(f: Any) -> Finding:
+    """No rule fired. When the loss did not fall, the headline says so (a warning, not a
+    verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
+    from .progress import flat_warning
+
+    summary = ("No failure: no non-finite loss or gradient reached the weights, and the loss "
+               "scale behaved normally.") if f.n else ""
+    found = Finding("healthy", _healthy_confidence(f), summary, _checked(f))
+    warning = flat_warning(f) if f.n else None
+    if warning is not None:
+        found.summary = ("No numeric failure was found, but the loss did not fall: "
+                         f"{warning.text}. ampdoctor cannot tell a run that stopped learning "
+                         "from one whose loss is not meant to fall (a fine-tune at its optimum, "
+                         "a GAN); if it should have fallen, see the notes.")
+        found.confidence = min(found.confidence, FLAT_CONFIDENCE)
+        found.evidence.insert(0, warning)
+    return found
 
 
 def _cause(x: Finding, role: str) -> dict:
@@ -329,8 +357,22 @@ def notes(f: Any, top: Finding) -> list[str]:
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
     if top.verdict == "healthy":
-        out += _risks(f)
+        out += _risks(f) + _flat_notes(f, top)
     return out
+
+
+def _flat_notes(f: Any, top: Finding) -> list[str]:
+    """Where to look when the loss did not fall and nothing numeric explains it."""
+    if not any(e.key == "loss_flat" for e in top.evidence):
+        return []
+    upd = f.stats.upd_log[np.isfinite(f.stats.upd_log)]
+    moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
+             "(median update ratio on the sampled steps).") if len(upd) else (
+        " No sampled step measured how far the weights move: record with `--every N`.")
+    return ["The loss did not fall and no precision signal explains it: look at the learning "
+            "rate (too high bounces, too low crawls), the data (labels that do not match the "
+            "inputs) and the loss (parameters it does not reach, or not in the optimizer)."
+            + moved]
 
 
 def _status_notes(f: Any) -> list[str]:
@@ -432,4 +474,6 @@ def _risks(f: Any) -> list[str]:
 
 from . import rules as _rules  # noqa: E402 - the rules import this module's dataclasses
 
-RULES = _rules.RULES
+from . import progress as _progress  # noqa: E402 - failures without a NaN (uses rules' helpers)
+
+RULES = _rules.RULES + _progress.RULES

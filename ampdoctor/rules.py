@@ -70,6 +70,7 @@ PRIORITY = {
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
     "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
+    "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
     "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
 }
 

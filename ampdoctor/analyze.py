@@ -44,7 +44,11 @@ VERDICTS = {
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
     "no_training": "no optimizer step was recorded",
+    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
+                         "kept; the script itself may have trained",
 }
+# Verdicts with no step to diagnose (the CLI exits 2 on them).
+EMPTY = ("no_training", "recording_stopped")
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
 
 
@@ -173,13 +177,11 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     elif roots:
         top = roots[0]
     else:
-        top = Finding("healthy", _healthy_confidence(f), "No failure: no non-finite loss or "
-                      "gradient reached the weights, and the loss scale behaved normally."
-                      if f.n else "", _checked(f))
+        top = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY]
     causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence) + [e for x in consequences for e in x.evidence]
     seen = {fx.id for fx in top.fixes}
@@ -205,6 +207,18 @@ def _cause(x: Finding, role: str) -> dict:
     if x.first_bad:
         out["first_bad"] = x.first_bad
     return out
+
+
+def _healthy_summary(f: Any) -> str:
+    if not f.n:
+        return ""
+    body = ("no non-finite loss or gradient reached the weights, and the loss scale behaved "
+            "normally.")
+    stopped = f.stopped
+    if stopped is None:
+        return "No failure: " + body
+    return (f"No failure in the {f.n} steps recorded: {body} But ampdoctor stopped recording "
+            f"at step {stopped['step']} after an internal error: what followed is not covered.")
 
 
 def _checked(f: Any) -> list[Evidence]:
@@ -310,8 +324,10 @@ RUNAWAY_SCALE = 2.0 ** 24
 def notes(f: Any, top: Finding) -> list[str]:
     """What the diagnosis could and could not tell from this run, and risks worth knowing."""
     out = _status_notes(f)
+    if top.verdict == "recording_stopped":  # its summary says it already
+        out = [n for n in out if not n.startswith("ampdoctor stopped recording")]
     if not f.n:
-        if top.verdict != "no_training":
+        if top.verdict not in EMPTY:
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
@@ -373,7 +389,7 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
         out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
                    "growth, scale probing) may not have shown yet.")
     located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
-    if f.failure_index is None or located or top.verdict == "no_training":
+    if f.failure_index is None or located or top.verdict in EMPTY:
         return out
     if recorder.get("forensics") is False:
         out.append("Forensic replay was off: the failing op could not be located and checked "

@@ -113,6 +113,15 @@ def rule_no_training(f: Facts) -> Optional[Finding]:
     """No optimizer step was recorded at all."""
     if f.n:
         return None
+    stopped = f.stopped
+    if stopped is not None:  # the recorder faulted: the script may well have trained
+        why = stopped["why"][:200]
+        return Finding("recording_stopped", 1.0, f"ampdoctor stopped recording at step "
+                       f"{stopped['step']}, before any step was kept, after an internal error "
+                       f"({why}); training went on unrecorded, so there is nothing to "
+                       "diagnose.", [Evidence(f"recorder error: {why}", "recorder_error",
+                                              None, stopped["step"])],
+                       priority=PRIORITY["no_training"])
     exc = f.exception
     if exc is not None:
         summary = (f"The script raised {exc[0]} before its first optimizer step; nothing was "

@@ -312,9 +312,9 @@ def _describe(outlines: list[dict], settings: Settings) -> str:
                                           "no optimizer step (the command never trained)")
     else:
         text = f"ampdoctor: recorded {_steps(main)} into {files}, {_skipped(main)}"
+        text += f"; {_stopped(stopped)}" if stopped else ""
         verdict = _verdict(settings, len(main) > 1)
         text += f"; diagnosis: {verdict}" if verdict else ""
-        text += f"; {_stopped(stopped)}" if stopped else ""
     raised = sorted({o["status"].split(":", 1)[1] for o in main
                      if o["status"].startswith("exception:")})
     stopped = sorted({o["status"].split(":", 1)[1] for o in main

@@ -55,6 +55,10 @@ GRAD_GROWTH = 10.0
 LR_RISE = 10.0
 # C2 needs two of the growth signals above; one alone is common in healthy early training.
 GROWTH_SIGNALS = 2
+# C2 at its most abrupt: one step moved the weights by as much as the weights themselves
+# (|dW|/|W| >= 1; Adam's first step at a sane LR is ~lr/|w|, 1e-2..0.3). A failure a step or
+# two later has no ramp to show, but the weights were not steady: never one op's overflow.
+REPLACED = 1.0
 # C6a: clip_grad_norm_'s returned norm over the unscaled norm equals the loss scale S when the
 # clip ran on scaled gradients; within a factor 4 of S counts (S is a power of 2, norms noisy).
 CLIP_SCALED_TOLERANCE = 4.0
@@ -658,6 +662,18 @@ def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
                     float(g1 / g0))
 
 
+def _weights_replaced(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    upd = f.stats.upd_log[idx] if len(idx) else np.zeros(0)
+    big = np.flatnonzero(np.isfinite(upd) & (upd >= math.log10(REPLACED)))
+    if not len(big):
+        return None
+    log, step = float(upd[big[0]]), f.step_at(int(idx[big[0]]))
+    size = "10x or more" if log >= 1.0 else f"{10 ** log:.2g}x"  # (ratios are kept up to 10)
+    return Evidence(f"the optimizer step at step {step} changed the weights by {size} their "
+                    "norm (|dW|/|W|, sampled): the weights were not steady", "weights_replaced",
+                    10 ** log, step)
+
+
 def _lr_rise(f: Facts, hi: int) -> Optional[Evidence]:
     lr = f.steps["lr"][:hi + 1].astype(float)
     fin = np.flatnonzero(np.isfinite(lr) & (lr > 0))
@@ -679,8 +695,8 @@ def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
     hi = f.failure_index if f.failure_index is not None else f.n
     idx = np.flatnonzero(f.stats.sampled[:hi] & ~f.skipped[:hi])
     found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
-                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi))
-             if e is not None]
+                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi),
+                         _weights_replaced(f, idx)) if e is not None]
     if found and hi < f.n:  # the LR ramp counts beside an effect, never alone
         rise = _lr_rise(f, hi)
         found += [rise] if rise is not None else []
@@ -818,7 +834,10 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
                        where, priority=PRIORITY["mask_overflow"])
     score, growth = growth_evidence(f)
     poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
-    if score >= GROWTH_SIGNALS or (fp32 == 0 and score >= 1 and not poisoned):
+    replaced = any(e.key == "weights_replaced" for e in growth)
+    if replaced and poisoned and snap["step"] > f.failure_step:
+        where = _first_bad(f.failure_step, None, None)  # the culprit shows the poison only
+    if score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned):
         return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
     if (fp32 == 0 or poisoned) and phase == "forward":
         return None  # out of range in fp32 too (or its weights are): not one op's overflow

@@ -332,6 +332,7 @@ def notes(f: Any, top: Finding) -> list[str]:
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
     out += _coverage_notes(f, top)
+    out += _compiled_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
@@ -400,6 +401,18 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
                    "earlier skipped steps, so the failing step was not replayed; the module "
                    "comes from sampled statistics, if any.")
     return out
+
+
+def _compiled_notes(f: Any) -> list[str]:
+    """What a torch.compile'd model kept out of the sampled statistics."""
+    info = f.meta.get("compiled")
+    if not isinstance(info, dict) or not info.get("regions"):
+        return []
+    where = ", ".join(str(r.get("module")) for r in info["regions"][:3])
+    hooked = ", ".join(str(m) for m in (info.get("hooked") or [])[:3]) or "none"
+    return [f"{where} ran under torch.compile: the outputs of the modules inside it were not "
+            f"measured on sampled steps (module outputs measured: {hooked}); gradients, "
+            "weights and forensic replays (run eagerly) cover every layer."]
 
 
 def _risks(f: Any) -> list[str]:

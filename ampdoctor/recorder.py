@@ -571,8 +571,10 @@ class Recorder:
     def _note_compiled(self) -> None:
         """What a compiled model leaves out of the recording (module outputs inside its
         compiled regions), kept in /meta for ``diagnose`` to say."""
+        shimmed = [r for r in self.roots if compiled.kind(r) == compiled.CALL]
         self._meta("compiled", {"regions": [{"module": n, "kind": k} for n, k in self._compiled],
-                                "hooked": sorted(self.names.get(m, "?") for m in self._eager)})
+                                "hooked": sorted(self.names.get(m, "?")
+                                                 for m in self._eager + shimmed)})
 
     def _adopt_scaler(self, scaler: Any) -> None:
         self.scaler = scaler

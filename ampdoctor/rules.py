@@ -662,6 +662,29 @@ def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
                     float(g1 / g0))
 
 
+def _short_ramp(f: Facts, hi: int) -> list[Evidence]:
+    """A failure within the first few steps, too early for the loss-spike and gradient-ramp
+    checks (6 and 5 finite steps), still shows C2 when the loss and the gradient norm both
+    grew LOSS_SPIKE² and GRAD_GROWTH² (100x) over the finite steps before it: two signals."""
+    loss = f.steps["loss"][:hi + 1].astype(float)
+    gn = f.steps["grad_norm"][:hi].astype(float)
+    lf = np.flatnonzero(np.isfinite(loss) & (loss > 0))
+    gf = np.flatnonzero(np.isfinite(gn) & (gn > 0))
+    if not (3 <= len(lf) < 6 and 3 <= len(gf) < 5):
+        return []  # too few points to call anything, or the usual checks judge
+    l0, g0 = float(loss[lf[0]]), float(gn[gf[0]])
+    li, gi = lf[-2:][np.argmax(loss[lf[-2:]])], gf[-2:][np.argmax(gn[gf[-2:]])]
+    l1, g1 = float(loss[li]), float(gn[gi])
+    if l1 / l0 < LOSS_SPIKE ** 2 or g1 / g0 < GRAD_GROWTH ** 2:
+        return []
+    return [Evidence(f"the loss rose from {_fmt(l0)} at step {f.step_at(int(lf[0]))} to "
+                     f"{_fmt(l1)} at step {f.step_at(int(li))} ({l1 / l0:.2g}x in "
+                     f"{int(li - lf[0])} steps)", "loss_spike", l1 / l0, f.step_at(int(li))),
+            Evidence(f"the gradient norm grew {g1 / g0:.2g}x in {int(gi - gf[0])} steps "
+                     f"({_fmt(g0)} -> {_fmt(g1)})", "grad_norm_growth", g1 / g0,
+                     f.step_at(int(gi)))]
+
+
 def _weights_replaced(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
     upd = f.stats.upd_log[idx] if len(idx) else np.zeros(0)
     big = np.flatnonzero(np.isfinite(upd) & (upd >= math.log10(REPLACED)))
@@ -697,6 +720,7 @@ def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
     found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
                          _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi),
                          _weights_replaced(f, idx)) if e is not None]
+    found += _short_ramp(f, hi)
     if found and hi < f.n:  # the LR ramp counts beside an effect, never alone
         rise = _lr_rise(f, hi)
         found += [rise] if rise is not None else []

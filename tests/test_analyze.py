@@ -762,3 +762,22 @@ def test_without_a_scaler_the_first_applied_nonfinite_gradient_starts_the_failur
     d = verdict(s)
     assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
     assert d.first_bad["module"] is None
+
+
+def test_a_blowup_in_the_first_steps_is_the_lr():
+    """HF Trainer with SGD at LR 1000: the loss 1.3 -> 237 -> 5.8e7 and the gradient norm
+    1.8 -> 421 -> 4.5e12 in three steps, then NaN; the culprit is non-finite in fp32 too. Too
+    short for the usual ramp checks, but both grew 100x: the LR's doing. A calmer start, or
+    only one of the two growing, is not enough."""
+    def run(loss, grad):
+        s = Synth(12, dtype="bfloat16", scaler=False, every=100)
+        s.set("loss", loss, steps=range(4))
+        s.set("grad_norm", grad, steps=range(4))
+        s.nan_loss(range(4, 12)).nan_grad(range(4, 12))
+        s.snapshot(4, "forward", "transformer.h.0.attn.c_proj", "Conv1D", fp32_finite=0)
+        return verdict(s)
+    d = run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 421.0, 4.5e12])
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
+    assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
+    assert run([1.32, 1.32, 1.5, 6.0], [1.78, 1.66, 421.0, 4.5e12]).verdict != "lr_overflow"
+    assert run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 1.7, 1.9]).verdict != "lr_overflow"

@@ -91,7 +91,7 @@ def assert_one_answer(run: Run) -> dict:
 
 NANO = ["--max_iters=12"]
 NANO_BROKEN = ["--dtype=float16", "--learning_rate=3", "--grad_clip=0", "--warmup_iters=20",
-               "--max_iters=14", "--backend=aot_eager"]
+               "--max_iters=20", "--backend=aot_eager"]
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +159,11 @@ def test_compiled_nanogpt_lr_blowup_is_lr_overflow_with_replays(nanogpt_broken):
     assert d.run["autocast_dtype"] == "float16" and d.run["scaler"]["enabled"]
     with rec.load() as run:
         modules = [str(m) for m in run.snapshots["module"]]
-        first_skip = int(np.flatnonzero(run.steps["skipped"])[0])
     # replayed through the module inside torch.compile: its layers are named
     assert any(m.startswith("transformer.") for m in modules), modules
     first = assert_one_answer(rec)
-    assert first["step"] == first_skip
+    first_nan = next(i for i, x in enumerate(rec.logged["losses"]) if math.isnan(x))
+    assert first["step"] <= first_nan and first["module"].startswith("transformer.")
 
 
 @pytest.mark.parametrize("how", ["forward", "method"])

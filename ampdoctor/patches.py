@@ -1,6 +1,6 @@
 """Every change ampdoctor makes to torch's globals, each undoable through a handle.
 
-A recorder sees a training loop through five doors, all opened here and nowhere else:
+A recorder sees a training loop through six doors, all opened here and nowhere else:
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
@@ -15,9 +15,9 @@ A recorder sees a training loop through five doors, all opened here and nowhere 
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
-traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph). ``PatchSet.remove`` restores
-every original, is safe to call twice, and leaves alone an attribute someone else re-patched
-after us.
+traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph).
+``PatchSet.remove`` restores every original, is safe to call twice, and leaves alone an
+attribute someone else re-patched after us.
 """
 
 from __future__ import annotations

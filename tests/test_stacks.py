@@ -271,6 +271,7 @@ def test_hf_trainer_lr_blowup_is_lr_overflow(hf_broken):
     assert d.verdict == "lr_overflow", str(d)
     first = assert_one_answer(hf_broken)
     assert first["step"] <= next(i for i, x in enumerate(history) if math.isnan(x))
+    assert first["module"].startswith("transformer.")  # replayed inside GPT2LMHeadModel
     with hf_broken.load() as run:
         assert run.meta["autocast"]["dtype"] == "bfloat16"
         assert len(run.snapshots) >= 1

@@ -46,7 +46,11 @@ VERDICTS = {
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
     "no_training": "no optimizer step was recorded",
+    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
+                         "kept; the script itself may have trained",
 }
+# Verdicts with no step to diagnose (the CLI exits 2 on them).
+EMPTY = ("no_training", "recording_stopped")
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
 
 
@@ -181,7 +185,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY]
     causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence)
     seen_ev = {(e.key, e.text) for e in evidence}
@@ -213,9 +217,7 @@ def _healthy(f: Any) -> Finding:
     verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
     from .progress import flat_warning
 
-    summary = ("No failure: no non-finite loss or gradient reached the weights, and the loss "
-               "scale behaved normally.") if f.n else ""
-    found = Finding("healthy", _healthy_confidence(f), summary, _checked(f))
+    found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
     warning = flat_warning(f) if f.n else None
     if warning is not None:
         found.summary = ("No numeric failure was found, but the loss did not fall: "
@@ -235,6 +237,18 @@ def _cause(x: Finding, role: str) -> dict:
     if x.first_bad:
         out["first_bad"] = x.first_bad
     return out
+
+
+def _healthy_summary(f: Any) -> str:
+    if not f.n:
+        return ""
+    body = ("no non-finite loss or gradient reached the weights, and the loss scale behaved "
+            "normally.")
+    stopped = f.stopped
+    if stopped is None:
+        return "No failure: " + body
+    return (f"No failure in the {f.n} steps recorded: {body} But ampdoctor stopped recording "
+            f"at step {stopped['step']} after an internal error: what followed is not covered.")
 
 
 def _checked(f: Any) -> list[Evidence]:
@@ -344,8 +358,10 @@ RUNAWAY_SCALE = 2.0 ** 24
 def notes(f: Any, top: Finding) -> list[str]:
     """What the diagnosis could and could not tell from this run, and risks worth knowing."""
     out = _status_notes(f)
+    if top.verdict == "recording_stopped":  # its summary says it already
+        out = [n for n in out if not n.startswith("ampdoctor stopped recording")]
     if not f.n:
-        if top.verdict != "no_training":
+        if top.verdict not in EMPTY:
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
@@ -353,6 +369,7 @@ def notes(f: Any, top: Finding) -> list[str]:
     from . import ranks  # a sharded (FSDP) run: per-shard numbers, replay off
 
     out += ranks.sharding_notes(f.meta, f.steps)
+    out += _compiled_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
@@ -424,7 +441,7 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
         out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
                    "growth, scale probing) may not have shown yet.")
     located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
-    if f.failure_index is None or located or top.verdict == "no_training":
+    if f.failure_index is None or located or top.verdict in EMPTY:
         return out
     if recorder.get("forensics") is False:
         out.append("Forensic replay was off: the failing op could not be located and checked "
@@ -435,6 +452,18 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
                    "earlier skipped steps, so the failing step was not replayed; the module "
                    "comes from sampled statistics, if any.")
     return out
+
+
+def _compiled_notes(f: Any) -> list[str]:
+    """What a torch.compile'd model kept out of the sampled statistics."""
+    info = f.meta.get("compiled")
+    if not isinstance(info, dict) or not info.get("regions"):
+        return []
+    where = ", ".join(str(r.get("module")) for r in info["regions"][:3])
+    hooked = ", ".join(str(m) for m in (info.get("hooked") or [])[:3]) or "none"
+    return [f"{where} ran under torch.compile: the outputs of the modules inside it were not "
+            f"measured on sampled steps (module outputs measured: {hooked}); gradients, "
+            "weights and forensic replays (run eagerly) cover every layer."]
 
 
 def _risks(f: Any) -> list[str]:

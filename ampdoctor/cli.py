@@ -82,7 +82,7 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
 
     d = analyze.diagnose(run)
     click.echo(report.render(d, fmt), nl=False)
-    if d.verdict == "no_training":  # nothing to diagnose: unusable input, exit 2
+    if d.verdict in analyze.EMPTY:  # nothing to diagnose: unusable input, exit 2
         reason = d.summary.rstrip(".")
         raise EmptyRunError(f"{run} holds no optimizer step to diagnose "
                             f"({reason[:1].lower() + reason[1:]})")

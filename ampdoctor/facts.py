@@ -673,13 +673,15 @@ class Facts:
     def failure_index(self) -> Optional[int]:
         """Position of the first failing step: the first non-finite loss or the start of the
         skipping that lasts to the end, whichever is first; else the first skipped step that
-        GradScaler's calibration and probing do not explain."""
+        GradScaler's calibration and probing do not explain. Without a scaler a non-finite
+        gradient is applied to the weights, so it starts the failure too."""
         def find():
             if not self.n:
                 return None
             # A non-finite loss, or skipping that goes on to the end, is the failure; the
             # unexplained skips before it are the scale's staircase on the way there.
-            starts = [int(i[0]) for i in (np.flatnonzero(self.loss_bad),) if len(i)]
+            applied = self.grad_bad if not self.story.has_scaler else np.zeros(self.n, bool)
+            starts = [int(i[0]) for i in (np.flatnonzero(self.loss_bad | applied),) if len(i)]
             if self.story.terminal_run:
                 starts.append(self.n - self.story.terminal_run)
             if starts:
@@ -718,6 +720,11 @@ class Facts:
     def events(self, kind: Event) -> np.ndarray:
         ev = self.run.events
         return ev[ev["kind"] == int(kind)]
+
+    @property
+    def stopped(self) -> Optional[dict]:
+        """Where and why ampdoctor stopped recording (an internal fault), or None."""
+        return recording_stopped(self.run)
 
     @property
     def exception(self) -> Optional[tuple[str, str]]:
@@ -843,6 +850,22 @@ class Facts:
         sel = slice(max(0, i - before), min(self.n, i + after + 1))
         return {k: [_num(v) for v in s[k][sel]] for k in ("step", "loss", "scale", "lr",
                                                           "grad_norm", "skipped")}
+
+
+def recording_stopped(run: Any) -> Optional[dict]:
+    """``{"step", "why"}`` when ampdoctor stepped aside after an internal fault (its
+    RECORDER_ERROR event): the file holds the steps before ``step`` and nothing after.
+
+    Example::
+
+        recording_stopped(ampdoctor.load("run.h5"))
+        # {'step': 0, 'why': "before_clip: RuntimeError: aten.take.default got mixed ..."}
+    """
+    ev = run.events
+    rows = ev[ev["kind"] == int(Event.RECORDER_ERROR)]
+    if not len(rows):
+        return None
+    return {"step": int(rows["step"][0]), "why": str(rows["text"][0])}
 
 
 def _phase_name(code: int) -> str:

@@ -61,7 +61,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import replay, schema, sharding, stats
+from . import compiled, replay, schema, sharding, stats
 from .errors import AmpDoctorError
 from .replay import Capture, Finding
 from .sampler import tensors_in
@@ -391,7 +391,8 @@ class Forensics:
                                  "watched one)"), -1
         self.replaying = True
         try:
-            with _preserved(self._roots(captures), _cuda_devices()):
+            # Compiled code runs eagerly here: instrumented, and never recompiled.
+            with _preserved(self._roots(captures), _cuda_devices()), compiled.eager():
                 return self._search(captures, scale, stale_check)
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.rec.strict:
@@ -599,6 +600,8 @@ def _summary(r: ReplayResult, f: Finding) -> str:
 
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
     """Tensor hook on a root output: keep a reference to the gradient arriving there."""
+    if grad is None:  # an output of a compiled (AOT autograd) region that no loss reached
+        return
     if grad.requires_grad:  # create_graph=True: keep the value, not its graph
         grad = grad.detach()
     prev = grads.get(index)

@@ -89,6 +89,7 @@ def outline(run: Any) -> dict:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
     from .analyze import Facts
+    from .facts import recording_stopped
 
     steps = run.steps
     flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)
@@ -106,6 +107,7 @@ def outline(run: Any) -> dict:
         "module": None,
         "phase": None,
         "local": False,  # the first non-finite value was born in this rank
+        "stopped": recording_stopped(run),  # {"step", "why"}: the recorder faulted there
     }
     if out["first_bad"] is None:
         return out

@@ -96,8 +96,8 @@ class Sampler:
             t.register_hook(lambda grad, gid=gid, call=call: self._on_grad(gid, call, grad))
 
     def _on_grad(self, gid: int, call: int, grad: torch.Tensor) -> None:
-        if not self.active:  # backward of a sampled forward that ran after the step ended
-            return None
+        if not self.active or grad is None:  # a step already ended; an unreached output of
+            return None                         # a compiled region (its gradient is None)
         try:
             if self.collector.add(grad) is not None:
                 self._rows.append((gid, call, self._seq[Kind.GRAD_OUTPUT]))

@@ -11,6 +11,10 @@ Three doors into one library::
         ...train...
     rec.diagnose()
 
+Before a long run: ``ampdoctor.parity(model, batch, torch.bfloat16)`` (which modules lose
+precision under autocast) and ``ampdoctor.testing.check_amp_step`` (the AMP contract of your
+training step, in your own tests).
+
 Importing ampdoctor imports neither torch nor h5py: ``watch`` pulls in torch when called, and
 ``load``/``diagnose`` need only numpy and h5py, so a run file can be read anywhere.
 """
@@ -28,6 +32,7 @@ __all__ = [
     "Comparison",
     "Diagnosis",
     "FormatTooNewError",
+    "ParityResult",
     "Readiness",
     "Recorder",
     "ReleaseReport",
@@ -37,6 +42,7 @@ __all__ = [
     "diagnose",
     "fp16_readiness",
     "load",
+    "parity",
     "release_report",
     "watch",
     "__version__",
@@ -81,7 +87,7 @@ def diagnose(run: Any, **options: Any) -> "Diagnosis":
 
 def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
     """fp32 parity: a baseline run (fp32 or bf16) against a mixed-precision run of the same
-    training, paths or loaded ``Run`` objects (see ``ampdoctor.parity``).
+    training, paths or loaded ``Run`` objects (see ``ampdoctor.comparison``).
 
     Example::
 
@@ -89,14 +95,34 @@ def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
         c.verdict            # 'match', 'drift' or 'diverged'
         c.divergence_step, c.speedup, c.memory_ratio
     """
-    from .parity import compare as _compare
+    from .comparison import compare as _compare
 
     return _compare(base, amp, **options)
 
 
+def parity(model: Any, batch: Any, dtype: Any = "bfloat16", loss_fn: Any = None) -> "ParityResult":
+    """Before switching a model to bf16 or fp16: which modules lose precision under autocast?
+    One batch runs in fp32 and in ``dtype`` (``torch.bfloat16`` or ``torch.float16``), each
+    module judged alone on its fp32 inputs; ranked worst first, a verdict each (``ok``,
+    ``lossy``, ``overflows``) and the fp32-island fix for the worst (see
+    ``ampdoctor.preflight.layer_parity``). The model, its ``.grad`` and the RNG are unchanged.
+
+    Example::
+
+        r = ampdoctor.parity(model, x, torch.bfloat16)
+        r = ampdoctor.parity(model, x, torch.float16, loss_fn=lambda out: F.cross_entropy(out, y))
+        print(r)                    # or display(r) in Jupyter
+        [(m.name, m.verdict, m.sqnr_db) for m in r.modules[:3]], r.to_dict()
+    """
+    from .preflight.layer_parity import parity as _parity
+
+    return _parity(model, batch, dtype, loss_fn)
+
+
 def release_report(run: Any, baseline: Any = None, **options: Any) -> "ReleaseReport":
     """What ``ampdoctor report`` shows: diagnosis, summary figures, precision decision, fp16
-    readiness and, with a baseline, fp32 parity (see ``ampdoctor.release``).
+    readiness and, with a baseline, fp32 parity; with ``parity=`` (a ``ParityResult`` or its
+    JSON file), the layer parity section (see ``ampdoctor.release``).
 
     Example::
 
@@ -140,9 +166,13 @@ def __getattr__(name: str) -> Any:
 
         return Diagnosis
     if name == "Comparison":
-        from .parity import Comparison
+        from .comparison import Comparison
 
         return Comparison
+    if name == "ParityResult":
+        from .preflight.parity_result import ParityResult
+
+        return ParityResult
     if name == "ReleaseReport":
         from .release import ReleaseReport
 

@@ -40,11 +40,17 @@ VERDICTS = {
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
                   "scaler, scaler re-created, grads not zeroed, calls out of order",
     "bf16_precision": "bf16 weights updated in place: small updates round away",
+    "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
+    "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
     "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
     "no_training": "no optimizer step was recorded",
+    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
+                         "kept; the script itself may have trained",
 }
+# Verdicts with no step to diagnose (the CLI exits 2 on them).
+EMPTY = ("no_training", "recording_stopped")
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
 
 
@@ -154,9 +160,11 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
     facts = Facts(run)
-    chosen = rules if rules is not None else _rules.RULES
+    chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
-    return _conclude(facts, findings)
+    from . import ranks
+
+    return ranks.per_shard(_conclude(facts, findings), run.meta)
 
 
 def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
@@ -173,15 +181,18 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     elif roots:
         top = roots[0]
     else:
-        top = Finding("healthy", _healthy_confidence(f), "No failure: no non-finite loss or "
-                      "gradient reached the weights, and the loss scale behaved normally."
-                      if f.n else "", _checked(f))
+        top = _healthy(f)
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite", "no_training")]
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY]
     causes += [_cause(x, "also") for x in also]
-    evidence = list(top.evidence) + [e for x in consequences for e in x.evidence]
+    evidence = list(top.evidence)
+    seen_ev = {(e.key, e.text) for e in evidence}
+    for e in (e for x in consequences for e in x.evidence):
+        if (e.key, e.text) not in seen_ev:  # a consequence may restate the root's numbers
+            seen_ev.add((e.key, e.text))
+            evidence.append(e)
     seen = {fx.id for fx in top.fixes}
     fixes = list(top.fixes)
     for x in consequences + also:
@@ -197,6 +208,27 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
                      notes=notes(f, top), history=history)
 
 
+# A healthy verdict whose loss did not fall (progress.flat_warning) is no more sure than this.
+FLAT_CONFIDENCE = 0.6
+
+
+def _healthy(f: Any) -> Finding:
+    """No rule fired. When the loss did not fall, the headline says so (a warning, not a
+    verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
+    from .progress import flat_warning
+
+    found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
+    warning = flat_warning(f) if f.n else None
+    if warning is not None:
+        found.summary = ("No numeric failure was found, but the loss did not fall: "
+                         f"{warning.text}. ampdoctor cannot tell a run that stopped learning "
+                         "from one whose loss is not meant to fall (a fine-tune at its optimum, "
+                         "a GAN); if it should have fallen, see the notes.")
+        found.confidence = min(found.confidence, FLAT_CONFIDENCE)
+        found.evidence.insert(0, warning)
+    return found
+
+
 def _cause(x: Finding, role: str) -> dict:
     out = {"verdict": x.verdict, "role": role, "text": x.summary,
            "confidence": round(x.confidence, 2)}
@@ -205,6 +237,18 @@ def _cause(x: Finding, role: str) -> dict:
     if x.first_bad:
         out["first_bad"] = x.first_bad
     return out
+
+
+def _healthy_summary(f: Any) -> str:
+    if not f.n:
+        return ""
+    body = ("no non-finite loss or gradient reached the weights, and the loss scale behaved "
+            "normally.")
+    stopped = f.stopped
+    if stopped is None:
+        return "No failure: " + body
+    return (f"No failure in the {f.n} steps recorded: {body} But ampdoctor stopped recording "
+            f"at step {stopped['step']} after an internal error: what followed is not covered.")
 
 
 def _checked(f: Any) -> list[Evidence]:
@@ -261,6 +305,10 @@ def _missing(f: Any) -> str:
         elif f.snapshots:
             missing.append(f"the {len(f.snapshots)} forensic replays found every value finite "
                            "(the overflow is in a parameter's gradient, or did not reproduce)")
+        elif isinstance(f.meta.get("sharding"), dict) and \
+                f.meta["sharding"].get("replay") == "off":
+            missing.append("forensic replay is off for a sharded model (a rank replaying "
+                           "alone would hang the job), and each rank's batch was finite")
         else:
             missing.append("no forensic replay was recorded for the failing steps")
     if not f.sampled_steps:
@@ -310,18 +358,38 @@ RUNAWAY_SCALE = 2.0 ** 24
 def notes(f: Any, top: Finding) -> list[str]:
     """What the diagnosis could and could not tell from this run, and risks worth knowing."""
     out = _status_notes(f)
+    if top.verdict == "recording_stopped":  # its summary says it already
+        out = [n for n in out if not n.startswith("ampdoctor stopped recording")]
     if not f.n:
-        if top.verdict != "no_training":
+        if top.verdict not in EMPTY:
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
     out += _coverage_notes(f, top)
+    from . import ranks  # a sharded (FSDP) run: per-shard numbers, replay off
+
+    out += ranks.sharding_notes(f.meta, f.steps)
+    out += _compiled_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
     if top.verdict == "healthy":
-        out += _risks(f)
+        out += _risks(f) + _flat_notes(f, top)
     return out
+
+
+def _flat_notes(f: Any, top: Finding) -> list[str]:
+    """Where to look when the loss did not fall and nothing numeric explains it."""
+    if not any(e.key == "loss_flat" for e in top.evidence):
+        return []
+    upd = f.stats.upd_log[np.isfinite(f.stats.upd_log)]
+    moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
+             "(median update ratio on the sampled steps).") if len(upd) else (
+        " No sampled step measured how far the weights move: record with `--every N`.")
+    return ["The loss did not fall and no precision signal explains it: look at the learning "
+            "rate (too high bounces, too low crawls), the data (labels that do not match the "
+            "inputs) and the loss (parameters it does not reach, or not in the optimizer)."
+            + moved]
 
 
 def _status_notes(f: Any) -> list[str]:
@@ -373,7 +441,7 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
         out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
                    "growth, scale probing) may not have shown yet.")
     located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
-    if f.failure_index is None or located or top.verdict == "no_training":
+    if f.failure_index is None or located or top.verdict in EMPTY:
         return out
     if recorder.get("forensics") is False:
         out.append("Forensic replay was off: the failing op could not be located and checked "
@@ -384,6 +452,18 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
                    "earlier skipped steps, so the failing step was not replayed; the module "
                    "comes from sampled statistics, if any.")
     return out
+
+
+def _compiled_notes(f: Any) -> list[str]:
+    """What a torch.compile'd model kept out of the sampled statistics."""
+    info = f.meta.get("compiled")
+    if not isinstance(info, dict) or not info.get("regions"):
+        return []
+    where = ", ".join(str(r.get("module")) for r in info["regions"][:3])
+    hooked = ", ".join(str(m) for m in (info.get("hooked") or [])[:3]) or "none"
+    return [f"{where} ran under torch.compile: the outputs of the modules inside it were not "
+            f"measured on sampled steps (module outputs measured: {hooked}); gradients, "
+            "weights and forensic replays (run eagerly) cover every layer."]
 
 
 def _risks(f: Any) -> list[str]:
@@ -423,4 +503,6 @@ def _risks(f: Any) -> list[str]:
 
 from . import rules as _rules  # noqa: E402 - the rules import this module's dataclasses
 
-RULES = _rules.RULES
+from . import progress as _progress  # noqa: E402 - failures without a NaN (uses rules' helpers)
+
+RULES = _rules.RULES + _progress.RULES

@@ -9,6 +9,7 @@ the command was killed by one).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -29,6 +30,7 @@ def cli() -> None:
         ampdoctor diagnose run.h5
         ampdoctor report run.h5 --baseline fp32.h5 -o report.html
         ampdoctor compare fp32.h5 run.h5
+        ampdoctor parity check.py:make --dtype float16
     """
 
 
@@ -80,7 +82,7 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
 
     d = analyze.diagnose(run)
     click.echo(report.render(d, fmt), nl=False)
-    if d.verdict == "no_training":  # nothing to diagnose: unusable input, exit 2
+    if d.verdict in analyze.EMPTY:  # nothing to diagnose: unusable input, exit 2
         reason = d.summary.rstrip(".")
         raise EmptyRunError(f"{run} holds no optimizer step to diagnose "
                             f"({reason[:1].lower() + reason[1:]})")
@@ -117,18 +119,23 @@ def dump(run: str) -> None:
 @click.option("--plots-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="With --format markdown: write the figures there as PNG files and link "
                    "them.")
+@click.option("--parity", "parity_file", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE", help="A layer parity result (`ampdoctor parity ... --format json "
+                                   "-o FILE`): adds the layer parity section.")
 def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
-           plots_dir: Optional[str]) -> None:
+           plots_dir: Optional[str], parity_file: Optional[str]) -> None:
     """Write a release report: one self-contained HTML page (or Markdown for a PR).
 
     It holds the diagnosis (verdict, evidence, fixes), the loss, loss-scale, grad-norm and LR
     curves, per-layer ranges against fp16's limits, the summary figures (skipped and
     non-finite steps, peak grad norm, loss scale, memory, step time), the precision decision
-    for the run's hardware, fp16 readiness and, with --baseline, fp32 parity.
+    for the run's hardware, fp16 readiness, with --baseline, fp32 parity and, with --parity,
+    the layer parity of `ampdoctor parity`.
 
     \b
         ampdoctor report run.h5 -o report.html
         ampdoctor report amp.h5 --baseline fp32.h5 -o report.html
+        ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
     """
     from . import outputs, release, report_release
@@ -137,10 +144,11 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
                                "embeds its figures)")
     target = output or ("report.html" if fmt == "html" else "-")
-    outputs.check_target(target, protect=[run] + ([baseline] if baseline else []))
+    outputs.check_target(target, protect=[run] + ([baseline] if baseline else [])
+                         + ([parity_file] if parity_file else []))
     if plots_dir is not None:
         outputs.check_dir(plots_dir)
-    with release.release_report(run, baseline) as r:
+    with release.release_report(run, baseline, parity=parity_file) as r:
         images = None
         if plots_dir is not None:
             images = outputs.write_plots(r, plots_dir, relative_to=target)
@@ -181,13 +189,131 @@ def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: 
         ampdoctor compare fp32.h5 amp.h5 --format markdown
         ampdoctor compare fp32.h5 amp.h5 --fail-on diverged     # exit 1 if it diverged
     """
-    from . import parity, report_release
+    from . import comparison, report_release
 
-    c = parity.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
+    c = comparison.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
     click.echo(report_release.render_comparison(c, fmt), nl=False)
     if (fail_on == "diverged" and c.verdict == "diverged") or (
             fail_on == "drift" and c.verdict in ("drift", "diverged")):
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("target", metavar="SCRIPT[:FUNCTION]")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16",
+              show_default=True, help="The autocast dtype to compare with fp32.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]),
+              default="text", show_default=True, help="Output format (json: for `report "
+                                                      "--parity`).")
+@click.option("-o", "--output", default="-", show_default=True, metavar="FILE",
+              help="Where to write ('-': stdout).")
+@click.option("--fail-on", type=click.Choice(["lossy", "overflows", "never"]), default="never",
+              show_default=True, help="Exit 1 if a module is this bad or worse (for CI).")
+def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None:
+    """Which modules of a model lose precision in bf16 or fp16: one batch in fp32 and under
+    autocast, each module judged alone on its fp32 inputs, ranked worst first.
+
+    SCRIPT is a Python file or module and FUNCTION (default: make) a function in it that
+    returns (model, batch) or (model, batch, loss_fn): the model is called as model(batch)
+    (model(*batch) for a tuple, model(**batch) for a dict), and loss_fn(output) adds the
+    gradients to the comparison.
+
+    \b
+        ampdoctor parity check.py:make
+        ampdoctor parity check.py:make --dtype float16 --fail-on overflows
+        ampdoctor parity check.py:make --format json -o parity.json
+    """
+    from . import outputs
+    from .preflight import parity_result, target as targets
+
+    script = target.rsplit(":", 1)[0]
+    if output != "-" and os.path.exists(output) and os.path.exists(script) and \
+            os.path.samefile(output, script):
+        raise AmpDoctorError(f"{output} is the script being checked: write the result to "
+                             "another file")
+    outputs.check_target(output)
+    model, batch, loss_fn = targets.load(target)
+    from .preflight.layer_parity import parity as run_parity
+
+    r = run_parity(model, batch, dtype, loss_fn)
+    outputs.write(output, parity_result.render(r, fmt))
+    worst = parity_result.VERDICTS.index(r.verdict)
+    if fail_on != "never" and worst <= parity_result.VERDICTS.index(fail_on):
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--once", is_flag=True, help="Print one frame as plain text and exit.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              metavar="SECONDS", help="Seconds between refreshes.")
+@click.option("--wait", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for a run file that does not exist "
+                                      "yet.")
+@click.option("--stale", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              metavar="SECONDS",
+              help="A file written on another host that has not changed for this long is "
+                   "taken as abandoned (on this host the writer's process is checked).")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="The rank to show (default: the first to go non-finite, else rank 0).")
+@click.option("--ascii", "ascii_only", is_flag=True, help="Draw curves with ASCII only.")
+def top(run: str, once: bool, interval: float, wait: float, stale: float,
+        rank: Optional[int], ascii_only: bool) -> None:
+    """Watch a run while it is recorded: a view that refreshes every second.
+
+    Step, steps per second, loss and loss-scale curves, skipped steps beside GradScaler's
+    probing allowance, grad norm, LR, the layers closest to fp16's limits and the latest
+    forensic replay; rank files of a torchrun job too. It ends by itself when the run does
+    (or its writer is gone) and prints the diagnosis. q or Ctrl-C quits.
+
+    \b
+        ampdoctor top run.h5
+        ampdoctor top run.h5 --once          # one frame, for scripts
+    """
+    from . import analyze, report
+    from .live import top as live_top
+
+    opts = live_top.Options(interval=interval, wait=wait, stale=stale, rank=rank,
+                            unicode=False if ascii_only else None)
+    outcome = live_top.top(run, once=once, options=opts)
+    if outcome.ended == "interrupt":
+        sys.exit(130)
+    if outcome.ended == "final" and outcome.paths:
+        paths = outcome.paths
+        d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
+        click.echo("")
+        click.echo(report.render(d, "text"), nl=False)
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.option("--tensorboard", "logdir", required=True, type=click.Path(file_okay=False),
+              metavar="DIR", help="TensorBoard log directory to write into (your run's own, "
+                                  "to see ampdoctor's curves beside yours).")
+@click.option("--follow", is_flag=True,
+              help="Keep writing while the run is recorded, until it ends.")
+@click.option("--wait", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              metavar="SECONDS", help="With --follow: how long to wait for a run file that "
+                                      "does not exist yet.")
+def export(run: str, logdir: str, follow: bool, wait: float) -> None:
+    """Write a run's curves into TensorBoard: loss, loss scale, skips, grad norm, LR per
+    group, per-layer abs max and underflow shares, forensic replays and the diagnosis.
+
+    Needs the tensorboard package: pip install 'ampdoctor[tensorboard]'. Rank files of a
+    torchrun job become runs rank0, rank1... under DIR.
+
+    \b
+        ampdoctor export run.h5 --tensorboard runs/exp1
+        ampdoctor export run.h5 --tensorboard runs/exp1 --follow     # while it trains
+    """
+    from .live import tensorboard
+
+    done = tensorboard.export(run, logdir, follow=follow, wait=wait if follow else 0.0)
+    click.echo(f"ampdoctor: wrote {done.scalars} scalars and {done.texts} texts "
+               f"({done.steps} steps) into {logdir}; view with: tensorboard --logdir "
+               f"{logdir}", err=True)
+    if done.interrupted:
+        sys.exit(130)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

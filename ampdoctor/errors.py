@@ -31,3 +31,11 @@ class RecordError(AmpDoctorError):
 
 class RecorderFault(Exception):
     """An internal failure while recording; raised only in strict mode (ampdoctor's own tests)."""
+
+
+class RunNotFoundError(RunFileError):
+    """A run file that did not appear in the time ``ampdoctor top`` or ``export`` waited."""
+
+
+class MissingExtraError(AmpDoctorError):
+    """An optional dependency is not installed (``pip install 'ampdoctor[EXTRA]'``)."""

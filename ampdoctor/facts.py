@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import schema
+from . import curve, schema
 from .schema import DType, Event, Kind, Phase, Source, flag
 
 # GradScaler's calibration: it starts above what the net needs and halves on each overflow, so
@@ -201,14 +201,19 @@ class Stats:
       zero-or-subnormal in the run's low precision, and elements counted), wnorm2 (sum of squared
       weight norms), param_bad (parameters with a non-finite norm), upd_log (mean log10 update
       ratio), unchanged (element-weighted unchanged fraction), buffer_bad, input_bad,
-      input_over (input elements beyond fp16 range), input_absmax.
+      input_over (input elements beyond fp16 range), input_absmax, grad_zero / grad_numel
+      (trained-parameter gradient elements that are exactly 0, weighted by tensor size, and
+      the elements weighed: their ratio is the share of the model that got no gradient).
     Per tensor (arrays over tensor ids), before ``horizon`` (the first failing step):
       under_sum / under_cnt (share of a gradient's non-zero elements that are subnormal,
       summed over samples), out_max and
       near_max (largest output abs max and near-overflow fraction), norm_first / norm_last,
       upd_sum / upd_cnt (mean log10 update ratio), unch_sum / unch_cnt; over the whole run:
       first_bad_step (first sampled step with a non-finite value), last_bad (non-finite at the
-      tensor's last sample).
+      tensor's last sample); for module outputs, out_zero_last (exactly 0 everywhere at the
+      tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
+      step with a non-zero value), out_seen_step (last sampled step); for gradients,
+      grad_zero_last (share of exact zeros at the tensor's last sample).
     """
 
     n_steps: int
@@ -254,6 +259,12 @@ class Stats:
         self.first_bad_step = np.full(t, -1, np.int64)
         self.last_step = np.full(t, -1, np.int64)
         self.last_bad = np.zeros(t, bool)
+        self.grad_zero = np.zeros(n)
+        self.grad_numel = np.zeros(n)
+        self.out_zero_last = np.zeros(t, bool)
+        self.out_alive_step = np.full(t, -1, np.int64)
+        self.out_seen_step = np.full(t, -1, np.int64)
+        self.grad_zero_last = np.full(t, np.nan)
 
     @property
     def upd_log(self) -> np.ndarray:
@@ -265,6 +276,14 @@ class Stats:
     def unchanged(self) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self._unch_n > 0, self._unch_sum / np.maximum(self._unch_n, 1),
+                            np.nan)
+
+    @property
+    def grad_zero_share(self) -> np.ndarray:
+        """Per step: share of the trained parameters' gradient elements that are exactly 0
+        (NaN where no gradient was sampled)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.grad_numel > 0, self.grad_zero / np.maximum(self.grad_numel, 1),
                             np.nan)
 
     @property
@@ -391,6 +410,21 @@ def _reduce_outputs(out: Stats, rows, pos, tid, sel, bad, pre) -> None:
         with np.errstate(invalid="ignore", divide="ignore"):
             frac = r["near16"][pr] / np.maximum(r["sample_n"][pr], 1)
         np.maximum.at(out.near_max, t[pr], frac)
+    _reduce_dead_outputs(out, r, t, b)
+
+
+def _reduce_dead_outputs(out: Stats, r, t, bad) -> None:
+    """Module outputs that are exactly 0 everywhere (absmax is exact over the whole tensor):
+    a ReLU layer whose every unit is dead for the whole batch. One-element outputs (a scalar
+    auxiliary loss) are left out."""
+    zero = (r["absmax"] == 0) & ~bad & (r["numel"] >= 2)
+    alive = ~zero & ~bad
+    if alive.any():
+        np.maximum.at(out.out_alive_step, t[alive], r["step"][alive])
+    # Rows arrive in step order: the last occurrence of a tensor is its latest sample.
+    rev_t, rev_i = np.unique(t[::-1], return_index=True)
+    out.out_zero_last[rev_t] = zero[::-1][rev_i]
+    out.out_seen_step[rev_t] = r["step"][::-1][rev_i]
 
 
 # Exact zeros in a gradient count as flushed only when its non-zero values sit this deep in
@@ -415,6 +449,12 @@ def _reduce_grads(out: Stats, rows, pos, tid, sel, pre, sub_col: str) -> None:
     flushed = np.where(deep >= ZEROS_FLUSHED_IF, r["zeros"], 0).astype(np.float64)
     np.add.at(out.grad_under, p, sub + flushed)
     np.add.at(out.grad_n, p, n)
+    zero_frac = r["zeros"] / n
+    size = np.maximum(r["numel"], 1).astype(np.float64)
+    np.add.at(out.grad_zero, p, zero_frac * size)
+    np.add.at(out.grad_numel, p, size)
+    rev_t, rev_i = np.unique(t[::-1], return_index=True)
+    out.grad_zero_last[rev_t] = zero_frac[::-1][rev_i]
     pr = pre[sel] & np.isfinite(deep)
     if pr.any():
         np.add.at(out.under_sum, t[pr], deep[pr])
@@ -621,6 +661,11 @@ class Facts:
         return int(self.steps["step"][idx[0]]) if len(idx) else None
 
     @property
+    def curve(self) -> curve.Curve:
+        """The loss curve read once: start and end levels, noise, spikes (``curve.read``)."""
+        return self._memo("curve", lambda: curve.read(self.steps["loss"]))
+
+    @property
     def story(self) -> ScaleStory:
         return self._memo("story", lambda: scale_story(self.steps, self.scaler, self.loss_bad))
 
@@ -628,13 +673,15 @@ class Facts:
     def failure_index(self) -> Optional[int]:
         """Position of the first failing step: the first non-finite loss or the start of the
         skipping that lasts to the end, whichever is first; else the first skipped step that
-        GradScaler's calibration and probing do not explain."""
+        GradScaler's calibration and probing do not explain. Without a scaler a non-finite
+        gradient is applied to the weights, so it starts the failure too."""
         def find():
             if not self.n:
                 return None
             # A non-finite loss, or skipping that goes on to the end, is the failure; the
             # unexplained skips before it are the scale's staircase on the way there.
-            starts = [int(i[0]) for i in (np.flatnonzero(self.loss_bad),) if len(i)]
+            applied = self.grad_bad if not self.story.has_scaler else np.zeros(self.n, bool)
+            starts = [int(i[0]) for i in (np.flatnonzero(self.loss_bad | applied),) if len(i)]
             if self.story.terminal_run:
                 starts.append(self.n - self.story.terminal_run)
             if starts:
@@ -673,6 +720,11 @@ class Facts:
     def events(self, kind: Event) -> np.ndarray:
         ev = self.run.events
         return ev[ev["kind"] == int(kind)]
+
+    @property
+    def stopped(self) -> Optional[dict]:
+        """Where and why ampdoctor stopped recording (an internal fault), or None."""
+        return recording_stopped(self.run)
 
     @property
     def exception(self) -> Optional[tuple[str, str]]:
@@ -798,6 +850,22 @@ class Facts:
         sel = slice(max(0, i - before), min(self.n, i + after + 1))
         return {k: [_num(v) for v in s[k][sel]] for k in ("step", "loss", "scale", "lr",
                                                           "grad_norm", "skipped")}
+
+
+def recording_stopped(run: Any) -> Optional[dict]:
+    """``{"step", "why"}`` when ampdoctor stepped aside after an internal fault (its
+    RECORDER_ERROR event): the file holds the steps before ``step`` and nothing after.
+
+    Example::
+
+        recording_stopped(ampdoctor.load("run.h5"))
+        # {'step': 0, 'why': "before_clip: RuntimeError: aten.take.default got mixed ..."}
+    """
+    ev = run.events
+    rows = ev[ev["kind"] == int(Event.RECORDER_ERROR)]
+    if not len(rows):
+        return None
+    return {"step": int(rows["step"][0]), "why": str(rows["text"][0])}
 
 
 def _phase_name(code: int) -> str:

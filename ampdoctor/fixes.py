@@ -37,6 +37,8 @@ FIX_IDS = {
     "safe_mask": "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
     "guard_buffers": "keep inf/NaN batches away from BatchNorm statistics, or restore them",
     "rebalance_losses": "bring a tiny loss term up to the others' scale",
+    "scheduler_after_real_step": "step the LR scheduler only when the optimizer step ran",
+    "revive_units": "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart",
 }
 
 
@@ -59,6 +61,8 @@ class Context:
     root: bool = False  # the module is the model itself: the op sits in its own forward
     low: Optional[str] = "fp16"  # the run's low precision: "fp16", "bf16" or None (fp32)
     scaler: bool = True  # the run uses a GradScaler
+    blowup_lr: Optional[float] = None  # the LR at which the loss blew up (a finite divergence)
+    blowup_step: Optional[int] = None
 
 
 @dataclass
@@ -215,6 +219,8 @@ def fp32_master_weights(c: Context) -> Fix:
 
 
 def lower_lr(c: Context) -> Fix:
+    if c.blowup_lr:
+        return _below_blowup(c)
     lr = c.lr
     new = _num(lr / 4, "lr / 4") if lr else "lr / 4"
     step = ("scaler.scale(loss).backward()\n"
@@ -236,6 +242,58 @@ def lower_lr(c: Context) -> Fix:
                "before the weights grew. "
                "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
                snippet)
+
+
+def _below_blowup(c: Context) -> Fix:
+    """The loss blew up at a known LR (often early in the warm-up): the peak belongs an order
+    of magnitude below it, whatever the schedule was meant to reach."""
+    new = _num(c.blowup_lr / 10, "lr / 10")
+    at = f" at step {c.blowup_step}" if c.blowup_step is not None else ""
+    peak = f", peak was {_num(c.lr, str(c.lr))}" if c.lr and c.lr > c.blowup_lr * 1.001 else ""
+    clip = ("scaler.scale(loss).backward()\n"
+            "scaler.unscale_(optimizer)\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "scaler.step(optimizer)\n"
+            "scaler.update()") if c.scaler else (
+            "loss.backward()\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "optimizer.step()")
+    snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})  # the loss "
+               f"blew up at lr {_num(c.blowup_lr, '?')}{at}{peak}\n"
+               "warmup = 1000  # steps, reaching the peak gently\n"
+               "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+               "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
+               "...\n" + clip)
+    return Fix("lower_lr", f"Set the peak learning rate an order of magnitude below the "
+               f"{_num(c.blowup_lr, '?')} at which the loss blew up{at}, warm up to it over "
+               "more steps, and clip gradients"
+               f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights "
+               "or a checkpoint before the jump: what it did to the weights does not undo "
+               "itself.", snippet)
+
+
+def revive_units(c: Context) -> Fix:
+    """Dead units (ReLU outputs 0 for every input) pass no gradient and never come back."""
+    kind = (c.module_type or "").lower()
+    at = f" before step {c.step}" if c.step is not None else ""
+    if c.module and kind in ("relu", "relu6", "threshold", "hardtanh", ""):
+        target = module_expr(c.module)
+        what = f"{c.module}{f' ({c.module_type})' if c.module_type else ''}"
+        snippet = (f"# {what} outputs exactly 0 for every input: nothing before it learns\n"
+                   f"{target} = torch.nn.LeakyReLU(0.01)  # or torch.nn.GELU(): never flat, "
+                   "so the gradient keeps flowing\n"
+                   "# and restart from the initial weights (or a checkpoint"
+                   f"{at}): dead units do not come back")
+    else:
+        snippet = ("# ReLU -> a non-saturating activation in the model's definition\n"
+                   "act = torch.nn.LeakyReLU(0.01)  # or torch.nn.GELU()\n"
+                   "# biases start at 0, not below it; a LayerNorm before the activation\n"
+                   "torch.nn.init.zeros_(layer.bias)")
+    return Fix("revive_units", "Units whose input is negative for every example output 0 "
+               "and pass no gradient, so they never recover: use an activation with a slope "
+               "everywhere (LeakyReLU, GELU, SiLU), start biases at 0 and normalise before the "
+               "activation, keep the LR low enough that one update cannot push them all "
+               "negative, and restart the run: the dead units stay dead.", snippet)
 
 
 def check_data(c: Context) -> Fix:
@@ -369,6 +427,19 @@ def rebalance_losses(c: Context) -> Fix:
                "single loss scale can hold.", snippet)
 
 
+def scheduler_after_real_step(c: Context) -> Fix:
+    snippet = ("scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() >= scale:  # applied (a skipped step halves the scale)\n"
+               "    scheduler.step()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return Fix("scheduler_after_real_step", "Step the LR scheduler only after a step the "
+               "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
+               "schedule that advances on them ends its warmup before the model trained.",
+               snippet)
+
+
 MAKERS = {
     "fp32_island": fp32_island,
     "scale_attention": scale_attention,
@@ -388,6 +459,8 @@ MAKERS = {
     "safe_mask": safe_mask,
     "guard_buffers": guard_buffers,
     "rebalance_losses": rebalance_losses,
+    "scheduler_after_real_step": scheduler_after_real_step,
+    "revive_units": revive_units,
 }
 assert set(MAKERS) == set(FIX_IDS)
 

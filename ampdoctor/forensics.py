@@ -74,7 +74,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import replay, schema, stats
+from . import compiled, replay, schema, sharding, stats
 from .errors import AmpDoctorError
 from .replay import Capture, Finding
 from .sampler import tensors_in
@@ -263,6 +263,8 @@ class Forensics:
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
+        if self.rec._sharding is not None:
+            return  # never replayed: its output gradients would be held for nothing
         grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
@@ -306,11 +308,7 @@ class Forensics:
             ev.note = ("not replayed: no call of the model with grad enabled was captured in "
                        "this step (in discovery mode the model is known after its first step)")
             return None
-        unsafe = _collective_forward([c.root for c in captures])
-        if unsafe:
-            ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay "
-                       "on one rank would wait for the others")
-            return None
+        unsafe = self.unsafe(captures)
         if self._calibrating(step, why):
             ev.note = ("not replayed: gradients overflowed with a finite loss, as while "
                        "GradScaler calibrates (the first such step is replayed, then one that "
@@ -322,6 +320,8 @@ class Forensics:
             return None
         scale = _scalar(getattr(step, "scale", None))
         captures = list(captures)
+        if unsafe:
+            return self._check_batch(step, why, ev, captures, unsafe)
         trace, finding, micro = self._run(captures, scale)
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
@@ -334,6 +334,39 @@ class Forensics:
         result.snapshot = self._write(step, why, result, trace, finding, captures)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
+
+    def unsafe(self, captures: Optional[list] = None) -> Optional[str]:
+        """What makes a replay unsafe (a sharded model, or one whose forward runs
+        collectives: a rank replaying alone would hang the job), or None. ``captures``:
+        those of the event (default: this step's)."""
+        sharded = self.rec._sharding
+        if sharded is not None:
+            return sharded.name
+        captures = self.captures if captures is None else captures
+        return sharding.collective_forward([c.root for c in captures] or self.rec.roots)
+
+    def _check_batch(self, step: Any, why: Event, ev: ForensicEvent, captures: list,
+                     unsafe: str) -> Optional[int]:
+        """No replay (``unsafe`` says why): only the batch this rank was given is measured,
+        a local look that runs no model code and no collective. A non-finite batch becomes
+        a snapshot (phase input), as a replay would have found it."""
+        names = self.rec.names
+        for micro, cap in enumerate(captures):
+            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            trace, finding = replay.check_batch(cap, names, root_name)
+            if finding is None:
+                continue
+            finding.detail["replay"] = f"off: {unsafe} runs collectives in its forward"
+            result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
+            self._note_history(result, step)
+            ev.replayed, ev.result = True, result
+            self._episode = self._episode[:3] + (True,)
+            result.snapshot = self._write(step, why, result, trace, finding, captures)
+            return result.snapshot
+        self._episode = self._episode[:3] + (False,)
+        ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay on "
+                   "one rank would wait for the others; the batch on this rank was finite")
+        return None
 
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
@@ -356,6 +389,11 @@ class Forensics:
     def replay(self, step: int) -> ReplayResult:
         """Re-run a replayed event's micro-batches now (see the module docstring)."""
         kept = self._kept.get(step)
+        unsafe = self.unsafe() if kept is None else None
+        if unsafe:
+            raise AmpDoctorError(f"{unsafe} runs collectives in its forward: ampdoctor never "
+                                 "replays it (a rank replaying alone would wait for the "
+                                 "others); the run file has each rank's batch check")
         if kept is None and step in self._too_big:
             raise AmpDoctorError(f"step {step}'s batch was over {KEEP_BYTES >> 20} MiB and was "
                                  "not kept; its snapshot in the run file has what was found")
@@ -385,7 +423,8 @@ class Forensics:
                                  "watched one)"), -1
         self.replaying = True
         try:
-            with _preserved(self._roots(captures), _cuda_devices()):
+            # Compiled code runs eagerly here: instrumented, and never recompiled.
+            with _preserved(self._roots(captures), _cuda_devices()), compiled.eager():
                 return self._search(captures, scale, stale_check)
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.rec.strict:
@@ -593,25 +632,10 @@ def _summary(r: ReplayResult, f: Finding) -> str:
     return f"{where}: {f.summary}."
 
 
-_SHARDED = ("FullyShardedDataParallel", "DeepSpeedEngine")
-
-
-def _collective_forward(roots: list) -> Optional[str]:
-    """The first module whose forward gathers sharded parameters (FSDP, FSDP2, ZeRO-3,
-    tensor parallel), or None. DDP is fine: the replay runs the module inside it."""
-    for root in roots:
-        for m in root.modules():
-            name = type(m).__name__
-            if name in _SHARDED or name.startswith("FSDP"):
-                return name
-        for p in root.parameters():
-            if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
-                return "a DTensor parameter"
-    return None
-
-
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
     """Tensor hook on a root output: keep a reference to the gradient arriving there."""
+    if grad is None:  # an output of a compiled (AOT autograd) region that no loss reached
+        return
     if grad.requires_grad:  # create_graph=True: keep the value, not its graph
         grad = grad.detach()
     prev = grads.get(index)
@@ -760,7 +784,7 @@ def _write_arrays(writer: Any, sid: int, items: list) -> dict:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_complex() \
                 or t.device.type == "meta":
             continue
-        t = t.detach()
+        t = sharding.local(t).detach()  # a DTensor batch (tensor parallel): this rank's part
         per_row = t[0].numel() * t.element_size() if t.ndim and len(t) else t.element_size()
         keep = t.numel() if not t.ndim else min(len(t), budget // max(per_row, 1))
         if keep <= 0 or (not t.ndim and t.element_size() > budget):

@@ -276,7 +276,8 @@ def start_line(settings: Settings) -> str:
 
 
 def summary(settings: Settings) -> str:
-    """One line: what was recorded, where it first went non-finite, the command to run next."""
+    """One line: what was recorded, the diagnosis and its first bad step (``diagnose``'s own,
+    so that the two never disagree), the command to run next."""
     from .store import load
 
     files = ranks.related_files(settings.output)
@@ -304,11 +305,16 @@ def _describe(outlines: list[dict], settings: Settings) -> str:
     main = [o for o in outlines if o["path"] in per_rank] or outlines[:1]
     extra = [o for o in outlines if o not in main]
     files = _files(main, settings)
+    stopped = next((o for o in main if o.get("stopped")), None)
     if not any(o["steps"] for o in main):
-        text = f"ampdoctor: {files}: no optimizer step (the command never trained)"
+        text = f"ampdoctor: {files}: " + (_stopped(stopped) + ", before any step was kept"
+                                          if stopped else
+                                          "no optimizer step (the command never trained)")
     else:
-        text = (f"ampdoctor: recorded {_steps(main)} into {files}, {_skipped(main)}, "
-                f"{_first_bad(main)}")
+        text = f"ampdoctor: recorded {_steps(main)} into {files}, {_skipped(main)}"
+        text += f"; {_stopped(stopped)}" if stopped else ""
+        verdict = _verdict(settings, len(main) > 1)
+        text += f"; diagnosis: {verdict}" if verdict else ""
     raised = sorted({o["status"].split(":", 1)[1] for o in main
                      if o["status"].startswith("exception:")})
     stopped = sorted({o["status"].split(":", 1)[1] for o in main
@@ -340,16 +346,30 @@ def _skipped(outlines: list[dict]) -> str:
     return f"{counts[0]}-{counts[-1]} skipped (the ranks disagree)"
 
 
-def _first_bad(outlines: list[dict]) -> str:
-    if all(o["first_bad"] is None for o in outlines):
-        return "no non-finite loss or gradient"
-    o = next(x for x in outlines if x["rank"] == ranks.first_rank(outlines)) \
-        if len(outlines) > 1 else outlines[0]
-    text = f"first non-finite at step {o['first_bad']}"
-    if len(outlines) > 1:
-        text += f" on rank {o['rank']}"
-    place = ranks.where(o)
+def _verdict(settings: Settings, ranked: bool) -> str:
+    """``diagnose``'s verdict and first bad step, "lr_overflow, first bad at step 4 in
+    blocks.0.attn (backward)", or "" when the run cannot be diagnosed (the line says less)."""
+    from .analyze import diagnose
+
+    try:
+        d = diagnose(settings.output)
+    except Exception:  # noqa: BLE001 - a summary line never fails the command
+        return ""
+    first = d.first_bad or {}
+    if first.get("step") is None:
+        return d.verdict
+    text = f"{d.verdict}, first bad at step {first['step']}"
+    if ranked and first.get("rank") is not None:
+        text += f" on rank {first['rank']}"
+    place = ranks.where(first)
     return text + (" " + place if place else "")
+
+
+def _stopped(outline: dict) -> str:
+    """"recording stopped at step 3 (before_clip: RuntimeError: ...)"."""
+    stop = outline["stopped"]
+    why = stop["why"] if len(stop["why"]) <= 160 else stop["why"][:157] + "..."
+    return f"recording stopped at step {stop['step']} after an internal error ({why})"
 
 
 def _files(outlines: list[dict], settings: Settings) -> str:

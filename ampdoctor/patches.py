@@ -1,18 +1,24 @@
 """Every change ampdoctor makes to torch's globals, each undoable through a handle.
 
-A recorder sees a training loop through five doors, all opened here and nowhere else:
+A recorder sees a training loop through six doors, all opened here and nowhere else:
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
 * ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
-* ``torch.nn.utils.clip_grad_norm_``: the pre-clip norm and the unscale/clip order;
+* ``torch.nn.utils.clip_grad_norm_`` (and FSDP1's ``clip_grad_norm_`` method, patched once
+  a sharded model is seen): the pre-clip norm and the unscale/clip order;
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
-* global module forward hooks, installed only while discovering the model or sampling a step.
+  a step given a closure (Lightning, LBFGS) runs forward and backward inside ``step``, so the
+  pre-step work waits until the closure has returned;
+* global module forward hooks, installed only while discovering the model or sampling a step;
+* ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
+  only place its calls can be seen without entering the compiled region (``compiled.py``).
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
-which never lets an ampdoctor failure reach the training loop. ``PatchSet.remove`` restores
-every original, is safe to call twice, and leaves alone an attribute someone else re-patched
-after us.
+which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
+traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph).
+``PatchSet.remove`` restores every original, is safe to call twice, and leaves alone an
+attribute someone else re-patched after us.
 """
 
 from __future__ import annotations
@@ -26,17 +32,21 @@ import torch.nn.utils.clip_grad as clip_grad
 import torch.optim.optimizer as optimizer_hooks
 
 _MARK = "__ampdoctor_original__"
+_LISTENER = "__ampdoctor_listener__"
+_compiling = torch.compiler.is_compiling
 
 
 class Patch:
     """One attribute of ``owner`` replaced by ``wrapper``; ``remove`` puts the original back."""
 
-    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable]):
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable], Callable],
+                 listener: Any = None):
         self.owner = owner
         self.name = name
         self.original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
         self.wrapper = make(self.original)
         setattr(self.wrapper, _MARK, self.original)
+        setattr(self.wrapper, _LISTENER, listener)
         setattr(owner, name, self.wrapper)
 
     def remove(self) -> None:
@@ -45,6 +55,16 @@ class Patch:
         if getattr(self.owner, self.name, None) is self.wrapper:
             setattr(self.owner, self.name, self.original)
         self.owner = None
+
+
+class _Entry:
+    """A key of a dict, deleted on ``remove`` (if still there)."""
+
+    def __init__(self, table: dict, key: Any):
+        self.table, self.key = table, key
+
+    def remove(self) -> None:
+        self.table.pop(self.key, None)
 
 
 class PatchSet:
@@ -69,7 +89,13 @@ class PatchSet:
 
 
 def guard(listener: Any, method: str, *args: Any) -> Any:
-    """Call ``listener.<method>(*args)``; an exception goes to ``listener.fault``, not the caller."""
+    """Call ``listener.<method>(*args)``; an exception goes to ``listener.fault``, not the caller.
+
+    Under dynamo's tracing ``is_compiling()`` is a constant True: the call is left out of the
+    graph (no graph break, nothing traced of the recorder's state).
+    """
+    if _compiling():
+        return None
     try:
         return getattr(listener, method)(*args)
     except Exception as exc:  # noqa: BLE001 - a debugger must never break the run it watches
@@ -137,8 +163,11 @@ def patch_scaler(patches: PatchSet, listener: Any) -> None:
               "__init__": init}
     for cls in _scaler_classes():
         for name, make in makers.items():
-            if name in cls.__dict__:
-                patches.add(Patch(cls, name, make))
+            # Called again once a sharded model is seen: ShardedGradScaler, imported after
+            # recording began, gets its overrides patched then (what this listener already
+            # wraps is left as it is; another listener's wrapper is wrapped again).
+            if name in cls.__dict__ and not _wrapped_for(cls.__dict__[name], listener):
+                patches.add(Patch(cls, name, make, listener))
 
 
 def patch_backward(patches: PatchSet, listener: Any) -> None:
@@ -174,17 +203,60 @@ def patch_clip(patches: PatchSet, listener: Any) -> None:
         patches.add(utils_patch)
 
 
+def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> None:
+    """See a wrapper's own ``clip_grad_norm_`` method (FSDP1's, which combines the shards
+    with a collective): ``after_clip`` is told the norm it returns is global."""
+    if cls is None or "clip_grad_norm_" not in cls.__dict__:
+        return
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_clip", list(self.parameters()))
+            out = orig(self, *args, **kwargs)
+            guard(listener, "after_clip", out, True)
+            return out
+        return wrapper
+
+    patches.add(Patch(cls, "clip_grad_norm_", make))
+
+
 def hook_optimizers(patches: PatchSet, listener: Any) -> None:
-    """Global optimizer step pre/post hooks (every optimizer, including ones made later)."""
+    """Global optimizer step pre/post hooks (every optimizer, including ones made later).
+
+    ``optimizer.step(closure)`` computes the gradients inside the step: the pre-step work then
+    runs when the closure returns (once, however often the optimizer calls it), not before.
+    """
 
     def pre(optimizer, args, kwargs):
-        guard(listener, "before_optimizer_step", optimizer)
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure) or _compiling():
+            guard(listener, "before_optimizer_step", optimizer)
+            return None
+        wrapped = _after_closure(closure, listener, optimizer)
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=wrapped)
+        return (wrapped,) + tuple(args[1:]), kwargs
 
     def post(optimizer, args, kwargs):
         guard(listener, "after_optimizer_step", optimizer)
 
     patches.add(optimizer_hooks.register_optimizer_step_pre_hook(pre))
     patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
+
+
+def _after_closure(closure: Callable, listener: Any, optimizer: Any) -> Callable:
+    """``closure`` that tells the listener, after its first call, that the step begins."""
+    done = []
+
+    @functools.wraps(closure)
+    def wrapper(*args, **kwargs):
+        out = closure(*args, **kwargs)
+        if not done:
+            done.append(True)
+            guard(listener, "before_optimizer_step", optimizer)
+        return out
+    return wrapper
 
 
 def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Optional[str],
@@ -201,14 +273,88 @@ def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Opt
     if post is not None and post_kwargs:
         def post_kw_hook(module, args, kwargs, output):
             guard(listener, post, module, args, kwargs, output)
-        patches.add(module_hooks.register_module_forward_hook(post_kw_hook, with_kwargs=True,
-                                                              always_call=True))
+        handle = patches.add(module_hooks.register_module_forward_hook(
+            post_kw_hook, with_kwargs=True, always_call=True))
+        # torch's handle forgets its with_kwargs mark, which would leave torch believing a
+        # global hook exists (torch.compile'd modules then warn on every call): ours goes too.
+        patches.add(_Entry(module_hooks._global_forward_hooks_with_kwargs, handle.id))
     elif post is not None:
         def post_hook(module, args, output):
             guard(listener, post, module, args, output)
         patches.add(module_hooks.register_module_forward_hook(post_hook))
 
 
+def _wrapped_for(fn: Any, listener: Any) -> bool:
+    """Is ``listener`` already behind ``fn`` (a chain of wrappers made here)?"""
+    while hasattr(fn, _MARK):
+        if getattr(fn, _LISTENER, None) is listener:
+            return True
+        fn = getattr(fn, _MARK)
+    return False
+
+
+def patch_module_compile(patches: PatchSet, listener: Any) -> None:
+    """See modules compiled in place (``module.compile()``): their calls go through
+    ``shim_compiled_call``, made by ``listener.on_module_compile(module)``."""
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            guard(listener, "on_module_compile", self)
+            return out
+        return wrapper
+
+    patches.add(Patch(torch.nn.Module, "compile", make))
+
+
+def shim_compiled_call(patches: PatchSet, listener: Any, module: torch.nn.Module) -> None:
+    """Call ``module``'s compiled ``__call__`` (``module.compile()``) through an eager shim that
+    tells the listener before and after (``compiled_pre``/``compiled_post``), as a forward
+    pre-hook and hook would, outside the compiled region. Undone with ``patches``."""
+
+    def make(compiled):
+        @functools.wraps(compiled)
+        def shim(*args, **kwargs):
+            guard(listener, "compiled_pre", module, args, kwargs)
+            out = compiled(*args, **kwargs)
+            guard(listener, "compiled_post", module, args, out)
+            return out
+        return shim
+
+    if module.__dict__.get("_compiled_call_impl") is not None and \
+            getattr(module._compiled_call_impl, _MARK, None) is None:
+        patches.add(Patch(module, "_compiled_call_impl", make))
+
+
 def original(fn: Any) -> Any:
     """The unpatched function behind a wrapper made here (or ``fn`` itself)."""
     return getattr(fn, _MARK, fn)
+
+
+def _scheduler_classes() -> list[type]:
+    base = torch.optim.lr_scheduler.LRScheduler
+    classes, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+    return classes
+
+
+def patch_schedulers(patches: PatchSet, listener: Any) -> None:
+    """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
+    base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
+    Used by ``ampdoctor.testing.check_amp_step``, not by the recorder."""
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_scheduler_step", self)
+            return orig(self, *args, **kwargs)
+        return wrapper
+
+    for cls in _scheduler_classes():
+        if "step" in cls.__dict__:
+            patches.add(Patch(cls, "step", make))

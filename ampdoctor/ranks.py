@@ -17,6 +17,7 @@ numpy only, like the rest of the analysis side.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -88,6 +89,7 @@ def outline(run: Any) -> dict:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
     from .analyze import Facts
+    from .facts import recording_stopped
 
     steps = run.steps
     flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)
@@ -105,6 +107,7 @@ def outline(run: Any) -> dict:
         "module": None,
         "phase": None,
         "local": False,  # the first non-finite value was born in this rank
+        "stopped": recording_stopped(run),  # {"step", "why"}: the recorder faulted there
     }
     if out["first_bad"] is None:
         return out
@@ -141,12 +144,109 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     from .store import load
 
     per_rank = []
-    for path in paths:
-        with load(path) as run:
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(load(path)) for path in paths]
+        combined = combine_grad_norms(runs)
+        for run in runs:
             per_rank.append((outline(run), analyze.diagnose(run, rules=rules),
                              _scales(run)))
     per_rank.sort(key=lambda item: item[0]["rank"])
-    return merge(per_rank)
+    d = merge(per_rank)
+    if combined:
+        d.notes.append(f"The global gradient norm of {combined} steps was combined from the "
+                       f"{len(runs)} ranks' shards (no clip_grad_norm_ ran on them): the "
+                       "square root of the sum of each rank's squared share.")
+    return d
+
+
+LOCAL_NORM = flag(Event.GRAD_NORM_LOCAL)
+
+
+def combine_grad_norms(runs: list) -> int:
+    """Sharded runs (FSDP): steps whose ``grad_norm`` is each rank's share of the norm
+    (flagged ``GRAD_NORM_LOCAL``) get the global norm, sqrt(sum of squared shares), in every
+    rank's ``run.steps`` (in memory; the files are not changed). Only steps that every rank
+    recorded and flagged are combined: the shares of a missing rank cannot be guessed.
+    Returns how many steps were combined.
+
+    Example::
+
+        shares = {0: 3.0, 1: 4.0}   # two ranks' shares of one step -> global norm 5.0
+    """
+    flagged = [r for r in runs if len(r.steps) and (r.steps["flags"] & LOCAL_NORM).any()]
+    world = max((int(r.attrs.get("world_size", 1)) for r in runs), default=1)
+    if not flagged or len(runs) < world:
+        return 0
+    common = None
+    for r in runs:
+        s = r.steps
+        steps = set(s["step"][(s["flags"] & LOCAL_NORM) != 0].tolist())
+        common = steps if common is None else common & steps
+    if not common:
+        return 0
+    keys = np.array(sorted(common))
+    total = np.zeros(len(keys))
+    for r in runs:
+        s = r.steps
+        pos = np.searchsorted(s["step"], keys)
+        total += s["grad_norm"][pos].astype(np.float64) ** 2
+    norm = np.sqrt(total)
+    for r in runs:
+        s = r.steps
+        pos = np.searchsorted(s["step"], keys)
+        s["grad_norm"][pos] = norm
+        s["flags"][pos] &= ~LOCAL_NORM
+    return len(keys)
+
+
+# Evidence measured on parameters or their gradients: per shard in a sharded run.
+SHARD_EVIDENCE = ("update_ratio", "weight_norm_growth", "unchanged_fraction", "layer_underflow",
+                  "layers_underflowing", "grad_underflow_fraction", "grad_rms_ratio",
+                  "worst_layer_underflow")
+
+
+def per_shard(d: Any, meta: dict) -> Any:
+    """Say "per shard" beside evidence taken on parameters of a sharded run (each rank
+    measured its own shard of every parameter); returns ``d``."""
+    info = meta.get("sharding")
+    if isinstance(info, dict) and info.get("local_shards"):
+        for e in d.evidence:
+            if e.key in SHARD_EVIDENCE and not e.text.endswith("(per shard)"):
+                e.text += " (per shard)"
+    return d
+
+
+def combine_into(run: Any, others: list[str]) -> int:
+    """``combine_grad_norms`` for one loaded rank file (the report's curves), reading the
+    other ranks' files ``others`` only for their shares."""
+    from .store import load
+
+    with contextlib.ExitStack() as stack:
+        return combine_grad_norms([run] + [stack.enter_context(load(p)) for p in others])
+
+
+def sharding_notes(meta: dict, steps: Any) -> list[str]:
+    """What a diagnosis of a sharded run (FSDP) must say: per-layer numbers are per shard,
+    forensic replay is off and why, and grad norms still per rank in this file."""
+    info = meta.get("sharding")
+    if not isinstance(info, dict):
+        return []
+    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(info.get("kind"), str(info.get("kind")))
+    out = []
+    if info.get("local_shards"):
+        out.append(f"Sharded training ({kind}, {info.get('world_size', '?')} ranks): "
+                   "per-parameter statistics (gradients, weight norms, update ratios) were "
+                   "measured on each rank's own shard of every parameter, module outputs on "
+                   "its own batch.")
+    if info.get("replay") == "off" and info.get("replay_reason"):
+        reason = str(info["replay_reason"])
+        out.append(reason[0].upper() + reason[1:] + ".")
+    local = int(np.sum((steps["flags"] & LOCAL_NORM) != 0)) if len(steps) else 0
+    if local:
+        out.append(f"On {local} steps no clip_grad_norm_ combined the shards: the gradient "
+                   "norm shown is this rank's share; `ampdoctor diagnose` on the run (all "
+                   "rank files) combines them into the global norm.")
+    return out
 
 
 def _scales(run: Any) -> dict[int, float]:
@@ -182,8 +282,9 @@ def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
                                  "scale_divergence"))
     d.evidence = evidence + list(d.evidence)
     for i, (o, other, _) in enumerate(per_rank):
-        if i != base_index:
-            d.notes += [f"rank {o['rank']}: {note}" for note in other.notes]
+        if i != base_index:  # what every rank says is said once
+            d.notes += [f"rank {o['rank']}: {note}" for note in other.notes
+                        if note not in d.notes]
     world = max(o["world_size"] for o in outlines)
     if len(outlines) < world:
         have = ", ".join(str(o["rank"]) for o in outlines)

@@ -181,6 +181,20 @@ def fp16_readiness(run: Any) -> Readiness:
     return r
 
 
+def nonzero_sampled(rows: np.ndarray) -> np.ndarray:
+    """Per /stats row, the sampled elements that are finite and not zero (at least 1): what
+    the underflow shares are shares of."""
+    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
+    bad = (rows["nan"] + rows["posinf"] + rows["neginf"]).astype(np.float64)
+    return np.maximum(n - rows["zeros"] - bad, 1)
+
+
+def underflow_share(rows: np.ndarray) -> np.ndarray:
+    """Per /stats row, the share of its non-zero values in fp16's subnormal band or flushed
+    (below 2**-14): what ``LayerRange.sub`` takes the largest of."""
+    return rows["sub16"] / nonzero_sampled(rows)
+
+
 def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> LayerRange:
     out = LayerRange(layer.name, layer.label, int(len(np.unique(rows["step"]))))
     if not len(rows):
@@ -188,8 +202,7 @@ def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> L
     codes, counts = np.unique(rows["dtype"], return_counts=True)
     out.dtype = _DTYPE_NAMES.get(int(codes[np.argmax(counts)]), "")
     n = np.maximum(rows["sample_n"].astype(np.float64), 1)
-    bad = (rows["nan"] + rows["posinf"] + rows["neginf"]).astype(np.float64)
-    nonzero = np.maximum(n - rows["zeros"] - bad, 1)
+    nonzero = nonzero_sampled(rows)
     absmax = rows["absmax"].astype(np.float64)
     # Presence bits and abs max are exact over the whole tensor; the counts are the sample's.
     inf = np.isinf(absmax) | ((rows["nonfinite"] & 6) != 0) | (rows["posinf"] + rows["neginf"]
@@ -211,7 +224,7 @@ def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> L
     out.first_over = int(rows["step"][over].min()) if over.any() else None
     out.near, out.near_steps = float((rows["near16"] / n).max()), _steps(rows, near)
     out.flush, out.flush_step = _worst(rows, flush)
-    out.sub, out.sub_step = _worst(rows, rows["sub16"] / nonzero)
+    out.sub, out.sub_step = _worst(rows, underflow_share(rows))
     bad_rows = rows["nonfinite"] > 0
     out.nonfinite_steps = _steps(rows, bad_rows)
     out.first_nonfinite = int(rows["step"][bad_rows].min()) if bad_rows.any() else None

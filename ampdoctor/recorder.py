@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from . import __version__, patches, readback, schema, stats, store
+from . import __version__, amp_state, compiled, patches, readback, schema, sharding, stats, store
 from .errors import AmpDoctorError, RecorderFault
 from .sampler import Sampler
 from .schema import Event, Kind, flag
@@ -159,11 +159,18 @@ class Recorder:
         self._params: list[torch.Tensor] = []
         self._step: Optional[_Step] = None
         self._sampler: Optional[Sampler] = None
-        self._autocast_seen: Optional[tuple] = None
+        self._autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
+        self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
+        self._autocast_meta: Optional[dict] = None
+        self._compiled: list[tuple[str, str]] = []  # compiled regions in the roots
+        self._eager: Optional[list[torch.nn.Module]] = None  # hookable modules, if compiled
+        self._root_ids: set[int] = set()
+        self._discovery_hooked = False  # the global discovery hooks are installed
         self._optimizer_meta_done: set[int] = set()
         self._own_optimizer: dict[int, bool] = {}
         self._warned: set[str] = set()
         self._device: Optional[torch.device] = None
+        self._sharding: Optional[sharding.Sharding] = None
         self.forensics = None
         self.replays = 0
         self.active = False
@@ -194,12 +201,14 @@ class Recorder:
         patches.patch_backward(self._patches, self)
         patches.patch_clip(self._patches, self)
         patches.hook_optimizers(self._patches, self)
+        patches.patch_module_compile(self._patches, self)
         if self.roots:
             self._adopt_roots(self.roots)
         else:
+            self._discovery.add(compiled.QuietGlobalHookWarning())
             patches.hook_modules(self._discovery, self, "discover_pre", "discover_post",
                                  post_kwargs=True)
-            self._discovery_open = True
+            self._discovery_open = self._discovery_hooked = True
         if self.scaler is not None:
             self._adopt_scaler(self.scaler)
         if self.forensics_on:
@@ -465,33 +474,64 @@ class Recorder:
         if _is_wrapper(module):
             return
         self._depth += 1
+        if self._depth > 1:
+            self._note_inner_autocast()
         if self._depth != 1 or module in self.names or not torch.is_grad_enabled():
             return
+        self._adopt_discovered(module, args, {})
+
+    def _adopt_discovered(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        """A module called at the top with grad enabled becomes a root (unless it trains
+        nothing); this call is seen from here, the root's own hooks see the next ones."""
         if not any(p.requires_grad for p in module.parameters()):
-            return  # a loss module, a frozen model, a parameter-free transform
+            return False  # a loss module, a frozen model, a parameter-free transform
         self._root_hooks.remove()
         self._adopt_roots(self.roots + [module])
-        # The root's own hooks fire from its next call on; this call is seen from here. A
-        # global pre-hook gets no kwargs: they are filled in by discover_post.
+        # A global pre-hook gets no kwargs: the root's own post-hook fills them in.
         self._discovering = module
+        if self._compiled and self._discovery_hooked:
+            # Global hooks must not exist while a compiled region is traced: discovery ends
+            # at this root (its own hooks run outside the compiled region).
+            self._discovery.remove()
+            self._discovery_hooked = False
         self._maybe_sample()  # the first step is sampled, as with a model given to watch()
-        self.root_pre(module, args, {})
+        self.root_pre(module, args, kwargs)
+        return True
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
-        if _is_wrapper(module):
+        if not _is_wrapper(module):
+            self._depth = max(0, self._depth - 1)
+
+    def on_module_compile(self, module: torch.nn.Module) -> None:
+        """``module.compile()``: its calls (hooks included) are compiled from now on, so the
+        recorder sees them through an eager shim."""
+        patches.shim_compiled_call(self._patches, self, module)
+        if id(module) in self._root_ids:
+            self._root_hooks.remove()
+            self._adopt_roots(self.roots)
+
+    def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a ``module.compile()``'d call (its forward pre-hooks would be compiled)."""
+        if self._replaying():
             return
-        self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and module is self._discovering:
-            self._discovering = None
-            if self.forensics is not None and kwargs:
-                self.forensics.capture_kwargs(module, kwargs)
-            self.root_post(module, args, output)
+        if id(module) in self._root_ids:
+            self.root_pre(module, args, kwargs)
+        elif self._discovery_open and self._depth == 0 and module not in self.names and \
+                torch.is_grad_enabled():
+            self._adopt_discovered(module, args, kwargs)
+
+    def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if id(module) not in self._root_ids or self._replaying():
+            return
+        if self._step.sampled and self._sampler is not None and self._sampler.active:
+            self._sampler.on_forward(module, output)
+        self.root_post(module, args, output)
 
     def _finish_discovery(self) -> None:
         """End of the first step: keep the roots whose parameters an optimizer trains."""
         self._discovery.remove()
-        self._discovery_open = False
+        self._discovery_open = self._discovery_hooked = False
         self._discovering = None
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
@@ -502,27 +542,69 @@ class Recorder:
 
     def _adopt_roots(self, roots: list[torch.nn.Module]) -> None:
         self.roots = roots
+        self._root_ids = {id(r) for r in roots}
         self.names.clear()
         self.param_names.clear()
         prefixes = _root_prefixes(roots)
+        self._device = _first_device(roots)
+        if self._amp is None or self._amp.device_type != self._device.type:
+            self._amp = amp_state.Tracker(self._device.type)
+        self._compiled = []
         for root, prefix in zip(roots, prefixes):
             inner = _unwrap(root)
             self.names[root] = prefix.rstrip(".") or type(inner).__name__
             for name, m in inner.named_modules():
+                name = sharding.clean_name(name)
                 if name:
                     self.names[m] = prefix + name
             for name, p in inner.named_parameters():
-                self.param_names[id(p)] = prefix + name
-            self._root_hooks.add(root.register_forward_pre_hook(
-                lambda m, a, k: patches.guard(self, "root_pre", m, a, k), with_kwargs=True))
-            self._root_hooks.add(root.register_forward_hook(
-                lambda m, a, o: patches.guard(self, "root_post", m, a, o)))
-        self._device = _first_device(roots)
+                self.param_names[id(p)] = prefix + sharding.clean_name(name)
+            self._compiled += [(prefix + n if n else self.names[root], k)
+                               for n, k in compiled.regions(root)]
+            self._amp.declare(root)
+            self._hook_root(root)
+        self._eager = [m for r in roots for m in compiled.eager_modules(r)] \
+            if self._compiled else None
+        self._adopt_sharding(roots)
         if self._clock.device != self._device:  # discovered: the device is known from now on
             self._clock = readback.StepClock(self._device)
         self._meta("roots", [type(_unwrap(r)).__name__ for r in roots])
         self._meta("model", _model_summary(roots))
         self._meta("device", _device_info(self._device))
+        if self._compiled:
+            self._note_compiled()
+
+    def _hook_root(self, root: torch.nn.Module) -> None:
+        """The root's forward pre-hook and hook, or, for a ``module.compile()``'d root whose
+        hooks would be compiled, the eager shim around its call."""
+        if compiled.kind(root) == compiled.CALL:
+            patches.shim_compiled_call(self._root_hooks, self, root)
+            return
+        self._root_hooks.add(root.register_forward_pre_hook(
+            lambda m, a, k: patches.guard(self, "root_pre", m, a, k), with_kwargs=True))
+        self._root_hooks.add(root.register_forward_hook(
+            lambda m, a, k, o: patches.guard(self, "root_post", m, a, o, k), with_kwargs=True))
+
+    def _note_compiled(self) -> None:
+        """What a compiled model leaves out of the recording (module outputs inside its
+        compiled regions), kept in /meta for ``diagnose`` to say."""
+        shimmed = [r for r in self.roots if compiled.kind(r) == compiled.CALL]
+        self._meta("compiled", {"regions": [{"module": n, "kind": k} for n, k in self._compiled],
+                                "hooked": sorted(self.names.get(m, "?")
+                                                 for m in self._eager + shimmed)})
+
+    def _adopt_sharding(self, roots: list[torch.nn.Module]) -> None:
+        """A sharded model (FSDP2, FSDP1): per-shard statistics, norms from shards, no
+        replay (sharding.py); /meta says so."""
+        found = sharding.detect(roots, self.world_size)
+        if found is None:
+            return
+        if self._sharding is None:
+            patches.patch_scaler(self._patches, self)  # ShardedGradScaler, loaded since
+            if found.kind == "fsdp1":
+                patches.patch_clip_method(self._patches, self, sharding.fsdp1_class())
+        self._sharding = found
+        self._meta("sharding", found.meta(self.forensics_on))
 
     def _adopt_scaler(self, scaler: Any) -> None:
         self.scaler = scaler
@@ -567,13 +649,21 @@ class Recorder:
             return
         if self._undecided is not None and torch.is_grad_enabled():
             self._settle()  # before this forward allocates, or changes a BatchNorm buffer
-        self._note_autocast()
+        if torch.is_grad_enabled():  # an evaluation call says nothing of the training dtype
+            self._note_autocast()
         if self._step.sampled and self._sampler is not None:
             self._sampler.on_inputs(self.names.get(module, ""), args, kwargs)
         if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_inputs(module, args, kwargs)
 
-    def root_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
+                  kwargs: Optional[dict] = None) -> None:
+        if module is self._discovering:  # the discovery call: its kwargs are known only now
+            self._discovering = None
+            if not self._discovery_hooked:
+                self._depth = 0  # nothing counted the calls inside it
+            if self.forensics is not None and kwargs:
+                self.forensics.capture_kwargs(module, kwargs)
         if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_output(module, output)
 
@@ -582,13 +672,27 @@ class Recorder:
         return self.forensics is not None and self.forensics.replaying
 
     def _note_autocast(self) -> None:
-        dev = self._device.type if self._device is not None else "cpu"
-        state = _autocast_state(dev)
+        """At the root's pre-hook, every training call: one read, a /meta row on a change."""
+        state = self._amp.outer()
         if state != self._autocast_seen:
             self._autocast_seen = state
-            self._meta("autocast", {"device_type": dev, "enabled": state[0],
-                                    "dtype": state[1] if state[0] else None},
-                       step=self._step.index)
+            self._write_autocast()
+
+    def _note_inner_autocast(self) -> None:
+        """Inside the root's forward (steps with module hooks only): autocast entered there,
+        by accelerate's wrapped forward or a decorator, is what the model's ops ran in."""
+        amp = self._amp
+        if amp is not None and amp.entered != amp_state.INSIDE and self.roots and \
+                torch.is_grad_enabled():
+            amp.inner()
+            if amp.entered == amp_state.INSIDE:
+                self._write_autocast()
+
+    def _write_autocast(self) -> None:
+        state = self._amp.effective()
+        if state != self._autocast_meta:
+            self._autocast_meta = state
+            self._meta("autocast", state, step=self._step.index)
 
     # ---------------------------------------------------------------------------------------
     # loss and backward
@@ -621,7 +725,9 @@ class Recorder:
 
     def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
         st = self._step
-        value = loss.detach().reshape(()).float()
+        # A DTensor loss (loss_parallel): its local value; reading the DTensor would be a
+        # collective that a rank whose replay budget ran out earlier would not join.
+        value = sharding.local(loss.detach()).reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         if not st.loss_dtype:
@@ -664,6 +770,12 @@ class Recorder:
         if st.grad_norm is not None:
             return
         params = self._trained_params(st.fallback)
+        if self._sharding is not None:  # no rank holds the whole gradient: its share
+            share = self._sharding.norm_share(params)
+            if share is not None:
+                st.grad_norm = self._unscaled(share)
+                st.flags |= flag(Event.GRAD_NORM_LOCAL)
+            return
         grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
         if grads:
             st.grad_norm = self._unscaled(_global_norm(grads))
@@ -686,6 +798,9 @@ class Recorder:
         if self._uses_scaler(scaler):
             self._settle()
             self._owns(optimizer)
+            if _unscaled_already(scaler, optimizer) and \
+                    not self._step.flags & flag(Event.UNSCALE_TWICE):
+                self._event(Event.UNSCALE_TWICE)  # GradScaler raises next; this says why
             self._grads_ready()
 
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
@@ -705,12 +820,15 @@ class Recorder:
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         self._grads_ready(fallback=params)
 
-    def after_clip(self, total_norm: Any) -> None:
+    def after_clip(self, total_norm: Any, combined: bool = False) -> None:
+        """``combined``: FSDP1's ``model.clip_grad_norm_`` returned it (a global norm)."""
         if isinstance(total_norm, torch.Tensor):
             st = self._step
-            st.clip_norm = total_norm.detach().float().reshape(())
-            if st.grad_norm is None:
+            st.clip_norm, whole = sharding.clip_result(total_norm, self._sharding, combined)
+            share = flag(Event.GRAD_NORM_LOCAL)
+            if st.grad_norm is None or (whole and st.flags & share):  # a global norm wins
                 st.grad_norm = self._unscaled(st.clip_norm)
+                st.flags = (st.flags & ~share) | (0 if whole else share)
 
     # ---------------------------------------------------------------------------------------
     # optimizer and scaler steps
@@ -932,7 +1050,8 @@ class Recorder:
         if not buffers:
             return
         dev = buffers[0][1].device
-        finite = torch.stack([torch.isfinite(b).all().to(dev) for _, b, _ in buffers]).tolist()
+        finite = torch.stack([torch.isfinite(sharding.local(b)).all().to(dev)
+                              for _, b, _ in buffers]).tolist()
         for (name, b, owner), ok in zip(buffers, finite):
             if not ok:
                 tid = self._tensor_id(Kind.BUFFER, name, 0, b, owner)
@@ -978,10 +1097,17 @@ class Recorder:
             self._sampler = Sampler(self.names, self._tensor_id, self.warn_tensor,
                                     sample=self.sample)
         self._sampler.active = True
-        patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+        if self._eager is None:
+            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+            return
+        for m in self._eager:  # a compiled model: only modules that run outside its regions
+            self._sample_hooks.add(m.register_forward_hook(
+                lambda m, a, o: patches.guard(self, "sample_post", m, a, o)))
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not self._replaying():
+            if id(module) not in self._root_ids and module in self.names:
+                self._note_inner_autocast()
             self._sampler.on_forward(module, output)
 
     def _end_step(self) -> None:
@@ -1166,10 +1292,10 @@ def _is_wrapper(module: torch.nn.Module) -> bool:
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside DDP/DataParallel/torch.compile wrappers (for names)."""
+    """The user's model inside DDP/DataParallel/FSDP1/torch.compile wrappers (for names)."""
     for _ in range(4):
         inner = getattr(module, "_orig_mod", None)
-        if inner is None and _is_wrapper(module):
+        if inner is None and (_is_wrapper(module) or sharding.is_fsdp1(module)):
             inner = getattr(module, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return module
@@ -1202,6 +1328,14 @@ def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
 
 def _enabled(scaler: Any) -> bool:
     return scaler is not None and bool(getattr(scaler, "_enabled", True))
+
+
+def _unscaled_already(scaler: Any, optimizer: Any) -> bool:
+    """Has ``scaler.unscale_(optimizer)`` run since the last update? (GradScaler's own
+    per-optimizer stage, read without creating an entry in its defaultdict.)"""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
 
 
 def _autocast_state(device_type: str) -> tuple:

@@ -1,7 +1,7 @@
 """The release report's data: diagnosis, summary figures, dtype decision, fp16 readiness, parity.
 
 numpy only. ``release_report`` gathers what a release note about a mixed-precision training
-run needs, from the library's own answers (``analyze.diagnose``, ``readiness``, ``parity``)
+run needs, from the library's own answers (``analyze.diagnose``, ``readiness``, ``comparison``)
 plus the run's headline numbers and the hardware it ran on; ``report_release`` renders it as
 one self-contained HTML page or as Markdown, with ``plots`` drawing the curves.
 
@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .parity import Comparison, compare, median_step_time, peak_memory
+from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
 from .schema import Event, flag
 
@@ -94,6 +94,7 @@ class ReleaseReport:
     decision: Decision
     readiness: Readiness
     comparison: Optional[Comparison] = None
+    parity: Any = None  # preflight.parity_result.ParityResult, when one was given
     run: Any = field(default=None, repr=False)  # store.Run, for plots
     notes: list[str] = field(default_factory=list)
     _owned: bool = field(default=False, repr=False)  # the run was loaded here: close it
@@ -102,6 +103,7 @@ class ReleaseReport:
         return plain({"diagnosis": self.diagnosis.to_dict(), "summary": asdict(self.summary),
                       "decision": asdict(self.decision), "readiness": self.readiness.to_dict(),
                       "comparison": self.comparison.to_dict() if self.comparison else None,
+                      "parity": self.parity.to_dict() if self.parity is not None else None,
                       "notes": list(self.notes)})
 
     def html(self) -> str:
@@ -129,11 +131,19 @@ class ReleaseReport:
         self.close()
 
 
-def release_report(run: Any, baseline: Any = None, **compare_options: Any) -> ReleaseReport:
+def release_report(run: Any, baseline: Any = None, parity: Any = None,
+                   **compare_options: Any) -> ReleaseReport:
     """Gather the release report of a run (a path or a loaded ``Run``), optionally against a
-    baseline (fp32 or bf16) run of the same training; options go to ``compare``."""
+    baseline (fp32 or bf16) run of the same training; options go to ``compare``. ``parity``:
+    a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
+    json`` wrote, shown as the layer parity section."""
     from . import analyze, ranks
     from .store import Run, load
+
+    if isinstance(parity, (str, os.PathLike)):
+        from .preflight.parity_result import load as load_parity
+
+        parity = load_parity(os.fspath(parity))
 
     notes = []
     if isinstance(run, Run):
@@ -143,6 +153,7 @@ def release_report(run: Any, baseline: Any = None, **compare_options: Any) -> Re
         d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
         loaded, owned = load(paths[0]), True
         if len(paths) > 1:
+            ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms
             notes.append(f"Curves and figures are rank {loaded.rank}'s ({loaded.path}); the "
                          f"diagnosis reads all {len(paths)} ranks.")
     else:
@@ -153,8 +164,8 @@ def release_report(run: Any, baseline: Any = None, **compare_options: Any) -> Re
             else None
         report = ReleaseReport(diagnosis=d, summary=summarize(loaded),
                                decision=decide(loaded, d.verdict, readiness),
-                               readiness=readiness, comparison=comparison, run=loaded,
-                               notes=notes)
+                               readiness=readiness, comparison=comparison, parity=parity,
+                               run=loaded, notes=notes)
     except BaseException:
         if owned:
             loaded.close()

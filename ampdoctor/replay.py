@@ -151,6 +151,15 @@ def explain(cap: Capture, names: dict, root_name: str, devices: list,
     return trace, finding
 
 
+def check_batch(cap: Capture, names: dict, root_name: str) -> tuple["Trace", Optional[Finding]]:
+    """Measure the captured batch only (no model code runs, no collective): a finding of
+    phase input when it holds NaN/inf, else None. What a sharded model gets instead of a
+    replay."""
+    trace = Trace(cap, names, root_name, [], {})
+    bad = [b for b in trace.measure_batch() if b[2] == HARD]
+    return trace, (_bad_batch(trace, bad) if bad else None)
+
+
 # ---------------------------------------------------------------------------------------------
 # the instrumented pass
 

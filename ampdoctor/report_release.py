@@ -19,7 +19,7 @@ import math
 from typing import Any, Optional
 
 from . import __version__
-from .parity import percent as _pct
+from .comparison import percent as _pct
 from .report import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")
@@ -298,6 +298,10 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
         out += _md_table(("layer", "kind", "finding", "where"), rows) + [""]
     if r.comparison is not None:
         out += [comparison_markdown(r.comparison, level=2).rstrip(), ""]
+    if r.parity is not None:
+        from .preflight.parity_result import render_markdown as parity_markdown
+
+        out += [parity_markdown(r.parity, level=2).rstrip(), ""]
     if images:
         out += ["## Figures", ""]
         for name, path in images.items():
@@ -369,6 +373,10 @@ def release_html(r: Any) -> str:
     parts.append(_readiness_html(r.readiness, images))
     if r.comparison is not None:
         parts.append(_comparison_html(r.comparison, images))
+    if r.parity is not None:
+        from .preflight.parity_result import render_html as parity_html
+
+        parts.append(parity_html(r.parity))
     for note in r.notes:
         parts.append(f'<p class="muted">{_esc(note)}</p>')
     title = _esc(f"ampdoctor report: {_title(r)}")

@@ -55,6 +55,10 @@ GRAD_GROWTH = 10.0
 LR_RISE = 10.0
 # C2 needs two of the growth signals above; one alone is common in healthy early training.
 GROWTH_SIGNALS = 2
+# C2 at its most abrupt: one step moved the weights by as much as the weights themselves
+# (|dW|/|W| >= 1; Adam's first step at a sane LR is ~lr/|w|, 1e-2..0.3). A failure a step or
+# two later has no ramp to show, but the weights were not steady: never one op's overflow.
+REPLACED = 1.0
 # C6a: clip_grad_norm_'s returned norm over the unscaled norm equals the loss scale S when the
 # clip ran on scaled gradients; within a factor 4 of S counts (S is a power of 2, norms noisy).
 CLIP_SCALED_TOLERANCE = 4.0
@@ -70,6 +74,7 @@ PRIORITY = {
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
     "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
+    "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
     "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
 }
 
@@ -113,6 +118,15 @@ def rule_no_training(f: Facts) -> Optional[Finding]:
     """No optimizer step was recorded at all."""
     if f.n:
         return None
+    stopped = f.stopped
+    if stopped is not None:  # the recorder faulted: the script may well have trained
+        why = stopped["why"][:200]
+        return Finding("recording_stopped", 1.0, f"ampdoctor stopped recording at step "
+                       f"{stopped['step']}, before any step was kept, after an internal error "
+                       f"({why}); training went on unrecorded, so there is nothing to "
+                       "diagnose.", [Evidence(f"recorder error: {why}", "recorder_error",
+                                              None, stopped["step"])],
+                       priority=PRIORITY["no_training"])
     exc = f.exception
     if exc is not None:
         summary = (f"The script raised {exc[0]} before its first optimizer step; nothing was "
@@ -338,8 +352,10 @@ def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence
     inputs = [s for s in f.snapshots if s["phase"] == "input"]
     if inputs:
         s = inputs[0]
+        how = "batch check; no replay under FSDP" if str(
+            (s["detail"] or {}).get("replay", "")).startswith("off") else "forensic replay"
         ev = [Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']} "
-                       "held NaN/inf (forensic replay)", "input_nonfinite_step", None,
+                       f"held NaN/inf ({how})", "input_nonfinite_step", None,
                        s["step"], s["module"])]
         if len(inputs) > 1:
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
@@ -649,6 +665,41 @@ def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
                     float(g1 / g0))
 
 
+def _short_ramp(f: Facts, hi: int) -> list[Evidence]:
+    """A failure within the first few steps, too early for the loss-spike and gradient-ramp
+    checks (6 and 5 finite steps), still shows C2 when the loss and the gradient norm both
+    grew LOSS_SPIKE² and GRAD_GROWTH² (100x) over the finite steps before it: two signals."""
+    loss = f.steps["loss"][:hi + 1].astype(float)
+    gn = f.steps["grad_norm"][:hi].astype(float)
+    lf = np.flatnonzero(np.isfinite(loss) & (loss > 0))
+    gf = np.flatnonzero(np.isfinite(gn) & (gn > 0))
+    if not (3 <= len(lf) < 6 and 3 <= len(gf) < 5):
+        return []  # too few points to call anything, or the usual checks judge
+    l0, g0 = float(loss[lf[0]]), float(gn[gf[0]])
+    li, gi = lf[-2:][np.argmax(loss[lf[-2:]])], gf[-2:][np.argmax(gn[gf[-2:]])]
+    l1, g1 = float(loss[li]), float(gn[gi])
+    if l1 / l0 < LOSS_SPIKE ** 2 or g1 / g0 < GRAD_GROWTH ** 2:
+        return []
+    return [Evidence(f"the loss rose from {_fmt(l0)} at step {f.step_at(int(lf[0]))} to "
+                     f"{_fmt(l1)} at step {f.step_at(int(li))} ({l1 / l0:.2g}x in "
+                     f"{int(li - lf[0])} steps)", "loss_spike", l1 / l0, f.step_at(int(li))),
+            Evidence(f"the gradient norm grew {g1 / g0:.2g}x in {int(gi - gf[0])} steps "
+                     f"({_fmt(g0)} -> {_fmt(g1)})", "grad_norm_growth", g1 / g0,
+                     f.step_at(int(gi)))]
+
+
+def _weights_replaced(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    upd = f.stats.upd_log[idx] if len(idx) else np.zeros(0)
+    big = np.flatnonzero(np.isfinite(upd) & (upd >= math.log10(REPLACED)))
+    if not len(big):
+        return None
+    log, step = float(upd[big[0]]), f.step_at(int(idx[big[0]]))
+    size = "10x or more" if log >= 1.0 else f"{10 ** log:.2g}x"  # (ratios are kept up to 10)
+    return Evidence(f"the optimizer step at step {step} changed the weights by {size} their "
+                    "norm (|dW|/|W|, sampled): the weights were not steady", "weights_replaced",
+                    10 ** log, step)
+
+
 def _lr_rise(f: Facts, hi: int) -> Optional[Evidence]:
     lr = f.steps["lr"][:hi + 1].astype(float)
     fin = np.flatnonzero(np.isfinite(lr) & (lr > 0))
@@ -670,8 +721,9 @@ def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
     hi = f.failure_index if f.failure_index is not None else f.n
     idx = np.flatnonzero(f.stats.sampled[:hi] & ~f.skipped[:hi])
     found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
-                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi))
-             if e is not None]
+                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi),
+                         _weights_replaced(f, idx)) if e is not None]
+    found += _short_ramp(f, hi)
     if found and hi < f.n:  # the LR ramp counts beside an effect, never alone
         rise = _lr_rise(f, hi)
         found += [rise] if rise is not None else []
@@ -809,7 +861,10 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
                        where, priority=PRIORITY["mask_overflow"])
     score, growth = growth_evidence(f)
     poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
-    if score >= GROWTH_SIGNALS or (fp32 == 0 and score >= 1 and not poisoned):
+    replaced = any(e.key == "weights_replaced" for e in growth)
+    if replaced and poisoned and snap["step"] > f.failure_step:
+        where = _first_bad(f.failure_step, None, None)  # the culprit shows the poison only
+    if score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned):
         return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
     if (fp32 == 0 or poisoned) and phase == "forward":
         return None  # out of range in fp32 too (or its weights are): not one op's overflow

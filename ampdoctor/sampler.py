@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import schema, stats
+from .sharding import local
 from .schema import Kind, Source
 
 MAX_DEPTH = 4  # nesting of tuples/lists/dicts searched for tensors in a module output
@@ -95,8 +96,8 @@ class Sampler:
             t.register_hook(lambda grad, gid=gid, call=call: self._on_grad(gid, call, grad))
 
     def _on_grad(self, gid: int, call: int, grad: torch.Tensor) -> None:
-        if not self.active:  # backward of a sampled forward that ran after the step ended
-            return None
+        if not self.active or grad is None:  # a step already ended; an unreached output of
+            return None                         # a compiled region (its gradient is None)
         try:
             if self.collector.add(grad) is not None:
                 self._rows.append((gid, call, self._seq[Kind.GRAD_OUTPUT]))
@@ -186,21 +187,22 @@ class _ParamProbe:
         with torch.no_grad():
             groups: dict[tuple, list[int]] = {}
             for i, (tid, p) in enumerate(named):
-                idx = stats._INDEX.get(p.numel(), self.sample, p.device)
+                w = local(p)  # per shard under FSDP: the part of p this rank holds
+                idx = stats._INDEX.get(w.numel(), self.sample, w.device)
                 self.params.append((tid, p, idx))
-                self.w0.append(torch.take(p.detach(), idx))
-                self.g0.append(torch.take(p.grad.detach(), idx))
-                groups.setdefault((p.device, p.dtype), []).append(i)
+                self.w0.append(torch.take(w.detach(), idx))
+                self.g0.append(torch.take(local(p.grad).detach(), idx))
+                groups.setdefault((w.device, w.dtype), []).append(i)
             self.norms = [None] * len(named)
             for members in groups.values():
-                norms = torch._foreach_norm([named[i][1].detach() for i in members], 2.0,
-                                            dtype=torch.float32)
+                norms = torch._foreach_norm([local(named[i][1]).detach() for i in members],
+                                            2.0, dtype=torch.float32)
                 for i, norm in zip(members, norms):
                     self.norms[i] = norm
 
     def after(self) -> None:
         with torch.no_grad():
-            self.w1 = [torch.take(p.detach(), idx) for _, p, idx in self.params]
+            self.w1 = [torch.take(local(p).detach(), idx) for _, p, idx in self.params]
 
     def rows(self) -> np.ndarray:
         n = len(self.params)
@@ -209,7 +211,7 @@ class _ParamProbe:
             return rows
         dev = self.norms[0].device
         rows["tensor"] = [tid for tid, _, _ in self.params]
-        rows["numel"] = [p.numel() for _, p, _ in self.params]
+        rows["numel"] = [local(p).numel() for _, p, _ in self.params]
         rows["dtype"] = [stats.dtype_code(p.dtype) for _, p, _ in self.params]
         rows["sample_n"] = [idx.numel() for _, _, idx in self.params]
         rows["seq"] = np.arange(n)

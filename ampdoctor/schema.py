@@ -125,6 +125,9 @@ class Event(enum.IntEnum):
     EXCEPTION = 13  # the training script raised (text: type and message)
     NONFINITE_INPUT = 14  # the batch given to the root module held NaN/inf
     GRAD_NOT_ZEROED = 15  # .grad already non-finite before this step's backward
+    # A step flag, never an /events row: the step's grad_norm is this rank's share of a
+    # sharded model's norm (no clip_grad_norm_ combined the shards); see sharding.py.
+    GRAD_NORM_LOCAL = 16
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import schema
+from .sharding import local
 
 SAMPLE = 1024  # elements gathered per tensor in sampled mode (see README: Performance)
 EXACT_CHUNK = 1 << 24  # elements classified at once in exact mode (bounds temporary memory)
@@ -64,7 +65,10 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def measurable(t: object) -> bool:
-    """True for a dense, real floating-point tensor with elements (what stats can describe)."""
+    """True for a dense, real floating-point tensor with elements (what stats can describe).
+
+    A DTensor is judged by the shard this rank holds, which is what gets measured."""
+    t = local(t)
     return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_floating_point()
             and t.numel() > 0 and t.device.type != "meta")
 
@@ -197,6 +201,7 @@ class Collector:
 
     def add(self, t: torch.Tensor) -> Optional[int]:
         """Queue statistics of ``t``; return its slot, or None for a tensor stats cannot describe."""
+        t = local(t)  # a DTensor's shard: mixing it with plain tensors would raise
         if not measurable(t):
             return None
         t = t.detach()

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytest_plugins = ["pytester"]  # test_amp_step runs a user's pytest session with the plugin
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

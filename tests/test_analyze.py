@@ -646,7 +646,7 @@ def test_thresholds_are_named_constants():
 
 
 def test_every_rule_is_documented():
-    for rule in rules.RULES:
+    for rule in analyze.RULES:  # rules.py's and progress.py's
         assert rule.__doc__, rule.__name__
 
 
@@ -719,3 +719,65 @@ def test_any_run_gets_a_verdict(n, dtype, scaler, params, skips, nans, snaps, gr
     assert all(fx.id in fixes.FIX_IDS for fx in d.fixes)
     if d.verdict not in ("healthy", "no_training"):
         assert d.summary and d.causes[0]["role"] == "root"
+
+
+# ---------------------------------------------------------------------------------------------
+# Early LR blow-ups seen on real stacks (fixtures/stacks/nanogpt_train.py at LR 30 and 1000)
+
+
+def test_a_step_that_replaced_the_weights_is_the_lr_not_one_op():
+    """fp16 nanoGPT at LR 30: one Adam step at LR 1.4 moved every weight by more than its own
+    size, and step 1 overflows. No ramp had time to show, and the culprit is finite in fp32,
+    but the weights were not steady: lr_overflow, not an fp32 island."""
+    def run(update):
+        s = Synth(30, every=100)  # only step 0 is sampled, as with the default interval
+        s.sampled([0], Kind.PARAM, "transformer.h.0.mlp.weight", norm=3.0, update=update)
+        s.skip(range(1, 30))
+        s.snapshot(1, "forward", "transformer.h.0.attn.c_proj", "Linear", fp32_finite=1,
+                   fp32_absmax=2.2e6)
+        return verdict(s)
+    d = run(update=12.0)
+    assert d.verdict == "lr_overflow"
+    assert d.first_bad == {"step": 1, "module": "transformer.h.0.attn.c_proj",
+                           "phase": "forward"}
+    replaced = next(e for e in d.evidence if e.key == "weights_replaced")
+    assert replaced.step == 0 and "10x or more" in replaced.text
+    assert fix_ids(d)[0] == "lower_lr"
+    assert run(update=0.05).verdict == "unstable_op"  # a sane first step: the op's overflow
+
+
+def test_without_a_scaler_the_first_applied_nonfinite_gradient_starts_the_failure():
+    """fp32 nanoGPT at LR 1000: gradients are inf at step 4 and applied (no scaler to skip
+    them), the loss is NaN from step 6 and the replays see poisoned weights. The failure
+    starts at step 4, and the poisoned module is not named as where it began."""
+    s = Synth(20, dtype=None, scaler=False, every=100)
+    s.sampled([0], Kind.PARAM, "transformer.h.0.mlp.weight", norm=3.0, update=15.0)
+    s.set("loss", [2.9, 2.5e4, 9e5, 7.5e6, 2.9e8, 5e9], steps=range(6))
+    s.set("grad_norm", [0.67, 1.9e3, 1.2e10, 9.7e14], steps=range(4))
+    s.nan_grad(range(4, 20)).nan_loss(range(6, 20))
+    s.snapshot(7, "forward", "transformer.wte", "Embedding", fp32_finite=0,
+               weights_nonfinite=["weight"])
+    f = Facts(s.run())
+    assert f.failure_step == 4
+    d = verdict(s)
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
+    assert d.first_bad["module"] is None
+
+
+def test_a_blowup_in_the_first_steps_is_the_lr():
+    """HF Trainer with SGD at LR 1000: the loss 1.3 -> 237 -> 5.8e7 and the gradient norm
+    1.8 -> 421 -> 4.5e12 in three steps, then NaN; the culprit is non-finite in fp32 too. Too
+    short for the usual ramp checks, but both grew 100x: the LR's doing. A calmer start, or
+    only one of the two growing, is not enough."""
+    def run(loss, grad):
+        s = Synth(12, dtype="bfloat16", scaler=False, every=100)
+        s.set("loss", loss, steps=range(4))
+        s.set("grad_norm", grad, steps=range(4))
+        s.nan_loss(range(4, 12)).nan_grad(range(4, 12))
+        s.snapshot(4, "forward", "transformer.h.0.attn.c_proj", "Conv1D", fp32_finite=0)
+        return verdict(s)
+    d = run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 421.0, 4.5e12])
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
+    assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
+    assert run([1.32, 1.32, 1.5, 6.0], [1.78, 1.66, 421.0, 4.5e12]).verdict != "lr_overflow"
+    assert run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 1.7, 1.9]).verdict != "lr_overflow"

@@ -71,3 +71,12 @@ def test_make_large_run_writes_a_loadable_run(tmp_path):
     run = ampdoctor.load(path)
     assert len(run.steps) == 1000 and run.status == "finished"
     assert (run.stats["posinf"] > 0).any()
+
+
+def test_preflight_cost_measures_both_tools(tmp_path):
+    path = tmp_path / "p.json"
+    bench("preflight_cost.py", "--rounds", "1", "--width", "16", "--layers", "1", "--json",
+          str(path))
+    result = json.loads(path.read_text())
+    for name in ("parity_forward", "parity_with_loss", "check_amp_step"):
+        assert result[name]["ratio"] > 0 and result[name]["aa"] > 0

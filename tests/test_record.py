@@ -75,7 +75,7 @@ def test_plain_script_records_and_its_own_options_pass_through(tmp_path):
     assert lines[0].startswith("ampdoctor: recording into run.h5")
     assert "every 100 steps: per-layer statistics" in lines[0]
     assert "recorded 8 steps into run.h5, 1 skipped" in lines[1]
-    assert "first non-finite at step 3" in lines[1]
+    assert "; diagnosis: bad_input, first bad at step 3" in lines[1]  # as diagnose says
     assert lines[1].endswith("next: ampdoctor diagnose run.h5")
     d = ampdoctor.diagnose(str(tmp_path / "run.h5"))
     assert d.first_bad["step"] == 3
@@ -253,7 +253,7 @@ def test_torchrun_two_ranks_on_gloo(tmp_path):
             assert run.meta["roots"] == ["Sequential"]  # the model inside DDP
     summary = ours(proc.stderr)[-1]
     assert "on 2 ranks into run.rank{0,1}.h5" in summary
-    assert "first non-finite at step 3 on rank 1" in summary
+    assert "first bad at step 3 on rank 1" in summary
     diag = subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", "run.h5", "--format", "json"],
                           cwd=tmp_path, env=python_env(), capture_output=True, text=True)
     assert diag.returncode == 0, diag.stderr
@@ -620,4 +620,4 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
     proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "first non-finite at step 0 on rank 1" in proc.stdout
+    assert "first bad at step 0 on rank 1" in proc.stdout

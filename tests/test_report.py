@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ampdoctor
-from ampdoctor import cli, parity, plots, readiness, release, report_release, schema, store
+from ampdoctor import cli, comparison, plots, readiness, release, report_release, schema, store
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.schema import Event, Kind, Source, flag
 
@@ -275,7 +275,7 @@ def test_a_script_bug_is_fixed_first_whatever_the_dtype():
 def pair(amp_loss, n=100, **kw):
     base = synth(n, dtype=None, scaler=False, every=0)
     amp = synth(n, dtype="bfloat16", scaler=False, every=0, loss=amp_loss)
-    return parity.compare(base, amp, **kw)
+    return comparison.compare(base, amp, **kw)
 
 
 def test_compare_identical_curves_match():
@@ -311,10 +311,10 @@ def test_compare_refuses_runs_with_nothing_in_common():
     other = synth(10)
     other.steps["step"] += 100
     with pytest.raises(AmpDoctorError, match="share no step"):
-        parity.compare(base, other)
+        comparison.compare(base, other)
     nan_base = synth(10, dtype=None, scaler=False, loss=np.full(10, np.nan))
     with pytest.raises(AmpDoctorError, match="baseline must itself be sound"):
-        parity.compare(nan_base, synth(10))
+        comparison.compare(nan_base, synth(10))
 
 
 # ---------------------------------------------------------------------------------------------

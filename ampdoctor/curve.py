@@ -1,0 +1,253 @@
+"""The loss curve: where it started, where it ended, how noisy it is, and whether it blew up.
+
+numpy only (no torch). ``read(loss)`` takes the per-step losses of a run (NaN where none was
+seen) and answers the questions the "failed without a NaN" rules ask: did the loss jump far
+above everything before it (a spike), did it come back afterwards, and did the run end lower
+than it began. Every decision is relative to the run's own noise, so a noisy but training loss
+is not mistaken for a blow-up.
+
+Example::
+
+    c = curve.read(run.steps["loss"])
+    if c.spike is not None and c.stuck:
+        print(f"the loss jumped {c.spike.jump:.0f}x at index {c.spike.index} and stayed up")
+
+Indices are positions in the array given (``run.steps`` rows), not step numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+# Fewer finite losses than this and nothing is judged: a spike needs steps before it to be
+# measured against, and steps after it to show whether it recovered.
+MIN_STEPS = 20
+# The starting level is the median of the first few losses (fewer when a spike comes earlier):
+# one step is as noisy as the batch it saw, five are not.
+START_STEPS = 5
+# A spike is measured against the median of the ten losses before it.
+BEFORE_STEPS = 10
+# A spike: the loss jumps to >= 10x the median of the steps before it AND >= 10x where the run
+# started. The second half keeps a converged loss (0.002 -> 0.05, "25x") from counting: a
+# blow-up goes far above where training began. 10x is an order of magnitude: healthy curves
+# reach it only on a single freak batch, which the recovery test below then clears.
+SPIKE = 10.0
+# ... and beyond the run's own noise: a jump of >= 5 robust standard deviations of the
+# per-step log-loss (so a loss that varies 3x from batch to batch needs a far larger jump).
+SPIKE_SIGMAS = 5.0
+# A loss whose step-to-step change has a robust standard deviation of 1 (in log; batches that
+# differ ~3x routinely: batch size 1, reinforcement learning) is too noisy to judge at all; on
+# synthetic rising curves that noisy, a few in a hundred met the tests below.
+NOISY = 1.0
+# The end of the run is the median of its last tenth (at least five steps).
+TAIL_SHARE = 0.1
+MIN_TAIL = 5
+# After a spike at least this many steps must follow before "it never recovered" is said.
+MIN_AFTER = 10
+# Not recovered: the end of the run sits >= 3x above the level before the spike, and that gap
+# is >= 4 standard errors of the two medians compared (noisy curves need a wider gap). 3x, not
+# 2x: a loss that rises over a run by design (KL annealing, a curriculum) plus one freak batch
+# must not read as a blow-up (measured on synthetic curves: tests/test_progress.py).
+STUCK = 3.0
+STUCK_SIGMAS = 4.0
+# "Stayed up" is asked of 3 in 4 of the steps of a stretch (its 25th percentile), not of its
+# median: a stretch of 10 that holds a 5-step freak jump has a median in the jump.
+MOST = 0.25
+# "Ended where it began": the end of the run is no lower than half the starting level. A
+# training run that learns anything halves its loss; a dead or diverged one hovers at the
+# level of its initial (or a constant) prediction.
+NO_PROGRESS = 0.5
+# Climbed: with no single jump, the end of the run sits >= 10x above where it began (and 4
+# standard errors above it): the loss rose step by step and stayed up. Healthy curves that rise
+# by design (KL annealing, a curriculum) rise 1.5-3x; a GAN's generator loss can climb further,
+# which is the one known way for a healthy run to meet this (see the README).
+CLIMB = 10.0
+# A warning on a healthy verdict (no spike): the loss ended within 10 % of where it began.
+FLAT_END = 0.9
+# The rise that led into a spike began where the loss first passed 2x the level before it.
+RISE = 2.0
+# 1.4826 * MAD estimates a normal standard deviation; diffs of iid noise have sqrt(2) of it.
+_MAD_TO_SIGMA = 1.4826 / math.sqrt(2.0)
+# A median of k noisy values has ~1.25/sqrt(k) of their spread (normal efficiency).
+_MEDIAN_SE = 1.2533
+
+
+@dataclass
+class Spike:
+    """A jump of the loss far above what came before it."""
+
+    index: int  # where the loss first stood >= SPIKE x the level before
+    onset: int  # where the rise into it began (the loss passed RISE x the level before)
+    before: float  # median of the losses before the rise
+    value: float  # the loss at ``index``
+    peak: float  # the largest loss from ``index`` on, over the next BEFORE_STEPS steps
+    peak_index: int
+
+    @property
+    def jump(self) -> float:
+        return self.value / self.before if self.before > 0 else math.inf
+
+
+@dataclass
+class Curve:
+    """What the loss curve says. ``judged`` is False when it cannot say (``why``)."""
+
+    n: int  # finite positive losses
+    judged: bool = False
+    why: str = ""
+    start: float = math.nan  # median of the first losses (before any spike)
+    end: float = math.nan  # median of the last TAIL_SHARE of the run
+    tail_steps: int = 0
+    noise: float = math.nan  # robust standard deviation of the per-step change of log(loss)
+    spike: Optional[Spike] = None  # the first spike after which the loss stayed up, else
+    # the first spike of all
+    stuck: bool = False  # the loss never came back after ``spike``
+    spikes: list = field(default_factory=list)  # every spike, in order
+    climbed: bool = False  # no spike stayed up, but the loss rose >= CLIMB x and stayed there
+    climb_onset: int = -1  # where the climb began (the loss last stood < RISE x its start)
+    best_after: float = math.nan  # lowest 5-step median after the spike
+
+    @property
+    def flat(self) -> bool:
+        """The run ended no lower than NO_PROGRESS x where it began."""
+        return self.judged and self.end >= NO_PROGRESS * self.start
+
+
+def noise(log_loss: np.ndarray) -> float:
+    """Robust per-step noise of a log-loss curve: MAD of its first differences, as a normal
+    standard deviation. A trend, a spike or a few outliers barely move it."""
+    d = np.diff(log_loss)
+    if len(d) < 5:
+        return 0.0
+    return float(_MAD_TO_SIGMA * np.median(np.abs(d - np.median(d))))
+
+
+def read(loss: np.ndarray) -> Curve:
+    """Judge a per-step loss array (NaN where no loss was seen; those steps are left out)."""
+    loss = np.asarray(loss, dtype=np.float64)
+    where = np.flatnonzero(np.isfinite(loss))
+    values = loss[where]
+    c = Curve(n=len(values))
+    if len(values) < MIN_STEPS:
+        c.why = f"only {len(values)} finite losses (a verdict on the curve needs {MIN_STEPS})"
+        return c
+    if np.any(values <= 0):
+        c.why = "the loss is not always positive, so its ratios mean nothing"
+        return c
+    c.noise = noise(np.log(values))
+    if c.noise >= NOISY:
+        c.why = (f"the loss changes by a factor of ~{math.exp(c.noise):.1f} from one step to the "
+                 "next (one batch against another): too noisy to tell a blow-up from a batch")
+        return c
+    c.judged = True
+    c.tail_steps = max(MIN_TAIL, int(len(values) * TAIL_SHARE))
+    c.end = float(np.median(values[-c.tail_steps:]))
+    spikes = _spikes(values, c.noise)
+    first = spikes[0] if spikes else None
+    for s in spikes:
+        if _stuck(values, s, c.noise, c.tail_steps):
+            first, c.stuck = s, True
+            break
+    head = min(START_STEPS, first.onset) if first is not None else START_STEPS
+    c.start = float(np.median(values[:max(head, 1)]))
+    if not c.stuck:
+        onset = _climb(values, c.start, c.end, c.noise, c.tail_steps)
+        if onset is not None:
+            c.climbed, c.climb_onset = True, int(where[onset])
+    c.spikes = [_positions(s, where) for s in spikes]
+    if first is not None:
+        c.spike = _positions(first, where)
+        after = values[first.index + 1:]
+        if len(after) >= 5:
+            c.best_after = float(np.min(_rolling_median(after, 5)))
+    return c
+
+
+def _spikes(v: np.ndarray, sigma: float) -> list[Spike]:
+    """Every spike, in order. Candidates are found vectorised; the medians are taken only
+    there, so a million steps take a fraction of a second."""
+    n = len(v)
+    need = max(SPIKE, math.exp(SPIKE_SIGMAS * sigma))
+    prev_min = np.full(n, np.inf)
+    for k in range(1, BEFORE_STEPS + 1):  # running min of the previous BEFORE_STEPS values
+        prev_min[k:] = np.minimum(prev_min[k:], v[:-k])
+    # Necessary conditions, vectorised: >= need x the smallest loss before it (its level is no
+    # lower) and, from START_STEPS on, >= SPIKE x the starting level (a constant there).
+    cand = v >= need * prev_min
+    cand[START_STEPS:] &= v[START_STEPS:] >= SPIKE * float(np.median(v[:START_STEPS]))
+    out: list[Spike] = []
+    for i in np.flatnonzero(cand):
+        i = int(i)
+        if i < 1 or n - i <= MIN_AFTER or (out and i <= out[-1].peak_index):
+            continue  # no steps before or after it, or the same blow-up still going
+        if v[i] < need * _level(v, i) or v[i] < SPIKE * float(np.median(v[:min(START_STEPS,
+                                                                                   i)])):
+            continue
+        onset = i
+        while onset > 1 and i - onset < BEFORE_STEPS and v[onset - 1] >= RISE * _level(
+                v, onset - 1):
+            onset -= 1  # the step before was already a jump of its own: the rise began there
+        window = v[i:i + BEFORE_STEPS]
+        peak = int(np.argmax(window))
+        out.append(Spike(index=i, onset=onset, before=_level(v, onset), value=float(v[i]),
+                         peak=float(window[peak]), peak_index=i + peak))
+    return out
+
+
+def _level(v: np.ndarray, i: int) -> float:
+    """The loss level just before index ``i``: the median of up to BEFORE_STEPS losses."""
+    return float(np.median(v[max(0, i - BEFORE_STEPS):i]))
+
+
+def _stuck(v: np.ndarray, s: Spike, sigma: float, tail_steps: int) -> bool:
+    """The loss stayed up: both right after the spike and at the end of the run it is >= STUCK
+    x (and STUCK_SIGMAS standard errors above) the level before the spike. Right after: a loss
+    that drifts up over the run by design, plus one freak batch, is not stuck. The error of
+    each median comes from the whole run's noise (after a blow-up the curve is chaotic, which
+    only makes this test stricter)."""
+    tail = v[max(s.index + 1, len(v) - tail_steps):]
+    after = v[s.peak_index + 1:s.peak_index + 1 + MIN_AFTER]
+    if len(tail) < MIN_TAIL or len(after) < MIN_TAIL or s.before <= 0:
+        return False
+    pre = max(1, min(BEFORE_STEPS, s.onset))
+    for part in (after, tail):
+        se = _MEDIAN_SE * sigma * math.sqrt(1.0 / pre + 1.0 / len(part))
+        if _most(part) < max(STUCK, math.exp(STUCK_SIGMAS * se)) * s.before:
+            return False
+    return True
+
+
+def _most(part: np.ndarray) -> float:
+    """A level that most (3 in 4) of the steps reach: a few steps of a second jump inside the
+    stretch do not lift it, as they would lift a mean or even a median of 10."""
+    return float(np.quantile(part, MOST))
+
+
+def _climb(v: np.ndarray, start: float, end: float, sigma: float, tail_steps: int
+           ) -> Optional[int]:
+    """Where a climb to the end began, when the end is >= CLIMB x the start (noise-adjusted):
+    the step after the 5-step median last stood below RISE x the start. Rolling medians are
+    centred, so index i stands for the 5 steps i..i+4."""
+    late = v[-max(2 * MIN_AFTER, tail_steps):]  # >= 20 steps: not a jump the run ended in
+    se = _MEDIAN_SE * sigma * math.sqrt(1.0 / START_STEPS + 1.0 / len(late))
+    if _most(late) < max(CLIMB, math.exp(STUCK_SIGMAS * se)) * start:
+        return None
+    low = np.flatnonzero(_rolling_median(v, 5) < RISE * start)
+    onset = int(low[-1]) + 1 if len(low) else 0
+    return onset if len(v) - onset >= max(MIN_AFTER, tail_steps) else None
+
+
+def _rolling_median(v: np.ndarray, k: int) -> np.ndarray:
+    if len(v) < k:
+        return np.array([np.median(v)])
+    return np.median(np.lib.stride_tricks.sliding_window_view(v, k), axis=1)
+
+
+def _positions(s: Spike, where: np.ndarray) -> Spike:
+    """Indices into the finite losses -> indices into the array given."""
+    return Spike(index=int(where[s.index]), onset=int(where[s.onset]), before=s.before,
+                 value=s.value, peak=s.peak, peak_index=int(where[s.peak_index]))

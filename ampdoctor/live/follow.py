@@ -1,0 +1,378 @@
+"""Following a recording while it is written: the files of one run, their new rows, their writer.
+
+numpy only (h5py stays in ``store``, whose ``Tail`` reads the new rows). A ``Follower`` is
+given the path a recording writes to (``run.h5``); each ``poll`` finds the files that exist
+now (``run.h5``, else the ``run.rank{R}.h5`` of a torchrun job, which may appear one after
+another), opens the new ones, reads what was added to each since the last poll, and returns
+it as ``Delta``s. Every file also keeps a ``RankState``: what a live view needs of the run so
+far (all of ``/steps``, the latest LR of each param group, tensors, events, snapshots,
+configuration, and the statistics rows of the latest sampled step only), so memory follows the
+run's steps, never its statistics.
+
+The writer is never slowed: a SWMR reader takes no lock, and a poll reads only new rows.
+
+Whether the writer is still there: on the writer's own host, its pid (root attributes) is
+checked, and whether that process still has the file open (``store.Tail.writer_alive``); from
+another host that cannot be told, so a file that has not changed for ``stale`` seconds is
+taken as abandoned. Either way the state says why (``RankState.gone``).
+
+Example::
+
+    f = Follower("run.h5")
+    for delta in f.poll():          # again every second or so
+        delta.rows["steps"]["loss"]
+    f.states[0].status, f.states[0].steps["step"][-1]
+    f.close()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .. import ranks, schema
+from ..errors import RunFileError, RunNotFoundError
+from ..schema import Source
+
+# A file that does not change for this long, whose writer's host is not this one, is taken
+# as abandoned (its writer killed with its node). A writer flushes at least every second while
+# it trains; evaluation or checkpointing can pause it for minutes.
+STALE_SECONDS = 600.0
+# Reads that fail this many polls in a row are not a writer mid-flush: the file is damaged.
+MAX_READ_FAILURES = 5
+# On opening a long run, the latest sampled step is looked for in this many /stats rows at the
+# end (a sampled step writes one row per recorded tensor: a few thousand at most).
+STATS_WINDOW = 1 << 16
+WAIT_POLL = 0.2  # seconds between looks for a run file that does not exist yet
+FINAL_PREFIXES = (schema.STATUS_FINISHED, schema.STATUS_EXCEPTION, schema.STATUS_SIGNAL)
+
+
+@dataclass
+class Delta:
+    """What one poll found new in one file."""
+
+    path: str
+    rank: int
+    rows: dict  # table -> new rows (decoded like ``store.load``); "meta": new keys
+    stats: Any  # store.Table over /stats as written so far
+    stats_start: int  # first new /stats row
+    reset: bool = False  # the file was replaced (a new recording): earlier rows are void
+
+
+class _Grow:
+    """An array that grows by appending, at amortized cost (a long run appends every second)."""
+
+    def __init__(self, dtype: np.dtype):
+        self._buf = np.zeros(64, dtype)
+        self.n = 0
+
+    def extend(self, rows: np.ndarray) -> None:
+        if self.n + len(rows) > len(self._buf):
+            bigger = np.zeros(max(2 * len(self._buf), self.n + len(rows)), self._buf.dtype)
+            bigger[:self.n] = self._buf[:self.n]
+            self._buf = bigger
+        self._buf[self.n:self.n + len(rows)] = rows
+        self.n += len(rows)
+
+    @property
+    def view(self) -> np.ndarray:
+        return self._buf[:self.n]
+
+
+@dataclass
+class RankState:
+    """One file of the run as followed so far."""
+
+    path: str
+    attrs: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    lr: dict = field(default_factory=dict)  # param group -> its latest LR
+    tensors: Any = None
+    events: Any = None
+    snapshots: Any = None
+    layer_rows: np.ndarray = field(default_factory=lambda: schema.empty("stats"))
+    layer_step: Optional[int] = None  # the sampled step ``layer_rows`` belong to
+    writer: Optional[bool] = None  # writer alive (None: cannot be told from this host)
+    idle: float = 0.0  # seconds since the file last changed
+    error: Optional[str] = None  # the last read failure, while it lasts
+    stale: float = STALE_SECONDS  # seconds unchanged after which an unverifiable writer is gone
+    _steps: Any = None
+
+    def __post_init__(self) -> None:
+        from ..store import TENSOR_VIEW, _decoded
+
+        self._steps = _Grow(schema.STEPS)
+        self.tensors = np.zeros(0, TENSOR_VIEW)
+        self.events = _decoded(schema.empty("events"), ["text"])
+        self.snapshots = _decoded(schema.empty("snapshots"), ["module", "module_type",
+                                                               "detail"])
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self._steps.view
+
+    @property
+    def rank(self) -> int:
+        return int(self.attrs.get("rank", 0) or 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.attrs.get("world_size", 1) or 1)
+
+    def apply(self, delta: Delta, layers: bool = True) -> None:
+        """Fold one poll's new rows in (``layers``: also keep the latest sampled step's
+        statistics rows)."""
+        rows = delta.rows
+        self._steps.extend(rows["steps"])
+        self.meta.update(rows["meta"])
+        for g, lr in zip(rows["groups"]["group"], rows["groups"]["lr"]):
+            self.lr[int(g)] = float(lr)
+        for name in ("tensors", "events", "snapshots"):
+            if len(rows[name]):
+                setattr(self, name, np.concatenate([getattr(self, name), rows[name]]))
+        if layers:
+            self._latest_layers(delta.stats, delta.stats_start)
+
+    def _latest_layers(self, stats: Any, start: int) -> None:
+        """Keep the sampled tier's rows of the latest sampled step (never the whole table)."""
+        stop = len(stats)
+        start = max(start, stop - STATS_WINDOW)
+        if stop <= start:
+            return
+        rows = stats.rows(start, stop)
+        rows = rows[rows["source"] == int(Source.SAMPLED)]
+        if not len(rows):
+            return
+        latest = int(rows["step"].max())
+        rows = rows[rows["step"] == latest]
+        if self.layer_step == latest:
+            self.layer_rows = np.concatenate([self.layer_rows, rows])
+        elif self.layer_step is None or latest > self.layer_step:
+            self.layer_rows, self.layer_step = rows, latest
+
+    @property
+    def status(self) -> str:
+        """'finished', 'exception:<Type>', 'signal:<NAME>', 'running', or 'gone' (the writer
+        stopped without finishing the file: killed, or it let go of the file)."""
+        status = self.meta.get("status", schema.STATUS_RUNNING)
+        if isinstance(status, str) and status.startswith(FINAL_PREFIXES):
+            return status
+        return "gone" if self.gone else "running"
+
+    @property
+    def final(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def gone(self) -> Optional[str]:
+        """Why the writer is taken as gone, in a sentence; None while it is there."""
+        status = self.meta.get("status", schema.STATUS_RUNNING)
+        if isinstance(status, str) and status.startswith(FINAL_PREFIXES):
+            return None
+        pid, host = self.attrs.get("pid"), self.attrs.get("host") or "another host"
+        if self.writer is False:
+            if _running(pid):
+                return (f"writer gone: process {pid} is running but no longer writes the file "
+                        "(ampdoctor stopped recording in it)")
+            return (f"writer gone: process {pid} on {host} ended without finishing the file "
+                    "(killed?); it holds every step up to its last flush")
+        if self.writer is None and self.idle >= self.stale:
+            return (f"writer gone: the file has not changed for {_duration(self.idle)} and "
+                    f"its writer (process {pid} on {host}) cannot be checked from here")
+        return None
+
+    def run(self) -> Any:
+        """The run so far as a ``store.Run`` (statistics: the latest sampled step's rows),
+        which the analysis side's functions take as they take a loaded run."""
+        from ..store import Run, Table
+
+        groups = np.zeros(len(self.lr), schema.GROUPS)
+        groups["group"] = list(self.lr)
+        groups["lr"] = list(self.lr.values())
+        if len(self.steps):
+            groups["step"] = self.steps["step"][-1]
+        run = Run(path=self.path, attrs=self.attrs, meta=self.meta, steps=self.steps,
+                  groups=Table(groups, name="groups"), tensors=self.tensors,
+                  stats=Table(self.layer_rows), events=self.events, snapshots=self.snapshots)
+        run.live = not self.final
+        return run
+
+
+def _running(pid: Any) -> bool:
+    try:
+        pid = int(pid)
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+        return True
+    except PermissionError:
+        return True
+    except (OSError, TypeError, ValueError, OverflowError):
+        return False
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _Source:
+    """One file being followed: its open ``Tail``, its state, and when it last changed."""
+
+    def __init__(self, path: str, stale: float, layers: bool):
+        from ..store import Tail
+
+        self.path = path
+        self.layers = layers
+        self.tail = Tail(path)
+        self.state = RankState(path, attrs=dict(self.tail.attrs), stale=stale)
+        self.stats_done = 0
+        self.polls = 0
+        self.failures = 0
+        self._seen = _stamp(path)
+        # Until a change is seen, the file's own modification time is the only evidence.
+        self._changed = time.monotonic() - max(0.0, time.time() - self._seen[1])
+
+    def poll(self) -> Optional[Delta]:
+        try:
+            rows = self.tail.read()
+        except RunFileError as exc:
+            self.failures += 1
+            self.state.error = str(exc)
+            if self.failures >= MAX_READ_FAILURES:
+                raise
+            return None
+        self.failures, self.state.error = 0, None
+        delta = Delta(self.path, self.state.rank, rows, self.tail.stats, self.stats_done)
+        self.stats_done = len(self.tail.stats)
+        first, self.polls = self.polls == 0, self.polls + 1
+        self.state.apply(delta, self.layers)
+        # What the first read finds was there before: growth is what later reads find.
+        self._watch_writer(not first and any(len(v) for v in rows.values()))
+        return delta
+
+    def _watch_writer(self, grew: bool) -> None:
+        stamp = _stamp(self.path)
+        now = time.monotonic()
+        if grew or stamp != self._seen:
+            self._seen, self._changed = stamp, now
+        self.state.idle = now - self._changed
+        if not self.state.final:  # once finished or gone, it stays so
+            self.state.writer = self.tail.writer_alive()
+
+    def close(self) -> None:
+        self.tail.close()
+
+
+def _stamp(path: str) -> tuple[int, float]:
+    try:
+        info = os.stat(path)
+        return info.st_size, info.st_mtime
+    except OSError:
+        return -1, 0.0
+
+
+class Follower:
+    """The files of one recording, followed poll by poll (see the module docstring).
+
+    ``layers=False`` skips keeping the latest sampled step's statistics (a caller that reads
+    every new statistics row itself, like the TensorBoard export).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, stale: float = STALE_SECONDS,
+                 layers: bool = True):
+        self.path = os.fspath(path)
+        self.stale = stale
+        self.layers = layers
+        self._sources: dict[str, _Source] = {}
+
+    def files(self) -> list[str]:
+        """The files of the recording that exist now: ``path``, else its rank files (what
+        ``ampdoctor diagnose path`` reads)."""
+        if os.path.isfile(self.path):
+            return [self.path]
+        return ranks.rank_files(self.path)
+
+    def wait(self, limit: float, show: Optional[Callable[[float], Any]] = None) -> Any:
+        """Wait up to ``limit`` seconds for a file of the run to exist. ``show(waited)`` is
+        called about every ``WAIT_POLL`` seconds instead of sleeping (it should wait itself);
+        whatever it returns other than None ends the wait and is returned.
+
+        Raises ``RunNotFoundError`` (one sentence) when nothing appeared in time.
+        """
+        start = time.monotonic()
+        while not self.files():
+            waited = time.monotonic() - start
+            if waited >= limit:
+                stem, ext = os.path.splitext(self.path)
+                raise RunNotFoundError(
+                    f"{self.path} did not appear within {limit:g} s (nor {stem}.rank*{ext}): "
+                    f"start the recording with ampdoctor record -o {self.path}, or wait "
+                    "longer with --wait")
+            answer = show(waited) if show is not None else time.sleep(
+                min(WAIT_POLL, limit - waited))
+            if answer is not None:
+                return answer
+        return None
+
+    def poll(self) -> list[Delta]:
+        """Open files that appeared, reopen replaced ones, and read what each added."""
+        deltas = []
+        for path in self.files():
+            source = self._sources.get(path)
+            reset = source is not None and source.tail.replaced()
+            if reset:
+                source.close()
+            if source is None or reset:
+                try:
+                    source = self._sources[path] = _Source(path, self.stale, self.layers)
+                except RunFileError:
+                    if os.path.exists(path):
+                        raise
+                    continue  # removed between the listing and the open
+            delta = source.poll()
+            if delta is not None:
+                delta.reset = reset
+                deltas.append(delta)
+        return deltas
+
+    def signature(self) -> tuple:
+        """Changes whenever what a frame shows of the run does (new rows, status, writer),
+        so that a caller rebuilds its frame only then."""
+        return tuple((s.path, len(s.steps), len(s.events), len(s.snapshots), s.layer_step,
+                      len(s.layer_rows), s.status, s.gone, s.error) for s in self.states) + \
+            (self.final,)
+
+    @property
+    def states(self) -> list[RankState]:
+        """Every followed file's state, by rank."""
+        return sorted((s.state for s in self._sources.values()), key=lambda s: s.rank)
+
+    @property
+    def final(self) -> bool:
+        """Every file of the run has its final status (or lost its writer), and every rank
+        the run said it has was found."""
+        states = self.states
+        if not states:
+            return False
+        world = max(s.world_size for s in states)
+        return all(s.final for s in states) and (len(states) >= world or
+                                                 all(s.idle >= 10.0 for s in states))
+
+    def close(self) -> None:
+        for source in self._sources.values():
+            source.close()
+        self._sources.clear()
+
+    def __enter__(self) -> "Follower":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

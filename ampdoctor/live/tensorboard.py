@@ -1,0 +1,269 @@
+"""``ampdoctor export --tensorboard``: a run's curves as TensorBoard scalars, beside the user's.
+
+Written with the ``tensorboard`` package alone (``pip install 'ampdoctor[tensorboard]'``):
+its ``EventFileWriter`` (the one ``torch.utils.tensorboard`` writes through) and its protocol
+buffers. Not ``torch.utils.tensorboard.SummaryWriter``, which would import torch into the
+analysis side and still need this package, nor ``tensorboardX``, a second writer to keep in step
+with TensorBoard's reader. What is written, per recorded optimizer step (the ``step`` axis, so
+the curves line up with a loop that logs by optimizer step):
+
+====================================  =========================================================
+``ampdoctor/loss``                    the loss (mean over micro-batches, unscaled)
+``ampdoctor/loss_scale``              GradScaler's scale before its update (with a scaler)
+``ampdoctor/skipped``                 1 on a step GradScaler skipped, else 0
+``ampdoctor/grad_norm``               global gradient norm, unscaled, before clipping
+``ampdoctor/lr/group{G}``             the learning rate of each param group
+``ampdoctor-absmax/{kind}/{layer}``   abs max on sampled steps (gradients as fp16 held them,
+                                      multiplied by the loss scale)
+``ampdoctor-underflow/{kind}/{layer}`` share of a gradient's non-zero values subnormal or
+                                      flushed in fp16 (``readiness.underflow_share``)
+``ampdoctor/forensics`` (text)        each forensic replay: the step, the culprit, fp32's answer
+``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
+====================================  =========================================================
+
+Each rank file of a torchrun job becomes its own run (``DIR/rank0``, ``DIR/rank1``...), so the
+ranks' curves overlay in TensorBoard. ``follow=True`` keeps writing while the run is recorded
+(a separate reader of the SWMR file: the training process does no extra work), until the run
+ends; the diagnosis is written then.
+
+Example::
+
+    done = tensorboard.export("run.h5", "runs/exp1")
+    done.scalars, done.runs      # 1830, ['runs/exp1']
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..errors import MissingExtraError, RunFileError
+from ..layers import KIND_LABELS, GRAD_KINDS
+from ..readiness import underflow_share
+from ..schema import Kind, Source
+from .follow import STALE_SECONDS, Follower
+
+LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
+_STATS_COLUMNS = ("step", "tensor", "source", "absmax", "sample_n", "zeros", "nan", "posinf",
+                  "neginf", "sub16")
+CHUNK = 1 << 16
+
+
+@dataclass
+class Exported:
+    """What ``export`` wrote."""
+
+    runs: list = field(default_factory=list)  # the TensorBoard run directories
+    steps: int = 0
+    scalars: int = 0
+    texts: int = 0
+    interrupted: bool = False  # Ctrl-C ended a follow; everything up to then is written
+
+
+def _protos() -> Any:
+    """tensorboard's writer and protocol buffers, or one sentence on how to install them."""
+    try:
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, \
+            tensor_shape_pb2, types_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        raise MissingExtraError(
+            "ampdoctor export --tensorboard needs the tensorboard package, which is not "
+            "installed: pip install 'ampdoctor[tensorboard]'") from None
+    return EventFileWriter, event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+
+class _RunWriter:
+    """One TensorBoard run: the event file of one run file."""
+
+    def __init__(self, logdir: str, protos: Any):
+        writer_class, self.event_pb2, self.summary_pb2, self.tensor_pb2, self.shape_pb2, \
+            self.types_pb2 = protos
+        self.logdir = logdir
+        self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30)
+        self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
+        self.scalars = self.texts = 0
+
+    def scalars_at(self, step: int, wall: float, values: list[tuple[str, float]]) -> None:
+        if not values:
+            return
+        summary = self.summary_pb2.Summary(value=[
+            self.summary_pb2.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values])
+        self.file.add_event(self.event_pb2.Event(wall_time=wall, step=int(step),
+                                                 summary=summary))
+        self.scalars += len(values)
+
+    def text_at(self, step: int, wall: float, tag: str, text: str) -> None:
+        pb, shape = self.summary_pb2, self.shape_pb2
+        meta = pb.SummaryMetadata(plugin_data=pb.SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = self.tensor_pb2.TensorProto(
+            dtype=self.types_pb2.DT_STRING, string_val=[text.encode("utf-8")],
+            tensor_shape=shape.TensorShapeProto(dim=[shape.TensorShapeProto.Dim(size=1)]))
+        summary = pb.Summary(value=[pb.Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
+        self.file.add_event(self.event_pb2.Event(wall_time=wall, step=int(step),
+                                                 summary=summary))
+        self.texts += 1
+
+    # -- what a poll brought -------------------------------------------------------------
+
+    def write(self, delta: Any, state: Any) -> None:
+        self._steps(delta.rows["steps"])
+        self._groups(delta.rows["groups"], state)
+        self._layers(delta, state)
+        self._forensics(delta.rows["snapshots"], state)
+
+    def _steps(self, rows: np.ndarray) -> None:
+        for r in rows:
+            values = [("ampdoctor/loss", r["loss"]), ("ampdoctor/grad_norm", r["grad_norm"])]
+            if np.isfinite(r["scale"]):  # with a GradScaler
+                values += [("ampdoctor/loss_scale", r["scale"]),
+                           ("ampdoctor/skipped", float(r["skipped"] == 1))]
+            self.scalars_at(r["step"], float(r["time"]), values)
+
+    def _groups(self, rows: np.ndarray, state: Any) -> None:
+        if not len(rows):
+            return
+        walls = _walls(state, rows["step"])
+        for step in np.unique(rows["step"]):
+            sel = rows["step"] == step
+            self.scalars_at(step, float(walls[sel][0]),
+                            [(f"ampdoctor/lr/group{int(g)}", lr)
+                             for g, lr in zip(rows["group"][sel], rows["lr"][sel])])
+
+    def _layers(self, delta: Any, state: Any) -> None:
+        self._name_tensors(state.tensors)
+        stop = len(delta.stats)
+        for start in range(delta.stats_start, stop, CHUNK):
+            rows = delta.stats.columns(_STATS_COLUMNS, start, min(stop, start + CHUNK))
+            rows = rows[rows["source"] == int(Source.SAMPLED)]
+            known = np.array([self.layer_of.get(int(t)) is not None for t in rows["tensor"]],
+                             bool)
+            rows = rows[known] if len(rows) else rows
+            if len(rows):
+                self._layer_rows(rows, state)
+
+    def _name_tensors(self, tensors: np.ndarray) -> None:
+        for tid, kind, name in zip(tensors["id"], tensors["kind"], tensors["name"]):
+            if int(tid) in self.layer_of:
+                continue
+            kind = int(kind)
+            self.layer_of[int(tid)] = None if kind not in LAYER_KINDS else (
+                f"{KIND_LABELS[Kind(kind)].replace(' ', '_')}/{name}", kind in GRAD_KINDS)
+
+    def _layer_rows(self, rows: np.ndarray, state: Any) -> None:
+        """One value per step and layer: the largest over the layer's tensors and calls (a
+        module called twice in a step, or with several outputs, has several rows)."""
+        share = underflow_share(rows)
+        best: dict[tuple[int, str], float] = {}
+        for step, tid, absmax, sub in zip(rows["step"], rows["tensor"], rows["absmax"], share):
+            tag, grad = self.layer_of[int(tid)]
+            _keep_max(best, (int(step), "ampdoctor-absmax/" + tag), float(absmax))
+            if grad:
+                _keep_max(best, (int(step), "ampdoctor-underflow/" + tag), float(sub))
+        steps = sorted({step for step, _ in best})
+        walls = dict(zip(steps, _walls(state, np.array(steps, np.int64))))
+        for step in steps:
+            self.scalars_at(step, walls[step], [(tag, v) for (s, tag), v in best.items()
+                                                if s == step])
+
+    def _forensics(self, snapshots: np.ndarray, state: Any) -> None:
+        if not len(snapshots):
+            return
+        from ..store import Run
+        from .frame import events
+
+        lines = events(Run(snapshots=snapshots))
+        walls = _walls(state, np.array([e.step for e in lines], np.int64))
+        for line, wall in zip(lines, walls):
+            self.text_at(line.step, float(wall), "ampdoctor/forensics", line.text)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _keep_max(best: dict, key: tuple, value: float) -> None:
+    """NaN wins: a non-finite value is the news."""
+    old = best.get(key)
+    if old is None or np.isnan(value) or (not np.isnan(old) and value > old):
+        best[key] = value
+
+
+def _walls(state: Any, steps: np.ndarray) -> np.ndarray:
+    """Unix time of each step's boundary (now, for a step not in /steps yet)."""
+    s = state.steps
+    out = np.full(len(steps), time.time())
+    if not len(s) or not len(steps):
+        return out
+    pos = np.clip(np.searchsorted(s["step"], steps), 0, len(s) - 1)
+    found = s["step"][pos] == steps
+    out[found] = s["time"][pos[found]]
+    return out
+
+
+def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
+           interval: float = 1.0, stale: float = STALE_SECONDS) -> Exported:
+    """Write the run at ``run`` into TensorBoard event files under ``logdir`` (see the module
+    docstring); with ``follow``, until the run ends. Raises ``MissingExtraError`` without the
+    tensorboard package, ``RunFileError`` for a missing or unreadable run."""
+    protos = _protos()
+    follower = Follower(run, stale=stale, layers=False)
+    done = Exported()
+    writers: dict[str, _RunWriter] = {}
+    try:
+        if not follower.files() and not follow:
+            raise RunFileError(f"{run}: no such file")
+        follower.wait(wait)
+        try:
+            _loop(follower, logdir, protos, writers, done, follow, interval)
+        except KeyboardInterrupt:
+            done.interrupted = True
+        paths = follower.files()
+        follower.close()
+        _diagnosis(paths, writers, done)
+    finally:
+        follower.close()
+        for w in writers.values():
+            w.close()
+    done.scalars = sum(w.scalars for w in writers.values())
+    done.texts = sum(w.texts for w in writers.values())
+    done.runs = [w.logdir for w in writers.values()]
+    return done
+
+
+def _loop(follower: Follower, logdir: str, protos: Any, writers: dict, done: Exported,
+          follow: bool, interval: float) -> None:
+    while True:
+        for delta in follower.poll():
+            state = next(s for s in follower.states if s.path == delta.path)
+            w = writers.get(delta.path)
+            if w is None:
+                target = os.path.join(logdir, f"rank{state.rank}") if state.world_size > 1 \
+                    else logdir
+                w = writers[delta.path] = _RunWriter(target, protos)
+            w.write(delta, state)
+            done.steps += len(delta.rows["steps"])
+        for w in writers.values():
+            w.file.flush()
+        if not follow or follower.final:
+            return
+        time.sleep(interval)
+
+
+def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
+    """The diagnosis as Markdown text, at the last step of each run written."""
+    if not paths or not writers or not done.steps:
+        return
+    from .. import analyze, report
+    from ..store import load
+
+    d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
+    text = report.render(d, "markdown")
+    for path, w in writers.items():
+        with load(path) as run:
+            if len(run.steps):
+                last = run.steps[-1]
+                w.text_at(int(last["step"]), float(last["time"]), "ampdoctor/diagnosis", text)

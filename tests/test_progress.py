@@ -1,0 +1,404 @@
+"""Failures without a non-finite value (progress.py, curve.py): a loss that blows up and never
+recovers, units that die, a loss that ends where it began; and, as much, the noisy but
+training runs that must stay healthy."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ampdoctor import analyze, curve, progress  # analyze first: it loads the rules
+from ampdoctor.analyze import diagnose
+from ampdoctor.facts import Facts
+from ampdoctor.schema import Kind
+
+from synthetic import Synth
+
+
+def verdict(s: Synth):
+    return diagnose(s.run())
+
+
+def evidence(d, key):
+    return next((e for e in d.evidence if e.key == key), None)
+
+
+def judged(loss) -> bool:
+    """Would the curve alone make a diverged verdict?"""
+    c = curve.read(np.asarray(loss, float))
+    return bool((c.spike is not None and c.stuck) or c.climbed)
+
+
+def noisy(trend, sigma, seed):
+    return trend * np.exp(sigma * np.random.default_rng(seed).standard_normal(len(trend)))
+
+
+def decay(n, floor=0.1):
+    return floor + (1 - floor) * np.exp(-5 * np.arange(n) / n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss curve: what must not count
+
+
+@pytest.mark.parametrize("sigma", [0.05, 0.3, 0.7, 1.5])
+@pytest.mark.parametrize("n", [25, 300, 3000])
+def test_noisy_but_training_losses_are_not_a_blow_up(sigma, n):
+    assert not any(judged(noisy(decay(n), sigma, seed)) for seed in range(20))
+
+
+@pytest.mark.parametrize("base", ["flat", "decay", "rise"])
+def test_a_spike_that_recovers_is_not_a_blow_up(base):
+    n = 200
+    trend = {"flat": np.ones(n), "decay": decay(n), "rise": 1 + np.arange(n) / n}[base]
+    for seed in range(10):
+        loss = noisy(trend, 0.2, seed)
+        at = 20 + 15 * seed
+        loss[at:at + 3] *= 200  # a freak batch, back to normal at once
+        c = curve.read(loss)
+        assert c.spikes and not c.stuck and not c.climbed, (seed, c)
+
+
+def test_a_loss_that_rises_by_design_with_a_freak_batch_is_not_a_blow_up():
+    """KL annealing or a curriculum: the loss triples over the run; one batch jumps 100x."""
+    n = 300
+    for seed in range(20):
+        loss = noisy(1 + 2 * np.arange(n) / n, 0.2, seed)
+        loss[10 + seed] *= 100
+        assert not judged(loss), seed
+
+
+def test_a_plateau_that_then_falls_and_a_warm_up_bump_are_fine():
+    n = 400
+    t = np.arange(n) / n
+    plateau = np.where(t < 0.5, 2.3, 0.2 + 2.1 * np.exp(-10 * (t - 0.5)))
+    bump = 1 + 2 * np.exp(-((t - 0.05) / 0.02) ** 2) - 0.5 * t  # loss rises 3x early in warm-up
+    for seed in range(10):
+        assert not judged(noisy(plateau, 0.1, seed)) and not judged(noisy(bump, 0.1, seed))
+
+
+def test_a_converged_loss_spiking_in_ratio_terms_is_not_a_blow_up():
+    """0.002 -> 0.05 is 25x, but nowhere near where training began."""
+    loss = noisy(decay(300, floor=0.002), 0.3, 0)
+    loss[250:253] = 0.05
+    c = curve.read(loss)
+    assert not c.spikes and not judged(loss)
+
+
+def test_what_the_curve_cannot_judge_says_why():
+    short = curve.read(np.r_[0.7, 300.0, np.full(17, 0.7)])
+    assert not short.judged and "19 finite losses" in short.why
+    negative = curve.read(np.linspace(-1, -5, 100))
+    assert not negative.judged and "not always positive" in negative.why
+    wild = curve.read(noisy(np.ones(200), 2.5, 0))
+    assert not wild.judged and "too noisy" in wild.why
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss curve: what counts
+
+
+def test_a_jump_that_stays_up_is_stuck_and_its_onset_is_found():
+    loss = np.r_[noisy(np.full(30, 0.7), 0.1, 0), 2.0, 9.0, noisy(np.full(68, 30.0), 0.3, 1)]
+    c = curve.read(loss)
+    assert c.stuck and c.spike.index == 31 and c.spike.onset == 30
+    assert c.spike.before == pytest.approx(0.7, rel=0.2) and c.spike.jump > 10
+
+
+def test_a_jump_at_the_first_step_is_measured_against_the_first_loss():
+    loss = np.r_[0.79, 290.0, 230.0, noisy(np.full(97, 40.0), 0.2, 2)]
+    c = curve.read(loss)
+    assert c.stuck and c.spike.index == 1 and c.start == pytest.approx(0.79)
+
+
+def test_a_climb_without_a_single_jump():
+    n = 120
+    loss = noisy(0.5 * np.exp(np.clip(np.arange(n) - 40, 0, 40) / 10), 0.2, 3)  # 0.5 -> ~27
+    c = curve.read(loss)
+    assert not c.stuck and c.climbed and 35 <= c.climb_onset <= 55
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic runs: diverged and dead units
+
+
+def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead=None):
+    """Three parameters and a ReLU layer, sampled at ``steps``: alive (a few zeros) up to
+    ``alive_until``, then every unit of trunk.3 dead and the gradients exactly 0."""
+    first_dead = alive_until if first_dead is None else first_dead
+    for name in ("trunk.0.weight", "trunk.2.weight", "head.weight"):
+        s.sampled(steps, Kind.PARAM_GRAD, name,
+                  zeros=lambda i: grad_zero_dead if i >= first_dead else 300,
+                  absmax=lambda i: 0.0 if i >= first_dead else 1.0)
+        s.sampled(steps, Kind.PARAM, name, norm=5.0, unchanged=0.0,
+                  update=lambda i: 1e-7 if i >= first_dead else 1e-3)
+    s.sampled(steps, Kind.OUTPUT, "trunk.3", type_="ReLU",
+              absmax=lambda i: 0.0 if i >= alive_until else 2.0,
+              zeros=lambda i: 4096 if i >= alive_until else 2000)
+    return s
+
+
+def _lightning_like(every=100, n=300):
+    """Issue 15: bf16 autocast, Adam warming up to LR 3.0; the loss jumps 0.79 -> 290 at step 1,
+    every unit dies, the loss settles near where it began."""
+    s = Synth(n, dtype="bfloat16", scaler=False, optimizer="Adam", every=every)
+    loss = noisy(np.full(n, 0.6), 0.3, 4)
+    loss[:4] = [0.79, 289.6, 233.5, 192.3]
+    s.set("loss", loss)
+    s.set("lr", np.minimum(3.0, 0.15 * (np.arange(n) + 1)))
+    return _relu_net(s, 1, range(0, n, every)) if every else s
+
+
+def test_the_issue_15_lightning_run_is_diverged_with_dead_units_and_not_precision():
+    d = verdict(_lightning_like())
+    assert d.verdict == "diverged", str(d)
+    assert d.first_bad == {"step": 1, "module": "trunk.3", "phase": None}
+    assert [c["verdict"] for c in d.causes] == ["diverged", "dead_units"]
+    assert d.causes[0]["kind"] == "dead_units"
+    assert evidence(d, "loss_spike").value == pytest.approx(289.6 / 0.79, rel=0.01)
+    assert evidence(d, "lr_at_spike").value == pytest.approx(0.3)
+    assert evidence(d, "dead_layer").module == "trunk.3"
+    assert evidence(d, "fp32_same").value == 1.0 and "fp32 would do the same" in d.summary
+    assert [fx.id for fx in d.fixes] == ["lower_lr", "revive_units"]
+    assert "lr=0.03" in d.fixes[0].snippet and "model.trunk[3] = torch.nn.LeakyReLU" in \
+        d.fixes[1].snippet
+    assert len({(e.key, e.text) for e in d.evidence}) == len(d.evidence)  # no repeats
+
+
+def test_units_that_die_without_a_jump_are_dead_units_with_the_lr_first():
+    s = Synth(120, dtype="bfloat16", scaler=False, every=10)
+    s.set("loss", noisy(np.full(120, 0.55), 0.2, 5))
+    s.set("lr", np.minimum(0.3, 0.005 * (np.arange(120) + 1)))
+    d = verdict(_relu_net(s, 70, range(0, 120, 10)))
+    assert d.verdict == "dead_units" and d.causes[0]["kind"] == "dead_layer", str(d)
+    assert d.first_bad == {"step": 70, "module": "trunk.3", "phase": "forward"}
+    assert "between sampled steps 60 and 70" in d.summary
+    assert [fx.id for fx in d.fixes] == ["lower_lr", "revive_units"]
+    assert evidence(d, "zero_gradient_share").value > 0.99
+
+
+def test_units_dead_from_the_start_point_at_the_init_first():
+    s = Synth(100, dtype="bfloat16", scaler=False, every=10)
+    s.set("loss", noisy(np.full(100, 1.7), 0.1, 6))
+    d = verdict(_relu_net(s, 0, range(0, 100, 10)))
+    assert d.verdict == "dead_units" and "dead from the first sampled step" in d.summary
+    assert [fx.id for fx in d.fixes] == ["revive_units", "lower_lr"]
+
+
+def test_a_spike_that_left_the_units_alive_is_not_their_killer():
+    s = _lightning_like(every=10, n=300)
+    s.stats.clear()
+    _relu_net(s, 150, range(0, 300, 10))  # alive long after the jump at step 1
+    d = verdict(s)
+    assert d.verdict == "dead_units" and d.causes[0]["role"] == "root", str(d)
+
+
+def test_a_jump_that_stays_up_is_diverged_without_sampled_steps():
+    s = Synth(200, dtype="bfloat16", scaler=False, every=0)
+    s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
+    d = verdict(s)
+    assert d.verdict == "diverged" and d.causes[0]["kind"] == "stuck", str(d)
+    assert d.first_bad["step"] == 50 and d.fixes[0].id == "lower_lr"
+
+
+def test_a_fp32_run_says_precision_plays_no_part():
+    s = Synth(200, dtype=None, scaler=False, every=0)
+    s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
+    d = verdict(s)
+    assert d.verdict == "diverged" and "precision plays no part" in d.summary
+
+
+def test_the_weights_stopping_at_an_unchanged_lr_is_dead_units():
+    s = Synth(200, dtype="bfloat16", scaler=False, every=20)
+    s.set("loss", noisy(np.full(200, 0.9), 0.1, 9))
+    s.sampled(range(0, 200, 20), Kind.PARAM, "fc.weight", norm=5.0, unchanged=0.0,
+              update=lambda i: 1e-3 if i < 100 else 1e-7)
+    d = verdict(s)
+    assert d.verdict == "dead_units" and d.causes[0]["kind"] == "updates_collapsed", str(d)
+    assert evidence(d, "update_ratio_collapse").value == pytest.approx(1e-7, rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic runs: what must stay healthy
+
+
+def test_structural_zeros_there_from_the_start_are_not_dead_units():
+    """A large embedding: most of its gradient rows are 0 on every step (tokens not in the
+    batch), and the loss is flat (a fine-tune)."""
+    s = Synth(300, dtype="bfloat16", scaler=False, every=20)
+    s.set("loss", noisy(np.full(300, 2.3), 0.05, 10))
+    s.sampled(range(0, 300, 20), Kind.PARAM_GRAD, "wte.weight", zeros=4000, absmax=0.3)
+    s.sampled(range(0, 300, 20), Kind.OUTPUT, "wte", type_="Embedding", absmax=1.0)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+
+
+def test_a_pruning_mask_set_mid_run_is_not_dead_units():
+    """torch.nn.utils.prune at 95 % sparsity from step 100 of a fine-tune: the masked weights
+    get zero gradient, scattered through every tensor; no layer goes dark."""
+    s = Synth(300, dtype="bfloat16", scaler=False, every=20)
+    s.set("loss", noisy(np.full(300, 0.8), 0.05, 18))
+    for name in ("fc1.weight_orig", "fc2.weight_orig"):
+        s.sampled(range(0, 300, 20), Kind.PARAM_GRAD, name,
+                  zeros=lambda i: 3900 if i >= 100 else 50, absmax=0.2)
+    s.sampled(range(0, 300, 20), Kind.OUTPUT, "fc2", absmax=1.0, zeros=100)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+
+
+def test_units_dying_while_the_loss_still_halves_are_not_a_failure():
+    s = Synth(120, dtype="bfloat16", scaler=False, every=10)
+    s.set("loss", noisy(decay(120, floor=0.05), 0.1, 11))
+    d = verdict(_relu_net(s, 70, range(0, 120, 10)))
+    assert d.verdict == "healthy", str(d)
+
+
+def test_a_zero_initialised_layer_is_not_dead():
+    """adaLN-Zero, LoRA B, a zero conv: output 0 (and no gradient upstream) at step 0 only."""
+    s = Synth(100, dtype="bfloat16", scaler=False, every=10)
+    s.set("loss", noisy(np.full(100, 1.0), 0.05, 12))
+    _relu_net(s, 0, [0], first_dead=0)
+    _relu_net(s, 1000, range(10, 100, 10))
+    assert verdict(s).verdict == "healthy"
+
+
+def test_small_updates_after_the_lr_decayed_or_the_loss_converged_are_fine():
+    for lr, loss in ((np.linspace(1e-3, 1e-9, 200), np.full(200, 0.9)),  # cosine to 0
+                     (np.full(200, 1e-3), decay(200, floor=0.01))):  # converged
+        s = Synth(200, dtype="bfloat16", scaler=False, every=20)
+        s.set("loss", noisy(loss, 0.05, 13))
+        s.set("lr", lr)
+        s.sampled(range(0, 200, 20), Kind.PARAM, "fc.weight", norm=5.0, unchanged=0.0,
+                  update=lambda i: 1e-3 * 10 ** (-i / 30))
+        d = verdict(s)
+        assert d.verdict == "healthy", str(d)
+
+
+def test_a_bf16_stall_stays_bf16_precision():
+    """Updates that round away: gradients not zero, weights unmoved, loss flat."""
+    s = Synth(100, dtype=None, scaler=False, params="bfloat16", every=10)
+    s.set("loss", noisy(np.full(100, 2.3), 0.05, 14))
+    for name in ("encoder.0.weight", "tagger.weight"):
+        s.sampled(range(0, 100, 10), Kind.PARAM, name, norm=5.0, update=1e-9, unchanged=0.99)
+        s.sampled(range(0, 100, 10), Kind.PARAM_GRAD, name, zeros=0, absmax=0.01)
+    d = verdict(s)
+    assert d.verdict == "bf16_precision", str(d)
+    assert not [c for c in d.causes if c["verdict"] in ("diverged", "dead_units")]
+
+
+def test_fp16_gradients_all_zero_without_a_scaler_cannot_be_told_from_underflow():
+    s = Synth(100, dtype="float16", scaler=False, every=10)
+    s.set("loss", noisy(np.full(100, 1.0), 0.05, 15))
+    for name in ("fc1.weight", "fc2.weight"):
+        s.sampled(range(0, 100, 10), Kind.PARAM_GRAD, name,
+                  zeros=lambda i: 4096 if i >= 30 else 100, absmax=lambda i: 0 if i >= 30 else 1)
+    d = verdict(s)  # underflow or dead units: no output was sampled to tell them apart
+    assert d.verdict == "dead_units" and d.confidence <= progress.UNSURE, str(d)
+    assert evidence(d, "fp32_same").value is None and "flush to zero" in evidence(
+        d, "fp32_same").text
+    assert "add_grad_scaler" in [fx.id for fx in d.fixes]
+
+
+def test_a_failure_with_a_nan_is_left_to_the_other_rules():
+    s = _lightning_like()
+    s.nan_loss([250])
+    d = verdict(s)
+    assert d.verdict not in ("diverged", "dead_units", "healthy")
+
+
+def test_a_short_run_and_few_sampled_steps():
+    s = Synth(15, dtype="bfloat16", scaler=False, every=5)
+    s.set("loss", np.r_[0.7, 300.0, np.full(13, 0.7)])
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("Only 15 steps" in n for n in d.notes)
+    one = _lightning_like(every=100, n=150)  # one sampled step after the jump
+    d = verdict(one)
+    assert d.verdict == "diverged" and d.confidence < 0.85
+
+
+# ---------------------------------------------------------------------------------------------
+# The warning on a healthy verdict: the loss did not fall
+
+
+def test_a_flat_loss_alone_is_a_warning_on_a_healthy_verdict():
+    s = Synth(300, dtype="bfloat16", scaler=False, every=50)
+    s.set("loss", noisy(np.full(300, 2.3), 0.05, 16))
+    s.sampled(range(0, 300, 50), Kind.PARAM, "fc.weight", norm=5.0, update=1e-3, unchanged=0.0)
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence <= analyze.FLAT_CONFIDENCE
+    assert d.summary.startswith("No numeric failure was found, but the loss did not fall")
+    assert evidence(d, "loss_flat") is not None
+    assert any("The loss did not fall" in n and "0.001 of their norm" in n for n in d.notes)
+
+
+def test_a_jump_then_flat_without_samples_is_a_warning_saying_what_was_missing():
+    d = verdict(_lightning_like(every=0))
+    assert d.verdict == "healthy" and d.confidence <= analyze.FLAT_CONFIDENCE
+    assert "367x at step 1" in d.summary and "dead units could not be checked" in d.summary
+
+
+def test_a_short_run_whose_loss_barely_moved_has_no_warning():
+    """20-40 steps of a textbook fix (the --fix fixtures): too short to expect learning."""
+    s = Synth(40, dtype="float16", every=10)
+    s.set("loss", noisy(np.full(40, 1.4), 0.05, 19))
+    d = verdict(s)
+    assert d.verdict == "healthy" and evidence(d, "loss_flat") is None
+
+
+def test_a_training_loss_has_no_warning():
+    s = Synth(300, dtype="bfloat16", scaler=False, every=50)
+    s.set("loss", noisy(decay(300), 0.3, 17))
+    s.sampled(range(0, 300, 50), Kind.PARAM, "fc.weight", norm=5.0, update=1e-3, unchanged=0.0)
+    d = verdict(s)
+    assert d.verdict == "healthy" and evidence(d, "loss_flat") is None and d.confidence >= 0.8
+
+
+# ---------------------------------------------------------------------------------------------
+# Contracts
+
+
+def test_thresholds_are_named_constants():
+    for mod, names in ((curve, ("SPIKE", "SPIKE_SIGMAS", "STUCK", "STUCK_SIGMAS", "CLIMB",
+                                "NO_PROGRESS", "FLAT_END", "NOISY", "MOST")),
+                       (progress, ("DEAD_SHARE", "ALIVE_SHARE", "SILENT_TENSOR", "SILENT_SHARE",
+                                   "UPDATE_COLLAPSE", "LR_KEPT", "GRAD_JUMP", "UNSURE"))):
+        for name in names:
+            assert isinstance(getattr(mod, name), float), name
+    assert isinstance(curve.MIN_STEPS, int)
+
+
+def test_the_dead_units_view_is_computed_once_per_run():
+    f = Facts(_lightning_like().run())
+    assert progress.dead_units(f) is progress.dead_units(f)
+    assert math.isclose(progress.dead_units(f).share, 4095 / 4096)
+    assert progress.dead_units(f).silent_share == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The issue-15 Lightning run, recorded as a user would (needs lightning: the test extra)
+
+
+@pytest.mark.slow
+def test_the_lightning_run_of_issue_15(tmp_path):
+    """Lightning 2.x, precision="16-mixed" on CPU (bf16 there), Adam warming up to LR 3.0:
+    diverged with dead units, not precision; the same run at LR 1e-3 is healthy."""
+    pytest.importorskip("lightning")
+    import os
+
+    from conftest import ROOT
+    from recording import start
+
+    script = os.path.join(ROOT, "fixtures", "lightning", "issue15.py")
+    runs = {lr: (str(tmp_path / f"lr{lr}.h5"), start(script, str(tmp_path / f"lr{lr}.h5"),
+                                                       ["--lr", lr, "--steps", "120"], every=20))
+            for lr in ("3.0", "1e-3")}
+    for lr, (path, proc) in runs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    bad, good = diagnose(runs["3.0"][0]), diagnose(runs["1e-3"][0])
+    assert bad.run["autocast_dtype"] == "bfloat16" and bad.run["steps"] == 120
+    assert bad.verdict == "diverged", str(bad)
+    assert [c["verdict"] for c in bad.causes] == ["diverged", "dead_units"]
+    assert bad.first_bad["step"] == 1 and evidence(bad, "fp32_same").value == 1.0
+    assert bad.fixes[0].id == "lower_lr"
+    assert good.verdict == "healthy" and evidence(good, "loss_flat") is None, str(good)

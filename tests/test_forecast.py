@@ -1,0 +1,144 @@
+"""The early warning (``ampdoctor.forecast``): headroom, the crossing forecast and its gates, the
+instability warning, and how ``diagnose`` carries them.
+
+Synthetic runs (``synthetic.Synth``, no training) check the arithmetic and each gate; two
+forecast fixtures recorded once (``attn_logits.py``, ``lr_ramp.py``) and a long healthy one
+check it on real runs, cut before their first bad step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ampdoctor import forecast as F
+from ampdoctor.schema import BF16_MAX, DType, FP16_MAX, Kind
+
+from synthetic import Synth
+
+EVERY = 5
+LIMIT = math.log2(FP16_MAX)
+
+
+def growing(log2_at, steps=range(0, 120, EVERY), name="blocks.3.attn", kind=Kind.OUTPUT,
+            dtype=DType.FLOAT16, n=200, **kw) -> Synth:
+    """A run whose ``name`` has ``2 ** log2_at(step)`` as abs max on the sampled steps."""
+    s = Synth(n, every=EVERY, **kw)
+    s.sampled(steps, kind, name, absmax=lambda i: 2.0 ** log2_at(i), dtype=int(dtype))
+    s.sampled(steps, Kind.OUTPUT, "blocks.0.mlp", absmax=3.0, dtype=int(DType.FLOAT16))
+    return s
+
+
+def noisy(i: int) -> float:
+    """A deterministic +-0.1 doubling wobble."""
+    return 0.1 * math.sin(1.7 * i)
+
+
+def test_exponential_growth_is_forecast_with_its_crossing_and_headroom():
+    s = growing(lambda i: 4 + 0.1 * i + noisy(i))  # passes 65504 at about step 120
+    fc = F.forecast(s.run())
+    assert fc.status == "overflow_expected", fc.text
+    assert (fc.layer, fc.kind, fc.dtype, fc.limit) == ("blocks.3.attn", "output", "float16",
+                                                       FP16_MAX)
+    assert fc.window == [60, 115] and fc.points == F.WINDOW
+    assert abs(fc.doublings_per_100_steps - 10) < 0.5
+    assert abs(fc.step - 120) <= 2 and fc.range[0] <= 120 <= fc.range[1]
+    assert fc.range[1] - fc.range[0] < 20  # a usable range, not everything
+    assert 0 < fc.headroom < 1.0
+    assert fc.layers[0].name == "blocks.3.attn" and fc.layers[1].name == "blocks.0.mlp"
+    assert abs(fc.layers[1].headroom - (LIMIT - math.log2(3.0))) < 1e-6
+    assert "passes 65504" in fc.text and "blocks.3.attn's output" in fc.text
+    ids = [fx.id for fx in fc.fixes]
+    assert ids[:2] == ["scale_attention", "fp32_island"] and "FP32Island(block.attn)" in \
+        fc.fixes[1].snippet
+
+
+def test_until_cuts_the_run():
+    s = growing(lambda i: 4 + 0.1 * i).run()
+    with_all = F.forecast(s)
+    early = F.forecast(s, until=61)  # sampled steps 0..60 only
+    assert early.until == 61 and early.layers[0].window == [5, 60]
+    assert early.status == "stable"  # 9.5 doublings left, 95 steps out: beyond one window
+    assert early.layers[0].gates == [next(g for g in early.layers[0].gates
+                                          if "beyond the horizon" in g)]
+    assert with_all.status == "overflow_expected"
+
+
+@pytest.mark.parametrize("log2_at,gate", [
+    (lambda i: 10 + 3 * math.sin(2.3 * i), "within the noise"),  # flat, noisy
+    (lambda i: 14.2 + 0.03 * (i - 60), "rose"),  # 1.6 doublings over the window, 1.8 left
+    (lambda i: 4 + 0.1 * min(i, 90) + 0.02 * max(i - 90, 0), "levelling off"),
+    (lambda i: -20 + 0.15 * i, "still small"),
+    (lambda i: 2 + 0.05 * i, "beyond the horizon"),  # 2.75 doublings per window, 8 left
+])
+def test_each_gate_stops_a_forecast(log2_at, gate):
+    fc = F.forecast(growing(log2_at).run())
+    assert fc.status == "stable", fc.text
+    trend = next(x for x in fc.layers if x.name == "blocks.3.attn")
+    assert any(gate in g for g in trend.gates), trend.gates
+
+
+def test_limit_follows_the_recorded_dtype():
+    fc = F.forecast(growing(lambda i: 4 + 0.1 * i, dtype=DType.BFLOAT16).run())
+    assert fc.status == "stable"
+    top = next(x for x in fc.layers if x.name == "blocks.3.attn")
+    assert top.dtype == "bfloat16" and top.limit == BF16_MAX
+    assert top.headroom > 100  # bf16 has fp32's exponent range
+    assert fc.layers[0].name == "blocks.0.mlp"  # the fp16 layer has the least headroom
+
+
+def test_gradients_count_only_where_no_scaler_guards_them():
+    grad = lambda i: 4 + 0.1 * i  # noqa: E731
+    scaled = F.forecast(growing(grad, name="head", kind=Kind.GRAD_OUTPUT).run())
+    assert scaled.status == "stable"  # the scaler's job: it backs off
+    assert all(x.name != "head" for x in scaled.layers)
+    bare = F.forecast(growing(grad, name="head", kind=Kind.GRAD_OUTPUT, scaler=False).run())
+    assert (bare.status, bare.layer, bare.kind) == ("overflow_expected", "head",
+                                                    "output gradient")
+    assert [fx.id for fx in bare.fixes] == ["add_grad_scaler"]
+    half = F.forecast(growing(grad, name="fc.weight", kind=Kind.PARAM_GRAD).run())
+    assert (half.status, half.layer, half.kind) == ("overflow_expected", "fc.weight",
+                                                    "gradient")  # fp16 .grad, scaler or not
+
+
+def test_non_finite_samples_are_left_out_of_the_fit():
+    s = growing(lambda i: 4 + 0.1 * i, steps=range(0, 110, EVERY))
+    s.stat(110, Kind.OUTPUT, "blocks.3.attn", absmax=np.inf, nonfinite=3,
+           dtype=int(DType.FLOAT16))
+    fc = F.forecast(s.run())  # the window is the last 12 sampled steps: 55..110, 110 left out
+    assert fc.status == "overflow_expected" and fc.window == [55, 105] and fc.points == 11
+
+
+def params(s: Synth, steps, norm, update, numel=4096) -> Synth:
+    return s.sampled(steps, Kind.PARAM, "fc.weight", norm=norm, update=update, numel=numel)
+
+
+def test_instability_needs_two_signals():
+    steps = range(0, 80, EVERY)
+    both = params(growing(lambda i: 6.0, steps=steps), steps, lambda i: 1.0 * 1.08 ** i, 0.05)
+    fc = F.forecast(both.run())
+    assert fc.status == "unstable", fc.text
+    assert len(fc.signals) == 2 and "weight norm x" in fc.signals[0]
+    assert "update ratio ~0.05" in fc.signals[1]
+    assert [fx.id for fx in fc.fixes] == ["lower_lr"]
+    one = params(growing(lambda i: 6.0, steps=steps), steps, 1.0, 0.05)
+    fc = F.forecast(one.run())
+    assert fc.status == "stable" and len(fc.signals) == 1
+
+
+def test_a_falling_scale_with_finite_losses_is_a_signal():
+    steps = range(0, 80, EVERY)
+    s = params(growing(lambda i: 6.0, steps=steps, n=80), steps, 1.0, 0.05)
+    s.scales(2.0 ** 16 / 2.0 ** np.clip((np.arange(80) - 40) // 8, 0, None))
+    fc = F.forecast(s.run())
+    assert fc.status == "unstable"
+    assert any("halvings below its calibrated level" in x for x in fc.signals)
+
+
+def test_too_few_sampled_steps_is_unknown():
+    fc = F.forecast(growing(lambda i: 4 + 0.1 * i, steps=range(0, 25, EVERY)).run())
+    assert fc.status == "unknown" and "too few sampled steps" in fc.text
+    assert fc.layers and fc.layers[0].doublings_per_100_steps is None  # headroom, no trend
+    assert F.forecast(Synth(30, every=0).run()).status == "unknown"

@@ -97,6 +97,7 @@ class Diagnosis:
     run: dict
     notes: list[str] = field(default_factory=list)
     history: dict = field(default_factory=dict)  # scale/LR/loss around the first bad step
+    forecast: Optional[Any] = None  # forecast.Forecast: the early warning (None: not judged)
 
     @property
     def healthy(self) -> bool:
@@ -162,9 +163,15 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     facts = Facts(run)
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
-    from . import ranks
+    from . import forecast, ranks
 
-    return ranks.per_shard(_conclude(facts, findings), run.meta)
+    d = ranks.per_shard(_conclude(facts, findings), run.meta)
+    # The early warning never changes the verdict: healthy, it looks ahead from the last step;
+    # failed, it says what it saw before the first bad step and from when it would have warned.
+    step = (d.first_bad or {}).get("step")
+    if d.healthy or step is not None:
+        d.forecast = forecast.for_diagnosis(run, None if d.healthy else int(step))
+    return d
 
 
 def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:

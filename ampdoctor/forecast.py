@@ -503,6 +503,8 @@ def warning_lines(fc: Optional[Forecast], healthy: bool) -> list[str]:
         return []
     if healthy:
         return [fc.text] + [f"[{fx.id}] {fx.text}" for fx in fc.fixes]
-    what = "an overflow" if fc.warned_status == "overflow_expected" else "instability"
-    return [f"the early warning ({what}) would have fired from step {fc.warned_from} on: "
+    what = ("an overflow would have been forecast" if fc.warned_status == "overflow_expected"
+            else "the run would have been called unstable")
+    ahead = f" ({fc.until - fc.warned_from} steps ahead)" if fc.until is not None else ""
+    return [f"{what} from step {fc.warned_from} on{ahead}; just before step {fc.until}: "
             f"{fc.text}"]

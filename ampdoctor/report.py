@@ -101,6 +101,7 @@ def render_text(d: Diagnosis) -> str:
         lines.append("  chain: " + " -> ".join(c["verdict"] for c in chain))
     for c in also:
         lines += _wrap(f"also: {_also(c)}", "  ")
+    lines += _warning_text(d)
     if d.evidence:
         lines += ["", "evidence:"]
         for e in d.evidence:
@@ -135,6 +136,7 @@ def render_markdown(d: Diagnosis) -> str:
         out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in chain), ""]
     for c in also:
         out += [f"**Also:** {_also(c, '`')}", ""]
+    out += _warning_markdown(d)
     if d.evidence:
         out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
     if d.fixes:
@@ -154,6 +156,32 @@ def render_markdown(d: Diagnosis) -> str:
     for note in d.notes:
         out += ["", f"> {note}"]
     return "\n".join(out) + "\n"
+
+
+def _warning_text(d: Diagnosis) -> list[str]:
+    """The early warning: a ``warning:`` block under a healthy verdict, or the step from which
+    it would have fired on a failed run (``forecast.warning_lines``)."""
+    from .forecast import warning_lines
+
+    found = warning_lines(d.forecast, d.healthy)
+    if not found:
+        return []
+    if not d.healthy:
+        return [""] + _wrap(f"early warning: {found[0]}", "")
+    return ["", "warning:"] + _bullet(found[0]) + [x for fix in found[1:]
+                                                   for x in _wrap(fix, "    ")]
+
+
+def _warning_markdown(d: Diagnosis) -> list[str]:
+    from .forecast import warning_lines
+
+    found = warning_lines(d.forecast, d.healthy)
+    if not found:
+        return []
+    if not d.healthy:
+        return [f"**Early warning:** {found[0]}", ""]
+    return ["### Early warning", "", f"**{found[0]}**", ""] + [f"- {x}" for x in found[1:]] \
+        + [""]
 
 
 def render_dump(info: dict) -> str:

@@ -8,14 +8,19 @@ check it on real runs, cut before their first bad step.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
 
+import ampdoctor
 from ampdoctor import forecast as F
+from ampdoctor.report import render
 from ampdoctor.schema import BF16_MAX, DType, FP16_MAX, Kind
 
+from conftest import ROOT
 from synthetic import Synth
 
 EVERY = 5
@@ -142,3 +147,96 @@ def test_too_few_sampled_steps_is_unknown():
     assert fc.status == "unknown" and "too few sampled steps" in fc.text
     assert fc.layers and fc.layers[0].doublings_per_100_steps is None  # headroom, no trend
     assert F.forecast(Synth(30, every=0).run()).status == "unknown"
+
+
+def test_diagnose_warns_under_a_healthy_verdict_without_changing_it():
+    run = growing(lambda i: 4 + 0.1 * i + noisy(i)).run()
+    d = ampdoctor.diagnose(run)
+    assert d.verdict == "healthy" and not d.fixes
+    assert d.forecast.status == "overflow_expected" and d.forecast.layer == "blocks.3.attn"
+    text = render(d, "text")
+    assert "\nwarning:" in text and "passes 65504" in text and "[fp32_island]" in text
+    assert "Early warning" in render(d, "markdown")
+    data = json.loads(render(d, "json"))["forecast"]
+    assert data["status"] == "overflow_expected" and data["layer"] == "blocks.3.attn"
+    assert data["range"][0] <= data["step"] <= data["range"][1]
+
+
+def test_diagnose_of_a_stable_run_prints_no_warning():
+    d = ampdoctor.diagnose(growing(lambda i: 8.0 + noisy(i)).run())
+    assert d.healthy and d.forecast.status == "stable"
+    assert "warning:" not in render(d, "text")
+
+
+def test_a_failed_run_says_from_when_the_warning_would_have_fired():
+    s = growing(lambda i: 4 + 0.1 * i + noisy(i), steps=range(0, 120, EVERY))
+    s.skip(range(120, 200), loss_nan=True)
+    s.sampled(range(120, 200, EVERY), Kind.OUTPUT, "blocks.3.attn", absmax=np.inf,
+              nonfinite=5, dtype=int(DType.FLOAT16))
+    s.snapshot(120, "forward", "blocks.3.attn", "Attention", fp32_finite=1)
+    d = ampdoctor.diagnose(s.run())
+    assert not d.healthy and d.first_bad["step"] == 120
+    fc = d.forecast
+    assert fc.until == 120 and fc.status == "overflow_expected"
+    assert fc.warned_status == "overflow_expected" and 60 < fc.warned_from < 120
+    assert F.read(s.run()).at(fc.warned_from - EVERY).status != "overflow_expected"
+    assert f"would have been forecast from step {fc.warned_from} on" in render(d, "text")
+
+
+# ---------------------------------------------------------------------------------------------
+# recorded runs
+
+FORECAST = os.path.join(ROOT, "fixtures", "forecast")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """attn_logits (overflows in ``logits``), lr_ramp (diverges with the LR) and a healthy
+    long run, recorded side by side at --every 5."""
+    from recording import start
+
+    out = tmp_path_factory.mktemp("forecast")
+    # Cut short a little after their failures (steps 141 and 111) to keep the suite lean.
+    jobs = {"attn": ("attn_logits.py", ["--steps", "160"]),
+            "ramp": ("lr_ramp.py", ["--steps", "140"]),
+            "healthy": ("healthy_long.py", ["--steps", "300"])}
+    procs = {k: (str(out / f"{k}.h5"), start(os.path.join(FORECAST, script), str(out / f"{k}.h5"),
+                                             args, every=EVERY))
+             for k, (script, args) in jobs.items()}
+    done = {}
+    for k, (path, proc) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        done[k] = path
+    return done
+
+
+def test_attention_overflow_is_forecast_before_it_happens(recorded):
+    d = ampdoctor.diagnose(recorded["attn"])
+    first = d.first_bad["step"]
+    assert d.first_bad["module"] == "logits"
+    with ampdoctor.load(recorded["attn"]) as run:
+        series = F.read(run)
+    for ahead in (10, 20):
+        fc = series.at(first - ahead)
+        assert fc.status == "overflow_expected" and fc.layer == "logits", fc.text
+        assert fc.range[0] <= first <= fc.range[1], fc.text
+    assert d.forecast.warned_from <= first - 20
+
+
+def test_lr_ramp_is_called_unstable_before_it_overflows(recorded):
+    d = ampdoctor.diagnose(recorded["ramp"])
+    first = d.first_bad["step"]
+    assert d.verdict == "lr_overflow"
+    with ampdoctor.load(recorded["ramp"]) as run:
+        fc = F.forecast(run, until=first - EVERY)
+    assert fc.status == "unstable" and len(fc.signals) >= 2, fc.text
+    assert d.forecast.warned_status == "unstable" and d.forecast.warned_from < first
+
+
+def test_long_healthy_run_gets_no_failure_forecast_at_any_cut(recorded):
+    d = ampdoctor.diagnose(recorded["healthy"])
+    assert d.healthy and not d.forecast.warns
+    with ampdoctor.load(recorded["healthy"]) as run:
+        series = F.read(run)
+    assert not [c for c in range(50, 302, 25) if series.at(c).warns]

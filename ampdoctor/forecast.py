@@ -168,12 +168,17 @@ class Series:
         return judge(self, cut)
 
 
-def read(run: Any) -> Series:
-    """Stream the run's sampled rows once (``layers.sampled``): module outputs, gradients where
-    no GradScaler guards them (fp16 ``.grad`` always), and the parameters' norm and update."""
+def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -> Series:
+    """Stream the run's sampled rows (``layers.sampled``): module outputs, gradients where no
+    GradScaler guards them (fp16 ``.grad`` always), and the parameters' norm and update.
+
+    ``samples``: read only the rows of the last ``samples`` sampled steps before ``until``
+    (what ``at(until)`` and the cuts just before it need), not the whole table: on a long run
+    that is a few HDF5 chunks instead of the whole compressed /stats.
+    """
     kinds = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD, Kind.PARAM)
-    rows, found = sampled(run, kinds, ("absmax", "nonfinite", "dtype", "norm", "update",
-                                       "numel"))
+    rows, found = sampled(_rows_near(run, until, samples), kinds,
+                          ("absmax", "nonfinite", "dtype", "norm", "update", "numel"))
     steps = run.steps
     scaler = bool(len(steps)) and bool(np.isfinite(steps["scale"]).any())
     roots = run.meta.get("roots")
@@ -199,6 +204,79 @@ def read(run: Any) -> Series:
                   s_scale=steps["scale"].astype(np.float64), s_skipped=steps["skipped"] == 1,
                   s_loss=steps["loss"].astype(np.float64), context=_context(run),
                   types=_module_types(run))
+
+
+# /stats rows are appended in step order, in HDF5 chunks of a few thousand rows: a window of
+# steps is found by bisecting over blocks of this many rows, one block of margin each side.
+BLOCK = 4096
+WHOLE = 16  # blocks
+
+
+class _Rows:
+    """Rows ``start:stop`` of a stats ``Table``, with the ``chunks`` and ``dtype`` that
+    ``layers.sampled`` reads."""
+
+    def __init__(self, table: Any, start: int, stop: int):
+        self.table, self.start, self.stop, self.dtype = table, start, stop, table.dtype
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def chunks(self, size: int = 1 << 16, names: Optional[tuple] = None):
+        for a in range(self.start, self.stop, size):
+            yield self.table.columns(names, a, min(a + size, self.stop))
+
+
+@dataclass
+class _Window:
+    """A run seen through a window of its /stats rows."""
+
+    tensors: Any
+    stats: _Rows
+
+
+def _rows_near(run: Any, until: Optional[int], samples: Optional[int]) -> Any:
+    """``run``, or a view of it holding only the rows of its last ``samples`` sampled steps
+    before ``until`` (the sentinel's ``sampled`` flags say which steps those are)."""
+    table, steps = run.stats, run.steps
+    # A small table is read whole: it costs little, and a run built by hand (tests, a merge of
+    # ranks) need not be in step order.
+    if samples is None or len(table) <= WHOLE * BLOCK or not len(steps):
+        return run
+    lo = _window_start(run, until, samples)
+    start = 0 if lo is None else max(0, _first_block(table, lo) - BLOCK)
+    stop = len(table) if until is None else min(len(table),
+                                                 _first_block(table, int(until)) + 2 * BLOCK)
+    return _Window(run.tensors, _Rows(table, start, stop))
+
+
+def _window_start(run: Any, until: Optional[int], samples: int) -> Optional[int]:
+    """The first step of the last ``samples`` sampled steps before ``until`` (None: from the
+    start): from the sentinel's ``sampled`` flags, else from the sampling interval."""
+    steps = run.steps
+    flagged = steps["step"][steps["sampled"] == 1]
+    if until is not None:
+        flagged = flagged[flagged < until]
+    if len(flagged):
+        return int(flagged[-samples]) if len(flagged) > samples else None
+    rec = run.meta.get("recorder") if isinstance(run.meta.get("recorder"), dict) else {}
+    every = rec.get("every")
+    if not isinstance(every, int) or every <= 0:
+        return None
+    end = int(steps["step"][-1]) + 1 if until is None else int(until)
+    return max(0, end - (samples + 1) * every)
+
+
+def _first_block(table: Any, step: int) -> int:
+    """The start of the block of rows where ``step`` begins (a bisection: a few chunk reads)."""
+    lo, hi = 0, (len(table) - 1) // BLOCK + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(table.column("step", mid * BLOCK, mid * BLOCK + 1)[0]) < step:
+            lo = mid + 1
+        else:
+            hi = mid
+    return max(0, lo - 1) * BLOCK
 
 
 def _values(rows: np.ndarray, found: list) -> tuple:
@@ -274,7 +352,7 @@ def _module_types(run: Any) -> dict:
 
 def forecast(run: Any, until: Optional[int] = None) -> Forecast:
     """The early warning for ``run`` (a loaded ``Run``), from the steps before ``until``."""
-    return read(run).at(until)
+    return read(run, until, NEEDED).at(until)
 
 
 def judge(s: Series, cut: Optional[int]) -> Forecast:
@@ -473,13 +551,15 @@ def _scale_fall(s: Series, cut: Optional[int]) -> Optional[float]:
 
 # At most this many sampled steps before a failure are re-judged for "would have warned from".
 SCAN = 40
+# Sampled steps one judgement reads: the fit's window and the instability's look-back.
+NEEDED = max(WINDOW, W_SAMPLES) + 1
 
 
 def for_diagnosis(run: Any, first_bad_step: Optional[int]) -> Forecast:
     """A healthy run: the forecast over the whole run. A failed one: the forecast from the
     steps before its first bad step, and ``warned_from``: the earliest of the last ``SCAN``
     sampled steps from which the warning held without a break up to the failure."""
-    s = read(run)
+    s = read(run, first_bad_step, NEEDED + (SCAN if first_bad_step is not None else 0))
     if first_bad_step is None:
         return s.at(None)
     fc = s.at(int(first_bad_step))

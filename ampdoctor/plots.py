@@ -37,7 +37,8 @@ CAPTIONS = {
     "scale": "GradScaler's loss scale (log2) before each update; skipped steps marked.",
     "grad_norm": "Global gradient norm (unscaled, before clipping); the largest marked.",
     "lr": "Learning rate per parameter group.",
-    "activations": "Largest |value| per layer on the sampled steps, against fp16's limits.",
+    "activations": "Largest |value| per layer on the sampled steps, against fp16's limits; a "
+                   "dashed line extends a layer the early warning names to its limit.",
     "grad_underflow": "Share of each layer's non-zero gradient values below fp16's normal "
                       "range, at the worst sampled step.",
     "parity": "Loss of the baseline and of the mixed-precision run, and their relative "
@@ -58,7 +59,8 @@ def figures(run: Any, diagnosis: Any = None, readiness: Any = None,
         "scale": scale_figure(run),
         "grad_norm": grad_norm_figure(run),
         "lr": lr_figure(run),
-        "activations": activation_range_figure(run),
+        "activations": activation_range_figure(
+            run, forecast=getattr(diagnosis, "forecast", None)),
         "grad_underflow": grad_underflow_figure(run, readiness),
         "parity": parity_figure(comparison) if comparison is not None else None,
     }
@@ -173,8 +175,11 @@ def lr_figure(run: Any) -> Optional[Any]:
 # Sampled tier: per-layer range
 
 
-def activation_range_figure(run: Any, top: int = TOP_LAYERS) -> Optional[Any]:
-    """Abs max per step of the layers that come closest to fp16's max, with its limits."""
+def activation_range_figure(run: Any, top: int = TOP_LAYERS,
+                            forecast: Any = None) -> Optional[Any]:
+    """Abs max per step of the layers that come closest to fp16's max, with its limits; the
+    fitted growth of a layer ``forecast`` (a ``forecast.Forecast``) expects to overflow,
+    extended to its limit."""
     rows, found = _layers.sampled(run, _layers.VALUE_KINDS, ("absmax",))
     if not len(rows):
         return None
@@ -194,10 +199,26 @@ def activation_range_figure(run: Any, top: int = TOP_LAYERS) -> Optional[Any]:
                     color=lines[0].get_color())
     ax.axhline(FP16_MAX, color=_BAD, lw=1, label="fp16 max 65504")
     ax.axhline(FP16_NEAR, color=_SKIP, lw=1, ls="--", label="2**15")
+    _forecast_line(ax, forecast)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     _legend(ax, outside=True)
     return fig
+
+
+def _forecast_line(ax: Any, fc: Any) -> None:
+    """The named layer's fitted line, from its window to the limit, and the crossing's range."""
+    if fc is None or fc.status != "overflow_expected" or not fc.layers:
+        return
+    x = fc.layers[0]  # the named layer comes first
+    per_step = x.doublings_per_100_steps / 100
+    steps = np.linspace(x.window[0], max(fc.step, x.last), 50)
+    ax.plot(steps, 2.0 ** (x.level_log2 + per_step * (steps - x.last)), "--", color=_BAD,
+            lw=1.2, label=f"forecast: {x.name} passes {x.limit:.6g} ~ step {fc.step}")
+    hi = fc.range[1] if fc.range[1] is not None else fc.step
+    ax.axvspan(fc.range[0], hi, color=_BAD, alpha=0.08)
+    if x.limit != FP16_MAX:
+        ax.axhline(x.limit, color=_BAD, lw=1, ls=":", label=f"{x.dtype} max {x.limit:.3g}")
 
 
 def grad_underflow_figure(run: Any, readiness: Any = None,

@@ -399,6 +399,7 @@ def _diagnosis_html(d: Any) -> str:
     for cause in also:
         out.append(f"<p><b>Also:</b> {_esc(_also(cause))}</p>")
     out.append("</div>")
+    out += _warning_html(d)
     if d.evidence:
         out.append("<h3>Evidence</h3><ul>" + "".join(f"<li>{_esc(e.text)}</li>"
                                                      for e in d.evidence) + "</ul>")
@@ -411,6 +412,20 @@ def _diagnosis_html(d: Any) -> str:
     for note in d.notes:
         out.append(f'<p class="muted">Note: {_esc(note)}</p>')
     return "\n".join(out)
+
+
+def _warning_html(d: Any) -> list[str]:
+    """The early warning (``forecast.warning_lines``): a box under a healthy verdict, a line on
+    a failed run."""
+    from .forecast import warning_lines
+
+    found = warning_lines(getattr(d, "forecast", None), d.healthy)
+    if not found:
+        return []
+    if not d.healthy:
+        return [f"<p><b>Early warning:</b> {_esc(found[0])}</p>"]
+    return ['<h3>Early warning</h3><div class="verdict warn">', f"<p>{_esc(found[0])}</p>"] + \
+        [f"<p>{_esc(x)}</p>" for x in found[1:]] + ["</div>"]
 
 
 def _decision_html(d: Any) -> str:

@@ -240,3 +240,39 @@ def test_long_healthy_run_gets_no_failure_forecast_at_any_cut(recorded):
     with ampdoctor.load(recorded["healthy"]) as run:
         series = F.read(run)
     assert not [c for c in range(50, 302, 25) if series.at(c).warns]
+
+
+def test_report_figure_extends_the_forecast_layer_to_its_limit():
+    from ampdoctor import plots
+
+    run = growing(lambda i: 4 + 0.1 * i + noisy(i)).run()
+    d = ampdoctor.diagnose(run)
+    fig = plots.figures(run, d)["activations"]
+    ax = fig.axes[0]
+    line = next(x for x in ax.get_lines() if x.get_label().startswith("forecast: blocks.3.attn"))
+    xs, ys = line.get_data()
+    assert xs[0] == 60 and xs[-1] == d.forecast.step
+    assert abs(math.log2(ys[-1]) - LIMIT) < 0.3  # reaches 65504 where the forecast says
+    stable = ampdoctor.diagnose(growing(lambda i: 8.0 + noisy(i)).run())
+    labels = plots.activation_range_figure(run, forecast=stable.forecast).axes[0] \
+        .get_legend_handles_labels()[1]
+    assert not any(x.startswith("forecast") for x in labels)
+
+
+def test_a_long_table_is_read_near_the_cut_only(monkeypatch):
+    s = Synth(400, every=EVERY)
+    for i in range(0, 400, EVERY):  # in step order, as the recorder appends them
+        for j in range(10):
+            s.stat(i, Kind.OUTPUT, f"layer{j}", absmax=2.0 ** (4 + 0.1 * (i % 120) + j / 10),
+                   dtype=int(DType.FLOAT16))
+    run = s.run()
+    monkeypatch.setattr(F, "BLOCK", 20)  # 800 rows: 40 blocks
+    monkeypatch.setattr(F, "WHOLE", 4)
+    window = F._rows_near(run, 240, F.NEEDED)
+    assert 0 < window.stats.start and window.stats.stop < len(run.stats)
+    for cut in (None, 240, 300):
+        whole, near = F.read(run).at(cut), F.forecast(run, until=cut)
+        assert (near.status, near.layer, near.step, near.range) == \
+            (whole.status, whole.layer, whole.step, whole.range)
+        assert [x.headroom for x in near.layers] == [x.headroom for x in whole.layers]
+    assert F.forecast(run, until=240).status == "overflow_expected"

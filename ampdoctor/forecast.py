@@ -41,7 +41,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import fixes as _fixes
-from .layers import sampled
+from .layers import KIND_LABELS, sampled
 from .schema import BF16_MAX, DType, FP16_MAX, Kind
 
 FP32_MAX = 3.4028234663852886e38
@@ -166,6 +166,18 @@ class Series:
     def at(self, cut: Optional[int] = None) -> Forecast:
         """The forecast from the steps before ``cut`` (None: every step)."""
         return judge(self, cut)
+
+    def trends(self, cut: Optional[int] = None) -> dict:
+        """Doublings per 100 steps of every layer with enough samples for a fit, by
+        ``(name, label)`` (``layers.KIND_LABELS``: ``("blocks.0.attn", "activation")``)."""
+        k = len(self.grid) if cut is None else int(np.searchsorted(self.grid, cut))
+        if not k or not len(self.names):
+            return {}
+        cols = np.arange(max(0, k - WINDOW), k)
+        fit = _ols(self.grid[cols].astype(np.float64), self.log2[:, cols])
+        ok = (fit["n"] >= MIN_POINTS) & np.isfinite(fit["b"])
+        return {(self.names[i], KIND_LABELS.get(self.kinds[i], "")): float(fit["b"][i] * 100)
+                for i in np.flatnonzero(ok)}
 
 
 def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -> Series:

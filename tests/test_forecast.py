@@ -276,3 +276,25 @@ def test_a_long_table_is_read_near_the_cut_only(monkeypatch):
             (whole.status, whole.layer, whole.step, whole.range)
         assert [x.headroom for x in near.layers] == [x.headroom for x in whole.layers]
     assert F.forecast(run, until=240).status == "overflow_expected"
+
+
+def test_live_view_shows_each_layers_trend_and_the_warning():
+    from ampdoctor.live import frame, top
+
+    run = growing(lambda i: 4 + 0.1 * i + noisy(i)).run()
+    lines, _ = frame._layer_lines(run)
+    warning = frame._trends(run, lines)
+    assert warning == F.forecast(run).text
+    attn = next(x for x in lines if x.name == "blocks.3.attn")
+    assert abs(attn.trend - 10) < 0.5
+    fr = frame.Frame(path="run.h5", status="running", final=False, layers=lines,
+                     layer_step=115, every=EVERY, forecast=warning)
+    table = top._layer_table(fr, 80, top._painter(False))
+    assert table[1].split()[-2:] == ["trend", "underflow"]
+    row = next(x for x in table if x.split()[:1] == ["blocks.3.attn"])
+    assert row.split()[4] == f"{attn.trend:+.1f}"
+    assert any(x.strip().startswith("warning: at the growth") for x in table)
+    assert all(len(x) <= 80 for x in table)
+    flat = growing(lambda i: 8.0 + noisy(i)).run()
+    lines, _ = frame._layer_lines(flat)
+    assert frame._trends(flat, lines) is None

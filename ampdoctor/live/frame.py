@@ -51,6 +51,7 @@ class LayerLine:
     headroom: float  # powers of two between absmax and 65504; <= 0: overflows; nan: non-finite
     underflow: float  # share of its non-zero values subnormal or flushed in fp16 (gradients)
     scaled: bool = False  # a gradient recorded under a GradScaler
+    trend: Optional[float] = None  # doublings per 100 steps over the forecast's window
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Frame:
     layers: list = field(default_factory=list)  # LayerLine, nearest to fp16's limits first
     layer_step: Optional[int] = None  # the sampled step they come from
     nonfinite_layers: int = 0  # layers holding NaN/inf on that step (the first is shown)
+    forecast: Optional[str] = None  # the early warning when it warns (forecast.Forecast.text)
     every: Optional[int] = None  # the sampling interval (0: never)
     event: Optional[EventLine] = None
     series: dict = field(default_factory=dict, repr=False)  # 'step', 'loss', 'scale' arrays
@@ -230,8 +232,10 @@ def _layers(fr: Frame, state: Any, run: Any) -> None:
     key = (state.layer_step, len(state.layer_rows))
     cached = getattr(state, "_frame_layers", None)
     if cached is None or cached[0] != key:
-        cached = state._frame_layers = (key, *_layer_lines(run))
+        lines, bad = _layer_lines(run)
+        cached = state._frame_layers = (key, lines, bad, _trends(run, lines))
     fr.layers, fr.nonfinite_layers, fr.layer_step = cached[1], cached[2], state.layer_step
+    fr.forecast = cached[3]
 
 
 def _layer_lines(run: Any) -> tuple[list[LayerLine], int]:
@@ -252,6 +256,19 @@ def _layer_lines(run: Any) -> tuple[list[LayerLine], int]:
     under = sorted((x for x in lines if x.underflow >= UNDERFLOW_SHOWN and x not in nearest),
                    key=lambda x: -x.underflow)[:MOST_UNDERFLOW]
     return nearest + under, len(bad)
+
+
+def _trends(run: Any, lines: list) -> Optional[str]:
+    """Each shown layer's trend (doublings per 100 steps over the forecast's window), and the
+    early warning's text when it warns (``forecast``, the same judgement as ``diagnose``)."""
+    from .. import forecast
+
+    series = forecast.read(run, None, forecast.NEEDED)
+    trends = series.trends()
+    for x in lines:
+        x.trend = trends.get((x.name, x.kind))
+    fc = series.at(None)
+    return fc.text if fc.warns else None
 
 
 def _headroom(absmax: float) -> float:

@@ -201,16 +201,16 @@ def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
         return [f"fp16 headroom: no sampled step yet{nxt}"]
     every = f", every {fr.every} steps" if fr.every else ""
     lines = [f"fp16 headroom at step {fr.layer_step} (per-layer statistics{every}):"]
-    name_w = max(12, width - 2 - 18 - 9 - 11 - 10)
+    name_w = max(12, width - 2 - 18 - 9 - 11 - 8 - 10)
     lines.append(f"  {'layer':<{name_w}}{'kind':<18}{'abs max':>9}{'headroom':>11}"
-                 f"{'underflow':>10}")
+                 f"{'trend':>8}{'underflow':>10}")
     for x in fr.layers:
         room = "non-finite" if math.isnan(x.headroom) else (
             "overflow" if x.headroom <= 0 else f"2^{x.headroom:.1f}")
         under = f"{100 * x.underflow:.0f}%" if x.underflow else "-"
         kind = x.kind + (" *" if x.scaled else "")
         row = (f"  {_left_clip(x.name, name_w - 1):<{name_w}}{kind:<18}{_num(x.absmax):>9}"
-               f"{room:>11}{under:>10}")
+               f"{room:>11}{_trend(x.trend):>8}{under:>10}")
         lines.append(paint("red", row) if (math.isnan(x.headroom) or x.headroom <= 1
                                             or x.underflow >= 0.5) else row)
     if fr.nonfinite_layers > 1:
@@ -218,7 +218,17 @@ def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
                      "is shown")
     if any(x.scaled for x in fr.layers):
         lines.append("  * gradients as fp16 held them, multiplied by the loss scale")
+    if any(x.trend is not None for x in fr.layers):
+        lines.append("  trend: doublings per 100 steps over the last sampled steps")
+    if fr.forecast:
+        lines += [paint("red", x) for x in _wrap(f"warning: {fr.forecast}", width - 2, "  ")]
     return lines
+
+
+def _trend(per_100: Optional[float]) -> str:
+    """``+2.1``: doublings per 100 steps (the abs max x4.3 every 100 steps); ``-``: no fit
+    yet (fewer sampled steps than the forecast needs)."""
+    return "-" if per_100 is None else f"{per_100:+.1f}"
 
 
 def _event(fr: _frame.Frame, width: int) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .. import ranks, schema
+from ..forecast import NEEDED
 from ..errors import RunFileError, RunNotFoundError
 from ..schema import Source
 
@@ -47,6 +48,8 @@ MAX_READ_FAILURES = 5
 # On opening a long run, the latest sampled step is looked for in this many /stats rows at the
 # end (a sampled step writes one row per recorded tensor: a few thousand at most).
 STATS_WINDOW = 1 << 16
+# Sampled steps kept for the layers' trends: what one judgement of the forecast reads.
+TREND_STEPS = NEEDED
 WAIT_POLL = 0.2  # seconds between looks for a run file that does not exist yet
 FINAL_PREFIXES = (schema.STATUS_FINISHED, schema.STATUS_EXCEPTION, schema.STATUS_SIGNAL)
 
@@ -96,6 +99,8 @@ class RankState:
     snapshots: Any = None
     layer_rows: np.ndarray = field(default_factory=lambda: schema.empty("stats"))
     layer_step: Optional[int] = None  # the sampled step ``layer_rows`` belong to
+    # The sampled rows of the last few sampled steps: the early warning's window (``forecast``).
+    trend_rows: np.ndarray = field(default_factory=lambda: schema.empty("stats"))
     writer: Optional[bool] = None  # writer alive (None: cannot be told from this host)
     idle: float = 0.0  # seconds since the file last changed
     error: Optional[str] = None  # the last read failure, while it lasts
@@ -147,12 +152,21 @@ class RankState:
         rows = rows[rows["source"] == int(Source.SAMPLED)]
         if not len(rows):
             return
+        self._keep_trend(rows)
         latest = int(rows["step"].max())
         rows = rows[rows["step"] == latest]
         if self.layer_step == latest:
             self.layer_rows = np.concatenate([self.layer_rows, rows])
         elif self.layer_step is None or latest > self.layer_step:
             self.layer_rows, self.layer_step = rows, latest
+
+    def _keep_trend(self, rows: np.ndarray) -> None:
+        """Keep the rows of the last ``TREND_STEPS`` sampled steps (bounded, like the rest)."""
+        rows = np.concatenate([self.trend_rows, rows])
+        steps = np.unique(rows["step"])
+        if len(steps) > TREND_STEPS:
+            rows = rows[rows["step"] >= steps[-TREND_STEPS]]
+        self.trend_rows = rows
 
     @property
     def status(self) -> str:

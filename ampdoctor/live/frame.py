@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -233,7 +234,8 @@ def _layers(fr: Frame, state: Any, run: Any) -> None:
     cached = getattr(state, "_frame_layers", None)
     if cached is None or cached[0] != key:
         lines, bad = _layer_lines(run)
-        cached = state._frame_layers = (key, lines, bad, _trends(run, lines))
+        cached = state._frame_layers = (key, lines, bad, _trends(
+            _with_stats(run, getattr(state, "trend_rows", None)), lines))
     fr.layers, fr.nonfinite_layers, fr.layer_step = cached[1], cached[2], state.layer_step
     fr.forecast = cached[3]
 
@@ -256,6 +258,17 @@ def _layer_lines(run: Any) -> tuple[list[LayerLine], int]:
     under = sorted((x for x in lines if x.underflow >= UNDERFLOW_SHOWN and x not in nearest),
                    key=lambda x: -x.underflow)[:MOST_UNDERFLOW]
     return nearest + under, len(bad)
+
+
+def _with_stats(run: Any, rows: Optional[np.ndarray]) -> Any:
+    """``run`` whose statistics are ``rows`` (the follower's last sampled steps)."""
+    if rows is None:
+        return run
+    from ..store import Table
+
+    run = copy.copy(run)
+    run.stats = Table(rows)
+    return run
 
 
 def _trends(run: Any, lines: list) -> Optional[str]:

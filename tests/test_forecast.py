@@ -298,3 +298,17 @@ def test_live_view_shows_each_layers_trend_and_the_warning():
     flat = growing(lambda i: 8.0 + noisy(i)).run()
     lines, _ = frame._layer_lines(flat)
     assert frame._trends(flat, lines) is None
+
+
+def test_live_view_of_a_recorded_run_has_the_trends_of_diagnose(recorded):
+    from ampdoctor.live import follow, frame
+
+    with follow.Follower(recorded["attn"]) as f:
+        f.poll()
+        fr = frame.build(f.states)
+    with ampdoctor.load(recorded["attn"]) as run:
+        series = F.read(run)
+    trends, fc = series.trends(), series.at(None)
+    shown = [x for x in fr.layers if x.kind == "activation" and not math.isnan(x.headroom)]
+    assert shown and all(x.trend == pytest.approx(trends[(x.name, x.kind)]) for x in shown)
+    assert fr.forecast == (fc.text if fc.warns else None)

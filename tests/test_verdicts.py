@@ -96,6 +96,8 @@ def test_fixture_verdict(recorded, name):
         assert lo <= d.first_bad["step"] <= hi, str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
+    if d.healthy:  # issue 16: a healthy run gets no warning of failure
+        assert d.forecast is not None and not d.forecast.warns, str(d)
 
 
 @pytest.mark.parametrize("name", sorted(k for k, v in ACTIVE.items() if v.get("fixed")))
@@ -104,6 +106,8 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert rc == 0, stderr[-3000:]
     d = ampdoctor.diagnose(path)
     assert d.verdict == EXPECTED[name]["fixed"], str(d)
+    if d.healthy:
+        assert d.forecast is not None and not d.forecast.warns, str(d)
 
 
 @pytest.mark.parametrize("name", ["unstable_op", "clip_order"])

@@ -46,28 +46,34 @@ def main() -> None:
         code = ("import sys, time; t = time.perf_counter(); import ampdoctor; "
                 "d = ampdoctor.diagnose(sys.argv[1]); el = time.perf_counter() - t; "
                 "hwm = [l.split()[1] for l in open('/proc/self/status') if "
-                "l.startswith('VmHWM')][0]; print(el, hwm, d.verdict)")
+                "l.startswith('VmHWM')][0]; "
+                # the early warning's own share: what it reads and judges for this diagnosis
+                "from ampdoctor import forecast; step = (d.first_bad or {}).get('step'); "
+                "t = time.perf_counter(); run = ampdoctor.load(sys.argv[1]); "
+                "forecast.for_diagnosis(run, None if d.healthy else step); run.close(); "
+                "fc = time.perf_counter() - t; print(el, hwm, d.verdict, fc)")
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
         runs = []
         for _ in range(args.repeat):
             out = subprocess.run([sys.executable, "-c", code, path], env=env, check=True,
                                  capture_output=True, text=True).stdout.split()
-            runs.append((float(out[0]), int(out[1]) * 1024, out[2]))
+            runs.append((float(out[0]), int(out[1]) * 1024, out[2], float(out[3])))
             t = time.perf_counter()
             subprocess.run([sys.executable, "-m", "ampdoctor", "diagnose", path], env=env,
                            check=True, capture_output=True)
             runs[-1] += (time.perf_counter() - t,)
         result = {"steps": args.steps, "stats_rows": counts["stats"], "file_mb": os.path.getsize(path) / 1e6,
                   "write_s": written, "diagnose_s": min(r[0] for r in runs),
-                  "cli_s": min(r[3] for r in runs), "peak_rss_mb": max(r[1] for r in runs) / 1e6,
+                  "cli_s": min(r[4] for r in runs), "forecast_s": min(r[3] for r in runs), "peak_rss_mb": max(r[1] for r in runs) / 1e6,
                   "verdict": runs[0][2]}
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{result['steps']} steps, {result['stats_rows']} stats rows, "
               f"{result['file_mb']:.1f} MB: diagnose {result['diagnose_s']:.2f} s in-process "
-              f"(import + load + rules), {result['cli_s']:.2f} s through the CLI, peak RSS "
+              f"(import + load + rules + forecast; the forecast alone {result['forecast_s']:.2f} "
+              f"s), {result['cli_s']:.2f} s through the CLI, peak RSS "
               f"{result['peak_rss_mb']:.0f} MB, verdict {result['verdict']}")
 
 

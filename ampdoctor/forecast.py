@@ -108,8 +108,10 @@ class Forecast:
     """The early warning for a run (cut at ``until`` when given): see the module docstring.
 
     ``step`` and ``range`` are the predicted crossing of ``layer`` (overflow_expected only);
-    ``layers`` the ``TOP`` layers with the least headroom; ``warned_from`` (set by
-    ``for_diagnosis`` on a failed run) the first cut at which the warning fired.
+    ``layers`` the ``TOP`` layers with the least headroom (the named one first);
+    ``warned_from`` and ``warned_status`` (set by ``for_diagnosis`` on a failed run): the
+    earliest cut from which the warning held without a break up to the failure, and what it
+    said there.
     """
 
     status: str

@@ -36,7 +36,8 @@ VERDICTS = {
     "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
     "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
     "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
-    "fp16_loss": "the loss is computed in fp16 and overflows while the model is finite",
+    "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
+                 "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
                   "scaler, scaler re-created, grads not zeroed, calls out of order",
     "bf16_precision": "bf16 weights updated in place: small updates round away",

@@ -197,7 +197,8 @@ class Forensics:
         self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
         self._history: deque = deque(maxlen=HISTORY)
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
-        self._overflows = (-2, 0, False)  # finite-loss skips: last step, run length, any yet
+        # finite-loss skips: last step, run length, any replayed after the initial calibration
+        self._overflows = (-2, 0, False)
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
@@ -370,11 +371,19 @@ class Forensics:
 
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
-        run of them: GradScaler adjusting its scale, not worth a replay."""
+        run of them: GradScaler adjusting its scale, not worth a replay.
+
+        The skips from step 0 on (GradScaler's first calibration at its initial scale) do not
+        use up "the first one": their first is replayed, and so is the first finite-loss skip
+        after an applied step, where a later failure begins (an overflow in the loss's
+        backward skips at every scale and would otherwise only be replayed after 8 in a row)."""
         if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
             return False
         last, run, seen = self._overflows
         run = run + 1 if step.index == last + 1 else 1
+        if step.index == run - 1:  # every step so far was skipped: the initial calibration
+            self._overflows = (step.index, run, seen)
+            return run != 1 and run != GRAD_REPLAY_RUN
         self._overflows = (step.index, run, True)
         return seen and run != GRAD_REPLAY_RUN
 

@@ -630,6 +630,8 @@ def _loss_or_nothing(trace: Trace) -> Finding:
     f = Finding(Phase.LOSS)
     f.detail["output_grad_nonfinite"] = bool(grads_bad)
     f.detail["loss_nonfinite"] = loss_bad
+    if grads_bad:
+        f.detail["output_grad"] = _output_grad_detail(trace, grads_bad)
     loss_info = _loss_info(cap)
     f.detail["loss"] = loss_info
     f.in_absmax = _max_abs(trace.rows, [s for _, s in trace.calls[0].outputs]) \
@@ -648,6 +650,32 @@ def _loss_or_nothing(trace: Trace) -> Finding:
         f.summary = ("the model output is finite but the gradient of the loss with respect "
                      "to it is not: the loss's backward, outside the model, overflowed")
     return f
+
+
+# Model output values listed where the loss's gradient is non-finite (the values its derivative
+# is infinite at: a sigmoid saturated to exactly 1.0 in fp16 shows as [1.0]).
+OUTPUT_VALUES_SHOWN = 4
+
+
+def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
+    """The gradient the loss's backward sent into the model's first bad output: how many
+    elements are non-finite, the largest finite magnitude (far below 65504 beside inf says a
+    singularity, not a scale too high) and the output's values where it is non-finite.
+    Runs on the event only (host reads are fine here)."""
+    i = bad[0]
+    grad = trace.cap.grads[i]
+    finite = torch.isfinite(grad)
+    out: dict[str, Any] = {"index": i, "nonfinite": int((~finite).sum()),
+                           "numel": int(grad.numel()),
+                           "dtype": str(grad.dtype).replace("torch.", "")}
+    kept = grad[finite]
+    out["finite_absmax"] = float(kept.abs().max().float()) if kept.numel() else 0.0
+    value = trace.outputs[i] if i < len(trace.outputs) else None
+    if isinstance(value, torch.Tensor) and value.shape == grad.shape:
+        at = value.detach()[~finite].float().unique()
+        out["output_values"] = [float(v) for v in at[:OUTPUT_VALUES_SHOWN]]
+        out["output_values_n"] = int(at.numel())
+    return out
 
 
 def _loss_info(cap: Capture) -> dict:

@@ -549,6 +549,51 @@ def rule_adam_eps(f: Facts) -> Optional[Finding]:
                    where if conf else None, priority=priority)
 
 
+def _calibration_artefact(f: Facts, snap: dict) -> bool:
+    """A replay of a skip that GradScaler's calibration or probing explains, with a finite loss:
+    whichever phase overflowed at that scale (an fp16 loss always does at 65536), it is
+    healthy."""
+    if not f.n or snap["detail"].get("loss_nonfinite"):
+        return False
+    i = f.index_of(snap["step"])
+    return f.step_at(i) == snap["step"] and bool(f.story.benign_mask[i])
+
+
+def _loss_backward_only(snap: dict) -> bool:
+    """A loss replay whose loss is finite, and whose loss scale fits the loss's dtype, but whose
+    backward sent NaN/inf into the model's output: the loss's derivative, not its value."""
+    d = snap["detail"]
+    return bool(d.get("output_grad_nonfinite")) and not d.get("loss_nonfinite") and \
+        not (d.get("loss") or {}).get("grad_nonfinite")
+
+
+def _loss_snapshot_text(snap: dict) -> str:
+    """What a loss replay saw, from its detail (never more than it saw)."""
+    d = snap["detail"]
+    loss = d.get("loss") or {}
+    dtype = loss.get("dtype", "?")
+    head = f"replay of step {snap['step']}: every module output is finite"
+    if d.get("loss_nonfinite"):
+        return f"{head}; the loss ({dtype}) is not"
+    if loss.get("grad_nonfinite"):
+        return (f"{head} and so is the loss ({_fmt(loss.get('value'))}, {dtype}), but the loss "
+                f"scale {_fmt(loss.get('grad_fp32'))} does not fit the {dtype} loss: the "
+                f"gradient reaching it is {_fmt(loss.get('grad_fp32'))} cast to {dtype} = inf")
+    text = (f"{head} and so is the loss ({_fmt(loss.get('value'))}, {dtype}), but the gradient "
+            "the loss's backward sends into the model's output is not")
+    grad = d.get("output_grad") or {}
+    if grad.get("numel"):
+        text += (f" ({grad['nonfinite']} of {grad['numel']} elements NaN/inf, the largest "
+                 f"finite one {_fmt(grad.get('finite_absmax'))})")
+    values = grad.get("output_values")
+    if values:
+        shown = " or ".join(_fmt(v) for v in values)
+        saturated = all(v in (0.0, 1.0) for v in values)
+        text += (f"; the model's output is exactly {shown} there (saturated in fp16)"
+                 if saturated else f"; the model's output there is {shown}")
+    return text
+
+
 def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     """C7b: the loss is computed in fp16 and is non-finite while the model's values are not."""
     if not f.n:
@@ -558,7 +603,9 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     if not seen.any() or np.mean(s["loss_dtype"][seen] == DType.FLOAT16) < 0.5:
         return None
     alone = f.loss_bad & np.isfinite(s["grad_norm"]) & ~f.skipped
-    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"]
+    # A calibration skip is healthy; an infinite derivative is rule_loss_backward's.
+    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"
+                  and not _calibration_artefact(f, x) and not _loss_backward_only(x)]
     if not alone.any() and not loss_snaps:
         return None
     ev = [Evidence(f"the loss is float16 on {int(seen.sum())} of {f.n} steps: computed outside "
@@ -574,13 +621,70 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     if loss_snaps:
         x = loss_snaps[0]
         first = x["step"] if first is None else first
-        ev.append(Evidence(f"replay of step {x['step']}: every module output is finite, the loss "
-                           "is not", "replay_loss_phase", None, x["step"]))
+        ev.append(Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"]))
     return Finding("fp16_loss", 0.9 if alone.any() else 0.75, "The loss is computed in fp16 and "
                    "overflows (a sum or reduction past 65504) although the model's outputs and "
                    "gradients are finite.", ev,
                    fixes.make(["loss_in_fp32"], context(f, step=first)),
                    _first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"])
+
+
+def _root_grad_output(f: Facts) -> Optional[dict]:
+    """The sampled tier's first non-finite gradient, when it is the one arriving at the model's
+    own output (it came from the loss's backward) and no module output was non-finite."""
+    st = f.stats
+    x = st.first_backward
+    if not x or x["module"] not in f.root_names or x["step"] < f.failure_step:
+        return None
+    return x if not (st.first_forward and st.first_forward["step"] <= x["step"]) else None
+
+
+def _skipping_text(f: Facts) -> Evidence:
+    story, fi = f.story, f.failure_index
+    skipped = int(f.skipped[fi:].sum())
+    finite = not f.loss_bad[fi:].any()
+    return Evidence(f"the skipping began at step {f.failure_step} and went on ({skipped} of "
+                    f"{f.n - fi} steps skipped) while the scale fell from "
+                    f"{_fmt(story.calibrated_scale)} to {_fmt(story.final_scale)}"
+                    + (", every loss finite" if finite else "")
+                    + ": no scale fits, the loss's derivative is infinite at these values "
+                    "(a probability rounded to 1.0 or 0.0 in fp16 under BCELoss, a power "
+                    "below 1, a log or a division at 0)", "loss_backward_skips",
+                    float(skipped), f.failure_step)
+
+
+def rule_loss_backward(f: Facts) -> Optional[Finding]:
+    """C7b (backward): the loss and the model are finite, but the loss's backward sends inf into
+    the model's output at any scale (BCELoss on an fp16 sigmoid saturated to 1.0, sqrt or log
+    at 0): GradScaler skips step after step while every loss is finite."""
+    if f.failure_index is None or not f.story.collapsed:
+        return None  # one overflow at a high scale is calibration (taxonomy C0)
+    snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
+             and _loss_backward_only(x) and not _calibration_artefact(f, x)]
+    sampled = None if snaps else _root_grad_output(f)
+    if not snaps and sampled is None:
+        return None
+    if any(x["phase"] in ("forward", "backward", "input") and x["step"] >= f.failure_step
+           and x["step"] < (snaps[0]["step"] if snaps else sampled["step"]) for x in f.snapshots):
+        return None  # a module failed first
+    if snaps:
+        ev = [Evidence(_loss_snapshot_text(snaps[0]), "replay_loss_backward", None,
+                       snaps[0]["step"])]
+    else:
+        ev = [Evidence(f"sampled step {sampled['step']}: the first non-finite value is the "
+                       f"gradient arriving at the model's output ({sampled['module']}), from the "
+                       "loss's backward; every module output is finite",
+                       "sampled_loss_backward", None, sampled["step"], sampled["module"])]
+    ev.append(_skipping_text(f))
+    first = f.failure_step
+    return Finding("fp16_loss", 0.85 if snaps else 0.7, "The loss's backward overflows: the "
+                   "model's outputs and the loss are finite, but the loss's derivative is "
+                   "infinite where fp16 rounded the model's output to a value the loss is "
+                   "singular at (a sigmoid saturated to 1.0 under BCELoss, a sqrt or log at 0). "
+                   "No loss scale fixes it: GradScaler skips step after step.", ev,
+                   fixes.make(["loss_on_logits", "loss_in_fp32"], context(f, step=first)),
+                   _first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"],
+                   kind="loss_backward")
 
 
 # -- the culprit of a forward/backward failure -----------------------------------------------
@@ -936,6 +1040,8 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
     st = f.stats
     located = next((x for x in (st.first_forward, st.first_backward) if x and x["step"] >=
                     f.failure_step), None)
+    if located is not None and located is _root_grad_output(f):
+        located = None  # the gradient the loss sent in: rule_loss_backward's, not a module's
     score, growth = growth_evidence(f)
     where = _first_bad(f.failure_step, located["module"] if located else None,
                        located["phase"] if located else None)
@@ -1224,6 +1330,7 @@ RULES = [
     rule_adam_eps,
     rule_bad_input,
     rule_fp16_loss,
+    rule_loss_backward,
     rule_culprit,
     rule_sampled_culprit,
     rule_grad_underflow,

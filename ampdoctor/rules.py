@@ -268,12 +268,26 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"GradScaler was created {len(created)} times "
                            f"(steps {', '.join(str(int(x)) for x in created['step'][:6])})",
                            "scalers_created", float(len(created))))
-    return Finding("clip_order", 0.8, "The GradScaler is re-created (or its scale reset) during "
-                   "training: each new scaler starts again at init_scale and skips steps to "
-                   "recalibrate, and its growth never accumulates.", ev,
-                   fixes.make(["create_scaler_once"], context(f, step=first)),
-                   _first_bad(first, None, None), priority=PRIORITY["misuse"] - 2,
-                   kind="scaler_recreated")
+    found = Finding("clip_order", 0.8, "The GradScaler is re-created (or its scale reset) "
+                    "during training: each new scaler starts again at init_scale and skips "
+                    "steps to recalibrate, and its growth never accumulates.", ev,
+                    fixes.make(["create_scaler_once"], context(f, step=first)),
+                    _first_bad(first, None, None), priority=PRIORITY["misuse"] - 2,
+                    kind="scaler_recreated")
+    found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
+        f.index_of(int(x)) for x in created["step"]])
+    return found
+
+
+def _recalibration_skips(f: Facts, resets: list[int]) -> frozenset:
+    """Step numbers of the skips that follow each reset of the scale (a new scaler's
+    calibration from init_scale): the run of skipped steps starting at each reset index."""
+    skipped, out = f.skipped, set()
+    for i in set(resets):
+        while 0 <= i < f.n and skipped[i]:
+            out.add(f.step_at(i))
+            i += 1
+    return frozenset(out)
 
 
 def rule_stale_grads(f: Facts) -> Optional[Finding]:
@@ -693,7 +707,8 @@ def rule_loss_backward(f: Facts) -> Optional[Finding]:
 def _snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:
     """The replay that best describes the failure at ``step``: the first located one at or
     after it (replays land on failing steps), else the last located one before it."""
-    located = [s for s in f.snapshots if s["phase"] in ("forward", "backward")]
+    located = [s for s in f.snapshots if s["phase"] in ("forward", "backward")
+               and not _scale_explains(s)]
     if not located:
         return None
     if step is None:
@@ -901,6 +916,15 @@ def _culprit_evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence
     return ev
 
 
+def _scale_explains(snap: dict) -> bool:
+    """A backward overflow whose fp32 re-run is finite, beyond fp16 only by the loss scale: the
+    unscaled gradient (fp32 abs max / S) fits fp16, so a lower scale fixes it, which GradScaler
+    is there to find (taxonomy C0). A singularity (fp32 small, fp16 inf) is not this."""
+    scale, absmax = snap["scale"], snap["fp32_absmax"]
+    return snap["phase"] == "backward" and snap["fp32_finite"] == 1 and scale > 1 and \
+        absmax > schema.FP16_MAX and absmax / scale <= schema.FP16_MAX
+
+
 def _failure_replay(f: Facts) -> Optional[dict]:
     """The replay that locates the failure: the first forward culprit from the failure on;
     else a backward one, but only when the skipping persists (an overflow of gradients alone,
@@ -911,7 +935,7 @@ def _failure_replay(f: Facts) -> Optional[dict]:
         return forward[0]
     stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
-        backward = [s for s in after if s["phase"] == "backward"]
+        backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
     return None
 

@@ -490,6 +490,44 @@ def test_scaler_recreated_every_epoch():
     assert fix_ids(d) == ["create_scaler_once"]
 
 
+def _scaler_per_step(n=40):
+    """A GradScaler made every step: each starts at 65536 and skips (issue 16, clip_order.py
+    --scaler-per-step)."""
+    s = Synth(n).scales(np.full(n, 2.0 ** 16))
+    s.skip(range(n))
+    for i in range(n):
+        s.event(i, Event.SCALER_CREATED, value=2.0 ** 16)
+    return s
+
+
+def test_a_backward_overflow_the_scale_explains_is_not_a_second_cause():
+    s = _scaler_per_step()
+    # fc's backward overflowed at 65536; in fp32 its gradient is 2e5, 3.1 unscaled: it fits
+    # fp16 at any scale <= 16384.
+    s.snapshot(0, "backward", "fc", "Linear", fp32_finite=1, fp32_absmax=2.0e5)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes), str(d)
+    assert "fp32_island" not in fix_ids(d)
+
+
+def test_a_backward_singularity_is_still_a_culprit():
+    s = Synth(40)
+    s.skip(range(10, 40))
+    # fp16 inf, fp32 small: a derivative at a singularity, not the scale
+    s.snapshot(10, "backward", "head.clamp", "Clamp", fp32_finite=1, fp32_absmax=30.0)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "head.clamp"
+
+
+def test_a_sampled_overflow_inside_the_recalibration_is_not_listed_as_also():
+    s = _scaler_per_step()
+    s.sampled([0, 10, 20], Kind.GRAD_OUTPUT, "6", nonfinite=3)
+    d = verdict(s)
+    assert d.verdict == "clip_order"
+    assert not any(c["role"] == "also" for c in d.causes), str(d)
+
+
 def test_grads_not_zeroed_after_an_overflow():
     s = Synth(40)
     s.skip(range(10, 40))  # loss finite, every step overflows after one bad step

@@ -369,6 +369,17 @@ def test_finite_fp16_loss_is_a_note_not_a_verdict():
     assert d.verdict == "healthy" and any("float16" in n for n in d.notes)
 
 
+@pytest.mark.parametrize("mask_operand,expected", [(False, None), (True, "mask"), (None, "mask")])
+def test_a_dense_add_making_minus_inf_is_not_a_mask(mask_operand, expected):
+    """Issue 16: a residual add of two large activations is an overflow; an additive mask
+    operand (or a file from before the probe recorded it) is a mask."""
+    op = {"op": "add", "created": ["neginf"], "in_absmax": 4.0e4, "big_scalar": None}
+    if mask_operand is not None:
+        op["mask_operand"] = mask_operand
+    found = rules.mask_pattern(op)
+    assert (found is not None) == (expected == "mask")
+
+
 def _loss_snap(s, step, dtype="float32", grad_nonfinite=False, **detail):
     """A replay that found the model finite and the trouble in the loss (replay._loss_or_nothing)."""
     loss = {"dtype": dtype, "value": 0.4, "grad_fp32": 65536.0,

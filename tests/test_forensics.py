@@ -400,6 +400,49 @@ def test_minus_inf_overflow_is_traced_to_its_producer(run_path):
     assert "ln turned into NaN" in ev.result.detail["how"]
 
 
+class ResidualBlock(nn.Module):
+    """A pre-LN block whose own code adds -3e4 to a residual stream holding -4e4: -inf in fp16
+    made between its submodules, which ln2 then turns into NaN (issue 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.mlp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.mlp.bias[0] = -30000.0
+
+    def forward(self, x):
+        h = x + self.mlp(self.ln1(x))  # the residual add, in the block's own code
+        return h + self.out(self.ln2(h))
+
+
+class ResidualNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.block = ResidualBlock()
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.embed.bias[0] = -40000.0
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+def test_minus_inf_made_by_a_parents_own_code_is_traced_to_the_parent(run_path):
+    model = make(ResidualNet)
+    sc = scaler(2.0**8)
+    with record(run_path, model, sc) as rec:
+        train(model, batches(2), scaler=sc)
+    ev = rec.events[0]
+    assert (ev.phase, ev.module, ev.fp32) == ("forward", "block", "finite")
+    assert "its own code" in ev.result.detail["how"] and "block.ln2" in ev.result.detail["how"]
+    op = ev.result.detail["op"]
+    assert op["op"] == "add" and op["created"] == ["neginf"] and op["mask_operand"] is False
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "block"
+
+
 class MaskedNet(nn.Module):
     """An additive attention mask (0 / -inf) given as a keyword argument, then an exp."""
 

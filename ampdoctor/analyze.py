@@ -36,6 +36,7 @@ VERDICTS = {
     "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
     "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
     "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
+    "accum_overflow": "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
     "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
                  "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "

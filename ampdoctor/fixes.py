@@ -34,6 +34,7 @@ FIX_IDS = {
     "zero_grad_every_step": "zero the gradients after every step, skipped or not",
     "fix_scaler_calls": "one unscale_/step/update per optimizer step, in that order",
     "loss_in_fp32": "compute the loss in fp32 (inside autocast, or on .float() outputs)",
+    "divide_loss_by_accum": "divide each micro-batch's loss by the number of micro-batches",
     "loss_on_logits": "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "
                       "from fp16 probabilities",
     "safe_mask": "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
@@ -379,6 +380,15 @@ def loss_in_fp32(c: Context) -> Fix:
                "batch passes 65504 easily.", snippet)
 
 
+def divide_loss_by_accum(c: Context) -> Fix:
+    snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
+               "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
+               "    scaler.scale(loss).backward()")
+    return Fix("divide_loss_by_accum", "Divide each micro-batch's loss by the number of "
+               "micro-batches: .grad then holds their mean, which stays the size of one "
+               "micro-batch's gradient however many are accumulated.", snippet)
+
+
 def loss_on_logits(c: Context) -> Fix:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    logits = model(x)  # the model returns logits: no Sigmoid at its end\n"
@@ -471,6 +481,7 @@ MAKERS = {
     "fix_scaler_calls": fix_scaler_calls,
     "loss_in_fp32": loss_in_fp32,
     "loss_on_logits": loss_on_logits,
+    "divide_loss_by_accum": divide_loss_by_accum,
     "safe_mask": safe_mask,
     "guard_buffers": guard_buffers,
     "rebalance_losses": rebalance_losses,

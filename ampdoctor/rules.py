@@ -70,7 +70,8 @@ STALE_RUN = 5
 
 PRIORITY = {
     "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
-    "state_poisoning": 88, "adam_eps": 87, "bad_input": 84, "fp16_loss": 82,
+    "state_poisoning": 88, "adam_eps": 87, "accum_overflow": 86, "bad_input": 84,
+    "fp16_loss": 82,
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
     "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
@@ -405,6 +406,46 @@ def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float, 
         if where is None:
             where, conf = _first_bad(f.step_at(i), None, "input"), 0.7
     return where, conf, ev
+
+
+def _micro_rise(f: Facts, step: int) -> Optional[Evidence]:
+    """Micro-batches per step at the failure against the run's first steps (a batch-size
+    warmup raises the sum in .grad step after step)."""
+    micro = f.steps["micro"].astype(int)
+    i = f.index_of(step)
+    if not len(micro) or micro[i] <= micro[0]:
+        return None
+    return Evidence(f"micro-batches per step rose from {micro[0]} at step {f.step_at(0)} to "
+                    f"{micro[i]} at step {step}", "micro_batches", float(micro[i]), step)
+
+
+def rule_accum_overflow(f: Facts) -> Optional[Finding]:
+    """C6 (accumulation): every micro-batch's gradient is finite, but their sum in an fp16
+    .grad passes 65504 (fp16 parameters, no fp32 master copy): the replay summed them in
+    fp16, in order, and found where the running sum turned inf."""
+    snap = next((x for x in f.snapshots if isinstance(x["detail"].get("accum_overflow"), dict)),
+                None)
+    if snap is None:
+        return None
+    acc = snap["detail"]["accum_overflow"]
+    where = _first_bad(snap["step"], snap["module"], "backward")
+    ev = [Evidence(f"replay of step {snap['step']}: each of the {acc['micro_batches']} "
+                   f"micro-batches' gradients is finite, but their sum in {acc['dtype']} .grad "
+                   f"passes 65504 at micro-batch {acc['micro']} ({acc['param']}, "
+                   f"{_fmt(acc['fp32_absmax'])} in fp32)", "accum_overflow",
+                   acc["fp32_absmax"], snap["step"], snap["module"]),
+          Evidence(f"the parameters are {acc['dtype']}: backward() adds every micro-batch into "
+                   f"a {acc['dtype']} .grad", "param_dtype", None)]
+    rise = _micro_rise(f, snap["step"])
+    if rise:
+        ev.append(rise)
+    return Finding("accum_overflow", 0.9, f"Gradient accumulation overflows fp16 .grad: each "
+                   "micro-batch's gradient is finite, but the parameters (and so .grad) are "
+                   "fp16 and backward() sums the micro-batches there, past 65504. No op "
+                   "overflowed; the accumulation buffer did.", ev,
+                   fixes.make(["fp32_master_weights", "divide_loss_by_accum"],
+                              context(f, snap["module"], step=snap["step"])),
+                   where, priority=PRIORITY["accum_overflow"])
 
 
 def rule_bad_input(f: Facts) -> Optional[Finding]:
@@ -1356,6 +1397,7 @@ RULES = [
     rule_unscale_twice,
     rule_state_poisoning,
     rule_adam_eps,
+    rule_accum_overflow,
     rule_bad_input,
     rule_fp16_loss,
     rule_loss_backward,

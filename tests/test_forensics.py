@@ -510,6 +510,35 @@ def test_gradients_left_non_finite_by_a_skipped_zero_grad_are_named(run_path):
     assert "zero_grad" in second.result.summary
     assert "head.weight" in second.result.detail["stale_grads"]
     assert not rec.events[2].replayed  # 3rd event of the episode: rate-limited
+    run = ampdoctor.load(run_path)  # stale, and said so as an event (issue 16)
+    assert list(run.events["step"][run.events["kind"] == Event.GRAD_NOT_ZEROED]) == [2]
+
+
+def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_path):
+    """Issue 16: fp16 parameters, 12 micro-batches whose bias gradient is 8000 each: finite
+    one by one, inf once .grad sums 9 of them. Not stale gradients, and no GRAD_NOT_ZEROED."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)).half()
+    model.opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with record(run_path, model) as rec:
+        for _ in range(2):
+            for _ in range(12):
+                x = torch.full((8, 8), 0.01, dtype=torch.float16)
+                (model(x).sum() * 1000).backward()  # d/d bias of the last layer: 8000
+            model.opt.step()
+            model.opt.zero_grad(set_to_none=True)
+    ev = rec.events[0]
+    assert ev.step == 0 and (ev.phase, ev.module) == ("backward", "1")
+    acc = ev.result.detail["accum_overflow"]
+    assert acc["param"] == "1.bias" and acc["micro"] == 8 and acc["micro_batches"] == 12
+    assert acc["dtype"] == "float16" and 65504 < acc["fp32_absmax"] <= 72000
+    assert "stale_grads" not in ev.result.detail
+    run = ampdoctor.load(run_path)
+    assert not (run.events["kind"] == Event.GRAD_NOT_ZEROED).any()
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "accum_overflow" and d.first_bad == {"step": 0, "module": "1",
+                                                             "phase": "backward"}
+    assert [fx.id for fx in d.fixes][:2] == ["fp32_master_weights", "divide_loss_by_accum"]
 
 
 def test_earlier_micro_batch_gradients_are_bounded(run_path, monkeypatch):

@@ -139,6 +139,7 @@ class Recorder:
                        "scaler": scaler is not None}
         self.names: dict[torch.nn.Module, str] = {}
         self.param_names: dict[int, str] = {}
+        self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
         self._tensor_ids: dict[tuple[int, str, int], int] = {}
         self._writer: Optional[store.Writer] = None
         self._patches = patches.PatchSet()
@@ -811,8 +812,13 @@ class Recorder:
                 # its own sync lands this copy too.
                 self._stage_found(scaler, optimizer)
 
-    def before_clip(self, parameters: Any) -> None:
+    def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None:
+        """``config``: max_norm, norm_type, foreach as called (``patches.clip_config``), kept
+        in /meta ``clip`` whenever it changes (Python values only: no host read)."""
         self._settle()
+        if config is not None and config != self._clip_config:
+            self._clip_config = config
+            self._meta("clip", config, self._step.index if self._step is not None else -1)
         st = self._step
         if st.scaled and not st.unscaled and _enabled(self.scaler):
             if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step

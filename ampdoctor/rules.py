@@ -217,6 +217,9 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
             f"{_fmt(scale[i])}", "clip_norm_over_grad_norm", float(ratio[i]), f.step_at(i)))
         ev.append(Evidence(f"{int(scaled.sum())} of {int(ran.sum())} clipped steps clipped a "
                            "scaled norm", "scaled_clip_share", float(share)))
+    cut = _clip_cut(f, clip, ran)
+    if cut:
+        ev.append(cut)
     return Finding("clip_order", 0.95 if len(ev_rows) else 0.85,
                    "Gradients are clipped before scaler.unscale_: clip_grad_norm_ sees the "
                    "loss-scaled norm (S times too large), so every step is cut down by the "
@@ -224,6 +227,21 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
                    fixes.make(["unscale_before_clip"], context(f, step=first)),
                    _first_bad(first, None, "optimizer"), priority=PRIORITY["misuse"],
                    kind="clip_before_unscale")
+
+
+def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:
+    """With clip_grad_norm_'s recorded max_norm (/meta ``clip``): how much the clip cut the
+    updates, the median norm it saw over max_norm."""
+    max_norm = (f.meta.get("clip") or {}).get("max_norm") if isinstance(
+        f.meta.get("clip"), dict) else None
+    if not isinstance(max_norm, (int, float)) or max_norm <= 0 or not ran.any():
+        return None
+    seen = float(np.median(clip[ran]))
+    clipped = float(np.mean(clip[ran] > max_norm))
+    return Evidence(f"clip_grad_norm_(max_norm={_fmt(float(max_norm))}) saw a median norm of "
+                    f"{_fmt(seen)}: {clipped:.0%} of the clipped steps were cut, to "
+                    f"1/{_fmt(seen / max_norm)} of their size", "clip_cut",
+                    seen / max_norm if seen > max_norm else 1.0)
 
 
 def rule_scaler_bypass(f: Facts) -> Optional[Finding]:

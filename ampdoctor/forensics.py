@@ -336,6 +336,7 @@ class Forensics:
         stale = finding.detail.get("stale_grads")
         if stale:  # not an accumulation overflow: _search checked that first
             self.rec._event(Event.GRAD_NOT_ZEROED, text=", ".join(stale[:4]), step=step)
+        self._note_input(finding, step)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
 
@@ -366,11 +367,19 @@ class Forensics:
             ev.replayed, ev.result = True, result
             self._episode = self._episode[:3] + (True,)
             result.snapshot = self._write(step, why, result, trace, finding, captures)
+            self._note_input(finding, step)
             return result.snapshot
         self._episode = self._episode[:3] + (False,)
         ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay on "
                    "one rank would wait for the others; the batch on this rank was finite")
         return None
+
+    def _note_input(self, finding: Finding, step: Any) -> None:
+        """NONFINITE_INPUT when the replay (or the batch check) found the batch itself bad."""
+        if finding.phase == Phase.INPUT:
+            labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
+                      if isinstance(b, dict)]
+            self.rec._event(Event.NONFINITE_INPUT, text=", ".join(labels[:4]), step=step)
 
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a

@@ -270,6 +270,7 @@ def test_nonfinite_input_is_a_bad_batch(run_path, dtype, use_scaler):
     assert ev.result.detail["bad_inputs"][0]["nan"] == 1
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.INPUT and snap["fp32_finite"] == -1
+    assert list(run.events["step"][run.events["kind"] == Event.NONFINITE_INPUT]) == [2]
     culprit = run.tensors[run.tensors["id"] == snap["culprit"]][0]
     assert culprit["kind"] == Kind.INPUT
     if use_scaler:  # the step was skipped: nothing else happens

@@ -197,8 +197,9 @@ class Forensics:
         self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
         self._history: deque = deque(maxlen=HISTORY)
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
-        # finite-loss skips: last step, run length, any replayed after the initial calibration
-        self._overflows = (-2, 0, False)
+        # finite-loss skips: last step, run length, and None / "calibrated" (the initial
+        # calibration was seen) / "replayed" (the first later one was replayed)
+        self._overflows = (-2, 0, None)
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
@@ -386,18 +387,22 @@ class Forensics:
         run of them: GradScaler adjusting its scale, not worth a replay.
 
         The skips from step 0 on (GradScaler's first calibration at its initial scale) do not
-        use up "the first one": their first is replayed, and so is the first finite-loss skip
-        after an applied step, where a later failure begins (an overflow in the loss's
-        backward skips at every scale and would otherwise only be replayed after 8 in a row)."""
+        use up "the first one": their first is replayed, and so is the first later
+        finite-loss skip that comes after the scale held for GRAD_REPLAY_RUN applied steps,
+        where a failure begins (an overflow in the loss's backward skips at every scale and
+        would otherwise only be replayed after 8 in a row). Skips closer to the calibration
+        are the scale still settling."""
         if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
             return False
         last, run, seen = self._overflows
+        applied = step.index - last - 1  # steps since the last finite-loss skip
         run = run + 1 if step.index == last + 1 else 1
         if step.index == run - 1:  # every step so far was skipped: the initial calibration
-            self._overflows = (step.index, run, seen)
+            self._overflows = (step.index, run, "calibrated")
             return run != 1 and run != GRAD_REPLAY_RUN
-        self._overflows = (step.index, run, True)
-        return seen and run != GRAD_REPLAY_RUN
+        first = seen is None or (seen == "calibrated" and applied >= GRAD_REPLAY_RUN)
+        self._overflows = (step.index, run, "replayed" if first else seen)
+        return not first and run != GRAD_REPLAY_RUN
 
     def _due(self, index: int) -> tuple[int, bool]:
         start, last, n, found = self._episode

@@ -319,8 +319,8 @@ class Saturated(nn.Module):
 
 def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_path):
     """Issue 16: step 0's calibration skip (an fp16 loss at 65536) does not use up the replay
-    of the first finite-loss skip; the later skip, where sqrt(1 - p) has an infinite derivative
-    at p == 1.0, is replayed and says what it saw."""
+    of the first finite-loss skip; the later skip (after 8 applied steps), where sqrt(1 - p)
+    has an infinite derivative at p == 1.0, is replayed and says what it saw."""
     model = make(Saturated)
     sc = scaler()
     calls = []
@@ -330,20 +330,20 @@ def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_pa
         calls.append(1)
         if len(calls) == 1:
             return out.mean()  # fp16: 65536 does not fit it (calibration)
-        if len(calls) == 2:
-            return out.float().mean()  # applied
+        if len(calls) <= 9:
+            return out.float().mean()  # applied: the scale holds
         return (1 - out.float()).sqrt().mean()  # d/dp sqrt(1 - p) = inf at p == 1.0
 
     with record(run_path, model, sc) as rec:
-        train(model, batches(6), scaler=sc, loss_fn=loss_fn)
-    assert [e.step for e in rec.events if e.replayed] == [0, 2]
-    detail = [e for e in rec.events if e.step == 2][0].result.detail
+        train(model, batches(13), scaler=sc, loss_fn=loss_fn)
+    assert [e.step for e in rec.events if e.replayed] == [0, 9]
+    detail = [e for e in rec.events if e.step == 9][0].result.detail
     assert detail["output_grad_nonfinite"] and not detail["loss_nonfinite"]
     assert detail["output_grad"]["nonfinite"] == 8 and detail["output_grad"]["numel"] == 8
     assert detail["output_grad"]["output_values"] == [1.0]
     d = ampdoctor.diagnose(run_path)
     assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
-    assert d.first_bad == {"step": 2, "module": None, "phase": "loss"}
+    assert d.first_bad == {"step": 9, "module": None, "phase": "loss"}
 
 
 def test_loss_value_overflowing_fp16_without_scaler_is_the_loss(run_path):

@@ -36,7 +36,9 @@ VERDICTS = {
     "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
     "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
     "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
-    "fp16_loss": "the loss is computed in fp16 and overflows while the model is finite",
+    "accum_overflow": "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
+    "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
+                 "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
                   "scaler, scaler re-created, grads not zeroed, calls out of order",
     "bf16_precision": "bf16 weights updated in place: small updates round away",
@@ -78,6 +80,9 @@ class Finding:
     root: bool = True  # False: a consequence of some other cause (scale collapse, underflow)
     priority: int = 50  # among root causes, the higher wins
     kind: str = ""  # a sub-class, e.g. clip_order's "step_bypasses_scaler"
+    # Step numbers this finding accounts for (the skips a re-created scaler causes): an "also"
+    # whose first bad step and evidence all fall inside them is its symptom, not a second cause.
+    explains: frozenset = frozenset()
 
 
 @dataclass
@@ -192,7 +197,8 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY]
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY
+            and not _explained_by(top, x)]
     causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence)
     seen_ev = {(e.key, e.text) for e in evidence}
@@ -213,6 +219,14 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
                      summary=top.summary, first_bad=top.first_bad, causes=causes,
                      evidence=evidence, fixes=fixes, run=run_summary(f),
                      notes=notes(f, top), history=history)
+
+
+def _explained_by(top: Finding, x: Finding) -> bool:
+    """Is ``x`` only a symptom of ``top``: every step it points at is one ``top`` explains?"""
+    steps = [e.step for e in x.evidence if e.step is not None]
+    if x.first_bad and x.first_bad.get("step") is not None:
+        steps.append(x.first_bad["step"])
+    return bool(top.explains) and bool(steps) and all(int(t) in top.explains for t in steps)
 
 
 # A healthy verdict whose loss did not fall (progress.flat_warning) is no more sure than this.

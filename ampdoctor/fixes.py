@@ -34,6 +34,9 @@ FIX_IDS = {
     "zero_grad_every_step": "zero the gradients after every step, skipped or not",
     "fix_scaler_calls": "one unscale_/step/update per optimizer step, in that order",
     "loss_in_fp32": "compute the loss in fp32 (inside autocast, or on .float() outputs)",
+    "divide_loss_by_accum": "divide each micro-batch's loss by the number of micro-batches",
+    "loss_on_logits": "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "
+                      "from fp16 probabilities",
     "safe_mask": "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
     "guard_buffers": "keep inf/NaN batches away from BatchNorm statistics, or restore them",
     "rebalance_losses": "bring a tiny loss term up to the others' scale",
@@ -368,13 +371,34 @@ def fix_scaler_calls(c: Context) -> Fix:
 def loss_in_fp32(c: Context) -> Fix:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    out = model(x)\n"
-               "    loss = criterion(out, y)  # inside autocast: losses run in fp32\n"
+               "    loss = criterion(out, y)  # autocast runs nn losses in fp32, not your own ops\n"
                "# or, outside the block:\n"
                "loss = criterion(out.float(), y.float())\n"
                "# and for probabilities: BCEWithLogitsLoss on logits, not sigmoid + BCELoss")
     return Fix("loss_in_fp32", "Compute the loss in fp32: inside the autocast block (autocast "
                "runs losses and reductions in fp32) or on .float() outputs. An fp16 sum over a "
                "batch passes 65504 easily.", snippet)
+
+
+def divide_loss_by_accum(c: Context) -> Fix:
+    snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
+               "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
+               "    scaler.scale(loss).backward()")
+    return Fix("divide_loss_by_accum", "Divide each micro-batch's loss by the number of "
+               "micro-batches: .grad then holds their mean, which stays the size of one "
+               "micro-batch's gradient however many are accumulated.", snippet)
+
+
+def loss_on_logits(c: Context) -> Fix:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    logits = model(x)  # the model returns logits: no Sigmoid at its end\n"
+               "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), y)\n"
+               "# a hand-written loss: take probabilities in fp32, or log-probabilities\n"
+               "p = torch.sigmoid(logits.float())\n"
+               "log_p = torch.nn.functional.logsigmoid(logits.float())")
+    return Fix("loss_on_logits", "Compute the loss from the logits, in fp32: an fp16 sigmoid "
+               "rounds to exactly 1.0 (or 0.0), where BCE's, log's or sqrt's derivative is "
+               "infinite. BCEWithLogitsLoss (or logsigmoid) never forms the probability.", snippet)
 
 
 def safe_mask(c: Context) -> Fix:
@@ -456,6 +480,8 @@ MAKERS = {
     "zero_grad_every_step": zero_grad_every_step,
     "fix_scaler_calls": fix_scaler_calls,
     "loss_in_fp32": loss_in_fp32,
+    "loss_on_logits": loss_on_logits,
+    "divide_loss_by_accum": divide_loss_by_accum,
     "safe_mask": safe_mask,
     "guard_buffers": guard_buffers,
     "rebalance_losses": rebalance_losses,

@@ -197,7 +197,9 @@ class Forensics:
         self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
         self._history: deque = deque(maxlen=HISTORY)
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
-        self._overflows = (-2, 0, False)  # finite-loss skips: last step, run length, any yet
+        # finite-loss skips: last step, run length, and None / "calibrated" (the initial
+        # calibration was seen) / "replayed" (the first later one was replayed)
+        self._overflows = (-2, 0, None)
         self._kept: dict[int, _Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
@@ -332,6 +334,10 @@ class Forensics:
             bool(finding.detail.get("stale_grads"))
         self._episode = self._episode[:3] + (explained,)
         result.snapshot = self._write(step, why, result, trace, finding, captures)
+        stale = finding.detail.get("stale_grads")
+        if stale:  # not an accumulation overflow: _search checked that first
+            self.rec._event(Event.GRAD_NOT_ZEROED, text=", ".join(stale[:4]), step=step)
+        self._note_input(finding, step)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
 
@@ -362,21 +368,41 @@ class Forensics:
             ev.replayed, ev.result = True, result
             self._episode = self._episode[:3] + (True,)
             result.snapshot = self._write(step, why, result, trace, finding, captures)
+            self._note_input(finding, step)
             return result.snapshot
         self._episode = self._episode[:3] + (False,)
         ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay on "
                    "one rank would wait for the others; the batch on this rank was finite")
         return None
 
+    def _note_input(self, finding: Finding, step: Any) -> None:
+        """NONFINITE_INPUT when the replay (or the batch check) found the batch itself bad."""
+        if finding.phase == Phase.INPUT:
+            labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
+                      if isinstance(b, dict)]
+            self.rec._event(Event.NONFINITE_INPUT, text=", ".join(labels[:4]), step=step)
+
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
-        run of them: GradScaler adjusting its scale, not worth a replay."""
+        run of them: GradScaler adjusting its scale, not worth a replay.
+
+        The skips from step 0 on (GradScaler's first calibration at its initial scale) do not
+        use up "the first one": their first is replayed, and so is the first later
+        finite-loss skip that comes after the scale held for GRAD_REPLAY_RUN applied steps,
+        where a failure begins (an overflow in the loss's backward skips at every scale and
+        would otherwise only be replayed after 8 in a row). Skips closer to the calibration
+        are the scale still settling."""
         if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
             return False
         last, run, seen = self._overflows
+        applied = step.index - last - 1  # steps since the last finite-loss skip
         run = run + 1 if step.index == last + 1 else 1
-        self._overflows = (step.index, run, True)
-        return seen and run != GRAD_REPLAY_RUN
+        if step.index == run - 1:  # every step so far was skipped: the initial calibration
+            self._overflows = (step.index, run, "calibrated")
+            return run != 1 and run != GRAD_REPLAY_RUN
+        first = seen is None or (seen == "calibrated" and applied >= GRAD_REPLAY_RUN)
+        self._overflows = (step.index, run, "replayed" if first else seen)
+        return not first and run != GRAD_REPLAY_RUN
 
     def _due(self, index: int) -> tuple[int, bool]:
         start, last, n, found = self._episode
@@ -458,6 +484,10 @@ class Forensics:
             last = (trace, finding, micro)
         trace, finding, micro = last
         stale = self._stale_grads() if stale_check else []
+        accum = self._accum_overflow(captures, stale) if stale and len(captures) > 1 else None
+        if accum:
+            self._accum_finding(finding, accum, len(captures))
+            return trace, finding, accum["micro"]
         if stale:
             finding.detail["stale_grads"] = stale
             finding.summary = (f"every micro-batch replays finite, yet .grad already holds "
@@ -467,6 +497,48 @@ class Forensics:
             finding.summary = ("the replay of every micro-batch stayed finite: the event did "
                                "not reproduce (inputs changed in place, or nondeterminism)")
         return trace, finding, micro
+
+    def _accum_overflow(self, captures: list, stale: list[str]) -> Optional[dict]:
+        """Finite micro-batch gradients whose sum overflows in a low-precision ``.grad``
+        (``backward()`` adds each micro-batch into an fp16 parameter's ``.grad`` in fp16):
+        each micro-batch's parameter gradients are recomputed from its kept output gradient
+        and summed in that dtype, in order. Returns the first parameter and micro-batch
+        whose running sum turns non-finite while every term is finite, else None (the
+        ``.grad`` was stale). Event only: one backward and one param-sized sum per
+        micro-batch, host reads to compare."""
+        by_name = {self.rec.param_names.get(id(p)): p for p in self.rec._trained_params()}
+        params = [(n, p) for n, p in by_name.items() if n in stale and p.dtype == torch.float16]
+        if not params or any(not c.grads for c in captures):
+            return None
+        sums = [torch.zeros_like(p) for _, p in params]
+        for k, cap in enumerate(captures):
+            grads = _micro_param_grads(cap, [p for _, p in params])
+            for j, g in enumerate(grads):
+                if g is None:
+                    continue
+                if not bool(torch.isfinite(g).all()):
+                    return None  # a micro-batch's own gradient: not the accumulation
+                wide = (sums[j].float() + g.float()).abs().max()
+                sums[j] += g
+                if not bool(torch.isfinite(sums[j]).all()):
+                    return {"param": params[j][0], "micro": k, "micro_batches": len(captures),
+                            "dtype": str(g.dtype).replace("torch.", ""),
+                            "fp32_absmax": float(wide)}
+        return None
+
+    def _accum_finding(self, finding: Finding, accum: dict, n: int) -> None:
+        """The replay's finding when the accumulation in ``.grad`` overflowed."""
+        owner = accum["param"].rsplit(".", 1)[0] if "." in accum["param"] else accum["param"]
+        module = next((m for m, name in self.rec.names.items() if name == owner), None)
+        finding.phase, finding.module = Phase.BACKWARD, owner
+        finding.module_type = type(module).__name__ if module is not None else ""
+        finding.fp32_absmax = accum["fp32_absmax"]  # the sum's (no module to re-run in fp32)
+        finding.detail["accum_overflow"] = accum
+        finding.summary = (f"each of the {n} micro-batches' gradients is finite, but their sum "
+                           f"in {accum['dtype']} .grad passes 65504 at micro-batch "
+                           f"{accum['micro']} ({accum['param']}, "
+                           f"{accum['fp32_absmax']:.3g} in fp32)")
+        finding.detail["how"] = finding.summary
 
     def _stale_grads(self) -> list[str]:
         named = [(self.rec.param_names.get(id(p), "param"), p.grad)
@@ -640,6 +712,21 @@ def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
         grad = grad.detach()
     prev = grads.get(index)
     grads[index] = grad if prev is None else prev + grad
+
+
+def _micro_param_grads(cap: Capture, params: list) -> list:
+    """One micro-batch's gradients for ``params``: its forward again (same RNG, autocast),
+    backward from the output gradient the real step saw; .grad is not touched."""
+    replay.set_rng(cap.rng)
+    with torch.enable_grad(), replay.autocast(cap.autocast):
+        output = replay.unwrap(cap.root)(*cap.args, **cap.kwargs)
+    outs = list(tensors_in(output))
+    pairs = [(t, cap.grads[i]) for i, t in enumerate(outs)
+             if i in cap.grads and isinstance(t, torch.Tensor) and t.requires_grad]
+    if not pairs:
+        return [None] * len(params)
+    return list(torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs],
+                                    allow_unused=True))
 
 
 def _nbytes(tensors: Any) -> int:

@@ -36,7 +36,8 @@ def first_nonfinite_op(module: torch.nn.Module, args: tuple, kwargs: Optional[di
     among nan/posinf/neginf), ``dtype`` of the result, ``counts`` of each kind, ``numel``,
     ``in_absmax`` (largest finite input magnitude), ``big_scalar`` (largest finite Python
     constant passed to the op), ``in_nan``/``in_posinf``/``in_neginf`` (what the inputs held),
-    ``index`` (how many ops ran before it).
+    ``index`` (how many ops ran before it), ``mask_operand`` (an input is an additive mask:
+    one negative constant where it is not 0).
     """
     probe = _Probe()
     with torch.no_grad(), context if context is not None else contextlib.nullcontext(), probe:
@@ -116,4 +117,16 @@ def _describe(func: Any, args: tuple, kwargs: dict, outs: list, index: int) -> O
             "in_absmax": None if math.isnan(in_absmax) else in_absmax,
             "big_scalar": max(finite) if finite else None,
             "in_nan": bool(in_counts[0]), "in_posinf": bool(in_counts[1]),
-            "in_neginf": bool(in_counts[2]), "index": index}
+            "in_neginf": bool(in_counts[2]), "index": index,
+            "mask_operand": any(_mask_like(t) for t in inputs)}
+
+
+def _mask_like(t: torch.Tensor) -> bool:
+    """An additive mask: every non-zero value one and the same negative constant (0 where a
+    position is kept, -1e4 or -1e9 where it is masked). A dense activation is not."""
+    x = t.detach()
+    nonzero = x[x != 0]
+    if not nonzero.numel():
+        return False
+    first = nonzero.reshape(-1)[0]
+    return bool(first < 0) and bool((nonzero == first).all())

@@ -191,7 +191,7 @@ def patch_clip(patches: PatchSet, listener: Any) -> None:
         def wrapper(parameters, *args, **kwargs):
             if not isinstance(parameters, torch.Tensor):
                 parameters = list(parameters)  # a generator can be read only once
-            guard(listener, "before_clip", parameters)
+            guard(listener, "before_clip", parameters, clip_config(args, kwargs))
             out = orig(parameters, *args, **kwargs)
             guard(listener, "after_clip", out)
             return out
@@ -203,6 +203,22 @@ def patch_clip(patches: PatchSet, listener: Any) -> None:
         patches.add(utils_patch)
 
 
+def clip_config(args: tuple, kwargs: dict) -> dict:
+    """``clip_grad_norm_``'s max_norm, norm_type and foreach as called (after ``parameters``).
+    A tensor max_norm is recorded as "tensor": reading its value would be a host sync."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return "tensor"
+        return value if value is None or isinstance(value, (bool, int, float, str)) else \
+            str(value)
+
+    names = ("max_norm", "norm_type", "error_if_nonfinite", "foreach")
+    given = dict(zip(names, args))
+    given.update((k, kwargs[k]) for k in names if k in kwargs)
+    return {"max_norm": plain(given.get("max_norm")), "norm_type": plain(given.get(
+        "norm_type", 2.0)), "foreach": plain(given.get("foreach"))}
+
+
 def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> None:
     """See a wrapper's own ``clip_grad_norm_`` method (FSDP1's, which combines the shards
     with a collective): ``after_clip`` is told the norm it returns is global."""
@@ -212,7 +228,7 @@ def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
-            guard(listener, "before_clip", list(self.parameters()))
+            guard(listener, "before_clip", list(self.parameters()), clip_config(args, kwargs))
             out = orig(self, *args, **kwargs)
             guard(listener, "after_clip", out, True)
             return out

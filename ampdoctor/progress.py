@@ -65,6 +65,10 @@ SILENT_SHARE = 0.5
 # which shrinks as the loss falls; that case is kept out by asking the loss to be flat.
 UPDATE_COLLAPSE = 1e3
 LR_KEPT = 0.1
+# Zero gradients with a zero loss are convergence (a perfect fit leaves nothing to learn), not
+# dead units: a loss whose median from the first dead sample on is at most this share of its
+# median over the first steps has reached its floor (issue 16: a pointer net at loss 0.0).
+LOSS_FLOOR_SHARE = 1e-3
 # A gradient norm 10x its level before the spike, within the spike's window, says the jump
 # came from the update (shown as evidence, never required: step 0 has no norm in some loops).
 GRAD_JUMP = 10.0
@@ -413,7 +417,10 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
         return None
     dead = dead_units(f)
     if dead is None:
-        return _collapsed_only(f)
+        found = _collapsed_only(f)
+        return None if found and _at_floor(f, found.first_bad["step"]) else found
+    if _at_floor(f, dead.first_step):
+        return None
     c = f.curve
     spike = _spike_into(f, dead)
     module = dead.layers[0] if dead.layers else None
@@ -440,6 +447,18 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
                    _first_bad(began, module, "forward" if module else None),
                    root=spike is None, priority=PRIORITY["dead_units"],
                    kind="dead_layer" if module else "zero_gradients")
+
+
+def _at_floor(f: Facts, since: int) -> bool:
+    """Has the loss reached its floor from step ``since`` on (median at most LOSS_FLOOR_SHARE
+    of the first steps' median, exactly 0 included)?"""
+    loss = f.steps["loss"].astype(float)
+    ok = np.isfinite(loss)
+    tail = np.abs(loss[ok & (f.steps["step"] >= since)])
+    head = np.abs(loss[ok][:10])
+    if not len(tail) or not len(head):
+        return False
+    return float(np.median(tail)) <= LOSS_FLOOR_SHARE * float(np.median(head))
 
 
 def _collapsed_only(f: Facts) -> Optional[Finding]:

@@ -139,6 +139,7 @@ class Recorder:
                        "scaler": scaler is not None}
         self.names: dict[torch.nn.Module, str] = {}
         self.param_names: dict[int, str] = {}
+        self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
         self._tensor_ids: dict[tuple[int, str, int], int] = {}
         self._writer: Optional[store.Writer] = None
         self._patches = patches.PatchSet()
@@ -162,6 +163,7 @@ class Recorder:
         self._autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
         self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
         self._autocast_meta: Optional[dict] = None
+        self._fp16_noted = False  # FP16_WITHOUT_SCALER written (once per run)
         self._compiled: list[tuple[str, str]] = []  # compiled regions in the roots
         self._eager: Optional[list[torch.nn.Module]] = None  # hookable modules, if compiled
         self._root_ids: set[int] = set()
@@ -811,8 +813,13 @@ class Recorder:
                 # its own sync lands this copy too.
                 self._stage_found(scaler, optimizer)
 
-    def before_clip(self, parameters: Any) -> None:
+    def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None:
+        """``config``: max_norm, norm_type, foreach as called (``patches.clip_config``), kept
+        in /meta ``clip`` whenever it changes (Python values only: no host read)."""
         self._settle()
+        if config is not None and config != self._clip_config:
+            self._clip_config = config
+            self._meta("clip", config, self._step.index if self._step is not None else -1)
         st = self._step
         if st.scaled and not st.unscaled and _enabled(self.scaler):
             if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step
@@ -1116,6 +1123,7 @@ class Recorder:
             self._settle()  # a step with no hook of ours between: decided before this one ends
         if self._discovery_open:
             self._finish_discovery()
+        self._note_fp16_without_scaler(st)
         now = time.perf_counter()
         lrs = self._write_groups(st.index)
         # Host fields as a plain tuple (order: _HOST); device values stay on the device. The
@@ -1143,6 +1151,16 @@ class Recorder:
         self._begin_step(st.index + 1)
         if self._undecided is not None:
             self._settle(wait=False)  # landed already: release its captures at once
+
+    def _note_fp16_without_scaler(self, st: _Step) -> None:
+        """FP16_WITHOUT_SCALER, once, at the end of the first step whose model ran under fp16
+        autocast with no enabled GradScaler scaling the loss (host state only)."""
+        ac = self._autocast_meta
+        if self._fp16_noted or not ac or ac.get("dtype") != "float16" or st.scaled or \
+                _enabled(self.scaler):
+            return
+        self._fp16_noted = True
+        self._event(Event.FP16_WITHOUT_SCALER, text="fp16 autocast, no GradScaler", step=st)
 
     def _after_step_audit(self) -> None:
         if self.forensics is not None:

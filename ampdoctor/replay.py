@@ -103,6 +103,7 @@ class Call:
     outputs: list = field(default_factory=list)  # (output index, slot)
     grad_out: list = field(default_factory=list)  # (slot, fired)
     grad_in: list = field(default_factory=list)  # (slot, fired): inputs and own parameters
+    parent: int = -1  # index of the call it ran inside (-1: none)
 
 
 @dataclass
@@ -253,7 +254,8 @@ class Trace:
             return self._aliasing.apply(args, kwargs, None)
         nth = self._nth.get(id(module), 0)
         self._nth[id(module)] = nth + 1
-        call = Call(len(self.calls), module, name, nth)
+        call = Call(len(self.calls), module, name, nth,
+                    parent=self._stack[-1].index if self._stack else -1)
         owner = type(module).__name__
         for label, t in labeled(args, kwargs):
             slot = self._batch_slots.get(id(t)) if call.index == 0 else None
@@ -519,7 +521,11 @@ def _forward_culprit(trace: Trace) -> Optional[Finding]:
             bad = [(lab, s, SOFT) for lab, s, src in call.inputs
                    if trace.level(s) == SOFT and src == ROOT_INPUT]
             return _bad_batch(trace, bad)
-        if producer is not None:
+        if producer is not None and producer.index < call.index < producer.end:
+            how = (f"its own code (between its submodules) made -inf from finite inputs; "
+                   f"{call.name} turned it into NaN/inf")
+            call = producer
+        elif producer is not None:
             how = (f"its output holds -inf (its inputs are finite), which "
                    f"{call.name} turned into NaN/inf")
             call = producer
@@ -548,6 +554,10 @@ def _soft_origin(trace: Trace, call: Call, depth: int = 0) -> Optional[int]:
             continue
         if src == ROOT_INPUT:
             return ROOT_INPUT
+        if src == UNKNOWN:  # no module returned it: made by the code of a module around it
+            found = _made_around(trace, call)
+            if found is not None:
+                return found
         if src < 0 or depth > len(trace.calls):
             continue
         producer = trace.calls[src]
@@ -558,6 +568,24 @@ def _soft_origin(trace: Trace, call: Call, depth: int = 0) -> Optional[int]:
             found = _soft_origin(trace, producer, depth + 1)
             if found is not None:
                 return found
+    return None
+
+
+def _made_around(trace: Trace, call: Call) -> Optional[Call]:
+    """Who made the -inf a call received from no module's output (``h = x + mlp(ln1(x))`` in
+    the parent's own forward): an earlier sibling whose output holds -inf from finite inputs
+    (the parent's code passed it on), else the innermost enclosing call whose inputs are
+    finite (its own code made it)."""
+    for sib in trace.calls[call.parent + 1:call.index]:
+        if sib.parent == call.parent and trace.out_level(sib) == SOFT and \
+                trace.in_level(sib) == CLEAN:
+            return sib
+    up = call.parent
+    while up >= 0:
+        parent = trace.calls[up]
+        if trace.in_level(parent) == CLEAN:
+            return parent
+        up = parent.parent
     return None
 
 
@@ -630,6 +658,8 @@ def _loss_or_nothing(trace: Trace) -> Finding:
     f = Finding(Phase.LOSS)
     f.detail["output_grad_nonfinite"] = bool(grads_bad)
     f.detail["loss_nonfinite"] = loss_bad
+    if grads_bad:
+        f.detail["output_grad"] = _output_grad_detail(trace, grads_bad)
     loss_info = _loss_info(cap)
     f.detail["loss"] = loss_info
     f.in_absmax = _max_abs(trace.rows, [s for _, s in trace.calls[0].outputs]) \
@@ -648,6 +678,32 @@ def _loss_or_nothing(trace: Trace) -> Finding:
         f.summary = ("the model output is finite but the gradient of the loss with respect "
                      "to it is not: the loss's backward, outside the model, overflowed")
     return f
+
+
+# Model output values listed where the loss's gradient is non-finite (the values its derivative
+# is infinite at: a sigmoid saturated to exactly 1.0 in fp16 shows as [1.0]).
+OUTPUT_VALUES_SHOWN = 4
+
+
+def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
+    """The gradient the loss's backward sent into the model's first bad output: how many
+    elements are non-finite, the largest finite magnitude (far below 65504 beside inf says a
+    singularity, not a scale too high) and the output's values where it is non-finite.
+    Runs on the event only (host reads are fine here)."""
+    i = bad[0]
+    grad = trace.cap.grads[i]
+    finite = torch.isfinite(grad)
+    out: dict[str, Any] = {"index": i, "nonfinite": int((~finite).sum()),
+                           "numel": int(grad.numel()),
+                           "dtype": str(grad.dtype).replace("torch.", "")}
+    kept = grad[finite]
+    out["finite_absmax"] = float(kept.abs().max().float()) if kept.numel() else 0.0
+    value = trace.outputs[i] if i < len(trace.outputs) else None
+    if isinstance(value, torch.Tensor) and value.shape == grad.shape:
+        at = value.detach()[~finite].float().unique()
+        out["output_values"] = [float(v) for v in at[:OUTPUT_VALUES_SHOWN]]
+        out["output_values_n"] = int(at.numel())
+    return out
 
 
 def _loss_info(cap: Capture) -> dict:

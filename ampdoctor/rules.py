@@ -70,7 +70,8 @@ STALE_RUN = 5
 
 PRIORITY = {
     "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
-    "state_poisoning": 88, "adam_eps": 87, "bad_input": 84, "fp16_loss": 82,
+    "state_poisoning": 88, "adam_eps": 87, "accum_overflow": 86, "bad_input": 84,
+    "fp16_loss": 82,
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
     "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
@@ -216,6 +217,9 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
             f"{_fmt(scale[i])}", "clip_norm_over_grad_norm", float(ratio[i]), f.step_at(i)))
         ev.append(Evidence(f"{int(scaled.sum())} of {int(ran.sum())} clipped steps clipped a "
                            "scaled norm", "scaled_clip_share", float(share)))
+    cut = _clip_cut(f, clip, ran)
+    if cut:
+        ev.append(cut)
     return Finding("clip_order", 0.95 if len(ev_rows) else 0.85,
                    "Gradients are clipped before scaler.unscale_: clip_grad_norm_ sees the "
                    "loss-scaled norm (S times too large), so every step is cut down by the "
@@ -223,6 +227,21 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
                    fixes.make(["unscale_before_clip"], context(f, step=first)),
                    _first_bad(first, None, "optimizer"), priority=PRIORITY["misuse"],
                    kind="clip_before_unscale")
+
+
+def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:
+    """With clip_grad_norm_'s recorded max_norm (/meta ``clip``): how much the clip cut the
+    updates, the median norm it saw over max_norm."""
+    max_norm = (f.meta.get("clip") or {}).get("max_norm") if isinstance(
+        f.meta.get("clip"), dict) else None
+    if not isinstance(max_norm, (int, float)) or max_norm <= 0 or not ran.any():
+        return None
+    seen = float(np.median(clip[ran]))
+    clipped = float(np.mean(clip[ran] > max_norm))
+    return Evidence(f"clip_grad_norm_(max_norm={_fmt(float(max_norm))}) saw a median norm of "
+                    f"{_fmt(seen)}: {clipped:.0%} of the clipped steps were cut, to "
+                    f"1/{_fmt(seen / max_norm)} of their size", "clip_cut",
+                    seen / max_norm if seen > max_norm else 1.0)
 
 
 def rule_scaler_bypass(f: Facts) -> Optional[Finding]:
@@ -268,12 +287,26 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"GradScaler was created {len(created)} times "
                            f"(steps {', '.join(str(int(x)) for x in created['step'][:6])})",
                            "scalers_created", float(len(created))))
-    return Finding("clip_order", 0.8, "The GradScaler is re-created (or its scale reset) during "
-                   "training: each new scaler starts again at init_scale and skips steps to "
-                   "recalibrate, and its growth never accumulates.", ev,
-                   fixes.make(["create_scaler_once"], context(f, step=first)),
-                   _first_bad(first, None, None), priority=PRIORITY["misuse"] - 2,
-                   kind="scaler_recreated")
+    found = Finding("clip_order", 0.8, "The GradScaler is re-created (or its scale reset) "
+                    "during training: each new scaler starts again at init_scale and skips "
+                    "steps to recalibrate, and its growth never accumulates.", ev,
+                    fixes.make(["create_scaler_once"], context(f, step=first)),
+                    _first_bad(first, None, None), priority=PRIORITY["misuse"] - 2,
+                    kind="scaler_recreated")
+    found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
+        f.index_of(int(x)) for x in created["step"]])
+    return found
+
+
+def _recalibration_skips(f: Facts, resets: list[int]) -> frozenset:
+    """Step numbers of the skips that follow each reset of the scale (a new scaler's
+    calibration from init_scale): the run of skipped steps starting at each reset index."""
+    skipped, out = f.skipped, set()
+    for i in set(resets):
+        while 0 <= i < f.n and skipped[i]:
+            out.add(f.step_at(i))
+            i += 1
+    return frozenset(out)
 
 
 def rule_stale_grads(f: Facts) -> Optional[Finding]:
@@ -391,6 +424,46 @@ def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float, 
         if where is None:
             where, conf = _first_bad(f.step_at(i), None, "input"), 0.7
     return where, conf, ev
+
+
+def _micro_rise(f: Facts, step: int) -> Optional[Evidence]:
+    """Micro-batches per step at the failure against the run's first steps (a batch-size
+    warmup raises the sum in .grad step after step)."""
+    micro = f.steps["micro"].astype(int)
+    i = f.index_of(step)
+    if not len(micro) or micro[i] <= micro[0]:
+        return None
+    return Evidence(f"micro-batches per step rose from {micro[0]} at step {f.step_at(0)} to "
+                    f"{micro[i]} at step {step}", "micro_batches", float(micro[i]), step)
+
+
+def rule_accum_overflow(f: Facts) -> Optional[Finding]:
+    """C6 (accumulation): every micro-batch's gradient is finite, but their sum in an fp16
+    .grad passes 65504 (fp16 parameters, no fp32 master copy): the replay summed them in
+    fp16, in order, and found where the running sum turned inf."""
+    snap = next((x for x in f.snapshots if isinstance(x["detail"].get("accum_overflow"), dict)),
+                None)
+    if snap is None:
+        return None
+    acc = snap["detail"]["accum_overflow"]
+    where = _first_bad(snap["step"], snap["module"], "backward")
+    ev = [Evidence(f"replay of step {snap['step']}: each of the {acc['micro_batches']} "
+                   f"micro-batches' gradients is finite, but their sum in {acc['dtype']} .grad "
+                   f"passes 65504 at micro-batch {acc['micro']} ({acc['param']}, "
+                   f"{_fmt(acc['fp32_absmax'])} in fp32)", "accum_overflow",
+                   acc["fp32_absmax"], snap["step"], snap["module"]),
+          Evidence(f"the parameters are {acc['dtype']}: backward() adds every micro-batch into "
+                   f"a {acc['dtype']} .grad", "param_dtype", None)]
+    rise = _micro_rise(f, snap["step"])
+    if rise:
+        ev.append(rise)
+    return Finding("accum_overflow", 0.9, f"Gradient accumulation overflows fp16 .grad: each "
+                   "micro-batch's gradient is finite, but the parameters (and so .grad) are "
+                   "fp16 and backward() sums the micro-batches there, past 65504. No op "
+                   "overflowed; the accumulation buffer did.", ev,
+                   fixes.make(["fp32_master_weights", "divide_loss_by_accum"],
+                              context(f, snap["module"], step=snap["step"])),
+                   where, priority=PRIORITY["accum_overflow"])
 
 
 def rule_bad_input(f: Facts) -> Optional[Finding]:
@@ -549,6 +622,51 @@ def rule_adam_eps(f: Facts) -> Optional[Finding]:
                    where if conf else None, priority=priority)
 
 
+def _calibration_artefact(f: Facts, snap: dict) -> bool:
+    """A replay of a skip that GradScaler's calibration or probing explains, with a finite loss:
+    whichever phase overflowed at that scale (an fp16 loss always does at 65536), it is
+    healthy."""
+    if not f.n or snap["detail"].get("loss_nonfinite"):
+        return False
+    i = f.index_of(snap["step"])
+    return f.step_at(i) == snap["step"] and bool(f.story.benign_mask[i])
+
+
+def _loss_backward_only(snap: dict) -> bool:
+    """A loss replay whose loss is finite, and whose loss scale fits the loss's dtype, but whose
+    backward sent NaN/inf into the model's output: the loss's derivative, not its value."""
+    d = snap["detail"]
+    return bool(d.get("output_grad_nonfinite")) and not d.get("loss_nonfinite") and \
+        not (d.get("loss") or {}).get("grad_nonfinite")
+
+
+def _loss_snapshot_text(snap: dict) -> str:
+    """What a loss replay saw, from its detail (never more than it saw)."""
+    d = snap["detail"]
+    loss = d.get("loss") or {}
+    dtype = loss.get("dtype", "?")
+    head = f"replay of step {snap['step']}: every module output is finite"
+    if d.get("loss_nonfinite"):
+        return f"{head}; the loss ({dtype}) is not"
+    if loss.get("grad_nonfinite"):
+        return (f"{head} and so is the loss ({_fmt(loss.get('value'))}, {dtype}), but the loss "
+                f"scale {_fmt(loss.get('grad_fp32'))} does not fit the {dtype} loss: the "
+                f"gradient reaching it is {_fmt(loss.get('grad_fp32'))} cast to {dtype} = inf")
+    text = (f"{head} and so is the loss ({_fmt(loss.get('value'))}, {dtype}), but the gradient "
+            "the loss's backward sends into the model's output is not")
+    grad = d.get("output_grad") or {}
+    if grad.get("numel"):
+        text += (f" ({grad['nonfinite']} of {grad['numel']} elements NaN/inf, the largest "
+                 f"finite one {_fmt(grad.get('finite_absmax'))})")
+    values = grad.get("output_values")
+    if values:
+        shown = " or ".join(_fmt(v) for v in values)
+        saturated = all(v in (0.0, 1.0) for v in values)
+        text += (f"; the model's output is exactly {shown} there (saturated in fp16)"
+                 if saturated else f"; the model's output there is {shown}")
+    return text
+
+
 def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     """C7b: the loss is computed in fp16 and is non-finite while the model's values are not."""
     if not f.n:
@@ -558,7 +676,9 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     if not seen.any() or np.mean(s["loss_dtype"][seen] == DType.FLOAT16) < 0.5:
         return None
     alone = f.loss_bad & np.isfinite(s["grad_norm"]) & ~f.skipped
-    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"]
+    # A calibration skip is healthy; an infinite derivative is rule_loss_backward's.
+    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"
+                  and not _calibration_artefact(f, x) and not _loss_backward_only(x)]
     if not alone.any() and not loss_snaps:
         return None
     ev = [Evidence(f"the loss is float16 on {int(seen.sum())} of {f.n} steps: computed outside "
@@ -574,13 +694,70 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     if loss_snaps:
         x = loss_snaps[0]
         first = x["step"] if first is None else first
-        ev.append(Evidence(f"replay of step {x['step']}: every module output is finite, the loss "
-                           "is not", "replay_loss_phase", None, x["step"]))
+        ev.append(Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"]))
     return Finding("fp16_loss", 0.9 if alone.any() else 0.75, "The loss is computed in fp16 and "
                    "overflows (a sum or reduction past 65504) although the model's outputs and "
                    "gradients are finite.", ev,
                    fixes.make(["loss_in_fp32"], context(f, step=first)),
                    _first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"])
+
+
+def _root_grad_output(f: Facts) -> Optional[dict]:
+    """The sampled tier's first non-finite gradient, when it is the one arriving at the model's
+    own output (it came from the loss's backward) and no module output was non-finite."""
+    st = f.stats
+    x = st.first_backward
+    if not x or x["module"] not in f.root_names or x["step"] < f.failure_step:
+        return None
+    return x if not (st.first_forward and st.first_forward["step"] <= x["step"]) else None
+
+
+def _skipping_text(f: Facts) -> Evidence:
+    story, fi = f.story, f.failure_index
+    skipped = int(f.skipped[fi:].sum())
+    finite = not f.loss_bad[fi:].any()
+    return Evidence(f"the skipping began at step {f.failure_step} and went on ({skipped} of "
+                    f"{f.n - fi} steps skipped) while the scale fell from "
+                    f"{_fmt(story.calibrated_scale)} to {_fmt(story.final_scale)}"
+                    + (", every loss finite" if finite else "")
+                    + ": no scale fits, the loss's derivative is infinite at these values "
+                    "(a probability rounded to 1.0 or 0.0 in fp16 under BCELoss, a power "
+                    "below 1, a log or a division at 0)", "loss_backward_skips",
+                    float(skipped), f.failure_step)
+
+
+def rule_loss_backward(f: Facts) -> Optional[Finding]:
+    """C7b (backward): the loss and the model are finite, but the loss's backward sends inf into
+    the model's output at any scale (BCELoss on an fp16 sigmoid saturated to 1.0, sqrt or log
+    at 0): GradScaler skips step after step while every loss is finite."""
+    if f.failure_index is None or not f.story.collapsed:
+        return None  # one overflow at a high scale is calibration (taxonomy C0)
+    snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
+             and _loss_backward_only(x) and not _calibration_artefact(f, x)]
+    sampled = None if snaps else _root_grad_output(f)
+    if not snaps and sampled is None:
+        return None
+    if any(x["phase"] in ("forward", "backward", "input") and x["step"] >= f.failure_step
+           and x["step"] < (snaps[0]["step"] if snaps else sampled["step"]) for x in f.snapshots):
+        return None  # a module failed first
+    if snaps:
+        ev = [Evidence(_loss_snapshot_text(snaps[0]), "replay_loss_backward", None,
+                       snaps[0]["step"])]
+    else:
+        ev = [Evidence(f"sampled step {sampled['step']}: the first non-finite value is the "
+                       f"gradient arriving at the model's output ({sampled['module']}), from the "
+                       "loss's backward; every module output is finite",
+                       "sampled_loss_backward", None, sampled["step"], sampled["module"])]
+    ev.append(_skipping_text(f))
+    first = f.failure_step
+    return Finding("fp16_loss", 0.85 if snaps else 0.7, "The loss's backward overflows: the "
+                   "model's outputs and the loss are finite, but the loss's derivative is "
+                   "infinite where fp16 rounded the model's output to a value the loss is "
+                   "singular at (a sigmoid saturated to 1.0 under BCELoss, a sqrt or log at 0). "
+                   "No loss scale fixes it: GradScaler skips step after step.", ev,
+                   fixes.make(["loss_on_logits", "loss_in_fp32"], context(f, step=first)),
+                   _first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"],
+                   kind="loss_backward")
 
 
 # -- the culprit of a forward/backward failure -----------------------------------------------
@@ -589,7 +766,8 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
 def _snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:
     """The replay that best describes the failure at ``step``: the first located one at or
     after it (replays land on failing steps), else the last located one before it."""
-    located = [s for s in f.snapshots if s["phase"] in ("forward", "backward")]
+    located = [s for s in f.snapshots if s["phase"] in ("forward", "backward")
+               and not _scale_explains(s)]
     if not located:
         return None
     if step is None:
@@ -758,8 +936,12 @@ def mask_pattern(op: Optional[dict]) -> Optional[str]:
         return None
     created = set(op.get("created") or ())
     name = str(op.get("op", ""))
+    # A large operand is a mask only when one input is mask-like (one negative constant where
+    # not 0): a dense residual add of two large activations making -inf is an overflow. Files
+    # written before the probe recorded mask_operand keep the old reading.
+    masky = op.get("mask_operand", True)
     if created == {"neginf"} and (abs(op.get("big_scalar") or 0) > schema.FP16_MAX
-                                  or (op.get("in_absmax") or 0) >= schema.FP16_NEAR):
+                                  or (masky and (op.get("in_absmax") or 0) >= schema.FP16_NEAR)):
         return (f"{name} turned a large negative constant "
                 f"({_fmt(-abs(op.get('big_scalar') or op.get('in_absmax') or 0))}) into -inf "
                 f"in {op.get('dtype', 'fp16')}")
@@ -797,6 +979,15 @@ def _culprit_evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence
     return ev
 
 
+def _scale_explains(snap: dict) -> bool:
+    """A backward overflow whose fp32 re-run is finite, beyond fp16 only by the loss scale: the
+    unscaled gradient (fp32 abs max / S) fits fp16, so a lower scale fixes it, which GradScaler
+    is there to find (taxonomy C0). A singularity (fp32 small, fp16 inf) is not this."""
+    scale, absmax = snap["scale"], snap["fp32_absmax"]
+    return snap["phase"] == "backward" and snap["fp32_finite"] == 1 and scale > 1 and \
+        absmax > schema.FP16_MAX and absmax / scale <= schema.FP16_MAX
+
+
 def _failure_replay(f: Facts) -> Optional[dict]:
     """The replay that locates the failure: the first forward culprit from the failure on;
     else a backward one, but only when the skipping persists (an overflow of gradients alone,
@@ -807,7 +998,7 @@ def _failure_replay(f: Facts) -> Optional[dict]:
         return forward[0]
     stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
-        backward = [s for s in after if s["phase"] == "backward"]
+        backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
     return None
 
@@ -936,6 +1127,8 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
     st = f.stats
     located = next((x for x in (st.first_forward, st.first_backward) if x and x["step"] >=
                     f.failure_step), None)
+    if located is not None and located is _root_grad_output(f):
+        located = None  # the gradient the loss sent in: rule_loss_backward's, not a module's
     score, growth = growth_evidence(f)
     where = _first_bad(f.failure_step, located["module"] if located else None,
                        located["phase"] if located else None)
@@ -1222,8 +1415,10 @@ RULES = [
     rule_unscale_twice,
     rule_state_poisoning,
     rule_adam_eps,
+    rule_accum_overflow,
     rule_bad_input,
     rule_fp16_loss,
+    rule_loss_backward,
     rule_culprit,
     rule_sampled_culprit,
     rule_grad_underflow,

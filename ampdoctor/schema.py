@@ -112,13 +112,16 @@ class Event(enum.IntEnum):
     SKIPPED = 0  # GradScaler skipped the optimizer step (found inf/NaN)
     NONFINITE_LOSS = 1
     NONFINITE_GRAD = 2  # global grad norm non-finite
+    # Reserved, never written: non-finite parameters show in /stats PARAM rows and in a
+    # replay's weights_nonfinite.
     NONFINITE_PARAM = 3  # a parameter non-finite after the optimizer step
     NONFINITE_BUFFER = 4  # a module buffer (BatchNorm stats) non-finite
     CLIP_BEFORE_UNSCALE = 5  # clip_grad_norm_ on scaled gradients
     STEP_BYPASSES_SCALER = 6  # optimizer.step() called directly while a scaler is in use
     SCALER_CREATED = 7  # a GradScaler was constructed (value: init_scale)
+    # Reserved, never written: the diagnosis derives resets from /steps scale and scale_after.
     SCALE_RESET = 8  # the scale jumped up without a growth interval's worth of clean steps
-    FP16_WITHOUT_SCALER = 9  # fp16 autocast with no (enabled) GradScaler
+    FP16_WITHOUT_SCALER = 9  # fp16 autocast with no (enabled) GradScaler (once, first step)
     UNSCALE_TWICE = 10  # unscale_ more than once per step, or per micro-batch
     FORENSICS = 11  # a forensic replay ran (value: snapshot id)
     RECORDER_ERROR = 12  # ampdoctor stepped aside after an internal failure (text: what)

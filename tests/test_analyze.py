@@ -369,6 +369,82 @@ def test_finite_fp16_loss_is_a_note_not_a_verdict():
     assert d.verdict == "healthy" and any("float16" in n for n in d.notes)
 
 
+@pytest.mark.parametrize("mask_operand,expected", [(False, None), (True, "mask"), (None, "mask")])
+def test_a_dense_add_making_minus_inf_is_not_a_mask(mask_operand, expected):
+    """Issue 16: a residual add of two large activations is an overflow; an additive mask
+    operand (or a file from before the probe recorded it) is a mask."""
+    op = {"op": "add", "created": ["neginf"], "in_absmax": 4.0e4, "big_scalar": None}
+    if mask_operand is not None:
+        op["mask_operand"] = mask_operand
+    found = rules.mask_pattern(op)
+    assert (found is not None) == (expected == "mask")
+
+
+def _loss_snap(s, step, dtype="float32", grad_nonfinite=False, **detail):
+    """A replay that found the model finite and the trouble in the loss (replay._loss_or_nothing)."""
+    loss = {"dtype": dtype, "value": 0.4, "grad_fp32": 65536.0,
+            "grad": np.inf if grad_nonfinite else 65536.0, "grad_nonfinite": grad_nonfinite}
+    detail.setdefault("loss_nonfinite", False)
+    return s.snapshot(step, "loss", output_grad_nonfinite=True, loss=loss, **detail)
+
+
+def test_calibration_skip_of_an_fp16_loss_is_healthy():
+    """Issue 16: step 0 skipped because 65536 does not fit the fp16 loss, then 300 clean steps."""
+    s = Synth(300)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.skip([0])
+    _loss_snap(s, 0, "float16", grad_nonfinite=True)
+    assert verdict(s).verdict == "healthy"
+
+
+def test_an_fp16_loss_that_overflows_later_says_what_the_replay_saw():
+    s = Synth(60)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.nan_loss(range(30, 60), value=np.inf)
+    _loss_snap(s, 30, "float16", loss_nonfinite=True)
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.first_bad["step"] == 30 and not d.causes[0].get("kind")
+    text = next(e.text for e in d.evidence if e.key == "replay_loss_phase")
+    assert "the loss (float16) is not" in text
+
+
+def _loss_backward_run(loss_dtype=DType.FLOAT32):
+    """Sigmoid + BCELoss saturating in fp16: skipping from step 12 on, every loss finite."""
+    s = Synth(150)
+    s.set("loss_dtype", loss_dtype)
+    s.skip(range(12, 150, 3))  # the scale falls 46 halvings; no loss is ever non-finite
+    return s
+
+
+def test_loss_backward_overflow_is_the_loss_not_the_model():
+    s = _loss_backward_run()
+    _loss_snap(s, 12, output_grad={"nonfinite": 3, "numel": 128, "finite_absmax": 2.5,
+                                   "output_values": [1.0]})
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
+    assert d.first_bad == {"step": 12, "module": None, "phase": "loss"}
+    assert fix_ids(d)[:2] == ["loss_on_logits", "loss_in_fp32"]
+    text = next(e.text for e in d.evidence if e.key == "replay_loss_backward")
+    assert "3 of 128" in text and "exactly 1" in text and "loss (0.4, float32)" in text
+    assert "the loss is not" not in text
+
+
+def test_loss_backward_from_a_sampled_root_gradient():
+    s = _loss_backward_run(DType.FLOAT16)
+    s.sampled([30], Kind.GRAD_OUTPUT, "Classifier", nonfinite=4)
+    s.meta["roots"] = ["Classifier"]
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes)
+
+
+def test_one_loss_backward_overflow_at_a_high_scale_is_calibration():
+    s = Synth(150)
+    s.skip([40])
+    _loss_snap(s, 40)
+    assert verdict(s).verdict == "healthy"
+
+
 # ---------------------------------------------------------------------------------------------
 # C6: GradScaler API misuse
 
@@ -423,6 +499,44 @@ def test_scaler_recreated_every_epoch():
     d = verdict(s)
     assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
     assert fix_ids(d) == ["create_scaler_once"]
+
+
+def _scaler_per_step(n=40):
+    """A GradScaler made every step: each starts at 65536 and skips (issue 16, clip_order.py
+    --scaler-per-step)."""
+    s = Synth(n).scales(np.full(n, 2.0 ** 16))
+    s.skip(range(n))
+    for i in range(n):
+        s.event(i, Event.SCALER_CREATED, value=2.0 ** 16)
+    return s
+
+
+def test_a_backward_overflow_the_scale_explains_is_not_a_second_cause():
+    s = _scaler_per_step()
+    # fc's backward overflowed at 65536; in fp32 its gradient is 2e5, 3.1 unscaled: it fits
+    # fp16 at any scale <= 16384.
+    s.snapshot(0, "backward", "fc", "Linear", fp32_finite=1, fp32_absmax=2.0e5)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes), str(d)
+    assert "fp32_island" not in fix_ids(d)
+
+
+def test_a_backward_singularity_is_still_a_culprit():
+    s = Synth(40)
+    s.skip(range(10, 40))
+    # fp16 inf, fp32 small: a derivative at a singularity, not the scale
+    s.snapshot(10, "backward", "head.clamp", "Clamp", fp32_finite=1, fp32_absmax=30.0)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "head.clamp"
+
+
+def test_a_sampled_overflow_inside_the_recalibration_is_not_listed_as_also():
+    s = _scaler_per_step()
+    s.sampled([0, 10, 20], Kind.GRAD_OUTPUT, "6", nonfinite=3)
+    d = verdict(s)
+    assert d.verdict == "clip_order"
+    assert not any(c["role"] == "also" for c in d.causes), str(d)
 
 
 def test_grads_not_zeroed_after_an_overflow():

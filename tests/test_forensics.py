@@ -270,6 +270,7 @@ def test_nonfinite_input_is_a_bad_batch(run_path, dtype, use_scaler):
     assert ev.result.detail["bad_inputs"][0]["nan"] == 1
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.INPUT and snap["fp32_finite"] == -1
+    assert list(run.events["step"][run.events["kind"] == Event.NONFINITE_INPUT]) == [2]
     culprit = run.tensors[run.tensors["id"] == snap["culprit"]][0]
     assert culprit["kind"] == Kind.INPUT
     if use_scaler:  # the step was skipped: nothing else happens
@@ -300,6 +301,49 @@ def test_fp16_loss_overflowing_when_scaled_is_the_loss(run_path):
     assert loss["grad_nonfinite"] is True
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.LOSS and snap["module"] == "" and snap["fp32_finite"] == 1
+
+
+class Saturated(nn.Module):
+    """Returns probabilities that fp16 rounds to exactly 1.0 (logits near +50)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.prob = nn.Sigmoid()
+        with torch.no_grad():
+            self.fc.bias.fill_(50.0)
+
+    def forward(self, x):
+        return self.prob(self.fc(x)).squeeze(-1)
+
+
+def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_path):
+    """Issue 16: step 0's calibration skip (an fp16 loss at 65536) does not use up the replay
+    of the first finite-loss skip; the later skip (after 8 applied steps), where sqrt(1 - p)
+    has an infinite derivative at p == 1.0, is replayed and says what it saw."""
+    model = make(Saturated)
+    sc = scaler()
+    calls = []
+
+    @outside_autocast
+    def loss_fn(out, y):
+        calls.append(1)
+        if len(calls) == 1:
+            return out.mean()  # fp16: 65536 does not fit it (calibration)
+        if len(calls) <= 9:
+            return out.float().mean()  # applied: the scale holds
+        return (1 - out.float()).sqrt().mean()  # d/dp sqrt(1 - p) = inf at p == 1.0
+
+    with record(run_path, model, sc) as rec:
+        train(model, batches(13), scaler=sc, loss_fn=loss_fn)
+    assert [e.step for e in rec.events if e.replayed] == [0, 9]
+    detail = [e for e in rec.events if e.step == 9][0].result.detail
+    assert detail["output_grad_nonfinite"] and not detail["loss_nonfinite"]
+    assert detail["output_grad"]["nonfinite"] == 8 and detail["output_grad"]["numel"] == 8
+    assert detail["output_grad"]["output_values"] == [1.0]
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
+    assert d.first_bad == {"step": 9, "module": None, "phase": "loss"}
 
 
 def test_loss_value_overflowing_fp16_without_scaler_is_the_loss(run_path):
@@ -355,6 +399,49 @@ def test_minus_inf_overflow_is_traced_to_its_producer(run_path):
     # lin makes -inf only; LayerNorm turns it into NaN. The producer is named.
     assert (ev.phase, ev.module, ev.fp32) == ("forward", "lin", "finite")
     assert "ln turned into NaN" in ev.result.detail["how"]
+
+
+class ResidualBlock(nn.Module):
+    """A pre-LN block whose own code adds -3e4 to a residual stream holding -4e4: -inf in fp16
+    made between its submodules, which ln2 then turns into NaN (issue 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.mlp, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+        with torch.no_grad():
+            self.mlp.bias[0] = -30000.0
+
+    def forward(self, x):
+        h = x + self.mlp(self.ln1(x))  # the residual add, in the block's own code
+        return h + self.out(self.ln2(h))
+
+
+class ResidualNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.block = ResidualBlock()
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.embed.bias[0] = -40000.0
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+def test_minus_inf_made_by_a_parents_own_code_is_traced_to_the_parent(run_path):
+    model = make(ResidualNet)
+    sc = scaler(2.0**8)
+    with record(run_path, model, sc) as rec:
+        train(model, batches(2), scaler=sc)
+    ev = rec.events[0]
+    assert (ev.phase, ev.module, ev.fp32) == ("forward", "block", "finite")
+    assert "its own code" in ev.result.detail["how"] and "block.ln2" in ev.result.detail["how"]
+    op = ev.result.detail["op"]
+    assert op["op"] == "add" and op["created"] == ["neginf"] and op["mask_operand"] is False
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "block"
 
 
 class MaskedNet(nn.Module):
@@ -424,6 +511,35 @@ def test_gradients_left_non_finite_by_a_skipped_zero_grad_are_named(run_path):
     assert "zero_grad" in second.result.summary
     assert "head.weight" in second.result.detail["stale_grads"]
     assert not rec.events[2].replayed  # 3rd event of the episode: rate-limited
+    run = ampdoctor.load(run_path)  # stale, and said so as an event (issue 16)
+    assert list(run.events["step"][run.events["kind"] == Event.GRAD_NOT_ZEROED]) == [2]
+
+
+def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_path):
+    """Issue 16: fp16 parameters, 12 micro-batches whose bias gradient is 8000 each: finite
+    one by one, inf once .grad sums 9 of them. Not stale gradients, and no GRAD_NOT_ZEROED."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)).half()
+    model.opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with record(run_path, model) as rec:
+        for _ in range(2):
+            for _ in range(12):
+                x = torch.full((8, 8), 0.01, dtype=torch.float16)
+                (model(x).sum() * 1000).backward()  # d/d bias of the last layer: 8000
+            model.opt.step()
+            model.opt.zero_grad(set_to_none=True)
+    ev = rec.events[0]
+    assert ev.step == 0 and (ev.phase, ev.module) == ("backward", "1")
+    acc = ev.result.detail["accum_overflow"]
+    assert acc["param"] == "1.bias" and acc["micro"] == 8 and acc["micro_batches"] == 12
+    assert acc["dtype"] == "float16" and 65504 < acc["fp32_absmax"] <= 72000
+    assert "stale_grads" not in ev.result.detail
+    run = ampdoctor.load(run_path)
+    assert not (run.events["kind"] == Event.GRAD_NOT_ZEROED).any()
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "accum_overflow" and d.first_bad == {"step": 0, "module": "1",
+                                                             "phase": "backward"}
+    assert [fx.id for fx in d.fixes][:2] == ["fp32_master_weights", "divide_loss_by_accum"]
 
 
 def test_earlier_micro_batch_gradients_are_bounded(run_path, monkeypatch):

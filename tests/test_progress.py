@@ -222,6 +222,20 @@ def test_the_weights_stopping_at_an_unchanged_lr_is_dead_units():
 # Synthetic runs: what must stay healthy
 
 
+def test_zero_gradients_at_a_zero_loss_are_convergence_not_dead_units():
+    """Issue 16: a model that fits its data exactly (loss 0.0) gets exactly 0 gradients."""
+    s = Synth(120, dtype="bfloat16", scaler=False, every=10)
+    s.set("loss", np.r_[np.linspace(0.7, 0.01, 70), np.zeros(50)])
+    d = verdict(_relu_net(s, 70, range(0, 120, 10)))
+    assert d.verdict == "healthy", str(d)
+    s = Synth(200, dtype="bfloat16", scaler=False, every=20)
+    s.set("loss", np.r_[np.linspace(0.9, 0.01, 100), np.zeros(100)])
+    s.sampled(range(0, 200, 20), Kind.PARAM, "fc.weight", norm=5.0, unchanged=0.0,
+              update=lambda i: 1e-3 if i < 100 else 1e-7)
+    assert verdict(s).verdict == "healthy"
+
+
+
 def test_structural_zeros_there_from_the_start_are_not_dead_units():
     """A large embedding: most of its gradient rows are 0 on every step (tokens not in the
     batch), and the loss is flat (a fine-tune)."""

@@ -161,6 +161,43 @@ def test_clip_before_unscale_is_an_event(run_path):
     ratio = run.steps["clip_norm"] / run.steps["grad_norm"]
     np.testing.assert_allclose(ratio, run.steps["scale"], rtol=1e-3)
     assert float(norm) > 1000
+    # max_norm is recorded (issue 16) and the diagnosis says how much the clip cut
+    assert run.meta["clip"] == {"max_norm": 1.0, "norm_type": 2.0, "foreach": None}
+    d = ampdoctor.diagnose(run_path)
+    cut = next(e for e in d.evidence if e.key == "clip_cut")
+    assert "max_norm=1" in cut.text and cut.value > 1000
+
+
+@pytest.mark.parametrize("use_scaler", [False, True])
+def test_fp16_without_scaler_is_an_event_once(run_path, use_scaler):
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True, forensics=False):
+        for x, y in __import__("helpers").batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            (scaler.scale(loss) if scaler else loss).backward()
+            scaler.step(opt) if scaler else opt.step()
+            if scaler:
+                scaler.update()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    steps = list(run.events["step"][run.events["kind"] == Event.FP16_WITHOUT_SCALER])
+    assert steps == ([] if use_scaler else [0])
+    assert bool(run.steps["flags"][0] & flag(Event.FP16_WITHOUT_SCALER)) != use_scaler
+
+
+def test_clip_config_is_recorded_without_reading_a_tensor_max_norm(run_path):
+    model, opt = fresh()
+    with ampdoctor.watch(model, opt, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(2):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=torch.tensor(0.5),
+                                           norm_type=1.0, foreach=True)
+            opt.step()
+            opt.zero_grad()
+    clip = ampdoctor.load(run_path).meta["clip"]
+    assert clip == {"max_norm": "tensor", "norm_type": 1.0, "foreach": True}
 
 
 def test_context_manager_puts_everything_back(run_path):

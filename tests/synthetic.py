@@ -20,8 +20,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from ampdoctor import schema, store
-from ampdoctor.schema import DType, Event, Kind, Phase, Source, flag
+from ampdoctor.runfile import schema, store
+from ampdoctor.runfile.schema import DType, Event, Kind, Phase, Source, flag
 
 PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "input": Phase.INPUT,
          "loss": Phase.LOSS, "none": Phase.NONE}

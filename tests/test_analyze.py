@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from ampdoctor import analyze, fixes, rules
-from ampdoctor.analyze import diagnose
-from ampdoctor.facts import Facts, fp16_rounds_to_zero, runs_of
-from ampdoctor.schema import DType, Event, Kind
+from ampdoctor.diagnosis import engine as analyze, fixes, rules
+from ampdoctor.diagnosis.engine import diagnose
+from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero, runs_of
+from ampdoctor.runfile.schema import DType, Event, Kind
 
 from synthetic import Synth, grow
 

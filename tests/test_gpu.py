@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor import stats
+from ampdoctor.record import stats
 
 from helpers import fresh
 

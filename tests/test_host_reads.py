@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import ampdoctor
-from ampdoctor import readback
+from ampdoctor.record import readback
 
 from helpers import TinyNet
 

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from ampdoctor import analyze, curve, progress  # analyze first: it loads the rules
-from ampdoctor.analyze import diagnose
-from ampdoctor.facts import Facts
-from ampdoctor.schema import Kind
+from ampdoctor.diagnosis import engine as analyze, curve, progress  # analyze first: it loads the rules
+from ampdoctor.diagnosis.engine import diagnose
+from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.runfile.schema import Kind
 
 from synthetic import Synth
 

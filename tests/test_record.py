@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 import ampdoctor
-from ampdoctor import launch, ranks, schema, store
-from ampdoctor.schema import Event, Phase, flag
+from ampdoctor.record import launch
+from ampdoctor.diagnosis import ranks
+from ampdoctor.runfile import schema, store
+from ampdoctor.runfile.schema import Event, Phase, flag
 
 from conftest import PYTHON, ROOT, python_env
 
@@ -374,7 +376,7 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
 
 
 def test_bootstrap_and_launcher_agree():
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     from ampdoctor import cli
 

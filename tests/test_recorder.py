@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor import patches, schema
-from ampdoctor.schema import Event, Kind, Source, flag
+from ampdoctor.record import patches
+from ampdoctor.runfile import schema
+from ampdoctor.runfile.schema import Event, Kind, Source, flag
 
 from helpers import TinyNet, fresh, train
 
@@ -220,7 +221,7 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
     ref_model, ref_opt = fresh()
     ref_losses = train(ref_model, ref_opt, None, steps=4, dtype=torch.bfloat16)
 
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     def broken(self):
         raise RuntimeError("boom")
@@ -236,7 +237,7 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
 
 
 def test_strict_mode_raises(run_path, monkeypatch):
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
     from ampdoctor.errors import RecorderFault
 
     monkeypatch.setattr(recorder.Recorder, "_end_step", lambda self: 1 / 0)

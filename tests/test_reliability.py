@@ -18,7 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from ampdoctor import analyze, schema, store
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.runfile import schema, store
 
 from conftest import PYTHON, ROOT, python_env
 
@@ -340,7 +341,7 @@ _AUDIT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[3])
 from reliability_tools import read_everything
-from ampdoctor import store
+from ampdoctor.runfile import store
 from ampdoctor.errors import RunFileError
 
 def arrays(path):
@@ -629,7 +630,7 @@ import json, os, resource, signal, sys, warnings
 sys.path.insert(0, sys.argv[3])
 import torch
 import test_reliability as t
-from ampdoctor import store
+from ampdoctor.runfile import store
 
 path, limit = sys.argv[1], int(sys.argv[2])
 plain = t._plain(30)

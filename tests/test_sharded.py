@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor import ranks, schema, sharding
-from ampdoctor.schema import Event, Kind, Phase, flag
+from ampdoctor.diagnosis import ranks
+from ampdoctor.runfile import schema
+from ampdoctor.record import sharding
+from ampdoctor.runfile.schema import Event, Kind, Phase, flag
 
 from conftest import PYTHON, ROOT, python_env
 

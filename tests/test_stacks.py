@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor import analyze, readiness, release
-from ampdoctor.schema import Kind
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.release import readiness, report as release
+from ampdoctor.runfile.schema import Kind
 
 from conftest import PYTHON, ROOT, python_env
 
@@ -428,7 +429,7 @@ def test_an_evaluation_outside_autocast_does_not_change_the_runs_dtype(run_path)
 
 FAULT = textwrap.dedent("""
     import sys, torch, torch.nn as nn, torch.nn.functional as F
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     at = int(sys.argv[1])
     torch.manual_seed(0)

@@ -34,9 +34,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import ranks, schema
+from ..diagnosis import ranks
+from ..runfile import schema
 from ..errors import RunFileError, RunNotFoundError
-from ..schema import Source
+from ..runfile.schema import Source
 
 # A file that does not change for this long, whose writer's host is not this one, is taken
 # as abandoned (its writer killed with its node). A writer flushes at least every second while
@@ -103,7 +104,7 @@ class RankState:
     _steps: Any = None
 
     def __post_init__(self) -> None:
-        from ..store import TENSOR_VIEW, _decoded
+        from ..runfile.store import TENSOR_VIEW, _decoded
 
         self._steps = _Grow(schema.STEPS)
         self.tensors = np.zeros(0, TENSOR_VIEW)
@@ -188,7 +189,7 @@ class RankState:
     def run(self) -> Any:
         """The run so far as a ``store.Run`` (statistics: the latest sampled step's rows),
         which the analysis side's functions take as they take a loaded run."""
-        from ..store import Run, Table
+        from ..runfile.store import Run, Table
 
         groups = np.zeros(len(self.lr), schema.GROUPS)
         groups["group"] = list(self.lr)
@@ -227,7 +228,7 @@ class _Source:
     """One file being followed: its open ``Tail``, its state, and when it last changed."""
 
     def __init__(self, path: str, stale: float, layers: bool):
-        from ..store import Tail
+        from ..runfile.store import Tail
 
         self.path = path
         self.layers = layers

@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import ranks
-from ..readiness import fp16_readiness, plain, precision
-from ..release import Summary, summarize
-from ..schema import FP16_MAX, Event
+from ..diagnosis import ranks
+from ..release.readiness import fp16_readiness, plain, precision
+from ..release.report import Summary, summarize
+from ..runfile.schema import FP16_MAX, Event
 
 # Layers shown: the nearest to fp16's max, then the gradients most underflowing.
 NEAREST_MAX = 3
@@ -276,7 +276,7 @@ def latest_event(run: Any) -> Optional[EventLine]:
 
 def events(run: Any) -> list[EventLine]:
     """Every forensic replay of a run (its /snapshots), oldest first."""
-    from ..facts import Facts
+    from ..diagnosis.facts import Facts
 
     snaps = Facts(run).snapshots
     return [_event_line(s, len(snaps)) for s in snaps]

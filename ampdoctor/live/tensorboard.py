@@ -42,9 +42,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import MissingExtraError, RunFileError
-from ..layers import KIND_LABELS, GRAD_KINDS
-from ..readiness import underflow_share
-from ..schema import Kind, Source
+from ..release.layers import KIND_LABELS, GRAD_KINDS
+from ..release.readiness import underflow_share
+from ..runfile.schema import Kind, Source
 from .follow import STALE_SECONDS, Follower
 
 LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
@@ -173,7 +173,7 @@ class _RunWriter:
     def _forensics(self, snapshots: np.ndarray, state: Any) -> None:
         if not len(snapshots):
             return
-        from ..store import Run
+        from ..runfile.store import Run
         from .frame import events
 
         lines = events(Run(snapshots=snapshots))
@@ -257,8 +257,9 @@ def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
     """The diagnosis as Markdown text, at the last step of each run written."""
     if not paths or not writers or not done.steps:
         return
-    from .. import analyze, report
-    from ..store import load
+    from ..diagnosis import engine as analyze
+    from ..render import diagnosis as report
+    from ..runfile.store import load
 
     d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
     text = report.render(d, "markdown")

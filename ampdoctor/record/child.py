@@ -27,7 +27,9 @@ import sys
 import warnings
 from typing import Any, Optional
 
-from . import launch, ranks, schema
+from . import launch
+from ..diagnosis import ranks
+from ..runfile import schema
 
 _SESSION: Optional["Session"] = None
 
@@ -74,7 +76,7 @@ class Session:
 
 def _placeholder(path: str) -> bool:
     """A finished run with no step: what a never-training process of this recording left."""
-    from .store import load
+    from ..runfile.store import load
 
     try:
         with load(path) as run:

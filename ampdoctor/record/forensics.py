@@ -74,11 +74,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import compiled, replay, schema, sharding, stats
-from .errors import AmpDoctorError
+from . import compiled, replay, sharding, stats
+from ..runfile import schema
+from ..errors import AmpDoctorError
 from .replay import Capture, Finding
 from .sampler import tensors_in
-from .schema import Event, Phase, Source
+from ..runfile.schema import Event, Phase, Source
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay

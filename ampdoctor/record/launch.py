@@ -14,7 +14,7 @@ the file it writes into site-packages)::
    - the settings in ``AMPDOCTOR_*`` variables, which launchers that re-exec their workers
      (torchrun, accelerate) pass on with the rest of the environment.
 2. Inside each of those interpreters nothing happens until torch is imported (a script that
-   never imports torch records nothing); then ``ampdoctor.child`` starts a recorder that finds
+   never imports torch records nothing); then ``ampdoctor.record.child`` starts a recorder that finds
    the model, optimizer and scaler itself, and creates its file at the first sign of training.
 3. ``record`` forwards SIGINT and SIGTERM, waits, prints what was recorded on stderr, and exits
    with the command's own exit code. stdin, stdout and stderr are the command's.
@@ -34,8 +34,8 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from . import ranks
-from .errors import RecordError, RunFileError
+from ..diagnosis import ranks
+from ..errors import RecordError, RunFileError
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
@@ -278,7 +278,7 @@ def start_line(settings: Settings) -> str:
 def summary(settings: Settings) -> str:
     """One line: what was recorded, the diagnosis and its first bad step (``diagnose``'s own,
     so that the two never disagree), the command to run next."""
-    from .store import load
+    from ..runfile.store import load
 
     files = ranks.related_files(settings.output)
     if not files:
@@ -349,7 +349,7 @@ def _skipped(outlines: list[dict]) -> str:
 def _verdict(settings: Settings, ranked: bool) -> str:
     """``diagnose``'s verdict and first bad step, "lr_overflow, first bad at step 4 in
     blocks.0.attn (backward)", or "" when the run cannot be diagnosed (the line says less)."""
-    from .analyze import diagnose
+    from ..diagnosis.engine import diagnose
 
     try:
         d = diagnose(settings.output)

@@ -38,10 +38,12 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from . import __version__, amp_state, compiled, patches, readback, schema, sharding, stats, store
-from .errors import AmpDoctorError, RecorderFault
+from .. import __version__
+from . import amp_state, compiled, patches, readback, sharding, stats
+from ..runfile import schema, store
+from ..errors import AmpDoctorError, RecorderFault
 from .sampler import Sampler
-from .schema import Event, Kind, flag
+from ..runfile.schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
@@ -305,7 +307,7 @@ class Recorder:
 
     def diagnose(self, **options: Any):
         """Diagnose what was recorded so far (same result as ``ampdoctor diagnose <path>``)."""
-        from .analyze import diagnose
+        from ..diagnosis.engine import diagnose
 
         if not self.closed:
             self.flush()

@@ -48,9 +48,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from . import patches, schema, stats
+from . import patches, stats
+from ..runfile import schema
 from .sampler import tensors_in
-from .schema import Kind, Phase
+from ..runfile.schema import Kind, Phase
 
 CLEAN, SOFT, HARD = 0, 1, 2
 ROOT_INPUT, UNKNOWN = -1, -2  # sources of a module input that no module call produced

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from . import schema, stats
+from ..runfile import schema
+from . import stats
 from .sharding import local
-from .schema import Kind, Source
+from ..runfile.schema import Kind, Source
 
 MAX_DEPTH = 4  # nesting of tuples/lists/dicts searched for tensors in a module output
 

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import schema
+from ..runfile import schema
 from .sharding import local
 
 SAMPLE = 1024  # elements gathered per tensor in sampled mode (see README: Performance)

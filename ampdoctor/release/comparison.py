@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import layers as _layers
-from .errors import AmpDoctorError
+from ..errors import AmpDoctorError
 from .layers import Kind
 from .readiness import Readiness, fp16_readiness, plain, precision
 
@@ -106,12 +106,12 @@ class Comparison:
         return plain(out)
 
     def __str__(self) -> str:
-        from .report_release import render_comparison
+        from ..render.release import render_comparison
 
         return render_comparison(self, "text")
 
     def _repr_markdown_(self) -> str:
-        from .report_release import render_comparison
+        from ..render.release import render_comparison
 
         return render_comparison(self, "markdown")
 
@@ -138,13 +138,13 @@ class _opened:
         self.run = None
 
     def __enter__(self) -> Any:
-        from .store import Run, load
+        from ..runfile.store import Run, load
 
         if isinstance(self.given, Run):
             return self.given
         if not isinstance(self.given, (str, os.PathLike)):
             raise TypeError(f"compare() takes paths or Runs, not {type(self.given).__name__}")
-        from . import ranks
+        from ..diagnosis import ranks
 
         # A torchrun recording: rank 0 stands for the training (the ranks share the loss).
         self.run = load(ranks.resolve(os.fspath(self.given))[0])

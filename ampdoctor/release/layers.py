@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .schema import Kind, Source
+from ..runfile.schema import Kind, Source
 
 # Kinds whose values pass through the autocast dtype, and what a reader calls them.
 KIND_LABELS = {

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import layers as _layers
 from .layers import GRAD_KINDS, VALUE_KINDS
-from .schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 

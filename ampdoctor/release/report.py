@@ -23,7 +23,7 @@ import numpy as np
 
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
-from .schema import Event, flag
+from ..runfile.schema import Event, flag
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
 RANGE_VERDICTS = {"grad_underflow", "masked_underflow", "lr_overflow", "unstable_op",
@@ -108,12 +108,12 @@ class ReleaseReport:
 
     def html(self) -> str:
         """The self-contained page ``ampdoctor report`` writes (draws the figures)."""
-        from .report_release import render_release
+        from ..render.release import render_release
 
         return render_release(self, "html")
 
     def markdown(self) -> str:
-        from .report_release import render_release
+        from ..render.release import render_release
 
         return render_release(self, "markdown")
 
@@ -137,11 +137,11 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     baseline (fp32 or bf16) run of the same training; options go to ``compare``. ``parity``:
     a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
     json`` wrote, shown as the layer parity section."""
-    from . import analyze, ranks
-    from .store import Run, load
+    from ..diagnosis import engine as analyze, ranks
+    from ..runfile.store import Run, load
 
     if isinstance(parity, (str, os.PathLike)):
-        from .preflight.parity_result import load as load_parity
+        from ..preflight.parity_result import load as load_parity
 
         parity = load_parity(os.fspath(parity))
 
@@ -208,7 +208,7 @@ def _skips(out: Summary, run: Any, bad_loss: np.ndarray) -> None:
     """Skipped steps, with GradScaler's initial calibration told apart as the diagnosis tells
     it (``facts.scale_story``): skips from the first step, with a finite loss, until the scale
     fits are how GradScaler works, so the rate that matters starts after them."""
-    from .facts import scale_story
+    from ..diagnosis.facts import scale_story
 
     s = run.steps
     skipped = s["skipped"] == 1

@@ -10,7 +10,7 @@ import math
 import textwrap
 from typing import Any
 
-from .analyze import Diagnosis
+from ..diagnosis.engine import Diagnosis
 
 FORMATS = ("text", "json", "markdown")
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from typing import Any, Iterable
 
-from .errors import AmpDoctorError
+from ..errors import AmpDoctorError
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 

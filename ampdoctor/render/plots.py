@@ -11,7 +11,7 @@ GradScaler: no scale curve; no sampled step: no per-layer figures).
 
 Example::
 
-    from ampdoctor import plots
+    from ampdoctor.render import plots
     with ampdoctor.load("run.h5") as run:
         figs = plots.figures(run, ampdoctor.diagnose(run))
         open("scale.png", "wb").write(plots.png(figs["scale"]))
@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import layers as _layers
-from .schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
+from ..release import layers as _layers
+from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
 MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)
 WIDTH, HEIGHT = 8.0, 3.0  # inches; at 100 dpi an 800x300 image
@@ -204,7 +204,7 @@ def grad_underflow_figure(run: Any, readiness: Any = None,
                           top: int = TOP_GRAD_LAYERS) -> Optional[Any]:
     """Per gradient layer: the share that flushes to zero in fp16 and the share that is
     subnormal (precision lost), at the worst sampled step."""
-    from .readiness import fp16_readiness
+    from ..release.readiness import fp16_readiness
 
     r = readiness if readiness is not None else fp16_readiness(run)
     grads = [x for x in r.layers if x.is_grad]

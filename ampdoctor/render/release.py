@@ -18,9 +18,9 @@ import json
 import math
 from typing import Any, Optional
 
-from . import __version__
-from .comparison import percent as _pct
-from .report import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
+from .. import __version__
+from ..release.comparison import percent as _pct
+from .diagnosis import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")
 COMPARE_FORMATS = ("text", "json", "markdown")
@@ -299,7 +299,7 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     if r.comparison is not None:
         out += [comparison_markdown(r.comparison, level=2).rstrip(), ""]
     if r.parity is not None:
-        from .preflight.parity_result import render_markdown as parity_markdown
+        from ..preflight.parity_result import render_markdown as parity_markdown
 
         out += [parity_markdown(r.parity, level=2).rstrip(), ""]
     if images:
@@ -374,7 +374,7 @@ def release_html(r: Any) -> str:
     if r.comparison is not None:
         parts.append(_comparison_html(r.comparison, images))
     if r.parity is not None:
-        from .preflight.parity_result import render_html as parity_html
+        from ..preflight.parity_result import render_html as parity_html
 
         parts.append(parity_html(r.parity))
     for note in r.notes:

@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from . import __version__
+from .. import __version__
 from . import schema
-from .errors import FormatTooNewError, RunFileError
+from ..errors import FormatTooNewError, RunFileError
 
 # ---------------------------------------------------------------------------------------------
 # Writing

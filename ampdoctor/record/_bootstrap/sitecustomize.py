@@ -5,7 +5,7 @@ starts (the script, torchrun's workers, helper processes) runs this file at star
 little as it can there:
 
 1. it waits for ``import torch`` with a one-shot import hook; only then does it load ampdoctor
-   and start recording (``ampdoctor.child``). A script that never imports torch loads nothing
+   and start recording (``ampdoctor.record.child``). A script that never imports torch loads nothing
    of ampdoctor and records nothing;
 2. it runs the ``sitecustomize`` this one hides (the user's own, or the distribution's), the
    way coverage.py's subprocess support does.
@@ -18,16 +18,16 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(_HERE)  # the ampdoctor package this bootstrap belongs to
-_ACTIVE = "AMPDOCTOR_RECORD"  # = ampdoctor.launch.ENV_ACTIVE (not imported: startup stays light)
+_ACTIVE = "AMPDOCTOR_RECORD"  # = ampdoctor.record.launch.ENV_ACTIVE (not imported: startup stays light)
 
 
 def _start_recording():
     """torch has just been imported: start ampdoctor's recorder in this process."""
     try:
         _ampdoctor()
-        import ampdoctor.child
+        import ampdoctor.record.child
 
-        ampdoctor.child.start()
+        ampdoctor.record.child.start()
     except Exception as exc:  # noqa: BLE001 - never stop the user's script from starting
         sys.stderr.write("ampdoctor: not recording this process (%s: %s)\n"
                          % (type(exc).__name__, exc))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from .schema import Event, Phase, flag
+from ..runfile.schema import Event, Phase, flag
 
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
@@ -88,7 +88,7 @@ def outline(run: Any) -> dict:
         with ampdoctor.load("run.h5") as run:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
-    from .analyze import Facts
+    from .engine import Facts
     from .facts import recording_stopped
 
     steps = run.steps
@@ -140,8 +140,8 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
         d = ranks.diagnose_files(ranks.rank_files("run.h5"))
         d.first_bad["rank"], d.run["ranks"]
     """
-    from . import analyze
-    from .store import load
+    from . import engine as analyze
+    from ..runfile.store import load
 
     per_rank = []
     with contextlib.ExitStack() as stack:
@@ -219,7 +219,7 @@ def per_shard(d: Any, meta: dict) -> Any:
 def combine_into(run: Any, others: list[str]) -> int:
     """``combine_grad_norms`` for one loaded rank file (the report's curves), reading the
     other ranks' files ``others`` only for their shares."""
-    from .store import load
+    from ..runfile.store import load
 
     with contextlib.ExitStack() as stack:
         return combine_grad_norms([run] + [stack.enter_context(load(p)) for p in others])
@@ -256,7 +256,7 @@ def _scales(run: Any) -> dict[int, float]:
 
 def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
     """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale})."""
-    from .analyze import Evidence
+    from .engine import Evidence
 
     outlines = [o for o, _, _ in per_rank]
     origin = first_rank(outlines)

@@ -35,10 +35,10 @@ from typing import Optional
 import numpy as np
 
 from . import curve, fixes
-from .analyze import SHORT_RUN, Evidence, Finding
+from .engine import SHORT_RUN, Evidence, Finding
 from .facts import Facts
 from .rules import PRIORITY, UNCHANGED_HIGH, _first_bad, _fmt, context
-from .schema import Kind
+from ..runfile.schema import Kind
 
 # -- thresholds ------------------------------------------------------------------------------
 # (the loss curve's own thresholds, spike and recovery, are in curve.py)

@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from . import schema
+from ..runfile import schema
 from .facts import Facts
 from .fixes import Fix
-from .schema import Event
+from ..runfile.schema import Event
 
 VERDICTS = {
     "healthy": "no failure; GradScaler calibration and probing skips are normal",
@@ -107,12 +107,12 @@ class Diagnosis:
         return _finite(json.loads(json.dumps(asdict(self), default=_jsonable)))
 
     def __str__(self) -> str:
-        from .report import render_text
+        from ..render.diagnosis import render_text
 
         return render_text(self)
 
     def _repr_markdown_(self) -> str:
-        from .report import render_markdown
+        from ..render.diagnosis import render_markdown
 
         return render_markdown(self)
 
@@ -147,7 +147,7 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
         d = ampdoctor.diagnose("run.h5")
         d.verdict, d.first_bad, [fx.id for fx in d.fixes]
     """
-    from .store import Run, load
+    from ..runfile.store import Run, load
 
     if isinstance(run, (str, os.PathLike, list, tuple)):
         from . import ranks  # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together

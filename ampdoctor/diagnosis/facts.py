@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import curve, schema
-from .schema import DType, Event, Kind, Phase, Source, flag
+from . import curve
+from ..runfile import schema
+from ..runfile.schema import DType, Event, Kind, Phase, Source, flag
 
 # GradScaler's calibration: it starts above what the net needs and halves on each overflow, so
 # a run of consecutive skipped steps with a finite loss at the very start is normal (taxonomy

@@ -19,10 +19,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import fixes, schema
-from .analyze import Evidence, Finding
+from . import fixes
+from ..runfile import schema
+from .engine import Evidence, Finding
 from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
-from .schema import DType, Event, Kind
+from ..runfile.schema import DType, Event, Kind
 
 # -- thresholds ------------------------------------------------------------------------------
 

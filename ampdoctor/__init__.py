@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import display
 from .errors import AmpDoctorError, FormatTooNewError, RunFileError
 
 __version__ = "0.1.0"
@@ -47,6 +48,16 @@ __all__ = [
     "watch",
     "__version__",
 ]
+
+
+def _load_renderers() -> object:
+    import importlib
+
+    return importlib.import_module("ampdoctor.render")
+
+
+# The composition root: data objects print through renderers they never import.
+display.set_loader(_load_renderers)
 
 
 def watch(model: Any = None, optimizer: Any = None, scaler: Any = None, path: str = "run.h5",
@@ -148,10 +159,10 @@ def fp16_readiness(run: Any) -> "Readiness":
 
     if isinstance(run, Run):
         return _readiness(run)
-    from .diagnosis import ranks
+    from .runfile import paths
     from .runfile.store import load as _load
 
-    with _load(ranks.resolve(run)[0]) as loaded:
+    with _load(paths.resolve(run)[0]) as loaded:
         return _readiness(loaded)
 
 
@@ -162,7 +173,7 @@ def __getattr__(name: str) -> Any:
 
         return Run
     if name == "Diagnosis":
-        from .diagnosis.engine import Diagnosis
+        from .diagnosis.verdict import Diagnosis
 
         return Diagnosis
     if name == "Comparison":

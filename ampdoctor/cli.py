@@ -102,11 +102,10 @@ def dump(run: str) -> None:
     \b
         ampdoctor dump run.h5
     """
-    from .diagnosis import ranks
     from .render import diagnosis as report
-    from .runfile import store
+    from .runfile import paths, store
 
-    for path in ranks.resolve(run):
+    for path in paths.resolve(run):
         click.echo(report.render_dump(store.inspect(path)), nl=False)
 
 

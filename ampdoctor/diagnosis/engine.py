@@ -14,126 +14,25 @@ Verdict ids are a public contract (JSON, exit codes, tests, README):
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
 from ..runfile import schema
-from .facts import Facts
-from .fixes import Fix
 from ..runfile.schema import Event
+from ..runfile.paths import resolve
+from . import progress as _progress  # failures without a NaN
+from . import ranks
+from . import rules as _rules
+from .facts import Facts
+from .thresholds import RUNAWAY_SCALE, SHORT_RUN
+from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
-VERDICTS = {
-    "healthy": "no failure; GradScaler calibration and probing skips are normal",
-    "grad_underflow": "fp16 gradients flush to zero: no GradScaler, or a scale stuck low",
-    "masked_underflow": "the scale looks healthy but some layers' gradients flush anyway",
-    "lr_overflow": "weights and activations grow with the LR until fp16 overflows",
-    "unstable_op": "one op overflows fp16 (or its backward goes NaN) while weights are steady",
-    "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
-    "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
-    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
-    "fp16_loss": "the loss is computed in fp16 and overflows while the model is finite",
-    "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
-                  "scaler, scaler re-created, grads not zeroed, calls out of order",
-    "bf16_precision": "bf16 weights updated in place: small updates round away",
-    "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
-    "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
-    "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
-    "scale_collapse": "the scale fell persistently and no root cause could be told",
-    "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
-    "no_training": "no optimizer step was recorded",
-    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
-                         "kept; the script itself may have trained",
-}
-# Verdicts with no step to diagnose (the CLI exits 2 on them).
-EMPTY = ("no_training", "recording_stopped")
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
-
-
-@dataclass
-class Evidence:
-    """One number that decided something, with where and when it was seen."""
-
-    text: str
-    key: str = ""
-    value: Optional[float] = None
-    step: Optional[int] = None
-    module: Optional[str] = None
-
-
-@dataclass
-class Finding:
-    """What one rule concluded."""
-
-    verdict: str
-    confidence: float
-    summary: str
-    evidence: list[Evidence] = field(default_factory=list)
-    fixes: list[Fix] = field(default_factory=list)
-    first_bad: Optional[dict] = None
-    root: bool = True  # False: a consequence of some other cause (scale collapse, underflow)
-    priority: int = 50  # among root causes, the higher wins
-    kind: str = ""  # a sub-class, e.g. clip_order's "step_bypasses_scaler"
-
-
-@dataclass
-class Diagnosis:
-    """The answer for one run. Rendered by ``report``.
-
-    In a notebook it displays itself; ``str(d)`` is the text ``ampdoctor diagnose`` prints.
-    """
-
-    verdict: str
-    confidence: float
-    summary: str
-    first_bad: Optional[dict]
-    causes: list[dict]
-    evidence: list[Evidence]
-    fixes: list[Fix]
-    run: dict
-    notes: list[str] = field(default_factory=list)
-    history: dict = field(default_factory=dict)  # scale/LR/loss around the first bad step
-
-    @property
-    def healthy(self) -> bool:
-        return self.verdict == "healthy"
-
-    def to_dict(self) -> dict:
-        """Plain JSON-safe data: NaN becomes null, infinities the strings "inf"/"-inf"."""
-        return _finite(json.loads(json.dumps(asdict(self), default=_jsonable)))
-
-    def __str__(self) -> str:
-        from ..render.diagnosis import render_text
-
-        return render_text(self)
-
-    def _repr_markdown_(self) -> str:
-        from ..render.diagnosis import render_markdown
-
-        return render_markdown(self)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)
-
+__all__ = ["EMPTY", "RULES", "VERDICTS", "Diagnosis", "Evidence", "Finding", "diagnose"]
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
@@ -150,11 +49,10 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     from ..runfile.store import Run, load
 
     if isinstance(run, (str, os.PathLike, list, tuple)):
-        from . import ranks  # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
-
-        paths = ranks.resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
+        # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
+        paths = resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
         if len(paths) > 1:
-            return ranks.diagnose_files(paths, rules=rules)
+            return diagnose_files(paths, rules=rules)
         with load(paths[0]) as loaded:
             return diagnose(loaded, rules=rules)
     if not isinstance(run, Run):
@@ -162,9 +60,33 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     facts = Facts(run)
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
-    from . import ranks
-
     return ranks.per_shard(_conclude(facts, findings), run.meta)
+
+
+def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None):
+    """Diagnose the rank files of one run together; returns one ``Diagnosis``.
+
+    Example::
+
+        d = engine.diagnose_files(paths.rank_files("run.h5"))
+        d.first_bad["rank"], d.run["ranks"]
+    """
+    from ..runfile.store import load
+
+    per_rank = []
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(load(path)) for path in paths]
+        combined = ranks.combine_grad_norms(runs)
+        for run in runs:
+            per_rank.append((ranks.outline(run), diagnose(run, rules=rules),
+                             ranks.scales(run)))
+    per_rank.sort(key=lambda item: item[0]["rank"])
+    d = ranks.merge(per_rank)
+    if combined:
+        d.notes.append(f"The global gradient norm of {combined} steps was combined from the "
+                       f"{len(runs)} ranks' shards (no clip_grad_norm_ ran on them): the "
+                       "square root of the sum of each rank's squared share.")
+    return d
 
 
 def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
@@ -349,12 +271,6 @@ def _num(x: float) -> Optional[float]:
     return float(x) if x is not None and math.isfinite(x) else None
 
 
-# Below this many steps a run is "short": trends need several sampled steps.
-SHORT_RUN = 50
-# taxonomy §3: a "runaway" scale, S >= 2**24 and rising, means gradients ~0 (C8b).
-RUNAWAY_SCALE = 2.0 ** 24
-
-
 def notes(f: Any, top: Finding) -> list[str]:
     """What the diagnosis could and could not tell from this run, and risks worth knowing."""
     out = _status_notes(f)
@@ -366,7 +282,7 @@ def notes(f: Any, top: Finding) -> list[str]:
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
     out += _coverage_notes(f, top)
-    from . import ranks  # a sharded (FSDP) run: per-shard numbers, replay off
+    # a sharded (FSDP) run: per-shard numbers, replay off
 
     out += ranks.sharding_notes(f.meta, f.steps)
     out += _compiled_notes(f)
@@ -500,9 +416,5 @@ def _risks(f: Any) -> list[str]:
                    "calibrated its scale: normal.")
     return out
 
-
-from . import rules as _rules  # noqa: E402 - the rules import this module's dataclasses
-
-from . import progress as _progress  # noqa: E402 - failures without a NaN (uses rules' helpers)
 
 RULES = _rules.RULES + _progress.RULES

@@ -21,6 +21,7 @@ import numpy as np
 from . import curve
 from ..runfile import schema
 from ..runfile.schema import DType, Event, Kind, Phase, Source, flag
+from .thresholds import LOW_SCALE
 
 # GradScaler's calibration: it starts above what the net needs and halves on each overflow, so
 # a run of consecutive skipped steps with a finite loss at the very start is normal (taxonomy
@@ -28,9 +29,6 @@ from ..runfile.schema import DType, Event, Kind, Phase, Source, flag
 # halvings; a calibration that has to go below a scale of 1 has found no working scale at all
 # (pytorch#99640: "there is likely no valid scale for which fp16 works").
 MIN_CALIBRATED_SCALE = 1.0
-# taxonomy §3: a "low" scale, S <= 2**3, no longer lifts small fp16 gradients out of the
-# subnormal band; a fall that ends above it is the scale adapting, not collapsing.
-COLLAPSED_SCALE = 8.0
 # After calibration GradScaler probes upward once per growth_interval and backs off once:
 # about one skip per interval in a steady state (taxonomy C0: ~0.05 %). Early in training the
 # gradients still grow and each growth costs a skip and a halving (apex#864, DeepSpeed#931:
@@ -111,7 +109,7 @@ class ScaleStory:
         that found no scale >= 1."""
         low = min(self.min_scale, self.final_scale)
         return self.has_scaler and (self.terminal_run >= 3 or (
-            self.halvings >= 8 and low <= COLLAPSED_SCALE) or (
+            self.halvings >= 8 and low <= LOW_SCALE) or (
             self.calib_len >= 3 and not self.calib_level >= MIN_CALIBRATED_SCALE))
 
 

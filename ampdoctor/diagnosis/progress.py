@@ -35,9 +35,10 @@ from typing import Optional
 import numpy as np
 
 from . import curve, fixes
-from .engine import SHORT_RUN, Evidence, Finding
+from .thresholds import SHORT_RUN, UNCHANGED_HIGH
+from .verdict import Evidence, Finding
 from .facts import Facts
-from .rules import PRIORITY, UNCHANGED_HIGH, _first_bad, _fmt, context
+from .rules import PRIORITY, _first_bad, _fmt, context
 from ..runfile.schema import Kind
 
 # -- thresholds ------------------------------------------------------------------------------

@@ -18,62 +18,17 @@ numpy only, like the rest of the analysis side.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
-import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
+from ..runfile.paths import run_name
 from ..runfile.schema import Event, Phase, flag
 
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
 LOCAL_PHASES = (Phase.INPUT, Phase.FORWARD, Phase.LOSS)
-
-
-def rank_path(path: str, rank: int) -> str:
-    """The file of one rank: ``rank_path("out/run.h5", 1) == "out/run.rank1.h5"``."""
-    stem, ext = os.path.splitext(os.fspath(path))
-    return f"{stem}.rank{rank}{ext}"
-
-
-def pid_path(path: str, pid: int) -> str:
-    """Where a second training process of one recording writes: ``run.pid4242.h5``."""
-    stem, ext = os.path.splitext(os.fspath(path))
-    return f"{stem}.pid{pid}{ext}"
-
-
-def rank_files(path: str) -> list[str]:
-    """The ``run.rank{R}.h5`` files beside ``path``, ordered by rank."""
-    return _siblings(path, "rank")
-
-
-def related_files(path: str) -> list[str]:
-    """Every file a recording into ``path`` may have written: itself, rank and pid files."""
-    found = [os.fspath(path)] if os.path.exists(path) else []
-    return found + rank_files(path) + _siblings(path, "pid")
-
-
-def _siblings(path: str, kind: str) -> list[str]:
-    stem, ext = os.path.splitext(os.fspath(path))
-    pattern = re.compile(re.escape(os.path.basename(stem)) + rf"\.{kind}(\d+)" + re.escape(ext)
-                         + "$")
-    found = []
-    for candidate in glob.glob(glob.escape(stem) + f".{kind}*{ext}"):
-        match = pattern.match(os.path.basename(candidate))
-        if match and os.path.isfile(candidate):
-            found.append((int(match.group(1)), candidate))
-    return [p for _, p in sorted(found)]
-
-
-def resolve(path: str) -> list[str]:
-    """What ``diagnose path`` reads: the file itself, else its rank files, else ``[path]``
-    (so that reading it raises the usual "no such file")."""
-    path = os.fspath(path)
-    if os.path.exists(path):
-        return [path]
-    return rank_files(path) or [path]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,8 +43,7 @@ def outline(run: Any) -> dict:
         with ampdoctor.load("run.h5") as run:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
-    from .engine import Facts
-    from .facts import recording_stopped
+    from .facts import Facts, recording_stopped
 
     steps = run.steps
     flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)
@@ -130,33 +84,6 @@ def outline(run: Any) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Diagnosing the ranks together
-
-
-def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None):
-    """Diagnose the rank files of one run together; returns one ``analyze.Diagnosis``.
-
-    Example::
-
-        d = ranks.diagnose_files(ranks.rank_files("run.h5"))
-        d.first_bad["rank"], d.run["ranks"]
-    """
-    from . import engine as analyze
-    from ..runfile.store import load
-
-    per_rank = []
-    with contextlib.ExitStack() as stack:
-        runs = [stack.enter_context(load(path)) for path in paths]
-        combined = combine_grad_norms(runs)
-        for run in runs:
-            per_rank.append((outline(run), analyze.diagnose(run, rules=rules),
-                             _scales(run)))
-    per_rank.sort(key=lambda item: item[0]["rank"])
-    d = merge(per_rank)
-    if combined:
-        d.notes.append(f"The global gradient norm of {combined} steps was combined from the "
-                       f"{len(runs)} ranks' shards (no clip_grad_norm_ ran on them): the "
-                       "square root of the sum of each rank's squared share.")
-    return d
 
 
 LOCAL_NORM = flag(Event.GRAD_NORM_LOCAL)
@@ -249,14 +176,14 @@ def sharding_notes(meta: dict, steps: Any) -> list[str]:
     return out
 
 
-def _scales(run: Any) -> dict[int, float]:
+def scales(run: Any) -> dict[int, float]:
     s = run.steps
     return {int(k): float(v) for k, v in zip(s["step"], s["scale"]) if not np.isnan(v)}
 
 
 def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
     """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale})."""
-    from .engine import Evidence
+    from .verdict import Evidence
 
     outlines = [o for o, _, _ in per_rank]
     origin = first_rank(outlines)
@@ -298,12 +225,6 @@ def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
     d.run = dict(d.run, path=run_name(outlines[0]["path"] or ""), world_size=world,
                  ranks=outlines, origin_rank=origin)
     return d
-
-
-def run_name(path: str) -> str:
-    """The output a rank file belongs to: ``run_name("out/run.rank1.h5") == "out/run.h5"``."""
-    stem, ext = os.path.splitext(path)
-    return re.sub(r"\.rank\d+$", "", stem) + ext
 
 
 def first_rank(outlines: list[dict]) -> Optional[int]:

@@ -21,26 +21,21 @@ import numpy as np
 
 from . import fixes
 from ..runfile import schema
-from .engine import Evidence, Finding
+from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
+from .verdict import Evidence, Finding
 from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from ..runfile.schema import DType, Event, Kind
 
 # -- thresholds ------------------------------------------------------------------------------
 
-# taxonomy §3: a layer whose gradient is >= 50 % subnormal-or-flushed in fp16 is underflowing
-# (measured on its non-zero elements; see facts.ZEROS_FLUSHED_IF for the zeros).
-LAYER_UNDERFLOW = 0.5
+# LAYER_UNDERFLOW, LOW_SCALE and UNCHANGED_HIGH are shared: see thresholds.py.
 # A layer under 10 % is "training normally" (C8a needs other layers healthy; C1 does not).
 LAYER_HEALTHY = 0.1
-# taxonomy §3: "low scale" S <= 8 (2**3); C8a: the scale is healthy at >= 2**10.
-LOW_SCALE = 8.0
+# C8a: the scale is healthy at >= 2**10.
 HEALTHY_SCALE = 2.0 ** 10
 # taxonomy §1 / §3: an update ratio |dW|/|W| above 1e-2 per step, sustained, is too large
 # (Adam's healthy ~1e-3).
 UPDATE_TOO_LARGE = 1e-2
-# taxonomy C9a: most sampled elements unchanged by a step although their gradient was not 0
-# (ml-by-hand PR #85: "0 / 768 moved"). Half is far above the ~0 of fp32 master weights.
-UNCHANGED_HIGH = 0.5
 # taxonomy C2: weight norms grow with the LR (OMG PR #8: Q/K norms 18.8 -> 57.4, 3x); we ask
 # for 2x of the total norm between the first sample and the last one before the failure.
 WEIGHT_GROWTH = 2.0

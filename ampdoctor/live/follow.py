@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..diagnosis import ranks
-from ..runfile import schema
+from ..runfile import paths, schema
 from ..errors import RunFileError, RunNotFoundError
 from ..runfile.schema import Source
 
@@ -299,7 +298,7 @@ class Follower:
         ``ampdoctor diagnose path`` reads)."""
         if os.path.isfile(self.path):
             return [self.path]
-        return ranks.rank_files(self.path)
+        return paths.rank_files(self.path)
 
     def wait(self, limit: float, show: Optional[Callable[[float], Any]] = None) -> Any:
         """Wait up to ``limit`` seconds for a file of the run to exist. ``show(waited)`` is

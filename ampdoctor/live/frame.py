@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..diagnosis import ranks
+from ..runfile import paths
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
 from ..runfile.schema import FP16_MAX, Event
@@ -311,4 +312,4 @@ def buckets(values: np.ndarray, width: int, how: str = "mean") -> np.ndarray:
 
 def run_name(path: str) -> str:
     """The name a user gave the recording, for a rank file too (``out/run.h5``)."""
-    return ranks.run_name(os.fspath(path))
+    return paths.run_name(os.fspath(path))

@@ -28,8 +28,7 @@ import warnings
 from typing import Any, Optional
 
 from . import launch
-from ..diagnosis import ranks
-from ..runfile import schema
+from ..runfile import paths, schema
 
 _SESSION: Optional["Session"] = None
 
@@ -55,10 +54,10 @@ class Session:
         """Called when training begins: this process's file."""
         path = self.settings.output
         if world_size > 1:
-            path = ranks.rank_path(path, rank)
+            path = paths.rank_path(path, rank)
         if os.path.exists(path) and not _placeholder(path):
             # Another process of this recording trained first (record cleared old runs).
-            path = ranks.pid_path(path, os.getpid())
+            path = paths.pid_path(path, os.getpid())
         return path
 
     def at_exit(self) -> None:
@@ -68,7 +67,7 @@ class Session:
         exc_type, exc = _uncaught()
         status = schema.STATUS_FINISHED if exc_type is None else \
             schema.STATUS_EXCEPTION + exc_type.__name__
-        keep = self.top and not rec.trained and not ranks.related_files(self.settings.output)
+        keep = self.top and not rec.trained and not paths.related_files(self.settings.output)
         if exc_type is not None and (rec.trained or keep):
             rec.record_exception(exc_type, exc)
         rec.close(status, keep_empty=keep)

@@ -77,8 +77,9 @@ import torch
 from . import compiled, replay, sharding, stats
 from ..runfile import schema
 from ..errors import AmpDoctorError
-from .replay import Capture, Finding
+from .replay import Capture, Culprit
 from .sampler import tensors_in
+from .steps import HOST, device_values, fetch
 from ..runfile.schema import Event, Phase, Source
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
@@ -191,7 +192,7 @@ class Forensics:
     """The forensic tier of one recorder: capture, trigger policy, replay, snapshot."""
 
     def __init__(self, recorder: Any):
-        self.rec = recorder
+        self.rec = recorder  # a recorder.ForensicsHandle
         self.captures: list[Capture] = []
         self.events: list[ForensicEvent] = []
         self.replaying = False
@@ -221,7 +222,7 @@ class Forensics:
     def end_step(self, step: Any, hold: bool = False) -> None:
         """The step is over: its output-gradient hooks go, and its captures with them, unless
         ``hold`` (its skip is decided at the next step's start; ``release_held`` then)."""
-        pending = self.rec._pending
+        pending = self.rec.pending
         if pending and pending[-1][0][0] == step.index:
             self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
         self._unhook()
@@ -244,10 +245,10 @@ class Forensics:
             self.dropped += 1
         if self.captures:  # a new micro-batch: the previous ones' backward is done
             self._bound_held_grads()
-        device = self.rec._device.type if self.rec._device is not None else "cpu"
-        seen = self.rec._autocast_seen  # (enabled, dtype), just read by the recorder
+        device = self.rec.device.type if self.rec.device is not None else "cpu"
+        seen = self.rec.autocast_seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
-        st = self.rec._step
+        st = self.rec.step
         self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
                                      (device, enabled, dtype, torch.is_autocast_cache_enabled()),
                                      micro=st.micro if st else 0,
@@ -264,7 +265,7 @@ class Forensics:
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        if self.rec._sharding is not None:
+        if self.rec.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
         grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
@@ -340,7 +341,7 @@ class Forensics:
         """What makes a replay unsafe (a sharded model, or one whose forward runs
         collectives: a rank replaying alone would hang the job), or None. ``captures``:
         those of the event (default: this step's)."""
-        sharded = self.rec._sharding
+        sharded = self.rec.sharding
         if sharded is not None:
             return sharded.name
         captures = self.captures if captures is None else captures
@@ -419,7 +420,7 @@ class Forensics:
     def _run(self, captures: list, scale: Optional[float], stale_check: bool = True):
         """Replay the micro-batches until one explains the event; (trace, finding, micro)."""
         if not captures:
-            return None, Finding(Phase.UNKNOWN, summary="no root-module call of this step was "
+            return None, Culprit(Phase.UNKNOWN, summary="no root-module call of this step was "
                                  "captured (the model ran without grad, or is not the "
                                  "watched one)"), -1
         self.replaying = True
@@ -430,9 +431,9 @@ class Forensics:
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.rec.strict:
                 raise
-            self.rec._warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
+            self.rec.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
                                           f"{exc}); recording goes on")
-            f = Finding(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
+            f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
             f.detail["replay_error"] = f"{type(exc).__name__}: {exc}"
             return None, f, -1
         finally:
@@ -471,7 +472,7 @@ class Forensics:
 
     def _stale_grads(self) -> list[str]:
         named = [(self.rec.param_names.get(id(p), "param"), p.grad)
-                 for p in self.rec._trained_params() if p.grad is not None
+                 for p in self.rec.trained_params() if p.grad is not None
                  and stats.measurable(p.grad)]
         if not named:
             return []
@@ -508,7 +509,7 @@ class Forensics:
 
     # -- the result and the snapshot --------------------------------------------------------
 
-    def _result(self, step: int, trigger: str, trace: Optional[replay.Trace], f: Finding,
+    def _result(self, step: int, trigger: str, trace: Optional[replay.Trace], f: Culprit,
                 micro: int, captures: list) -> ReplayResult:
         # A micro-batch is a backward call; a step may call the model more than once per one.
         micro = captures[micro].micro if 0 <= micro < len(captures) else 0
@@ -532,22 +533,20 @@ class Forensics:
 
     def _note_history(self, result: ReplayResult, step: Any) -> None:
         """Scale, LR, grad norm and loss of the steps up to the event (one sync, event only)."""
-        from .recorder import _HOST, _device_values, _fetch
-
-        lr = _HOST.index("lr")
+        lr = HOST.index("lr")
         rows = [(host[0], host[lr], values) for host, values in self._history]
         if not rows or rows[-1][0] != step.index:  # a step decided later is there already
             rows.append((step.index, _max_lr(self.rec.optimizers),
-                         _device_values(step, self.rec._constants)))
-        values = _fetch([v for _, _, v in rows])
+                         device_values(step, self.rec.constants)))
+        values = fetch([v for _, _, v in rows])
         result.detail["history"] = {
             "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
             "scale": values[:, 1].tolist(), "found_inf": values[:, 3].tolist(),
             "grad_norm": values[:, 4].tolist(), "lr": [float(x) for _, x, _ in rows]}
 
     def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[replay.Trace],
-               f: Finding, captures: list) -> Optional[int]:
-        w = self.rec._writer
+               f: Culprit, captures: list) -> Optional[int]:
+        w = self.rec.writer
         if w is None or w.closed:
             return None
         sid = w.rows("snapshots")
@@ -575,7 +574,7 @@ class Forensics:
         return sid
 
     def _stats_rows(self, w: Any, sid: int, step: int, trace: replay.Trace,
-                    f: Finding) -> list[int]:
+                    f: Culprit) -> list[int]:
         rows = trace.rows.copy()
         ids = [self._tensor_id(s, row) for s, row in zip(trace.slots, rows)]
         if len(rows):
@@ -599,7 +598,7 @@ class Forensics:
         # A meta tensor carries the dtype and size to /tensors without any memory.
         dtype = _TORCH_DTYPES.get(int(row["dtype"]), torch.float32)
         meta = torch.empty(int(row["numel"]), dtype=dtype, device="meta")
-        return self.rec._tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
+        return self.rec.tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,7 +610,7 @@ _TORCH_DTYPES = {int(schema.DType.FLOAT32): torch.float32,
                  int(schema.DType.FLOAT64): torch.float64}
 
 
-def _summary(r: ReplayResult, f: Finding) -> str:
+def _summary(r: ReplayResult, f: Culprit) -> str:
     where = f"step {r.step}" + (f", micro-batch {r.micro}" if f.detail.get("micro_batches", 1) > 1
                                 else "")
     if f.phase in (Phase.FORWARD, Phase.BACKWARD):
@@ -767,7 +766,7 @@ def _reload(cap: Capture) -> Capture:
 # -- arrays -----------------------------------------------------------------------------------
 
 
-def _array_items(cap: Capture, f: Finding) -> list[tuple[str, torch.Tensor]]:
+def _array_items(cap: Capture, f: Culprit) -> list[tuple[str, torch.Tensor]]:
     """What a user needs to reproduce the event, most important first."""
     items = [(f"rng.{k}", v) for k, v in cap.rng.items()]
     items += list(replay.labeled(cap.args, cap.kwargs))

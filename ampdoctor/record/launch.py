@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..diagnosis import ranks
+from ..runfile import paths
 from ..errors import RecordError, RunFileError
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
@@ -98,7 +99,7 @@ def check_output(path: str, force: bool) -> str:
         raise RecordError(f"cannot record into {shown}: directory {folder} does not exist")
     if not os.path.isdir(folder):
         raise RecordError(f"cannot record into {shown}: {folder} is not a directory")
-    existing = ranks.related_files(path)
+    existing = paths.related_files(path)
     if existing and not force:
         name = os.path.basename(existing[0])
         raise RecordError(f"{name} already exists in {folder}: pass --force to replace it, "
@@ -132,7 +133,7 @@ def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
 
 def clear_output(path: str) -> None:
     """``--force``: remove the runs a previous recording left under this name."""
-    for old in ranks.related_files(path):
+    for old in paths.related_files(path):
         try:
             os.unlink(old)
         except OSError as exc:
@@ -280,7 +281,7 @@ def summary(settings: Settings) -> str:
     so that the two never disagree), the command to run next."""
     from ..runfile.store import load
 
-    files = ranks.related_files(settings.output)
+    files = paths.related_files(settings.output)
     if not files:
         return ("ampdoctor: nothing recorded: no Python process of the command imported torch "
                 "(a process started with python -I, -E or -S, or with PYTHONPATH reset, is not "
@@ -301,7 +302,7 @@ def summary(settings: Settings) -> str:
 
 
 def _describe(outlines: list[dict], settings: Settings) -> str:
-    per_rank = set(ranks.rank_files(settings.output))
+    per_rank = set(paths.rank_files(settings.output))
     main = [o for o in outlines if o["path"] in per_rank] or outlines[:1]
     extra = [o for o in outlines if o not in main]
     files = _files(main, settings)

@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
@@ -43,6 +42,8 @@ from . import amp_state, compiled, patches, readback, sharding, stats
 from ..runfile import schema, store
 from ..errors import AmpDoctorError, RecorderFault
 from .sampler import Sampler
+from .steps import HOST, Constants, Step, device_values, fetch
+from .torchcompat import is_wrapper, scaler_enabled, unscaled_already, unwrap
 from ..runfile.schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
@@ -53,33 +54,44 @@ SIGNAL_PATIENCE = 10.0  # seconds a stop signal may wait for a write in progress
 _ACTIVE: Optional["Recorder"] = None
 
 
-@dataclass
-class _Step:
-    """What the current optimizer step has shown so far."""
+class ForensicsHandle:
+    """What the forensic tier may see of its recorder: settings, the state of the step being
+    recorded, and the few calls it makes (write rows, name tensors, warn). Forensics gets this,
+    not the Recorder, so that the recorder's internals stay its own.
 
-    index: int
-    t0: float
-    micro: int = 0
-    loss_sum: Optional[torch.Tensor] = None
-    loss_nonfinite: Optional[bool] = None  # read with found_inf from the step's host mirrors
-    loss_n: int = 0
-    loss_dtype: int = 0
-    scaled: bool = False  # an enabled GradScaler scaled a loss in this step
-    unscaled: bool = False
-    in_scaler_step: bool = False
-    grads_ready: bool = False
-    grad_norm: Optional[torch.Tensor] = None
-    fallback: Optional[list] = None  # parameters clip_grad_norm_ saw, before optimizers are known
-    clip_norm: Optional[torch.Tensor] = None
-    scale: Optional[torch.Tensor] = None
-    scale_after: Optional[torch.Tensor] = None
-    found_inf: Optional[torch.Tensor] = None
-    stepped: bool = False
-    flags: int = 0
-    sampled: bool = False
-    keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
-    staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
-    undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
+    Example::
+
+        Forensics(ForensicsHandle(recorder))
+    """
+
+    def __init__(self, rec: "Recorder") -> None:
+        self._rec = rec
+
+    # settings and the model, as given
+    strict = property(lambda self: self._rec.strict)
+    max_replays = property(lambda self: self._rec.max_replays)
+    replays = property(lambda self: self._rec.replays)
+    roots = property(lambda self: self._rec.roots)
+    names = property(lambda self: self._rec.names)
+    param_names = property(lambda self: self._rec.param_names)
+    optimizers = property(lambda self: self._rec.optimizers)
+    # state of the recording, read when forensics acts
+    device = property(lambda self: self._rec._device)
+    sharding = property(lambda self: self._rec._sharding)
+    step = property(lambda self: self._rec._step)
+    pending = property(lambda self: self._rec._pending)
+    autocast_seen = property(lambda self: self._rec._autocast_seen)
+    constants = property(lambda self: self._rec._constants)
+    writer = property(lambda self: self._rec._writer)
+
+    def trained_params(self) -> list[torch.Tensor]:
+        return self._rec._trained_params()
+
+    def tensor_id(self, kind: Kind, name: str, index: int, t: Any, owner_type: str) -> int:
+        return self._rec._tensor_id(kind, name, index, t, owner_type)
+
+    def warn_once(self, key: str, message: str) -> None:
+        self._rec._warn_once(key, message)
 
 
 class Recorder:
@@ -151,15 +163,15 @@ class Recorder:
         self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
         self._discovery_open = False  # global module hooks looking for roots (first step)
         self._pending: list[tuple[tuple, torch.Tensor]] = []  # host fields, device values
-        self._constants = _Constants()
+        self._constants = Constants()
         self._pending_groups: list[tuple] = []
         self._last_flush = 0.0
         self._clock = readback.StepClock(None)
         self._pools: dict[torch.device, readback.MirrorPool] = {}
-        self._undecided: Optional[_Step] = None  # a scaled step whose skip is not known yet
+        self._undecided: Optional[Step] = None  # a scaled step whose skip is not known yet
         self._params_key: Optional[tuple] = None  # param_groups the cached list was made from
         self._params: list[torch.Tensor] = []
-        self._step: Optional[_Step] = None
+        self._step: Optional[Step] = None
         self._sampler: Optional[Sampler] = None
         self._autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
         self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
@@ -216,7 +228,7 @@ class Recorder:
         if self.forensics_on:
             from .forensics import Forensics
 
-            self.forensics = Forensics(self)
+            self.forensics = Forensics(ForensicsHandle(self))
         self._last_flush = time.perf_counter()
         self._clock = readback.StepClock(self._device)
         self._begin_step(0)
@@ -473,7 +485,7 @@ class Recorder:
 
         DDP/DataParallel wrappers are looked through: the module they wrap is the root, so that
         a forensic replay never runs the wrapper's collectives on one rank alone."""
-        if _is_wrapper(module):
+        if is_wrapper(module):
             return
         self._depth += 1
         if self._depth > 1:
@@ -502,7 +514,7 @@ class Recorder:
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
-        if not _is_wrapper(module):
+        if not is_wrapper(module):
             self._depth = max(0, self._depth - 1)
 
     def on_module_compile(self, module: torch.nn.Module) -> None:
@@ -553,7 +565,7 @@ class Recorder:
             self._amp = amp_state.Tracker(self._device.type)
         self._compiled = []
         for root, prefix in zip(roots, prefixes):
-            inner = _unwrap(root)
+            inner = unwrap(root)
             self.names[root] = prefix.rstrip(".") or type(inner).__name__
             for name, m in inner.named_modules():
                 name = sharding.clean_name(name)
@@ -570,7 +582,7 @@ class Recorder:
         self._adopt_sharding(roots)
         if self._clock.device != self._device:  # discovered: the device is known from now on
             self._clock = readback.StepClock(self._device)
-        self._meta("roots", [type(_unwrap(r)).__name__ for r in roots])
+        self._meta("roots", [type(unwrap(r)).__name__ for r in roots])
         self._meta("model", _model_summary(roots))
         self._meta("device", _device_info(self._device))
         if self._compiled:
@@ -639,7 +651,7 @@ class Recorder:
         return known
 
     def _uses_scaler(self, scaler: Any) -> bool:
-        if self.scaler is None and not self._given["scaler"] and _enabled(scaler):
+        if self.scaler is None and not self._given["scaler"] and scaler_enabled(scaler):
             self._adopt_scaler(scaler)
         return scaler is self.scaler
 
@@ -700,7 +712,7 @@ class Recorder:
     # loss and backward
 
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
-        if not self._uses_scaler(scaler) or not _enabled(scaler):
+        if not self._uses_scaler(scaler) or not scaler_enabled(scaler):
             return
         self._settle()
         if not self._writer.created:
@@ -800,7 +812,7 @@ class Recorder:
         if self._uses_scaler(scaler):
             self._settle()
             self._owns(optimizer)
-            if _unscaled_already(scaler, optimizer) and \
+            if unscaled_already(scaler, optimizer) and \
                     not self._step.flags & flag(Event.UNSCALE_TWICE):
                 self._event(Event.UNSCALE_TWICE)  # GradScaler raises next; this says why
             self._grads_ready()
@@ -808,7 +820,7 @@ class Recorder:
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self._uses_scaler(scaler):
             self._step.unscaled = True
-            if self._armed() and _enabled(scaler):
+            if self._armed() and scaler_enabled(scaler):
                 # Queued before GradScaler.step reads found_inf (non-fused optimizers):
                 # its own sync lands this copy too.
                 self._stage_found(scaler, optimizer)
@@ -816,7 +828,7 @@ class Recorder:
     def before_clip(self, parameters: Any) -> None:
         self._settle()
         st = self._step
-        if st.scaled and not st.unscaled and _enabled(self.scaler):
+        if st.scaled and not st.unscaled and scaler_enabled(self.scaler):
             if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step
                 self._event(Event.CLIP_BEFORE_UNSCALE)
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
@@ -856,7 +868,7 @@ class Recorder:
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self._event(Event.STEP_BYPASSES_SCALER, text=type(optimizer).__name__)
-        elif st.in_scaler_step and self._armed() and _enabled(self.scaler):
+        elif st.in_scaler_step and self._armed() and scaler_enabled(self.scaler):
             # A fused optimizer: GradScaler checked found_inf and syncs on nothing; the copy
             # is queued ahead of the fused step's kernels.
             self._stage_found(self.scaler, optimizer)
@@ -897,7 +909,7 @@ class Recorder:
         return bool(self.optimizers) and optimizer is self.optimizers[0]
 
     def before_update(self, scaler: Any) -> None:
-        if not self._uses_scaler(scaler) or not _enabled(scaler):
+        if not self._uses_scaler(scaler) or not scaler_enabled(scaler):
             return
         self._settle()
         st = self._step
@@ -920,7 +932,7 @@ class Recorder:
                 self._trigger(Event.SKIPPED)
 
     def after_update(self, scaler: Any) -> None:
-        if scaler is not self.scaler or not _enabled(scaler) or not self._step.scaled:
+        if scaler is not self.scaler or not scaler_enabled(scaler) or not self._step.scaled:
             return
         if scaler._scale is not None:  # stacked by _end_step right away: a view is enough
             self._step.scale_after = scaler._scale.detach().reshape(())
@@ -969,7 +981,7 @@ class Recorder:
             mirror.stage(torch.stack([total.reshape(()).float(), loss.reshape(())]))
             st.staged[key] = mirror
 
-    def _decide(self, st: _Step, wait: bool) -> Optional[bool]:
+    def _decide(self, st: Step, wait: bool) -> Optional[bool]:
         """Was the scaled step ``st`` skipped? From its mirrors: True or False (and
         ``st.loss_nonfinite``), or None while a copy is in flight and ``wait`` is False."""
         mirrors = list(st.staged.values())
@@ -985,7 +997,7 @@ class Recorder:
         st.loss_nonfinite = st.loss_sum is not None and not math.isfinite(values[0][1])
         return any(v[0] > 0 for v in values)
 
-    def _give_back(self, st: _Step) -> None:
+    def _give_back(self, st: Step) -> None:
         for mirror in st.staged.values():
             self._pool(mirror.device).give(mirror)
         st.staged.clear()
@@ -1031,7 +1043,7 @@ class Recorder:
         if not loss_ok or (st.grad_norm is not None and not math.isfinite(read[-1])):
             self._trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
 
-    def _trigger(self, why: Event, st: Optional[_Step] = None) -> None:
+    def _trigger(self, why: Event, st: Optional[Step] = None) -> None:
         """Parameters are still those that failed: hand the step to the forensic tier.
         ``st``: a step already ended, whose skip was decided at the next step's start."""
         st = st if st is not None else self._step
@@ -1044,7 +1056,7 @@ class Recorder:
             self._flush_now = True  # and the event's own step row is written at its end
         self._audit_buffers(st)
 
-    def _audit_buffers(self, st: _Step) -> None:
+    def _audit_buffers(self, st: Step) -> None:
         """On a failing step: module buffers the forward made non-finite (BatchNorm statistics
         are updated before GradScaler skips the step, and stay poisoned). One host sync."""
         buffers = [(f"{self.names[m]}.{n}", b, type(m).__name__) for m in list(self.names)
@@ -1081,7 +1093,7 @@ class Recorder:
     # step boundaries
 
     def _begin_step(self, index: int) -> None:
-        self._step = _Step(index=index, t0=time.time())
+        self._step = Step(index=index, t0=time.time())
         self._depth = 0
         if self.forensics is not None:
             self.forensics.begin_step()
@@ -1120,14 +1132,14 @@ class Recorder:
             self._finish_discovery()
         now = time.perf_counter()
         lrs = self._write_groups(st.index)
-        # Host fields as a plain tuple (order: _HOST); device values stay on the device. The
+        # Host fields as a plain tuple (order: HOST); device values stay on the device. The
         # step time is a CUDA event span on CUDA, and the peak memory is read at the flush.
         self._pending.append(((st.index, time.time(), self._clock.mark(), st.loss_dtype,
                                st.micro, int(st.sampled), st.flags, 0,
                                0 if st.stepped or st.scaled else 1,
                                max(lrs) if lrs else math.nan,
                                st.loss_sum is not None, st.grad_norm is not None),
-                              _device_values(st, self._constants)))
+                              device_values(st, self._constants)))
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
@@ -1180,13 +1192,13 @@ class Recorder:
             pending, self._pending = self._pending, []
             host = [h for h, _ in pending]
             rows = schema.empty("steps", len(host))
-            for i, name in enumerate(_HOST):
+            for i, name in enumerate(HOST):
                 if name != "dt":
                     rows[name] = [h[i] for h in host]
             has_loss = np.array([h[-2] for h in host], bool)
             has_grad = np.array([h[-1] for h in host], bool)
-            values = _fetch([v for _, v in pending])
-            rows["dt"] = readback.StepClock.seconds([h[_HOST.index("dt")] for h in host])
+            values = fetch([v for _, v in pending])
+            rows["dt"] = readback.StepClock.seconds([h[HOST.index("dt")] for h in host])
             rows["peak_mem"] = _peak_memory(self._device)  # never reset: the run's peak so far
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
@@ -1234,7 +1246,7 @@ class Recorder:
         return tid
 
     def _event(self, kind: Event, *, tensor: int = -1, value: float = math.nan,
-               text: str = "", step: Optional[_Step] = None) -> None:
+               text: str = "", step: Optional[Step] = None) -> None:
         """An /events row, at ``step`` (default: the current one). A step already ended (a
         skip decided at the next step's start) keeps its event rows; its /steps flags were
         written without these bits."""
@@ -1288,27 +1300,10 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
-def _is_wrapper(module: torch.nn.Module) -> bool:
-    """DDP or DataParallel: a module whose forward calls the user's model inside it."""
-    return type(module).__name__ in ("DistributedDataParallel", "DataParallel")
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside DDP/DataParallel/FSDP1/torch.compile wrappers (for names)."""
-    for _ in range(4):
-        inner = getattr(module, "_orig_mod", None)
-        if inner is None and (_is_wrapper(module) or sharding.is_fsdp1(module)):
-            inner = getattr(module, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            return module
-        module = inner
-    return module
-
-
 def _root_prefixes(roots: list[torch.nn.Module]) -> list[str]:
     if len(roots) == 1:
         return [""]
-    names = [type(_unwrap(r)).__name__ for r in roots]
+    names = [type(unwrap(r)).__name__ for r in roots]
     return [f"{n}{i}." if names.count(n) > 1 else f"{n}." for i, n in enumerate(names)]
 
 
@@ -1328,30 +1323,6 @@ def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:
     return rank, world_size
 
 
-def _enabled(scaler: Any) -> bool:
-    return scaler is not None and bool(getattr(scaler, "_enabled", True))
-
-
-def _unscaled_already(scaler: Any, optimizer: Any) -> bool:
-    """Has ``scaler.unscale_(optimizer)`` run since the last update? (GradScaler's own
-    per-optimizer stage, read without creating an entry in its defaultdict.)"""
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    stage = state.get("stage") if isinstance(state, dict) else None
-    return getattr(stage, "name", None) == "UNSCALED"
-
-
-def _autocast_state(device_type: str) -> tuple:
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type)
-    except TypeError:  # torch < 2.4: per-device functions
-        if device_type == "cpu":
-            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-        else:
-            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return bool(enabled), str(dtype).replace("torch.", "")
-
-
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -1363,46 +1334,6 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norms = torch._foreach_norm(members, 2.0, dtype=torch.float32)
         parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
-
-
-_HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
-         "skipped", "lr")
-_VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
-
-
-class _Constants:
-    """NaN placeholders per device, made once (not a kernel per step)."""
-
-    def __init__(self) -> None:
-        self._nan: dict[torch.device, torch.Tensor] = {}
-
-    def nan(self, device: torch.device) -> torch.Tensor:
-        t = self._nan.get(device)
-        if t is None:
-            t = self._nan[device] = torch.full((), math.nan, device=device)
-        return t
-
-
-def _device_values(st: _Step, constants: _Constants) -> torch.Tensor:
-    """The step's device scalars stacked into one tensor (no sync); order as in _VALUES."""
-    loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
-    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
-    dev = next((v.device for v in values if v is not None), torch.device("cpu"))
-    nan = constants.nan(dev)
-    return torch.stack([nan if v is None else
-                        v if (v.device == dev and v.dtype == torch.float32 and v.dim() == 0)
-                        else v.to(dev).float().reshape(()) for v in values])
-
-
-def _fetch(values: list[torch.Tensor]) -> np.ndarray:
-    """Device values of many steps in one host read per device (the sync point)."""
-    out = np.full((len(values), len(_VALUES)), np.nan)
-    by_dev: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        by_dev.setdefault(v.device, []).append(i)
-    for idx in by_dev.values():
-        out[idx] = torch.stack([values[i] for i in idx]).double().tolist()
-    return out
 
 
 def _peak_memory(device: Optional[torch.device]) -> int:
@@ -1426,7 +1357,7 @@ def _device_info(device: torch.device) -> dict:
 
 
 def _scaler_info(scaler: Any) -> dict:
-    return {"class": type(scaler).__name__, "enabled": _enabled(scaler),
+    return {"class": type(scaler).__name__, "enabled": scaler_enabled(scaler),
             "init_scale": getattr(scaler, "_init_scale", None),
             "growth_factor": getattr(scaler, "_growth_factor", None),
             "backoff_factor": getattr(scaler, "_backoff_factor", None),

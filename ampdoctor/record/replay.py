@@ -48,7 +48,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from . import patches, stats
+from . import patches, stats, torchcompat
 from ..runfile import schema
 from .sampler import tensors_in
 from ..runfile.schema import Kind, Phase
@@ -107,7 +107,7 @@ class Call:
 
 
 @dataclass
-class Finding:
+class Culprit:
     """What a replay concluded; forensics turns it into a snapshot and a ReplayResult."""
 
     phase: Phase
@@ -130,7 +130,7 @@ class Finding:
 
 
 def explain(cap: Capture, names: dict, root_name: str, devices: list,
-            param_names: Optional[dict] = None, strict: bool = False) -> tuple["Trace", Finding]:
+            param_names: Optional[dict] = None, strict: bool = False) -> tuple["Trace", Culprit]:
     """Replay one captured root call and decide what went non-finite first.
 
     ``names`` maps modules to their qualified names and ``param_names`` parameter ids to
@@ -152,7 +152,7 @@ def explain(cap: Capture, names: dict, root_name: str, devices: list,
     return trace, finding
 
 
-def check_batch(cap: Capture, names: dict, root_name: str) -> tuple["Trace", Optional[Finding]]:
+def check_batch(cap: Capture, names: dict, root_name: str) -> tuple["Trace", Optional[Culprit]]:
     """Measure the captured batch only (no model code runs, no collective): a finding of
     phase input when it holds NaN/inf, else None. What a sharded model gets instead of a
     replay."""
@@ -466,10 +466,10 @@ def _walk(value: Any, label: str, depth: int) -> Iterator[tuple[str, torch.Tenso
 # the verdict
 
 
-def _bad_batch(trace: Trace, bad: list) -> Finding:
+def _bad_batch(trace: Trace, bad: list) -> Culprit:
     labels = [label for label, _, _ in bad]
     first = bad[0][1]
-    f = Finding(Phase.INPUT, module=trace.root_name, module_type=type(trace.root).__name__,
+    f = Culprit(Phase.INPUT, module=trace.root_name, module_type=type(trace.root).__name__,
                 culprit_slot=first)
     f.in_absmax = float(np.nanmax(trace.rows["absmax"][[s for _, s, _ in bad]]))
     f.detail["bad_inputs"] = [trace.summary(s) for _, s, _ in bad]
@@ -478,16 +478,16 @@ def _bad_batch(trace: Trace, bad: list) -> Finding:
     return f
 
 
-def _decide(trace: Trace, soft_inputs: list) -> Finding:
+def _decide(trace: Trace, soft_inputs: list) -> Culprit:
     if trace.error is not None and not trace.calls:
-        f = Finding(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
+        f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
         f.detail["replay_error"] = trace.error
         return f
     f = _forward_culprit(trace) or _backward_culprit(trace)
     if f is None and soft_inputs and trace.out_level(trace.calls[0]) != CLEAN:
         f = _bad_batch(trace, soft_inputs)
     if f is None and trace.error is not None:
-        f = Finding(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
+        f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
     if f is None:
         f = _loss_or_nothing(trace)
     f.detail["chain"] = trace.chain()
@@ -509,7 +509,7 @@ def _innermost_first(trace: Trace, producers: set[int]) -> Optional[Call]:
     return None
 
 
-def _forward_culprit(trace: Trace) -> Optional[Finding]:
+def _forward_culprit(trace: Trace) -> Optional[Culprit]:
     hard = {c.index for c in trace.calls
             if trace.out_level(c) == HARD and trace.in_level(c) < HARD}
     call = _innermost_first(trace, hard)
@@ -562,7 +562,7 @@ def _soft_origin(trace: Trace, call: Call, depth: int = 0) -> Optional[int]:
     return None
 
 
-def _backward_culprit(trace: Trace) -> Optional[Finding]:
+def _backward_culprit(trace: Trace) -> Optional[Culprit]:
     ranked = []
     for call in trace.calls:
         fired = [f for s, f in call.grad_in if trace.bad(s)]
@@ -581,8 +581,8 @@ def _backward_culprit(trace: Trace) -> Optional[Finding]:
     return None
 
 
-def _blame(trace: Trace, call: Call, phase: Phase) -> Finding:
-    f = Finding(phase, call=call, module=call.name, module_type=type(call.module).__name__)
+def _blame(trace: Trace, call: Call, phase: Phase) -> Culprit:
+    f = Culprit(phase, call=call, module=call.name, module_type=type(call.module).__name__)
     f.detail["weights_nonfinite"] = _nonfinite_weights(call)
     return f
 
@@ -595,7 +595,7 @@ def _culprit_slots(call: Call, phase: Phase) -> tuple[list, list]:
     return [s for s, _ in call.grad_out], [s for s, _ in call.grad_in]
 
 
-def _describe(trace: Trace, f: Finding) -> None:
+def _describe(trace: Trace, f: Culprit) -> None:
     """The culprit's abs max in and out, and a summary of each tensor (run precision)."""
     ins, outs = _culprit_slots(f.call, f.phase)
     f.in_absmax = _max_abs(trace.rows, ins)
@@ -621,14 +621,14 @@ def _nonfinite_weights(call: Call) -> list[str]:
     return [n for n, t in named if stats.measurable(t) and not bool(torch.isfinite(t).all())]
 
 
-def _loss_or_nothing(trace: Trace) -> Finding:
+def _loss_or_nothing(trace: Trace) -> Culprit:
     cap = trace.cap
     grads_bad = [i for i, g in cap.grads.items() if stats.measurable(g)
                  and not bool(torch.isfinite(g).all())]
     loss_bad = any(not bool(torch.isfinite(loss).all()) for loss, _ in cap.losses)
     if not grads_bad and not loss_bad:
-        return Finding(Phase.NONE, summary="the replay of this micro-batch stayed finite")
-    f = Finding(Phase.LOSS)
+        return Culprit(Phase.NONE, summary="the replay of this micro-batch stayed finite")
+    f = Culprit(Phase.LOSS)
     f.detail["output_grad_nonfinite"] = bool(grads_bad)
     f.detail["loss_nonfinite"] = loss_bad
     loss_info = _loss_info(cap)
@@ -735,7 +735,7 @@ class _Target:
         self.grad_out[index] = grad.detach() if prev is None else prev + grad.detach()
 
 
-def _culprit_check(trace: Trace, f: Finding) -> None:
+def _culprit_check(trace: Trace, f: Culprit) -> None:
     """Re-run the culprit alone, as it ran and in fp32; exact statistics of both.
 
     The run-precision re-run (same inputs, RNG, autocast state and grad_output) reproduces
@@ -779,7 +779,7 @@ def _culprit_check(trace: Trace, f: Finding) -> None:
     }
 
 
-def _probe_ops(f: Finding, module: torch.nn.Module, target: _Target) -> None:
+def _probe_ops(f: Culprit, module: torch.nn.Module, target: _Target) -> None:
     """Which op inside a forward culprit went non-finite first (``opprobe``): tells a mask
     constant that fp16 cannot hold from a product that overflows."""
     from .opprobe import first_nonfinite_op
@@ -884,9 +884,7 @@ def _zip_map(original: Any, converted: Any, fn: Any, depth: int = 0) -> Any:
 
 
 def _autocast_now(device_type: str) -> tuple:
-    from .recorder import _autocast_state
-
-    return _autocast_state(device_type)
+    return torchcompat.autocast_state(device_type)
 
 
 def _finite(tensors: list) -> bool:
@@ -909,9 +907,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     The replay runs it directly: a DDP forward would start collectives that the other ranks
     are not running, and a compiled one would recompile with the replay's hooks.
     """
-    from .recorder import _unwrap
-
-    return _unwrap(module)
+    return torchcompat.unwrap(module)
 
 
 def to_fp32(value: Any, depth: int = 0) -> Any:

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import layers as _layers
+from ..display import Displayable
 from ..errors import AmpDoctorError
 from .layers import Kind
 from .readiness import Readiness, fp16_readiness, plain, precision
@@ -73,7 +74,7 @@ class LayerDiff:
 
 
 @dataclass
-class Comparison:
+class Comparison(Displayable):
     """A baseline against a mixed-precision run. ``str(c)`` is the text the CLI prints."""
 
     verdict: str
@@ -105,15 +106,6 @@ class Comparison:
         out.pop("curve")
         return plain(out)
 
-    def __str__(self) -> str:
-        from ..render.release import render_comparison
-
-        return render_comparison(self, "text")
-
-    def _repr_markdown_(self) -> str:
-        from ..render.release import render_comparison
-
-        return render_comparison(self, "markdown")
 
 
 def compare(base: Any, amp: Any, *, rtol: float = RTOL, diverge: float = DIVERGE,
@@ -144,10 +136,10 @@ class _opened:
             return self.given
         if not isinstance(self.given, (str, os.PathLike)):
             raise TypeError(f"compare() takes paths or Runs, not {type(self.given).__name__}")
-        from ..diagnosis import ranks
+        from ..runfile import paths
 
         # A torchrun recording: rank 0 stands for the training (the ranks share the loss).
-        self.run = load(ranks.resolve(os.fspath(self.given))[0])
+        self.run = load(paths.resolve(os.fspath(self.given))[0])
         return self.run
 
     def __exit__(self, *exc: Any) -> None:

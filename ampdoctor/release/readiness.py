@@ -32,19 +32,12 @@ import numpy as np
 
 from . import layers as _layers
 from .layers import GRAD_KINDS, VALUE_KINDS
+from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
 KINDS = VALUE_KINDS + GRAD_KINDS
-# taxonomy §3: a layer whose gradient is >= 50 % subnormal-or-flushed in fp16 (of its non-zero
-# values, at one sampled step) is underflowing. The subnormal band counts too because in a
-# tensor recorded in fp16 what fell below it is already an exact zero: the pile-up just above
-# is what can still be seen.
-LAYER_UNDERFLOW = 0.5
-# GradScaler starts at 2**16 and doubles every 2000 clean steps; 2**24 is about as high as
-# a real run's scale climbs before one overflow halves it again.
-MAX_SCALE = 2.0**24
 _COLUMNS = ("dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf", "neginf", "absmax",
             "absmin", "over16", "near16", "sub16", "flush16")
 
@@ -250,8 +243,8 @@ def _grad_range(ranges: list[LayerRange], scaled: bool) -> dict:
         return {}
     gmax, gmin = max(top), min(low)
     # GradScaler settles on the largest power of two that keeps the largest gradient finite.
-    fit = 2.0 ** math.floor(math.log2(FP16_MAX / gmax)) if gmax > 0 else MAX_SCALE
-    settle = min(max(fit, 1.0), MAX_SCALE)
+    fit = 2.0 ** math.floor(math.log2(FP16_MAX / gmax)) if gmax > 0 else RUNAWAY_SCALE
+    settle = min(max(fit, 1.0), RUNAWAY_SCALE)
     return {"max": gmax, "min": gmin, "powers_of_2": math.log2(gmax / gmin),
             "scale": settle, "min_at_scale": gmin * settle,
             "flushes_at_scale": bool(gmin * settle < FP16_SUBNORMAL_MIN)}

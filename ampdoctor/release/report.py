@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..display import render
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
 from ..runfile.schema import Event, flag
@@ -89,7 +90,7 @@ class Decision:
 class ReleaseReport:
     """Everything ``ampdoctor report`` shows. Keeps the run open for plots: close it after."""
 
-    diagnosis: Any  # analyze.Diagnosis
+    diagnosis: Any  # diagnosis.verdict.Diagnosis
     summary: Summary
     decision: Decision
     readiness: Readiness
@@ -108,14 +109,10 @@ class ReleaseReport:
 
     def html(self) -> str:
         """The self-contained page ``ampdoctor report`` writes (draws the figures)."""
-        from ..render.release import render_release
-
-        return render_release(self, "html")
+        return render(self, "html")
 
     def markdown(self) -> str:
-        from ..render.release import render_release
-
-        return render_release(self, "markdown")
+        return render(self, "markdown")
 
     def _repr_html_(self) -> str:
         return self.html()
@@ -138,6 +135,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
     json`` wrote, shown as the layer parity section."""
     from ..diagnosis import engine as analyze, ranks
+    from ..runfile.paths import resolve
     from ..runfile.store import Run, load
 
     if isinstance(parity, (str, os.PathLike)):
@@ -149,7 +147,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     if isinstance(run, Run):
         loaded, owned, d = run, False, analyze.diagnose(run)
     elif isinstance(run, (str, os.PathLike)):
-        paths = ranks.resolve(os.fspath(run))
+        paths = resolve(os.fspath(run))
         d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
         loaded, owned = load(paths[0]), True
         if len(paths) > 1:

@@ -10,7 +10,8 @@ import math
 import textwrap
 from typing import Any
 
-from ..diagnosis.engine import Diagnosis
+from ..diagnosis.verdict import Diagnosis
+from ..display import renders
 
 FORMATS = ("text", "json", "markdown")
 
@@ -89,6 +90,7 @@ def _also(cause: dict, quote: str = "") -> str:
     return f"{quote}{cause['verdict']}{quote}" + (f" at {where}" if where else "") + f": {first}"
 
 
+@renders(Diagnosis, "text")
 def render_text(d: Diagnosis) -> str:
     run = d.run
     lines = [f"ampdoctor: {run.get('path') or 'run'}", f"  {_run_line(run)}", ""]
@@ -125,6 +127,7 @@ def render_text(d: Diagnosis) -> str:
     return "\n".join(lines) + "\n"
 
 
+@renders(Diagnosis, "markdown")
 def render_markdown(d: Diagnosis) -> str:
     run = d.run
     out = [f"## ampdoctor: `{d.verdict}` (confidence {d.confidence:.2f})", "", d.summary, ""]

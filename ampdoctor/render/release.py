@@ -19,6 +19,9 @@ import math
 from typing import Any, Optional
 
 from .. import __version__
+from ..display import renders
+from ..release.comparison import Comparison
+from ..release.report import ReleaseReport
 from ..release.comparison import percent as _pct
 from .diagnosis import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
 
@@ -180,7 +183,7 @@ LAYER_DIFF_HEAD = ("layer", "kind", "rms ratio (median)", "worst ratio", "abs ma
 # ampdoctor compare
 
 
-def render_comparison(c: Any, fmt: str = "text") -> str:
+def render_comparison(c: Comparison, fmt: str = "text") -> str:
     if fmt == "json":
         return json.dumps(c.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
     if fmt == "markdown":
@@ -262,7 +265,8 @@ def comparison_markdown(c: Any, level: int = 2) -> str:
 # ampdoctor report
 
 
-def render_release(r: Any, fmt: str = "html", images: Optional[dict[str, str]] = None) -> str:
+def render_release(r: ReleaseReport, fmt: str = "html",
+                   images: Optional[dict[str, str]] = None) -> str:
     """``html``: one self-contained page, figures drawn and embedded. ``markdown``: for a pull
     request; ``images`` maps figure names to paths the CLI wrote them to (else no figures).
     ``json``: the data."""
@@ -462,3 +466,10 @@ def _comparison_html(c: Any, images: dict[str, bytes]) -> str:
     for note in c.notes:
         out.append(f'<p class="muted">Note: {_esc(note)}</p>')
     return "\n".join(out)
+
+
+# str(), Jupyter and ReleaseReport.html()/.markdown() find these through ampdoctor.display.
+renders(Comparison, "text")(lambda c: render_comparison(c, "text"))
+renders(Comparison, "markdown")(lambda c: render_comparison(c, "markdown"))
+renders(ReleaseReport, "html")(lambda r: render_release(r, "html"))
+renders(ReleaseReport, "markdown")(lambda r: render_release(r, "markdown"))

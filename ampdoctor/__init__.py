@@ -21,12 +21,20 @@ Importing ampdoctor imports neither torch nor h5py: ``watch`` pulls in torch whe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import display
 from .errors import AmpDoctorError, FormatTooNewError, RunFileError
+from .version import __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # the annotations below; at run time these load on first use (__getattr__)
+    from .diagnosis.verdict import Diagnosis
+    from .preflight.parity_result import ParityResult
+    from .record.recorder import Recorder
+    from .release.comparison import Comparison
+    from .release.readiness import Readiness
+    from .release.report import ReleaseReport
+    from .runfile.store import Run
 
 __all__ = [
     "AmpDoctorError",

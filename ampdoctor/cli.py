@@ -140,8 +140,9 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
     """
-    from .render import files as outputs, release as report_release
     from .release import report as release
+    from .render import files as outputs
+    from .render import release as report_release
 
     if plots_dir is not None and fmt != "markdown":
         raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
@@ -227,8 +228,9 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None
         ampdoctor parity check.py:make --dtype float16 --fail-on overflows
         ampdoctor parity check.py:make --format json -o parity.json
     """
+    from .preflight import parity_result
+    from .preflight import target as targets
     from .render import files as outputs
-    from .preflight import parity_result, target as targets
 
     script = target.rsplit(":", 1)[0]
     if output != "-" and os.path.exists(output) and os.path.exists(script) and \
@@ -275,8 +277,8 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
         ampdoctor top run.h5 --once          # one frame, for scripts
     """
     from .diagnosis import engine as analyze
-    from .render import diagnosis as report
     from .live import top as live_top
+    from .render import diagnosis as report
 
     opts = live_top.Options(interval=interval, wait=wait, stale=stale, rank=rank,
                             unicode=False if ascii_only else None)

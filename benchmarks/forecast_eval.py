@@ -54,7 +54,7 @@ from typing import Optional
 import numpy as np
 
 import ampdoctor
-from ampdoctor.runfile.schema import BF16_MAX, DType, FP16_MAX, Kind, Source
+from ampdoctor.runfile.schema import BF16_MAX, FP16_MAX, DType, Kind, Source
 
 FP32_MAX = 3.4028234663852886e38
 LIMITS = {int(DType.FLOAT16): FP16_MAX, int(DType.BFLOAT16): BF16_MAX,

@@ -203,10 +203,10 @@ class Synth:
         for i, (tid, kind, name, type_, numel) in enumerate(self.tensors):
             tensors[i] = (tid, kind, 0, DType.FLOAT32, numel, name, type_)
         stats = np.concatenate(self.stats) if self.stats else schema.empty("stats")
-        events = store._decoded(schema.empty("events", len(self.events)), ["text"])
+        events = store.decoded(schema.empty("events", len(self.events)), ["text"])
         for i, (step, kind, tensor, value, text) in enumerate(self.events):
             events[i] = (step, kind, tensor, value, text)
-        snaps = store._decoded(schema.empty("snapshots", len(self.snaps)),
+        snaps = store.decoded(schema.empty("snapshots", len(self.snaps)),
                                ["module", "module_type", "detail"])
         for i, s in enumerate(self.snaps):
             snaps["id"][i] = i

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from synthetic import Synth, grow
 
-from ampdoctor.diagnosis import engine as analyze, fixes, rules
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import fixes, rules
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero, runs_of
 from ampdoctor.runfile.schema import DType, Event, Kind
-
-from synthetic import Synth, grow
 
 
 def verdict(s: Synth):
@@ -652,6 +652,7 @@ def test_every_rule_is_documented():
 
 def test_readme_lists_every_verdict_and_fix():
     import os
+
     from conftest import ROOT
 
     readme = open(os.path.join(ROOT, "README.md")).read()
@@ -686,7 +687,8 @@ def test_a_short_run_says_what_it_could_not_see():
 # whatever a run holds, the diagnosis is one of the verdicts, and JSON
 
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import PYTHON, ROOT, python_env
+
 from ampdoctor.diagnosis import engine as analyze
-from ampdoctor.render import diagnosis as report
-from ampdoctor.runfile import store
 from ampdoctor.live import follow, frame, top
 from ampdoctor.release.readiness import underflow_share
+from ampdoctor.render import diagnosis as report
+from ampdoctor.runfile import store
 
 WRITER = os.path.join(ROOT, "tests", "live_writer.py")
 

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from synthetic import Synth
 
-from ampdoctor.diagnosis import engine as analyze, curve, progress  # analyze first: it loads the rules
+from ampdoctor.diagnosis import curve, progress
+from ampdoctor.diagnosis import engine as analyze
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
 from ampdoctor.runfile.schema import Kind
-
-from synthetic import Synth
 
 
 def verdict(s: Synth):

@@ -9,15 +9,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor.record import launch
 from ampdoctor.diagnosis import ranks
-from ampdoctor.runfile import paths
-from ampdoctor.runfile import schema, store
+from ampdoctor.record import launch
+from ampdoctor.runfile import paths, schema, store
 from ampdoctor.runfile.schema import Event, Phase, flag
-
-from conftest import PYTHON, ROOT, python_env
 
 EXAMPLES = os.path.join(ROOT, "fixtures", "examples")
 TRAIN = os.path.join(EXAMPLES, "train.py")
@@ -377,9 +375,8 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
 
 
 def test_bootstrap_and_launcher_agree():
-    from ampdoctor.record import recorder
-
     from ampdoctor import cli
+    from ampdoctor.record import recorder
 
     text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
     assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
@@ -421,7 +418,6 @@ def test_deferred_writer_touches_no_file_until_created(tmp_path):
 
 def test_lazy_recorder_creates_its_file_when_training_begins(tmp_path):
     import torch
-
     from helpers import TinyNet, batches
 
     named = []

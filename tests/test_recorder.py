@@ -1,17 +1,13 @@
 """watch(): what is recorded, that it matches what the loop saw, and that it changes nothing."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
+from helpers import fresh, train
 
 import ampdoctor
-from ampdoctor.record import patches
-from ampdoctor.runfile import schema
 from ampdoctor.runfile.schema import Event, Kind, Source, flag
-
-from helpers import TinyNet, fresh, train
 
 
 def weights(model):
@@ -237,8 +233,8 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
 
 
 def test_strict_mode_raises(run_path, monkeypatch):
-    from ampdoctor.record import recorder
     from ampdoctor.errors import RecorderFault
+    from ampdoctor.record import recorder
 
     monkeypatch.setattr(recorder.Recorder, "_end_step", lambda self: 1 / 0)
     model, opt = fresh()

@@ -14,16 +14,17 @@ import subprocess
 
 import numpy as np
 import pytest
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
 from ampdoctor import cli
-from ampdoctor.release import comparison, readiness, report as release
-from ampdoctor.render import plots, release as report_release
-from ampdoctor.runfile import schema, store
 from ampdoctor.errors import AmpDoctorError
+from ampdoctor.release import comparison, readiness
+from ampdoctor.release import report as release
+from ampdoctor.render import plots
+from ampdoctor.render import release as report_release
+from ampdoctor.runfile import schema, store
 from ampdoctor.runfile.schema import Event, Kind, Source, flag
-
-from conftest import PYTHON, ROOT, python_env
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

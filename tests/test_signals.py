@@ -6,12 +6,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import batches, fresh
 
 import ampdoctor
 from ampdoctor.record.opprobe import first_nonfinite_op
-
-from helpers import batches, fresh
-
 
 
 def _fp16():

@@ -20,13 +20,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
 from ampdoctor.diagnosis import engine as analyze
-from ampdoctor.release import readiness, report as release
+from ampdoctor.release import readiness
+from ampdoctor.release import report as release
 from ampdoctor.runfile.schema import Kind
-
-from conftest import PYTHON, ROOT, python_env
 
 pytestmark = pytest.mark.slow
 STACKS = os.path.join(ROOT, "fixtures", "stacks")

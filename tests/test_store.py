@@ -7,11 +7,10 @@ import textwrap
 import h5py
 import numpy as np
 import pytest
-
-from ampdoctor.runfile import schema, store
-from ampdoctor.errors import FormatTooNewError, RunFileError
-
 from conftest import PYTHON, python_env
+
+from ampdoctor.errors import FormatTooNewError, RunFileError
+from ampdoctor.runfile import schema, store
 
 
 def write_small(path, steps=5, close=True):

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from ..runfile import schema
-from ..runfile.schema import Event
 from ..runfile.paths import resolve
+from ..runfile.schema import Event
 from . import progress as _progress  # failures without a NaN
 from . import ranks
 from . import rules as _rules

@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from . import curve
 from ..runfile import schema
 from ..runfile.schema import DType, Event, Kind, Phase, Source, flag
+from . import curve
 from .thresholds import LOW_SCALE
 
 # GradScaler's calibration: it starts above what the net needs and halves on each overflow, so

@@ -34,12 +34,12 @@ from typing import Optional
 
 import numpy as np
 
+from ..runfile.schema import Kind
 from . import curve, fixes
-from .thresholds import SHORT_RUN, UNCHANGED_HIGH
-from .verdict import Evidence, Finding
 from .facts import Facts
 from .rules import PRIORITY, _first_bad, _fmt, context
-from ..runfile.schema import Kind
+from .thresholds import SHORT_RUN, UNCHANGED_HIGH
+from .verdict import Evidence, Finding
 
 # -- thresholds ------------------------------------------------------------------------------
 # (the loss curve's own thresholds, spike and recovery, are in curve.py)

@@ -19,12 +19,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import fixes
 from ..runfile import schema
+from ..runfile.schema import DType, Event, Kind
+from . import fixes
+from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
 from .verdict import Evidence, Finding
-from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
-from ..runfile.schema import DType, Event, Kind
 
 # -- thresholds ------------------------------------------------------------------------------
 

@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..runfile import paths, schema
 from ..errors import RunFileError, RunNotFoundError
+from ..runfile import paths, schema
 from ..runfile.schema import Source
 
 # A file that does not change for this long, whose writer's host is not this one, is taken
@@ -103,12 +103,12 @@ class RankState:
     _steps: Any = None
 
     def __post_init__(self) -> None:
-        from ..runfile.store import TENSOR_VIEW, _decoded
+        from ..runfile.store import TENSOR_VIEW, decoded
 
         self._steps = _Grow(schema.STEPS)
         self.tensors = np.zeros(0, TENSOR_VIEW)
-        self.events = _decoded(schema.empty("events"), ["text"])
-        self.snapshots = _decoded(schema.empty("snapshots"), ["module", "module_type",
+        self.events = decoded(schema.empty("events"), ["text"])
+        self.snapshots = decoded(schema.empty("snapshots"), ["module", "module_type",
                                                                "detail"])
 
     @property

@@ -27,9 +27,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..diagnosis import ranks
-from ..runfile import paths
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
+from ..runfile import paths
 from ..runfile.schema import FP16_MAX, Event
 
 # Layers shown: the nearest to fp16's max, then the gradients most underflowing.

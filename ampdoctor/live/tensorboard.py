@@ -42,7 +42,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import MissingExtraError, RunFileError
-from ..release.layers import KIND_LABELS, GRAD_KINDS
+from ..release.layers import GRAD_KINDS, KIND_LABELS
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Source
 from .follow import STALE_SECONDS, Follower
@@ -67,8 +67,13 @@ class Exported:
 def _protos() -> Any:
     """tensorboard's writer and protocol buffers, or one sentence on how to install them."""
     try:
-        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, \
-            tensor_shape_pb2, types_pb2
+        from tensorboard.compat.proto import (
+            event_pb2,
+            summary_pb2,
+            tensor_pb2,
+            tensor_shape_pb2,
+            types_pb2,
+        )
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
         raise MissingExtraError(

@@ -45,12 +45,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..diagnosis import engine as analyze  # noqa: F401 - before rules: analyze loads them at its end
 from ..diagnosis import fixes, rules
-from ..record import patches
-from ..runfile import schema, store
 from ..diagnosis.facts import Facts
+from ..record import patches
 from ..record.recorder import Recorder
+from ..runfile import schema, store
 from ..runfile.schema import DType, Event
 from .snapshot import Snapshot
 

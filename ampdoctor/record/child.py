@@ -27,8 +27,8 @@ import sys
 import warnings
 from typing import Any, Optional
 
-from . import launch
 from ..runfile import paths, schema
+from . import launch
 
 _SESSION: Optional["Session"] = None
 

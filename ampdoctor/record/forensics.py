@@ -74,13 +74,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import compiled, replay, sharding, stats
-from ..runfile import schema
 from ..errors import AmpDoctorError
+from ..runfile import schema
+from ..runfile.schema import Event, Phase, Source
+from . import compiled, replay, sharding, stats
 from .replay import Capture, Culprit
 from .sampler import tensors_in
 from .steps import HOST, device_values, fetch
-from ..runfile.schema import Event, Phase, Source
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay

@@ -14,8 +14,9 @@ the file it writes into site-packages)::
    - the settings in ``AMPDOCTOR_*`` variables, which launchers that re-exec their workers
      (torchrun, accelerate) pass on with the rest of the environment.
 2. Inside each of those interpreters nothing happens until torch is imported (a script that
-   never imports torch records nothing); then ``ampdoctor.record.child`` starts a recorder that finds
-   the model, optimizer and scaler itself, and creates its file at the first sign of training.
+   never imports torch records nothing); then ``ampdoctor.record.child`` starts a recorder that
+   finds the model, optimizer and scaler itself, and creates its file at the first sign of
+   training.
 3. ``record`` forwards SIGINT and SIGTERM, waits, prints what was recorded on stderr, and exits
    with the command's own exit code. stdin, stdout and stderr are the command's.
 
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..diagnosis import ranks
-from ..runfile import paths
 from ..errors import RecordError, RunFileError
+from ..runfile import paths
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"

@@ -37,14 +37,14 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from .. import __version__
-from . import amp_state, compiled, patches, readback, sharding, stats
-from ..runfile import schema, store
 from ..errors import AmpDoctorError, RecorderFault
+from ..runfile import schema, store
+from ..runfile.schema import Event, Kind, flag
+from ..version import __version__
+from . import amp_state, compiled, patches, readback, sharding, stats
 from .sampler import Sampler
 from .steps import HOST, Constants, Step, device_values, fetch
 from .torchcompat import is_wrapper, scaler_enabled, unscaled_already, unwrap
-from ..runfile.schema import Event, Kind, flag
 
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
@@ -140,7 +140,7 @@ class Recorder:
         self.strict = strict
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)
+        self._name = path if callable(path) else (lambda rank, world, p=os.fspath(path): p)  # noqa: B008
         # A function names the file only when it is created: the rank may not be known before.
         self.path = "" if callable(path) else os.fspath(path)
         self.lazy = lazy

@@ -48,10 +48,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from . import patches, stats, torchcompat
 from ..runfile import schema
-from .sampler import tensors_in
 from ..runfile.schema import Kind, Phase
+from . import patches, stats, torchcompat
+from .sampler import tensors_in
 
 CLEAN, SOFT, HARD = 0, 1, 2
 ROOT_INPUT, UNKNOWN = -1, -2  # sources of a module input that no module call produced

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from ..runfile import schema
+from ..runfile.schema import Kind, Source
 from . import stats
 from .sharding import local
-from ..runfile.schema import Kind, Source
 
 MAX_DEPTH = 4  # nesting of tuples/lists/dicts searched for tensors in a module output
 

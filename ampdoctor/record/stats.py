@@ -200,7 +200,7 @@ class Collector:
         return len(self._slots)
 
     def add(self, t: torch.Tensor) -> Optional[int]:
-        """Queue statistics of ``t``; return its slot, or None for a tensor stats cannot describe."""
+        """Queue statistics of ``t``; its slot, or None for a tensor stats cannot describe."""
         t = local(t)  # a DTensor's shard: mixing it with plain tensors would raise
         if not measurable(t):
             return None

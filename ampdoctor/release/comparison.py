@@ -35,9 +35,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import layers as _layers
 from ..display import Displayable
 from ..errors import AmpDoctorError
+from . import layers as _layers
 from .layers import Kind
 from .readiness import Readiness, fp16_readiness, plain, precision
 

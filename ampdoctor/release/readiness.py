@@ -30,10 +30,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import layers as _layers
-from .layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+from . import layers as _layers
+from .layers import GRAD_KINDS, VALUE_KINDS
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 

@@ -22,9 +22,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..display import render
+from ..runfile.schema import Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
-from ..runfile.schema import Event, flag
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
 RANGE_VERDICTS = {"grad_underflow", "masked_underflow", "lr_overflow", "unstable_op",
@@ -134,7 +134,8 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     baseline (fp32 or bf16) run of the same training; options go to ``compare``. ``parity``:
     a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
     json`` wrote, shown as the layer parity section."""
-    from ..diagnosis import engine as analyze, ranks
+    from ..diagnosis import engine as analyze
+    from ..diagnosis import ranks
     from ..runfile.paths import resolve
     from ..runfile.store import Run, load
 

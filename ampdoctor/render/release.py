@@ -18,12 +18,13 @@ import json
 import math
 from typing import Any, Optional
 
-from .. import __version__
 from ..display import renders
 from ..release.comparison import Comparison
-from ..release.report import ReleaseReport
 from ..release.comparison import percent as _pct
-from .diagnosis import _also, _chain, _fmt, _where, render_markdown as diagnosis_markdown
+from ..release.report import ReleaseReport
+from ..version import __version__
+from .diagnosis import _also, _chain, _fmt, _where
+from .diagnosis import render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")
 COMPARE_FORMATS = ("text", "json", "markdown")

@@ -29,8 +29,8 @@ import os
 import re
 import select
 import signal
-import stat
 import socket
+import stat
 import struct
 import sys
 import time
@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from .. import __version__
-from . import schema
 from ..errors import FormatTooNewError, RunFileError
+from ..version import __version__
+from . import schema
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -603,10 +603,10 @@ class Run:
     groups: Any = field(default_factory=lambda: Table(schema.empty("groups"), name="groups"))
     tensors: np.ndarray = field(default_factory=lambda: np.zeros(0, TENSOR_VIEW))
     stats: Table = field(default_factory=lambda: Table(schema.empty("stats")))
-    events: np.ndarray = field(default_factory=lambda: _decoded(schema.empty("events"), ["text"]))
-    snapshots: np.ndarray = field(default_factory=lambda: _decoded(
+    events: np.ndarray = field(default_factory=lambda: decoded(schema.empty("events"), ["text"]))
+    snapshots: np.ndarray = field(default_factory=lambda: decoded(
         schema.empty("snapshots"), ["module", "module_type", "detail"]))
-    arrays: np.ndarray = field(default_factory=lambda: _decoded(schema.empty("arrays"), ["name"]))
+    arrays: np.ndarray = field(default_factory=lambda: decoded(schema.empty("arrays"), ["name"]))
     live: bool = False  # the writer has the file open and is still running
     damaged: list = field(default_factory=list)  # tables that could not be read (left empty)
     _file: Any = field(default=None, repr=False)
@@ -659,7 +659,7 @@ class Run:
         self.close()
 
 
-def _decoded(rows: np.ndarray, texts: list[str], blob: Blob | None = None) -> np.ndarray:
+def decoded(rows: np.ndarray, texts: list[str], blob: Blob | None = None) -> np.ndarray:
     """Replace each (name_off, name_len) pair by a ``name`` column of Python strings."""
     fields = [(n, rows.dtype[n]) for n in rows.dtype.names
               if not any(n in (f"{t}_off", f"{t}_len") for t in texts)]
@@ -996,11 +996,11 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
         damaged.append("tensors")
     run.tensors = _tensor_view(raw["tensors"][valid], blob)
     run.stats = stats
-    run.events = _decoded(raw["events"], ["text"], blob)
+    run.events = decoded(raw["events"], ["text"], blob)
     _known(raw["snapshots"], "phase", schema.Phase, schema.Phase.UNKNOWN)
     _known(raw["snapshots"], "autocast", schema.DType, schema.DType.UNKNOWN)
-    run.snapshots = _decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
-    run.arrays = _decoded(raw["arrays"], ["name"], blob)
+    run.snapshots = decoded(raw["snapshots"], ["module", "module_type", "detail"], blob)
+    run.arrays = decoded(raw["arrays"], ["name"], blob)
     run.damaged = damaged
     return run
 
@@ -1259,11 +1259,11 @@ class Tail:
             out = {"steps": rows["steps"], "groups": rows["groups"],
                    "meta": _meta(rows["meta"], blob),
                    "tensors": _tensor_view(rows["tensors"], blob),
-                   "events": _decoded(rows["events"], ["text"], blob),
-                   "arrays": _decoded(rows["arrays"], ["name"], blob)}
+                   "events": decoded(rows["events"], ["text"], blob),
+                   "arrays": decoded(rows["arrays"], ["name"], blob)}
             _known(rows["snapshots"], "phase", schema.Phase, schema.Phase.UNKNOWN)
             _known(rows["snapshots"], "autocast", schema.DType, schema.DType.UNKNOWN)
-            out["snapshots"] = _decoded(rows["snapshots"], ["module", "module_type", "detail"],
+            out["snapshots"] = decoded(rows["snapshots"], ["module", "module_type", "detail"],
                                         blob)
         except H5_ERRORS as exc:
             raise RunFileError(f"{self.path} could not be read ({_reason(exc)})") from None

@@ -18,7 +18,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(_HERE)  # the ampdoctor package this bootstrap belongs to
-_ACTIVE = "AMPDOCTOR_RECORD"  # = ampdoctor.record.launch.ENV_ACTIVE (not imported: startup stays light)
+_ACTIVE = "AMPDOCTOR_RECORD"  # = record.launch.ENV_ACTIVE (not imported: startup stays light)
 
 
 def _start_recording():

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build a wheel, install it into a fresh venv (no editable install, no source tree on the path)
+# and record + diagnose a fixture with it: a missing _bootstrap/ or subpackage fails here.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$root"
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q torch==2.13.0 "$work"/dist/ampdoctor-*.whl
+cd "$work"  # not the repository: the wheel's files, nothing else
+unset PYTHONPATH
+"$work/venv/bin/ampdoctor" record -q -o x.h5 -- "$work/venv/bin/python" \
+    "$root/fixtures/verdicts/unstable_op.py" --steps 12
+set +e
+"$work/venv/bin/ampdoctor" diagnose x.h5 --format json > d.json
+code=$?
+set -e
+"$work/venv/bin/python" - "$code" <<'PY'
+import json, sys
+d = json.load(open("d.json"))
+assert d["verdict"] == "unstable_op", d["verdict"]
+assert sys.argv[1] == "1", f"diagnose exited {sys.argv[1]} (a failure verdict exits 1)"
+import ampdoctor, ampdoctor.record, os
+assert "site-packages" in ampdoctor.__file__, ampdoctor.__file__
+boot = os.path.join(os.path.dirname(ampdoctor.record.__file__), "_bootstrap", "sitecustomize.py")
+assert os.path.isfile(boot), boot
+print(f"wheel smoke test: {d['verdict']} from the installed wheel")
+PY

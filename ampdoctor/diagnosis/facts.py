@@ -533,6 +533,51 @@ def _reduce_flags(out: Stats, rows, pos, tid, kind, bad) -> None:
 # Facts
 
 
+
+# -- the run's precision: decided here once, for the diagnosis and the release material ------
+
+
+def autocast_dtype(run: Any) -> Optional[str]:
+    """The dtype autocast computed in, or None when it was off (or never seen)."""
+    ac = run.autocast
+    return ac.get("dtype") if ac is not None and ac.get("enabled") else None
+
+
+def param_dtypes(run: Any) -> dict[str, int]:
+    """Elements per dtype of the trained parameters (optimizer's view, else the model's)."""
+    out: dict[str, int] = {}
+    for o in run.optimizers:
+        for k, v in (o.get("param_dtypes") or {}).items():
+            out[k] = out.get(k, 0) + int(v)
+    if not out and run.model is not None:
+        out = {k: int(v) for k, v in (run.model.get("param_dtypes") or {}).items()}
+    return out
+
+
+def params_mostly(run: Any, dtype: str) -> bool:
+    d = param_dtypes(run)
+    total = sum(d.values())
+    return bool(total) and d.get(dtype, 0) * 2 >= total
+
+
+def low_precision(run: Any) -> Optional[str]:
+    """'fp16', 'bf16' or None: the narrow float type the run computes in (autocast's dtype,
+    else the trained weights' when they are mostly half, else an fp16 loss).
+
+    Example::
+
+        low_precision(ampdoctor.load("run.h5"))   # 'fp16'
+    """
+    ac = autocast_dtype(run)
+    if ac == "float16" or params_mostly(run, "float16"):
+        return "fp16"
+    if ac == "bfloat16" or params_mostly(run, "bfloat16"):
+        return "bf16"
+    if len(run.steps) and np.any(run.steps["loss_dtype"] == DType.FLOAT16):
+        return "fp16"
+    return None
+
+
 class Facts:
     """Derived views of a ``Run`` for the rules. Properties are computed on first use.
 
@@ -562,64 +607,41 @@ class Facts:
 
     @property
     def autocast_dtype(self) -> Optional[str]:
-        ac = self.meta.get("autocast")
-        if isinstance(ac, dict) and ac.get("enabled"):
-            return ac.get("dtype")
-        return None
+        return autocast_dtype(self.run)
 
     @property
     def device_type(self) -> str:
-        ac = self.meta.get("autocast")
-        if isinstance(ac, dict) and ac.get("device_type"):
+        ac = self.run.autocast
+        if ac is not None and ac.get("device_type"):
             return str(ac["device_type"])
-        dev = self.meta.get("device")
-        return str(dev.get("type", "cuda")) if isinstance(dev, dict) else "cuda"
+        dev = self.run.device
+        return str(dev.get("type", "cuda")) if dev is not None else "cuda"
 
     @property
     def root_names(self) -> set[str]:
         """Names the recorder gives the root module(s): its class name, for a single root."""
-        roots = self.meta.get("roots")
-        return {str(r) for r in roots} if isinstance(roots, list) else set()
+        return set(self.run.roots)
 
     @property
     def optimizers(self) -> list[dict]:
-        opt = self.meta.get("optimizer")
-        return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []
+        return self.run.optimizers
 
     @property
     def param_dtypes(self) -> dict[str, int]:
         """Elements per dtype of the trained parameters (optimizer's view, else the model's)."""
-        out: dict[str, int] = {}
-        for o in self.optimizers:
-            for k, v in (o.get("param_dtypes") or {}).items():
-                out[k] = out.get(k, 0) + int(v)
-        if not out:
-            model = self.meta.get("model")
-            if isinstance(model, dict):
-                out = {k: int(v) for k, v in (model.get("param_dtypes") or {}).items()}
-        return out
+        return param_dtypes(self.run)
 
     def params_mostly(self, dtype: str) -> bool:
-        d = self.param_dtypes
-        total = sum(d.values())
-        return bool(total) and d.get(dtype, 0) * 2 >= total
+        return params_mostly(self.run, dtype)
 
     @property
     def low_precision(self) -> Optional[str]:
         """'fp16', 'bf16' or None: the narrow float type the run computes in."""
-        ac = self.autocast_dtype
-        if ac == "float16" or self.params_mostly("float16"):
-            return "fp16"
-        if ac == "bfloat16" or self.params_mostly("bfloat16"):
-            return "bf16"
-        if self.n and np.any(self.steps["loss_dtype"] == DType.FLOAT16):
-            return "fp16"
-        return None
+        return low_precision(self.run)
 
     @property
     def scaler(self) -> Optional[dict]:
-        s = self.meta.get("scaler")
-        return s if isinstance(s, dict) else None
+        return self.run.scaler
 
     @property
     def has_scaler(self) -> bool:

@@ -189,8 +189,8 @@ def _steps(fr: Frame, run: Any) -> None:
     fr.steps = len(s)
     fr.precision = _precision(run)
     fr.lr = [lr for _, lr in sorted(_group_lrs(run).items())]
-    recorder = run.meta.get("recorder")
-    fr.every = recorder.get("every") if isinstance(recorder, dict) else None
+    recorder = run.recorder_settings
+    fr.every = recorder.get("every") if recorder is not None else None
     if not len(s):
         return
     fr.summary = summarize(run)
@@ -209,8 +209,8 @@ def _group_lrs(run: Any) -> dict[int, float]:
 
 def _precision(run: Any) -> str:
     dtype = precision(run)
-    autocast = bool((run.meta.get("autocast") or {}).get("enabled"))
-    scaler = bool((run.meta.get("scaler") or {}).get("enabled"))
+    autocast = bool((run.autocast or {}).get("enabled"))
+    scaler = bool((run.scaler or {}).get("enabled"))
     words = dtype + (" autocast" if autocast else "" if dtype == "float32" else " weights")
     return words + (" + GradScaler" if scaler else "")
 

@@ -8,9 +8,9 @@ the file it writes into site-packages)::
 1. ``record`` checks the output before anything runs: its directory must exist and accept a
    new file, and an existing run (``run.h5`` or ``run.rank{R}.h5``) is replaced only with
    ``--force``. Then it starts the command unchanged, with
-   - ``ampdoctor/_bootstrap`` prepended to ``PYTHONPATH``: its ``sitecustomize`` runs in every
-     Python interpreter the command starts, after chaining to any ``sitecustomize`` the user
-     already had;
+   - ``ampdoctor/record/_bootstrap`` prepended to ``PYTHONPATH``: its ``sitecustomize`` runs in
+     every Python interpreter the command starts, after chaining to any ``sitecustomize`` the
+     user already had;
    - the settings in ``AMPDOCTOR_*`` variables, which launchers that re-exec their workers
      (torchrun, accelerate) pass on with the rest of the environment.
 2. Inside each of those interpreters nothing happens until torch is imported (a script that

@@ -174,9 +174,9 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
 
 def describe(run: Any) -> dict:
     """Path, precision, device and size of a run, as the comparison shows it."""
-    scaler = run.meta.get("scaler") or {}
-    dev = run.meta.get("device") or {}
-    model = run.meta.get("model") or {}
+    scaler = run.scaler or {}
+    dev = run.device or {}
+    model = run.model or {}
     return {"path": run.path, "dtype": precision(run),
             "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
             "device_name": dev.get("name"), "steps": int(len(run.steps)),
@@ -391,7 +391,7 @@ def median_step_time(run: Any) -> Optional[float]:
 def peak_memory(run: Any) -> tuple[Optional[int], str]:
     """Largest recorded peak memory in bytes, and what it measures on this run's device."""
     s = run.steps
-    dev = (run.meta.get("device") or {}).get("type")
+    dev = (run.device or {}).get("type")
     what = "CUDA allocator peak" if dev == "cuda" else "process peak RSS"
     if not len(s) or int(s["peak_mem"].max()) <= 0:
         return None, what

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..diagnosis.facts import low_precision
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 from . import layers as _layers
@@ -136,17 +137,10 @@ def _overflows(x: LayerRange) -> bool:
 
 
 def precision(run: Any) -> str:
-    """What a run computed in: autocast's dtype, else its weights' when they are mostly half
-    (``model.half()``, ``model.bfloat16()``), else 'float32'."""
-    ac = run.meta.get("autocast") or {}
-    if ac.get("enabled") and ac.get("dtype"):
-        return str(ac["dtype"])
-    dtypes = (run.meta.get("model") or {}).get("param_dtypes") or {}
-    if dtypes:
-        top = max(dtypes, key=lambda k: dtypes[k])
-        if top in ("float16", "bfloat16"):
-            return top
-    return "float32"
+    """What a run computed in, 'float16', 'bfloat16' or 'float32': the diagnosis' decision
+    (``diagnosis.facts.low_precision``: autocast's dtype, else its weights' when they are
+    mostly half, ``model.half()``, else an fp16 loss), named as a dtype."""
+    return {"fp16": "float16", "bf16": "bfloat16"}.get(low_precision(run) or "", "float32")
 
 
 def fp16_readiness(run: Any) -> Readiness:

@@ -212,7 +212,7 @@ def _skips(out: Summary, run: Any, bad_loss: np.ndarray) -> None:
     s = run.steps
     skipped = s["skipped"] == 1
     out.skipped = int(skipped.sum())
-    story = scale_story(s, run.meta.get("scaler"), bad_loss)
+    story = scale_story(s, run.scaler, bad_loss)
     calib = story.calib_len if story.has_scaler and story.calib_benign else 0
     out.calibration_skips = calib
     out.skipped_after = int(skipped[calib:].sum())
@@ -264,9 +264,9 @@ def generation(capability: tuple[int, int]) -> Optional[str]:
 
 def decide(run: Any, verdict: str, readiness: Readiness) -> Decision:
     """Recommend a precision for this training on the hardware it ran on."""
-    dev = run.meta.get("device") or {}
-    ac = run.meta.get("autocast") or {}
-    scaler = bool((run.meta.get("scaler") or {}).get("enabled"))
+    dev = run.device or {}
+    ac = run.autocast or {}
+    scaler = bool((run.scaler or {}).get("enabled"))
     d = Decision(device=_device_text(dev), device_type=dev.get("type") or "unknown",
                  run_dtype=precision(run), scaler=scaler, recommendation="",
                  autocast=bool(ac.get("enabled")))

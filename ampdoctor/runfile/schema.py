@@ -299,6 +299,22 @@ BLOB_CHUNK = 1 << 16
 ROOT_ATTRS = ("format", "format_version", "ampdoctor_version", "created", "pid", "host",
               "rank", "world_size", "argv")
 
+# Keys of /meta (JSON values, the last row of a key wins), each read through the ``Run``
+# accessor named here (runfile/store.py), never parsed ad hoc.
+META_KEYS = {
+    "status": "how the run ended: 'running' until it did (Run.status)",
+    "recorder": "the recorder's settings: every, sample, forensics, ... (Run.recorder_settings)",
+    "torch": "torch's version and build (Run.torch_info)",
+    "roots": "class names of the root module(s) the recorder hooked (Run.roots)",
+    "model": "parameter counts and param_dtypes of the model (Run.model)",
+    "device": "type, name and memory of the training device (Run.device)",
+    "compiled": "torch.compile regions: module and kind (Run.compiled)",
+    "sharding": "FSDP/DTensor: kind, world size, replay on or off (Run.sharding)",
+    "scaler": "GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)",
+    "optimizer": "one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)",
+    "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
+}
+
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"
 STATUS_EXCEPTION = "exception:"  # followed by the exception type name

@@ -612,6 +612,54 @@ class Run:
     _file: Any = field(default=None, repr=False)
     _blob: Any = field(default=None, repr=False)
 
+    def _meta_dict(self, key: str) -> dict[str, Any] | None:
+        value = self.meta.get(key)
+        return value if isinstance(value, dict) else None
+
+    # Typed views of /meta (schema.META_KEYS): None (or []) when the run did not record it.
+    @property
+    def autocast(self) -> dict[str, Any] | None:
+        """``{"enabled": True, "dtype": "float16", "device_type": "cuda", ...}``"""
+        return self._meta_dict("autocast")
+
+    @property
+    def scaler(self) -> dict[str, Any] | None:
+        return self._meta_dict("scaler")
+
+    @property
+    def device(self) -> dict[str, Any] | None:
+        return self._meta_dict("device")
+
+    @property
+    def model(self) -> dict[str, Any] | None:
+        return self._meta_dict("model")
+
+    @property
+    def sharding(self) -> dict[str, Any] | None:
+        return self._meta_dict("sharding")
+
+    @property
+    def compiled(self) -> dict[str, Any] | None:
+        return self._meta_dict("compiled")
+
+    @property
+    def recorder_settings(self) -> dict[str, Any] | None:
+        return self._meta_dict("recorder")
+
+    @property
+    def torch_info(self) -> dict[str, Any] | None:
+        return self._meta_dict("torch")
+
+    @property
+    def optimizers(self) -> list[dict[str, Any]]:
+        opt = self.meta.get("optimizer")
+        return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []
+
+    @property
+    def roots(self) -> list[str]:
+        roots = self.meta.get("roots")
+        return [str(r) for r in roots] if isinstance(roots, list) else []
+
     @property
     def status(self) -> str:
         """'finished', 'exception:<Type>', 'signal:<NAME>', 'running' (still being written),

@@ -17,7 +17,7 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PACKAGE = os.path.dirname(_HERE)  # the ampdoctor package this bootstrap belongs to
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # the ampdoctor of ampdoctor/record/_bootstrap
 _ACTIVE = "AMPDOCTOR_RECORD"  # = record.launch.ENV_ACTIVE (not imported: startup stays light)
 
 

@@ -163,14 +163,9 @@ def fp16_readiness(run: Any) -> "Readiness":
         r.status, r.advice, [(x.name, x.kind, x.absmax) for x in r.overflowing]
     """
     from .release.readiness import fp16_readiness as _readiness
-    from .runfile.store import Run
+    from .runfile.store import opened
 
-    if isinstance(run, Run):
-        return _readiness(run)
-    from .runfile import paths
-    from .runfile.store import load as _load
-
-    with _load(paths.resolve(run)[0]) as loaded:
+    with opened(run, "fp16_readiness") as loaded:
         return _readiness(loaded)
 
 

@@ -611,7 +611,8 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
     write_rank(paths.rank_path(base, 0), 0, 2, [8.0, 4.0], skipped={0})
     write_rank(paths.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
     out = str(tmp_path / "none.h5")
-    code = ("import sys, ampdoctor; from ampdoctor import cli; from ampdoctor.record import launch; "
+    code = ("import sys, ampdoctor; from ampdoctor import cli; "
+            "from ampdoctor.record import launch; "
             f"assert cli.main(['record', '-o', {out!r}, '--', sys.executable, '-c', 'pass']) == 0; "
             f"print(launch.summary(launch.Settings(output={base!r}, shown='ranks.h5'))); "
             f"d = ampdoctor.diagnose({base!r}); assert d.first_bad['rank'] == 1; "

@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from ..display import Displayable
 from ..errors import AmpDoctorError
+from ..runfile.store import opened
 from . import layers as _layers
 from .layers import Kind
 from .readiness import Readiness, fp16_readiness, plain, precision
@@ -118,33 +118,8 @@ def compare(base: Any, amp: Any, *, rtol: float = RTOL, diverge: float = DIVERGE
     if not 0 < rtol <= diverge:
         raise AmpDoctorError(f"the tolerances must satisfy 0 < rtol <= diverge (got rtol={rtol}, "
                              f"diverge={diverge})")
-    with _opened(base) as b, _opened(amp) as a:
+    with opened(base, "compare") as b, opened(amp, "compare") as a:
         return _compare(b, a, rtol, diverge, window)
-
-
-class _opened:
-    """A ``Run`` as given, or loaded from a path and closed afterwards."""
-
-    def __init__(self, run: Any):
-        self.given = run
-        self.run = None
-
-    def __enter__(self) -> Any:
-        from ..runfile.store import Run, load
-
-        if isinstance(self.given, Run):
-            return self.given
-        if not isinstance(self.given, (str, os.PathLike)):
-            raise TypeError(f"compare() takes paths or Runs, not {type(self.given).__name__}")
-        from ..runfile import paths
-
-        # A torchrun recording: rank 0 stands for the training (the ranks share the loss).
-        self.run = load(paths.resolve(os.fspath(self.given))[0])
-        return self.run
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.run is not None:
-            self.run.close()
 
 
 def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int]) -> Comparison:

@@ -20,6 +20,7 @@ What can go wrong, and what happens then (tests/test_reliability.py shows each):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -1207,6 +1208,28 @@ def _tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out["name"] = [blob.text(int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
     out["type"] = [blob.text(int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
     return out
+
+
+@contextlib.contextmanager
+def opened(run: Any, caller: str = "this") -> Iterator[Run]:
+    """The one way a path or a ``Run`` becomes a loaded ``Run``: a ``Run`` is used as given (and
+    left open), a path is resolved (``run.h5``, else its rank files: rank 0 stands for the
+    training) and loaded, and closed at the end.
+
+    Example::
+
+        with store.opened("run.h5") as run:
+            len(run.steps)
+    """
+    if isinstance(run, Run):
+        yield run
+        return
+    if not isinstance(run, (str, os.PathLike)):
+        raise TypeError(f"{caller}() takes a path or a Run, not {type(run).__name__}")
+    from .paths import resolve
+
+    with load(resolve(os.fspath(run))[0]) as loaded:
+        yield loaded
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:

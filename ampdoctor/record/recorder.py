@@ -26,13 +26,12 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import resource
 import signal
 import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -42,6 +41,7 @@ from ..runfile import schema, store
 from ..runfile.schema import Event, Kind, flag
 from ..version import __version__
 from . import amp_state, compiled, patches, readback, sharding, stats
+from .environment import device_info, model_summary, optimizer_info, peak_memory, scaler_info
 from .sampler import Sampler
 from .steps import HOST, Constants, Step, device_values, fetch
 from .torchcompat import is_wrapper, scaler_enabled, unscaled_already, unwrap
@@ -583,8 +583,8 @@ class Recorder:
         if self._clock.device != self._device:  # discovered: the device is known from now on
             self._clock = readback.StepClock(self._device)
         self._meta("roots", [type(unwrap(r)).__name__ for r in roots])
-        self._meta("model", _model_summary(roots))
-        self._meta("device", _device_info(self._device))
+        self._meta("model", model_summary(roots))
+        self._meta("device", device_info(self._device))
         if self._compiled:
             self._note_compiled()
 
@@ -622,7 +622,7 @@ class Recorder:
 
     def _adopt_scaler(self, scaler: Any) -> None:
         self.scaler = scaler
-        self._meta("scaler", _scaler_info(scaler))
+        self._meta("scaler", scaler_info(scaler))
 
     def on_scaler_init(self, scaler: Any) -> None:
         self._event(Event.SCALER_CREATED, value=float(getattr(scaler, "_init_scale", math.nan)))
@@ -647,7 +647,7 @@ class Recorder:
                 self.optimizers.append(optimizer)
                 # Hyperparameters now (a run whose every step is skipped never steps);
                 # the optimizer-state dtypes follow after its first step.
-                self._meta("optimizer", _optimizer_info(self.optimizers))
+                self._meta("optimizer", optimizer_info(self.optimizers))
         return known
 
     def _uses_scaler(self, scaler: Any) -> bool:
@@ -887,7 +887,7 @@ class Recorder:
         st.stepped = True
         if id(optimizer) not in self._optimizer_meta_done:
             self._optimizer_meta_done.add(id(optimizer))
-            self._meta("optimizer", _optimizer_info(self.optimizers))
+            self._meta("optimizer", optimizer_info(self.optimizers))
         if not st.scaled and self._primary(optimizer):
             if st.sampled and self._sampler is not None:
                 self._sampler.after_step()
@@ -1199,7 +1199,7 @@ class Recorder:
             has_grad = np.array([h[-1] for h in host], bool)
             values = fetch([v for _, v in pending])
             rows["dt"] = readback.StepClock.seconds([h[HOST.index("dt")] for h in host])
-            rows["peak_mem"] = _peak_memory(self._device)  # never reset: the run's peak so far
+            rows["peak_mem"] = peak_memory(self._device)  # never reset: the run's peak so far
             rows["loss"] = values[:, 0]
             rows["scale"] = values[:, 1]
             rows["scale_after"] = values[:, 2]
@@ -1336,78 +1336,6 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
 
 
-def _peak_memory(device: Optional[torch.device]) -> int:
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _device_info(device: torch.device) -> dict:
-    info = {"type": device.type, "name": device.type}
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        info["name"] = torch.cuda.get_device_name(idx)
-        info["capability"] = list(torch.cuda.get_device_capability(idx))
-        info["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
-    else:
-        import platform
-
-        info["name"] = platform.processor() or platform.machine()
-    return info
-
-
-def _scaler_info(scaler: Any) -> dict:
-    return {"class": type(scaler).__name__, "enabled": scaler_enabled(scaler),
-            "init_scale": getattr(scaler, "_init_scale", None),
-            "growth_factor": getattr(scaler, "_growth_factor", None),
-            "backoff_factor": getattr(scaler, "_backoff_factor", None),
-            "growth_interval": getattr(scaler, "_growth_interval", None),
-            "device": str(getattr(scaler, "_device", ""))}
-
-
-def _model_summary(roots: list[torch.nn.Module]) -> dict:
-    dtypes: dict[str, int] = {}
-    trainable = 0
-    modules = 0
-    for root in roots:
-        modules += sum(1 for _ in root.modules())
-        for p in root.parameters():
-            key = str(p.dtype).replace("torch.", "")
-            dtypes[key] = dtypes.get(key, 0) + p.numel()
-            trainable += p.numel() if p.requires_grad else 0
-    return {"param_dtypes": dtypes, "trainable": trainable, "modules": modules}
-
-
-_HYPER = ("lr", "eps", "betas", "weight_decay", "momentum", "amsgrad", "fused", "foreach",
-          "capturable", "nesterov")
-
-
-def _optimizer_info(optimizers: Iterable[Any]) -> list[dict]:
-    out = []
-    for opt in optimizers:
-        hyper = {k: _plain(opt.defaults[k]) for k in _HYPER if k in opt.defaults}
-        state_dtypes: dict[str, str] = {}
-        param_dtypes: dict[str, int] = {}
-        for g in opt.param_groups:
-            for p in g["params"]:
-                key = str(p.dtype).replace("torch.", "")
-                param_dtypes[key] = param_dtypes.get(key, 0) + p.numel()
-                for name, value in opt.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1:
-                        state_dtypes[name] = str(value.dtype).replace("torch.", "")
-        out.append({"class": type(opt).__name__, "hyper": hyper, "groups": len(opt.param_groups),
-                    "param_dtypes": param_dtypes, "state_dtypes": state_dtypes})
-    return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 and value.device.type == "cpu" else None
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    return value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
-
-
 def active() -> Optional[Recorder]:
     """The recorder currently recording in this process, if any."""
     return _ACTIVE
@@ -1434,9 +1362,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Code that changes the recorder's or the writer's state. A signal that lands in it is held
 # back until that code is done, so the file is never finished from half-made state.
+# That is record/ (the recorder and its helpers), runfile/ (the writer) and what they call:
+# the package's own modules, its numpy side; not live/ or preflight/, which run around
+# training code.
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(_HERE)
+_RECORDING_DIRS = (_PACKAGE, _HERE) + tuple(
+    os.path.join(_PACKAGE, sub) for sub in ("runfile", "diagnosis", "release", "render"))
 _RECORDING_CODE = frozenset(
-    os.path.join(_HERE, name) for name in os.listdir(_HERE) if name.endswith(".py")
+    os.path.join(folder, name) for folder in _RECORDING_DIRS for name in os.listdir(folder)
+    if name.endswith(".py")
     # patches.py only holds the wrappers that call into the recorder and then the original
     # (user-facing) function; the launcher and the CLI never run around training code.
     and name not in ("patches.py", "launch.py", "cli.py", "__init__.py", "__main__.py"))

@@ -18,14 +18,14 @@ unset PYTHONPATH
 "$work/venv/bin/ampdoctor" record -q -o x.h5 -- "$work/venv/bin/python" \
     "$root/fixtures/verdicts/unstable_op.py" --steps 12
 set +e
-"$work/venv/bin/ampdoctor" diagnose x.h5 --format json > d.json
+"$work/venv/bin/ampdoctor" diagnose x.h5 --format json --fail-on unhealthy > d.json
 code=$?
 set -e
 "$work/venv/bin/python" - "$code" <<'PY'
 import json, sys
 d = json.load(open("d.json"))
 assert d["verdict"] == "unstable_op", d["verdict"]
-assert sys.argv[1] == "1", f"diagnose exited {sys.argv[1]} (a failure verdict exits 1)"
+assert sys.argv[1] == "1", f"diagnose --fail-on unhealthy exited {sys.argv[1]}, not 1"
 import ampdoctor, ampdoctor.record, os
 assert ampdoctor.__file__.startswith(sys.prefix), (ampdoctor.__file__, sys.prefix)
 boot = os.path.join(os.path.dirname(ampdoctor.record.__file__), "_bootstrap", "sitecustomize.py")

@@ -11,7 +11,8 @@ from synthetic import Synth, grow
 from ampdoctor.diagnosis import engine as analyze
 from ampdoctor.diagnosis import fixes, rules
 from ampdoctor.diagnosis.engine import diagnose
-from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero, runs_of
+from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero
+from ampdoctor.diagnosis.scale import runs_of
 from ampdoctor.runfile.schema import DType, Event, Kind
 
 

@@ -3,7 +3,7 @@
 numpy only. ``build`` takes the followed files' states (``follow.RankState``) and answers
 from the same functions the reports use, so that the live view and ``ampdoctor report`` never
 disagree: skipped steps, GradScaler's calibration and its probing allowance, peak grad norm and
-lowest scale from ``release.summarize`` (which reads ``facts.scale_story``); the layers'
+lowest scale from ``release.summarize`` (which reads ``diagnosis.scale.scale_story``); the layers'
 range against fp16's limits from ``readiness.fp16_readiness``, on the latest sampled step;
 which rank went non-finite first from ``ranks.outline`` and ``ranks.first_rank``.
 ``top`` draws a frame; ``frame.to_dict()`` is the same data for a script.

@@ -205,8 +205,8 @@ def summarize(run: Any) -> Summary:
 
 def _skips(out: Summary, run: Any, bad_loss: np.ndarray) -> None:
     """Skipped steps, with GradScaler's initial calibration told apart as the diagnosis tells
-    it (``diagnosis.scale.scale_story``): skips from the first step, with a finite loss, until the scale
-    fits are how GradScaler works, so the rate that matters starts after them."""
+    it (``diagnosis.scale.scale_story``): skips from the first step, with a finite loss, until
+    the scale fits are how GradScaler works, so the rate that matters starts after them."""
     from ..diagnosis.scale import scale_story
 
     s = run.steps

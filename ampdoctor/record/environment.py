@@ -25,7 +25,7 @@ def peak_memory(device: Optional[torch.device]) -> int:
 
 
 def device_info(device: torch.device) -> dict:
-    info = {"type": device.type, "name": device.type}
+    info: dict[str, Any] = {"type": device.type, "name": device.type}
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         info["name"] = torch.cuda.get_device_name(idx)

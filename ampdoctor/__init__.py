@@ -21,11 +21,20 @@ Importing ampdoctor imports neither torch nor h5py: ``watch`` pulls in torch whe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import display
 from .errors import AmpDoctorError, FormatTooNewError, RunFileError
+from .version import __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # the annotations below; at run time these load on first use (__getattr__)
+    from .diagnosis.verdict import Diagnosis
+    from .preflight.parity_result import ParityResult
+    from .record.recorder import Recorder
+    from .release.comparison import Comparison
+    from .release.readiness import Readiness
+    from .release.report import ReleaseReport
+    from .runfile.store import Run
 
 __all__ = [
     "AmpDoctorError",
@@ -49,6 +58,16 @@ __all__ = [
 ]
 
 
+def _load_renderers() -> object:
+    import importlib
+
+    return importlib.import_module("ampdoctor.render")
+
+
+# The composition root: data objects print through renderers they never import.
+display.set_loader(_load_renderers)
+
+
 def watch(model: Any = None, optimizer: Any = None, scaler: Any = None, path: str = "run.h5",
           every: int | None = None, **options: Any) -> "Recorder":
     """Record a training loop into ``path``; a context manager, or call ``rec.close()``.
@@ -64,30 +83,30 @@ def watch(model: Any = None, optimizer: Any = None, scaler: Any = None, path: st
                 scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
         rec.diagnose()
 
-    See ``ampdoctor.recorder.Recorder`` for every option.
+    See ``ampdoctor.record.recorder.Recorder`` for every option.
     """
-    from .recorder import Recorder
+    from .record.recorder import Recorder
 
     return Recorder(model, optimizer, scaler, path=path, every=every, **options).start()
 
 
 def load(path: Any) -> "Run":
-    """Read a run file (see ``ampdoctor.store.load``)."""
-    from .store import load as _load
+    """Read a run file (see ``ampdoctor.runfile.store.load``)."""
+    from .runfile.store import load as _load
 
     return _load(path)
 
 
 def diagnose(run: Any, **options: Any) -> "Diagnosis":
     """Diagnose a run: a path, a list of rank files' paths, or a loaded ``Run``."""
-    from .analyze import diagnose as _diagnose
+    from .diagnosis.engine import diagnose as _diagnose
 
     return _diagnose(run, **options)
 
 
 def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
     """fp32 parity: a baseline run (fp32 or bf16) against a mixed-precision run of the same
-    training, paths or loaded ``Run`` objects (see ``ampdoctor.comparison``).
+    training, paths or loaded ``Run`` objects (see ``ampdoctor.release.comparison``).
 
     Example::
 
@@ -95,7 +114,7 @@ def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
         c.verdict            # 'match', 'drift' or 'diverged'
         c.divergence_step, c.speedup, c.memory_ratio
     """
-    from .comparison import compare as _compare
+    from .release.comparison import compare as _compare
 
     return _compare(base, amp, **options)
 
@@ -122,14 +141,14 @@ def parity(model: Any, batch: Any, dtype: Any = "bfloat16", loss_fn: Any = None)
 def release_report(run: Any, baseline: Any = None, **options: Any) -> "ReleaseReport":
     """What ``ampdoctor report`` shows: diagnosis, summary figures, precision decision, fp16
     readiness and, with a baseline, fp32 parity; with ``parity=`` (a ``ParityResult`` or its
-    JSON file), the layer parity section (see ``ampdoctor.release``).
+    JSON file), the layer parity section (see ``ampdoctor.release.report``).
 
     Example::
 
         with ampdoctor.release_report("amp.h5", baseline="fp32.h5") as r:
             r.decision.recommendation, r.summary.peak_grad_norm, r.comparison.verdict
     """
-    from .release import release_report as _release_report
+    from .release.report import release_report as _release_report
 
     return _release_report(run, baseline, **options)
 
@@ -143,30 +162,25 @@ def fp16_readiness(run: Any) -> "Readiness":
         r = ampdoctor.fp16_readiness("fp32.h5")
         r.status, r.advice, [(x.name, x.kind, x.absmax) for x in r.overflowing]
     """
-    from .readiness import fp16_readiness as _readiness
-    from .store import Run
+    from .release.readiness import fp16_readiness as _readiness
+    from .runfile.store import opened
 
-    if isinstance(run, Run):
-        return _readiness(run)
-    from . import ranks
-    from .store import load as _load
-
-    with _load(ranks.resolve(run)[0]) as loaded:
+    with opened(run, "fp16_readiness") as loaded:
         return _readiness(loaded)
 
 
 def __getattr__(name: str) -> Any:
     # Classes are imported on first use so that `import ampdoctor` stays light.
     if name == "Run":
-        from .store import Run
+        from .runfile.store import Run
 
         return Run
     if name == "Diagnosis":
-        from .analyze import Diagnosis
+        from .diagnosis.verdict import Diagnosis
 
         return Diagnosis
     if name == "Comparison":
-        from .comparison import Comparison
+        from .release.comparison import Comparison
 
         return Comparison
     if name == "ParityResult":
@@ -174,15 +188,15 @@ def __getattr__(name: str) -> Any:
 
         return ParityResult
     if name == "ReleaseReport":
-        from .release import ReleaseReport
+        from .release.report import ReleaseReport
 
         return ReleaseReport
     if name == "Readiness":
-        from .readiness import Readiness
+        from .release.readiness import Readiness
 
         return Readiness
     if name == "Recorder":
-        from .recorder import Recorder
+        from .record.recorder import Recorder
 
         return Recorder
     raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")

@@ -59,7 +59,7 @@ def record(output: str, every: Optional[int], force: bool, quiet: bool,
         ampdoctor record -o run.h5 -- python -m mypkg.train
         ampdoctor record -o run.h5 -- torchrun --standalone --nproc_per_node=2 train.py
     """
-    from . import launch
+    from .record import launch
 
     code = launch.record(list(command), output, every=every, force=force, quiet=quiet)
     sys.exit(launch.exit_like(code))
@@ -78,7 +78,8 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
         ampdoctor diagnose run.h5
         ampdoctor diagnose run.h5 --format json
     """
-    from . import analyze, report
+    from .diagnosis import engine as analyze
+    from .render import diagnosis as report
 
     d = analyze.diagnose(run)
     click.echo(report.render(d, fmt), nl=False)
@@ -101,9 +102,10 @@ def dump(run: str) -> None:
     \b
         ampdoctor dump run.h5
     """
-    from . import ranks, report, store
+    from .render import diagnosis as report
+    from .runfile import paths, store
 
-    for path in ranks.resolve(run):
+    for path in paths.resolve(run):
         click.echo(report.render_dump(store.inspect(path)), nl=False)
 
 
@@ -138,7 +140,9 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
     """
-    from . import outputs, release, report_release
+    from .release import report as release
+    from .render import files as outputs
+    from .render import release as report_release
 
     if plots_dir is not None and fmt != "markdown":
         raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
@@ -189,7 +193,8 @@ def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: 
         ampdoctor compare fp32.h5 amp.h5 --format markdown
         ampdoctor compare fp32.h5 amp.h5 --fail-on diverged     # exit 1 if it diverged
     """
-    from . import comparison, report_release
+    from .release import comparison
+    from .render import release as report_release
 
     c = comparison.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
     click.echo(report_release.render_comparison(c, fmt), nl=False)
@@ -223,8 +228,9 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None
         ampdoctor parity check.py:make --dtype float16 --fail-on overflows
         ampdoctor parity check.py:make --format json -o parity.json
     """
-    from . import outputs
-    from .preflight import parity_result, target as targets
+    from .preflight import parity_result
+    from .preflight import target as targets
+    from .render import files as outputs
 
     script = target.rsplit(":", 1)[0]
     if output != "-" and os.path.exists(output) and os.path.exists(script) and \
@@ -270,8 +276,9 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
         ampdoctor top run.h5
         ampdoctor top run.h5 --once          # one frame, for scripts
     """
-    from . import analyze, report
+    from .diagnosis import engine as analyze
     from .live import top as live_top
+    from .render import diagnosis as report
 
     opts = live_top.Options(interval=interval, wait=wait, stale=stale, rank=rank,
                             unicode=False if ascii_only else None)

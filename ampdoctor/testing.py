@@ -32,7 +32,10 @@ the fixture is defined only where pytest is already imported (a pytest run).
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .preflight.amp_step import AmpContractError
 
 __all__ = ["AmpContractError", "check_amp_step"]
 

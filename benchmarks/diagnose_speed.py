@@ -48,7 +48,7 @@ def main() -> None:
                 "hwm = [l.split()[1] for l in open('/proc/self/status') if "
                 "l.startswith('VmHWM')][0]; "
                 # the early warning's own share: what it reads and judges for this diagnosis
-                "from ampdoctor import forecast; step = (d.first_bad or {}).get('step'); "
+                "from ampdoctor.diagnosis import forecast; step = (d.first_bad or {}).get('step'); "
                 "t = time.perf_counter(); run = ampdoctor.load(sys.argv[1]); "
                 "forecast.for_diagnosis(run, None if d.healthy else step); run.close(); "
                 "fc = time.perf_counter() - t; print(el, hwm, d.verdict, fc)")

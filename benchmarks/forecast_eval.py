@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import ampdoctor
-from ampdoctor import forecast as F
+from ampdoctor.diagnosis import forecast as F
 
 
 def read_series(run) -> F.Series:

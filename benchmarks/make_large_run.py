@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ampdoctor import schema, store  # noqa: E402
-from ampdoctor.schema import Event, Kind, Source  # noqa: E402
+from ampdoctor.runfile import schema, store  # noqa: E402
+from ampdoctor.runfile.schema import Event, Kind, Source  # noqa: E402
 
 
 def _tensors(w: store.Writer, modules: int) -> dict:

@@ -71,7 +71,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import ampdoctor  # noqa: E402
-from ampdoctor import recorder  # noqa: E402
+from ampdoctor.record import recorder  # noqa: E402
 
 DEVICE = torch.device("cpu")
 SMOKE = False
@@ -426,7 +426,7 @@ def own_time(w: Workload, steps: int) -> float:
     ``patches.guard``): the median over steps of the time inside it, a figure the machine's
     load moves far less than the ratios. On CPU it includes the recorder's kernels (they run
     inside its hooks) and the flushes, about one a second; on a GPU, the host time only."""
-    from ampdoctor import patches
+    from ampdoctor.record import patches
 
     spent = [0.0]
     original = patches.guard

@@ -32,8 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "fixtures", "examples"))
 
-import ampdoctor  # noqa: E402
 import layer_parity as example  # noqa: E402
+
+import ampdoctor  # noqa: E402
 from ampdoctor.testing import check_amp_step  # noqa: E402
 
 

@@ -25,8 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ampdoctor import schema, store  # noqa: E402
-from ampdoctor.schema import Kind, Source  # noqa: E402
+from ampdoctor.runfile import schema, store  # noqa: E402
+from ampdoctor.runfile.schema import Kind, Source  # noqa: E402
 
 
 def write_run(path: str, steps: int, every: int, layers: int, dtype: str | None,

@@ -46,8 +46,8 @@ def main() -> None:
     folder = args.keep or tempfile.mkdtemp(prefix="ampdoctor-scale-")
     os.makedirs(folder, exist_ok=True)
     py = sys.executable
-    floor, _, _ = measure([py, "-c", "import ampdoctor.analyze, ampdoctor.store, "
-                                     "ampdoctor.report, ampdoctor.cli"])
+    floor, _, _ = measure([py, "-c", "import ampdoctor.diagnosis.engine, ampdoctor.runfile.store, "
+                                     "ampdoctor.render.diagnosis, ampdoctor.cli"])
     print(f"analysis-side import floor: {floor:.0f} MiB peak RSS")
     print(f"{'steps':>8} {'modules':>7} {'stats rows':>11} {'file MiB':>9} | "
           f"{'write MiB':>9} {'s':>6} | {'diagnose MiB':>12} {'s':>6} | {'dump MiB':>8} {'s':>5}")

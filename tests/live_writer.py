@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from ampdoctor import schema, store
-from ampdoctor.schema import Event, Kind, Phase, Source, flag
+from ampdoctor.runfile import schema, store
+from ampdoctor.runfile.schema import Event, Kind, Phase, Source, flag
 
 LAYERS = [(Kind.OUTPUT, "blocks.0.attn", "Attention", 40000.0, 0),
           (Kind.OUTPUT, "blocks.0.mlp", "Sequential", 12.0, 0),

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ampdoctor  # noqa: E402
-from ampdoctor import store  # noqa: E402
-from ampdoctor.recorder import Recorder  # noqa: E402
 from helpers import TinyNet, batches  # noqa: E402
+
+import ampdoctor  # noqa: E402
+from ampdoctor.record.recorder import Recorder  # noqa: E402
+from ampdoctor.runfile import store  # noqa: E402
 
 STEPS = 24
 BAD_STEP = 10  # a NaN in the batch: a skipped step, a forensic replay and its snapshot

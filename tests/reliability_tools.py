@@ -28,9 +28,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ampdoctor import analyze, cli, report, schema, store  # noqa: E402
+from ampdoctor import cli
+from ampdoctor.diagnosis import engine as analyze
 from ampdoctor.errors import RunFileError  # noqa: E402
-from ampdoctor.schema import Event, Kind, Source  # noqa: E402
+from ampdoctor.render import diagnosis as report
+from ampdoctor.runfile import schema, store  # noqa: E402
+from ampdoctor.runfile.schema import Event, Kind, Source  # noqa: E402
 
 # -- synthetic runs ---------------------------------------------------------------------------
 

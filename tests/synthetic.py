@@ -20,8 +20,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from ampdoctor import schema, store
-from ampdoctor.schema import DType, Event, Kind, Phase, Source, flag
+from ampdoctor.runfile import schema, store
+from ampdoctor.runfile.schema import DType, Event, Kind, Phase, Source, flag
 
 PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "input": Phase.INPUT,
          "loss": Phase.LOSS, "none": Phase.NONE}
@@ -203,10 +203,10 @@ class Synth:
         for i, (tid, kind, name, type_, numel) in enumerate(self.tensors):
             tensors[i] = (tid, kind, 0, DType.FLOAT32, numel, name, type_)
         stats = np.concatenate(self.stats) if self.stats else schema.empty("stats")
-        events = store._decoded(schema.empty("events", len(self.events)), ["text"])
+        events = store.decoded(schema.empty("events", len(self.events)), ["text"])
         for i, (step, kind, tensor, value, text) in enumerate(self.events):
             events[i] = (step, kind, tensor, value, text)
-        snaps = store._decoded(schema.empty("snapshots", len(self.snaps)),
+        snaps = store.decoded(schema.empty("snapshots", len(self.snaps)),
                                ["module", "module_type", "detail"])
         for i, s in enumerate(self.snaps):
             snaps["id"][i] = i

@@ -7,12 +7,11 @@ import subprocess
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import PYTHON, ROOT, python_env
+from helpers import fresh, train
 
 import ampdoctor
 from ampdoctor import cli
-
-from conftest import PYTHON, ROOT, python_env
-from helpers import fresh, train
 
 
 @pytest.fixture(scope="module")

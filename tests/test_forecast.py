@@ -14,14 +14,13 @@ import os
 
 import numpy as np
 import pytest
-
-import ampdoctor
-from ampdoctor import forecast as F
-from ampdoctor.report import render
-from ampdoctor.schema import BF16_MAX, DType, FP16_MAX, Kind
-
 from conftest import ROOT
 from synthetic import Synth
+
+import ampdoctor
+from ampdoctor.diagnosis import forecast as F
+from ampdoctor.render.diagnosis import render
+from ampdoctor.runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 
 EVERY = 5
 LIMIT = math.log2(FP16_MAX)

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor import forensics
-from ampdoctor.schema import Event, Kind, Phase, Source
+from ampdoctor.record import forensics
+from ampdoctor.runfile.schema import Event, Kind, Phase, Source
 
 # ---------------------------------------------------------------------------------------------
 # models with a known culprit

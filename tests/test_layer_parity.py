@@ -16,13 +16,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import python_env
 
 import ampdoctor
 from ampdoctor import cli
 from ampdoctor.errors import AmpDoctorError
 from ampdoctor.preflight import parity_result
-
-from conftest import python_env
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

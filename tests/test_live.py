@@ -15,11 +15,13 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import PYTHON, ROOT, python_env
-from ampdoctor import analyze, report, store
+
+from ampdoctor.diagnosis import engine as analyze
 from ampdoctor.live import follow, frame, top
-from ampdoctor.readiness import underflow_share
+from ampdoctor.release.readiness import underflow_share
+from ampdoctor.render import diagnosis as report
+from ampdoctor.runfile import store
 
 WRITER = os.path.join(ROOT, "tests", "live_writer.py")
 
@@ -67,7 +69,7 @@ def test_top_once_follows_a_run_while_it_is_written(tmp_path):
         assert "running · step 9" in second.stdout and second.stdout != first.stdout
         # skips and GradScaler's probing allowance, as the report counts them
         with store.load(path) as run:
-            from ampdoctor.release import summarize
+            from ampdoctor.release.report import summarize
             s = summarize(run)
         assert f"skipped   {s.skipped}; after: " in second.stdout
         assert f"({s.skipped_after} of {s.steps}), probing allows {s.probing_allowance}" in \

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
-
-from ampdoctor import analyze, curve, progress  # analyze first: it loads the rules
-from ampdoctor.analyze import diagnose
-from ampdoctor.facts import Facts
-from ampdoctor.schema import Kind
-
 from synthetic import Synth
+
+from ampdoctor.diagnosis import curve, progress
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis.engine import diagnose
+from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.runfile.schema import Kind
 
 
 def verdict(s: Synth):

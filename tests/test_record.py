@@ -9,12 +9,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor import launch, ranks, schema, store
-from ampdoctor.schema import Event, Phase, flag
-
-from conftest import PYTHON, ROOT, python_env
+from ampdoctor.diagnosis import ranks
+from ampdoctor.record import launch
+from ampdoctor.runfile import paths, schema, store
+from ampdoctor.runfile.schema import Event, Phase, flag
 
 EXAMPLES = os.path.join(ROOT, "fixtures", "examples")
 TRAIN = os.path.join(EXAMPLES, "train.py")
@@ -374,9 +375,8 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
 
 
 def test_bootstrap_and_launcher_agree():
-    from ampdoctor import recorder
-
     from ampdoctor import cli
+    from ampdoctor.record import recorder
 
     text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
     assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
@@ -418,7 +418,6 @@ def test_deferred_writer_touches_no_file_until_created(tmp_path):
 
 def test_lazy_recorder_creates_its_file_when_training_begins(tmp_path):
     import torch
-
     from helpers import TinyNet, batches
 
     named = []
@@ -467,17 +466,17 @@ def test_lazy_recorder_that_never_trains_writes_nothing_unless_kept(tmp_path):
 
 def test_rank_file_names(tmp_path):
     base = str(tmp_path / "run.h5")
-    assert ranks.rank_path(base, 3) == str(tmp_path / "run.rank3.h5")
-    assert ranks.run_name(str(tmp_path / "run.rank3.h5")) == base
+    assert paths.rank_path(base, 3) == str(tmp_path / "run.rank3.h5")
+    assert paths.run_name(str(tmp_path / "run.rank3.h5")) == base
     for r in (10, 2, 0):
         (tmp_path / f"run.rank{r}.h5").write_bytes(b"")
     (tmp_path / "run.rankx.h5").write_bytes(b"")
     (tmp_path / "runner.rank1.h5").write_bytes(b"")
-    assert [os.path.basename(p) for p in ranks.rank_files(base)] == \
+    assert [os.path.basename(p) for p in paths.rank_files(base)] == \
         ["run.rank0.h5", "run.rank2.h5", "run.rank10.h5"]
-    assert len(ranks.resolve(base)) == 3
+    assert len(paths.resolve(base)) == 3
     (tmp_path / "run.h5").write_bytes(b"")
-    assert ranks.resolve(base) == [base]  # a file of that name wins over rank files
+    assert paths.resolve(base) == [base]  # a file of that name wins over rank files
 
 
 def write_rank(path, rank, world, scales, bad_loss=(), bad_grad=(), skipped=()):
@@ -499,10 +498,10 @@ def test_merged_diagnosis_names_the_origin_rank_and_scale_divergence(tmp_path):
     base = str(tmp_path / "run.h5")
     # Rank 1's loss went NaN at step 2; ranks 0 and 2 only received NaN gradients there.
     # Rank 2's scaler then disagreed (it did not back off): the scales diverge at step 3.
-    write_rank(ranks.rank_path(base, 0), 0, 3, [8.0, 8.0, 8.0, 4.0], bad_grad={2}, skipped={2})
-    write_rank(ranks.rank_path(base, 1), 1, 3, [8.0, 8.0, 8.0, 4.0], bad_loss={2},
+    write_rank(paths.rank_path(base, 0), 0, 3, [8.0, 8.0, 8.0, 4.0], bad_grad={2}, skipped={2})
+    write_rank(paths.rank_path(base, 1), 1, 3, [8.0, 8.0, 8.0, 4.0], bad_loss={2},
                bad_grad={2}, skipped={2})
-    write_rank(ranks.rank_path(base, 2), 2, 3, [8.0, 8.0, 8.0, 8.0], bad_grad={2})
+    write_rank(paths.rank_path(base, 2), 2, 3, [8.0, 8.0, 8.0, 8.0], bad_grad={2})
     d = ampdoctor.diagnose(base)
     assert d.first_bad["rank"] == 1 and d.first_bad["step"] == 2
     assert d.run["path"] == base and d.run["world_size"] == 3
@@ -517,8 +516,8 @@ def test_merged_diagnosis_names_the_origin_rank_and_scale_divergence(tmp_path):
 
 def test_merge_reports_missing_ranks_and_healthy_ranks(tmp_path):
     base = str(tmp_path / "run.h5")
-    write_rank(ranks.rank_path(base, 0), 0, 4, [8.0, 8.0])
-    write_rank(ranks.rank_path(base, 1), 1, 4, [8.0, 8.0])
+    write_rank(paths.rank_path(base, 0), 0, 4, [8.0, 8.0])
+    write_rank(paths.rank_path(base, 1), 1, 4, [8.0, 8.0])
     d = ampdoctor.diagnose(base)
     assert d.verdict == "healthy" and d.first_bad is None
     assert any("Only 2 of 4 rank files" in n for n in d.notes)
@@ -609,10 +608,11 @@ def test_mp_spawn_ranks_are_named_by_torch_distributed(tmp_path):
 def test_record_and_rank_merging_never_import_torch(tmp_path):
     """The parent process and the merged diagnosis are analysis side: numpy and h5py only."""
     base = str(tmp_path / "ranks.h5")
-    write_rank(ranks.rank_path(base, 0), 0, 2, [8.0, 4.0], skipped={0})
-    write_rank(ranks.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
+    write_rank(paths.rank_path(base, 0), 0, 2, [8.0, 4.0], skipped={0})
+    write_rank(paths.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
     out = str(tmp_path / "none.h5")
-    code = ("import sys, ampdoctor; from ampdoctor import cli, launch; "
+    code = ("import sys, ampdoctor; from ampdoctor import cli; "
+            "from ampdoctor.record import launch; "
             f"assert cli.main(['record', '-o', {out!r}, '--', sys.executable, '-c', 'pass']) == 0; "
             f"print(launch.summary(launch.Settings(output={base!r}, shown='ranks.h5'))); "
             f"d = ampdoctor.diagnose({base!r}); assert d.first_bad['rank'] == 1; "

@@ -1,16 +1,13 @@
 """watch(): what is recorded, that it matches what the loop saw, and that it changes nothing."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
+from helpers import fresh, train
 
 import ampdoctor
-from ampdoctor import patches, schema
-from ampdoctor.schema import Event, Kind, Source, flag
-
-from helpers import TinyNet, fresh, train
+from ampdoctor.runfile.schema import Event, Kind, Source, flag
 
 
 def weights(model):
@@ -257,7 +254,7 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
     ref_model, ref_opt = fresh()
     ref_losses = train(ref_model, ref_opt, None, steps=4, dtype=torch.bfloat16)
 
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     def broken(self):
         raise RuntimeError("boom")
@@ -273,8 +270,8 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
 
 
 def test_strict_mode_raises(run_path, monkeypatch):
-    from ampdoctor import recorder
     from ampdoctor.errors import RecorderFault
+    from ampdoctor.record import recorder
 
     monkeypatch.setattr(recorder.Recorder, "_end_step", lambda self: 1 / 0)
     model, opt = fresh()

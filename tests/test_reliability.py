@@ -17,10 +17,10 @@ import sys
 
 import numpy as np
 import pytest
-
-from ampdoctor import analyze, schema, store
-
 from conftest import PYTHON, ROOT, python_env
+
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.runfile import schema, store
 
 HARNESS = os.path.join(ROOT, "tests", "reliability_harness.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -272,7 +272,6 @@ def test_zero_steps_says_why(tmp_path):
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from reliability_tools import read_everything  # noqa: E402
 
 TOOLS = os.path.join(ROOT, "tests", "reliability_tools.py")
@@ -340,7 +339,7 @@ _AUDIT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[3])
 from reliability_tools import read_everything
-from ampdoctor import store
+from ampdoctor.runfile import store
 from ampdoctor.errors import RunFileError
 
 def arrays(path):
@@ -518,10 +517,10 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from helpers import batches, fresh  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor.errors import RecorderFault  # noqa: E402
-from helpers import batches, fresh  # noqa: E402
 
 
 def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None, bad_step=None):
@@ -629,7 +628,7 @@ import json, os, resource, signal, sys, warnings
 sys.path.insert(0, sys.argv[3])
 import torch
 import test_reliability as t
-from ampdoctor import store
+from ampdoctor.runfile import store
 
 path, limit = sys.argv[1], int(sys.argv[2])
 plain = t._plain(30)

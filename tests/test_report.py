@@ -14,13 +14,17 @@ import subprocess
 
 import numpy as np
 import pytest
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor import cli, comparison, plots, readiness, release, report_release, schema, store
+from ampdoctor import cli
 from ampdoctor.errors import AmpDoctorError
-from ampdoctor.schema import Event, Kind, Source, flag
-
-from conftest import PYTHON, ROOT, python_env
+from ampdoctor.release import comparison, readiness
+from ampdoctor.release import report as release
+from ampdoctor.render import plots
+from ampdoctor.render import release as report_release
+from ampdoctor.runfile import schema, store
+from ampdoctor.runfile.schema import Event, Kind, Source, flag
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -408,8 +412,8 @@ def test_html_of_an_fp16_run_shows_its_scaler_story():
 
 
 def test_html_diagnosis_escapes_and_keeps_chain_also_and_fix_snippets():
-    from ampdoctor.analyze import Diagnosis, Evidence
-    from ampdoctor.fixes import Fix
+    from ampdoctor.diagnosis.engine import Diagnosis, Evidence
+    from ampdoctor.diagnosis.fixes import Fix
 
     d = Diagnosis("unstable_op", 0.9, "q @ k.T passes 65504 in <attn>.", {"step": 3,
                   "module": "blocks.0.attn", "phase": "forward"},
@@ -507,7 +511,7 @@ def test_report_and_compare_never_import_torch_or_pyplot(runs, tmp_path):
 
 def test_only_drawing_loads_matplotlib(runs):
     code = (f"import sys, ampdoctor; r = ampdoctor.release_report({runs['bad']!r}, "
-            f"baseline={runs['fp32']!r}); from ampdoctor import report_release; "
+            f"baseline={runs['fp32']!r}); from ampdoctor.render import release as report_release; "
             "report_release.render_release(r, 'markdown'); "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
             "print(r.comparison.verdict)")

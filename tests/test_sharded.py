@@ -14,12 +14,13 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor import ranks, schema, sharding
-from ampdoctor.schema import Event, Kind, Phase, flag
-
-from conftest import PYTHON, ROOT, python_env
+from ampdoctor.diagnosis import ranks
+from ampdoctor.record import sharding
+from ampdoctor.runfile import schema
+from ampdoctor.runfile.schema import Event, Kind, Phase, flag
 
 SCRIPT = os.path.join(ROOT, "fixtures", "examples", "train_fsdp.py")
 LOCAL = flag(Event.GRAD_NORM_LOCAL)

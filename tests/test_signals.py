@@ -6,12 +6,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import ampdoctor
-from ampdoctor.opprobe import first_nonfinite_op
-
 from helpers import batches, fresh
 
+import ampdoctor
+from ampdoctor.record.opprobe import first_nonfinite_op
 
 
 def _fp16():
@@ -101,7 +99,7 @@ def test_a_failing_step_audits_the_buffers(run_path):
             scaler.update()
             opt.zero_grad(set_to_none=True)
     run = ampdoctor.load(run_path)
-    audit = run.events[run.events["kind"] == int(ampdoctor.schema.Event.NONFINITE_BUFFER)]
+    audit = run.events[run.events["kind"] == int(ampdoctor.runfile.schema.Event.NONFINITE_BUFFER)]
     names = {run.tensor_name(int(t)) for t in audit["tensor"]}
     assert set(audit["step"].tolist()) == {5} and "1.running_mean" in names
     d = ampdoctor.diagnose(run_path)

@@ -20,12 +20,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor import analyze, readiness, release
-from ampdoctor.schema import Kind
-
-from conftest import PYTHON, ROOT, python_env
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.release import readiness
+from ampdoctor.release import report as release
+from ampdoctor.runfile.schema import Kind
 
 pytestmark = pytest.mark.slow
 STACKS = os.path.join(ROOT, "fixtures", "stacks")
@@ -428,7 +429,7 @@ def test_an_evaluation_outside_autocast_does_not_change_the_runs_dtype(run_path)
 
 FAULT = textwrap.dedent("""
     import sys, torch, torch.nn as nn, torch.nn.functional as F
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     at = int(sys.argv[1])
     torch.manual_seed(0)

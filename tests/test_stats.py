@@ -1,4 +1,4 @@
-"""ampdoctor.stats against a plain numpy reference, on edge values and random tensors."""
+"""ampdoctor.record.stats against a plain numpy reference, on edge values and random tensors."""
 
 import math
 
@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampdoctor import schema, stats
+from ampdoctor.record import stats
+from ampdoctor.runfile import schema
 
 EDGE = [0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, -70000.0, 32768.0, 32767.0, 6.1035e-5,
         6.0e-5, 5.96e-8, 5.9e-8, 1e-9, 1e-30, 1e-39, 1e-41, 3.3e38, 3.39e38, math.inf,

@@ -7,11 +7,10 @@ import textwrap
 import h5py
 import numpy as np
 import pytest
-
-from ampdoctor import schema, store
-from ampdoctor.errors import FormatTooNewError, RunFileError
-
 from conftest import PYTHON, python_env
+
+from ampdoctor.errors import FormatTooNewError, RunFileError
+from ampdoctor.runfile import schema, store
 
 
 def write_small(path, steps=5, close=True):
@@ -73,7 +72,7 @@ def test_killed_writer_leaves_a_readable_prefix(tmp_path):
     path = str(tmp_path / "killed.h5")
     code = textwrap.dedent(f"""
         import os, signal, numpy as np
-        from ampdoctor import schema, store
+        from ampdoctor.runfile import schema, store
         w = store.Writer({path!r})
         w.meta("status", "running")
         for i in range(10):
@@ -198,7 +197,7 @@ def test_reading_never_imports_torch(tmp_path):
     path = str(tmp_path / "r.h5")
     write_small(path)
     code = (f"import sys, ampdoctor; r = ampdoctor.load({path!r}); "
-            f"d = ampdoctor.diagnose({path!r}); from ampdoctor import report; "
+            f"d = ampdoctor.diagnose({path!r}); from ampdoctor.render import diagnosis as report; "
             "report.render(d, 'json'); report.render(d, 'markdown'); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(d.verdict)")
     proc = subprocess.run([PYTHON, "-c", code], env=python_env(), capture_output=True, text=True)
@@ -306,7 +305,7 @@ def test_rows_that_never_arrived_are_not_read(tmp_path):
 
 
 def test_one_damaged_table_is_left_out_not_the_whole_run(tmp_path):
-    from ampdoctor import analyze
+    from ampdoctor.diagnosis import engine as analyze
 
     path = str(tmp_path / "r.h5")
     w = write_small(path, close=False)

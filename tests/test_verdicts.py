@@ -17,11 +17,10 @@ import subprocess
 import time
 
 import pytest
-
-import ampdoctor
-
 from conftest import PYTHON, ROOT, python_env
 from recording import start
+
+import ampdoctor
 
 FIXTURES = os.path.join(ROOT, "fixtures", "verdicts")
 EXPECTED = {k: v for k, v in json.load(open(os.path.join(FIXTURES, "expected.json"))).items()

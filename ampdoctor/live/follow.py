@@ -34,10 +34,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import ranks, schema
-from ..forecast import NEEDED
+from ..diagnosis.forecast import NEEDED
 from ..errors import RunFileError, RunNotFoundError
-from ..schema import Source
+from ..runfile import paths, schema
+from ..runfile.schema import Source
 
 # A file that does not change for this long, whose writer's host is not this one, is taken
 # as abandoned (its writer killed with its node). A writer flushes at least every second while
@@ -108,12 +108,12 @@ class RankState:
     _steps: Any = None
 
     def __post_init__(self) -> None:
-        from ..store import TENSOR_VIEW, _decoded
+        from ..runfile.store import TENSOR_VIEW, decoded
 
         self._steps = _Grow(schema.STEPS)
         self.tensors = np.zeros(0, TENSOR_VIEW)
-        self.events = _decoded(schema.empty("events"), ["text"])
-        self.snapshots = _decoded(schema.empty("snapshots"), ["module", "module_type",
+        self.events = decoded(schema.empty("events"), ["text"])
+        self.snapshots = decoded(schema.empty("snapshots"), ["module", "module_type",
                                                                "detail"])
 
     @property
@@ -202,7 +202,7 @@ class RankState:
     def run(self) -> Any:
         """The run so far as a ``store.Run`` (statistics: the latest sampled step's rows),
         which the analysis side's functions take as they take a loaded run."""
-        from ..store import Run, Table
+        from ..runfile.store import Run, Table
 
         groups = np.zeros(len(self.lr), schema.GROUPS)
         groups["group"] = list(self.lr)
@@ -241,7 +241,7 @@ class _Source:
     """One file being followed: its open ``Tail``, its state, and when it last changed."""
 
     def __init__(self, path: str, stale: float, layers: bool):
-        from ..store import Tail
+        from ..runfile.store import Tail
 
         self.path = path
         self.layers = layers
@@ -312,7 +312,7 @@ class Follower:
         ``ampdoctor diagnose path`` reads)."""
         if os.path.isfile(self.path):
             return [self.path]
-        return ranks.rank_files(self.path)
+        return paths.rank_files(self.path)
 
     def wait(self, limit: float, show: Optional[Callable[[float], Any]] = None) -> Any:
         """Wait up to ``limit`` seconds for a file of the run to exist. ``show(waited)`` is

@@ -3,7 +3,7 @@
 numpy only. ``build`` takes the followed files' states (``follow.RankState``) and answers
 from the same functions the reports use, so that the live view and ``ampdoctor report`` never
 disagree: skipped steps, GradScaler's calibration and its probing allowance, peak grad norm and
-lowest scale from ``release.summarize`` (which reads ``facts.scale_story``); the layers'
+lowest scale from ``release.summarize`` (which reads ``diagnosis.scale.scale_story``); the layers'
 range against fp16's limits from ``readiness.fp16_readiness``, on the latest sampled step;
 which rank went non-finite first from ``ranks.outline`` and ``ranks.first_rank``.
 ``top`` draws a frame; ``frame.to_dict()`` is the same data for a script.
@@ -27,10 +27,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .. import ranks
-from ..readiness import fp16_readiness, plain, precision
-from ..release import Summary, summarize
-from ..schema import FP16_MAX, Event
+from ..diagnosis import ranks
+from ..release.readiness import fp16_readiness, plain, precision
+from ..release.report import Summary, summarize
+from ..runfile import paths
+from ..runfile.schema import FP16_MAX, Event
 
 # Layers shown: the nearest to fp16's max, then the gradients most underflowing.
 NEAREST_MAX = 3
@@ -191,8 +192,8 @@ def _steps(fr: Frame, run: Any) -> None:
     fr.steps = len(s)
     fr.precision = _precision(run)
     fr.lr = [lr for _, lr in sorted(_group_lrs(run).items())]
-    recorder = run.meta.get("recorder")
-    fr.every = recorder.get("every") if isinstance(recorder, dict) else None
+    recorder = run.recorder_settings
+    fr.every = recorder.get("every") if recorder is not None else None
     if not len(s):
         return
     fr.summary = summarize(run)
@@ -211,8 +212,8 @@ def _group_lrs(run: Any) -> dict[int, float]:
 
 def _precision(run: Any) -> str:
     dtype = precision(run)
-    autocast = bool((run.meta.get("autocast") or {}).get("enabled"))
-    scaler = bool((run.meta.get("scaler") or {}).get("enabled"))
+    autocast = bool((run.autocast or {}).get("enabled"))
+    scaler = bool((run.scaler or {}).get("enabled"))
     words = dtype + (" autocast" if autocast else "" if dtype == "float32" else " weights")
     return words + (" + GradScaler" if scaler else "")
 
@@ -264,7 +265,7 @@ def _with_stats(run: Any, rows: Optional[np.ndarray]) -> Any:
     """``run`` whose statistics are ``rows`` (the follower's last sampled steps)."""
     if rows is None:
         return run
-    from ..store import Table
+    from ..runfile.store import Table
 
     run = copy.copy(run)
     run.stats = Table(rows)
@@ -274,7 +275,7 @@ def _with_stats(run: Any, rows: Optional[np.ndarray]) -> Any:
 def _trends(run: Any, lines: list) -> Optional[str]:
     """Each shown layer's trend (doublings per 100 steps over the forecast's window), and the
     early warning's text when it warns (``forecast``, the same judgement as ``diagnose``)."""
-    from .. import forecast
+    from ..diagnosis import forecast
 
     series = forecast.read(run, None, forecast.NEEDED)
     trends = series.trends()
@@ -306,7 +307,7 @@ def latest_event(run: Any) -> Optional[EventLine]:
 
 def events(run: Any) -> list[EventLine]:
     """Every forensic replay of a run (its /snapshots), oldest first."""
-    from ..facts import Facts
+    from ..diagnosis.facts import Facts
 
     snaps = Facts(run).snapshots
     return [_event_line(s, len(snaps)) for s in snaps]
@@ -341,4 +342,4 @@ def buckets(values: np.ndarray, width: int, how: str = "mean") -> np.ndarray:
 
 def run_name(path: str) -> str:
     """The name a user gave the recording, for a rank file too (``out/run.h5``)."""
-    return ranks.run_name(os.fspath(path))
+    return paths.run_name(os.fspath(path))

@@ -41,10 +41,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import MissingExtraError, RunFileError
-from ..layers import KIND_LABELS, GRAD_KINDS
-from ..readiness import underflow_share
-from ..schema import Kind, Source
+from ..release.readiness import underflow_share
+from ..runfile.schema import Kind, Source
 from .follow import STALE_SECONDS, Follower
 
 LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
@@ -67,8 +67,13 @@ class Exported:
 def _protos() -> Any:
     """tensorboard's writer and protocol buffers, or one sentence on how to install them."""
     try:
-        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, \
-            tensor_shape_pb2, types_pb2
+        from tensorboard.compat.proto import (
+            event_pb2,
+            summary_pb2,
+            tensor_pb2,
+            tensor_shape_pb2,
+            types_pb2,
+        )
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
         raise MissingExtraError(
@@ -173,7 +178,7 @@ class _RunWriter:
     def _forensics(self, snapshots: np.ndarray, state: Any) -> None:
         if not len(snapshots):
             return
-        from ..store import Run
+        from ..runfile.store import Run
         from .frame import events
 
         lines = events(Run(snapshots=snapshots))
@@ -257,8 +262,9 @@ def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
     """The diagnosis as Markdown text, at the last step of each run written."""
     if not paths or not writers or not done.steps:
         return
-    from .. import analyze, report
-    from ..store import load
+    from ..diagnosis import engine as analyze
+    from ..render import diagnosis as report
+    from ..runfile.store import load
 
     d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
     text = report.render(d, "markdown")

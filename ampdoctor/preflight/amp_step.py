@@ -45,11 +45,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import analyze  # noqa: F401 - before rules: analyze loads them at its end
-from .. import fixes, patches, rules, schema, store
-from ..facts import Facts
-from ..recorder import Recorder
-from ..schema import DType, Event
+from ..diagnosis import fixes, rules
+from ..diagnosis.facts import Facts
+from ..record import patches
+from ..record.recorder import Recorder
+from ..runfile import schema, store
+from ..runfile.schema import DType, Event
 from .snapshot import Snapshot
 
 CALLS = 2  # a re-created scaler and un-zeroed gradients show on the second call

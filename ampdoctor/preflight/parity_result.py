@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from .. import fixes
+from ..diagnosis import fixes
 from ..errors import AmpDoctorError
 
 # Unit roundoff (half the machine epsilon) of each low precision: the relative error of

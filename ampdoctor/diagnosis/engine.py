@@ -1,0 +1,435 @@
+"""Run → Diagnosis: what went wrong, where, on what evidence, and what to change.
+
+numpy only: this module (like ``store`` reading and ``report``) never imports torch.
+
+The engine is a list of small rules (``rules.py``) over ``Facts`` (``facts.py``: views of a
+run computed once, streaming the big stats table). Each rule returns a ``Finding`` or None.
+Findings are root causes or consequences (a scale collapse is the consequence of an
+overflowing op); the verdict is the strongest root cause, the consequences and any other
+roots become the causal chain in ``causes``. When no rule fires the run is healthy, with
+notes on what could not be checked.
+
+Verdict ids are a public contract (JSON, exit codes, tests, README):
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from ..runfile import schema
+from ..runfile.paths import resolve
+from ..runfile.schema import Event
+from . import forecast, ranks
+from . import progress as _progress  # failures without a NaN
+from . import rules as _rules
+from .facts import Facts
+from .thresholds import RUNAWAY_SCALE, SHORT_RUN
+from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
+
+__doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
+__all__ = ["EMPTY", "RULES", "VERDICTS", "Diagnosis", "Evidence", "Finding", "diagnose"]
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
+    """Diagnose a run: a path or a loaded ``Run``.
+
+    Example::
+
+        d = ampdoctor.diagnose("run.h5")
+        d.verdict, d.first_bad, [fx.id for fx in d.fixes]
+    """
+    from ..runfile.store import Run, load
+
+    if isinstance(run, (str, os.PathLike, list, tuple)):
+        # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
+        paths = resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
+        if len(paths) > 1:
+            return diagnose_files(paths, rules=rules)
+        with load(paths[0]) as loaded:
+            return diagnose(loaded, rules=rules)
+    if not isinstance(run, Run):
+        raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
+    facts = Facts(run)
+    chosen = rules if rules is not None else RULES
+    findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
+    d = ranks.per_shard(_conclude(facts, findings), run.meta)
+    # The early warning never changes the verdict: healthy, it looks ahead from the last step;
+    # failed, it says what it saw before the first bad step and from when it would have warned.
+    step = (d.first_bad or {}).get("step")
+    if d.healthy or step is not None:
+        d.forecast = forecast.for_diagnosis(run, None if d.healthy else int(step))
+    return d
+
+
+def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None):
+    """Diagnose the rank files of one run together; returns one ``Diagnosis``.
+
+    Example::
+
+        d = engine.diagnose_files(paths.rank_files("run.h5"))
+        d.first_bad["rank"], d.run["ranks"]
+    """
+    from ..runfile.store import load
+
+    per_rank = []
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(load(path)) for path in paths]
+        combined = ranks.combine_grad_norms(runs)
+        for run in runs:
+            per_rank.append((ranks.outline(run), diagnose(run, rules=rules),
+                             ranks.scales(run)))
+    per_rank.sort(key=lambda item: item[0]["rank"])
+    d = ranks.merge(per_rank)
+    if combined:
+        d.notes.append(f"The global gradient norm of {combined} steps was combined from the "
+                       f"{len(runs)} ranks' shards (no clip_grad_norm_ ran on them): the "
+                       "square root of the sum of each rank's squared share.")
+    return d
+
+
+def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
+    """The strongest root cause is the verdict; consequences and other roots form the chain."""
+    roots = sorted((x for x in findings if x.root), key=lambda x: -x.priority)
+    consequences = [x for x in findings if not x.root]
+    if not roots and consequences:
+        # Something went wrong and no rule could tell why: the most telling consequence
+        # becomes the verdict, honest about its low confidence.
+        top = max(consequences, key=lambda x: x.verdict == "scale_collapse")
+        consequences.remove(top)
+        top.summary += " " + _missing(f)
+        top.confidence = min(top.confidence, 0.4)
+    elif roots:
+        top = roots[0]
+    else:
+        top = _healthy(f)
+    causes = [_cause(top, "root")]
+    causes += [_cause(x, "consequence") for x in consequences]
+    # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY
+            and not _explained_by(top, x)]
+    causes += [_cause(x, "also") for x in also]
+    evidence = list(top.evidence)
+    seen_ev = {(e.key, e.text) for e in evidence}
+    for e in (e for x in consequences for e in x.evidence):
+        if (e.key, e.text) not in seen_ev:  # a consequence may restate the root's numbers
+            seen_ev.add((e.key, e.text))
+            evidence.append(e)
+    seen = {fx.id for fx in top.fixes}
+    fixes = list(top.fixes)
+    for x in consequences + also:
+        for fx in x.fixes:
+            if fx.id not in seen:
+                seen.add(fx.id)
+                fixes.append(fx)
+    history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
+        "step") is not None and f.n else {}
+    return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),
+                     summary=top.summary, first_bad=top.first_bad, causes=causes,
+                     evidence=evidence, fixes=fixes, run=run_summary(f),
+                     notes=notes(f, top), history=history)
+
+
+def _explained_by(top: Finding, x: Finding) -> bool:
+    """Is ``x`` only a symptom of ``top``: every step it points at is one ``top`` explains?"""
+    steps = [e.step for e in x.evidence if e.step is not None]
+    if x.first_bad and x.first_bad.get("step") is not None:
+        steps.append(x.first_bad["step"])
+    return bool(top.explains) and bool(steps) and all(int(t) in top.explains for t in steps)
+
+
+# A healthy verdict whose loss did not fall (progress.flat_warning) is no more sure than this.
+FLAT_CONFIDENCE = 0.6
+
+
+def _healthy(f: Any) -> Finding:
+    """No rule fired. When the loss did not fall, the headline says so (a warning, not a
+    verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
+    from .progress import flat_warning
+
+    found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
+    warning = flat_warning(f) if f.n else None
+    if warning is not None:
+        found.summary = ("No numeric failure was found, but the loss did not fall: "
+                         f"{warning.text}. ampdoctor cannot tell a run that stopped learning "
+                         "from one whose loss is not meant to fall (a fine-tune at its optimum, "
+                         "a GAN); if it should have fallen, see the notes.")
+        found.confidence = min(found.confidence, FLAT_CONFIDENCE)
+        found.evidence.insert(0, warning)
+    return found
+
+
+def _cause(x: Finding, role: str) -> dict:
+    out = {"verdict": x.verdict, "role": role, "text": x.summary,
+           "confidence": round(x.confidence, 2)}
+    if x.kind:
+        out["kind"] = x.kind
+    if x.first_bad:
+        out["first_bad"] = x.first_bad
+    return out
+
+
+def _healthy_summary(f: Any) -> str:
+    if not f.n:
+        return ""
+    body = ("no non-finite loss or gradient reached the weights, and the loss scale behaved "
+            "normally.")
+    stopped = f.stopped
+    if stopped is None:
+        return "No failure: " + body
+    return (f"No failure in the {f.n} steps recorded: {body} But ampdoctor stopped recording "
+            f"at step {stopped['step']} after an internal error: what followed is not covered.")
+
+
+def _checked(f: Any) -> list[Evidence]:
+    """What a healthy verdict rests on: the numbers that were looked at."""
+    if not f.n:
+        return []
+    s = f.steps
+    finite = int(np.isfinite(s["loss"]).sum())
+    ev = [Evidence(f"{finite} of {f.n} losses finite, {int(f.skipped.sum())} steps skipped",
+                   "finite_losses", float(finite))]
+    if f.has_scaler:
+        st = f.story
+        ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
+                           f"{st.min_scale:g})", "loss_scale", st.final_scale))
+    stats = f.stats
+    under = stats.layer_under
+    measured = np.isfinite(under)
+    if measured.any() and f.low_precision:
+        worst = int(np.nanargmax(np.where(measured, under, -1)))
+        ev.append(Evidence(f"gradients measured on {f.sampled_steps} sampled steps: the worst "
+                           f"layer, {f.tensor_names[worst]}, has {under[worst]:.1%} of its "
+                           f"non-zero gradient in the {f.low_precision} subnormal band",
+                           "worst_layer_underflow", float(under[worst]), None,
+                           f.tensor_names[worst]))
+    upd = stats.upd_log[np.isfinite(stats.upd_log)]
+    if len(upd):
+        ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
+                           "(median over the sampled steps)", "update_ratio",
+                           10 ** float(np.median(upd))))
+    return ev
+
+
+def _healthy_confidence(f: Any) -> float:
+    """How sure "healthy" is: it rests on what was measured."""
+    if not f.n:
+        return 0.0
+    conf = 0.6
+    if f.sampled_steps >= 2:
+        conf += 0.2
+    if f.run.status == "finished":
+        conf += 0.1
+    return conf
+
+
+def _missing(f: Any) -> str:
+    """What would have told the root cause, and why it is not in this run."""
+    missing = []
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
+    if not located:
+        if recorder.get("forensics") is False:
+            missing.append("forensic replay was off, so the op that first went non-finite "
+                           "was not searched for")
+        elif f.snapshots:
+            missing.append(f"the {len(f.snapshots)} forensic replays found every value finite "
+                           "(the overflow is in a parameter's gradient, or did not reproduce)")
+        elif isinstance(f.meta.get("sharding"), dict) and \
+                f.meta["sharding"].get("replay") == "off":
+            missing.append("forensic replay is off for a sharded model (a rank replaying "
+                           "alone would hang the job), and each rank's batch was finite")
+        else:
+            missing.append("no forensic replay was recorded for the failing steps")
+    if not f.sampled_steps:
+        missing.append("no sampled step (per-layer statistics) was recorded")
+    elif f.stats.first_nonfinite is None:
+        missing.append("the sampled steps saw no non-finite value")
+    return ("The root cause could not be told: " + "; ".join(missing) + ".") if missing else \
+        "No recorded signal points to one cause."
+
+
+def run_summary(f: Any) -> dict:
+    s = f.steps
+    run = f.run
+    return {
+        "path": run.path,
+        "status": run.status,
+        "rank": run.attrs.get("rank", 0),
+        "world_size": run.attrs.get("world_size", 1),
+        "steps": int(f.n),
+        "last_step": int(s["step"][-1]) if f.n else None,
+        "skipped_steps": int(np.sum(f.skipped)) if f.n else 0,
+        "sampled_steps": f.sampled_steps if f.n else 0,
+        "replays": len(f.snapshots),
+        "autocast_dtype": f.autocast_dtype,
+        "low_precision": f.low_precision,
+        "loss_scale": {"init": _num(f.story.init_scale), "final": _num(f.story.final_scale),
+                       "min": _num(f.story.min_scale)} if f.n and f.has_scaler else None,
+        "scaler": f.meta.get("scaler"),
+        "optimizer": f.meta.get("optimizer"),
+        "param_dtypes": f.param_dtypes,
+        "device": f.meta.get("device"),
+        "torch": (f.meta.get("torch") or {}).get("version"),
+        "argv": run.attrs.get("argv"),
+    }
+
+
+def _num(x: float) -> Optional[float]:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def notes(f: Any, top: Finding) -> list[str]:
+    """What the diagnosis could and could not tell from this run, and risks worth knowing."""
+    out = _status_notes(f)
+    if top.verdict == "recording_stopped":  # its summary says it already
+        out = [n for n in out if not n.startswith("ampdoctor stopped recording")]
+    if not f.n:
+        if top.verdict not in EMPTY:
+            out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
+                       "optimizer.step() without a scaler), so no per-step data was recorded.")
+        return out
+    out += _coverage_notes(f, top)
+    # a sharded (FSDP) run: per-shard numbers, replay off
+
+    out += ranks.sharding_notes(f.meta, f.steps)
+    out += _compiled_notes(f)
+    if not f.optimizers and np.all(f.skipped):
+        out.append("The optimizer never stepped (every step was skipped), so its settings were "
+                   "not recorded.")
+    if top.verdict == "healthy":
+        out += _risks(f) + _flat_notes(f, top)
+    return out
+
+
+def _flat_notes(f: Any, top: Finding) -> list[str]:
+    """Where to look when the loss did not fall and nothing numeric explains it."""
+    if not any(e.key == "loss_flat" for e in top.evidence):
+        return []
+    upd = f.stats.upd_log[np.isfinite(f.stats.upd_log)]
+    moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
+             "(median update ratio on the sampled steps).") if len(upd) else (
+        " No sampled step measured how far the weights move: record with `--every N`.")
+    return ["The loss did not fall and no precision signal explains it: look at the learning "
+            "rate (too high bounces, too low crawls), the data (labels that do not match the "
+            "inputs) and the loss (parameters it does not reach, or not in the optimizer)."
+            + moved]
+
+
+def _status_notes(f: Any) -> list[str]:
+    status = f.run.status
+    last = int(f.steps["step"][-1]) if f.n else None
+    if status == "running":
+        out = [f"The run is still being recorded; this covers the steps up to {last}, the "
+               "writer's last flush." if last is not None else
+               "The run is still being recorded and has no step yet."]
+    elif status == "interrupted" or status.startswith(schema.STATUS_SIGNAL):
+        how = "interrupted (its writer never closed the file)" if status == "interrupted" \
+            else f"interrupted by {status.split(':', 1)[1]}"
+        out = [f"The run was {how}; the last recorded step is {last}: whatever happened later "
+               "is not in this file." if last is not None else
+               f"The run was {how} before its first recorded step."]
+    else:
+        out = []
+    if status.startswith("exception:"):
+        exc = f.exception
+        msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
+        out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
+                   + (f" after step {last}." if last is not None else "."))
+    damaged = getattr(f.run, "damaged", [])
+    if damaged:
+        out.append("Part of the file is damaged and was left out: table(s) "
+                   f"{', '.join('/' + t for t in damaged)} could not be read.")
+    errors = f.events(Event.RECORDER_ERROR)
+    if len(errors):
+        out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "
+                   f"internal error ({str(errors['text'][0])[:160]}); training went on, but "
+                   "what followed is not in this file.")
+    return out
+
+
+def _coverage_notes(f: Any, top: Finding) -> list[str]:
+    """Checks that lacked the data they need: no sampled step, a short run, no replay."""
+    out = []
+    recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
+    every = recorder.get("every")
+    if not f.sampled_steps:
+        why = (f" (the sampling interval, {every} steps, is longer than the run)"
+               if every and every > f.n else "")
+        out.append("No sampled step was recorded" + why + ": gradient underflow, LR-driven "
+                   "growth, bf16 rounding and BatchNorm buffers could not be checked. Record "
+                   "with `--every N` (N below the run length) to measure them.")
+    elif f.sampled_steps < 3 and top.verdict == "healthy":
+        out.append(f"Only {f.sampled_steps} sampled step(s): trends are measured on few points.")
+    if f.n < SHORT_RUN and top.verdict == "healthy":
+        out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
+                   "growth, scale probing) may not have shown yet.")
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    if f.failure_index is None or located or top.verdict in EMPTY:
+        return out
+    if recorder.get("forensics") is False:
+        out.append("Forensic replay was off: the failing op could not be located and checked "
+                   "in fp32.")
+    elif recorder.get("max_replays") is not None and len(f.snapshots) >= \
+            recorder["max_replays"]:
+        out.append(f"The forensic replay budget ({recorder['max_replays']}) was spent on "
+                   "earlier skipped steps, so the failing step was not replayed; the module "
+                   "comes from sampled statistics, if any.")
+    return out
+
+
+def _compiled_notes(f: Any) -> list[str]:
+    """What a torch.compile'd model kept out of the sampled statistics."""
+    info = f.meta.get("compiled")
+    if not isinstance(info, dict) or not info.get("regions"):
+        return []
+    where = ", ".join(str(r.get("module")) for r in info["regions"][:3])
+    hooked = ", ".join(str(m) for m in (info.get("hooked") or [])[:3]) or "none"
+    return [f"{where} ran under torch.compile: the outputs of the modules inside it were not "
+            f"measured on sampled steps (module outputs measured: {hooked}); gradients, "
+            "weights and forensic replays (run eagerly) cover every layer."]
+
+
+def _risks(f: Any) -> list[str]:
+    """Configurations that have not failed in this run but are known to (taxonomy Stage A)."""
+    out = []
+    s = f.steps
+    if f.low_precision == "fp16" and not f.has_scaler and f.autocast_dtype == "float16":
+        out.append("fp16 autocast without a GradScaler: gradients below 6e-8 flush to zero. "
+                   "None were seen to underflow here, but a GradScaler (or bf16) is the safe "
+                   "setup.")
+    seen = s["loss_dtype"] != 0
+    if seen.any() and np.mean(s["loss_dtype"][seen] == 2) >= 0.5:
+        out.append("The loss is computed in float16 (outside autocast): a sum or mean over many "
+                   "elements can pass 65504. Compute it in fp32.")
+    if f.params_mostly("bfloat16") and not f.sampled_steps:
+        out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
+                   "round away. Keep fp32 master weights if the loss stalls.")
+    if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
+        out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
+                   "gradients this small are often zero or disconnected (a detached loss, "
+                   "parameters missing from the optimizer, a loss weight of 0).")
+    story = f.story
+    if f.has_scaler and story.post_skips and story.benign:
+        out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
+                   f"({story.calib_len} while calibrating, {story.post_skips} later, each "
+                   "with a finite loss): normal probing, not a failure.")
+    elif f.has_scaler and story.post_skips:
+        out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
+                   "than probing explains (gradients overflowing fp16 at the current scale); "
+                   f"each skip halved the scale, now {story.final_scale:g}. Not a failure yet: "
+                   "watch for a falling scale.")
+    elif f.has_scaler and f.story.calib_len:
+        out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
+                   "calibrated its scale: normal.")
+    return out
+
+
+RULES = _rules.RULES + _progress.RULES

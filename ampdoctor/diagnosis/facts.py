@@ -1,0 +1,414 @@
+"""Views of a loaded run that the diagnosis rules share, each computed once.
+
+numpy only (no torch). ``Facts`` wraps a ``store.Run``: the small tables are read whole, the
+big ``/stats`` table is streamed once in chunks (``Reduced``), reduced on the fly to arrays per
+step and per tensor, so memory stays bounded however long the run. ``ScaleStory`` reads the
+GradScaler's history from ``/steps`` and tells normal calibration apart from trouble.
+
+Thresholds live in ``rules.py``; the few here describe GradScaler itself and are commented where
+they are defined.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..runfile import schema
+from ..runfile.schema import DType, Event, Kind, Phase, flag
+from . import curve
+from .scale import ScaleStory, scale_story
+from .streamed import Reduced, stream_stats
+
+PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.INPUT: "input",
+          Phase.LOSS: "loss", Phase.OPTIMIZER: "optimizer", Phase.NONE: "none",
+          Phase.UNKNOWN: "unknown"}
+
+ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam", "Adagrad", "Adadelta",
+               "RMSprop", "Adafactor", "LAMB", "Lamb", "FusedAdam", "FusedLAMB", "AdamW8bit",
+               "Adam8bit", "PagedAdamW", "DeepSpeedCPUAdam")
+
+
+def fp16_rounds_to_zero(x: float) -> bool:
+    """Does ``x`` become 0.0 when stored in fp16? (round to nearest: |x| <= 2**-25)"""
+    return x != 0 and abs(float(np.float16(x))) == 0.0
+
+
+def module_of(param_name: str) -> str:
+    """'blocks.3.attn.qkv.weight' -> 'blocks.3.attn.qkv'; buffers alike."""
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts
+
+
+
+# -- the run's precision: decided here once, for the diagnosis and the release material ------
+
+
+def autocast_dtype(run: Any) -> Optional[str]:
+    """The dtype autocast computed in, or None when it was off (or never seen)."""
+    ac = run.autocast
+    return ac.get("dtype") if ac is not None and ac.get("enabled") else None
+
+
+def param_dtypes(run: Any) -> dict[str, int]:
+    """Elements per dtype of the trained parameters (optimizer's view, else the model's)."""
+    out: dict[str, int] = {}
+    for o in run.optimizers:
+        for k, v in (o.get("param_dtypes") or {}).items():
+            out[k] = out.get(k, 0) + int(v)
+    if not out and run.model is not None:
+        out = {k: int(v) for k, v in (run.model.get("param_dtypes") or {}).items()}
+    return out
+
+
+def params_mostly(run: Any, dtype: str) -> bool:
+    d = param_dtypes(run)
+    total = sum(d.values())
+    return bool(total) and d.get(dtype, 0) * 2 >= total
+
+
+def low_precision(run: Any) -> Optional[str]:
+    """'fp16', 'bf16' or None: the narrow float type the run computes in (autocast's dtype,
+    else the trained weights' when they are mostly half, else an fp16 loss).
+
+    Example::
+
+        low_precision(ampdoctor.load("run.h5"))   # 'fp16'
+    """
+    ac = autocast_dtype(run)
+    if ac == "float16" or params_mostly(run, "float16"):
+        return "fp16"
+    if ac == "bfloat16" or params_mostly(run, "bfloat16"):
+        return "bf16"
+    if len(run.steps) and np.any(run.steps["loss_dtype"] == DType.FLOAT16):
+        return "fp16"
+    return None
+
+
+class Facts:
+    """Derived views of a ``Run`` for the rules. Properties are computed on first use.
+
+    Example::
+
+        f = Facts(ampdoctor.load("run.h5"))
+        f.precision, f.story.collapsed, f.stats.layer_under
+    """
+
+    def __init__(self, run: Any, chunk: int = 1 << 16):
+        self.run = run
+        self.steps = run.steps
+        self.meta = run.meta
+        self.chunk = chunk
+        self._cache: dict[str, Any] = {}
+
+    def _memo(self, key: str, fn: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self.steps)
+
+    @property
+    def autocast_dtype(self) -> Optional[str]:
+        return autocast_dtype(self.run)
+
+    @property
+    def device_type(self) -> str:
+        ac = self.run.autocast
+        if ac is not None and ac.get("device_type"):
+            return str(ac["device_type"])
+        dev = self.run.device
+        return str(dev.get("type", "cuda")) if dev is not None else "cuda"
+
+    @property
+    def root_names(self) -> set[str]:
+        """Names the recorder gives the root module(s): its class name, for a single root."""
+        return set(self.run.roots)
+
+    @property
+    def optimizers(self) -> list[dict]:
+        return self.run.optimizers
+
+    @property
+    def param_dtypes(self) -> dict[str, int]:
+        """Elements per dtype of the trained parameters (optimizer's view, else the model's)."""
+        return param_dtypes(self.run)
+
+    def params_mostly(self, dtype: str) -> bool:
+        return params_mostly(self.run, dtype)
+
+    @property
+    def low_precision(self) -> Optional[str]:
+        """'fp16', 'bf16' or None: the narrow float type the run computes in."""
+        return low_precision(self.run)
+
+    @property
+    def scaler(self) -> Optional[dict]:
+        return self.run.scaler
+
+    @property
+    def has_scaler(self) -> bool:
+        return self.story.has_scaler
+
+    # -- steps -----------------------------------------------------------------------------
+
+    @property
+    def step_values(self) -> np.ndarray:
+        return self.steps["step"]
+
+    @property
+    def skipped(self) -> np.ndarray:
+        return self.steps["skipped"] == 1
+
+    @property
+    def loss_bad(self) -> np.ndarray:
+        return (self.steps["flags"] & flag(Event.NONFINITE_LOSS)) != 0
+
+    @property
+    def grad_bad(self) -> np.ndarray:
+        return (self.steps["flags"] & flag(Event.NONFINITE_GRAD)) != 0
+
+    @property
+    def loss_ok(self) -> np.ndarray:
+        loss = self.steps["loss"]
+        return np.isfinite(loss)
+
+    def step_at(self, index: int) -> int:
+        return int(self.steps["step"][index])
+
+    def index_of(self, step: int) -> int:
+        return int(min(np.searchsorted(self.steps["step"], step), max(self.n - 1, 0)))
+
+    def first(self, mask: np.ndarray) -> Optional[int]:
+        """Step number of the first True in a per-step mask."""
+        idx = np.flatnonzero(mask)
+        return int(self.steps["step"][idx[0]]) if len(idx) else None
+
+    @property
+    def curve(self) -> curve.Curve:
+        """The loss curve read once: start and end levels, noise, spikes (``curve.read``)."""
+        return self._memo("curve", lambda: curve.read(self.steps["loss"]))
+
+    @property
+    def story(self) -> ScaleStory:
+        return self._memo("story", lambda: scale_story(self.steps, self.scaler, self.loss_bad))
+
+    @property
+    def failure_index(self) -> Optional[int]:
+        """Position of the first failing step: the first non-finite loss or the start of the
+        skipping that lasts to the end, whichever is first; else the first skipped step that
+        GradScaler's calibration and probing do not explain. Without a scaler a non-finite
+        gradient is applied to the weights, so it starts the failure too."""
+        def find():
+            if not self.n:
+                return None
+            # A non-finite loss, or skipping that goes on to the end, is the failure; the
+            # unexplained skips before it are the scale's staircase on the way there.
+            applied = self.grad_bad if not self.story.has_scaler else np.zeros(self.n, bool)
+            starts = [int(i[0]) for i in (np.flatnonzero(self.loss_bad | applied),) if len(i)]
+            if self.story.terminal_run:
+                starts.append(self.n - self.story.terminal_run)
+            if starts:
+                return self._walk_back(min(starts))
+            bad = self.story.bad_skip | (self.grad_bad if not self.story.has_scaler else False)
+            idx = np.flatnonzero(bad)
+            return int(idx[0]) if len(idx) else None
+        return self._memo("failure_index", find)
+
+    def _walk_back(self, i: int) -> int:
+        """Back over the unexplained skips that lead into the failure (the scale's staircase),
+        across single applied steps between them."""
+        bad = self.story.bad_skip
+        while i > 0:
+            if bad[i - 1]:
+                i -= 1
+            elif i > 1 and bad[i - 2]:
+                i -= 2
+            else:
+                break
+        return i
+
+    @property
+    def failure_step(self) -> Optional[int]:
+        i = self.failure_index
+        return None if i is None else self.step_at(i)
+
+    @property
+    def horizon(self) -> int:
+        """Step number where pre-failure reductions stop (failure step, or past the end)."""
+        s = self.failure_step
+        return int(s) if s is not None else (int(self.steps["step"][-1]) + 1 if self.n else 0)
+
+    # -- events and snapshots --------------------------------------------------------------
+
+    def events(self, kind: Event) -> np.ndarray:
+        ev = self.run.events
+        return ev[ev["kind"] == int(kind)]
+
+    @property
+    def stopped(self) -> Optional[dict]:
+        """Where and why ampdoctor stopped recording (an internal fault), or None."""
+        return recording_stopped(self.run)
+
+    @property
+    def exception(self) -> Optional[tuple[str, str]]:
+        """(type, message) of the exception the training script raised, if any."""
+        rows = self.events(Event.EXCEPTION)
+        status = self.run.status
+        if len(rows):
+            text = str(rows["text"][-1])
+            typ, _, msg = text.partition(": ")
+            return typ, msg
+        if status.startswith(schema.STATUS_EXCEPTION):
+            return status.split(":", 1)[1], ""
+        return None
+
+    @property
+    def snapshots(self) -> list[dict]:
+        """Forensic replays, oldest first, as dicts (detail JSON parsed)."""
+        def build():
+            out = []
+            for s in self.run.snapshots:
+                try:
+                    detail = json.loads(s["detail"]) if s["detail"] else {}
+                except ValueError:
+                    detail = {}
+                out.append({"id": int(s["id"]), "step": int(s["step"]),
+                            "phase": _phase_name(int(s["phase"])),
+                            "module": str(s["module"]) or None,
+                            "module_type": str(s["module_type"]) or None,
+                            "fp32_finite": int(s["fp32_finite"]),
+                            "fp32_absmax": float(s["fp32_absmax"]),
+                            "in_absmax": float(s["in_absmax"]),
+                            "out_absmax": float(s["out_absmax"]),
+                            "scale": float(s["scale"]), "lr": float(s["lr"]),
+                            "trigger": int(s["trigger"]), "detail": detail})
+            return out
+        return self._memo("snapshots", build)
+
+    def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
+        """Largest finite magnitude in a snapshot's saved float batch, and whether it held
+        NaN/inf. Only the batch ("args.*", "kwargs.*"): not the culprit's own inputs, the
+        output gradient or the RNG state saved beside it."""
+        arrays = self.run.arrays
+        rows = np.flatnonzero(arrays["snapshot"] == snapshot_id)
+        biggest, bad = math.nan, False
+        for r in rows:
+            name = str(arrays["name"][r])
+            if not name.startswith(("args.", "kwargs.")):
+                continue
+            try:
+                a = self.run.array(int(r))
+            except Exception:  # noqa: BLE001 - a damaged array must not stop the diagnosis
+                continue
+            if a.dtype.kind != "f" or not a.size:
+                continue
+            fin = np.isfinite(a)
+            bad = bad or not bool(fin.all())
+            if fin.any():
+                m = float(np.abs(a[fin]).max())
+                biggest = m if math.isnan(biggest) else max(biggest, m)
+        return biggest, bad
+
+    # -- tensors and statistics ------------------------------------------------------------
+
+    @property
+    def tensor_kinds(self) -> np.ndarray:
+        def build():
+            t = self.run.tensors
+            size = int(t["id"].max()) + 1 if len(t) else 0
+            kinds = np.full(size, -1, np.int64)
+            kinds[t["id"]] = t["kind"]
+            return kinds
+        return self._memo("kinds", build)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        def build():
+            t = self.run.tensors
+            size = int(t["id"].max()) + 1 if len(t) else 0
+            names = [""] * size
+            for i, name in zip(t["id"], t["name"]):
+                names[int(i)] = str(name)
+            return names
+        return self._memo("names", build)
+
+    @property
+    def tensor_types(self) -> list[str]:
+        def build():
+            t = self.run.tensors
+            size = int(t["id"].max()) + 1 if len(t) else 0
+            types = [""] * size
+            for i, ty in zip(t["id"], t["type"]):
+                types[int(i)] = str(ty)
+            return types
+        return self._memo("types", build)
+
+    def module_type(self, name: str) -> Optional[str]:
+        """Class of the module called ``name`` (from its OUTPUT row), if recorded."""
+        kinds, names, types = self.tensor_kinds, self.tensor_names, self.tensor_types
+        for i, n in enumerate(names):
+            if n == name and kinds[i] == Kind.OUTPUT:
+                return types[i] or None
+        return None
+
+    @property
+    def stats(self) -> Reduced:
+        return self._memo("stats", lambda: stream_stats(
+            self.run, self.tensor_kinds, self.tensor_names, self.step_values, self.skipped,
+            self.horizon, self.low_precision or "fp16", self.chunk))
+
+    def first_nonfinite_sampled(self) -> Optional[dict]:
+        """The first non-finite tensor in the sampled tier: {"step", "module", "phase"}."""
+        x = self.stats.first_nonfinite
+        return {k: x[k] for k in ("step", "module", "phase")} if x else None
+
+    @property
+    def sampled_steps(self) -> int:
+        return int(self.stats.sampled.sum())
+
+    def window(self, step: int, before: int = 5, after: int = 2) -> dict:
+        """Scale, LR, loss and grad norm around ``step`` (for the report)."""
+        s = self.steps
+        i = self.index_of(step)
+        sel = slice(max(0, i - before), min(self.n, i + after + 1))
+        return {k: [_num(v) for v in s[k][sel]] for k in ("step", "loss", "scale", "lr",
+                                                          "grad_norm", "skipped")}
+
+
+def recording_stopped(run: Any) -> Optional[dict]:
+    """``{"step", "why"}`` when ampdoctor stepped aside after an internal fault (its
+    RECORDER_ERROR event): the file holds the steps before ``step`` and nothing after.
+
+    Example::
+
+        recording_stopped(ampdoctor.load("run.h5"))
+        # {'step': 0, 'why': "before_clip: RuntimeError: aten.take.default got mixed ..."}
+    """
+    ev = run.events
+    rows = ev[ev["kind"] == int(Event.RECORDER_ERROR)]
+    if not len(rows):
+        return None
+    return {"step": int(rows["step"][0]), "why": str(rows["text"][0])}
+
+
+def _phase_name(code: int) -> str:
+    try:
+        return PHASES[Phase(code)]
+    except ValueError:
+        return "unknown"
+
+
+def _num(v: Any) -> Any:
+    """A plain Python number; NaN stays NaN (the text report prints it, JSON makes it null)."""
+    return v.item() if isinstance(v, np.generic) else v

@@ -1,0 +1,121 @@
+"""Per-layer views of the sampled tier: the ``/stats`` rows of chosen kinds, grouped by layer.
+
+numpy only. ``fp16 readiness``, ``compare`` and the report's plots all read the same rows: the
+sampled tier's (forensic replays describe one failing step, not the run), of a few tensor kinds,
+with a handful of columns. ``sampled`` streams the table in chunks and keeps only those, so
+memory follows what is asked, not the length of the run.
+
+Gradients are recorded in the space the run used: multiplied by GradScaler's scale when there
+is one (what fp16 actually held). ``unscale`` divides them by the step's scale where a caller
+needs their true size.
+
+Example::
+
+    with ampdoctor.load("run.h5") as run:
+        rows, layers = sampled(run, (Kind.OUTPUT,), ("absmax",))
+        layers[rows["layer"][0]]      # Layer(kind=<Kind.OUTPUT: 0>, name='blocks.0.attn')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..runfile.schema import Kind, Source
+
+# Kinds whose values pass through the autocast dtype, and what a reader calls them.
+KIND_LABELS = {
+    Kind.INPUT: "input",
+    Kind.OUTPUT: "activation",
+    Kind.GRAD_OUTPUT: "activation grad",
+    Kind.PARAM_GRAD: "weight grad",
+}
+GRAD_KINDS = (Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
+VALUE_KINDS = (Kind.INPUT, Kind.OUTPUT)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One module output (or parameter gradient) of the run, whatever its tensor index."""
+
+    kind: Kind
+    name: str
+
+    @property
+    def label(self) -> str:
+        return KIND_LABELS.get(self.kind, self.kind.name.lower())
+
+
+def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
+            chunk: int = 1 << 16) -> tuple[np.ndarray, list[Layer]]:
+    """Sampled-tier rows of ``kinds``: ``step``, ``tensor``, ``call``, ``index``, ``layer``
+    (an index into the returned list of ``Layer``) and the requested ``columns``."""
+    kinds = tuple(Kind(k) for k in kinds)
+    tensors = run.tensors
+    layers: list[Layer] = []
+    where: dict[Layer, int] = {}
+    # tensor id -> layer index (-1: a kind not asked for)
+    max_id = int(tensors["id"].max()) + 1 if len(tensors) else 0
+    layer_of = np.full(max_id, -1, np.int64)
+    index_of = np.zeros(max_id, np.int16)
+    for tid, kind, index, name in zip(tensors["id"], tensors["kind"], tensors["index"],
+                                      tensors["name"]):
+        if int(kind) not in kinds:
+            continue
+        layer = Layer(Kind(int(kind)), str(name))
+        if layer not in where:
+            where[layer] = len(layers)
+            layers.append(layer)
+        layer_of[int(tid)] = where[layer]
+        index_of[int(tid)] = index
+    columns = [c for c in dict.fromkeys(columns) if c not in ("step", "tensor", "call")]
+    read = ("step", "tensor", "call", "source", *columns)
+    out_dtype = np.dtype([("step", "<i8"), ("tensor", "<i4"), ("call", "<i2"),
+                          ("index", "<i2"), ("layer", "<i8")]
+                         + [(c, run.stats.dtype[c]) for c in columns])
+    parts = []
+    for rows in run.stats.chunks(chunk, names=read):
+        tid = rows["tensor"]
+        known = (tid >= 0) & (tid < max_id)
+        keep = np.zeros(len(rows), bool)
+        keep[known] = layer_of[tid[known]] >= 0
+        keep &= rows["source"] == Source.SAMPLED
+        if not keep.any():
+            continue
+        rows = rows[keep]
+        part = np.zeros(len(rows), out_dtype)
+        for c in ("step", "tensor", "call", *columns):
+            part[c] = rows[c]
+        part["layer"] = layer_of[rows["tensor"]]
+        part["index"] = index_of[rows["tensor"]]
+        parts.append(part)
+    rows = np.concatenate(parts) if parts else np.zeros(0, out_dtype)
+    return rows, layers
+
+
+def step_scale(run: Any, steps: np.ndarray) -> np.ndarray:
+    """The loss scale each of ``steps`` ran its backward at (1.0 without a GradScaler)."""
+    s = run.steps
+    scale = np.ones(len(steps))
+    if not len(s) or not len(steps):
+        return scale
+    order = np.argsort(s["step"], kind="stable")
+    known = s["step"][order]
+    pos = np.clip(np.searchsorted(known, steps), 0, len(known) - 1)
+    found = known[pos] == steps
+    values = s["scale"][order][pos].astype(np.float64)
+    usable = found & np.isfinite(values) & (values > 0)
+    scale[usable] = values[usable]
+    return scale
+
+
+def unscale(run: Any, rows: np.ndarray, layers: list[Layer], column: str) -> np.ndarray:
+    """``rows[column]`` as float64, gradients divided by their step's loss scale."""
+    values = rows[column].astype(np.float64)
+    grad = np.isin(np.array([int(x.kind) for x in layers], np.int64)[rows["layer"]],
+                   [int(k) for k in GRAD_KINDS]) if len(rows) else np.zeros(0, bool)
+    if grad.any():
+        values[grad] /= step_scale(run, rows["step"][grad])
+    return values

@@ -1,0 +1,294 @@
+"""The files of one recording: ``run.h5``, or one ``run.rank{R}.h5`` per rank, diagnosed together.
+
+Under torchrun every rank records its own file beside the output the user named::
+
+    ampdoctor record -o run.h5 -- torchrun --nproc_per_node=2 train.py
+    # -> run.rank0.h5, run.rank1.h5
+    ampdoctor diagnose run.h5     # finds both and diagnoses them together
+
+A merged diagnosis is the diagnosis of the rank where things went wrong first, plus what only
+the ranks side by side can show: which rank went non-finite first (a NaN born in one rank's
+forward reaches every rank through the gradient all-reduce in the same step, so only the
+origin has a non-finite loss or a forward culprit of its own), and whether the loss scale
+diverged across ranks (their GradScalers disagreed about skipping, so their weights drift).
+
+numpy only, like the rest of the analysis side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from ..runfile.paths import run_name
+from ..runfile.schema import Event, Phase, flag
+
+BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
+# Replay phases that put the first non-finite value inside this rank (not in what it received).
+LOCAL_PHASES = (Phase.INPUT, Phase.FORWARD, Phase.LOSS)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run in a few numbers (the end-of-record summary, and the merge below)
+
+
+def outline(run: Any) -> dict:
+    """Steps, skipped steps, and where the first non-finite value appeared, for one ``Run``.
+
+    Example::
+
+        with ampdoctor.load("run.h5") as run:
+            ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
+    """
+    from .facts import Facts, recording_stopped
+
+    steps = run.steps
+    flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)
+    bad = np.flatnonzero((flags & BAD) != 0)
+    local = np.flatnonzero((flags & flag(Event.NONFINITE_LOSS)) != 0)
+    out = {
+        "path": run.path,
+        "rank": run.rank,
+        "world_size": int(run.attrs.get("world_size", 1)),
+        "status": run.status,
+        "steps": int(len(steps)),
+        "skipped": int(np.sum(steps["skipped"] == 1)) if len(steps) else 0,
+        "first_bad": int(steps["step"][bad[0]]) if len(bad) else None,
+        "first_loss_bad": int(steps["step"][local[0]]) if len(local) else None,
+        "module": None,
+        "phase": None,
+        "local": False,  # the first non-finite value was born in this rank
+        "stopped": recording_stopped(run),  # {"step", "why"}: the recorder faulted there
+    }
+    if out["first_bad"] is None:
+        return out
+    snaps = run.snapshots
+    located = [s for s in snaps if int(s["phase"]) not in (Phase.NONE, Phase.UNKNOWN)]
+    if located:
+        s = located[0]
+        out["module"] = s["module"] or None
+        out["phase"] = Phase(int(s["phase"])).name.lower()
+        out["local"] = Phase(int(s["phase"])) in LOCAL_PHASES and int(s["step"]) == \
+            out["first_bad"]
+    else:
+        sampled = Facts(run).first_nonfinite_sampled()
+        if sampled:
+            out["module"], out["phase"] = sampled["module"], sampled["phase"]
+    if out["first_loss_bad"] == out["first_bad"]:
+        out["local"] = True
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnosing the ranks together
+
+
+LOCAL_NORM = flag(Event.GRAD_NORM_LOCAL)
+
+
+def combine_grad_norms(runs: list) -> int:
+    """Sharded runs (FSDP): steps whose ``grad_norm`` is each rank's share of the norm
+    (flagged ``GRAD_NORM_LOCAL``) get the global norm, sqrt(sum of squared shares), in every
+    rank's ``run.steps`` (in memory; the files are not changed). Only steps that every rank
+    recorded and flagged are combined: the shares of a missing rank cannot be guessed.
+    Returns how many steps were combined.
+
+    Example::
+
+        shares = {0: 3.0, 1: 4.0}   # two ranks' shares of one step -> global norm 5.0
+    """
+    flagged = [r for r in runs if len(r.steps) and (r.steps["flags"] & LOCAL_NORM).any()]
+    world = max((int(r.attrs.get("world_size", 1)) for r in runs), default=1)
+    if not flagged or len(runs) < world:
+        return 0
+    common = None
+    for r in runs:
+        s = r.steps
+        steps = set(s["step"][(s["flags"] & LOCAL_NORM) != 0].tolist())
+        common = steps if common is None else common & steps
+    if not common:
+        return 0
+    keys = np.array(sorted(common))
+    total = np.zeros(len(keys))
+    for r in runs:
+        s = r.steps
+        pos = np.searchsorted(s["step"], keys)
+        total += s["grad_norm"][pos].astype(np.float64) ** 2
+    norm = np.sqrt(total)
+    for r in runs:
+        s = r.steps
+        pos = np.searchsorted(s["step"], keys)
+        s["grad_norm"][pos] = norm
+        s["flags"][pos] &= ~LOCAL_NORM
+    return len(keys)
+
+
+# Evidence measured on parameters or their gradients: per shard in a sharded run.
+SHARD_EVIDENCE = ("update_ratio", "weight_norm_growth", "unchanged_fraction", "layer_underflow",
+                  "layers_underflowing", "grad_underflow_fraction", "grad_rms_ratio",
+                  "worst_layer_underflow")
+
+
+def per_shard(d: Any, meta: dict) -> Any:
+    """Say "per shard" beside evidence taken on parameters of a sharded run (each rank
+    measured its own shard of every parameter); returns ``d``."""
+    info = meta.get("sharding")
+    if isinstance(info, dict) and info.get("local_shards"):
+        for e in d.evidence:
+            if e.key in SHARD_EVIDENCE and not e.text.endswith("(per shard)"):
+                e.text += " (per shard)"
+    return d
+
+
+def combine_into(run: Any, others: list[str]) -> int:
+    """``combine_grad_norms`` for one loaded rank file (the report's curves), reading the
+    other ranks' files ``others`` only for their shares."""
+    from ..runfile.store import load
+
+    with contextlib.ExitStack() as stack:
+        return combine_grad_norms([run] + [stack.enter_context(load(p)) for p in others])
+
+
+def sharding_notes(meta: dict, steps: Any) -> list[str]:
+    """What a diagnosis of a sharded run (FSDP) must say: per-layer numbers are per shard,
+    forensic replay is off and why, and grad norms still per rank in this file."""
+    info = meta.get("sharding")
+    if not isinstance(info, dict):
+        return []
+    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(info.get("kind"), str(info.get("kind")))
+    out = []
+    if info.get("local_shards"):
+        out.append(f"Sharded training ({kind}, {info.get('world_size', '?')} ranks): "
+                   "per-parameter statistics (gradients, weight norms, update ratios) were "
+                   "measured on each rank's own shard of every parameter, module outputs on "
+                   "its own batch.")
+    if info.get("replay") == "off" and info.get("replay_reason"):
+        reason = str(info["replay_reason"])
+        out.append(reason[0].upper() + reason[1:] + ".")
+    local = int(np.sum((steps["flags"] & LOCAL_NORM) != 0)) if len(steps) else 0
+    if local:
+        out.append(f"On {local} steps no clip_grad_norm_ combined the shards: the gradient "
+                   "norm shown is this rank's share; `ampdoctor diagnose` on the run (all "
+                   "rank files) combines them into the global norm.")
+    return out
+
+
+def scales(run: Any) -> dict[int, float]:
+    s = run.steps
+    return {int(k): float(v) for k, v in zip(s["step"], s["scale"]) if not np.isnan(v)}
+
+
+def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
+    """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale})."""
+    from .verdict import Evidence
+
+    outlines = [o for o, _, _ in per_rank]
+    origin = first_rank(outlines)
+    base_index = next((i for i, o in enumerate(outlines) if o["rank"] == origin), 0)
+    d = per_rank[base_index][1]
+    evidence: list[Any] = []
+    if origin is not None:
+        evidence.append(Evidence(_origin_text(outlines, origin), "first_rank", float(origin),
+                                 outlines[base_index]["first_bad"],
+                                 outlines[base_index]["module"]))
+        if d.first_bad is not None:
+            d.first_bad = dict(d.first_bad, rank=origin)
+    divergence = scale_divergence({o["rank"]: sc for o, _, sc in per_rank})
+    if divergence is not None:
+        evidence.append(Evidence(divergence["text"], "scale_divergence",
+                                 float(divergence["step"]), divergence["step"]))
+        d.notes.append("The ranks' loss scales diverged, so their GradScalers skipped "
+                       "different steps and their weights no longer match: make every rank "
+                       "see the same found_inf (gradients all-reduced before "
+                       "scaler.step, or ShardedGradScaler with FSDP).")
+    elif any(sc for _, _, sc in per_rank):
+        evidence.append(Evidence(f"loss scale identical on every rank ({len(per_rank)} ranks)",
+                                 "scale_divergence"))
+    d.evidence = evidence + list(d.evidence)
+    for i, (o, other, _) in enumerate(per_rank):
+        if i != base_index:  # what every rank says is said once
+            d.notes += [f"rank {o['rank']}: {note}" for note in other.notes
+                        if note not in d.notes]
+    world = max(o["world_size"] for o in outlines)
+    if len(outlines) < world:
+        have = ", ".join(str(o["rank"]) for o in outlines)
+        d.notes.append(f"Only {len(outlines)} of {world} rank files were found (ranks "
+                       f"{have}); the other ranks never trained or their files are missing.")
+    shown = outlines[base_index]["rank"]
+    d.notes.insert(0, f"{len(outlines)} rank files diagnosed together ("
+                   + ", ".join(os.path.basename(o["path"] or "") for o in outlines)
+                   + f"); the steps and history shown are rank {shown}'s"
+                   + (", where it went non-finite first." if origin is not None else "."))
+    d.run = dict(d.run, path=run_name(outlines[0]["path"] or ""), world_size=world,
+                 ranks=outlines, origin_rank=origin)
+    return d
+
+
+def first_rank(outlines: list[dict]) -> Optional[int]:
+    """The rank that went non-finite first: earliest bad step; at the same step, a rank where
+    the value was born (non-finite loss, forward culprit) before one that only received it."""
+    bad = [o for o in outlines if o["first_bad"] is not None]
+    if not bad:
+        return None
+    best = min(bad, key=lambda o: (o["first_bad"], not o["local"], o["rank"]))
+    return int(best["rank"])
+
+
+def where(outline: dict) -> str:
+    """Where the first non-finite value was found, in words: "in blocks.0.attn (forward)"."""
+    module, phase = outline.get("module"), outline.get("phase")
+    if phase == "input":
+        return f"in the batch given to {module}" if module else "in the input batch"
+    if phase in ("loss", "optimizer"):
+        return f"in the {'loss' if phase == 'loss' else 'optimizer step'}"
+    if module:
+        return f"in {module} ({phase})" if phase else f"in {module}"
+    return ""
+
+
+def _origin_text(outlines: list[dict], origin: int) -> str:
+    o = next(x for x in outlines if x["rank"] == origin)
+    what = "a non-finite loss" if o["first_loss_bad"] == o["first_bad"] else \
+        "non-finite gradients"
+    place = where(o)
+    text = f"rank {origin} went non-finite first, at step {o['first_bad']}: {what}" + \
+        (f", first seen {place}" if place else "")
+    others = [x for x in outlines if x["rank"] != origin]
+    same = [x["rank"] for x in others if x["first_bad"] == o["first_bad"] and not x["local"]]
+    later = [x for x in others if x["first_bad"] is not None and x["first_bad"] > o["first_bad"]]
+    clean = [x["rank"] for x in others if x["first_bad"] is None]
+    if same:
+        text += f"; {_ranks(same)} only received it (through the gradient all-reduce)"
+    for x in later:
+        text += f"; rank {x['rank']} followed at step {x['first_bad']}"
+    if clean:
+        text += f"; {_ranks(clean)} stayed finite"
+    return text
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def scale_divergence(scales: dict[int, dict[int, float]]) -> Optional[dict]:
+    """The first step at which the ranks' loss scales differ, with each rank's value, or None.
+
+    Example::
+
+        scale_divergence({0: {0: 65536.0, 1: 32768.0}, 1: {0: 65536.0, 1: 65536.0}})
+        # {'step': 1, 'scales': {0: 32768.0, 1: 65536.0}, 'text': ...}
+    """
+    with_scale = {r: sc for r, sc in scales.items() if sc}
+    if len(with_scale) < 2:
+        return None
+    common = sorted(set.intersection(*(set(sc) for sc in with_scale.values())))
+    for step in common:
+        values = {r: sc[step] for r, sc in with_scale.items()}
+        if max(values.values()) != min(values.values()):
+            listed = ", ".join(f"rank {r}: {v:g}" for r, v in sorted(values.items()))
+            return {"step": step, "scales": values,
+                    "text": f"loss scale diverged across ranks at step {step} ({listed})"}
+    return None

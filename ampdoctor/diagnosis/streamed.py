@@ -1,0 +1,368 @@
+"""The streamed reduction of the /stats table: one pass over it in chunks, keeping per tensor
+and per step only what the rules read (``Reduced``), so a run of millions of rows diagnoses in
+bounded memory.
+
+Example::
+
+    reduced = stream_stats(run, kinds, names, step_values, ...)   # see Facts.stats
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from ..runfile.schema import Kind, Source
+
+# A weight whose norm is below this is (close to) zero-initialised: its update ratio says
+# nothing about the step size.
+TINY_NORM = 1e-6
+
+# ---------------------------------------------------------------------------------------------
+# The sampled statistics, streamed once
+
+
+# Columns read from /stats; nothing else is loaded.
+_COLUMNS = ("step", "tensor", "seq", "source", "nonfinite", "numel", "sample_n", "zeros",
+            "sub16", "subbf16", "near16", "over16", "absmax", "rms", "norm", "update", "unchanged")
+
+
+@dataclass
+class Reduced:
+    """Per-step and per-tensor reductions of the sampled tier (source SAMPLED rows only).
+
+    Per step (arrays over ``run.steps`` positions; NaN or 0 where nothing was sampled):
+      sampled, out_absmax (largest finite output abs max), out_near (outputs with values
+      >= 2**15), out_bad (outputs non-finite), grad_under / grad_n (gradient elements that are
+      zero-or-subnormal in the run's low precision, and elements counted), wnorm2 (sum of squared
+      weight norms), param_bad (parameters with a non-finite norm), upd_log (mean log10 update
+      ratio), unchanged (element-weighted unchanged fraction), buffer_bad, input_bad,
+      input_over (input elements beyond fp16 range), input_absmax, grad_zero / grad_numel
+      (trained-parameter gradient elements that are exactly 0, weighted by tensor size, and
+      the elements weighed: their ratio is the share of the model that got no gradient).
+    Per tensor (arrays over tensor ids), before ``horizon`` (the first failing step):
+      under_sum / under_cnt (share of a gradient's non-zero elements that are subnormal,
+      summed over samples), out_max and
+      near_max (largest output abs max and near-overflow fraction), norm_first / norm_last,
+      upd_sum / upd_cnt (mean log10 update ratio), unch_sum / unch_cnt; over the whole run:
+      first_bad_step (first sampled step with a non-finite value), last_bad (non-finite at the
+      tensor's last sample); for module outputs, out_zero_last (exactly 0 everywhere at the
+      tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
+      step with a non-zero value), out_seen_step (last sampled step); for gradients,
+      grad_zero_last (share of exact zeros at the tensor's last sample).
+    """
+
+    n_steps: int
+    n_tensors: int
+    rows: int = 0
+    first_nonfinite: Optional[dict] = None  # step, module, phase, kind, tensor
+    first_forward: Optional[dict] = None  # the same, for module outputs only
+    first_backward: Optional[dict] = None  # ... for gradients arriving at module outputs
+
+    def __post_init__(self) -> None:
+        n, t = self.n_steps, self.n_tensors
+        self.sampled = np.zeros(n, bool)
+        self.out_absmax = np.full(n, np.nan)
+        self.out_near = np.zeros(n, np.int64)
+        self.out_bad = np.zeros(n, np.int64)
+        self.grad_under = np.zeros(n)
+        self.grad_n = np.zeros(n)
+        self.wnorm2 = np.zeros(n)
+        self.wcount = np.zeros(n, np.int64)
+        self.param_bad = np.zeros(n, np.int64)
+        self._upd_sum = np.zeros(n)
+        self._upd_cnt = np.zeros(n)
+        self._unch_sum = np.zeros(n)
+        self._unch_n = np.zeros(n)
+        self.buffer_bad = np.zeros(n, np.int64)
+        self.input_bad = np.zeros(n, np.int64)
+        self.input_over = np.zeros(n, np.int64)
+        self.input_absmax = np.full(n, np.nan)
+        self.under_sum = np.zeros(t)
+        self.under_cnt = np.zeros(t)
+        self.zero_sum = np.zeros(t)  # sum of exact-zero fractions of the gradient, per tensor
+        self.grms_sum = np.zeros(t)  # sum of log10 gradient rms (scaled space), per tensor
+        self.grms_cnt = np.zeros(t)
+        self.out_max = np.full(t, np.nan)
+        self.near_max = np.zeros(t)
+        self.norm_first = np.full(t, np.nan)
+        self.norm_first_step = np.full(t, -1, np.int64)
+        self.norm_last = np.full(t, np.nan)
+        self.upd_sum = np.zeros(t)
+        self.upd_cnt = np.zeros(t)
+        self.unch_sum = np.zeros(t)
+        self.unch_cnt = np.zeros(t)
+        self.first_bad_step = np.full(t, -1, np.int64)
+        self.last_step = np.full(t, -1, np.int64)
+        self.last_bad = np.zeros(t, bool)
+        self.grad_zero = np.zeros(n)
+        self.grad_numel = np.zeros(n)
+        self.out_zero_last = np.zeros(t, bool)
+        self.out_alive_step = np.full(t, -1, np.int64)
+        self.out_seen_step = np.full(t, -1, np.int64)
+        self.grad_zero_last = np.full(t, np.nan)
+
+    @property
+    def upd_log(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self._upd_cnt > 0, self._upd_sum / np.maximum(self._upd_cnt, 1),
+                            np.nan)
+
+    @property
+    def unchanged(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self._unch_n > 0, self._unch_sum / np.maximum(self._unch_n, 1),
+                            np.nan)
+
+    @property
+    def grad_zero_share(self) -> np.ndarray:
+        """Per step: share of the trained parameters' gradient elements that are exactly 0
+        (NaN where no gradient was sampled)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.grad_numel > 0, self.grad_zero / np.maximum(self.grad_numel, 1),
+                            np.nan)
+
+    @property
+    def layer_under(self) -> np.ndarray:
+        """Mean underflow fraction of each tensor's gradient before the horizon (NaN: none)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.under_cnt > 0, self.under_sum / np.maximum(self.under_cnt, 1),
+                            np.nan)
+
+    @property
+    def layer_zeros(self) -> np.ndarray:
+        """Mean exact-zero fraction of each tensor's gradient, where layer_under is measured."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.under_cnt > 0, self.zero_sum / np.maximum(self.under_cnt, 1),
+                            np.nan)
+
+    @property
+    def layer_grad_rms(self) -> np.ndarray:
+        """Geometric mean rms of each tensor's gradient before the horizon (NaN: none)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.grms_cnt > 0, 10 ** (self.grms_sum / np.maximum(
+                self.grms_cnt, 1)), np.nan)
+
+    @property
+    def layer_unchanged(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.unch_cnt > 0, self.unch_sum / np.maximum(self.unch_cnt, 1),
+                            np.nan)
+
+    @property
+    def layer_update(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.upd_cnt > 0, self.upd_sum / np.maximum(self.upd_cnt, 1), np.nan)
+
+
+_PHASE_ORDER = {int(Kind.INPUT): (0, "input"), int(Kind.OUTPUT): (1, "forward"),
+                int(Kind.GRAD_OUTPUT): (2, "backward"), int(Kind.PARAM_GRAD): (3, "backward"),
+                int(Kind.PARAM): (4, "optimizer"), int(Kind.BUFFER): (5, "buffer")}
+
+
+def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarray,
+                 skipped: np.ndarray, horizon: int, low: str, chunk: int = 1 << 16) -> Reduced:
+    """One pass over /stats (SAMPLED rows), ``chunk`` rows at a time, vectorised per chunk.
+
+    ``kinds``/``names``: tensor id -> Kind / name. ``step_values``: run.steps["step"] (sorted).
+    ``horizon``: step number where the failure starts (pre-failure reductions stop there).
+    ``low``: the run's low precision, "fp16" or "bf16" (which subnormal band counts).
+    """
+    n, t = len(step_values), len(kinds)
+    out = Reduced(n, t)
+    sub_col = "subbf16" if low == "bf16" else "sub16"
+    best: Optional[tuple] = None
+    best_fwd: Optional[tuple] = None
+    best_bwd: Optional[tuple] = None
+    for rows in run.stats.chunks(chunk, names=_COLUMNS):
+        rows = rows[(rows["source"] == Source.SAMPLED) & (rows["tensor"] >= 0)
+                    & (rows["tensor"] < t)]
+        if not len(rows):
+            continue
+        pos = np.searchsorted(step_values, rows["step"])
+        ok = (pos < n) & (step_values[np.minimum(pos, n - 1)] == rows["step"]) if n else \
+            np.zeros(len(rows), bool)
+        rows, pos = rows[ok], pos[ok]
+        if not len(rows):
+            continue
+        out.rows += len(rows)
+        tid = rows["tensor"].astype(np.int64)
+        kind = kinds[tid]
+        bad = rows["nonfinite"] > 0
+        pre = rows["step"] < horizon
+        clean_step = ~skipped[pos]
+        out.sampled[pos] = True
+        best = _first_nonfinite(rows, kind, bad, best)
+        best_fwd = _first_nonfinite(rows, kind, bad & (kind == Kind.OUTPUT), best_fwd)
+        best_bwd = _first_nonfinite(rows, kind, bad & (kind == Kind.GRAD_OUTPUT), best_bwd)
+        _reduce_outputs(out, rows, pos, tid, kind == Kind.OUTPUT, bad, pre)
+        _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
+                      pre, sub_col)
+        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step)
+        _reduce_flags(out, rows, pos, tid, kind, bad)
+    out.first_nonfinite = _located(best, kinds, names)
+    out.first_forward = _located(best_fwd, kinds, names)
+    out.first_backward = _located(best_bwd, kinds, names)
+    return out
+
+
+def _located(best: Optional[tuple], kinds: np.ndarray, names: list) -> Optional[dict]:
+    if best is None:
+        return None
+    step, _order, _seq, tensor = best
+    return {"step": int(step), "module": names[tensor] if tensor < len(names) else None,
+            "phase": _PHASE_ORDER.get(int(kinds[tensor]), (9, "unknown"))[1],
+            "kind": int(kinds[tensor]), "tensor": int(tensor)}
+
+
+# Execution order of the kinds within a step, indexed by Kind (-1, unknown, sorts last).
+_ORDER_OF_KIND = np.full(len(Kind) + 1, 9, np.int64)
+for _k, (_o, _) in _PHASE_ORDER.items():
+    _ORDER_OF_KIND[_k] = _o
+
+
+def _first_nonfinite(rows, kind, bad, best):
+    if not bad.any():
+        return best
+    sel = np.flatnonzero(bad)
+    order = _ORDER_OF_KIND[kind[sel]]
+    key = np.lexsort((rows["seq"][sel], order, rows["step"][sel]))[0]
+    i = sel[key]
+    cand = (int(rows["step"][i]), int(order[key]), int(rows["seq"][i]), int(rows["tensor"][i]))
+    return cand if best is None or cand < best else best
+
+
+def _reduce_outputs(out: Reduced, rows, pos, tid, sel, bad, pre) -> None:
+    if not sel.any():
+        return
+    r, p, t, b = rows[sel], pos[sel], tid[sel], bad[sel]
+    absmax = np.where(np.isfinite(r["absmax"]), r["absmax"], np.nan).astype(np.float64)
+    np.fmax.at(out.out_absmax, p, absmax)
+    np.add.at(out.out_near, p, (r["near16"] > 0).astype(np.int64))
+    np.add.at(out.out_bad, p, b.astype(np.int64))
+    pr = pre[sel] & ~b
+    if pr.any():
+        np.fmax.at(out.out_max, t[pr], absmax[pr])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = r["near16"][pr] / np.maximum(r["sample_n"][pr], 1)
+        np.maximum.at(out.near_max, t[pr], frac)
+    _reduce_dead_outputs(out, r, t, b)
+
+
+def _reduce_dead_outputs(out: Reduced, r, t, bad) -> None:
+    """Module outputs that are exactly 0 everywhere (absmax is exact over the whole tensor):
+    a ReLU layer whose every unit is dead for the whole batch. One-element outputs (a scalar
+    auxiliary loss) are left out."""
+    zero = (r["absmax"] == 0) & ~bad & (r["numel"] >= 2)
+    alive = ~zero & ~bad
+    if alive.any():
+        np.maximum.at(out.out_alive_step, t[alive], r["step"][alive])
+    # Rows arrive in step order: the last occurrence of a tensor is its latest sample.
+    rev_t, rev_i = np.unique(t[::-1], return_index=True)
+    out.out_zero_last[rev_t] = zero[::-1][rev_i]
+    out.out_seen_step[rev_t] = r["step"][::-1][rev_i]
+
+
+# Exact zeros in a gradient count as flushed only when its non-zero values sit this deep in
+# the subnormal band: zeros beside healthy values are structural (dead units, masked
+# positions, embedding rows the batch did not use), and a large vocabulary makes most of an
+# embedding's gradient such zeros.
+ZEROS_FLUSHED_IF = 0.25
+
+
+def _reduce_grads(out: Reduced, rows, pos, tid, sel, pre, sub_col: str) -> None:
+    """Underflow of each gradient. Per tensor: the fraction of its non-zero elements that the
+    low precision held as subnormals (precision lost; the tail beyond flushed to zero). Per
+    step: elements subnormal, plus zeros where the non-zero values are that low."""
+    if not sel.any():
+        return
+    r, p, t = rows[sel], pos[sel], tid[sel]
+    n = np.maximum(r["sample_n"], 1).astype(np.float64)
+    sub = r[sub_col].astype(np.float64)
+    nonzero = n - r["zeros"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        deep = np.where(nonzero > 0, sub / np.maximum(nonzero, 1), np.nan)
+    flushed = np.where(deep >= ZEROS_FLUSHED_IF, r["zeros"], 0).astype(np.float64)
+    np.add.at(out.grad_under, p, sub + flushed)
+    np.add.at(out.grad_n, p, n)
+    zero_frac = r["zeros"] / n
+    size = np.maximum(r["numel"], 1).astype(np.float64)
+    np.add.at(out.grad_zero, p, zero_frac * size)
+    np.add.at(out.grad_numel, p, size)
+    rev_t, rev_i = np.unique(t[::-1], return_index=True)
+    out.grad_zero_last[rev_t] = zero_frac[::-1][rev_i]
+    pr = pre[sel] & np.isfinite(deep)
+    if pr.any():
+        np.add.at(out.under_sum, t[pr], deep[pr])
+        np.add.at(out.zero_sum, t[pr], (r["zeros"] / n)[pr])
+        np.add.at(out.under_cnt, t[pr], 1.0)
+    rms = r["rms"].astype(np.float64)
+    pr = pre[sel] & np.isfinite(rms) & (rms > 0)
+    if pr.any():
+        np.add.at(out.grms_sum, t[pr], np.log10(rms[pr]))
+        np.add.at(out.grms_cnt, t[pr], 1.0)
+
+
+def _reduce_params(out: Reduced, rows, pos, tid, sel, pre_clean) -> None:
+    if not sel.any():
+        return
+    r, p, t = rows[sel], pos[sel], tid[sel]
+    norm = r["norm"].astype(np.float64)
+    fin = np.isfinite(norm)
+    np.add.at(out.wnorm2, p[fin], norm[fin] ** 2)
+    np.add.at(out.wcount, p[fin], 1)
+    np.add.at(out.param_bad, p[~fin], 1)
+    # Update ratios, as log10, clipped and weighted by size: a zero-initialised bias has
+    # |dW|/|W| of 1e300 on its first step, and must not outvote the weight matrices.
+    upd = r["update"].astype(np.float64)
+    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM)
+    with np.errstate(divide="ignore"):
+        lu = np.clip(np.log10(np.where(good, upd, 1.0)), -12.0, 1.0)
+    size = np.maximum(r["numel"], 1).astype(np.float64)
+    np.add.at(out._upd_sum, p[good], (lu * size)[good])
+    np.add.at(out._upd_cnt, p[good], size[good])
+    unch = r["unchanged"].astype(np.float64)
+    u_ok = np.isfinite(unch)
+    wts = np.maximum(r["sample_n"], 1).astype(np.float64)
+    np.add.at(out._unch_sum, p[u_ok], (unch * wts)[u_ok])
+    np.add.at(out._unch_n, p[u_ok], wts[u_ok])
+    pc = pre_clean[sel]
+    if pc.any():
+        # First and last norm per tensor: rows arrive in step order, so the first write of a
+        # tensor (seen once) and the last write win.
+        tt, nn_, ss = t[pc & fin], norm[pc & fin], r["step"][pc & fin]
+        if len(tt):
+            first = out.norm_first_step[tt] < 0
+            uniq, idx = np.unique(tt[first], return_index=True)
+            out.norm_first[uniq] = nn_[first][idx]
+            out.norm_first_step[uniq] = ss[first][idx]
+            rev_u, rev_idx = np.unique(tt[::-1], return_index=True)
+            out.norm_last[rev_u] = nn_[::-1][rev_idx]
+        g = pc & good
+        np.add.at(out.upd_sum, t[g], lu[g])
+        np.add.at(out.upd_cnt, t[g], 1.0)
+        g = pc & u_ok
+        np.add.at(out.unch_sum, t[g], unch[g])
+        np.add.at(out.unch_cnt, t[g], 1.0)
+
+
+def _reduce_flags(out: Reduced, rows, pos, tid, kind, bad) -> None:
+    for k, target in ((Kind.BUFFER, out.buffer_bad), (Kind.INPUT, out.input_bad)):
+        sel = (kind == k) & bad
+        if sel.any():
+            np.add.at(target, pos[sel], 1)
+    inp = kind == Kind.INPUT
+    if inp.any():
+        np.add.at(out.input_over, pos[inp], rows["over16"][inp].astype(np.int64))
+        a = rows["absmax"][inp].astype(np.float64)
+        np.fmax.at(out.input_absmax, pos[inp], np.where(np.isfinite(a), a, np.nan))
+    bad_t = tid[bad]
+    if len(bad_t):
+        first = out.first_bad_step[bad_t] < 0
+        uniq, idx = np.unique(bad_t[first], return_index=True)
+        out.first_bad_step[uniq] = rows["step"][bad][first][idx]
+    rev_t, rev_i = np.unique(tid[::-1], return_index=True)
+    out.last_step[rev_t] = rows["step"][::-1][rev_i]
+    out.last_bad[rev_t] = bad[::-1][rev_i]

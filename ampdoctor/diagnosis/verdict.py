@@ -1,0 +1,126 @@
+"""What a diagnosis is made of: the verdict ids, ``Evidence``, ``Finding`` and ``Diagnosis``.
+
+Data only (a leaf module: it imports nothing of ampdoctor but ``display`` and ``fixes``'
+``Fix``). ``str(d)`` and Jupyter display go through ``ampdoctor.display``, which finds the
+renderers in ``ampdoctor.render.diagnosis``.
+
+Example::
+
+    from ampdoctor.diagnosis.verdict import VERDICTS, Diagnosis
+    d = ampdoctor.diagnose("run.h5")
+    assert isinstance(d, Diagnosis) and d.verdict in VERDICTS
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..display import Displayable
+from .fixes import Fix
+
+VERDICTS = {
+    "healthy": "no failure; GradScaler calibration and probing skips are normal",
+    "grad_underflow": "fp16 gradients flush to zero: no GradScaler, or a scale stuck low",
+    "masked_underflow": "the scale looks healthy but some layers' gradients flush anyway",
+    "lr_overflow": "weights and activations grow with the LR until fp16 overflows",
+    "unstable_op": "one op overflows fp16 (or its backward goes NaN) while weights are steady",
+    "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
+    "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
+    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
+    "accum_overflow": "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
+    "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
+                 "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
+    "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
+                  "scaler, scaler re-created, grads not zeroed, calls out of order",
+    "bf16_precision": "bf16 weights updated in place: small updates round away",
+    "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
+    "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
+    "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
+    "scale_collapse": "the scale fell persistently and no root cause could be told",
+    "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
+    "no_training": "no optimizer step was recorded",
+    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
+                         "kept; the script itself may have trained",
+}
+# Verdicts with no step to diagnose (the CLI exits 2 on them).
+EMPTY = ("no_training", "recording_stopped")
+
+
+@dataclass
+class Evidence:
+    """One number that decided something, with where and when it was seen."""
+
+    text: str
+    key: str = ""
+    value: Optional[float] = None
+    step: Optional[int] = None
+    module: Optional[str] = None
+
+
+@dataclass
+class Finding:
+    """What one rule concluded."""
+
+    verdict: str
+    confidence: float
+    summary: str
+    evidence: list[Evidence] = field(default_factory=list)
+    fixes: list[Fix] = field(default_factory=list)
+    first_bad: Optional[dict] = None
+    root: bool = True  # False: a consequence of some other cause (scale collapse, underflow)
+    priority: int = 50  # among root causes, the higher wins
+    kind: str = ""  # a sub-class, e.g. clip_order's "step_bypasses_scaler"
+    # Step numbers this finding accounts for (the skips a re-created scaler causes): an "also"
+    # whose first bad step and evidence all fall inside them is its symptom, not a second cause.
+    explains: frozenset = frozenset()
+
+
+@dataclass
+class Diagnosis(Displayable):
+    """The answer for one run. Rendered by ``render.diagnosis``.
+
+    In a notebook it displays itself; ``str(d)`` is the text ``ampdoctor diagnose`` prints.
+    """
+
+    verdict: str
+    confidence: float
+    summary: str
+    first_bad: Optional[dict]
+    causes: list[dict]
+    evidence: list[Evidence]
+    fixes: list[Fix]
+    run: dict
+    notes: list[str] = field(default_factory=list)
+    history: dict = field(default_factory=dict)  # scale/LR/loss around the first bad step
+    forecast: Optional[Any] = None  # forecast.Forecast: the early warning (None: not judged)
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict == "healthy"
+
+    def to_dict(self) -> dict:
+        """Plain JSON-safe data: NaN becomes null, infinities the strings "inf"/"-inf"."""
+        return _finite(json.loads(json.dumps(asdict(self), default=_jsonable)))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)

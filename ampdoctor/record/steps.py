@@ -1,0 +1,88 @@
+"""The step buffer: what one optimizer step has shown so far (``Step``), its device scalars
+stacked without a sync (``device_values``) and many steps' read back in one host read per
+device (``fetch``, the sync point of a drain).
+
+Example::
+
+    st = Step(index=0, t0=time.perf_counter())
+    values = device_values(st, Constants())   # one 0-dim-per-field tensor, no host read
+    fetch([values])[0, VALUES.index("scale")]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Step:
+    """What the current optimizer step has shown so far."""
+
+    index: int
+    t0: float
+    micro: int = 0
+    loss_sum: Optional[torch.Tensor] = None
+    loss_nonfinite: Optional[bool] = None  # read with found_inf from the step's host mirrors
+    loss_n: int = 0
+    loss_dtype: int = 0
+    scaled: bool = False  # an enabled GradScaler scaled a loss in this step
+    unscaled: bool = False
+    in_scaler_step: bool = False
+    grads_ready: bool = False
+    grad_norm: Optional[torch.Tensor] = None
+    fallback: Optional[list] = None  # parameters clip_grad_norm_ saw, before optimizers are known
+    clip_norm: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    scale_after: Optional[torch.Tensor] = None
+    found_inf: Optional[torch.Tensor] = None
+    stepped: bool = False
+    flags: int = 0
+    sampled: bool = False
+    keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
+    staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
+    undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
+
+
+HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
+         "skipped", "lr")
+VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
+
+
+class Constants:
+    """NaN placeholders per device, made once (not a kernel per step)."""
+
+    def __init__(self) -> None:
+        self._nan: dict[torch.device, torch.Tensor] = {}
+
+    def nan(self, device: torch.device) -> torch.Tensor:
+        t = self._nan.get(device)
+        if t is None:
+            t = self._nan[device] = torch.full((), math.nan, device=device)
+        return t
+
+
+def device_values(st: Step, constants: Constants) -> torch.Tensor:
+    """The step's device scalars stacked into one tensor (no sync); order as in VALUES."""
+    loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
+    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
+    dev = next((v.device for v in values if v is not None), torch.device("cpu"))
+    nan = constants.nan(dev)
+    return torch.stack([nan if v is None else
+                        v if (v.device == dev and v.dtype == torch.float32 and v.dim() == 0)
+                        else v.to(dev).float().reshape(()) for v in values])
+
+
+def fetch(values: list[torch.Tensor]) -> np.ndarray:
+    """Device values of many steps in one host read per device (the sync point)."""
+    out = np.full((len(values), len(VALUES)), np.nan)
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        by_dev.setdefault(v.device, []).append(i)
+    for idx in by_dev.values():
+        out[idx] = torch.stack([values[i] for i in idx]).double().tolist()
+    return out

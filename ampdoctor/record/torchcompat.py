@@ -1,0 +1,58 @@
+"""Small torch helpers shared across ``record/``: the user's model inside its wrappers, the
+autocast state of a device, and what a GradScaler has done (read from its state, no sync).
+
+Example::
+
+    unwrap(torch.compile(DDP(model)))   # model
+    autocast_state("cpu")               # (True, "bfloat16") inside torch.autocast("cpu")
+    scaler_enabled(torch.amp.GradScaler("cpu", enabled=False))  # False
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import sharding
+
+
+def is_wrapper(module: torch.nn.Module) -> bool:
+    """DDP or DataParallel: a module whose forward calls the user's model inside it."""
+    return type(module).__name__ in ("DistributedDataParallel", "DataParallel")
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside DDP/DataParallel/FSDP1/torch.compile wrappers (for names)."""
+    for _ in range(4):
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and (is_wrapper(module) or sharding.is_fsdp1(module)):
+            inner = getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return module
+        module = inner
+    return module
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    return scaler is not None and bool(getattr(scaler, "_enabled", True))
+
+
+def unscaled_already(scaler: Any, optimizer: Any) -> bool:
+    """Has ``scaler.unscale_(optimizer)`` run since the last update? (GradScaler's own
+    per-optimizer stage, read without creating an entry in its defaultdict.)"""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
+
+
+def autocast_state(device_type: str) -> tuple:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return bool(enabled), str(dtype).replace("torch.", "")

@@ -1,0 +1,411 @@
+"""fp32 parity: a baseline run (fp32, or bf16) against a mixed-precision run of the same training.
+
+numpy only. ``compare(base, amp)`` lines the two loss curves up by step and says whether the
+mixed-precision run matches the baseline, drifts from it, or diverges (and from which step);
+then compares per-layer statistics on the steps both sampled, names the layers that sit close
+to fp16's limits in the mixed-precision run, and measures the throughput and memory gain.
+
+The loss verdict reads trailing means over a window of steps (a tenth of them, 1 to 100),
+because one batch's loss is noisy while a real divergence persists:
+
+- ``match``: the smoothed relative difference stays within ``rtol`` (2 %) at every step;
+- ``diverged``: it rises above ``diverge`` (10 %), or the mixed-precision loss turns
+  non-finite where the baseline's is not, and never comes back within ``rtol`` before the
+  last common step (the two tolerances make a hysteresis: a diverged run's batches that
+  happen to land near the baseline do not undo it);
+- ``drift``: anything in between (a difference beyond ``rtol`` that came back, or stayed
+  below ``diverge``; an isolated non-finite step the run recovered from).
+
+Relative differences are taken against ``max(|base|, 1e-3 * max|base|)``, so that a loss
+heading to zero does not turn noise into infinite ratios.
+
+Example::
+
+    c = ampdoctor.compare("fp32.h5", "bf16.h5")
+    c.verdict, c.divergence_step, c.speedup
+    print(c)        # the text ``ampdoctor compare fp32.h5 bf16.h5`` prints
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..diagnosis import layers as _layers
+from ..diagnosis.layers import Kind
+from ..display import Displayable
+from ..errors import AmpDoctorError
+from ..runfile.store import opened
+from .readiness import Readiness, fp16_readiness, plain, precision
+
+VERDICTS = {
+    "match": "the loss curves agree within the tolerance at every step",
+    "drift": "the loss differs beyond the tolerance somewhere, without diverging",
+    "diverged": "the mixed-precision loss departs from the baseline and does not come back",
+}
+RTOL = 0.02
+DIVERGE = 0.10
+MAX_WINDOW = 100
+LOSS_FLOOR = 1e-3  # of the baseline's largest loss: the smallest denominator
+TOP_LAYERS = 10
+COMPARED_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
+
+
+@dataclass
+class LayerDiff:
+    """How one layer's rms differs between the runs on the steps both sampled.
+
+    Ratios are mixed-precision over baseline, gradients unscaled (divided by each run's loss
+    scale), so 1.0 is agreement; ``spread`` is the median of |log2 ratio| (1.0: a factor 2).
+    """
+
+    name: str
+    kind: str
+    steps: int
+    ratio: float  # median rms ratio
+    spread: float
+    worst_ratio: float
+    worst_step: int
+    absmax_base: float
+    absmax_amp: float
+
+
+@dataclass
+class Comparison(Displayable):
+    """A baseline against a mixed-precision run. ``str(c)`` is the text the CLI prints."""
+
+    verdict: str
+    summary: str
+    base: dict
+    amp: dict
+    tolerance: dict
+    common_steps: int
+    max_rel: float = math.nan  # smoothed, the verdict's basis
+    max_rel_step: Optional[int] = None
+    max_rel_raw: float = math.nan  # step by step
+    final_rel: float = math.nan
+    final_step: Optional[int] = None
+    divergence_step: Optional[int] = None
+    nonfinite_steps: list[int] = field(default_factory=list)  # amp only, first 20
+    nonfinite_count: int = 0
+    layers: list[LayerDiff] = field(default_factory=list)
+    layer_steps: int = 0  # sampled steps both runs have
+    amp_range: dict = field(default_factory=dict)  # readiness of the amp run: status, lists
+    step_time: dict = field(default_factory=dict)  # median seconds: base, amp
+    speedup: Optional[float] = None  # base step time / amp step time
+    memory: dict = field(default_factory=dict)  # peak bytes: base, amp, what was measured
+    memory_ratio: Optional[float] = None  # amp peak / base peak
+    notes: list[str] = field(default_factory=list)
+    curve: dict = field(default_factory=dict, repr=False)  # arrays for plots; not in to_dict
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("curve")
+        return plain(out)
+
+
+
+def compare(base: Any, amp: Any, *, rtol: float = RTOL, diverge: float = DIVERGE,
+            window: Optional[int] = None) -> Comparison:
+    """Compare a baseline run with a mixed-precision run: paths or loaded ``Run`` objects.
+
+    ``window``: steps in the trailing mean the verdict reads (default: a tenth of the common
+    steps, between 1 and 100).
+    """
+    if not 0 < rtol <= diverge:
+        raise AmpDoctorError(f"the tolerances must satisfy 0 < rtol <= diverge (got rtol={rtol}, "
+                             f"diverge={diverge})")
+    with opened(base, "compare") as b, opened(amp, "compare") as a:
+        return _compare(b, a, rtol, diverge, window)
+
+
+def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int]) -> Comparison:
+    common, ib, ia = np.intersect1d(b.steps["step"], a.steps["step"], return_indices=True)
+    lb = b.steps["loss"][ib].astype(np.float64)
+    la = a.steps["loss"][ia].astype(np.float64)
+    usable = np.isfinite(lb)
+    if not usable.any():
+        raise AmpDoctorError(_nothing_to_compare(b, a, len(common)))
+    w = window or int(np.clip(len(common) // 10, 1, MAX_WINDOW))
+    floor = LOSS_FLOOR * float(np.max(np.abs(lb[usable])))
+    raw = _relative(lb, la, floor)
+    smooth = _relative(_trailing(lb, w), _trailing(la, w), floor)
+    c = Comparison(verdict="match", summary="", base=describe(b), amp=describe(a),
+                   tolerance={"rtol": rtol, "diverge": diverge, "window": w},
+                   common_steps=int(len(common)))
+    c.curve = {"step": common, "base": lb, "amp": la, "rel": smooth, "rel_raw": raw}
+    _loss_verdict(c, common, raw, smooth, rtol, diverge, w)
+    c.layers, c.layer_steps = _layer_diffs(b, a, common)
+    r = fp16_readiness(a)
+    c.amp_range = _range_summary(r)
+    c.step_time, c.speedup = _speed(b, a)
+    c.memory, c.memory_ratio = _memory(b, a)
+    c.notes = _notes(b, a, c)
+    return c
+
+
+def describe(run: Any) -> dict:
+    """Path, precision, device and size of a run, as the comparison shows it."""
+    scaler = run.scaler or {}
+    dev = run.device or {}
+    model = run.model or {}
+    return {"path": run.path, "dtype": precision(run),
+            "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
+            "device_name": dev.get("name"), "steps": int(len(run.steps)),
+            "params": model.get("trainable"), "status": run.status}
+
+
+def _nothing_to_compare(b: Any, a: Any, common: int) -> str:
+    if not len(b.steps):
+        return f"{b.path} recorded no optimizer step: there is no baseline to compare with"
+    if not len(a.steps):
+        return f"{a.path} recorded no optimizer step: there is nothing to compare"
+    if not common:
+        return (f"{b.path} and {a.path} share no step numbers: they are not two runs of the "
+                "same training")
+    return (f"{b.path} has no finite loss on any of the {common} steps both runs recorded: "
+            "the baseline must itself be sound")
+
+
+def _trailing(x: np.ndarray, w: int) -> np.ndarray:
+    """Mean of the last ``w`` values at each position; non-finite if any of them is."""
+    if w <= 1:
+        return x.copy()
+    finite = np.isfinite(x)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, x, 0.0))])
+    cbad = np.concatenate([[0], np.cumsum(~finite)])
+    idx = np.arange(len(x))
+    lo = np.maximum(idx - w + 1, 0)
+    mean = (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
+    mean[(cbad[idx + 1] - cbad[lo]) > 0] = np.nan
+    return mean
+
+
+def _relative(base: np.ndarray, amp: np.ndarray, floor: float) -> np.ndarray:
+    """|amp - base| / max(|base|, floor); inf where only amp is non-finite, NaN where the
+    baseline is (those steps decide nothing)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        rel = np.abs(amp - base) / np.maximum(np.abs(base), max(floor, 1e-30))
+    rel[~np.isfinite(amp)] = np.inf
+    rel[~np.isfinite(base)] = np.nan
+    return rel
+
+
+def _loss_verdict(c: Comparison, steps: np.ndarray, raw: np.ndarray, smooth: np.ndarray,
+                  rtol: float, diverge: float, w: int) -> None:
+    decided = ~np.isnan(smooth)
+    amp_bad = np.isinf(raw)
+    c.nonfinite_count = int(amp_bad.sum())
+    c.nonfinite_steps = [int(s) for s in steps[amp_bad][:20]]
+    values = np.where(decided, smooth, -1.0)
+    worst = int(np.argmax(values))
+    c.max_rel, c.max_rel_step = float(smooth[worst]), int(steps[worst])
+    c.max_rel_raw = float(np.nanmax(raw)) if (~np.isnan(raw)).any() else math.nan
+    last = int(np.flatnonzero(decided)[-1])
+    c.final_rel, c.final_step = float(smooth[last]), int(steps[last])
+    start = _divergence_start(smooth, decided, rtol, diverge)
+    if start is not None:
+        # The trailing mean crosses late by up to w-1 steps: the first step of its window
+        # whose own difference crosses is where it began.
+        lo = max(start - w + 1, 0)
+        crossing = np.flatnonzero(raw[lo:start + 1] > diverge)
+        first = lo + int(crossing[0]) if len(crossing) else start
+        c.verdict, c.divergence_step = "diverged", int(steps[first])
+    elif c.max_rel > rtol or c.nonfinite_count:
+        c.verdict = "drift"
+    c.summary = _loss_summary(c, rtol, diverge, w)
+
+
+def _divergence_start(smooth: np.ndarray, decided: np.ndarray, rtol: float,
+                      diverge: float) -> Optional[int]:
+    """First position, after the smoothed difference was last within ``rtol``, where it is
+    above ``diverge``: the two tolerances make a hysteresis, so a diverged run's noisy batches
+    that come near the baseline again do not undo the verdict, and one excursion that came
+    back within ``rtol`` is no divergence."""
+    pos = np.flatnonzero(decided)
+    values = smooth[pos]
+    within = np.flatnonzero(values <= rtol)
+    after = int(within[-1]) + 1 if len(within) else 0
+    out = np.flatnonzero(values[after:] > diverge)
+    return int(pos[after + out[0]]) if len(out) else None
+
+
+def percent(x: Optional[float], digits: int = 2) -> str:
+    """A fraction as people read it: 0.00026 -> '0.026%', 3.4 -> '340%'."""
+    if x is None or math.isnan(x):
+        return "-"
+    if math.isinf(x):
+        return "non-finite"
+    return f"{100 * x:.{digits}g}%" if 100 * x < 10 ** digits else f"{100 * x:.0f}%"
+
+
+_pct = percent
+
+
+def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
+    a, b = c.amp, c.base
+    who = f"The {a['dtype']} run's loss"
+    ref = f"the {b['dtype']} baseline"
+    mean = f" (trailing mean of {w} steps)" if w > 1 else ""
+    if c.verdict == "diverged":
+        return (f"{who} diverges from {ref} at step {c.divergence_step}: it goes more than "
+                f"{_pct(diverge)} away (or non-finite) and never comes back within "
+                f"{_pct(rtol)}{mean} up to step {c.final_step}; final difference "
+                f"{_pct(c.final_rel)}.")
+    worst = (f"a non-finite loss at step {c.max_rel_step}" if math.isinf(c.max_rel) else
+             f"largest difference {_pct(c.max_rel)} at step {c.max_rel_step}")
+    final = f"final {_pct(c.final_rel)} at step {c.final_step}"
+    if c.verdict == "match":
+        return f"{who} matches {ref} within {_pct(rtol)}{mean}: {worst}, {final}."
+    extra = (f"; {c.nonfinite_count} non-finite step" + ("s" if c.nonfinite_count > 1 else "")
+             + " the baseline did not have") if c.nonfinite_count else ""
+    return (f"{who} drifts from {ref} beyond {_pct(rtol)}{mean} without diverging: {worst}, "
+            f"{final}{extra}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer statistics on common sampled steps
+
+
+def _layer_diffs(b: Any, a: Any, common: np.ndarray) -> tuple[list[LayerDiff], int]:
+    """The layers whose rms differs most between the runs, and how many steps both sampled."""
+    matched, lb, nsteps = _matched_rows(b, a, common)
+    if matched is None:
+        return [], nsteps
+    matched = matched[np.argsort(matched["layer"], kind="stable")]
+    diffs = []
+    for rows in np.split(matched, np.flatnonzero(np.diff(matched["layer"])) + 1):
+        if not len(rows):
+            continue
+        worst = int(np.argmax(np.abs(rows["log"])))
+        layer = lb[int(rows["layer"][0])]
+        diffs.append(LayerDiff(layer.name, layer.label, int(len(np.unique(rows["step"]))),
+                               float(2 ** np.median(rows["log"])),
+                               float(np.median(np.abs(rows["log"]))),
+                               float(2 ** rows["log"][worst]), int(rows["step"][worst]),
+                               _nanmax(rows["max_b"]), _nanmax(rows["max_a"])))
+    diffs.sort(key=lambda d: -d.spread)
+    return diffs[:TOP_LAYERS], nsteps
+
+
+_MATCHED = np.dtype([("layer", "<i8"), ("step", "<i8"), ("log", "<f8"), ("max_b", "<f8"),
+                     ("max_a", "<f8")])
+
+
+def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarray], list, int]:
+    """Rows of the same tensor on the same step in both runs: layer (index into the baseline's
+    layers), step, log2 of the rms ratio (amp over base, gradients unscaled), abs maxima."""
+    rb, lb = _layers.sampled(b, COMPARED_KINDS, ("rms", "absmax"))
+    ra, la = _layers.sampled(a, COMPARED_KINDS, ("rms", "absmax"))
+    steps = np.intersect1d(np.intersect1d(rb["step"], ra["step"]), common)
+    if not len(steps):
+        return None, lb, 0
+    rb, ra = rb[np.isin(rb["step"], steps)], ra[np.isin(ra["step"], steps)]
+    names: dict[_layers.Layer, int] = {}
+    _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
+                               return_indices=True)
+    rms_b = _layers.unscale(b, rb, lb, "rms")[ib]
+    rms_a = _layers.unscale(a, ra, la, "rms")[ia]
+    ok = np.isfinite(rms_b) & np.isfinite(rms_a) & (rms_b > 0) & (rms_a > 0)
+    out = np.zeros(int(ok.sum()), _MATCHED)
+    out["layer"], out["step"] = rb["layer"][ib][ok], rb["step"][ib][ok]
+    out["log"] = np.log2(rms_a[ok] / rms_b[ok])
+    out["max_b"] = _layers.unscale(b, rb, lb, "absmax")[ib][ok]
+    out["max_a"] = _layers.unscale(a, ra, la, "absmax")[ia][ok]
+    return out, lb, int(len(steps))
+
+
+def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.ndarray:
+    """One int64 per (layer, output index, call, step), the same in both runs: layers by
+    name through ``names``, steps by their position in ``steps``."""
+    gid = np.array([names.setdefault(layer, len(names)) for layer in found] or [0], np.int64)
+    pos = np.searchsorted(steps, rows["step"]).astype(np.int64)
+    index = np.clip(rows["index"], 0, 255).astype(np.int64)
+    call = np.clip(rows["call"], 0, 255).astype(np.int64)
+    return (((gid[rows["layer"]] << 8 | index) << 8 | call) << 27) | pos
+
+
+def _nanmax(x: np.ndarray) -> float:
+    x = x[~np.isnan(x)]
+    return float(x.max()) if len(x) else math.nan
+
+
+def _range_summary(r: Readiness) -> dict:
+    def entry(x: Any) -> dict:
+        return {"name": x.name, "kind": x.kind, "absmax": x.absmax, "step": x.absmax_step,
+                "sub": x.sub, "flush": x.flush, "sub_step": x.sub_step,
+                "first_nonfinite": x.first_nonfinite, "scale": x.scale}
+
+    return {"status": r.status, "advice": r.advice,
+            "overflowing": [entry(x) for x in r.overflowing[:TOP_LAYERS]],
+            "near": [entry(x) for x in r.near[:TOP_LAYERS]],
+            "underflowing": [entry(x) for x in r.underflowing[:TOP_LAYERS]],
+            "nonfinite": [entry(x) for x in r.nonfinite[:TOP_LAYERS]]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput and memory
+
+
+def median_step_time(run: Any) -> Optional[float]:
+    """Median seconds per step, leaving out the first (warm-up) and the sampled steps (they
+    carry the statistics' cost) when enough others remain."""
+    s = run.steps
+    if len(s) < 2:
+        return None
+    dt = s["dt"][1:].astype(np.float64)
+    plain_steps = dt[s["sampled"][1:] == 0]
+    pick = plain_steps if len(plain_steps) >= 3 else dt
+    pick = pick[np.isfinite(pick) & (pick > 0)]
+    return float(np.median(pick)) if len(pick) else None
+
+
+def peak_memory(run: Any) -> tuple[Optional[int], str]:
+    """Largest recorded peak memory in bytes, and what it measures on this run's device."""
+    s = run.steps
+    dev = (run.device or {}).get("type")
+    what = "CUDA allocator peak" if dev == "cuda" else "process peak RSS"
+    if not len(s) or int(s["peak_mem"].max()) <= 0:
+        return None, what
+    return int(s["peak_mem"].max()), what
+
+
+def _speed(b: Any, a: Any) -> tuple[dict, Optional[float]]:
+    tb, ta = median_step_time(b), median_step_time(a)
+    speedup = tb / ta if tb and ta else None
+    return {"base": tb, "amp": ta}, speedup
+
+
+def _memory(b: Any, a: Any) -> tuple[dict, Optional[float]]:
+    (mb, what_b), (ma, what_a) = peak_memory(b), peak_memory(a)
+    what = what_b if what_b == what_a else f"{what_b} vs {what_a}"
+    return {"base": mb, "amp": ma, "measure": what}, (ma / mb if mb and ma else None)
+
+
+def _notes(b: Any, a: Any, c: Comparison) -> list[str]:
+    notes = []
+    if c.base["params"] and c.amp["params"] and c.base["params"] != c.amp["params"]:
+        notes.append(f"The runs train different models ({c.base['params']} vs "
+                     f"{c.amp['params']} trainable parameters): the comparison may mean little.")
+    if c.base["dtype"] == c.amp["dtype"]:
+        notes.append(f"Both runs ran in {c.base['dtype']}: this compares two runs of one "
+                     "precision (run to run noise, or a change other than the dtype).")
+    elif c.base["dtype"] != "float32" and c.amp["dtype"] == "float32":
+        notes.append("The baseline ran under autocast and the other run in fp32: were the "
+                     "two files given in the wrong order (compare BASE AMP)?")
+    if c.common_steps < max(c.base["steps"], c.amp["steps"]):
+        notes.append(f"Compared on the {c.common_steps} steps both runs recorded (baseline "
+                     f"{c.base['steps']}, mixed precision {c.amp['steps']}).")
+    if not c.layer_steps:
+        notes.append("No per-layer comparison: the runs have no sampled step in common "
+                     "(record both with the same --every).")
+    if c.base["device"] != c.amp["device"] or c.base["device_name"] != c.amp["device_name"]:
+        notes.append(f"The runs ran on different devices ({c.base['device_name']} vs "
+                     f"{c.amp['device_name']}): the speed and memory ratios compare them too.")
+    elif c.memory.get("measure") == "process peak RSS":
+        notes.append("On CPU the peak memory is the process's peak RSS (interpreter and "
+                     "libraries included), so its ratio understates the tensors' saving.")
+    return notes

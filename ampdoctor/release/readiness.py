@@ -1,0 +1,323 @@
+"""fp16 readiness: which layers' values would overflow, or flush to zero, in fp16.
+
+numpy only. The sampled tier counts, for every tensor whatever its dtype, the values above
+65504 (they overflow to inf in fp16), at or above 2**15 (within a factor 2 of that), below
+2**-14 (fp16 subnormals: precision lost) and below 2**-24 (they flush to zero). From an fp32
+or bf16 run this says, before switching, what fp16 would do to each layer; from an fp16 run,
+how close each layer lives to the limits.
+
+Activations are judged as they are. Gradients are recorded in the space the run used: under
+GradScaler, multiplied by its scale (what fp16 actually held), else at scale 1. fp16 spans about
+40 powers of two (2**-24 to 65504); GradScaler slides that window up by its scale, which it
+settles just below where the largest gradient overflows. So a run without a scaler tells
+what flushes without one (then fp16 needs a GradScaler) and, from the gradients' smallest and
+largest magnitudes, a hint of whether the scale GradScaler would settle on holds them all.
+
+Example::
+
+    with ampdoctor.load("fp32.h5") as run:
+        r = readiness.fp16_readiness(run)
+    r.status                      # 'overflow'
+    r.advice                      # 'fp16 would overflow in 2 layers (blocks.3.attn ...'
+    [x.name for x in r.overflowing]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..diagnosis import layers as _layers
+from ..diagnosis.facts import low_precision
+from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
+from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
+from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+
+_DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
+
+KINDS = VALUE_KINDS + GRAD_KINDS
+_COLUMNS = ("dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf", "neginf", "absmax",
+            "absmin", "over16", "near16", "sub16", "flush16")
+
+STATUSES = {
+    "unknown": "no sampled statistics to judge from",
+    "overflow": "some values exceed fp16's max (65504)",
+    "underflow": "some layers' gradients underflow in fp16 even under GradScaler",
+    "nonfinite": "some values were already NaN or inf on sampled steps",
+    "tight": "values within a factor 2 of fp16's max",
+    "needs_scaler": "fp16 works only with a GradScaler (gradients underflow at scale 1)",
+    "ready": "every recorded value fits fp16's range",
+}
+
+
+@dataclass
+class LayerRange:
+    """One layer's values against fp16's range, over the sampled steps.
+
+    Fractions are of the sampled elements (``flush``/``sub``: of the non-zero ones) at the
+    step where they were largest; ``absmax`` is exact, over whole tensors. ``sub`` includes
+    ``flush``: subnormal or flushed.
+    """
+
+    name: str
+    kind: str  # 'input', 'activation', 'activation grad', 'weight grad'
+    steps: int  # sampled steps seen
+    dtype: str = ""  # as recorded: 'float16' means what flushed is already zero
+    absmax: float = math.nan  # as recorded (scaled for gradients under GradScaler)
+    absmax_step: Optional[int] = None
+    absmin: float = math.nan  # smallest non-zero magnitude in the samples, as recorded
+    scale: float = 1.0  # median loss scale of the gradient rows (1 for values, no scaler)
+    over: float = 0.0
+    over_steps: int = 0  # sampled steps with a value above 65504 (or inf)
+    first_over: Optional[int] = None
+    near: float = 0.0
+    near_steps: int = 0
+    flush: float = 0.0
+    flush_step: Optional[int] = None
+    sub: float = 0.0
+    sub_step: Optional[int] = None
+    nonfinite_steps: int = 0  # sampled steps where it held NaN or inf
+    first_nonfinite: Optional[int] = None
+
+    @property
+    def is_grad(self) -> bool:
+        return self.kind.endswith("grad")
+
+
+@dataclass
+class Readiness:
+    """What fp16 would do to a run's values, layer by layer, and what that means."""
+
+    dtype: str  # what the run computed in (``precision``)
+    scaled: bool  # gradients were recorded under a GradScaler
+    sampled_steps: int
+    status: str  # a key of STATUSES
+    advice: str
+    layers: list[LayerRange] = field(default_factory=list)
+    grad_range: dict = field(default_factory=dict)  # unscaled max/min, powers of 2, scale
+
+    @property
+    def overflowing(self) -> list[LayerRange]:
+        """Layers whose values (activations; gradients at any scale >= 1) overflow fp16."""
+        return sorted((x for x in self.layers if _overflows(x)), key=lambda x: -x.absmax)
+
+    @property
+    def near(self) -> list[LayerRange]:
+        return sorted((x for x in self.layers if x.near_steps and not _overflows(x)
+                       and not x.is_grad), key=lambda x: -x.absmax)
+
+    @property
+    def underflowing(self) -> list[LayerRange]:
+        """Gradient layers at least half subnormal or flushed, at the recorded scale."""
+        return sorted((x for x in self.layers if x.is_grad and x.sub >= LAYER_UNDERFLOW),
+                      key=lambda x: (-x.sub, -x.flush))
+
+    @property
+    def nonfinite(self) -> list[LayerRange]:
+        """Layers that held NaN or inf on a sampled step (overflowing ones aside)."""
+        return [x for x in self.layers if x.nonfinite_steps and not _overflows(x)]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key, items in (("overflowing", self.overflowing), ("near", self.near),
+                           ("underflowing", self.underflowing), ("nonfinite", self.nonfinite)):
+            out[key] = [x.name + f" ({x.kind})" for x in items]
+        return plain(out)
+
+
+def _overflows(x: LayerRange) -> bool:
+    if x.is_grad:
+        # Under GradScaler a scaled gradient above 65504 is its cue to back off; only one
+        # above 65504 unscaled overflows at every usable scale.
+        return x.absmax / x.scale > FP16_MAX
+    return x.over_steps > 0
+
+
+def precision(run: Any) -> str:
+    """What a run computed in, 'float16', 'bfloat16' or 'float32': the diagnosis' decision
+    (``diagnosis.facts.low_precision``: autocast's dtype, else its weights' when they are
+    mostly half, ``model.half()``, else an fp16 loss), named as a dtype."""
+    return {"fp16": "float16", "bf16": "bfloat16"}.get(low_precision(run) or "", "float32")
+
+
+def fp16_readiness(run: Any) -> Readiness:
+    """Judge a loaded ``Run``'s recorded values against fp16's range (see the module doc)."""
+    rows, found = _layers.sampled(run, KINDS, _COLUMNS)
+    scale = _layers.step_scale(run, rows["step"])
+    scaled = bool(np.any(scale != 1.0))
+    # Under GradScaler a skipped step's gradients are inf by design (calibration, probing):
+    # they say nothing about the range.
+    skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
+    kinds = np.array([int(x.kind) for x in found] or [0])
+    grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
+    keep = ~(grad & np.isin(rows["step"], skipped) & (scale != 1.0))
+    rows, scale = rows[keep], scale[keep]
+    order = np.argsort(rows["layer"], kind="stable")
+    rows, scale = rows[order], scale[order]
+    bounds = np.searchsorted(rows["layer"], np.arange(len(found) + 1))
+    ranges = [_layer_range(found[i], rows[a:b], scale[a:b])
+              for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+    r = Readiness(dtype=precision(run), scaled=scaled,
+                  sampled_steps=int(len(np.unique(rows["step"]))), status="unknown", advice="",
+                  layers=ranges)
+    r.grad_range = _grad_range(ranges, scaled)
+    r.status, r.advice = _judge(r)
+    return r
+
+
+def nonzero_sampled(rows: np.ndarray) -> np.ndarray:
+    """Per /stats row, the sampled elements that are finite and not zero (at least 1): what
+    the underflow shares are shares of."""
+    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
+    bad = (rows["nan"] + rows["posinf"] + rows["neginf"]).astype(np.float64)
+    return np.maximum(n - rows["zeros"] - bad, 1)
+
+
+def underflow_share(rows: np.ndarray) -> np.ndarray:
+    """Per /stats row, the share of its non-zero values in fp16's subnormal band or flushed
+    (below 2**-14): what ``LayerRange.sub`` takes the largest of."""
+    return rows["sub16"] / nonzero_sampled(rows)
+
+
+def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> LayerRange:
+    out = LayerRange(layer.name, layer.label, int(len(np.unique(rows["step"]))))
+    if not len(rows):
+        return out
+    codes, counts = np.unique(rows["dtype"], return_counts=True)
+    out.dtype = _DTYPE_NAMES.get(int(codes[np.argmax(counts)]), "")
+    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
+    nonzero = nonzero_sampled(rows)
+    absmax = rows["absmax"].astype(np.float64)
+    # Presence bits and abs max are exact over the whole tensor; the counts are the sample's.
+    inf = np.isinf(absmax) | ((rows["nonfinite"] & 6) != 0) | (rows["posinf"] + rows["neginf"]
+                                                               > 0)
+    finite_max = np.where(np.isfinite(absmax), absmax, -1.0)
+    # absmax is exact over the whole tensor: an outlier the sample missed still counts.
+    over = (rows["over16"] > 0) | inf | (absmax > FP16_MAX)
+    near = over | (rows["near16"] > 0) | (absmax >= FP16_NEAR)
+    over_frac = (rows["over16"] + rows["posinf"] + rows["neginf"]) / n
+    flush = rows["flush16"] / nonzero
+    out.absmax = float(np.inf if inf.any() else finite_max.max())
+    out.absmax_step = int(rows["step"][int(np.argmax(np.where(inf, np.inf, finite_max)))])
+    mins = rows["absmin"].astype(np.float64)
+    mins = mins[np.isfinite(mins) & (mins > 0)]
+    out.absmin = float(mins.min()) if len(mins) else math.nan
+    if layer.kind in GRAD_KINDS:
+        out.scale = float(np.median(scale))
+    out.over, out.over_steps = float(over_frac.max()), _steps(rows, over)
+    out.first_over = int(rows["step"][over].min()) if over.any() else None
+    out.near, out.near_steps = float((rows["near16"] / n).max()), _steps(rows, near)
+    out.flush, out.flush_step = _worst(rows, flush)
+    out.sub, out.sub_step = _worst(rows, underflow_share(rows))
+    bad_rows = rows["nonfinite"] > 0
+    out.nonfinite_steps = _steps(rows, bad_rows)
+    out.first_nonfinite = int(rows["step"][bad_rows].min()) if bad_rows.any() else None
+    return out
+
+
+def _worst(rows: np.ndarray, fraction: np.ndarray) -> tuple[float, Optional[int]]:
+    i = int(np.argmax(fraction))
+    value = float(fraction[i])
+    return value, (int(rows["step"][i]) if value > 0 else None)
+
+
+def _steps(rows: np.ndarray, mask: np.ndarray) -> int:
+    return int(len(np.unique(rows["step"][mask])))
+
+
+def _grad_range(ranges: list[LayerRange], scaled: bool) -> dict:
+    """The gradients' true magnitudes, and what GradScaler could make of them in fp16."""
+    grads = [x for x in ranges if x.is_grad]
+    top = [x.absmax / x.scale for x in grads if np.isfinite(x.absmax) and x.absmax > 0]
+    low = [x.absmin / x.scale for x in grads if np.isfinite(x.absmin) and x.absmin > 0]
+    if not top or not low:
+        return {}
+    gmax, gmin = max(top), min(low)
+    # GradScaler settles on the largest power of two that keeps the largest gradient finite.
+    fit = 2.0 ** math.floor(math.log2(FP16_MAX / gmax)) if gmax > 0 else RUNAWAY_SCALE
+    settle = min(max(fit, 1.0), RUNAWAY_SCALE)
+    return {"max": gmax, "min": gmin, "powers_of_2": math.log2(gmax / gmin),
+            "scale": settle, "min_at_scale": gmin * settle,
+            "flushes_at_scale": bool(gmin * settle < FP16_SUBNORMAL_MIN)}
+
+
+def _judge(r: Readiness) -> tuple[str, str]:
+    if not r.layers:
+        return "unknown", ("No per-layer statistics were recorded (the sampled tier never ran: "
+                           "record with --every N), so fp16's range cannot be judged.")
+    over, under, bad, near = r.overflowing, r.underflowing, r.nonfinite, r.near
+    if over:
+        return "overflow", (f"fp16 would overflow in {_count(over)} ({_names(over)}): use bf16 "
+                            "where the hardware has it, else keep these layers in fp32 "
+                            "(autocast(enabled=False) around them).")
+    if under and r.scaled:
+        return "underflow", (f"Under GradScaler, {_count(under)} still underflow in fp16 "
+                             f"({_under_names(under)}): bf16, whose exponent range is fp32's, "
+                             "keeps their gradients.")
+    if bad:
+        return "nonfinite", (f"{_count(bad)} held NaN or inf on sampled steps "
+                             f"({_bad_names(bad)}): something overflowed or went wrong before "
+                             "them, which the diagnosis locates; there the recorded values "
+                             "cannot tell fp16's headroom.")
+    if near:
+        return "tight", (f"{_count(near)} come within a factor 2 of fp16's max ({_names(near)}): "
+                         "fp16 works today with little headroom; bf16 has room to spare.")
+    if under:
+        return "needs_scaler", (f"Without loss scaling, {_count(under)} underflow in fp16 "
+                                f"({_under_names(under)}): fp16 needs a GradScaler. "
+                                + _at_scale(r.grad_range, under))
+    return "ready", ("Every recorded value fits fp16's range" + (
+        " with a GradScaler" if r.scaled else "") + ": fp16 is safe by range (bf16 too).")
+
+
+def _at_scale(g: dict, under: list[LayerRange]) -> str:
+    """What GradScaler's settled scale would do for the smallest gradients recorded. Only a
+    hint: the smallest magnitude comes from a sample, and one tiny value is not a pattern."""
+    if any(x.dtype == "float16" for x in under):
+        return ("In this fp16 run what fell below 2**-24 is already zero, so how small those "
+                "gradients really are is not known.")
+    if not g:
+        return ""
+    if g["flushes_at_scale"]:
+        return (f"Even at the scale it would settle on (about {g['scale']:.0f}, set by the "
+                f"largest gradient {g['max']:.3g}), the smallest recorded ({g['min']:.3g}) "
+                "would still flush: if training needs them, prefer bf16.")
+    return (f"At the scale it would settle on (about {g['scale']:.0f}) even the smallest "
+            f"recorded ({g['min']:.3g}) fits.")
+
+
+def _count(items: list[LayerRange]) -> str:
+    return f"{len(items)} layer" + ("s" if len(items) != 1 else "")
+
+
+def _names(items: list[LayerRange], k: int = 3) -> str:
+    shown = ", ".join(f"{x.name} {x.kind} abs max {x.absmax:.3g} at step {x.absmax_step}"
+                      for x in items[:k])
+    return shown + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def _under_names(items: list[LayerRange], k: int = 3) -> str:
+    shown = ", ".join(f"{x.name} {x.kind} {100 * x.sub:.0f}% subnormal or flushed at step "
+                      f"{x.sub_step}" for x in items[:k])
+    return shown + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def _bad_names(items: list[LayerRange], k: int = 3) -> str:
+    shown = ", ".join(f"{x.name} {x.kind} from step {x.first_nonfinite}" for x in items[:k])
+    return shown + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe: NaN becomes None, infinities the strings 'inf'/'-inf'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, np.generic):
+        return plain(value.item())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value

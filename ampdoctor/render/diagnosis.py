@@ -1,0 +1,208 @@
+"""Diagnosis → text, JSON or Markdown; run-file inspection → text (``dump``).
+
+Reporters take data objects, never paths. No torch, no h5py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from typing import Any
+
+from ..diagnosis.verdict import Diagnosis
+from ..display import renders
+
+FORMATS = ("text", "json", "markdown")
+
+
+def render(d: Diagnosis, fmt: str = "text") -> str:
+    if fmt == "json":
+        return json.dumps(d.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
+    if fmt == "markdown":
+        return render_markdown(d)
+    return render_text(d)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _where(first_bad: dict | None) -> str:
+    if not first_bad:
+        return ""
+    parts = []
+    if first_bad.get("step") is not None:
+        parts.append(f"step {first_bad['step']}")
+    if first_bad.get("module"):
+        parts.append(f"module {first_bad['module']}")
+    if first_bad.get("phase"):
+        parts.append(f"{first_bad['phase']}")
+    return ", ".join(parts)
+
+
+WIDTH = 100
+
+
+def _wrap(text: str, indent: str, width: int = WIDTH) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def _run_line(run: dict) -> str:
+    parts = [f"{run.get('steps', 0)} steps recorded", f"{run.get('skipped_steps', 0)} skipped",
+             f"status {run.get('status')}",
+             f"autocast {run.get('autocast_dtype') or 'off'}"]
+    scale = run.get("loss_scale")
+    if scale:
+        parts.append(f"loss scale {_fmt(scale.get('init'))} -> {_fmt(scale.get('final'))}")
+    parts.append(f"{run.get('sampled_steps', 0)} sampled, {run.get('replays', 0)} replayed")
+    return ", ".join(parts)
+
+
+def _chain(d: Diagnosis) -> tuple[list[dict], list[dict]]:
+    """The causal chain (root, then consequences) and the other causes also found."""
+    chain = [c for c in d.causes if c["role"] in ("root", "consequence")]
+    also = [c for c in d.causes if c["role"] == "also"]
+    return chain, also
+
+
+def _bullet(text: str) -> list[str]:
+    lines = _wrap(text, "    ")
+    lines[0] = "  - " + lines[0][4:]
+    return lines
+
+
+def _also(cause: dict, quote: str = "") -> str:
+    """Another cause found beside the verdict: its id, where, and its first sentence."""
+    where = _where(cause.get("first_bad"))
+    first = cause["text"].split(". ")[0].rstrip(".") + "."
+    return f"{quote}{cause['verdict']}{quote}" + (f" at {where}" if where else "") + f": {first}"
+
+
+@renders(Diagnosis, "text")
+def render_text(d: Diagnosis) -> str:
+    run = d.run
+    lines = [f"ampdoctor: {run.get('path') or 'run'}", f"  {_run_line(run)}", ""]
+    lines.append(f"verdict: {d.verdict}  (confidence {d.confidence:.2f})")
+    lines += _wrap(d.summary, "  ")
+    if d.first_bad:
+        lines.append(f"  first bad: {_where(d.first_bad)}")
+    chain, also = _chain(d)
+    if len(chain) > 1:
+        lines.append("  chain: " + " -> ".join(c["verdict"] for c in chain))
+    for c in also:
+        lines += _wrap(f"also: {_also(c)}", "  ")
+    lines += _warning_text(d)
+    if d.evidence:
+        lines += ["", "evidence:"]
+        for e in d.evidence:
+            lines += _bullet(e.text)
+    if d.history and d.history.get("step"):
+        lines += ["", "around the first bad step:",
+                  "  step       loss        scale       lr          grad_norm  skipped"]
+        h = d.history
+        for i, step in enumerate(h["step"]):
+            lines.append(f"  {step:<10} {_fmt(h['loss'][i]):<11} {_fmt(h['scale'][i]):<11} "
+                         f"{_fmt(h['lr'][i]):<11} {_fmt(h['grad_norm'][i]):<10} "
+                         f"{'yes' if h['skipped'][i] else ''}")
+    if d.fixes:
+        lines += ["", "what to change:"]
+        for fx in d.fixes:
+            lines += _wrap(f"[{fx.id}] {fx.text}", "  ")
+            for code in fx.snippet.splitlines():
+                lines.append(f"      {code}".rstrip())
+    for note in d.notes:
+        lines.append("")
+        lines += _wrap(f"note: {note}", "")
+    return "\n".join(lines) + "\n"
+
+
+@renders(Diagnosis, "markdown")
+def render_markdown(d: Diagnosis) -> str:
+    run = d.run
+    out = [f"## ampdoctor: `{d.verdict}` (confidence {d.confidence:.2f})", "", d.summary, ""]
+    if d.first_bad:
+        out += [f"**First bad:** {_where(d.first_bad)}", ""]
+    chain, also = _chain(d)
+    if len(chain) > 1:
+        out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in chain), ""]
+    for c in also:
+        out += [f"**Also:** {_also(c, '`')}", ""]
+    out += _warning_markdown(d)
+    if d.evidence:
+        out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
+    if d.fixes:
+        out += ["### What to change", ""]
+        for fx in d.fixes:
+            out += [f"- **{fx.id}**: {fx.text}"]
+            if fx.snippet:
+                out += ["", "```python", fx.snippet, "```", ""]
+        out += [""]
+    out += ["### Run", "", "| | |", "|---|---|"]
+    for key in ("path", "status", "steps", "skipped_steps", "sampled_steps", "replays",
+                "autocast_dtype", "torch"):
+        out.append(f"| {key} | {_fmt(run.get(key))} |")
+    scale = run.get("loss_scale")
+    if scale:
+        out.append(f"| loss scale | {_fmt(scale.get('init'))} → {_fmt(scale.get('final'))} |")
+    for note in d.notes:
+        out += ["", f"> {note}"]
+    return "\n".join(out) + "\n"
+
+
+def _warning_text(d: Diagnosis) -> list[str]:
+    """The early warning: a ``warning:`` block under a healthy verdict, or the step from which
+    it would have fired on a failed run (``forecast.warning_lines``)."""
+    from ..diagnosis.forecast import warning_lines
+
+    found = warning_lines(d.forecast, d.healthy)
+    if not found:
+        return []
+    if not d.healthy:
+        return [""] + _wrap(f"early warning: {found[0]}", "")
+    return ["", "warning:"] + _bullet(found[0]) + [x for fix in found[1:]
+                                                   for x in _wrap(fix, "    ")]
+
+
+def _warning_markdown(d: Diagnosis) -> list[str]:
+    from ..diagnosis.forecast import warning_lines
+
+    found = warning_lines(d.forecast, d.healthy)
+    if not found:
+        return []
+    if not d.healthy:
+        return [f"**Early warning:** {found[0]}", ""]
+    return ["### Early warning", "", f"**{found[0]}**", ""] + [f"- {x}" for x in found[1:]] \
+        + [""]
+
+
+def render_dump(info: dict) -> str:
+    """What ``ampdoctor dump`` prints: attributes, configuration, tables and sizes."""
+    lines = [f"{info['path']}: ampdoctor run, format version {info['format_version']}, "
+             f"{info['file_bytes']} bytes", "", "attributes:"]
+    for key, value in info["attrs"].items():
+        lines.append(f"  {key}: {value}")
+    lines += ["", "meta:"]
+    for key, value in info.get("meta", {}).items():
+        lines.append(f"  {key}: {json.dumps(value, default=str)}")
+    lines += ["", "tables:", f"  {'name':<10} {'rows':>9} {'stored':>10}  columns"]
+    for name, t in info["tables"].items():
+        if t is None:
+            lines.append(f"  {name:<10} MISSING")
+            continue
+        cols = ", ".join(t["columns"])
+        if t.get("damaged"):
+            cols = "UNEXPECTED COLUMNS OR SHAPE: " + cols
+        lines.append(f"  {name:<10} {t['rows']:>9} {t['stored_bytes']:>10}  {cols}")
+    return "\n".join(lines) + "\n"

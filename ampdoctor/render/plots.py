@@ -1,0 +1,371 @@
+"""matplotlib figures of a run: loss, loss scale, grad norm, LR, per-layer range, fp32 parity.
+
+matplotlib's only owner. Only the commands that draw (``ampdoctor report``) import this
+module, so ``import ampdoctor`` and ``diagnose`` never load matplotlib. Figures are built on
+``matplotlib.figure.Figure`` with the Agg canvas, never through ``pyplot``: no global figure
+registry to leak into a notebook, no GUI backend chosen, and they render on a headless machine.
+
+Every function takes data objects (a ``store.Run``, a ``Diagnosis``, a ``Readiness``, a
+``Comparison``) and returns a ``Figure``, or None when the run holds nothing to draw (no
+GradScaler: no scale curve; no sampled step: no per-layer figures).
+
+Example::
+
+    from ampdoctor.render import plots
+    with ampdoctor.load("run.h5") as run:
+        figs = plots.figures(run, ampdoctor.diagnose(run))
+        open("scale.png", "wb").write(plots.png(figs["scale"]))
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Optional
+
+import numpy as np
+
+from ..diagnosis import layers as _layers
+from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
+
+MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)
+WIDTH, HEIGHT = 8.0, 3.0  # inches; at 100 dpi an 800x300 image
+TOP_LAYERS = 8
+TOP_GRAD_LAYERS = 15
+
+CAPTIONS = {
+    "loss": "Loss per step; skipped steps and non-finite losses marked.",
+    "scale": "GradScaler's loss scale (log2) before each update; skipped steps marked.",
+    "grad_norm": "Global gradient norm (unscaled, before clipping); the largest marked.",
+    "lr": "Learning rate per parameter group.",
+    "activations": "Largest |value| per layer on the sampled steps, against fp16's limits; a "
+                   "dashed line extends a layer the early warning names to its limit.",
+    "grad_underflow": "Share of each layer's non-zero gradient values below fp16's normal "
+                      "range, at the worst sampled step.",
+    "parity": "Loss of the baseline and of the mixed-precision run, and their relative "
+              "difference.",
+}
+
+_BAD = "#d62728"
+_SKIP = "#ff7f0e"
+_MAIN = "#1f77b4"
+_BASE = "#7f7f7f"
+
+
+def figures(run: Any, diagnosis: Any = None, readiness: Any = None,
+            comparison: Any = None) -> dict[str, Any]:
+    """Every figure the run supports, in reading order: name -> ``Figure``."""
+    made = {
+        "loss": loss_figure(run, diagnosis),
+        "scale": scale_figure(run),
+        "grad_norm": grad_norm_figure(run),
+        "lr": lr_figure(run),
+        "activations": activation_range_figure(
+            run, forecast=getattr(diagnosis, "forecast", None)),
+        "grad_underflow": grad_underflow_figure(run, readiness),
+        "parity": parity_figure(comparison) if comparison is not None else None,
+    }
+    return {name: fig for name, fig in made.items() if fig is not None}
+
+
+def png(fig: Any, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes (Agg canvas: no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig)  # attaches itself to the figure
+    # No "Software" text chunk: it names matplotlib's web site, and a report has no links.
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sentinel-tier curves
+
+
+def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
+    s = run.steps
+    if not len(s):
+        return None
+    fig, ax = _axes("loss")
+    steps, loss = s["step"], s["loss"].astype(np.float64)
+    ok = np.isfinite(loss)
+    _line(ax, steps, loss, color=_MAIN, label="loss")
+    skipped = (s["skipped"] == 1) & ok
+    if skipped.any():
+        ax.plot(steps[skipped], loss[skipped], "o", ms=3, color=_SKIP,
+                label=f"skipped step ({int(skipped.sum())})")
+    _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_LOSS)) != 0], "non-finite loss")
+    _first_bad(ax, diagnosis)
+    _log_if_wide(ax, loss[ok])
+    ax.set_xlabel("step")
+    _legend(ax)
+    return fig
+
+
+def scale_figure(run: Any) -> Optional[Any]:
+    s = run.steps
+    scale = s["scale"].astype(np.float64) if len(s) else np.zeros(0)
+    ok = np.isfinite(scale) & (scale > 0)
+    if not ok.any():
+        return None
+    fig, ax = _axes("loss scale")
+    steps = s["step"]
+    ax.plot(steps[ok], scale[ok], drawstyle="steps-post", color=_MAIN, label="scale")
+    skipped = (s["skipped"] == 1) & ok
+    if skipped.any():
+        ax.plot(steps[skipped], scale[skipped], "x", ms=4, color=_BAD,
+                label=f"skipped step ({int(skipped.sum())})")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    _legend(ax)
+    return fig
+
+
+def grad_norm_figure(run: Any) -> Optional[Any]:
+    s = run.steps
+    norm = s["grad_norm"].astype(np.float64) if len(s) else np.zeros(0)
+    ok = np.isfinite(norm)
+    if not ok.any():
+        return None
+    fig, ax = _axes("gradient norm")
+    steps = s["step"]
+    clip = s["clip_norm"].astype(np.float64)
+    shown = np.isfinite(clip)
+    # clip_grad_norm_ returns the norm it saw: the grad norm, unless it ran on scaled
+    # gradients (before unscale_), which is worth a line of its own.
+    same = not shown.any() or np.allclose(clip[shown & ok], norm[shown & ok], rtol=1e-3)
+    _line(ax, steps, norm, color=_MAIN, label="grad norm" + (
+        " (= what clip_grad_norm_ saw)" if shown.any() and same else ""))
+    if not same:
+        _line(ax, steps[shown], clip[shown], color=_SKIP, lw=0.8,
+              label="norm clip_grad_norm_ saw")
+    i = int(np.argmax(np.where(ok, norm, -np.inf)))
+    ax.plot([steps[i]], [norm[i]], "v", color=_BAD, label=f"peak {norm[i]:.3g} (step "
+            f"{int(steps[i])})")
+    _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_GRAD)) != 0], "non-finite grad")
+    _log_if_wide(ax, norm[ok])
+    ax.set_xlabel("step")
+    _legend(ax)
+    return fig
+
+
+def lr_figure(run: Any) -> Optional[Any]:
+    g = run.groups
+    series = []
+    if len(g) and len(np.unique(g["group"])) > 1:
+        for group in np.unique(g["group"]):
+            rows = g[g["group"] == group]
+            series.append((f"group {int(group)}", rows["step"], rows["lr"].astype(np.float64)))
+    elif len(run.steps):
+        series.append(("lr", run.steps["step"], run.steps["lr"].astype(np.float64)))
+    series = [(n, x[np.isfinite(y)], y[np.isfinite(y)]) for n, x, y in series]
+    series = [item for item in series if len(item[1])]
+    if not series:
+        return None
+    fig, ax = _axes("learning rate")
+    for name, x, y in series:
+        _line(ax, x, y, label=name)
+    ax.set_xlabel("step")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    _legend(ax)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampled tier: per-layer range
+
+
+def activation_range_figure(run: Any, top: int = TOP_LAYERS,
+                            forecast: Any = None) -> Optional[Any]:
+    """Abs max per step of the layers that come closest to fp16's max, with its limits; the
+    fitted growth of a layer ``forecast`` (a ``forecast.Forecast``) expects to overflow,
+    extended to its limit."""
+    rows, found = _layers.sampled(run, _layers.VALUE_KINDS, ("absmax",))
+    if not len(rows):
+        return None
+    absmax = rows["absmax"].astype(np.float64)
+    peak = np.full(len(found), -1.0)
+    np.maximum.at(peak, rows["layer"], np.where(np.isnan(absmax), -1.0, absmax))
+    chosen = [int(i) for i in np.argsort(-peak, kind="stable")[:top] if peak[i] >= 0]
+    fig, ax = _axes("largest |value| per layer (sampled steps)")
+    for i in chosen:
+        sel = rows["layer"] == i
+        steps, values = _per_step_max(rows["step"][sel], absmax[sel])
+        finite = np.isfinite(values)
+        lines = ax.plot(steps[finite], values[finite], ".-", ms=3, lw=1,
+                        label=f"{found[i].name} ({found[i].label})")
+        if (~finite).any():
+            ax.plot(steps[~finite], np.full(int((~finite).sum()), FP16_MAX * 4), "x",
+                    color=lines[0].get_color())
+    ax.axhline(FP16_MAX, color=_BAD, lw=1, label="fp16 max 65504")
+    ax.axhline(FP16_NEAR, color=_SKIP, lw=1, ls="--", label="2**15")
+    _forecast_line(ax, forecast)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    _legend(ax, outside=True)
+    return fig
+
+
+def _forecast_line(ax: Any, fc: Any) -> None:
+    """The named layer's fitted line, from its window to the limit, and the crossing's range."""
+    if fc is None or fc.status != "overflow_expected" or not fc.layers:
+        return
+    x = fc.layers[0]  # the named layer comes first
+    per_step = x.doublings_per_100_steps / 100
+    steps = np.linspace(x.window[0], max(fc.step, x.last), 50)
+    ax.plot(steps, 2.0 ** (x.level_log2 + per_step * (steps - x.last)), "--", color=_BAD,
+            lw=1.2, label=f"forecast: {x.name} passes {x.limit:.6g} ~ step {fc.step}")
+    hi = fc.range[1] if fc.range[1] is not None else fc.step
+    ax.axvspan(fc.range[0], hi, color=_BAD, alpha=0.08)
+    if x.limit != FP16_MAX:
+        ax.axhline(x.limit, color=_BAD, lw=1, ls=":", label=f"{x.dtype} max {x.limit:.3g}")
+
+
+def grad_underflow_figure(run: Any, readiness: Any = None,
+                          top: int = TOP_GRAD_LAYERS) -> Optional[Any]:
+    """Per gradient layer: the share that flushes to zero in fp16 and the share that is
+    subnormal (precision lost), at the worst sampled step."""
+    from ..release.readiness import fp16_readiness
+
+    r = readiness if readiness is not None else fp16_readiness(run)
+    grads = [x for x in r.layers if x.is_grad]
+    if not grads:
+        return None
+    grads.sort(key=lambda x: (-x.flush, -x.sub, x.name))
+    grads = grads[:top]
+    space = "at the run's loss scale" if r.scaled else "unscaled (no GradScaler)"
+    fig, ax = _axes(f"gradients below fp16's normal range, {space}",
+                    height=max(HEIGHT, 0.8 + 0.28 * len(grads)))
+    y = np.arange(len(grads))[::-1]
+    ax.barh(y + 0.2, [100 * x.sub for x in grads], height=0.4, color=_SKIP,
+            label=f"subnormal (< 2**-14 = {FP16_TINY:.2g})")
+    ax.barh(y - 0.2, [100 * x.flush for x in grads], height=0.4, color=_BAD,
+            label=f"flushes to zero (< 2**-24 = {FP16_SUBNORMAL_MIN:.2g})")
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"{x.name} ({x.kind})" for x in grads], fontsize=7)
+    ax.set_xlabel("% of non-zero values")
+    ax.set_xlim(0, max(1.0, max(100 * x.sub for x in grads) * 1.1))
+    if not any(x.sub for x in grads):
+        ax.text(0.5, 0.5, "no gradient value below 2**-14 on any sampled step",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
+    _legend(ax)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 parity
+
+
+def parity_figure(c: Any) -> Optional[Any]:
+    curve = c.curve
+    if not curve or not len(curve.get("step", ())):
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(WIDTH, HEIGHT * 1.6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    steps = curve["step"]
+    for name, color, lw in (("base", _BASE, 1.6), ("amp", _MAIN, 1.0)):
+        _line(top, steps, curve[name], color=color, lw=lw,
+              label=f"{c.base['dtype'] if name == 'base' else c.amp['dtype']} ({name})")
+    _rug(top, steps[np.isfinite(curve["base"]) & ~np.isfinite(curve["amp"])],
+         "non-finite (amp only)")
+    top.set_title(f"fp32 parity: {c.verdict}", fontsize=10, loc="left")
+    top.set_ylabel("loss")
+    _legend(top)
+    w = c.tolerance["window"]
+    _line(bottom, steps, np.maximum(curve["rel"], 1e-7), color=_MAIN, lw=1,
+          label="relative difference" + (f" (trailing mean of {w} steps)" if w > 1 else ""))
+    bottom.axhline(c.tolerance["rtol"], color=_SKIP, ls="--", lw=1,
+                   label=f"match tolerance {c.tolerance['rtol']:g}")
+    bottom.axhline(c.tolerance["diverge"], color=_BAD, ls="--", lw=1,
+                   label=f"divergence {c.tolerance['diverge']:g}")
+    if c.divergence_step is not None:
+        for ax in (top, bottom):
+            ax.axvline(c.divergence_step, color=_BAD, lw=1)
+    bottom.set_yscale("log")
+    bottom.set_xlabel("step")
+    _legend(bottom)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _axes(title: str, height: float = HEIGHT) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(WIDTH, height), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(labelsize=8)
+    return fig, ax
+
+
+def thin(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """At most about ``max_points`` points: each bin keeps its smallest and largest value, so a
+    one-step spike in a million steps still shows."""
+    n = len(x)
+    if n <= max_points:
+        return x, y
+    k = int(np.ceil(n / (max_points // 2)))
+    pad = (-n) % k
+    yy = np.concatenate([y.astype(np.float64), np.full(pad, np.nan)]).reshape(-1, k)
+    base = np.arange(len(yy)) * k
+    hi = base + np.argmax(np.where(np.isnan(yy), -np.inf, yy), axis=1)
+    lo = base + np.argmin(np.where(np.isnan(yy), np.inf, yy), axis=1)
+    idx = np.unique(np.concatenate([lo, hi]))
+    idx = idx[idx < n]
+    return x[idx], y[idx]
+
+
+def _line(ax: Any, x: np.ndarray, y: np.ndarray, **kw: Any) -> None:
+    """A line that breaks where the value is NaN or inf (those steps get a ``_rug``)."""
+    y = np.asarray(y, np.float64)
+    x, y = thin(np.asarray(x), np.where(np.isfinite(y), y, np.nan))
+    ax.plot(x, y, lw=kw.pop("lw", 1.2), **kw)
+
+
+def _rug(ax: Any, steps: np.ndarray, label: str) -> None:
+    """Ticks along the top edge at steps whose value cannot be drawn (NaN, inf)."""
+    if not len(steps):
+        return
+    ax.plot(steps, np.full(len(steps), 0.97), "|", ms=10, mew=1.5, color=_BAD,
+            transform=ax.get_xaxis_transform(), label=f"{label} ({len(steps)})")
+
+
+def _first_bad(ax: Any, diagnosis: Any) -> None:
+    if diagnosis is None or diagnosis.healthy or not diagnosis.first_bad:
+        return
+    step = diagnosis.first_bad.get("step")
+    if step is not None:
+        ax.axvline(step, color=_BAD, ls="--", lw=1,
+                   label=f"{diagnosis.verdict}: first bad step {step}")
+
+
+def _log_if_wide(ax: Any, values: np.ndarray) -> None:
+    values = values[np.isfinite(values)]
+    if len(values) and values.min() > 0 and values.max() / values.min() > 100:
+        ax.set_yscale("log")
+
+
+def _per_step_max(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Largest value per step (a module called twice, or with several outputs); inf/NaN
+    win, so an overflow is never hidden by a finite sibling."""
+    uniq, inv = np.unique(steps, return_inverse=True)
+    key = np.where(np.isnan(values), np.inf, values)
+    out = np.full(len(uniq), -np.inf)
+    np.maximum.at(out, inv, key)
+    return uniq, out
+
+
+def _legend(ax: Any, outside: bool = False) -> None:
+    if not ax.get_legend_handles_labels()[0]:
+        return
+    if outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    else:
+        ax.legend(fontsize=7, loc="best", framealpha=0.8)

@@ -1,0 +1,64 @@
+"""Run file names: one recording may write several files (``run.h5``, ``run.rank{R}.h5`` per
+rank, ``run.pid{P}.h5`` per extra process). Standard library only.
+
+Example::
+
+    paths.rank_path("out/run.h5", 1)    # "out/run.rank1.h5"
+    paths.resolve("out/run.h5")          # ["out/run.h5"], or its rank files when it is absent
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+
+def rank_path(path: str, rank: int) -> str:
+    """The file of one rank: ``rank_path("out/run.h5", 1) == "out/run.rank1.h5"``."""
+    stem, ext = os.path.splitext(os.fspath(path))
+    return f"{stem}.rank{rank}{ext}"
+
+
+def pid_path(path: str, pid: int) -> str:
+    """Where a second training process of one recording writes: ``run.pid4242.h5``."""
+    stem, ext = os.path.splitext(os.fspath(path))
+    return f"{stem}.pid{pid}{ext}"
+
+
+def rank_files(path: str) -> list[str]:
+    """The ``run.rank{R}.h5`` files beside ``path``, ordered by rank."""
+    return _siblings(path, "rank")
+
+
+def related_files(path: str) -> list[str]:
+    """Every file a recording into ``path`` may have written: itself, rank and pid files."""
+    found = [os.fspath(path)] if os.path.exists(path) else []
+    return found + rank_files(path) + _siblings(path, "pid")
+
+
+def _siblings(path: str, kind: str) -> list[str]:
+    stem, ext = os.path.splitext(os.fspath(path))
+    pattern = re.compile(re.escape(os.path.basename(stem)) + rf"\.{kind}(\d+)" + re.escape(ext)
+                         + "$")
+    found = []
+    for candidate in glob.glob(glob.escape(stem) + f".{kind}*{ext}"):
+        match = pattern.match(os.path.basename(candidate))
+        if match and os.path.isfile(candidate):
+            found.append((int(match.group(1)), candidate))
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: str) -> list[str]:
+    """What ``diagnose path`` reads: the file itself, else its rank files, else ``[path]``
+    (so that reading it raises the usual "no such file")."""
+    path = os.fspath(path)
+    if os.path.exists(path):
+        return [path]
+    return rank_files(path) or [path]
+
+
+def run_name(path: str) -> str:
+    """The output a rank file belongs to: ``run_name("out/run.rank1.h5") == "out/run.h5"``."""
+    stem, ext = os.path.splitext(path)
+    return re.sub(r"\.rank\d+$", "", stem) + ext

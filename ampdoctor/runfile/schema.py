@@ -1,0 +1,337 @@
+"""The run-file contract, shared by the recording side and the analysis side.
+
+Everything a run file holds is declared here: the format name and version, the tables with
+their numpy dtypes, and the small integer codes stored in them. The recorder writes these
+tables (through ``store.Writer``); ``store.load`` reads them back into a ``Run``. This module
+imports numpy only, so the analysis side never pulls in torch.
+
+Layout of format version 1 (one HDF5 file per process)::
+
+    /            attrs: format, format_version, ampdoctor_version, created, pid, host,
+                        rank, world_size, argv
+    /steps       one row per optimizer step (sentinel tier)
+    /groups      one row per step and param group: the LR of each group
+    /tensors     one row per recorded tensor: id, kind, owner name and type
+    /stats       per-tensor statistics (sampled tier and forensic replays)
+    /events      what happened and when: skipped steps, non-finite values, API misuse
+    /snapshots   forensic replays: culprit, phase, fp32 verdict
+    /arrays      arrays saved with a snapshot (the batch), bytes in /blob
+    /meta        key -> JSON value, appended as the run discovers its configuration
+    /blob        uint8 heap for text and array bytes, addressed by (offset, length)
+
+Every table exists from the first flush, because no dataset can be created once SWMR
+writing has begun. Text is kept in ``/blob`` rather than in variable-length strings, which
+SWMR readers do not handle reliably; nothing in a file is ever unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+FORMAT_NAME = "ampdoctor-run"
+FORMAT_VERSION = 1
+
+# fp16 range: max finite 65504, min normal 2**-14, min subnormal 2**-24. A value whose
+# magnitude is above 65504 overflows to inf once rounded; one below half the smallest
+# subnormal (2**-25) flushes to zero. We count "below 2**-24" as would-flush, as the
+# taxonomy does: values in [2**-25, 2**-24) survive only as the single smallest subnormal.
+FP16_MAX = 65504.0
+FP16_NEAR = 2.0**15
+FP16_TINY = 2.0**-14  # 6.104e-5, smallest normal
+FP16_SUBNORMAL_MIN = 2.0**-24  # 5.96e-8, smallest subnormal
+# bf16 shares fp32's exponent range; only the top of the range and the subnormals differ.
+BF16_MAX = 3.3895313892515355e38
+BF16_TINY = 2.0**-126  # 1.1755e-38
+BF16_SUBNORMAL_MIN = 2.0**-133  # 9.18e-41
+
+TEXT = [("off", "<i8"), ("len", "<i4")]  # a reference into /blob
+
+
+def _text(name: str) -> list[tuple[str, str]]:
+    return [(f"{name}_off", "<i8"), (f"{name}_len", "<i4")]
+
+
+class DType(enum.IntEnum):
+    """Element type of a recorded tensor (or loss)."""
+
+    UNKNOWN = 0
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT64 = 4
+    OTHER = 5
+
+
+DTYPE_NAMES = {
+    "float32": DType.FLOAT32,
+    "float16": DType.FLOAT16,
+    "bfloat16": DType.BFLOAT16,
+    "float64": DType.FLOAT64,
+}
+
+
+class Kind(enum.IntEnum):
+    """What a row of /tensors describes."""
+
+    OUTPUT = 0  # a module's forward output
+    GRAD_OUTPUT = 1  # the gradient arriving at a module's output in backward
+    PARAM_GRAD = 2  # a parameter's .grad, in scaled space (what fp16 actually held)
+    PARAM = 3  # a parameter's values: norm, update ratio across the optimizer step
+    INPUT = 4  # a module's forward input (forensic replay, batch audit)
+    GRAD_INPUT = 5  # the gradient leaving a module towards its inputs (forensic replay)
+    BUFFER = 6  # a module buffer such as BatchNorm running statistics
+    LOSS = 7  # the loss tensor
+
+
+class Source(enum.IntEnum):
+    """Where a /stats row comes from."""
+
+    SAMPLED = 0  # the sampled tier, every N steps
+    REPLAY = 1  # forensic replay in the run's own precision
+    REPLAY_FP32 = 2  # forensic re-run of the culprit in fp32
+    AUDIT = 3  # a one-off audit (buffers, inputs) outside the sampled tier
+
+
+class Phase(enum.IntEnum):
+    """Where the first non-finite value of an event was found."""
+
+    UNKNOWN = 0
+    FORWARD = 1
+    BACKWARD = 2
+    INPUT = 3  # the batch itself was non-finite
+    LOSS = 4  # the loss computation, outside the model
+    OPTIMIZER = 5  # parameters became non-finite in the optimizer step
+    NONE = 6  # replay found every value finite (the event did not reproduce)
+
+
+class Event(enum.IntEnum):
+    """Kinds of rows in /events."""
+
+    SKIPPED = 0  # GradScaler skipped the optimizer step (found inf/NaN)
+    NONFINITE_LOSS = 1
+    NONFINITE_GRAD = 2  # global grad norm non-finite
+    # Reserved, never written: non-finite parameters show in /stats PARAM rows and in a
+    # replay's weights_nonfinite.
+    NONFINITE_PARAM = 3  # a parameter non-finite after the optimizer step
+    NONFINITE_BUFFER = 4  # a module buffer (BatchNorm stats) non-finite
+    CLIP_BEFORE_UNSCALE = 5  # clip_grad_norm_ on scaled gradients
+    STEP_BYPASSES_SCALER = 6  # optimizer.step() called directly while a scaler is in use
+    SCALER_CREATED = 7  # a GradScaler was constructed (value: init_scale)
+    # Reserved, never written: the diagnosis derives resets from /steps scale and scale_after.
+    SCALE_RESET = 8  # the scale jumped up without a growth interval's worth of clean steps
+    FP16_WITHOUT_SCALER = 9  # fp16 autocast with no (enabled) GradScaler (once, first step)
+    UNSCALE_TWICE = 10  # unscale_ more than once per step, or per micro-batch
+    FORENSICS = 11  # a forensic replay ran (value: snapshot id)
+    RECORDER_ERROR = 12  # ampdoctor stepped aside after an internal failure (text: what)
+    EXCEPTION = 13  # the training script raised (text: type and message)
+    NONFINITE_INPUT = 14  # the batch given to the root module held NaN/inf
+    GRAD_NOT_ZEROED = 15  # .grad already non-finite before this step's backward
+    # A step flag, never an /events row: the step's grad_norm is this rank's share of a
+    # sharded model's norm (no clip_grad_norm_ combined the shards); see sharding.py.
+    GRAD_NORM_LOCAL = 16
+
+
+# Bits of steps["flags"], one per event kind seen on that step.
+def flag(event: Event) -> int:
+    return 1 << int(event)
+
+
+STEPS = np.dtype(
+    [
+        ("step", "<i8"),  # optimizer step index, 0-based
+        ("time", "<f8"),  # unix time at the step boundary
+        ("dt", "<f4"),  # seconds since the previous boundary
+        ("loss", "<f4"),  # mean over micro-batches, unscaled; NaN if not seen
+        ("loss_dtype", "i1"),  # DType
+        ("micro", "<i2"),  # backward calls (micro-batches) in this step
+        ("scale", "<f4"),  # loss scale before GradScaler.update; NaN without a scaler
+        ("scale_after", "<f4"),  # loss scale after update
+        ("found_inf", "i1"),  # 1/0, -1 unknown
+        ("skipped", "i1"),  # 1 if the optimizer step did not run
+        ("grad_norm", "<f4"),  # global L2 grad norm, unscaled, before clipping
+        ("clip_norm", "<f4"),  # what clip_grad_norm_ returned (NaN if not called)
+        ("lr", "<f4"),  # largest LR over param groups (each group in /groups)
+        ("peak_mem", "<i8"),  # bytes: CUDA allocator peak, or process peak RSS on CPU
+        ("sampled", "i1"),  # 1 if the sampled tier ran on this step
+        ("flags", "<i4"),  # bit per Event seen on this step
+    ]
+)
+
+GROUPS = np.dtype([("step", "<i8"), ("group", "<i2"), ("lr", "<f4"), ("weight_decay", "<f4")])
+
+TENSORS = np.dtype(
+    [
+        ("id", "<i4"),
+        ("kind", "i1"),  # Kind
+        ("index", "<i2"),  # which output/input of the module (0 for the first tensor)
+        ("dtype", "i1"),  # DType when first seen
+        ("numel", "<i8"),
+        *_text("name"),  # module qualified name, or parameter name
+        *_text("type"),  # module class name (or parameter's owner module class)
+    ]
+)
+
+STATS = np.dtype(
+    [
+        ("step", "<i8"),
+        ("tensor", "<i4"),  # /tensors id
+        ("call", "<i2"),  # k-th call of the module in this step (shared modules)
+        ("seq", "<i4"),  # order of the row within the step and source (execution order)
+        ("source", "i1"),  # Source
+        ("snapshot", "<i4"),  # /snapshots row for replay rows, -1 otherwise
+        ("dtype", "i1"),  # DType of the tensor as recorded
+        ("numel", "<i8"),
+        ("sample_n", "<i8"),  # elements the counts below were taken over (numel if exact)
+        ("nonfinite", "i1"),  # exact presence bits over the whole tensor: 1 NaN, 2 +inf, 4 -inf
+        ("nan", "<i8"),
+        ("posinf", "<i8"),
+        ("neginf", "<i8"),
+        ("zeros", "<i8"),
+        ("absmax", "<f4"),  # exact over the whole tensor; NaN if the tensor holds NaN
+        ("absmin", "<f4"),  # smallest non-zero magnitude (over the sample); inf if none
+        ("rms", "<f4"),  # root mean square of the finite values (over the sample)
+        ("over16", "<i8"),  # |x| > 65504: overflows in fp16
+        ("near16", "<i8"),  # |x| >= 2**15: within a factor 2 of fp16 overflow
+        ("sub16", "<i8"),  # 0 < |x| < 2**-14: fp16 subnormal band (precision lost)
+        ("flush16", "<i8"),  # 0 < |x| < 2**-24: flushes to zero in fp16
+        ("overbf16", "<i8"),  # |x| > bf16 max (finite in fp32)
+        ("subbf16", "<i8"),  # 0 < |x| < 2**-126
+        ("flushbf16", "<i8"),  # 0 < |x| < 2**-133
+        ("norm", "<f4"),  # PARAM rows: L2 norm of the weights before the step
+        ("update", "<f4"),  # PARAM rows: |dW|/|W| across the optimizer step
+        ("unchanged", "<f4"),  # PARAM rows: fraction with dW == 0 although grad != 0
+    ]
+)
+
+# The statistic columns, in the order stats.py packs them into a vector.
+STAT_FIELDS = (
+    "numel",
+    "sample_n",
+    "nonfinite",
+    "nan",
+    "posinf",
+    "neginf",
+    "zeros",
+    "absmax",
+    "absmin",
+    "rms",
+    "over16",
+    "near16",
+    "sub16",
+    "flush16",
+    "overbf16",
+    "subbf16",
+    "flushbf16",
+)
+
+EVENTS = np.dtype(
+    [
+        ("step", "<i8"),
+        ("kind", "<i2"),  # Event
+        ("tensor", "<i4"),  # /tensors id or -1
+        ("value", "<f8"),  # kind-specific number (scale, norm, snapshot id, ...)
+        *_text("text"),
+    ]
+)
+
+SNAPSHOTS = np.dtype(
+    [
+        ("id", "<i4"),
+        ("step", "<i8"),
+        ("micro", "<i2"),  # which micro-batch of the step was replayed
+        ("trigger", "<i2"),  # Event that armed the replay
+        ("phase", "i1"),  # Phase
+        ("culprit", "<i4"),  # /tensors id of the culprit's OUTPUT (or INPUT) row, -1 if none
+        *_text("module"),  # culprit module name ('' if none)
+        *_text("module_type"),
+        ("autocast", "i1"),  # DType autocast ran in during the step (UNKNOWN if off)
+        ("fp32_finite", "i1"),  # 1 finite in fp32, 0 not, -1 not run
+        ("fp32_absmax", "<f4"),  # culprit output abs max when re-run in fp32
+        ("in_absmax", "<f4"),  # culprit input abs max (run precision)
+        ("out_absmax", "<f4"),  # culprit output abs max (run precision, NaN if NaN)
+        ("scale", "<f4"),
+        ("lr", "<f4"),
+        *_text("detail"),  # JSON: anything else the replay learnt
+    ]
+)
+
+ARRAYS = np.dtype(
+    [
+        ("snapshot", "<i4"),
+        *_text("name"),  # e.g. "args.0", "kwargs.input_ids", "grad_output"
+        ("dtype", "S12"),  # numpy dtype string ('<f4', '<i8', '|b1'); bf16 saved as '<f4'
+        ("ndim", "i1"),
+        ("shape", "<i8", (8,)),
+        ("numel", "<i8"),  # elements in the original tensor
+        ("saved", "<i8"),  # elements saved (leading rows kept when over the size cap)
+        ("data_off", "<i8"),
+        ("data_len", "<i8"),
+    ]
+)
+
+META = np.dtype([("step", "<i8"), ("key", "S32"), *_text("value")])
+
+TABLES: dict[str, np.dtype] = {
+    "steps": STEPS,
+    "groups": GROUPS,
+    "tensors": TENSORS,
+    "stats": STATS,
+    "events": EVENTS,
+    "snapshots": SNAPSHOTS,
+    "arrays": ARRAYS,
+    "meta": META,
+}
+BLOB = "blob"
+
+# Rows per HDF5 chunk. Small tables get small chunks so that a short run stays small.
+CHUNK_ROWS = {
+    "steps": 1024,
+    "groups": 1024,
+    "tensors": 256,
+    "stats": 4096,
+    "events": 256,
+    "snapshots": 16,
+    "arrays": 64,
+    "meta": 64,
+}
+BLOB_CHUNK = 1 << 16
+
+# Root attributes written once at creation. Configuration learnt later goes into /meta.
+ROOT_ATTRS = ("format", "format_version", "ampdoctor_version", "created", "pid", "host",
+              "rank", "world_size", "argv")
+
+# Keys of /meta (JSON values, the last row of a key wins), each read through the ``Run``
+# accessor named here (runfile/store.py), never parsed ad hoc.
+META_KEYS = {
+    "status": "how the run ended: 'running' until it did (Run.status)",
+    "recorder": "the recorder's settings: every, sample, forensics, ... (Run.recorder_settings)",
+    "torch": "torch's version and build (Run.torch_info)",
+    "roots": "class names of the root module(s) the recorder hooked (Run.roots)",
+    "model": "parameter counts and param_dtypes of the model (Run.model)",
+    "device": "type, name and memory of the training device (Run.device)",
+    "compiled": "torch.compile regions: module and kind (Run.compiled)",
+    "sharding": "FSDP/DTensor: kind, world size, replay on or off (Run.sharding)",
+    "scaler": "GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)",
+    "optimizer": "one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)",
+    "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
+}
+
+STATUS_RUNNING = "running"
+STATUS_FINISHED = "finished"
+STATUS_EXCEPTION = "exception:"  # followed by the exception type name
+STATUS_SIGNAL = "signal:"  # followed by the signal name: stopped by SIGTERM
+
+
+def empty(table: str, n: int = 0) -> np.ndarray:
+    """Rows of ``table`` with every field at its neutral value (NaN floats, -1 ids)."""
+    rows = np.zeros(n, TABLES[table])
+    for name in rows.dtype.names:
+        kind = rows.dtype[name].kind
+        if kind == "f":
+            rows[name] = np.nan
+    for name in ("tensor", "culprit", "snapshot", "found_inf", "fp32_finite"):
+        if name in rows.dtype.names:
+            rows[name] = -1
+    return rows

@@ -1,0 +1,900 @@
+"""The diagnosis rules on runs built in memory (no torch): each class, its discriminator, and
+the neighbour it must not be confused with."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from synthetic import Synth, grow
+
+from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import fixes, rules
+from ampdoctor.diagnosis.engine import diagnose
+from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero
+from ampdoctor.diagnosis.scale import runs_of
+from ampdoctor.runfile.schema import DType, Event, Kind
+
+
+def verdict(s: Synth):
+    return diagnose(s.run())
+
+
+def fix_ids(d):
+    return [fx.id for fx in d.fixes]
+
+
+# ---------------------------------------------------------------------------------------------
+# healthy, calibration, no training
+
+
+def test_no_steps_is_no_training():
+    d = verdict(Synth(0))
+    assert d.verdict == "no_training" and d.first_bad is None
+
+
+def test_no_steps_with_an_exception_names_it():
+    s = Synth(0).exception("KeyError", "'label'")
+    d = verdict(s)
+    assert d.verdict == "no_training" and "KeyError" in d.summary
+
+
+def test_calibration_and_probing_skips_are_healthy():
+    s = Synth(3000, growth_interval=1000)
+    s.skip(range(0, 4))  # calibration: 65536 -> 4096, losses finite
+    s.skip([1004, 2010])  # one probe skip per growth interval
+    d = verdict(s)
+    assert d.verdict == "healthy", d.summary
+    assert d.first_bad is None and not d.fixes
+    assert any("calibrat" in n for n in d.notes)
+
+
+def test_a_few_gradient_overflows_while_training_are_healthy():
+    s = Synth(400)
+    s.skip([74, 150, 190, 260])  # gradients growing during warmup: 4 halvings, finite loss
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("normal probing" in n for n in d.notes)
+
+
+def test_a_replayed_calibration_overflow_is_not_an_unstable_op():
+    s = Synth(400)
+    s.skip([0])
+    s.snapshot(0, "backward", "out", "Linear", fp32_finite=1)  # a weight gradient overflowed
+    s.skip(range(20, 400, 60))  # later overflows, finite loss, beyond probing
+    assert verdict(s).verdict == "healthy"
+
+
+def test_frequent_gradient_overflows_are_not_called_nonfinite():
+    s = Synth(400)
+    s.skip(range(20, 400, 60))  # 7 skips: more than probing, finite loss, scale 2**16 -> 2**9
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("more often than probing" in n for n in d.notes)
+
+
+def test_calibration_with_a_nan_loss_is_not_healthy():
+    s = Synth(30)
+    s.skip(range(0, 3), loss_nan=True)
+    assert verdict(s).verdict != "healthy"
+
+
+def test_many_skips_after_calibration_are_not_probing():
+    s = Synth(200)
+    s.skip(range(50, 200, 3))  # every third step overflows: the scale dives
+    f = Facts(s.run())
+    assert not f.story.benign and f.story.collapsed
+    assert verdict(s).verdict != "healthy"
+
+
+def test_bf16_run_without_scaler_is_healthy():
+    s = Synth(100, dtype="bfloat16", scaler=False)
+    s.sampled(range(10, 100, 10), Kind.PARAM_GRAD, "fc.weight", sub16=4000, subbf16=0)
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence >= 0.8
+
+
+# ---------------------------------------------------------------------------------------------
+# C3 / C7a / C2: the located first non-finite value
+
+
+def test_unstable_op_from_replay_with_fp32_check():
+    s = Synth(30)
+    s.skip(range(30), loss_nan=True)
+    for step in (1, 2, 3):
+        s.snapshot(step, "forward", "blocks.3.attn", "Attention", fp32_finite=1,
+                   fp32_absmax=7.1e4, op={"op": "matmul", "created": ["posinf", "neginf"],
+                                          "in_absmax": 240.0})
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.confidence >= 0.85
+    assert d.first_bad == {"step": 0, "module": "blocks.3.attn", "phase": "forward"}
+    assert fix_ids(d)[:2] == ["fp32_island", "scale_attention"]
+    snippet = d.fixes[0].snippet
+    assert "for block in model.blocks:" in snippet and "block.attn = FP32Island(block.attn)" \
+        in snippet
+    assert [c["role"] for c in d.causes] == ["root", "consequence"]
+    assert d.causes[1]["verdict"] == "scale_collapse"
+    assert any(e.key == "first_nonfinite_op" and "matmul" in e.text for e in d.evidence)
+
+
+def test_an_op_in_the_models_own_forward_gets_an_op_island():
+    s = Synth(20)
+    s.meta["roots"] = ["EnergyNet"]
+    s.skip(range(20), loss_nan=True)
+    s.snapshot(1, "forward", "EnergyNet", "EnergyNet", fp32_finite=1,
+               op={"op": "exp", "created": ["posinf"], "in_absmax": 14.0})
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and "EnergyNet.forward" in d.fixes[0].snippet
+    assert "model.EnergyNet" not in d.fixes[0].snippet and "(exp)" in d.fixes[0].text
+
+
+def test_an_overflow_passed_on_through_a_residual_add_is_blamed_on_its_producer():
+    s = Synth(20)
+    s.skip(range(20), loss_nan=True)
+    chain = ["Enc", "layers.1.ffn", "layers.1.ffn.wo", "layers.2.norm", "layers.2.ffn", "out"]
+    s.meta["roots"] = ["Enc"]
+    s.snapshot(1, "forward", "layers.2.norm", "LayerNorm", fp32_finite=0, in_absmax=math.inf,
+               how="it turned -inf in its inputs into NaN/inf", chain=chain)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "layers.1.ffn.wo"
+    assert "block.ffn.wo = FP32Island(block.ffn.wo)" in d.fixes[0].snippet
+    assert rules.chain_origin(chain, {"Enc"}) == "layers.1.ffn.wo"
+
+
+def test_mask_constant_overflow_is_told_from_an_unstable_op():
+    s = Synth(20)
+    s.skip(range(20), loss_nan=True)
+    s.snapshot(1, "forward", "layers.0.self_attn", "SelfAttention", fp32_finite=1,
+               op={"op": "mul", "created": ["neginf"], "big_scalar": 1e9, "in_absmax": 1.0})
+    d = verdict(s)
+    assert d.verdict == "mask_overflow"
+    assert d.first_bad["module"] == "layers.0.self_attn"
+    assert fix_ids(d)[0] == "safe_mask" and "SelfAttention" in d.fixes[0].text
+
+
+def test_fully_masked_softmax_rows_are_a_mask_problem():
+    op = {"op": "softmax", "created": ["nan"], "in_neginf": True, "in_posinf": False,
+          "in_nan": False}
+    assert rules.mask_pattern(op)
+    assert rules.mask_pattern({"op": "matmul", "created": ["posinf", "neginf"]}) is None
+    # -inf alone but from a small constant: not a mask constant
+    assert rules.mask_pattern({"op": "add", "created": ["neginf"], "big_scalar": 16.0,
+                               "in_absmax": 10.0}) is None
+
+
+def _growing(s: Synth, until: int) -> Synth:
+    """Weights, updates and activations growing on sampled steps before ``until``."""
+    for name in ("trunk.0", "trunk.2", "out"):
+        s.sampled(range(10, until, 10), Kind.PARAM, f"{name}.weight",
+                  norm=grow(5.0, 8.0, until), update=0.05)
+        s.sampled(range(10, until, 10), Kind.OUTPUT, name, absmax=grow(2.0, 500.0, until))
+    return s
+
+
+def test_lr_overflow_when_weights_grew_before_the_overflow():
+    s = _growing(Synth(120, lr=0.2), 80)
+    s.set("lr", np.minimum(np.arange(120) / 40, 1.0) * 0.2)
+    s.skip(range(80, 120), loss_nan=True)
+    s.snapshot(80, "forward", "trunk.2", "Linear", fp32_finite=0)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow"
+    assert d.first_bad["step"] == 80 and d.first_bad["module"] == "trunk.2"
+    assert fix_ids(d)[0] == "lower_lr" and "lr=0.05" in d.fixes[0].snippet
+    keys = {e.key for e in d.evidence}
+    assert {"weight_norm_growth", "update_ratio", "activation_growth"} <= keys
+    assert "lr_at_failure" in keys
+
+
+def test_steady_weights_make_it_an_unstable_op_not_the_lr():
+    s = Synth(120)
+    for name in ("trunk.0", "trunk.2"):
+        s.sampled(range(10, 80, 10), Kind.PARAM, f"{name}.weight", norm=5.0, update=1e-3)
+        s.sampled(range(10, 80, 10), Kind.OUTPUT, name, absmax=100.0)
+    s.skip(range(80, 120), loss_nan=True)
+    s.snapshot(80, "forward", "trunk.2", "Linear", fp32_finite=1, fp32_absmax=9e4)
+    assert verdict(s).verdict == "unstable_op"
+
+
+def test_early_lr_ramp_overflow_without_sampled_steps_is_the_lr():
+    """A one-cycle ramp overflows at step 6, before any sampled step could show the weights
+    growing: the loss and the gradient norm ramping in the steps before are enough, even
+    though the culprit is finite in fp32 (an island would only postpone it)."""
+    s = Synth(40, lr=1.0, every=100)
+    s.set("lr", np.linspace(0.1, 3.0, 40))
+    s.set("loss", [0.5, 0.5, 0.49, 0.47, 0.41, 1.4, 14.0], steps=range(7))
+    s.set("grad_norm", [0.3, 0.35, 0.42, 0.57, 1.1, 4.2], steps=range(6))
+    s.skip(range(6, 40)).nan_loss(range(8, 40))  # gradients overflow first, then the loss
+    s.snapshot(6, "forward", "body.4", "Linear", fp32_finite=1, fp32_absmax=3e6)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow" and d.first_bad["module"] == "body.4"
+    assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
+
+
+def test_an_lr_ramp_alone_does_not_make_an_op_overflow_the_lr():
+    s = Synth(40, lr=1.0, every=100)
+    s.set("lr", np.linspace(0.01, 1.0, 40))  # 100x warmup, but the loss and grads are calm
+    s.skip(range(30, 40), loss_nan=True)
+    s.snapshot(30, "forward", "blocks.0.attn", "Attention", fp32_finite=1, fp32_absmax=9e4)
+    assert verdict(s).verdict == "unstable_op"
+    # the same ramp with the loss blowing up right before the overflow: the LR's doing
+    s.set("loss", [2.0, 9.0, 30.0], steps=[27, 28, 29])
+    d = verdict(s)
+    assert d.verdict == "lr_overflow"
+    assert {"loss_spike", "lr_rise"} <= {e.key for e in d.evidence}
+
+
+def test_lr_overflow_located_from_sampled_steps_without_a_replay():
+    s = _growing(Synth(120), 80)
+    s.skip(range(80, 120), loss_nan=True)
+    s.sampled([90], Kind.OUTPUT, "trunk.2", nonfinite=2, absmax=math.inf)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow" and d.first_bad["module"] == "trunk.2"
+
+
+def test_poisoned_weights_are_not_one_ops_overflow():
+    s = Synth(30, scaler=False, dtype="bfloat16")
+    s.nan_loss(range(10, 30)).nan_grad(range(10, 30))
+    s.sampled([0, 5], Kind.PARAM, "fc.weight", norm=1.0, update=0.05)  # one growth signal
+    s.snapshot(10, "forward", "fc", "Linear", fp32_finite=0, weights_nonfinite=["weight"])
+    assert verdict(s).verdict not in ("unstable_op", "lr_overflow")
+
+
+def test_backward_culprit_is_an_unstable_op_in_backward():
+    s = Synth(40)
+    s.skip(range(10, 40))  # loss finite, gradients NaN, every step
+    s.snapshot(10, "backward", "loss_head.focal", "FocalLoss", fp32_finite=1)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["phase"] == "backward"
+
+
+def test_nonfinite_in_fp32_too_without_growth_is_not_claimed():
+    s = Synth(30, scaler=False)
+    s.nan_loss(range(10, 30)).nan_grad(range(10, 30))
+    s.snapshot(10, "forward", "encoder.0", "Linear", fp32_finite=0)
+    d = verdict(s)
+    assert d.verdict == "nonfinite" and d.confidence <= 0.4
+    assert d.first_bad["module"] == "encoder.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# C5, C10, C4, C7b
+
+
+def test_bad_input_from_the_replay():
+    s = Synth(64)
+    s.skip([15, 39], loss_nan=True)
+    s.snapshot(15, "input", "Regressor", "Regressor")
+    s.snapshot(39, "input", "Regressor", "Regressor")
+    d = verdict(s)
+    assert d.verdict == "bad_input" and d.first_bad == {"step": 15, "module": "Regressor",
+                                                         "phase": "input"}
+    assert fix_ids(d) == ["check_data"]
+
+
+def test_bad_input_from_a_sampled_input_audit():
+    s = Synth(50)
+    s.skip([20], loss_nan=True)
+    s.sampled([20], Kind.INPUT, "Net:args.0", nonfinite=1, nan=3)
+    assert verdict(s).verdict == "bad_input"
+
+
+def test_state_poisoning_when_buffers_stay_nonfinite_and_weights_do_not():
+    s = Synth(40)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "input", "BNNet", "BNNet")
+    for step in (10, 20, 30):
+        bad = step > 12
+        s.stat(step, Kind.BUFFER, "features.1.running_var", nonfinite=1 if bad else 0)
+        s.stat(step, Kind.PARAM, "features.0.weight", norm=3.0, update=1e-3)
+    d = verdict(s)
+    assert d.verdict == "state_poisoning"
+    assert d.first_bad == {"step": 12, "module": "features.1", "phase": "forward"}
+    assert fix_ids(d)[:2] == ["guard_buffers", "check_data"]
+    assert any(c["verdict"] == "bad_input" and c["role"] == "also" for c in d.causes)
+
+
+def test_state_poisoning_from_the_audit_of_a_failing_step():
+    s = Synth(40, every=100)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "input", "BNNet", "BNNet")
+    tid = s.tensor(Kind.BUFFER, "features.1.running_var")
+    s.event(12, Event.NONFINITE_BUFFER, tensor=tid)
+    d = verdict(s)
+    assert d.verdict == "state_poisoning" and d.first_bad["module"] == "features.1"
+
+
+def test_a_buffer_finite_again_at_a_later_sample_is_not_poisoned():
+    s = Synth(40)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "input", "BNNet", "BNNet")
+    tid = s.tensor(Kind.BUFFER, "features.1.running_var")
+    s.event(12, Event.NONFINITE_BUFFER, tensor=tid)
+    s.stat(20, Kind.BUFFER, "features.1.running_var", nonfinite=0)  # the user reset it
+    assert verdict(s).verdict == "bad_input"
+
+
+def test_buffers_nonfinite_with_weights_nonfinite_is_not_poisoning():
+    s = Synth(40)
+    s.skip(range(12, 40), loss_nan=True)
+    for step in (20, 30):
+        s.stat(step, Kind.BUFFER, "bn.running_mean", nonfinite=1)
+        s.stat(step, Kind.PARAM, "fc.weight", norm=np.nan)
+    assert verdict(s).verdict != "state_poisoning"
+
+
+def test_adam_eps_on_fp16_weights():
+    s = Synth(40, dtype=None, scaler=False, params="float16", optimizer="Adam", eps=1e-8)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.nan_loss(range(1, 40)).nan_grad(range(1, 40))
+    s.snapshot(1, "forward", "embed", "EmbeddingBag", fp32_finite=0)
+    d = verdict(s)
+    assert d.verdict == "adam_eps" and d.confidence >= 0.85
+    assert d.first_bad == {"step": 0, "module": "embed", "phase": "optimizer"}
+    assert fix_ids(d)[:2] == ["adam_eps", "fp32_master_weights"]
+    assert "torch.optim.Adam(" in d.fixes[0].snippet and "eps=1e-4" in d.fixes[0].snippet
+
+
+@pytest.mark.parametrize("eps,params", [(1e-4, "float16"), (1e-8, "float32")])
+def test_adam_eps_needs_fp16_weights_and_an_eps_fp16_cannot_hold(eps, params):
+    s = Synth(40, dtype=None, scaler=False, params=params, optimizer="Adam", eps=eps)
+    s.nan_loss(range(1, 40)).nan_grad(range(1, 40))
+    assert verdict(s).verdict != "adam_eps"
+
+
+def test_an_overflowing_op_in_a_half_model_is_not_blamed_on_adam():
+    s = Synth(30, dtype=None, scaler=False, params="float16", optimizer="Adam", eps=1e-8)
+    s.nan_loss(range(30)).nan_grad(range(30))
+    s.snapshot(0, "forward", "energy.exp", "ExpHead", fp32_finite=1, fp32_absmax=1.6e5)
+    d = verdict(s)
+    assert d.verdict == "unstable_op"
+    assert any(c["verdict"] == "adam_eps" and c["role"] == "also" for c in d.causes)
+
+
+def test_adam_eps_risk_before_any_nan():
+    s = Synth(10, dtype=None, scaler=False, params="float16", optimizer="AdamW", eps=1e-8)
+    d = verdict(s)
+    assert d.verdict == "adam_eps" and d.confidence <= 0.5 and d.first_bad is None
+
+
+def test_fp16_loss_overflows_with_finite_gradients():
+    s = Synth(30)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.nan_loss(range(30), value=np.inf)
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.first_bad["phase"] == "loss"
+    assert fix_ids(d)[0] == "loss_in_fp32"
+
+
+def test_finite_fp16_loss_is_a_note_not_a_verdict():
+    s = Synth(30)
+    s.set("loss_dtype", DType.FLOAT16)
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("float16" in n for n in d.notes)
+
+
+@pytest.mark.parametrize("mask_operand,expected", [(False, None), (True, "mask"), (None, "mask")])
+def test_a_dense_add_making_minus_inf_is_not_a_mask(mask_operand, expected):
+    """Issue 16: a residual add of two large activations is an overflow; an additive mask
+    operand (or a file from before the probe recorded it) is a mask."""
+    op = {"op": "add", "created": ["neginf"], "in_absmax": 4.0e4, "big_scalar": None}
+    if mask_operand is not None:
+        op["mask_operand"] = mask_operand
+    found = rules.mask_pattern(op)
+    assert (found is not None) == (expected == "mask")
+
+
+def _loss_snap(s, step, dtype="float32", grad_nonfinite=False, **detail):
+    """A replay that found the model finite and the trouble in the loss (_loss_or_nothing)."""
+    loss = {"dtype": dtype, "value": 0.4, "grad_fp32": 65536.0,
+            "grad": np.inf if grad_nonfinite else 65536.0, "grad_nonfinite": grad_nonfinite}
+    detail.setdefault("loss_nonfinite", False)
+    return s.snapshot(step, "loss", output_grad_nonfinite=True, loss=loss, **detail)
+
+
+def test_calibration_skip_of_an_fp16_loss_is_healthy():
+    """Issue 16: step 0 skipped because 65536 does not fit the fp16 loss, then 300 clean steps."""
+    s = Synth(300)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.skip([0])
+    _loss_snap(s, 0, "float16", grad_nonfinite=True)
+    assert verdict(s).verdict == "healthy"
+
+
+def test_an_fp16_loss_that_overflows_later_says_what_the_replay_saw():
+    s = Synth(60)
+    s.set("loss_dtype", DType.FLOAT16)
+    s.nan_loss(range(30, 60), value=np.inf)
+    _loss_snap(s, 30, "float16", loss_nonfinite=True)
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.first_bad["step"] == 30 and not d.causes[0].get("kind")
+    text = next(e.text for e in d.evidence if e.key == "replay_loss_phase")
+    assert "the loss (float16) is not" in text
+
+
+def _loss_backward_run(loss_dtype=DType.FLOAT32):
+    """Sigmoid + BCELoss saturating in fp16: skipping from step 12 on, every loss finite."""
+    s = Synth(150)
+    s.set("loss_dtype", loss_dtype)
+    s.skip(range(12, 150, 3))  # the scale falls 46 halvings; no loss is ever non-finite
+    return s
+
+
+def test_loss_backward_overflow_is_the_loss_not_the_model():
+    s = _loss_backward_run()
+    _loss_snap(s, 12, output_grad={"nonfinite": 3, "numel": 128, "finite_absmax": 2.5,
+                                   "output_values": [1.0]})
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
+    assert d.first_bad == {"step": 12, "module": None, "phase": "loss"}
+    assert fix_ids(d)[:2] == ["loss_on_logits", "loss_in_fp32"]
+    text = next(e.text for e in d.evidence if e.key == "replay_loss_backward")
+    assert "3 of 128" in text and "exactly 1" in text and "loss (0.4, float32)" in text
+    assert "the loss is not" not in text
+
+
+def test_loss_backward_from_a_sampled_root_gradient():
+    s = _loss_backward_run(DType.FLOAT16)
+    s.sampled([30], Kind.GRAD_OUTPUT, "Classifier", nonfinite=4)
+    s.meta["roots"] = ["Classifier"]
+    d = verdict(s)
+    assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes)
+
+
+def test_one_loss_backward_overflow_at_a_high_scale_is_calibration():
+    s = Synth(150)
+    s.skip([40])
+    _loss_snap(s, 40)
+    assert verdict(s).verdict == "healthy"
+
+
+# ---------------------------------------------------------------------------------------------
+# C6: GradScaler API misuse
+
+
+def test_clip_before_unscale_from_the_norms_alone():
+    s = Synth(40)
+    s.set("grad_norm", 0.4)
+    s.set("clip_norm", 0.4 * 2.0 ** 16)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "clip_before_unscale"
+    assert fix_ids(d) == ["unscale_before_clip"]
+    assert any(e.key == "clip_norm_over_grad_norm" and e.value == pytest.approx(65536)
+               for e in d.evidence)
+
+
+def test_clip_after_unscale_is_healthy():
+    s = Synth(40)
+    s.set("grad_norm", 0.4)
+    s.set("clip_norm", 0.4)
+    assert verdict(s).verdict == "healthy"
+
+
+def test_clip_before_unscale_event():
+    s = Synth(40)
+    for i in range(40):
+        s.event(i, Event.CLIP_BEFORE_UNSCALE)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.confidence >= 0.9 and d.first_bad["step"] == 0
+
+
+def test_optimizer_step_bypassing_the_scaler():
+    s = Synth(20)
+    s.event(3, Event.STEP_BYPASSES_SCALER, "SGD")
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "step_bypasses_scaler"
+    assert fix_ids(d) == ["use_scaler_step"]
+
+
+def test_scaler_recreated_every_epoch():
+    n = 300
+    scales = np.full(n, 2.0 ** 16)
+    skips = []
+    for epoch_start in (0, 100, 200):  # a new scaler: calibration again each epoch
+        for k in range(3):
+            scales[epoch_start + k] = 2.0 ** (16 - k)
+            skips.append(epoch_start + k)
+        scales[epoch_start + 3:epoch_start + 100] = 2.0 ** 13
+    s = Synth(n).scales(scales)
+    s.skip(skips)
+    for epoch_start in (100, 200):
+        s.event(epoch_start, Event.SCALER_CREATED, value=2.0 ** 16)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
+    assert fix_ids(d) == ["create_scaler_once"]
+
+
+def _scaler_per_step(n=40):
+    """A GradScaler made every step: each starts at 65536 and skips (issue 16, clip_order.py
+    --scaler-per-step)."""
+    s = Synth(n).scales(np.full(n, 2.0 ** 16))
+    s.skip(range(n))
+    for i in range(n):
+        s.event(i, Event.SCALER_CREATED, value=2.0 ** 16)
+    return s
+
+
+def test_a_backward_overflow_the_scale_explains_is_not_a_second_cause():
+    s = _scaler_per_step()
+    # fc's backward overflowed at 65536; in fp32 its gradient is 2e5, 3.1 unscaled: it fits
+    # fp16 at any scale <= 16384.
+    s.snapshot(0, "backward", "fc", "Linear", fp32_finite=1, fp32_absmax=2.0e5)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes), str(d)
+    assert "fp32_island" not in fix_ids(d)
+
+
+def test_a_backward_singularity_is_still_a_culprit():
+    s = Synth(40)
+    s.skip(range(10, 40))
+    # fp16 inf, fp32 small: a derivative at a singularity, not the scale
+    s.snapshot(10, "backward", "head.clamp", "Clamp", fp32_finite=1, fp32_absmax=30.0)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "head.clamp"
+
+
+def test_a_sampled_overflow_inside_the_recalibration_is_not_listed_as_also():
+    s = _scaler_per_step()
+    s.sampled([0, 10, 20], Kind.GRAD_OUTPUT, "6", nonfinite=3)
+    d = verdict(s)
+    assert d.verdict == "clip_order"
+    assert not any(c["role"] == "also" for c in d.causes), str(d)
+
+
+def test_grads_not_zeroed_after_an_overflow():
+    s = Synth(40)
+    s.skip(range(10, 40))  # loss finite, every step overflows after one bad step
+    s.snapshot(10, "none", stale_grads=True)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "grad_not_zeroed"
+    assert fix_ids(d)[0] == "zero_grad_every_step"
+
+
+@pytest.mark.parametrize("message,expected,kind", [
+    ("value cannot be converted to type at::Half without overflow", "mask_overflow", "constant"),
+    ("Attempting to unscale FP16 gradients.", "clip_order", "fp16_params_with_scaler"),
+    ("unscale_() has already been called on this optimizer since the last update().",
+     "clip_order", "call_order"),
+    ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.",
+     "fp16_loss", "bce"),
+])
+def test_known_amp_exceptions(message, expected, kind):
+    s = Synth(3).exception("RuntimeError", message)
+    d = verdict(s)
+    assert d.verdict == expected and d.causes[0]["kind"] == kind
+    assert any("raised" in n for n in d.notes)
+
+
+def test_amp_error_before_the_first_step_is_named_not_no_training():
+    s = Synth(0).exception("RuntimeError", "value cannot be converted to type at::Half without "
+                           "overflow")
+    assert verdict(s).verdict == "mask_overflow"
+
+
+def test_bypass_event_says_more_than_the_error_it_leads_to():
+    s = Synth(0)
+    s.event(0, Event.STEP_BYPASSES_SCALER, "AdamW")
+    s.exception("AssertionError", "No inf checks were recorded prior to update.")
+    d = verdict(s)
+    assert d.verdict == "clip_order" and fix_ids(d)[0] == "use_scaler_step"
+
+
+def test_unknown_exception_keeps_the_numeric_verdict():
+    s = Synth(30).exception("KeyError", "'label'")
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("KeyError" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# C1, C8a, C9a: trends without a non-finite value
+
+
+def _underflowing_grads(s: Synth, names, under: int, steps=range(10, 60, 10)):
+    for name in names:
+        s.sampled(steps, Kind.PARAM_GRAD, name, sub16=under, flush16=under // 4,
+                  zeros=under // 4, absmax=1e-5, rms=1e-6)
+
+
+def test_grad_underflow_without_a_scaler():
+    s = Synth(60, scaler=False)
+    _underflowing_grads(s, ["encoder.0.weight", "encoder.2.weight", "decoder.0.weight"], 3000)
+    d = verdict(s)
+    assert d.verdict == "grad_underflow" and d.confidence >= 0.8
+    assert d.first_bad["module"].startswith(("encoder", "decoder"))
+    assert fix_ids(d) == ["add_grad_scaler", "use_bf16"]
+
+
+def test_grad_underflow_at_a_low_scale():
+    s = Synth(60, init_scale=4.0)
+    _underflowing_grads(s, ["emb.weight", "fc.weight"], 3000)
+    d = verdict(s)
+    assert d.verdict == "grad_underflow" and fix_ids(d)[0] == "raise_init_scale"
+    assert "init_scale=4" in d.fixes[0].snippet
+
+
+def test_fp16_counts_do_not_matter_in_a_bf16_run():
+    s = Synth(60, dtype="bfloat16", scaler=False)
+    _underflowing_grads(s, ["aux.weight"], 3000)  # subbf16 stays 0
+    assert verdict(s).verdict == "healthy"
+
+
+def test_fp16_without_scaler_not_measured_is_a_low_confidence_warning():
+    s = Synth(20, scaler=False, every=100)
+    d = verdict(s)
+    assert d.verdict == "grad_underflow" and d.confidence < 0.5
+    assert any("No sampled step" in n for n in d.notes)
+
+
+@pytest.mark.parametrize("zeros,sub", [(2048, 0), (3900, 20)])
+def test_structural_zeros_are_not_underflow(zeros, sub):
+    s = Synth(60)
+    # most elements exactly zero (unused embedding rows, dead units), the rest healthy with a
+    # few subnormal ones: not underflow
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "embed.weight", zeros=zeros, sub16=sub,
+              absmax=10.0, rms=1.0)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "fc.weight", absmax=10.0, rms=1.0)
+    assert verdict(s).verdict == "healthy"
+
+
+def test_masked_underflow_at_a_healthy_scale():
+    s = Synth(60)
+    _underflowing_grads(s, ["aux_head.0.weight", "aux_head.2.weight"], 4000)
+    for name in ("trunk.0.weight", "cls_head.weight"):
+        s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, name, absmax=300.0, rms=50.0)
+    d = verdict(s)
+    assert d.verdict == "masked_underflow" and d.first_bad["module"] == "aux_head"
+    assert fix_ids(d) == ["use_bf16", "rebalance_losses"]
+    assert "model.aux_head.parameters()" in d.fixes[1].snippet
+    ratio = next(e.value for e in d.evidence if e.key == "grad_rms_ratio")
+    assert ratio == pytest.approx(50.0 / 1e-6) and "5e7" in d.fixes[1].snippet
+
+
+def test_bf16_weights_whose_updates_round_away():
+    s = Synth(40, dtype=None, scaler=False, params="bfloat16")
+    for name in ("encoder.0.weight", "encoder.3.weight", "tagger.weight"):
+        s.sampled(range(10, 40, 10), Kind.PARAM, name, norm=5.0, update=1e-5, unchanged=0.99)
+    d = verdict(s)
+    assert d.verdict == "bf16_precision" and fix_ids(d) == ["fp32_master_weights"]
+    assert any(e.key == "unchanged_fraction" and e.value > 0.9 for e in d.evidence)
+
+
+def test_fp32_master_weights_with_small_updates_are_fine():
+    s = Synth(40, dtype="bfloat16", scaler=False, params="float32")
+    s.sampled(range(10, 40, 10), Kind.PARAM, "fc.weight", norm=5.0, update=1e-5, unchanged=0.99)
+    assert verdict(s).verdict == "healthy"
+
+
+# ---------------------------------------------------------------------------------------------
+# fallbacks, notes, the JSON contract
+
+
+def test_scale_collapse_when_nothing_else_can_be_told():
+    s = Synth(40, every=0)
+    s.meta["recorder"]["forensics"] = False
+    s.skip(range(5, 40), loss_nan=True)
+    d = verdict(s)
+    assert d.verdict == "scale_collapse" and d.confidence <= 0.4
+    assert "could not be told" in d.summary and "forensic replay was off" in d.summary
+    assert d.first_bad["step"] == 5
+
+
+def test_interrupted_run_says_so():
+    s = Synth(30, status="running")
+    d = verdict(s)
+    assert d.run["status"] == "interrupted"
+    assert any("interrupted" in n and "29" in n for n in d.notes)
+
+
+def test_json_contract():
+    s = Synth(30)
+    s.skip(range(30), loss_nan=True)
+    s.snapshot(1, "forward", "blocks.0.attn", "Attention", fp32_finite=1, fp32_absmax=7e4)
+    data = verdict(s).to_dict()
+    json.dumps(data, allow_nan=False)
+    assert {"verdict", "confidence", "first_bad", "causes", "evidence", "fixes",
+            "run"} <= set(data)
+    assert set(data["first_bad"]) == {"step", "module", "phase"}
+    for fx in data["fixes"]:
+        assert set(fx) == {"id", "text", "snippet"} and fx["id"] in fixes.FIX_IDS
+    assert all({"text", "key", "value", "step", "module"} <= set(e) for e in data["evidence"])
+    assert data["verdict"] in analyze.VERDICTS
+
+
+def test_every_fix_snippet_is_valid_python():
+    ctx = fixes.Context(device="cuda", optimizer="AdamW", lr=3e-4, eps=1e-8, init_scale=65536,
+                        growth_interval=2000, module="blocks.3.attn", module_type="Attention",
+                        autocast="float16", step=12)
+    for fx in fixes.make(list(fixes.FIX_IDS), ctx):
+        compile(fx.snippet.replace("...\n", "pass\n"), fx.id, "exec")
+        assert fx.text
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("blocks.3.attn", "for block in model.blocks:"),
+    ("head", "model.head = FP32Island(model.head)"),
+    ("layers.2", "model.layers[2] = FP32Island(model.layers[2])"),
+    ("encoder.layer.0.attention.self", "block.attention.self = FP32Island("),
+    ("model-v2.blocks.0", 'model.get_submodule("model-v2.blocks.0")'),
+])
+def test_island_snippet_names_the_users_module(path, expected):
+    assert expected in fixes._wrap_lines(path, "FP32Island")
+
+
+# ---------------------------------------------------------------------------------------------
+# the building blocks
+
+
+def test_stats_stream_in_any_chunk_size_gives_the_same_answer():
+    s = _growing(Synth(120), 80)
+    _underflowing_grads(s, ["a.weight", "b.weight"], 3000, steps=range(10, 80, 10))
+    s.sampled([90, 100], Kind.OUTPUT, "trunk.2", nonfinite=2)
+    run = s.run()
+    big, small = Facts(run), Facts(run, chunk=7)
+    for name in ("out_absmax", "grad_under", "wnorm2", "under_sum", "norm_first", "norm_last",
+                 "first_bad_step", "last_bad"):
+        np.testing.assert_array_equal(getattr(big.stats, name), getattr(small.stats, name),
+                                      err_msg=name)
+    assert big.stats.first_nonfinite == small.stats.first_nonfinite
+
+
+def test_runs_of():
+    starts, lengths = runs_of(np.array([1, 1, 0, 1, 0, 0, 1, 1, 1], bool))
+    assert starts.tolist() == [0, 3, 6] and lengths.tolist() == [2, 1, 3]
+
+
+def test_eps_rounding_in_fp16():
+    assert fp16_rounds_to_zero(1e-8) and fp16_rounds_to_zero(2.9e-8)
+    assert not fp16_rounds_to_zero(1e-7) and not fp16_rounds_to_zero(1e-4)
+
+
+def test_scale_story_calibration():
+    s = Synth(50)
+    s.skip(range(3))
+    story = Facts(s.run()).story
+    assert story.calib_len == 3 and story.calib_benign and story.calibrated_scale == 2.0 ** 13
+    assert story.benign and not story.collapsed
+
+
+def test_thresholds_are_named_constants():
+    for name in ("LAYER_UNDERFLOW", "LOW_SCALE", "HEALTHY_SCALE", "UPDATE_TOO_LARGE",
+                 "UNCHANGED_HIGH", "WEIGHT_GROWTH", "ACTIVATION_GROWTH", "CLIP_SCALED_TOLERANCE"):
+        assert isinstance(getattr(rules, name), float)
+
+
+def test_every_rule_is_documented():
+    for rule in analyze.RULES:  # rules.py's and progress.py's
+        assert rule.__doc__, rule.__name__
+
+
+def test_readme_lists_every_verdict_and_fix():
+    import os
+
+    from conftest import ROOT
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for verdict_id in analyze.VERDICTS:
+        assert f"| `{verdict_id}` |" in readme, verdict_id
+    table = [line for line in readme.splitlines() if line.startswith("| `")]
+    for fix_id in fixes.FIX_IDS:
+        assert any(f"`{fix_id}`" in line for line in table), fix_id
+
+
+def test_runaway_scale_is_noted():
+    s = Synth(200, growth_interval=5)
+    s.set("grad_norm", 0.0)
+    d = verdict(s)
+    assert d.verdict == "healthy" and any("without overflowing" in n for n in d.notes)
+
+
+def test_recorder_error_is_noted():
+    s = Synth(30)
+    s.event(12, Event.RECORDER_ERROR, "flush: OSError: disk full")
+    d = verdict(s)
+    assert any("stopped recording at step 12" in n for n in d.notes)
+
+
+def test_a_short_run_says_what_it_could_not_see():
+    d = verdict(Synth(12, every=100))
+    assert d.verdict == "healthy" and d.confidence < 0.8
+    assert any("Only 12 steps" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# whatever a run holds, the diagnosis is one of the verdicts, and JSON
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 60), dtype=st.sampled_from(["float16", "bfloat16", None]),
+       scaler=st.booleans(), params=st.sampled_from(["float32", "float16", "bfloat16"]),
+       skips=st.lists(st.integers(0, 59), max_size=30), nans=st.lists(st.integers(0, 59),
+                                                                       max_size=10),
+       snaps=st.lists(st.tuples(st.integers(0, 59), st.sampled_from(list(
+           ["forward", "backward", "input", "loss", "none"])), st.sampled_from([-1, 0, 1])),
+           max_size=4),
+       grads=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 4096), st.integers(0, 4096),
+                                st.floats(0, 1e3)), max_size=12),
+       status=st.sampled_from(["finished", "running", "exception:ValueError"]))
+def test_any_run_gets_a_verdict(n, dtype, scaler, params, skips, nans, snaps, grads, status):
+    s = Synth(n, dtype=dtype, scaler=scaler, params=params, status=status)
+    s.skip([i for i in skips if i < n])
+    s.nan_loss([i for i in nans if i < n])
+    for step, phase, fp32 in snaps:
+        if step < n:
+            s.snapshot(step, phase, "blocks.0.attn", "Attention", fp32_finite=fp32)
+    for step, zeros, sub, rms in grads:
+        if step < n:
+            s.stat(step, Kind.PARAM_GRAD, "fc.weight", zeros=min(zeros, 4096), sub16=sub,
+                   rms=rms, nonfinite=int(rms > 900))
+            s.stat(step, Kind.PARAM, "fc.weight", norm=rms, update=rms / 1e4, unchanged=0.1)
+    d = verdict(s)
+    assert d.verdict in analyze.VERDICTS
+    assert 0.0 <= d.confidence <= 1.0
+    json.dumps(d.to_dict(), allow_nan=False)
+    assert all(fx.id in fixes.FIX_IDS for fx in d.fixes)
+    if d.verdict not in ("healthy", "no_training"):
+        assert d.summary and d.causes[0]["role"] == "root"
+
+
+# ---------------------------------------------------------------------------------------------
+# Early LR blow-ups seen on real stacks (fixtures/stacks/nanogpt_train.py at LR 30 and 1000)
+
+
+def test_a_step_that_replaced_the_weights_is_the_lr_not_one_op():
+    """fp16 nanoGPT at LR 30: one Adam step at LR 1.4 moved every weight by more than its own
+    size, and step 1 overflows. No ramp had time to show, and the culprit is finite in fp32,
+    but the weights were not steady: lr_overflow, not an fp32 island."""
+    def run(update):
+        s = Synth(30, every=100)  # only step 0 is sampled, as with the default interval
+        s.sampled([0], Kind.PARAM, "transformer.h.0.mlp.weight", norm=3.0, update=update)
+        s.skip(range(1, 30))
+        s.snapshot(1, "forward", "transformer.h.0.attn.c_proj", "Linear", fp32_finite=1,
+                   fp32_absmax=2.2e6)
+        return verdict(s)
+    d = run(update=12.0)
+    assert d.verdict == "lr_overflow"
+    assert d.first_bad == {"step": 1, "module": "transformer.h.0.attn.c_proj",
+                           "phase": "forward"}
+    replaced = next(e for e in d.evidence if e.key == "weights_replaced")
+    assert replaced.step == 0 and "10x or more" in replaced.text
+    assert fix_ids(d)[0] == "lower_lr"
+    assert run(update=0.05).verdict == "unstable_op"  # a sane first step: the op's overflow
+
+
+def test_without_a_scaler_the_first_applied_nonfinite_gradient_starts_the_failure():
+    """fp32 nanoGPT at LR 1000: gradients are inf at step 4 and applied (no scaler to skip
+    them), the loss is NaN from step 6 and the replays see poisoned weights. The failure
+    starts at step 4, and the poisoned module is not named as where it began."""
+    s = Synth(20, dtype=None, scaler=False, every=100)
+    s.sampled([0], Kind.PARAM, "transformer.h.0.mlp.weight", norm=3.0, update=15.0)
+    s.set("loss", [2.9, 2.5e4, 9e5, 7.5e6, 2.9e8, 5e9], steps=range(6))
+    s.set("grad_norm", [0.67, 1.9e3, 1.2e10, 9.7e14], steps=range(4))
+    s.nan_grad(range(4, 20)).nan_loss(range(6, 20))
+    s.snapshot(7, "forward", "transformer.wte", "Embedding", fp32_finite=0,
+               weights_nonfinite=["weight"])
+    f = Facts(s.run())
+    assert f.failure_step == 4
+    d = verdict(s)
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
+    assert d.first_bad["module"] is None
+
+
+def test_a_blowup_in_the_first_steps_is_the_lr():
+    """HF Trainer with SGD at LR 1000: the loss 1.3 -> 237 -> 5.8e7 and the gradient norm
+    1.8 -> 421 -> 4.5e12 in three steps, then NaN; the culprit is non-finite in fp32 too. Too
+    short for the usual ramp checks, but both grew 100x: the LR's doing. A calmer start, or
+    only one of the two growing, is not enough."""
+    def run(loss, grad):
+        s = Synth(12, dtype="bfloat16", scaler=False, every=100)
+        s.set("loss", loss, steps=range(4))
+        s.set("grad_norm", grad, steps=range(4))
+        s.nan_loss(range(4, 12)).nan_grad(range(4, 12))
+        s.snapshot(4, "forward", "transformer.h.0.attn.c_proj", "Conv1D", fp32_finite=0)
+        return verdict(s)
+    d = run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 421.0, 4.5e12])
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
+    assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
+    assert run([1.32, 1.32, 1.5, 6.0], [1.78, 1.66, 421.0, 4.5e12]).verdict != "lr_overflow"
+    assert run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 1.7, 1.9]).verdict != "lr_overflow"

@@ -7,7 +7,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$root"
+pip wheel -q --no-deps -w "$work/dist" "$root"
 deps="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 python3 -m venv "$work/venv"
 site="$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

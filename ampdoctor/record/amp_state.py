@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from . import torchcompat
+
 AROUND = "around the model"
 INSIDE = "inside forward"
 DECLARED = "declared on forward"
@@ -39,15 +41,7 @@ MAX_WRAPPERS = 8  # decorators followed through __wrapped__ / __func__
 
 def read(device_type: str) -> tuple[bool, str]:
     """(enabled, dtype name) of autocast on ``device_type`` right now."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type)
-    except TypeError:  # torch < 2.4: per-device functions
-        if device_type == "cpu":
-            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-        else:
-            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return bool(enabled), str(dtype).replace("torch.", "")
+    return torchcompat.autocast_state(device_type)
 
 
 def declared(module: torch.nn.Module, device_type: str) -> Optional[tuple[bool, str]]:

@@ -46,7 +46,8 @@ def unscaled_already(scaler: Any, optimizer: Any) -> bool:
     return getattr(stage, "name", None) == "UNSCALED"
 
 
-def autocast_state(device_type: str) -> tuple:
+def autocast_state(device_type: str) -> tuple[bool, str]:
+    """(enabled, dtype name) of autocast on ``device_type`` right now, on any torch >= 2.3."""
     try:
         enabled = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type)

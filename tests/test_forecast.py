@@ -242,7 +242,7 @@ def test_long_healthy_run_gets_no_failure_forecast_at_any_cut(recorded):
 
 
 def test_report_figure_extends_the_forecast_layer_to_its_limit():
-    from ampdoctor import plots
+    from ampdoctor.render import plots
 
     run = growing(lambda i: 4 + 0.1 * i + noisy(i)).run()
     d = ampdoctor.diagnose(run)

@@ -195,8 +195,7 @@ def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -
                           ("absmax", "nonfinite", "dtype", "norm", "update", "numel"))
     steps = run.steps
     scaler = bool(len(steps)) and bool(np.isfinite(steps["scale"]).any())
-    roots = run.meta.get("roots")
-    roots = {str(r) for r in roots} if isinstance(roots, list) else set()
+    roots = set(run.roots)
     kind_of = np.array([int(x.kind) for x in found], np.int64)
     lk = kind_of[rows["layer"]] if len(rows) else np.zeros(0, np.int64)
     half = rows["dtype"] == int(DType.FLOAT16)
@@ -209,8 +208,7 @@ def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -
         watched &= ~root_layer[rows["layer"]]
     series = _values(rows[watched], found)
     params = _params(rows[lk == int(Kind.PARAM)])
-    every = (run.meta.get("recorder") or {}).get("every") if isinstance(
-        run.meta.get("recorder"), dict) else None
+    every = (run.recorder_settings or {}).get("every")
     if not every and len(series[0]) > 1:
         every = int(np.min(np.diff(series[0])))
     return Series(*series, every=int(every or 1), pstep=params[0], wnorm=params[1],
@@ -273,8 +271,7 @@ def _window_start(run: Any, until: Optional[int], samples: int) -> Optional[int]
         flagged = flagged[flagged < until]
     if len(flagged):
         return int(flagged[-samples]) if len(flagged) > samples else None
-    rec = run.meta.get("recorder") if isinstance(run.meta.get("recorder"), dict) else {}
-    every = rec.get("every")
+    every = (run.recorder_settings or {}).get("every")
     if not isinstance(every, int) or every <= 0:
         return None
     end = int(steps["step"][-1]) + 1 if until is None else int(until)
@@ -340,16 +337,15 @@ def _params(rows: np.ndarray) -> tuple:
 
 def _context(run: Any) -> _fixes.Context:
     """What the fix snippets may name, from the run's configuration."""
-    meta = run.meta
-    autocast = meta.get("autocast") if isinstance(meta.get("autocast"), dict) else {}
+    autocast = run.autocast or {}
     dtype = autocast.get("dtype") if autocast.get("enabled") else None
-    opt = (meta.get("optimizer") or [{}])[0] if isinstance(meta.get("optimizer"), list) else {}
-    device = meta.get("device") if isinstance(meta.get("device"), dict) else {}
+    opt = run.optimizers[0] if run.optimizers else {}
+    device = run.device or {}
     return _fixes.Context(
         device=str(autocast.get("device_type") or device.get("type") or "cuda"),
         optimizer=str(opt.get("class") or "AdamW"), lr=(opt.get("hyper") or {}).get("lr"),
         autocast=dtype, low={"float16": "fp16", "bfloat16": "bf16"}.get(dtype),
-        scaler=isinstance(meta.get("scaler"), dict))
+        scaler=run.scaler is not None)
 
 
 def _module_types(run: Any) -> dict:

@@ -228,8 +228,7 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
 def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:
     """With clip_grad_norm_'s recorded max_norm (/meta ``clip``): how much the clip cut the
     updates, the median norm it saw over max_norm."""
-    max_norm = (f.meta.get("clip") or {}).get("max_norm") if isinstance(
-        f.meta.get("clip"), dict) else None
+    max_norm = (f.run.clip or {}).get("max_norm")
     if not isinstance(max_norm, (int, float)) or max_norm <= 0 or not ran.any():
         return None
     seen = float(np.median(clip[ran]))

@@ -316,6 +316,8 @@ META_KEYS = {
     "scaler": "GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)",
     "optimizer": "one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)",
     "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
+    "clip": "clip_grad_norm_ as called: max_norm ('tensor' if one was given), norm_type, "
+            "foreach; rewritten when they change (Run.clip)",
 }
 
 STATUS_RUNNING = "running"

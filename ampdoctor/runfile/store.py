@@ -648,6 +648,11 @@ class Run:
         return self._meta_dict("recorder")
 
     @property
+    def clip(self) -> dict[str, Any] | None:
+        """``{"max_norm": 1.0, "norm_type": 2.0, "foreach": None}``, the latest call's."""
+        return self._meta_dict("clip")
+
+    @property
     def torch_info(self) -> dict[str, Any] | None:
         return self._meta_dict("torch")
 

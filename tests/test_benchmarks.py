@@ -1,4 +1,4 @@
-"""The benchmarks still run (tiny sizes): the README quotes them, so they must not rot.
+"""The benchmarks still run (tiny sizes): the docs quote them, so they must not rot.
 
 Nothing here is timed: the figures are measured by running the scripts themselves.
 """

@@ -1,7 +1,9 @@
-"""The CLI veneer: help for every command, README coverage, exit codes, renderings."""
+"""The CLI veneer: help for every command, README and docs/ coverage, exit codes, renderings."""
 
+import glob
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -31,7 +33,10 @@ def test_every_command_has_help_and_is_in_the_readme(name):
     result = CliRunner().invoke(cli.cli, [name, "--help"])
     assert result.exit_code == 0 and "Usage" in result.output
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert f"ampdoctor {name}" in readme
+    assert f"ampdoctor {name}" in readme  # the front door names every command
+    docs = [open(p).read() for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    heading = re.compile(rf"^#+ .*`ampdoctor {name}\b", re.M)
+    assert any(heading.search(text) for text in [readme, *docs]), f"no section on {name}"
 
 
 def test_diagnose_text_json_markdown(recorded):

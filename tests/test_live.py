@@ -498,7 +498,7 @@ def test_top_follows_a_real_recording_to_its_diagnosis(tmp_path):
 
 @pytest.mark.slow
 def test_live_cost_benchmark_runs(tmp_path):
-    """The README quotes it: it must keep running (nothing timed here)."""
+    """docs/performance.md quotes it: it must keep running (nothing timed here)."""
     import json
 
     out = tmp_path / "cost.json"

@@ -21,7 +21,7 @@ import os
 import select
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -135,13 +135,20 @@ def _vlen_attrs(f: h5py.File, keys: list[str]) -> dict[str, str]:
 
     if not hasattr(os, "fork"):
         return read()
+    out = _answer_in_child(read, VLEN_SECONDS)
+    return {k: v for k, v in out.items() if isinstance(v, str)} if isinstance(out, dict) else {}
+
+
+def _answer_in_child(work: Callable[[], Any], seconds: float) -> Any:
+    """``work()``, computed in a forked child and sent back as JSON; {} when the child does not
+    answer within ``seconds`` (it is killed then) or answers what is not JSON."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: answer through the pipe, never return into the caller
         code = 1
         try:
             os.close(r)
-            answer = memoryview(json.dumps(read()).encode())
+            answer = memoryview(json.dumps(work()).encode())
             while answer:
                 answer = answer[os.write(w, answer):]
             code = 0
@@ -149,7 +156,7 @@ def _vlen_attrs(f: h5py.File, keys: list[str]) -> dict[str, str]:
             os._exit(code)
     os.close(w)
     chunks: list[bytes] = []
-    deadline = time.monotonic() + VLEN_SECONDS
+    deadline = time.monotonic() + seconds
     try:
         while True:
             left = deadline - time.monotonic()
@@ -165,7 +172,6 @@ def _vlen_attrs(f: h5py.File, keys: list[str]) -> dict[str, str]:
         os.close(r)
         os.waitpid(pid, 0)
     try:
-        out = json.loads(b"".join(chunks) or b"{}")
+        return json.loads(b"".join(chunks) or b"{}")
     except ValueError:
         return {}
-    return {k: v for k, v in out.items() if isinstance(v, str)} if isinstance(out, dict) else {}

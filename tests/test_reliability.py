@@ -20,7 +20,7 @@ import pytest
 from conftest import PYTHON, ROOT, python_env
 
 from ampdoctor.diagnosis import engine as analyze
-from ampdoctor.runfile import schema, store
+from ampdoctor.runfile import attributes, schema, store
 
 HARNESS = os.path.join(ROOT, "tests", "reliability_harness.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -35,12 +35,12 @@ def _cases():
             for k, at in enumerate(spread(16, seed=7))]
     kill += [
         # Inside a flush: in the middle of the table writes, and deep in h5py.
-        {"id": "kill-flush-tables", "call": ["store.py", "_append_rows", 14, 1]},
-        {"id": "kill-flush-h5py", "call": ["store.py", "flush", 9, 60]},
+        {"id": "kill-flush-tables", "call": ["runfile/writer.py", "_append_rows", 14, 1]},
+        {"id": "kill-flush-h5py", "call": ["runfile/writer.py", "flush", 9, 60]},
         # During the forensic replay of the NaN step, and while its snapshot is written.
         {"id": "kill-replay", "call": ["forensics.py", "_run", 1, 300]},
         {"id": "kill-snapshot", "call": ["forensics.py", "_write", 1, 300]},
-        {"id": "kill-close", "call": ["store.py", "close", 1, 30]},
+        {"id": "kill-close", "call": ["runfile/writer.py", "close", 1, 30]},
     ]
     # Killed from outside, a fraction of a millisecond into a flush (lands inside C code).
     kill += [{"id": f"kill-async-{k}", "async_flush": 4 + 5 * k, "delay_us": 150 * k}
@@ -53,7 +53,7 @@ def _cases():
               "signal": signal.SIGTERM},
              # Lands in ampdoctor's flush: waits for it, then the script's handler runs once.
              {"id": "term-user-handler-in-flush", "user_handler": True,
-              "call": ["store.py", "flush", 6, 5], "signal": signal.SIGTERM}]
+              "call": ["runfile/writer.py", "flush", 6, 5], "signal": signal.SIGTERM}]
     raised = [{"id": "raise-with", "raise_at": 7},
               {"id": "raise-no-with", "raise_at": 7, "with": False}]
     return kill + term + raised
@@ -601,8 +601,10 @@ def test_output_directory_removed_mid_run_strict(tmp_path):
 def test_a_write_error_keeps_what_was_flushed(tmp_path, monkeypatch):
     import errno
 
+    from ampdoctor.runfile import writer
+
     path = tmp_path / "run.h5"
-    real = store._append_rows
+    real = writer._append_rows
     calls = []
 
     def full(ds, rows):
@@ -611,7 +613,7 @@ def test_a_write_error_keeps_what_was_flushed(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(ds, rows)
 
-    monkeypatch.setattr(store, "_append_rows", full)
+    monkeypatch.setattr(writer, "_append_rows", full)
     recorded, said = _record(path, 10)
     _same(recorded, _plain(10))
     assert len(said) == 1, said
@@ -896,6 +898,6 @@ def test_variable_length_attributes_with_a_damaged_heap_do_not_hang(tmp_path, mo
     data[obj + 8:obj + 16] = bytes(8)
     path = tmp_path / "hang.h5"
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(store, "VLEN_SECONDS", 1.0)
+    monkeypatch.setattr(attributes, "VLEN_SECONDS", 1.0)
     with pytest.raises(store.RunFileError, match="format attribute could not be read"):
         store.load(path)

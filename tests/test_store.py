@@ -10,7 +10,7 @@ import pytest
 from conftest import PYTHON, python_env
 
 from ampdoctor.errors import FormatTooNewError, RunFileError
-from ampdoctor.runfile import schema, store
+from ampdoctor.runfile import hdf5, schema, store, writer
 
 
 def write_small(path, steps=5, close=True):
@@ -212,8 +212,8 @@ def test_lookup3_is_the_checksum_hdf5_writes(tmp_path):
     path = str(tmp_path / "r.h5")
     write_small(path)
     head = open(path, "rb").read(48)
-    assert int.from_bytes(head[44:48], "little") == store._lookup3(head[:44])
-    assert store._lookup3(b"") == 0xDEADBEEF  # lookup3's value for no bytes, initval 0
+    assert int.from_bytes(head[44:48], "little") == hdf5.lookup3(head[:44])
+    assert hdf5.lookup3(b"") == 0xDEADBEEF  # lookup3's value for no bytes, initval 0
 
 
 def test_superblock_end_of_file_is_clamped_to_the_file(tmp_path):
@@ -221,14 +221,14 @@ def test_superblock_end_of_file_is_clamped_to_the_file(tmp_path):
     write_small(path)
     head = open(path, "rb").read(48)
     size = os.path.getsize(path)
-    assert store._superblock_with_eof(head, size) is None  # nothing to fix
-    fixed = store._superblock_with_eof(head, size - 100)
+    assert hdf5.superblock_with_eof(head, size) is None  # nothing to fix
+    fixed = hdf5.superblock_with_eof(head, size - 100)
     assert fixed[:28] == head[:28] and fixed[36:44] == head[36:44]
     assert int.from_bytes(fixed[28:36], "little") == size - 100
-    assert int.from_bytes(fixed[44:48], "little") == store._lookup3(fixed[:44])
+    assert int.from_bytes(fixed[44:48], "little") == hdf5.lookup3(fixed[:44])
     damaged = bytearray(head)
     damaged[40] ^= 1  # the root group's address
-    assert store._superblock_with_eof(bytes(damaged), size - 100) is None  # checksum fails
+    assert hdf5.superblock_with_eof(bytes(damaged), size - 100) is None  # checksum fails
 
 
 def test_a_failed_flush_never_writes_again_and_the_file_keeps_what_was_flushed(tmp_path,
@@ -244,7 +244,7 @@ def test_a_failed_flush_never_writes_again_and_the_file_keeps_what_was_flushed(t
     def full(ds, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "_append_rows", full)
+    monkeypatch.setattr(writer, "_append_rows", full)
     more = schema.empty("steps", 2)
     more["step"], more["time"] = [3, 4], 1.0
     w.append("steps", more)

@@ -303,7 +303,7 @@ ROOT_ATTRS = ("format", "format_version", "ampdoctor_version", "created", "pid",
               "rank", "world_size", "argv")
 
 # Keys of /meta (JSON values, the last row of a key wins), each read through the ``Run``
-# accessor named here (runfile/store.py), never parsed ad hoc.
+# accessor named here (runfile/run.py), never parsed ad hoc.
 META_KEYS = {
     "status": "how the run ended: 'running' until it did (Run.status)",
     "recorder": "the recorder's settings: every, sample, forensics, ... (Run.recorder_settings)",

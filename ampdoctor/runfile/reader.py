@@ -1,0 +1,313 @@
+"""The analysis side of the run file: ``load`` -> ``Run``, ``inspect`` for ``ampdoctor dump``.
+
+Reading never trusts the file: everything read is data (numbers, UTF-8 text, JSON; nothing is
+unpickled or evaluated), and every failure of h5py on a damaged file becomes one
+``RunFileError`` sentence naming the file. What can go wrong, and what happens then
+(tests/test_reliability.py shows each):
+
+* the file is still being written, or its writer was killed: it opens as a SWMR reader and
+  reads as it was at the writer's last flush (``Run.live``, ``Run.status``);
+* the file is damaged, truncated or not ours: ``load`` and ``inspect`` raise ``RunFileError``,
+  and never hang: a SWMR reader's metadata retries are bounded (``hdf5.open_swmr``), and
+  nothing is read from HDF5's unchecksummed global heap (``attributes``);
+* one table is damaged but ``/steps`` is not: the run loads without it (``Run.damaged``).
+
+Example::
+
+    with load("run.h5") as run:
+        print(len(run.steps), run.status)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+
+from ..errors import RunFileError
+from . import hdf5, liveness, schema
+from .attributes import check_format, root_attrs
+from .hdf5 import H5_ERRORS, reason
+from .paths import resolve
+from .run import Blob, Run, Table, decoded_rows, meta_dict, tensor_view
+
+LIVE_RETRIES = 3  # reads of a file flagged as being written (its writer may be mid-flush)
+
+ON_DEMAND = ("stats", "groups")  # tables read by range when asked, never whole at load
+# Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
+READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "meta", "tensors",
+              schema.BLOB)
+
+
+def load(path: str | os.PathLike) -> Run:
+    """Open a run file and return its ``Run``.
+
+    Raises ``RunFileError`` (one sentence naming the file) for anything that is not a readable
+    ampdoctor run of a version this ampdoctor knows. Works on a file that is still being
+    written: it sees every row up to the writer's last flush.
+
+    Example::
+
+        with ampdoctor.load("run.h5") as run:
+            print(len(run.steps), run.status)
+    """
+    path = os.fspath(path)
+    return retrying(path, lambda: _load_once(path))
+
+
+@contextlib.contextmanager
+def opened(run: Any, caller: str = "this") -> Iterator[Run]:
+    """The one way a path or a ``Run`` becomes a loaded ``Run``: a ``Run`` is used as given (and
+    left open), a path is resolved (``run.h5``, else its rank files: rank 0 stands for the
+    training) and loaded, and closed at the end.
+
+    Example::
+
+        with store.opened("run.h5") as run:
+            len(run.steps)
+    """
+    if isinstance(run, Run):
+        yield run
+        return
+    if not isinstance(run, (str, os.PathLike)):
+        raise TypeError(f"{caller}() takes a path or a Run, not {type(run).__name__}")
+    with load(resolve(os.fspath(run))[0]) as loaded:
+        yield loaded
+
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """What a file holds, for ``ampdoctor dump``: attributes, meta, and each table's rows.
+
+    Unlike ``load`` it shows a damaged run as far as it can (a missing or unreadable table is
+    listed as missing), but it still refuses what is not an ampdoctor run.
+    """
+    path = os.fspath(path)
+    return retrying(path, lambda: _inspect_once(path))
+
+
+# -- opening ---------------------------------------------------------------------------------
+
+
+def retrying(path: str, read: Any) -> Any:
+    """``read()``, tried again a few times for a file flagged as being written: its writer
+    may have been half-way through a flush. A damaged file fails the same way each time."""
+    tries = LIVE_RETRIES if hdf5.flagged_as_written(path) else 1
+    for attempt in range(tries):
+        try:
+            return read()
+        except RunFileError:
+            if attempt == tries - 1:
+                raise
+        time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def open_file(path: str) -> tuple[h5py.File, bool]:
+    """Open ``path`` read-only; return the file and whether it is flagged as being written.
+
+    A file whose writer has not closed it (still running, or killed) can only be opened by
+    a SWMR reader. Such a reader skips HDF5's end-of-file check and retries unreadable
+    metadata, so a truncated file is refused here first, and the retries are bounded.
+    """
+    _check_path(path)
+    if not hdf5.flagged_as_written(path):
+        try:
+            return h5py.File(path, "r"), False
+        except H5_ERRORS as exc:
+            message = str(exc)
+            if "signature" in message:
+                raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)") from None
+            if "already open for write" not in message:  # a writer may just have opened it
+                raise _unopenable(path, reason(exc)) from None
+    # A live writer's flush writes the header's new end of file just before it extends the
+    # file, so "shorter than its header says" can last a moment: `load` tries again.
+    size = os.path.getsize(path)
+    superblock = hdf5.read_superblock(path)
+    if superblock is not None and size < superblock.end:
+        raise _unopenable(path, "shorter than its header says")
+    try:
+        return hdf5.open_swmr(path), True
+    except H5_ERRORS as exc:
+        raise _unopenable(path, reason(exc)) from None
+
+
+def _unopenable(path: str, why: str) -> RunFileError:
+    return RunFileError(f"{path} could not be opened as HDF5 (truncated or damaged: {why})")
+
+
+def _check_path(path: str) -> None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise RunFileError(f"{path} cannot be read ({reason(exc)})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise RunFileError(f"{path} is a directory, not a run file")
+    if not stat.S_ISREG(info.st_mode):
+        raise RunFileError(f"{path} is not a regular file, not a run file")
+    if info.st_size == 0:
+        raise RunFileError(f"{path} is empty: not an ampdoctor run file")
+    if not os.access(path, os.R_OK):
+        raise RunFileError(f"{path} cannot be read (permission denied)")
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _load_once(path: str) -> Run:
+    f, live = open_file(path)
+    try:
+        return _read(path, f, live)
+    except RunFileError:
+        f.close()
+        raise
+    except H5_ERRORS as exc:
+        f.close()
+        raise RunFileError(f"{path} is damaged and could not be read "
+                           f"({reason(exc)})") from None
+
+
+def _read(path: str, f: h5py.File, live: bool) -> Run:
+    """Read a run; tables that point into others are read before what they point at.
+
+    On a live file every table may grow between two reads. Reading the referring tables
+    (stats → tensors, rows → /blob) first means every reference read has its target.
+    """
+    attrs = root_attrs(f)
+    check_format(path, attrs)
+    # HDF5 shares one open file among every open of it in a process (a Run not closed yet):
+    # a plain open may hand back a SWMR reader's file, whose cached tables can be stale.
+    live = live or bool(f.swmr_mode)
+    raw: dict[str, Any] = {}
+    damaged = []
+    for name in READ_ORDER:  # each table's length is fixed here, in this order
+        try:
+            raw[name] = _read_table(path, f, name, live)
+        except H5_ERRORS:
+            if name == "steps":  # without its steps a run has nothing to tell
+                raise
+            damaged.append(name)  # one damaged table (a torn write) does not lose the rest
+            raw[name] = Table(schema.empty(name), name=name) if name in ON_DEMAND else \
+                Blob() if name == schema.BLOB else schema.empty(name)
+    stats, blob = raw["stats"], raw[schema.BLOB]
+    run = Run(path=path, attrs=attrs, _file=f, _blob=blob)
+    run.live = live and liveness.writer_alive(run.attrs, path)
+    run.meta = meta_dict(raw["meta"], blob)
+    run.steps = raw["steps"]
+    run.groups = raw["groups"]
+    # A writer numbers tensors 0, 1, 2... in row order; an id outside that (damage) would
+    # make a reader size its id -> tensor maps by it (a 2**31 id: gigabytes).
+    ids = raw["tensors"]["id"]
+    valid = (ids >= 0) & (ids < len(ids))
+    if not valid.all():
+        damaged.append("tensors")
+    run.tensors = tensor_view(raw["tensors"][valid], blob)
+    run.stats = stats
+    run.events = decoded_rows("events", raw["events"], blob)
+    run.snapshots = decoded_rows("snapshots", raw["snapshots"], blob)
+    run.arrays = decoded_rows("arrays", raw["arrays"], blob)
+    run.damaged = damaged
+    return run
+
+
+def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:
+    """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``."""
+    ds = dataset(path, f, name)
+    if live:
+        ds.refresh()
+    if name in ON_DEMAND:
+        return Table(ds, nrows=written_rows(ds), path=path, name=name)
+    if name == schema.BLOB:
+        return Blob(ds, path)
+    return without_unwritten_tail(name, ds[:])
+
+
+def dataset(path: str, f: h5py.File, name: str) -> Any:
+    """Table ``name`` of ``f``, checked to have the columns this reader expects."""
+    if name not in f or not isinstance(f[name], h5py.Dataset):
+        raise RunFileError(f"{path} is damaged: table /{name} is missing")
+    ds = f[name]
+    if ds.dtype != expected_dtype(name) or ds.ndim != 1:
+        raise RunFileError(f"{path} is damaged: table /{name} has unexpected columns or shape")
+    return ds
+
+
+def expected_dtype(name: str) -> np.dtype:
+    """The dtype of table ``name`` (``schema.TABLES``; /blob: bytes)."""
+    return schema.TABLES.get(name, np.dtype("u1"))
+
+
+def without_unwritten_tail(name: str, rows: np.ndarray) -> np.ndarray:
+    """Rows up to the last one a writer wrote.
+
+    A flush cut short (disk full, or a kill while HDF5 evicted part of it) can leave a table
+    longer than what reached it: the rows past the end read as HDF5's fill value, zeros.
+    The writer never writes an all-zero row (text has a length, floats default to NaN, a
+    step has its time), so trailing zero rows are rows that never arrived.
+    """
+    if not len(rows):
+        return rows
+    if name == "steps":
+        written = rows["time"] != 0
+    else:
+        written = np.frombuffer(rows.tobytes(), np.uint8).reshape(len(rows), -1).any(axis=1)
+    last = np.flatnonzero(written)
+    return rows[: last[-1] + 1 if len(last) else 0]
+
+
+def written_rows(ds: Any, block: int = 4096) -> int:
+    """Like ``without_unwritten_tail`` for a table read on demand: reads only its end."""
+    n = int(ds.shape[0])
+    while n > 0:
+        start = max(0, n - block)
+        tail = without_unwritten_tail(ds.name.lstrip("/"), ds[start:n])
+        if len(tail):
+            return start + len(tail)
+        n = start
+    return 0
+
+
+# -- inspecting ------------------------------------------------------------------------------
+
+
+def _inspect_once(path: str) -> dict[str, Any]:
+    f, live = open_file(path)
+    with f:
+        attrs = root_attrs(f)
+        version = check_format(path, attrs)
+        info: dict[str, Any] = {"path": path, "format_version": version, "attrs": attrs,
+                                "tables": {}, "live": live}
+        for name in list(schema.TABLES) + [schema.BLOB]:
+            table = info["tables"][name] = _table_info(f, name)
+            if table is not None:
+                table["damaged"] = table.pop("dtype") != expected_dtype(name)
+        try:
+            blob = Blob(f[schema.BLOB], path)
+            info["meta"] = meta_dict(f["meta"][:], blob)
+        except (*H5_ERRORS, RunFileError):
+            info["meta"] = {}
+        info["file_bytes"] = os.path.getsize(path)
+        return info
+
+
+def _table_info(f: h5py.File, name: str) -> dict[str, Any] | None:
+    try:
+        obj = f.get(name)
+        if not isinstance(obj, h5py.Dataset):
+            return None
+        return {
+            "rows": int(obj.shape[0]) if obj.ndim else 0,
+            "columns": list(obj.dtype.names or ("bytes",)),
+            "chunk_rows": obj.chunks[0] if obj.chunks else None,
+            "compression": obj.compression,
+            "stored_bytes": int(obj.id.get_storage_size()),
+            "dtype": obj.dtype if obj.ndim == 1 else None,
+        }
+    except H5_ERRORS:
+        return None

@@ -1,0 +1,331 @@
+"""A run as read: ``Run`` and its tables (``Table``, read on demand; ``Blob``, the byte heap).
+
+These are the objects the analysis side works on. ``reader.load`` fills a ``Run`` from a file
+(and ``tail.Tail`` hands out new rows decoded the same way); tests build one in memory from
+numpy arrays. What is read is data only: numbers, UTF-8 text from ``/blob``, JSON in
+``/meta``. A read that fails on a damaged file raises ``RunFileError`` naming the file.
+
+Decoding lives here too, so that a loaded run and a followed one read alike: ``decoded``
+(text references to strings), ``decoded_rows`` (a table as a ``Run`` holds it),
+``tensor_view`` and ``meta_dict``.
+
+Example::
+
+    run = Run(steps=schema.empty("steps", 3), stats=Table(schema.empty("stats")))
+    run.status                  # 'interrupted': no writer closed it
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import RunFileError
+from . import schema
+from .hdf5 import H5_ERRORS, reason
+
+BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
+
+# The text columns of each table a Run holds decoded, in the order a Tail hands them out.
+TEXTS = {"events": ["text"], "arrays": ["name"],
+         "snapshots": ["module", "module_type", "detail"]}
+
+
+class Table:
+    """Rows of one table, read on demand: columns, slices and chunks, never more than asked.
+
+    Wraps an HDF5 dataset (a loaded run) or a numpy array (a run built in memory, tests).
+    A read that fails on a damaged file raises ``RunFileError`` naming the file.
+    """
+
+    def __init__(self, data: Any, nrows: int | None = None, path: str | None = None,
+                 name: str = "stats"):
+        self._data = data
+        self._n = len(data) if nrows is None else nrows
+        self.dtype = data.dtype
+        self._path = path
+        self._name = name
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _read(self, what: Any, start: int, stop: int | None) -> np.ndarray:
+        stop = self._n if stop is None else min(stop, self._n)
+        if isinstance(self._data, np.ndarray):
+            data = self._data if what is None else self._data[what]
+            return data[start:stop]
+        if stop <= start:
+            dtype = self.dtype if what is None else (
+                self.dtype[what] if isinstance(what, str)
+                else np.dtype([(n, self.dtype[n]) for n in what]))
+            return np.empty(0, dtype)
+        try:
+            source = self._data if what is None else self._data.fields(what)
+            return source[start:stop]
+        except H5_ERRORS as exc:
+            raise RunFileError(f"{self._path} is damaged: reading /{self._name} failed "
+                               f"({reason(exc)})") from None
+
+    def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._read(name, start, stop)
+
+    def columns(self, names: list[str] | tuple[str, ...], start: int = 0,
+                stop: int | None = None) -> np.ndarray:
+        return self._read(list(names), start, stop)
+
+    def rows(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._read(None, start, stop)
+
+    def chunks(self, size: int = 1 << 16, names: tuple[str, ...] | None = None
+               ) -> Iterator[np.ndarray]:
+        """Iterate over the table ``size`` rows at a time (bounded memory)."""
+        for start in range(0, self._n, size):
+            if names is None:
+                yield self.rows(start, start + size)
+            else:
+                yield self.columns(names, start, start + size)
+
+    def read(self) -> np.ndarray:
+        return self.rows()
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``table["lr"]``: a whole column; anything else indexes the rows (reads them all)."""
+        return self.column(key) if isinstance(key, str) else self.rows()[key]
+
+
+class Blob:
+    """The /blob byte heap: text and array bytes by (offset, length).
+
+    A small heap is read once; a large one (snapshots' batches) is read by range, so that
+    decoding a few names never loads the saved arrays.
+    """
+
+    def __init__(self, data: Any = None, path: str | None = None):
+        self._path = path
+        self._ds = None
+        self._bytes = b""
+        if isinstance(data, (bytes, bytearray, np.ndarray)):
+            self._bytes = bytes(np.asarray(data, dtype="u1").tobytes()
+                                if isinstance(data, np.ndarray) else data)
+            self.size = len(self._bytes)
+        elif data is not None:
+            self.size = int(data.shape[0])
+            if self.size <= BLOB_WHOLE:
+                self._bytes = np.asarray(data[:]).tobytes()
+            else:
+                self._ds = data
+        else:
+            self.size = 0
+
+    def read(self, off: int, length: int) -> bytes | None:
+        """The bytes at ``off``, or None when the range lies outside the heap (damage)."""
+        if length <= 0:
+            return b""
+        if off < 0 or off + length > self.size:
+            return None
+        if self._ds is None:
+            return self._bytes[off:off + length]
+        try:
+            return np.asarray(self._ds[off:off + length]).tobytes()
+        except H5_ERRORS as exc:
+            raise RunFileError(f"{self._path} is damaged: reading /blob failed "
+                               f"({reason(exc)})") from None
+
+    def text(self, off: int, length: int) -> str:
+        """Text at a reference; '' for a reference outside the heap (a damaged file)."""
+        raw = self.read(off, length)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype", "i1"),
+                        ("numel", "<i8"), ("name", object), ("type", object)])
+
+
+@dataclass
+class Run:
+    """A recorded run: numpy views of every table plus what the run learnt about itself.
+
+    ``steps``, ``events``, ``snapshots``, ``arrays`` and ``tensors`` are loaded whole (text
+    decoded to ``str``); ``stats`` and ``groups`` (a row per step and param group, which the
+    analysis does not need) are ``Table``s read on demand: ``run.groups["lr"]``.
+
+    Example::
+
+        run = ampdoctor.load("run.h5")
+        run.steps["scale"]          # loss scale before each update
+        run.meta["autocast_dtype"]  # 'float16'
+        run.tensor_name(7)          # 'blocks.3.attn'
+    """
+
+    path: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    steps: np.ndarray = field(default_factory=lambda: schema.empty("steps"))
+    groups: Any = field(default_factory=lambda: Table(schema.empty("groups"), name="groups"))
+    tensors: np.ndarray = field(default_factory=lambda: np.zeros(0, TENSOR_VIEW))
+    stats: Table = field(default_factory=lambda: Table(schema.empty("stats")))
+    events: np.ndarray = field(default_factory=lambda: _no_rows("events"))
+    snapshots: np.ndarray = field(default_factory=lambda: _no_rows("snapshots"))
+    arrays: np.ndarray = field(default_factory=lambda: _no_rows("arrays"))
+    live: bool = False  # the writer has the file open and is still running
+    damaged: list = field(default_factory=list)  # tables that could not be read (left empty)
+    _file: Any = field(default=None, repr=False)
+    _blob: Any = field(default=None, repr=False)
+
+    def _meta_dict(self, key: str) -> dict[str, Any] | None:
+        value = self.meta.get(key)
+        return value if isinstance(value, dict) else None
+
+    # Typed views of /meta (schema.META_KEYS): None (or []) when the run did not record it.
+    @property
+    def autocast(self) -> dict[str, Any] | None:
+        """``{"enabled": True, "dtype": "float16", "device_type": "cuda", ...}``"""
+        return self._meta_dict("autocast")
+
+    @property
+    def scaler(self) -> dict[str, Any] | None:
+        return self._meta_dict("scaler")
+
+    @property
+    def device(self) -> dict[str, Any] | None:
+        return self._meta_dict("device")
+
+    @property
+    def model(self) -> dict[str, Any] | None:
+        return self._meta_dict("model")
+
+    @property
+    def sharding(self) -> dict[str, Any] | None:
+        return self._meta_dict("sharding")
+
+    @property
+    def compiled(self) -> dict[str, Any] | None:
+        return self._meta_dict("compiled")
+
+    @property
+    def recorder_settings(self) -> dict[str, Any] | None:
+        return self._meta_dict("recorder")
+
+    @property
+    def clip(self) -> dict[str, Any] | None:
+        """``{"max_norm": 1.0, "norm_type": 2.0, "foreach": None}``, the latest call's."""
+        return self._meta_dict("clip")
+
+    @property
+    def torch_info(self) -> dict[str, Any] | None:
+        return self._meta_dict("torch")
+
+    @property
+    def optimizers(self) -> list[dict[str, Any]]:
+        opt = self.meta.get("optimizer")
+        return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []
+
+    @property
+    def roots(self) -> list[str]:
+        roots = self.meta.get("roots")
+        return [str(r) for r in roots] if isinstance(roots, list) else []
+
+    @property
+    def status(self) -> str:
+        """'finished', 'exception:<Type>', 'signal:<NAME>', 'running' (still being written),
+        or 'interrupted' (the writer never closed the file: it was killed)."""
+        status = self.meta.get("status", schema.STATUS_RUNNING)
+        if not isinstance(status, str) or status == schema.STATUS_RUNNING:
+            return "running" if self.live else "interrupted"
+        return status
+
+    @property
+    def rank(self) -> int:
+        return int(self.attrs.get("rank", 0))
+
+    def tensor_name(self, tensor_id: int) -> str:
+        rows = self.tensors[self.tensors["id"] == tensor_id]
+        return str(rows["name"][0]) if len(rows) else f"<tensor {tensor_id}>"
+
+    def array(self, row: int) -> np.ndarray:
+        """The saved array of ``arrays[row]`` (a snapshot's batch), as numpy."""
+        meta = self.arrays[row]
+        blob = self._blob if isinstance(self._blob, Blob) else Blob(self._blob)
+        raw = blob.read(int(meta["data_off"]), int(meta["data_len"]))
+        try:
+            dtype = np.dtype(bytes(meta["dtype"]).decode("ascii"))
+            if dtype.kind not in "biuf" or dtype.fields or dtype.subdtype or raw is None:
+                raise ValueError(f"array {row} has an unusable dtype or data")
+            shape = tuple(int(d) for d in meta["shape"][: max(0, int(meta["ndim"]))])
+            out = np.frombuffer(raw, dtype=dtype)
+            if int(meta["saved"]) != int(meta["numel"]) and shape:
+                shape = (-1,) + shape[1:]
+            return out.reshape(shape)
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{self.path} is damaged: saved array {row} cannot be read "
+                               f"({exc})") from None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def decoded(rows: np.ndarray, texts: list[str], blob: Blob | None = None) -> np.ndarray:
+    """Replace each (name_off, name_len) pair by a ``name`` column of Python strings."""
+    fields = [(n, rows.dtype[n]) for n in rows.dtype.names or ()
+              if not any(n in (f"{t}_off", f"{t}_len") for t in texts)]
+    out = np.zeros(len(rows), fields + [(t, object) for t in texts])
+    for name, _ in fields:
+        out[name] = rows[name]
+    for t in texts:
+        out[t] = [blob.text(int(o), int(n)) if blob is not None else ""
+                  for o, n in zip(rows[f"{t}_off"], rows[f"{t}_len"])]
+    return out
+
+
+def _no_rows(table: str) -> np.ndarray:
+    return decoded(schema.empty(table), TEXTS[table])
+
+
+def decoded_rows(table: str, rows: np.ndarray, blob: Blob | None = None) -> np.ndarray:
+    """Rows of ``events``, ``arrays`` or ``snapshots`` as a ``Run`` holds them: text decoded
+    (``TEXTS``), and a snapshot's code this reader does not know read as UNKNOWN."""
+    if table == "snapshots":
+        _known(rows, "phase", schema.Phase, schema.Phase.UNKNOWN)
+        _known(rows, "autocast", schema.DType, schema.DType.UNKNOWN)
+    return decoded(rows, TEXTS[table], blob)
+
+
+def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:
+    """A code this reader does not know (damage, or a later writer) reads as ``unknown``."""
+    valid = np.isin(rows[column], [int(c) for c in codes])
+    rows[column] = np.where(valid, rows[column], int(unknown))
+
+
+def meta_dict(rows: np.ndarray, blob: Blob) -> dict[str, Any]:
+    """``/meta`` rows as ``Run.meta``: key -> JSON value (the text itself where it is not JSON);
+    a later row for a key wins."""
+    meta: dict[str, Any] = {}
+    for row in rows:
+        key = bytes(row["key"]).decode(errors="replace")
+        text = blob.text(int(row["value_off"]), int(row["value_len"]))
+        try:
+            meta[key] = json.loads(text)
+        except (ValueError, RecursionError):
+            meta[key] = text
+    return meta
+
+
+def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
+    """``/tensors`` rows as ``Run.tensors`` (``TENSOR_VIEW``): names and types as strings."""
+    out = np.zeros(len(rows), TENSOR_VIEW)
+    for name in ("id", "kind", "index", "dtype", "numel"):
+        out[name] = rows[name]
+    out["name"] = [blob.text(int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
+    out["type"] = [blob.text(int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
+    return out

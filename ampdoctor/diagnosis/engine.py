@@ -2,7 +2,7 @@
 
 numpy only: this module (like ``store`` reading and ``report``) never imports torch.
 
-The engine is a list of small rules (``rules.py``) over ``Facts`` (``facts.py``: views of a
+The engine is a list of small rules (``rules.RULES``) over ``Facts`` (``facts.py``: views of a
 run computed once, streaming the big stats table). Each rule returns a ``Finding`` or None.
 Findings are root causes or consequences (a scale collapse is the consequence of an
 overflowing op); the verdict is the strongest root cause, the consequences and any other
@@ -25,9 +25,9 @@ from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
 from . import forecast, ranks
-from . import progress as _progress  # failures without a NaN
-from . import rules as _rules
 from .facts import Facts
+from .progress import flat_warning
+from .rules import RULES
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
@@ -152,8 +152,6 @@ FLAT_CONFIDENCE = 0.6
 def _healthy(f: Any) -> Finding:
     """No rule fired. When the loss did not fall, the headline says so (a warning, not a
     verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
-    from .progress import flat_warning
-
     found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
     warning = flat_warning(f) if f.n else None
     if warning is not None:
@@ -200,8 +198,8 @@ def _checked(f: Any) -> list[Evidence]:
         st = f.story
         ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
                            f"{st.min_scale:g})", "loss_scale", st.final_scale))
-    stats = f.stats
-    under = stats.layer_under
+    reduced = f.reduced
+    under = reduced.layer_under
     measured = np.isfinite(under)
     if measured.any() and f.low_precision:
         worst = int(np.nanargmax(np.where(measured, under, -1)))
@@ -210,7 +208,7 @@ def _checked(f: Any) -> list[Evidence]:
                            f"non-zero gradient in the {f.low_precision} subnormal band",
                            "worst_layer_underflow", float(under[worst]), None,
                            f.tensor_names[worst]))
-    upd = stats.upd_log[np.isfinite(stats.upd_log)]
+    upd = reduced.upd_log[np.isfinite(reduced.upd_log)]
     if len(upd):
         ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
                            "(median over the sampled steps)", "update_ratio",
@@ -250,7 +248,7 @@ def _missing(f: Any) -> str:
             missing.append("no forensic replay was recorded for the failing steps")
     if not f.sampled_steps:
         missing.append("no sampled step (per-layer statistics) was recorded")
-    elif f.stats.first_nonfinite is None:
+    elif f.reduced.first_nonfinite is None:
         missing.append("the sampled steps saw no non-finite value")
     return ("The root cause could not be told: " + "; ".join(missing) + ".") if missing else \
         "No recorded signal points to one cause."
@@ -313,7 +311,7 @@ def _flat_notes(f: Any, top: Finding) -> list[str]:
     """Where to look when the loss did not fall and nothing numeric explains it."""
     if not any(e.key == "loss_flat" for e in top.evidence):
         return []
-    upd = f.stats.upd_log[np.isfinite(f.stats.upd_log)]
+    upd = f.reduced.upd_log[np.isfinite(f.reduced.upd_log)]
     moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
              "(median update ratio on the sampled steps).") if len(upd) else (
         " No sampled step measured how far the weights move: record with `--every N`.")
@@ -431,5 +429,3 @@ def _risks(f: Any) -> list[str]:
                    "calibrated its scale: normal.")
     return out
 
-
-RULES = _rules.RULES + _progress.RULES

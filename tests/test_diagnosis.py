@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from synthetic import Synth, grow
 
-from ampdoctor.diagnosis import engine
-from ampdoctor.diagnosis import culprit, fixes, misuse, overflow, thresholds, trends
+from ampdoctor.diagnosis import culprit, engine, fixes, misuse, overflow, thresholds, trends
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts, fp16_rounds_to_zero
 from ampdoctor.diagnosis.scale import runs_of

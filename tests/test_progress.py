@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from synthetic import Synth
 
-from ampdoctor.diagnosis import curve, progress
-from ampdoctor.diagnosis import engine
+from ampdoctor.diagnosis import curve, engine, progress
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
 from ampdoctor.runfile.schema import Kind

@@ -108,13 +108,11 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
     cut = _clip_cut(f, clip, ran)
     if cut:
         ev.append(cut)
-    return Finding("clip_order", 0.95 if len(ev_rows) else 0.85,
+    return _misuse(f, "clip_before_unscale", 0.95 if len(ev_rows) else 0.85,
                    "Gradients are clipped before scaler.unscale_: clip_grad_norm_ sees the "
                    "loss-scaled norm (S times too large), so every step is cut down by the "
-                   "scale and the model barely learns.", ev,
-                   fixes.make(["unscale_before_clip"], f.fix_context(step=first)),
-                   first_bad(first, None, "optimizer"), priority=PRIORITY["misuse"],
-                   kind="clip_before_unscale")
+                   "scale and the model barely learns.", ev, "unscale_before_clip", first,
+                   "optimizer")
 
 
 def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:
@@ -140,12 +138,10 @@ def rule_scaler_bypass(f: Facts) -> Optional[Finding]:
     ev = [Evidence(f"optimizer.step() ran outside scaler.step() on {len(rows)} steps (first at "
                    f"step {first}), with gradients still multiplied by the loss scale",
                    "bypass_steps", float(len(rows)), first)]
-    return Finding("clip_order", 0.9, "The optimizer is stepped directly (optimizer.step()) "
-                   "although a GradScaler scales the loss: the update uses gradients still "
-                   "multiplied by the scale, and steps with inf/NaN are not skipped.", ev,
-                   fixes.make(["use_scaler_step"], f.fix_context(step=first)),
-                   first_bad(first, None, "optimizer"), priority=PRIORITY["misuse"],
-                   kind="step_bypasses_scaler")
+    return _misuse(f, "step_bypasses_scaler", 0.9, "The optimizer is stepped directly "
+                   "(optimizer.step()) although a GradScaler scales the loss: the update uses "
+                   "gradients still multiplied by the scale, and steps with inf/NaN are not "
+                   "skipped.", ev, "use_scaler_step", first, "optimizer")
 
 
 def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
@@ -174,12 +170,11 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"GradScaler was created {len(created)} times "
                            f"(steps {', '.join(str(int(x)) for x in created['step'][:6])})",
                            "scalers_created", float(len(created))))
-    found = Finding("clip_order", 0.8, "The GradScaler is re-created (or its scale reset) "
-                    "during training: each new scaler starts again at init_scale and skips "
-                    "steps to recalibrate, and its growth never accumulates.", ev,
-                    fixes.make(["create_scaler_once"], f.fix_context(step=first)),
-                    first_bad(first, None, None), priority=PRIORITY["misuse"] - 2,
-                    kind="scaler_recreated")
+    # (below the other misuses: a scaler made per step also skips, which they may explain)
+    found = _misuse(f, "scaler_recreated", 0.8, "The GradScaler is re-created (or its scale "
+                    "reset) during training: each new scaler starts again at init_scale and "
+                    "skips steps to recalibrate, and its growth never accumulates.", ev,
+                    "create_scaler_once", first, None, priority=PRIORITY["misuse"] - 2)
     found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
         f.index_of(int(x)) for x in created["step"]])
     return found
@@ -220,12 +215,10 @@ def rule_stale_grads(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"replaying step {stale[0]['step']} gave finite values everywhere, "
                            "yet .grad held inf/NaN: left over from an earlier step",
                            "stale_grads", None, stale[0]["step"]))
-    return Finding("clip_order", 0.8, "Gradients are not zeroed after a skipped step: the inf "
-                   "left in .grad is added to every later gradient, so every step overflows "
-                   "and the scale halves towards 0 while the forward pass is fine.", ev,
-                   fixes.make(["zero_grad_every_step"], f.fix_context(step=first)),
-                   first_bad(first, None, "backward"), priority=PRIORITY["misuse"],
-                   kind="grad_not_zeroed")
+    return _misuse(f, "grad_not_zeroed", 0.8, "Gradients are not zeroed after a skipped step: "
+                   "the inf left in .grad is added to every later gradient, so every step "
+                   "overflows and the scale halves towards 0 while the forward pass is fine.",
+                   ev, "zero_grad_every_step", first, "backward")
 
 
 def rule_unscale_twice(f: Facts) -> Optional[Finding]:
@@ -234,10 +227,18 @@ def rule_unscale_twice(f: Facts) -> Optional[Finding]:
     if not len(rows):
         return None
     first = int(rows["step"][0])
-    return Finding("clip_order", 0.85, "scaler.unscale_ runs more than once per optimizer step "
-                   "(per micro-batch with gradient accumulation).",
+    return _misuse(f, "unscale_twice", 0.85, "scaler.unscale_ runs more than once per "
+                   "optimizer step (per micro-batch with gradient accumulation).",
                    [Evidence(f"unscale_ repeated on {len(rows)} steps (first at step {first})",
                              "unscale_twice_steps", float(len(rows)), first)],
-                   fixes.make(["fix_scaler_calls"], f.fix_context(step=first)),
-                   first_bad(first, None, "optimizer"), priority=PRIORITY["misuse"],
-                   kind="unscale_twice")
+                   "fix_scaler_calls", first, "optimizer")
+
+
+def _misuse(f: Facts, kind: str, confidence: float, summary: str, ev: list[Evidence],
+            fix_id: str, first: Optional[int], phase: Optional[str],
+            priority: int = PRIORITY["misuse"]) -> Finding:
+    """A GradScaler API misuse: verdict ``clip_order`` of ``kind``, first seen at step
+    ``first`` (in ``phase``), fixed by ``fix_id``."""
+    return Finding("clip_order", confidence, summary, ev,
+                   fixes.make([fix_id], f.fix_context(step=first)), first_bad(first, None, phase),
+                   priority=priority, kind=kind)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
@@ -196,8 +197,8 @@ def _checked(f: Any) -> list[Evidence]:
                    "finite_losses", float(finite))]
     if f.has_scaler:
         st = f.story
-        ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
-                           f"{st.min_scale:g})", "loss_scale", st.final_scale))
+        ev.append(Evidence(f"loss scale {fmt(st.init_scale)} -> {fmt(st.final_scale)} (lowest "
+                           f"{fmt(st.min_scale)})", "loss_scale", st.final_scale))
     reduced = f.reduced
     under = reduced.layer_under
     measured = np.isfinite(under)
@@ -411,7 +412,7 @@ def _risks(f: Any) -> list[str]:
         out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
                    "round away. Keep fp32 master weights if the loss stalls.")
     if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
-        out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
+        out.append(f"The loss scale grew to {fmt(f.story.final_scale)} without overflowing: "
                    "gradients this small are often zero or disconnected (a detached loss, "
                    "parameters missing from the optimizer, a loss weight of 0).")
     story = f.story
@@ -422,7 +423,7 @@ def _risks(f: Any) -> list[str]:
     elif f.has_scaler and story.post_skips:
         out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
                    "than probing explains (gradients overflowing fp16 at the current scale); "
-                   f"each skip halved the scale, now {story.final_scale:g}. Not a failure yet: "
+                   f"each skip halved the scale, now {fmt(story.final_scale)}. Not a failure yet: "
                    "watch for a falling scale.")
     elif f.has_scaler and f.story.calib_len:
         out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "

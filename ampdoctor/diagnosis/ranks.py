@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile.paths import run_name
 from ..runfile.schema import Event, Phase, flag
 
@@ -288,7 +289,7 @@ def scale_divergence(scales: dict[int, dict[int, float]]) -> Optional[dict]:
     for step in common:
         values = {r: sc[step] for r, sc in with_scale.items()}
         if max(values.values()) != min(values.values()):
-            listed = ", ".join(f"rank {r}: {v:g}" for r, v in sorted(values.items()))
+            listed = ", ".join(f"rank {r}: {fmt(v)}" for r, v in sorted(values.items()))
             return {"step": step, "scales": values,
                     "text": f"loss scale diverged across ranks at step {step} ({listed})"}
     return None

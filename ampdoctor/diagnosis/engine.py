@@ -1,6 +1,7 @@
 """Run → Diagnosis: what went wrong, where, on what evidence, and what to change.
 
-numpy only: this module (like ``store`` reading and ``report``) never imports torch.
+numpy only: like all of the analysis side (``runfile``, ``release``, ``render``), it never
+imports torch.
 
 The engine is a list of small rules (``rules.RULES``) over ``Facts`` (``facts.py``: views of a
 run computed once, streaming the big stats table). Each rule returns a ``Finding`` or None.

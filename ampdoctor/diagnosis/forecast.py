@@ -63,7 +63,7 @@ MIN_LEVEL = 4.0  # log2 of the level below which a layer is not on its way to an
 SPREAD = 2.0  # range: +-2 standard errors of the slope, +-2 residual spreads of the level
 TOP = 5  # layers listed by lowest headroom
 
-# -- the instability warning (taxonomy C2; rules.WEIGHT_GROWTH, 2x rules.UPDATE_TOO_LARGE) ----
+# -- the instability warning (taxonomy C2; overflow.WEIGHT_GROWTH, 2x overflow.UPDATE_TOO_LARGE)
 W_SAMPLES = 8  # sampled steps looked back over
 WEIGHT_GROWTH = 2.0  # the weight norm doubled over them ...
 UPDATE_HIGH = 2e-2  # ... or the median |dW|/|W| per step is at least this ...

@@ -16,7 +16,7 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
 
 Each finding answers the precision question (``precision_answer``): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
-a bf16 stall where updates round away is ``bf16_precision``'s (``rules.rule_bf16_precision``),
+a bf16 stall where updates round away is ``bf16_precision``'s (``trends.rule_bf16_precision``),
 told apart by its own signal: gradients that are *not* zero but move nothing. Exact zeros in a
 gradient are the opposite signal and never count there.
 
@@ -47,7 +47,8 @@ from .verdict import PRIORITY, Evidence, Finding, first_bad
 # Dead units: on every sampled step from the first dead one to the end, >= 90 % of the trained
 # parameters' gradient elements are exactly 0. A healthy ReLU network has far fewer even at
 # batch size 1 (a weight's gradient is 0 where either unit it joins is off: ~75 % for units
-# off half the time), and a dead one has ~100 % (the Lightning run of issue 15: 99.98 %).
+# off half the time), and a dead one has ~100 % (the Lightning run of
+# ``fixtures/lightning/issue15.py`` at LR 3.0: 99.98 %).
 DEAD_SHARE = 0.9
 # ... and the zeros are new: an earlier sample had under half of them, or a module's output is
 # exactly 0 everywhere (every unit of a layer off for the whole batch). Either tells a death
@@ -68,7 +69,8 @@ UPDATE_COLLAPSE = 1e3
 LR_KEPT = 0.1
 # Zero gradients with a zero loss are convergence (a perfect fit leaves nothing to learn), not
 # dead units: a loss whose median from the first dead sample on is at most this share of its
-# median over the first steps has reached its floor (issue 16: a pointer net at loss 0.0).
+# median over the first steps has reached its floor (a pointer network that fits its data
+# exactly sits at loss 0.0).
 LOSS_FLOOR_SHARE = 1e-3
 # A gradient norm 10x its level before the spike, within the spike's window, says the jump
 # came from the update (shown as evidence, never required: step 0 has no norm in some loops).

@@ -4,7 +4,7 @@ bounded memory.
 
 Example::
 
-    reduced = stream_stats(run, kinds, names, step_values, ...)   # see Facts.stats
+    reduced = stream_stats(run, kinds, names, step_values, ...)   # see Facts.reduced
 """
 
 from __future__ import annotations

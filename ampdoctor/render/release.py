@@ -3,8 +3,8 @@
 Reporters take data objects, never paths: ``render_release`` turns a ``release.ReleaseReport``
 into one self-contained HTML page (inline CSS, plots embedded as base64 PNG, no external
 asset or script) or Markdown for a pull request; ``render_comparison`` renders what
-``ampdoctor compare`` prints. The diagnosis itself is rendered by ``report`` (its Markdown is
-embedded as is; the HTML uses its helpers), so a verdict reads the same everywhere.
+``ampdoctor compare`` prints. The diagnosis itself is rendered by ``render/diagnosis.py`` (its
+Markdown is embedded as is; the HTML uses its helpers), so a verdict reads the same everywhere.
 
 matplotlib is imported only when an HTML page draws its figures (through ``plots``).
 """

@@ -52,7 +52,7 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
 
     if isinstance(run, (str, os.PathLike, list, tuple)):
         # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
-        paths = resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
+        paths = resolve(os.fspath(run)) if isinstance(run, (str, os.PathLike)) else list(run)
         if len(paths) > 1:
             return diagnose_files(paths, rules=rules)
         with load(paths[0]) as loaded:
@@ -66,12 +66,15 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     # The early warning never changes the verdict: healthy, it looks ahead from the last step;
     # failed, it says what it saw before the first bad step and from when it would have warned.
     step = (d.first_bad or {}).get("step")
-    if d.healthy or step is not None:
-        d.forecast = forecast.for_diagnosis(run, None if d.healthy else int(step))
+    if d.healthy:
+        d.forecast = forecast.for_diagnosis(run, None)
+    elif step is not None:
+        d.forecast = forecast.for_diagnosis(run, int(step))
     return d
 
 
-def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None):
+def diagnose_files(paths: Iterable[str], *,
+                   rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
     """Diagnose the rank files of one run together; returns one ``Diagnosis``.
 
     Example::

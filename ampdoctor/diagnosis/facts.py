@@ -185,7 +185,7 @@ class Facts:
         return int(self.steps["step"][index])
 
     def index_of(self, step: int) -> int:
-        return int(min(np.searchsorted(self.steps["step"], step), max(self.n - 1, 0)))
+        return min(int(np.searchsorted(self.steps["step"], step)), max(self.n - 1, 0))
 
     def first(self, mask: np.ndarray) -> Optional[int]:
         """Step number of the first True in a per-step mask."""
@@ -322,35 +322,33 @@ class Facts:
 
     @property
     def tensor_kinds(self) -> np.ndarray:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            kinds = np.full(size, -1, np.int64)
-            kinds[t["id"]] = t["kind"]
+        """Each tensor id's ``Kind`` (-1 for an id the /tensors table does not hold)."""
+        def build() -> np.ndarray:
+            kinds = np.full(self._id_count(), -1, np.int64)
+            kinds[self.run.tensors["id"]] = self.run.tensors["kind"]
             return kinds
         return self.memo("kinds", build)
 
     @property
     def tensor_names(self) -> list[str]:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            names = [""] * size
-            for i, name in zip(t["id"], t["name"]):
-                names[int(i)] = str(name)
-            return names
-        return self.memo("names", build)
+        """Each tensor id's name ("blocks.0.attn", "fc.weight"; "" when unknown)."""
+        return self.memo("names", lambda: self._by_id("name"))
 
     @property
     def tensor_types(self) -> list[str]:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            types = [""] * size
-            for i, ty in zip(t["id"], t["type"]):
-                types[int(i)] = str(ty)
-            return types
-        return self.memo("types", build)
+        """Each tensor id's module class ("Attention"; "" when unknown or not a module)."""
+        return self.memo("types", lambda: self._by_id("type"))
+
+    def _id_count(self) -> int:
+        t = self.run.tensors
+        return int(t["id"].max()) + 1 if len(t) else 0
+
+    def _by_id(self, column: str) -> list[str]:
+        """A /tensors text column as a list indexed by tensor id."""
+        out = [""] * self._id_count()
+        for i, value in zip(self.run.tensors["id"], self.run.tensors[column]):
+            out[int(i)] = str(value)
+        return out
 
     def module_type(self, name: str) -> Optional[str]:
         """Class of the module called ``name`` (from its OUTPUT row), if recorded."""

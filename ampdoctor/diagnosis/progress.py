@@ -361,7 +361,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
         return None
     c, dead = f.curve, dead_units(f)
     killer = _spike_into(f, dead) if dead else None
-    if killer is not None:  # the jump killed the units, whether or not the loss stayed up
+    if dead is not None and killer is not None:  # the jump killed the units, stayed up or not
         spike, kind, module = killer, "dead_units", dead.layers[0] if dead.layers else None
         how = ("the jump killed the network's units: from then on almost no gradient reaches "
                "the weights and it never trained again")
@@ -377,7 +377,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
     onset = f.step_at(spike.onset)
     answer = precision_answer(f, dead)
     ctx = _blowup_context(f, module, spike.onset)
-    conf = 0.85 if kind == "dead_units" and len(dead.steps) >= 2 else 0.75
+    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else 0.75
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}",
@@ -421,7 +421,8 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
     dead = dead_units(f)
     if dead is None:
         found = _collapsed_only(f)
-        return None if found and _at_floor(f, found.first_bad["step"]) else found
+        return None if found and found.first_bad and _at_floor(f, found.first_bad["step"]) \
+            else found
     if _at_floor(f, dead.first_step):
         return None
     c = f.curve

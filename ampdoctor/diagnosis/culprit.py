@@ -31,7 +31,7 @@ def snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:
     """The replay that best describes the failure at ``step``: the first located one at or
     after it (replays land on failing steps), else the last located one before it."""
     located = [s for s in f.snapshots if s["phase"] in ("forward", "backward")
-               and not scale_explains(s)]
+               and not _scale_explains(s)]
     if not located:
         return None
     if step is None:
@@ -40,7 +40,7 @@ def snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:
     return later[0] if later else located[-1]
 
 
-def scale_explains(snap: dict) -> bool:
+def _scale_explains(snap: dict) -> bool:
     """A backward overflow whose fp32 re-run is finite, beyond fp16 only by the loss scale: the
     unscaled gradient (fp32 abs max / S) fits fp16, so a lower scale fixes it, which GradScaler
     is there to find (taxonomy C0). A singularity (fp32 small, fp16 inf) is not this."""
@@ -59,7 +59,7 @@ def failure_replay(f: Facts) -> Optional[dict]:
         return forward[0]
     stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
-        backward = [s for s in after if s["phase"] == "backward" and not scale_explains(s)]
+        backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
     return None
 

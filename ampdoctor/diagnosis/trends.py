@@ -18,7 +18,7 @@ from .facts import Facts, module_of
 from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
 from .verdict import PRIORITY, Evidence, Finding, first_bad
 
-# -- thresholds (LAYER_UNDERFLOW, LOW_SCALE and UNCHANGED_HIGH are shared: thresholds.py) ---
+# -- thresholds ------------------------------------------------------------------------------
 
 # LAYER_UNDERFLOW, LOW_SCALE and UNCHANGED_HIGH are shared: see thresholds.py.
 # A layer under 10 % is "training normally" (C8a needs other layers healthy; C1 does not).

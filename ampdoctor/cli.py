@@ -78,12 +78,12 @@ def diagnose(run: str, fmt: str, fail_on: str) -> None:
         ampdoctor diagnose run.h5
         ampdoctor diagnose run.h5 --format json
     """
-    from .diagnosis import engine as analyze
-    from .render import diagnosis as report
+    from .diagnosis import engine
+    from .render.diagnosis import render
 
-    d = analyze.diagnose(run)
-    click.echo(report.render(d, fmt), nl=False)
-    if d.verdict in analyze.EMPTY:  # nothing to diagnose: unusable input, exit 2
+    d = engine.diagnose(run)
+    click.echo(render(d, fmt), nl=False)
+    if d.verdict in engine.EMPTY:  # nothing to diagnose: unusable input, exit 2
         reason = d.summary.rstrip(".")
         raise EmptyRunError(f"{run} holds no optimizer step to diagnose "
                             f"({reason[:1].lower() + reason[1:]})")
@@ -102,11 +102,11 @@ def dump(run: str) -> None:
     \b
         ampdoctor dump run.h5
     """
-    from .render import diagnosis as report
+    from .render.diagnosis import render_dump
     from .runfile import paths, store
 
     for path in paths.resolve(run):
-        click.echo(report.render_dump(store.inspect(path)), nl=False)
+        click.echo(render_dump(store.inspect(path)), nl=False)
 
 
 @cli.command()
@@ -140,9 +140,9 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
     """
-    from .release import report as release
+    from .release.report import release_report
     from .render import files as outputs
-    from .render import release as report_release
+    from .render.release import render_release
 
     if plots_dir is not None and fmt != "markdown":
         raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
@@ -152,11 +152,11 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
                          + ([parity_file] if parity_file else []))
     if plots_dir is not None:
         outputs.check_dir(plots_dir)
-    with release.release_report(run, baseline, parity=parity_file) as r:
+    with release_report(run, baseline, parity=parity_file) as r:
         images = None
         if plots_dir is not None:
             images = outputs.write_plots(r, plots_dir, relative_to=target)
-        text = report_release.render_release(r, fmt, images)
+        text = render_release(r, fmt, images)
     outputs.write(target, text)
     if target != "-":
         click.echo(f"ampdoctor: wrote {target} ({r.diagnosis.verdict}"
@@ -194,10 +194,10 @@ def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: 
         ampdoctor compare fp32.h5 amp.h5 --fail-on diverged     # exit 1 if it diverged
     """
     from .release import comparison
-    from .render import release as report_release
+    from .render.release import render_comparison
 
     c = comparison.compare(base, amp, rtol=rtol, diverge=diverge, window=window)
-    click.echo(report_release.render_comparison(c, fmt), nl=False)
+    click.echo(render_comparison(c, fmt), nl=False)
     if (fail_on == "diverged" and c.verdict == "diverged") or (
             fail_on == "drift" and c.verdict in ("drift", "diverged")):
         sys.exit(1)
@@ -276,9 +276,9 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
         ampdoctor top run.h5
         ampdoctor top run.h5 --once          # one frame, for scripts
     """
-    from .diagnosis import engine as analyze
+    from .diagnosis import engine
     from .live import top as live_top
-    from .render import diagnosis as report
+    from .render.diagnosis import render
 
     opts = live_top.Options(interval=interval, wait=wait, stale=stale, rank=rank,
                             unicode=False if ascii_only else None)
@@ -287,9 +287,9 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
         sys.exit(130)
     if outcome.ended == "final" and outcome.paths:
         paths = outcome.paths
-        d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
+        d = engine.diagnose(paths if len(paths) > 1 else paths[0])
         click.echo("")
-        click.echo(report.render(d, "text"), nl=False)
+        click.echo(render(d, "text"), nl=False)
 
 
 @cli.command()

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ampdoctor import cli
-from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import engine
 from ampdoctor.errors import RunFileError  # noqa: E402
 from ampdoctor.render import diagnosis as report
 from ampdoctor.runfile import schema, store  # noqa: E402
@@ -183,7 +183,7 @@ def mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:
 def read_everything(path: str) -> str:
     """Everything a user can do with a file; returns 'diagnosis' or 'refused'."""
     try:
-        d = analyze.diagnose(path)
+        d = engine.diagnose(path)
         for fmt in report.FORMATS:
             report.render(d, fmt)
         outcome = "diagnosis"

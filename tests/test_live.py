@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
 
-from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import engine
 from ampdoctor.live import follow, frame, top
 from ampdoctor.release.readiness import underflow_share
 from ampdoctor.render import diagnosis as report
@@ -420,7 +420,7 @@ def test_export_is_read_back_by_tensorboard_as_the_run_file_holds_it(tmp_path):
         assert scalars["ampdoctor-underflow/weight_grad/blocks.0.mlp.weight"][10] == \
             pytest.approx(float(share[stats["tensor"] == row["tensor"][0]][0]))
         assert texts["ampdoctor/forensics"] == [(9, frame.events(run)[0].text)]
-    diagnosis = report.render(analyze.diagnose(path), "markdown")
+    diagnosis = report.render(engine.diagnose(path), "markdown")
     assert texts["ampdoctor/diagnosis"] == [(10, diagnosis)]
     assert "wrote" in done.stderr and logdir in done.stderr
 

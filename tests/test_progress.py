@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from synthetic import Synth
 
-from ampdoctor.diagnosis import curve, progress
-from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import curve, engine, progress
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
 from ampdoctor.runfile.schema import Kind
@@ -339,7 +338,7 @@ def test_a_flat_loss_alone_is_a_warning_on_a_healthy_verdict():
     s.set("loss", noisy(np.full(300, 2.3), 0.05, 16))
     s.sampled(range(0, 300, 50), Kind.PARAM, "fc.weight", norm=5.0, update=1e-3, unchanged=0.0)
     d = verdict(s)
-    assert d.verdict == "healthy" and d.confidence <= analyze.FLAT_CONFIDENCE
+    assert d.verdict == "healthy" and d.confidence <= engine.FLAT_CONFIDENCE
     assert d.summary.startswith("No numeric failure was found, but the loss did not fall")
     assert evidence(d, "loss_flat") is not None
     assert any("The loss did not fall" in n and "0.001 of their norm" in n for n in d.notes)
@@ -347,7 +346,7 @@ def test_a_flat_loss_alone_is_a_warning_on_a_healthy_verdict():
 
 def test_a_jump_then_flat_without_samples_is_a_warning_saying_what_was_missing():
     d = verdict(_lightning_like(every=0))
-    assert d.verdict == "healthy" and d.confidence <= analyze.FLAT_CONFIDENCE
+    assert d.verdict == "healthy" and d.confidence <= engine.FLAT_CONFIDENCE
     assert "367x at step 1" in d.summary and "dead units could not be checked" in d.summary
 
 

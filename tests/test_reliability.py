@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
 
-from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import engine
 from ampdoctor.runfile import attributes, schema, store
 
 HARNESS = os.path.join(ROOT, "tests", "reliability_harness.py")
@@ -122,7 +122,7 @@ def test_sigkill_leaves_every_flushed_step(ended, reference, case):
             assert run.status in ("interrupted", "finished") and n == STEPS
             return
         assert run.status == "interrupted"
-        d = analyze.diagnose(run)
+        d = engine.diagnose(run)
     assert d.run["status"] == "interrupted" and d.run["last_step"] == (n - 1 if n else None)
     assert any("interrupted" in note and (f"last recorded step is {n - 1}" in note if n else True)
                for note in d.notes), d.notes
@@ -159,7 +159,7 @@ def test_sigterm_finishes_the_file_and_still_ends_the_process(ended, reference, 
         # (A signal that lands in ampdoctor's own code waits for it to finish: up to the
         # whole run when that was its last step.)
         assert n >= len(_reported(result, "T"))
-        d = analyze.diagnose(run)
+        d = engine.diagnose(run)
     assert d.run["last_step"] == (n - 1 if n else None)
     assert (f"interrupted by SIGTERM; the last recorded step is {n - 1}" if n else
             "interrupted by SIGTERM before its first recorded step") in " ".join(d.notes)
@@ -179,7 +179,7 @@ def test_an_exception_in_the_script_is_the_status(ended, reference, case):
         assert n == 8 and run.status == "exception:RuntimeError"
         texts = run.events["text"][run.events["kind"] == schema.Event.EXCEPTION]
         assert list(texts) == ["RuntimeError: the training script failed at step 7"]
-        d = analyze.diagnose(run)
+        d = engine.diagnose(run)
     said = " ".join(d.notes)
     assert "raised RuntimeError" in said and "after step 7" in said
 
@@ -264,7 +264,7 @@ def test_zero_steps_says_why(tmp_path):
     from ampdoctor import cli
 
     assert cli.main(["diagnose", path]) == 2
-    assert analyze.diagnose(path).verdict == "no_training"  # the library still answers
+    assert engine.diagnose(path).verdict == "no_training"  # the library still answers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,8 +424,8 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
             assert all(b.size for b in batches)
             assert run.meta["autocast"]["dtype"] == expected["autocast_dtype"]
             assert run.meta["optimizer"][0]["class"] == expected["optimizer"]
-            d = analyze.diagnose(run)
-        assert d.verdict in analyze.VERDICTS
+            d = engine.diagnose(run)
+        assert d.verdict in engine.VERDICTS
         assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]
 
 
@@ -486,7 +486,7 @@ def test_live_file_is_read_while_written_without_disturbing_the_writer(tmp_path)
                 assert set(run.stats.column("tensor").tolist()) <= known
                 assert all(run.tensors["name"])
                 seen.append(len(run.steps))
-                d = analyze.diagnose(run)
+                d = engine.diagnose(run)
             assert "still being recorded" in " ".join(d.notes)
         assert seen == sorted(seen) and seen[-1] > seen[0], seen
         cli = {cmd: subprocess.run([PYTHON, "-m", "ampdoctor", cmd, path], env=python_env(),

@@ -23,7 +23,7 @@ import torch
 from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
-from ampdoctor.diagnosis import engine as analyze
+from ampdoctor.diagnosis import engine
 from ampdoctor.release import readiness
 from ampdoctor.release import report as release
 from ampdoctor.runfile.schema import Kind
@@ -403,7 +403,7 @@ def test_an_autocast_decorator_on_forward_is_the_runs_dtype(run_path, every):
         ac = run.meta["autocast"]
         assert ac["enabled"] and ac["dtype"] == "bfloat16"
         assert ac["entered"] == ("inside forward" if every else "declared on forward")
-    assert analyze.diagnose(run_path).run["low_precision"] == "bf16"
+    assert engine.diagnose(run_path).run["low_precision"] == "bf16"
 
 
 def test_an_evaluation_outside_autocast_does_not_change_the_runs_dtype(run_path):

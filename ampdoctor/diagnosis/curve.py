@@ -180,8 +180,8 @@ def _spikes(v: np.ndarray, sigma: float) -> list[Spike]:
     cand = v >= need * prev_min
     cand[START_STEPS:] &= v[START_STEPS:] >= SPIKE * float(np.median(v[:START_STEPS]))
     out: list[Spike] = []
-    for i in np.flatnonzero(cand):
-        i = int(i)
+    for candidate in np.flatnonzero(cand):
+        i = int(candidate)
         if i < 1 or n - i <= MIN_AFTER or (out and i <= out[-1].peak_index):
             continue  # no steps before or after it, or the same blow-up still going
         if v[i] < need * _level(v, i) or v[i] < SPIKE * float(np.median(v[:min(START_STEPS,

@@ -1,8 +1,9 @@
 """Run → Diagnosis: what went wrong, where, on what evidence, and what to change.
 
-numpy only: this module (like ``store`` reading and ``report``) never imports torch.
+numpy only: like all of the analysis side (``runfile``, ``release``, ``render``), it never
+imports torch.
 
-The engine is a list of small rules (``rules.py``) over ``Facts`` (``facts.py``: views of a
+The engine is a list of small rules (``rules.RULES``) over ``Facts`` (``facts.py``: views of a
 run computed once, streaming the big stats table). Each rule returns a ``Finding`` or None.
 Findings are root causes or consequences (a scale collapse is the consequence of an
 overflowing op); the verdict is the strongest root cause, the consequences and any other
@@ -21,13 +22,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
 from . import forecast, ranks
-from . import progress as _progress  # failures without a NaN
-from . import rules as _rules
 from .facts import Facts
+from .progress import flat_warning
+from .rules import RULES
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
@@ -50,7 +52,7 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
 
     if isinstance(run, (str, os.PathLike, list, tuple)):
         # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
-        paths = resolve(run) if isinstance(run, (str, os.PathLike)) else list(run)
+        paths = resolve(os.fspath(run)) if isinstance(run, (str, os.PathLike)) else list(run)
         if len(paths) > 1:
             return diagnose_files(paths, rules=rules)
         with load(paths[0]) as loaded:
@@ -64,12 +66,15 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     # The early warning never changes the verdict: healthy, it looks ahead from the last step;
     # failed, it says what it saw before the first bad step and from when it would have warned.
     step = (d.first_bad or {}).get("step")
-    if d.healthy or step is not None:
-        d.forecast = forecast.for_diagnosis(run, None if d.healthy else int(step))
+    if d.healthy:
+        d.forecast = forecast.for_diagnosis(run, None)
+    elif step is not None:
+        d.forecast = forecast.for_diagnosis(run, int(step))
     return d
 
 
-def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None):
+def diagnose_files(paths: Iterable[str], *,
+                   rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
     """Diagnose the rank files of one run together; returns one ``Diagnosis``.
 
     Example::
@@ -152,8 +157,6 @@ FLAT_CONFIDENCE = 0.6
 def _healthy(f: Any) -> Finding:
     """No rule fired. When the loss did not fall, the headline says so (a warning, not a
     verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
-    from .progress import flat_warning
-
     found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
     warning = flat_warning(f) if f.n else None
     if warning is not None:
@@ -198,10 +201,10 @@ def _checked(f: Any) -> list[Evidence]:
                    "finite_losses", float(finite))]
     if f.has_scaler:
         st = f.story
-        ev.append(Evidence(f"loss scale {st.init_scale:g} -> {st.final_scale:g} (lowest "
-                           f"{st.min_scale:g})", "loss_scale", st.final_scale))
-    stats = f.stats
-    under = stats.layer_under
+        ev.append(Evidence(f"loss scale {fmt(st.init_scale)} -> {fmt(st.final_scale)} (lowest "
+                           f"{fmt(st.min_scale)})", "loss_scale", st.final_scale))
+    reduced = f.reduced
+    under = reduced.layer_under
     measured = np.isfinite(under)
     if measured.any() and f.low_precision:
         worst = int(np.nanargmax(np.where(measured, under, -1)))
@@ -210,7 +213,7 @@ def _checked(f: Any) -> list[Evidence]:
                            f"non-zero gradient in the {f.low_precision} subnormal band",
                            "worst_layer_underflow", float(under[worst]), None,
                            f.tensor_names[worst]))
-    upd = stats.upd_log[np.isfinite(stats.upd_log)]
+    upd = reduced.upd_log[np.isfinite(reduced.upd_log)]
     if len(upd):
         ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
                            "(median over the sampled steps)", "update_ratio",
@@ -250,7 +253,7 @@ def _missing(f: Any) -> str:
             missing.append("no forensic replay was recorded for the failing steps")
     if not f.sampled_steps:
         missing.append("no sampled step (per-layer statistics) was recorded")
-    elif f.stats.first_nonfinite is None:
+    elif f.reduced.first_nonfinite is None:
         missing.append("the sampled steps saw no non-finite value")
     return ("The root cause could not be told: " + "; ".join(missing) + ".") if missing else \
         "No recorded signal points to one cause."
@@ -313,7 +316,7 @@ def _flat_notes(f: Any, top: Finding) -> list[str]:
     """Where to look when the loss did not fall and nothing numeric explains it."""
     if not any(e.key == "loss_flat" for e in top.evidence):
         return []
-    upd = f.stats.upd_log[np.isfinite(f.stats.upd_log)]
+    upd = f.reduced.upd_log[np.isfinite(f.reduced.upd_log)]
     moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
              "(median update ratio on the sampled steps).") if len(upd) else (
         " No sampled step measured how far the weights move: record with `--every N`.")
@@ -413,7 +416,7 @@ def _risks(f: Any) -> list[str]:
         out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
                    "round away. Keep fp32 master weights if the loss stalls.")
     if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
-        out.append(f"The loss scale grew to {f.story.final_scale:.3g} without overflowing: "
+        out.append(f"The loss scale grew to {fmt(f.story.final_scale)} without overflowing: "
                    "gradients this small are often zero or disconnected (a detached loss, "
                    "parameters missing from the optimizer, a loss weight of 0).")
     story = f.story
@@ -424,12 +427,10 @@ def _risks(f: Any) -> list[str]:
     elif f.has_scaler and story.post_skips:
         out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
                    "than probing explains (gradients overflowing fp16 at the current scale); "
-                   f"each skip halved the scale, now {story.final_scale:g}. Not a failure yet: "
+                   f"each skip halved the scale, now {fmt(story.final_scale)}. Not a failure yet: "
                    "watch for a falling scale.")
     elif f.has_scaler and f.story.calib_len:
         out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
                    "calibrated its scale: normal.")
     return out
 
-
-RULES = _rules.RULES + _progress.RULES

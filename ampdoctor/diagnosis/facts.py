@@ -5,8 +5,8 @@ big ``/stats`` table is streamed once in chunks (``Reduced``), reduced on the fl
 step and per tensor, so memory stays bounded however long the run. ``ScaleStory`` reads the
 GradScaler's history from ``/steps`` and tells normal calibration apart from trouble.
 
-Thresholds live in ``rules.py``; the few here describe GradScaler itself and are commented where
-they are defined.
+Thresholds live next to the rules that read them (``thresholds.py`` for the shared ones); the
+few here describe GradScaler itself and are commented where they are defined.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from ..runfile import schema
 from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve
+from .fixes import Context
 from .scale import ScaleStory, scale_story
 from .streamed import Reduced, stream_stats
 
@@ -40,11 +41,6 @@ def fp16_rounds_to_zero(x: float) -> bool:
 def module_of(param_name: str) -> str:
     """'blocks.3.attn.qkv.weight' -> 'blocks.3.attn.qkv'; buffers alike."""
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
-
-
-# ---------------------------------------------------------------------------------------------
-# Facts
-
 
 
 # -- the run's precision: decided here once, for the diagnosis and the release material ------
@@ -97,7 +93,7 @@ class Facts:
     Example::
 
         f = Facts(ampdoctor.load("run.h5"))
-        f.precision, f.story.collapsed, f.stats.layer_under
+        f.low_precision, f.story.collapsed, f.reduced.layer_under
     """
 
     def __init__(self, run: Any, chunk: int = 1 << 16):
@@ -107,7 +103,9 @@ class Facts:
         self.chunk = chunk
         self._cache: dict[str, Any] = {}
 
-    def _memo(self, key: str, fn: Callable[[], Any]) -> Any:
+    def memo(self, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, computed on the first call with ``key`` and kept (a view other modules
+        derive once per run, like ``progress.dead_units``)."""
         if key not in self._cache:
             self._cache[key] = fn()
         return self._cache[key]
@@ -187,7 +185,7 @@ class Facts:
         return int(self.steps["step"][index])
 
     def index_of(self, step: int) -> int:
-        return int(min(np.searchsorted(self.steps["step"], step), max(self.n - 1, 0)))
+        return min(int(np.searchsorted(self.steps["step"], step)), max(self.n - 1, 0))
 
     def first(self, mask: np.ndarray) -> Optional[int]:
         """Step number of the first True in a per-step mask."""
@@ -197,11 +195,11 @@ class Facts:
     @property
     def curve(self) -> curve.Curve:
         """The loss curve read once: start and end levels, noise, spikes (``curve.read``)."""
-        return self._memo("curve", lambda: curve.read(self.steps["loss"]))
+        return self.memo("curve", lambda: curve.read(self.steps["loss"]))
 
     @property
     def story(self) -> ScaleStory:
-        return self._memo("story", lambda: scale_story(self.steps, self.scaler, self.loss_bad))
+        return self.memo("story", lambda: scale_story(self.steps, self.scaler, self.loss_bad))
 
     @property
     def failure_index(self) -> Optional[int]:
@@ -223,7 +221,7 @@ class Facts:
             bad = self.story.bad_skip | (self.grad_bad if not self.story.has_scaler else False)
             idx = np.flatnonzero(bad)
             return int(idx[0]) if len(idx) else None
-        return self._memo("failure_index", find)
+        return self.memo("failure_index", find)
 
     def _walk_back(self, i: int) -> int:
         """Back over the unexplained skips that lead into the failure (the scale's staircase),
@@ -294,7 +292,7 @@ class Facts:
                             "scale": float(s["scale"]), "lr": float(s["lr"]),
                             "trigger": int(s["trigger"]), "detail": detail})
             return out
-        return self._memo("snapshots", build)
+        return self.memo("snapshots", build)
 
     def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
         """Largest finite magnitude in a snapshot's saved float batch, and whether it held
@@ -324,35 +322,33 @@ class Facts:
 
     @property
     def tensor_kinds(self) -> np.ndarray:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            kinds = np.full(size, -1, np.int64)
-            kinds[t["id"]] = t["kind"]
+        """Each tensor id's ``Kind`` (-1 for an id the /tensors table does not hold)."""
+        def build() -> np.ndarray:
+            kinds = np.full(self._id_count(), -1, np.int64)
+            kinds[self.run.tensors["id"]] = self.run.tensors["kind"]
             return kinds
-        return self._memo("kinds", build)
+        return self.memo("kinds", build)
 
     @property
     def tensor_names(self) -> list[str]:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            names = [""] * size
-            for i, name in zip(t["id"], t["name"]):
-                names[int(i)] = str(name)
-            return names
-        return self._memo("names", build)
+        """Each tensor id's name ("blocks.0.attn", "fc.weight"; "" when unknown)."""
+        return self.memo("names", lambda: self._by_id("name"))
 
     @property
     def tensor_types(self) -> list[str]:
-        def build():
-            t = self.run.tensors
-            size = int(t["id"].max()) + 1 if len(t) else 0
-            types = [""] * size
-            for i, ty in zip(t["id"], t["type"]):
-                types[int(i)] = str(ty)
-            return types
-        return self._memo("types", build)
+        """Each tensor id's module class ("Attention"; "" when unknown or not a module)."""
+        return self.memo("types", lambda: self._by_id("type"))
+
+    def _id_count(self) -> int:
+        t = self.run.tensors
+        return int(t["id"].max()) + 1 if len(t) else 0
+
+    def _by_id(self, column: str) -> list[str]:
+        """A /tensors text column as a list indexed by tensor id."""
+        out = [""] * self._id_count()
+        for i, value in zip(self.run.tensors["id"], self.run.tensors[column]):
+            out[int(i)] = str(value)
+        return out
 
     def module_type(self, name: str) -> Optional[str]:
         """Class of the module called ``name`` (from its OUTPUT row), if recorded."""
@@ -363,19 +359,39 @@ class Facts:
         return None
 
     @property
-    def stats(self) -> Reduced:
-        return self._memo("stats", lambda: stream_stats(
+    def reduced(self) -> Reduced:
+        """The /stats table streamed once and reduced per step and per tensor (``Reduced``)."""
+        return self.memo("reduced", lambda: stream_stats(
             self.run, self.tensor_kinds, self.tensor_names, self.step_values, self.skipped,
             self.horizon, self.low_precision or "fp16", self.chunk))
 
     def first_nonfinite_sampled(self) -> Optional[dict]:
         """The first non-finite tensor in the sampled tier: {"step", "module", "phase"}."""
-        x = self.stats.first_nonfinite
+        x = self.reduced.first_nonfinite
         return {k: x[k] for k in ("step", "module", "phase")} if x else None
 
     @property
     def sampled_steps(self) -> int:
-        return int(self.stats.sampled.sum())
+        return int(self.reduced.sampled.sum())
+
+    def fix_context(self, module: Optional[str] = None, module_type: Optional[str] = None,
+                    step: Optional[int] = None) -> Context:
+        """What fix snippets may name, from the run's recorded configuration: the optimizer,
+        its peak LR and eps, the scaler's settings, the device, and the culprit ``module`` (its
+        class looked up when not given) and first bad ``step`` a rule found."""
+        opt = self.optimizers[0] if self.optimizers else {}
+        hyper = opt.get("hyper") or {}
+        scaler = self.scaler or {}
+        lrs = self.steps["lr"][np.isfinite(self.steps["lr"])] if self.n else np.zeros(0)
+        lr = float(lrs.max()) if len(lrs) else hyper.get("lr")
+        if module and not module_type:
+            module_type = self.module_type(module)
+        return Context(device=self.device_type, optimizer=opt.get("class") or "AdamW",
+                       lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
+                       growth_interval=scaler.get("growth_interval"), module=module,
+                       module_type=module_type, autocast=self.autocast_dtype, step=step,
+                       low=self.low_precision,
+                       scaler=self.has_scaler if self.n else bool(self.scaler))
 
     def window(self, step: int, before: int = 5, after: int = 2) -> dict:
         """Scale, LR, loss and grad norm around ``step`` (for the report)."""

@@ -6,43 +6,24 @@ class and its learning rate and eps, the scaler's settings, the autocast device.
 the user's *variables* are not recorded, so snippets call them ``model``, ``optimizer``,
 ``scaler`` and ``loss``.
 
+Each fix is one function, registered under its id by ``@fix(id, meaning)``: it returns the
+advice and its snippet, and ``make`` turns them into a ``Fix`` with that id.
+
+Example::
+
+    ctx = Context(module="blocks.3.attn", module_type="Attention", lr=3e-4)
+    [fx.id for fx in make(["fp32_island", "lower_lr"], ctx)]   # ['fp32_island', 'lower_lr']
+
 numpy-free and torch-free: plain strings.
 """
 
 from __future__ import annotations
 
+import functools
 import keyword
 import re
 from dataclasses import dataclass
-from typing import Optional
-
-# Every id a diagnosis can suggest, with what it means (the README's table is checked against
-# this list by the tests).
-FIX_IDS = {
-    "fp32_island": "run the named module with autocast off, on fp32 inputs",
-    "scale_attention": "scale q before q @ k^T, or use scaled_dot_product_attention",
-    "use_bf16": "autocast to bfloat16 (fp32's exponent range) instead of float16",
-    "add_grad_scaler": "use a GradScaler with fp16 autocast",
-    "raise_init_scale": "start GradScaler higher and let it grow more often",
-    "adam_eps": "an Adam eps that fp16 can hold (1e-4), or fp32 master weights",
-    "fp32_master_weights": "keep fp32 weights and optimizer state; autocast does the rest",
-    "lower_lr": "lower the peak learning rate, warm up longer, clip after unscale_",
-    "check_data": "drop or repair non-finite and out-of-range batches",
-    "unscale_before_clip": "call scaler.unscale_(optimizer) before clip_grad_norm_",
-    "use_scaler_step": "call scaler.step(optimizer), never optimizer.step(), under a scaler",
-    "create_scaler_once": "create the GradScaler once and checkpoint its state",
-    "zero_grad_every_step": "zero the gradients after every step, skipped or not",
-    "fix_scaler_calls": "one unscale_/step/update per optimizer step, in that order",
-    "loss_in_fp32": "compute the loss in fp32 (inside autocast, or on .float() outputs)",
-    "divide_loss_by_accum": "divide each micro-batch's loss by the number of micro-batches",
-    "loss_on_logits": "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "
-                      "from fp16 probabilities",
-    "safe_mask": "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
-    "guard_buffers": "keep inf/NaN batches away from BatchNorm statistics, or restore them",
-    "rebalance_losses": "bring a tiny loss term up to the others' scale",
-    "scheduler_after_real_step": "step the LR scheduler only when the optimizer step ran",
-    "revive_units": "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart",
-}
+from typing import Callable, Optional
 
 
 @dataclass
@@ -75,12 +56,56 @@ class Fix:
     snippet: str = ""
 
 
-def _num(x: Optional[float], default: str) -> str:
+# What a fix function returns: the advice (a sentence or three) and its code snippet.
+Advice = tuple[str, str]
+
+# Every id a diagnosis can suggest, with what it means (the README's table is checked against
+# it by the tests), and the function that writes it; both filled by ``@fix``.
+FIX_IDS: dict[str, str] = {}
+MAKERS: dict[str, Callable[[Context], Fix]] = {}
+
+
+def fix(fix_id: str, meaning: str) -> Callable[[Callable[[Context], Advice]],
+                                               Callable[[Context], Fix]]:
+    """Register the decorated function as the writer of fix ``fix_id`` (``meaning``: one line
+    for the README's table); the function returns ``(advice, snippet)`` and the registered
+    one the ``Fix``."""
+
+    def register(write: Callable[[Context], Advice]) -> Callable[[Context], Fix]:
+        assert fix_id not in FIX_IDS, f"fix {fix_id} registered twice"
+
+        @functools.wraps(write)
+        def made(c: Context) -> Fix:
+            text, snippet = write(c)
+            return Fix(fix_id, text, snippet)
+
+        FIX_IDS[fix_id] = meaning
+        MAKERS[fix_id] = made
+        return made
+
+    return register
+
+
+def _literal(x: Optional[float], default: str) -> str:
+    """``x`` as a Python literal for a snippet: 3e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
     if x is None:
         return default
     return f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e") if (x and (abs(x) < 1e-3 or
                                                                            abs(x) >= 1e4)) \
         else f"{x:g}"
+
+
+def _clip_step(scaler: bool) -> str:
+    """The backward-to-step lines with gradient clipping (after unscale_ under a scaler)."""
+    if scaler:
+        return ("scaler.scale(loss).backward()\n"
+                "scaler.unscale_(optimizer)\n"
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+                "scaler.step(optimizer)\n"
+                "scaler.update()")
+    return ("loss.backward()\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "optimizer.step()")
 
 
 def module_expr(path: str, root: str = "model") -> str:
@@ -110,7 +135,7 @@ def _wrap_lines(path: str, wrapper: str) -> str:
     return f"{target} = {wrapper}({target})"
 
 
-def _op_island(c: Context) -> Fix:
+def _op_island(c: Context) -> Advice:
     """The culprit is the model itself: the island goes around the op in its forward."""
     cls = c.module_type or c.module or "the model"
     op = c.op or "the op"
@@ -118,12 +143,13 @@ def _op_island(c: Context) -> Fix:
                f'with torch.autocast("{c.device}", enabled=False):\n'
                "    y = op(x.float())  # fp32 in, fp32 out\n"
                "y = y.to(x.dtype)  # back to the low precision only once it is in range")
-    return Fix("fp32_island", f"The overflow is in {cls}'s own forward ({op}), not in a "
-               "submodule: run that op in fp32, with autocast off and its inputs cast to "
-               "float32.", snippet)
+    return (f"The overflow is in {cls}'s own forward ({op}), not in a "
+            "submodule: run that op in fp32, with autocast off and its inputs cast to "
+            "float32.", snippet)
 
 
-def fp32_island(c: Context) -> Fix:
+@fix("fp32_island", "run the named module with autocast off, on fp32 inputs")
+def fp32_island(c: Context) -> Advice:
     if c.root:
         return _op_island(c)
     path = c.module or "the_module"
@@ -141,12 +167,13 @@ def fp32_island(c: Context) -> Fix:
         f'        with torch.autocast("{c.device}", enabled=False):\n'
         "            return self.inner(*map(up, args), **{k: up(v) for k, v in kwargs.items()})\n\n"
         + _wrap_lines(path, "FP32Island"))
-    return Fix("fp32_island", f"Run {what} in fp32{inside}: autocast off inside it and its "
-               "inputs cast to float32, so the values it produces have fp32's range. Wrap the "
-               "module that produces the large values, not the one after it.", snippet)
+    return (f"Run {what} in fp32{inside}: autocast off inside it and its "
+            "inputs cast to float32, so the values it produces have fp32's range. Wrap the "
+            "module that produces the large values, not the one after it.", snippet)
 
 
-def scale_attention(c: Context) -> Fix:
+@fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention")
+def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
     snippet = (f"# in {cls}.forward: scale q before the product (identical in fp32, and q @ k^T\n"
                "# stays below fp16's 65504), and run the softmax in fp32\n"
@@ -155,23 +182,25 @@ def scale_attention(c: Context) -> Fix:
                "attn = torch.softmax(scores.float(), dim=-1).to(v.dtype)\n"
                "# or let PyTorch's fused kernel do all of it:\n"
                "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)")
-    return Fix("scale_attention", f"Cheaper than an island: in {cls}, pre-scale the query by "
-               "1/sqrt(head_dim) before q @ k^T (or use scaled_dot_product_attention).", snippet)
+    return (f"Cheaper than an island: in {cls}, pre-scale the query by "
+            "1/sqrt(head_dim) before q @ k^T (or use scaled_dot_product_attention).", snippet)
 
 
-def use_bf16(c: Context) -> Fix:
+@fix("use_bf16", "autocast to bfloat16 (fp32's exponent range) instead of float16")
+def use_bf16(c: Context) -> Advice:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.bfloat16):  # was torch.float16\n'
                "    loss = compute_loss(model, batch)\n"
                "loss.backward()              # bf16 needs no GradScaler\n"
                "optimizer.step()\n"
                "optimizer.zero_grad(set_to_none=True)")
-    return Fix("use_bf16", "Autocast to bfloat16 instead of float16 where the hardware has it "
-               "(NVIDIA Ampere or newer, recent CPUs): bf16 has fp32's exponent range, so "
-               "gradients neither overflow nor flush to zero, and no loss scaling is needed.",
-               snippet)
+    return ("Autocast to bfloat16 instead of float16 where the hardware has it "
+            "(NVIDIA Ampere or newer, recent CPUs): bf16 has fp32's exponent range, so "
+            "gradients neither overflow nor flush to zero, and no loss scaling is needed.",
+            snippet)
 
 
-def add_grad_scaler(c: Context) -> Fix:
+@fix("add_grad_scaler", "use a GradScaler with fp16 autocast")
+def add_grad_scaler(c: Context) -> Advice:
     snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the loop\n\n'
                f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    loss = compute_loss(model, batch)\n"
@@ -179,103 +208,273 @@ def add_grad_scaler(c: Context) -> Fix:
                f"scaler.step(optimizer)         # {c.optimizer}: unscales, skips inf/NaN steps\n"
                "scaler.update()\n"
                "optimizer.zero_grad(set_to_none=True)")
-    return Fix("add_grad_scaler", "fp16 autocast needs a GradScaler: it multiplies the loss "
-               "before backward so that small gradients stay above fp16's underflow threshold "
-               "(6e-8), and divides them back before the optimizer step.", snippet)
+    return ("fp16 autocast needs a GradScaler: it multiplies the loss "
+            "before backward so that small gradients stay above fp16's underflow threshold "
+            "(6e-8), and divides them back before the optimizer step.", snippet)
 
 
-def raise_init_scale(c: Context) -> Fix:
-    was = (f"  # was init_scale={_num(c.init_scale, '?')}, growth_interval={c.growth_interval}"
+@fix("raise_init_scale", "start GradScaler higher and let it grow more often")
+def raise_init_scale(c: Context) -> Advice:
+    was = (f"  # was init_scale={_literal(c.init_scale, '?')}, growth_interval={c.growth_interval}"
            if c.init_scale is not None else "")
     snippet = (f'scaler = torch.amp.GradScaler("{c.device}", init_scale=2.0**16, '
                f"growth_interval=200){was}")
-    return Fix("raise_init_scale", "Keep the loss scale high enough for the small gradients: "
-               "start GradScaler at 2**16 or more and let it grow more often, and fix whatever "
-               "keeps pushing it down.", snippet)
+    return ("Keep the loss scale high enough for the small gradients: "
+            "start GradScaler at 2**16 or more and let it grow more often, and fix whatever "
+            "keeps pushing it down.", snippet)
 
 
-def adam_eps(c: Context) -> Fix:
+@fix("adam_eps", "an Adam eps that fp16 can hold (1e-4), or fp32 master weights")
+def adam_eps(c: Context) -> Advice:
     opt = c.optimizer
-    lr = _num(c.lr, "lr")
-    was = f"  # was eps={_num(c.eps, '1e-8')}: 0.0 in fp16" if c.eps is not None else ""
+    lr = _literal(c.lr, "lr")
+    was = f"  # was eps={_literal(c.eps, '1e-8')}: 0.0 in fp16" if c.eps is not None else ""
     snippet = (f"optimizer = torch.optim.{opt}(model.parameters(), lr={lr}, eps=1e-4){was}\n"
                "# better: fp32 master weights, fp16 only inside autocast\n"
                "model = model.float()\n"
                f'scaler = torch.amp.GradScaler("{c.device}")')
-    return Fix("adam_eps", f"{opt}'s eps must survive in fp16: anything below 3e-8 (the default "
-               "1e-8) rounds to 0, and a zero or tiny gradient then gives 0/0 = NaN or m/0 = "
-               "inf in the update. Use eps=1e-4, or keep fp32 weights and optimizer state "
-               "(autocast + GradScaler).", snippet)
+    return (f"{opt}'s eps must survive in fp16: anything below 3e-8 (the default "
+            "1e-8) rounds to 0, and a zero or tiny gradient then gives 0/0 = NaN or m/0 = "
+            "inf in the update. Use eps=1e-4, or keep fp32 weights and optimizer state "
+            "(autocast + GradScaler).", snippet)
 
 
-def fp32_master_weights(c: Context) -> Fix:
+@fix("fp32_master_weights", "keep fp32 weights and optimizer state; autocast does the rest")
+def fp32_master_weights(c: Context) -> Advice:
     low = "bfloat16" if c.autocast != "float16" else "float16"
     snippet = ("model = model.float()  # weights and optimizer state in fp32\n"
-               f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={_num(c.lr, 'lr')})"
-               "\n"
+               f"optimizer = torch.optim.{c.optimizer}(model.parameters(), "
+               f"lr={_literal(c.lr, 'lr')})\n"
                f'with torch.autocast("{c.device}", dtype=torch.{low}):  # low precision compute\n'
                "    loss = compute_loss(model, batch)")
-    return Fix("fp32_master_weights", "Keep the weights and the optimizer state in fp32 and let "
-               "autocast run the matmuls in low precision: small updates then accumulate "
-               "instead of rounding away. (If memory forbids it, use an optimizer with "
-               "stochastic rounding or Kahan summation for bf16 weights.)", snippet)
+    return ("Keep the weights and the optimizer state in fp32 and let "
+            "autocast run the matmuls in low precision: small updates then accumulate "
+            "instead of rounding away. (If memory forbids it, use an optimizer with "
+            "stochastic rounding or Kahan summation for bf16 weights.)", snippet)
 
 
-def lower_lr(c: Context) -> Fix:
+@fix("lower_lr", "lower the peak learning rate, warm up longer, clip after unscale_")
+def lower_lr(c: Context) -> Advice:
     if c.blowup_lr:
-        return _below_blowup(c)
+        return _below_blowup(c, c.blowup_lr)
     lr = c.lr
-    new = _num(lr / 4, "lr / 4") if lr else "lr / 4"
-    step = ("scaler.scale(loss).backward()\n"
-            "scaler.unscale_(optimizer)\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-            "scaler.step(optimizer)\n"
-            "scaler.update()") if c.scaler else (
-            "loss.backward()\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-            "optimizer.step()")
+    new = _literal(lr / 4, "lr / 4") if lr else "lr / 4"
     snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})"
-               f"{f'  # peak was {_num(lr, str(lr))}' if lr else ''}\n"
+               f"{f'  # peak was {_literal(lr, str(lr))}' if lr else ''}\n"
                "warmup = 2000  # steps; longer than now\n"
                "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
-               "...\n" + step)
-    return Fix("lower_lr", "Lower the peak learning rate 2-4x and warm up longer, and clip "
-               f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint "
-               "before the weights grew. "
-               "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
-               snippet)
+               "...\n" + _clip_step(c.scaler))
+    return ("Lower the peak learning rate 2-4x and warm up longer, and clip "
+            f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint "
+            "before the weights grew. "
+            "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
+            snippet)
 
 
-def _below_blowup(c: Context) -> Fix:
-    """The loss blew up at a known LR (often early in the warm-up): the peak belongs an order
-    of magnitude below it, whatever the schedule was meant to reach."""
-    new = _num(c.blowup_lr / 10, "lr / 10")
+def _below_blowup(c: Context, blowup_lr: float) -> Advice:
+    """The loss blew up at ``blowup_lr`` (often early in the warm-up): the peak belongs an
+    order of magnitude below it, whatever the schedule was meant to reach."""
+    new = _literal(blowup_lr / 10, "lr / 10")
     at = f" at step {c.blowup_step}" if c.blowup_step is not None else ""
-    peak = f", peak was {_num(c.lr, str(c.lr))}" if c.lr and c.lr > c.blowup_lr * 1.001 else ""
-    clip = ("scaler.scale(loss).backward()\n"
-            "scaler.unscale_(optimizer)\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-            "scaler.step(optimizer)\n"
-            "scaler.update()") if c.scaler else (
-            "loss.backward()\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-            "optimizer.step()")
+    peak = f", peak was {_literal(c.lr, str(c.lr))}" if c.lr and c.lr > blowup_lr * 1.001 else ""
     snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})  # the loss "
-               f"blew up at lr {_num(c.blowup_lr, '?')}{at}{peak}\n"
+               f"blew up at lr {_literal(blowup_lr, '?')}{at}{peak}\n"
                "warmup = 1000  # steps, reaching the peak gently\n"
                "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
-               "...\n" + clip)
-    return Fix("lower_lr", f"Set the peak learning rate an order of magnitude below the "
-               f"{_num(c.blowup_lr, '?')} at which the loss blew up{at}, warm up to it over "
-               "more steps, and clip gradients"
-               f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights "
-               "or a checkpoint before the jump: what it did to the weights does not undo "
-               "itself.", snippet)
+               "...\n" + _clip_step(c.scaler))
+    return (f"Set the peak learning rate an order of magnitude below the "
+            f"{_literal(blowup_lr, '?')} at which the loss blew up{at}, warm up to it over "
+            "more steps, and clip gradients"
+            f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights "
+            "or a checkpoint before the jump: what it did to the weights does not undo "
+            "itself.", snippet)
 
 
-def revive_units(c: Context) -> Fix:
+@fix("check_data", "drop or repair non-finite and out-of-range batches")
+def check_data(c: Context) -> Advice:
+    at = f"  # step {c.step} had one" if c.step is not None else ""
+    snippet = ("for x, y in loader:\n"
+               f"    if not torch.isfinite(x).all():{at}\n"
+               "        continue  # or log the sample ids and repair the dataset\n"
+               "    x = x.clamp(-1e4, 1e4)  # fp16 holds at most 65504: normalise features to O(1)")
+    return ("Find and drop (or repair) the batches holding NaN/inf or values "
+            "beyond fp16's range (65504); normalise inputs to order 1.", snippet)
+
+
+@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_")
+def unscale_before_clip(c: Context) -> Advice:
+    snippet = ("scaler.scale(loss).backward()\n"
+               "scaler.unscale_(optimizer)  # first: gradients back to their true size\n"
+               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()")
+    return ("Call scaler.unscale_(optimizer) before "
+            "clip_grad_norm_: clipping the scaled gradients measures a norm S times too "
+            "large and shrinks every update by the loss scale S.", snippet)
+
+
+@fix("use_scaler_step", "call scaler.step(optimizer), never optimizer.step(), under a scaler")
+def use_scaler_step(c: Context) -> Advice:
+    snippet = ("scaler.scale(loss).backward()\n"
+               f"scaler.step(optimizer)  # not optimizer.step(): {c.optimizer} would apply "
+               "scaled, unchecked gradients\n"
+               "scaler.update()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return ("Step the optimizer through the scaler: scaler.step(optimizer) "
+            "unscales the gradients and skips steps with inf/NaN; optimizer.step() applies "
+            "gradients that are still multiplied by the loss scale.", snippet)
+
+
+@fix("create_scaler_once", "create the GradScaler once and checkpoint its state")
+def create_scaler_once(c: Context) -> Advice:
+    snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the epoch loop\n'
+               "if \"scaler\" in checkpoint:\n"
+               "    scaler.load_state_dict(checkpoint[\"scaler\"])\n"
+               "for epoch in range(epochs):\n"
+               "    ...\n"
+               "checkpoint[\"scaler\"] = scaler.state_dict()")
+    return ("Create the GradScaler once, and save/restore its state "
+            "with checkpoints: a new scaler restarts at init_scale and skips steps to "
+            "recalibrate every time.", snippet)
+
+
+@fix("zero_grad_every_step", "zero the gradients after every step, skipped or not")
+def zero_grad_every_step(c: Context) -> Advice:
+    snippet = ("scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "optimizer.zero_grad(set_to_none=True)  # every step, also when it was skipped")
+    return ("Zero the gradients after every optimizer step, "
+            "including skipped ones: an inf left in .grad makes every later step overflow.",
+            snippet)
+
+
+@fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order")
+def fix_scaler_calls(c: Context) -> Advice:
+    snippet = ("for i, batch in enumerate(loader):\n"
+               f'    with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "        loss = compute_loss(model, batch) / accum_steps\n"
+               "    scaler.scale(loss).backward()\n"
+               "    if (i + 1) % accum_steps == 0:\n"
+               "        scaler.unscale_(optimizer)  # once, only on stepping iterations\n"
+               "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+               "        scaler.step(optimizer)\n"
+               "        scaler.update()  # once per iteration, after every step()\n"
+               "        optimizer.zero_grad(set_to_none=True)")
+    return ("Call unscale_, step and update once per optimizer step, in "
+            "that order (with gradient accumulation: only on the stepping iteration).",
+            snippet)
+
+
+@fix("loss_in_fp32", "compute the loss in fp32 (inside autocast, or on .float() outputs)")
+def loss_in_fp32(c: Context) -> Advice:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    out = model(x)\n"
+               "    loss = criterion(out, y)  # autocast runs nn losses in fp32, not your own ops\n"
+               "# or, outside the block:\n"
+               "loss = criterion(out.float(), y.float())\n"
+               "# and for probabilities: BCEWithLogitsLoss on logits, not sigmoid + BCELoss")
+    return ("Compute the loss in fp32: inside the autocast block (autocast "
+            "runs losses and reductions in fp32) or on .float() outputs. An fp16 sum over a "
+            "batch passes 65504 easily.", snippet)
+
+
+@fix("divide_loss_by_accum", "divide each micro-batch's loss by the number of micro-batches")
+def divide_loss_by_accum(c: Context) -> Advice:
+    snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
+               "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
+               "    scaler.scale(loss).backward()")
+    return ("Divide each micro-batch's loss by the number of "
+            "micro-batches: .grad then holds their mean, which stays the size of one "
+            "micro-batch's gradient however many are accumulated.", snippet)
+
+
+@fix("loss_on_logits", "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "
+     "from fp16 probabilities")
+def loss_on_logits(c: Context) -> Advice:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    logits = model(x)  # the model returns logits: no Sigmoid at its end\n"
+               "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), y)\n"
+               "# a hand-written loss: take probabilities in fp32, or log-probabilities\n"
+               "p = torch.sigmoid(logits.float())\n"
+               "log_p = torch.nn.functional.logsigmoid(logits.float())")
+    return ("Compute the loss from the logits, in fp32: an fp16 sigmoid "
+            "rounds to exactly 1.0 (or 0.0), where BCE's, log's or sqrt's derivative is "
+            "infinite. BCEWithLogitsLoss (or logsigmoid) never forms the probability.", snippet)
+
+
+@fix("safe_mask", "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16")
+def safe_mask(c: Context) -> Advice:
+    cls = c.module_type or "the attention module"
+    snippet = (f"# in {cls}.forward: a mask value fp16 can hold, applied with masked_fill\n"
+               "scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)\n"
+               "attn = torch.softmax(scores.float(), dim=-1).to(v.dtype)\n"
+               "# or a boolean mask in the fused kernel, which handles it for you:\n"
+               "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)")
+    return (f"In {cls}, mask with torch.finfo(scores.dtype).min via masked_fill "
+            "(or a boolean mask), never a constant like -1e9 or -1e4 * big: in fp16 it becomes "
+            "-inf, and a row whose every key is masked turns into NaN in softmax.", snippet)
+
+
+@fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them")
+def guard_buffers(c: Context) -> Advice:
+    snippet = ("for x, y in loader:\n"
+               "    if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
+               "        continue\n"
+               "    ...\n"
+               "# or undo a skipped step's statistics:\n"
+               'stats = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}\n'
+               "scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() < scale:  # skipped: the forward saw inf/NaN\n"
+               "    model.load_state_dict(stats, strict=False)")
+    mod = f" ({c.module})" if c.module else ""
+    return (f"GradScaler's skip protects the weights, not module "
+            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of a "
+            "skipped step and every eval is now NaN. Keep non-finite batches away from the "
+            "model, or restore the statistics when a step is skipped; recompute them "
+            "(a pass in train mode over clean data) to recover this run.", snippet)
+
+
+@fix("rebalance_losses", "bring a tiny loss term up to the others' scale")
+def rebalance_losses(c: Context) -> Advice:
+    mod = c.module or "the small head"
+    ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e6"
+    head = module_expr(mod) if c.module else "small_head"
+    snippet = (f"# the gradients reaching {mod} are ~{ratio}x smaller than the rest's: one loss\n"
+               "# scale cannot serve both. Weight that loss term up to the others' size (and,\n"
+               "# with SGD, lower that head's learning rate by the same factor):\n"
+               f"loss = main_loss + aux_weight * {ratio} * aux_loss\n"
+               "optimizer = torch.optim.AdamW([\n"
+               f"    {{\"params\": [p for n, p in model.named_parameters() if not "
+               f"n.startswith(\"{mod}.\")]}},\n"
+               f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"
+               "], lr=lr)")
+    return (f"Or keep fp16 and bring the gradients of {mod} into range: "
+            "a loss term weighted far below the others gives its head gradients that no "
+            "single loss scale can hold.", snippet)
+
+
+@fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran")
+def scheduler_after_real_step(c: Context) -> Advice:
+    snippet = ("scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() >= scale:  # applied (a skipped step halves the scale)\n"
+               "    scheduler.step()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return ("Step the LR scheduler only after a step the "
+            "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
+            "schedule that advances on them ends its warmup before the model trained.",
+            snippet)
+
+
+
+
+@fix("revive_units", "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart")
+def revive_units(c: Context) -> Advice:
     """Dead units (ReLU outputs 0 for every input) pass no gradient and never come back."""
     kind = (c.module_type or "").lower()
     at = f" before step {c.step}" if c.step is not None else ""
@@ -292,203 +491,11 @@ def revive_units(c: Context) -> Fix:
                    "act = torch.nn.LeakyReLU(0.01)  # or torch.nn.GELU()\n"
                    "# biases start at 0, not below it; a LayerNorm before the activation\n"
                    "torch.nn.init.zeros_(layer.bias)")
-    return Fix("revive_units", "Units whose input is negative for every example output 0 "
-               "and pass no gradient, so they never recover: use an activation with a slope "
-               "everywhere (LeakyReLU, GELU, SiLU), start biases at 0 and normalise before the "
-               "activation, keep the LR low enough that one update cannot push them all "
-               "negative, and restart the run: the dead units stay dead.", snippet)
-
-
-def check_data(c: Context) -> Fix:
-    at = f"  # step {c.step} had one" if c.step is not None else ""
-    snippet = ("for x, y in loader:\n"
-               f"    if not torch.isfinite(x).all():{at}\n"
-               "        continue  # or log the sample ids and repair the dataset\n"
-               "    x = x.clamp(-1e4, 1e4)  # fp16 holds at most 65504: normalise features to O(1)")
-    return Fix("check_data", "Find and drop (or repair) the batches holding NaN/inf or values "
-               "beyond fp16's range (65504); normalise inputs to order 1.", snippet)
-
-
-def unscale_before_clip(c: Context) -> Fix:
-    snippet = ("scaler.scale(loss).backward()\n"
-               "scaler.unscale_(optimizer)  # first: gradients back to their true size\n"
-               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-               "scaler.step(optimizer)\n"
-               "scaler.update()")
-    return Fix("unscale_before_clip", "Call scaler.unscale_(optimizer) before "
-               "clip_grad_norm_: clipping the scaled gradients measures a norm S times too "
-               "large and shrinks every update by the loss scale S.", snippet)
-
-
-def use_scaler_step(c: Context) -> Fix:
-    snippet = ("scaler.scale(loss).backward()\n"
-               f"scaler.step(optimizer)  # not optimizer.step(): {c.optimizer} would apply "
-               "scaled, unchecked gradients\n"
-               "scaler.update()\n"
-               "optimizer.zero_grad(set_to_none=True)")
-    return Fix("use_scaler_step", "Step the optimizer through the scaler: scaler.step(optimizer) "
-               "unscales the gradients and skips steps with inf/NaN; optimizer.step() applies "
-               "gradients that are still multiplied by the loss scale.", snippet)
-
-
-def create_scaler_once(c: Context) -> Fix:
-    snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the epoch loop\n'
-               "if \"scaler\" in checkpoint:\n"
-               "    scaler.load_state_dict(checkpoint[\"scaler\"])\n"
-               "for epoch in range(epochs):\n"
-               "    ...\n"
-               "checkpoint[\"scaler\"] = scaler.state_dict()")
-    return Fix("create_scaler_once", "Create the GradScaler once, and save/restore its state "
-               "with checkpoints: a new scaler restarts at init_scale and skips steps to "
-               "recalibrate every time.", snippet)
-
-
-def zero_grad_every_step(c: Context) -> Fix:
-    snippet = ("scaler.step(optimizer)\n"
-               "scaler.update()\n"
-               "optimizer.zero_grad(set_to_none=True)  # every step, also when it was skipped")
-    return Fix("zero_grad_every_step", "Zero the gradients after every optimizer step, "
-               "including skipped ones: an inf left in .grad makes every later step overflow.",
-               snippet)
-
-
-def fix_scaler_calls(c: Context) -> Fix:
-    snippet = ("for i, batch in enumerate(loader):\n"
-               f'    with torch.autocast("{c.device}", dtype=torch.float16):\n'
-               "        loss = compute_loss(model, batch) / accum_steps\n"
-               "    scaler.scale(loss).backward()\n"
-               "    if (i + 1) % accum_steps == 0:\n"
-               "        scaler.unscale_(optimizer)  # once, only on stepping iterations\n"
-               "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
-               "        scaler.step(optimizer)\n"
-               "        scaler.update()  # once per iteration, after every step()\n"
-               "        optimizer.zero_grad(set_to_none=True)")
-    return Fix("fix_scaler_calls", "Call unscale_, step and update once per optimizer step, in "
-               "that order (with gradient accumulation: only on the stepping iteration).",
-               snippet)
-
-
-def loss_in_fp32(c: Context) -> Fix:
-    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
-               "    out = model(x)\n"
-               "    loss = criterion(out, y)  # autocast runs nn losses in fp32, not your own ops\n"
-               "# or, outside the block:\n"
-               "loss = criterion(out.float(), y.float())\n"
-               "# and for probabilities: BCEWithLogitsLoss on logits, not sigmoid + BCELoss")
-    return Fix("loss_in_fp32", "Compute the loss in fp32: inside the autocast block (autocast "
-               "runs losses and reductions in fp32) or on .float() outputs. An fp16 sum over a "
-               "batch passes 65504 easily.", snippet)
-
-
-def divide_loss_by_accum(c: Context) -> Fix:
-    snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
-               "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
-               "    scaler.scale(loss).backward()")
-    return Fix("divide_loss_by_accum", "Divide each micro-batch's loss by the number of "
-               "micro-batches: .grad then holds their mean, which stays the size of one "
-               "micro-batch's gradient however many are accumulated.", snippet)
-
-
-def loss_on_logits(c: Context) -> Fix:
-    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
-               "    logits = model(x)  # the model returns logits: no Sigmoid at its end\n"
-               "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), y)\n"
-               "# a hand-written loss: take probabilities in fp32, or log-probabilities\n"
-               "p = torch.sigmoid(logits.float())\n"
-               "log_p = torch.nn.functional.logsigmoid(logits.float())")
-    return Fix("loss_on_logits", "Compute the loss from the logits, in fp32: an fp16 sigmoid "
-               "rounds to exactly 1.0 (or 0.0), where BCE's, log's or sqrt's derivative is "
-               "infinite. BCEWithLogitsLoss (or logsigmoid) never forms the probability.", snippet)
-
-
-def safe_mask(c: Context) -> Fix:
-    cls = c.module_type or "the attention module"
-    snippet = (f"# in {cls}.forward: a mask value fp16 can hold, applied with masked_fill\n"
-               "scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)\n"
-               "attn = torch.softmax(scores.float(), dim=-1).to(v.dtype)\n"
-               "# or a boolean mask in the fused kernel, which handles it for you:\n"
-               "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)")
-    return Fix("safe_mask", f"In {cls}, mask with torch.finfo(scores.dtype).min via masked_fill "
-               "(or a boolean mask), never a constant like -1e9 or -1e4 * big: in fp16 it becomes "
-               "-inf, and a row whose every key is masked turns into NaN in softmax.", snippet)
-
-
-def guard_buffers(c: Context) -> Fix:
-    snippet = ("for x, y in loader:\n"
-               "    if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
-               "        continue\n"
-               "    ...\n"
-               "# or undo a skipped step's statistics:\n"
-               'stats = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}\n'
-               "scale = scaler.get_scale()\n"
-               "scaler.step(optimizer)\n"
-               "scaler.update()\n"
-               "if scaler.get_scale() < scale:  # skipped: the forward saw inf/NaN\n"
-               "    model.load_state_dict(stats, strict=False)")
-    mod = f" ({c.module})" if c.module else ""
-    return Fix("guard_buffers", f"GradScaler's skip protects the weights, not module "
-               f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of a "
-               "skipped step and every eval is now NaN. Keep non-finite batches away from the "
-               "model, or restore the statistics when a step is skipped; recompute them "
-               "(a pass in train mode over clean data) to recover this run.", snippet)
-
-
-def rebalance_losses(c: Context) -> Fix:
-    mod = c.module or "the small head"
-    ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e6"
-    head = module_expr(mod) if c.module else "small_head"
-    snippet = (f"# the gradients reaching {mod} are ~{ratio}x smaller than the rest's: one loss\n"
-               "# scale cannot serve both. Weight that loss term up to the others' size (and,\n"
-               "# with SGD, lower that head's learning rate by the same factor):\n"
-               f"loss = main_loss + aux_weight * {ratio} * aux_loss\n"
-               "optimizer = torch.optim.AdamW([\n"
-               f"    {{\"params\": [p for n, p in model.named_parameters() if not "
-               f"n.startswith(\"{mod}.\")]}},\n"
-               f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"
-               "], lr=lr)")
-    return Fix("rebalance_losses", f"Or keep fp16 and bring the gradients of {mod} into range: "
-               "a loss term weighted far below the others gives its head gradients that no "
-               "single loss scale can hold.", snippet)
-
-
-def scheduler_after_real_step(c: Context) -> Fix:
-    snippet = ("scale = scaler.get_scale()\n"
-               "scaler.step(optimizer)\n"
-               "scaler.update()\n"
-               "if scaler.get_scale() >= scale:  # applied (a skipped step halves the scale)\n"
-               "    scheduler.step()\n"
-               "optimizer.zero_grad(set_to_none=True)")
-    return Fix("scheduler_after_real_step", "Step the LR scheduler only after a step the "
-               "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
-               "schedule that advances on them ends its warmup before the model trained.",
-               snippet)
-
-
-MAKERS = {
-    "fp32_island": fp32_island,
-    "scale_attention": scale_attention,
-    "use_bf16": use_bf16,
-    "add_grad_scaler": add_grad_scaler,
-    "raise_init_scale": raise_init_scale,
-    "adam_eps": adam_eps,
-    "fp32_master_weights": fp32_master_weights,
-    "lower_lr": lower_lr,
-    "check_data": check_data,
-    "unscale_before_clip": unscale_before_clip,
-    "use_scaler_step": use_scaler_step,
-    "create_scaler_once": create_scaler_once,
-    "zero_grad_every_step": zero_grad_every_step,
-    "fix_scaler_calls": fix_scaler_calls,
-    "loss_in_fp32": loss_in_fp32,
-    "loss_on_logits": loss_on_logits,
-    "divide_loss_by_accum": divide_loss_by_accum,
-    "safe_mask": safe_mask,
-    "guard_buffers": guard_buffers,
-    "rebalance_losses": rebalance_losses,
-    "scheduler_after_real_step": scheduler_after_real_step,
-    "revive_units": revive_units,
-}
-assert set(MAKERS) == set(FIX_IDS)
+    return ("Units whose input is negative for every example output 0 "
+            "and pass no gradient, so they never recover: use an activation with a slope "
+            "everywhere (LeakyReLU, GELU, SiLU), start biases at 0 and normalise before the "
+            "activation, keep the LR low enough that one update cannot push them all "
+            "negative, and restart the run: the dead units stay dead.", snippet)
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:

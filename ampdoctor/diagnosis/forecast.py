@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
 from .layers import KIND_LABELS, sampled
@@ -62,7 +63,7 @@ MIN_LEVEL = 4.0  # log2 of the level below which a layer is not on its way to an
 SPREAD = 2.0  # range: +-2 standard errors of the slope, +-2 residual spreads of the level
 TOP = 5  # layers listed by lowest headroom
 
-# -- the instability warning (taxonomy C2; rules.WEIGHT_GROWTH, 2x rules.UPDATE_TOO_LARGE) ----
+# -- the instability warning (taxonomy C2; overflow.WEIGHT_GROWTH, 2x overflow.UPDATE_TOO_LARGE)
 W_SAMPLES = 8  # sampled steps looked back over
 WEIGHT_GROWTH = 2.0  # the weight norm doubled over them ...
 UPDATE_HIGH = 2e-2  # ... or the median |dW|/|W| per step is at least this ...
@@ -388,7 +389,7 @@ def judge(s: Series, cut: Optional[int]) -> Forecast:
     else:
         low = lowest[0]
         fc.text = (f"no trend: headroom stable (lowest: {low.label}, {low.headroom:.1f} "
-                   f"doublings below {low.limit:.6g})")
+                   f"doublings below {fmt(low.limit)})")
     return fc
 
 
@@ -400,7 +401,7 @@ def _name_crossing(fc: Forecast, x: LayerTrend, s: Series) -> None:
         x.points
     hi = "?" if x.range[1] is None else str(x.range[1])
     fc.text = (f"at the growth of the last {x.points} sampled steps (steps {x.window[0]}.."
-               f"{x.window[1]}), {x.label} passes {x.limit:.6g} ({x.dtype}) around step "
+               f"{x.window[1]}), {x.label} passes {fmt(x.limit)} ({x.dtype}) around step "
                f"{fc.step} (range {x.range[0]}..{hi}); headroom {x.headroom:.1f} doublings, "
                f"+{x.doublings_per_100_steps:.2f} doublings per 100 steps")
     fc.fixes = _crossing_fixes(x, s)

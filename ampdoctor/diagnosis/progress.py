@@ -16,7 +16,7 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
 
 Each finding answers the precision question (``precision_answer``): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
-a bf16 stall where updates round away is ``bf16_precision``'s (``rules.rule_bf16_precision``),
+a bf16 stall where updates round away is ``bf16_precision``'s (``trends.rule_bf16_precision``),
 told apart by its own signal: gradients that are *not* zero but move nothing. Exact zeros in a
 gradient are the opposite signal and never count there.
 
@@ -34,12 +34,12 @@ from typing import Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile.schema import Kind
 from . import curve, fixes
 from .facts import Facts
-from .rules import PRIORITY, _first_bad, _fmt, context
 from .thresholds import SHORT_RUN, UNCHANGED_HIGH
-from .verdict import Evidence, Finding
+from .verdict import PRIORITY, Evidence, Finding, first_bad
 
 # -- thresholds ------------------------------------------------------------------------------
 # (the loss curve's own thresholds, spike and recovery, are in curve.py)
@@ -47,7 +47,8 @@ from .verdict import Evidence, Finding
 # Dead units: on every sampled step from the first dead one to the end, >= 90 % of the trained
 # parameters' gradient elements are exactly 0. A healthy ReLU network has far fewer even at
 # batch size 1 (a weight's gradient is 0 where either unit it joins is off: ~75 % for units
-# off half the time), and a dead one has ~100 % (the Lightning run of issue 15: 99.98 %).
+# off half the time), and a dead one has ~100 % (the Lightning run of
+# ``fixtures/lightning/issue15.py`` at LR 3.0: 99.98 %).
 DEAD_SHARE = 0.9
 # ... and the zeros are new: an earlier sample had under half of them, or a module's output is
 # exactly 0 everywhere (every unit of a layer off for the whole batch). Either tells a death
@@ -68,7 +69,8 @@ UPDATE_COLLAPSE = 1e3
 LR_KEPT = 0.1
 # Zero gradients with a zero loss are convergence (a perfect fit leaves nothing to learn), not
 # dead units: a loss whose median from the first dead sample on is at most this share of its
-# median over the first steps has reached its floor (issue 16: a pointer net at loss 0.0).
+# median over the first steps has reached its floor (a pointer network that fits its data
+# exactly sits at loss 0.0).
 LOSS_FLOOR_SHARE = 1e-3
 # A gradient norm 10x its level before the spike, within the spike's window, says the jump
 # came from the update (shown as evidence, never required: step 0 has no norm in some loops).
@@ -109,11 +111,11 @@ class Dead:
 
 def dead_units(f: Facts) -> Optional[Dead]:
     """The dead streak at the end of the run, when the zeros are new (see ALIVE_SHARE)."""
-    return f._memo("dead_units", lambda: _find_dead(f))
+    return f.memo("dead_units", lambda: _find_dead(f))
 
 
 def _find_dead(f: Facts) -> Optional[Dead]:
-    st = f.stats
+    st = f.reduced
     share = st.grad_zero_share
     idx = np.flatnonzero(np.isfinite(share))
     if not len(idx):
@@ -144,7 +146,7 @@ def _dead_layers(f: Facts, out: Dead) -> None:
     """Modules whose output is exactly 0 at the last sample (and on every sample since they
     last had a non-zero value), in execution order: tensor ids are handed out as the first
     forward meets the modules."""
-    st, kinds, names = f.stats, f.tensor_kinds, f.tensor_names
+    st, kinds, names = f.reduced, f.tensor_kinds, f.tensor_names
     zero = np.flatnonzero((kinds == Kind.OUTPUT) & st.out_zero_last
                           & (st.out_seen_step >= out.steps[-1]))
     for t in zero:
@@ -154,7 +156,7 @@ def _dead_layers(f: Facts, out: Dead) -> None:
 
 
 def _silent_params(f: Facts, out: Dead) -> None:
-    st, kinds, names = f.stats, f.tensor_kinds, f.tensor_names
+    st, kinds, names = f.reduced, f.tensor_kinds, f.tensor_names
     numel = _numel(f)
     grads = np.flatnonzero((kinds == Kind.PARAM_GRAD) & np.isfinite(st.grad_zero_last))
     order = grads[np.argsort(-numel[grads], kind="stable")]
@@ -178,7 +180,7 @@ def _numel(f: Facts) -> np.ndarray:
 def _updates_collapsed(f: Facts) -> Optional[tuple[int, float, int, float]]:
     """(earlier step, its update ratio, last step, its ratio) when the median update ratio
     fell >= UPDATE_COLLAPSE x while the LR stayed within LR_KEPT of its level."""
-    upd = f.stats.upd_log
+    upd = f.reduced.upd_log
     idx = np.flatnonzero(np.isfinite(upd))
     if len(idx) < 2:
         return None
@@ -223,7 +225,7 @@ def precision_answer(f: Facts, dead: Optional[Dead] = None) -> Evidence:
 
 
 def _precision_facts(f: Facts, low: str, dead: Optional[Dead]) -> tuple[list, list]:
-    st, why, doubt = f.stats, [], []
+    st, why, doubt = f.reduced, [], []
     low_params = f.params_mostly("bfloat16") or f.params_mostly("float16")
     lay = st.layer_unchanged
     measured = np.isfinite(lay) & (f.tensor_kinds == Kind.PARAM)
@@ -243,7 +245,7 @@ def _precision_facts(f: Facts, low: str, dead: Optional[Dead]) -> tuple[list, li
         doubt.append("activations reached 2**15, within 2x of fp16's 65504")
     elif biggest is not None:
         limit = "fp16's 65504" if low == "fp16" else "bf16's 3.4e38 (fp32's range)"
-        why.append(f"the largest activation sampled, {_fmt(biggest)}, is far inside {limit}")
+        why.append(f"the largest activation sampled, {fmt(biggest)}, is far inside {limit}")
     if f.has_scaler and not f.story.benign:
         doubt.append("GradScaler skipped steps beyond its calibration")
     else:
@@ -262,9 +264,9 @@ def _precision_facts(f: Facts, low: str, dead: Optional[Dead]) -> tuple[list, li
 def _spike_evidence(f: Facts, s: curve.Spike) -> list[Evidence]:
     step, onset = f.step_at(s.index), f.step_at(s.onset)
     began = f" (rising from step {onset})" if onset != step else ""
-    ev = [Evidence(f"the loss jumped to {_fmt(s.value)} at step {step}{began}, {s.jump:.0f}x "
-                   f"the {_fmt(s.before)} before it"
-                   + (f"; it peaked at {_fmt(s.peak)} at step {f.step_at(s.peak_index)}"
+    ev = [Evidence(f"the loss jumped to {fmt(s.value)} at step {step}{began}, {s.jump:.0f}x "
+                   f"the {fmt(s.before)} before it"
+                   + (f"; it peaked at {fmt(s.peak)} at step {f.step_at(s.peak_index)}"
                       if s.peak > s.value else ""), "loss_spike", s.jump, step)]
     ev += _lr_evidence(f, s.onset)
     gn = f.steps["grad_norm"].astype(float)
@@ -274,8 +276,8 @@ def _spike_evidence(f: Facts, s: curve.Spike) -> list[Evidence]:
     if len(before) and np.isfinite(window).any():
         g0, top = float(np.median(before)), int(np.nanargmax(window))
         if window[top] >= GRAD_JUMP * g0:
-            ev.append(Evidence(f"the gradient norm jumped from {_fmt(g0)} to "
-                               f"{_fmt(float(window[top]))} at step "
+            ev.append(Evidence(f"the gradient norm jumped from {fmt(g0)} to "
+                               f"{fmt(float(window[top]))} at step "
                                f"{f.step_at(s.onset + top)}", "grad_norm_jump",
                                float(window[top] / g0), f.step_at(s.onset + top)))
     return ev
@@ -288,24 +290,24 @@ def _lr_evidence(f: Facts, index: int) -> list[Evidence]:
         return []
     step, peak = f.step_at(index), float(np.nanmax(lr))
     reach = f.step_at(int(np.flatnonzero(lr >= peak * 0.999)[0]))
-    ramp = (f", rising in a warm-up to its peak {_fmt(peak)} (reached at step {reach})"
+    ramp = (f", rising in a warm-up to its peak {fmt(peak)} (reached at step {reach})"
             if lr[index] < peak * 0.5 and reach > step else
-            f" (peak {_fmt(peak)})" if lr[index] < peak * 0.999 else "")
-    return [Evidence(f"the LR was {_fmt(float(lr[index]))} at step {step}{ramp}",
+            f" (peak {fmt(peak)})" if lr[index] < peak * 0.999 else "")
+    return [Evidence(f"the LR was {fmt(float(lr[index]))} at step {step}{ramp}",
                      "lr_at_spike", float(lr[index]), step)]
 
 
 def _end_evidence(f: Facts) -> Evidence:
     c = f.curve
-    text = (f"the loss ended at {_fmt(c.end)} (median of the last {c.tail_steps} steps), "
-            f"{c.end / c.start:.0%} of where it began ({_fmt(c.start)})")
+    text = (f"the loss ended at {fmt(c.end)} (median of the last {c.tail_steps} steps), "
+            f"{c.end / c.start:.0%} of where it began ({fmt(c.start)})")
     if math.isfinite(c.best_after):
-        text += f"; after the spike it never went below {_fmt(c.best_after)}"
+        text += f"; after the spike it never went below {fmt(c.best_after)}"
     return Evidence(text, "loss_end", c.end / c.start, f.step_at(f.n - 1))
 
 
 def _dead_evidence(f: Facts, dead: Dead) -> list[Evidence]:
-    sampled = [f.step_at(int(i)) for i in np.flatnonzero(f.stats.sampled)]
+    sampled = [f.step_at(int(i)) for i in np.flatnonzero(f.reduced.sampled)]
     ev = []
     for name in dead.layers[:2]:
         kind = f.module_type(name)
@@ -337,8 +339,8 @@ def _dead_evidence(f: Facts, dead: Dead) -> list[Evidence]:
 def _collapse_evidence(f: Facts, c: tuple[int, float, int, float]) -> Evidence:
     top, u0, last, u1 = c
     lr0, lr1 = (float(f.steps["lr"][f.index_of(s)]) for s in (top, last))
-    return Evidence(f"the update ratio |dW|/|W| fell {u0 / u1:.0f}x, from {_fmt(u0)} at step "
-                    f"{top} (LR {_fmt(lr0)}) to {_fmt(u1)} at step {last} (LR {_fmt(lr1)})",
+    return Evidence(f"the update ratio |dW|/|W| fell {u0 / u1:.0f}x, from {fmt(u0)} at step "
+                    f"{top} (LR {fmt(lr0)}) to {fmt(u1)} at step {last} (LR {fmt(lr1)})",
                     "update_ratio_collapse", u1, last)
 
 
@@ -359,7 +361,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
         return None
     c, dead = f.curve, dead_units(f)
     killer = _spike_into(f, dead) if dead else None
-    if killer is not None:  # the jump killed the units, whether or not the loss stayed up
+    if dead is not None and killer is not None:  # the jump killed the units, stayed up or not
         spike, kind, module = killer, "dead_units", dead.layers[0] if dead.layers else None
         how = ("the jump killed the network's units: from then on almost no gradient reaches "
                "the weights and it never trained again")
@@ -375,20 +377,20 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
     onset = f.step_at(spike.onset)
     answer = precision_answer(f, dead)
     ctx = _blowup_context(f, module, spike.onset)
-    conf = 0.85 if kind == "dead_units" and len(dead.steps) >= 2 else 0.75
+    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else 0.75
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}",
                    ev + [answer],
                    fixes.make(["lower_lr"] + (["revive_units"] if kind == "dead_units" else []),
-                              ctx), _first_bad(onset, module, None),
+                              ctx), first_bad(onset, module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
 
 def _climbed(f: Facts) -> Finding:
     c = f.curve
     onset = f.step_at(c.climb_onset)
-    ev = [Evidence(f"the loss climbed from {_fmt(c.start)} at the start to {_fmt(c.end)} at the "
+    ev = [Evidence(f"the loss climbed from {fmt(c.start)} at the start to {fmt(c.end)} at the "
                    f"end (median of the last {c.tail_steps} steps), {c.end / c.start:.0f}x; it "
                    f"stood above {curve.RISE:g}x its start from step {onset} on",
                    "loss_climb", c.end / c.start, onset)]
@@ -399,12 +401,12 @@ def _climbed(f: Facts) -> Finding:
                    f"{c.end / c.start:.0f}x above where it began, from step {onset} on, and "
                    f"never came back. {_conclusion(f, answer)}", ev + [answer],
                    fixes.make(["lower_lr"], _blowup_context(f, None, c.climb_onset)),
-                   _first_bad(onset, None, None), priority=PRIORITY["diverged"],
+                   first_bad(onset, None, None), priority=PRIORITY["diverged"],
                    kind="climbed")
 
 
 def _blowup_context(f: Facts, module: Optional[str], index: int) -> fixes.Context:
-    ctx = context(f, module, step=f.step_at(index))
+    ctx = f.fix_context(module, step=f.step_at(index))
     lr = float(f.steps["lr"][index])
     ctx.blowup_lr = lr if math.isfinite(lr) and lr > 0 else None
     ctx.blowup_step = f.step_at(index)
@@ -419,7 +421,8 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
     dead = dead_units(f)
     if dead is None:
         found = _collapsed_only(f)
-        return None if found and _at_floor(f, found.first_bad["step"]) else found
+        return None if found and found.first_bad and _at_floor(f, found.first_bad["step"]) \
+            else found
     if _at_floor(f, dead.first_step):
         return None
     c = f.curve
@@ -444,8 +447,8 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
                    # units that lived and died: the LR pushed them off; never alive: the init
                    fixes.make((["lower_lr", "revive_units"] if lived else
                                ["revive_units", "lower_lr"]) + _underflow_fix(f, dead),
-                              context(f, module, step=began)),
-                   _first_bad(began, module, "forward" if module else None),
+                              f.fix_context(module, step=began)),
+                   first_bad(began, module, "forward" if module else None),
                    root=spike is None, priority=PRIORITY["dead_units"],
                    kind="dead_layer" if module else "zero_gradients")
 
@@ -476,8 +479,8 @@ def _collapsed_only(f: Facts) -> Optional[Finding]:
                    f"update ratio fell {collapse[1] / collapse[3]:.0e}x while the LR did not, "
                    "and the loss stays where it was (gradients vanished: saturated units). "
                    f"{_conclusion(f, answer)}", ev,
-                   fixes.make(["revive_units", "lower_lr"], context(f, step=collapse[2])),
-                   _first_bad(collapse[2], None, None), priority=PRIORITY["dead_units"],
+                   fixes.make(["revive_units", "lower_lr"], f.fix_context(step=collapse[2])),
+                   first_bad(collapse[2], None, None), priority=PRIORITY["dead_units"],
                    kind="updates_collapsed")
 
 
@@ -490,14 +493,14 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
         return None
     if c.spikes and c.flat:
         s = c.spikes[0]
-        seen = f.stats.sampled[s.index:].any()
+        seen = f.reduced.sampled[s.index:].any()
         return Evidence(f"it jumped {s.jump:.0f}x at step {f.step_at(s.index)} and ended at "
-                        f"{_fmt(c.end)}, {c.end / c.start:.0%} of where it began "
-                        f"({_fmt(c.start)})" + ("" if seen else "; no sampled step came after "
+                        f"{fmt(c.end)}, {c.end / c.start:.0%} of where it began "
+                        f"({fmt(c.start)})" + ("" if seen else "; no sampled step came after "
                                                "the jump, so dead units could not be checked"),
                         "loss_flat", c.end / c.start, f.step_at(s.index))
     if c.end >= curve.FLAT_END * c.start and f.n >= SHORT_RUN:
-        return Evidence(f"it began at {_fmt(c.start)} and ended at {_fmt(c.end)} (median of the "
+        return Evidence(f"it began at {fmt(c.start)} and ended at {fmt(c.end)} (median of the "
                         f"last {c.tail_steps} of {c.n} steps)", "loss_flat", c.end / c.start,
                         f.step_at(f.n - 1))
     return None

@@ -23,8 +23,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..numbers import fmt
 from ..runfile.paths import run_name
 from ..runfile.schema import Event, Phase, flag
+from .verdict import Diagnosis, Evidence
 
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
@@ -158,7 +160,7 @@ def sharding_notes(meta: dict, steps: Any) -> list[str]:
     info = meta.get("sharding")
     if not isinstance(info, dict):
         return []
-    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(info.get("kind"), str(info.get("kind")))
+    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(str(info.get("kind")), str(info.get("kind")))
     out = []
     if info.get("local_shards"):
         out.append(f"Sharded training ({kind}, {info.get('world_size', '?')} ranks): "
@@ -181,10 +183,8 @@ def scales(run: Any) -> dict[int, float]:
     return {int(k): float(v) for k, v in zip(s["step"], s["scale"]) if not np.isnan(v)}
 
 
-def merge(per_rank: list[tuple[dict, Any, dict[int, float]]]):
+def merge(per_rank: list[tuple[dict, Diagnosis, dict[int, float]]]) -> Diagnosis:
     """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale})."""
-    from .verdict import Evidence
-
     outlines = [o for o, _, _ in per_rank]
     origin = first_rank(outlines)
     base_index = next((i for i, o in enumerate(outlines) if o["rank"] == origin), 0)
@@ -288,7 +288,7 @@ def scale_divergence(scales: dict[int, dict[int, float]]) -> Optional[dict]:
     for step in common:
         values = {r: sc[step] for r, sc in with_scale.items()}
         if max(values.values()) != min(values.values()):
-            listed = ", ".join(f"rank {r}: {v:g}" for r, v in sorted(values.items()))
+            listed = ", ".join(f"rank {r}: {fmt(v)}" for r, v in sorted(values.items()))
             return {"step": step, "scales": values,
                     "text": f"loss scale diverged across ranks at step {step} ({listed})"}
     return None

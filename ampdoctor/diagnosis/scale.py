@@ -111,7 +111,8 @@ def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray)
     return story
 
 
-def _calibration(story: ScaleStory, skipped, scale, after, loss_bad) -> None:
+def _calibration(story: ScaleStory, skipped: np.ndarray, scale: np.ndarray, after: np.ndarray,
+                 loss_bad: np.ndarray) -> None:
     """Skips from the first step on, with a finite loss, ending in an applied step at a scale
     GradScaler can work with (>= 1): benign."""
     n = len(skipped)
@@ -130,7 +131,7 @@ def _calibration(story: ScaleStory, skipped, scale, after, loss_bad) -> None:
         else story.min_scale
 
 
-def _probing(story: ScaleStory, skipped, loss_bad) -> None:
+def _probing(story: ScaleStory, skipped: np.ndarray, loss_bad: np.ndarray) -> None:
     """Skips after calibration are probing while few, short and with a finite loss."""
     n, calib = len(skipped), story.calib_len
     post = skipped.copy()

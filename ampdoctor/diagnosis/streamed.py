@@ -4,7 +4,7 @@ bounded memory.
 
 Example::
 
-    reduced = stream_stats(run, kinds, names, step_values, ...)   # see Facts.stats
+    reduced = stream_stats(run, kinds, names, step_values, ...)   # see Facts.reduced
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def _first_nonfinite(rows, kind, bad, best):
     return cand if best is None or cand < best else best
 
 
-def _reduce_outputs(out: Reduced, rows, pos, tid, sel, bad, pre) -> None:
+def _reduce_outputs(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
+                    sel: np.ndarray, bad: np.ndarray, pre: np.ndarray) -> None:
     if not sel.any():
         return
     r, p, t, b = rows[sel], pos[sel], tid[sel], bad[sel]
@@ -251,7 +252,7 @@ def _reduce_outputs(out: Reduced, rows, pos, tid, sel, bad, pre) -> None:
     _reduce_dead_outputs(out, r, t, b)
 
 
-def _reduce_dead_outputs(out: Reduced, r, t, bad) -> None:
+def _reduce_dead_outputs(out: Reduced, r: np.ndarray, t: np.ndarray, bad: np.ndarray) -> None:
     """Module outputs that are exactly 0 everywhere (absmax is exact over the whole tensor):
     a ReLU layer whose every unit is dead for the whole batch. One-element outputs (a scalar
     auxiliary loss) are left out."""
@@ -272,7 +273,8 @@ def _reduce_dead_outputs(out: Reduced, r, t, bad) -> None:
 ZEROS_FLUSHED_IF = 0.25
 
 
-def _reduce_grads(out: Reduced, rows, pos, tid, sel, pre, sub_col: str) -> None:
+def _reduce_grads(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
+                  sel: np.ndarray, pre: np.ndarray, sub_col: str) -> None:
     """Underflow of each gradient. Per tensor: the fraction of its non-zero elements that the
     low precision held as subnormals (precision lost; the tail beyond flushed to zero). Per
     step: elements subnormal, plus zeros where the non-zero values are that low."""
@@ -305,7 +307,8 @@ def _reduce_grads(out: Reduced, rows, pos, tid, sel, pre, sub_col: str) -> None:
         np.add.at(out.grms_cnt, t[pr], 1.0)
 
 
-def _reduce_params(out: Reduced, rows, pos, tid, sel, pre_clean) -> None:
+def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
+                   sel: np.ndarray, pre_clean: np.ndarray) -> None:
     if not sel.any():
         return
     r, p, t = rows[sel], pos[sel], tid[sel]
@@ -348,7 +351,8 @@ def _reduce_params(out: Reduced, rows, pos, tid, sel, pre_clean) -> None:
         np.add.at(out.unch_cnt, t[g], 1.0)
 
 
-def _reduce_flags(out: Reduced, rows, pos, tid, kind, bad) -> None:
+def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
+                  kind: np.ndarray, bad: np.ndarray) -> None:
     for k, target in ((Kind.BUFFER, out.buffer_bad), (Kind.INPUT, out.input_bad)):
         sel = (kind == k) & bad
         if sel.any():

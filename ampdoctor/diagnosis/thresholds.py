@@ -1,17 +1,17 @@
 """Thresholds that more than one module reads: one home, so ``diagnose`` and ``report`` agree.
 
-A threshold used by one module only stays next to its use (``rules.py`` keeps its own block);
+A threshold used by one module only stays next to its use (each rule module keeps its block);
 one read by two (a rule and the readiness table, a rule and the notes) lives here.
 """
 
 # taxonomy §3: a layer whose gradient is >= 50 % subnormal-or-flushed in fp16 is underflowing
-# (of its non-zero values at one sampled step; see facts.ZEROS_FLUSHED_IF for the zeros). The
+# (of its non-zero values at one sampled step; see streamed.ZEROS_FLUSHED_IF for the zeros). The
 # subnormal band counts too because in a tensor recorded in fp16 what fell below it is already
-# an exact zero: the pile-up just above is what can still be seen. (rules, readiness)
+# an exact zero: the pile-up just above is what can still be seen. (trends, readiness)
 LAYER_UNDERFLOW = 0.5
 # taxonomy §3: a "low" scale, S <= 2**3, no longer lifts small fp16 gradients out of the
 # subnormal band; a fall that ends above it is the scale adapting, not collapsing.
-# (rules: grad_underflow; facts: the scale story's collapse)
+# (trends: grad_underflow; facts: the scale story's collapse)
 LOW_SCALE = 8.0
 # taxonomy §3: GradScaler starts at 2**16 and doubles every 2000 clean steps; 2**24 is about as
 # high as a real run's scale climbs before one overflow halves it again, so a scale at or over
@@ -19,7 +19,7 @@ LOW_SCALE = 8.0
 RUNAWAY_SCALE = 2.0 ** 24
 # taxonomy C9a: most sampled elements unchanged by a step although their gradient was not 0
 # (ml-by-hand PR #85: "0 / 768 moved"). Half is far above the ~0 of fp32 master weights.
-# (rules: bf16_precision; progress)
+# (trends: bf16_precision; progress)
 UNCHANGED_HIGH = 0.5
 # Below this many steps a run is "short": trends need several sampled steps. (engine, progress)
 SHORT_RUN = 50

@@ -1,4 +1,5 @@
-"""What a diagnosis is made of: the verdict ids, ``Evidence``, ``Finding`` and ``Diagnosis``.
+"""What a diagnosis is made of: the verdict ids, ``Evidence``, ``Finding`` (with its
+``first_bad`` and the ``PRIORITY`` table it ranks by) and ``Diagnosis``.
 
 Data only (a leaf module: it imports nothing of ampdoctor but ``display`` and ``fixes``'
 ``Fix``). ``str(d)`` and Jupyter display go through ``ampdoctor.display``, which finds the
@@ -50,6 +51,20 @@ VERDICTS = {
 # Verdicts with no step to diagnose (the CLI exits 2 on them).
 EMPTY = ("no_training", "recording_stopped")
 
+# A finding's ``priority`` by what decided it: among root causes the higher wins (exact
+# fingerprints of the script's own failure, then located numeric causes, then trends, then the
+# fallbacks). The rules (``rules.RULES``) read their priority here.
+PRIORITY = {
+    "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
+    "state_poisoning": 88, "adam_eps": 87, "accum_overflow": 86, "bad_input": 84,
+    "fp16_loss": 82,
+    "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
+    "sampled": 70, "no_training": 70,  # located by sampled statistics only
+    "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
+    "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
+    "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
+}
+
 
 @dataclass
 class Evidence:
@@ -78,6 +93,11 @@ class Finding:
     # Step numbers this finding accounts for (the skips a re-created scaler causes): an "also"
     # whose first bad step and evidence all fall inside them is its symptom, not a second cause.
     explains: frozenset = frozenset()
+
+
+def first_bad(step: Optional[int], module: Optional[str], phase: Optional[str]) -> dict:
+    """A finding's ``first_bad``: where the failure begins (any part may be None)."""
+    return {"step": step, "module": module, "phase": phase}
 
 
 @dataclass

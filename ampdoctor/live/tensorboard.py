@@ -262,12 +262,12 @@ def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
     """The diagnosis as Markdown text, at the last step of each run written."""
     if not paths or not writers or not done.steps:
         return
-    from ..diagnosis import engine as analyze
-    from ..render import diagnosis as report
+    from ..diagnosis import engine
+    from ..render.diagnosis import render
     from ..runfile.store import load
 
-    d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
-    text = report.render(d, "markdown")
+    d = engine.diagnose(paths if len(paths) > 1 else paths[0])
+    text = render(d, "markdown")
     for path, w in writers.items():
         with load(path) as run:
             if len(run.steps):

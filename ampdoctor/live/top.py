@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, TextIO
 
 import numpy as np
 
+from ..numbers import fmt
 from . import frame as _frame
 from .follow import STALE_SECONDS, WAIT_POLL, Follower
 
@@ -104,20 +105,20 @@ def _curves(fr: _frame.Frame, width: int, unicode: bool) -> list[str]:
     if not fr.steps:
         return ["no step recorded yet"]
     s = fr.summary
-    loss_note = f"lowest {_num(s.min_loss)}" if s.min_loss is not None else ""
+    loss_note = f"lowest {fmt(s.min_loss)}" if s.min_loss is not None else ""
     scaled = s.init_scale is not None
-    scale_note = f"lowest {_num(s.min_scale)}" if scaled else ""
+    scale_note = f"lowest {fmt(s.min_scale)}" if scaled else ""
     note_w = max(len(loss_note), len(scale_note))
     spark_w = max(8, width - 20 - (note_w + 2 if note_w else 0))
     steps = fr.series["step"]
     loss_cols = _frame.buckets(fr.series["loss"], spark_w, "mean")
-    lines = [f"{'loss':<8}{_num(fr.loss):>10}  {sparkline(loss_cols, unicode):<{spark_w}}"
+    lines = [f"{'loss':<8}{fmt(fr.loss):>10}  {sparkline(loss_cols, unicode):<{spark_w}}"
              + (f"  {loss_note}" if loss_note else "")]
     if scaled:
         # A scale that reached 0 is a value (the bottom of the curve), not a non-finite one.
         scale = np.log2(np.maximum(fr.series["scale"].astype(np.float64), 2.0 ** -150))
         cols = _frame.buckets(scale, spark_w, "min")
-        lines.append(f"{'scale':<8}{_num(fr.scale):>10}  {sparkline(cols, unicode):<{spark_w}}"
+        lines.append(f"{'scale':<8}{fmt(fr.scale):>10}  {sparkline(cols, unicode):<{spark_w}}"
                      + f"  {scale_note}")
     first, last = f"step {int(steps[0])}", f"step {int(steps[-1])}"
     span = len(loss_cols)
@@ -183,14 +184,14 @@ def _gradients(fr: _frame.Frame) -> list[str]:
     if not fr.steps:
         return []
     s = fr.summary
-    peak = f" (peak {_num(s.peak_grad_norm)} at step {s.peak_grad_norm_step})" \
+    peak = f" (peak {fmt(s.peak_grad_norm)} at step {s.peak_grad_norm_step})" \
         if s.peak_grad_norm is not None else ""
     lrs = fr.lr
-    lr = _num(max(lrs)) if lrs else "-"
+    lr = fmt(max(lrs)) if lrs else "-"
     if len(lrs) > 1:
-        lr = " ".join(_num(x) for x in lrs[:4]) + (" ..." if len(lrs) > 4 else "") + \
+        lr = " ".join(fmt(x) for x in lrs[:4]) + (" ..." if len(lrs) > 4 else "") + \
             f" ({len(lrs)} groups)"
-    return [f"{'grad norm':<10}{_num(fr.grad_norm)}{peak}", f"{'lr':<10}{lr}"]
+    return [f"{'grad norm':<10}{fmt(fr.grad_norm)}{peak}", f"{'lr':<10}{lr}"]
 
 
 def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
@@ -209,7 +210,7 @@ def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
             "overflow" if x.headroom <= 0 else f"2^{x.headroom:.1f}")
         under = f"{100 * x.underflow:.0f}%" if x.underflow else "-"
         kind = x.kind + (" *" if x.scaled else "")
-        row = (f"  {_left_clip(x.name, name_w - 1):<{name_w}}{kind:<18}{_num(x.absmax):>9}"
+        row = (f"  {_left_clip(x.name, name_w - 1):<{name_w}}{kind:<18}{fmt(x.absmax):>9}"
                f"{room:>11}{_trend(x.trend):>8}{under:>10}")
         lines.append(paint("red", row) if (math.isnan(x.headroom) or x.headroom <= 1
                                             or x.underflow >= 0.5) else row)
@@ -250,19 +251,6 @@ def _ranks(fr: _frame.Frame) -> list[str]:
 
 def _reason(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
     return [paint("red", line) for line in _wrap(fr.reason, width, "")] if fr.reason else []
-
-
-def _num(x: Any) -> str:
-    if x is None:
-        return "-"
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e6 or abs(x) < 1e-3):
-        return f"{x:.2e}"
-    return f"{x:.5g}" if abs(x) >= 1 else f"{x:.4g}"
 
 
 def _ago(seconds: float) -> str:

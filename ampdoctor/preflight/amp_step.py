@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..diagnosis import fixes, rules
+from ..diagnosis import fixes, misuse
 from ..diagnosis.facts import Facts
 from ..record import patches
 from ..record.recorder import Recorder
@@ -74,8 +74,8 @@ VIOLATIONS = {
 }
 
 # The recorder's rules that read one of its misuse events (not a trend): reused as they are.
-_EVENT_RULES = (rules.rule_clip_before_unscale, rules.rule_scaler_bypass,
-                rules.rule_unscale_twice)
+_EVENT_RULES = (misuse.rule_clip_before_unscale, misuse.rule_scaler_bypass,
+                 misuse.rule_unscale_twice)
 
 
 @dataclass
@@ -189,7 +189,7 @@ def _violations(f: Facts, watch: "_StepWatch", error: Optional[Exception]) -> li
     """The listener's findings, then what the recorder saw: its misuse events (through its
     own rules), the scalers created, the autocast and loss dtypes; and the step's exception
     when it is one of AMP's own."""
-    ctx = rules.context(f)
+    ctx = f.fix_context()
     out = [Violation(vid, text, fixes.make(ids, ctx)) for vid, text, ids in watch.found]
     for rule in _EVENT_RULES:
         finding = rule(f)
@@ -217,9 +217,9 @@ def _violations(f: Facts, watch: "_StepWatch", error: Optional[Exception]) -> li
 
 
 def _exception(f: Facts, error: Exception, found: list[Violation]) -> list[Violation]:
-    """The step raised: one of GradScaler's or autocast's own errors (``rules.EXCEPTIONS``)?
+    """The step raised: one of GradScaler's or autocast's own errors (``misuse.EXCEPTIONS``)?
     A call-order error that a violation above explains is told in that violation."""
-    finding = rules.rule_exception(f)
+    finding = misuse.rule_exception(f)
     if finding is None:
         return []
     raised = f"The step raised {type(error).__name__}: {error}"

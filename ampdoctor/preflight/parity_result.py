@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from ..diagnosis import fixes
 from ..errors import AmpDoctorError
+from ..numbers import fmt
 
 # Unit roundoff (half the machine epsilon) of each low precision: the relative error of
 # storing one fp32 value in it.
@@ -102,8 +103,8 @@ class ModuleParity:
             self.reason = f"{n} {what} are inf/NaN in {dtype} and finite in fp32"
         elif self.absmax_fp32 > top or (self.grad_absmax or 0.0) > top:
             self.verdict = "overflows"
-            self.reason = f"values up to {_num(max(self.absmax_fp32, self.grad_absmax or 0))} " \
-                          f"in fp32, beyond {dtype}'s {_num(top)}"
+            self.reason = f"values up to {fmt(max(self.absmax_fp32, self.grad_absmax or 0))} " \
+                          f"in fp32, beyond {dtype}'s {fmt(top)}"
         elif self.worst_rel_err > limit:
             what = "gradient" if (self.grad_rel_err or 0) > self.rel_err else "output"
             self.verdict = "lossy"
@@ -230,16 +231,6 @@ def load(path: str) -> ParityResult:
 # rendering
 
 
-def _num(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.3g}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
-
-
 def _pct(x: Optional[float]) -> str:
     if x is None or math.isnan(x):
         return "-"
@@ -263,7 +254,7 @@ def label(m: ModuleParity) -> str:
 def rows(r: ParityResult, limit: Optional[int] = SHOWN) -> list[tuple[str, ...]]:
     mods = r.modules if limit is None else r.modules[:limit]
     return [(m.name or f"({m.type})", m.type, m.verdict, _pct(m.rel_err), _db(m.sqnr_db),
-             _num(m.absmax_fp32), _pct(m.grad_rel_err)) for m in mods]
+             fmt(m.absmax_fp32), _pct(m.grad_rel_err)) for m in mods]
 
 
 def headline(r: ParityResult) -> str:
@@ -278,15 +269,15 @@ def headline(r: ParityResult) -> str:
                  + (f", {r.output_nonfinite} non-finite values" if r.output_nonfinite else "")
                  + ".")
     if r.loss_fp32 is not None:
-        text += f" Loss {_num(r.loss_fp32)} in fp32, {_num(r.loss_low)} in {r.dtype}."
+        text += f" Loss {fmt(r.loss_fp32)} in fp32, {fmt(r.loss_low)} in {r.dtype}."
     return text
 
 
 def _criteria(r: ParityResult) -> str:
     return (f"lossy: relative error over {_pct(lossy_rel_err(r.dtype))} "
             f"({LOSSY_ROUNDOFFS} unit roundoffs of {r.dtype}); overflows: beyond "
-            f"{_num(DTYPE_MAX[r.dtype])} or inf/NaN only in {r.dtype}"
-            + (f"; gradients compared at a loss scale of {_num(r.grad_scale)}"
+            f"{fmt(DTYPE_MAX[r.dtype])} or inf/NaN only in {r.dtype}"
+            + (f"; gradients compared at a loss scale of {fmt(r.grad_scale)}"
                if r.grad_scale and r.grad_scale != 1 else ""))
 
 

@@ -34,6 +34,7 @@ from ..diagnosis import layers as _layers
 from ..diagnosis.facts import low_precision
 from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
+from ..numbers import fmt
 from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
@@ -283,10 +284,10 @@ def _at_scale(g: dict, under: list[LayerRange]) -> str:
         return ""
     if g["flushes_at_scale"]:
         return (f"Even at the scale it would settle on (about {g['scale']:.0f}, set by the "
-                f"largest gradient {g['max']:.3g}), the smallest recorded ({g['min']:.3g}) "
+                f"largest gradient {fmt(g['max'])}), the smallest recorded ({fmt(g['min'])}) "
                 "would still flush: if training needs them, prefer bf16.")
     return (f"At the scale it would settle on (about {g['scale']:.0f}) even the smallest "
-            f"recorded ({g['min']:.3g}) fits.")
+            f"recorded ({fmt(g['min'])}) fits.")
 
 
 def _count(items: list[LayerRange]) -> str:
@@ -294,7 +295,7 @@ def _count(items: list[LayerRange]) -> str:
 
 
 def _names(items: list[LayerRange], k: int = 3) -> str:
-    shown = ", ".join(f"{x.name} {x.kind} abs max {x.absmax:.3g} at step {x.absmax_step}"
+    shown = ", ".join(f"{x.name} {x.kind} abs max {fmt(x.absmax)} at step {x.absmax_step}"
                       for x in items[:k])
     return shown + (f" and {len(items) - k} more" if len(items) > k else "")
 

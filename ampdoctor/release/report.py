@@ -1,9 +1,9 @@
 """The release report's data: diagnosis, summary figures, dtype decision, fp16 readiness, parity.
 
 numpy only. ``release_report`` gathers what a release note about a mixed-precision training
-run needs, from the library's own answers (``analyze.diagnose``, ``readiness``, ``comparison``)
-plus the run's headline numbers and the hardware it ran on; ``report_release`` renders it as
-one self-contained HTML page or as Markdown, with ``plots`` drawing the curves.
+run needs, from the library's own answers (``engine.diagnose``, ``readiness``, ``comparison``)
+plus the run's headline numbers and the hardware it ran on; ``render/release.py`` renders it as
+one self-contained HTML page or as Markdown, with ``render/plots.py`` drawing the curves.
 
 Example::
 
@@ -134,8 +134,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     baseline (fp32 or bf16) run of the same training; options go to ``compare``. ``parity``:
     a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
     json`` wrote, shown as the layer parity section."""
-    from ..diagnosis import engine as analyze
-    from ..diagnosis import ranks
+    from ..diagnosis import engine, ranks
     from ..runfile.paths import resolve
     from ..runfile.store import Run, load
 
@@ -146,10 +145,10 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
 
     notes = []
     if isinstance(run, Run):
-        loaded, owned, d = run, False, analyze.diagnose(run)
+        loaded, owned, d = run, False, engine.diagnose(run)
     elif isinstance(run, (str, os.PathLike)):
         paths = resolve(os.fspath(run))
-        d = analyze.diagnose(paths if len(paths) > 1 else paths[0])
+        d = engine.diagnose(paths if len(paths) > 1 else paths[0])
         loaded, owned = load(paths[0]), True
         if len(paths) > 1:
             ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms

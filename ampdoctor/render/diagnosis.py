@@ -6,12 +6,12 @@ Reporters take data objects, never paths. No torch, no h5py.
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 from typing import Any
 
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
+from ..numbers import fmt
 
 FORMATS = ("text", "json", "markdown")
 
@@ -24,21 +24,13 @@ def render(d: Diagnosis, fmt: str = "text") -> str:
     return render_text(d)
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
-            return f"{v:.3g}"
-        return f"{v:.4g}"
-    return str(v)
+def _cell(v: Any) -> str:
+    """A run-table value: text as it is, a number through ``fmt``."""
+    return v if isinstance(v, str) else fmt(v)
 
 
-def _where(first_bad: dict | None) -> str:
+def where_text(first_bad: dict | None) -> str:
+    """'step 12, module blocks.0.attn, forward' (the parts a finding knows)."""
     if not first_bad:
         return ""
     parts = []
@@ -65,12 +57,12 @@ def _run_line(run: dict) -> str:
              f"autocast {run.get('autocast_dtype') or 'off'}"]
     scale = run.get("loss_scale")
     if scale:
-        parts.append(f"loss scale {_fmt(scale.get('init'))} -> {_fmt(scale.get('final'))}")
+        parts.append(f"loss scale {fmt(scale.get('init'))} -> {fmt(scale.get('final'))}")
     parts.append(f"{run.get('sampled_steps', 0)} sampled, {run.get('replays', 0)} replayed")
     return ", ".join(parts)
 
 
-def _chain(d: Diagnosis) -> tuple[list[dict], list[dict]]:
+def split_causes(d: Diagnosis) -> tuple[list[dict], list[dict]]:
     """The causal chain (root, then consequences) and the other causes also found."""
     chain = [c for c in d.causes if c["role"] in ("root", "consequence")]
     also = [c for c in d.causes if c["role"] == "also"]
@@ -83,9 +75,9 @@ def _bullet(text: str) -> list[str]:
     return lines
 
 
-def _also(cause: dict, quote: str = "") -> str:
+def also_text(cause: dict, quote: str = "") -> str:
     """Another cause found beside the verdict: its id, where, and its first sentence."""
-    where = _where(cause.get("first_bad"))
+    where = where_text(cause.get("first_bad"))
     first = cause["text"].split(". ")[0].rstrip(".") + "."
     return f"{quote}{cause['verdict']}{quote}" + (f" at {where}" if where else "") + f": {first}"
 
@@ -97,12 +89,12 @@ def render_text(d: Diagnosis) -> str:
     lines.append(f"verdict: {d.verdict}  (confidence {d.confidence:.2f})")
     lines += _wrap(d.summary, "  ")
     if d.first_bad:
-        lines.append(f"  first bad: {_where(d.first_bad)}")
-    chain, also = _chain(d)
+        lines.append(f"  first bad: {where_text(d.first_bad)}")
+    chain, also = split_causes(d)
     if len(chain) > 1:
         lines.append("  chain: " + " -> ".join(c["verdict"] for c in chain))
     for c in also:
-        lines += _wrap(f"also: {_also(c)}", "  ")
+        lines += _wrap(f"also: {also_text(c)}", "  ")
     lines += _warning_text(d)
     if d.evidence:
         lines += ["", "evidence:"]
@@ -113,8 +105,8 @@ def render_text(d: Diagnosis) -> str:
                   "  step       loss        scale       lr          grad_norm  skipped"]
         h = d.history
         for i, step in enumerate(h["step"]):
-            lines.append(f"  {step:<10} {_fmt(h['loss'][i]):<11} {_fmt(h['scale'][i]):<11} "
-                         f"{_fmt(h['lr'][i]):<11} {_fmt(h['grad_norm'][i]):<10} "
+            lines.append(f"  {step:<10} {fmt(h['loss'][i]):<11} {fmt(h['scale'][i]):<11} "
+                         f"{fmt(h['lr'][i]):<11} {fmt(h['grad_norm'][i]):<10} "
                          f"{'yes' if h['skipped'][i] else ''}")
     if d.fixes:
         lines += ["", "what to change:"]
@@ -133,12 +125,12 @@ def render_markdown(d: Diagnosis) -> str:
     run = d.run
     out = [f"## ampdoctor: `{d.verdict}` (confidence {d.confidence:.2f})", "", d.summary, ""]
     if d.first_bad:
-        out += [f"**First bad:** {_where(d.first_bad)}", ""]
-    chain, also = _chain(d)
+        out += [f"**First bad:** {where_text(d.first_bad)}", ""]
+    chain, also = split_causes(d)
     if len(chain) > 1:
         out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in chain), ""]
     for c in also:
-        out += [f"**Also:** {_also(c, '`')}", ""]
+        out += [f"**Also:** {also_text(c, '`')}", ""]
     out += _warning_markdown(d)
     if d.evidence:
         out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
@@ -152,10 +144,10 @@ def render_markdown(d: Diagnosis) -> str:
     out += ["### Run", "", "| | |", "|---|---|"]
     for key in ("path", "status", "steps", "skipped_steps", "sampled_steps", "replays",
                 "autocast_dtype", "torch"):
-        out.append(f"| {key} | {_fmt(run.get(key))} |")
+        out.append(f"| {key} | {_cell(run.get(key))} |")
     scale = run.get("loss_scale")
     if scale:
-        out.append(f"| loss scale | {_fmt(scale.get('init'))} → {_fmt(scale.get('final'))} |")
+        out.append(f"| loss scale | {fmt(scale.get('init'))} → {fmt(scale.get('final'))} |")
     for note in d.notes:
         out += ["", f"> {note}"]
     return "\n".join(out) + "\n"

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis import layers as _layers
+from ..numbers import fmt
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
 MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)
@@ -140,7 +141,7 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
         _line(ax, steps[shown], clip[shown], color=_SKIP, lw=0.8,
               label="norm clip_grad_norm_ saw")
     i = int(np.argmax(np.where(ok, norm, -np.inf)))
-    ax.plot([steps[i]], [norm[i]], "v", color=_BAD, label=f"peak {norm[i]:.3g} (step "
+    ax.plot([steps[i]], [norm[i]], "v", color=_BAD, label=f"peak {fmt(float(norm[i]))} (step "
             f"{int(steps[i])})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_GRAD)) != 0], "non-finite grad")
     _log_if_wide(ax, norm[ok])
@@ -214,11 +215,11 @@ def _forecast_line(ax: Any, fc: Any) -> None:
     per_step = x.doublings_per_100_steps / 100
     steps = np.linspace(x.window[0], max(fc.step, x.last), 50)
     ax.plot(steps, 2.0 ** (x.level_log2 + per_step * (steps - x.last)), "--", color=_BAD,
-            lw=1.2, label=f"forecast: {x.name} passes {x.limit:.6g} ~ step {fc.step}")
+            lw=1.2, label=f"forecast: {x.name} passes {fmt(x.limit)} ~ step {fc.step}")
     hi = fc.range[1] if fc.range[1] is not None else fc.step
     ax.axvspan(fc.range[0], hi, color=_BAD, alpha=0.08)
     if x.limit != FP16_MAX:
-        ax.axhline(x.limit, color=_BAD, lw=1, ls=":", label=f"{x.dtype} max {x.limit:.3g}")
+        ax.axhline(x.limit, color=_BAD, lw=1, ls=":", label=f"{x.dtype} max {fmt(x.limit)}")
 
 
 def grad_underflow_figure(run: Any, readiness: Any = None,

@@ -3,8 +3,8 @@
 Reporters take data objects, never paths: ``render_release`` turns a ``release.ReleaseReport``
 into one self-contained HTML page (inline CSS, plots embedded as base64 PNG, no external
 asset or script) or Markdown for a pull request; ``render_comparison`` renders what
-``ampdoctor compare`` prints. The diagnosis itself is rendered by ``report`` (its Markdown is
-embedded as is; the HTML uses its helpers), so a verdict reads the same everywhere.
+``ampdoctor compare`` prints. The diagnosis itself is rendered by ``render/diagnosis.py`` (its
+Markdown is embedded as is; the HTML uses its helpers), so a verdict reads the same everywhere.
 
 matplotlib is imported only when an HTML page draws its figures (through ``plots``).
 """
@@ -19,11 +19,12 @@ import math
 from typing import Any, Optional
 
 from ..display import renders
+from ..numbers import fmt
 from ..release.comparison import Comparison
 from ..release.comparison import percent as _pct
 from ..release.report import ReleaseReport
 from ..version import __version__
-from .diagnosis import _also, _chain, _fmt, _where
+from .diagnosis import also_text, split_causes, where_text
 from .diagnosis import render_markdown as diagnosis_markdown
 
 RELEASE_FORMATS = ("html", "markdown", "json")
@@ -57,11 +58,11 @@ def _ratio(x: Optional[float]) -> str:
 def _scale(x: Optional[float]) -> str:
     """A loss scale, with its power of two when it is one (GradScaler's always are)."""
     if x is None or not math.isfinite(x) or x <= 0:
-        return _fmt(x)
+        return fmt(x)
     exp = math.log2(x)
     if exp == int(exp):
-        return (f"{x:.0f}" if 1 <= x < 1e9 else _fmt(x)) + f" (2**{int(exp)})"
-    return _fmt(x)
+        return (f"{x:.0f}" if 1 <= x < 1e9 else fmt(x)) + f" (2**{int(exp)})"
+    return fmt(x)
 
 
 def _step(x: Optional[int]) -> str:
@@ -97,8 +98,8 @@ def summary_rows(s: Any) -> list[tuple[str, str]]:
              ("non-finite gradient steps", _count_first(s.nonfinite_grad,
                                                         s.first_nonfinite_grad)),
              ("peak gradient norm", "-" if s.peak_grad_norm is None else
-              f"{_fmt(s.peak_grad_norm)} ({_step(s.peak_grad_norm_step)})"),
-             ("loss: final / lowest", f"{_fmt(s.final_loss)} / {_fmt(s.min_loss)}"),
+              f"{fmt(s.peak_grad_norm)} ({_step(s.peak_grad_norm_step)})"),
+             ("loss: final / lowest", f"{fmt(s.final_loss)} / {fmt(s.min_loss)}"),
              ("peak memory", f"{_bytes(s.peak_memory)} ({s.memory_measure})"
               if s.peak_memory else "-"),
              ("median step time", _seconds(s.median_step_time)),
@@ -126,12 +127,12 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
     out = []
     for x in r.overflowing:
         frac = f", {_pct(x.over)} of values" if x.over else ""
-        out.append((x.name, x.kind, f"overflows fp16: abs max {_fmt(x.absmax)}{frac}"
-                    + (f" (unscaled {_fmt(x.absmax / x.scale)})" if x.scale != 1 else ""),
+        out.append((x.name, x.kind, f"overflows fp16: abs max {fmt(x.absmax)}{frac}"
+                    + (f" (unscaled {fmt(x.absmax / x.scale)})" if x.scale != 1 else ""),
                     f"{_plural(x.over_steps, 'sampled step')}, first at step {x.first_over}"
                     if x.first_over is not None else _step(x.absmax_step)))
     for x in r.near:
-        out.append((x.name, x.kind, f"within 2x of fp16's max: abs max {_fmt(x.absmax)}",
+        out.append((x.name, x.kind, f"within 2x of fp16's max: abs max {fmt(x.absmax)}",
                     _step(x.absmax_step)))
     for x in r.underflowing:
         out.append((x.name, x.kind, f"{_pct(x.sub)} of non-zero values subnormal or flushed, "
@@ -174,7 +175,7 @@ def comparison_rows(c: Any) -> list[tuple[str, str]]:
 
 def layer_diff_rows(c: Any) -> list[tuple[str, ...]]:
     return [(x.name, x.kind, f"{x.ratio:.4g}", f"{x.worst_ratio:.4g} (step {x.worst_step})",
-             f"{_fmt(x.absmax_base)} / {_fmt(x.absmax_amp)}") for x in c.layers]
+             f"{fmt(x.absmax_base)} / {fmt(x.absmax_amp)}") for x in c.layers]
 
 
 LAYER_DIFF_HEAD = ("layer", "kind", "rms ratio (median)", "worst ratio", "abs max base / amp")
@@ -215,7 +216,7 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"fp16 range in the mixed-precision run: {rng['status']}",
                   f"  {rng['advice']}"]
         for x in rng.get("overflowing", []) + rng.get("near", []):
-            lines.append(f"  - {x['name']} ({x['kind']}): abs max {_fmt(x['absmax'])} at step "
+            lines.append(f"  - {x['name']} ({x['kind']}): abs max {fmt(x['absmax'])} at step "
                          f"{x['step']}")
         for x in rng.get("underflowing", []):
             lines.append(f"  - {x['name']} ({x['kind']}): {_pct(x['sub'])} subnormal or "
@@ -396,13 +397,13 @@ def _diagnosis_html(d: Any) -> str:
            f"<span class=\"muted\">(confidence {d.confidence:.2f})</span></h2>",
            f'<div class="verdict {cls}"><p>{_esc(d.summary)}</p>']
     if d.first_bad:
-        out.append(f"<p><b>First bad:</b> {_esc(_where(d.first_bad))}</p>")
-    chain, also = _chain(d)
+        out.append(f"<p><b>First bad:</b> {_esc(where_text(d.first_bad))}</p>")
+    chain, also = split_causes(d)
     if len(chain) > 1:
         out.append("<p><b>Chain:</b> " + " → ".join(f"<code>{_esc(c['verdict'])}</code>"
                                                     for c in chain) + "</p>")
     for cause in also:
-        out.append(f"<p><b>Also:</b> {_esc(_also(cause))}</p>")
+        out.append(f"<p><b>Also:</b> {_esc(also_text(cause))}</p>")
     out.append("</div>")
     out += _warning_html(d)
     if d.evidence:

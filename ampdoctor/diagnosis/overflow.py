@@ -1,0 +1,315 @@
+"""A located overflow: one op (``unstable_op``, ``mask_overflow``; taxonomy C3, C7a) or the
+learning rate growing everything until something overflowed (``lr_overflow``, C2).
+
+``rule_culprit`` reads the forensic replay of the failing step (``culprit.py``), and
+``rule_sampled_culprit`` the sampled tier when no replay was made; both ask the C2 growth
+signals (``growth_evidence``: weights, updates, activations, gradients, the loss and the LR
+growing before the failure) whether the weights were steady. Steady weights and a finite fp32
+re-run: one op's overflow, fixed by an fp32 island. Growth: the LR, fixed by lowering it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from ..numbers import fmt
+from . import culprit, fixes
+from .facts import Facts
+from .verdict import PRIORITY, Evidence, Finding, first_bad
+
+# -- the growth signals' thresholds (taxonomy C2) ---------------------------------------------
+
+# taxonomy §1 / §3: an update ratio |dW|/|W| above 1e-2 per step, sustained, is too large
+# (Adam's healthy ~1e-3).
+UPDATE_TOO_LARGE = 1e-2
+# taxonomy C2: weight norms grow with the LR (OMG PR #8: Q/K norms 18.8 -> 57.4, 3x); we ask
+# for 2x of the total norm between the first sample and the last one before the failure.
+WEIGHT_GROWTH = 2.0
+# taxonomy C2: activation abs-max trends upward over the run; 10x between the first sample and
+# the last before the failure (marian #699's grad norm went 2e4 -> 4e4 -> NaN: we are looser).
+ACTIVATION_GROWTH = 10.0
+# A loss 10x its earlier median right before the failure is a spike (C2 step 4).
+LOSS_SPIKE = 10.0
+# Gradient norm growth, same idea: median of the last tenth vs the first tenth before failure.
+GRAD_GROWTH = 10.0
+# taxonomy C2 ("near the end of warmup, or at peak"): an LR that rose 10x from the first step
+# to the failure (a warmup or one-cycle ramp) is the cause side of the same story.
+LR_RISE = 10.0
+# C2 needs two of the growth signals above; one alone is common in healthy early training.
+GROWTH_SIGNALS = 2
+# C2 at its most abrupt: one step moved the weights by as much as the weights themselves
+# (|dW|/|W| >= 1; Adam's first step at a sane LR is ~lr/|w|, 1e-2..0.3). A failure a step or
+# two later has no ramp to show, but the weights were not steady: never one op's overflow.
+REPLACED = 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules
+
+
+def rule_culprit(f: Facts) -> Optional[Finding]:
+    """C3 / C7a / C2 located by the forensic replay of the failing step."""
+    if f.failure_index is None:
+        return None
+    snap = culprit.failure_replay(f)
+    if snap is None or culprit.input_out_of_range(f, snap) is not None:
+        return None  # (a batch beyond fp16's range is bad_input's)
+    snap = culprit.producer(f, snap)
+    module, phase, fp32 = snap["module"], snap["phase"], snap["fp32_finite"]
+    first = min(f.failure_step, snap["step"])
+    where = first_bad(first, module, phase)
+    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    ev = culprit.evidence(f, snap, op)
+    mask = culprit.mask_pattern(op) if phase == "forward" else None
+    if mask:
+        ev.insert(1, Evidence(mask, "mask_overflow", None, snap["step"], module))
+        return Finding("mask_overflow", 0.85, f"An attention mask overflows fp16 in {module}: "
+                       "a large negative constant becomes -inf and fully masked rows turn into "
+                       "NaN in softmax. In fp32 the same code is fine.", ev,
+                       fixes.make(["safe_mask", "fp32_island"],
+                                  f.fix_context(module, snap["module_type"], first)),
+                       where, priority=PRIORITY["mask_overflow"])
+    score, growth = growth_evidence(f)
+    poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
+    replaced = any(e.key == "weights_replaced" for e in growth)
+    if replaced and poisoned and snap["step"] > f.failure_step:
+        where = first_bad(f.failure_step, None, None)  # the culprit shows the poison only
+    if score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned):
+        return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
+    if (fp32 == 0 or poisoned) and phase == "forward":
+        return None  # out of range in fp32 too (or its weights are): not one op's overflow
+    return _unstable_op(f, snap, where, ev + growth)
+
+
+def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence]) -> Finding:
+    module = snap["module"]
+    low = "bf16" if f.low_precision == "bf16" else "fp16"
+    if snap["phase"] == "backward":
+        text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
+                "derivative at a singularity: log/sqrt/division near 0, or a clamp that rounds "
+                "to its bound in low precision). Doing that op in fp32 avoids it.")
+    elif low == "fp16":
+        text = (f"One op in {module} overflows fp16 while the weights are steady: its output "
+                "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "
+                "it fixes the step.")
+    else:
+        text = (f"One op in {module} produces inf/NaN in bf16 while the weights are steady (a "
+                "singularity such as log(0) or 0/0 that bf16's 8-bit precision reaches where "
+                "fp32 does not). An fp32 island around it fixes the step.")
+    ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
+        module, snap["module_type"]) else []) + ["use_bf16"]
+    ctx = f.fix_context(module, snap["module_type"], where["step"])
+    op = snap["detail"].get("op")
+    ctx.op = op.get("op") if isinstance(op, dict) else None
+    ctx.root = module in f.root_names
+    return Finding("unstable_op", 0.9 if snap["fp32_finite"] == 1 else 0.65, text, ev,
+                   fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"])
+
+
+def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Finding:
+    ev = ev + lr_evidence(f)
+    module = where.get("module") if where else None
+    if f.low_precision == "fp16":
+        text = ("The learning rate is too high: weights and activations grew step after step "
+                "until the forward pass overflowed fp16 (it diverges in bf16/fp32 too, later). "
+                "Lowering the LR, not the precision, fixes it.")
+    else:
+        text = ("The learning rate is too high: weights and activations grew step after step "
+                "until they overflowed even "
+                + ("bf16, which has fp32's range" if f.low_precision == "bf16" else "fp32")
+                + ". This is divergence, not a precision problem: lower the LR.")
+    return Finding("lr_overflow", conf, text, ev,
+                   fixes.make(["lower_lr", "use_bf16"], f.fix_context(module, step=where.get(
+                       "step") if where else None)), where, priority=PRIORITY["lr_overflow"])
+
+
+def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
+    """No replay of the failure: locate it from the sampled tier and the growth signals."""
+    fi = f.failure_index
+    if fi is None or culprit.snapshot_at(f, f.failure_step) is not None:
+        return None
+    if any(s["phase"] == "input" for s in f.snapshots):
+        return None
+    # The first forward overflow names the module (gradients overflow first on the way there
+    # but only say where the scale was too high); else the first backward one.
+    # (A parameter's .grad is left out: it can hold an inf from an earlier step.)
+    st = f.reduced
+    located = next((x for x in (st.first_forward, st.first_backward) if x and x["step"] >=
+                    f.failure_step), None)
+    if located is not None and located is culprit.root_grad_output(f):
+        located = None  # the gradient the loss sent in: rule_loss_backward's, not a module's
+    score, growth = growth_evidence(f)
+    where = first_bad(f.failure_step, located["module"] if located else None,
+                       located["phase"] if located else None)
+    ev = []
+    if located:
+        ev.append(Evidence(f"sampled step {located['step']}: the first non-finite "
+                           f"{located['phase']} value is in {located['module']}",
+                           "sampled_first_nonfinite", None, located["step"],
+                           located["module"]))
+    if score >= GROWTH_SIGNALS:
+        return _lr_finding(f, where, ev + growth, 0.75 if located else 0.65)
+    if not located:
+        return None
+    module = located["module"]
+    ev += growth
+    return Finding("unstable_op", 0.5, f"{module} is the first module with non-finite values "
+                   f"({located['phase']}) on a sampled step while the weights were steady; the "
+                   "failing step was not replayed, so whether fp32 fixes it is not known.", ev,
+                   fixes.make(["fp32_island", "use_bf16"],
+                              f.fix_context(module, step=where["step"])),
+                   where, priority=PRIORITY["sampled"])
+
+
+# ---------------------------------------------------------------------------------------------
+# C2's growth signals before the failure
+
+
+def growth_evidence(f: Facts) -> tuple[int, list[Evidence]]:
+    """C2's signature before the failure: weights, updates, activations, gradients and the loss
+    growing. Returns how many of those signals fired, and their evidence."""
+    if not f.n:
+        return 0, []
+    hi = f.failure_index if f.failure_index is not None else f.n
+    idx = np.flatnonzero(f.reduced.sampled[:hi] & ~f.skipped[:hi])
+    found = [e for e in (_weight_growth(f, idx), _update_size(f, idx),
+                         _activation_growth(f, idx), _loss_spike(f, hi), _grad_growth(f, hi),
+                         _weights_replaced(f, idx)) if e is not None]
+    found += _short_ramp(f, hi)
+    if found and hi < f.n:  # the LR ramp counts beside an effect, never alone
+        rise = _lr_rise(f, hi)
+        found += [rise] if rise is not None else []
+    return len(found), found
+
+
+def _weight_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    st = f.reduced
+    full = idx[st.wcount[idx] == st.wcount[idx].max()] if len(idx) else idx
+    if len(full) < 2:
+        return None
+    w0, w1 = math.sqrt(st.wnorm2[full[0]]), math.sqrt(st.wnorm2[full[-1]])
+    if not (w0 > 0 and w1 / w0 >= WEIGHT_GROWTH):
+        return None
+    return Evidence(f"the weight norm grew {w1 / w0:.1f}x, from {fmt(w0)} at step "
+                    f"{f.step_at(full[0])} to {fmt(w1)} at step {f.step_at(full[-1])}",
+                    "weight_norm_growth", w1 / w0, f.step_at(full[-1]))
+
+
+def _update_size(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    upd = f.reduced.upd_log[idx] if len(idx) else np.zeros(0)
+    upd = upd[np.isfinite(upd)]
+    # Two samples at least: the very first updates are large for every optimizer.
+    if len(upd) < 2 or np.median(upd) < math.log10(UPDATE_TOO_LARGE):
+        return None
+    ratio = 10 ** float(np.median(upd))
+    return Evidence(f"update ratio |dW|/|W| ~{fmt(ratio)} per step (median of {len(upd)} "
+                    f"samples; above {UPDATE_TOO_LARGE:g} is too large)", "update_ratio", ratio)
+
+
+def _activation_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    act = f.reduced.out_absmax[idx] if len(idx) else np.zeros(0)
+    ok = np.isfinite(act)
+    if ok.sum() < 2:
+        return None
+    a_idx, act = idx[ok], act[ok]
+    a0, a1 = float(act[0]), float(np.max(act[-max(1, len(act) // 3):]))
+    if not (a0 > 0 and a1 / a0 >= ACTIVATION_GROWTH):
+        return None
+    return Evidence(f"the largest activation grew {a1 / a0:.0f}x, from {fmt(a0)} at step "
+                    f"{f.step_at(a_idx[0])} to {fmt(a1)} by step {f.step_at(a_idx[-1])}",
+                    "activation_growth", a1 / a0, f.step_at(a_idx[-1]))
+
+
+def _loss_spike(f: Facts, hi: int) -> Optional[Evidence]:
+    loss = f.steps["loss"][:hi + 1].astype(float)
+    fin = np.flatnonzero(np.isfinite(loss))
+    if len(fin) < 6:
+        return None
+    early = np.median(loss[fin[: len(fin) // 2]])
+    recent = fin[-3:]
+    peak = int(recent[np.argmax(loss[recent])])
+    if not (early > 0 and loss[peak] >= LOSS_SPIKE * early):
+        return None
+    return Evidence(f"the loss rose to {fmt(float(loss[peak]))} at step {f.step_at(peak)}, "
+                    f"{loss[peak] / early:.0f}x its earlier median {fmt(float(early))}",
+                    "loss_spike", float(loss[peak] / early), f.step_at(peak))
+
+
+def _grad_growth(f: Facts, hi: int) -> Optional[Evidence]:
+    gn = f.steps["grad_norm"][:hi].astype(float)
+    fin = np.flatnonzero(np.isfinite(gn) & (gn > 0))
+    if len(fin) < 5:  # an early failure still shows its ramp (first vs last of five)
+        return None
+    tenth = max(1, len(fin) // 10)
+    g0, g1 = np.median(gn[fin[:tenth]]), np.median(gn[fin[-tenth:]])
+    if not (g0 > 0 and g1 / g0 >= GRAD_GROWTH):
+        return None
+    return Evidence(f"the gradient norm grew {g1 / g0:.0f}x before the failure "
+                    f"({fmt(float(g0))} -> {fmt(float(g1))})", "grad_norm_growth",
+                    float(g1 / g0))
+
+
+def _short_ramp(f: Facts, hi: int) -> list[Evidence]:
+    """A failure within the first few steps, too early for the loss-spike and gradient-ramp
+    checks (6 and 5 finite steps), still shows C2 when the loss and the gradient norm both
+    grew LOSS_SPIKE² and GRAD_GROWTH² (100x) over the finite steps before it: two signals."""
+    loss = f.steps["loss"][:hi + 1].astype(float)
+    gn = f.steps["grad_norm"][:hi].astype(float)
+    lf = np.flatnonzero(np.isfinite(loss) & (loss > 0))
+    gf = np.flatnonzero(np.isfinite(gn) & (gn > 0))
+    if not (3 <= len(lf) < 6 and 3 <= len(gf) < 5):
+        return []  # too few points to call anything, or the usual checks judge
+    l0, g0 = float(loss[lf[0]]), float(gn[gf[0]])
+    li, gi = lf[-2:][np.argmax(loss[lf[-2:]])], gf[-2:][np.argmax(gn[gf[-2:]])]
+    l1, g1 = float(loss[li]), float(gn[gi])
+    if l1 / l0 < LOSS_SPIKE ** 2 or g1 / g0 < GRAD_GROWTH ** 2:
+        return []
+    return [Evidence(f"the loss rose from {fmt(l0)} at step {f.step_at(int(lf[0]))} to "
+                     f"{fmt(l1)} at step {f.step_at(int(li))} ({l1 / l0:.2g}x in "
+                     f"{int(li - lf[0])} steps)", "loss_spike", l1 / l0, f.step_at(int(li))),
+            Evidence(f"the gradient norm grew {g1 / g0:.2g}x in {int(gi - gf[0])} steps "
+                     f"({fmt(g0)} -> {fmt(g1)})", "grad_norm_growth", g1 / g0,
+                     f.step_at(int(gi)))]
+
+
+def _weights_replaced(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    upd = f.reduced.upd_log[idx] if len(idx) else np.zeros(0)
+    big = np.flatnonzero(np.isfinite(upd) & (upd >= math.log10(REPLACED)))
+    if not len(big):
+        return None
+    log, step = float(upd[big[0]]), f.step_at(int(idx[big[0]]))
+    size = "10x or more" if log >= 1.0 else f"{10 ** log:.2g}x"  # (ratios are kept up to 10)
+    return Evidence(f"the optimizer step at step {step} changed the weights by {size} their "
+                    "norm (|dW|/|W|, sampled): the weights were not steady", "weights_replaced",
+                    10 ** log, step)
+
+
+def _lr_rise(f: Facts, hi: int) -> Optional[Evidence]:
+    lr = f.steps["lr"][:hi + 1].astype(float)
+    fin = np.flatnonzero(np.isfinite(lr) & (lr > 0))
+    if len(fin) < 2 or fin[-1] != hi:
+        return None
+    rise = lr[hi] / lr[fin[0]]
+    if rise < LR_RISE:
+        return None
+    return Evidence(f"the LR rose {rise:.0f}x before the failure ({fmt(float(lr[fin[0]]))} at "
+                    f"step {f.step_at(fin[0])} -> {fmt(float(lr[hi]))} at step "
+                    f"{f.step_at(hi)})", "lr_rise", float(rise), f.step_at(hi))
+
+
+def lr_evidence(f: Facts) -> list[Evidence]:
+    """Where the failure sits on the LR schedule (C2: near the end of warmup, or at peak)."""
+    fi = f.failure_index
+    lr = f.steps["lr"].astype(float)
+    if fi is None or not np.isfinite(lr[: fi + 1]).any():
+        return []
+    peak = float(np.nanmax(lr))
+    at = float(lr[fi])
+    reach = int(np.flatnonzero(lr >= peak * 0.999)[0])
+    rising = reach > 0 and lr[0] < peak * 0.5
+    text = f"the LR was {fmt(at)} at the failure (peak {fmt(peak)}"
+    text += f", reached at step {f.step_at(reach)} after a warmup)" if rising else ")"
+    return [Evidence(text, "lr_at_failure", at, f.step_at(fi))]

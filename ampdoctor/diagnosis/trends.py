@@ -1,0 +1,218 @@
+"""Trends with no non-finite value: fp16 gradients that flush to zero (``grad_underflow``,
+taxonomy C1; ``masked_underflow``, C8a: a healthy scale that still leaves some layers in the
+subnormal band) and bf16 weights whose updates round away (``bf16_precision``, C9a). They read
+the sampled tier's per-layer reductions (``Facts.reduced``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from ..numbers import fmt
+from ..runfile.schema import Kind
+from . import fixes
+from .facts import Facts, module_of
+from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
+from .verdict import PRIORITY, Evidence, Finding, first_bad
+
+# -- thresholds ------------------------------------------------------------------------------
+
+# LAYER_UNDERFLOW, LOW_SCALE and UNCHANGED_HIGH are shared: see thresholds.py.
+# A layer under 10 % is "training normally" (C8a needs other layers healthy; C1 does not).
+LAYER_HEALTHY = 0.1
+# C8a: the scale is healthy at >= 2**10.
+HEALTHY_SCALE = 2.0 ** 10
+
+
+def rule_grad_underflow(f: Facts) -> Optional[Finding]:
+    """C1: fp16 gradients flush to zero: no scaler, or a scale stuck low."""
+    if not f.n or f.low_precision != "fp16":
+        return None
+    scale = _post_calibration_scale(f)
+    if f.has_scaler and not scale <= LOW_SCALE:
+        return None
+    hot, measured = _underflowing(f)
+    ev = [_scaling_evidence(f, scale)]
+    if len(hot):
+        ev += _underflow_evidence(f, hot, measured)
+        module = _common_module([f.tensor_names[t] for t in hot]) or \
+            module_of(f.tensor_names[hot[0]])
+        conf = 0.85 if f.sampled_steps >= 2 else 0.7
+        step = _first_underflow_step(f)
+    elif len(measured) or f.failure_index is not None:
+        # measured and nothing underflows (a note says the risk), or something else failed
+        # and an unmeasured risk explains nothing
+        return None
+    else:
+        module, conf, step = None, 0.4, None
+        ev.append(Evidence("no sampled step measured the gradients, so the underflow itself "
+                           "was not seen", "not_measured", None))
+    how = "no loss scaling" if not f.has_scaler else f"a loss scale of {fmt(scale)}"
+    return Finding("grad_underflow", conf, f"fp16 gradients underflow: with {how}, small "
+                   "gradients fall below fp16's smallest values and flush to zero or lose their "
+                   "precision, so those weights stop learning (no NaN, no error).", ev,
+                   fixes.make(_underflow_fixes(f), f.fix_context(module, step=step)),
+                   first_bad(step, module, "backward"), root=not f.story.collapsed,
+                   priority=PRIORITY["grad_underflow"])
+
+
+def rule_masked_underflow(f: Facts) -> Optional[Finding]:
+    """C8a: the scale looks healthy but some layers' gradients flush anyway."""
+    if not f.n or f.low_precision != "fp16" or not f.has_scaler or f.story.collapsed:
+        return None
+    scale = _post_calibration_scale(f)
+    if not scale >= HEALTHY_SCALE:
+        return None
+    hot, measured = _underflowing(f)
+    if not len(hot):
+        return None
+    under = f.reduced.layer_under
+    healthy = measured[under[measured] < LAYER_HEALTHY]
+    if not len(healthy):
+        return None  # nothing trains normally: that is not a per-layer mismatch
+    names = f.tensor_names
+    module = _common_module([names[t] for t in hot]) or module_of(names[hot[0]])
+    ev = [Evidence(f"the loss scale is healthy ({fmt(scale)}, median after calibration) and "
+                   f"{len(healthy)} of {len(measured)} gradients are in range",
+                   "median_scale", scale)]
+    ev += _underflow_evidence(f, hot, measured)
+    step = _first_underflow_step(f)
+    rms = f.reduced.layer_grad_rms
+    small, rest = rms[hot], rms[healthy]
+    small, rest = small[np.isfinite(small)], rest[np.isfinite(rest)]
+    ratio = float(np.median(rest) / np.median(small)) if len(small) and len(rest) and \
+        np.median(small) > 0 else None
+    if ratio:
+        ev.append(Evidence(f"their gradients are ~{ratio:.0e} times smaller (rms) than the "
+                           "others'", "grad_rms_ratio", ratio, None, module))
+    ctx = f.fix_context(module, step=step)
+    ctx.ratio = ratio
+    conf = 0.8 if f.sampled_steps >= 2 else 0.6
+    return Finding("masked_underflow", conf, f"The gradients of {module} are far smaller than "
+                   "the rest of the model's: one loss scale serves every layer and is set by "
+                   "the largest gradients, so even at a healthy scale these flush to zero or "
+                   "sit in fp16's subnormal band, and that part of the model hardly learns.", ev,
+                   fixes.make(["use_bf16", "rebalance_losses"], ctx),
+                   first_bad(step, module, "backward"), priority=PRIORITY["masked_underflow"])
+
+
+def rule_bf16_precision(f: Facts) -> Optional[Finding]:
+    """C9a: bf16 weights updated in place; updates below ~0.4 % of a weight round away."""
+    if not f.n or not f.params_mostly("bfloat16"):
+        return None
+    st = f.reduced
+    lay = st.layer_unchanged
+    measured = np.flatnonzero(np.isfinite(lay) & (f.tensor_kinds == Kind.PARAM))
+    if not len(measured):
+        return None
+    hot = measured[lay[measured] >= UNCHANGED_HIGH]
+    share = len(hot) / len(measured)
+    if share < 0.5:
+        return None
+    names = f.tensor_names
+    hot = hot[np.argsort(-lay[hot], kind="stable")]
+    module = None if share >= 0.8 else (_common_module([names[t] for t in hot])
+                                         or module_of(names[hot[0]]))
+    upd = st.layer_update[hot]
+    upd = upd[np.isfinite(upd)]
+    ev = [Evidence(f"{len(hot)} of {len(measured)} parameters: {np.mean(lay[hot]):.0%} of their "
+                   "sampled elements unchanged by the step although their gradient was not 0",
+                   "unchanged_fraction", float(np.mean(lay[hot])), None, module)]
+    if len(upd):
+        ev.append(Evidence(f"update ratio |dW|/|W| ~{fmt(10 ** float(np.median(upd)))}, below "
+                           "bf16's resolution (2**-8 = 0.4 % of a weight)", "update_ratio",
+                           10 ** float(np.median(upd))))
+    ev.append(Evidence(f"the optimizer updates bf16 weights directly "
+                       f"({f.param_dtypes.get('bfloat16', 0)} bf16 elements, no fp32 master copy)",
+                       "bf16_params", float(f.param_dtypes.get("bfloat16", 0))))
+    idx = np.flatnonzero(st.sampled & (st.unchanged >= UNCHANGED_HIGH))
+    step = f.step_at(int(idx[0])) if len(idx) else None
+    return Finding("bf16_precision", 0.85 if f.sampled_steps >= 2 else 0.7,
+                   "The weights are bf16 and the optimizer writes into them: bf16 keeps 8 "
+                   "significant bits, so an update smaller than ~0.4 % of a weight rounds back "
+                   "to the same weight. Most steps change nothing; the loss stalls without any "
+                   "NaN.", ev,
+                   fixes.make(["fp32_master_weights"], f.fix_context(module, step=step)),
+                   first_bad(step, module, "optimizer"), priority=PRIORITY["bf16_precision"])
+
+
+def _underflowing(f: Facts) -> tuple[np.ndarray, np.ndarray]:
+    """Tensor ids of gradients with a high underflow fraction, and every measured one."""
+    under = f.reduced.layer_under
+    measured = np.flatnonzero(np.isfinite(under) & (f.tensor_kinds == Kind.PARAM_GRAD))
+    hot = measured[under[measured] >= LAYER_UNDERFLOW]
+    return hot[np.argsort(-under[hot], kind="stable")], measured
+
+
+def _post_calibration_scale(f: Facts) -> float:
+    s = f.steps["scale"][f.story.calib_len:].astype(float)
+    s = s[np.isfinite(s)]
+    return float(np.median(s)) if len(s) else math.nan
+
+
+def _common_module(names: list[str]) -> Optional[str]:
+    parts = [module_of(n).split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or None
+
+
+def _underflow_evidence(f: Facts, hot: np.ndarray, measured: np.ndarray) -> list[Evidence]:
+    st, names = f.reduced, f.tensor_names
+    under, zeros = st.layer_under, st.layer_zeros
+    band, tiny = ("bf16", "1.2e-38") if f.low_precision == "bf16" else ("fp16", "6.1e-5")
+    scaled = " once multiplied by the loss scale" if f.has_scaler else ""
+
+    def layer(t: int) -> str:
+        z = f", {zeros[t]:.0%} exactly zero" if zeros[t] >= 0.01 else ""
+        return f"{names[t]}: {under[t]:.0%} of its non-zero gradient subnormal{z}"
+
+    ev = [Evidence(f"{len(hot)} of {len(measured)} parameter gradients sit in {band}'s "
+                   f"subnormal band (below {tiny}{scaled}), where they keep a few significant "
+                   "bits and the smallest flush to 0", "layers_underflowing", float(len(hot)),
+                   None, module_of(names[hot[0]]))]
+    for t in hot[:4]:
+        ev.append(Evidence(layer(t), "layer_underflow", float(under[t]), None,
+                           module_of(names[t])))
+    n = st.grad_n[: f.failure_index].sum() if f.failure_index is not None else st.grad_n.sum()
+    u = st.grad_under[: f.failure_index].sum() if f.failure_index is not None else \
+        st.grad_under.sum()
+    if n:
+        ev.append(Evidence(f"{u / n:.0%} of all sampled gradient elements are subnormal or "
+                           "flushed to zero", "grad_underflow_fraction", float(u / n)))
+    return ev
+
+
+def _first_underflow_step(f: Facts) -> Optional[int]:
+    st = f.reduced
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(st.grad_n > 0, st.grad_under / np.maximum(st.grad_n, 1), np.nan)
+    idx = np.flatnonzero(frac >= LAYER_HEALTHY)
+    if len(idx):
+        return f.step_at(int(idx[0]))
+    idx = np.flatnonzero(st.sampled)
+    return f.step_at(int(idx[0])) if len(idx) else None
+
+
+def _scaling_evidence(f: Facts, scale: float) -> Evidence:
+    """Why fp16 gradients get no help: the scaler is missing, or its scale is low."""
+    if f.has_scaler:
+        return Evidence(f"the loss scale sat at {fmt(scale)} (median after calibration; "
+                        f"{LOW_SCALE:g} or less cannot lift small fp16 gradients)",
+                        "median_scale", scale)
+    if f.autocast_dtype == "float16":
+        return Evidence("fp16 autocast runs without a GradScaler: gradients below 6e-8 flush to "
+                        "zero, below 6.1e-5 lose precision", "no_scaler", None)
+    return Evidence("the parameters are fp16 and no GradScaler is used", "no_scaler", None)
+
+
+def _underflow_fixes(f: Facts) -> list[str]:
+    if f.params_mostly("float16"):  # GradScaler refuses fp16 weights: master weights first
+        return ["fp32_master_weights", "use_bf16"]
+    return ["raise_init_scale", "use_bf16"] if f.has_scaler else ["add_grad_scaler", "use_bf16"]

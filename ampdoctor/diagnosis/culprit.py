@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile import schema
 from .facts import Facts
 from .verdict import Evidence

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event

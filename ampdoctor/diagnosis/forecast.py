@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
 from .layers import KIND_LABELS, sampled

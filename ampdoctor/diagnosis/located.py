@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import DType, Event, Kind
 from . import fixes
 from .culprit import input_out_of_range, root_grad_output, snapshot_at

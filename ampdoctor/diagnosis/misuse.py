@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import Event
 from . import fixes
 from .facts import Facts

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from . import culprit, fixes
 from .facts import Facts
 from .verdict import PRIORITY, Evidence, Finding, first_bad

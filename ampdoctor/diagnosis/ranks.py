@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.paths import run_name
 from ..runfile.schema import Event, Phase, flag
 from .verdict import Diagnosis, Evidence

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from . import fixes, located, misuse, overflow, progress, trends
 from .culprit import snapshot_at
 from .facts import Facts

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import Kind
 from . import fixes
 from .facts import Facts, module_of

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, TextIO
 
 import numpy as np
 
-from ..numbers import fmt
+from ..numfmt import fmt
 from . import frame as _frame
 from .follow import STALE_SECONDS, WAIT_POLL, Follower
 

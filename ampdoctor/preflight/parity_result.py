@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from ..diagnosis import fixes
 from ..errors import AmpDoctorError
-from ..numbers import fmt
+from ..numfmt import fmt
 
 # Unit roundoff (half the machine epsilon) of each low precision: the relative error of
 # storing one fp32 value in it.

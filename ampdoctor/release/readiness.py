@@ -34,7 +34,7 @@ from ..diagnosis import layers as _layers
 from ..diagnosis.facts import low_precision
 from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}

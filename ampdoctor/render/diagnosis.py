@@ -11,7 +11,7 @@ from typing import Any
 
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
-from ..numbers import fmt
+from ..numfmt import fmt
 
 FORMATS = ("text", "json", "markdown")
 

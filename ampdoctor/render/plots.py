@@ -25,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis import layers as _layers
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
 MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)

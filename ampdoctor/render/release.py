@@ -19,7 +19,7 @@ import math
 from typing import Any, Optional
 
 from ..display import renders
-from ..numbers import fmt
+from ..numfmt import fmt
 from ..release.comparison import Comparison
 from ..release.comparison import percent as _pct
 from ..release.report import ReleaseReport

@@ -1,11 +1,11 @@
-"""ampdoctor.numbers.fmt: the one formatter of shown values (diagnose, top, parity, report)."""
+"""ampdoctor.numfmt.fmt: the one formatter of shown values (diagnose, top, parity, report)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from ampdoctor.numbers import fmt
+from ampdoctor.numfmt import fmt
 
 
 @pytest.mark.parametrize("value,shown", [

@@ -78,9 +78,12 @@ from ..errors import AmpDoctorError
 from ..runfile import schema
 from ..runfile.schema import Event, Phase, Source
 from . import compiled, replay, sharding, stats
+from .journal import Journal
 from .replay import Capture, Culprit
 from .sampler import tensors_in
-from .steps import HOST, device_values, fetch
+from .steplog import StepLog
+from .steps import columns, device_values, fetch
+from .watched import Watched
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -191,8 +194,14 @@ class _Kept:
 class Forensics:
     """The forensic tier of one recorder: capture, trigger policy, replay, snapshot."""
 
-    def __init__(self, recorder: Any):
-        self.rec = recorder  # a recorder.ForensicsHandle
+    def __init__(self, watched: Watched, journal: Journal, log: StepLog, *, max_replays: int,
+                 strict: bool = False):
+        self.watched = watched  # the model, names, optimizers, device, autocast state
+        self.journal = journal  # /events, /tensors, the writer; warnings
+        self.log = log  # the current step, the history of those ended
+        self.max_replays = max_replays
+        self.strict = strict
+        self.replays = 0  # replays that wrote a snapshot
         self.captures: list[Capture] = []
         self.events: list[ForensicEvent] = []
         self.replaying = False
@@ -211,7 +220,7 @@ class Forensics:
     @property
     def armed(self) -> bool:
         """Replays remain: capture every step, and sync once per step to see the event."""
-        return self.rec.replays < self.rec.max_replays
+        return self.replays < self.max_replays
 
     # -- every step: references only --------------------------------------------------------
 
@@ -224,9 +233,9 @@ class Forensics:
     def end_step(self, step: Any, hold: bool = False) -> None:
         """The step is over: its output-gradient hooks go, and its captures with them, unless
         ``hold`` (its skip is decided at the next step's start; ``release_held`` then)."""
-        pending = self.rec.pending
-        if pending and pending[-1][0][0] == step.index:
-            self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
+        row = self.log.latest
+        if row is not None and row.step == step.index:
+            self._history.append(row)  # host fields and device values: no copy, no sync
         self._unhook()
         self.held = (self.captures, self.dropped) if hold and self.captures else None
         self.begin_step()
@@ -247,10 +256,10 @@ class Forensics:
             self.dropped += 1
         if self.captures:  # a new micro-batch: the previous ones' backward is done
             self._bound_held_grads()
-        device = self.rec.device.type if self.rec.device is not None else "cpu"
-        seen = self.rec.autocast_seen  # (enabled, dtype), just read by the recorder
+        device = self.watched.device.type if self.watched.device is not None else "cpu"
+        seen = self.watched.autocast_seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
-        st = self.rec.step
+        st = self.log.step
         self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
                                      (device, enabled, dtype, torch.is_autocast_cache_enabled()),
                                      micro=st.micro if st else 0,
@@ -267,7 +276,7 @@ class Forensics:
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        if self.rec.sharding is not None:
+        if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
         grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
@@ -303,7 +312,14 @@ class Forensics:
     def on_event(self, step: Any, why: Event, held: bool = False) -> Optional[int]:
         """The recorder saw an event with the failing parameters in place; returns the
         snapshot id when a replay ran (and wrote it), None when the rate limit skipped it.
-        ``held``: the event is a step already ended, whose captures are ``self.held``."""
+        ``held``: the event is a step already ended, whose captures are ``self.held``. A
+        replay that wrote its snapshot counts against ``max_replays``."""
+        snapshot = self._on_event(step, why, held)
+        if snapshot is not None:
+            self.replays += 1
+        return snapshot
+
+    def _on_event(self, step: Any, why: Event, held: bool) -> Optional[int]:
         ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
@@ -338,7 +354,7 @@ class Forensics:
         result.snapshot = self._write(step, why, result, trace, finding, captures)
         stale = finding.detail.get("stale_grads")
         if stale:  # not an accumulation overflow: _search checked that first
-            self.rec.event(Event.GRAD_NOT_ZEROED, text=", ".join(stale[:4]), step=step)
+            self.journal.event(Event.GRAD_NOT_ZEROED, step, text=", ".join(stale[:4]))
         self._note_input(finding, step)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
@@ -347,18 +363,18 @@ class Forensics:
         """What makes a replay unsafe (a sharded model, or one whose forward runs
         collectives: a rank replaying alone would hang the job), or None. ``captures``:
         those of the event (default: this step's)."""
-        sharded = self.rec.sharding
+        sharded = self.watched.sharding
         if sharded is not None:
             return sharded.name
         captures = self.captures if captures is None else captures
-        return sharding.collective_forward([c.root for c in captures] or self.rec.roots)
+        return sharding.collective_forward([c.root for c in captures] or self.watched.roots)
 
     def _check_batch(self, step: Any, why: Event, ev: ForensicEvent, captures: list,
                      unsafe: str) -> Optional[int]:
         """No replay (``unsafe`` says why): only the batch this rank was given is measured,
         a local look that runs no model code and no collective. A non-finite batch becomes
         a snapshot (phase input), as a replay would have found it."""
-        names = self.rec.names
+        names = self.watched.names
         for micro, cap in enumerate(captures):
             root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
             trace, finding = replay.check_batch(cap, names, root_name)
@@ -382,7 +398,7 @@ class Forensics:
         if finding.phase == Phase.INPUT:
             labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
                       if isinstance(b, dict)]
-            self.rec.event(Event.NONFINITE_INPUT, text=", ".join(labels[:4]), step=step)
+            self.journal.event(Event.NONFINITE_INPUT, step, text=", ".join(labels[:4]))
 
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
@@ -455,9 +471,9 @@ class Forensics:
             with _preserved(self._roots(captures), _cuda_devices()), compiled.eager():
                 return self._search(captures, scale, stale_check)
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
-            if self.rec.strict:
+            if self.strict:
                 raise
-            self.rec.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
+            self.journal.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
                                           f"{exc}); recording goes on")
             f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
             f.detail["replay_error"] = f"{type(exc).__name__}: {exc}"
@@ -466,7 +482,7 @@ class Forensics:
             self.replaying = False
 
     def _search(self, captures: list, scale: Optional[float], stale_check: bool):
-        names = self.rec.names
+        names = self.watched.names
         last = None
         forward_only = []  # micro-batches whose output gradient was not kept (GRAD_BYTES)
         for micro, cap in enumerate(captures):
@@ -474,7 +490,7 @@ class Forensics:
                 holder["scale"] = scale if holder.get("scaled") else None
             root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
             trace, finding = replay.explain(cap, names, root_name, self._devices,
-                                            self.rec.param_names, self.rec.strict)
+                                            self.watched.param_names, self.strict)
             if _versions((cap.args, cap.kwargs)) != cap.versions:
                 finding.detail["input_modified"] = True
             if forward_only:
@@ -508,7 +524,7 @@ class Forensics:
         whose running sum turns non-finite while every term is finite, else None (the
         ``.grad`` was stale). Event only: one backward and one param-sized sum per
         micro-batch, host reads to compare."""
-        by_name = {self.rec.param_names.get(id(p)): p for p in self.rec.trained_params()}
+        by_name = {self.watched.param_names.get(id(p)): p for p in self.watched.trained_params()}
         params = [(n, p) for n, p in by_name.items() if n in stale and p.dtype == torch.float16]
         if not params or any(not c.grads for c in captures):
             return None
@@ -531,7 +547,7 @@ class Forensics:
     def _accum_finding(self, finding: Culprit, accum: dict, n: int) -> None:
         """The replay's finding when the accumulation in ``.grad`` overflowed."""
         owner = accum["param"].rsplit(".", 1)[0] if "." in accum["param"] else accum["param"]
-        module = next((m for m, name in self.rec.names.items() if name == owner), None)
+        module = next((m for m, name in self.watched.names.items() if name == owner), None)
         finding.phase, finding.module = Phase.BACKWARD, owner
         finding.module_type = type(module).__name__ if module is not None else ""
         finding.fp32_absmax = accum["fp32_absmax"]  # the sum's (no module to re-run in fp32)
@@ -543,8 +559,8 @@ class Forensics:
         finding.detail["how"] = finding.summary
 
     def _stale_grads(self) -> list[str]:
-        named = [(self.rec.param_names.get(id(p), "param"), p.grad)
-                 for p in self.rec.trained_params() if p.grad is not None
+        named = [(self.watched.param_names.get(id(p), "param"), p.grad)
+                 for p in self.watched.trained_params() if p.grad is not None
                  and stats.measurable(p.grad)]
         if not named:
             return []
@@ -559,7 +575,7 @@ class Forensics:
         return [n for (n, _), good in zip(named, ok) if not good]
 
     def _roots(self, captures: Optional[list] = None) -> list:
-        roots = [c.root for c in captures] if captures else list(self.rec.roots)
+        roots = [c.root for c in captures] if captures else list(self.watched.roots)
         out: list = []
         for r in roots:
             inner = replay.unwrap(r)
@@ -605,20 +621,19 @@ class Forensics:
 
     def _note_history(self, result: ReplayResult, step: Any) -> None:
         """Scale, LR, grad norm and loss of the steps up to the event (one sync, event only)."""
-        lr = HOST.index("lr")
-        rows = [(host[0], host[lr], values) for host, values in self._history]
+        rows = [(row.step, row.lr, row.values) for row in self._history]
         if not rows or rows[-1][0] != step.index:  # a step decided later is there already
-            rows.append((step.index, _max_lr(self.rec.optimizers),
-                         device_values(step, self.rec.constants)))
-        values = fetch([v for _, _, v in rows])
+            rows.append((step.index, _max_lr(self.watched.optimizers),
+                         device_values(step, self.log.constants)))
+        values = columns(fetch([v for _, _, v in rows]))
         result.detail["history"] = {
-            "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
-            "scale": values[:, 1].tolist(), "found_inf": values[:, 3].tolist(),
-            "grad_norm": values[:, 4].tolist(), "lr": [float(x) for _, x, _ in rows]}
+            "step": [int(s) for s, _, _ in rows], "loss": values["loss_mean"].tolist(),
+            "scale": values["scale"].tolist(), "found_inf": values["found_inf"].tolist(),
+            "grad_norm": values["grad_norm"].tolist(), "lr": [float(x) for _, x, _ in rows]}
 
     def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[replay.Trace],
                f: Culprit, captures: list) -> Optional[int]:
-        w = self.rec.writer
+        w = self.journal.writer
         if w is None or w.closed:
             return None
         sid = w.rows("snapshots")
@@ -634,7 +649,7 @@ class Forensics:
             f.fp32_absmax, f.in_absmax, f.out_absmax)
         row["scale"] = _scalar(getattr(step, "scale", None))
         lrs = r.detail.get("history", {}).get("lr")  # at the event (a later decision: LR moved)
-        row["lr"] = lrs[-1] if lrs else _max_lr(self.rec.optimizers)
+        row["lr"] = lrs[-1] if lrs else _max_lr(self.watched.optimizers)
         if trace is not None:
             ids = self._stats_rows(w, sid, step.index, trace, f)
             if f.culprit_slot is not None:
@@ -670,7 +685,7 @@ class Forensics:
         # A meta tensor carries the dtype and size to /tensors without any memory.
         dtype = _TORCH_DTYPES.get(int(row["dtype"]), torch.float32)
         meta = torch.empty(int(row["numel"]), dtype=dtype, device="meta")
-        return self.rec.tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
+        return self.journal.tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
 
 
 # ---------------------------------------------------------------------------------------------

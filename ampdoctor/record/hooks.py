@@ -47,20 +47,19 @@ class Hooks:
     """The hook callbacks of one recorder (see the module docstring); ``fault(exc, where)``
     is the recorder's."""
 
-    def __init__(self, journal: Journal, watched: Watched, log: StepLog, skips: Skips,
-                 forensics: Optional[Forensics], *, every: int, sample: int,
+    def __init__(self, journal: Journal, watched: Watched, log: StepLog, skips: Skips, *,
+                 sampler: Optional[Sampler], forensics: Optional[Forensics], every: int,
                  fault: Callable[[BaseException, str], None]):
         self.journal = journal
         self.watched = watched
         self.log = log
         self.skips = skips
         self.forensics = forensics
-        self.every = every
-        self.sample = sample
+        self.every = every  # the sampled tier's interval (0: never)
         self._fault = fault
         self.patches = patches.PatchSet()  # torch's globals: scaler, backward, clip, optimizer
         self._sample_hooks = patches.PatchSet()
-        self._sampler: Optional[Sampler] = None
+        self._sampler = sampler
         self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
 
     def fault(self, exc: BaseException, where: str) -> None:
@@ -384,13 +383,12 @@ class Hooks:
     def _maybe_sample(self) -> None:
         """Turn the sampled tier on for this step if it is due (before its first forward)."""
         st = self.log.step
-        if st.sampled or self.every <= 0 or st.index % self.every or st.micro:
+        sampler = self._sampler
+        if sampler is None or st.sampled or self.every <= 0 or st.index % self.every or \
+                st.micro:
             return
         st.sampled = True
-        if self._sampler is None:
-            self._sampler = Sampler(self.watched.names, self.journal.tensor_id,
-                                    self.journal.warn_tensor, sample=self.sample)
-        self._sampler.active = True
+        sampler.active = True
         eager = self.watched.eager
         if eager is None:
             patches.hook_modules(self._sample_hooks, self, None, "sample_post")

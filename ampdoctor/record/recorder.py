@@ -56,6 +56,7 @@ from .exits import active
 from .forensics import Forensics
 from .hooks import Hooks
 from .journal import Journal
+from .sampler import Sampler
 from .skips import Skips
 from .steplog import StepLog
 from .watched import Watched
@@ -124,9 +125,12 @@ class Recorder:
         self._log = StepLog(self._journal, self._watched, flush_seconds)
         self.forensics = Forensics(self._watched, self._journal, self._log,
                                    max_replays=max_replays, strict=strict) if forensics else None
+        self._sampler = Sampler(self._watched.names, self._journal.tensor_id,
+                                self._journal.warn_tensor, sample=sample) if self.every else None
         self._skips = Skips(self._journal, self._watched, self._log, self.forensics)
-        self._hooks = Hooks(self._journal, self._watched, self._log, self._skips, self.forensics,
-                            every=self.every, sample=sample, fault=self.fault)
+        self._hooks = Hooks(self._journal, self._watched, self._log, self._skips,
+                            sampler=self._sampler, forensics=self.forensics, every=self.every,
+                            fault=self.fault)
         self._exits = exits.ExitGuard(self)
 
     # -- lifecycle -----------------------------------------------------------------------------

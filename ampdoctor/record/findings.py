@@ -18,7 +18,8 @@ from typing import Optional
 
 from ..runfile import schema
 from ..runfile.schema import Event, Phase
-from .replay import Culprit, Trace
+from .culprit import Culprit
+from .trace import Trace
 
 TRIGGERS = {Event.SKIPPED: "skipped", Event.NONFINITE_LOSS: "nonfinite_loss",
             Event.NONFINITE_GRAD: "nonfinite_grad"}

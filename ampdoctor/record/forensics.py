@@ -75,13 +75,14 @@ import torch
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event, Phase
 from . import compiled, findings, replay, sharding, snapshot, stats
+from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
 from .journal import Journal
 from .kept import Kept, offload, reload, versions
-from .replay import Capture, Culprit, Trace
 from .sampler import tensors_in
 from .steplog import StepLog
 from .steps import columns, device_values, fetch
+from .trace import Capture, Trace, autocast, rng_state, set_rng, unwrap
 from .watched import Watched
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -166,7 +167,7 @@ class Forensics:
         seen = self.watched.autocast_seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
         st = self.log.step
-        self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
+        self.captures.append(Capture(root, args, dict(kwargs), rng_state(self._devices),
                                      (device, enabled, dtype, torch.is_autocast_cache_enabled()),
                                      micro=st.micro if st else 0,
                                      versions=versions((args, kwargs))))
@@ -282,7 +283,7 @@ class Forensics:
         a snapshot (phase input), as a replay would have found it."""
         names = self.watched.names
         for micro, cap in enumerate(captures):
-            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
             trace, finding = replay.check_batch(cap, names, root_name)
             if finding is None:
                 continue
@@ -394,7 +395,7 @@ class Forensics:
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
                 holder["scale"] = scale if holder.get("scaled") else None
-            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
             trace, finding = replay.explain(cap, names, root_name, self._devices,
                                             self.watched.param_names, self.strict)
             if versions((cap.args, cap.kwargs)) != cap.versions:
@@ -486,7 +487,7 @@ class Forensics:
         roots = [c.root for c in captures] if captures else list(self.watched.roots)
         out: list = []
         for r in roots:
-            inner = replay.unwrap(r)
+            inner = unwrap(r)
             if all(inner is not o for o in out):
                 out.append(inner)
         return out
@@ -546,9 +547,9 @@ def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
 def _micro_param_grads(cap: Capture, params: list) -> list:
     """One micro-batch's gradients for ``params``: its forward again (same RNG, autocast),
     backward from the output gradient the real step saw; .grad is not touched."""
-    replay.set_rng(cap.rng)
-    with torch.enable_grad(), replay.autocast(cap.autocast):
-        output = replay.unwrap(cap.root)(*cap.args, **cap.kwargs)
+    set_rng(cap.rng)
+    with torch.enable_grad(), autocast(cap.autocast):
+        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
     outs = list(tensors_in(output))
     pairs = [(t, cap.grads[i]) for i, t in enumerate(outs)
              if i in cap.grads and isinstance(t, torch.Tensor) and t.requires_grad]

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .replay import Capture
 from .sampler import tensors_in
+from .trace import Capture
 
 
 @dataclass

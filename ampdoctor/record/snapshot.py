@@ -20,9 +20,10 @@ import torch
 
 from ..runfile import schema, store
 from ..runfile.schema import Event, Source
-from . import replay, sharding
+from . import sharding
+from .culprit import Culprit
 from .findings import ReplayResult
-from .replay import Capture, Culprit, Slot, Trace
+from .trace import Capture, Slot, Trace, labeled
 
 BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 
@@ -101,7 +102,7 @@ def _autocast_code(state: tuple) -> int:
 def array_items(cap: Capture, f: Culprit) -> list[tuple[str, torch.Tensor]]:
     """What a user needs to reproduce the event, most important first."""
     items = [(f"rng.{k}", v) for k, v in cap.rng.items()]
-    items += list(replay.labeled(cap.args, cap.kwargs))
+    items += list(labeled(cap.args, cap.kwargs))
     items += [(f"culprit.{label}", t) for label, t in f.culprit_inputs]
     items += [(f"grad_output.{i}", g) for i, g in sorted(cap.grads.items())]
     return items

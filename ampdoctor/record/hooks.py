@@ -15,8 +15,8 @@ scaled step whose ``update()`` never comes ends at the next loss (or at close).
 The order of one scaled step, and what each hook adds::
 
     root_pre         autocast state; the batch (sampled tier, forensic capture)
-    on_scale         the loss (unscaled later), the file created (lazy recorder)
-    before_backward  a micro-batch
+    on_scale         the loss as given to scale(); the file created (lazy recorder)
+    before_backward  a micro-batch (and the loss, without a scaler)
     before_unscale   gradients complete: sampled gradient statistics
     after_unscale    found_inf staged for the skip decision (non-fused optimizers)
     before_clip / after_clip         the clip config, the pre-clip norm

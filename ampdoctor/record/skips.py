@@ -16,7 +16,7 @@ The syncs of a steady step, all of them (tests/test_host_reads.py counts them):
 
 On the event itself (a failing step, rare) more is read: the replay, and one read of the
 module buffers' finiteness (``_audit_buffers``). With ``forensics=False``, or once
-``max_replays`` are used up, nothing here runs.
+``max_replays`` are used up, nothing here copies or reads anything.
 
 Example (what the hooks do under a GradScaler)::
 

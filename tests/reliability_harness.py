@@ -38,13 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import TinyNet, batches  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.record.recorder import Recorder  # noqa: E402
+from ampdoctor.record.exits import ExitGuard  # noqa: E402
 from ampdoctor.runfile import store  # noqa: E402
 
 STEPS = 24
 BAD_STEP = 10  # a NaN in the batch: a skipped step, a forensic replay and its snapshot
 _FLUSH = store.Writer.flush
-_WAIT = Recorder._wait_for_signal
+_WAIT = ExitGuard._wait_for_signal
 
 
 class Ticks:
@@ -86,7 +86,7 @@ def train(path, report, case):
         say("W")
         return _WAIT(self, *args)
 
-    Recorder._wait_for_signal = reporting_wait
+    ExitGuard._wait_for_signal = reporting_wait
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.record import forensics
+from ampdoctor.record import forensics, snapshot
 from ampdoctor.runfile.schema import Event, Kind, Phase, Source
 
 # ---------------------------------------------------------------------------------------------
@@ -748,7 +748,7 @@ def test_snapshot_keeps_history_statistics_and_the_batch(run_path):
 
 
 def test_saved_arrays_are_size_capped(run_path, monkeypatch):
-    monkeypatch.setattr(forensics, "BATCH_BYTES", 6000)
+    monkeypatch.setattr(snapshot, "BATCH_BYTES", 6000)
     model = make(ExpNet, 20.0)
     sc = scaler(2.0**10)
     data = batches(1, shape=(64, 8))

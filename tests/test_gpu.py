@@ -220,7 +220,7 @@ def test_a_skip_the_gpu_had_not_finished_is_decided_at_the_next_step(tmp_path):
     ev = rec.events[0]
     assert (ev.step, ev.phase, ev.module, ev.fp32) == (3, "forward", "body.1", "finite")
     assert ev.result.faithful
-    assert sum(p.blocked for p in rec._pools.values()) >= 1  # the GPU was behind: it waited
+    assert sum(p.blocked for p in rec._skips.pools.values()) >= 1  # the GPU was behind: it waited
     assert syncs[:3] == [0, 0, 0] and syncs[4] == 0  # steps 1, 2, 3 and 5
     assert syncs[3] > 0  # step 4: the replay of step 3, and its flush (the event path syncs)
     assert list(ampdoctor.load(str(tmp_path / "run.h5")).steps["skipped"]) == [0, 0, 0, 1, 0, 0]

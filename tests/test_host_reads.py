@@ -194,10 +194,10 @@ def test_steady_steps_read_nothing_but_what_is_documented(path, tmp_path, monkey
     assert len(reads.device) == per_step * STEADY, reads.device
     if PATHS[path][0]:  # GradScaler: found_inf and the loss come through one mirror per step
         assert reads.mirror == STEADY
-        assert all(p.blocked == 0 for p in rec._pools.values())  # CPU copies never wait
+        assert all(p.blocked == 0 for p in rec._skips.pools.values())  # CPU copies never wait
     else:
         assert reads.mirror == 0
-        assert all("_check_before_step" in where or "recorder.py" in where
+        assert all("_check_before_step" in where or "skips.py" in where
                    for where in reads.device)
     run = ampdoctor.load(str(tmp_path / "run.h5"))
     assert len(run.steps) == WARMUP + STEADY and np.isfinite(run.steps["loss"]).all()
@@ -254,7 +254,7 @@ def test_a_decision_in_flight_reads_nothing_more(path, tmp_path, monkeypatch, de
     reads, rec = count_reads(path, tmp_path, monkeypatch)
     assert reads.device == [] and reads.mirror == STEADY
     # decided at each next step's start, after one wait for its own copy
-    assert sum(p.blocked for p in rec._pools.values()) == WARMUP + STEADY
+    assert sum(p.blocked for p in rec._skips.pools.values()) == WARMUP + STEADY
 
 
 @pytest.mark.parametrize("kind", ["foreach", "fused", "fused, device behind", "no scaler"])
@@ -360,9 +360,9 @@ def test_parameter_list_follows_add_param_group(run_path):
     extra = torch.nn.Linear(4, 4)
     with ampdoctor.watch(model, opt, path=run_path, strict=True) as rec:
         step(model, opt, sc, clip, dtype, *batch(0))
-        first = rec._trained_params()
-        assert rec._trained_params() is first  # cached, not rebuilt
+        first = rec._watched.trained_params()
+        assert rec._watched.trained_params() is first  # cached, not rebuilt
         opt.add_param_group({"params": list(extra.parameters())})
-        again = rec._trained_params()
+        again = rec._watched.trained_params()
         assert len(again) == len(first) + 2 and again[-1] is extra.bias
         step(model, opt, sc, clip, dtype, *batch(1))

@@ -254,12 +254,12 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
     ref_model, ref_opt = fresh()
     ref_losses = train(ref_model, ref_opt, None, steps=4, dtype=torch.bfloat16)
 
-    from ampdoctor.record import recorder
+    from ampdoctor.record import hooks
 
     def broken(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(recorder.Recorder, "_end_step", broken)
+    monkeypatch.setattr(hooks.Hooks, "_end_step", broken)
     with pytest.warns(RuntimeWarning, match="recording stopped"):
         with ampdoctor.watch(model, opt, path=run_path):
             losses = train(model, opt, None, steps=4, dtype=torch.bfloat16)
@@ -271,9 +271,9 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
 
 def test_strict_mode_raises(run_path, monkeypatch):
     from ampdoctor.errors import RecorderFault
-    from ampdoctor.record import recorder
+    from ampdoctor.record import hooks
 
-    monkeypatch.setattr(recorder.Recorder, "_end_step", lambda self: 1 / 0)
+    monkeypatch.setattr(hooks.Hooks, "_end_step", lambda self: 1 / 0)
     model, opt = fresh()
     with pytest.raises(RecorderFault):
         with ampdoctor.watch(model, opt, path=run_path, strict=True):
@@ -388,3 +388,69 @@ def test_scaled_steps_without_update_still_end(run_path):
     assert np.all(run.steps["scale"] == 2.0**16)
     assert list(run.events["kind"]).count(Event.STEP_BYPASSES_SCALER) == 5
     assert run.meta["optimizer"][0]["class"] == "AdamW"
+
+
+# ---------------------------------------------------------------------------------------------
+# The hook callbacks: declared once (record/listener.py), so that a misspelt one fails a check
+
+
+def _dispatched(source: str) -> list[str]:
+    """The callback names a module's source hands to ``patches``: the second argument of each
+    ``guard(...)`` call and the names given to ``hook_modules``."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else \
+            getattr(node.func, "id", "")
+        args = {"guard": node.args[1:2], "hook_modules": node.args[2:4]}.get(func, [])
+        names += [a.value for a in args if isinstance(a, ast.Constant) and a.value is not None]
+    return names
+
+
+def test_every_dispatched_callback_is_declared_and_implemented():
+    import inspect
+    import pathlib
+
+    from ampdoctor.preflight.amp_step import _StepWatch
+    from ampdoctor.record import hooks, listener
+
+    declared = set(listener.callbacks(listener.Listener)) | \
+        set(listener.callbacks(listener.SchedulerListener))
+    assert set(listener.CALLBACKS) == declared - {"fault"}
+    record = pathlib.Path(listener.__file__).parent
+    dispatched = {name for path in record.glob("*.py") for name in _dispatched(path.read_text())}
+    assert {"on_scale", "root_pre", "sample_post", "discover_post"} <= dispatched
+    assert dispatched <= set(listener.CALLBACKS), dispatched - set(listener.CALLBACKS)
+    for owner, door in ((hooks.Hooks, listener.Listener),
+                        (_StepWatch, listener.TrainingListener),
+                        (_StepWatch, listener.SchedulerListener)):
+        for name in listener.callbacks(door):
+            assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
+            expected = list(inspect.signature(getattr(door, name)).parameters)
+            assert list(inspect.signature(getattr(owner, name)).parameters) == expected, name
+
+
+def test_a_misspelt_callback_is_caught():
+    from ampdoctor.record import listener, patches
+
+    typo = "patches.guard(listener, 'befor_clip', parameters)"
+    assert _dispatched(typo) == ["befor_clip"]
+    assert "befor_clip" not in listener.CALLBACKS  # what the test above then reports
+
+    class Misspelt:  # a listener whose before_backward is misspelt
+        def fault(self, exc, where):
+            raise AssertionError(where)
+
+        def befor_backward(self, tensors):
+            raise AssertionError("never called")
+
+    for name in listener.callbacks(listener.TrainingListener):
+        if name != "before_backward":
+            setattr(Misspelt, name, lambda self, *args: None)
+    original = torch.autograd.backward
+    with patches.PatchSet() as ps, pytest.raises(TypeError, match="no before_backward"):
+        patches.patch_backward(ps, Misspelt())  # at patch time, not silently at the hook
+    assert torch.autograd.backward is original  # nothing was patched

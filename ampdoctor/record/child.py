@@ -16,7 +16,7 @@ leave behind:
 * every other process (DataLoader workers, helper interpreters) writes nothing.
 
 A forked child (DataLoader workers on Linux) inherits the recorder: the recorder switches
-itself off there and can never write into its parent's file (``recorder._after_fork_in_child``).
+itself off there and can never write into its parent's file (``exits._after_fork_in_child``).
 """
 
 from __future__ import annotations

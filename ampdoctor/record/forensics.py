@@ -38,13 +38,13 @@ device, restores every module buffer it changed bit for bit (BatchNorm running s
 reads gradients with ``torch.autograd.grad`` only (``.grad`` and the optimizer state are never
 written) and never runs the DDP/compile wrapper, only the module inside.
 
-**What is kept.** Each replay writes a /snapshots row (culprit, phase, fp32 verdict, scale, LR,
-and in its detail JSON the culprit's statistics in both precisions and the scale/LR/grad-norm
-history up to the event), /stats rows of every tensor of the replay (``Source.REPLAY``) and of
-the fp32 re-run (``Source.REPLAY_FP32``), and /arrays: the batch, the culprit's inputs, the
-output gradient and the RNG state, within ``BATCH_BYTES``. For a backward culprit the
-snapshot's ``in_absmax``/``out_absmax`` describe its grad_output/grad_input and ``fp32_absmax``
-its fp32 gradients.
+**What is kept** (``snapshot.py``). Each replay writes a /snapshots row (culprit, phase,
+fp32 verdict, scale, LR, and in its detail JSON the culprit's statistics in both precisions and
+the scale/LR/grad-norm history up to the event), /stats rows of every tensor of the replay
+(``Source.REPLAY``) and of the fp32 re-run (``Source.REPLAY_FP32``), and /arrays: the batch,
+the culprit's inputs, the output gradient and the RNG state, within ``snapshot.BATCH_BYTES``.
+For a backward culprit the snapshot's ``in_absmax``/``out_absmax`` describe its
+grad_output/grad_input and ``fp32_absmax`` its fp32 gradients.
 
 In a notebook::
 
@@ -56,33 +56,35 @@ In a notebook::
     print(r); r.trace   # what went non-finite, in execution order
 
 ``rec.replay`` runs against the model's *current* weights, with the batch, RNG state and
-output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event);
+output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event: ``kept.py``);
 ``r.faithful`` says whether the weights are still those of the event (nothing has stepped
-the optimizer since, e.g. the event's step was skipped and was the last one).
+the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
+reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..errors import AmpDoctorError
-from ..runfile import schema
-from ..runfile.schema import Event, Phase, Source
-from . import compiled, replay, sharding, stats
-from .replay import Capture, Culprit
+from ..runfile.schema import Event, Phase
+from . import compiled, findings, replay, sharding, snapshot, stats
+from .culprit import Culprit
+from .findings import TRIGGERS, ForensicEvent, ReplayResult
+from .journal import Journal
+from .kept import Kept, offload, reload, versions
 from .sampler import tensors_in
-from .steps import HOST, device_values, fetch
+from .steplog import StepLog
+from .steps import columns, device_values, fetch
+from .trace import Capture, Trace, autocast, rng_state, set_rng, unwrap
+from .watched import Watched
 
-BATCH_BYTES = 16 << 20  # arrays saved with one snapshot
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
 GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
 MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
@@ -95,104 +97,18 @@ EPISODE_GAP = 16  # events at most this many steps apart belong to one episode
 GRAD_REPLAY_RUN = 8
 MAX_EVENTS = 1024  # entries kept in rec.events
 
-TRIGGERS = {Event.SKIPPED: "skipped", Event.NONFINITE_LOSS: "nonfinite_loss",
-            Event.NONFINITE_GRAD: "nonfinite_grad"}
-FP32 = {True: "finite", False: "non-finite", None: "not run"}
-
-
-@dataclass
-class TraceRow:
-    """One tensor measured in a replay, in the order it was seen."""
-
-    order: int
-    kind: str  # "input", "output", "grad_output", "grad_input", "param_grad"
-    module: str
-    label: str
-    dtype: str
-    absmax: float
-    rms: float
-    zeros: int
-    nonfinite: bool
-
-
-@dataclass
-class ReplayResult:
-    """What a forensic replay found. ``str(result)`` is one paragraph for a person.
-
-    ``phase``: "forward", "backward", "input" (the batch held NaN/inf), "loss" (the loss,
-    outside the model), "none" (the replay stayed finite) or "unknown" (it failed).
-    ``fp32_finite``: True when the culprit re-run alone in fp32 is finite (an fp32 island
-    fixes the step), False when it is non-finite in fp32 too (the values are too large: LR or
-    data), None when no fp32 re-run applies.
-    """
-
-    step: int
-    micro: int
-    trigger: str
-    phase: str
-    module: Optional[str] = None
-    module_type: Optional[str] = None
-    fp32_finite: Optional[bool] = None
-    fp32_absmax: float = math.nan
-    in_absmax: float = math.nan
-    out_absmax: float = math.nan
-    summary: str = ""
-    detail: dict = field(default_factory=dict, repr=False)
-    faithful: bool = True
-    snapshot: Optional[int] = None
-    trace: list = field(default_factory=list, repr=False)
-
-    @property
-    def fp32(self) -> str:
-        return FP32[self.fp32_finite]
-
-    def __str__(self) -> str:
-        return self.summary
-
-
-@dataclass
-class ForensicEvent:
-    """An event the forensic tier caught: a skipped step, or a non-finite loss or grad norm."""
-
-    step: int
-    trigger: str
-    replayed: bool = False
-    result: Optional[ReplayResult] = None
-    note: str = ""
-
-    @property
-    def phase(self) -> Optional[str]:
-        return self.result.phase if self.result else None
-
-    @property
-    def module(self) -> Optional[str]:
-        return self.result.module if self.result else None
-
-    @property
-    def fp32(self) -> Optional[str]:
-        return self.result.fp32 if self.result else None
-
-    def __repr__(self) -> str:
-        if not self.replayed:
-            return f"ForensicEvent(step={self.step}, trigger={self.trigger!r}, {self.note})"
-        return (f"ForensicEvent(step={self.step}, trigger={self.trigger!r}, "
-                f"phase={self.phase!r}, module={self.module!r}, fp32={self.fp32!r})")
-
-
-@dataclass
-class _Kept:
-    """What rec.replay needs after the step is gone: CPU copies and the weights' versions."""
-
-    captures: list
-    versions: tuple
-    scale: Optional[float]
-
 
 class Forensics:
     """The forensic tier of one recorder: capture, trigger policy, replay, snapshot."""
 
-    def __init__(self, recorder: Any):
-        self.rec = recorder  # a recorder.ForensicsHandle
+    def __init__(self, watched: Watched, journal: Journal, log: StepLog, *, max_replays: int,
+                 strict: bool = False):
+        self.watched = watched  # the model, names, optimizers, device, autocast state
+        self.journal = journal  # /events, /tensors, the writer; warnings
+        self.log = log  # the current step, the history of those ended
+        self.max_replays = max_replays
+        self.strict = strict
+        self.replays = 0  # replays that wrote a snapshot
         self.captures: list[Capture] = []
         self.events: list[ForensicEvent] = []
         self.replaying = False
@@ -201,8 +117,8 @@ class Forensics:
         self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
         # finite-loss skips: last step, run length, and None / "calibrated" (the initial
         # calibration was seen) / "replayed" (the first later one was replayed)
-        self._overflows = (-2, 0, None)
-        self._kept: dict[int, _Kept] = {}
+        self._overflows: tuple[int, int, Optional[str]] = (-2, 0, None)
+        self._kept: dict[int, Kept] = {}
         self._too_big: set[int] = set()
         self._devices: list = _cuda_devices()
         self._hooks: list = []  # handles of this step's output-gradient hooks
@@ -211,7 +127,7 @@ class Forensics:
     @property
     def armed(self) -> bool:
         """Replays remain: capture every step, and sync once per step to see the event."""
-        return self.rec.replays < self.rec.max_replays
+        return self.replays < self.max_replays
 
     # -- every step: references only --------------------------------------------------------
 
@@ -224,9 +140,9 @@ class Forensics:
     def end_step(self, step: Any, hold: bool = False) -> None:
         """The step is over: its output-gradient hooks go, and its captures with them, unless
         ``hold`` (its skip is decided at the next step's start; ``release_held`` then)."""
-        pending = self.rec.pending
-        if pending and pending[-1][0][0] == step.index:
-            self._history.append(pending[-1])  # (host fields, device values): no copy, no sync
+        row = self.log.latest
+        if row is not None and row.step == step.index:
+            self._history.append(row)  # host fields and device values: no copy, no sync
         self._unhook()
         self.held = (self.captures, self.dropped) if hold and self.captures else None
         self.begin_step()
@@ -247,14 +163,14 @@ class Forensics:
             self.dropped += 1
         if self.captures:  # a new micro-batch: the previous ones' backward is done
             self._bound_held_grads()
-        device = self.rec.device.type if self.rec.device is not None else "cpu"
-        seen = self.rec.autocast_seen  # (enabled, dtype), just read by the recorder
+        device = self.watched.device.type if self.watched.device is not None else "cpu"
+        seen = self.watched.autocast_seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
-        st = self.rec.step
-        self.captures.append(Capture(root, args, dict(kwargs), replay.rng_state(self._devices),
+        st = self.log.step
+        self.captures.append(Capture(root, args, dict(kwargs), rng_state(self._devices),
                                      (device, enabled, dtype, torch.is_autocast_cache_enabled()),
                                      micro=st.micro if st else 0,
-                                     versions=_versions((args, kwargs))))
+                                     versions=versions((args, kwargs))))
 
     def capture_kwargs(self, root: torch.nn.Module, kwargs: dict) -> None:
         """Keyword arguments of the latest root call, known only after it (discovery mode:
@@ -262,12 +178,12 @@ class Forensics:
         cap = self.captures[-1] if self.captures else None
         if cap is not None and cap.root is root:
             cap.kwargs = dict(kwargs)
-            cap.versions = _versions((cap.args, cap.kwargs))
+            cap.versions = versions((cap.args, cap.kwargs))
 
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
-        if self.rec.sharding is not None:
+        if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
         grads = self.captures[-1].grads
         for i, t in enumerate(tensors_in(output)):
@@ -303,7 +219,14 @@ class Forensics:
     def on_event(self, step: Any, why: Event, held: bool = False) -> Optional[int]:
         """The recorder saw an event with the failing parameters in place; returns the
         snapshot id when a replay ran (and wrote it), None when the rate limit skipped it.
-        ``held``: the event is a step already ended, whose captures are ``self.held``."""
+        ``held``: the event is a step already ended, whose captures are ``self.held``. A
+        replay that wrote its snapshot counts against ``max_replays``."""
+        snapshot = self._on_event(step, why, held)
+        if snapshot is not None:
+            self.replays += 1
+        return snapshot
+
+    def _on_event(self, step: Any, why: Event, held: bool) -> Optional[int]:
         ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
@@ -329,7 +252,7 @@ class Forensics:
         trace, finding, micro = self._run(captures, scale)
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
-        result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
+        result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
         self._note_history(result, step)
         ev.replayed, ev.result = True, result
         explained = finding.phase not in (Phase.NONE, Phase.UNKNOWN) or \
@@ -338,7 +261,7 @@ class Forensics:
         result.snapshot = self._write(step, why, result, trace, finding, captures)
         stale = finding.detail.get("stale_grads")
         if stale:  # not an accumulation overflow: _search checked that first
-            self.rec.event(Event.GRAD_NOT_ZEROED, text=", ".join(stale[:4]), step=step)
+            self.journal.event(Event.GRAD_NOT_ZEROED, step, text=", ".join(stale[:4]))
         self._note_input(finding, step)
         self._keep_for_later(step.index, captures, scale)
         return result.snapshot
@@ -347,25 +270,25 @@ class Forensics:
         """What makes a replay unsafe (a sharded model, or one whose forward runs
         collectives: a rank replaying alone would hang the job), or None. ``captures``:
         those of the event (default: this step's)."""
-        sharded = self.rec.sharding
+        sharded = self.watched.sharding
         if sharded is not None:
             return sharded.name
         captures = self.captures if captures is None else captures
-        return sharding.collective_forward([c.root for c in captures] or self.rec.roots)
+        return sharding.collective_forward([c.root for c in captures] or self.watched.roots)
 
     def _check_batch(self, step: Any, why: Event, ev: ForensicEvent, captures: list,
                      unsafe: str) -> Optional[int]:
         """No replay (``unsafe`` says why): only the batch this rank was given is measured,
         a local look that runs no model code and no collective. A non-finite batch becomes
         a snapshot (phase input), as a replay would have found it."""
-        names = self.rec.names
+        names = self.watched.names
         for micro, cap in enumerate(captures):
-            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
             trace, finding = replay.check_batch(cap, names, root_name)
             if finding is None:
                 continue
             finding.detail["replay"] = f"off: {unsafe} runs collectives in its forward"
-            result = self._result(step.index, ev.trigger, trace, finding, micro, captures)
+            result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
             self._note_history(result, step)
             ev.replayed, ev.result = True, result
             self._episode = self._episode[:3] + (True,)
@@ -382,7 +305,7 @@ class Forensics:
         if finding.phase == Phase.INPUT:
             labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
                       if isinstance(b, dict)]
-            self.rec.event(Event.NONFINITE_INPUT, text=", ".join(labels[:4]), step=step)
+            self.journal.event(Event.NONFINITE_INPUT, step, text=", ".join(labels[:4]))
 
     def _calibrating(self, step: Any, why: Event) -> bool:
         """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
@@ -430,10 +353,10 @@ class Forensics:
             raise AmpDoctorError(
                 f"step {step} has no kept batch to replay; replayed events: "
                 f"{', '.join(map(str, have)) if have else 'none'} (see rec.events)")
-        captures = [_reload(c) for c in kept.captures]
+        captures = [reload(c) for c in kept.captures]
         trace, finding, micro = self._run(captures, kept.scale, stale_check=False)
         trigger = next((e.trigger for e in self.events if e.step == step), "on_demand")
-        result = self._result(step, trigger, trace, finding, micro, captures)
+        result = findings.result(step, trigger, trace, finding, micro, captures)
         result.faithful = result.faithful and \
             kept.versions == _param_versions(self._roots(captures))
         result.detail["weights"] = "as at the event" if result.faithful else \
@@ -455,9 +378,9 @@ class Forensics:
             with _preserved(self._roots(captures), _cuda_devices()), compiled.eager():
                 return self._search(captures, scale, stale_check)
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
-            if self.rec.strict:
+            if self.strict:
                 raise
-            self.rec.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
+            self.journal.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
                                           f"{exc}); recording goes on")
             f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
             f.detail["replay_error"] = f"{type(exc).__name__}: {exc}"
@@ -466,16 +389,16 @@ class Forensics:
             self.replaying = False
 
     def _search(self, captures: list, scale: Optional[float], stale_check: bool):
-        names = self.rec.names
-        last = None
-        forward_only = []  # micro-batches whose output gradient was not kept (GRAD_BYTES)
+        names = self.watched.names
+        last: Optional[tuple] = None
+        forward_only: list[int] = []  # micro-batches whose output gradient was not kept
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
                 holder["scale"] = scale if holder.get("scaled") else None
-            root_name = names.get(cap.root) or type(replay.unwrap(cap.root)).__name__
+            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
             trace, finding = replay.explain(cap, names, root_name, self._devices,
-                                            self.rec.param_names, self.rec.strict)
-            if _versions((cap.args, cap.kwargs)) != cap.versions:
+                                            self.watched.param_names, self.strict)
+            if versions((cap.args, cap.kwargs)) != cap.versions:
                 finding.detail["input_modified"] = True
             if forward_only:
                 finding.detail["micro_batches_forward_only"] = list(forward_only)
@@ -484,6 +407,8 @@ class Forensics:
             if cap.grads_dropped:
                 forward_only.append(micro)
             last = (trace, finding, micro)
+        if last is None:  # _run replays only a step with captures
+            raise RuntimeError("no micro-batch to replay")
         trace, finding, micro = last
         stale = self._stale_grads() if stale_check else []
         accum = self._accum_overflow(captures, stale) if stale and len(captures) > 1 else None
@@ -508,7 +433,7 @@ class Forensics:
         whose running sum turns non-finite while every term is finite, else None (the
         ``.grad`` was stale). Event only: one backward and one param-sized sum per
         micro-batch, host reads to compare."""
-        by_name = {self.rec.param_names.get(id(p)): p for p in self.rec.trained_params()}
+        by_name = {self.watched.param_names.get(id(p)): p for p in self.watched.trained_params()}
         params = [(n, p) for n, p in by_name.items() if n in stale and p.dtype == torch.float16]
         if not params or any(not c.grads for c in captures):
             return None
@@ -531,7 +456,7 @@ class Forensics:
     def _accum_finding(self, finding: Culprit, accum: dict, n: int) -> None:
         """The replay's finding when the accumulation in ``.grad`` overflowed."""
         owner = accum["param"].rsplit(".", 1)[0] if "." in accum["param"] else accum["param"]
-        module = next((m for m, name in self.rec.names.items() if name == owner), None)
+        module = next((m for m, name in self.watched.names.items() if name == owner), None)
         finding.phase, finding.module = Phase.BACKWARD, owner
         finding.module_type = type(module).__name__ if module is not None else ""
         finding.fp32_absmax = accum["fp32_absmax"]  # the sum's (no module to re-run in fp32)
@@ -543,8 +468,8 @@ class Forensics:
         finding.detail["how"] = finding.summary
 
     def _stale_grads(self) -> list[str]:
-        named = [(self.rec.param_names.get(id(p), "param"), p.grad)
-                 for p in self.rec.trained_params() if p.grad is not None
+        named = [(self.watched.param_names.get(id(p), "param"), p.grad)
+                 for p in self.watched.trained_params() if p.grad is not None
                  and stats.measurable(p.grad)]
         if not named:
             return []
@@ -559,10 +484,10 @@ class Forensics:
         return [n for (n, _), good in zip(named, ok) if not good]
 
     def _roots(self, captures: Optional[list] = None) -> list:
-        roots = [c.root for c in captures] if captures else list(self.rec.roots)
+        roots = [c.root for c in captures] if captures else list(self.watched.roots)
         out: list = []
         for r in roots:
-            inner = replay.unwrap(r)
+            inner = unwrap(r)
             if all(inner is not o for o in out):
                 out.append(inner)
         return out
@@ -576,132 +501,37 @@ class Forensics:
             self._too_big.add(step)
             return
         keep_grads = inputs + grads <= KEEP_BYTES
-        self._kept[step] = _Kept([_offload(c, keep_grads) for c in captures],
-                                 _param_versions(self._roots(captures)), scale)
+        self._kept[step] = Kept([offload(c, keep_grads) for c in captures],
+                                _param_versions(self._roots(captures)), scale)
 
     # -- the result and the snapshot --------------------------------------------------------
 
-    def _result(self, step: int, trigger: str, trace: Optional[replay.Trace], f: Culprit,
-                micro: int, captures: list) -> ReplayResult:
-        # A micro-batch is a backward call; a step may call the model more than once per one.
-        micro = captures[micro].micro if 0 <= micro < len(captures) else 0
-        f.detail["micro_batches"] = max((c.micro for c in captures), default=0) + 1
-        f.detail["model_calls"] = len(captures)
-        r = ReplayResult(step=step, micro=micro, trigger=trigger,
-                         phase=f.phase.name.lower(), module=f.module or None,
-                         module_type=f.module_type or None, fp32_finite=f.fp32_finite,
-                         fp32_absmax=f.fp32_absmax, in_absmax=f.in_absmax,
-                         out_absmax=f.out_absmax, detail=f.detail,
-                         faithful=not f.detail.get("input_modified", False))
-        r.summary = _summary(r, f)
-        f.detail["summary"] = r.summary
-        if trace is not None:
-            r.trace = [TraceRow(i, s.kind.name.lower(), s.name, s.label,
-                                schema.DType(int(row["dtype"])).name.lower(),
-                                float(row["absmax"]), float(row["rms"]), int(row["zeros"]),
-                                bool(row["nonfinite"]))
-                       for i, (s, row) in enumerate(zip(trace.slots, trace.rows))]
-        return r
-
     def _note_history(self, result: ReplayResult, step: Any) -> None:
         """Scale, LR, grad norm and loss of the steps up to the event (one sync, event only)."""
-        lr = HOST.index("lr")
-        rows = [(host[0], host[lr], values) for host, values in self._history]
+        rows = [(row.step, row.lr, row.values) for row in self._history]
         if not rows or rows[-1][0] != step.index:  # a step decided later is there already
-            rows.append((step.index, _max_lr(self.rec.optimizers),
-                         device_values(step, self.rec.constants)))
-        values = fetch([v for _, _, v in rows])
+            rows.append((step.index, _max_lr(self.watched.optimizers),
+                         device_values(step, self.log.constants)))
+        values = columns(fetch([v for _, _, v in rows]))
         result.detail["history"] = {
-            "step": [int(s) for s, _, _ in rows], "loss": values[:, 0].tolist(),
-            "scale": values[:, 1].tolist(), "found_inf": values[:, 3].tolist(),
-            "grad_norm": values[:, 4].tolist(), "lr": [float(x) for _, x, _ in rows]}
+            "step": [int(s) for s, _, _ in rows], "loss": values["loss_mean"].tolist(),
+            "scale": values["scale"].tolist(), "found_inf": values["found_inf"].tolist(),
+            "grad_norm": values["grad_norm"].tolist(), "lr": [float(x) for _, x, _ in rows]}
 
-    def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[replay.Trace],
+    def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[Trace],
                f: Culprit, captures: list) -> Optional[int]:
-        w = self.rec.writer
+        """The replay into the run file (``snapshot.write``); None once the file is closed."""
+        w = self.journal.writer
         if w is None or w.closed:
             return None
-        sid = w.rows("snapshots")
-        row = schema.empty("snapshots", 1)
-        row["id"], row["step"], row["micro"] = sid, step.index, r.micro
-        row["trigger"], row["phase"] = int(why), int(f.phase)
-        row["module_off"], row["module_len"] = w.text(f.module)
-        row["module_type_off"], row["module_type_len"] = w.text(f.module_type)
-        cap = next((c for c in captures if c.micro == r.micro), None)
-        row["autocast"] = _autocast_code(cap.autocast) if cap else 0
-        row["fp32_finite"] = -1 if f.fp32_finite is None else int(f.fp32_finite)
-        row["fp32_absmax"], row["in_absmax"], row["out_absmax"] = (
-            f.fp32_absmax, f.in_absmax, f.out_absmax)
-        row["scale"] = _scalar(getattr(step, "scale", None))
         lrs = r.detail.get("history", {}).get("lr")  # at the event (a later decision: LR moved)
-        row["lr"] = lrs[-1] if lrs else _max_lr(self.rec.optimizers)
-        if trace is not None:
-            ids = self._stats_rows(w, sid, step.index, trace, f)
-            if f.culprit_slot is not None:
-                row["culprit"] = ids[f.culprit_slot]
-        items = _array_items(cap, f) if cap is not None else []
-        f.detail["arrays"] = _write_arrays(w, sid, items)
-        row["detail_off"], row["detail_len"] = w.text(json.dumps(f.detail, default=str))
-        w.append("snapshots", row)
-        return sid
-
-    def _stats_rows(self, w: Any, sid: int, step: int, trace: replay.Trace,
-                    f: Culprit) -> list[int]:
-        rows = trace.rows.copy()
-        ids = [self._tensor_id(s, row) for s, row in zip(trace.slots, rows)]
-        if len(rows):
-            rows["tensor"] = ids
-            rows["call"] = [s.nth for s in trace.slots]
-            rows["seq"] = np.arange(len(rows))
-            rows["source"] = int(Source.REPLAY)
-            rows["step"], rows["snapshot"] = step, sid
-            w.append("stats", rows)
-        if f.fp32_rows:
-            fp32 = np.array([row for _, row in f.fp32_rows], dtype=schema.STATS)
-            fp32["tensor"] = [self._tensor_id(s, row) for s, row in f.fp32_rows]
-            fp32["call"] = [s.nth for s, _ in f.fp32_rows]
-            fp32["seq"] = np.arange(len(fp32))
-            fp32["source"] = int(Source.REPLAY_FP32)
-            fp32["step"], fp32["snapshot"] = step, sid
-            w.append("stats", fp32)
-        return ids
-
-    def _tensor_id(self, slot: replay.Slot, row: np.ndarray) -> int:
-        # A meta tensor carries the dtype and size to /tensors without any memory.
-        dtype = _TORCH_DTYPES.get(int(row["dtype"]), torch.float32)
-        meta = torch.empty(int(row["numel"]), dtype=dtype, device="meta")
-        return self.rec.tensor_id(slot.kind, slot.name, slot.index, meta, slot.owner)
+        return snapshot.write(w, self.journal.tensor_id, step.index, why, r, trace, f, captures,
+                              scale=_scalar(getattr(step, "scale", None)),
+                              lr=lrs[-1] if lrs else _max_lr(self.watched.optimizers))
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-_TORCH_DTYPES = {int(schema.DType.FLOAT32): torch.float32,
-                 int(schema.DType.FLOAT16): torch.float16,
-                 int(schema.DType.BFLOAT16): torch.bfloat16,
-                 int(schema.DType.FLOAT64): torch.float64}
-
-
-def _summary(r: ReplayResult, f: Culprit) -> str:
-    where = f"step {r.step}" + (f", micro-batch {r.micro}" if f.detail.get("micro_batches", 1) > 1
-                                else "")
-    if f.phase in (Phase.FORWARD, Phase.BACKWARD):
-        text = (f"{where}: {f.module} ({f.module_type}) went non-finite in {r.phase}: "
-                f"{f.detail.get('how', '')}.")
-        if f.detail.get("weights_nonfinite"):
-            text += (" Its weights already hold NaN/inf "
-                     f"({', '.join(f.detail['weights_nonfinite'][:3])}): poisoned earlier.")
-        if f.fp32_finite is True:
-            what = "output" if f.phase == Phase.FORWARD else "backward"
-            text += (f" Re-run alone in fp32 its {what} is finite (abs max "
-                     f"{f.fp32_absmax:.4g}): an fp32 island around {f.module} fixes this step.")
-        elif f.fp32_finite is False:
-            text += (" It is non-finite in fp32 too: the values themselves are too large "
-                     "(weights grown by the learning rate, or the data).")
-        elif "fp32_error" in f.detail:
-            text += f" The fp32 re-run could not be done ({f.detail['fp32_error']})."
-        return text
-    return f"{where}: {f.summary}."
 
 
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
@@ -717,9 +547,9 @@ def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
 def _micro_param_grads(cap: Capture, params: list) -> list:
     """One micro-batch's gradients for ``params``: its forward again (same RNG, autocast),
     backward from the output gradient the real step saw; .grad is not touched."""
-    replay.set_rng(cap.rng)
-    with torch.enable_grad(), replay.autocast(cap.autocast):
-        output = replay.unwrap(cap.root)(*cap.args, **cap.kwargs)
+    set_rng(cap.rng)
+    with torch.enable_grad(), autocast(cap.autocast):
+        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
     outs = list(tensors_in(output))
     pairs = [(t, cap.grads[i]) for i, t in enumerate(outs)
              if i in cap.grads and isinstance(t, torch.Tensor) and t.requires_grad]
@@ -733,16 +563,6 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _versions(value: Any) -> tuple:
-    out = []
-    for t in tensors_in(value):
-        try:
-            out.append(t._version)
-        except RuntimeError:  # inference tensors have no version counter
-            out.append(-1)
-    return tuple(out)
-
-
 def _param_versions(roots: list) -> tuple:
     return tuple((p._version, p.data_ptr()) for r in roots for p in r.parameters())
 
@@ -753,12 +573,6 @@ def _cuda_devices() -> list:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return list(range(torch.cuda.device_count()))
     return []
-
-
-def _autocast_code(state: tuple) -> int:
-    if not state[1]:
-        return int(schema.DType.UNKNOWN)
-    return int(schema.DTYPE_NAMES.get(state[2], schema.DType.OTHER))
 
 
 def _scalar(t: Any) -> Optional[float]:
@@ -800,99 +614,3 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     except RuntimeError:
         return False
-
-
-# -- kept copies for rec.replay ---------------------------------------------------------------
-
-
-@dataclass
-class _Offloaded:
-    tensor: torch.Tensor
-    device: torch.device
-    requires_grad: bool
-
-
-def _offload_value(value: Any, depth: int = 0) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _Offloaded(value.detach().to("cpu", copy=True), value.device,
-                          value.requires_grad and value.is_leaf)
-    if depth < 4 and type(value) in (tuple, list):
-        return type(value)(_offload_value(v, depth + 1) for v in value)
-    if depth < 4 and type(value) is dict:
-        return {k: _offload_value(v, depth + 1) for k, v in value.items()}
-    return value
-
-
-def _reload_value(value: Any, depth: int = 0) -> Any:
-    if isinstance(value, _Offloaded):
-        t = value.tensor.to(value.device, copy=True)
-        return t.requires_grad_(True) if value.requires_grad else t
-    if depth < 4 and type(value) in (tuple, list):
-        return type(value)(_reload_value(v, depth + 1) for v in value)
-    if depth < 4 and type(value) is dict:
-        return {k: _reload_value(v, depth + 1) for k, v in value.items()}
-    return value
-
-
-def _offload(cap: Capture, grads: bool = True) -> Capture:
-    return Capture(cap.root, _offload_value(cap.args), _offload_value(cap.kwargs),
-                   {k: v.clone() for k, v in cap.rng.items()}, cap.autocast, cap.micro,
-                   (), {i: _offload_value(g) for i, g in cap.grads.items()} if grads else {},
-                   [(_offload_value(loss), {k: _offload_value(v) for k, v in h.items()})
-                    for loss, h in cap.losses], cap.grads_dropped or not grads)
-
-
-def _reload(cap: Capture) -> Capture:
-    args, kwargs = _reload_value(cap.args), _reload_value(cap.kwargs)
-    return Capture(cap.root, args, kwargs, cap.rng, cap.autocast, cap.micro,
-                   _versions((args, kwargs)), {i: _reload_value(g) for i, g in cap.grads.items()},
-                   [(_reload_value(loss), {k: _reload_value(v) for k, v in h.items()})
-                    for loss, h in cap.losses], cap.grads_dropped)
-
-
-# -- arrays -----------------------------------------------------------------------------------
-
-
-def _array_items(cap: Capture, f: Culprit) -> list[tuple[str, torch.Tensor]]:
-    """What a user needs to reproduce the event, most important first."""
-    items = [(f"rng.{k}", v) for k, v in cap.rng.items()]
-    items += list(replay.labeled(cap.args, cap.kwargs))
-    items += [(f"culprit.{label}", t) for label, t in f.culprit_inputs]
-    items += [(f"grad_output.{i}", g) for i, g in sorted(cap.grads.items())]
-    return items
-
-
-def _write_arrays(writer: Any, sid: int, items: list) -> dict:
-    """Arrays (never pickles) within BATCH_BYTES; a tensor over the budget keeps its leading
-    rows. Returns {name: "saved" | "truncated" | "skipped"} for the snapshot's detail."""
-    budget = BATCH_BYTES
-    rows, report = [], {}
-    for name, t in items:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_complex() \
-                or t.device.type == "meta":
-            continue
-        t = sharding.local(t).detach()  # a DTensor batch (tensor parallel): this rank's part
-        per_row = t[0].numel() * t.element_size() if t.ndim and len(t) else t.element_size()
-        keep = t.numel() if not t.ndim else min(len(t), budget // max(per_row, 1))
-        if keep <= 0 or (not t.ndim and t.element_size() > budget):
-            report[name] = "skipped"
-            continue
-        part = t[:keep] if t.ndim else t
-        if part.dtype == torch.bfloat16:
-            part = part.float()  # numpy has no bfloat16; fp32 holds every bf16 value exactly
-        arr = np.ascontiguousarray(part.cpu().numpy())
-        budget -= arr.nbytes
-        row = schema.empty("arrays", 1)
-        row["snapshot"] = sid
-        row["name_off"], row["name_len"] = writer.text(name)
-        row["dtype"] = arr.dtype.str.encode()
-        row["ndim"] = min(t.ndim, 8)
-        row["shape"][0, :min(t.ndim, 8)] = tuple(t.shape)[:8]
-        row["numel"] = t.numel()
-        row["saved"] = arr.size
-        row["data_off"], row["data_len"] = writer.bytes(arr.tobytes())
-        rows.append(row)
-        report[name] = "saved" if arr.size == t.numel() else "truncated"
-    if rows:
-        writer.append("arrays", np.concatenate(rows))
-    return report

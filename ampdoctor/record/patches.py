@@ -16,7 +16,9 @@ A recorder sees a training loop through six doors, all opened here and nowhere e
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
-traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph).
+traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph). The
+callbacks a listener has are declared once, in ``listener.py``: each function here names the
+door it opens (a protocol there) and checks its listener against it when it patches.
 ``PatchSet.remove`` restores every original, is safe to call twice, and leaves alone an
 attribute someone else re-patched after us.
 """
@@ -30,6 +32,8 @@ import torch
 import torch.nn.modules.module as module_hooks
 import torch.nn.utils.clip_grad as clip_grad
 import torch.optim.optimizer as optimizer_hooks
+
+from .listener import Callback, Faults, Listener, SchedulerListener, TrainingListener, require
 
 _MARK = "__ampdoctor_original__"
 _LISTENER = "__ampdoctor_listener__"
@@ -88,11 +92,12 @@ class PatchSet:
         self.remove()
 
 
-def guard(listener: Any, method: str, *args: Any) -> Any:
+def guard(listener: Faults, method: Callback, *args: Any) -> Any:
     """Call ``listener.<method>(*args)``; an exception goes to ``listener.fault``, not the caller.
 
-    Under dynamo's tracing ``is_compiling()`` is a constant True: the call is left out of the
-    graph (no graph break, nothing traced of the recorder's state).
+    ``method`` is looked up at each call, so that replacing a callback on the instance takes
+    effect at once. Under dynamo's tracing ``is_compiling()`` is a constant True: the call is
+    left out of the graph (no graph break, nothing traced of the recorder's state).
     """
     if _compiling():
         return None
@@ -113,8 +118,9 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
-def patch_scaler(patches: PatchSet, listener: Any) -> None:
+def patch_scaler(patches: PatchSet, listener: TrainingListener) -> None:
     """Wrap GradScaler's public methods on the class and on subclasses that override them."""
+    require(listener, TrainingListener)
 
     def scale(orig):
         @functools.wraps(orig)
@@ -170,8 +176,9 @@ def patch_scaler(patches: PatchSet, listener: Any) -> None:
                 patches.add(Patch(cls, name, make, listener))
 
 
-def patch_backward(patches: PatchSet, listener: Any) -> None:
+def patch_backward(patches: PatchSet, listener: TrainingListener) -> None:
     """See every backward pass: ``Tensor.backward`` goes through ``torch.autograd.backward``."""
+    require(listener, TrainingListener)
 
     def make(orig):
         @functools.wraps(orig)
@@ -183,8 +190,9 @@ def patch_backward(patches: PatchSet, listener: Any) -> None:
     patches.add(Patch(torch.autograd, "backward", make))
 
 
-def patch_clip(patches: PatchSet, listener: Any) -> None:
+def patch_clip(patches: PatchSet, listener: Listener) -> None:
     """See ``clip_grad_norm_``: grads before clipping, the norm it returns, and call order."""
+    require(listener, Listener)
 
     def make(orig):
         @functools.wraps(orig)
@@ -219,7 +227,7 @@ def clip_config(args: tuple, kwargs: dict) -> dict:
         "norm_type", 2.0)), "foreach": plain(given.get("foreach"))}
 
 
-def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> None:
+def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]) -> None:
     """See a wrapper's own ``clip_grad_norm_`` method (FSDP1's, which combines the shards
     with a collective): ``after_clip`` is told the norm it returns is global."""
     if cls is None or "clip_grad_norm_" not in cls.__dict__:
@@ -237,12 +245,13 @@ def patch_clip_method(patches: PatchSet, listener: Any, cls: Optional[type]) -> 
     patches.add(Patch(cls, "clip_grad_norm_", make))
 
 
-def hook_optimizers(patches: PatchSet, listener: Any) -> None:
+def hook_optimizers(patches: PatchSet, listener: TrainingListener) -> None:
     """Global optimizer step pre/post hooks (every optimizer, including ones made later).
 
     ``optimizer.step(closure)`` computes the gradients inside the step: the pre-step work then
     runs when the closure returns (once, however often the optimizer calls it), not before.
     """
+    require(listener, TrainingListener)
 
     def pre(optimizer, args, kwargs):
         closure = kwargs.get("closure", args[0] if args else None)
@@ -261,7 +270,7 @@ def hook_optimizers(patches: PatchSet, listener: Any) -> None:
     patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
 
 
-def _after_closure(closure: Callable, listener: Any, optimizer: Any) -> Callable:
+def _after_closure(closure: Callable, listener: TrainingListener, optimizer: Any) -> Callable:
     """``closure`` that tells the listener, after its first call, that the step begins."""
     done = []
 
@@ -275,8 +284,8 @@ def _after_closure(closure: Callable, listener: Any, optimizer: Any) -> Callable
     return wrapper
 
 
-def hook_modules(patches: PatchSet, listener: Any, pre: Optional[str], post: Optional[str],
-                 post_kwargs: bool = False) -> None:
+def hook_modules(patches: PatchSet, listener: Listener, pre: Optional[Callback],
+                 post: Optional[Callback], post_kwargs: bool = False) -> None:
     """Global forward (pre-)hooks on every module; used only while discovering or sampling.
 
     ``post_kwargs``: the post-hook also gets the call's kwargs (``post(module, args, kwargs,
@@ -309,9 +318,10 @@ def _wrapped_for(fn: Any, listener: Any) -> bool:
     return False
 
 
-def patch_module_compile(patches: PatchSet, listener: Any) -> None:
+def patch_module_compile(patches: PatchSet, listener: Listener) -> None:
     """See modules compiled in place (``module.compile()``): their calls go through
     ``shim_compiled_call``, made by ``listener.on_module_compile(module)``."""
+    require(listener, Listener)
 
     def make(orig):
         @functools.wraps(orig)
@@ -324,7 +334,8 @@ def patch_module_compile(patches: PatchSet, listener: Any) -> None:
     patches.add(Patch(torch.nn.Module, "compile", make))
 
 
-def shim_compiled_call(patches: PatchSet, listener: Any, module: torch.nn.Module) -> None:
+def shim_compiled_call(patches: PatchSet, listener: Listener,
+                       module: torch.nn.Module) -> None:
     """Call ``module``'s compiled ``__call__`` (``module.compile()``) through an eager shim that
     tells the listener before and after (``compiled_pre``/``compiled_post``), as a forward
     pre-hook and hook would, outside the compiled region. Undone with ``patches``."""
@@ -359,10 +370,11 @@ def _scheduler_classes() -> list[type]:
     return classes
 
 
-def patch_schedulers(patches: PatchSet, listener: Any) -> None:
+def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
     """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
     base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
     Used by ``ampdoctor.testing.check_amp_step``, not by the recorder."""
+    require(listener, SchedulerListener)
 
     def make(orig):
         @functools.wraps(orig)

@@ -5,7 +5,7 @@ from the device: pinned memory and a CUDA event on CUDA, so the copy is queued o
 like any kernel and lands when the device gets there. ``ready()`` asks the event without
 waiting; ``read()`` returns the floats once it has landed. Reading a mirror whose copy has
 landed is a read of host memory, not a device sync. The recorder stages GradScaler's
-found_inf and the loss in a mirror each step (``Recorder._stage_found``)::
+found_inf and the loss in a mirror each step (``skips.Skips.stage_found``)::
 
     m = pool.take()
     m.stage(torch.stack([found_inf, loss]))    # queued, no wait
@@ -65,7 +65,7 @@ class HostMirror:
 
     def wait(self) -> None:
         """Block until the copy has landed: the recorder's one deliberate wait on the
-        deferred path (the next step's start, see ``Recorder._settle``). It waits for this
+        deferred path (the next step's start, see ``skips.Skips.settle``). It waits for this
         copy, queued a step earlier, not for the whole device: work queued after it (the
         optimizer step, the next forward) keeps the device busy."""
         if not self.ready():

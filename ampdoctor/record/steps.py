@@ -1,12 +1,12 @@
 """The step buffer: what one optimizer step has shown so far (``Step``), its device scalars
 stacked without a sync (``device_values``) and many steps' read back in one host read per
-device (``fetch``, the sync point of a drain).
+device (``fetch``, the sync point of a drain). ``steplog`` turns finished steps into rows.
 
 Example::
 
     st = Step(index=0, t0=time.perf_counter())
     values = device_values(st, Constants())   # one 0-dim-per-field tensor, no host read
-    fetch([values])[0, VALUES.index("scale")]
+    columns(fetch([values]))["scale"][0]
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ class Step:
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
 
 
-HOST = ("step", "time", "dt", "loss_dtype", "micro", "sampled", "flags", "peak_mem",
-         "skipped", "lr")
 VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
 
 
@@ -86,3 +84,8 @@ def fetch(values: list[torch.Tensor]) -> np.ndarray:
     for idx in by_dev.values():
         out[idx] = torch.stack([values[i] for i in idx]).double().tolist()
     return out
+
+
+def columns(values: np.ndarray) -> dict[str, np.ndarray]:
+    """``fetch``'s result by name: ``columns(fetch(v))["grad_norm"]``, one value per step."""
+    return {name: values[:, i] for i, name in enumerate(VALUES)}

@@ -1,0 +1,449 @@
+"""The recorder's listener (a ``listener.Listener``): every hook callback, in the order a step
+calls them, and the step boundaries between them.
+
+What each hook does is small; the state it changes belongs to the parts: the step being
+recorded and the finished steps' rows (``steplog``), the model, optimizers and scaler
+(``watched``), the skip decision (``skips``), the sampled tier (``sampler``) and the forensic
+tier (``forensics``). ``patches`` calls the hooks through ``guard``: an exception in one goes
+to ``fault`` (the recorder steps aside), never to the training loop.
+
+Step boundaries: ``GradScaler.update`` when an enabled scaler scaled the loss this step (a
+skipped step never calls ``optimizer.step``), else the step of the first optimizer seen.
+Gradient accumulation: a step is an optimizer step; backward calls count micro-batches. A
+scaled step whose ``update()`` never comes ends at the next loss (or at close).
+
+The order of one scaled step, and what each hook adds::
+
+    root_pre         autocast state; the batch (sampled tier, forensic capture)
+    on_scale         the loss as given to scale(); the file created (lazy recorder)
+    before_backward  a micro-batch (and the loss, without a scaler)
+    before_unscale   gradients complete: sampled gradient statistics
+    after_unscale    found_inf staged for the skip decision (non-fused optimizers)
+    before_clip / after_clip         the clip config, the pre-clip norm
+    enter_scaler_step / before_optimizer_step / after_optimizer_step / exit_scaler_step
+    before_update    scale, found_inf, grad norm; the skip decided (or deferred)
+    after_update     the scale after; the step ends
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..runfile.schema import Event, flag
+from . import patches, sharding, stats
+from .forensics import Forensics
+from .journal import Journal
+from .sampler import Sampler
+from .skips import Skips
+from .steplog import StepLog
+from .torchcompat import scaler_enabled, unscaled_already
+from .watched import Watched
+
+
+class Hooks:
+    """The hook callbacks of one recorder (see the module docstring); ``fault(exc, where)``
+    is the recorder's."""
+
+    def __init__(self, journal: Journal, watched: Watched, log: StepLog, skips: Skips, *,
+                 sampler: Optional[Sampler], forensics: Optional[Forensics], every: int,
+                 fault: Callable[[BaseException, str], None]):
+        self.journal = journal
+        self.watched = watched
+        self.log = log
+        self.skips = skips
+        self.forensics = forensics
+        self.every = every  # the sampled tier's interval (0: never)
+        self._fault = fault
+        self.patches = patches.PatchSet()  # torch's globals: scaler, backward, clip, optimizer
+        self._sample_hooks = patches.PatchSet()
+        self._sampler = sampler
+        self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
+
+    def fault(self, exc: BaseException, where: str) -> None:
+        self._fault(exc, where)
+
+    # -- attached, detached -------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Open every door (``patches``), hook the model (or discover it), begin step 0."""
+        patches.patch_scaler(self.patches, self)
+        patches.patch_backward(self.patches, self)
+        patches.patch_clip(self.patches, self)
+        patches.hook_optimizers(self.patches, self)
+        patches.patch_module_compile(self.patches, self)
+        self.watched.attach(self, self.patches, self.log.follow)
+        self.log.open(self.watched.device)
+        self.begin_step(0)
+
+    def detach(self) -> None:
+        """Every hook and patch removed (twice is harmless)."""
+        self._sample_hooks.remove()
+        self.watched.detach()
+        self.patches.remove()
+        if self._sampler is not None:
+            self._sampler.active = False
+
+    def wind_up(self) -> None:
+        """``close()``: a step whose ``update()`` never came ends now, and a skip still in
+        flight is decided; a failure goes to ``fault``, as in a hook."""
+        for where, finish in (("_end_step_without_update", self._end_step_without_update),
+                              ("_settle", self.skips.settle)):
+            try:
+                finish()
+            except Exception as exc:  # noqa: BLE001 - as patches.guard
+                self.fault(exc, where)
+
+    # -- the model: discovery, root calls, module.compile() -----------------------------------
+
+    def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        """First step of a recorder given no model: the outermost module called with grad
+        enabled that owns trainable parameters becomes a root (``Watched.enter``)."""
+        if self.watched.enter(module, self.log.step):
+            self._discovered(module, args, {})
+
+    def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        self.watched.leave(module)
+
+    def _discovered(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A root adopted in its own call: this call is seen from here."""
+        self._maybe_sample()  # the first step is sampled, as with a model given to watch()
+        self.root_pre(module, args, kwargs)
+
+    def on_module_compile(self, module: torch.nn.Module) -> None:
+        """``module.compile()``: its calls (hooks included) are compiled from now on, so the
+        recorder sees them through an eager shim."""
+        self.watched.on_module_compile(module)
+
+    def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a ``module.compile()``'d call (its forward pre-hooks would be compiled)."""
+        if self._replaying():
+            return
+        if id(module) in self.watched.root_ids:
+            self.root_pre(module, args, kwargs)
+        elif self.watched.may_adopt(module) and self.watched.adopt_discovered(module):
+            self._discovered(module, args, kwargs)
+
+    def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if id(module) not in self.watched.root_ids or self._replaying():
+            return
+        sampler = self._sampler
+        if self.log.step.sampled and sampler is not None and sampler.active:
+            sampler.on_forward(module, output)
+        self.root_post(module, args, output)
+
+    def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying():
+            return
+        if self.skips.undecided is not None and torch.is_grad_enabled():
+            self.skips.settle()  # before this forward allocates, or changes a BatchNorm buffer
+        if torch.is_grad_enabled():  # an evaluation call says nothing of the training dtype
+            self.watched.note_autocast(self.log.step)
+        if self.log.step.sampled and self._sampler is not None:
+            self._sampler.on_inputs(self.watched.names.get(module, ""), args, kwargs)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_inputs(module, args, kwargs)
+
+    def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
+                  kwargs: Optional[dict] = None) -> None:
+        if self.watched.ends_discovery_call(module) and self.forensics is not None and kwargs:
+            self.forensics.capture_kwargs(module, kwargs)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_output(module, output)
+
+    def _replaying(self) -> bool:
+        """A forensic replay is re-running the model: none of its calls belong to the step."""
+        return self.forensics is not None and self.forensics.replaying
+
+    def on_scaler_init(self, scaler: Any) -> None:
+        self.watched.scaler_created(scaler, self.log.step)
+
+    # -- loss and backward --------------------------------------------------------------------
+
+    def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
+        if not self.watched.uses_scaler(scaler) or not scaler_enabled(scaler):
+            return
+        self._training()
+        self.log.step.scaled = True
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            self._add_loss(outputs, scaled=True)
+            self.log.step.keep.append(out)
+
+    def before_backward(self, tensors: Any) -> None:
+        self._training()
+        st = self.log.step
+        st.micro += 1
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+                if not any(t is k for k in st.keep):
+                    self._add_loss(t)
+                break
+
+    def _training(self) -> None:
+        """A loss is seen: the previous step is decided, the file exists (lazy recorder), a
+        step whose ``update()`` never came has ended."""
+        self.skips.settle()
+        if not self.journal.created:
+            self.journal.create()
+        self._end_step_without_update()
+
+    def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
+        st = self.log.step
+        # A DTensor loss (loss_parallel): its local value; reading the DTensor would be a
+        # collective that a rank whose replay budget ran out earlier would not join.
+        value = sharding.local(loss.detach()).reshape(()).float()
+        st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
+        st.loss_n += 1
+        if not st.loss_dtype:
+            st.loss_dtype = stats.dtype_code(loss.dtype)
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_loss(loss, scaled)
+
+    # -- gradients: the moment they are complete (before unscale_, clip or step) -------------
+
+    def _grads_ready(self, fallback: Optional[list] = None) -> None:
+        """Gradients are complete (first of unscale_, clip, step): sampled grad statistics,
+        in scaled space under a scaler."""
+        st = self.log.step
+        if st.grads_ready:
+            return
+        st.grads_ready = True
+        st.fallback = fallback
+        if st.sampled and self._sampler is not None:
+            params = self.watched.trained_params(fallback)
+            self._sampler.on_grads_ready([(self.watched.param_name(p), p) for p in params])
+
+    def _ensure_grad_norm(self) -> None:
+        """The global grad norm, unscaled, computed as late as possible: when clip_grad_norm_
+        ran, its own pre-clip norm is taken instead of a second pass over the gradients."""
+        st = self.log.step
+        if st.grad_norm is not None:
+            return
+        params = self.watched.trained_params(st.fallback)
+        if self.watched.sharding is not None:  # no rank holds the whole gradient: its share
+            share = self.watched.sharding.norm_share(params)
+            if share is not None:
+                st.grad_norm = self._unscaled(share)
+                st.flags |= flag(Event.GRAD_NORM_LOCAL)
+            return
+        grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
+        if grads:
+            st.grad_norm = self._unscaled(_global_norm(grads))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        st = self.log.step
+        scaler = self.watched.scaler
+        if st.scaled and not st.unscaled and scaler is not None:
+            scale = scaler._scale
+            if scale is not None:
+                return norm / scale.to(norm.device).reshape(())
+        return norm
+
+    def before_unscale(self, scaler: Any, optimizer: Any) -> None:
+        if self.watched.uses_scaler(scaler):
+            self.skips.settle()
+            self.watched.owns(optimizer)
+            st = self.log.step
+            if unscaled_already(scaler, optimizer) and not st.flags & flag(Event.UNSCALE_TWICE):
+                self.journal.event(Event.UNSCALE_TWICE, st)  # GradScaler raises next; this says why
+            self._grads_ready()
+
+    def after_unscale(self, scaler: Any, optimizer: Any) -> None:
+        if self.watched.uses_scaler(scaler):
+            self.log.step.unscaled = True
+            if self.skips.armed and scaler_enabled(scaler):
+                # Queued before GradScaler.step reads found_inf (non-fused optimizers):
+                # its own sync lands this copy too.
+                self.skips.stage_found(scaler, optimizer)
+
+    def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None:
+        """``config``: max_norm, norm_type, foreach as called (``patches.clip_config``), kept
+        in /meta ``clip`` whenever it changes (Python values only: no host read)."""
+        self.skips.settle()
+        st = self.log.step
+        if config is not None and config != self._clip_config:
+            self._clip_config = config
+            self.journal.meta("clip", config, st.index)
+        if st.scaled and not st.unscaled and scaler_enabled(self.watched.scaler):
+            if not st.flags & flag(Event.CLIP_BEFORE_UNSCALE):  # one event row per step
+                self.journal.event(Event.CLIP_BEFORE_UNSCALE, st)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        self._grads_ready(fallback=params)
+
+    def after_clip(self, total_norm: Any, combined: bool = False) -> None:
+        """``combined``: FSDP1's ``model.clip_grad_norm_`` returned it (a global norm)."""
+        if isinstance(total_norm, torch.Tensor):
+            st = self.log.step
+            st.clip_norm, whole = sharding.clip_result(total_norm, self.watched.sharding,
+                                                       combined)
+            share = flag(Event.GRAD_NORM_LOCAL)
+            if st.grad_norm is None or (whole and st.flags & share):  # a global norm wins
+                st.grad_norm = self._unscaled(st.clip_norm)
+                st.flags = (st.flags & ~share) | (0 if whole else share)
+
+    # -- optimizer and scaler steps -----------------------------------------------------------
+
+    def enter_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        if self.watched.uses_scaler(scaler):
+            self.skips.settle()
+            self.watched.owns(optimizer)
+            self.log.step.in_scaler_step = True
+            self._grads_ready()
+
+    def exit_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        if scaler is self.watched.scaler:
+            self.log.step.in_scaler_step = False
+
+    def before_optimizer_step(self, optimizer: Any) -> None:
+        if not self.watched.owns(optimizer):
+            return
+        self.skips.settle()
+        if not self.journal.created:
+            self.journal.create()
+        st = self.log.step
+        scaler = self.watched.scaler
+        if st.scaled and not st.in_scaler_step:
+            st.flags |= flag(Event.STEP_BYPASSES_SCALER)
+            self.journal.event(Event.STEP_BYPASSES_SCALER, st, text=type(optimizer).__name__)
+        elif st.in_scaler_step and self.skips.armed and scaler_enabled(scaler):
+            # A fused optimizer: GradScaler checked found_inf and syncs on nothing; the copy
+            # is queued ahead of the fused step's kernels.
+            self.skips.stage_found(scaler, optimizer)
+        self._grads_ready()
+        self._ensure_grad_norm()
+        if not st.scaled and self.watched.primary(optimizer):
+            self.skips.check_before_step()
+        if st.sampled and self._sampler is not None:
+            self._sampler.before_step([(self.watched.param_name(p), p)
+                                       for p in self.watched.trained_params()])
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        if not self.watched.owns(optimizer):
+            return
+        st = self.log.step
+        st.stepped = True
+        self.watched.stepped(optimizer)
+        if not st.scaled and self.watched.primary(optimizer):
+            if st.sampled and self._sampler is not None:
+                self._sampler.after_step()
+            self._end_step()
+        elif st.sampled and self._sampler is not None:
+            self._sampler.after_step()
+
+    def _end_step_without_update(self) -> None:
+        """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
+        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        st = self.log.step
+        if st.scaled and st.stepped and not st.in_scaler_step:
+            scale = getattr(self.watched.scaler, "_scale", None)
+            if scale is not None and st.scale is None:
+                st.scale = st.scale_after = scale.detach().reshape(()).clone()
+            self._end_step()
+
+    def before_update(self, scaler: Any) -> None:
+        if not self.watched.uses_scaler(scaler) or not scaler_enabled(scaler):
+            return
+        self.skips.settle()
+        st = self.log.step
+        self._ensure_grad_norm()
+        if scaler._scale is not None:
+            st.scale = scaler._scale.detach().reshape(()).clone()  # update() changes it in place
+        found = [v for s in scaler._per_optimizer_states.values()
+                 for v in s["found_inf_per_device"].values()]
+        if len(found) == 1:  # made fresh by each unscale and never written after: no copy
+            st.found_inf = found[0].reshape(())
+        elif found:
+            dev = found[0].device
+            st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
+        if self.skips.armed:
+            self.skips.at_update(scaler, st)
+
+    def after_update(self, scaler: Any) -> None:
+        st = self.log.step
+        if scaler is not self.watched.scaler or not scaler_enabled(scaler) or not st.scaled:
+            return
+        if scaler._scale is not None:  # stacked by _end_step right away: a view is enough
+            st.scale_after = scaler._scale.detach().reshape(())
+        self._end_step()
+
+    # -- step boundaries ----------------------------------------------------------------------
+
+    def begin_step(self, index: int) -> None:
+        self.log.begin(index)
+        self.watched.depth = 0
+        if self.forensics is not None:
+            self.forensics.begin_step()
+        if self.watched.roots:
+            self._maybe_sample()
+
+    def _maybe_sample(self) -> None:
+        """Turn the sampled tier on for this step if it is due (before its first forward)."""
+        st = self.log.step
+        sampler = self._sampler
+        if sampler is None or st.sampled or self.every <= 0 or st.index % self.every or \
+                st.micro:
+            return
+        st.sampled = True
+        sampler.active = True
+        eager = self.watched.eager
+        if eager is None:
+            patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+            return
+        for m in eager:  # a compiled model: only modules that run outside its regions
+            self._sample_hooks.add(m.register_forward_hook(
+                lambda m, a, o: patches.guard(self, "sample_post", m, a, o)))
+
+    def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not self._replaying() and self._sampler is not None:
+            if id(module) not in self.watched.root_ids and module in self.watched.names:
+                self.watched.note_inner_autocast(self.log.step)
+            self._sampler.on_forward(module, output)
+
+    def _end_step(self) -> None:
+        st = self.log.step
+        if self.skips.undecided is not None and self.skips.undecided is not st:
+            self.skips.settle()  # a step with no hook of ours between: decided before this ends
+        if self.watched.discovery_open:
+            self.watched.finish_discovery()
+        self.watched.fp16_without_scaler(st)
+        now = time.perf_counter()
+        self.log.finish(st)
+        if st.sampled and self._sampler is not None:
+            self._sample_hooks.remove()
+            self._sampler.active = False
+            self._sample_rows(self._sampler, st.index)
+        if self.forensics is not None:
+            self.forensics.end_step(st, hold=st.undecided)
+        st.keep.clear()
+        st.fallback = None
+        self.skips.ended(st)
+        if self.log.due(now):
+            self.log.drain()
+        self.begin_step(st.index + 1)
+        if self.skips.undecided is not None:
+            self.skips.settle(wait=False)  # landed already: release its captures at once
+
+    def _sample_rows(self, sampler: Sampler, step: int) -> None:
+        names = self.watched.names
+        buffers = [(f"{names[m]}.{n}", b) for m in list(names)
+                   for n, b in m.named_buffers(recurse=False)]
+        sampler.on_buffers(buffers)
+        self.journal.file.append("stats", sampler.finish(step))
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    parts = []
+    dev = grads[0].device
+    for members in groups.values():
+        norms = torch._foreach_norm(members, 2.0, dtype=torch.float32)
+        parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
+    return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
+

@@ -1,0 +1,386 @@
+"""What a recorder watches: the model's root modules and their names, the optimizers, the
+GradScaler, and the autocast state the model really runs in.
+
+Each is given to ``watch()`` or discovered in the first step:
+
+* **roots**: the outermost modules called with grad enabled that own trainable parameters,
+  adopted before their forward runs (DDP/DataParallel wrappers looked through); at the end of
+  the first step only those whose parameters an optimizer trains are kept. A compiled model is
+  seen through an eager shim (``compiled.py``), a sharded one (FSDP2, FSDP1) is adopted with
+  per-shard statistics and no replay (``sharding.py``).
+* **optimizers**: those that step the roots' parameters (any optimizer, while no root is
+  known); the list of trained parameters is cached until the param groups change.
+* **scaler**: the first enabled GradScaler that scales a loss.
+* **autocast**: read at the root's pre-hook each training call, and inside the forward on the
+  steps that have module hooks anyway (``amp_state.Tracker``); /meta ``autocast`` on a change.
+
+What is adopted is written to /meta (roots, model, device, compiled, sharding, optimizer,
+scaler). The forensic tier reads the model from here (roots, names, param_names, device,
+sharding, autocast_seen, trained_params).
+
+Example::
+
+    watched = Watched(model, opt, None, journal=journal, forensics=True)
+    watched.attach(listener, patches, log.follow)  # root hooks (discovery's if no model)
+    watched.owns(opt), watched.trained_params()
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..runfile.schema import Event
+from . import amp_state, compiled, patches, sharding
+from .environment import device_info, model_summary, optimizer_info, scaler_info
+from .journal import Journal
+from .listener import Listener
+from .steps import Step
+from .torchcompat import is_wrapper, scaler_enabled, unwrap
+
+
+class Watched:
+    """The model, optimizers and scaler of one recorder, given or discovered."""
+
+    def __init__(self, model: Any, optimizer: Any, scaler: Any, *, journal: Journal,
+                 forensics: bool):
+        self.journal = journal
+        self.forensics_on = forensics
+        self.roots: list[torch.nn.Module] = _as_list(model)
+        self.optimizers: list[Any] = _as_list(optimizer)
+        self.scaler = scaler
+        self.given = {"model": bool(self.roots), "optimizer": bool(self.optimizers),
+                      "scaler": scaler is not None}
+        self.names: dict[torch.nn.Module, str] = {}
+        self.param_names: dict[int, str] = {}
+        self.device: Optional[torch.device] = None
+        self.sharding: Optional[sharding.Sharding] = None
+        self.autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
+        self.root_ids: set[int] = set()
+        self.depth = 0  # module calls open, while discovering
+        self.discovery_open = False  # global module hooks looking for roots (first step)
+        self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
+        self._discovery_hooked = False  # the global discovery hooks are installed
+        self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
+        self._autocast_meta: Optional[dict] = None
+        self._fp16_noted = False  # FP16_WITHOUT_SCALER written (once per run)
+        self._compiled: list[tuple[str, str]] = []  # compiled regions in the roots
+        self.eager: Optional[list[torch.nn.Module]] = None  # hookable modules, if compiled
+        self._own_optimizer: dict[int, bool] = {}
+        self._optimizer_meta_done: set[int] = set()
+        self._params_key: Optional[tuple] = None  # param_groups the cached list was made from
+        self._params: list[torch.Tensor] = []
+        self._listener: Optional[Listener] = None
+        self._moved: Callable[[torch.device], None] = lambda device: None
+        self._patches = patches.PatchSet()  # replaced in attach by the recorder's own set
+        self._root_hooks = patches.PatchSet()
+        self._discovery = patches.PatchSet()
+
+    def attach(self, listener: Listener, patch_set: patches.PatchSet,
+               moved: Callable[[torch.device], None]) -> None:
+        """Hook the given roots (or the global discovery hooks) and adopt the given scaler.
+        ``patch_set``: the recorder's patches, which sharding and ``module.compile()`` add to;
+        ``moved(device)``: told the model's device whenever roots are adopted."""
+        self._listener, self._patches, self._moved = listener, patch_set, moved
+        if self.roots:
+            self.adopt_roots(self.roots)
+        else:
+            self._discovery.add(compiled.QuietGlobalHookWarning())
+            patches.hook_modules(self._discovery, listener, "discover_pre", "discover_post",
+                                 post_kwargs=True)
+            self.discovery_open = self._discovery_hooked = True
+        if self.scaler is not None:
+            self.adopt_scaler(self.scaler)
+
+    def detach(self) -> None:
+        self._root_hooks.remove()
+        self._discovery.remove()
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def enter(self, module: torch.nn.Module, step: Step) -> bool:
+        """A module is called (discovery's global pre-hook): True when it is adopted as a root
+        by this call, the outermost one called with grad enabled that owns trainable
+        parameters. DDP/DataParallel wrappers are looked through: the module they wrap is the
+        root, so that a forensic replay never runs the wrapper's collectives on one rank
+        alone."""
+        if is_wrapper(module):
+            return False
+        self.depth += 1
+        if self.depth > 1:
+            self.note_inner_autocast(step)
+        if self.depth != 1 or module in self.names or not torch.is_grad_enabled():
+            return False
+        return self.adopt_discovered(module)
+
+    def leave(self, module: torch.nn.Module) -> None:
+        if not is_wrapper(module):
+            self.depth = max(0, self.depth - 1)
+
+    def may_adopt(self, module: torch.nn.Module) -> bool:
+        """Is this top-level call of a ``module.compile()``'d module a root to discover?"""
+        return self.discovery_open and self.depth == 0 and module not in self.names and \
+            torch.is_grad_enabled()
+
+    def adopt_discovered(self, module: torch.nn.Module) -> bool:
+        """A module called at the top with grad enabled becomes a root (unless it trains
+        nothing); this call is seen by the caller, the root's own hooks see the next ones."""
+        if not any(p.requires_grad for p in module.parameters()):
+            return False  # a loss module, a frozen model, a parameter-free transform
+        self._root_hooks.remove()
+        self.adopt_roots(self.roots + [module])
+        # A global pre-hook gets no kwargs: the root's own post-hook fills them in.
+        self._discovering = module
+        if self._compiled and self._discovery_hooked:
+            # Global hooks must not exist while a compiled region is traced: discovery ends
+            # at this root (its own hooks run outside the compiled region).
+            self._discovery.remove()
+            self._discovery_hooked = False
+        return True
+
+    def ends_discovery_call(self, module: torch.nn.Module) -> bool:
+        """The root's post-hook: True when this was the call that discovered it (its kwargs
+        are known only now)."""
+        if module is not self._discovering:
+            return False
+        self._discovering = None
+        if not self._discovery_hooked:
+            self.depth = 0  # nothing counted the calls inside it
+        return True
+
+    def finish_discovery(self) -> None:
+        """End of the first step: keep the roots whose parameters an optimizer trains."""
+        self._discovery.remove()
+        self.discovery_open = self._discovery_hooked = False
+        self._discovering = None
+        trained = {id(p) for opt in self.optimizers for g in opt.param_groups
+                   for p in g["params"]}
+        keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
+        if trained and keep and len(keep) < len(self.roots):
+            self._root_hooks.remove()
+            self.adopt_roots(keep)
+
+    def on_module_compile(self, module: torch.nn.Module) -> None:
+        """``module.compile()``: its calls (hooks included) are compiled from now on, so they
+        are seen through an eager shim."""
+        patches.shim_compiled_call(self._patches, self._listening(), module)
+        if id(module) in self.root_ids:
+            self._root_hooks.remove()
+            self.adopt_roots(self.roots)
+
+    # -- adoption ----------------------------------------------------------------------------
+
+    def adopt_roots(self, roots: list[torch.nn.Module]) -> None:
+        self.roots = roots
+        self.root_ids = {id(r) for r in roots}
+        self.names.clear()
+        self.param_names.clear()
+        prefixes = _root_prefixes(roots)
+        device = self.device = _first_device(roots)
+        if self._amp is None or self._amp.device_type != device.type:
+            self._amp = amp_state.Tracker(device.type)
+        self._compiled = []
+        for root, prefix in zip(roots, prefixes):
+            inner = unwrap(root)
+            self.names[root] = prefix.rstrip(".") or type(inner).__name__
+            for name, m in inner.named_modules():
+                name = sharding.clean_name(name)
+                if name:
+                    self.names[m] = prefix + name
+            for name, p in inner.named_parameters():
+                self.param_names[id(p)] = prefix + sharding.clean_name(name)
+            self._compiled += [(prefix + n if n else self.names[root], k)
+                               for n, k in compiled.regions(root)]
+            self._amp.declare(root)
+            self._hook_root(root)
+        self.eager = [m for r in roots for m in compiled.eager_modules(r)] \
+            if self._compiled else None
+        self._adopt_sharding(roots)
+        self._moved(device)  # discovered: the device is known from now on
+        self.journal.meta("roots", [type(unwrap(r)).__name__ for r in roots])
+        self.journal.meta("model", model_summary(roots))
+        self.journal.meta("device", device_info(device))
+        if self.eager is not None:
+            self._note_compiled(self.eager)
+
+    def _hook_root(self, root: torch.nn.Module) -> None:
+        """The root's forward pre-hook and hook, or, for a ``module.compile()``'d root whose
+        hooks would be compiled, the eager shim around its call."""
+        listener = self._listening()
+        if compiled.kind(root) == compiled.CALL:
+            patches.shim_compiled_call(self._root_hooks, listener, root)
+            return
+        self._root_hooks.add(root.register_forward_pre_hook(
+            lambda m, a, k: patches.guard(listener, "root_pre", m, a, k), with_kwargs=True))
+        self._root_hooks.add(root.register_forward_hook(
+            lambda m, a, k, o: patches.guard(listener, "root_post", m, a, o, k),
+            with_kwargs=True))
+
+    def _note_compiled(self, eager: list[torch.nn.Module]) -> None:
+        """What a compiled model leaves out of the recording (module outputs inside its
+        compiled regions), kept in /meta for ``diagnose`` to say."""
+        shimmed = [r for r in self.roots if compiled.kind(r) == compiled.CALL]
+        self.journal.meta("compiled", {
+            "regions": [{"module": n, "kind": k} for n, k in self._compiled],
+            "hooked": sorted(self.names.get(m, "?") for m in eager + shimmed)})
+
+    def _adopt_sharding(self, roots: list[torch.nn.Module]) -> None:
+        """A sharded model (FSDP2, FSDP1): per-shard statistics, norms from shards, no
+        replay (sharding.py); /meta says so."""
+        found = sharding.detect(roots, self.journal.world_size)
+        if found is None:
+            return
+        if self.sharding is None:
+            listener = self._listening()
+            patches.patch_scaler(self._patches, listener)  # ShardedGradScaler, loaded since
+            if found.kind == "fsdp1":
+                patches.patch_clip_method(self._patches, listener, sharding.fsdp1_class())
+        self.sharding = found
+        self.journal.meta("sharding", found.meta(self.forensics_on))
+
+    def _listening(self) -> Listener:
+        if self._listener is None:
+            raise RuntimeError("Watched.attach has not been called")
+        return self._listener
+
+    def adopt_scaler(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.journal.meta("scaler", scaler_info(scaler))
+
+    def scaler_created(self, scaler: Any, step: Step) -> None:
+        """A GradScaler was made: an event; a re-created scaler replaces the one adopted (from
+        its first scaled loss on), unless the scaler was given."""
+        self.journal.event(Event.SCALER_CREATED, step,
+                           value=float(getattr(scaler, "_init_scale", math.nan)))
+        if not self.given["scaler"] and self.scaler is not None and scaler is not self.scaler:
+            self.scaler = None
+
+    def uses_scaler(self, scaler: Any) -> bool:
+        """Is this the watched scaler (adopted now, if none is yet and it is enabled)?"""
+        if self.scaler is None and not self.given["scaler"] and scaler_enabled(scaler):
+            self.adopt_scaler(scaler)
+        return scaler is self.scaler
+
+    def owns(self, optimizer: Any) -> bool:
+        """Is this an optimizer of the watched model?"""
+        if self.optimizers and any(optimizer is o for o in self.optimizers):
+            return True
+        if self.given["optimizer"]:
+            return False
+        known = self._own_optimizer.get(id(optimizer))
+        if known is None:
+            if self.roots and self.param_names:
+                known = any(id(p) in self.param_names for g in optimizer.param_groups
+                            for p in g["params"])
+            else:
+                known = True
+            self._own_optimizer[id(optimizer)] = known
+            if known:
+                self.optimizers.append(optimizer)
+                # Hyperparameters now (a run whose every step is skipped never steps);
+                # the optimizer-state dtypes follow after its first step.
+                self.journal.meta("optimizer", optimizer_info(self.optimizers))
+        return known
+
+    def stepped(self, optimizer: Any) -> None:
+        """After an optimizer's first step: /meta ``optimizer`` again, with its state dtypes."""
+        if id(optimizer) not in self._optimizer_meta_done:
+            self._optimizer_meta_done.add(id(optimizer))
+            self.journal.meta("optimizer", optimizer_info(self.optimizers))
+
+    def primary(self, optimizer: Any) -> bool:
+        """The first optimizer, whose step ends a step taken without a scaler."""
+        return bool(self.optimizers) and optimizer is self.optimizers[0]
+
+    def trained_params(self, fallback: Optional[list] = None) -> list[torch.Tensor]:
+        """Parameters of the watched optimizers, each once; those ``clip_grad_norm_`` saw
+        while no optimizer is known yet. The list is made again only when the param groups
+        change (``add_param_group``, ``load_state_dict``, a new optimizer): the key is each
+        group's params list and its length, read in a few microseconds."""
+        groups = [g["params"] for o in self.optimizers for g in o.param_groups]
+        if not groups:
+            return _unique([fallback] if fallback is not None else [])
+        key = tuple((id(params), len(params)) for params in groups)
+        if key != self._params_key:
+            self._params_key, self._params = key, _unique(groups)
+        return self._params
+
+    def param_name(self, p: torch.Tensor) -> str:
+        name = self.param_names.get(id(p))
+        if name is None:
+            name = self.param_names[id(p)] = f"param{len(self.param_names)}"
+        return name
+
+    # -- autocast ----------------------------------------------------------------------------
+
+    def note_autocast(self, step: Step) -> None:
+        """At the root's pre-hook, every training call: one read, a /meta row on a change."""
+        amp = self._amp
+        if amp is None:
+            return
+        state = amp.outer()
+        if state != self.autocast_seen:
+            self.autocast_seen = state
+            self._write_autocast(amp, step)
+
+    def note_inner_autocast(self, step: Step) -> None:
+        """Inside the root's forward (steps with module hooks only): autocast entered there,
+        by accelerate's wrapped forward or a decorator, is what the model's ops ran in."""
+        amp = self._amp
+        if amp is not None and amp.entered != amp_state.INSIDE and self.roots and \
+                torch.is_grad_enabled():
+            amp.inner()
+            if amp.entered == amp_state.INSIDE:
+                self._write_autocast(amp, step)
+
+    def _write_autocast(self, amp: amp_state.Tracker, step: Step) -> None:
+        state = amp.effective()
+        if state != self._autocast_meta:
+            self._autocast_meta = state
+            self.journal.meta("autocast", state, step=step.index)
+
+    def fp16_without_scaler(self, st: Step) -> None:
+        """FP16_WITHOUT_SCALER, once, at the end of the first step whose model ran under fp16
+        autocast with no enabled GradScaler scaling the loss (host state only)."""
+        ac = self._autocast_meta
+        if self._fp16_noted or not ac or ac.get("dtype") != "float16" or st.scaled or \
+                scaler_enabled(self.scaler):
+            return
+        self._fp16_noted = True
+        self.journal.event(Event.FP16_WITHOUT_SCALER, st, text="fp16 autocast, no GradScaler")
+
+
+def _unique(groups: list) -> list[torch.Tensor]:
+    """The tensors of several lists, each once, in order."""
+    seen: set[int] = set()
+    out = []
+    for params in groups:
+        for p in params:
+            if id(p) not in seen and isinstance(p, torch.Tensor):
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _root_prefixes(roots: list[torch.nn.Module]) -> list[str]:
+    if len(roots) == 1:
+        return [""]
+    names = [type(unwrap(r)).__name__ for r in roots]
+    return [f"{n}{i}." if names.count(n) > 1 else f"{n}." for i, n in enumerate(names)]
+
+
+def _first_device(roots: list[torch.nn.Module]) -> torch.device:
+    for root in roots:
+        for p in root.parameters():
+            return p.device
+    return torch.device("cpu")

@@ -498,6 +498,28 @@ def revive_units(c: Context) -> Advice:
             "negative, and restart the run: the dead units stay dead.", snippet)
 
 
+@fix("overfit_one_batch", "train on one fixed batch to tell a wiring bug from a data or LR "
+     "problem")
+def overfit_one_batch(c: Context) -> Advice:
+    """A flat loss with no numeric cause: the classic first check of a training setup."""
+    lr = f", lr={_literal(c.lr, 'lr')}" if c.lr else ""
+    snippet = ("batch = next(iter(loader))  # one fixed batch, used again and again\n"
+               "for i in range(300):\n"
+               "    loss = compute_loss(model, batch)\n"
+               "    loss.backward()\n"
+               f"    optimizer.step()  # {c.optimizer}{lr}, as in the run\n"
+               "    optimizer.zero_grad(set_to_none=True)\n"
+               "print(loss.item())  # near 0: the model can learn; look at the data and the LR\n"
+               "# the labels must stay paired with their inputs: shuffle them together\n"
+               "perm = torch.randperm(len(x)); x, y = x[perm], y[perm]")
+    return ("Check that the model can learn at all: train it on one fixed batch for a few "
+            "hundred steps. If the loss cannot get near 0 there, the model, the loss or the "
+            "optimizer is wired wrong (parameters the loss does not reach or the optimizer "
+            "does not hold, an LR far off); if it can, look at the data: labels that are not "
+            "paired with their inputs (shuffled separately, an off-by-one) leave nothing to "
+            "learn.", snippet)
+
+
 def make(ids: list[str], context: Context) -> list[Fix]:
     """The fixes ``ids``, in that order, written for ``context`` (bf16 is suggested only to a
     run in fp16: a bf16 or fp32 run has its range already)."""

@@ -8,7 +8,8 @@ from ``Facts`` to a ``Finding`` (or None), one family per module:
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
   (``culprit.py`` reads the replays) or by the sampled tier;
 * ``trends.py``: underflow and bf16 rounding, with no NaN at all;
-* ``progress.py``: a loss that diverged or units that died, with no NaN at all.
+* ``progress.py``: a loss that diverged or units that died, with no NaN at all;
+* ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
 Each rule follows one failure class of ``shared/reference/taxonomy.md`` (class ids in the
 docstrings) and decides on the signal the taxonomy names as its discriminator; the thresholds
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..numfmt import fmt
-from . import fixes, located, misuse, overflow, progress, trends
+from . import fixes, learning, located, misuse, overflow, progress, trends
 from .culprit import snapshot_at
 from .facts import Facts
 from .verdict import PRIORITY, Evidence, Finding, first_bad
@@ -145,4 +146,5 @@ RULES = [
     rule_nonfinite,
     progress.rule_diverged,
     progress.rule_dead_units,
+    learning.rule_not_learning,
 ]

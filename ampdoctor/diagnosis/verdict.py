@@ -41,6 +41,8 @@ VERDICTS = {
     "bf16_precision": "bf16 weights updated in place: small updates round away",
     "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
     "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
+    "not_learning": "no failure found, but the loss did not fall (low confidence; says what was "
+                    "checked)",
     "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
@@ -62,6 +64,7 @@ PRIORITY = {
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
     "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
     "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
+    "not_learning": 15,  # a flat loss that no cause explains (learning.py)
     "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
 }
 

@@ -55,10 +55,10 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
     answer = precision_answer(f)
     ev.append(answer)
     measured = f.sampled_steps >= 2
-    checked = ("no inf/NaN, no skipped step beyond calibration, gradients reach the weights "
-               "and the updates are applied" if measured else
-               "no inf/NaN and no skipped step beyond calibration (no sampled step measured "
-               "the gradients and updates: record with `--every N`)")
+    clean = "no inf/NaN" + (", no skipped step beyond calibration" if f.has_scaler else "")
+    checked = (f"{clean}, gradients reach the weights and the updates are applied" if measured
+               else f"{clean} (no sampled step measured the gradients and updates: record with "
+               "`--every N`)")
     why = " Not a precision problem: fp32 would do the same." if answer.value else ""
     return Finding("not_learning", CONFIDENCE if measured else UNMEASURED_CONFIDENCE,
                    f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> {fmt(c.end)}) "

@@ -647,13 +647,67 @@ def test_masked_underflow_at_a_healthy_scale():
     assert ratio == pytest.approx(50.0 / 1e-6) and "5e7" in d.fixes[1].snippet
 
 
+def test_masked_underflow_says_when_the_layer_stopped_moving():
+    """Issue 23's seed: the scale high and steady while one layer's gradients underflow, and
+    from step 30 on (SGD) its weights no longer move."""
+    s = Synth(60, optimizer="SGD")
+    _underflowing_grads(s, ["aux_head.0.weight"], 4000)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "trunk.0.weight", absmax=300.0, rms=50.0)
+    s.sampled(range(10, 60, 10), Kind.PARAM, "aux_head.0.weight", norm=3.0,
+              update=lambda i: 1e-4 if i < 30 else 1e-9, unchanged=lambda i: 0.1 if i < 30 else 0.9)
+    s.sampled(range(10, 60, 10), Kind.PARAM, "trunk.0.weight", norm=3.0, update=1e-3,
+              unchanged=0.0)
+    d = verdict(s)
+    assert d.verdict == "masked_underflow", str(d)
+    stopped = next(e for e in d.evidence if e.key == "weights_stopped")
+    assert stopped.step == 30 and stopped.module == "aux_head.0"
+    assert "from sampled step 30 on (it moved until step 20)" in stopped.text
+
+
+def test_masked_underflow_says_how_much_less_an_adam_layer_moves():
+    s = Synth(60)
+    _underflowing_grads(s, ["aux_head.0.weight"], 4000)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "trunk.0.weight", absmax=300.0, rms=50.0)
+    for name, upd in (("aux_head.0.weight", 1e-5), ("trunk.0.weight", 1e-2)):
+        s.sampled(range(10, 60, 10), Kind.PARAM, name, norm=3.0, update=upd, unchanged=0.0)
+    slow = next(e for e in verdict(s).evidence if e.key == "weights_slow")
+    assert slow.value == pytest.approx(1e3, rel=0.01) and "from sampled step 10 to 50" in slow.text
+
+
 def test_bf16_weights_whose_updates_round_away():
     s = Synth(40, dtype=None, scaler=False, params="bfloat16")
     for name in ("encoder.0.weight", "encoder.3.weight", "tagger.weight"):
         s.sampled(range(10, 40, 10), Kind.PARAM, name, norm=5.0, update=1e-5, unchanged=0.99)
     d = verdict(s)
-    assert d.verdict == "bf16_precision" and fix_ids(d) == ["fp32_master_weights"]
+    assert d.verdict == "lost_updates" and fix_ids(d) == ["fp32_master_weights"]
     assert any(e.key == "unchanged_fraction" and e.value > 0.9 for e in d.evidence)
+
+
+def test_fp16_weights_under_plain_sgd_lose_their_updates_too():
+    """Issue 23: model.half() with SGD, no autocast, no master weights: gradients are normal
+    fp16 numbers, but LR x gradient falls below half an ulp of the weights."""
+    s = Synth(60, dtype=None, scaler=False, params="float16", optimizer="SGD", lr=0.01)
+    s.set("grad_norm", 0.3)
+    for name in ("fc1.weight", "fc2.weight", "head.weight"):
+        s.sampled(range(0, 60, 10), Kind.PARAM, name, norm=20.0, update=5.7e-5, unchanged=0.86)
+        s.sampled(range(0, 60, 10), Kind.PARAM_GRAD, name, zeros=0, absmax=0.05, sub16=0)
+    d = verdict(s)
+    assert d.verdict == "lost_updates" and fix_ids(d) == ["fp32_master_weights"], str(d)
+    assert d.first_bad == {"step": 0, "module": None, "phase": "optimizer"}
+    ratio = next(e for e in d.evidence if e.key == "update_ratio")
+    assert ratio.value == pytest.approx(5.7e-5, rel=0.01) and "2**-11" in ratio.text
+    intended = next(e for e in d.evidence if e.key == "intended_update")
+    # LR x |g| / |W|: 0.01 x 0.3 / sqrt(3 x 20**2)
+    assert intended.value == pytest.approx(0.01 * 0.3 / math.sqrt(3 * 400), rel=0.01)
+    assert "fp16" in d.summary and "11 significant bits" in d.summary
+    assert "not_learning" not in [c["verdict"] for c in d.causes]
+
+
+def test_the_old_id_bf16_precision_is_understood():
+    from ampdoctor.diagnosis.verdict import ALIASES, VERDICTS, canonical
+
+    assert canonical("bf16_precision") == "lost_updates" and canonical("healthy") == "healthy"
+    assert set(ALIASES.values()) <= set(VERDICTS) and not set(ALIASES) & set(VERDICTS)
 
 
 def test_fp32_master_weights_with_small_updates_are_fine():

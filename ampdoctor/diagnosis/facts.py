@@ -339,6 +339,15 @@ class Facts:
         """Each tensor id's module class ("Attention"; "" when unknown or not a module)."""
         return self.memo("types", lambda: self._by_id("type"))
 
+    @property
+    def tensor_numel(self) -> np.ndarray:
+        """Each tensor id's element count when first seen (0 when unknown)."""
+        def build() -> np.ndarray:
+            out = np.zeros(self._id_count(), np.int64)
+            out[self.run.tensors["id"]] = self.run.tensors["numel"]
+            return out
+        return self.memo("numel", build)
+
     def _id_count(self) -> int:
         t = self.run.tensors
         return int(t["id"].max()) + 1 if len(t) else 0

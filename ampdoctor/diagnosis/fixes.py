@@ -241,12 +241,18 @@ def adam_eps(c: Context) -> Advice:
 
 @fix("fp32_master_weights", "keep fp32 weights and optimizer state; autocast does the rest")
 def fp32_master_weights(c: Context) -> Advice:
-    low = "bfloat16" if c.autocast != "float16" else "float16"
+    # an fp16 run keeps fp16 compute (with the GradScaler fp16 needs); any other run bf16
+    fp16 = c.autocast == "float16" or (c.autocast is None and c.low == "fp16")
+    low = "float16" if fp16 else "bfloat16"
     snippet = ("model = model.float()  # weights and optimizer state in fp32\n"
                f"optimizer = torch.optim.{c.optimizer}(model.parameters(), "
                f"lr={_literal(c.lr, 'lr')})\n"
-               f'with torch.autocast("{c.device}", dtype=torch.{low}):  # low precision compute\n'
-               "    loss = compute_loss(model, batch)")
+               + (f'scaler = torch.amp.GradScaler("{c.device}")\n' if fp16 else "")
+               + f'with torch.autocast("{c.device}", dtype=torch.{low}):  # low precision '
+               "compute\n"
+               "    loss = compute_loss(model, batch)"
+               + ("\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
+                  if fp16 else ""))
     return ("Keep the weights and the optimizer state in fp32 and let "
             "autocast run the matmuls in low precision: small updates then accumulate "
             "instead of rounding away. (If memory forbids it, use an optimizer with "

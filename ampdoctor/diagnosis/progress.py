@@ -16,7 +16,7 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
 
 Each finding answers the precision question (``precision_answer``): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
-a bf16 stall where updates round away is ``bf16_precision``'s (``trends.rule_bf16_precision``),
+a bf16/fp16 stall where updates round away is ``lost_updates``' (``trends.rule_lost_updates``),
 told apart by its own signal: gradients that are *not* zero but move nothing. Exact zeros in a
 gradient are the opposite signal and never count there.
 
@@ -158,7 +158,7 @@ def _dead_layers(f: Facts, out: Dead) -> None:
 
 def _silent_params(f: Facts, out: Dead) -> None:
     st, kinds, names = f.reduced, f.tensor_kinds, f.tensor_names
-    numel = _numel(f)
+    numel = f.tensor_numel
     grads = np.flatnonzero((kinds == Kind.PARAM_GRAD) & np.isfinite(st.grad_zero_last))
     order = grads[np.argsort(-numel[grads], kind="stable")]
     out.silent = [names[t] for t in order if st.grad_zero_last[t] >= 1.0]
@@ -169,13 +169,6 @@ def _silent_params(f: Facts, out: Dead) -> None:
                                  / total)
 
 
-def _numel(f: Facts) -> np.ndarray:
-    t = f.run.tensors
-    size = len(f.tensor_kinds)
-    out = np.zeros(size, np.int64)
-    if len(t):
-        out[t["id"]] = t["numel"]
-    return out
 
 
 def _updates_collapsed(f: Facts) -> Optional[tuple[int, float, int, float]]:

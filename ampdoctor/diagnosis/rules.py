@@ -7,7 +7,7 @@ from ``Facts`` to a ``Finding`` (or None), one family per module:
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
   (``culprit.py`` reads the replays) or by the sampled tier;
-* ``trends.py``: underflow and bf16 rounding, with no NaN at all;
+* ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -141,7 +141,7 @@ RULES = [
     overflow.rule_sampled_culprit,
     trends.rule_grad_underflow,
     trends.rule_masked_underflow,
-    trends.rule_bf16_precision,
+    trends.rule_lost_updates,
     rule_scale_collapse,
     rule_nonfinite,
     progress.rule_diverged,

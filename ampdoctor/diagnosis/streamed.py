@@ -15,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..runfile.schema import Kind, Source
+from .thresholds import UNCHANGED_HIGH
 
 # A weight whose norm is below this is (close to) zero-initialised: its update ratio says
 # nothing about the step size.
@@ -51,7 +52,10 @@ class Reduced:
       tensor's last sample); for module outputs, out_zero_last (exactly 0 everywhere at the
       tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
       step with a non-zero value), out_seen_step (last sampled step); for gradients,
-      grad_zero_last (share of exact zeros at the tensor's last sample).
+      grad_zero_last (share of exact zeros at the tensor's last sample); for parameters,
+      stuck_first (the first sampled step of the streak, up to the horizon, on which each
+      step left >= UNCHANGED_HIGH of its sampled elements unchanged although their gradient
+      was not 0; -1: none), moving_last (the last sampled step that moved it).
     """
 
     n_steps: int
@@ -103,6 +107,8 @@ class Reduced:
         self.out_alive_step = np.full(t, -1, np.int64)
         self.out_seen_step = np.full(t, -1, np.int64)
         self.grad_zero_last = np.full(t, np.nan)
+        self.stuck_first = np.full(t, -1, np.int64)
+        self.moving_last = np.full(t, -1, np.int64)
 
     @property
     def upd_log(self) -> np.ndarray:
@@ -349,6 +355,21 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
         g = pc & u_ok
         np.add.at(out.unch_sum, t[g], unch[g])
         np.add.at(out.unch_cnt, t[g], 1.0)
+        _reduce_stuck(out, t[g], r["step"][g], unch[g])
+
+
+def _reduce_stuck(out: Reduced, t: np.ndarray, step: np.ndarray, unch: np.ndarray) -> None:
+    """Each parameter's streak of steps that left it unchanged, up to its latest sample: a
+    step that moved it ends the streak (rows arrive in step order)."""
+    moving = unch < UNCHANGED_HIGH
+    last = out.moving_last.copy()
+    np.maximum.at(last, t[moving], step[moving])
+    out.stuck_first[last != out.moving_last] = -1  # moved in this chunk: a new streak
+    out.moving_last = last
+    stuck = ~moving & (step > last[t])
+    first = np.where(out.stuck_first >= 0, out.stuck_first, np.iinfo(np.int64).max)
+    np.minimum.at(first, t[stuck], step[stuck])
+    out.stuck_first = np.where(first < np.iinfo(np.int64).max, first, -1)
 
 
 def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,

@@ -953,3 +953,78 @@ def test_a_blowup_in_the_first_steps_is_the_lr():
     assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
     assert run([1.32, 1.32, 1.5, 6.0], [1.78, 1.66, 421.0, 4.5e12]).verdict != "lr_overflow"
     assert run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 1.7, 1.9]).verdict != "lr_overflow"
+
+
+# ---------------------------------------------------------------------------------------------
+# an overflow hidden inside a module (the sampled step's op probe): no NaN anywhere
+
+
+def _hidden(s: Synth, steps, module="blocks.0.norm", type_="RMSNorm", op="mul",
+            dtype="float16", created=2, zeros=4000):
+    tid = s.tensor(Kind.OUTPUT, module, type_)
+    for i in steps:
+        s.stat(i, Kind.OUTPUT, module, type_, zeros=zeros, absmax=2.0)
+        s.steps["sampled"][i] = 1
+        s.event(i, Event.HIDDEN_NONFINITE, value=created, tensor=tid,
+                text=json.dumps({"op": op, "dtype": dtype, "inner": module, "index": 3,
+                                 "ops": 1}))
+    return s
+
+
+def _flat(n=60, **kw):
+    s = Synth(n, **kw)
+    s.set("loss", 2.08 + 0.01 * np.sin(np.arange(n)))
+    return s
+
+
+def test_a_hidden_fp16_overflow_in_a_hand_written_norm_is_unstable_op():
+    d = verdict(_hidden(_flat(), range(0, 60, 10)))
+    assert d.verdict == "unstable_op" and d.causes[0]["kind"] == "hidden_overflow", str(d)
+    assert d.first_bad == {"step": 0, "module": "blocks.0.norm", "phase": "forward"}
+    assert fix_ids(d)[:2] == ["norm_in_fp32", "fp32_island"] and d.confidence == 0.85
+    assert "x.float()" in d.fixes[0].snippet and "RMSNorm.forward" in d.fixes[0].snippet
+    assert "for block in model.blocks" in d.fixes[1].snippet
+    keys = [e.key for e in d.evidence]
+    assert {"hidden_overflow", "output_zeroed", "loss_not_falling", "hidden"} <= set(keys)
+    zeroed = next(e for e in d.evidence if e.key == "output_zeroed")
+    assert zeroed.value == pytest.approx(4000 / 4096)
+    assert "x * x passes 65504" in d.summary
+    assert "not_learning" not in [c["verdict"] for c in d.causes]
+
+
+def test_a_hidden_overflow_whose_output_comes_out_as_zeros_needs_no_flat_loss():
+    s = _hidden(Synth(15), [0, 10])  # too short to judge the loss
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.confidence == 0.7, str(d)
+
+
+def test_a_hidden_overflow_in_a_run_that_learns_is_a_note():
+    s = _hidden(Synth(60), range(0, 60, 10), zeros=0, module="mlp.act", type_="NewGELU",
+                op="pow")
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    assert any("Inside mlp.act, pow made +inf in float16 on 6 sampled step(s)" in n
+               for n in d.notes)
+
+
+@pytest.mark.parametrize("dtype,op,created", [("float32", "log", 4), ("float16", "add", 4)])
+def test_an_fp32_singularity_or_a_mask_sum_is_not_a_hidden_overflow(dtype, op, created):
+    """log(0) in fp32 is no precision problem; two fp16 mask constants summed to -inf are a
+    mask, which softmax takes."""
+    s = _hidden(_flat(), range(0, 60, 10), module="attn", type_="Attention", op=op,
+                dtype=dtype, created=created)
+    assert verdict(s).verdict == "not_learning"
+
+
+def test_the_early_warning_says_no_headroom_stable_for_a_module_that_overflowed_inside():
+    from ampdoctor.diagnosis.forecast import forecast
+
+    s = _hidden(Synth(120), range(70, 120, 10), zeros=0)
+    for i in range(0, 120, 10):
+        s.stat(i, Kind.OUTPUT, "head", absmax=3.0, dtype=int(DType.FLOAT16))
+        s.steps["sampled"][i] = 1
+    fc = forecast(s.run())
+    assert fc.status == "unknown" and "headroom stable" not in fc.text
+    assert "inside blocks.0.norm, mul already overflowed float16 on sampled step 70" in fc.text
+    before = forecast(s.run(), until=70)  # as if the run had stopped before the overflow
+    assert before.status == "stable" and "headroom stable" in before.text

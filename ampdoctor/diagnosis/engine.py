@@ -28,6 +28,7 @@ from ..runfile.paths import resolve
 from ..runfile.schema import Event
 from . import forecast, ranks
 from .facts import Facts
+from .overflow import hidden_note
 from .progress import flat_warning
 from .rules import RULES
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
@@ -312,7 +313,7 @@ def notes(f: Any, top: Finding) -> list[str]:
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
     if top.verdict == "healthy":
-        out += _risks(f) + _flat_notes(f, top)
+        out += _risks(f) + _flat_notes(f, top) + hidden_note(f)
     return out
 
 

@@ -172,6 +172,21 @@ def fp32_island(c: Context) -> Advice:
             "module that produces the large values, not the one after it.", snippet)
 
 
+@fix("norm_in_fp32", "compute a hand-written norm's statistics in fp32, the result cast back")
+def norm_in_fp32(c: Context) -> Advice:
+    cls = c.module_type or "the norm"
+    where = f" ({c.module} and every module of its class)" if c.module else ""
+    snippet = (f"# in {cls}.forward: square, mean and rsqrt in fp32; the result back in x's dtype\n"
+               "def forward(self, x):\n"
+               "    xf = x.float()\n"
+               "    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+               "    return (y * self.weight.float()).to(x.dtype)\n"
+               "# or torch.nn.RMSNorm / torch.nn.LayerNorm, which autocast runs in fp32")
+    return (f"Compute {cls}'s statistics in fp32{where}: in fp16, x * x passes 65504 once a "
+            "value passes 256, its mean is inf and x / sqrt(inf) is 0. Cast x to float32 "
+            "first and the result back: the output is as cheap to pass on as before.", snippet)
+
+
 @fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention")
 def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"

@@ -50,7 +50,7 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
     c = f.curve
     if not untroubled(f) or not c.judged or f.n < SHORT_RUN or c.fell:
         return None
-    ev = [_loss_evidence(f, c)] + _spike_evidence(f, c) + _weights_evidence(f)
+    ev = [loss_evidence(f, c)] + _spike_evidence(f, c) + _weights_evidence(f)
     ev += _scale_evidence(f) + _lr_evidence(f)
     answer = precision_answer(f)
     ev.append(answer)
@@ -71,7 +71,8 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                    first_bad(f.step_at(0), None, None), priority=PRIORITY["not_learning"])
 
 
-def _loss_evidence(f: Facts, c: curve.Curve) -> Evidence:
+def loss_evidence(f: Facts, c: curve.Curve) -> Evidence:
+    """Evidence "loss_not_falling": where the loss began and ended, against its own noise."""
     noise = math.exp(c.noise) - 1.0
     needed = max(1.0 - curve.FLAT_END, 1.0 - math.exp(-curve.FALL_SIGMAS * c.fall_se))
     return Evidence(f"the loss began at {fmt(c.start)} (median of the first {c.start_steps} "

@@ -6,7 +6,8 @@ from ``Facts`` to a ``Finding`` (or None), one family per module:
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
-  (``culprit.py`` reads the replays) or by the sampled tier;
+  (``culprit.py`` reads the replays) or by the sampled tier, and an overflow hidden inside a
+  module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
@@ -139,6 +140,7 @@ RULES = [
     located.rule_loss_backward,
     overflow.rule_culprit,
     overflow.rule_sampled_culprit,
+    overflow.rule_hidden_overflow,
     trends.rule_grad_underflow,
     trends.rule_masked_underflow,
     trends.rule_lost_updates,

@@ -51,7 +51,8 @@ class Reduced:
       first_bad_step (first sampled step with a non-finite value), last_bad (non-finite at the
       tensor's last sample); for module outputs, out_zero_last (exactly 0 everywhere at the
       tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
-      step with a non-zero value), out_seen_step (last sampled step); for gradients,
+      step with a non-zero value), out_seen_step (last sampled step), layer_out_zeros (mean
+      share of its sampled elements that are exactly 0); for gradients,
       grad_zero_last (share of exact zeros at the tensor's last sample); for parameters,
       stuck_first (the first sampled step of the streak, up to the horizon, on which each
       step left >= UNCHANGED_HIGH of its sampled elements unchanged although their gradient
@@ -106,6 +107,8 @@ class Reduced:
         self.out_zero_last = np.zeros(t, bool)
         self.out_alive_step = np.full(t, -1, np.int64)
         self.out_seen_step = np.full(t, -1, np.int64)
+        self.out_zero_sum = np.zeros(t)
+        self.out_zero_cnt = np.zeros(t)
         self.grad_zero_last = np.full(t, np.nan)
         self.stuck_first = np.full(t, -1, np.int64)
         self.moving_last = np.full(t, -1, np.int64)
@@ -150,6 +153,13 @@ class Reduced:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.grms_cnt > 0, 10 ** (self.grms_sum / np.maximum(
                 self.grms_cnt, 1)), np.nan)
+
+    @property
+    def layer_out_zeros(self) -> np.ndarray:
+        """Mean share of each module output's sampled elements that are exactly 0."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.out_zero_cnt > 0, self.out_zero_sum / np.maximum(
+                self.out_zero_cnt, 1), np.nan)
 
     @property
     def layer_unchanged(self) -> np.ndarray:
@@ -256,6 +266,9 @@ def _reduce_outputs(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.nda
             frac = r["near16"][pr] / np.maximum(r["sample_n"][pr], 1)
         np.maximum.at(out.near_max, t[pr], frac)
     _reduce_dead_outputs(out, r, t, b)
+    ok = ~b & (r["sample_n"] > 0)
+    np.add.at(out.out_zero_sum, t[ok], r["zeros"][ok] / r["sample_n"][ok])
+    np.add.at(out.out_zero_cnt, t[ok], 1.0)
 
 
 def _reduce_dead_outputs(out: Reduced, r: np.ndarray, t: np.ndarray, bad: np.ndarray) -> None:

@@ -72,9 +72,9 @@ CLIMB = 10.0
 # comparisons, either enough: the start (first few steps) against the end (last tenth), which
 # sees a loss that fell fast, and the first third against the last third, whose medians of
 # many steps see a steady fall through noise that hides it at the ends. Every
-# recorded fixture of 50 steps or more that trains ends below 0.55 of its start (the slowest,
-# masked_underflow's --fix, at 0.54; the rest at 0.3 or less); the runs that do not learn end
-# at 0.95-1.03 (docs/verdicts.md, "Did it learn?").
+# recorded fixture of 50 steps or more that trains ends at 0.54 of its start or below (the
+# slowest, masked_underflow's --fix; the rest at 0.30 or less), the runs that do not learn at
+# 0.94 to 1.03 (docs/verdicts.md, "Did it learn?").
 FLAT_END = 0.9
 FALL_SIGMAS = 1.5
 # The rise that led into a spike began where the loss first passed 2x the level before it.

@@ -169,9 +169,7 @@ class Series:
     s_loss: np.ndarray
     context: _fixes.Context = field(default_factory=_fixes.Context)
     types: dict = field(default_factory=dict)  # module name -> class
-    # overflows the op probe saw inside modules whose output stayed finite (their outputs'
-    # abs max cannot show them): facts.hidden_nonfinite, fp16/bf16 only
-    hidden: list = field(default_factory=list)
+    hidden: list = field(default_factory=list)  # overflows inside modules (op probe)
 
     def at(self, cut: Optional[int] = None) -> Forecast:
         """The forecast from the steps before ``cut`` (None: every step)."""
@@ -393,22 +391,17 @@ def judge(s: Series, cut: Optional[int]) -> Forecast:
         fc.status = "unknown"
         fc.text = (f"too few sampled steps to judge a trend ({k}; the forecast needs "
                    f"{MIN_POINTS}): record with a smaller --every")
-    elif _hidden_before(s, cut):
-        h = _hidden_before(s, cut)[0]
-        fc.status = "unknown"
-        fc.text = (f"headroom unknown: inside {h['module']}, {h['op']} already overflowed "
-                   f"{h['dtype']} on sampled step {h['step']} although {h['module']}'s output "
-                   "stayed finite (an output's abs max cannot show an overflow inside the "
-                   "module)")
+    elif any(cut is None or h["step"] < cut for h in s.hidden):
+        h = next(h for h in s.hidden if cut is None or h["step"] < cut)
+        fc.status, fc.text = "unknown", (
+            f"headroom unknown: inside {h['module']}, {h['op']} already overflowed {h['dtype']} "
+            f"on sampled step {h['step']} although {h['module']}'s output stayed finite (an "
+            "output's abs max cannot show an overflow inside the module)")
     else:
         low = lowest[0]
         fc.text = (f"no trend: headroom stable (lowest: {low.label}, {low.headroom:.1f} "
                    f"doublings below {fmt(low.limit)})")
     return fc
-
-
-def _hidden_before(s: Series, cut: Optional[int]) -> list:
-    return [h for h in s.hidden if cut is None or h["step"] < cut]
 
 
 def _name_crossing(fc: Forecast, x: LayerTrend, s: Series) -> None:

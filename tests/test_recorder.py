@@ -509,7 +509,8 @@ def _probe_train(run_path, model, steps=3, every=1, **options):
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(1)
     losses = []
-    with ampdoctor.watch(model, opt, path=run_path, every=every, strict=True, **options):
+    options.setdefault("strict", True)
+    with ampdoctor.watch(model, opt, path=run_path, every=every, **options):
         for _ in range(steps):
             x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -575,3 +576,20 @@ def test_a_forward_that_raises_on_a_sampled_step_leaves_no_mode_behind(run_path)
         assert torch.overrides._get_current_function_mode() is None
         model[0](torch.randn(2, 8)).sum().backward()  # the loop goes on
         opt.step()
+
+
+def test_a_failure_inside_the_op_probe_never_reaches_the_loop(run_path, monkeypatch):
+    from ampdoctor.errors import RecorderFault
+    from ampdoctor.record import opprobe
+
+    def broken(self, *args):
+        raise RuntimeError("probe bug")
+
+    monkeypatch.setattr(opprobe.StepProbe, "_record", broken)
+    with pytest.warns(RuntimeWarning, match="the op probe stopped .RuntimeError: probe bug"):
+        losses = _probe_train(run_path, _probe_net(scale=200.0), steps=3, strict=False)
+    assert len(losses) == 3 and _hidden(run_path) == []
+    with ampdoctor.load(run_path) as run:
+        assert len(run.steps) == 3 and run.steps["sampled"].all()  # the sampled tier went on
+    with pytest.raises(RecorderFault, match="probe bug"):
+        _probe_train(run_path, _probe_net(scale=200.0), steps=1)

@@ -477,6 +477,13 @@ class Hooks:
         if probe is None:
             return
         probe.abort()
+        if probe.error is not None:  # the probe stepped aside; the recorder goes on
+            self._probe = None
+            if self.journal.strict:
+                raise probe.error
+            why = f"{type(probe.error).__name__}: {probe.error}"
+            self.journal.warn_once("op_probe", f"the op probe stopped ({why}); sampled steps go "
+                                   "on without it")
         for h in probe.finish():
             tid = self.journal.tensor_id(Kind.OUTPUT, h.name, 0, None, type(h.module).__name__)
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),

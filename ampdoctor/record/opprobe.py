@@ -205,6 +205,9 @@ class StepProbe(TorchFunctionMode):
         super().__init__()
         self.busy = 0  # > 0 while ampdoctor's own hook code runs inside the forward
         self.inert = False  # left on a mode stack it could not be popped from: pass through
+        # what stopped it, for good: the probe never lets a failure of its own reach the
+        # forward it watches (the recorder says so at the step's end)
+        self.error: Optional[BaseException] = None
         self._root: Optional[torch.nn.Module] = None  # the root that entered the mode
         self.reset()
 
@@ -267,12 +270,14 @@ class StepProbe(TorchFunctionMode):
             return
         call = self._stack.pop()
         self._open = tuple(self._stack)
-        if not self.active or self.full:
+        if not self.active or self.full or self.inert:
             return
         self.busy += 1
         try:
             call.outputs = [self._measured(t) for t in tensors_in(output) if _probed(t)]
             call.done = True
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
         finally:
             self.busy -= 1
 
@@ -283,6 +288,17 @@ class StepProbe(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.busy or self.full or self.inert or not self._open or _compiling():
             return out  # (a region dynamo traces gets nothing of ours in its graph)
+        try:
+            self._record(func, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
+        return out
+
+    def _failed(self, exc: BaseException) -> None:
+        """Stop probing (the op's result goes back untouched); ``error`` says why."""
+        self.error, self.inert = exc, True
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         outs = [t for t in _results(out) if _probed(t)]
         if outs:
             operands = [t for t in _operands(args, kwargs) if _probed(t)]
@@ -299,7 +315,6 @@ class StepProbe(TorchFunctionMode):
                 self._ops.append((func, self._open, first, len(outs), ins,
                                   _explicit(args, kwargs), outs[0].dtype))
             self.full = len(self._lo) >= MAX_TENSORS
-        return out
 
     def _before(self, t: torch.Tensor, outs: list) -> int:
         """An operand's measurement from before the op. One the op changed in place (it is
@@ -343,7 +358,7 @@ class StepProbe(TorchFunctionMode):
         """Read the measurements (one copy per device) and name the modules whose output
         stayed finite although an op inside them made inf/NaN from finite inputs."""
         try:
-            if not self._ops:
+            if not self._ops or self.error is not None:
                 return []
             bits = self._bits()
             found: dict[int, Hidden] = {}

@@ -415,6 +415,15 @@ def test_a_cause_takes_the_verdict_and_not_learning_is_never_listed_beside_it():
     assert learning.rule_not_learning(Facts(s.run())) is not None  # (it did fire)
 
 
+def test_a_loss_that_converged_within_its_first_steps_learned():
+    """The start (median of the first five) is already at the floor; the first loss is not."""
+    s = Synth(100, dtype="bfloat16", scaler=False, every=0)
+    s.set("loss", np.r_[2.0, 0.05, noisy(np.full(98, 0.01), 0.05, 23)])
+    c = Facts(s.run()).curve
+    assert c.end >= curve.FLAT_END * c.start and c.fell
+    assert verdict(s).verdict == "healthy"
+
+
 def test_a_loss_that_reached_zero_converged():
     s = Synth(100, dtype="bfloat16", scaler=False, every=10)
     s.set("loss", np.r_[np.linspace(2.0, 0.01, 60), np.zeros(40)])

@@ -68,10 +68,11 @@ NO_PROGRESS = 0.5
 CLIMB = 10.0
 # Did it learn? The loss fell when it ended more than 10 % below where it began (FLAT_END)
 # AND the fall is at least FALL_SIGMAS standard errors of the two medians compared (from the
-# run's own step-to-step noise): a noisy loss must fall further before the fall counts. Two
-# comparisons, either enough: the start (first few steps) against the end (last tenth), which
-# sees a loss that fell fast, and the first third against the last third, whose medians of
-# many steps see a steady fall through noise that hides it at the ends. Every
+# run's own step-to-step noise): a noisy loss must fall further before the fall counts. Three
+# comparisons, any one enough: the start (first few steps) against the end (last tenth), which
+# sees a loss that fell fast; the first loss alone against the end, which sees one that
+# converged within its first few steps; and the first third against the last third, whose
+# medians of many steps see a steady fall through noise that hides it at the ends. Every
 # recorded fixture of 50 steps or more that trains ends at 0.54 of its start or below (the
 # slowest, masked_underflow's --fix; the rest at 0.30 or less), the runs that do not learn at
 # 0.94 to 1.03 (docs/verdicts.md, "Did it learn?").
@@ -126,6 +127,7 @@ class Curve:
         """The run ended no lower than NO_PROGRESS x where it began."""
         return self.judged and self.end >= NO_PROGRESS * self.start
 
+    first: float = math.nan  # the first finite loss
     early: float = math.nan  # median of the first third of the losses
     late: float = math.nan  # ... and of the last third
     third: int = 0  # losses in each third
@@ -138,12 +140,13 @@ class Curve:
 
     @property
     def fell(self) -> bool:
-        """The loss fell: from its start to its end, or from its first third to its last,
-        below FLAT_END x and by at least FALL_SIGMAS standard errors. False also when the
-        curve is not judged (``judged`` says why)."""
+        """The loss fell: from its start (or its first loss) to its end, or from its first
+        third to its last, below FLAT_END x and by at least FALL_SIGMAS standard errors.
+        False also when the curve is not judged (``judged`` says why)."""
         if not self.judged:
             return False
         return _fell(self.start, self.end, self.fall_se) or _fell(
+            self.first, self.end, _fall_se(self.noise, 1, self.tail_steps)) or _fell(
             self.early, self.late, _fall_se(self.noise, self.third, self.third))
 
 
@@ -196,6 +199,7 @@ def read(loss: np.ndarray) -> Curve:
     head = min(START_STEPS, first.onset) if first is not None else START_STEPS
     c.start_steps = max(head, 1)
     c.start = float(np.median(values[:c.start_steps]))
+    c.first = float(values[0])
     c.third = len(values) // 3
     c.early = float(np.median(values[:c.third]))
     c.late = float(np.median(values[-c.third:]))

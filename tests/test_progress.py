@@ -386,6 +386,17 @@ def test_noisy_but_training_runs_are_not_not_learning():
                 assert c.fell or not c.judged, (sigma, seed, n)
 
 
+def test_how_often_the_noise_fools_the_fall_test():
+    """What docs/verdicts.md quotes: at a step-to-step noise of 30 % over 60 steps, a flat
+    loss passes for a fall about one time in six, a 30 % fall is seen about two times in
+    three, a 5x fall always."""
+    def rate(trend):
+        return np.mean([curve.read(noisy(trend, 0.3, seed)).fell for seed in range(200)])
+
+    flat, slow, fast = rate(np.ones(60)), rate(decay(60, floor=0.7)), rate(decay(60, 0.2))
+    assert 0.05 <= flat <= 0.2 and 0.55 <= slow <= 0.85 and fast == 1.0, (flat, slow, fast)
+
+
 def test_a_spike_that_recovers_to_where_the_loss_began_is_not_learning():
     d = verdict(_lightning_like(every=0))
     assert d.verdict == "not_learning" and d.confidence <= learning.UNMEASURED_CONFIDENCE

@@ -153,7 +153,7 @@ def _mask_like(t: torch.Tensor) -> bool:
 # Sampled steps: overflows hidden inside a module
 
 # Tensors measured per sampled step at most (two 0-dim device tensors each); a forward with
-# more stops being probed there, and ``finish`` says so.
+# more is probed up to there (what came before is still judged).
 MAX_TENSORS = 1 << 16
 # Findings kept per step: low-precision ones first, then in execution order.
 MAX_HIDDEN = 4
@@ -263,11 +263,10 @@ class StepProbe(TorchFunctionMode):
     def close_call(self, module: torch.nn.Module, output: Any) -> None:
         """A module call returned: its floating outputs are measured (most already were, as
         the result of its last op)."""
-        while self._stack and self._stack[-1].module is not module:
+        if not any(c.module is module for c in self._stack):
+            return  # (its call began before the hooks were in place)
+        while self._stack[-1].module is not module:
             self._stack.pop()  # calls whose post-hook never came (an exception in between)
-        if not self._stack:
-            self._open = ()
-            return
         call = self._stack.pop()
         self._open = tuple(self._stack)
         if not self.active or self.full or self.inert:

@@ -80,3 +80,10 @@ def test_preflight_cost_measures_both_tools(tmp_path):
     result = json.loads(path.read_text())
     for name in ("parity_forward", "parity_with_loss", "check_amp_step"):
         assert result[name]["ratio"] > 0 and result[name]["aa"] > 0
+
+
+def test_probe_cost_times_the_sampled_step_with_and_without_the_probe():
+    out = bench("probe_cost.py", "--smoke")
+    assert "results probed per forward" in out and "op probe on a sampled step:" in out
+    probed = int(out.split(" results probed")[0].rsplit(" ", 1)[1])
+    assert probed > 10  # the tiny GPT's forward was probed op by op

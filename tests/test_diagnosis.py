@@ -647,13 +647,67 @@ def test_masked_underflow_at_a_healthy_scale():
     assert ratio == pytest.approx(50.0 / 1e-6) and "5e7" in d.fixes[1].snippet
 
 
+def test_masked_underflow_says_when_the_layer_stopped_moving():
+    """Issue 23's seed: the scale high and steady while one layer's gradients underflow, and
+    from step 30 on (SGD) its weights no longer move."""
+    s = Synth(60, optimizer="SGD")
+    _underflowing_grads(s, ["aux_head.0.weight"], 4000)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "trunk.0.weight", absmax=300.0, rms=50.0)
+    s.sampled(range(10, 60, 10), Kind.PARAM, "aux_head.0.weight", norm=3.0,
+              update=lambda i: 1e-4 if i < 30 else 1e-9, unchanged=lambda i: 0.1 if i < 30 else 0.9)
+    s.sampled(range(10, 60, 10), Kind.PARAM, "trunk.0.weight", norm=3.0, update=1e-3,
+              unchanged=0.0)
+    d = verdict(s)
+    assert d.verdict == "masked_underflow", str(d)
+    stopped = next(e for e in d.evidence if e.key == "weights_stopped")
+    assert stopped.step == 30 and stopped.module == "aux_head.0"
+    assert "from sampled step 30 on (it moved until step 20)" in stopped.text
+
+
+def test_masked_underflow_says_how_much_less_an_adam_layer_moves():
+    s = Synth(60)
+    _underflowing_grads(s, ["aux_head.0.weight"], 4000)
+    s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "trunk.0.weight", absmax=300.0, rms=50.0)
+    for name, upd in (("aux_head.0.weight", 1e-5), ("trunk.0.weight", 1e-2)):
+        s.sampled(range(10, 60, 10), Kind.PARAM, name, norm=3.0, update=upd, unchanged=0.0)
+    slow = next(e for e in verdict(s).evidence if e.key == "weights_slow")
+    assert slow.value == pytest.approx(1e3, rel=0.01) and "from sampled step 10 to 50" in slow.text
+
+
 def test_bf16_weights_whose_updates_round_away():
     s = Synth(40, dtype=None, scaler=False, params="bfloat16")
     for name in ("encoder.0.weight", "encoder.3.weight", "tagger.weight"):
         s.sampled(range(10, 40, 10), Kind.PARAM, name, norm=5.0, update=1e-5, unchanged=0.99)
     d = verdict(s)
-    assert d.verdict == "bf16_precision" and fix_ids(d) == ["fp32_master_weights"]
+    assert d.verdict == "lost_updates" and fix_ids(d) == ["fp32_master_weights"]
     assert any(e.key == "unchanged_fraction" and e.value > 0.9 for e in d.evidence)
+
+
+def test_fp16_weights_under_plain_sgd_lose_their_updates_too():
+    """Issue 23: model.half() with SGD, no autocast, no master weights: gradients are normal
+    fp16 numbers, but LR x gradient falls below half an ulp of the weights."""
+    s = Synth(60, dtype=None, scaler=False, params="float16", optimizer="SGD", lr=0.01)
+    s.set("grad_norm", 0.3)
+    for name in ("fc1.weight", "fc2.weight", "head.weight"):
+        s.sampled(range(0, 60, 10), Kind.PARAM, name, norm=20.0, update=5.7e-5, unchanged=0.86)
+        s.sampled(range(0, 60, 10), Kind.PARAM_GRAD, name, zeros=0, absmax=0.05, sub16=0)
+    d = verdict(s)
+    assert d.verdict == "lost_updates" and fix_ids(d) == ["fp32_master_weights"], str(d)
+    assert d.first_bad == {"step": 0, "module": None, "phase": "optimizer"}
+    ratio = next(e for e in d.evidence if e.key == "update_ratio")
+    assert ratio.value == pytest.approx(5.7e-5, rel=0.01) and "2**-11" in ratio.text
+    intended = next(e for e in d.evidence if e.key == "intended_update")
+    # LR x |g| / |W|: 0.01 x 0.3 / sqrt(3 x 20**2)
+    assert intended.value == pytest.approx(0.01 * 0.3 / math.sqrt(3 * 400), rel=0.01)
+    assert "fp16" in d.summary and "11 significant bits" in d.summary
+    assert "not_learning" not in [c["verdict"] for c in d.causes]
+
+
+def test_the_old_id_bf16_precision_is_understood():
+    from ampdoctor.diagnosis.verdict import ALIASES, VERDICTS, canonical
+
+    assert canonical("bf16_precision") == "lost_updates" and canonical("healthy") == "healthy"
+    assert set(ALIASES.values()) <= set(VERDICTS) and not set(ALIASES) & set(VERDICTS)
 
 
 def test_fp32_master_weights_with_small_updates_are_fine():
@@ -899,3 +953,78 @@ def test_a_blowup_in_the_first_steps_is_the_lr():
     assert {"loss_spike", "grad_norm_growth"} <= {e.key for e in d.evidence}
     assert run([1.32, 1.32, 1.5, 6.0], [1.78, 1.66, 421.0, 4.5e12]).verdict != "lr_overflow"
     assert run([1.32, 1.32, 237.0, 5.8e7], [1.78, 1.66, 1.7, 1.9]).verdict != "lr_overflow"
+
+
+# ---------------------------------------------------------------------------------------------
+# an overflow hidden inside a module (the sampled step's op probe): no NaN anywhere
+
+
+def _hidden(s: Synth, steps, module="blocks.0.norm", type_="RMSNorm", op="mul",
+            dtype="float16", created=2, zeros=4000):
+    tid = s.tensor(Kind.OUTPUT, module, type_)
+    for i in steps:
+        s.stat(i, Kind.OUTPUT, module, type_, zeros=zeros, absmax=2.0)
+        s.steps["sampled"][i] = 1
+        s.event(i, Event.HIDDEN_NONFINITE, value=created, tensor=tid,
+                text=json.dumps({"op": op, "dtype": dtype, "inner": module, "index": 3,
+                                 "ops": 1}))
+    return s
+
+
+def _flat(n=60, **kw):
+    s = Synth(n, **kw)
+    s.set("loss", 2.08 + 0.01 * np.sin(np.arange(n)))
+    return s
+
+
+def test_a_hidden_fp16_overflow_in_a_hand_written_norm_is_unstable_op():
+    d = verdict(_hidden(_flat(), range(0, 60, 10)))
+    assert d.verdict == "unstable_op" and d.causes[0]["kind"] == "hidden_overflow", str(d)
+    assert d.first_bad == {"step": 0, "module": "blocks.0.norm", "phase": "forward"}
+    assert fix_ids(d)[:2] == ["norm_in_fp32", "fp32_island"] and d.confidence == 0.85
+    assert "x.float()" in d.fixes[0].snippet and "RMSNorm.forward" in d.fixes[0].snippet
+    assert "for block in model.blocks" in d.fixes[1].snippet
+    keys = [e.key for e in d.evidence]
+    assert {"hidden_overflow", "output_zeroed", "loss_not_falling", "hidden"} <= set(keys)
+    zeroed = next(e for e in d.evidence if e.key == "output_zeroed")
+    assert zeroed.value == pytest.approx(4000 / 4096)
+    assert "x * x passes 65504" in d.summary
+    assert "not_learning" not in [c["verdict"] for c in d.causes]
+
+
+def test_a_hidden_overflow_whose_output_comes_out_as_zeros_needs_no_flat_loss():
+    s = _hidden(Synth(15), [0, 10])  # too short to judge the loss
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.confidence == 0.7, str(d)
+
+
+def test_a_hidden_overflow_in_a_run_that_learns_is_a_note():
+    s = _hidden(Synth(60), range(0, 60, 10), zeros=0, module="mlp.act", type_="NewGELU",
+                op="pow")
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    assert any("Inside mlp.act, pow made +inf in float16 on 6 sampled step(s)" in n
+               for n in d.notes)
+
+
+@pytest.mark.parametrize("dtype,op,created", [("float32", "log", 4), ("float16", "add", 4)])
+def test_an_fp32_singularity_or_a_mask_sum_is_not_a_hidden_overflow(dtype, op, created):
+    """log(0) in fp32 is no precision problem; two fp16 mask constants summed to -inf are a
+    mask, which softmax takes."""
+    s = _hidden(_flat(), range(0, 60, 10), module="attn", type_="Attention", op=op,
+                dtype=dtype, created=created)
+    assert verdict(s).verdict == "not_learning"
+
+
+def test_the_early_warning_says_no_headroom_stable_for_a_module_that_overflowed_inside():
+    from ampdoctor.diagnosis.forecast import forecast
+
+    s = _hidden(Synth(120), range(70, 120, 10), zeros=0)
+    for i in range(0, 120, 10):
+        s.stat(i, Kind.OUTPUT, "head", absmax=3.0, dtype=int(DType.FLOAT16))
+        s.steps["sampled"][i] = 1
+    fc = forecast(s.run())
+    assert fc.status == "unknown" and "headroom stable" not in fc.text
+    assert "inside blocks.0.norm, mul already overflowed float16 on sampled step 70" in fc.text
+    before = forecast(s.run(), until=70)  # as if the run had stopped before the overflow
+    assert before.status == "stable" and "headroom stable" in before.text

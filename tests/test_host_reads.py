@@ -226,6 +226,16 @@ def test_a_flush_reads_once(tmp_path, monkeypatch):
     assert len(reads.device) == 1 and "steps.py" in reads.device[0], reads.device
 
 
+def test_the_op_probe_reads_once_at_the_end_of_a_sampled_step(tmp_path, monkeypatch):
+    """Every step sampled: the op probe measures every op of the forward on the device and
+    reads it all once, in the step's drain, never inside a hook."""
+    reads, rec = count_reads("scaler-foreach", tmp_path, monkeypatch, every=1)
+    probe = [w for w in reads.device if "opprobe.py" in w]
+    copies = [w for w in probe if w.startswith("cpu at")]  # (then .numpy() of the host copy)
+    assert len(copies) == STEADY and len({w.split()[-1] for w in probe}) == 1, probe
+    assert not [w for w in reads.device if "hooks.py" in w]
+
+
 # ---------------------------------------------------------------------------------------------
 # a GPU that is still running the step: the fused path's deferred decision, forced on CPU
 

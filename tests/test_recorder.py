@@ -454,3 +454,142 @@ def test_a_misspelt_callback_is_caught():
     with patches.PatchSet() as ps, pytest.raises(TypeError, match="no before_backward"):
         patches.patch_backward(ps, Misspelt())  # at patch time, not silently at the hook
     assert torch.autograd.backward is original  # nothing was patched
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampled step's op probe: an overflow hidden inside a module (opprobe.StepProbe)
+
+
+class _HandNorm(torch.nn.Module):
+    """x * rsqrt(mean(x * x)): in fp16, x * x is inf past 256 and the output exactly 0."""
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True).float() + 1e-6)
+
+
+class _Masked(torch.nn.Module):
+    """Non-finite values made on purpose and taken by softmax: an explicit -inf, a buffer
+    that holds one, and an in-place product that a clamp brings back (that one counts)."""
+
+    def __init__(self, inplace_overflow: bool = False):
+        super().__init__()
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+        self.inplace_overflow = inplace_overflow
+
+    def forward(self, x):
+        s = x[:, :4, None] * x[:, None, :4]
+        s = s.masked_fill(s > 1e30, float("-inf")) + self.mask
+        out = torch.softmax(s, -1).sum(-1)
+        if self.inplace_overflow:
+            out = out.half().mul_(1e5).mul_(1e5).clamp_(max=1.0).float()
+        return out
+
+
+def _probe_net(scale: float, inplace_overflow: bool = False):
+    torch.manual_seed(0)
+    net = torch.nn.ModuleDict({"inp": torch.nn.Linear(8, 16), "norm": _HandNorm(),
+                               "mask": _Masked(inplace_overflow), "head": torch.nn.Linear(20, 4)})
+    with torch.no_grad():
+        net["inp"].weight.mul_(scale)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            h = self.net["inp"](x)
+            return self.net["head"](torch.cat([self.net["norm"](h),
+                                               self.net["mask"](torch.tanh(h))], -1))
+
+    return Net()
+
+
+def _probe_train(run_path, model, steps=3, every=1, **options):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    options.setdefault("strict", True)
+    with ampdoctor.watch(model, opt, path=run_path, every=every, **options):
+        for _ in range(steps):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert torch.overrides._get_current_function_mode() is None  # the mode is gone
+    return losses
+
+
+def _hidden(run_path):
+    from ampdoctor.diagnosis.facts import hidden_nonfinite
+
+    with ampdoctor.load(run_path) as run:
+        return hidden_nonfinite(run)
+
+
+def test_the_op_probe_names_an_overflow_that_no_output_shows(run_path):
+    _probe_train(run_path, _probe_net(scale=200.0), steps=3, every=2)
+    hits = _hidden(run_path)
+    assert [(h["step"], h["module"], h["op"], h["dtype"], h["created"]) for h in hits] == \
+        [(0, "net.norm", "mul", "float16", 2), (2, "net.norm", "mul", "float16", 2)]
+    assert hits[0]["type"] == "_HandNorm" and hits[0]["inner"] == "net.norm"
+
+
+def test_non_finite_values_made_on_purpose_are_not_an_overflow(run_path):
+    """Small values: the norm is fine; the mask's -inf (explicit, or held by a buffer) is no
+    overflow. An in-place fp16 product that passes 65504 inside the module is."""
+    _probe_train(run_path, _probe_net(scale=1.0), steps=2)
+    assert _hidden(run_path) == []
+    _probe_train(run_path, _probe_net(scale=1.0, inplace_overflow=True), steps=1)
+    assert [(h["module"], h["op"], h["created"]) for h in _hidden(run_path)] == \
+        [("net.mask", "mul", 2)]
+
+
+def test_the_op_probe_changes_nothing_and_can_be_turned_off(run_path, tmp_path):
+    def weights_after(**options):
+        model = _probe_net(scale=200.0)
+        losses = _probe_train(str(tmp_path / f"{len(options)}.h5"), model, steps=3,
+                              **options)
+        return losses, weights(model)
+
+    on, off = weights_after(), weights_after(op_probe=False)
+    np.testing.assert_array_equal(on[0], off[0])
+    assert_bit_identical(on[1], off[1])
+    with ampdoctor.load(str(tmp_path / "1.h5")) as run:
+        assert run.recorder_settings["op_probe"] is False
+        assert not (run.events["kind"] == int(Event.HIDDEN_NONFINITE)).any()
+
+
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_mode_behind(run_path):
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Boom())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.watch(model, opt, path=run_path, every=1, strict=True):
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 8))
+        assert torch.overrides._get_current_function_mode() is None
+        model[0](torch.randn(2, 8)).sum().backward()  # the loop goes on
+        opt.step()
+
+
+def test_a_failure_inside_the_op_probe_never_reaches_the_loop(run_path, monkeypatch):
+    from ampdoctor.errors import RecorderFault
+    from ampdoctor.record import opprobe
+
+    def broken(self, *args):
+        raise RuntimeError("probe bug")
+
+    monkeypatch.setattr(opprobe.StepProbe, "_record", broken)
+    with pytest.warns(RuntimeWarning, match="the op probe stopped .RuntimeError: probe bug"):
+        losses = _probe_train(run_path, _probe_net(scale=200.0), steps=3, strict=False)
+    assert len(losses) == 3 and _hidden(run_path) == []
+    with ampdoctor.load(run_path) as run:
+        assert len(run.steps) == 3 and run.steps["sampled"].all()  # the sampled tier went on
+    with pytest.raises(RecorderFault, match="probe bug"):
+        _probe_train(run_path, _probe_net(scale=200.0), steps=1)

@@ -28,6 +28,7 @@ from ..runfile.paths import resolve
 from ..runfile.schema import Event
 from . import forecast, ranks
 from .facts import Facts
+from .overflow import hidden_note
 from .progress import flat_warning
 from .rules import RULES
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
@@ -117,8 +118,9 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
         top = _healthy(f)
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
-    # Other roots are worth knowing; the unexplained-non-finite fallback is not, next to one.
-    also = [x for x in roots[1:] if x.verdict not in (top.verdict, "nonfinite") + EMPTY
+    # Other roots are worth knowing; the honest fallbacks (non-finite values no class
+    # explains, a flat loss no cause explains) are not, next to one.
+    also = [x for x in roots[1:] if x.verdict not in (top.verdict,) + FALLBACKS + EMPTY
             and not _explained_by(top, x)]
     causes += [_cause(x, "also") for x in also]
     evidence = list(top.evidence)
@@ -150,17 +152,20 @@ def _explained_by(top: Finding, x: Finding) -> bool:
     return bool(top.explains) and bool(steps) and all(int(t) in top.explains for t in steps)
 
 
-# A healthy verdict whose loss did not fall (progress.flat_warning) is no more sure than this.
+# Verdicts that say no cause was found: never listed as "also" beside a cause.
+FALLBACKS = ("nonfinite", "not_learning")
+# A healthy verdict whose loss jumped and then stayed above half its start
+# (progress.flat_warning) is no more sure than this.
 FLAT_CONFIDENCE = 0.6
 
 
 def _healthy(f: Any) -> Finding:
-    """No rule fired. When the loss did not fall, the headline says so (a warning, not a
-    verdict: a fine-tune at its optimum or a GAN has a flat loss by design)."""
+    """No rule fired. When a spike left the loss above half its start, the headline says so
+    (a warning: the loss fell, but not far; one that did not fall is not_learning's)."""
     found = Finding("healthy", _healthy_confidence(f), _healthy_summary(f), _checked(f))
     warning = flat_warning(f) if f.n else None
     if warning is not None:
-        found.summary = ("No numeric failure was found, but the loss did not fall: "
+        found.summary = ("No numeric failure was found, but the loss did not fall far: "
                          f"{warning.text}. ampdoctor cannot tell a run that stopped learning "
                          "from one whose loss is not meant to fall (a fine-tune at its optimum, "
                          "a GAN); if it should have fallen, see the notes.")
@@ -308,7 +313,7 @@ def notes(f: Any, top: Finding) -> list[str]:
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
     if top.verdict == "healthy":
-        out += _risks(f) + _flat_notes(f, top)
+        out += _risks(f) + _flat_notes(f, top) + hidden_note(f)
     return out
 
 
@@ -372,8 +377,11 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
     elif f.sampled_steps < 3 and top.verdict == "healthy":
         out.append(f"Only {f.sampled_steps} sampled step(s): trends are measured on few points.")
     if f.n < SHORT_RUN and top.verdict == "healthy":
-        out.append(f"Only {f.n} steps were recorded: failures that build up over time (LR-driven "
+        out.append(f"Only {f.n} steps were recorded: whether the loss falls is judged from "
+                   f"{SHORT_RUN} steps on, and failures that build up over time (LR-driven "
                    "growth, scale probing) may not have shown yet.")
+    elif top.verdict == "healthy" and not f.curve.judged:
+        out += _unjudged_note(f)
     located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
     if f.failure_index is None or located or top.verdict in EMPTY:
         return out
@@ -386,6 +394,17 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
                    "earlier skipped steps, so the failing step was not replayed; the module "
                    "comes from sampled statistics, if any.")
     return out
+
+
+def _unjudged_note(f: Any) -> list[str]:
+    """Why the loss curve was not judged; a loss that reached exactly 0 has converged."""
+    loss = f.steps["loss"].astype(float)
+    fin = loss[np.isfinite(loss)]
+    if len(fin) and fin[0] > 0 and np.all(fin >= 0) and np.any(fin == 0):
+        step = f.first(np.isfinite(loss) & (loss == 0))
+        return [f"The loss reached exactly 0 at step {step}: the model fits its data exactly "
+                "(converged), so its exact zero gradients are not dead units."]
+    return [f"Whether the loss fell was not judged: {f.curve.why}."] if f.curve.why else []
 
 
 def _compiled_notes(f: Any) -> list[str]:

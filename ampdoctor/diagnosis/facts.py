@@ -294,6 +294,11 @@ class Facts:
             return out
         return self.memo("snapshots", build)
 
+    @property
+    def hidden_nonfinite(self) -> list[dict]:
+        """The sampled steps' op probe findings (``hidden_nonfinite``)."""
+        return self.memo("hidden", lambda: hidden_nonfinite(self.run))
+
     def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
         """Largest finite magnitude in a snapshot's saved float batch, and whether it held
         NaN/inf. Only the batch ("args.*", "kwargs.*"): not the culprit's own inputs, the
@@ -338,6 +343,15 @@ class Facts:
     def tensor_types(self) -> list[str]:
         """Each tensor id's module class ("Attention"; "" when unknown or not a module)."""
         return self.memo("types", lambda: self._by_id("type"))
+
+    @property
+    def tensor_numel(self) -> np.ndarray:
+        """Each tensor id's element count when first seen (0 when unknown)."""
+        def build() -> np.ndarray:
+            out = np.zeros(self._id_count(), np.int64)
+            out[self.run.tensors["id"]] = self.run.tensors["numel"]
+            return out
+        return self.memo("numel", build)
 
     def _id_count(self) -> int:
         t = self.run.tensors
@@ -416,6 +430,36 @@ def recording_stopped(run: Any) -> Optional[dict]:
     if not len(rows):
         return None
     return {"step": int(rows["step"][0]), "why": str(rows["text"][0])}
+
+
+def hidden_nonfinite(run: Any) -> list[dict]:
+    """The sampled steps' op probe findings (``Event.HIDDEN_NONFINITE``: a module whose output
+    stayed finite although an op inside it made inf/NaN), in step and execution order:
+    {"step", "module", "type", "tensor", "created" (bits 1 NaN, 2 +inf, 4 -inf), "op",
+    "dtype", "inner", "index", "ops"}.
+
+    Example::
+
+        hidden_nonfinite(ampdoctor.load("run.h5"))[0]["op"]     # 'mul'
+    """
+    ev, t = run.events, run.tensors
+    names = {int(i): str(n) for i, n in zip(t["id"], t["name"])}
+    types = {int(i): str(c) for i, c in zip(t["id"], t["type"])}
+    out = []
+    for row in ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]:
+        try:
+            detail = json.loads(str(row["text"])) if row["text"] else {}
+        except ValueError:
+            detail = {}
+        tid = int(row["tensor"])
+        value = float(row["value"])
+        out.append({"step": int(row["step"]), "module": names.get(tid) or None,
+                    "type": types.get(tid) or None, "tensor": tid,
+                    "created": int(value) if math.isfinite(value) else 0,
+                    "op": str(detail.get("op", "?")), "dtype": str(detail.get("dtype", "")),
+                    "inner": detail.get("inner") or names.get(tid),
+                    "index": int(detail.get("index", 0)), "ops": int(detail.get("ops", 1))})
+    return sorted(out, key=lambda h: (h["step"], h["index"]))
 
 
 def _phase_name(code: int) -> str:

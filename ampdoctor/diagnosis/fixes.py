@@ -172,6 +172,21 @@ def fp32_island(c: Context) -> Advice:
             "module that produces the large values, not the one after it.", snippet)
 
 
+@fix("norm_in_fp32", "compute a hand-written norm's statistics in fp32, the result cast back")
+def norm_in_fp32(c: Context) -> Advice:
+    cls = c.module_type or "the norm"
+    where = f" ({c.module} and every module of its class)" if c.module else ""
+    snippet = (f"# in {cls}.forward: square, mean and rsqrt in fp32; the result back in x's dtype\n"
+               "def forward(self, x):\n"
+               "    xf = x.float()\n"
+               "    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+               "    return (y * self.weight.float()).to(x.dtype)\n"
+               "# or torch.nn.RMSNorm / torch.nn.LayerNorm, which autocast runs in fp32")
+    return (f"Compute {cls}'s statistics in fp32{where}: in fp16, x * x passes 65504 once a "
+            "value passes 256, its mean is inf and x / sqrt(inf) is 0. Cast x to float32 "
+            "first and the result back: the output is as cheap to pass on as before.", snippet)
+
+
 @fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention")
 def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
@@ -241,12 +256,18 @@ def adam_eps(c: Context) -> Advice:
 
 @fix("fp32_master_weights", "keep fp32 weights and optimizer state; autocast does the rest")
 def fp32_master_weights(c: Context) -> Advice:
-    low = "bfloat16" if c.autocast != "float16" else "float16"
+    # an fp16 run keeps fp16 compute (with the GradScaler fp16 needs); any other run bf16
+    fp16 = c.autocast == "float16" or (c.autocast is None and c.low == "fp16")
+    low = "float16" if fp16 else "bfloat16"
     snippet = ("model = model.float()  # weights and optimizer state in fp32\n"
                f"optimizer = torch.optim.{c.optimizer}(model.parameters(), "
                f"lr={_literal(c.lr, 'lr')})\n"
-               f'with torch.autocast("{c.device}", dtype=torch.{low}):  # low precision compute\n'
-               "    loss = compute_loss(model, batch)")
+               + (f'scaler = torch.amp.GradScaler("{c.device}")\n' if fp16 else "")
+               + f'with torch.autocast("{c.device}", dtype=torch.{low}):  # low precision '
+               "compute\n"
+               "    loss = compute_loss(model, batch)"
+               + ("\nscaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
+                  if fp16 else ""))
     return ("Keep the weights and the optimizer state in fp32 and let "
             "autocast run the matmuls in low precision: small updates then accumulate "
             "instead of rounding away. (If memory forbids it, use an optimizer with "
@@ -496,6 +517,28 @@ def revive_units(c: Context) -> Advice:
             "everywhere (LeakyReLU, GELU, SiLU), start biases at 0 and normalise before the "
             "activation, keep the LR low enough that one update cannot push them all "
             "negative, and restart the run: the dead units stay dead.", snippet)
+
+
+@fix("overfit_one_batch", "train on one fixed batch to tell a wiring bug from a data or LR "
+     "problem")
+def overfit_one_batch(c: Context) -> Advice:
+    """A flat loss with no numeric cause: the classic first check of a training setup."""
+    lr = f", lr={_literal(c.lr, 'lr')}" if c.lr else ""
+    snippet = ("batch = next(iter(loader))  # one fixed batch, used again and again\n"
+               "for i in range(300):\n"
+               "    loss = compute_loss(model, batch)\n"
+               "    loss.backward()\n"
+               f"    optimizer.step()  # {c.optimizer}{lr}, as in the run\n"
+               "    optimizer.zero_grad(set_to_none=True)\n"
+               "print(loss.item())  # near 0: the model can learn; look at the data and the LR\n"
+               "# the labels must stay paired with their inputs: shuffle them together\n"
+               "perm = torch.randperm(len(x)); x, y = x[perm], y[perm]")
+    return ("Check that the model can learn at all: train it on one fixed batch for a few "
+            "hundred steps. If the loss cannot get near 0 there, the model, the loss or the "
+            "optimizer is wired wrong (parameters the loss does not reach or the optimizer "
+            "does not hold, an LR far off); if it can, look at the data: labels that are not "
+            "paired with their inputs (shuffled separately, an off-by-one) leave nothing to "
+            "learn.", snippet)
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:

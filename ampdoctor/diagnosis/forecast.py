@@ -10,7 +10,9 @@ sentinel's loss scale, and says one of:
 * ``unstable``: no layer is on such a line, but two of the C2 signals of a diverging run hold
   over the last ``W_SAMPLES`` sampled steps (weight norm doubled, median update ratio
   >= 2e-2, loss scale 3+ halvings down with every loss finite): an overflow is likely;
-* ``stable``: no trend, with the lowest headroom; ``unknown``: too few sampled steps.
+* ``stable``: no trend, with the lowest headroom; ``unknown``: too few sampled steps, or an op
+  inside a module already overflowed while the module's output stayed finite (the sampled
+  step's op probe saw it), so no output's headroom says how far that module is from its limit.
 
 **Headroom** is the number of doublings left between a layer's level now (the fitted line at
 its last sample, or the largest of its last three samples if higher) and its limit.
@@ -43,7 +45,9 @@ import numpy as np
 from ..numfmt import fmt
 from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
+from .facts import hidden_nonfinite
 from .layers import KIND_LABELS, sampled
+from .overflow import precision_hits
 
 FP32_MAX = 3.4028234663852886e38
 LIMITS = {int(DType.FLOAT16): FP16_MAX, int(DType.BFLOAT16): BF16_MAX,
@@ -165,6 +169,7 @@ class Series:
     s_loss: np.ndarray
     context: _fixes.Context = field(default_factory=_fixes.Context)
     types: dict = field(default_factory=dict)  # module name -> class
+    hidden: list = field(default_factory=list)  # overflows inside modules (op probe)
 
     def at(self, cut: Optional[int] = None) -> Forecast:
         """The forecast from the steps before ``cut`` (None: every step)."""
@@ -216,7 +221,7 @@ def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -
                   upd=params[2], s_step=steps["step"].astype(np.int64),
                   s_scale=steps["scale"].astype(np.float64), s_skipped=steps["skipped"] == 1,
                   s_loss=steps["loss"].astype(np.float64), context=_context(run),
-                  types=_module_types(run))
+                  types=_module_types(run), hidden=precision_hits(hidden_nonfinite(run)))
 
 
 # /stats rows are appended in step order, in HDF5 chunks of a few thousand rows: a window of
@@ -386,6 +391,12 @@ def judge(s: Series, cut: Optional[int]) -> Forecast:
         fc.status = "unknown"
         fc.text = (f"too few sampled steps to judge a trend ({k}; the forecast needs "
                    f"{MIN_POINTS}): record with a smaller --every")
+    elif any(cut is None or h["step"] < cut for h in s.hidden):
+        h = next(h for h in s.hidden if cut is None or h["step"] < cut)
+        fc.status, fc.text = "unknown", (
+            f"headroom unknown: inside {h['module']}, {h['op']} already overflowed {h['dtype']} "
+            f"on sampled step {h['step']} although {h['module']}'s output stayed finite (an "
+            "output's abs max cannot show an overflow inside the module)")
     else:
         low = lowest[0]
         fc.text = (f"no trend: headroom stable (lowest: {low.label}, {low.headroom:.1f} "

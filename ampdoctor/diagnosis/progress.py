@@ -16,14 +16,15 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
 
 Each finding answers the precision question (``precision_answer``): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
-a bf16 stall where updates round away is ``bf16_precision``'s (``trends.rule_bf16_precision``),
+a bf16/fp16 stall where updates round away is ``lost_updates``' (``trends.rule_lost_updates``),
 told apart by its own signal: gradients that are *not* zero but move nothing. Exact zeros in a
 gradient are the opposite signal and never count there.
 
 What cannot be told: with no sampled step (``--every 0``, or a run shorter than the interval)
 dead units are invisible, and a spike after which the loss came back to where it began is
-noted on a healthy verdict rather than called a failure; with fewer than ``curve.MIN_STEPS``
-losses the curve is not judged at all.
+not a failure of its own: a loss that then did not fall is ``not_learning`` (``learning.py``),
+one that fell but stayed above half its start a warning on a healthy verdict
+(``flat_warning``); with fewer than ``curve.MIN_STEPS`` losses the curve is not judged at all.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ..numfmt import fmt
 from ..runfile.schema import Kind
 from . import curve, fixes
 from .facts import Facts
-from .thresholds import SHORT_RUN, UNCHANGED_HIGH
+from .thresholds import UNCHANGED_HIGH
 from .verdict import PRIORITY, Evidence, Finding, first_bad
 
 # -- thresholds ------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def _dead_layers(f: Facts, out: Dead) -> None:
 
 def _silent_params(f: Facts, out: Dead) -> None:
     st, kinds, names = f.reduced, f.tensor_kinds, f.tensor_names
-    numel = _numel(f)
+    numel = f.tensor_numel
     grads = np.flatnonzero((kinds == Kind.PARAM_GRAD) & np.isfinite(st.grad_zero_last))
     order = grads[np.argsort(-numel[grads], kind="stable")]
     out.silent = [names[t] for t in order if st.grad_zero_last[t] >= 1.0]
@@ -168,13 +169,6 @@ def _silent_params(f: Facts, out: Dead) -> None:
                                  / total)
 
 
-def _numel(f: Facts) -> np.ndarray:
-    t = f.run.tensors
-    size = len(f.tensor_kinds)
-    out = np.zeros(size, np.int64)
-    if len(t):
-        out[t["id"]] = t["numel"]
-    return out
 
 
 def _updates_collapsed(f: Facts) -> Optional[tuple[int, float, int, float]]:
@@ -348,7 +342,7 @@ def _collapse_evidence(f: Facts, c: tuple[int, float, int, float]) -> Evidence:
 # The rules
 
 
-def _untroubled(f: Facts) -> bool:
+def untroubled(f: Facts) -> bool:
     """No non-finite value and no unexplained skip: the other rules have nothing to say."""
     return bool(f.n) and f.failure_index is None and not f.loss_bad.any()
 
@@ -357,7 +351,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
     """A loss spike that never recovers, with no non-finite value (taxonomy C2 in a range that
     does not overflow): the loss jumped >= 10x and stayed up, or the jump killed the units, or
     it climbed >= 10x above its start and stayed there."""
-    if not _untroubled(f):
+    if not untroubled(f):
         return None
     c, dead = f.curve, dead_units(f)
     killer = _spike_into(f, dead) if dead else None
@@ -416,7 +410,7 @@ def _blowup_context(f: Facts, module: Optional[str], index: int) -> fixes.Contex
 def rule_dead_units(f: Facts) -> Optional[Finding]:
     """Most of the model gets exactly zero gradient (dead ReLU units), or the update ratios
     collapsed, while the loss no longer falls; a consequence when a spike killed them."""
-    if not _untroubled(f):
+    if not untroubled(f):
         return None
     dead = dead_units(f)
     if dead is None:
@@ -485,25 +479,19 @@ def _collapsed_only(f: Facts) -> Optional[Finding]:
 
 
 def flat_warning(f: Facts) -> Optional[Evidence]:
-    """For a run no rule called a failure: evidence "loss_flat" when its loss did not fall (it
-    ended where it began, or a spike came and the run never got below half its start). A run
-    shorter than SHORT_RUN steps is not expected to show learning: without a spike, no word."""
+    """For a run no rule called a failure: evidence "loss_flat" when a spike came and the run
+    never got below half its start. (A loss that did not fall at all, over SHORT_RUN steps
+    or more, is ``learning.rule_not_learning``'s verdict, not a warning.)"""
     c = f.curve
-    if not c.judged or f.failure_index is not None:
+    if not c.judged or f.failure_index is not None or not (c.spikes and c.flat):
         return None
-    if c.spikes and c.flat:
-        s = c.spikes[0]
-        seen = f.reduced.sampled[s.index:].any()
-        return Evidence(f"it jumped {s.jump:.0f}x at step {f.step_at(s.index)} and ended at "
-                        f"{fmt(c.end)}, {c.end / c.start:.0%} of where it began "
-                        f"({fmt(c.start)})" + ("" if seen else "; no sampled step came after "
-                                               "the jump, so dead units could not be checked"),
-                        "loss_flat", c.end / c.start, f.step_at(s.index))
-    if c.end >= curve.FLAT_END * c.start and f.n >= SHORT_RUN:
-        return Evidence(f"it began at {fmt(c.start)} and ended at {fmt(c.end)} (median of the "
-                        f"last {c.tail_steps} of {c.n} steps)", "loss_flat", c.end / c.start,
-                        f.step_at(f.n - 1))
-    return None
+    s = c.spikes[0]
+    seen = f.reduced.sampled[s.index:].any()
+    return Evidence(f"it jumped {s.jump:.0f}x at step {f.step_at(s.index)} and ended at "
+                    f"{fmt(c.end)}, {c.end / c.start:.0%} of where it began "
+                    f"({fmt(c.start)})" + ("" if seen else "; no sampled step came after "
+                                           "the jump, so dead units could not be checked"),
+                    "loss_flat", c.end / c.start, f.step_at(s.index))
 
 
 RULES = [rule_diverged, rule_dead_units]

@@ -6,9 +6,11 @@ from ``Facts`` to a ``Finding`` (or None), one family per module:
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
-  (``culprit.py`` reads the replays) or by the sampled tier;
-* ``trends.py``: underflow and bf16 rounding, with no NaN at all;
-* ``progress.py``: a loss that diverged or units that died, with no NaN at all.
+  (``culprit.py`` reads the replays) or by the sampled tier, and an overflow hidden inside a
+  module (the sampled step's op probe);
+* ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
+* ``progress.py``: a loss that diverged or units that died, with no NaN at all;
+* ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
 Each rule follows one failure class of ``shared/reference/taxonomy.md`` (class ids in the
 docstrings) and decides on the signal the taxonomy names as its discriminator; the thresholds
@@ -27,7 +29,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..numfmt import fmt
-from . import fixes, located, misuse, overflow, progress, trends
+from . import fixes, learning, located, misuse, overflow, progress, trends
 from .culprit import snapshot_at
 from .facts import Facts
 from .verdict import PRIORITY, Evidence, Finding, first_bad
@@ -138,11 +140,13 @@ RULES = [
     located.rule_loss_backward,
     overflow.rule_culprit,
     overflow.rule_sampled_culprit,
+    overflow.rule_hidden_overflow,
     trends.rule_grad_underflow,
     trends.rule_masked_underflow,
-    trends.rule_bf16_precision,
+    trends.rule_lost_updates,
     rule_scale_collapse,
     rule_nonfinite,
     progress.rule_diverged,
     progress.rule_dead_units,
+    learning.rule_not_learning,
 ]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..runfile.schema import Kind, Source
+from .thresholds import UNCHANGED_HIGH
 
 # A weight whose norm is below this is (close to) zero-initialised: its update ratio says
 # nothing about the step size.
@@ -50,8 +51,12 @@ class Reduced:
       first_bad_step (first sampled step with a non-finite value), last_bad (non-finite at the
       tensor's last sample); for module outputs, out_zero_last (exactly 0 everywhere at the
       tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
-      step with a non-zero value), out_seen_step (last sampled step); for gradients,
-      grad_zero_last (share of exact zeros at the tensor's last sample).
+      step with a non-zero value), out_seen_step (last sampled step), layer_out_zeros (mean
+      share of its sampled elements that are exactly 0); for gradients,
+      grad_zero_last (share of exact zeros at the tensor's last sample); for parameters,
+      stuck_first (the first sampled step of the streak, up to the horizon, on which each
+      step left >= UNCHANGED_HIGH of its sampled elements unchanged although their gradient
+      was not 0; -1: none), moving_last (the last sampled step that moved it).
     """
 
     n_steps: int
@@ -102,7 +107,11 @@ class Reduced:
         self.out_zero_last = np.zeros(t, bool)
         self.out_alive_step = np.full(t, -1, np.int64)
         self.out_seen_step = np.full(t, -1, np.int64)
+        self.out_zero_sum = np.zeros(t)
+        self.out_zero_cnt = np.zeros(t)
         self.grad_zero_last = np.full(t, np.nan)
+        self.stuck_first = np.full(t, -1, np.int64)
+        self.moving_last = np.full(t, -1, np.int64)
 
     @property
     def upd_log(self) -> np.ndarray:
@@ -144,6 +153,13 @@ class Reduced:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.grms_cnt > 0, 10 ** (self.grms_sum / np.maximum(
                 self.grms_cnt, 1)), np.nan)
+
+    @property
+    def layer_out_zeros(self) -> np.ndarray:
+        """Mean share of each module output's sampled elements that are exactly 0."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.out_zero_cnt > 0, self.out_zero_sum / np.maximum(
+                self.out_zero_cnt, 1), np.nan)
 
     @property
     def layer_unchanged(self) -> np.ndarray:
@@ -250,6 +266,9 @@ def _reduce_outputs(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.nda
             frac = r["near16"][pr] / np.maximum(r["sample_n"][pr], 1)
         np.maximum.at(out.near_max, t[pr], frac)
     _reduce_dead_outputs(out, r, t, b)
+    ok = ~b & (r["sample_n"] > 0)
+    np.add.at(out.out_zero_sum, t[ok], r["zeros"][ok] / r["sample_n"][ok])
+    np.add.at(out.out_zero_cnt, t[ok], 1.0)
 
 
 def _reduce_dead_outputs(out: Reduced, r: np.ndarray, t: np.ndarray, bad: np.ndarray) -> None:
@@ -349,6 +368,21 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
         g = pc & u_ok
         np.add.at(out.unch_sum, t[g], unch[g])
         np.add.at(out.unch_cnt, t[g], 1.0)
+        _reduce_stuck(out, t[g], r["step"][g], unch[g])
+
+
+def _reduce_stuck(out: Reduced, t: np.ndarray, step: np.ndarray, unch: np.ndarray) -> None:
+    """Each parameter's streak of steps that left it unchanged, up to its latest sample: a
+    step that moved it ends the streak (rows arrive in step order)."""
+    moving = unch < UNCHANGED_HIGH
+    last = out.moving_last.copy()
+    np.maximum.at(last, t[moving], step[moving])
+    out.stuck_first[last != out.moving_last] = -1  # moved in this chunk: a new streak
+    out.moving_last = last
+    stuck = ~moving & (step > last[t])
+    first = np.where(out.stuck_first >= 0, out.stuck_first, np.iinfo(np.int64).max)
+    np.minimum.at(first, t[stuck], step[stuck])
+    out.stuck_first = np.where(first < np.iinfo(np.int64).max, first, -1)
 
 
 def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,

@@ -19,7 +19,7 @@ LOW_SCALE = 8.0
 RUNAWAY_SCALE = 2.0 ** 24
 # taxonomy C9a: most sampled elements unchanged by a step although their gradient was not 0
 # (ml-by-hand PR #85: "0 / 768 moved"). Half is far above the ~0 of fp32 master weights.
-# (trends: bf16_precision; progress)
+# (trends: lost_updates; progress)
 UNCHANGED_HIGH = 0.5
 # Below this many steps a run is "short": trends need several sampled steps. (engine, progress)
 SHORT_RUN = 50

@@ -1,7 +1,8 @@
 """Trends with no non-finite value: fp16 gradients that flush to zero (``grad_underflow``,
 taxonomy C1; ``masked_underflow``, C8a: a healthy scale that still leaves some layers in the
-subnormal band) and bf16 weights whose updates round away (``bf16_precision``, C9a). They read
-the sampled tier's per-layer reductions (``Facts.reduced``).
+subnormal band) and bf16 or fp16 weights whose updates round away (``lost_updates``, C9a;
+``bf16_precision`` is its old id, still understood: ``verdict.canonical``). They read the
+sampled tier's per-layer reductions (``Facts.reduced``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
     if ratio:
         ev.append(Evidence(f"their gradients are ~{ratio:.0e} times smaller (rms) than the "
                            "others'", "grad_rms_ratio", ratio, None, module))
+    ev += _stopped_evidence(f, hot)
     ctx = f.fix_context(module, step=step)
     ctx.ratio = ratio
     conf = 0.8 if f.sampled_steps >= 2 else 0.6
@@ -99,9 +101,19 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
                    first_bad(step, module, "backward"), priority=PRIORITY["masked_underflow"])
 
 
-def rule_bf16_precision(f: Facts) -> Optional[Finding]:
-    """C9a: bf16 weights updated in place; updates below ~0.4 % of a weight round away."""
-    if not f.n or not f.params_mostly("bfloat16"):
+# Half an ulp, relative to a weight: an update smaller than this share of the weight rounds
+# back to it (round to nearest; a weight just above a power of two has the coarsest spacing:
+# 2**-7 for bf16's 8 significant bits, 2**-10 for fp16's 11, and half of that). fp32 master
+# weights keep 24 bits, so the same update would be applied.
+HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+HALF_NAMES = {"bfloat16": ("bf16", "2**-8 = 0.4 %"), "float16": ("fp16", "2**-11 = 0.05 %")}
+
+
+def rule_lost_updates(f: Facts) -> Optional[Finding]:
+    """C9a: half-precision (bf16 or fp16) weights updated in place; an update smaller than
+    half an ulp of its weight rounds back to it (``bf16_precision`` before fp16 joined it)."""
+    dtype = next((d for d in HALF_ULP if f.params_mostly(d)), None)
+    if not f.n or dtype is None:
         return None
     st = f.reduced
     lay = st.layer_unchanged
@@ -109,34 +121,106 @@ def rule_bf16_precision(f: Facts) -> Optional[Finding]:
     if not len(measured):
         return None
     hot = measured[lay[measured] >= UNCHANGED_HIGH]
-    share = len(hot) / len(measured)
+    numel = f.tensor_numel
+    share = float(numel[hot].sum() / max(numel[measured].sum(), 1))  # of the elements
     if share < 0.5:
         return None
     names = f.tensor_names
     hot = hot[np.argsort(-lay[hot], kind="stable")]
     module = None if share >= 0.8 else (_common_module([names[t] for t in hot])
                                          or module_of(names[hot[0]]))
+    low, half = HALF_NAMES[dtype]
+    ev = [Evidence(f"{len(hot)} of {len(measured)} parameters ({share:.0%} of the weights' "
+                   f"elements): {np.mean(lay[hot]):.0%} of their sampled elements unchanged by "
+                   "the step although their gradient was not 0 (with fp32 master weights none "
+                   "would be)", "unchanged_fraction", float(np.mean(lay[hot])), None, module)]
     upd = st.layer_update[hot]
     upd = upd[np.isfinite(upd)]
-    ev = [Evidence(f"{len(hot)} of {len(measured)} parameters: {np.mean(lay[hot]):.0%} of their "
-                   "sampled elements unchanged by the step although their gradient was not 0",
-                   "unchanged_fraction", float(np.mean(lay[hot])), None, module)]
     if len(upd):
-        ev.append(Evidence(f"update ratio |dW|/|W| ~{fmt(10 ** float(np.median(upd)))}, below "
-                           "bf16's resolution (2**-8 = 0.4 % of a weight)", "update_ratio",
-                           10 ** float(np.median(upd))))
-    ev.append(Evidence(f"the optimizer updates bf16 weights directly "
-                       f"({f.param_dtypes.get('bfloat16', 0)} bf16 elements, no fp32 master copy)",
-                       "bf16_params", float(f.param_dtypes.get("bfloat16", 0))))
+        ratio = 10 ** float(np.median(upd))
+        below = "below" if ratio < HALF_ULP[dtype] else "near"
+        ev.append(Evidence(f"update ratio |dW|/|W| ~{fmt(ratio)}, {below} {low}'s half-ulp "
+                           f"ratio ({half} of a weight): what is smaller rounds away",
+                           "update_ratio", ratio))
+    ev += _intended_update(f, dtype)
+    ev.append(Evidence(f"the optimizer updates {low} weights directly "
+                       f"({f.param_dtypes.get(dtype, 0)} {low} elements, no fp32 master copy)",
+                       "half_params", float(f.param_dtypes.get(dtype, 0))))
     idx = np.flatnonzero(st.sampled & (st.unchanged >= UNCHANGED_HIGH))
     step = f.step_at(int(idx[0])) if len(idx) else None
-    return Finding("bf16_precision", 0.85 if f.sampled_steps >= 2 else 0.7,
-                   "The weights are bf16 and the optimizer writes into them: bf16 keeps 8 "
-                   "significant bits, so an update smaller than ~0.4 % of a weight rounds back "
-                   "to the same weight. Most steps change nothing; the loss stalls without any "
-                   "NaN.", ev,
+    bits = "8" if dtype == "bfloat16" else "11"
+    c = f.curve
+    loss = (" and the loss does not fall" if c.judged and not c.fell else
+            f" and the loss fell only to {c.end / c.start:.0%} of its start" if c.judged and
+            c.end > 0.5 * c.start else "")
+    return Finding("lost_updates", 0.85 if f.sampled_steps >= 2 else 0.7,
+                   f"The weights are {low} and the optimizer writes into them: {low} keeps "
+                   f"{bits} significant bits, so an update smaller than half an ulp of a weight "
+                   f"(~{half.split('= ')[1]} of it) rounds back to the same weight. Most of "
+                   f"each step's update is lost{loss}, without any NaN.", ev,
                    fixes.make(["fp32_master_weights"], f.fix_context(module, step=step)),
-                   first_bad(step, module, "optimizer"), priority=PRIORITY["bf16_precision"])
+                   first_bad(step, module, "optimizer"), priority=PRIORITY["lost_updates"])
+
+
+def _intended_update(f: Facts, dtype: str) -> list[Evidence]:
+    """What fp32 master weights would have applied, where the optimizer makes it plain: plain
+    SGD moves the weights by LR x gradient (over 1 - momentum, once momentum has built up)."""
+    opt = f.optimizers[0] if f.optimizers else {}
+    if opt.get("class") != "SGD":
+        return []
+    momentum = float((opt.get("hyper") or {}).get("momentum") or 0.0)
+    st = f.reduced
+    idx = np.flatnonzero(st.sampled & (st.wcount > 0))
+    gn, lr = f.steps["grad_norm"].astype(float), f.steps["lr"].astype(float)
+    idx = idx[np.isfinite(gn[idx]) & np.isfinite(lr[idx]) & (st.wnorm2[idx] > 0)]
+    if not len(idx) or momentum >= 1.0:
+        return []
+    ratio = float(np.median(lr[idx] * gn[idx] / np.sqrt(st.wnorm2[idx]))) / (1.0 - momentum)
+    low, half = HALF_NAMES[dtype]
+    return [Evidence(f"SGD with fp32 master weights would move them by LR x gradient "
+                     f"{'/ (1 - momentum) ' if momentum else ''}~{fmt(ratio)} of their norm per "
+                     f"step (median over the sampled steps), "
+                     f"{'below' if ratio < HALF_ULP[dtype] else 'not far above'} {low}'s half-ulp "
+                     f"ratio ({half}): in {low} weights most of those updates round away",
+                     "intended_update", ratio)]
+
+
+# A layer whose update ratio is this far below the rest of the model's hardly moves.
+SLOW_UPDATES = 10.0
+
+
+def _stopped_evidence(f: Facts, hot: np.ndarray) -> list[Evidence]:
+    """When the underflowing layers' weights stopped moving (issue 23's seed: the scale high
+    and steady while one layer's gradients flush and its weights stay where they are): the
+    first sampled step from which each step left them unchanged, else how much less they move
+    than the rest of the model."""
+    st, names, kinds = f.reduced, f.tensor_names, f.tensor_kinds
+    params = {names[t]: t for t in np.flatnonzero(kinds == Kind.PARAM)}
+    own = [params[names[g]] for g in hot if names[g] in params]
+    if not own:
+        return []
+    upd = st.layer_update
+    rest = [t for t in params.values() if t not in own and np.isfinite(upd[t])]
+    out = []
+    for t in own[:2]:
+        first, seen = int(st.stuck_first[t]), int(st.norm_first_step[t])
+        if first >= 0:
+            since = "from the first sampled step" if first == seen else \
+                f"from sampled step {first} on (it moved until step {int(st.moving_last[t])})"
+            out.append(Evidence(f"{names[t]} stopped moving {since}: each step left "
+                                f"{st.layer_unchanged[t]:.0%} of its sampled elements unchanged "
+                                "although their gradient was not 0", "weights_stopped",
+                                float(st.layer_unchanged[t]), first, module_of(names[t])))
+        elif rest and np.isfinite(upd[t]):
+            slow = 10 ** float(np.median(upd[rest]) - upd[t])
+            if slow < SLOW_UPDATES:
+                continue
+            out.append(Evidence(f"{names[t]} hardly moves: ~{fmt(10 ** float(upd[t]))} of its "
+                                f"norm per step from sampled step {seen} to "
+                                f"{int(st.last_step[t])}, {slow:.0f}x less than the rest of "
+                                f"the model (~{fmt(10 ** float(np.median(upd[rest])))})",
+                                "weights_slow", slow, seen, module_of(names[t])))
+    return out
 
 
 def _underflowing(f: Facts) -> tuple[np.ndarray, np.ndarray]:

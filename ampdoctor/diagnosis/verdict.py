@@ -38,9 +38,12 @@ VERDICTS = {
                  "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
     "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
                   "scaler, scaler re-created, grads not zeroed, calls out of order",
-    "bf16_precision": "bf16 weights updated in place: small updates round away",
+    "lost_updates": "bf16 or fp16 weights updated in place: updates below half an ulp of a "
+                    "weight round away (was bf16_precision)",
     "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
     "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
+    "not_learning": "no failure found, but the loss did not fall (low confidence; says what was "
+                    "checked)",
     "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
@@ -48,6 +51,9 @@ VERDICTS = {
     "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
                          "kept; the script itself may have trained",
 }
+# Old verdict ids, still understood wherever an id is read (``canonical``): the verdict a run
+# gets is always the new one.
+ALIASES = {"bf16_precision": "lost_updates"}
 # Verdicts with no step to diagnose (the CLI exits 2 on them).
 EMPTY = ("no_training", "recording_stopped")
 
@@ -60,8 +66,9 @@ PRIORITY = {
     "fp16_loss": 82,
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only
-    "grad_underflow": 62, "masked_underflow": 60, "bf16_precision": 55,  # trends, no NaN
+    "grad_underflow": 62, "masked_underflow": 60, "lost_updates": 55,  # trends, no NaN
     "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
+    "not_learning": 15,  # a flat loss that no cause explains (learning.py)
     "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
 }
 
@@ -93,6 +100,12 @@ class Finding:
     # Step numbers this finding accounts for (the skips a re-created scaler causes): an "also"
     # whose first bad step and evidence all fall inside them is its symptom, not a second cause.
     explains: frozenset = frozenset()
+
+
+def canonical(verdict_id: str) -> str:
+    """The verdict id as diagnose gives it today: ``canonical("bf16_precision")`` is
+    ``"lost_updates"``; any other id is returned as it is."""
+    return ALIASES.get(verdict_id, verdict_id)
 
 
 def first_bad(step: Optional[int], module: Optional[str], phase: Optional[str]) -> dict:

@@ -27,15 +27,17 @@ The order of one scaled step, and what each hook adds::
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..runfile.schema import Event, flag
+from ..runfile.schema import Event, Kind, flag
 from . import patches, sharding, stats
 from .forensics import Forensics
 from .journal import Journal
+from .opprobe import StepProbe
 from .sampler import Sampler
 from .skips import Skips
 from .steplog import StepLog
@@ -49,7 +51,7 @@ class Hooks:
 
     def __init__(self, journal: Journal, watched: Watched, log: StepLog, skips: Skips, *,
                  sampler: Optional[Sampler], forensics: Optional[Forensics], every: int,
-                 fault: Callable[[BaseException, str], None]):
+                 fault: Callable[[BaseException, str], None], op_probe: bool = True):
         self.journal = journal
         self.watched = watched
         self.log = log
@@ -60,6 +62,9 @@ class Hooks:
         self.patches = patches.PatchSet()  # torch's globals: scaler, backward, clip, optimizer
         self._sample_hooks = patches.PatchSet()
         self._sampler = sampler
+        # the sampled step's op probe: overflows hidden inside a module (opprobe.StepProbe)
+        self._probe = StepProbe() if sampler is not None and op_probe else None
+        self._probing = False  # its hooks are in place this step
         self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
 
     def fault(self, exc: BaseException, where: str) -> None:
@@ -81,6 +86,9 @@ class Hooks:
     def detach(self) -> None:
         """Every hook and patch removed (twice is harmless)."""
         self._sample_hooks.remove()
+        self._probing = False
+        if self._probe is not None:
+            self._probe.abort()  # (a fault inside a probed forward: the mode goes too)
         self.watched.detach()
         self.patches.remove()
         if self._sampler is not None:
@@ -146,6 +154,10 @@ class Hooks:
             self._sampler.on_inputs(self.watched.names.get(module, ""), args, kwargs)
         if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_inputs(module, args, kwargs)
+        probe = self._probe
+        if probe is not None and self._probing and id(module) in self.watched.root_ids and \
+                torch.is_grad_enabled():
+            probe.enter(module, self.watched.names.get(module, ""))  # last: ours is done
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
                   kwargs: Optional[dict] = None) -> None:
@@ -392,16 +404,38 @@ class Hooks:
         eager = self.watched.eager
         if eager is None:
             patches.hook_modules(self._sample_hooks, self, None, "sample_post")
+            if self._probe is not None and self.watched.sharding is None:
+                # (not inside compiled regions, nor on a DTensor's shards)
+                patches.hook_module_calls(self._sample_hooks, self, "probe_pre", "probe_post")
+                self._probing = True
             return
         for m in eager:  # a compiled model: only modules that run outside its regions
             self._sample_hooks.add(m.register_forward_hook(
                 lambda m, a, o: patches.guard(self, "sample_post", m, a, o)))
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if not self._replaying() and self._sampler is not None:
+        if self._replaying() or self._sampler is None:
+            return
+        probe = self._probe
+        if probe is not None:
+            probe.busy += 1  # our own work inside a probed forward is not the model's
+        try:
             if id(module) not in self.watched.root_ids and module in self.watched.names:
                 self.watched.note_inner_autocast(self.log.step)
             self._sampler.on_forward(module, output)
+        finally:
+            if probe is not None:
+                probe.busy -= 1
+
+    def probe_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        name = self.watched.names.get(module)
+        if self._probe is not None and name is not None and not self._replaying():
+            self._probe.open_call(module, name)
+
+    def probe_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._probe is not None and module in self.watched.names and not self._replaying():
+            self._probe.close_call(module, output)
+            self._probe.leave(module)
 
     def _end_step(self) -> None:
         st = self.log.step
@@ -416,6 +450,7 @@ class Hooks:
             self._sample_hooks.remove()
             self._sampler.active = False
             self._sample_rows(self._sampler, st.index)
+            self._hidden_rows(st)
         if self.forensics is not None:
             self.forensics.end_step(st, hold=st.undecided)
         st.keep.clear()
@@ -433,6 +468,27 @@ class Hooks:
                    for n, b in m.named_buffers(recurse=False)]
         sampler.on_buffers(buffers)
         self.journal.file.append("stats", sampler.finish(step))
+
+
+    def _hidden_rows(self, st: Any) -> None:
+        """The op probe's findings: one /events row per module whose output stayed finite
+        although an op inside it made inf/NaN (its one host read is here, at the drain)."""
+        probe, self._probing = self._probe, False
+        if probe is None:
+            return
+        probe.abort()
+        if probe.error is not None:  # the probe stepped aside; the recorder goes on
+            self._probe = None
+            if self.journal.strict:
+                raise probe.error
+            why = f"{type(probe.error).__name__}: {probe.error}"
+            self.journal.warn_once("op_probe", f"the op probe stopped ({why}); sampled steps go "
+                                   "on without it")
+        for h in probe.finish():
+            tid = self.journal.tensor_id(Kind.OUTPUT, h.name, 0, None, type(h.module).__name__)
+            self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
+                               text=json.dumps({"op": h.op, "dtype": h.dtype, "inner": h.inner,
+                                                "index": h.index, "ops": h.ops}))
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -59,8 +59,8 @@ class TrainingListener(Faults, Protocol):
 class Listener(TrainingListener, Protocol):
     """The recorder's doors besides: ``clip_grad_norm_`` (``patch_clip``,
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
-    discovering or sampling) and ``module.compile()`` (``patch_module_compile``,
-    ``shim_compiled_call``)."""
+    discovering or sampling, ``hook_module_calls`` for the sampled step's op probe) and
+    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
     def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
@@ -71,6 +71,8 @@ class Listener(TrainingListener, Protocol):
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None: ...
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
+    def probe_pre(self, module: torch.nn.Module, args: tuple) -> None: ...
+    def probe_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
     def on_module_compile(self, module: torch.nn.Module) -> None: ...
     def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
@@ -87,7 +89,8 @@ Callback = Literal[
     "before_update", "after_update", "on_scaler_init", "before_backward",
     "before_optimizer_step", "after_optimizer_step",
     "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
-    "sample_post", "on_module_compile", "compiled_pre", "compiled_post",
+    "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
+    "compiled_post",
     "before_scheduler_step"]
 CALLBACKS: tuple[str, ...] = get_args(Callback)
 

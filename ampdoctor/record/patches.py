@@ -10,7 +10,8 @@ A recorder sees a training loop through six doors, all opened here and nowhere e
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
   a step given a closure (Lightning, LBFGS) runs forward and backward inside ``step``, so the
   pre-step work waits until the closure has returned;
-* global module forward hooks, installed only while discovering the model or sampling a step;
+* global module forward hooks, installed only while discovering the model or sampling a step
+  (on a sampled step also the op probe's, whose post-hook runs even when a forward raises);
 * ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
   only place its calls can be seen without entering the compiled region (``compiled.py``).
 
@@ -307,6 +308,20 @@ def hook_modules(patches: PatchSet, listener: Listener, pre: Optional[Callback],
         def post_hook(module, args, output):
             guard(listener, post, module, args, output)
         patches.add(module_hooks.register_module_forward_hook(post_hook))
+
+
+def hook_module_calls(patches: PatchSet, listener: Listener, pre: Callback,
+                      post: Callback) -> None:
+    """Global forward pre-hook and hook on every module, the hook run even when the forward
+    raises (``always_call``): a call opened by ``pre`` is always closed by ``post`` (the
+    sampled step's op probe, ``opprobe.StepProbe``, keeps the calls open on a stack)."""
+    def pre_hook(module, args):
+        guard(listener, pre, module, args)
+
+    def post_hook(module, args, output):
+        guard(listener, post, module, args, output)
+    patches.add(module_hooks.register_module_forward_pre_hook(pre_hook))
+    patches.add(module_hooks.register_module_forward_hook(post_hook, always_call=True))
 
 
 def _wrapped_for(fn: Any, listener: Any) -> bool:

@@ -90,6 +90,10 @@ class Recorder:
             every step does not crawl; after the last replay the tier costs nothing.
         flush_seconds: the longest time between two flushes to the file.
         sample: elements gathered per tensor for range counts in the sampled tier.
+        op_probe: on sampled steps, look at every op inside the model's forward for inf/NaN
+            that never reaches a module's output (``opprobe.StepProbe``; not inside
+            ``torch.compile`` regions nor on sharded models). Off: the sampled step costs
+            what it did before (``benchmarks/probe_cost.py`` measures the difference).
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
         replaceable: a recorder started later closes this one instead of failing (what
@@ -102,7 +106,7 @@ class Recorder:
                  max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None,
-                 replaceable: bool = False):
+                 replaceable: bool = False, op_probe: bool = True):
         self.every = DEFAULT_EVERY if every is None else int(every)
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
@@ -110,6 +114,7 @@ class Recorder:
         self.max_replays = max_replays
         self.flush_seconds = flush_seconds
         self.sample = sample
+        self.op_probe = op_probe
         self.strict = strict
         self.lazy = lazy
         self.replaceable = replaceable
@@ -130,7 +135,7 @@ class Recorder:
         self._skips = Skips(self._journal, self._watched, self._log, self.forensics)
         self._hooks = Hooks(self._journal, self._watched, self._log, self._skips,
                             sampler=self._sampler, forensics=self.forensics, every=self.every,
-                            fault=self.fault)
+                            fault=self.fault, op_probe=op_probe)
         self._exits = exits.ExitGuard(self)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -296,7 +301,7 @@ class Recorder:
     def _write_start_meta(self) -> None:
         meta = self._journal.meta
         meta("status", schema.STATUS_RUNNING)
-        meta("recorder", {"every": self.every, "sample": self.sample,
+        meta("recorder", {"every": self.every, "sample": self.sample, "op_probe": self.op_probe,
                           "forensics": self.forensics_on, "max_replays": self.max_replays,
                           "flush_seconds": self.flush_seconds, "version": __version__,
                           "given": self._watched.given})

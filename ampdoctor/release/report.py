@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..diagnosis.verdict import canonical
 from ..display import render
 from ..runfile.schema import Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
@@ -307,7 +308,7 @@ def _recommend(d: Decision, verdict: str, r: Readiness) -> tuple[str, list[str]]
         reasons.append("The run went non-finite for a reason the diagnosis could not classify: "
                        "this advice rests on the recorded ranges alone.")
     half_weights = d.run_dtype != "float32" and not d.autocast
-    if verdict in ("bf16_precision", "adam_eps") or half_weights:
+    if canonical(verdict) in ("lost_updates", "adam_eps") or half_weights:
         reasons.append("Half-precision weights lose small updates (and fp16 an Adam eps "
                        "below 6e-8): keep the weights and optimizer state in fp32 and let "
                        "autocast cast the compute.")

@@ -131,6 +131,14 @@ class Event(enum.IntEnum):
     # A step flag, never an /events row: the step's grad_norm is this rank's share of a
     # sharded model's norm (no clip_grad_norm_ combined the shards); see sharding.py.
     GRAD_NORM_LOCAL = 16
+    # On a sampled step, an op inside a module made inf/NaN from finite inputs while the
+    # module's output stayed finite (record/opprobe.StepProbe): tensor, the module's OUTPUT
+    # id; value, what the op made (bits 1 NaN, 2 +inf, 4 -inf, as /stats nonfinite); text, JSON
+    # {"op", "dtype" (of the op's result), "inner" (the module running the op: this one or one
+    # inside it), "index" (ops probed before it in the step), "ops" (ops of the step that made
+    # one in this module)}. An additive code, not a format change: a reader that does not know
+    # it passes the rows by (the diagnosis reads events by kind).
+    HIDDEN_NONFINITE = 17
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -5,6 +5,7 @@ Each scenario model below fails in one known place. The tests run a plain traini
 GradScaler (fp16) and without one (the NaN then reaches the weights).
 """
 
+import contextlib
 import json
 import math
 
@@ -1217,3 +1218,39 @@ def test_treatments_rerun_the_saved_step(run_path, half):
         assert not rec.forensics.rerun(0, treatment.LOSS_FP32).finite  # not the loss's fault
     with pytest.raises(KeyError, match="nowhere"):
         rec.forensics.rerun(0, Treatment(fp32_modules=("nowhere",)))
+
+
+@pytest.mark.parametrize("dtype,use_scaler", [(torch.float16, True), (torch.bfloat16, False)])
+def test_the_comparison_and_its_rerun_leave_no_trace_on_the_run(run_path, dtype, use_scaler):
+    """The replay that finds no culprit re-runs the step with its loss recomputed (and in
+    fp32 when non-finite again): dropout's RNG, BatchNorm's statistics, the weights and the
+    optimizer state come out bit for bit as without ampdoctor."""
+    def run(recorded):
+        model = make(DropBN, seed=1)
+        fault = FaultyDevice([4])
+        model.lin1.register_forward_hook(fault)
+        sc = scaler(2.0**8) if use_scaler else None
+        rec = record(run_path, model, sc, every=2) if recorded else None
+        data = batches(8, seed=3)
+        rng, bufs = [], []
+
+        def after(step):
+            fault.step = step + 1
+            rng.append(torch.get_rng_state().clone())
+            bufs.append(_bits(model.buffers()))
+
+        with rec if rec is not None else contextlib.nullcontext():
+            losses = train(model, data, dtype=dtype, scaler=sc, on_step=after)
+        state = [v for s in model.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return (losses, rng, bufs, _bits(model.parameters()), _bits(state)), rec
+
+    (plain, _), (watched, rec) = run(False), run(True)
+    ev = rec.events[0]
+    assert ev.step == 4 and ev.result.detail["reproduced"] is False
+    assert ev.result.detail["rerun"]["finite"]
+    assert np.array_equal(np.array(plain[0]), np.array(watched[0]), equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+    for step_a, step_b in zip(plain[2], watched[2]):
+        assert all(torch.equal(x, y) for x, y in zip(step_a, step_b))
+    for a, b in zip(plain[3:], watched[3:]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -193,6 +193,8 @@ def unreproduced_steps(run: Any) -> list[int]:
             detail = json.loads(s["detail"]) if s["detail"] else {}
         except ValueError:
             continue
+        if not isinstance(detail, dict):
+            continue
         snap = {"phase": _PHASE_NAMES.get(int(s["phase"]), "unknown"), "detail": detail}
         if unreproduced(snap) and began_here(snap):
             out.append(int(s["step"]))

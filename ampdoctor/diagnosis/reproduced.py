@@ -39,10 +39,15 @@ from .verdict import PRIORITY, Evidence, Finding, first_bad
 STEPS_LISTED = 8  # steps named in a count's evidence
 
 
+def _dict(value: object) -> dict:
+    """A detail entry as a dict (a damaged or foreign file may hold anything there)."""
+    return value if isinstance(value, dict) else {}
+
+
 def unreproduced(snap: dict) -> bool:
     """Did this replay find the step finite where the real step was not? (Files written
     before the comparison existed: a replay whose every micro-batch stayed finite.)"""
-    d = snap["detail"]
+    d = _dict(snap["detail"])
     if "reproduced" in d:
         return d["reproduced"] is False
     return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
@@ -51,7 +56,7 @@ def unreproduced(snap: dict) -> bool:
 def began_here(snap: dict) -> bool:
     """The real step's own loss or model output was non-finite (not only the gradients, which
     an all-reduce brings from another rank)."""
-    seen = snap["detail"].get("recorded") or {}
+    seen = _dict(_dict(snap["detail"]).get("recorded"))
     return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
 
 
@@ -66,6 +71,8 @@ def failing(f: Facts) -> np.ndarray:
 
 
 def _on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
+    if not f.n:
+        return []
     out = []
     for s in f.snapshots:
         i = f.index_of(s["step"])
@@ -113,7 +120,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
         explains |= set(later)
         if later:
             poisoned = [s["step"] for s in f.snapshots if s["step"] in later
-                        and s["detail"].get("weights_nonfinite")]
+                        and _dict(s["detail"]).get("weights_nonfinite")]
             seen = (f" (the replays of steps {', '.join(map(str, poisoned[:STEPS_LISTED]))} "
                     "find the weights non-finite)") if poisoned else ""
             ev.append(Evidence(f"no GradScaler skipped step {step}: what it computed reached the "
@@ -143,7 +150,7 @@ def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:
 
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
-    seen = snap["detail"].get("recorded") or {}
+    seen = _dict(_dict(snap["detail"]).get("recorded"))
     parts = []
     if seen.get("loss_nonfinite"):
         parts.append("its loss was non-finite")
@@ -151,6 +158,9 @@ def _seen_text(snap: dict, world: int) -> str:
         parts.append("the model's output held NaN/inf when the event fired")
     elif seen.get("output_nonfinite") is False:
         parts.append("the model's output was finite when the event fired")
+    elif parts:
+        parts.append("the model's output was no longer held when the event fired (not "
+                     "measured)")
     if not parts:
         parts.append("its gradients were non-finite" + (
             " (on this rank the loss was finite: they may have come through the all-reduce)"
@@ -160,12 +170,13 @@ def _seen_text(snap: dict, world: int) -> str:
 
 def _replay_text(snap: dict) -> str:
     """What the replay gave, from its snapshot (never more than it measured)."""
-    d = snap["detail"]
-    again = d.get("rerun") or {}
+    d = _dict(snap["detail"])
+    again = _dict(d.get("rerun"))
     text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
             "finite (checked), the model's output is finite")
-    if again.get("loss_finite") and again.get("loss_fns"):
-        text += (f", the loss recomputed by {', '.join(again['loss_fns'])} is "
+    fns = again.get("loss_fns") if isinstance(again.get("loss_fns"), list) else []
+    if again.get("loss_finite") and fns:
+        text += (f", the loss recomputed by {', '.join(map(str, fns))} is "
                  f"{fmt(_num(again.get('loss')))}")
         grads = again.get("grads")
         if grads in ("finite", "zero"):
@@ -221,13 +232,14 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     snap = next((s for s in f.snapshots if s["phase"] == "loss" and _target_problem(s)), None)
     if snap is None:
         return None
-    d = snap["detail"]
+    d = _dict(snap["detail"])
     target = _target_problem(snap) or {}
-    fp32 = d.get("loss_fp32") or {}
+    fp32 = _dict(d.get("loss_fp32"))
     step = snap["step"]
     ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
                    "(checked)", "output_finite", None, step),
-          Evidence(f"the targets of {target['fn']} at step {step}: {target['problem']}",
+          Evidence(f"the targets of {target.get('fn', 'the loss')} at step {step}: "
+                   f"{target['problem']}",
                    "targets", None, step)]
     if fp32.get("loss_finite") is False:
         zero = fp32.get("grads") == "zero"
@@ -257,8 +269,8 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
 def _target_problem(snap: dict) -> Optional[dict]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
-    d = snap["detail"]
-    if (d.get("loss_fp32") or {}).get("loss_finite") is not False:
+    d = _dict(snap["detail"])
+    if _dict(d.get("loss_fp32")).get("loss_finite") is not False:
         return None
-    return next((t for t in d.get("targets") or [] if isinstance(t, dict) and t.get("problem")),
-                None)
+    targets = d.get("targets") if isinstance(d.get("targets"), list) else []
+    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None)

@@ -102,11 +102,11 @@ class LossCall:
 
     name: str  # "cross_entropy"
     fn: Callable  # the original torch function (never the patched one)
-    args: tuple  # tensors as held: a tensor, a FromOutput or a Weak
-    kwargs: dict
-    autocast: tuple  # (device_type, enabled, dtype name, cache_enabled) at the call
-    value: torch.Tensor  # its result, detached
-    grads: dict = field(default_factory=dict)  # {0: the gradient that reached the result}
+    args: tuple = field(repr=False)  # tensors as held: a tensor, a FromOutput or a Weak
+    kwargs: dict = field(repr=False)
+    autocast: tuple = field(repr=False)  # (device_type, enabled, dtype, cache) at the call
+    value: torch.Tensor = field(repr=False)  # its result, detached
+    grads: dict = field(default_factory=dict, repr=False)  # {0: gradient that reached it}
 
     def arguments(self, outputs: list) -> tuple[tuple, dict]:
         """The call's arguments for a re-run, ``outputs`` (the replayed root outputs) put in

@@ -482,9 +482,10 @@ def guard_buffers(c: Context) -> Advice:
                "if scaler.get_scale() < scale:  # skipped: the forward saw inf/NaN\n"
                "    model.load_state_dict(stats, strict=False)")
     mod = f" ({c.module})" if c.module else ""
+    step = "a skipped step" if c.scaler else "a bad step"  # a run without a scaler skips none
     return (f"GradScaler's skip protects the weights, not module "
-            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of a "
-            "skipped step and every eval is now NaN. Keep non-finite batches away from the "
+            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of "
+            f"{step} and every eval is now NaN. Keep non-finite batches away from the "
             "model, or restore the statistics when a step is skipped; recompute them "
             "(a pass in train mode over clean data) to recover this run.", snippet)
 

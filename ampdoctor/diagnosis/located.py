@@ -322,7 +322,7 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
         return None
     alone = f.loss_bad & np.isfinite(s["grad_norm"]) & ~f.skipped
     # A calibration skip is healthy; an infinite derivative is rule_loss_backward's.
-    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"
+    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss" and not _fp32_too(x)
                   and not _calibration_artefact(f, x) and not _loss_backward_only(x)]
     if not alone.any() and not loss_snaps:
         return None
@@ -389,6 +389,12 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
         return False
     i = f.index_of(snap["step"])
     return f.step_at(i) == snap["step"] and bool(f.story.benign_mask[i])
+
+
+def _fp32_too(snap: dict) -> bool:
+    """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
+    fp32 = snap["detail"].get("loss_fp32")
+    return isinstance(fp32, dict) and fp32.get("loss_finite") is False
 
 
 def _loss_backward_only(snap: dict) -> bool:

@@ -174,7 +174,8 @@ def _replay_text(snap: dict) -> str:
     again = _dict(d.get("rerun"))
     text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
             "finite (checked), the model's output is finite")
-    fns = again.get("loss_fns") if isinstance(again.get("loss_fns"), list) else []
+    fns = again.get("loss_fns")
+    fns = fns if isinstance(fns, list) else []
     if again.get("loss_finite") and fns:
         text += (f", the loss recomputed by {', '.join(map(str, fns))} is "
                  f"{fmt(_num(again.get('loss')))}")
@@ -272,5 +273,6 @@ def _target_problem(snap: dict) -> Optional[dict]:
     d = _dict(snap["detail"])
     if _dict(d.get("loss_fp32")).get("loss_finite") is not False:
         return None
-    targets = d.get("targets") if isinstance(d.get("targets"), list) else []
-    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None)
+    targets = d.get("targets")
+    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \
+        if isinstance(targets, list) else None

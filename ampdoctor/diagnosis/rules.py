@@ -129,18 +129,21 @@ def _loss_replay_text(snap: dict) -> str:
     """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
     why not), the fp32 recomputation, the targets."""
     d = snap["detail"] if isinstance(snap["detail"], dict) else {}
-    seen = d.get("recorded") if isinstance(d.get("recorded"), dict) else {}
+    seen = d.get("recorded")
+    seen = seen if isinstance(seen, dict) else {}
     text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
     if seen.get("output_nonfinite") is False:
         text += " (in the real step too)"
     if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
         return text + (f"; the loss was non-finite in the real step and was not recomputed "
                        f"({d['loss_not_recomputed']})")
-    fp32 = d.get("loss_fp32") if isinstance(d.get("loss_fp32"), dict) else {}
+    fp32 = d.get("loss_fp32")
+    fp32 = fp32 if isinstance(fp32, dict) else {}
     if fp32.get("loss_finite") is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
-        targets = d.get("targets") if isinstance(d.get("targets"), list) else []
-        checked = [t for t in targets if isinstance(t, dict)]
+        targets = d.get("targets")
+        checked = [t for t in targets if isinstance(t, dict)] if isinstance(targets, list) \
+            else []
         return text + ("; its targets hold nothing invalid: the loss's formula" if checked
                        else "")
     return text + "; the loss is not"

@@ -66,6 +66,10 @@ output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event:
 ``r.faithful`` says whether the weights are still those of the event (nothing has stepped
 the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
 reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
+
+(About 600 lines: capture, trigger policy and the replay search share one step's captures
+and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
+``kept``, ``losscall``, ``reproduce``, ``treatment``.)
 """
 
 from __future__ import annotations
@@ -491,10 +495,16 @@ class Forensics:
 
     # -- treatments: the saved step re-run with a change ------------------------------------
 
-    def trial(self, captures: list, t: Treatment = AS_RECORDED) -> Outcome:
+    def trial(self, captures: list, t: Treatment = AS_RECORDED,
+              scale: Optional[float] = None) -> Outcome:
         """Re-run ``captures`` (a step's micro-batches, held at the event or reloaded from a
         kept one) under treatment ``t`` (``treatment.py``), with a replay's guarantees: RNG
-        forked, module buffers restored, ``.grad`` untouched, compiled code run eagerly."""
+        forked, module buffers restored, ``.grad`` untouched, compiled code run eagerly.
+        ``scale``: the loss scale at the event (None: as the replay already noted it)."""
+        if scale is not None:
+            for cap in captures:
+                for _, holder in cap.losses:
+                    holder["scale"] = scale if holder.get("scaled") else None
         self.replaying = True
         try:
             with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
@@ -509,11 +519,7 @@ class Forensics:
             rec.forensics.rerun(12, Treatment("island", fp32_modules=("blocks.3.attn",)))
         """
         kept = self._kept_event(step)
-        captures = [reload(c) for c in kept.captures]
-        for cap in captures:
-            for _, holder in cap.losses:
-                holder["scale"] = kept.scale if holder.get("scaled") else None
-        return self.trial(captures, t)
+        return self.trial([reload(c) for c in kept.captures], t, kept.scale)
 
     def _stale_grads(self) -> list[str]:
         named = [(self.watched.param_names.get(id(p), "param"), p.grad)

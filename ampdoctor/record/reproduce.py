@@ -102,10 +102,10 @@ def not_reproduced(f: Culprit, seen: dict, again: Optional[treatment.Outcome]) -
         what.append("its loss was non-finite")
     if seen.get("output_nonfinite"):
         what.append("the model's output held NaN/inf")
-    elif seen.get("output_nonfinite") is False:
-        what.append("the model's output was finite")
     if not what:
         what.append("its gradients were non-finite")
+    if seen.get("output_nonfinite") is False:
+        what.append("the model's output was finite")
     replay = "the model's output is finite"
     if again is not None and again.loss is not None:
         replay += (f", the loss recomputed by {', '.join(again.loss_fns)} is {fmt(again.loss)}"

@@ -226,7 +226,8 @@ class Forensics:
         """A torch loss function's call after the latest root call, held for a replay to
         compute it again (``losscall.capture``: references only). One made while the root
         call is still running is the model's own, replayed with it."""
-        if self.replaying or not self.captures or not torch.is_grad_enabled():
+        if self.replaying or not self.captures or not torch.is_grad_enabled() or \
+                self.watched.sharding is not None:  # (never replayed)
             return
         cap = self.captures[-1]
         if cap.open or len(cap.loss_calls) >= MAX_LOSS_CALLS:

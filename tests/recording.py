@@ -1,8 +1,8 @@
 """Record a training script into a run file, in a subprocess, the way a user would.
 
 The one place the fixture tests start a recording: ``ampdoctor record -o OUT --every N --force
--q -- python SCRIPT ARGS``, the no-code-change door (the model, optimizer and scaler are
-discovered as the script uses them).
+-q -- python SCRIPT ARGS`` (or ``-- python -m torch.distributed.run ... SCRIPT ARGS``), the
+no-code-change door (the model, optimizer and scaler are discovered as the script uses them).
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import sys
 from conftest import PYTHON, python_env
 
 
-def command(script: str, out: str, args: list[str], every: int) -> list[str]:
+def command(script: str, out: str, args: list[str], every: int, nproc: int = 0) -> list[str]:
+    """``nproc``: launch the script under torchrun with that many local ranks (gloo on CPU),
+    each recording its own ``out``'s rank file."""
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone",
+              f"--nproc_per_node={nproc}"] if nproc else [PYTHON]
     return [PYTHON, "-m", "ampdoctor", "record", "-o", out, "--every", str(every), "--force",
-            "-q", "--", PYTHON, script, *args]
+            "-q", "--", *launch, script, *args]
 
 
 def record(script: str, out: str, args: list[str] = (), every: int = 10,
@@ -25,9 +29,10 @@ def record(script: str, out: str, args: list[str] = (), every: int = 10,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start(script: str, out: str, args: list[str] = (), every: int = 10) -> subprocess.Popen:
+def start(script: str, out: str, args: list[str] = (), every: int = 10,
+          nproc: int = 0) -> subprocess.Popen:
     """Like ``record`` but without waiting (several fixtures record side by side)."""
-    return subprocess.Popen(command(script, out, list(args), every), env=python_env(),
+    return subprocess.Popen(command(script, out, list(args), every, nproc), env=python_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

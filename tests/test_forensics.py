@@ -5,6 +5,7 @@ Each scenario model below fails in one known place. The tests run a plain traini
 GradScaler (fp16) and without one (the NaN then reaches the weights).
 """
 
+import contextlib
 import json
 import math
 
@@ -15,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.record import forensics, snapshot
+from ampdoctor.record import forensics, losscall, snapshot, treatment
+from ampdoctor.record.treatment import Treatment
 from ampdoctor.runfile.schema import Event, Kind, Phase, Source
 
 # ---------------------------------------------------------------------------------------------
@@ -1013,3 +1015,242 @@ def test_no_reference_kept_to_past_steps_or_replays(run_path):
     rec.replay(rec.events[0].step)
     gc.collect()
     assert [r() is None for r in refs] == [True] * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# the numbers or the machine: what the real step saw, the loss recomputed, treatments
+
+
+class FaultyDevice:
+    """A forward hook that writes a NaN into one output element on the first call of each
+    faulty step (the loop sets ``step``): a device fault the replay's second call does not
+    repeat."""
+
+    def __init__(self, steps):
+        self.steps, self.step, self.done = set(steps), -1, set()
+
+    def __call__(self, module, args, output):
+        if self.step in self.steps and self.step not in self.done:
+            self.done.add(self.step)
+            output = output.clone()
+            output[0, 0] = float("nan")
+            return output
+        return None
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def faulty(steps):
+    model = make(Plain)
+    fault = FaultyDevice(steps)
+    model.body[0].register_forward_hook(fault)
+    return model, fault
+
+
+@pytest.mark.parametrize("dtype,use_scaler", [(torch.float16, True), (torch.bfloat16, False)])
+def test_a_fault_the_replay_does_not_repeat_is_not_reproducible(run_path, dtype, use_scaler):
+    model, fault = faulty([2, 5])
+    sc = scaler(2.0**10) if use_scaler else None
+    with record(run_path, model, sc) as rec:
+        train(model, batches(7), dtype=dtype, scaler=sc,
+              on_step=lambda i: setattr(fault, "step", i + 1))
+    ev = rec.events[0]
+    assert (ev.step, ev.phase, ev.module) == (2, "none", None)
+    d = ev.result.detail
+    assert d["reproduced"] is False and d["loss_recomputed"] is True
+    assert d["recorded"]["loss_nonfinite"] and d["recorded"]["output_nonfinite"]
+    assert d["rerun"]["finite"] and d["rerun"]["loss_fns"] == ["cross_entropy"]
+    assert d["rerun"]["backward_from"] == "loss" and d["rerun"]["grads"] == "finite"
+    assert "did not reproduce" in ev.result.summary
+    diag = ampdoctor.diagnose(run_path)
+    assert diag.verdict == "not_reproducible" and diag.first_bad["step"] == 2
+    assert [fx.id for fx in diag.fixes][:1] == ["test_device"]
+    if use_scaler:  # skipped twice, the weights protected: both replays say it
+        assert [e.step for e in rec.events if e.replayed] == [2, 5]
+
+
+def test_targets_all_ignore_index_are_the_loss_not_the_precision(run_path):
+    """Issue 23: every target ignore_index gives a NaN loss with zero gradients, so GradScaler
+    skips nothing; caught before optimizer.step, recomputed in fp32 (NaN too), targets read."""
+    model = make(Plain)
+    sc = scaler(2.0**10)
+    data = batches(4)
+    data[2] = (data[2][0], torch.full_like(data[2][1], -100))
+    with record(run_path, model, sc) as rec:
+        train(model, data, scaler=sc)
+    ev = rec.events[0]
+    assert (ev.step, ev.trigger, ev.phase, ev.fp32) == (2, "nonfinite_loss", "loss",
+                                                        "non-finite")
+    d = ev.result.detail
+    assert d["reproduced"] is True and d["loss_fp32"]["loss_finite"] is False
+    assert d["loss_fp32"]["grads"] == "zero" and d["rerun"]["grads"] == "zero"
+    assert d["targets"][0]["all_ignored"] and d["targets"][0]["ignored"] == 8
+    assert not ampdoctor.load(run_path).steps["skipped"].any()
+    diag = ampdoctor.diagnose(run_path)
+    assert (diag.verdict, diag.causes[0]["kind"]) == ("bad_input", "targets")
+    assert diag.first_bad == {"step": 2, "module": None, "phase": "loss"}
+    fix = diag.fixes[0]
+    assert fix.id == "check_data" and "(y != -100).sum() == 0" in fix.snippet
+    assert "step 2: every target was -100" in fix.snippet
+
+
+def test_loss_calls_are_held_by_reference_and_dropped_at_the_step_end(run_path):
+    """The loss input made from the model's output is not held at all (rebuilt from the
+    replayed output); the targets are held by reference; a loss computed inside the model is
+    the model's own; the gradient hook goes with the step."""
+    model = make(Plain)
+    x, y = batches(1)[0]
+    with record(run_path, model) as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss = F.cross_entropy(out.float().view(-1, 4), y)  # a cast, then a view
+        cap = rec.forensics.captures[-1]
+        call = cap.loss_calls[0]
+        assert call.args[1] is y and call.name == "cross_entropy"
+        made = call.args[0]
+        assert isinstance(made, losscall.FromOutput) and made.index == 0
+        assert made.cast[0] == torch.float32 and made.view is not None
+        rebuilt = made.rebuild([out])
+        assert torch.equal(rebuilt, out.float().view(-1, 4))
+        hooks = len(rec.forensics._hooks)
+        loss.backward()
+        assert call.grads[0].shape == ()  # the gradient that reached the loss
+        model.opt.step()
+        assert rec.forensics.captures == [] and len(rec.forensics._hooks) < hooks
+
+
+class LossInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x), y)
+
+
+def test_a_loss_inside_the_model_is_not_captured_as_its_loss(run_path):
+    model = make(LossInside)
+    x, y = batches(1)[0]
+    with record(run_path, model) as rec:
+        loss = model(x, y)
+        assert rec.forensics.captures[-1].loss_calls == []
+        loss.backward()
+        model.opt.step()
+
+
+def test_relation_of_a_loss_input_to_the_output():
+    leaf = torch.randn(4, 6, requires_grad=True)
+    out = leaf * 2
+    outputs = [out]
+    assert losscall.relation(out, outputs) == losscall.FromOutput(0)
+    for made in (out[:, 1:], out.t(), out.view(-1), out.half(), out.double()[1:].view(-1)):
+        rel = losscall.relation(made, outputs)
+        assert rel is not None and torch.equal(rel.rebuild([out * 1]), made), made.shape
+    assert losscall.relation(out * 3, outputs) is None  # computed from it: not rebuildable
+    assert losscall.relation(out[1:].double(), outputs) is None  # a cast of a view: neither
+    assert losscall.relation(torch.randn(4, 6), outputs) is None
+    a, b = (leaf * 1).unbind(0)[:2]
+    assert losscall.relation(b.float(), [a, b]).index == 1  # the right one of two outputs
+
+
+class HandSoftmax(nn.Module):
+    """exp(x) / sum(exp(x)) by hand, in its input's dtype: inf / inf = NaN in fp16, a finite
+    probability in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        with torch.no_grad():
+            self.lin.bias.fill_(14.0)  # exp(14) > 65504
+
+    def forward(self, x):
+        h = self.lin(x)  # fp16 under autocast (or in a .half() model)
+        with torch.autocast(x.device.type, enabled=False):  # a custom op: its input's dtype
+            e = torch.exp(h)
+            return e / e.sum(-1, keepdim=True)
+
+
+class SoftNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.soft = HandSoftmax()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.soft(x))
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_treatments_rerun_the_saved_step(run_path, half):
+    """The treatment API (``treatment.py``): the saved step re-run as recorded (non-finite),
+    with an fp32 island around the culprit, in bf16, and with the loss in fp32."""
+    model = make(SoftNet)
+    sc = None if half else scaler()
+    if half:  # a .half() model, no autocast: the island runs on fp32 casts of its weights
+        model.half()
+        model.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        data = [(x.half(), y) for x, y in batches(2)]
+    else:
+        data = batches(2)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with record(run_path, model, sc) as rec:
+        train(model, data, dtype=None if half else torch.float16, scaler=sc)
+    ev = rec.events[0]
+    assert (ev.phase, ev.module) == ("forward", "soft")
+    model.load_state_dict(weights)  # no GradScaler skipped step 0 of the half model
+    as_ran = rec.forensics.rerun(0)
+    assert not as_ran.finite and as_ran.first == "forward" and as_ran.loss_finite is False
+    island = rec.forensics.rerun(0, Treatment("island", fp32_modules=("soft",)))
+    assert island.finite and island.grads == "finite", island
+    assert island.loss_fns == ["cross_entropy"] and math.isfinite(island.loss)
+    assert model.soft.lin.weight.dtype == (torch.float16 if half else torch.float32)
+    if not half:
+        bf16 = rec.forensics.rerun(0, Treatment("bf16", autocast="bfloat16", scale=1.0))
+        assert bf16.finite and bf16.loss_dtype == "float32"
+        assert not rec.forensics.rerun(0, treatment.LOSS_FP32).finite  # not the loss's fault
+    with pytest.raises(KeyError, match="nowhere"):
+        rec.forensics.rerun(0, Treatment(fp32_modules=("nowhere",)))
+
+
+@pytest.mark.parametrize("dtype,use_scaler", [(torch.float16, True), (torch.bfloat16, False)])
+def test_the_comparison_and_its_rerun_leave_no_trace_on_the_run(run_path, dtype, use_scaler):
+    """The replay that finds no culprit re-runs the step with its loss recomputed (and in
+    fp32 when non-finite again): dropout's RNG, BatchNorm's statistics, the weights and the
+    optimizer state come out bit for bit as without ampdoctor."""
+    def run(recorded):
+        model = make(DropBN, seed=1)
+        fault = FaultyDevice([4])
+        model.lin1.register_forward_hook(fault)
+        sc = scaler(2.0**8) if use_scaler else None
+        rec = record(run_path, model, sc, every=2) if recorded else None
+        data = batches(8, seed=3)
+        rng, bufs = [], []
+
+        def after(step):
+            fault.step = step + 1
+            rng.append(torch.get_rng_state().clone())
+            bufs.append(_bits(model.buffers()))
+
+        with rec if rec is not None else contextlib.nullcontext():
+            losses = train(model, data, dtype=dtype, scaler=sc, on_step=after)
+        state = [v for s in model.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return (losses, rng, bufs, _bits(model.parameters()), _bits(state)), rec
+
+    (plain, _), (watched, rec) = run(False), run(True)
+    ev = rec.events[0]
+    assert ev.step == 4 and ev.result.detail["reproduced"] is False
+    assert ev.result.detail["rerun"]["finite"]
+    assert np.array_equal(np.array(plain[0]), np.array(watched[0]), equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+    for step_a, step_b in zip(plain[2], watched[2]):
+        assert all(torch.equal(x, y) for x, y in zip(step_a, step_b))
+    for a, b in zip(plain[3:], watched[3:]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

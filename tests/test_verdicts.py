@@ -3,8 +3,9 @@ script with ``--fix`` (the textbook fix) is healthy.
 
 ``fixtures/verdicts/expected.json`` holds the expectations: verdict, module (an fnmatch
 pattern, or null when the verdict names none) and the first fix id, and optionally the first
-bad step's phase and range and verdicts that must not be listed as "also". A key names a run:
-``script`` (default: the key) and ``args`` say what is run. Entries marked ``pending`` are
+bad step's phase and range, the verdict's kind, the rank it names, and verdicts that must not
+be listed as "also". A key names a run: ``script`` (default: the key) and ``args`` say what is
+run, ``nproc`` under torchrun with that many ranks. Entries marked ``pending`` are
 expectations the engine does not meet yet (the issue that will make them pass): they are not
 recorded until the mark is removed (``AMPDOCTOR_TEST_PENDING=1`` runs them anyway). The scripts
 are recorded two at a time in subprocesses (``recording.py``), once per test session.
@@ -53,7 +54,8 @@ def recorded(tmp_path_factory):
             path = str(out_dir / f"{name}{'.fixed' if fixed else ''}.h5")
             args = list(e.get("args") or []) + (["--fix"] if fixed else [])
             script = os.path.join(FIXTURES, f"{e.get('script', name)}.py")
-            running.append(((name, fixed), path, start(script, path, args, every=EVERY)))
+            running.append(((name, fixed), path, start(script, path, args, every=EVERY,
+                                                       nproc=int(e.get("nproc") or 0))))
         for item in list(running):
             key, path, proc = item
             if proc.poll() is not None:
@@ -94,6 +96,10 @@ def test_fixture_verdict(recorded, name):
     if "step_range" in e:
         lo, hi = e["step_range"]
         assert lo <= d.first_bad["step"] <= hi, str(d)
+    if "kind" in e:
+        assert d.causes[0].get("kind") == e["kind"], str(d)
+    if "rank" in e:
+        assert d.first_bad.get("rank") == e["rank"], str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
     if d.healthy:  # issue 16: a healthy run gets no warning of failure

@@ -26,7 +26,7 @@ from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
-from . import forecast, ranks
+from . import forecast, ranks, reproduced
 from .facts import Facts
 from .overflow import hidden_note
 from .progress import flat_warning
@@ -313,7 +313,7 @@ def notes(f: Any, top: Finding) -> list[str]:
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
     if top.verdict == "healthy":
-        out += _risks(f) + _flat_notes(f, top) + hidden_note(f)
+        out += reproduced.notes(f) + _risks(f) + _flat_notes(f, top) + hidden_note(f)
     return out
 
 
@@ -443,7 +443,7 @@ def _risks(f: Any) -> list[str]:
         out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
                    f"({story.calib_len} while calibrating, {story.post_skips} later, each "
                    "with a finite loss): normal probing, not a failure.")
-    elif f.has_scaler and story.post_skips:
+    elif f.has_scaler and story.post_skips and not reproduced.notes(f):  # (that note says it)
         out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
                    "than probing explains (gradients overflowing fp16 at the current scale); "
                    f"each skip halved the scale, now {fmt(story.final_scale)}. Not a failure yet: "

@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..numfmt import fmt
+
 
 @dataclass
 class Context:
@@ -47,6 +49,10 @@ class Context:
     scaler: bool = True  # the run uses a GradScaler
     blowup_lr: Optional[float] = None  # the LR at which the loss blew up (a finite divergence)
     blowup_step: Optional[int] = None
+    rank: Optional[int] = None  # the rank a failure began on (multi-rank runs)
+    # What a check measured about the data, for check_data: {"kind": "nonfinite" | "range" |
+    # "targets", "step": S, ...} (None: no check found a bad batch, and the fix says so).
+    data: Optional[dict] = None
 
 
 @dataclass
@@ -313,15 +319,60 @@ def _below_blowup(c: Context, blowup_lr: float) -> Advice:
             "itself.", snippet)
 
 
-@fix("check_data", "drop or repair non-finite and out-of-range batches")
+@fix("check_data", "drop or repair non-finite and out-of-range batches (or targets)")
 def check_data(c: Context) -> Advice:
-    at = f"  # step {c.step} had one" if c.step is not None else ""
+    """What the snippet says of the run comes from a check that found it (``Context.data``):
+    a batch the replay or the sampled tier found non-finite, or beyond fp16's range, or
+    targets that make the loss non-finite; with no such finding it claims nothing."""
+    d = c.data or {}
+    if d.get("kind") == "targets":
+        return _bad_targets(d)
+    step, kind = d.get("step"), d.get("kind") if d.get("step") is not None else None
+    held = f" ({', '.join(d['labels'][:3])})" if d.get("labels") else ""
+    nan = f"  # step {step}'s batch held NaN/inf{held}" if kind == "nonfinite" else ""
+    big = f"  # step {step}'s batch held values up to {fmt(d.get('absmax'))}" \
+        if kind == "range" else ""
+    lead = {"nonfinite": "Drop", "range": "Normalise the inputs, and drop"}.get(
+        kind or "", "As a guard (no check in this run found a bad batch): drop")
     snippet = ("for x, y in loader:\n"
-               f"    if not torch.isfinite(x).all():{at}\n"
+               f"    if not torch.isfinite(x).all():{nan}\n"
                "        continue  # or log the sample ids and repair the dataset\n"
-               "    x = x.clamp(-1e4, 1e4)  # fp16 holds at most 65504: normalise features to O(1)")
-    return ("Find and drop (or repair) the batches holding NaN/inf or values "
-            "beyond fp16's range (65504); normalise inputs to order 1.", snippet)
+               "    x = x.clamp(-1e4, 1e4)  # fp16 holds at most 65504: normalise features to "
+               f"O(1){big}")
+    return (f"{lead} (or repair) the batches holding NaN/inf or values beyond fp16's range "
+            "(65504); normalise inputs to order 1.", snippet)
+
+
+def _bad_targets(d: dict) -> Advice:
+    """Targets that make the loss non-finite whatever the precision (issue 23's case: every
+    target ignore_index, so a mean over no targets is 0/0)."""
+    step = d.get("step")
+    if d.get("all_ignored"):
+        ignore = d.get("ignore_index", -100)
+        at = f"  # step {step}: every target was {ignore}" if step is not None else ""
+        snippet = ("for x, y in loader:\n"
+                   f"    if (y != {ignore}).sum() == 0:{at}\n"
+                   "        continue  # no target to learn from: the mean over none is NaN\n"
+                   "# or keep the batch and sum instead of averaging over no tokens:\n"
+                   f"loss = F.cross_entropy(logits, y, ignore_index={ignore}, reduction=\"sum\")"
+                   f" / (y != {ignore}).sum().clamp(min=1)")
+        return ("Skip the batches whose every target is ignore_index (padding only), or "
+                "divide by the number of real targets clamped to at least 1: the loss is NaN "
+                "in fp32 too, so AMP is not the cause and turning it off would not help.",
+                snippet)
+    at = f"  # step {step}: {d.get('problem')}" if step is not None else ""
+    if d.get("out_of_range"):
+        test = (f"(((y < 0) | (y >= {d.get('classes', 'num_classes')})) & "
+                f"(y != {d.get('ignore_index', -100)})).any()")
+    elif d.get("outside"):
+        test = "((y < 0) | (y > 1)).any()"
+    else:
+        test = "not torch.isfinite(y).all()"
+    snippet = ("for x, y in loader:\n"
+               f"    if {test}:{at}\n"
+               "        continue  # or log the sample ids and repair the labels")
+    return ("Check the targets: the loss is non-finite in fp32 too on these labels, so it is "
+            "the data, not the precision.", snippet)
 
 
 @fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_")
@@ -452,9 +503,10 @@ def guard_buffers(c: Context) -> Advice:
                "if scaler.get_scale() < scale:  # skipped: the forward saw inf/NaN\n"
                "    model.load_state_dict(stats, strict=False)")
     mod = f" ({c.module})" if c.module else ""
+    step = "a skipped step" if c.scaler else "a bad step"  # a run without a scaler skips none
     return (f"GradScaler's skip protects the weights, not module "
-            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of a "
-            "skipped step and every eval is now NaN. Keep non-finite batches away from the "
+            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of "
+            f"{step} and every eval is now NaN. Keep non-finite batches away from the "
             "model, or restore the statistics when a step is skipped; recompute them "
             "(a pass in train mode over clean data) to recover this run.", snippet)
 
@@ -539,6 +591,53 @@ def overfit_one_batch(c: Context) -> Advice:
             "does not hold, an LR far off); if it can, look at the data: labels that are not "
             "paired with their inputs (shuffled separately, an off-by-one) leave nothing to "
             "learn.", snippet)
+
+
+@fix("test_device", "test or exclude the device the failure began on (vendor diagnostics)")
+def test_device(c: Context) -> Advice:
+    """A failure that did not reproduce on the same batch and weights: the device first."""
+    where = f"rank {c.rank}'s device" if c.rank is not None else "the device"
+    who = f"rank {c.rank}" if c.rank is not None else "each rank"
+    snippet = ("import socket, subprocess\n"
+               f"# where {who} runs (log it on every rank):\n"
+               "print(socket.gethostname(), torch.cuda.current_device(), "
+               "torch.cuda.get_device_name())\n"
+               "# on that host, the vendor's diagnostics (AMD: rocm-smi --showrasinfo all, rvs)\n"
+               'subprocess.run(["nvidia-smi", "-q", "-d", "ECC,PAGE_RETIREMENT,ROW_REMAPPER"])\n'
+               'subprocess.run(["dcgmi", "diag", "-r", "3"])  # memory, compute, PCIe stress\n'
+               "# and keep the node out of the job (the scheduler's exclude list) until it passes")
+    return (f"Test {where} with the vendor's diagnostics, and keep it out of the job until it "
+            "passes: a NaN that the same step on the same batch and weights does not repeat "
+            "is the machine's, and a faulty GPU tends to do it again.", snippet)
+
+
+@fix("rerun_elsewhere", "re-run the failing step on another device, from a checkpoint before it")
+def rerun_elsewhere(c: Context) -> Advice:
+    step = c.step if c.step is not None else "S"
+    snippet = ("import os, subprocess\n"
+               f"# resume from the last checkpoint before step {step}, same data order, on "
+               "another GPU\n"
+               'subprocess.run(["ampdoctor", "record", "-o", "rerun.h5", "--", "python", '
+               '"train.py"],\n'
+               '               env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})\n'
+               f"# step {step} finite there: this device is at fault; non-finite again: the "
+               "numbers are")
+    return ("Re-run the failing step on another device: resume from a checkpoint before it "
+            "with the same batches. Finite there and non-finite here is a faulty device; "
+            "non-finite on both is the numbers after all.", snippet)
+
+
+@fix("deterministic_algorithms", "rule out nondeterministic kernels: deterministic algorithms")
+def deterministic_algorithms(c: Context) -> Advice:
+    snippet = ('import os\n'
+               'os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before CUDA starts\n'
+               "torch.use_deterministic_algorithms(True)  # raises on an op with no "
+               "deterministic kernel\n"
+               "torch.backends.cudnn.benchmark = False")
+    return ("Make the run deterministic to rule out a kernel whose result depends on "
+            "scheduling (atomics in scatter/index_add, cuDNN autotuning): a NaN that still "
+            "does not reproduce then is the hardware, or code outside the model that the "
+            "replay does not run (hooks, a hand-written loss, communication).", snippet)
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:

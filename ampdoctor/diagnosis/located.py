@@ -27,11 +27,12 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
     """C5: the batch itself holds NaN/inf, or values beyond fp16's range."""
     if not f.n:
         return None
-    where, conf, ev = _inputs_from_replays(f)
-    sampled_where, sampled_conf, sampled_ev = _inputs_from_samples(f, where is not None)
+    where, conf, ev, data = _inputs_from_replays(f)
+    sampled_where, sampled_conf, sampled_ev, sampled_data = _inputs_from_samples(
+        f, where is not None)
     ev += sampled_ev
     if where is None:
-        where, conf = sampled_where, sampled_conf
+        where, conf, data = sampled_where, sampled_conf, sampled_data
     if where is None:
         return None
     where["step"] = _run_start(f, where["step"])
@@ -40,15 +41,20 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"{bad_losses} of {f.n} steps had a non-finite loss"
                            + ("; the others trained normally" if bad_losses < f.n / 2 else ""),
                            "nonfinite_loss_steps", float(bad_losses)))
+    skipped = int(f.skipped[f.loss_bad | f.grad_bad].sum()) if f.has_scaler else 0
+    what = ("GradScaler skipped those steps; the model itself is fine." if skipped else
+            "No GradScaler skipped those steps: what they did reached the weights.")
+    ctx = f.fix_context(step=where["step"])
+    ctx.data = data  # the step the check measured, which may be after the run of bad steps began
     return Finding("bad_input", conf, "The data is the cause: a batch held NaN/inf (or values "
-                   "beyond fp16's range) before the model touched it. GradScaler skipped those "
-                   "steps; the model itself is fine.", ev,
-                   fixes.make(["check_data"], f.fix_context(step=where["step"])), where,
-                   priority=PRIORITY["bad_input"])
+                   f"beyond fp16's range) before the model touched it. {what}", ev,
+                   fixes.make(["check_data"], ctx), where, priority=PRIORITY["bad_input"])
 
 
-def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence]]:
-    """Replays that found the batch non-finite, or an fp16 culprit fed a batch beyond range."""
+def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
+                                            Optional[dict]]:
+    """Replays that found the batch non-finite, or an fp16 culprit fed a batch beyond range;
+    with what check_data may say of it."""
     inputs = [s for s in f.snapshots if s["phase"] == "input"]
     if inputs:
         s = inputs[0]
@@ -61,27 +67,33 @@ def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
                                f"{', '.join(str(x['step']) for x in inputs[:8])})",
                                "input_nonfinite_replays", float(len(inputs))))
-        return first_bad(s["step"], s["module"], "input"), 0.95, ev
+        labels = [b.get("label") for b in s["detail"].get("bad_inputs") or []
+                  if isinstance(b, dict) and b.get("label")]
+        data = {"kind": "nonfinite", "step": s["step"], "labels": labels}
+        return first_bad(s["step"], s["module"], "input"), 0.95, ev, data
     for s in f.snapshots:
         biggest = input_out_of_range(f, s)
         if biggest is not None:
             ev = [Evidence(f"the batch at step {s['step']} holds values up to {fmt(biggest)}, "
                            f"beyond fp16's 65504; {s['module']} overflows on them",
                            "input_absmax", biggest, s["step"], s["module"])]
-            return first_bad(s["step"], s["module"], "input"), 0.85, ev
-    return None, 0.0, []
+            data = {"kind": "range", "step": s["step"], "absmax": biggest}
+            return first_bad(s["step"], s["module"], "input"), 0.85, ev, data
+    return None, 0.0, [], None
 
 
-def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float, list[Evidence]]:
+def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float,
+                                                         list[Evidence], Optional[dict]]:
     """The sampled tier's audit of the batch: non-finite, or beyond fp16's range (the latter
     only counts beside a failure: a large input that fp32 layers take in stride is fine)."""
-    st, where, conf, ev = f.reduced, None, 0.0, []
+    st, where, conf, ev, data = f.reduced, None, 0.0, [], None
     bad_steps = np.flatnonzero(st.input_bad > 0)
     if len(bad_steps):
         i = int(bad_steps[0])
         ev.append(Evidence(f"sampled step {f.step_at(i)}: the model's input held NaN/inf",
                            "sampled_input_nonfinite", None, f.step_at(i)))
         where, conf = first_bad(f.step_at(i), None, "input"), 0.8
+        data = {"kind": "nonfinite", "step": f.step_at(i)}
     over = np.flatnonzero(st.input_over > 0) if f.low_precision == "fp16" else np.zeros(0, int)
     if len(over) and (known or where is not None or f.failure_index is not None):
         i = int(over[0])
@@ -90,7 +102,9 @@ def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float, 
                            "sampled_input_absmax", float(st.input_absmax[i]), f.step_at(i)))
         if where is None:
             where, conf = first_bad(f.step_at(i), None, "input"), 0.7
-    return where, conf, ev
+            data = {"kind": "range", "step": f.step_at(i),
+                    "absmax": float(st.input_absmax[i])}
+    return where, conf, ev, data
 
 
 def _run_start(f: Facts, step: int) -> int:
@@ -174,15 +188,22 @@ def rule_state_poisoning(f: Facts) -> Optional[Finding]:
                        f"after step {trigger}: only the buffers were poisoned",
                        "params_finite", None, last_seen))
     if trigger != first_seen:
-        ev.append(Evidence(f"the buffers took the inf/NaN of step {trigger}, whose optimizer step "
-                           "GradScaler skipped", "trigger_step", float(trigger), trigger))
-    ids = ["guard_buffers"] + (["check_data"] if any(s["phase"] == "input" for s in f.snapshots)
-                               else [])
+        skipped_at = f.has_scaler and bool(f.skipped[f.index_of(trigger)])
+        ev.append(Evidence(f"the buffers took the inf/NaN of step {trigger}"
+                           + (", whose optimizer step GradScaler skipped" if skipped_at else ""),
+                           "trigger_step", float(trigger), trigger))
+    bad_batch = next((s for s in f.snapshots if s["phase"] == "input"), None)
+    ids = ["guard_buffers"] + (["check_data"] if bad_batch is not None else [])
+    ctx = f.fix_context(module, step=trigger)
+    if bad_batch is not None:
+        ctx.data = {"kind": "nonfinite", "step": bad_batch["step"]}
+    skipped = f.has_scaler and bool(f.skipped[f.index_of(trigger)])
+    how = ("GradScaler skipped the bad step but the forward pass had already updated the "
+           "statistics" if skipped else "the forward pass of a bad step updated the statistics")
     return Finding("state_poisoning", 0.85, "Module buffers (BatchNorm running statistics) hold "
-                   "inf/NaN while the weights are finite: GradScaler skipped the bad step but "
-                   "the forward pass had already updated the statistics. Training loss looks "
+                   f"inf/NaN while the weights are finite: {how}. Training loss looks "
                    "fine (train mode uses batch statistics); every evaluation is NaN.", ev,
-                   fixes.make(ids, f.fix_context(module, step=trigger)),
+                   fixes.make(ids, ctx),
                    first_bad(trigger, module, "forward"), priority=PRIORITY["state_poisoning"])
 
 
@@ -301,7 +322,7 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
         return None
     alone = f.loss_bad & np.isfinite(s["grad_norm"]) & ~f.skipped
     # A calibration skip is healthy; an infinite derivative is rule_loss_backward's.
-    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss"
+    loss_snaps = [x for x in f.snapshots if x["phase"] == "loss" and not _fp32_too(x)
                   and not _calibration_artefact(f, x) and not _loss_backward_only(x)]
     if not alone.any() and not loss_snaps:
         return None
@@ -368,6 +389,12 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
         return False
     i = f.index_of(snap["step"])
     return f.step_at(i) == snap["step"] and bool(f.story.benign_mask[i])
+
+
+def _fp32_too(snap: dict) -> bool:
+    """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
+    fp32 = snap["detail"].get("loss_fp32")
+    return isinstance(fp32, dict) and fp32.get("loss_finite") is False
 
 
 def _loss_backward_only(snap: dict) -> bool:

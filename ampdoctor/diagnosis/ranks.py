@@ -18,6 +18,7 @@ numpy only, like the rest of the analysis side.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from typing import Any, Optional
 
@@ -64,6 +65,8 @@ def outline(run: Any) -> dict:
         "phase": None,
         "local": False,  # the first non-finite value was born in this rank
         "stopped": recording_stopped(run),  # {"step", "why"}: the recorder faulted there
+        "nonfinite_steps": int(len(bad)),
+        "unreproduced": unreproduced_steps(run),  # began here, did not reproduce here
     }
     if out["first_bad"] is None:
         return out
@@ -178,6 +181,47 @@ def sharding_notes(meta: dict, steps: Any) -> list[str]:
     return out
 
 
+def unreproduced_steps(run: Any) -> list[int]:
+    """Steps whose non-finite value began on this rank (its own loss or model output was
+    non-finite) and whose replay on this rank was finite: a device fault's fingerprint when
+    they pile up on one rank (``reproduced.py``)."""
+    from .reproduced import began_here, unreproduced
+
+    out = []
+    for s in run.snapshots:
+        try:
+            detail = json.loads(s["detail"]) if s["detail"] else {}
+        except ValueError:
+            continue
+        if not isinstance(detail, dict):
+            continue
+        snap = {"phase": _PHASE_NAMES.get(int(s["phase"]), "unknown"), "detail": detail}
+        if unreproduced(snap) and began_here(snap):
+            out.append(int(s["step"]))
+    return out
+
+
+_PHASE_NAMES = {int(p): p.name.lower() for p in Phase}
+
+
+def unreproduced_evidence(outlines: list[dict]) -> Optional[Evidence]:
+    """Per rank, how many of the run's non-finite steps began there and did not reproduce
+    when replayed there; None when none did."""
+    counts = {o["rank"]: o.get("unreproduced") or [] for o in outlines}
+    if not any(counts.values()):
+        return None
+    total = max(int(o.get("nonfinite_steps") or 0) for o in outlines)
+    worst = max(counts, key=lambda r: (len(counts[r]), -r))
+    steps = counts[worst]
+    listed = ", ".join(str(x) for x in steps[:8]) + (", ..." if len(steps) > 8 else "")
+    text = (f"rank {worst}: {len(steps)} of the run's {total} non-finite steps began there and "
+            f"did not reproduce when replayed (steps {listed})")
+    others = [f"rank {r}: {len(v)}" for r, v in sorted(counts.items()) if r != worst]
+    if others:
+        text += "; " + ", ".join(others)
+    return Evidence(text, "unreproduced_by_rank", float(len(steps)), steps[0])
+
+
 def scales(run: Any) -> dict[int, float]:
     s = run.steps
     return {int(k): float(v) for k, v in zip(s["step"], s["scale"]) if not np.isnan(v)}
@@ -196,6 +240,9 @@ def merge(per_rank: list[tuple[dict, Diagnosis, dict[int, float]]]) -> Diagnosis
                                  outlines[base_index]["module"]))
         if d.first_bad is not None:
             d.first_bad = dict(d.first_bad, rank=origin)
+    unreproduced = unreproduced_evidence(outlines)
+    if unreproduced is not None:
+        evidence.append(unreproduced)
     divergence = scale_divergence({o["rank"]: sc for o, _, sc in per_rank})
     if divergence is not None:
         evidence.append(Evidence(divergence["text"], "scale_divergence",

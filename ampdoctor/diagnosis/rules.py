@@ -5,6 +5,8 @@ from ``Facts`` to a ``Finding`` (or None), one family per module:
   with no cause told, non-finite values no class explains;
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
+* ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), and
+  targets that make the loss non-finite in fp32 too;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
   (``culprit.py`` reads the replays) or by the sampled tier, and an overflow hidden inside a
   module (the sampled step's op probe);
@@ -29,7 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..numfmt import fmt
-from . import fixes, learning, located, misuse, overflow, progress, trends
+from . import fixes, learning, located, misuse, overflow, progress, reproduced, trends
 from .culprit import snapshot_at
 from .facts import Facts
 from .verdict import PRIORITY, Evidence, Finding, first_bad
@@ -94,6 +96,8 @@ def rule_nonfinite(f: Facts) -> Optional[Finding]:
         return None
     if f.story.collapsed:
         return None  # scale_collapse speaks for it
+    if reproduced.first_unreproduced(f) is not None:
+        return None  # the replay of the failure is finite: never "non-finite values" then
     step = f.step_at(fi)  # (the failure step)
     snap = snapshot_at(f, step)
     loc = None
@@ -114,14 +118,37 @@ def rule_nonfinite(f: Facts) -> Optional[Finding]:
                            x["module"]))
     loss_only = [s for s in f.snapshots if s["phase"] == "loss"]
     if loss_only:
-        ev.append(Evidence(f"replay of step {loss_only[0]['step']}: the model's outputs are "
-                           "finite; the loss computation (or the targets) is not",
-                           "replay_loss_phase", None, loss_only[0]["step"]))
+        ev.append(Evidence(_loss_replay_text(loss_only[0]), "replay_loss_phase", None,
+                           loss_only[0]["step"]))
         loc = loc or first_bad(step, None, "loss")
     return Finding("nonfinite", 0.3, "Non-finite values appeared and no failure class fits the "
                    "evidence recorded (see the notes for what could not be checked).", ev,
                    fixes.make(["check_data"], f.fix_context(step=step)),
                    loc or first_bad(step, None, None), priority=PRIORITY["nonfinite"])
+
+
+def _loss_replay_text(snap: dict) -> str:
+    """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
+    why not), the fp32 recomputation, the targets."""
+    d = snap["detail"] if isinstance(snap["detail"], dict) else {}
+    seen = d.get("recorded")
+    seen = seen if isinstance(seen, dict) else {}
+    text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
+    if seen.get("output_nonfinite") is False:
+        text += " (in the real step too)"
+    if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
+        return text + (f"; the loss was non-finite in the real step and was not recomputed "
+                       f"({d['loss_not_recomputed']})")
+    fp32 = d.get("loss_fp32")
+    fp32 = fp32 if isinstance(fp32, dict) else {}
+    if fp32.get("loss_finite") is False:
+        text += "; the loss recomputed is non-finite, in fp32 too"
+        targets = d.get("targets")
+        checked = [t for t in targets if isinstance(t, dict)] if isinstance(targets, list) \
+            else []
+        return text + ("; its targets hold nothing invalid: the loss's formula" if checked
+                       else "")
+    return text + "; the loss is not"
 
 
 RULES = [
@@ -136,6 +163,8 @@ RULES = [
     located.rule_adam_eps,
     located.rule_accum_overflow,
     located.rule_bad_input,
+    reproduced.rule_bad_targets,
+    reproduced.rule_not_reproducible,
     located.rule_fp16_loss,
     located.rule_loss_backward,
     overflow.rule_culprit,

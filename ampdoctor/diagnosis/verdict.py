@@ -32,7 +32,8 @@ VERDICTS = {
     "unstable_op": "one op overflows fp16 (or its backward goes NaN) while weights are steady",
     "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
     "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
-    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range",
+    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range, or targets "
+                 "that make the loss NaN in fp32 too (kind targets)",
     "accum_overflow": "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
     "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
                  "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
@@ -45,6 +46,8 @@ VERDICTS = {
     "not_learning": "no failure found, but the loss did not fall (low confidence; says what was "
                     "checked)",
     "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
+    "not_reproducible": "a non-finite step whose replay on the same batch and weights is "
+                        "finite: the machine (a faulty device, nondeterminism), not the numbers",
     "scale_collapse": "the scale fell persistently and no root cause could be told",
     "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
     "no_training": "no optimizer step was recorded",
@@ -63,6 +66,7 @@ EMPTY = ("no_training", "recording_stopped")
 PRIORITY = {
     "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
     "state_poisoning": 88, "adam_eps": 87, "accum_overflow": 86, "bad_input": 84,
+    "not_reproducible": 83,  # the replay of the failing step: finite where the step was not
     "fp16_loss": 82,
     "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
     "sampled": 70, "no_training": 70,  # located by sampled statistics only

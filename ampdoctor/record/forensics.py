@@ -2,8 +2,9 @@
 
 **Every step (capture, references only).** The recorder's root-module hooks hand over each
 root call: references to its arguments, the RNG state (host copies of the generators'
-states, no device sync), the autocast state, and a tensor hook on each root output that keeps
-a reference to the gradient arriving there in backward, and a reference to the loss.
+states, no device sync), the autocast state, a tensor hook on each root output that keeps
+a reference to the gradient arriving there in backward, weak references to the outputs, a
+reference to the loss, and each torch loss function called after the model (``losscall``).
 Nothing is copied. While micro-batches accumulate, earlier micro-batches' output gradients
 are held only up to ``GRAD_BYTES`` (the latest always is).
 
@@ -26,7 +27,12 @@ at the next step's first hook, when found_inf had not reached the host yet: ``he
 without one just before ``optimizer.step`` when the loss or the grad norm is non-finite. The
 micro-batches of the step are replayed in order by ``replay.explain`` until one explains the
 event (forward culprit, backward culprit, bad batch or loss); if none does and ``.grad`` is
-non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped).
+non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped). A loss-phase
+finding is checked against what the real step saw (``reproduce``): the loss recomputed, in
+fp32 too, its targets read; a step whose loss or output was non-finite and whose replay is
+finite did not reproduce (the machine, not the numbers). ``trial`` and ``rerun`` re-run a
+step under a ``treatment.Treatment`` (an fp32 island, another autocast dtype, the loss in
+fp32) and say whether it comes out finite.
 
 **Rate limit.** Events close together (at most ``EPISODE_GAP`` steps apart) form an episode.
 In an episode the 1st, 2nd, 4th, 8th... events are replayed (and the next one whenever a
@@ -60,12 +66,16 @@ output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event:
 ``r.faithful`` says whether the weights are still those of the event (nothing has stepped
 the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
 reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
+
+(About 600 lines: capture, trigger policy and the replay search share one step's captures
+and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
+``kept``, ``losscall``, ``reproduce``, ``treatment``.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
+import weakref
 from collections import deque
 from functools import partial
 from typing import Any, Optional
@@ -74,20 +84,24 @@ import torch
 
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event, Phase
-from . import compiled, findings, replay, sharding, snapshot, stats
+from . import compiled, findings, losscall, replay, reproduce, sharding, snapshot, stats
+from .accum import explain, overflow
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
+from .isolated import preserved
 from .journal import Journal
 from .kept import Kept, offload, reload, versions
 from .sampler import tensors_in
 from .steplog import StepLog
 from .steps import columns, device_values, fetch
-from .trace import Capture, Trace, autocast, rng_state, set_rng, unwrap
+from .trace import Capture, Trace, rng_state, unwrap
+from .treatment import AS_RECORDED, Outcome, Treatment, rerun_step
 from .watched import Watched
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
 GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
 MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
+MAX_LOSS_CALLS = 8  # torch loss function calls held per root call
 HISTORY = 64  # steps of scale/LR/grad-norm history in a snapshot's detail
 EPISODE_GAP = 16  # events at most this many steps apart belong to one episode
 # A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
@@ -123,6 +137,7 @@ class Forensics:
         self._devices: list = _cuda_devices()
         self._hooks: list = []  # handles of this step's output-gradient hooks
         self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
+        self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
 
     @property
     def armed(self) -> bool:
@@ -136,6 +151,7 @@ class Forensics:
         self.captures = []
         self.dropped = 0
         self._devices = _cuda_devices()
+        self._loss_budget = [losscall.HELD_BYTES]
 
     def end_step(self, step: Any, hold: bool = False) -> None:
         """The step is over: its output-gradient hooks go, and its captures with them, unless
@@ -170,7 +186,7 @@ class Forensics:
         self.captures.append(Capture(root, args, dict(kwargs), rng_state(self._devices),
                                      (device, enabled, dtype, torch.is_autocast_cache_enabled()),
                                      micro=st.micro if st else 0,
-                                     versions=versions((args, kwargs))))
+                                     versions=versions((args, kwargs)), open=True))
 
     def capture_kwargs(self, root: torch.nn.Module, kwargs: dict) -> None:
         """Keyword arguments of the latest root call, known only after it (discovery mode:
@@ -183,9 +199,12 @@ class Forensics:
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
         if self.replaying or not self.captures or self.captures[-1].root is not root:
             return
+        cap = self.captures[-1]
+        cap.open = False
+        cap.outputs = [weakref.ref(t) for t in tensors_in(output)]  # measured on the event only
         if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
-        grads = self.captures[-1].grads
+        grads = cap.grads
         for i, t in enumerate(tensors_in(output)):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
@@ -201,6 +220,22 @@ class Forensics:
         if self.replaying or not self.captures or loss.grad_fn is None:
             return
         self.captures[-1].losses.append((loss.detach(), {"scaled": scaled}))
+
+    def capture_loss_call(self, name: str, fn: Any, args: tuple, kwargs: dict,
+                          out: Any) -> None:
+        """A torch loss function's call after the latest root call, held for a replay to
+        compute it again (``losscall.capture``: references only). One made while the root
+        call is still running is the model's own, replayed with it."""
+        if self.replaying or not self.captures or not torch.is_grad_enabled() or \
+                self.watched.sharding is not None:  # (never replayed)
+            return
+        cap = self.captures[-1]
+        if cap.open or len(cap.loss_calls) >= MAX_LOSS_CALLS:
+            return
+        call = losscall.capture(name, fn, args, kwargs, out, cap.outputs, self._loss_budget,
+                                self._hooks)
+        if call is not None:
+            cap.loss_calls.append(call)
 
     def _bound_held_grads(self) -> None:
         """Earlier micro-batches' output gradients are what accumulation would have freed:
@@ -249,7 +284,11 @@ class Forensics:
         captures = list(captures)
         if unsafe:
             return self._check_batch(step, why, ev, captures, unsafe)
-        trace, finding, micro = self._run(captures, scale)
+        # Stale gradients come from an earlier failing step: with none, a non-finite .grad
+        # after a finite replay is this step's own (another rank's, through the all-reduce,
+        # or a backward that did not reproduce), never left over.
+        earlier = any(e.step < step.index for e in self.events)
+        trace, finding, micro = self._run(captures, scale, earlier=earlier)
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
         result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
@@ -339,6 +378,22 @@ class Forensics:
 
     def replay(self, step: int) -> ReplayResult:
         """Re-run a replayed event's micro-batches now (see the module docstring)."""
+        kept = self._kept_event(step)
+        captures = [reload(c) for c in kept.captures]
+        trace, finding, micro = self._run(captures, kept.scale, stale_check=False)
+        trigger = next((e.trigger for e in self.events if e.step == step), "on_demand")
+        result = findings.result(step, trigger, trace, finding, micro, captures)
+        result.faithful = result.faithful and \
+            kept.versions == _param_versions(self._roots(captures))
+        result.detail["weights"] = "as at the event" if result.faithful else \
+            "current: the optimizer has stepped since the event"
+        if not result.faithful:
+            result.summary += (" (Replayed against the current weights: the optimizer has "
+                               "stepped since the event.)")
+        return result
+
+    def _kept_event(self, step: int) -> Kept:
+        """What ``replay`` and ``rerun`` need of a replayed event, or one clear sentence."""
         kept = self._kept.get(step)
         unsafe = self.unsafe() if kept is None else None
         if unsafe:
@@ -353,21 +408,12 @@ class Forensics:
             raise AmpDoctorError(
                 f"step {step} has no kept batch to replay; replayed events: "
                 f"{', '.join(map(str, have)) if have else 'none'} (see rec.events)")
-        captures = [reload(c) for c in kept.captures]
-        trace, finding, micro = self._run(captures, kept.scale, stale_check=False)
-        trigger = next((e.trigger for e in self.events if e.step == step), "on_demand")
-        result = findings.result(step, trigger, trace, finding, micro, captures)
-        result.faithful = result.faithful and \
-            kept.versions == _param_versions(self._roots(captures))
-        result.detail["weights"] = "as at the event" if result.faithful else \
-            "current: the optimizer has stepped since the event"
-        if not result.faithful:
-            result.summary += (" (Replayed against the current weights: the optimizer has "
-                               "stepped since the event.)")
-        return result
+        return kept
 
-    def _run(self, captures: list, scale: Optional[float], stale_check: bool = True):
-        """Replay the micro-batches until one explains the event; (trace, finding, micro)."""
+    def _run(self, captures: list, scale: Optional[float], stale_check: bool = True,
+             earlier: bool = True):
+        """Replay the micro-batches until one explains the event; (trace, finding, micro).
+        ``earlier``: an earlier step failed (stale gradients can only come from one)."""
         if not captures:
             return None, Culprit(Phase.UNKNOWN, summary="no root-module call of this step was "
                                  "captured (the model ran without grad, or is not the "
@@ -375,8 +421,8 @@ class Forensics:
         self.replaying = True
         try:
             # Compiled code runs eagerly here: instrumented, and never recompiled.
-            with _preserved(self._roots(captures), _cuda_devices()), compiled.eager():
-                return self._search(captures, scale, stale_check)
+            with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
+                return self._search(captures, scale, stale_check, earlier)
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.strict:
                 raise
@@ -388,9 +434,11 @@ class Forensics:
         finally:
             self.replaying = False
 
-    def _search(self, captures: list, scale: Optional[float], stale_check: bool):
+    def _search(self, captures: list, scale: Optional[float], stale_check: bool,
+                earlier: bool):
         names = self.watched.names
         last: Optional[tuple] = None
+        unreproduced: Optional[tuple] = None  # the first micro-batch the replay did not repeat
         forward_only: list[int] = []  # micro-batches whose output gradient was not kept
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
@@ -398,74 +446,81 @@ class Forensics:
             root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
             trace, finding = replay.explain(cap, names, root_name, self._devices,
                                             self.watched.param_names, self.strict)
-            if versions((cap.args, cap.kwargs)) != cap.versions:
+            modified = versions((cap.args, cap.kwargs)) != cap.versions
+            if modified:
                 finding.detail["input_modified"] = True
+            elif finding.phase == Phase.LOSS:
+                self._examine(cap, trace, finding)
             if forward_only:
                 finding.detail["micro_batches_forward_only"] = list(forward_only)
             if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
                 return trace, finding, micro
+            if finding.detail.get("reproduced") is False and unreproduced is None:
+                unreproduced = (trace, finding, micro)
             if cap.grads_dropped:
                 forward_only.append(micro)
             last = (trace, finding, micro)
+        if unreproduced is not None:  # its loss or output was non-finite: never stale grads
+            return unreproduced
         if last is None:  # _run replays only a step with captures
             raise RuntimeError("no micro-batch to replay")
         trace, finding, micro = last
         stale = self._stale_grads() if stale_check else []
-        accum = self._accum_overflow(captures, stale) if stale and len(captures) > 1 else None
+        accum = overflow(self.watched, captures, stale) if stale and len(captures) > 1 else None
         if accum:
-            self._accum_finding(finding, accum, len(captures))
+            explain(finding, accum, len(captures), self.watched.names)
             return trace, finding, accum["micro"]
-        if stale:
+        if stale and earlier:
             finding.detail["stale_grads"] = stale
             finding.summary = (f"every micro-batch replays finite, yet .grad already holds "
                                f"NaN/inf ({', '.join(stale[:3])}): left over from an earlier "
                                "step whose gradients were not zeroed (zero_grad skipped)")
+        elif finding.phase == Phase.NONE and finding.detail.get("input_modified"):
+            finding.summary = ("the replay of every micro-batch stayed finite, but the batch "
+                               "was changed in place after the step: the replay is not "
+                               "faithful")
         elif finding.phase == Phase.NONE:
-            finding.summary = ("the replay of every micro-batch stayed finite: the event did "
-                               "not reproduce (inputs changed in place, or nondeterminism)")
+            finding.detail["recorded"] = reproduce.recorded(captures[micro])
+            reproduce.not_reproduced(finding, finding.detail["recorded"], None)
         return trace, finding, micro
 
-    def _accum_overflow(self, captures: list, stale: list[str]) -> Optional[dict]:
-        """Finite micro-batch gradients whose sum overflows in a low-precision ``.grad``
-        (``backward()`` adds each micro-batch into an fp16 parameter's ``.grad`` in fp16):
-        each micro-batch's parameter gradients are recomputed from its kept output gradient
-        and summed in that dtype, in order. Returns the first parameter and micro-batch
-        whose running sum turns non-finite while every term is finite, else None (the
-        ``.grad`` was stale). Event only: one backward and one param-sized sum per
-        micro-batch, host reads to compare."""
-        by_name = {self.watched.param_names.get(id(p)): p for p in self.watched.trained_params()}
-        params = [(n, p) for n, p in by_name.items() if n in stale and p.dtype == torch.float16]
-        if not params or any(not c.grads for c in captures):
-            return None
-        sums = [torch.zeros_like(p) for _, p in params]
-        for k, cap in enumerate(captures):
-            grads = _micro_param_grads(cap, [p for _, p in params])
-            for j, g in enumerate(grads):
-                if g is None:
-                    continue
-                if not bool(torch.isfinite(g).all()):
-                    return None  # a micro-batch's own gradient: not the accumulation
-                wide = (sums[j].float() + g.float()).abs().max()
-                sums[j] += g
-                if not bool(torch.isfinite(sums[j]).all()):
-                    return {"param": params[j][0], "micro": k, "micro_batches": len(captures),
-                            "dtype": str(g.dtype).replace("torch.", ""),
-                            "fp32_absmax": float(wide)}
-        return None
+    def _examine(self, cap: Capture, trace: Trace, finding: Culprit) -> None:
+        """``reproduce.examine``; a re-run that fails in the user's code leaves the finding
+        as the replay made it (and says why)."""
+        try:
+            reproduce.examine(cap, trace, finding, self.watched.names)
+        except Exception as exc:  # noqa: BLE001 - the replay's finding stands without it
+            if self.strict:
+                raise
+            finding.detail["rerun_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
-    def _accum_finding(self, finding: Culprit, accum: dict, n: int) -> None:
-        """The replay's finding when the accumulation in ``.grad`` overflowed."""
-        owner = accum["param"].rsplit(".", 1)[0] if "." in accum["param"] else accum["param"]
-        module = next((m for m, name in self.watched.names.items() if name == owner), None)
-        finding.phase, finding.module = Phase.BACKWARD, owner
-        finding.module_type = type(module).__name__ if module is not None else ""
-        finding.fp32_absmax = accum["fp32_absmax"]  # the sum's (no module to re-run in fp32)
-        finding.detail["accum_overflow"] = accum
-        finding.summary = (f"each of the {n} micro-batches' gradients is finite, but their sum "
-                           f"in {accum['dtype']} .grad passes 65504 at micro-batch "
-                           f"{accum['micro']} ({accum['param']}, "
-                           f"{accum['fp32_absmax']:.3g} in fp32)")
-        finding.detail["how"] = finding.summary
+    # -- treatments: the saved step re-run with a change ------------------------------------
+
+    def trial(self, captures: list, t: Treatment = AS_RECORDED,
+              scale: Optional[float] = None) -> Outcome:
+        """Re-run ``captures`` (a step's micro-batches, held at the event or reloaded from a
+        kept one) under treatment ``t`` (``treatment.py``), with a replay's guarantees: RNG
+        forked, module buffers restored, ``.grad`` untouched, compiled code run eagerly.
+        ``scale``: the loss scale at the event (None: as the replay already noted it)."""
+        if scale is not None:
+            for cap in captures:
+                for _, holder in cap.losses:
+                    holder["scale"] = scale if holder.get("scaled") else None
+        self.replaying = True
+        try:
+            with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
+                return rerun_step(captures, t, self.watched.names)
+        finally:
+            self.replaying = False
+
+    def rerun(self, step: int, t: Treatment = AS_RECORDED) -> Outcome:
+        """A replayed event's step re-run now under ``t`` (against the current weights, as
+        ``replay``)::
+
+            rec.forensics.rerun(12, Treatment("island", fp32_modules=("blocks.3.attn",)))
+        """
+        kept = self._kept_event(step)
+        return self.trial([reload(c) for c in kept.captures], t, kept.scale)
 
     def _stale_grads(self) -> list[str]:
         named = [(self.watched.param_names.get(id(p), "param"), p.grad)
@@ -544,21 +599,6 @@ def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
     grads[index] = grad if prev is None else prev + grad
 
 
-def _micro_param_grads(cap: Capture, params: list) -> list:
-    """One micro-batch's gradients for ``params``: its forward again (same RNG, autocast),
-    backward from the output gradient the real step saw; .grad is not touched."""
-    set_rng(cap.rng)
-    with torch.enable_grad(), autocast(cap.autocast):
-        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
-    outs = list(tensors_in(output))
-    pairs = [(t, cap.grads[i]) for i, t in enumerate(outs)
-             if i in cap.grads and isinstance(t, torch.Tensor) and t.requires_grad]
-    if not pairs:
-        return [None] * len(params)
-    return list(torch.autograd.grad([t for t, _ in pairs], params, [g for _, g in pairs],
-                                    allow_unused=True))
-
-
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -584,33 +624,3 @@ def _scalar(t: Any) -> Optional[float]:
 def _max_lr(optimizers: list) -> float:
     lrs = [g.get("lr") for o in optimizers for g in o.param_groups]
     return max((float(x) for x in lrs if isinstance(x, (int, float))), default=math.nan)
-
-
-@contextlib.contextmanager
-def _preserved(roots: list, devices: list):
-    """Fork the RNG of the CPU and the listed CUDA devices; restore module buffers."""
-    saved = []
-    for root in roots:
-        for m in root.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    saved.append((m, name, b, b.detach().clone()))
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for m, name, b, value in saved:
-                    if m._buffers.get(name) is not b:
-                        m._buffers[name] = b  # the forward replaced the attribute: put it back
-                    if not _same_bits(b, value):
-                        b.copy_(value)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    try:
-        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    except RuntimeError:
-        return False

@@ -15,6 +15,7 @@ scaled step whose ``update()`` never comes ends at the next loss (or at close).
 The order of one scaled step, and what each hook adds::
 
     root_pre         autocast state; the batch (sampled tier, forensic capture)
+    after_loss       a torch loss function's call after the model (forensic capture)
     on_scale         the loss as given to scale(); the file created (lazy recorder)
     before_backward  a micro-batch (and the loss, without a scaler)
     before_unscale   gradients complete: sampled gradient statistics
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runfile.schema import Event, Kind, flag
-from . import patches, sharding, stats
+from . import losscall, patches, sharding, stats
 from .forensics import Forensics
 from .journal import Journal
 from .opprobe import StepProbe
@@ -79,6 +80,8 @@ class Hooks:
         patches.patch_clip(self.patches, self)
         patches.hook_optimizers(self.patches, self)
         patches.patch_module_compile(self.patches, self)
+        if self.forensics is not None:
+            patches.patch_losses(self.patches, self, losscall.LOSSES)
         self.watched.attach(self, self.patches, self.log.follow)
         self.log.open(self.watched.device)
         self.begin_step(0)
@@ -165,6 +168,13 @@ class Hooks:
             self.forensics.capture_kwargs(module, kwargs)
         if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_output(module, output)
+
+    def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """A torch loss function returned (``patches.patch_losses``): the forensic tier holds
+        the call for a replay to compute it again (references only, dropped at the step's
+        end)."""
+        if self.forensics is not None and self.forensics.armed:
+            self.forensics.capture_loss_call(name, fn, args, kwargs, out)
 
     def _replaying(self) -> bool:
         """A forensic replay is re-running the model: none of its calls belong to the step."""
@@ -329,6 +339,8 @@ class Hooks:
         self._ensure_grad_norm()
         if not st.scaled and self.watched.primary(optimizer):
             self.skips.check_before_step()
+        elif st.in_scaler_step and self.skips.armed and scaler_enabled(scaler):
+            self.skips.check_applied_loss()
         if st.sampled and self._sampler is not None:
             self._sampler.before_step([(self.watched.param_name(p), p)
                                        for p in self.watched.trained_params()])

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .losscall import LossCall, Weak
 from .sampler import tensors_in
 from .trace import Capture
 
@@ -69,12 +70,15 @@ def _reload_value(value: Any, depth: int = 0) -> Any:
 
 
 def offload(cap: Capture, grads: bool = True) -> Capture:
-    """CPU copies of a capture (its output gradients too, if ``grads``)."""
+    """CPU copies of a capture (its output gradients too, if ``grads``); its torch loss
+    calls with the arguments they hold (those made from the model's output are rebuilt from
+    the replayed one)."""
     return Capture(cap.root, _offload_value(cap.args), _offload_value(cap.kwargs),
                    {k: v.clone() for k, v in cap.rng.items()}, cap.autocast, cap.micro,
                    (), {i: _offload_value(g) for i, g in cap.grads.items()} if grads else {},
                    [(_offload_value(loss), {k: _offload_value(v) for k, v in h.items()})
-                    for loss, h in cap.losses], cap.grads_dropped or not grads)
+                    for loss, h in cap.losses], cap.grads_dropped or not grads,
+                   loss_calls=[_moved(c, _offload_value) for c in cap.loss_calls])
 
 
 def reload(cap: Capture) -> Capture:
@@ -83,4 +87,20 @@ def reload(cap: Capture) -> Capture:
     return Capture(cap.root, args, kwargs, cap.rng, cap.autocast, cap.micro,
                    versions((args, kwargs)), {i: _reload_value(g) for i, g in cap.grads.items()},
                    [(_reload_value(loss), {k: _reload_value(v) for k, v in h.items()})
-                    for loss, h in cap.losses], cap.grads_dropped)
+                    for loss, h in cap.losses], cap.grads_dropped,
+                   loss_calls=[_moved(c, _reload_value) for c in cap.loss_calls])
+
+
+def _moved(call: LossCall, move: Any) -> LossCall:
+    """A loss call with its held tensors moved by ``move`` (a weakly held one is dropped:
+    a later re-run says it is missing)."""
+    def one(value: Any) -> Any:
+        return Weak(_dead) if isinstance(value, Weak) else move(value)
+
+    return LossCall(call.name, call.fn, tuple(one(a) for a in call.args),
+                    {k: one(v) for k, v in call.kwargs.items()}, call.autocast,
+                    move(call.value), {k: move(g) for k, g in call.grads.items()})
+
+
+def _dead() -> None:
+    return None

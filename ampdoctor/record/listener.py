@@ -59,8 +59,9 @@ class TrainingListener(Faults, Protocol):
 class Listener(TrainingListener, Protocol):
     """The recorder's doors besides: ``clip_grad_norm_`` (``patch_clip``,
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
-    discovering or sampling, ``hook_module_calls`` for the sampled step's op probe) and
-    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``)."""
+    discovering or sampling, ``hook_module_calls`` for the sampled step's op probe),
+    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``) and the torch loss
+    functions (``patch_losses``)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
     def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
@@ -76,6 +77,7 @@ class Listener(TrainingListener, Protocol):
     def on_module_compile(self, module: torch.nn.Module) -> None: ...
     def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
+    def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
 
 
 class SchedulerListener(Faults, Protocol):
@@ -90,7 +92,7 @@ Callback = Literal[
     "before_optimizer_step", "after_optimizer_step",
     "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
     "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
-    "compiled_post",
+    "compiled_post", "after_loss",
     "before_scheduler_step"]
 CALLBACKS: tuple[str, ...] = get_args(Callback)
 

@@ -1,6 +1,6 @@
 """Every change ampdoctor makes to torch's globals, each undoable through a handle.
 
-A recorder sees a training loop through six doors, all opened here and nowhere else:
+A recorder sees a training loop through seven doors, all opened here and nowhere else:
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
@@ -13,7 +13,9 @@ A recorder sees a training loop through six doors, all opened here and nowhere e
 * global module forward hooks, installed only while discovering the model or sampling a step
   (on a sampled step also the op probe's, whose post-hook runs even when a forward raises);
 * ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
-  only place its calls can be seen without entering the compiled region (``compiled.py``).
+  only place its calls can be seen without entering the compiled region (``compiled.py``);
+* the loss functions of ``torch.nn.functional`` (``cross_entropy``, ``mse_loss``...: those of
+  ``losscall.LOSSES``, which the ``nn.*Loss`` modules call): the loss a replay recomputes.
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
@@ -27,9 +29,11 @@ attribute someone else re-patched after us.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as functional
 import torch.nn.modules.module as module_hooks
 import torch.nn.utils.clip_grad as clip_grad
 import torch.optim.optimizer as optimizer_hooks
@@ -401,3 +405,54 @@ def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
     for cls in _scheduler_classes():
         if "step" in cls.__dict__:
             patches.add(Patch(cls, "step", make))
+
+
+class _Switch:
+    """A flag a wrapper reads at each call, turned off on ``remove``: a wrapper a user imported
+    by name while recording (``from torch.nn.functional import cross_entropy``) outlives its
+    patch, and must do nothing of ours then."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+    def remove(self) -> None:
+        self.on = False
+
+
+def patch_losses(patches: PatchSet, listener: Listener, names: tuple) -> None:
+    """See the loss functions ``names`` of ``torch.nn.functional`` (``listener.after_loss(name,
+    original, args, kwargs, result)``, after the call; a loss computed inside another one is
+    not told again). TorchScript still compiles the original: the wrapper carries the
+    original's globals, and its source is found through ``__wrapped__``."""
+    require(listener, Listener)
+    switch = patches.add(_Switch())
+    depth = [0]
+
+    def make(_orig: Callable, _name: str) -> Callable:
+        # Only closure variables, no globals: the wrapper runs with the original's globals
+        # (torch.jit.script compiles the original's source, found through __wrapped__, and
+        # resolves its names there). Their names start with _loss_ so as never to shadow one
+        # of that source's.
+        _loss_switch, _loss_depth, _loss_listener = switch, depth, listener
+        _loss_guard, _loss_compiling = guard, _compiling
+
+        def _wrapper(*args, **kwargs):
+            if _loss_compiling() or not _loss_switch.on or _loss_depth[0]:
+                return _orig(*args, **kwargs)
+            _loss_depth[0] += 1
+            try:
+                out = _orig(*args, **kwargs)
+            finally:
+                _loss_depth[0] -= 1
+            _loss_guard(_loss_listener, "after_loss", _name, _orig, args, kwargs, out)
+            return out
+
+        wrapper = types.FunctionType(_wrapper.__code__, _orig.__globals__, _orig.__name__,
+                                     None, _wrapper.__closure__)
+        return functools.update_wrapper(wrapper, _orig)
+
+    for name in names:
+        orig = getattr(functional, name, None)
+        if callable(orig) and not _wrapped_for(orig, listener):
+            patches.add(Patch(functional, name, functools.partial(make, _name=name),
+                              listener))

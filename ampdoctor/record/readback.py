@@ -46,6 +46,7 @@ class HostMirror:
         self.host = torch.empty(self.SIZE, dtype=torch.float32, pin_memory=self.cuda)
         self.event = torch.cuda.Event() if self.cuda else None
         self.landed = False
+        self.values: Optional[list[float]] = None  # read once per staging (host memory)
         self.blocked = 0  # waits that found the copy still in flight (see ``wait``)
         _MIRRORS[id(self.host)] = self
 
@@ -53,6 +54,7 @@ class HostMirror:
         """Queue the copy of ``values`` (SIZE float32 elements on ``device``); never waits
         on CPU and CUDA."""
         self.host.copy_(values, non_blocking=self.cuda)
+        self.values = None
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(values.device))
         self.landed = self.event is None
@@ -74,10 +76,13 @@ class HostMirror:
             self.landed = True
 
     def read(self) -> list[float]:
-        """The staged values, from host memory the copy has finished writing."""
+        """The staged values, from host memory the copy has finished writing (read once: a
+        second ``read`` of the same staging returns them without touching the buffer)."""
         if not self.landed:
             raise RuntimeError("HostMirror.read before its copy landed (call ready or wait)")
-        return self.host.tolist()
+        if self.values is None:
+            self.values = self.host.tolist()
+        return self.values
 
 
 class MirrorPool:

@@ -11,6 +11,9 @@ The syncs of a steady step, all of them (tests/test_host_reads.py counts them):
   be after a wait for that copy alone, queued a step earlier (the device still has the step's
   optimizer kernels queued behind it, so it never runs dry).
 - No scaler, forensics armed: one read before optimizer.step (``check_before_step``).
+- GradScaler applying a step: its landed mirror read before optimizer.step instead of at
+  ``update`` (``check_applied_loss``): a non-finite loss that skips nothing is still caught
+  with the weights in place. The same one read of host memory, not a second.
 - Every flush (about once a second): one read per device of all pending steps' values
   (``steplog.StepLog.drain``).
 
@@ -143,6 +146,24 @@ class Skips:
             if self.forensics is not None:
                 self.forensics.release_held()
 
+    def check_applied_loss(self) -> None:
+        """GradScaler is applying this step (found_inf was 0), yet its loss may be non-finite:
+        a loss with zero gradients (targets all ``ignore_index``: 0/0) skips nothing. Seen here,
+        just before ``optimizer.step``, the parameters are still those that failed. Read from
+        the step's mirror only once its copy has landed (GradScaler's own sync on found_inf
+        lands it for a non-fused optimizer; a fused one syncs on nothing and is not checked):
+        no wait of ours, and ``_decide`` reuses the values read."""
+        st = self.log.step
+        if st.loss_checked or not self.armed or st.loss_sum is None:
+            return
+        mirrors = list(st.staged.values())
+        if not mirrors or not all(m.ready() for m in mirrors):
+            return
+        st.loss_checked = True
+        values = [m.read() for m in mirrors]
+        if all(v[0] == 0 for v in values) and not math.isfinite(values[0][1]):
+            self.trigger(Event.NONFINITE_LOSS)
+
     def check_before_step(self) -> None:
         """Without a scaler: is this step about to apply non-finite values?
 
@@ -170,8 +191,9 @@ class Skips:
         ``st``: a step already ended, whose skip was decided at the next step's start."""
         st = st if st is not None else self.log.step
         forensics = self.forensics
-        if forensics is None:
+        if forensics is None or st.triggered:
             return
+        st.triggered = True
         self.log.drain()  # the steps up to the event reach the file before anything else
         snapshot = forensics.on_event(st, why, held=st is not self.log.step)
         if snapshot is not None:

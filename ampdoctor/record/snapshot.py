@@ -1,8 +1,8 @@
 """A forensic replay's findings in the run file: its /snapshots row (culprit, phase, fp32
 verdict, scale, LR, and in its detail JSON the culprit's statistics and the history up to the
 event), /stats rows of every tensor of the replay (``Source.REPLAY``) and of the fp32 re-run
-(``Source.REPLAY_FP32``), and /arrays: the batch, the culprit's inputs, the output gradient
-and the RNG state, within ``BATCH_BYTES``.
+(``Source.REPLAY_FP32``), and /arrays: the batch, the culprit's inputs, the output gradient,
+the targets of the loss and the RNG state, within ``BATCH_BYTES``.
 
 Example (what ``Forensics`` does after a replay)::
 
@@ -105,6 +105,8 @@ def array_items(cap: Capture, f: Culprit) -> list[tuple[str, torch.Tensor]]:
     items += list(labeled(cap.args, cap.kwargs))
     items += [(f"culprit.{label}", t) for label, t in f.culprit_inputs]
     items += [(f"grad_output.{i}", g) for i, g in sorted(cap.grads.items())]
+    items += [(f"loss.{k}.{call.name}.{label}", t) for k, call in enumerate(cap.loss_calls)
+              for label, t in call.held()]  # the targets the loss was given
     return items
 
 

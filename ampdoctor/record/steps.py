@@ -46,6 +46,8 @@ class Step:
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
     staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
+    loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step
+    triggered: bool = False  # handed to the forensic tier already (one event per step)
 
 
 VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")

@@ -62,6 +62,11 @@ class Capture:
     grads: dict = field(default_factory=dict)  # output index -> gradient seen in backward
     losses: list = field(default_factory=list)  # (loss, {"scaled": bool, "scale": S}) pairs
     grads_dropped: bool = False
+    # Weak references to the root's outputs: what the real step produced, measured only on
+    # the event (the user's ``logits`` usually still holds them); never kept alive by us.
+    outputs: list = field(default_factory=list)
+    loss_calls: list = field(default_factory=list)  # losscall.LossCall: torch losses after it
+    open: bool = False  # the call is still running: a loss computed now is inside the model
 
 
 @dataclass

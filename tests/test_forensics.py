@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.record import forensics, losscall, snapshot, treatment
-from ampdoctor.record.treatment import Treatment
+from ampdoctor.record import forensics, losscall, snapshot, trial
+from ampdoctor.record.trial import Trial
 from ampdoctor.runfile.schema import Event, Kind, Phase, Source
 
 # ---------------------------------------------------------------------------------------------
@@ -1018,7 +1018,7 @@ def test_no_reference_kept_to_past_steps_or_replays(run_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the numbers or the machine: what the real step saw, the loss recomputed, treatments
+# the numbers or the machine: what the real step saw, the loss recomputed, trials
 
 
 class FaultyDevice:
@@ -1189,8 +1189,8 @@ class SoftNet(nn.Module):
 
 
 @pytest.mark.parametrize("half", [False, True])
-def test_treatments_rerun_the_saved_step(run_path, half):
-    """The treatment API (``treatment.py``): the saved step re-run as recorded (non-finite),
+def test_trials_rerun_the_saved_step(run_path, half):
+    """The trial API (``trial.py``): the saved step re-run as recorded (non-finite),
     with an fp32 island around the culprit, in bf16, and with the loss in fp32."""
     model = make(SoftNet)
     sc = None if half else scaler()
@@ -1208,16 +1208,16 @@ def test_treatments_rerun_the_saved_step(run_path, half):
     model.load_state_dict(weights)  # no GradScaler skipped step 0 of the half model
     as_ran = rec.forensics.rerun(0)
     assert not as_ran.finite and as_ran.first == "forward" and as_ran.loss_finite is False
-    island = rec.forensics.rerun(0, Treatment("island", fp32_modules=("soft",)))
+    island = rec.forensics.rerun(0, Trial("island", fp32_modules=("soft",)))
     assert island.finite and island.grads == "finite", island
     assert island.loss_fns == ["cross_entropy"] and math.isfinite(island.loss)
     assert model.soft.lin.weight.dtype == (torch.float16 if half else torch.float32)
     if not half:
-        bf16 = rec.forensics.rerun(0, Treatment("bf16", autocast="bfloat16", scale=1.0))
+        bf16 = rec.forensics.rerun(0, Trial("bf16", autocast="bfloat16", scale=1.0))
         assert bf16.finite and bf16.loss_dtype == "float32"
-        assert not rec.forensics.rerun(0, treatment.LOSS_FP32).finite  # not the loss's fault
+        assert not rec.forensics.rerun(0, trial.LOSS_FP32).finite  # not the loss's fault
     with pytest.raises(KeyError, match="nowhere"):
-        rec.forensics.rerun(0, Treatment(fp32_modules=("nowhere",)))
+        rec.forensics.rerun(0, Trial(fp32_modules=("nowhere",)))
 
 
 @pytest.mark.parametrize("dtype,use_scaler", [(torch.float16, True), (torch.bfloat16, False)])

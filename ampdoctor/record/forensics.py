@@ -31,7 +31,7 @@ non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped)
 finding is checked against what the real step saw (``reproduce``): the loss recomputed, in
 fp32 too, its targets read; a step whose loss or output was non-finite and whose replay is
 finite did not reproduce (the machine, not the numbers). ``trial`` and ``rerun`` re-run a
-step under a ``treatment.Treatment`` (an fp32 island, another autocast dtype, the loss in
+step under a ``trial.Trial`` (an fp32 island, another autocast dtype, the loss in
 fp32) and say whether it comes out finite.
 
 **Rate limit.** Events close together (at most ``EPISODE_GAP`` steps apart) form an episode.
@@ -69,7 +69,7 @@ reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``find
 
 (About 600 lines: capture, trigger policy and the replay search share one step's captures
 and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
-``kept``, ``losscall``, ``reproduce``, ``treatment``.)
+``kept``, ``losscall``, ``reproduce``, ``trial``.)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ from .sampler import tensors_in
 from .steplog import StepLog
 from .steps import columns, device_values, fetch
 from .trace import Capture, Trace, rng_state, unwrap
-from .treatment import AS_RECORDED, Outcome, Treatment, rerun_step
+from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 from .watched import Watched
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -494,12 +494,12 @@ class Forensics:
                 raise
             finding.detail["rerun_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
-    # -- treatments: the saved step re-run with a change ------------------------------------
+    # -- trials: the saved step re-run with a change --- ------------------------------------
 
-    def trial(self, captures: list, t: Treatment = AS_RECORDED,
+    def trial(self, captures: list, t: Trial = AS_RECORDED,
               scale: Optional[float] = None) -> Outcome:
         """Re-run ``captures`` (a step's micro-batches, held at the event or reloaded from a
-        kept one) under treatment ``t`` (``treatment.py``), with a replay's guarantees: RNG
+        kept one) under trial ``t`` (``trial.py``), with a replay's guarantees: RNG
         forked, module buffers restored, ``.grad`` untouched, compiled code run eagerly.
         ``scale``: the loss scale at the event (None: as the replay already noted it)."""
         if scale is not None:
@@ -513,11 +513,11 @@ class Forensics:
         finally:
             self.replaying = False
 
-    def rerun(self, step: int, t: Treatment = AS_RECORDED) -> Outcome:
+    def rerun(self, step: int, t: Trial = AS_RECORDED) -> Outcome:
         """A replayed event's step re-run now under ``t`` (against the current weights, as
         ``replay``)::
 
-            rec.forensics.rerun(12, Treatment("island", fp32_modules=("blocks.3.attn",)))
+            rec.forensics.rerun(12, Trial("island", fp32_modules=("blocks.3.attn",)))
         """
         kept = self._kept_event(step)
         return self.trial([reload(c) for c in kept.captures], t, kept.scale)

@@ -5,10 +5,10 @@ none) says nothing yet about the failure it was run for. ``recorded`` says what 
 saw, measured on the event: its loss (captured), whether the model's output held NaN/inf (read
 through the capture's weak references while the loop still holds it: None when it no longer
 does), whether the gradient reaching the output did. ``examine`` then re-runs the
-micro-batch as it ran (``treatment.AS_RECORDED``: forward, the loss recomputed by each torch
+micro-batch as it ran (``trial.AS_RECORDED``: forward, the loss recomputed by each torch
 loss function the step called after the model, backward from it) and compares:
 
-* **the loss is non-finite again**: it is recomputed in fp32 as well (``treatment.LOSS_FP32``)
+* **the loss is non-finite again**: it is recomputed in fp32 as well (``trial.LOSS_FP32``)
   and its targets are read (``losscall.check_targets``). Non-finite in fp32 too means not the
   precision: the targets (every one ``ignore_index``, out of range, NaN) or the loss's
   formula. Phase loss, ``fp32_finite`` the fp32 verdict.
@@ -36,7 +36,7 @@ import torch
 
 from ..numfmt import fmt
 from ..runfile.schema import Phase
-from . import losscall, stats, treatment
+from . import losscall, stats, trial
 from .culprit import Culprit
 from .trace import Capture, Trace
 
@@ -65,7 +65,7 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     """A loss-phase finding checked against a re-run of the micro-batch (see the module
     docstring): its phase, summary and detail updated in place."""
     seen = f.detail["recorded"] = recorded(cap)
-    again = treatment.rerun(cap, treatment.AS_RECORDED, names) if cap.loss_calls else None
+    again = trial.rerun(cap, trial.AS_RECORDED, names) if cap.loss_calls else None
     if again is not None:
         f.detail["rerun"] = again.as_dict()
     if again is None or again.loss_finite is None:
@@ -91,7 +91,7 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
         f.detail["reproduced"] = True
 
 
-def not_reproduced(f: Culprit, seen: dict, again: Optional[treatment.Outcome]) -> None:
+def not_reproduced(f: Culprit, seen: dict, again: Optional[trial.Outcome]) -> None:
     """The real step was non-finite and its replay is not: phase none, ``reproduced`` False."""
     f.phase = Phase.NONE
     f.module, f.module_type, f.call = "", "", None
@@ -116,10 +116,10 @@ def not_reproduced(f: Culprit, seen: dict, again: Optional[treatment.Outcome]) -
 
 
 def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
-                again: treatment.Outcome) -> None:
+                again: trial.Outcome) -> None:
     """The recomputed loss is non-finite again: is it the precision (fp32 re-run) or not (the
     targets, the loss's formula)?"""
-    fp32 = treatment.rerun(cap, treatment.LOSS_FP32, names)
+    fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
     f.detail["loss_fp32"] = fp32.as_dict()
     found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls) if t]
     f.detail["targets"] = found

@@ -1,10 +1,10 @@
 """Re-run a saved step with a change applied, and say whether it comes out finite.
 
-A ``Treatment`` names the change; ``rerun(capture, treatment, names)`` re-runs one captured
+A ``Trial`` names the change; ``rerun(capture, trial, names)`` re-runs one captured
 micro-batch under it (``rerun_step`` every micro-batch of a step) and returns an ``Outcome``:
 
 1. the root's forward, from the captured RNG state, in the captured autocast state or the
-   treatment's (``autocast``: another dtype, or off), with autocast off and fp32 inputs around
+   trial's (``autocast``: another dtype, or off), with autocast off and fp32 inputs around
    the named modules (``fp32_modules``: an fp32 island; a module whose parameters are half
    runs on fp32 casts of them, through which gradients still reach the real ones);
 2. the loss, recomputed from the replayed output by each torch loss function the real step
@@ -24,9 +24,9 @@ The caller owns the observer-effect guarantee, as for a replay: ``Forensics.tria
 Example::
 
     rec.forensics.rerun(12)                                       # as the step ran
-    rec.forensics.rerun(12, Treatment("island", fp32_modules=("blocks.3.attn",)))
-    rec.forensics.rerun(12, Treatment("bf16", autocast="bfloat16", scale=1.0))
-    # Outcome(treatment='bf16', finite=True, first='', loss=2.31, grads='finite', ...)
+    rec.forensics.rerun(12, Trial("island", fp32_modules=("blocks.3.attn",)))
+    rec.forensics.rerun(12, Trial("bf16", autocast="bfloat16", scale=1.0))
+    # Outcome(trial='bf16', finite=True, first='', loss=2.31, grads='finite', ...)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from .trace import Capture, autocast, set_rng, unwrap
 
 
 @dataclass(frozen=True)
-class Treatment:
+class Trial:
     """A change applied to a re-run of the saved step (the default changes nothing)."""
 
     name: str = "as recorded"
@@ -56,15 +56,15 @@ class Treatment:
     scale: Optional[float] = None  # the loss scale of the backward (None: as recorded)
 
 
-AS_RECORDED = Treatment()
-LOSS_FP32 = Treatment("loss in fp32", loss_fp32=True)
+AS_RECORDED = Trial()
+LOSS_FP32 = Trial("loss in fp32", loss_fp32=True)
 
 
 @dataclass
 class Outcome:
-    """What one re-run under a treatment gave."""
+    """What one re-run under a trial gave."""
 
-    treatment: str
+    trial: str
     finite: bool = False  # outputs, recomputed loss and every parameter gradient finite
     first: str = ""  # where it first was not: "forward", "loss", "backward" ("": nowhere)
     output_finite: Optional[bool] = None
@@ -84,7 +84,7 @@ class Outcome:
         return out
 
 
-def rerun(cap: Capture, t: Treatment, names: dict) -> Outcome:
+def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     """Re-run one captured micro-batch under ``t`` (see the module docstring). ``names``:
     the recorder's module -> name map (for ``fp32_modules``)."""
     root = unwrap(cap.root)
@@ -111,7 +111,7 @@ def rerun(cap: Capture, t: Treatment, names: dict) -> Outcome:
     return out
 
 
-def rerun_step(captures: list, t: Treatment, names: dict) -> Outcome:
+def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
     """Every micro-batch of a step under ``t``: finite when each one is; the loss summed;
     ``micro`` the first one that was not finite (-1: none). Gradients are judged per
     micro-batch (a sum that overflows a half ``.grad`` is not re-run here)."""
@@ -140,7 +140,7 @@ def rerun_step(captures: list, t: Treatment, names: dict) -> Outcome:
 # the forward
 
 
-def _forward_state(recorded: tuple, t: Treatment) -> tuple:
+def _forward_state(recorded: tuple, t: Trial) -> tuple:
     device, enabled, dtype, cache = recorded
     if t.autocast is None:
         return recorded
@@ -238,7 +238,7 @@ def _cast(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
 # the loss and the backward
 
 
-def _losses(cap: Capture, outs: list, t: Treatment, out: Outcome) -> list:
+def _losses(cap: Capture, outs: list, t: Trial, out: Outcome) -> list:
     """(LossCall, recomputed value) for each loss call that could be rebuilt; the outcome's
     loss fields filled in."""
     done = []
@@ -268,7 +268,7 @@ def _losses(cap: Capture, outs: list, t: Treatment, out: Outcome) -> list:
     return done
 
 
-def _backward_pairs(cap: Capture, outs: list, losses: list, t: Treatment, out: Outcome) -> list:
+def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outcome) -> list:
     """(tensor, gradient) to run the backward from: the recomputed losses with the gradient
     the real step sent into each, else the root's outputs with the gradient that reached them."""
     recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)

@@ -282,6 +282,7 @@ def run_summary(f: Any) -> dict:
         "device": f.meta.get("device"),
         "torch": (f.meta.get("torch") or {}).get("version"),
         "argv": run.attrs.get("argv"),
+        "applied": [a.get("arg") for a in run.applied],
     }
 
 
@@ -299,6 +300,7 @@ def notes(f: Any, top: Finding) -> list[str]:
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
+    out += _applied_notes(f)
     out += _coverage_notes(f, top)
     # a sharded (FSDP) run: per-shard numbers, replay off
 
@@ -385,6 +387,29 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
         out.append(f"The forensic replay budget ({recorder['max_replays']}) was spent on "
                    "earlier skipped steps, so the failing step was not replayed; the module "
                    "comes from sampled statistics, if any.")
+    return out
+
+
+def _applied_notes(f: Any) -> list[str]:
+    """A run treated with ``record --apply``: what was applied, and what could not be."""
+    applied = f.run.applied
+    if not applied:
+        return []
+    out = ["This run was treated with " + ", ".join(f"--apply {a.get('arg')}" for a in applied)
+           + " (ampdoctor record --apply): compare it with the untreated run, ampdoctor "
+           "compare run.h5 fixed.h5."]
+    for a in applied:
+        if a.get("error"):
+            out.append(f"--apply {a.get('arg')} could not be applied ({a['error']}): this run "
+                       "ran without it.")
+        if a.get("missing"):
+            out.append(f"--apply fp32_island: no module named {', '.join(a['missing'])} in the "
+                       "model (names as diagnose shows them, e.g. blocks.0.attn): "
+                       + ("those ran as before." if a.get("modules") else
+                          "no island was made."))
+        for name, why in (a.get("skipped") or {}).items():
+            out.append(f"--apply fp32_island: {name} was left as it was: {why} (only "
+                       "model.float() in the code makes it an island).")
     return out
 
 

@@ -37,6 +37,7 @@ from . import patches, sharding, stats
 from .forensics import Forensics
 from .journal import Journal
 from .sampler import Sampler
+from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
 from .torchcompat import scaler_enabled, unscaled_already
@@ -61,6 +62,7 @@ class Hooks:
         self._sample_hooks = patches.PatchSet()
         self._sampler = sampler
         self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
+        self._schedules = Schedules(journal)
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)
@@ -74,6 +76,7 @@ class Hooks:
         patches.patch_clip(self.patches, self)
         patches.hook_optimizers(self.patches, self)
         patches.patch_module_compile(self.patches, self)
+        patches.patch_schedulers(self.patches, self)
         self.watched.attach(self, self.patches, self.log.follow)
         self.log.open(self.watched.device)
         self.begin_step(0)
@@ -160,6 +163,10 @@ class Hooks:
 
     def on_scaler_init(self, scaler: Any) -> None:
         self.watched.scaler_created(scaler, self.log.step)
+
+    def before_scheduler_step(self, scheduler: Any) -> None:
+        """An LR scheduler steps: counted per optimizer step (``schedules.py``; no host read)."""
+        self._schedules.seen(scheduler)
 
     # -- loss and backward --------------------------------------------------------------------
 
@@ -410,6 +417,7 @@ class Hooks:
         if self.watched.discovery_open:
             self.watched.finish_discovery()
         self.watched.fp16_without_scaler(st)
+        self._schedules.end_step(st)
         now = time.perf_counter()
         self.log.finish(st)
         if st.sampled and self._sampler is not None:

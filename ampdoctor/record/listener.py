@@ -56,11 +56,18 @@ class TrainingListener(Faults, Protocol):
     def after_optimizer_step(self, optimizer: Any) -> None: ...
 
 
-class Listener(TrainingListener, Protocol):
+class SchedulerListener(Faults, Protocol):
+    """``LRScheduler.step`` (``patches.patch_schedulers``: ``check_amp_step``, and the
+    recorder, which counts a scheduler's steps per optimizer step)."""
+
+    def before_scheduler_step(self, scheduler: Any) -> None: ...
+
+
+class Listener(TrainingListener, SchedulerListener, Protocol):
     """The recorder's doors besides: ``clip_grad_norm_`` (``patch_clip``,
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
-    discovering or sampling) and ``module.compile()`` (``patch_module_compile``,
-    ``shim_compiled_call``)."""
+    discovering or sampling), ``module.compile()`` (``patch_module_compile``,
+    ``shim_compiled_call``) and ``LRScheduler.step`` (``patch_schedulers``)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
     def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
@@ -74,12 +81,6 @@ class Listener(TrainingListener, Protocol):
     def on_module_compile(self, module: torch.nn.Module) -> None: ...
     def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
-
-
-class SchedulerListener(Faults, Protocol):
-    """``LRScheduler.step`` (``patches.patch_schedulers``; ``check_amp_step`` only)."""
-
-    def before_scheduler_step(self, scheduler: Any) -> None: ...
 
 
 Callback = Literal[

@@ -1,6 +1,6 @@
 """Every change ampdoctor makes to torch's globals, each undoable through a handle.
 
-A recorder sees a training loop through six doors, all opened here and nowhere else:
+A recorder sees a training loop through seven doors, all opened here and nowhere else:
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
@@ -12,7 +12,12 @@ A recorder sees a training loop through six doors, all opened here and nowhere e
   pre-step work waits until the closure has returned;
 * global module forward hooks, installed only while discovering the model or sampling a step;
 * ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
-  only place its calls can be seen without entering the compiled region (``compiled.py``).
+  only place its calls can be seen without entering the compiled region (``compiled.py``);
+* ``LRScheduler.step``: the schedulers that step, so that a scheduler stepped once per
+  micro-batch is seen (``schedules.py``).
+
+(``record --apply`` treats a run as well: ``treatment.py`` changes what torch computes, on
+purpose and only when asked, with the same ``Patch`` handles.)
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
@@ -373,7 +378,7 @@ def _scheduler_classes() -> list[type]:
 def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
     """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
     base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
-    Used by ``ampdoctor.testing.check_amp_step``, not by the recorder."""
+    Used by ``ampdoctor.testing.check_amp_step`` and by the recorder (``schedules.py``)."""
     require(listener, SchedulerListener)
 
     def make(orig):

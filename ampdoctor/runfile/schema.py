@@ -131,6 +131,10 @@ class Event(enum.IntEnum):
     # A step flag, never an /events row: the step's grad_norm is this rank's share of a
     # sharded model's norm (no clip_grad_norm_ combined the shards); see sharding.py.
     GRAD_NORM_LOCAL = 16
+    # An LR scheduler stepped more than once in one optimizer step (once per micro-batch):
+    # value: its steps that took effect in this one, text: its class. Written when that count
+    # first passes 1 and whenever it changes (record/schedules.py).
+    SCHEDULER_STEPS = 17
 
 
 # Bits of steps["flags"], one per event kind seen on that step.
@@ -318,6 +322,9 @@ META_KEYS = {
     "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
     "clip": "clip_grad_norm_ as called: max_norm ('tensor' if one was given), norm_type, "
             "foreach; rewritten when they change (Run.clip)",
+    "applied": "record --apply: the fixes the run was treated with, one dict each: fix, arg, "
+               "and what the treatment found (fp32_island's modules and missing names, "
+               "use_bf16's scaler, an error); rewritten when that changes (Run.applied)",
 }
 
 STATUS_RUNNING = "running"

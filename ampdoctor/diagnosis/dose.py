@@ -8,7 +8,8 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
 * ``lr``: an update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
   ratio grows with the LR (Adam's in proportion to it, SGD's with it and the gradient), so at
   a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r: the median over
-  the sampled steps before the failure (the first step is left out when others exist: every
+  the sampled steps up to where the run stopped being steady (after it the ratios describe a
+  broken run: dead units stop moving, NaN), the first step left out when others exist (every
   optimizer's first update is unlike its later ones). It is capped by the largest LR at
   which the run was still steady (the LR history before the gradient norm, the loss or the
   update ratio first jumped, ``JUMP``), and always set below the LR where it jumped. With no
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -68,6 +70,18 @@ CLIP_MIN_STEPS = 5
 MAX_SCALE_EXP = 24
 
 
+@dataclass(frozen=True)
+class Jump:
+    """Where the run stopped being steady: ``seen``, the step position where it showed
+    (``what``: "the loss jumped"), and ``update``, the position of the optimizer step whose
+    update caused it (a loss, a gradient norm or a non-finite forward shows the update of the
+    step before; an update ratio is its own step's)."""
+
+    seen: int
+    update: int
+    what: str
+
+
 def _round(x: float) -> float:
     """Two significant digits: a number a person types (0.0057, 1.4e-05)."""
     return float(f"{x:.2g}")
@@ -96,36 +110,34 @@ class Doses:
         if not known.any():
             return None
         peak = float(lr[known].max())
-        jump, what = self.jump()
-        at = jump if jump is not None else f.n
-        limit = float(lr[at]) if jump is not None and known[at] else peak
-        measured = self._ratio_lr(jump)
+        jump = self.jump()
+        limit = float(lr[jump.update]) if jump is not None and known[jump.update] else peak
+        where = (f"LR {fmt(limit)}, the LR of the update before {jump.what} at step "
+                 f"{f.step_at(jump.seen)}" if jump is not None else f"the peak LR {fmt(peak)}")
+        measured = self._ratio_lr()
         if measured is not None:
             value, source = measured
         else:
             value = limit / 10
-            source = (f"an order of magnitude below LR {fmt(limit)}, where {what} at step "
-                      f"{f.step_at(at)} (no sampled update ratio to measure the step size)"
-                      if jump is not None else
-                      f"a tenth of the peak LR {fmt(peak)}: the default, no sampled update "
-                      "ratio to measure the step size")
-        steady = lr[:at][known[:at]] if jump is not None else np.zeros(0)
+            source = f"an order of magnitude below {where} (no sampled update ratio to " \
+                     "measure the step size)" if jump is not None else \
+                f"a tenth of {where}: the default, no sampled update ratio to measure the step"
+        steady = lr[:jump.update][known[:jump.update]] if jump is not None else np.zeros(0)
         if len(steady) and float(steady.max()) < limit * 0.999 and value > steady.max():
             value = float(steady.max())
-            source += (f", capped at LR {fmt(value)}, the largest at which the run was steady "
-                       f"(before {what} at step {f.step_at(at)})")
+            source += f", capped at LR {fmt(value)}, the largest at which the run was steady"
         if value >= limit * 0.999:
             value = limit / 10
-            source += (f"; set an order of magnitude below LR {fmt(limit)}, where the run "
-                       "failed")
+            source += f"; set an order of magnitude below {where}"
         value = _round(value)
         return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
 
-    def _ratio_lr(self, jump: Optional[int]) -> Optional[tuple[float, str]]:
+    def _ratio_lr(self) -> Optional[tuple[float, str]]:
         """L * TARGET_RATIO / r over the sampled steps before the failure (the first step left
         out when others exist), with its source clause."""
         f = self.f
-        end = f.failure_index if f.failure_index is not None else f.n
+        jump = self.jump()  # after it the ratios describe a broken run (dead units, NaN)
+        end = jump.seen + 1 if jump is not None else f.n
         upd = f.reduced.upd_log
         lr = f.steps["lr"].astype(float)
         idx = np.flatnonzero(f.reduced.sampled[:end] & ~f.skipped[:end] & np.isfinite(
@@ -143,29 +155,33 @@ class Doses:
         return value, (f"update ratio {least}{fmt(r)} at LR {fmt(at_lr)} ({where}); at "
                        f"~{TARGET_RATIO:g} per step the LR is about {fmt(_round(value))}")
 
-    def jump(self) -> tuple[Optional[int], str]:
-        """The first step where the run stopped being steady (the failure, or a gradient norm,
-        loss or update ratio ``JUMP`` x the median before it) and what jumped there."""
+    def jump(self) -> Optional[Jump]:
+        """The first place the run stopped being steady: the failure, the loss curve's first
+        spike, or a gradient norm, loss or update ratio ``JUMP`` x the median before it."""
+        return self.f.memo("dose_jump", self._jump)
+
+    def _jump(self) -> Optional[Jump]:
         f = self.f
         if not f.n:
-            return None, ""
-        found: list[tuple[int, str]] = []
+            return None
+        seen: list[tuple[int, str]] = []
         if f.failure_index is not None:
-            found.append((f.failure_index, "the failure began"))
+            seen.append((f.failure_index, "the failure began"))
+        if f.curve.spikes:
+            seen.append((f.curve.spikes[0].onset, "the loss jumped"))
         for column, what in (("grad_norm", "the gradient norm jumped"),
                              ("loss", "the loss jumped")):
             i = _first_jump(f.steps[column].astype(float))
             if i is not None:
-                found.append((i, what))
+                seen.append((i, what))
+        found = [Jump(i, max(i - 1, 0), what) for i, what in seen]
         upd = f.reduced.upd_log
         sampled = np.flatnonzero(np.isfinite(upd))
         if len(sampled) > 2:
             i = _first_jump(10.0 ** upd[sampled])
             if i is not None:
-                found.append((int(sampled[i]), "the update ratio jumped"))
-        if not found:
-            return None, ""
-        return min(found)
+                found.append(Jump(int(sampled[i]), int(sampled[i]), "the update ratio jumped"))
+        return min(found, key=lambda j: (j.update, j.seen)) if found else None
 
     # -- the loss scale -------------------------------------------------------------------
 
@@ -231,14 +247,14 @@ class Doses:
         f = self.f
         if not f.n:
             return None
-        jump, what = self.jump()
-        end = jump if jump is not None else f.n
+        jump = self.jump()
+        end = jump.seen if jump is not None else f.n
         gn = f.steps["grad_norm"][:end].astype(float)
         ok = np.isfinite(gn) & (gn > 0) & ~f.skipped[:end]
         if ok.sum() < CLIP_MIN_STEPS:
             return None
         value = _round(float(np.percentile(gn[ok], CLIP_PERCENTILE)))
-        before = f" before step {f.step_at(end)} ({what})" if jump is not None else ""
+        before = f" before step {f.step_at(end)} ({jump.what})" if jump is not None else ""
         return Dose({"max_norm": value}, f"the {CLIP_PERCENTILE}th percentile of the gradient "
                     f"norm over the {int(ok.sum())} steady steps{before}")
 

@@ -178,12 +178,17 @@ def _not_tried(fix_id: str, c: Context) -> str:
 
 
 def _literal(x: Optional[float], default: str) -> str:
-    """``x`` as a Python literal for a snippet: 3e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
+    """``x`` as a Python literal for a snippet, to the two significant digits the doses are
+    rounded to: 3e-4, 1.4e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
     if x is None:
         return default
-    return f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e") if (x and (abs(x) < 1e-3 or
-                                                                           abs(x) >= 1e4)) \
-        else f"{x:g}"
+    if float(x).is_integer() and 1e4 <= abs(x) < 1e16:
+        return str(int(x))  # a loss scale: 65536
+    if x and (abs(x) < 1e-3 or abs(x) >= 1e4):
+        mantissa, exponent = f"{x:.1e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{x:g}"
 
 
 def _clip_step(scaler: bool, max_norm: str = "1.0") -> str:

@@ -55,6 +55,7 @@ class Prescription:
 
     name: str
     value: Value = None
+    given: str = ""  # the value as typed ("4.7e-6"), kept so that /meta shows it unchanged
 
     @property
     def arg(self) -> str:
@@ -63,8 +64,7 @@ class Prescription:
             return self.name
         if isinstance(self.value, tuple):
             return f"{self.name}={','.join(self.value)}"
-        return f"{self.name}={self.value:g}" if isinstance(self.value, float) else \
-            f"{self.name}={self.value}"
+        return f"{self.name}={self.given or self.value}"
 
 
 def usage() -> str:
@@ -86,7 +86,7 @@ def parse(text: str) -> Prescription:
         return Prescription(name)
     if not raw.strip():
         raise RecordError(f"--apply {text}: {name} needs a value: --apply {name}={placeholder}")
-    return Prescription(name, _value(name, raw.strip(), text, placeholder))
+    return Prescription(name, _value(name, raw.strip(), text, placeholder), raw.strip())
 
 
 def _value(name: str, raw: str, text: str, placeholder: str) -> Value:

@@ -51,7 +51,8 @@ def test_the_first_step_is_left_out_when_others_were_sampled():
 def test_a_ratio_at_the_ceiling_says_at_least():
     dose = doses(_adam_at(30.0, 12.0, every=100))("lr")  # one sample, step 0, clipped at 10
     assert "at least 10" in dose.source and "sampled step 0" in dose.source
-    assert dose.values["lr"] == 0.003
+    # the first step is all there is: AdamW's is sign-sized, ~1e-2 at a sane LR
+    assert dose.values["lr"] == 0.03 and "AdamW's first, sign-sized step" in dose.source
 
 
 def test_the_lr_is_capped_where_the_run_was_steady_and_set_below_where_it_jumped():
@@ -80,7 +81,8 @@ def test_without_a_sampled_ratio_the_lr_default_says_why():
 
 
 def test_lower_lr_at_lr_30_never_says_7_5():
-    """The issue's regression: feed the fix's number back, it is what the ratio says."""
+    """The issue's regression: an update ratio of 10 at LR 1.43 on AdamW's first step (all that
+    was sampled) says ~1.4e-3, not 7.5 (the old "peak / 4")."""
     s = _adam_at(30.0, 10.0, n=30, every=100)
     s.set("lr", np.minimum(30.0, 30.0 * (np.arange(30) + 1) / 21))
     s.skip(range(2, 30), loss_nan=True)
@@ -90,8 +92,8 @@ def test_lower_lr_at_lr_30_never_says_7_5():
     assert d.verdict == "lr_overflow"
     lower = fix(d, "lower_lr")
     assert lower.values["lr"] < 0.01 and "lr=7.5" not in lower.snippet
-    assert "lr=1.4e-4" in lower.snippet and lower.values["lr"] == 1.4e-4
-    assert lower.apply == "lr_factor=4.7e-6" and lower.values["lr_factor"] == 4.7e-6
+    assert "lr=0.0014" in lower.snippet and lower.values["lr"] == 0.0014
+    assert lower.apply == "lr_factor=4.7e-5" and lower.values["lr_factor"] == 4.7e-5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
 
 * ``lr``: an update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
   ratio grows with the LR (Adam's in proportion to it, SGD's with it and the gradient), so at
-  a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r: the median over
+  a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r (when only the
+  first step was sampled, against that step's own healthy size: ``FIRST_ADAM`` for Adam's
+  sign-sized first update, TARGET_RATIO * (1 - momentum) for SGD's): the median over
   the sampled steps up to where the run stopped being steady (after it the ratios describe a
   broken run: dead units stop moving, NaN), the first step left out when others exist (every
   optimizer's first update is unlike its later ones). It is capped by the largest LR at
@@ -48,12 +50,21 @@ from ..runfile import schema
 from ..runfile.schema import Kind, Source
 from .fixes import Dose
 
+# The optimizers whose first step is sign-sized (facts.ADAM_FAMILY's Adams, repeated here:
+# facts imports this module).
+ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "FusedAdam", "AdamW8bit", "Adam8bit",
+               "PagedAdamW", "DeepSpeedCPUAdam")
+
 # ``f`` below is a ``facts.Facts`` (typed Any: facts.py imports this module, and an import
 # back, even for types only, would be a cycle among diagnosis' modules).
 Facts = Any
 
 # taxonomy §1 / §3: Adam's healthy update ratio |dW|/|W| is ~1e-3 per step.
 TARGET_RATIO = 1e-3
+# ... but Adam's first step is sign-sized (|m / sqrt(v)| = 1 for every element), ~lr/|w|: at a
+# sane LR 1e-2 and up (overflow.REPLACED's comment). When the first step is the only sample,
+# it is measured against this. (SGD's first step is 1 - momentum of its later ones.)
+FIRST_ADAM = 1e-2
 # A gradient norm, loss or update ratio 10x the median of the steps before it: the run stopped
 # being steady there (overflow.py's growth thresholds are 10x too).
 JUMP = 10.0
@@ -147,13 +158,28 @@ class Doses:
         if not len(idx):
             return None
         ratio = 10.0 ** upd[idx]
-        value = float(np.median(lr[idx] * TARGET_RATIO / ratio))
+        first = len(idx) == 1 and idx[0] == 0
+        target, why = self._first_target() if first else (TARGET_RATIO, "per step")
+        value = float(np.median(lr[idx] * target / ratio))
         r, at_lr = float(np.median(ratio)), float(np.median(lr[idx]))
         least = "at least " if r >= RATIO_CEILING * 0.999 else ""
         where = (f"median of {len(idx)} sampled steps" if len(idx) > 1 else
                  f"sampled step {f.step_at(int(idx[0]))}")
         return value, (f"update ratio {least}{fmt(r)} at LR {fmt(at_lr)} ({where}); at "
-                       f"~{TARGET_RATIO:g} per step the LR is about {fmt(_round(value))}")
+                       f"~{target:g} {why} the LR is about {fmt(_round(value))}")
+
+    def _first_target(self) -> tuple[float, str]:
+        """The healthy ratio of an optimizer's first update, when that is all that was
+        sampled: Adam's is sign-sized (``FIRST_ADAM``), SGD's has no momentum yet."""
+        opt = self.f.optimizers[0] if self.f.optimizers else {}
+        name = str(opt.get("class") or "")
+        if name in ADAM_FAMILY:
+            return FIRST_ADAM, f"for {name}'s first, sign-sized step"
+        momentum = (opt.get("hyper") or {}).get("momentum") or 0.0
+        if isinstance(momentum, (int, float)) and 0 < momentum < 1:
+            return TARGET_RATIO * (1 - momentum), (f"for a first step, before momentum "
+                                                   f"{momentum:g} builds it up")
+        return TARGET_RATIO, "per step"
 
     def jump(self) -> Optional[Jump]:
         """The first place the run stopped being steady: the failure, the loss curve's first

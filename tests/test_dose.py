@@ -11,7 +11,7 @@ from synthetic import Synth
 from ampdoctor.diagnosis import engine, fixes
 from ampdoctor.diagnosis.dose import Doses
 from ampdoctor.diagnosis.facts import Facts
-from ampdoctor.runfile.schema import Event, Kind
+from ampdoctor.runfile.schema import DType, Event, Kind
 
 
 def doses(s: Synth) -> Doses:
@@ -225,3 +225,22 @@ def test_activations_growing_at_a_constant_lr_are_not_the_lr():
     assert "lower_lr" not in [fx.id for fx in d.fixes]
     grown = engine.diagnose(_constant_lr_growth(weights_grow=True).run())
     assert grown.verdict == "lr_overflow"  # the weights grew with it: the LR's doing
+
+
+def test_a_layer_that_ran_in_fp32_has_no_fp16_underflow():
+    """An fp32 island (record --apply fp32_island, or the fix's FP32Island): its output is fp32
+    under fp16 autocast, its gradients never passed through fp16. A saturated softmax inside
+    it has tiny gradients, accurate in fp32: not masked_underflow."""
+    def run(island: bool):
+        s = Synth(60)
+        for name in ("aux_head.0", "trunk.0"):
+            s.sampled(range(10, 60, 10), Kind.OUTPUT, name, absmax=3.0)
+            s.tensor_dtypes[(int(Kind.OUTPUT), name)] = DType.FLOAT16
+        if island:
+            s.tensor_dtypes[(int(Kind.OUTPUT), "aux_head.0")] = DType.FLOAT32
+        s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "aux_head.0.weight", sub16=4000,
+                  flush16=1000, zeros=1000, absmax=1e-5, rms=1e-6)
+        s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, "trunk.0.weight", absmax=300.0, rms=50.0)
+        return engine.diagnose(s.run())
+    assert run(island=False).verdict == "masked_underflow"
+    assert run(island=True).verdict == "healthy"

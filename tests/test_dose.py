@@ -244,3 +244,17 @@ def test_a_layer_that_ran_in_fp32_has_no_fp16_underflow():
         return engine.diagnose(s.run())
     assert run(island=False).verdict == "masked_underflow"
     assert run(island=True).verdict == "healthy"
+
+
+def test_a_treated_run_says_what_was_applied_and_what_could_not_be():
+    s = Synth(40)
+    s.meta["applied"] = [{"fix": "fp32_island", "arg": "fp32_island=blocks.0.attn,blocks.7.attn",
+                          "modules": ["blocks.0.attn"], "missing": ["blocks.7.attn"]},
+                         {"fix": "adam_eps", "arg": "adam_eps=1e-5", "error": "TypeError: x"}]
+    d = engine.diagnose(s.run())
+    assert d.run["applied"] == ["fp32_island=blocks.0.attn,blocks.7.attn", "adam_eps=1e-5"]
+    notes = " ".join(d.notes)
+    assert "treated with --apply fp32_island=blocks.0.attn,blocks.7.attn" in notes
+    assert "no module named blocks.7.attn in the model" in notes
+    assert "--apply adam_eps=1e-5 could not be applied (TypeError: x)" in notes
+    assert not any("treated" in n for n in engine.diagnose(Synth(40).run()).notes)

@@ -178,6 +178,26 @@ def test_the_prescribed_fix_applied_with_no_code_change_trains(recorded, treated
             assert float(np.nanmax(run.steps["lr"])) == pytest.approx(lr, rel=0.05)
 
 
+def test_diagnose_prints_the_apply_and_compare_says_what_it_changed(recorded, treated):
+    """The loop a user follows: diagnose prints the --apply with its numbers' source; compare
+    of the run and the treated run shows the fix applied, both verdicts and both losses."""
+    def run(*args):
+        return subprocess.run([PYTHON, "-m", "ampdoctor", *args], env=python_env(),
+                              capture_output=True, text=True)
+
+    apply, fixed, _, _ = treated["lr_overflow"]
+    bad = recorded[("lr_overflow", False)][0]
+    text = run("diagnose", bad).stdout
+    assert f"try it: --apply {apply}" in text and "numbers: lr " in text
+    out = run("compare", bad, fixed)
+    assert out.returncode == 0, out.stderr
+    assert f"none -> --apply {apply}" in out.stdout and "lr_overflow -> healthy" in out.stdout
+    assert "The second run was treated with" in out.stdout
+    data = json.loads(run("compare", bad, fixed, "--format", "json").stdout)
+    assert data["treatment"]["amp"]["applied"] == [apply]
+    assert data["treatment"]["base"]["nonfinite"] > 0 == data["treatment"]["amp"]["nonfinite"]
+
+
 @pytest.mark.parametrize("name", ["unstable_op", "clip_order"])
 def test_cli_json_and_exit_codes(recorded, name):
     """What a CI job sees: the JSON verdict, exit 0 by default, 1 with --fail-on unhealthy."""

@@ -451,7 +451,8 @@ def lower_lr(c: Context) -> Advice:
 
 
 @fix("scheduler_per_step", "step the LR scheduler once per optimizer step, not per micro-batch",
-     apply="scheduler_per_step")
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
 def scheduler_per_step(c: Context) -> Advice:
     snippet = ("for i, batch in enumerate(loader):\n"
                "    loss = compute_loss(model, batch) / accum_steps\n"
@@ -651,7 +652,8 @@ def rebalance_losses(c: Context) -> Advice:
 
 
 @fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran",
-     apply="scheduler_per_step")
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
 def scheduler_after_real_step(c: Context) -> Advice:
     snippet = ("scale = scaler.get_scale()\n"
                "scaler.step(optimizer)\n"
@@ -668,7 +670,8 @@ def scheduler_after_real_step(c: Context) -> Advice:
 
 
 @fix("revive_units", "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart",
-     manual="the activations are in the model's code")
+     manual="the activations are in the model's code", replay="the replay of one step cannot "
+     "try a restart, which needs many steps")
 def revive_units(c: Context) -> Advice:
     """Dead units (ReLU outputs 0 for every input) pass no gradient and never come back."""
     kind = (c.module_type or "").lower()

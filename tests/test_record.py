@@ -407,6 +407,7 @@ def test_settings_round_trip_through_the_environment():
                         apply=fixes)
     back = launch.Settings.from_env(s.to_env())
     assert (back.output, back.every, back.apply) == ("/tmp/x/run.h5", 7, fixes)
+    assert launch.start_line(s).endswith(", treated with --apply use_bf16 --apply lr_factor=0.1")
     assert launch.Settings.from_env(launch.Settings(output="r.h5").to_env()).apply == ()
     # a variable left in the user's environment is not this recording's --apply
     assert launch.ENV_APPLY not in launch.child_env(launch.Settings(output="r.h5"),

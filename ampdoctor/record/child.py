@@ -50,11 +50,18 @@ class Session:
     def treat(self) -> "Session":
         """``--apply``: the fixes installed (``treatment.py``) before the recorder starts, so
         that its hooks run inside the treatment's (the LR it reads is the user's, put back)."""
-        if self.settings.apply:
+        if not self.settings.apply:
+            return self
+        try:
             from .treatment import Treatment
 
             self.treatment = Treatment(list(self.settings.apply), note=self.note_applied)
             self.treatment.install()
+        except Exception as exc:  # noqa: BLE001 - the run is recorded, untreated, and says so
+            self.applied = [{"fix": p.name, "arg": p.arg, "error": f"{type(exc).__name__}: "
+                             f"{exc}"} for p in self.settings.apply]
+            warnings.warn(f"ampdoctor: --apply not applied ({type(exc).__name__}: {exc})",
+                          RuntimeWarning, stacklevel=2)
         return self
 
     def note_applied(self, applied: list[dict]) -> None:

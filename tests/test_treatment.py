@@ -255,3 +255,16 @@ def test_an_island_with_half_weights_is_left_alone():
         assert notes[-1][0]["modules"] == []
     finally:
         t.remove()
+
+
+def test_every_apply_a_fix_prints_is_one_record_accepts():
+    """diagnose's `try it: --apply X` must parse: the two sides share no code (the analysis
+    side never imports record/), so this test holds them together."""
+    from ampdoctor.diagnosis import fixes
+
+    ctx = fixes.Context(lr=3e-4, module="blocks.0.attn", module_type="Attention",
+                        siblings=["blocks.0.attn", "blocks.1.attn"])
+    applies = [fx.apply for fx in fixes.make(list(fixes.FIX_IDS), ctx) if fx.apply]
+    assert len(applies) >= 7
+    for arg in applies:
+        assert prescription.parse(arg).arg == arg

@@ -46,22 +46,30 @@ def cli() -> None:
               help="Replace an existing run file (and its rank files).")
 @click.option("-q", "--quiet", is_flag=True, envvar="AMPDOCTOR_QUIET", show_envvar=True,
               help="Print nothing (no start line, no summary).")
+@click.option("--apply", "apply", multiple=True, metavar="FIX[=VALUE]",
+              help="Run the command with this fix applied, no code change (repeatable): "
+                   "fp32_island=NAME[,NAME...], use_bf16, adam_eps=EPS, init_scale=S, "
+                   "growth_interval=N, lr_factor=F, lr=LR, loss_in_fp32, scheduler_per_step. "
+                   "diagnose prints each fix's own.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(output: str, every: Optional[int], force: bool, quiet: bool,
-           command: tuple[str, ...]) -> None:
+           apply: tuple[str, ...], command: tuple[str, ...]) -> None:
     """Run a training command and record it, with no change to its code.
 
     Everything after -- is the command, passed through untouched. Its exit code is this
-    command's exit code; SIGINT and SIGTERM are forwarded to it.
+    command's exit code; SIGINT and SIGTERM are forwarded to it. With --apply, the command
+    runs treated with that fix (the `--apply` that `diagnose` prints with each fix).
 
     \b
         ampdoctor record -o run.h5 -- python train.py --lr 3e-4
         ampdoctor record -o run.h5 -- python -m mypkg.train
         ampdoctor record -o run.h5 -- torchrun --standalone --nproc_per_node=2 train.py
+        ampdoctor record --apply lr_factor=0.1 -o fixed.h5 -- python train.py --lr 3e-4
     """
     from .record import launch
 
-    code = launch.record(list(command), output, every=every, force=force, quiet=quiet)
+    code = launch.record(list(command), output, every=every, force=force, quiet=quiet,
+                         apply=apply)
     sys.exit(launch.exit_like(code))
 
 

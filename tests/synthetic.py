@@ -54,6 +54,7 @@ class Synth:
         self.growth_interval = growth_interval
         self._scale_override: Optional[np.ndarray] = None
         self.tensors: list[tuple] = []
+        self.tensor_dtypes: dict[tuple, DType] = {}  # (kind, name) -> dtype (default fp32)
         self.stats: list[np.ndarray] = []
         self.events: list[tuple] = []
         self.snaps: list[dict] = []
@@ -201,7 +202,8 @@ class Synth:
         self._fill_scale()
         tensors = np.zeros(len(self.tensors), store.TENSOR_VIEW)
         for i, (tid, kind, name, type_, numel) in enumerate(self.tensors):
-            tensors[i] = (tid, kind, 0, DType.FLOAT32, numel, name, type_)
+            tensors[i] = (tid, kind, 0, self.tensor_dtypes.get((kind, name), DType.FLOAT32),
+                          numel, name, type_)
         stats = np.concatenate(self.stats) if self.stats else schema.empty("stats")
         events = store.decoded(schema.empty("events", len(self.events)), ["text"])
         for i, (step, kind, tensor, value, text) in enumerate(self.events):

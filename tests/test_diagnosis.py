@@ -176,7 +176,11 @@ def test_lr_overflow_when_weights_grew_before_the_overflow():
     d = verdict(s)
     assert d.verdict == "lr_overflow"
     assert d.first_bad["step"] == 80 and d.first_bad["module"] == "trunk.2"
-    assert fix_ids(d)[0] == "lower_lr" and "lr=0.05" in d.fixes[0].snippet
+    # the LR from the run: update ratio 0.05 at LR 0.05..0.2, ~1e-3 per step is healthy
+    lower = d.fixes[0]
+    assert lower.id == "lower_lr" and lower.values["lr"] == 0.004 and "lr=0.004" in lower.snippet
+    assert lower.values["lr_factor"] == 0.02 and lower.apply == "lr_factor=0.02"
+    assert "update ratio 0.05" in lower.source
     keys = {e.key for e in d.evidence}
     assert {"weight_norm_growth", "update_ratio", "activation_growth"} <= keys
     assert "lr_at_failure" in keys
@@ -747,7 +751,11 @@ def test_json_contract():
             "run"} <= set(data)
     assert set(data["first_bad"]) == {"step", "module", "phase"}
     for fx in data["fixes"]:
-        assert set(fx) == {"id", "text", "snippet"} and fx["id"] in fixes.FIX_IDS
+        assert set(fx) == {"id", "text", "snippet", "values", "source", "apply", "apply_note",
+                           "tried", "outcome", "finite"} and fx["id"] in fixes.FIX_IDS
+        assert all(isinstance(v, (int, float)) for v in fx["values"].values())
+        assert (fx["apply"] is None) == bool(fx["apply_note"])
+        assert fx["tried"] is False and fx["outcome"].startswith("not tried: ")
     assert all({"text", "key", "value", "step", "module"} <= set(e) for e in data["evidence"])
     assert data["verdict"] in engine.VERDICTS
 

@@ -159,8 +159,10 @@ def test_the_issue_15_lightning_run_is_diverged_with_dead_units_and_not_precisio
     assert evidence(d, "dead_layer").module == "trunk.3"
     assert evidence(d, "fp32_same").value == 1.0 and "fp32 would do the same" in d.summary
     assert [fx.id for fx in d.fixes] == ["lower_lr", "revive_units"]
-    assert "lr=0.03" in d.fixes[0].snippet and "model.trunk[3] = torch.nn.LeakyReLU" in \
-        d.fixes[1].snippet
+    # the update at LR 0.15 (step 0) blew the loss up at step 1: an order of magnitude below it
+    assert d.fixes[0].values["lr"] == 0.015 and "lr=0.015" in d.fixes[0].snippet
+    assert "LR 0.15, the LR of the update before the loss jumped at step 1" in d.fixes[0].source
+    assert "model.trunk[3] = torch.nn.LeakyReLU" in d.fixes[1].snippet
     assert len({(e.key, e.text) for e in d.evidence}) == len(d.evidence)  # no repeats
 
 

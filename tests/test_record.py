@@ -323,6 +323,18 @@ def test_bad_command_line(tmp_path, args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("apply,message", [
+    ("bogus", "--apply bogus: unknown fix 'bogus'; record can apply fp32_island="),
+    ("adam_eps=abc", "--apply adam_eps=abc: EPS must be a positive number"),
+])
+def test_a_bad_apply_stops_before_the_command_starts(tmp_path, apply, message):
+    proc = record(["--apply", apply, "-o", "run.h5", "--", *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"ampdoctor: {message}" or message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "started").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # The bootstrap inside the child
 
@@ -383,13 +395,23 @@ def test_bootstrap_and_launcher_agree():
     assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
     envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
     assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
-                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "command": None}
+                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "apply": None,
+                       "command": None}
 
 
 def test_settings_round_trip_through_the_environment():
-    s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5")
+    from ampdoctor.record import prescription
+
+    fixes = tuple(prescription.parse_all(["use_bf16", "lr_factor=0.1"]))
+    s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5",
+                        apply=fixes)
     back = launch.Settings.from_env(s.to_env())
-    assert (back.output, back.every) == ("/tmp/x/run.h5", 7)
+    assert (back.output, back.every, back.apply) == ("/tmp/x/run.h5", 7, fixes)
+    assert launch.start_line(s).endswith(", treated with --apply use_bf16 --apply lr_factor=0.1")
+    assert launch.Settings.from_env(launch.Settings(output="r.h5").to_env()).apply == ()
+    # a variable left in the user's environment is not this recording's --apply
+    assert launch.ENV_APPLY not in launch.child_env(launch.Settings(output="r.h5"),
+                                                    {launch.ENV_APPLY: '["use_bf16"]'})
     assert launch.Settings.from_env({"AMPDOCTOR_OUTPUT": "run.h5"}) is None  # not recording
     env = launch.child_env(s, {"PYTHONPATH": "/mine", "HOME": "/home/me"})
     assert env["PYTHONPATH"] == launch.BOOTSTRAP_DIR + os.pathsep + "/mine"

@@ -109,6 +109,50 @@ def test_gradient_accumulation_counts_micro_batches(run_path):
                                rtol=1e-6)
 
 
+def _scheduled(run_path, per_micro: bool, record: bool):
+    """A loop of 4 micro-batches per step with a warm-up stepped per micro-batch (the bug) or
+    per optimizer step; returns the weights and the run file's events (None: not recorded)."""
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 40))
+    ctx = ampdoctor.watch(model, opt, scaler, path=run_path, every=0, strict=True) if record \
+        else None
+    for step in range(5):
+        for micro in range(4):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y) / 4
+            scaler.scale(loss).backward()
+            if per_micro:
+                sched.step()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if not per_micro:
+            sched.step()
+    if ctx is not None:
+        ctx.close()
+    events = ampdoctor.load(run_path).events if record else None
+    return weights(model), events
+
+
+def test_a_scheduler_stepped_per_micro_batch_is_an_event(run_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: scheduler.step before optimizer
+        torch.manual_seed(3)
+        plain, _ = _scheduled(run_path, True, record=False)
+        torch.manual_seed(3)
+        recorded, events = _scheduled(run_path, True, record=True)
+    assert_bit_identical(plain, recorded)  # seeing the scheduler changes nothing
+    rows = events[events["kind"] == int(Event.SCHEDULER_STEPS)]
+    assert rows["value"].tolist() == [4.0] and str(rows["text"][0]) == "LambdaLR"
+    assert int(rows["step"][0]) == 0  # the constructor's own first step is not counted
+    _, events = _scheduled(run_path, False, record=True)
+    assert not (events["kind"] == int(Event.SCHEDULER_STEPS)).any()
+
+
 def test_without_scaler_boundaries_come_from_the_optimizer(run_path):
     model, opt = fresh()
     with ampdoctor.watch(model, path=run_path, every=3, strict=True):  # optimizer discovered

@@ -4,8 +4,11 @@ script with ``--fix`` (the textbook fix) is healthy.
 ``fixtures/verdicts/expected.json`` holds the expectations: verdict, module (an fnmatch
 pattern, or null when the verdict names none) and the first fix id, and optionally the first
 bad step's phase and range, the verdict's kind, the rank it names, and verdicts that must not
-be listed as "also". A key names a run: ``script`` (default: the key) and ``args`` say what is
-run, ``nproc`` under torchrun with that many ranks. Entries marked ``pending`` are
+be listed as "also". ``treated`` is the proof that the advice works: the number the diagnosis
+prescribes is fed back through ``ampdoctor record --apply`` (the fix's own ``apply``, or a
+value of its ``values``), and the treated run trains: healthy, a loss that fell, no layer
+flushing. A key names a run: ``script`` (default: the key) and ``args`` say what is run,
+``nproc`` under torchrun with that many ranks. Entries marked ``pending`` are
 expectations the engine does not meet yet (the issue that will make them pass): they are not
 recorded until the mark is removed (``AMPDOCTOR_TEST_PENDING=1`` runs them anyway). The scripts
 are recorded two at a time in subprocesses (``recording.py``), once per test session.
@@ -17,11 +20,15 @@ import os
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
-from recording import start
+from recording import command, start
 
 import ampdoctor
+from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
+from ampdoctor.diagnosis.trends import computed_in_fp32
 from ampdoctor.diagnosis.verdict import canonical
 
 FIXTURES = os.path.join(ROOT, "fixtures", "verdicts")
@@ -114,6 +121,88 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert d.verdict == canonical(EXPECTED[name]["fixed"]), str(d)
     if d.healthy:
         assert d.forecast is not None and not d.forecast.warns, str(d)
+
+
+TREATED = sorted(k for k, v in ACTIVE.items() if v.get("treated"))
+
+
+def _prescribed(d, treated: dict) -> str:
+    """The --apply argument the diagnosis itself gives for the fix ``treated["fix"]``."""
+    fx = next(fx for fx in d.fixes if fx.id == treated["fix"])
+    if "apply" in treated:
+        return treated["apply"].format(**fx.values)
+    assert fx.apply, f"{fx.id} has no --apply: {fx.apply_note}"
+    return fx.apply
+
+
+@pytest.fixture(scope="module")
+def treated(recorded, tmp_path_factory):
+    """Each fixture with a ``treated`` entry, recorded with the --apply its diagnosis gives;
+    returns {name: (apply, path, returncode, stderr)}."""
+    out_dir = tmp_path_factory.mktemp("treated")
+    pending, running, done = list(TREATED), [], {}
+    while pending or running:
+        while pending and len(running) < PARALLEL:
+            name = pending.pop(0)
+            e = EXPECTED[name]
+            apply = _prescribed(ampdoctor.diagnose(recorded[(name, False)][0]), e["treated"])
+            path = str(out_dir / f"{name}.treated.h5")
+            script = os.path.join(FIXTURES, f"{e.get('script', name)}.py")
+            args = list(e.get("args") or []) + list(e["treated"].get("args") or [])
+            cmd = command(script, path, args, EVERY)
+            cmd[cmd.index("record") + 1:cmd.index("record") + 1] = ["--apply", apply]
+            proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            running.append((name, apply, path, proc))
+        for item in list(running):
+            name, apply, path, proc = item
+            if proc.poll() is not None:
+                running.remove(item)
+                _, stderr = proc.communicate()
+                done[name] = (apply, path, proc.returncode, stderr)
+        time.sleep(0.05)
+    return done
+
+
+@pytest.mark.parametrize("name", TREATED)
+def test_the_prescribed_fix_applied_with_no_code_change_trains(recorded, treated, name):
+    """The advice fed back: the number the diagnosis prescribes, applied through record
+    --apply, gives a run that trains (the issue's nanoGPT at LR 30: not 7.5, which diverges)."""
+    apply, path, rc, stderr = treated[name]
+    assert rc == 0, stderr[-3000:]
+    d = ampdoctor.diagnose(path)
+    assert d.verdict == "healthy", f"--apply {apply}\n{d}"
+    assert not any(e.key == "loss_flat" for e in d.evidence), f"--apply {apply}\n{d}"
+    with ampdoctor.load(path) as run:
+        assert [a["arg"] for a in run.applied] == [apply]
+        assert not any(a.get("missing") or a.get("error") for a in run.applied), run.applied
+        f = Facts(run)  # no layer flushes (an fp32 island's own gradients never were fp16)
+        under = np.where(computed_in_fp32(f), np.nan, f.reduced.layer_under)
+        assert not np.any(under[np.isfinite(under)] >= LAYER_UNDERFLOW), f"--apply {apply}"
+        if apply.startswith("lr_factor="):  # the peak the steps ran with is the prescribed LR
+            broken = ampdoctor.diagnose(recorded[(name, False)][0])
+            lr = next(fx for fx in broken.fixes if fx.id == "lower_lr").values["lr"]
+            assert float(np.nanmax(run.steps["lr"])) == pytest.approx(lr, rel=0.05)
+
+
+def test_diagnose_prints_the_apply_and_compare_says_what_it_changed(recorded, treated):
+    """The loop a user follows: diagnose prints the --apply with its numbers' source; compare
+    of the run and the treated run shows the fix applied, both verdicts and both losses."""
+    def run(*args):
+        return subprocess.run([PYTHON, "-m", "ampdoctor", *args], env=python_env(),
+                              capture_output=True, text=True)
+
+    apply, fixed, _, _ = treated["lr_overflow"]
+    bad = recorded[("lr_overflow", False)][0]
+    text = run("diagnose", bad).stdout
+    assert f"try it: --apply {apply}" in text and "numbers: lr " in text
+    out = run("compare", bad, fixed)
+    assert out.returncode == 0, out.stderr
+    assert f"none -> --apply {apply}" in out.stdout and "lr_overflow -> healthy" in out.stdout
+    assert "The second run was treated with" in out.stdout
+    data = json.loads(run("compare", bad, fixed, "--format", "json").stdout)
+    assert data["treatment"]["amp"]["applied"] == [apply]
+    assert data["treatment"]["base"]["nonfinite"] > 0 == data["treatment"]["amp"]["nonfinite"]
 
 
 @pytest.mark.parametrize("name", ["unstable_op", "clip_order"])

@@ -287,6 +287,7 @@ def run_summary(f: Any) -> dict:
         "device": f.meta.get("device"),
         "torch": (f.meta.get("torch") or {}).get("version"),
         "argv": run.attrs.get("argv"),
+        "applied": [a.get("arg") for a in run.applied],
     }
 
 
@@ -304,6 +305,7 @@ def notes(f: Any, top: Finding) -> list[str]:
             out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
                        "optimizer.step() without a scaler), so no per-step data was recorded.")
         return out
+    out += _applied_notes(f)
     out += _coverage_notes(f, top)
     # a sharded (FSDP) run: per-shard numbers, replay off
 
@@ -405,6 +407,29 @@ def _unjudged_note(f: Any) -> list[str]:
         return [f"The loss reached exactly 0 at step {step}: the model fits its data exactly "
                 "(converged), so its exact zero gradients are not dead units."]
     return [f"Whether the loss fell was not judged: {f.curve.why}."] if f.curve.why else []
+
+
+def _applied_notes(f: Any) -> list[str]:
+    """A run treated with ``record --apply``: what was applied, and what could not be."""
+    applied = f.run.applied
+    if not applied:
+        return []
+    out = ["This run was treated with " + ", ".join(f"--apply {a.get('arg')}" for a in applied)
+           + " (ampdoctor record --apply): compare it with the untreated run, ampdoctor "
+           "compare run.h5 fixed.h5."]
+    for a in applied:
+        if a.get("error"):
+            out.append(f"--apply {a.get('arg')} could not be applied ({a['error']}): this run "
+                       "ran without it.")
+        if a.get("missing"):
+            out.append(f"--apply fp32_island: no module named {', '.join(a['missing'])} in the "
+                       "model (names as diagnose shows them, e.g. blocks.0.attn): "
+                       + ("those ran as before." if a.get("modules") else
+                          "no island was made."))
+        for name, why in (a.get("skipped") or {}).items():
+            out.append(f"--apply fp32_island: {name} was left as it was: {why} (only "
+                       "model.float() in the code makes it an island).")
+    return out
 
 
 def _compiled_notes(f: Any) -> list[str]:

@@ -20,6 +20,7 @@ import numpy as np
 from ..runfile import schema
 from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve
+from .dose import Doses
 from .fixes import Context
 from .scale import ScaleStory, scale_story
 from .streamed import Reduced, stream_stats
@@ -400,12 +401,43 @@ class Facts:
         lr = float(lrs.max()) if len(lrs) else hyper.get("lr")
         if module and not module_type:
             module_type = self.module_type(module)
+        clip = (self.run.clip or {}).get("max_norm")
         return Context(device=self.device_type, optimizer=opt.get("class") or "AdamW",
                        lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
                        growth_interval=scaler.get("growth_interval"), module=module,
                        module_type=module_type, autocast=self.autocast_dtype, step=step,
                        low=self.low_precision,
-                       scaler=self.has_scaler if self.n else bool(self.scaler))
+                       scaler=self.has_scaler if self.n else bool(self.scaler),
+                       siblings=self.siblings(module) if module else [],
+                       clip_max_norm=float(clip) if isinstance(clip, (int, float)) and
+                       not isinstance(clip, bool) else None,
+                       replayed=self.failure_replayed, measure=self.doses)
+
+    @property
+    def doses(self) -> Doses:
+        """The numbers fixes prescribe, measured from this run on first use (``dose.py``)."""
+        return self.memo("doses", lambda: Doses(self))
+
+    @property
+    def failure_replayed(self) -> Optional[int]:
+        """The step of the first forensic replay at or after the failure, if any."""
+        step = self.failure_step
+        later = [s["step"] for s in self.snapshots if step is not None and s["step"] >= step]
+        return min(later) if later else None
+
+    def siblings(self, module: str) -> list[str]:
+        """``module`` and the same module in every block of its ModuleList, as recorded
+        (``blocks.0.attn`` -> ``blocks.0.attn``, ``blocks.1.attn``, ...)."""
+        parts = module.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None or not 0 < idx < len(parts) - 1:
+            return [module]
+        head, tail = ".".join(parts[:idx]) + ".", "." + ".".join(parts[idx + 1:])
+        found = {n for n, k in zip(self.tensor_names, self.tensor_kinds)
+                 if k == Kind.OUTPUT and n.startswith(head) and n.endswith(tail)
+                 and n[len(head):len(n) - len(tail)].isdigit()}
+        found.add(module)
+        return sorted(found, key=lambda n: int(n[len(head):len(n) - len(tail)]))
 
     def window(self, step: int, before: int = 5, after: int = 2) -> dict:
         """Scale, LR, loss and grad norm around ``step`` (for the report)."""

@@ -7,25 +7,60 @@ the user's *variables* are not recorded, so snippets call them ``model``, ``opti
 ``scaler`` and ``loss``.
 
 Each fix is one function, registered under its id by ``@fix(id, meaning)``: it returns the
-advice and its snippet, and ``make`` turns them into a ``Fix`` with that id.
+advice and its snippet (and, when the snippet carries a number, the ``Dose`` it took the
+number from), and ``make`` turns them into a ``Fix`` with that id.
+
+The numbers are the run's: ``Context.dose(name)`` asks the measurer the diagnosis gives the
+context (``diagnosis/dose.py``: the LR from the update ratios, the loss scale from the
+gradients, Adam's eps from the optimizer state, ``max_norm`` from the healthy steps), and a
+context with no run behind it gets the documented defaults of ``DEFAULTS``, each saying why.
+
+Each fix also says how to try it on the whole run with no code change (``apply``: the
+argument of ``ampdoctor record --apply``, see ``record/prescription.py``), or why it cannot be
+applied from outside the code (``apply_note``); and whether it was tried on the saved failing
+step (``tried``, ``outcome``, ``finite``: filled by the forensic replay where it can try it).
 
 Example::
 
     ctx = Context(module="blocks.3.attn", module_type="Attention", lr=3e-4)
     [fx.id for fx in make(["fp32_island", "lower_lr"], ctx)]   # ['fp32_island', 'lower_lr']
+    make(["adam_eps"], ctx)[0].values                          # {'eps': 0.0001} (the default)
 
-numpy-free and torch-free: plain strings.
+numpy-free and torch-free: plain strings. Over 600 lines on purpose: one short writer per fix
+id, all of them here, so that the public ids, their texts and their snippets read together.
 """
 
 from __future__ import annotations
 
 import functools
 import keyword
+import math
 import re
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 from ..numfmt import fmt
+
+
+@dataclass
+class Dose:
+    """The numbers a snippet uses, by name (``{"lr": 0.0012}``), and where they come from in
+    one clause ("median update ratio 10 at LR 1.43 ...", or which default and why)."""
+
+    values: dict[str, float]
+    source: str
+
+
+# What a fix prescribes when the run holds too little to measure it, and why that value
+# (``Dose.source`` says "default: ..."): diagnosis/dose.py falls back to these.
+DEFAULTS = {
+    "init_scale": Dose({"init_scale": 65536.0}, "GradScaler's own default 2**16 (no sampled "
+                       "gradient to measure)"),
+    "eps": Dose({"eps": 1e-4}, "default 1e-4 (no finite gradient sampled to measure): far above "
+                "fp16's smallest 6e-08, and m/eps stays small"),
+    "max_norm": Dose({"max_norm": 1.0}, "the common default 1.0 (too few healthy steps to "
+                     "measure the gradient norm)"),
+}
 
 
 @dataclass
@@ -53,65 +88,149 @@ class Context:
     # What a check measured about the data, for check_data: {"kind": "nonfinite" | "range" |
     # "targets", "step": S, ...} (None: no check found a bad batch, and the fix says so).
     data: Optional[dict] = None
+    # the culprit and the same module in every block of its ModuleList, as recorded
+    siblings: list[str] = field(default_factory=list)
+    clip_max_norm: Optional[float] = None  # the max_norm the script's clip_grad_norm_ passed
+    replayed: Optional[int] = None  # the failing step a forensic replay re-ran, if any
+    # the run's measurer (diagnosis/dose.py): a dose by name ("lr", "init_scale", "eps",
+    # "max_norm"); None: no run behind this context, the DEFAULTS serve
+    measure: Optional[Callable[[str], Optional[Dose]]] = field(default=None, repr=False)
+
+    def dose(self, name: str) -> Optional[Dose]:
+        """The run's number for ``name`` with its source, else the documented default (None
+        for the LR, which has no default without a run)."""
+        found = self.measure(name) if self.measure is not None else None
+        return found if found is not None else DEFAULTS.get(name)
 
 
 @dataclass
 class Fix:
+    """One fix: its id, the advice, the snippet, the numbers the snippet uses (``values``)
+    and their ``source``; the ``--apply`` argument that tries it on a whole run (None: it
+    cannot be applied from outside the code, ``apply_note`` says why); and whether it was
+    tried on the saved failing step (``tried``, ``outcome``: the result, or why not;
+    ``finite``: the step came out finite with it)."""
+
     id: str
     text: str
     snippet: str = ""
+    values: dict = field(default_factory=dict)
+    source: str = ""
+    apply: Optional[str] = None
+    apply_note: str = ""
+    tried: bool = False
+    outcome: str = ""
+    finite: Optional[bool] = None
 
 
-# What a fix function returns: the advice (a sentence or three) and its code snippet.
-Advice = tuple[str, str]
+# What a fix function returns: the advice (a sentence or three) and its code snippet, and the
+# dose its numbers come from when it has any.
+Advice = Union[tuple[str, str], tuple[str, str, Optional[Dose]]]
+# How a fix is tried on a whole run: the ``--apply`` argument for a context, or None.
+Applier = Callable[["Context"], Optional[str]]
 
 # Every id a diagnosis can suggest, with what it means (the README's table is checked against
 # it by the tests), and the function that writes it; both filled by ``@fix``.
 FIX_IDS: dict[str, str] = {}
 MAKERS: dict[str, Callable[[Context], Fix]] = {}
 
+# Why the replay of one saved step cannot try a fix, by fix id (the rest it may try).
+NOT_REPLAYABLE: dict[str, str] = {}
 
-def fix(fix_id: str, meaning: str) -> Callable[[Callable[[Context], Advice]],
-                                               Callable[[Context], Fix]]:
+
+def fix(fix_id: str, meaning: str, *, apply: Union[str, Applier, None] = None,
+        manual: str = "", replay: str = "") -> Callable[[Callable[[Context], Advice]],
+                                                        Callable[[Context], Fix]]:
     """Register the decorated function as the writer of fix ``fix_id`` (``meaning``: one line
-    for the README's table); the function returns ``(advice, snippet)`` and the registered
-    one the ``Fix``."""
+    for the README's table); the function returns ``(advice, snippet[, dose])`` and the
+    registered one the ``Fix``.
+
+    ``apply``: the ``record --apply`` argument that tries the fix (a string, or a function of
+    the context that may return None); ``manual``: why it cannot be applied from outside the
+    code, when it cannot; ``replay``: why the replay of the failing step cannot try it (a fix
+    that needs many steps), when it cannot.
+    """
 
     def register(write: Callable[[Context], Advice]) -> Callable[[Context], Fix]:
         assert fix_id not in FIX_IDS, f"fix {fix_id} registered twice"
 
         @functools.wraps(write)
         def made(c: Context) -> Fix:
-            text, snippet = write(c)
-            return Fix(fix_id, text, snippet)
+            out = write(c)
+            dose = out[2] if len(out) > 2 else None
+            arg = apply(c) if callable(apply) else apply
+            return Fix(fix_id, out[0], out[1], values=dict(dose.values) if dose else {},
+                       source=dose.source if dose else "", apply=arg,
+                       apply_note="" if arg else manual or "it cannot be applied from outside "
+                       "the code here", outcome=_not_tried(fix_id, c))
 
         FIX_IDS[fix_id] = meaning
         MAKERS[fix_id] = made
+        if replay:
+            NOT_REPLAYABLE[fix_id] = replay
         return made
 
     return register
 
 
+def _not_tried(fix_id: str, c: Context) -> str:
+    """Why a fix has not been tried on the saved failing step (the replay's fix trials fill
+    ``tried`` and ``outcome`` where they run)."""
+    if fix_id in NOT_REPLAYABLE:
+        return f"not tried: {NOT_REPLAYABLE[fix_id]}"
+    if c.replayed is None:
+        return "not tried: no replay of the failing step"
+    return f"not tried: the replay of step {c.replayed} ran the step as it was, without this fix"
+
+
 def _literal(x: Optional[float], default: str) -> str:
-    """``x`` as a Python literal for a snippet: 3e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
+    """``x`` as a Python literal for a snippet, to the two significant digits the doses are
+    rounded to: 3e-4, 1.4e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
     if x is None:
         return default
-    return f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e") if (x and (abs(x) < 1e-3 or
-                                                                           abs(x) >= 1e4)) \
-        else f"{x:g}"
+    if float(x).is_integer() and 1e4 <= abs(x) < 1e16:
+        return str(int(x))  # a loss scale: 65536
+    if x and (abs(x) < 1e-3 or abs(x) >= 1e4):
+        mantissa, exponent = f"{x:.1e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{x:g}"
 
 
-def _clip_step(scaler: bool) -> str:
+def _clip_step(scaler: bool, max_norm: str = "1.0") -> str:
     """The backward-to-step lines with gradient clipping (after unscale_ under a scaler)."""
+    clip = f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={max_norm})\n"
     if scaler:
         return ("scaler.scale(loss).backward()\n"
-                "scaler.unscale_(optimizer)\n"
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+                "scaler.unscale_(optimizer)\n" + clip +
                 "scaler.step(optimizer)\n"
                 "scaler.update()")
-    return ("loss.backward()\n"
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-            "optimizer.step()")
+    return "loss.backward()\n" + clip + "optimizer.step()"
+
+
+def _max_norm(c: Context) -> tuple[str, Optional[Dose]]:
+    """The clip threshold for a snippet (the run's healthy grad norms), and its dose."""
+    dose = c.dose("max_norm")
+    value = dose.values.get("max_norm") if dose else None
+    return (_literal(value, "1.0") if value else "1.0"), dose
+
+
+def _joined(*doses: Optional[Dose]) -> Optional[Dose]:
+    """Several doses as one: their values together, their sources joined by "; "."""
+    found = [d for d in doses if d is not None]
+    if not found:
+        return None
+    values: dict[str, float] = {}
+    for d in found:
+        values.update(d.values)
+    if len(found) == 1:
+        return found[0]
+
+    def named(d: Dose) -> str:  # "lr 0.0056: update ratio ..."
+        name, value = next(iter(d.values.items()), ("value", None))
+        return f"{name} {_literal(value, '?')}: {d.source}"
+
+    return Dose(values, "; ".join(named(d) for d in found if d.source))
 
 
 def module_expr(path: str, root: str = "model") -> str:
@@ -154,7 +273,17 @@ def _op_island(c: Context) -> Advice:
             "float32.", snippet)
 
 
-@fix("fp32_island", "run the named module with autocast off, on fp32 inputs")
+def _island_apply(c: Context) -> Optional[str]:
+    """``fp32_island=NAME[,NAME...]``: the culprit and its siblings in every block (what the
+    snippet wraps); None for the model itself (the island goes around an op in its code)."""
+    if c.root or not c.module:
+        return None
+    return "fp32_island=" + ",".join(c.siblings or [c.module])
+
+
+@fix("fp32_island", "run the named module with autocast off, on fp32 inputs",
+     apply=_island_apply, manual="the overflow is in the model's own forward: the island goes "
+     "around the op in its code")
 def fp32_island(c: Context) -> Advice:
     if c.root:
         return _op_island(c)
@@ -178,7 +307,8 @@ def fp32_island(c: Context) -> Advice:
             "module that produces the large values, not the one after it.", snippet)
 
 
-@fix("norm_in_fp32", "compute a hand-written norm's statistics in fp32, the result cast back")
+@fix("norm_in_fp32", "compute a hand-written norm's statistics in fp32, the result cast back",
+     apply=_island_apply, manual="the norm is the model itself: its forward must change")
 def norm_in_fp32(c: Context) -> Advice:
     cls = c.module_type or "the norm"
     where = f" ({c.module} and every module of its class)" if c.module else ""
@@ -193,7 +323,8 @@ def norm_in_fp32(c: Context) -> Advice:
             "first and the result back: the output is as cheap to pass on as before.", snippet)
 
 
-@fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention")
+@fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention",
+     manual="the attention's forward must change")
 def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
     snippet = (f"# in {cls}.forward: scale q before the product (identical in fp32, and q @ k^T\n"
@@ -207,7 +338,8 @@ def scale_attention(c: Context) -> Advice:
             "1/sqrt(head_dim) before q @ k^T (or use scaled_dot_product_attention).", snippet)
 
 
-@fix("use_bf16", "autocast to bfloat16 (fp32's exponent range) instead of float16")
+@fix("use_bf16", "autocast to bfloat16 (fp32's exponent range) instead of float16",
+     apply="use_bf16")
 def use_bf16(c: Context) -> Advice:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.bfloat16):  # was torch.float16\n'
                "    loss = compute_loss(model, batch)\n"
@@ -220,9 +352,13 @@ def use_bf16(c: Context) -> Advice:
             snippet)
 
 
-@fix("add_grad_scaler", "use a GradScaler with fp16 autocast")
+@fix("add_grad_scaler", "use a GradScaler with fp16 autocast",
+     manual="the loop itself must call scaler.scale(loss).backward(), scaler.step and "
+     "scaler.update")
 def add_grad_scaler(c: Context) -> Advice:
-    snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the loop\n\n'
+    dose = c.dose("init_scale")
+    snippet = (f'scaler = torch.amp.GradScaler("{c.device}", init_scale={_scale_literal(dose)})'
+               "  # once, before the loop\n\n"
                f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    loss = compute_loss(model, batch)\n"
                "scaler.scale(loss).backward()  # gradients scaled up into fp16's range\n"
@@ -231,36 +367,62 @@ def add_grad_scaler(c: Context) -> Advice:
                "optimizer.zero_grad(set_to_none=True)")
     return ("fp16 autocast needs a GradScaler: it multiplies the loss "
             "before backward so that small gradients stay above fp16's underflow threshold "
-            "(6e-8), and divides them back before the optimizer step.", snippet)
+            "(6e-8), and divides them back before the optimizer step.", snippet, dose)
 
 
-@fix("raise_init_scale", "start GradScaler higher and let it grow more often")
+def _scale_literal(dose: Optional[Dose]) -> str:
+    """A power-of-two loss scale as a literal: 2.0**16."""
+    value = dose.values.get("init_scale") if dose else None
+    if not value or value <= 0:
+        return "2.0**16"
+    k = math.log2(value)
+    return f"2.0**{int(k)}" if k == int(k) else _literal(value, "2.0**16")
+
+
+def _init_scale_apply(c: Context) -> Optional[str]:
+    dose = c.dose("init_scale")
+    value = dose.values.get("init_scale") if dose else None
+    return f"init_scale={int(value)}" if value else None
+
+
+@fix("raise_init_scale", "start GradScaler at a scale that lifts the small gradients into range",
+     apply=_init_scale_apply, manual="no loss scale could be measured")
 def raise_init_scale(c: Context) -> Advice:
+    dose = c.dose("init_scale")
     was = (f"  # was init_scale={_literal(c.init_scale, '?')}, growth_interval={c.growth_interval}"
            if c.init_scale is not None else "")
-    snippet = (f'scaler = torch.amp.GradScaler("{c.device}", init_scale=2.0**16, '
-               f"growth_interval=200){was}")
-    return ("Keep the loss scale high enough for the small gradients: "
-            "start GradScaler at 2**16 or more and let it grow more often, and fix whatever "
-            "keeps pushing it down.", snippet)
+    snippet = (f'scaler = torch.amp.GradScaler("{c.device}", init_scale={_scale_literal(dose)})'
+               f"{was}")
+    return (f"Keep the loss scale high enough for the small gradients: start GradScaler at "
+            f"{_scale_literal(dose)}, and fix whatever keeps pushing it down.", snippet, dose)
 
 
-@fix("adam_eps", "an Adam eps that fp16 can hold (1e-4), or fp32 master weights")
+def _eps_apply(c: Context) -> Optional[str]:
+    dose = c.dose("eps")
+    value = dose.values.get("eps") if dose else None
+    return f"adam_eps={_literal(value, '')}" if value else None
+
+
+@fix("adam_eps", "an Adam eps that fp16 can hold, measured from the gradients, or fp32 master "
+     "weights", apply=_eps_apply, manual="no eps could be measured")
 def adam_eps(c: Context) -> Advice:
     opt = c.optimizer
     lr = _literal(c.lr, "lr")
+    dose = c.dose("eps")
+    new = _literal(dose.values.get("eps") if dose else None, "1e-4")
     was = f"  # was eps={_literal(c.eps, '1e-8')}: 0.0 in fp16" if c.eps is not None else ""
-    snippet = (f"optimizer = torch.optim.{opt}(model.parameters(), lr={lr}, eps=1e-4){was}\n"
+    snippet = (f"optimizer = torch.optim.{opt}(model.parameters(), lr={lr}, eps={new}){was}\n"
                "# better: fp32 master weights, fp16 only inside autocast\n"
                "model = model.float()\n"
                f'scaler = torch.amp.GradScaler("{c.device}")')
     return (f"{opt}'s eps must survive in fp16: anything below 3e-8 (the default "
             "1e-8) rounds to 0, and a zero or tiny gradient then gives 0/0 = NaN or m/0 = "
-            "inf in the update. Use eps=1e-4, or keep fp32 weights and optimizer state "
-            "(autocast + GradScaler).", snippet)
+            f"inf in the update. Use eps={new}, or keep fp32 weights and optimizer state "
+            "(autocast + GradScaler).", snippet, dose)
 
 
-@fix("fp32_master_weights", "keep fp32 weights and optimizer state; autocast does the rest")
+@fix("fp32_master_weights", "keep fp32 weights and optimizer state; autocast does the rest",
+     manual="the weights' dtype is set in the code (model.half(), .to(torch.bfloat16))")
 def fp32_master_weights(c: Context) -> Advice:
     # an fp16 run keeps fp16 compute (with the GradScaler fp16 needs); any other run bf16
     fp16 = c.autocast == "float16" or (c.autocast is None and c.low == "fp16")
@@ -280,46 +442,60 @@ def fp32_master_weights(c: Context) -> Advice:
             "stochastic rounding or Kahan summation for bf16 weights.)", snippet)
 
 
-@fix("lower_lr", "lower the peak learning rate, warm up longer, clip after unscale_")
+def _tenth(peak: Optional[float]) -> Optional[Dose]:
+    """The LR default with no update ratio to measure: a tenth of the peak."""
+    if not peak:
+        return None
+    return Dose({"lr": float(f"{peak / 10:.2g}"), "lr_factor": 0.1},
+                f"a tenth of the peak LR {_literal(peak, '')}: the default, no update ratio "
+                "was measured")
+
+
+def _lr_apply(c: Context) -> Optional[str]:
+    """``lr_factor=F``: the run's whole LR schedule scaled so that its peak becomes the
+    measured LR (``lr=X`` when the run recorded no LR to scale)."""
+    dose = c.dose("lr") or _tenth(c.lr)
+    if dose is None or not dose.values.get("lr"):
+        return None
+    factor = dose.values.get("lr_factor")
+    return f"lr_factor={_literal(factor, '')}" if factor else \
+        f"lr={_literal(dose.values['lr'], '')}"
+
+
+@fix("lower_lr", "lower the peak learning rate to the one the update ratios measure, clip "
+     "after unscale_", apply=_lr_apply, manual="the run recorded no learning rate to scale",
+     replay="the replay cannot try a lower LR, which needs many steps")
 def lower_lr(c: Context) -> Advice:
-    if c.blowup_lr:
-        return _below_blowup(c, c.blowup_lr)
-    lr = c.lr
-    new = _literal(lr / 4, "lr / 4") if lr else "lr / 4"
-    snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})"
-               f"{f'  # peak was {_literal(lr, str(lr))}' if lr else ''}\n"
-               "warmup = 2000  # steps; longer than now\n"
-               "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
-               "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
-               "...\n" + _clip_step(c.scaler))
-    return ("Lower the peak learning rate 2-4x and warm up longer, and clip "
-            f"gradients{' (after unscale_)' if c.scaler else ''}; resume from a checkpoint "
-            "before the weights grew. "
-            "Architectural stabilisers help too: QK-LayerNorm, z-loss, smaller init.",
-            snippet)
+    lr_dose = c.dose("lr") or _tenth(c.lr)
+    new = _literal(lr_dose.values.get("lr") if lr_dose else None, "lr / 10")
+    clip, norm_dose = _max_norm(c)
+    peak = f"  # peak was {_literal(c.lr, str(c.lr))}" if c.lr else ""
+    snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new}){peak}\n"
+               "...\n" + _clip_step(c.scaler, clip))
+    return (f"Set the peak learning rate to {new} and clip gradients at {clip}"
+            f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights or "
+            "a checkpoint before the weights grew: what a too-large step did to them does not "
+            "undo itself.", snippet, _joined(lr_dose, norm_dose))
 
 
-def _below_blowup(c: Context, blowup_lr: float) -> Advice:
-    """The loss blew up at ``blowup_lr`` (often early in the warm-up): the peak belongs an
-    order of magnitude below it, whatever the schedule was meant to reach."""
-    new = _literal(blowup_lr / 10, "lr / 10")
-    at = f" at step {c.blowup_step}" if c.blowup_step is not None else ""
-    peak = f", peak was {_literal(c.lr, str(c.lr))}" if c.lr and c.lr > blowup_lr * 1.001 else ""
-    snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new})  # the loss "
-               f"blew up at lr {_literal(blowup_lr, '?')}{at}{peak}\n"
-               "warmup = 1000  # steps, reaching the peak gently\n"
-               "scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
-               "    optimizer, lambda s: min(1.0, (s + 1) / warmup))\n"
-               "...\n" + _clip_step(c.scaler))
-    return (f"Set the peak learning rate an order of magnitude below the "
-            f"{_literal(blowup_lr, '?')} at which the loss blew up{at}, warm up to it over "
-            "more steps, and clip gradients"
-            f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights "
-            "or a checkpoint before the jump: what it did to the weights does not undo "
-            "itself.", snippet)
+@fix("scheduler_per_step", "step the LR scheduler once per optimizer step, not per micro-batch",
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
+def scheduler_per_step(c: Context) -> Advice:
+    snippet = ("for i, batch in enumerate(loader):\n"
+               "    loss = compute_loss(model, batch) / accum_steps\n"
+               "    loss.backward()\n"
+               "    if (i + 1) % accum_steps == 0:\n"
+               "        optimizer.step()\n"
+               "        optimizer.zero_grad(set_to_none=True)\n"
+               "        scheduler.step()  # here, once per optimizer step: not per micro-batch")
+    return ("Step the LR scheduler once per optimizer step: stepped once per micro-batch, a "
+            "warm-up reaches its peak as many times too early as there are micro-batches, and "
+            "the peak then hits a model that has not warmed up.", snippet)
 
 
-@fix("check_data", "drop or repair non-finite and out-of-range batches (or targets)")
+@fix("check_data", "drop or repair non-finite and out-of-range batches (or targets)",
+     manual="the data pipeline must change")
 def check_data(c: Context) -> Advice:
     """What the snippet says of the run comes from a check that found it (``Context.data``):
     a batch the replay or the sampled tier found non-finite, or beyond fp16's range, or
@@ -337,8 +513,8 @@ def check_data(c: Context) -> Advice:
     snippet = ("for x, y in loader:\n"
                f"    if not torch.isfinite(x).all():{nan}\n"
                "        continue  # or log the sample ids and repair the dataset\n"
-               "    x = x.clamp(-1e4, 1e4)  # fp16 holds at most 65504: normalise features to "
-               f"O(1){big}")
+               "    x = x.clamp(-torch.finfo(torch.float16).max, torch.finfo(torch.float16).max)"
+               f"  # and normalise features to O(1){big}")
     return (f"{lead} (or repair) the batches holding NaN/inf or values beyond fp16's range "
             "(65504); normalise inputs to order 1.", snippet)
 
@@ -375,19 +551,25 @@ def _bad_targets(d: dict) -> Advice:
             "the data, not the precision.", snippet)
 
 
-@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_")
+@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_",
+     manual="the order of the calls in the loop must change")
 def unscale_before_clip(c: Context) -> Advice:
+    norm = _literal(c.clip_max_norm, "max_norm") if c.clip_max_norm else "max_norm"
     snippet = ("scaler.scale(loss).backward()\n"
                "scaler.unscale_(optimizer)  # first: gradients back to their true size\n"
-               "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+               f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={norm})"
+               + ("  # your max_norm" if c.clip_max_norm else "") + "\n"
                "scaler.step(optimizer)\n"
                "scaler.update()")
+    dose = Dose({"max_norm": c.clip_max_norm}, "the max_norm the run's clip_grad_norm_ "
+                "passed") if c.clip_max_norm else None
     return ("Call scaler.unscale_(optimizer) before "
             "clip_grad_norm_: clipping the scaled gradients measures a norm S times too "
-            "large and shrinks every update by the loss scale S.", snippet)
+            "large and shrinks every update by the loss scale S.", snippet, dose)
 
 
-@fix("use_scaler_step", "call scaler.step(optimizer), never optimizer.step(), under a scaler")
+@fix("use_scaler_step", "call scaler.step(optimizer), never optimizer.step(), under a scaler",
+     manual="the loop's optimizer.step() call must change")
 def use_scaler_step(c: Context) -> Advice:
     snippet = ("scaler.scale(loss).backward()\n"
                f"scaler.step(optimizer)  # not optimizer.step(): {c.optimizer} would apply "
@@ -399,7 +581,8 @@ def use_scaler_step(c: Context) -> Advice:
             "gradients that are still multiplied by the loss scale.", snippet)
 
 
-@fix("create_scaler_once", "create the GradScaler once and checkpoint its state")
+@fix("create_scaler_once", "create the GradScaler once and checkpoint its state",
+     manual="where the scaler is created is in the code")
 def create_scaler_once(c: Context) -> Advice:
     snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the epoch loop\n'
                "if \"scaler\" in checkpoint:\n"
@@ -412,7 +595,8 @@ def create_scaler_once(c: Context) -> Advice:
             "recalibrate every time.", snippet)
 
 
-@fix("zero_grad_every_step", "zero the gradients after every step, skipped or not")
+@fix("zero_grad_every_step", "zero the gradients after every step, skipped or not",
+     manual="the loop must call zero_grad")
 def zero_grad_every_step(c: Context) -> Advice:
     snippet = ("scaler.step(optimizer)\n"
                "scaler.update()\n"
@@ -422,24 +606,27 @@ def zero_grad_every_step(c: Context) -> Advice:
             snippet)
 
 
-@fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order")
+@fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
+     manual="the order of the calls in the loop must change")
 def fix_scaler_calls(c: Context) -> Advice:
+    clip, dose = _max_norm(c)
     snippet = ("for i, batch in enumerate(loader):\n"
                f'    with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "        loss = compute_loss(model, batch) / accum_steps\n"
                "    scaler.scale(loss).backward()\n"
                "    if (i + 1) % accum_steps == 0:\n"
                "        scaler.unscale_(optimizer)  # once, only on stepping iterations\n"
-               "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+               f"        torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})\n"
                "        scaler.step(optimizer)\n"
                "        scaler.update()  # once per iteration, after every step()\n"
                "        optimizer.zero_grad(set_to_none=True)")
     return ("Call unscale_, step and update once per optimizer step, in "
             "that order (with gradient accumulation: only on the stepping iteration).",
-            snippet)
+            snippet, dose)
 
 
-@fix("loss_in_fp32", "compute the loss in fp32 (inside autocast, or on .float() outputs)")
+@fix("loss_in_fp32", "compute the loss in fp32 (inside autocast, or on .float() outputs)",
+     apply="loss_in_fp32")
 def loss_in_fp32(c: Context) -> Advice:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    out = model(x)\n"
@@ -449,10 +636,12 @@ def loss_in_fp32(c: Context) -> Advice:
                "# and for probabilities: BCEWithLogitsLoss on logits, not sigmoid + BCELoss")
     return ("Compute the loss in fp32: inside the autocast block (autocast "
             "runs losses and reductions in fp32) or on .float() outputs. An fp16 sum over a "
-            "batch passes 65504 easily.", snippet)
+            "batch passes 65504 easily. (--apply loss_in_fp32 casts the inputs of torch's own "
+            "loss functions; a hand-written loss needs the change in its code.)", snippet)
 
 
-@fix("divide_loss_by_accum", "divide each micro-batch's loss by the number of micro-batches")
+@fix("divide_loss_by_accum", "divide each micro-batch's loss by the number of micro-batches",
+     manual="the loss's code must change")
 def divide_loss_by_accum(c: Context) -> Advice:
     snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
                "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
@@ -463,7 +652,7 @@ def divide_loss_by_accum(c: Context) -> Advice:
 
 
 @fix("loss_on_logits", "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "
-     "from fp16 probabilities")
+     "from fp16 probabilities", manual="the model's output and the loss's code must change")
 def loss_on_logits(c: Context) -> Advice:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    logits = model(x)  # the model returns logits: no Sigmoid at its end\n"
@@ -476,7 +665,8 @@ def loss_on_logits(c: Context) -> Advice:
             "infinite. BCEWithLogitsLoss (or logsigmoid) never forms the probability.", snippet)
 
 
-@fix("safe_mask", "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16")
+@fix("safe_mask", "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",
+     manual="the mask's constant is in the model's code")
 def safe_mask(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
     snippet = (f"# in {cls}.forward: a mask value fp16 can hold, applied with masked_fill\n"
@@ -489,7 +679,8 @@ def safe_mask(c: Context) -> Advice:
             "-inf, and a row whose every key is masked turns into NaN in softmax.", snippet)
 
 
-@fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them")
+@fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them",
+     manual="the loop must guard the batches or restore the statistics")
 def guard_buffers(c: Context) -> Advice:
     snippet = ("for x, y in loader:\n"
                "    if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
@@ -511,7 +702,8 @@ def guard_buffers(c: Context) -> Advice:
             "(a pass in train mode over clean data) to recover this run.", snippet)
 
 
-@fix("rebalance_losses", "bring a tiny loss term up to the others' scale")
+@fix("rebalance_losses", "bring a tiny loss term up to the others' scale",
+     manual="the loss's weights are in the code")
 def rebalance_losses(c: Context) -> Advice:
     mod = c.module or "the small head"
     ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e6"
@@ -525,12 +717,16 @@ def rebalance_losses(c: Context) -> Advice:
                f"n.startswith(\"{mod}.\")]}},\n"
                f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"
                "], lr=lr)")
+    dose = Dose({"ratio": float(c.ratio)}, f"the other layers' gradient rms over {mod}'s") \
+        if c.ratio else None
     return (f"Or keep fp16 and bring the gradients of {mod} into range: "
             "a loss term weighted far below the others gives its head gradients that no "
-            "single loss scale can hold.", snippet)
+            "single loss scale can hold.", snippet, dose)
 
 
-@fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran")
+@fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran",
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
 def scheduler_after_real_step(c: Context) -> Advice:
     snippet = ("scale = scaler.get_scale()\n"
                "scaler.step(optimizer)\n"
@@ -546,7 +742,9 @@ def scheduler_after_real_step(c: Context) -> Advice:
 
 
 
-@fix("revive_units", "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart")
+@fix("revive_units", "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart",
+     manual="the activations are in the model's code", replay="the replay of one step cannot "
+     "try a restart, which needs many steps")
 def revive_units(c: Context) -> Advice:
     """Dead units (ReLU outputs 0 for every input) pass no gradient and never come back."""
     kind = (c.module_type or "").lower()
@@ -572,7 +770,8 @@ def revive_units(c: Context) -> Advice:
 
 
 @fix("overfit_one_batch", "train on one fixed batch to tell a wiring bug from a data or LR "
-     "problem")
+     "problem", manual="it is a different loop, on one batch",
+     replay="whether the model can learn is not told by one step")
 def overfit_one_batch(c: Context) -> Advice:
     """A flat loss with no numeric cause: the classic first check of a training setup."""
     lr = f", lr={_literal(c.lr, 'lr')}" if c.lr else ""
@@ -593,7 +792,9 @@ def overfit_one_batch(c: Context) -> Advice:
             "learn.", snippet)
 
 
-@fix("test_device", "test or exclude the device the failure began on (vendor diagnostics)")
+@fix("test_device", "test or exclude the device the failure began on (vendor diagnostics)",
+     manual="the device is tested with the vendor's tools, outside the run",
+     replay="the replay ran on the same device")
 def test_device(c: Context) -> Advice:
     """A failure that did not reproduce on the same batch and weights: the device first."""
     where = f"rank {c.rank}'s device" if c.rank is not None else "the device"
@@ -611,7 +812,9 @@ def test_device(c: Context) -> Advice:
             "is the machine's, and a faulty GPU tends to do it again.", snippet)
 
 
-@fix("rerun_elsewhere", "re-run the failing step on another device, from a checkpoint before it")
+@fix("rerun_elsewhere", "re-run the failing step on another device, from a checkpoint before it",
+     manual="it needs another device and the job's checkpoint",
+     replay="the replay ran on the same device")
 def rerun_elsewhere(c: Context) -> Advice:
     step = c.step if c.step is not None else "S"
     snippet = ("import os, subprocess\n"
@@ -627,7 +830,8 @@ def rerun_elsewhere(c: Context) -> Advice:
             "non-finite on both is the numbers after all.", snippet)
 
 
-@fix("deterministic_algorithms", "rule out nondeterministic kernels: deterministic algorithms")
+@fix("deterministic_algorithms", "rule out nondeterministic kernels: deterministic algorithms",
+     manual="the script must switch them on before training starts")
 def deterministic_algorithms(c: Context) -> Advice:
     snippet = ('import os\n'
                'os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before CUDA starts\n'

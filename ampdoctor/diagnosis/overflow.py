@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..numfmt import fmt
-from . import culprit, fixes
+from . import culprit, fixes, schedule
 from .facts import Facts
 from .learning import loss_evidence
 from .verdict import PRIORITY, Evidence, Finding, first_bad
@@ -51,6 +51,11 @@ GROWTH_SIGNALS = 2
 # (|dW|/|W| >= 1; Adam's first step at a sane LR is ~lr/|w|, 1e-2..0.3). A failure a step or
 # two later has no ramp to show, but the weights were not steady: never one op's overflow.
 REPLACED = 1.0
+# A verdict that prescribes an LR rests on the LR: the weights or their updates grew with it
+# (their norm, the update ratio, a step that replaced them), the LR rose into the failure, or
+# the loss blew up. Activations and gradients growing alone at a constant LR are not the LR's
+# doing (a temperature schedule, the data: fixtures/forecast/attn_logits.py's growth).
+LR_SIGNALS = ("weight_norm_growth", "update_ratio", "weights_replaced", "lr_rise", "loss_spike")
 
 # -- the hidden overflow's -------------------------------------------------------------------
 
@@ -98,7 +103,8 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     replaced = any(e.key == "weights_replaced" for e in growth)
     if replaced and poisoned and snap["step"] > f.failure_step:
         where = first_bad(f.failure_step, None, None)  # the culprit shows the poison only
-    if score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned):
+    if (score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned)) \
+            and rests_on_lr(growth):
         return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
     if (fp32 == 0 or poisoned) and phase == "forward":
         return None  # out of range in fp32 too (or its weights are): not one op's overflow
@@ -130,8 +136,16 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence]) -> Findi
                    fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"])
 
 
+def rests_on_lr(growth: list[Evidence]) -> bool:
+    """Do the growth signals tie the failure to the LR (``LR_SIGNALS``)?"""
+    return any(e.key in LR_SIGNALS for e in growth)
+
+
 def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Finding:
     ev = ev + lr_evidence(f)
+    scheduler = schedule.per_micro(f)
+    if scheduler is not None:
+        ev.insert(0, scheduler)
     module = where.get("module") if where else None
     if f.low_precision == "fp16":
         text = ("The learning rate is too high: weights and activations grew step after step "
@@ -142,9 +156,10 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Findi
                 "until they overflowed even "
                 + ("bf16, which has fp32's range" if f.low_precision == "bf16" else "fp32")
                 + ". This is divergence, not a precision problem: lower the LR.")
-    return Finding("lr_overflow", conf, text, ev,
-                   fixes.make(["lower_lr", "use_bf16"], f.fix_context(module, step=where.get(
-                       "step") if where else None)), where, priority=PRIORITY["lr_overflow"])
+    return Finding("lr_overflow", conf, text + schedule.summary(f), ev,
+                   fixes.make(schedule.lr_fixes(f, ["lower_lr", "use_bf16"]),
+                              f.fix_context(module, step=where.get("step") if where else None)),
+                   where, priority=PRIORITY["lr_overflow"])
 
 
 def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
@@ -171,7 +186,7 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
                            f"{located['phase']} value is in {located['module']}",
                            "sampled_first_nonfinite", None, located["step"],
                            located["module"]))
-    if score >= GROWTH_SIGNALS:
+    if score >= GROWTH_SIGNALS and rests_on_lr(growth):
         return _lr_finding(f, where, ev + growth, 0.75 if located else 0.65)
     if not located:
         return None

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ..numfmt import fmt
-from ..runfile.schema import Kind
+from ..runfile.schema import DType, Kind
 from . import fixes
 from .facts import Facts, module_of
 from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
@@ -224,11 +224,32 @@ def _stopped_evidence(f: Facts, hot: np.ndarray) -> list[Evidence]:
 
 
 def _underflowing(f: Facts) -> tuple[np.ndarray, np.ndarray]:
-    """Tensor ids of gradients with a high underflow fraction, and every measured one."""
+    """Tensor ids of gradients with a high underflow fraction, and every measured one (those
+    of layers computed in fp32 left out: see ``computed_in_fp32``)."""
     under = f.reduced.layer_under
-    measured = np.flatnonzero(np.isfinite(under) & (f.tensor_kinds == Kind.PARAM_GRAD))
+    measured = np.flatnonzero(np.isfinite(under) & (f.tensor_kinds == Kind.PARAM_GRAD)
+                              & ~computed_in_fp32(f))
     hot = measured[under[measured] >= LAYER_UNDERFLOW]
     return hot[np.argsort(-under[hot], kind="stable")], measured
+
+
+def computed_in_fp32(f: Facts) -> np.ndarray:
+    """Per tensor id: a parameter gradient of a module whose recorded output is fp32 in an
+    fp16-autocast run. Such a module ran in fp32 (an fp32 island, ``record --apply
+    fp32_island`` or the FP32Island of the fix; an op autocast keeps in fp32), so its gradient
+    never passed through fp16: small values there are accurate fp32, not flushed ones."""
+    def build() -> np.ndarray:
+        out = np.zeros(len(f.tensor_kinds), bool)
+        t = f.run.tensors
+        if f.autocast_dtype != "float16" or not len(t) or "dtype" not in t.dtype.names:
+            return out
+        fp32 = {str(n) for k, n, d in zip(t["kind"], t["name"], t["dtype"])
+                if k == Kind.OUTPUT and d == DType.FLOAT32}
+        names = f.tensor_names
+        for i in np.flatnonzero(f.tensor_kinds == Kind.PARAM_GRAD):
+            out[i] = module_of(names[i]) in fp32
+        return out
+    return f.memo("computed_in_fp32", build)
 
 
 def _post_calibration_scale(f: Facts) -> float:

@@ -44,9 +44,36 @@ class Session:
         self.top = os.environ.pop(launch.ENV_TOP, None) == "1"
         self.recorder = Recorder(path=self.file_name, every=settings.every, lazy=True,
                                  replaceable=True)
+        self.applied: list[dict] = []
+        self.treatment: Any = None
+
+    def treat(self) -> "Session":
+        """``--apply``: the fixes installed (``treatment.py``) before the recorder starts, so
+        that its hooks run inside the treatment's (the LR it reads is the user's, put back)."""
+        if not self.settings.apply:
+            return self
+        try:
+            from .treatment import Treatment
+
+            self.treatment = Treatment(list(self.settings.apply), note=self.note_applied)
+            self.treatment.install()
+        except Exception as exc:  # noqa: BLE001 - the run is recorded, untreated, and says so
+            self.applied = [{"fix": p.name, "arg": p.arg, "error": f"{type(exc).__name__}: "
+                             f"{exc}"} for p in self.settings.apply]
+            warnings.warn(f"ampdoctor: --apply not applied ({type(exc).__name__}: {exc})",
+                          RuntimeWarning, stacklevel=2)
+        return self
+
+    def note_applied(self, applied: list[dict]) -> None:
+        """What the treatment applied, into /meta ``applied`` (once the recorder is on)."""
+        self.applied = applied
+        if self.recorder.active:
+            self.recorder.note_applied(applied)
 
     def start(self) -> "Session":
         self.recorder.start()
+        if self.applied:
+            self.recorder.note_applied(self.applied)
         atexit.register(self.at_exit)
         return self
 
@@ -106,7 +133,7 @@ def start(settings: Optional[launch.Settings] = None) -> Optional[Session]:
     if settings is None:
         return None
     try:
-        _SESSION = Session(settings).start()
+        _SESSION = Session(settings).treat().start()
     except Exception as exc:  # noqa: BLE001 - a debugger must never stop the user's script
         warnings.warn(f"ampdoctor: not recording this process ({type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=2)

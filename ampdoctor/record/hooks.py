@@ -40,6 +40,7 @@ from .forensics import Forensics
 from .journal import Journal
 from .opprobe import StepProbe
 from .sampler import Sampler
+from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
 from .torchcompat import scaler_enabled, unscaled_already
@@ -67,6 +68,7 @@ class Hooks:
         self._probe = StepProbe() if sampler is not None and op_probe else None
         self._probing = False  # its hooks are in place this step
         self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
+        self._schedules = Schedules(journal)
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)
@@ -82,6 +84,7 @@ class Hooks:
         patches.patch_module_compile(self.patches, self)
         if self.forensics is not None:
             patches.patch_losses(self.patches, self, losscall.LOSSES)
+        patches.patch_schedulers(self.patches, self)
         self.watched.attach(self, self.patches, self.log.follow)
         self.log.open(self.watched.device)
         self.begin_step(0)
@@ -182,6 +185,10 @@ class Hooks:
 
     def on_scaler_init(self, scaler: Any) -> None:
         self.watched.scaler_created(scaler, self.log.step)
+
+    def before_scheduler_step(self, scheduler: Any) -> None:
+        """An LR scheduler steps: counted per optimizer step (``schedules.py``; no host read)."""
+        self._schedules.seen(scheduler)
 
     # -- loss and backward --------------------------------------------------------------------
 
@@ -456,6 +463,7 @@ class Hooks:
         if self.watched.discovery_open:
             self.watched.finish_discovery()
         self.watched.fp16_without_scaler(st)
+        self._schedules.end_step(st)
         now = time.perf_counter()
         self.log.finish(st)
         if st.sampled and self._sampler is not None:

@@ -22,6 +22,10 @@ the file it writes into site-packages)::
 
 The same settings can come from the environment, for a launcher that runs ``ampdoctor record``
 itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FORCE``, ``AMPDOCTOR_QUIET``.
+
+``--apply FIX[=VALUE]`` (repeatable) treats the command as well: the fixes, checked here before
+anything starts (``prescription.py``), travel to the children in ``AMPDOCTOR_APPLY``, where
+``treatment.py`` applies them from the bootstrap, before the recorder starts.
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ from typing import Mapping, Optional, Sequence
 from ..diagnosis import ranks
 from ..errors import RecordError, RunFileError
 from ..runfile import paths
+from . import prescription
+from .prescription import Prescription
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
 ENV_FORCE = "AMPDOCTOR_FORCE"
 ENV_QUIET = "AMPDOCTOR_QUIET"
+# The --apply arguments, as JSON (set by `record` only, with ENV_ACTIVE).
+ENV_APPLY = "AMPDOCTOR_APPLY"
 # Set by `record` only: the child side starts when it sees this (and its sitecustomize runs).
 ENV_ACTIVE = "AMPDOCTOR_RECORD"
 # Taken (removed from the environment) by the first Python of the command that imports torch:
@@ -64,12 +72,16 @@ class Settings:
     every: Optional[int] = None  # sampled-tier interval; None: the recorder's default
     quiet: bool = False  # the parent's two lines (children print nothing anyway)
     shown: str = ""  # the output as the user typed it, for messages
+    apply: tuple[Prescription, ...] = ()  # --apply: the fixes the children apply
 
     def to_env(self) -> dict[str, str]:
-        """What the children need: where to write, how often to sample, and the switch."""
+        """What the children need: where to write, how often to sample, the fixes to apply,
+        and the switch."""
         env = {ENV_ACTIVE: "1", ENV_OUTPUT: self.output}
         if self.every is not None:
             env[ENV_EVERY] = str(self.every)
+        if self.apply:
+            env[ENV_APPLY] = prescription.to_env(self.apply)
         return env
 
     @classmethod
@@ -78,9 +90,14 @@ class Settings:
         if environ.get(ENV_ACTIVE) != "1" or not environ.get(ENV_OUTPUT):
             return None
         every = environ.get(ENV_EVERY)
+        try:
+            apply = tuple(prescription.from_env(environ.get(ENV_APPLY)))
+        except RecordError as exc:  # `record` checked them: only a hand-set variable gets here
+            sys.stderr.write(f"ampdoctor: nothing applied: {exc}\n")
+            apply = ()
         return cls(output=environ[ENV_OUTPUT],
                    every=int(every) if every and every.strip().isdigit() else None,
-                   shown=environ[ENV_OUTPUT])
+                   shown=environ[ENV_OUTPUT], apply=apply)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +161,7 @@ def clear_output(path: str) -> None:
 def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
     """The command's environment: the user's, the bootstrap first on PYTHONPATH, the settings."""
     env = dict(environ)
+    env.pop(ENV_APPLY, None)  # only this recording's --apply
     env.update(settings.to_env())
     env[ENV_TOP] = "1"
     rest = env.get("PYTHONPATH", "")
@@ -156,26 +174,31 @@ def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[int] = None,
-           force: bool = False, quiet: bool = False,
+           force: bool = False, quiet: bool = False, apply: Sequence[str] = (),
            environ: Optional[Mapping[str, str]] = None) -> int:
     """Run ``command`` so that it records into ``output``; return its exit code.
 
+    ``apply``: ``--apply`` arguments (``"use_bf16"``, ``"lr_factor=0.1"``): the command runs
+    with those fixes applied (``treatment.py``).
+
     A command killed by a signal returns the negative signal number (as ``subprocess`` does).
-    Raises ``RecordError`` before starting anything when the output or the command cannot be
-    used.
+    Raises ``RecordError`` before starting anything when the output, the command or a fix to
+    apply cannot be used.
 
     Example::
 
         code = launch.record(["python", "train.py", "--lr", "3e-4"], "run.h5", every=50)
+        code = launch.record(["python", "train.py"], "fixed.h5", apply=["lr_factor=0.1"])
     """
     environ = os.environ if environ is None else environ
     if every is not None and every < 0:
         raise RecordError(f"--every must be 0 (never) or a positive step count, not {every}")
+    fixes = tuple(prescription.parse_all(apply))
     path = check_output(output, force)
     check_command(command, environ)
     if force:
         clear_output(path)
-    settings = Settings(output=path, every=every, quiet=quiet, shown=output)
+    settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes)
     if not quiet:
         _say(start_line(settings))
     code = run_command(command, child_env(settings, environ))
@@ -274,7 +297,9 @@ def start_line(settings: Settings) -> str:
         tiers += ", per-layer statistics"
     elif every > 1:
         tiers += f"; every {every} steps: per-layer statistics"
-    return f"ampdoctor: recording into {settings.shown} ({tiers})"
+    applied = "".join(f" --apply {p.arg}" for p in settings.apply)
+    return f"ampdoctor: recording into {settings.shown} ({tiers})" + (
+        f", treated with{applied}" if applied else "")
 
 
 def summary(settings: Settings) -> str:

@@ -56,12 +56,19 @@ class TrainingListener(Faults, Protocol):
     def after_optimizer_step(self, optimizer: Any) -> None: ...
 
 
-class Listener(TrainingListener, Protocol):
+class SchedulerListener(Faults, Protocol):
+    """``LRScheduler.step`` (``patches.patch_schedulers``: ``check_amp_step``, and the
+    recorder, which counts a scheduler's steps per optimizer step)."""
+
+    def before_scheduler_step(self, scheduler: Any) -> None: ...
+
+
+class Listener(TrainingListener, SchedulerListener, Protocol):
     """The recorder's doors besides: ``clip_grad_norm_`` (``patch_clip``,
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
     discovering or sampling, ``hook_module_calls`` for the sampled step's op probe),
-    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``) and the torch loss
-    functions (``patch_losses``)."""
+    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``), the torch loss
+    functions (``patch_losses``) and ``LRScheduler.step`` (``patch_schedulers``)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
     def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
@@ -78,12 +85,6 @@ class Listener(TrainingListener, Protocol):
     def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
     def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
-
-
-class SchedulerListener(Faults, Protocol):
-    """``LRScheduler.step`` (``patches.patch_schedulers``; ``check_amp_step`` only)."""
-
-    def before_scheduler_step(self, scheduler: Any) -> None: ...
 
 
 Callback = Literal[

@@ -16,6 +16,11 @@ A recorder sees a training loop through seven doors, all opened here and nowhere
   only place its calls can be seen without entering the compiled region (``compiled.py``);
 * the loss functions of ``torch.nn.functional`` (``cross_entropy``, ``mse_loss``...: those of
   ``losscall.LOSSES``, which the ``nn.*Loss`` modules call): the loss a replay recomputes.
+* ``LRScheduler.step``: the schedulers that step, so that a scheduler stepped once per
+  micro-batch is seen (``schedules.py``).
+
+(``record --apply`` treats a run as well: ``treatment.py`` changes what torch computes, on
+purpose and only when asked, with the same ``Patch`` handles.)
 
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
@@ -392,7 +397,7 @@ def _scheduler_classes() -> list[type]:
 def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
     """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
     base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
-    Used by ``ampdoctor.testing.check_amp_step``, not by the recorder."""
+    Used by ``ampdoctor.testing.check_amp_step`` and by the recorder (``schedules.py``)."""
     require(listener, SchedulerListener)
 
     def make(orig):

@@ -248,6 +248,14 @@ class Recorder:
         """Forensic replays run so far (each wrote a snapshot)."""
         return self.forensics.replays if self.forensics is not None else 0
 
+    def note_applied(self, applied: list[dict]) -> None:
+        """``record --apply``: the fixes the treatment applied, into /meta ``applied``."""
+        if self._journal.open_for_rows:
+            try:
+                self._journal.meta("applied", applied, self._log.step.index)
+            except Exception as exc:  # noqa: BLE001
+                self.fault(exc, "note_applied")
+
     def record_exception(self, exc_type: Any, exc: Any) -> None:
         if self._journal.open_for_rows:
             self._journal.event(Event.EXCEPTION, self._log.step,

@@ -32,6 +32,7 @@ from . import readback
 from .environment import peak_memory
 from .journal import Journal
 from .steps import Constants, Step, columns, device_values, fetch
+from .treatment import lr_factor as treatment_lr_factor
 from .watched import Watched
 
 
@@ -110,10 +111,11 @@ class StepLog:
         lrs = []
         rows: list[tuple] = []
         for opt in self.watched.optimizers:
+            factor = treatment_lr_factor(opt)  # --apply lr_factor: the LR the step ran with
             for g in opt.param_groups:
                 lr = g.get("lr", math.nan)
-                lr = float(lr) if not isinstance(lr, torch.Tensor) or lr.device.type == "cpu" \
-                    else math.nan
+                lr = float(lr) * factor if not isinstance(lr, torch.Tensor) or \
+                    lr.device.type == "cpu" else math.nan
                 lrs.append(lr)
                 wd = g.get("weight_decay", math.nan)
                 rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))

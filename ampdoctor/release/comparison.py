@@ -19,6 +19,10 @@ because one batch's loss is noisy while a real divergence persists:
 Relative differences are taken against ``max(|base|, 1e-3 * max|base|)``, so that a loss
 heading to zero does not turn noise into infinite ratios.
 
+A run treated with ``record --apply`` (``ampdoctor compare run.h5 fixed.h5``): ``treatment``
+says what each run was treated with, each run's verdict and where its loss began and ended,
+so that the comparison reads as what the fix changed.
+
 Example::
 
     c = ampdoctor.compare("fp32.h5", "bf16.h5")
@@ -99,6 +103,8 @@ class Comparison(Displayable):
     memory: dict = field(default_factory=dict)  # peak bytes: base, amp, what was measured
     memory_ratio: Optional[float] = None  # amp peak / base peak
     notes: list[str] = field(default_factory=list)
+    # record --apply: per run ("base", "amp") its applied fixes, verdict and loss; {} untreated
+    treatment: dict = field(default_factory=dict)
     curve: dict = field(default_factory=dict, repr=False)  # arrays for plots; not in to_dict
 
     def to_dict(self) -> dict:
@@ -143,8 +149,33 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
     c.amp_range = _range_summary(r)
     c.step_time, c.speedup = _speed(b, a)
     c.memory, c.memory_ratio = _memory(b, a)
+    c.treatment = treatment(b, a)
     c.notes = _notes(b, a, c)
     return c
+
+
+# The losses a treated run's start and end are the median of.
+LOSS_ENDS = 10
+
+
+def treatment(b: Any, a: Any) -> dict:
+    """When either run was treated (``record --apply``): for each, the fixes applied, its
+    verdict and its loss at the start and the end (median of ``LOSS_ENDS`` finite steps), and
+    how many losses were non-finite. {} when neither was."""
+    if not (b.applied or a.applied):
+        return {}
+    from ..diagnosis.engine import diagnose
+
+    out = {}
+    for key, run in (("base", b), ("amp", a)):
+        loss = run.steps["loss"].astype(np.float64)
+        fin = loss[np.isfinite(loss)]
+        out[key] = {"applied": [x.get("arg") for x in run.applied],
+                    "verdict": diagnose(run).verdict,
+                    "loss_start": float(np.median(fin[:LOSS_ENDS])) if len(fin) else None,
+                    "loss_end": float(np.median(fin[-LOSS_ENDS:])) if len(fin) else None,
+                    "nonfinite": int(len(loss) - len(fin))}
+    return out
 
 
 def describe(run: Any) -> dict:
@@ -390,7 +421,15 @@ def _notes(b: Any, a: Any, c: Comparison) -> list[str]:
     if c.base["params"] and c.amp["params"] and c.base["params"] != c.amp["params"]:
         notes.append(f"The runs train different models ({c.base['params']} vs "
                      f"{c.amp['params']} trainable parameters): the comparison may mean little.")
-    if c.base["dtype"] == c.amp["dtype"]:
+    if c.treatment:
+        treated = [k for k in ("base", "amp") if c.treatment[k]["applied"]]
+        which = {"base": "The first run", "amp": "The second run"}
+        for k in treated:
+            notes.append(f"{which[k]} was treated with "
+                         + ", ".join(f"--apply {x}" for x in c.treatment[k]["applied"])
+                         + " (ampdoctor record --apply): the differences are what "
+                         + ("the fixes" if len(treated) > 1 else "that fix") + " changed.")
+    elif c.base["dtype"] == c.amp["dtype"]:
         notes.append(f"Both runs ran in {c.base['dtype']}: this compares two runs of one "
                      "precision (run to run noise, or a change other than the dtype).")
     elif c.base["dtype"] != "float32" and c.amp["dtype"] == "float32":

@@ -114,6 +114,9 @@ def render_text(d: Diagnosis) -> str:
             lines += _wrap(f"[{fx.id}] {fx.text}", "  ")
             for code in fx.snippet.splitlines():
                 lines.append(f"      {code}".rstrip())
+            lines += [x for part in fix_lines(fx) for x in _wrap(part, "    ")]
+        if any(fx.apply for fx in d.fixes):
+            lines += [""] + _wrap(TRY_IT, "  ")
     for note in d.notes:
         lines.append("")
         lines += _wrap(f"note: {note}", "")
@@ -140,6 +143,10 @@ def render_markdown(d: Diagnosis) -> str:
             out += [f"- **{fx.id}**: {fx.text}"]
             if fx.snippet:
                 out += ["", "```python", fx.snippet, "```", ""]
+            out += [f"  {part.replace('--apply ', '`--apply ', 1)}`" if fx.apply and
+                    part.startswith("try it") else f"  {part}" for part in fix_lines(fx)]
+        if any(fx.apply for fx in d.fixes):
+            out += ["", TRY_IT]
         out += [""]
     out += ["### Run", "", "| | |", "|---|---|"]
     for key in ("path", "status", "steps", "skipped_steps", "sampled_steps", "replays",
@@ -151,6 +158,26 @@ def render_markdown(d: Diagnosis) -> str:
     for note in d.notes:
         out += ["", f"> {note}"]
     return "\n".join(out) + "\n"
+
+
+# Said once under the fixes, when one of them can be applied from outside the code.
+TRY_IT = ("Each --apply tries its fix on the whole run with no code change: ampdoctor record "
+          "--apply FIX -o fixed.h5 -- <your command>, then ampdoctor compare run.h5 fixed.h5.")
+
+
+def fix_lines(fx: Any) -> list[str]:
+    """Under a fix: where its numbers come from, how to apply it (or why it cannot be from
+    outside the code), and what the replay of the failing step found when it tried it."""
+    out = []
+    if fx.source:
+        out.append(f"numbers: {fx.source}")
+    if fx.apply:
+        out.append(f"try it: --apply {fx.apply}")
+    elif fx.apply_note:
+        out.append(f"--apply: none ({fx.apply_note})")
+    if fx.tried and fx.outcome:
+        out.append(f"tried: {fx.outcome}")
+    return out
 
 
 def _warning_text(d: Diagnosis) -> list[str]:

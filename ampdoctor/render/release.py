@@ -153,6 +153,7 @@ def comparison_rows(c: Any) -> list[tuple[str, str]]:
                           f"{_pct(c.tolerance['diverge'])}"
                           + (f", trailing mean of {c.tolerance['window']} steps"
                              if c.tolerance["window"] > 1 else "")),
+            *_treatment_rows(c),
             ("common steps", str(c.common_steps)),
             ("largest loss difference", f"{_pct(c.max_rel)} ({_step(c.max_rel_step)})"),
             ("final loss difference", f"{_pct(c.final_rel)} ({_step(c.final_step)})")]
@@ -171,6 +172,25 @@ def comparison_rows(c: Any) -> list[tuple[str, str]]:
                  + (f" ({_ratio(c.memory_ratio)} of the baseline, {m.get('measure')})"
                     if c.memory_ratio else "")))
     return rows
+
+
+def _treatment_rows(c: Any) -> list[tuple[str, str]]:
+    """A run treated with record --apply: what each run was treated with, its verdict, its
+    loss from start to end."""
+    t = getattr(c, "treatment", None)
+    if not t:
+        return []
+
+    def applied(k: str) -> str:
+        return ", ".join(f"--apply {x}" for x in t[k]["applied"]) or "none"
+
+    def loss(k: str) -> str:
+        bad = f", {t[k]['nonfinite']} non-finite" if t[k]["nonfinite"] else ""
+        return f"{fmt(t[k]['loss_start'])} to {fmt(t[k]['loss_end'])}{bad}"
+
+    return [("applied", f"{applied('base')} -> {applied('amp')}"),
+            ("verdicts", f"{t['base']['verdict']} -> {t['amp']['verdict']}"),
+            ("loss, start to end", f"{loss('base')} -> {loss('amp')}")]
 
 
 def layer_diff_rows(c: Any) -> list[tuple[str, ...]]:

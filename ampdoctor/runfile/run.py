@@ -215,6 +215,13 @@ class Run:
         return self._meta_dict("clip")
 
     @property
+    def applied(self) -> list[dict[str, Any]]:
+        """``record --apply``: ``[{"fix": "lr_factor", "arg": "lr_factor=0.028"}, ...]``; []
+        for a run that was not treated."""
+        value = self.meta.get("applied")
+        return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
+
+    @property
     def torch_info(self) -> dict[str, Any] | None:
         return self._meta_dict("torch")
 

@@ -139,6 +139,10 @@ class Event(enum.IntEnum):
     # one in this module)}. An additive code, not a format change: a reader that does not know
     # it passes the rows by (the diagnosis reads events by kind).
     HIDDEN_NONFINITE = 17
+    # An LR scheduler stepped more than once in one optimizer step (once per micro-batch):
+    # value: its steps that took effect in this one, text: its class. Written when that count
+    # first passes 1 and whenever it changes (record/schedules.py).
+    SCHEDULER_STEPS = 18
 
 
 # Bits of steps["flags"], one per event kind seen on that step.
@@ -326,6 +330,9 @@ META_KEYS = {
     "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
     "clip": "clip_grad_norm_ as called: max_norm ('tensor' if one was given), norm_type, "
             "foreach; rewritten when they change (Run.clip)",
+    "applied": "record --apply: the fixes the run was treated with, one dict each: fix, arg, "
+               "and what the treatment found (fp32_island's modules and missing names, "
+               "use_bf16's scaler, an error); rewritten when that changes (Run.applied)",
 }
 
 STATUS_RUNNING = "running"

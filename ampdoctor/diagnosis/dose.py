@@ -1,0 +1,344 @@
+"""The numbers a fix prescribes, measured from the run in front of us: the learning rate, the
+initial loss scale, Adam's eps and the clipping threshold, each with the clause that says
+where it comes from (``fixes.Dose``).
+
+numpy only. ``Doses(f)`` measures on first use and keeps what it measured; the fixes ask it by
+name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
+
+* ``lr``: an update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
+  ratio grows with the LR (Adam's in proportion to it, SGD's with it and the gradient), so at
+  a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r (when only the
+  first step was sampled, against that step's own healthy size: ``FIRST_ADAM`` for Adam's
+  sign-sized first update, TARGET_RATIO * (1 - momentum) for SGD's): the median over
+  the sampled steps up to where the run stopped being steady (after it the ratios describe a
+  broken run: dead units stop moving, NaN), the first step left out when others exist (every
+  optimizer's first update is unlike its later ones). It is capped by the largest LR at
+  which the run was still steady (the LR history before the gradient norm, the loss or the
+  update ratio first jumped, ``JUMP``), and always set below the LR where it jumped. With no
+  sampled ratio, an order of magnitude below that LR. ``lr_factor`` is the new LR over the
+  run's peak: the whole schedule scaled (``record --apply lr_factor=F``).
+* ``init_scale``: the power of two that lifts the smallest layer's recorded gradient rms
+  (unscaled: divided by the step's loss scale) into fp16's normal range (>= 2**-14) without
+  passing 65504 with the largest recorded gradient: the middle of that band of exponents.
+* ``eps`` (fp16 optimizer state): where fp16 flushes Adam's second moment to 0 the update is
+  lr * m / eps, so an eps of the order of the smallest layer's gradient rms (the power of ten
+  at or below it) keeps those updates near the LR; at least fp16's smallest subnormal, and
+  enough that m / eps stays below 65504 for the largest recorded gradient.
+* ``max_norm``: the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
+  steps (before the failure or the first jump).
+
+Where the run holds too little, a dose is None and the fix falls back to ``fixes.DEFAULTS``
+(or, for the LR, a tenth of the peak), whose source says which default and why.
+
+Example::
+
+    doses = Doses(Facts(ampdoctor.load("run.h5")))
+    doses("lr")   # Dose(values={'lr': 0.0057, 'lr_factor': 0.029}, source='update ratio ...')
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from ..numfmt import fmt
+from ..runfile import schema
+from ..runfile.schema import Kind, Source
+from .fixes import Dose
+
+# The optimizers whose first step is sign-sized (facts.ADAM_FAMILY's Adams, repeated here:
+# facts imports this module).
+ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "FusedAdam", "AdamW8bit", "Adam8bit",
+               "PagedAdamW", "DeepSpeedCPUAdam")
+
+# ``f`` below is a ``facts.Facts`` (typed Any: facts.py imports this module, and an import
+# back, even for types only, would be a cycle among diagnosis' modules).
+Facts = Any
+
+# taxonomy §1 / §3: Adam's healthy update ratio |dW|/|W| is ~1e-3 per step.
+TARGET_RATIO = 1e-3
+# ... but Adam's first step is sign-sized (|m / sqrt(v)| = 1 for every element), ~lr/|w|: at a
+# sane LR 1e-2 and up (overflow.REPLACED's comment). When the first step is the only sample,
+# it is measured against this. (SGD's first step is 1 - momentum of its later ones.)
+FIRST_ADAM = 1e-2
+# A gradient norm, loss or update ratio 10x the median of the steps before it: the run stopped
+# being steady there (overflow.py's growth thresholds are 10x too).
+JUMP = 10.0
+# The steps before a jump that its median is taken over, and how many it needs.
+JUMP_WINDOW = 20
+JUMP_MIN = 3
+# The update ratios are kept up to 10 (streamed.py clips their log there): a ratio at that
+# ceiling is "at least 10".
+RATIO_CEILING = 10.0
+# max_norm: this percentile of the steady steps' gradient norms, from this many steps.
+CLIP_PERCENTILE = 90
+CLIP_MIN_STEPS = 5
+# The largest initial loss scale prescribed (GradScaler grows it further by itself).
+MAX_SCALE_EXP = 24
+
+
+@dataclass(frozen=True)
+class Jump:
+    """Where the run stopped being steady: ``seen``, the step position where it showed
+    (``what``: "the loss jumped"), and ``update``, the position of the optimizer step whose
+    update caused it (a loss, a gradient norm or a non-finite forward shows the update of the
+    step before; an update ratio is its own step's)."""
+
+    seen: int
+    update: int
+    what: str
+
+
+def _round(x: float) -> float:
+    """Two significant digits: a number a person types (0.0057, 1.4e-05)."""
+    return float(f"{x:.2g}")
+
+
+class Doses:
+    """The doses of one run, measured on first use (``doses(name)``; None: not measurable)."""
+
+    def __init__(self, f: Facts):
+        self.f = f
+        self._done: dict[str, Optional[Dose]] = {}
+
+    def __call__(self, name: str) -> Optional[Dose]:
+        if name not in self._done:
+            measure = {"lr": self.lr, "init_scale": self.init_scale, "eps": self.eps,
+                       "max_norm": self.max_norm}.get(name)
+            self._done[name] = measure() if measure is not None else None
+        return self._done[name]
+
+    # -- the learning rate ----------------------------------------------------------------
+
+    def lr(self) -> Optional[Dose]:
+        f = self.f
+        lr = f.steps["lr"].astype(float) if f.n else np.zeros(0)
+        known = np.isfinite(lr) & (lr > 0)
+        if not known.any():
+            return None
+        peak = float(lr[known].max())
+        jump = self.jump()
+        limit = float(lr[jump.update]) if jump is not None and known[jump.update] else peak
+        where = (f"LR {fmt(limit)}, the LR of the update before {jump.what} at step "
+                 f"{f.step_at(jump.seen)}" if jump is not None else f"the peak LR {fmt(peak)}")
+        measured = self._ratio_lr()
+        if measured is not None:
+            value, source = measured
+        else:
+            value = limit / 10
+            source = f"an order of magnitude below {where} (no sampled update ratio to " \
+                     "measure the step size)" if jump is not None else \
+                f"a tenth of {where}: the default, no sampled update ratio to measure the step"
+        steady = lr[:jump.update][known[:jump.update]] if jump is not None else np.zeros(0)
+        if len(steady) and float(steady.max()) < limit * 0.999 and value > steady.max():
+            value = float(steady.max())
+            source += f", capped at LR {fmt(value)}, the largest at which the run was steady"
+        if value >= limit * 0.999:
+            value = limit / 10
+            source += f"; set an order of magnitude below {where}"
+        value = _round(value)
+        return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
+
+    def _ratio_lr(self) -> Optional[tuple[float, str]]:
+        """L * TARGET_RATIO / r over the sampled steps before the failure (the first step left
+        out when others exist), with its source clause."""
+        f = self.f
+        jump = self.jump()  # after it the ratios describe a broken run (dead units, NaN)
+        end = jump.seen + 1 if jump is not None else f.n
+        upd = f.reduced.upd_log
+        lr = f.steps["lr"].astype(float)
+        idx = np.flatnonzero(f.reduced.sampled[:end] & ~f.skipped[:end] & np.isfinite(
+            upd[:end]) & np.isfinite(lr[:end]) & (lr[:end] > 0))
+        if len(idx) > 1 and idx[0] == 0:
+            idx = idx[1:]
+        if not len(idx):
+            return None
+        ratio = 10.0 ** upd[idx]
+        first = len(idx) == 1 and idx[0] == 0
+        target, why = self._first_target() if first else (TARGET_RATIO, "per step")
+        value = float(np.median(lr[idx] * target / ratio))
+        r, at_lr = float(np.median(ratio)), float(np.median(lr[idx]))
+        least = "at least " if r >= RATIO_CEILING * 0.999 else ""
+        where = (f"median of {len(idx)} sampled steps" if len(idx) > 1 else
+                 f"sampled step {f.step_at(int(idx[0]))}")
+        return value, (f"update ratio {least}{fmt(r)} at LR {fmt(at_lr)} ({where}); at "
+                       f"~{target:g} {why} the LR is about {fmt(_round(value))}")
+
+    def _first_target(self) -> tuple[float, str]:
+        """The healthy ratio of an optimizer's first update, when that is all that was
+        sampled: Adam's is sign-sized (``FIRST_ADAM``), SGD's has no momentum yet."""
+        opt = self.f.optimizers[0] if self.f.optimizers else {}
+        name = str(opt.get("class") or "")
+        if name in ADAM_FAMILY:
+            return FIRST_ADAM, f"for {name}'s first, sign-sized step"
+        momentum = (opt.get("hyper") or {}).get("momentum") or 0.0
+        if isinstance(momentum, (int, float)) and 0 < momentum < 1:
+            return TARGET_RATIO * (1 - momentum), (f"for a first step, before momentum "
+                                                   f"{momentum:g} builds it up")
+        return TARGET_RATIO, "per step"
+
+    def jump(self) -> Optional[Jump]:
+        """The first place the run stopped being steady: the failure, the loss curve's first
+        spike, or a gradient norm, loss or update ratio ``JUMP`` x the median before it."""
+        return self.f.memo("dose_jump", self._jump)
+
+    def _jump(self) -> Optional[Jump]:
+        f = self.f
+        if not f.n:
+            return None
+        seen: list[tuple[int, str]] = []
+        if f.failure_index is not None:
+            seen.append((f.failure_index, "the failure began"))
+        if f.curve.spikes:
+            seen.append((f.curve.spikes[0].onset, "the loss jumped"))
+        for column, what in (("grad_norm", "the gradient norm jumped"),
+                             ("loss", "the loss jumped")):
+            i = _first_jump(f.steps[column].astype(float))
+            if i is not None:
+                seen.append((i, what))
+        found = [Jump(i, max(i - 1, 0), what) for i, what in seen]
+        upd = f.reduced.upd_log
+        sampled = np.flatnonzero(np.isfinite(upd))
+        if len(sampled) > 2:
+            i = _first_jump(10.0 ** upd[sampled])
+            if i is not None:
+                found.append(Jump(int(sampled[i]), int(sampled[i]), "the update ratio jumped"))
+        return min(found, key=lambda j: (j.update, j.seen)) if found else None
+
+    # -- the loss scale -------------------------------------------------------------------
+
+    def grad_sizes(self) -> Optional[tuple[str, float, float]]:
+        """(name of the layer with the smallest gradient rms, that rms, the largest gradient
+        abs max), unscaled, over the sampled steps before the failure; None without one."""
+        return self.f.memo("grad_sizes", lambda: _grad_sizes(self.f))
+
+    def init_scale(self) -> Optional[Dose]:
+        sizes = self.grad_sizes()
+        if sizes is None:
+            return None
+        name, small, big = sizes
+        lo = math.ceil(math.log2(schema.FP16_TINY / small))
+        hi = math.floor(math.log2(schema.FP16_MAX / big))
+        if lo <= hi:
+            k = min((lo + hi) // 2, MAX_SCALE_EXP)
+            source = (f"{name}'s gradient rms {fmt(small)}, the smallest, needs 2**{lo} to reach "
+                      f"fp16's normal range and the largest gradient, {fmt(big)}, overflows "
+                      f"above 2**{hi}: 2**{k} lies between")
+        else:
+            k = min(hi, MAX_SCALE_EXP)
+            source = (f"the largest gradient, {fmt(big)}, overflows above 2**{hi}, and "
+                      f"{name}'s gradient rms {fmt(small)} needs 2**{lo}: no one scale serves "
+                      "both (bf16 does)")
+        k = max(k, 0)
+        return Dose({"init_scale": float(2 ** k)}, source)
+
+    # -- Adam's eps -----------------------------------------------------------------------
+
+    def eps(self) -> Optional[Dose]:
+        if self.state_dtype() != "float16":
+            return None
+        sizes = self.grad_sizes()
+        if sizes is None:
+            return None
+        name, small, big = sizes
+        value = 10.0 ** math.floor(math.log10(small))
+        floor = max(schema.FP16_SUBNORMAL_MIN, big / schema.FP16_MAX)
+        raised = value < floor
+        if raised:
+            value = 10.0 ** math.ceil(math.log10(floor))
+        source = (f"the order of {name}'s gradient rms {fmt(small)}, the smallest: where fp16 "
+                  "flushes Adam's second moment to 0 the update is lr * m / eps, near the LR "
+                  "at that eps")
+        if raised:
+            source += (f"; raised to {fmt(value)} so that m / eps stays below 65504 for the "
+                       f"largest gradient {fmt(big)}")
+        return Dose({"eps": value}, source)
+
+    def state_dtype(self) -> Optional[str]:
+        """The dtype of the optimizer's second moment (exp_avg_sq), else of the weights."""
+        for opt in self.f.optimizers:
+            state = opt.get("state_dtypes") or {}
+            if state.get("exp_avg_sq"):
+                return str(state["exp_avg_sq"])
+        d = self.f.param_dtypes
+        return max(d, key=lambda k: d[k]) if d else None
+
+    # -- the clipping threshold -----------------------------------------------------------
+
+    def max_norm(self) -> Optional[Dose]:
+        f = self.f
+        if not f.n:
+            return None
+        jump = self.jump()
+        end = jump.seen if jump is not None else f.n
+        gn = f.steps["grad_norm"][:end].astype(float)
+        ok = np.isfinite(gn) & (gn > 0) & ~f.skipped[:end]
+        if ok.sum() < CLIP_MIN_STEPS:
+            return None
+        value = _round(float(np.percentile(gn[ok], CLIP_PERCENTILE)))
+        before = f" before step {f.step_at(end)} ({jump.what})" if jump is not None else ""
+        return Dose({"max_norm": value}, f"the {CLIP_PERCENTILE}th percentile of the gradient "
+                    f"norm over the {int(ok.sum())} steady steps{before}")
+
+
+def _first_jump(x: np.ndarray) -> Optional[int]:
+    """The first position whose value is ``JUMP`` x the median of the (up to ``JUMP_WINDOW``)
+    finite values before it, given ``JUMP_MIN`` of them; None when there is none."""
+    x = np.where(np.isfinite(x) & (x > 0), x, np.nan)
+    n = len(x)
+    if n <= JUMP_MIN:
+        return None
+    padded = np.concatenate([np.full(JUMP_WINDOW, np.nan), x])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, JUMP_WINDOW)[:n]
+    counts = np.sum(np.isfinite(windows), axis=1)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)  # windows with no finite value
+        before = np.nanmedian(windows, axis=1)
+        hit = (counts >= JUMP_MIN) & (x >= JUMP * before)
+    idx = np.flatnonzero(hit)
+    return int(idx[0]) if len(idx) else None
+
+
+# The /stats columns the gradient sizes read.
+_COLUMNS = ("step", "tensor", "source", "nonfinite", "rms", "absmax")
+
+
+def _grad_sizes(f: Facts) -> Optional[tuple[str, float, float]]:
+    """One pass over the sampled gradient rows (see ``Doses.grad_sizes``)."""
+    kinds, names = f.tensor_kinds, f.tensor_names
+    steps = f.step_values
+    if not len(kinds) or not f.n:
+        return None
+    scale = f.steps["scale"].astype(float)
+    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+    end = f.horizon
+    log_sum, count = np.zeros(len(kinds)), np.zeros(len(kinds))
+    big = 0.0
+    for rows in f.run.stats.chunks(f.chunk, names=_COLUMNS):
+        tid = rows["tensor"].astype(np.int64)
+        keep = (rows["source"] == Source.SAMPLED) & (tid >= 0) & (tid < len(kinds)) & \
+            (rows["nonfinite"] == 0) & (rows["step"] < end)
+        keep[keep] &= kinds[tid[keep]] == Kind.PARAM_GRAD
+        if not keep.any():
+            continue
+        r, t = rows[keep], tid[keep]
+        pos = np.minimum(np.searchsorted(steps, r["step"]), f.n - 1)
+        clean = ~f.skipped[pos]
+        s = scale[pos]
+        rms, absmax = r["rms"].astype(float) / s, r["absmax"].astype(float) / s
+        use = clean & np.isfinite(rms) & (rms > 0)
+        np.add.at(log_sum, t[use], np.log10(rms[use]))
+        np.add.at(count, t[use], 1.0)
+        fin = clean & np.isfinite(absmax)
+        if fin.any():
+            big = max(big, float(absmax[fin].max()))
+    measured = np.flatnonzero(count > 0)
+    if not len(measured) or big <= 0:
+        return None
+    means = log_sum[measured] / count[measured]
+    smallest = int(measured[np.argmin(means)])
+    return names[smallest], float(10 ** means.min()), big

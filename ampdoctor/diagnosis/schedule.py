@@ -1,0 +1,53 @@
+"""When the learning rate itself is the bug: an LR scheduler stepped several times per
+optimizer step (once per micro-batch), seen by the recorder (``Event.SCHEDULER_STEPS``).
+
+A warm-up stepped once per micro-batch reaches its peak as many times too early as there are
+micro-batches; the fix is to step it once per optimizer step (``scheduler_per_step``), which
+comes before any advice to lower the peak: the same peak with the schedule the script meant
+may train. The LR rules (``overflow._lr_finding``, ``progress``'s divergence) ask here.
+
+Example::
+
+    ev = per_micro(f)            # Evidence "scheduler_per_micro", or None
+    ids = lr_fixes(f, ["lower_lr", "use_bf16"])   # ['scheduler_per_step', 'lower_lr', ...]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..runfile.schema import Event
+from .facts import Facts
+from .verdict import Evidence
+
+
+def per_micro(f: Facts) -> Optional[Evidence]:
+    """Evidence that a scheduler stepped more than once per optimizer step, or None."""
+    rows = f.events(Event.SCHEDULER_STEPS)
+    if not len(rows):
+        return None
+    most = int(np.nanmax(rows["value"]))
+    step = int(rows["step"][0])
+    who = str(rows["text"][0]) or "the LR scheduler"
+    micro = int(f.steps["micro"][f.index_of(step)]) if f.n else 0
+    per = (f" ({micro} backward calls per step: once per micro-batch)" if micro == most else "")
+    return Evidence(f"the LR scheduler ({who}) stepped {most} times per optimizer step from "
+                    f"step {step} on{per}: a warm-up reaches its peak {most}x too early",
+                    "scheduler_per_micro", float(most), step)
+
+
+def lr_fixes(f: Facts, ids: list[str]) -> list[str]:
+    """``ids`` with ``scheduler_per_step`` first when the scheduler is the cause."""
+    return ["scheduler_per_step"] + ids if per_micro(f) is not None else ids
+
+
+def summary(f: Facts) -> str:
+    """A sentence for the LR finding's summary when the scheduler is the cause, else ""."""
+    ev = per_micro(f)
+    if ev is None:
+        return ""
+    return (f" The LR itself is a bug: the scheduler stepped {int(ev.value or 0)} times per "
+            "optimizer step, so its schedule ran that many times too fast; step it once per "
+            "optimizer step before lowering the peak.")

@@ -1,0 +1,144 @@
+"""The fixes ``ampdoctor record --apply FIX[=VALUE]`` can apply to a command with no change to
+its code: their names, what value each takes, and the one sentence a bad one gets.
+
+torch-free (``record``'s parent process reads it before the command starts; the children
+carry the arguments in ``AMPDOCTOR_APPLY`` and ``treatment.py`` applies them):
+
+=======================================  =====================================================
+``fp32_island=NAME[,NAME...]``           the named modules (qualified names, as ``diagnose``
+                                         shows them) run with autocast off on fp32 inputs
+``use_bf16``                             fp16 autocast becomes bf16; GradScalers are disabled
+``adam_eps=EPS``                         every optimizer with an eps (Adam family) uses EPS
+``init_scale=S``, ``growth_interval=N``  GradScaler's initial scale, its growth interval
+``lr_factor=F``, ``lr=LR``               the LR each optimizer steps with is multiplied by F
+                                         (``lr``: F = LR / the LR the optimizer was made with)
+``loss_in_fp32``                         torch's loss functions get fp32 inputs, autocast off
+``scheduler_per_step``                   an LR scheduler steps at most once per optimizer step
+=======================================  =====================================================
+
+Example::
+
+    parse_all(["use_bf16", "lr_factor=0.1"])   # [Prescription('use_bf16'), ...('lr_factor', 0.1)]
+    parse("adam_eps=abc")    # RecordError: --apply adam_eps=abc: EPS must be a positive number
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from ..errors import RecordError
+
+Value = Union[None, float, int, tuple[str, ...]]
+
+# name -> (the value's placeholder or "" for none, what it does)
+FORMS: dict[str, tuple[str, str]] = {
+    "fp32_island": ("NAME[,NAME...]", "the named modules run with autocast off, on fp32 inputs"),
+    "use_bf16": ("", "fp16 autocast becomes bf16, and GradScalers are disabled"),
+    "adam_eps": ("EPS", "every optimizer with an eps uses EPS"),
+    "init_scale": ("S", "GradScaler starts at scale S"),
+    "growth_interval": ("N", "GradScaler grows its scale every N clean steps"),
+    "lr_factor": ("F", "each optimizer steps with its LR times F (schedules keep working)"),
+    "lr": ("LR", "each optimizer steps with its LR times LR / the LR it was created with"),
+    "loss_in_fp32": ("", "torch's loss functions run in fp32, autocast off"),
+    "scheduler_per_step": ("", "an LR scheduler steps at most once per optimizer step"),
+}
+# Forms that cannot be given together.
+EXCLUSIVE = (("lr", "lr_factor"),)
+
+
+@dataclass(frozen=True)
+class Prescription:
+    """One ``--apply`` argument, parsed: the fix's name and its value."""
+
+    name: str
+    value: Value = None
+    given: str = ""  # the value as typed ("4.7e-6"), kept so that /meta shows it unchanged
+
+    @property
+    def arg(self) -> str:
+        """The argument as ``--apply`` takes it: ``lr_factor=0.1``, ``fp32_island=a,b``."""
+        if self.value is None:
+            return self.name
+        if isinstance(self.value, tuple):
+            return f"{self.name}={','.join(self.value)}"
+        return f"{self.name}={self.given or self.value}"
+
+
+def usage() -> str:
+    """Every form, for messages and help: ``fp32_island=NAME[,NAME...], use_bf16, ...``."""
+    return ", ".join(f"{n}={v}" if v else n for n, (v, _) in FORMS.items())
+
+
+def parse(text: str) -> Prescription:
+    """One ``FIX[=VALUE]``; ``RecordError`` (one sentence) for an unknown fix or a bad value."""
+    name, eq, raw = text.strip().partition("=")
+    name = name.strip()
+    if name not in FORMS:
+        raise RecordError(f"--apply {text}: unknown fix {name or '(empty)'!r}; record can apply "
+                          f"{usage()}")
+    placeholder = FORMS[name][0]
+    if not placeholder:
+        if eq:
+            raise RecordError(f"--apply {text}: {name} takes no value")
+        return Prescription(name)
+    if not raw.strip():
+        raise RecordError(f"--apply {text}: {name} needs a value: --apply {name}={placeholder}")
+    return Prescription(name, _value(name, raw.strip(), text, placeholder), raw.strip())
+
+
+def _value(name: str, raw: str, text: str, placeholder: str) -> Value:
+    if name == "fp32_island":
+        names = tuple(n.strip() for n in raw.split(","))
+        if not all(names):
+            raise RecordError(f"--apply {text}: give module names separated by commas, as in "
+                              "--apply fp32_island=blocks.0.attn,blocks.1.attn")
+        return names
+    if name == "growth_interval":
+        if not raw.isdigit() or int(raw) < 1:
+            raise RecordError(f"--apply {text}: {placeholder} must be a whole number of steps, "
+                              "1 or more")
+        return int(raw)
+    try:
+        number = float(raw)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise RecordError(f"--apply {text}: {placeholder} must be a positive number")
+    return number
+
+
+def parse_all(texts: Sequence[str]) -> list[Prescription]:
+    """Every ``--apply`` argument, checked together: each once, and no two that exclude each
+    other (``lr`` and ``lr_factor``)."""
+    out = [parse(t) for t in texts]
+    names = [p.name for p in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise RecordError(f"--apply {name} is given {names.count(name)} times: give it once")
+    for a, b in EXCLUSIVE:
+        if a in names and b in names:
+            raise RecordError(f"--apply {a} and --apply {b} both set the learning rate: give one")
+    return out
+
+
+def to_env(prescriptions: Sequence[Prescription]) -> str:
+    """What ``AMPDOCTOR_APPLY`` carries to the children: the arguments, as JSON."""
+    return json.dumps([p.arg for p in prescriptions])
+
+
+def from_env(text: Optional[str]) -> list[Prescription]:
+    """The prescriptions ``AMPDOCTOR_APPLY`` carries (none when it is unset); ``RecordError``
+    when it cannot be read."""
+    if not text:
+        return []
+    try:
+        args = json.loads(text)
+    except ValueError:
+        raise RecordError(f"AMPDOCTOR_APPLY is not a JSON list of --apply arguments: "
+                          f"{text[:80]}") from None
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise RecordError("AMPDOCTOR_APPLY is not a JSON list of --apply arguments")
+    return parse_all(args)

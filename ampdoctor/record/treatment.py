@@ -1,0 +1,389 @@
+"""``ampdoctor record --apply FIX[=VALUE]``: the fix applied to the command from its bootstrap,
+with no change to its code.
+
+Unlike the recorder, a treatment changes what the run computes, on purpose; it is installed
+only when ``--apply`` is given (``record`` without it changes nothing), in each Python process
+of the command, when torch is imported and before the recorder starts (``child.py``), with
+the same undoable ``patches.Patch`` handles as the recorder's doors. What each form does:
+
+* ``fp32_island=NAME,...``: the modules of those qualified names, looked up in each module
+  called with grad enabled until all are found (the model's own call finds them, before their
+  first call), get a forward pre-hook and hook that run them with autocast off on fp32 inputs
+  (their output is fp32). A name still missing at the first optimizer step is warned about
+  and recorded (``missing``); a module with half weights is left alone (its inputs must match
+  them: only ``model.float()`` in the code helps).
+* ``use_bf16``: every autocast created as float16 (also by default, on CUDA) runs bfloat16;
+  every GradScaler is disabled, as the fix says (bf16 has fp32's range: nothing to scale).
+  Weights the code itself made half stay half.
+* ``adam_eps=EPS``: every optimizer whose defaults have an ``eps`` is created with EPS (and
+  every param group's eps set to it).
+* ``init_scale=S``, ``growth_interval=N``: every enabled GradScaler starts at S / grows every N.
+* ``lr_factor=F``, ``lr=LR``: each optimizer's step runs with every group's LR times F, put
+  back after the step, so that schedulers (chainable ones included) and the script's own
+  ``group["lr"] = ...`` keep working; ``lr=LR`` takes F = LR / the optimizer's constructor LR.
+  The recorder writes the LR the step ran with (``lr_factor``).
+* ``loss_in_fp32``: torch's loss functions (``torch.nn.functional``'s, which the ``nn`` loss
+  modules call) get their floating inputs in fp32, autocast off. A hand-written loss is not
+  reached.
+* ``scheduler_per_step``: an LR scheduler's ``step`` runs at most once per optimizer step
+  that ran (later calls before the next optimizer step are left out; a step GradScaler
+  skipped does not count, as ``scheduler_after_real_step`` asks).
+
+What was applied (and what could not be) goes to ``/meta`` ``applied`` through ``note``.
+
+Example::
+
+    t = Treatment(prescription.parse_all(["use_bf16"]), note=print).install()
+    ...train...
+    t.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+
+from . import patches
+from .prescription import Prescription
+
+# torch.nn.functional's losses: the ones ``loss_in_fp32`` casts.
+LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+          "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+          "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
+          "multilabel_soft_margin_loss", "hinge_embedding_loss", "cosine_embedding_loss",
+          "margin_ranking_loss", "triplet_margin_loss", "multi_margin_loss",
+          "multilabel_margin_loss", "ctc_loss")
+_HALF = (torch.float16, torch.bfloat16)
+
+# The LR factor each optimizer steps with (the recorder multiplies the LR it reads by it).
+_LR_FACTORS: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+
+
+def lr_factor(optimizer: Any) -> float:
+    """The factor ``--apply lr_factor``/``lr`` multiplies this optimizer's LR by (1.0: none)."""
+    try:
+        return _LR_FACTORS.get(optimizer, 1.0)
+    except TypeError:  # not weak-referenceable: never one of ours
+        return 1.0
+
+
+class Treatment:
+    """The prescriptions of one process, installed as patches (``install``, ``remove``).
+
+    ``note(applied)`` is told what was applied, a list of dicts for /meta ``applied``, at
+    install and whenever that changes (an island found, or missing at the first step).
+    """
+
+    def __init__(self, prescriptions: list[Prescription],
+                 note: Callable[[list[dict]], None] = lambda applied: None):
+        self.prescriptions = prescriptions
+        self.note = note
+        self.patches = patches.PatchSet()
+        self.applied: list[dict] = []
+        self._islands: Optional[_Islands] = None
+
+    def install(self) -> "Treatment":
+        by_name = {p.name: p.value for p in self.prescriptions}
+        for p in self.prescriptions:
+            entry = {"fix": p.name, "arg": p.arg}
+            try:
+                extra = self._install(p, by_name)
+            except Exception as exc:  # noqa: BLE001 - the command runs on, untreated by this
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"ampdoctor: --apply {p.arg} could not be applied ({exc})",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                entry.update(extra)
+            self.applied.append(entry)
+        self._tell()
+        return self
+
+    def remove(self) -> None:
+        self.patches.remove()
+
+    def _tell(self) -> None:
+        try:
+            self.note([dict(e) for e in self.applied])
+        except Exception:  # noqa: BLE001 - what is recorded never changes what is applied
+            pass
+
+    def _install(self, p: Prescription, by_name: dict) -> dict:
+        if p.name == "fp32_island":
+            assert isinstance(p.value, tuple)
+            self._islands = _Islands(p.value, self._found)
+            self._islands.install(self.patches)
+            return {"modules": [], "missing": list(p.value)}
+        if p.name == "use_bf16":
+            _bf16_autocast(self.patches)
+            if "init_scale" not in by_name and "growth_interval" not in by_name:
+                _scaler_settings(self.patches, disable=True)
+            return {"scaler": "disabled"}
+        if p.name in ("init_scale", "growth_interval"):
+            if p.name == "growth_interval" and "init_scale" in by_name:
+                return {}  # installed with init_scale
+            _scaler_settings(self.patches, init_scale=by_name.get("init_scale"),
+                             growth_interval=by_name.get("growth_interval"),
+                             disable="use_bf16" in by_name)
+            return {}
+        if p.name == "adam_eps":
+            _eps(self.patches, float(p.value))  # type: ignore[arg-type]
+            return {}
+        if p.name in ("lr_factor", "lr"):
+            _lr(self.patches, float(p.value), relative=p.name == "lr_factor")  # type: ignore
+            return {}
+        if p.name == "loss_in_fp32":
+            _losses(self.patches)
+            return {"functions": len(LOSSES)}
+        if p.name == "scheduler_per_step":
+            _scheduler_gate(self.patches)
+            return {}
+        raise ValueError(f"no treatment for {p.name}")
+
+    def _found(self, found: list[str], missing: list[str], skipped: dict) -> None:
+        """The islands' lookup progressed: /meta says which modules were wrapped."""
+        for e in self.applied:
+            if e["fix"] == "fp32_island":
+                e["modules"], e["missing"] = list(found), list(missing)
+                if skipped:
+                    e["skipped"] = dict(skipped)
+        self._tell()
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 islands
+
+
+_ISLAND_STACK = threading.local()
+
+
+def _island_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Before an island's forward: autocast off on its inputs' devices, inputs in fp32.
+    Module-level (no closure over the module): a deep copy of the model shares these hooks
+    and they work on the copy too."""
+    devices = {t.device.type for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+    stack = contextlib.ExitStack()
+    for device in sorted(devices or {"cpu"}):
+        if torch.amp.is_autocast_available(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    opened = getattr(_ISLAND_STACK, "open", None)
+    if opened is None:
+        opened = _ISLAND_STACK.open = []
+    opened.append(stack)
+    return tuple(_up(a) for a in args), {k: _up(v) for k, v in kwargs.items()}
+
+
+def _island_post(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """After it (also when the forward raised: the hook is ``always_call``): autocast back."""
+    opened = getattr(_ISLAND_STACK, "open", None)
+    if opened:
+        opened.pop().close()
+
+
+def _up(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x
+
+
+class _Islands:
+    """Finds the named modules as the model is first called, and hooks each once."""
+
+    def __init__(self, names: tuple[str, ...],
+                 found: Callable[[list[str], list[str], dict], None]):
+        self.wanted = list(names)
+        self.found: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.tell = found
+        self._seen: set[int] = set()
+        self._search = patches.PatchSet()
+        self._warned = False
+
+    def install(self, patch_set: patches.PatchSet) -> None:
+        self.patch_set = patch_set
+        self._search.add(module_hooks.register_module_forward_pre_hook(self._look))
+        self._search.add(optimizer_hooks.register_optimizer_step_post_hook(self._give_up))
+        patch_set.add(self._search)
+
+    def _look(self, module: torch.nn.Module, args: tuple) -> None:
+        if id(module) in self._seen or not torch.is_grad_enabled():
+            return
+        self._seen.add(id(module))
+        changed = False
+        for name in list(self.wanted):
+            try:
+                target = module.get_submodule(name)
+            except AttributeError:
+                continue
+            self.wanted.remove(name)
+            changed = True
+            half = {str(p.dtype).replace("torch.", "") for p in target.parameters()
+                    if p.dtype in _HALF}
+            if half:
+                self.skipped[name] = f"its weights are {', '.join(sorted(half))}"
+                continue
+            self.patch_set.add(target.register_forward_pre_hook(_island_pre, with_kwargs=True))
+            self.patch_set.add(target.register_forward_hook(_island_post, always_call=True))
+            self.found.append(name)
+        if changed:
+            self.tell(self.found, self.wanted, self.skipped)
+        if not self.wanted:
+            self._search.remove()
+
+    def _give_up(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The first optimizer step: a name not found by now is not in the model."""
+        self._search.remove()
+        if self.wanted and not self._warned:
+            self._warned = True
+            warnings.warn(f"ampdoctor: --apply fp32_island: no module named "
+                          f"{', '.join(self.wanted)} in the model; those are not islands",
+                          RuntimeWarning, stacklevel=2)
+            self.tell(self.found, self.wanted, self.skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# autocast and GradScaler
+
+
+def _bf16_autocast(patch_set: patches.PatchSet) -> None:
+    def make(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, *args, **kwargs)
+            if getattr(self, "fast_dtype", None) == torch.float16:
+                self.fast_dtype = torch.bfloat16
+        return init
+
+    patch_set.add(patches.Patch(torch.amp.autocast_mode.autocast, "__init__", make))
+
+
+def _scaler_settings(patch_set: patches.PatchSet, *, init_scale: Any = None,
+                     growth_interval: Any = None, disable: bool = False) -> None:
+    def make(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, *args, **kwargs)
+            if not getattr(self, "_enabled", False):
+                return
+            if disable:
+                self._enabled = False
+                return
+            if init_scale is not None:
+                self._init_scale = float(init_scale)
+            if growth_interval is not None:
+                self._growth_interval = int(growth_interval)
+        return init
+
+    patch_set.add(patches.Patch(torch.amp.GradScaler, "__init__", make))
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer: eps and the learning rate
+
+
+def _eps(patch_set: patches.PatchSet, eps: float) -> None:
+    def make(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def init(self: Any, params: Any, defaults: dict, *args: Any, **kwargs: Any) -> None:
+            has = isinstance(defaults, dict) and "eps" in defaults
+            orig(self, params, dict(defaults, eps=eps) if has else defaults, *args, **kwargs)
+            if has:
+                for group in self.param_groups:
+                    if "eps" in group:
+                        group["eps"] = eps
+        return init
+
+    patch_set.add(patches.Patch(torch.optim.Optimizer, "__init__", make))
+
+
+def _lr(patch_set: patches.PatchSet, value: float, relative: bool) -> None:
+    """Each step runs with every group's LR times the factor, put back after it."""
+    held: dict[int, list[tuple[dict, Any]]] = {}
+
+    def factor(optimizer: Any) -> float:
+        f = _LR_FACTORS.get(optimizer)
+        if f is None:
+            base = (getattr(optimizer, "defaults", None) or {}).get("lr")
+            base = float(base) if base is not None else 0.0
+            f = value if relative else (value / base if base > 0 else 1.0)
+            _LR_FACTORS[optimizer] = f
+        return f
+
+    def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        f = factor(optimizer)
+        saved = held[id(optimizer)] = []
+        for group in optimizer.param_groups:
+            lr = group.get("lr")
+            if lr is not None:
+                saved.append((group, lr))
+                group["lr"] = lr * f
+        return None
+
+    def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        for group, lr in held.pop(id(optimizer), []):
+            group["lr"] = lr
+
+    patch_set.add(optimizer_hooks.register_optimizer_step_pre_hook(pre))
+    patch_set.add(optimizer_hooks.register_optimizer_step_post_hook(post))
+
+
+# ---------------------------------------------------------------------------------------------
+# losses, schedulers
+
+
+def _losses(patch_set: patches.PatchSet) -> None:
+    def make(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def in_fp32(*args: Any, **kwargs: Any) -> Any:
+            devices = {t.device.type for t in (*args, *kwargs.values())
+                       if isinstance(t, torch.Tensor)}
+            with contextlib.ExitStack() as stack:
+                for device in sorted(devices):
+                    if torch.amp.is_autocast_available(device):
+                        stack.enter_context(torch.autocast(device, enabled=False))
+                return orig(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
+        return in_fp32
+
+    for name in LOSSES:
+        if hasattr(F, name):
+            patch_set.add(patches.Patch(F, name, make))
+
+
+def _scheduler_gate(patch_set: patches.PatchSet) -> None:
+    """A scheduler's step runs once per optimizer step that ran: optimizer steps are counted
+    by a global post-hook; a scheduler remembers the count at its last step."""
+    counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+    last: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+    def counted(optimizer: Any, args: Any, kwargs: Any) -> None:
+        counts[optimizer] = counts.get(optimizer, 0) + 1
+
+    def make(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            opt = getattr(self, "optimizer", None)
+            now = counts.get(opt, 0) if opt is not None else 0
+            if getattr(self, "_step_count", 0) and last.get(self, -1) == now:
+                return None  # stepped already since the last optimizer step
+            out = orig(self, *args, **kwargs)
+            last[self] = now
+            return out
+        return step
+
+    patch_set.add(optimizer_hooks.register_optimizer_step_post_hook(counted))
+    base = torch.optim.lr_scheduler.LRScheduler
+    classes, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+    for cls in classes:
+        if "step" in cls.__dict__:
+            patch_set.add(patches.Patch(cls, "step", make))

@@ -4,7 +4,9 @@ This module is the run file's front door: the rest of ampdoctor imports these na
 and the modules beside it own the parts (each module's docstring says what it owns):
 
 * ``writer``: ``Writer``, the crash-safe SWMR append path, and ``WriteError``;
-* ``reader``: ``load``, ``opened`` and ``inspect``, the bounded, never-hanging read;
+* ``reader``: ``load``, ``load_steps``, ``opened`` and ``inspect``, the bounded,
+  never-hanging read;
+* ``summary``: ``/summary``, a run in a few numbers: the writer's ``Tally``, ``summary.read``;
 * ``run``: ``Run`` and its ``Table``s and ``Blob``, and the decoding of text references;
 * ``tail``: ``Tail``, a file followed while it is written (``ampdoctor top``, ``export``);
 * ``attributes``: the root attributes, read without hanging, and the format check;
@@ -25,13 +27,15 @@ Example::
 from __future__ import annotations
 
 from ..errors import FormatTooNewError, RunFileError
+from . import summary
 from .hdf5 import reason
-from .reader import inspect, load, opened
+from .reader import inspect, load, load_steps, opened
 from .run import TENSOR_VIEW, Blob, Run, Table, decoded
 from .tail import Tail
 from .writer import WriteError, Writer
 
 __all__ = ["FormatTooNewError", "RunFileError", "TENSOR_VIEW", "Blob", "Run", "Table",
-           "Tail", "WriteError", "Writer", "decoded", "inspect", "load", "opened"]
+           "Tail", "WriteError", "Writer", "decoded", "inspect", "load", "load_steps",
+           "opened", "summary"]
 
 _reason = reason  # record/recorder.py's name for it: the one line of an error a user reads

@@ -1,0 +1,386 @@
+"""A run in a few numbers: ``/summary``, kept current by the writer and read without the tables.
+
+A job of 1024 ranks leaves 1024 run files. Diagnosing them together needs, of most ranks, only
+what ``diagnosis.ranks.outline`` says of a rank (steps, skips, the first bad step and whether
+the value was born there, status) and its loss scale history; reading every table of every
+file for that took minutes and gigabytes. So the writer keeps those numbers as it appends
+rows (``Tally``) and rewrites them at every flush into ``/summary``, one fixed row created
+with the other tables (``schema.SUMMARY``: SWMR forbids creating a dataset later). Reading
+it (``read``) opens the file, reads a few attributes and that row, and closes it: about a
+millisecond.
+
+A summary covers exactly the rows of the flush that wrote it. ``read`` checks its counts
+against the tables (a writer killed half-way through a flush can leave them apart) and
+answers None where they disagree, as for a file of format 1 (no ``/summary``): the caller
+then reads that file in full. Names (the module of the first located replay, of the first
+non-finite sampled tensor, the text of a recorder error) are read from their rows by index.
+
+The loss scale is kept as its change points (a step where it differs from the step before):
+a healthy run has few, one per growth or skip. Up to ``schema.SCALE_POINTS`` are kept; the
+digest of all of them tells two ranks' histories apart without reading ``/steps``.
+
+Example::
+
+    s = summary.read("run.rank3.h5")    # RankSummary, or None: read the file in full
+    s.first_bad, s.status, s.scale_points
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import h5py
+import numpy as np
+
+from ..errors import RunFileError
+from . import liveness, schema
+from .attributes import check_format, root_attrs
+from .hdf5 import H5_ERRORS, reason
+from .reader import dataset, open_file, retrying
+from .run import Blob, meta_dict
+from .schema import Event, Phase, Source, flag
+
+BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
+LOSS_BAD = flag(Event.NONFINITE_LOSS)
+LOCAL_NORM = flag(Event.GRAD_NORM_LOCAL)
+_PHASES = frozenset(int(p) for p in Phase)
+_UNLOCATED = (int(Phase.NONE), int(Phase.UNKNOWN))
+
+
+# ---------------------------------------------------------------------------------------------
+# The writer's side
+
+
+class Tally:
+    """What ``/summary`` says, updated from every row a ``Writer`` is given (``add``).
+
+    Constant memory: a few counters, the first ``SCALE_POINTS`` scale change points, the
+    kinds of the recorded tensors (hundreds), and a running digest.
+
+    Example::
+
+        t = Tally()
+        t.add("steps", rows, first=0)
+        t.row({"steps": 1, "events": 0, "snapshots": 0})   # the /summary row
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.first_step = self.last_step = -1
+        self.contiguous = True
+        self.skipped = self.bad_steps = self.loss_bad_steps = self.local_norm_steps = 0
+        self.first_bad = self.first_loss_bad = -1
+        self.located, self.located_step, self.located_phase = -1, -1, int(Phase.UNKNOWN)
+        self.replays = self.replays_finite = 0
+        self.sampled: Optional[tuple[int, int, int, int]] = None  # step, order, seq, tensor
+        self.stopped = -1
+        self.status = b""
+        self.status_state = 0
+        self.scaled = False
+        self.scale_n = 0
+        self.scale_points: list[tuple[int, float]] = []
+        self._prev_scale: Optional[np.float32] = None
+        self._digest = hashlib.blake2b(digest_size=16)
+        self._kinds: dict[int, int] = {}
+
+    def add(self, table: str, rows: np.ndarray, first: int) -> None:
+        """Rows appended to ``table``, the first of them at row ``first``."""
+        if not len(rows):
+            return
+        if table == "steps":
+            self._steps(rows)
+        elif table == "snapshots":
+            self._snapshots(rows, first)
+        elif table == "events":
+            kinds = rows["kind"] == int(Event.RECORDER_ERROR)
+            if self.stopped < 0 and kinds.any():
+                self.stopped = first + int(np.argmax(kinds))
+        elif table == "tensors":
+            self._kinds.update(zip(rows["id"].tolist(), rows["kind"].tolist()))
+        elif table == "stats":
+            self._stats(rows)
+        elif table == "meta" and (rows["key"] == b"status").any():
+            self.status_state = 2  # a status not given through set_status: read /meta
+
+    def set_status(self, value: Any) -> None:
+        """The run's status as ``Writer.meta("status", value)`` records it."""
+        text = value.encode("utf-8") if isinstance(value, str) else b""
+        fits = isinstance(value, str) and len(text) <= schema.STATUS_BYTES and \
+            not text.endswith(b"\0")
+        self.status, self.status_state = (text, 1) if fits else (b"", 2)
+
+    def _steps(self, rows: np.ndarray) -> None:
+        steps = rows["step"].astype(np.int64)
+        start = steps[0] if self.first_step < 0 else self.last_step + 1
+        if self.first_step < 0:
+            self.first_step = int(steps[0])
+        if not np.array_equal(steps, np.arange(start, start + len(steps))):
+            self.contiguous = False
+        flags = rows["flags"].astype(np.int64)
+        bad, loss = (flags & BAD) != 0, (flags & LOSS_BAD) != 0
+        if self.first_bad < 0 and bad.any():
+            self.first_bad = int(steps[np.argmax(bad)])
+        if self.first_loss_bad < 0 and loss.any():
+            self.first_loss_bad = int(steps[np.argmax(loss)])
+        self.bad_steps += int(bad.sum())
+        self.loss_bad_steps += int(loss.sum())
+        self.local_norm_steps += int(((flags & LOCAL_NORM) != 0).sum())
+        self.skipped += int((rows["skipped"] == 1).sum())
+        self.last_step = int(steps[-1])
+        self.steps += len(rows)
+        self._scales(steps, rows["scale"].astype(np.float32))
+
+    def _scales(self, steps: np.ndarray, scale: np.ndarray) -> None:
+        """Change points of the loss scale: where it differs from the step before (NaN, no
+        scale, equals NaN)."""
+        nan = np.isnan(scale)
+        self.scaled = self.scaled or not bool(nan.all())
+        before = np.empty_like(scale)
+        before[1:] = scale[:-1]
+        before[0] = np.nan if self._prev_scale is None else self._prev_scale
+        same = (scale == before) | (nan & np.isnan(before))
+        if self._prev_scale is None:
+            same[0] = False
+        self._prev_scale = scale[-1]
+        changed = np.flatnonzero(~same)
+        if not len(changed):
+            return
+        points = np.zeros(len(changed), [("step", "<i8"), ("scale", "<f4")])
+        points["step"] = steps[changed]
+        points["scale"] = np.where(nan[changed], np.float32(np.nan), scale[changed])
+        self._digest.update(points.tobytes())
+        room = schema.SCALE_POINTS - len(self.scale_points)
+        self.scale_points += [(int(s), float(v)) for s, v in points[:max(room, 0)].tolist()]
+        self.scale_n += len(changed)
+
+    def _snapshots(self, rows: np.ndarray, first: int) -> None:
+        phases = [p if p in _PHASES else int(Phase.UNKNOWN) for p in rows["phase"].tolist()]
+        self.replays += len(rows)
+        self.replays_finite += sum(p == int(Phase.NONE) for p in phases)
+        if self.located < 0:
+            for i, p in enumerate(phases):
+                if p not in _UNLOCATED:
+                    self.located, self.located_step = first + i, int(rows["step"][i])
+                    self.located_phase = p
+                    break
+
+    def _stats(self, rows: np.ndarray) -> None:
+        bad = (rows["source"] == int(Source.SAMPLED)) & (rows["nonfinite"] > 0) & \
+            (rows["tensor"] >= 0)
+        for i in np.flatnonzero(bad).tolist():
+            tensor = int(rows["tensor"][i])
+            order = schema.KIND_ORDER.get(self._kinds.get(tensor, -1),  # type: ignore[call-overload]
+                                          schema.KIND_ORDER_UNKNOWN)
+            found = (int(rows["step"][i]), order, int(rows["seq"][i]), tensor)
+            if self.sampled is None or found < self.sampled:
+                self.sampled = found
+
+    def row(self, placed: dict[str, int], rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """The ``/summary`` row for a file holding ``placed`` rows of each table."""
+        out = np.zeros(1, schema.SUMMARY)
+        r = out[0]
+        r["written"], r["rank"], r["world_size"] = time.time(), rank, world_size
+        r["steps"], r["events"], r["snapshots"] = (placed["steps"], placed["events"],
+                                                   placed["snapshots"])
+        for name in ("first_step", "last_step", "skipped", "bad_steps", "first_bad",
+                     "loss_bad_steps", "first_loss_bad", "local_norm_steps", "located",
+                     "located_step", "located_phase", "replays", "replays_finite", "stopped",
+                     "status", "status_state", "scale_n"):
+            r[name] = getattr(self, name)
+        r["contiguous"], r["scaled"] = int(self.contiguous), int(self.scaled)
+        r["sampled_step"], r["sampled_tensor"] = (self.sampled[0], self.sampled[3]) \
+            if self.sampled is not None else (-1, -1)
+        r["scale_step"] = -1
+        r["scale_value"] = np.nan
+        for i, (step, value) in enumerate(self.scale_points):
+            r["scale_step"][i], r["scale_value"][i] = step, value
+        r["scale_digest"] = self._digest.copy().digest()
+        return out
+
+
+def unwritten() -> np.ndarray:
+    """The ``/summary`` row of a file just created: no summary yet (``read`` answers None)."""
+    out = np.zeros(1, schema.SUMMARY)
+    out["steps"] = -1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reader's side
+
+
+@dataclass
+class RankSummary:
+    """One rank file's ``/summary``, decoded (see ``schema.SUMMARY`` for each field).
+
+    ``located``: the first replay that located a value, {"step", "phase" (a ``Phase``),
+    "module"}; ``sampled``: the first non-finite tensor of the sampled tier, {"step",
+    "kind" (a ``Kind``), "module"}; ``stopped``: {"step", "why"} of a recorder error;
+    ``scale_points``: every change point of the loss scale as (step, scale), or None when the
+    run has more than ``schema.SCALE_POINTS`` (then ``scale_digest`` still tells histories
+    apart, and ``/steps`` holds them).
+    """
+
+    path: str
+    rank: int
+    world_size: int
+    status: str
+    steps: int
+    first_step: Optional[int]
+    last_step: Optional[int]
+    contiguous: bool
+    skipped: int
+    bad_steps: int
+    first_bad: Optional[int]
+    loss_bad_steps: int
+    first_loss_bad: Optional[int]
+    local_norm_steps: int
+    replays: int
+    replays_finite: int
+    scaled: bool
+    scale_n: int
+    scale_digest: str
+    written: float
+    located: Optional[dict] = None
+    sampled: Optional[dict] = None
+    stopped: Optional[dict] = None
+    scale_points: Optional[list] = field(default=None, repr=False)
+
+
+def read(path: str | os.PathLike) -> Optional[RankSummary]:
+    """The summary of one run file, or None when it has none that can be trusted (format 1,
+    or a summary that disagrees with the tables): read that file in full instead.
+
+    Raises ``RunFileError`` as ``store.load`` does for a file that is not a readable run.
+    """
+    path = os.fspath(path)
+    return retrying(path, lambda: _read_once(path))
+
+
+def _read_once(path: str) -> Optional[RankSummary]:
+    f, live = open_file(path)
+    try:
+        return _decode(path, f, live)
+    except H5_ERRORS as exc:
+        raise RunFileError(f"{path} is damaged and could not be read ({reason(exc)})") from None
+    finally:
+        f.close()
+
+
+ATTRS = ("format", "format_version")
+LIVENESS_ATTRS = ("host", "pid", "created")
+
+
+def _decode(path: str, f: h5py.File, live: bool) -> Optional[RankSummary]:
+    # Every read here counts a thousand times over in a large job: only what is needed
+    # (two attributes, the summary row, three table lengths, one /steps row).
+    check_format(path, root_attrs(f, ATTRS))
+    ds = f.get(schema.SUMMARY_TABLE)
+    live = live or bool(f.swmr_mode)
+    if not isinstance(ds, h5py.Dataset) or ds.dtype != schema.SUMMARY or ds.shape != (1,):
+        return None
+    if live:
+        ds.refresh()
+    r = ds[0]
+    if int(r["steps"]) < 0 or not _covers(path, f, r, live):
+        return None
+    status = _status(path, f, r, live)
+    if status is None:
+        return None
+    n = int(r["scale_n"])
+    out = RankSummary(
+        path=path, rank=int(r["rank"]), world_size=int(r["world_size"]), status=status,
+        steps=int(r["steps"]),
+        first_step=_opt(r["first_step"]), last_step=_opt(r["last_step"]),
+        contiguous=bool(r["contiguous"]), skipped=int(r["skipped"]),
+        bad_steps=int(r["bad_steps"]), first_bad=_opt(r["first_bad"]),
+        loss_bad_steps=int(r["loss_bad_steps"]), first_loss_bad=_opt(r["first_loss_bad"]),
+        local_norm_steps=int(r["local_norm_steps"]), replays=int(r["replays"]),
+        replays_finite=int(r["replays_finite"]), scaled=bool(r["scaled"]), scale_n=n,
+        scale_digest=bytes(r["scale_digest"]).hex(), written=float(r["written"]),
+        scale_points=[(int(s), float(v)) for s, v in zip(r["scale_step"][:n].tolist(),
+                                                         r["scale_value"][:n].tolist())]
+        if n <= schema.SCALE_POINTS else None)
+    _names(path, f, r, out, live)
+    return out
+
+
+def _opt(value: Any) -> Optional[int]:
+    return None if int(value) < 0 else int(value)
+
+
+def _covers(path: str, f: h5py.File, r: Any, live: bool) -> bool:
+    """Do the tables hold exactly the rows the summary covers, the last of each written?"""
+    for name in ("steps", "events", "snapshots"):
+        ds = f.get(name)
+        if not isinstance(ds, h5py.Dataset):
+            raise RunFileError(f"{path} is damaged: table /{name} is missing")
+        if live:
+            ds.refresh()
+        if ds.ndim != 1 or int(ds.shape[0]) != int(r[name]):
+            return False
+    # HDF5 fills rows that never reached the file with 0: a step's time never is.
+    n = int(r["steps"])
+    return n == 0 or bool(f["steps"].fields(["time"])[n - 1:n]["time"][0] != 0)
+
+
+def _status(path: str, f: h5py.File, r: Any, live: bool) -> Optional[str]:
+    """As ``Run.status``: the last status written; 'running' or 'interrupted' without one."""
+    state = int(r["status_state"])
+    if state == 1:
+        status: Any = bytes(r["status"]).decode("utf-8", errors="replace")
+    elif state == 2:
+        meta = dataset(path, f, "meta")
+        blob = dataset(path, f, schema.BLOB)
+        if live:
+            meta.refresh()
+            blob.refresh()
+        status = meta_dict(meta[:], Blob(blob, path)).get("status", schema.STATUS_RUNNING)
+    else:
+        status = schema.STATUS_RUNNING
+    if isinstance(status, str) and status != schema.STATUS_RUNNING:
+        return status
+    if not live:
+        return "interrupted"
+    attrs = root_attrs(f, ATTRS + LIVENESS_ATTRS)
+    return "running" if liveness.writer_alive(attrs, path) else "interrupted"
+
+
+def _names(path: str, f: h5py.File, r: Any, out: RankSummary, live: bool) -> None:
+    """The located replay's module, the first non-finite sampled tensor, the recorder error:
+    each read from its own row and its text from /blob, by range."""
+    def table(name: str) -> Any:
+        ds = f.get(name)
+        if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
+            raise RunFileError(f"{path} is damaged: table /{name} is missing")
+        if live:
+            ds.refresh()
+        return ds
+
+    def row(name: str, i: int) -> Any:
+        ds = table(name)
+        return ds[i] if 0 <= i < ds.shape[0] else None
+
+    def text(row: Any, column: str) -> str:
+        blob = table(schema.BLOB)
+        off, length = int(row[f"{column}_off"]), int(row[f"{column}_len"])
+        if length <= 0 or off < 0 or off + length > blob.shape[0]:
+            return ""
+        return np.asarray(blob[off:off + length]).tobytes().decode("utf-8", errors="replace")
+
+    snap = row("snapshots", int(r["located"])) if int(r["located"]) >= 0 else None
+    if snap is not None:
+        out.located = {"step": int(r["located_step"]), "phase": Phase(int(r["located_phase"])),
+                       "module": text(snap, "module")}
+    tensor = int(r["sampled_tensor"])
+    found = row("tensors", tensor) if int(r["sampled_step"]) >= 0 else None
+    if found is not None and int(found["id"]) == tensor:
+        out.sampled = {"step": int(r["sampled_step"]), "kind": int(found["kind"]),
+                       "module": text(found, "name")}
+    ev = row("events", int(r["stopped"])) if int(r["stopped"]) >= 0 else None
+    if ev is not None:
+        out.stopped = {"step": int(ev["step"]), "why": text(ev, "text")}

@@ -9,6 +9,7 @@ import json
 import textwrap
 from typing import Any
 
+from ..diagnosis.rankview import lines as rank_lines
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
 from ..numfmt import fmt
@@ -100,6 +101,10 @@ def render_text(d: Diagnosis) -> str:
         lines += ["", "evidence:"]
         for e in d.evidence:
             lines += _bullet(e.text)
+    if d.rank_view:
+        lines += ["", "ranks:"]
+        for line in rank_lines(d.rank_view):
+            lines += _bullet(line)
     if d.history and d.history.get("step"):
         lines += ["", "around the first bad step:",
                   "  step       loss        scale       lr          grad_norm  skipped"]
@@ -134,6 +139,8 @@ def render_markdown(d: Diagnosis) -> str:
     out += _warning_markdown(d)
     if d.evidence:
         out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
+    if d.rank_view:
+        out += ["### Ranks", ""] + [f"- {line}" for line in rank_lines(d.rank_view)] + [""]
     if d.fixes:
         out += ["### What to change", ""]
         for fx in d.fixes:

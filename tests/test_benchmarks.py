@@ -80,3 +80,15 @@ def test_preflight_cost_measures_both_tools(tmp_path):
     result = json.loads(path.read_text())
     for name in ("parity_forward", "parity_with_loss", "check_amp_step"):
         assert result[name]["ratio"] > 0 and result[name]["aa"] > 0
+
+
+def test_scale_diagnose_gives_the_full_reads_answer():
+    lines = bench("scale_diagnose.py", "--ranks", "1,4", "--steps", "1000", "--modules", "6",
+                  "--json").splitlines()
+    results = [json.loads(line) for line in lines]
+    assert [r["ranks"] for r in results] == [1, 4]
+    four = results[1]
+    assert four["same"] and four["full"] is not None
+    assert four["fast"]["rank"] == 3 and four["fast"]["step"] == 900  # rank 3N/4, at 90 %
+    assert four["fast"]["verdict"] != "healthy"
+    assert all(r["fast"]["rss_mb"] > 0 and r["fast"]["s"] > 0 for r in results)

@@ -112,7 +112,7 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
                    full: bool = False) -> Diagnosis:
     """Diagnose the rank files of one run together; returns one ``Diagnosis``.
 
-    Each rank's ``/summary`` is read (a millisecond a file), and only the ranks that matter
+    Each rank's ``/summary`` is read (a few milliseconds a file), and only the ranks that matter
     are read in full, one at a time (``job.chosen``: where a value went non-finite first, and
     a few whose loss scale or skip count disagrees), so time and memory stay small for a
     thousand ranks. A file without a usable summary (format 1, a flush cut short) is read in

@@ -4,7 +4,7 @@ A job of 1024 ranks is diagnosed from what each rank's ``/summary`` says (``runf
 steps, skips, the first bad step, where the value was born, status, loss scale change points)
 and from the few ranks read in full: the rank where a value went non-finite first (its
 diagnosis is the job's), and a few ranks whose loss scale or skip count disagrees with the
-others (their notes). Every other rank is opened for a millisecond and closed, so a diagnosis
+others (their notes). Every other rank is opened for a few milliseconds and closed, so a diagnosis
 of 1024 files takes seconds and its memory does not grow with the rank count
 (``benchmarks/scale_diagnose.py``).
 

@@ -326,7 +326,7 @@ def node_files(settings: Settings) -> list[str]:
 
 
 def _outline(path: str) -> dict:
-    """``ranks.outline`` of one file, from its summary where it has one (a millisecond)."""
+    """``ranks.outline`` of one file, from its summary where it has one (a few milliseconds)."""
     from ..diagnosis import job
     from ..runfile.store import load, summary
 

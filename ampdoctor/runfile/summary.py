@@ -6,8 +6,8 @@ the value was born there, status) and its loss scale history; reading every tabl
 file for that took minutes and gigabytes. So the writer keeps those numbers as it appends
 rows (``Tally``) and rewrites them at every flush into ``/summary``, one fixed row created
 with the other tables (``schema.SUMMARY``: SWMR forbids creating a dataset later). Reading
-it (``read``) opens the file, reads a few attributes and that row, and closes it: about a
-millisecond.
+it (``read``) opens the file, reads two attributes, that row and three table lengths, and
+closes it: a few milliseconds (``benchmarks/scale_diagnose.py``).
 
 A summary covers exactly the rows of the flush that wrote it. ``read`` checks its counts
 against the tables (a writer killed half-way through a flush can leave them apart) and
@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -38,7 +39,7 @@ import numpy as np
 
 from ..errors import RunFileError
 from . import liveness, schema
-from .attributes import check_format, root_attrs
+from .attributes import check_format, root_attrs, scalar_attrs
 from .hdf5 import H5_ERRORS, reason
 from .reader import dataset, open_file, retrying
 from .run import Blob, meta_dict
@@ -274,23 +275,25 @@ def _read_once(path: str) -> Optional[RankSummary]:
 ATTRS = ("format", "format_version")
 LIVENESS_ATTRS = ("host", "pid", "created")
 
+# Every read below counts a thousand times over in a large job, so the summary is read with
+# h5py's low-level calls (a tenth of the cost of the high-level objects): the file's two
+# format attributes, the summary row, three table lengths, one /steps field of one row.
+_TIME = np.dtype([("time", "<f8")])
+_MODULE = np.dtype([("module_off", "<i8"), ("module_len", "<i4")])
+_TENSOR = np.dtype([("id", "<i4"), ("kind", "i1"), ("name_off", "<i8"), ("name_len", "<i4")])
+_EVENT = np.dtype([("step", "<i8"), ("text_off", "<i8"), ("text_len", "<i4")])
+
 
 def _decode(path: str, f: h5py.File, live: bool) -> Optional[RankSummary]:
-    # Every read here counts a thousand times over in a large job: only what is needed
-    # (two attributes, the summary row, three table lengths, one /steps row).
-    check_format(path, root_attrs(f, ATTRS))
-    ds = f.get(schema.SUMMARY_TABLE)
+    check_format(path, scalar_attrs(f, ATTRS) or root_attrs(f, ATTRS))
     live = live or bool(f.swmr_mode)
-    if not isinstance(ds, h5py.Dataset) or ds.dtype != schema.SUMMARY or ds.shape != (1,):
+    ds = _dataset(f, schema.SUMMARY_TABLE, live)
+    if ds is None or _length(ds) != 1 or ds.get_type() != _file_type(schema.SUMMARY):
         return None
-    if live:
-        ds.refresh()
-    r = ds[0]
+    r = _row(ds, 0, schema.SUMMARY)
     if int(r["steps"]) < 0 or not _covers(path, f, r, live):
         return None
     status = _status(path, f, r, live)
-    if status is None:
-        return None
     n = int(r["scale_n"])
     out = RankSummary(
         path=path, rank=int(r["rank"]), world_size=int(r["world_size"]), status=status,
@@ -313,22 +316,54 @@ def _opt(value: Any) -> Optional[int]:
     return None if int(value) < 0 else int(value)
 
 
+def _dataset(f: h5py.File, name: str, live: bool) -> Any:
+    """The low-level dataset ``name`` (refreshed for a SWMR reader), or None without one."""
+    try:
+        ds = h5py.h5d.open(f.id, name.encode())
+    except KeyError:
+        return None
+    if live:
+        ds.refresh()
+    return ds
+
+
+def _table(path: str, f: h5py.File, name: str, live: bool) -> Any:
+    ds = _dataset(f, name, live)
+    if ds is None:
+        raise RunFileError(f"{path} is damaged: table /{name} is missing")
+    return ds
+
+
+def _length(ds: Any) -> Optional[int]:
+    shape = ds.get_space().shape
+    return int(shape[0]) if len(shape) == 1 else None
+
+
+@functools.lru_cache(maxsize=16)
+def _file_type(dtype: np.dtype) -> Any:
+    return h5py.h5t.py_create(dtype)
+
+
+def _row(ds: Any, i: int, dtype: np.dtype) -> Any:
+    """Row ``i`` of a table, the fields of ``dtype`` only (HDF5 converts by field name)."""
+    space = ds.get_space()
+    space.select_hyperslab((i,), (1,))
+    out = np.zeros(1, dtype)
+    ds.read(h5py.h5s.create_simple((1,)), space, out, _file_type(dtype))
+    return out[0]
+
+
 def _covers(path: str, f: h5py.File, r: Any, live: bool) -> bool:
     """Do the tables hold exactly the rows the summary covers, the last of each written?"""
     for name in ("steps", "events", "snapshots"):
-        ds = f.get(name)
-        if not isinstance(ds, h5py.Dataset):
-            raise RunFileError(f"{path} is damaged: table /{name} is missing")
-        if live:
-            ds.refresh()
-        if ds.ndim != 1 or int(ds.shape[0]) != int(r[name]):
+        if _length(_table(path, f, name, live)) != int(r[name]):
             return False
     # HDF5 fills rows that never reached the file with 0: a step's time never is.
     n = int(r["steps"])
-    return n == 0 or bool(f["steps"].fields(["time"])[n - 1:n]["time"][0] != 0)
+    return n == 0 or bool(_row(_table(path, f, "steps", live), n - 1, _TIME)["time"] != 0)
 
 
-def _status(path: str, f: h5py.File, r: Any, live: bool) -> Optional[str]:
+def _status(path: str, f: h5py.File, r: Any, live: bool) -> str:
     """As ``Run.status``: the last status written; 'running' or 'interrupted' without one."""
     state = int(r["status_state"])
     if state == 1:
@@ -353,34 +388,30 @@ def _status(path: str, f: h5py.File, r: Any, live: bool) -> Optional[str]:
 def _names(path: str, f: h5py.File, r: Any, out: RankSummary, live: bool) -> None:
     """The located replay's module, the first non-finite sampled tensor, the recorder error:
     each read from its own row and its text from /blob, by range."""
-    def table(name: str) -> Any:
-        ds = f.get(name)
-        if not isinstance(ds, h5py.Dataset) or ds.ndim != 1:
-            raise RunFileError(f"{path} is damaged: table /{name} is missing")
-        if live:
-            ds.refresh()
-        return ds
+    def row(name: str, i: int, dtype: np.dtype) -> Any:
+        ds = _table(path, f, name, live)
+        return _row(ds, i, dtype) if 0 <= i < (_length(ds) or 0) else None
 
-    def row(name: str, i: int) -> Any:
-        ds = table(name)
-        return ds[i] if 0 <= i < ds.shape[0] else None
-
-    def text(row: Any, column: str) -> str:
-        blob = table(schema.BLOB)
-        off, length = int(row[f"{column}_off"]), int(row[f"{column}_len"])
-        if length <= 0 or off < 0 or off + length > blob.shape[0]:
+    def text(off: Any, length: Any) -> str:
+        off, length = int(off), int(length)
+        blob = _table(path, f, schema.BLOB, live)
+        if length <= 0 or off < 0 or off + length > (_length(blob) or 0):
             return ""
-        return np.asarray(blob[off:off + length]).tobytes().decode("utf-8", errors="replace")
+        space = blob.get_space()
+        space.select_hyperslab((off,), (length,))
+        data = np.zeros(length, np.uint8)
+        blob.read(h5py.h5s.create_simple((length,)), space, data)
+        return data.tobytes().decode("utf-8", errors="replace")
 
-    snap = row("snapshots", int(r["located"])) if int(r["located"]) >= 0 else None
+    snap = row("snapshots", int(r["located"]), _MODULE) if int(r["located"]) >= 0 else None
     if snap is not None:
         out.located = {"step": int(r["located_step"]), "phase": Phase(int(r["located_phase"])),
-                       "module": text(snap, "module")}
+                       "module": text(snap["module_off"], snap["module_len"])}
     tensor = int(r["sampled_tensor"])
-    found = row("tensors", tensor) if int(r["sampled_step"]) >= 0 else None
+    found = row("tensors", tensor, _TENSOR) if int(r["sampled_step"]) >= 0 else None
     if found is not None and int(found["id"]) == tensor:
         out.sampled = {"step": int(r["sampled_step"]), "kind": int(found["kind"]),
-                       "module": text(found, "name")}
-    ev = row("events", int(r["stopped"])) if int(r["stopped"]) >= 0 else None
+                       "module": text(found["name_off"], found["name_len"])}
+    ev = row("events", int(r["stopped"]), _EVENT) if int(r["stopped"]) >= 0 else None
     if ev is not None:
-        out.stopped = {"step": int(ev["step"]), "why": text(ev, "text")}
+        out.stopped = {"step": int(ev["step"]), "why": text(ev["text_off"], ev["text_len"])}

@@ -128,15 +128,15 @@ def _head(view: dict) -> str:
     rest = view["ranks"] - len(full)
     head = f"{view['ranks']} rank files of {view['world_size']}"
     if rest > 0:
-        head += f"; read in full: {ranks.ranks_text(full)}, the other {rest} from their summaries"
+        head += f"; read in full: {ranks.ranks_text(full)}; the other {rest} from their summaries"
     return head
 
 
 def _origins_line(view: dict) -> str:
     rows = view["origins"]
     if not rows:
-        return ("no rank's loss went non-finite (the values arose in the backward pass or the "
-                "optimizer step, where the gradient all-reduce mixes every rank's)"
+        return ("no rank's loss went non-finite: the non-finite values showed in the gradients, "
+                "which the all-reduce mixes, so the losses cannot tell where each began"
                 if view.get("first") else "")
     shown = "; ".join(_origin(x) for x in rows)
     more = view["origin_ranks"] - len(rows)
@@ -174,8 +174,8 @@ def _skips_line(view: dict) -> str:
     if not sk["differ"]:
         return f"skipped steps: {sk['usual']} on each of {sk['ranks']} ranks" \
             if sk["ranks"] > 1 else ""
-    listed = ", ".join(f"rank {x['rank']} {x['skipped']}" for x in sk["differ"][:LISTED])
-    return (f"skipped steps: {sk['usual']} on {sk['ranks']} ranks, but " + listed
+    listed = ", ".join(f"rank {x['rank']}: {x['skipped']}" for x in sk["differ"][:LISTED])
+    return (f"skipped steps: {sk['usual']} on {sk['ranks']} ranks; " + listed
             + _more(sk["differ"]))
 
 

@@ -61,7 +61,7 @@ def test_dump(recorded, capsys):
     assert cli.main(["dump", recorded]) == 0
     out = capsys.readouterr().out
     assert f"format version {schema.FORMAT_VERSION}" in out and "steps" in out and \
-        "stats" in out and "summary" in out
+        "stats" in out and "\nsummary:\n  rank: 0" in out
 
 
 @pytest.mark.parametrize("args", [["diagnose", "/nonexistent/run.h5"], ["dump", "/"],

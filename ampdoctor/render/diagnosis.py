@@ -195,6 +195,14 @@ def render_dump(info: dict) -> str:
     lines += ["", "meta:"]
     for key, value in info.get("meta", {}).items():
         lines.append(f"  {key}: {json.dumps(value, default=str)}")
+    found = dict(info.get("summary") or {})
+    if found:
+        points = found.pop("scale_points", None)
+        lines += ["", "summary:"] + [f"  {key}: {value}" for key, value in found.items()
+                                     if key != "path"]
+        if points is not None:
+            shown = ", ".join(f"{step}: {fmt(value)}" for step, value in points[:8])
+            lines.append(f"  scale change points: {shown}" + (" ..." if len(points) > 8 else ""))
     lines += ["", "tables:", f"  {'name':<10} {'rows':>9} {'stored':>10}  columns"]
     for name, t in info["tables"].items():
         if t is None:

@@ -26,10 +26,15 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Any
+
 from ..errors import FormatTooNewError, RunFileError
 from . import summary
 from .hdf5 import reason
-from .reader import inspect, load, load_steps, opened
+from .reader import inspect as _inspect
+from .reader import load, load_steps, opened
 from .run import TENSOR_VIEW, Blob, Run, Table, decoded
 from .tail import Tail
 from .writer import WriteError, Writer
@@ -39,3 +44,21 @@ __all__ = ["FormatTooNewError", "RunFileError", "TENSOR_VIEW", "Blob", "Run", "T
            "opened", "summary"]
 
 _reason = reason  # record/recorder.py's name for it: the one line of an error a user reads
+
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """What a file holds, for ``ampdoctor dump``: attributes, meta, each table's rows, and
+    what its ``/summary`` says (``summary``: None for a file of format 1, or one whose summary
+    disagrees with its tables). See ``reader.inspect``.
+
+    Example::
+
+        store.inspect("run.h5")["summary"]["first_bad"]     # 9000
+    """
+    info = _inspect(path)
+    try:
+        found = summary.read(path)
+    except RunFileError:
+        found = None
+    info["summary"] = dataclasses.asdict(found) if found is not None else None
+    return info

@@ -136,6 +136,20 @@ def test_fast_path_agrees_when_the_first_bad_rank_is_a_late_one(tmp_path):
     assert origins[0]["module"] == "blocks.3.mlp"
 
 
+def test_a_module_output_the_sampled_tier_saw_non_finite_was_born_on_its_rank(tmp_path):
+    """Module outputs are a rank's own (only gradients are all-reduced): a non-finite output
+    on a sampled step makes that rank the origin, even with a finite loss."""
+    runs = {0: received(at=20), 2: received(at=20)}
+    runs[1] = Synth(60).skip([20])
+    runs[1].sampled([10, 20], Kind.OUTPUT, "blocks.2.ffn", nonfinite=lambda i: 2 * (i == 20))
+    fast, full = both(job_files(tmp_path, runs))
+    assert_same(fast, full)
+    assert fast.run["origin_rank"] == 1
+    first = next(o for o in fast.run["ranks"] if o["rank"] == 1)
+    assert first["local"] and first["module"] == "blocks.2.ffn" and first["phase"] == "forward"
+    assert "ranks 0, 2 only received it" in fast.evidence[0].text
+
+
 def test_fast_path_agrees_when_the_ranks_disagree_on_the_scale(tmp_path):
     n = 200  # GradScaler probing every third step: more change points than a summary holds
     runs = {r: Synth(n, growth_interval=2).skip(range(1, n, 3)) for r in range(5)}

@@ -93,6 +93,8 @@ def _place(outline: dict, s: summaries.RankSummary) -> None:
     elif s.sampled is not None and _recorded(s, s.sampled["step"]):
         outline["module"] = s.sampled["module"]
         outline["phase"] = _PHASE_ORDER.get(s.sampled["kind"], (9, "unknown"))[1]
+        outline["local"] = outline["phase"] in ranks.SAMPLED_LOCAL and \
+            s.sampled["step"] == s.first_bad
     if s.first_loss_bad == s.first_bad:
         outline["local"] = True
 

@@ -32,6 +32,8 @@ from .verdict import Diagnosis, Evidence
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
 LOCAL_PHASES = (Phase.INPUT, Phase.FORWARD, Phase.LOSS)
+# The same for the sampled tier's first non-finite tensor (a module output, the batch).
+SAMPLED_LOCAL = ("input", "forward")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +82,9 @@ def outline(run: Any) -> dict:
         sampled = Facts(run).first_nonfinite_sampled()
         if sampled:
             out["module"], out["phase"] = sampled["module"], sampled["phase"]
+            # a module's output (or the batch) is this rank's own, never all-reduced
+            out["local"] = sampled["phase"] in SAMPLED_LOCAL and sampled["step"] == \
+                out["first_bad"]
     if out["first_loss_bad"] == out["first_bad"]:
         out["local"] = True
     return out

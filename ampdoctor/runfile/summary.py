@@ -170,15 +170,19 @@ class Tally:
                     break
 
     def _stats(self, rows: np.ndarray) -> None:
-        bad = (rows["source"] == int(Source.SAMPLED)) & (rows["nonfinite"] > 0) & \
-            (rows["tensor"] >= 0)
-        for i in np.flatnonzero(bad).tolist():
-            tensor = int(rows["tensor"][i])
-            order = schema.KIND_ORDER.get(self._kinds.get(tensor, -1),  # type: ignore[call-overload]
-                                          schema.KIND_ORDER_UNKNOWN)
-            found = (int(rows["step"][i]), order, int(rows["seq"][i]), tensor)
-            if self.sampled is None or found < self.sampled:
-                self.sampled = found
+        bad = np.flatnonzero((rows["source"] == int(Source.SAMPLED)) & (rows["nonfinite"] > 0)
+                             & (rows["tensor"] >= 0))
+        if not len(bad):
+            return
+        tensors = rows["tensor"][bad].astype(np.int64)
+        order = np.array([schema.KIND_ORDER.get(self._kinds.get(t, -1),
+                                                schema.KIND_ORDER_UNKNOWN)
+                          for t in tensors.tolist()], np.int64)
+        steps, seqs = rows["step"][bad].astype(np.int64), rows["seq"][bad].astype(np.int64)
+        i = int(np.lexsort((tensors, seqs, order, steps))[0])
+        found = (int(steps[i]), int(order[i]), int(seqs[i]), int(tensors[i]))
+        if self.sampled is None or found < self.sampled:
+            self.sampled = found
 
     def row(self, placed: dict[str, int], rank: int = 0, world_size: int = 1) -> np.ndarray:
         """The ``/summary`` row for a file holding ``placed`` rows of each table."""

@@ -13,7 +13,9 @@ the ranks that matter read in full) and the full read (``full=True``: every rank
 diagnosed, as before issue 20), and prints wall time (import included, as the CLI runs it),
 peak RSS (the child's VmHWM) and the answer of each, which must be the same: verdict, first
 bad step, first rank. The full read takes minutes and gigabytes at 1024 ranks: it is run up
-to ``--full-max`` ranks (default 256). No torch needed.
+to ``--full-max`` ranks (default 256). Then, on the largest job, ``ampdoctor top``'s first
+frame and its refreshes with every file changed, and the closing line ``ampdoctor record``
+prints on the node holding the late rank (8 ranks a node), timed. No torch needed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,39 @@ print(json.dumps({"s": seconds, "rss_mb": int(hwm) / 1024, "verdict": d.verdict,
                   "scale_step": ((d.rank_view or {}).get("scale") or {}).get("diverged_at")}))
 """
 
+# `ampdoctor top` over the files (first frame, then refreshes with every file changed) and
+# the closing line of the node that holds the late rank (8 ranks a node).
+LIVE = """
+import json, os, sys, time
+from ampdoctor.live import follow, frame, top
+from ampdoctor.record import launch, written
+paths, late = json.loads(sys.argv[1]), int(sys.argv[2])
+base = os.path.join(os.path.dirname(paths[0]), "run.h5")
+f = follow.Follower(base, full_ranks=follow.FULL_RANKS)
+def refresh():
+    t = time.perf_counter()
+    f.poll()
+    top.render(frame.build(f.states, path=base, final=f.final, summaries=f.summaries), 100)
+    return time.perf_counter() - t
+first = refresh()
+again = []
+for _ in range(3):
+    now = time.time()
+    for p in paths:
+        os.utime(p, (now, now))
+    again.append(refresh())
+f.close()
+marker = written.create()
+node = late // 8 * 8
+for r in range(node, min(node + 8, len(paths))):
+    written.note(marker, paths[r])
+t = time.perf_counter()
+line = launch.summary(launch.Settings(output=base, shown="run.h5", session=marker))
+written.remove(marker)
+print(json.dumps({"top_first_s": first, "top_refresh_s": max(again),
+                  "node_line_s": time.perf_counter() - t, "node_line": line}))
+"""
+
 
 def set_rank(path: str, rank: int, world: int) -> None:
     """Make a copied run file rank ``rank`` of ``world``: its root attributes and summary."""
@@ -74,9 +109,9 @@ def layout(folder: str, n: int, healthy: str, bad: str, made: dict) -> list[str]
     return paths
 
 
-def measure(paths: list[str], how: str) -> dict:
+def measure(paths: list[str], how: str, code: str = CHILD) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths), how], env=env,
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(paths), how], env=env,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -90,6 +125,8 @@ def main() -> None:
     parser.add_argument("--full-max", type=int, default=256,
                         help="run the full read up to this many ranks (it takes minutes and "
                              "gigabytes at 1024)")
+    parser.add_argument("--no-live", action="store_true",
+                        help="skip timing `top` and a node's closing line on the largest job")
     parser.add_argument("--keep", help="folder to keep the rank files in (default: temporary)")
     parser.add_argument("--json", action="store_true", help="one JSON line per rank count")
     args = parser.parse_args()
@@ -113,6 +150,13 @@ def main() -> None:
             fast = measure(paths, "fast")
             full = measure(paths, "full") if n <= args.full_max else None
             report(n, fast, full, args.json)
+        if not args.no_live and max(counts) > 1:
+            live = measure(paths, str(max(counts) * 3 // 4), LIVE)
+            print(json.dumps(live) if args.json else
+                  f"top over {max(counts)} rank files: first frame {live['top_first_s']:.2f} s, "
+                  f"a refresh with every file changed at most {live['top_refresh_s']:.2f} s; "
+                  f"the closing line of the node holding rank {max(counts) * 3 // 4} "
+                  f"(8 ranks): {live['node_line_s']:.2f} s\n  {live['node_line']}")
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

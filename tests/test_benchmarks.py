@@ -86,6 +86,9 @@ def test_scale_diagnose_gives_the_full_reads_answer():
     lines = bench("scale_diagnose.py", "--ranks", "1,4", "--steps", "1000", "--modules", "6",
                   "--json").splitlines()
     results = [json.loads(line) for line in lines]
+    live = results.pop()
+    # 4 ranks make one node of 8: its line is the whole job's
+    assert "first bad at step 900 on rank 3" in live["node_line"] and live["top_refresh_s"] > 0
     assert [r["ranks"] for r in results] == [1, 4]
     four = results[1]
     assert four["same"] and four["full"] is not None

@@ -79,17 +79,23 @@ def record(output: str, every: Optional[int], force: bool, quiet: bool,
               default="text", show_default=True, help="Output format.")
 @click.option("--fail-on", type=click.Choice(["unhealthy", "never"]), default="never",
               show_default=True, help="Exit 1 when the verdict is not healthy (for CI).")
-def diagnose(run: str, fmt: str, fail_on: str) -> None:
+@click.option("--rank", type=click.IntRange(min=0), default=None, metavar="R",
+              help="Of a torchrun job's rank files, diagnose rank R's alone.")
+def diagnose(run: str, fmt: str, fail_on: str, rank: Optional[int]) -> None:
     """Say what went wrong in a recorded run, where, and what to change.
+
+    The rank files of a torchrun job (run.rank{R}.h5) are diagnosed together: which rank went
+    non-finite first, and how often, and the ranks whose loss scale or skips disagree.
 
     \b
         ampdoctor diagnose run.h5
         ampdoctor diagnose run.h5 --format json
+        ampdoctor diagnose run.h5 --rank 3       # one rank's own diagnosis
     """
     from .diagnosis import engine
     from .render.diagnosis import render
 
-    d = engine.diagnose(run)
+    d = engine.diagnose(run, rank=rank)
     click.echo(render(d, fmt), nl=False)
     if d.verdict in engine.EMPTY:  # nothing to diagnose: unusable input, exit 2
         reason = d.summary.rstrip(".")

@@ -224,6 +224,46 @@ class Synth:
                          stats=store.Table(stats), events=events, snapshots=snaps)
 
 
+def write(s: Synth, path: str, *, rank: int = 0, world_size: int = 1, flush_steps: int = 0,
+          stop_after: Optional[int] = None) -> store.Writer:
+    """Write a ``Synth`` run into a run file through ``store.Writer``, as a recorder would: the
+    tables, then the steps ``flush_steps`` at a time (0: all at once), each batch flushed.
+    ``stop_after``: flush only the first that many steps, queue the rest and return the writer
+    without closing it (the caller kills the process, or closes it)."""
+    run = s.run()
+    w = store.Writer(path, rank=rank, world_size=world_size, argv=["train.py"])
+    for key, value in run.meta.items():
+        if key != "status":
+            w.meta(key, value)
+    w.meta("status", schema.STATUS_RUNNING)
+    w.append("tensors", _text_rows(w, "tensors", run.tensors, ("name", "type")))
+    w.append("stats", run.stats.rows())
+    w.append("events", _text_rows(w, "events", run.events, ("text",)))
+    w.append("snapshots", _text_rows(w, "snapshots", run.snapshots,
+                                     ("module", "module_type", "detail")))
+    steps = run.steps
+    size = flush_steps or max(len(steps), 1)
+    for first in range(0, len(steps), size):
+        w.append("steps", steps[first:first + size])
+        if stop_after is not None and first + size > stop_after:
+            return w
+        w.flush()
+    if stop_after is None:
+        w.close(str(run.meta.get("status", schema.STATUS_FINISHED)))
+    return w
+
+
+def _text_rows(w: store.Writer, table: str, rows: np.ndarray, texts: tuple) -> np.ndarray:
+    out = schema.empty(table, len(rows))
+    for name in out.dtype.names:
+        if name in rows.dtype.names:
+            out[name] = rows[name]
+    for t in texts:
+        for i, value in enumerate(rows[t]):
+            out[f"{t}_off"][i], out[f"{t}_len"][i] = w.text(str(value))
+    return out
+
+
 def grow(start: float, factor: float, steps: int):
     """A value growing geometrically by ``factor`` over ``steps`` (for sampled trends)."""
     return lambda i: start * factor ** (i / max(steps, 1))

@@ -87,3 +87,18 @@ def test_probe_cost_times_the_sampled_step_with_and_without_the_probe():
     assert "results probed per forward" in out and "op probe on a sampled step:" in out
     probed = int(out.split(" results probed")[0].rsplit(" ", 1)[1])
     assert probed > 10  # the tiny GPT's forward was probed op by op
+
+
+def test_scale_diagnose_gives_the_full_reads_answer():
+    lines = bench("scale_diagnose.py", "--ranks", "1,4", "--steps", "1000", "--modules", "6",
+                  "--json").splitlines()
+    results = [json.loads(line) for line in lines]
+    live = results.pop()
+    # 4 ranks make one node of 8: its line is the whole job's
+    assert "first bad at step 900 on rank 3" in live["node_line"] and live["top_refresh_s"] > 0
+    assert [r["ranks"] for r in results] == [1, 4]
+    four = results[1]
+    assert four["same"] and four["full"] is not None
+    assert four["fast"]["rank"] == 3 and four["fast"]["step"] == 900  # rank 3N/4, at 90 %
+    assert four["fast"]["verdict"] != "healthy"
+    assert all(r["fast"]["rss_mb"] > 0 and r["fast"]["s"] > 0 for r in results)

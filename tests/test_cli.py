@@ -14,6 +14,7 @@ from helpers import fresh, train
 
 import ampdoctor
 from ampdoctor import cli
+from ampdoctor.runfile import schema
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,8 @@ def test_fail_on_unhealthy(recorded):
 def test_dump(recorded, capsys):
     assert cli.main(["dump", recorded]) == 0
     out = capsys.readouterr().out
-    assert "format version 1" in out and "steps" in out and "stats" in out
+    assert f"format version {schema.FORMAT_VERSION}" in out and "steps" in out and \
+        "stats" in out and "\nsummary:\n  rank: 0" in out
 
 
 @pytest.mark.parametrize("args", [["diagnose", "/nonexistent/run.h5"], ["dump", "/"],

@@ -268,7 +268,8 @@ def test_torchrun_two_ranks_on_gloo(tmp_path):
     assert "identical" in scale["text"]
     dump = subprocess.run([PYTHON, "-m", "ampdoctor", "dump", "run.h5"], cwd=tmp_path,
                           env=python_env(), capture_output=True, text=True)
-    assert dump.returncode == 0 and dump.stdout.count("format version 1") == 2
+    assert dump.returncode == 0 and \
+        dump.stdout.count(f"format version {schema.FORMAT_VERSION}") == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from conftest import PYTHON, ROOT, python_env
 
 from ampdoctor.diagnosis import engine
-from ampdoctor.runfile import attributes, schema, store
+from ampdoctor.runfile import attributes, schema, store, summary
 
 HARNESS = os.path.join(ROOT, "tests", "reliability_harness.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -427,6 +427,11 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
             d = engine.diagnose(run)
         assert d.verdict in engine.VERDICTS
         assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]
+        found = summary.read(path)  # format 2 on; a file of format 1 is read in full
+        assert (found is None) == (version < 2)
+        if found is not None:
+            got = {k: getattr(found, k) for k in expected["summary"]}
+            assert json.loads(json.dumps(got)) == expected["summary"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,15 +18,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from ..errors import AmpDoctorError
 from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
-from . import forecast, ranks, reproduced
+from . import forecast, job, ranks, rankview, reproduced
 from .facts import Facts
 from .overflow import hidden_note
 from .progress import flat_warning
@@ -41,25 +43,33 @@ __all__ = ["EMPTY", "RULES", "VERDICTS", "Diagnosis", "Evidence", "Finding", "di
 # Entry points
 
 
-def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
-    """Diagnose a run: a path or a loaded ``Run``.
+def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
+             rank: Optional[int] = None) -> Diagnosis:
+    """Diagnose a run: a path or a loaded ``Run``. The rank files of a torchrun job (``run.h5``
+    absent, ``run.rank{R}.h5`` beside it) are diagnosed together; ``rank`` diagnoses one of
+    them on its own.
 
     Example::
 
         d = ampdoctor.diagnose("run.h5")
         d.verdict, d.first_bad, [fx.id for fx in d.fixes]
+        ampdoctor.diagnose("run.h5", rank=3)     # rank 3's own diagnosis
     """
     from ..runfile.store import Run, load
 
     if isinstance(run, (str, os.PathLike, list, tuple)):
-        # run.h5 absent, run.rank{R}.h5 beside it: diagnosed together
         paths = resolve(os.fspath(run)) if isinstance(run, (str, os.PathLike)) else list(run)
+        if rank is not None:
+            paths = [_rank_file(run, paths, rank)]
         if len(paths) > 1:
             return diagnose_files(paths, rules=rules)
         with load(paths[0]) as loaded:
-            return diagnose(loaded, rules=rules)
+            return diagnose(loaded, rules=rules, rank=rank)
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
+    if rank is not None and run.rank != rank:
+        raise AmpDoctorError(f"{run.path or 'the run'} is rank {run.rank}'s file, not rank "
+                             f"{rank}'s")
     facts = Facts(run)
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
@@ -74,30 +84,161 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None) -> Diagnos
     return d
 
 
-def diagnose_files(paths: Iterable[str], *,
-                   rules: Optional[Iterable[Callable]] = None) -> Diagnosis:
+def _rank_file(run: Any, paths: list[str], rank: int) -> str:
+    """The file of ``rank`` among a run's files (by name, else by its recorded rank)."""
+    from ..runfile import summary
+
+    if len(paths) == 1 and not isinstance(run, (list, tuple)):
+        return paths[0]  # one file: diagnose() checks that it is that rank's
+    named = [p for p in paths if paths_rank(p) == rank]
+    if named:
+        return named[0]
+    for p in paths:
+        s = summary.read(p)
+        if s is not None and s.rank == rank:
+            return p
+    have = [r for r in (paths_rank(p) for p in paths) if r is not None]
+    shown = run if isinstance(run, (str, os.PathLike)) else "the run"
+    raise AmpDoctorError(f"{os.fspath(shown)} has no file for rank {rank}"
+                         + (f" ({ranks.ranks_text(sorted(have))} found)" if have else ""))
+
+
+def paths_rank(path: str) -> Optional[int]:
+    """The rank in a rank file's name (``run.rank3.h5`` -> 3), else None."""
+    match = re.search(r"\.rank(\d+)\.[^.]*$", os.fspath(path))
+    return int(match.group(1)) if match else None
+
+
+def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None,
+                   full: bool = False) -> Diagnosis:
     """Diagnose the rank files of one run together; returns one ``Diagnosis``.
+
+    Each rank's ``/summary`` is read (a few milliseconds a file), and only the ranks that matter
+    are read in full, one at a time (``job.chosen``: where a value went non-finite first, and
+    a few whose loss scale or skip count disagrees), so time and memory stay small for a
+    thousand ranks. A file without a usable summary (format 1, a flush cut short) is read in
+    full for its part. ``full=True`` reads and diagnoses every rank (the reference the fast
+    path is tested against, and ``benchmarks/scale_diagnose.py`` times): the same verdict,
+    first bad step and rank.
 
     Example::
 
         d = engine.diagnose_files(paths.rank_files("run.h5"))
-        d.first_bad["rank"], d.run["ranks"]
+        d.first_bad["rank"], d.run["ranks"], d.rank_view["origins"]
     """
+    paths = list(paths)
+    if full:
+        return _diagnose_all(paths, rules)
+    facts = [_facts(p) for p in paths]
+    facts.sort(key=lambda f: f.rank)
+    chosen = job.chosen(facts, job.base_rank(facts))
+    shares = _norm_shares(facts)
+    diagnoses: dict[str, Diagnosis] = {}
+    for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
+        if any(c is f for c in chosen):
+            diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+    read = [f.rank for f in chosen]  # the base rank first
+    scales = job.compare_scales(facts, _steps_history)
+    per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
+    d = ranks.merge(per_rank, divergence=scales, scaled=any(f.scaled for f in facts))
+    _job_notes(d, facts, read, shares)
+    d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales, full=read)
+    return d
+
+
+def _facts(path: str) -> job.RankFacts:
+    """One rank from its summary; from the file itself where it has none to trust."""
+    from ..runfile.store import load, summary
+
+    s = summary.read(path)
+    if s is not None:
+        return job.from_summary(s)
+    with load(path) as run:
+        return job.from_run(run)
+
+
+def _diagnose_rank(path: str, rules: Optional[Iterable[Callable]],
+                   shares: Optional[ranks.NormShares]) -> tuple[Diagnosis, job.RankFacts]:
+    from ..runfile.store import load
+
+    with load(path) as run:
+        if shares is not None:
+            shares.apply(run.steps)
+        return diagnose(run, rules=rules), job.from_run(run)
+
+
+def _norm_shares(facts: list[job.RankFacts]) -> Optional[ranks.NormShares]:
+    """A sharded run's global gradient norms (``ranks.NormShares``), read rank by rank from
+    /steps alone; None when no rank recorded a share."""
+    from ..runfile.store import load_steps
+
+    if not any(f.local_norm_steps for f in facts):
+        return None
+    shares = ranks.NormShares(max(f.world_size for f in facts))
+    for f in facts:
+        shares.add(load_steps(f.path))
+    return shares
+
+
+def _steps_history(path: str) -> job.History:
+    """A rank's loss scale at each step, from its /steps (when its summary cannot say)."""
+    from ..runfile.store import load_steps
+
+    steps = load_steps(path)
+    scales = {int(k): float(v) for k, v in zip(steps["step"], steps["scale"])
+              if not np.isnan(v)}
+    keys = np.array(sorted(scales), dtype=np.int64)
+    return keys, np.array([scales[k] for k in keys.tolist()], dtype=np.float64)
+
+
+def _job_notes(d: Diagnosis, facts: list[job.RankFacts], chosen: list[int],
+               shares: Optional[ranks.NormShares]) -> None:
+    if shares is not None and shares.combined:
+        d.notes.append(_combined_note(shares.combined, len(facts)))
+    rest = len(facts) - len(chosen)
+    if rest > 0:
+        d.notes.insert(1, f"Read in full: {ranks.ranks_text(chosen)}; the other {rest} rank "
+                          "files were read from their summaries (steps, skips, first bad step, "
+                          "loss scale, status), so their own notes are not listed: "
+                          "`ampdoctor diagnose RUN --rank R` diagnoses one rank.")
+    d.notes += job.summary_notes(facts, chosen)
+    unread = job.unreproduced_unread(facts, chosen)
+    if unread:
+        d.notes.append(f"{unread} more ranks had a non-finite loss that a replay found finite; "
+                       "only the first "
+                       f"{job.UNREPRODUCED_FULL} were read in full for how many of their steps "
+                       "did not reproduce: `--rank R` tells the others.")
+
+
+def _combined_note(steps: int, files: int) -> str:
+    return (f"The global gradient norm of {steps} steps was combined from the {files} ranks' "
+            "shards (no clip_grad_norm_ ran on them): the square root of the sum of each "
+            "rank's squared share.")
+
+
+def _diagnose_all(paths: list[str], rules: Optional[Iterable[Callable]]) -> Diagnosis:
+    """Every rank loaded and diagnosed (all open at once): the reference for the fast path."""
     from ..runfile.store import load
 
     per_rank = []
+    facts = []
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(load(path)) for path in paths]
         combined = ranks.combine_grad_norms(runs)
         for run in runs:
-            per_rank.append((ranks.outline(run), diagnose(run, rules=rules),
-                             ranks.scales(run)))
+            outline = ranks.outline(run)
+            per_rank.append((outline, diagnose(run, rules=rules), ranks.scales(run)))
+            facts.append(job.from_run(run, outline))
+        by_path = {r.path: r for r in runs}
+        scales = job.compare_scales(sorted(facts, key=lambda f: f.rank),
+                                    lambda p: job.history_of(by_path[p]))
     per_rank.sort(key=lambda item: item[0]["rank"])
+    facts.sort(key=lambda f: f.rank)
     d = ranks.merge(per_rank)
     if combined:
-        d.notes.append(f"The global gradient norm of {combined} steps was combined from the "
-                       f"{len(runs)} ranks' shards (no clip_grad_norm_ ran on them): the "
-                       "square root of the sum of each rank's squared share.")
+        d.notes.append(_combined_note(combined, len(runs)))
+    d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales,
+                                 full=[f.rank for f in facts])
     return d
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Optional
+import re
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from .verdict import Diagnosis, Evidence
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
 LOCAL_PHASES = (Phase.INPUT, Phase.FORWARD, Phase.LOSS)
+# The same for the sampled tier's first non-finite tensor (a module output, the batch).
+SAMPLED_LOCAL = ("input", "forward")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +85,9 @@ def outline(run: Any) -> dict:
         sampled = Facts(run).first_nonfinite_sampled()
         if sampled:
             out["module"], out["phase"] = sampled["module"], sampled["phase"]
+            # a module's output (or the batch) is this rank's own, never all-reduced
+            out["local"] = sampled["phase"] in SAMPLED_LOCAL and sampled["step"] == \
+                out["first_bad"]
     if out["first_loss_bad"] == out["first_bad"]:
         out["local"] = True
     return out
@@ -105,30 +111,62 @@ def combine_grad_norms(runs: list) -> int:
 
         shares = {0: 3.0, 1: 4.0}   # two ranks' shares of one step -> global norm 5.0
     """
-    flagged = [r for r in runs if len(r.steps) and (r.steps["flags"] & LOCAL_NORM).any()]
     world = max((int(r.attrs.get("world_size", 1)) for r in runs), default=1)
-    if not flagged or len(runs) < world:
-        return 0
-    common = None
+    shares = NormShares(world)
     for r in runs:
-        s = r.steps
-        steps = set(s["step"][(s["flags"] & LOCAL_NORM) != 0].tolist())
-        common = steps if common is None else common & steps
-    if not common:
-        return 0
-    keys = np.array(sorted(common))
-    total = np.zeros(len(keys))
+        shares.add(r.steps)
     for r in runs:
-        s = r.steps
-        pos = np.searchsorted(s["step"], keys)
-        total += s["grad_norm"][pos].astype(np.float64) ** 2
-    norm = np.sqrt(total)
-    for r in runs:
-        s = r.steps
-        pos = np.searchsorted(s["step"], keys)
-        s["grad_norm"][pos] = norm
-        s["flags"][pos] &= ~LOCAL_NORM
-    return len(keys)
+        shares.apply(r.steps)
+    return shares.combined
+
+
+class NormShares:
+    """The global gradient norm of a sharded run's steps, from each rank's /steps given one
+    at a time (``add``): memory for the steps every rank flagged so far, not for the ranks.
+
+    Example::
+
+        shares = NormShares(world=2)
+        shares.add(run0.steps); shares.add(run1.steps)
+        shares.apply(run0.steps)      # run0.steps["grad_norm"] now the global norm
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        self.files = 0
+        self.flagged = False  # some rank flagged a step
+        self._sums: Optional[dict[int, float]] = None  # step -> sum of squared shares
+
+    def add(self, steps: np.ndarray) -> None:
+        self.files += 1
+        local = (steps["flags"] & LOCAL_NORM) != 0 if len(steps) else np.zeros(0, bool)
+        self.flagged = self.flagged or bool(local.any())
+        share = dict(zip(steps["step"][local].tolist(),
+                         (steps["grad_norm"][local].astype(np.float64) ** 2).tolist()))
+        if self._sums is None:
+            self._sums = share
+        else:
+            self._sums = {k: v + share[k] for k, v in self._sums.items() if k in share}
+
+    def norms(self) -> tuple[np.ndarray, np.ndarray]:
+        """The steps combined (sorted) and their global norms; none while a rank is missing."""
+        if not self.flagged or self.files < self.world or not self._sums:
+            return np.zeros(0, np.int64), np.zeros(0)
+        keys = np.array(sorted(self._sums), dtype=np.int64)
+        return keys, np.sqrt(np.array([self._sums[k] for k in keys.tolist()]))
+
+    @property
+    def combined(self) -> int:
+        return len(self.norms()[0])
+
+    def apply(self, steps: np.ndarray) -> None:
+        """Put the global norms into one rank's ``steps`` (in memory)."""
+        keys, norm = self.norms()
+        if not len(keys):
+            return
+        pos = np.searchsorted(steps["step"], keys)
+        steps["grad_norm"][pos] = norm
+        steps["flags"][pos] &= ~LOCAL_NORM
 
 
 # Evidence measured on parameters or their gradients: per shard in a sharded run.
@@ -227,12 +265,24 @@ def scales(run: Any) -> dict[int, float]:
     return {int(k): float(v) for k, v in zip(s["step"], s["scale"]) if not np.isnan(v)}
 
 
-def merge(per_rank: list[tuple[dict, Diagnosis, dict[int, float]]]) -> Diagnosis:
-    """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale})."""
+_UNSET: Any = object()
+
+
+def merge(per_rank: Sequence[tuple[dict, Optional[Diagnosis], Any]], *,
+          divergence: Any = _UNSET, scaled: Optional[bool] = None) -> Diagnosis:
+    """One diagnosis from each rank's (outline, Diagnosis, {step: loss scale}).
+
+    A rank known only from its summary (the job-level fast path, ``engine.diagnose_files``)
+    comes with no Diagnosis and no scales: then ``divergence`` (``job.compare_scales``) and
+    ``scaled`` (some rank has a loss scale) are given, and the rank where a value went
+    non-finite first (or the lowest) must have its Diagnosis.
+    """
     outlines = [o for o, _, _ in per_rank]
     origin = first_rank(outlines)
     base_index = next((i for i, o in enumerate(outlines) if o["rank"] == origin), 0)
     d = per_rank[base_index][1]
+    if d is None:
+        raise ValueError(f"rank {outlines[base_index]['rank']} must be diagnosed in full")
     evidence: list[Any] = []
     if origin is not None:
         evidence.append(Evidence(_origin_text(outlines, origin), "first_rank", float(origin),
@@ -243,35 +293,51 @@ def merge(per_rank: list[tuple[dict, Diagnosis, dict[int, float]]]) -> Diagnosis
     unreproduced = unreproduced_evidence(outlines)
     if unreproduced is not None:
         evidence.append(unreproduced)
-    divergence = scale_divergence({o["rank"]: sc for o, _, sc in per_rank})
-    if divergence is not None:
+    if divergence is _UNSET:
+        divergence = scale_divergence({o["rank"]: sc for o, _, sc in per_rank})
+        scaled = any(sc for _, _, sc in per_rank)
+    if divergence is not None and divergence.get("step") is not None:
         evidence.append(Evidence(divergence["text"], "scale_divergence",
                                  float(divergence["step"]), divergence["step"]))
         d.notes.append("The ranks' loss scales diverged, so their GradScalers skipped "
                        "different steps and their weights no longer match: make every rank "
                        "see the same found_inf (gradients all-reduced before "
                        "scaler.step, or ShardedGradScaler with FSDP).")
-    elif any(sc for _, _, sc in per_rank):
+    elif scaled:
         evidence.append(Evidence(f"loss scale identical on every rank ({len(per_rank)} ranks)",
                                  "scale_divergence"))
     d.evidence = evidence + list(d.evidence)
     for i, (o, other, _) in enumerate(per_rank):
-        if i != base_index:  # what every rank says is said once
+        if i != base_index and other is not None:  # what every rank says is said once
             d.notes += [f"rank {o['rank']}: {note}" for note in other.notes
                         if note not in d.notes]
     world = max(o["world_size"] for o in outlines)
     if len(outlines) < world:
-        have = ", ".join(str(o["rank"]) for o in outlines)
-        d.notes.append(f"Only {len(outlines)} of {world} rank files were found (ranks "
-                       f"{have}); the other ranks never trained or their files are missing.")
+        have = ranks_text([o["rank"] for o in outlines])
+        d.notes.append(f"Only {len(outlines)} of {world} rank files were found "
+                       f"({have}); the other ranks never trained or their files are missing.")
     shown = outlines[base_index]["rank"]
     d.notes.insert(0, f"{len(outlines)} rank files diagnosed together ("
-                   + ", ".join(os.path.basename(o["path"] or "") for o in outlines)
+                   + files_text([o["path"] or "" for o in outlines])
                    + f"); the steps and history shown are rank {shown}'s"
                    + (", where it went non-finite first." if origin is not None else "."))
     d.run = dict(d.run, path=run_name(outlines[0]["path"] or ""), world_size=world,
                  ranks=outlines, origin_rank=origin)
     return d
+
+
+def files_text(paths: list[str], limit: int = 8) -> str:
+    """The files' names, or for many rank files one pattern: ``run.rank{0-1023}.h5``."""
+    names = [os.path.basename(p) for p in paths]
+    if len(names) <= limit:
+        return ", ".join(names)
+    found = [re.fullmatch(r"(.*)\.rank(\d+)(\.[^.]*)", n) for n in names]
+    if all(found) and len({(m.group(1), m.group(3)) for m in found if m}) == 1:
+        m = found[0]
+        assert m is not None
+        ids = spans(sorted(int(x.group(2)) for x in found if x))
+        return f"{m.group(1)}.rank{{{ids}}}{m.group(3)}"
+    return ", ".join(names[:limit]) + f" and {len(names) - limit} more"
 
 
 def first_rank(outlines: list[dict]) -> Optional[int]:
@@ -305,23 +371,68 @@ def _origin_text(outlines: list[dict], origin: int) -> str:
         (f", first seen {place}" if place else "")
     others = [x for x in outlines if x["rank"] != origin]
     same = [x["rank"] for x in others if x["first_bad"] == o["first_bad"] and not x["local"]]
-    later = [x for x in others if x["first_bad"] is not None and x["first_bad"] > o["first_bad"]]
+    later: dict[int, list[int]] = {}
+    for x in others:
+        if x["first_bad"] is not None and x["first_bad"] > o["first_bad"]:
+            later.setdefault(x["first_bad"], []).append(x["rank"])
     clean = [x["rank"] for x in others if x["first_bad"] is None]
     if same:
-        text += f"; {_ranks(same)} only received it (through the gradient all-reduce)"
-    for x in later:
-        text += f"; rank {x['rank']} followed at step {x['first_bad']}"
+        text += f"; {ranks_text(same, LISTED)} only received it (through the gradient all-reduce)"
+    steps = sorted(later)
+    for step in steps[:LISTED]:
+        text += f"; {ranks_text(later[step], LISTED)} followed at step {step}"
+    if steps[LISTED:]:
+        rest = steps[LISTED:]
+        text += f"; {sum(len(later[k]) for k in rest)} more ranks from step {rest[0]} on"
     if clean:
-        text += f"; {_ranks(clean)} stayed finite"
+        text += f"; {ranks_text(clean, LISTED)} stayed finite"
     return text
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+LISTED = 10  # ranks (or steps) named one by one in a sentence; the rest are counted
+
+
+def ranks_text(ranks: list[int], limit: Optional[int] = None) -> str:
+    """``rank 3``, ``ranks 0, 2``, ``ranks 0-511, 513-1023`` (runs of three or more as a
+    span); with ``limit``, at most that many spans, then how many ranks more."""
+    word = "rank " if len(ranks) == 1 else "ranks "
+    return word + spans(sorted(ranks), limit)
+
+
+def spans(ranks: list[int], limit: Optional[int] = None) -> str:
+    """Sorted ranks with runs of three or more as spans: ``0, 1, 4-9``."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][-1] + 1:
+            spans[-1].append(r)
+        else:
+            spans.append([r])
+    parts: list[tuple[str, int]] = []  # (text, ranks it names)
+    for span in spans:
+        parts += [(f"{span[0]}-{span[-1]}", len(span))] if len(span) >= 3 else \
+            [(str(r), 1) for r in span]
+    if limit is not None and len(parts) > limit:
+        rest = sum(n for _, n in parts[limit:])
+        return ", ".join(t for t, _ in parts[:limit]) + f" and {rest} more"
+    return ", ".join(t for t, _ in parts)
+
+
+def scales_text(values: dict[int, float]) -> str:
+    """Each rank's loss scale: ``rank 0: 4, rank 1: 8``; for many ranks, by value:
+    ``ranks 0-511, 513-1023: 6.554e+04; rank 512: 3.277e+04``."""
+    if len(values) <= 8:
+        return ", ".join(f"rank {r}: {fmt(v)}" for r, v in sorted(values.items()))
+    by_value: dict[float, list[int]] = {}
+    for r, v in sorted(values.items()):
+        by_value.setdefault(v, []).append(r)
+    order = sorted(by_value.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    return "; ".join(f"{ranks_text(rs, LISTED)}: {fmt(v)}" for v, rs in order)
 
 
 def scale_divergence(scales: dict[int, dict[int, float]]) -> Optional[dict]:
-    """The first step at which the ranks' loss scales differ, with each rank's value, or None.
+    """The first step at which two ranks that both have a loss scale there differ, with each
+    rank's value then, or None. (A rank whose recording ends early is compared on the steps
+    it has.)
 
     Example::
 
@@ -331,11 +442,10 @@ def scale_divergence(scales: dict[int, dict[int, float]]) -> Optional[dict]:
     with_scale = {r: sc for r, sc in scales.items() if sc}
     if len(with_scale) < 2:
         return None
-    common = sorted(set.intersection(*(set(sc) for sc in with_scale.values())))
-    for step in common:
-        values = {r: sc[step] for r, sc in with_scale.items()}
-        if max(values.values()) != min(values.values()):
-            listed = ", ".join(f"rank {r}: {fmt(v)}" for r, v in sorted(values.items()))
+    for step in sorted(set().union(*(set(sc) for sc in with_scale.values()))):
+        values = {r: sc[step] for r, sc in with_scale.items() if step in sc}
+        if len(values) > 1 and max(values.values()) != min(values.values()):
             return {"step": step, "scales": values,
-                    "text": f"loss scale diverged across ranks at step {step} ({listed})"}
+                    "text": f"loss scale diverged across ranks at step {step} "
+                            f"({scales_text(values)})"}
     return None

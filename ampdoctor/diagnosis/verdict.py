@@ -135,6 +135,7 @@ class Diagnosis(Displayable):
     notes: list[str] = field(default_factory=list)
     history: dict = field(default_factory=dict)  # scale/LR/loss around the first bad step
     forecast: Optional[Any] = None  # forecast.Forecast: the early warning (None: not judged)
+    rank_view: Optional[dict] = None  # rank files diagnosed together: rankview.build's data
 
     @property
     def healthy(self) -> bool:

@@ -293,18 +293,106 @@ def _stamp(path: str) -> tuple[int, float]:
         return -1, 0.0
 
 
+# A job with more rank files than this is followed in full for one rank only (the shown one);
+# the others are read from their summaries (``Summaries``), so a refresh stays within a second.
+FULL_RANKS = 8
+# Seconds of summary reads per poll: the files changed since their last read, oldest first.
+SUMMARY_BUDGET = 0.3
+
+
+@dataclass
+class Summarized:
+    """A rank file known from its summary: ``outline`` (``ranks.outline``'s keys), its last
+    step, the time it was read, and the file's (size, mtime) then."""
+
+    path: str
+    outline: dict
+    last_step: Optional[int]
+    read_at: float
+    stamp: tuple
+
+    @property
+    def rank(self) -> int:
+        return int(self.outline["rank"])
+
+    @property
+    def final(self) -> bool:
+        status = self.outline["status"]
+        return status != "running"
+
+
+class Summaries:
+    """The rank files of a large job, each re-read from its ``/summary`` when it changed, at
+    most ``budget`` seconds of reading per poll (the least recently read first), so a poll of
+    a thousand files stays short and every file is seen again within a few polls."""
+
+    def __init__(self, budget: float = SUMMARY_BUDGET):
+        self.budget = budget
+        self.known: dict[str, Summarized] = {}
+
+    def poll(self, files: list[str]) -> None:
+        """Read the summaries of files new or changed since their last read: every new one
+        (the first poll reads them all), then the least recently read, within the budget."""
+        present = set(files)
+        for path in [p for p in self.known if p not in present]:
+            del self.known[path]
+        due = []
+        for path in files:
+            stamp = _stamp(path)
+            old = self.known.get(path)
+            if old is None or old.stamp != stamp:
+                due.append((old.read_at if old is not None else -1.0, path, stamp))
+        deadline = time.monotonic() + self.budget
+        for _, path, stamp in sorted(due):
+            if time.monotonic() > deadline and path in self.known:
+                break
+            try:
+                self.known[path] = Summarized(path, *_outline(path), time.time(), stamp)
+            except RunFileError:
+                if path not in self.known and os.path.exists(path):
+                    raise
+
+    @property
+    def outlines(self) -> list[dict]:
+        return sorted((s.outline for s in self.known.values()), key=lambda o: o["rank"])
+
+    @property
+    def oldest(self) -> Optional[float]:
+        """When the least recently read summary was read (unix time)."""
+        return min((s.read_at for s in self.known.values()), default=None)
+
+
+def _outline(path: str) -> tuple[dict, Optional[int]]:
+    """``ranks.outline`` of a file and its last step, from its summary (a file without one is
+    read in full)."""
+    from ..diagnosis import job, ranks
+    from ..runfile.store import load, summary
+
+    found = summary.read(path)
+    if found is not None:
+        return job.from_summary(found).outline, found.last_step
+    with load(path) as run:
+        return ranks.outline(run), int(run.steps["step"][-1]) if len(run.steps) else None
+
+
 class Follower:
     """The files of one recording, followed poll by poll (see the module docstring).
 
     ``layers=False`` skips keeping the latest sampled step's statistics (a caller that reads
-    every new statistics row itself, like the TensorBoard export).
+    every new statistics row itself, like the TensorBoard export). ``full_ranks``: a job with
+    more rank files than this follows only ``focus`` in full (by default the rank that went
+    non-finite first, else the lowest) and reads the others' summaries (``summaries``), which
+    ``ampdoctor top`` uses so that a thousand rank files refresh within a second.
     """
 
     def __init__(self, path: str | os.PathLike, *, stale: float = STALE_SECONDS,
-                 layers: bool = True):
+                 layers: bool = True, full_ranks: Optional[int] = None):
         self.path = os.fspath(path)
         self.stale = stale
         self.layers = layers
+        self.full_ranks = full_ranks
+        self.focus: Optional[int] = None  # the rank followed in full (summary mode)
+        self.summaries: Optional[Summaries] = None  # set once in summary mode
         self._sources: dict[str, _Source] = {}
 
     def files(self) -> list[str]:
@@ -338,8 +426,11 @@ class Follower:
 
     def poll(self) -> list[Delta]:
         """Open files that appeared, reopen replaced ones, and read what each added."""
+        files = self.files()
+        if self.full_ranks is not None and (len(files) > self.full_ranks or self.summaries):
+            files = self._focused(files)
         deltas = []
-        for path in self.files():
+        for path in files:
             source = self._sources.get(path)
             reset = source is not None and source.tail.replaced()
             if reset:
@@ -357,16 +448,35 @@ class Follower:
                 deltas.append(delta)
         return deltas
 
+    def _focused(self, files: list[str]) -> list[str]:
+        """Summary mode: read the summaries, and keep only the focus rank's file in full."""
+        from ..diagnosis import ranks
+
+        if self.summaries is None:
+            self.summaries = Summaries()
+        self.summaries.poll(files)
+        outlines = self.summaries.outlines
+        by_rank = {o["rank"]: o["path"] for o in outlines}
+        focus = self.focus if self.focus in by_rank else ranks.first_rank(outlines)
+        if focus not in by_rank:
+            focus = min(by_rank) if by_rank else None
+        keep = [by_rank[focus]] if focus is not None else []
+        for path in [p for p in self._sources if p not in keep]:
+            self._sources.pop(path).close()
+        return keep
+
     def signature(self) -> tuple:
         """Changes whenever what a frame shows of the run does (new rows, status, writer),
         so that a caller rebuilds its frame only then."""
+        others = tuple((o["rank"], o["steps"], o["status"], o["first_bad"])
+                       for o in self.summaries.outlines) if self.summaries else ()
         return tuple((s.path, len(s.steps), len(s.events), len(s.snapshots), s.layer_step,
                       len(s.layer_rows), s.status, s.gone, s.error) for s in self.states) + \
-            (self.final,)
+            (self.final,) + others
 
     @property
     def states(self) -> list[RankState]:
-        """Every followed file's state, by rank."""
+        """Every followed file's state, by rank (in summary mode: the focus rank's)."""
         return sorted((s.state for s in self._sources.values()), key=lambda s: s.rank)
 
     @property
@@ -376,6 +486,12 @@ class Follower:
         states = self.states
         if not states:
             return False
+        if self.summaries is not None:
+            known = list(self.summaries.known.values())
+            world = max([s.world_size for s in states] + [int(k.outline["world_size"])
+                                                          for k in known])
+            return all(s.final for s in states) and all(k.final for k in known) and \
+                (len(known) >= world or all(s.idle >= 10.0 for s in states))
         world = max(s.world_size for s in states)
         return all(s.final for s in states) and (len(states) >= world or
                                                  all(s.idle >= 10.0 for s in states))

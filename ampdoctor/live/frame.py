@@ -117,7 +117,8 @@ class Frame:
     reason: Optional[str] = None  # why the writer is taken as gone, or a read failure
     rank: int = 0
     world_size: int = 1
-    ranks: list = field(default_factory=list)  # RankLine per followed file (more than one)
+    ranks: list = field(default_factory=list)  # RankLine per rank file (more than one)
+    summarized: Optional[float] = None  # other ranks from their summaries, the oldest read then
     steps: int = 0
     step: Optional[int] = None  # the last recorded step
     last_time: Optional[float] = None  # unix time of that step's boundary
@@ -152,12 +153,14 @@ class Frame:
 
 
 def build(states: Sequence[Any], *, rank: Optional[int] = None,
-          path: Optional[str] = None, final: Optional[bool] = None) -> Frame:
+          path: Optional[str] = None, final: Optional[bool] = None,
+          summaries: Optional[Any] = None) -> Frame:
     """The frame of a run from its followed files' states (``follow.Follower.states``).
 
     ``rank``: the rank to show; by default the one that went non-finite first, else the
     lowest. ``final``: whether the run as a whole is over (``Follower.final``); by default,
-    whether the shown rank is.
+    whether the shown rank is. ``summaries``: the other ranks of a large job, known from
+    their summaries (``follow.Summaries``; the followed states are then the shown rank's).
     """
     if not states:
         raise ValueError("build() needs the state of at least one followed file")
@@ -165,11 +168,16 @@ def build(states: Sequence[Any], *, rank: Optional[int] = None,
     outlines = [ranks.outline(r) for r in runs]
     shown = _shown(states, outlines, rank)
     state, run = states[shown], runs[shown]
+    others = list(summaries.known.values()) if summaries is not None else []
     fr = Frame(path=path or state.path, status=state.status,
                final=state.final if final is None else final,
                reason=state.gone or state.error, rank=state.rank,
-               world_size=max(s.world_size for s in states))
-    if len(states) > 1:
+               world_size=max([s.world_size for s in states]
+                              + [int(o.outline["world_size"]) for o in others]))
+    if summaries is not None and others:
+        fr.ranks = _summarized_lines(states, outlines, others)
+        fr.summarized = summaries.oldest
+    elif len(states) > 1:
         fr.ranks = [RankLine(o["rank"], int(s.steps["step"][-1]) if len(s.steps) else None,
                              s.status, o["skipped"], o["first_bad"])
                     for s, o in zip(states, outlines)]
@@ -177,6 +185,24 @@ def build(states: Sequence[Any], *, rank: Optional[int] = None,
     _layers(fr, state, run)
     fr.event = latest_event(run)
     return fr
+
+
+def _summarized_lines(states: Sequence[Any], outlines: list[dict],
+                      others: list[Any]) -> list[RankLine]:
+    """A line per rank: the followed ones from their states, the rest from their summaries."""
+    followed = {o["rank"] for o in outlines}
+    lines = [RankLine(o["rank"], int(s.steps["step"][-1]) if len(s.steps) else None,
+                      s.status, o["skipped"], o["first_bad"])
+             for s, o in zip(states, outlines)]
+    lines += [RankLine(x.rank, x.last_step, _live_status(x.outline["status"]),
+                       x.outline["skipped"], x.outline["first_bad"])
+              for x in others if x.rank not in followed]
+    return sorted(lines, key=lambda x: x.rank)
+
+
+def _live_status(status: str) -> str:
+    """A summary's status in the live view's words (a killed writer is 'gone')."""
+    return "gone" if status == "interrupted" else status
 
 
 def _shown(states: Sequence[Any], outlines: list[dict], rank: Optional[int]) -> int:

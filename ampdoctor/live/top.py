@@ -40,7 +40,7 @@ import numpy as np
 
 from ..numfmt import fmt
 from . import frame as _frame
-from .follow import STALE_SECONDS, WAIT_POLL, Follower
+from .follow import FULL_RANKS, STALE_SECONDS, WAIT_POLL, Follower
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_ASCII = "_.,-=+*#"
@@ -240,13 +240,45 @@ def _event(fr: _frame.Frame, width: int) -> list[str]:
     return [f"forensics (latest replay{many}):"] + _wrap(e.text, width - 2, "  ")
 
 
-def _ranks(fr: _frame.Frame) -> list[str]:
+RANKS_LISTED = 8  # more rank files than this are shown as counts, not one by one
+
+
+def _ranks(fr: _frame.Frame, now: Optional[float] = None) -> list[str]:
     if not fr.ranks:
         return []
+    if len(fr.ranks) > RANKS_LISTED:
+        return _many_ranks(fr, time.time() if now is None else now)
     parts = [f"{r.rank}: step {r.step if r.step is not None else '-'} {r.status}"
              + (f", non-finite from {r.first_bad}" if r.first_bad is not None else "")
              for r in fr.ranks]
     return ["ranks     " + " · ".join(parts)]
+
+
+def _many_ranks(fr: _frame.Frame, now: float) -> list[str]:
+    """A large job in two lines: how many ranks are where, and which went non-finite."""
+    from ..diagnosis.ranks import ranks_text
+
+    by_status: dict[str, list] = {}
+    for r in fr.ranks:
+        by_status.setdefault(r.status, []).append(r)
+    parts = []
+    for status, rs in sorted(by_status.items(), key=lambda kv: -len(kv[1])):
+        steps = [r.step for r in rs if r.step is not None]
+        at = "" if not steps else f" at step {min(steps)}" if min(steps) == max(steps) else \
+            f" at steps {min(steps)}-{max(steps)}"
+        parts.append(f"{len(rs)} {status}{at}")
+    head = f"ranks     {len(fr.ranks)} of {fr.world_size}: " + ", ".join(parts)
+    if fr.summarized is not None:
+        head += f" (from their summaries, read within {_ago(now - fr.summarized)})"
+    bad = sorted((r for r in fr.ranks if r.first_bad is not None),
+                 key=lambda r: (r.first_bad, r.rank))
+    if not bad:
+        return [head]
+    first = bad[0].first_bad
+    at_first = [r.rank for r in bad if r.first_bad == first]
+    return [head, f"{'':10}non-finite from step {first} on {ranks_text(at_first, 8)}"
+            + (f"; {len(bad) - len(at_first)} more ranks later" if len(bad) > len(at_first)
+               else "")]
 
 
 def _reason(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
@@ -442,7 +474,7 @@ def top(path: str, *, once: bool = False, options: Optional[Options] = None,
     opts = options or Options()
     out = out or sys.stdout
     keys = keys if keys is not None else sys.stdin
-    follower = Follower(path, stale=opts.stale)
+    follower = Follower(path, stale=opts.stale, full_ranks=FULL_RANKS)
     interactive = not once and out.isatty() and os.environ.get("TERM") != "dumb"
     unicode = opts.unicode if opts.unicode is not None else \
         "utf" in (getattr(out, "encoding", "") or "").lower()
@@ -463,6 +495,7 @@ def top(path: str, *, once: bool = False, options: Optional[Options] = None,
 def _build(follower: Follower, path: str, opts: Options,
            last: Optional[_frame.Frame]) -> Optional[_frame.Frame]:
     """Poll; a new frame when the run changed (or another rank is asked for), else ``last``."""
+    follower.focus = opts.rank  # a large job follows the shown rank alone in full
     follower.poll()
     states = follower.states
     if not states:
@@ -470,7 +503,8 @@ def _build(follower: Follower, path: str, opts: Options,
     key = (follower.signature(), opts.rank)
     if last is not None and getattr(last, "_key", None) == key:
         return last
-    fr = _frame.build(states, rank=opts.rank, path=path, final=follower.final)
+    fr = _frame.build(states, rank=opts.rank, path=path, final=follower.final,
+                      summaries=follower.summaries)
     fr._key = key
     return fr
 

@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Optional
 
 from ..runfile import paths, schema
-from . import launch
+from . import launch, written
 
 _SESSION: Optional["Session"] = None
 
@@ -85,7 +85,16 @@ class Session:
         if os.path.exists(path) and not _placeholder(path):
             # Another process of this recording trained first (record cleared old runs).
             path = paths.pid_path(path, os.getpid())
+        written.note(self.settings.session, path)  # for record's closing line: ours
         return path
+
+    def others_wrote(self) -> bool:
+        """Did another process of this recording leave a file? (This node's, as noted; all
+        beside the output where there is no list.)"""
+        noted = written.read(self.settings.session)
+        if noted is None:
+            return bool(paths.related_files(self.settings.output))
+        return any(os.path.isfile(p) for p in noted)
 
     def at_exit(self) -> None:
         if os.getpid() != self.pid or self.recorder.closed:
@@ -94,7 +103,7 @@ class Session:
         exc_type, exc = _uncaught()
         status = schema.STATUS_FINISHED if exc_type is None else \
             schema.STATUS_EXCEPTION + exc_type.__name__
-        keep = self.top and not rec.trained and not paths.related_files(self.settings.output)
+        keep = self.top and not rec.trained and not self.others_wrote()
         if exc_type is not None and (rec.trained or keep):
             rec.record_exception(exc_type, exc)
         rec.close(status, keep_empty=keep)

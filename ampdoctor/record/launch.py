@@ -42,7 +42,7 @@ from typing import Mapping, Optional, Sequence
 from ..diagnosis import ranks
 from ..errors import RecordError, RunFileError
 from ..runfile import paths
-from . import prescription
+from . import prescription, written
 from .prescription import Prescription
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
@@ -56,6 +56,9 @@ ENV_ACTIVE = "AMPDOCTOR_RECORD"
 # Taken (removed from the environment) by the first Python of the command that imports torch:
 # that process leaves a file even if it never trains; the processes it starts do not.
 ENV_TOP = "AMPDOCTOR_TOP"
+# Set by `record`: the list file (record/written.py) where each child notes the run file it
+# created, so that `record` speaks of its own node's files only.
+ENV_SESSION = "AMPDOCTOR_SESSION"
 
 # The recorder's default sampled-tier interval, repeated so that the parent never imports torch
 # (tests/test_record.py checks that the two agree).
@@ -73,15 +76,18 @@ class Settings:
     quiet: bool = False  # the parent's two lines (children print nothing anyway)
     shown: str = ""  # the output as the user typed it, for messages
     apply: tuple[Prescription, ...] = ()  # --apply: the fixes the children apply
+    session: Optional[str] = None  # the list of files this record's children wrote (written.py)
 
     def to_env(self) -> dict[str, str]:
         """What the children need: where to write, how often to sample, the fixes to apply,
-        and the switch."""
+        the switch, and where to note the files they write."""
         env = {ENV_ACTIVE: "1", ENV_OUTPUT: self.output}
         if self.every is not None:
             env[ENV_EVERY] = str(self.every)
         if self.apply:
             env[ENV_APPLY] = prescription.to_env(self.apply)
+        if self.session:
+            env[ENV_SESSION] = self.session
         return env
 
     @classmethod
@@ -97,7 +103,8 @@ class Settings:
             apply = ()
         return cls(output=environ[ENV_OUTPUT],
                    every=int(every) if every and every.strip().isdigit() else None,
-                   shown=environ[ENV_OUTPUT], apply=apply)
+                   shown=environ[ENV_OUTPUT], apply=apply,
+                   session=environ.get(ENV_SESSION) or None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +205,16 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
     check_command(command, environ)
     if force:
         clear_output(path)
-    settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes)
-    if not quiet:
-        _say(start_line(settings))
-    code = run_command(command, child_env(settings, environ))
-    if not quiet:
-        _say(summary(settings))
+    settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes,
+                        session=written.create())
+    try:
+        if not quiet:
+            _say(start_line(settings))
+        code = run_command(command, child_env(settings, environ))
+        if not quiet:
+            _say(summary(settings))
+    finally:
+        written.remove(settings.session)
     return code
 
 
@@ -304,10 +315,14 @@ def start_line(settings: Settings) -> str:
 
 def summary(settings: Settings) -> str:
     """One line: what was recorded, the diagnosis and its first bad step (``diagnose``'s own,
-    so that the two never disagree), the command to run next."""
-    from ..runfile.store import load
+    so that the two never disagree), the command to run next.
 
-    files = paths.related_files(settings.output)
+    It speaks of the files this ``record``'s own processes wrote (``node_files``): in a
+    multi-node job, this node's ranks, read from their summaries and diagnosed together, never
+    the files of other nodes (which may still be written); the job's verdict is then
+    ``ampdoctor diagnose`` over them all, which the line says.
+    """
+    files = node_files(settings)
     if not files:
         return ("ampdoctor: nothing recorded: no Python process of the command imported torch "
                 "(a process started with python -I, -E or -S, or with PYTHONPATH reset, is not "
@@ -315,8 +330,7 @@ def summary(settings: Settings) -> str:
     outlines, unreadable = [], []
     for path in files:
         try:
-            with load(path) as run:
-                outlines.append(ranks.outline(run))
+            outlines.append(_outline(path))
         except RunFileError as exc:
             unreadable.append(str(exc))
     if not outlines:
@@ -327,10 +341,34 @@ def summary(settings: Settings) -> str:
     return text + f"; next: ampdoctor diagnose {shlex.quote(settings.shown)}"
 
 
+def node_files(settings: Settings) -> list[str]:
+    """The run files this ``record``'s processes wrote, as they noted them (``written``); a
+    recording without that list (a recorder the script started itself, or no temporary
+    directory) falls back to the files beside the output."""
+    noted = [p for p in written.read(settings.session) or [] if os.path.isfile(p)]
+    return noted or paths.related_files(settings.output)
+
+
+def _outline(path: str) -> dict:
+    """``ranks.outline`` of one file, from its summary where it has one (a few milliseconds)."""
+    from ..diagnosis import job
+    from ..runfile.store import load, summary
+
+    s = summary.read(path)
+    if s is not None:
+        return job.from_summary(s).outline
+    with load(path) as run:
+        return ranks.outline(run)
+
+
 def _describe(outlines: list[dict], settings: Settings) -> str:
-    per_rank = set(paths.rank_files(settings.output))
-    main = [o for o in outlines if o["path"] in per_rank] or outlines[:1]
+    # Rank files are told by their names (run.rank{R}.h5 of this output): no directory listing.
+    per_rank = [o for o in outlines if o["path"] != settings.output
+                and paths.run_name(o["path"]) == settings.output]
+    main = per_rank or outlines[:1]
     extra = [o for o in outlines if o not in main]
+    world = max(o["world_size"] for o in main)
+    node = bool(per_rank) and len({o["rank"] for o in main}) < world
     files = _files(main, settings)
     stopped = next((o for o in main if o.get("stopped")), None)
     if not any(o["steps"] for o in main):
@@ -338,32 +376,59 @@ def _describe(outlines: list[dict], settings: Settings) -> str:
                                           if stopped else
                                           "no optimizer step (the command never trained)")
     else:
-        text = f"ampdoctor: recorded {_steps(main)} into {files}, {_skipped(main)}"
+        where = f"{ranks.ranks_text([o['rank'] for o in main])} of {world}" if node else ""
+        text = f"ampdoctor: recorded {_steps(main, where)} into {files}, {_skipped(main)}"
         text += f"; {_stopped(stopped)}" if stopped else ""
-        verdict = _verdict(settings, len(main) > 1)
-        text += f"; diagnosis: {verdict}" if verdict else ""
+        received = _received(main) if node else ""
+        verdict = received or _verdict([o["path"] for o in main], len(main) > 1)
+        if verdict:
+            text += f"; this node's ranks: {verdict}" if node else f"; diagnosis: {verdict}"
+    text += _ending(main)
+    if extra:
+        text += "; other training processes wrote " + ", ".join(
+            _shown_path(o["path"], settings) for o in extra)
+    if node:
+        text += (f"; the job's verdict is ampdoctor diagnose {shlex.quote(settings.shown)} "
+                 f"over all {world} ranks' files, once every node has finished")
+    return text
+
+
+def _received(outlines: list[dict]) -> str:
+    """On one node of a multi-node job: when no rank of this node had a value born there (a
+    non-finite loss, a replay that found it in the batch or the forward), what they saw came
+    from elsewhere, and a diagnosis of them alone would blame them for it; say so instead."""
+    origin = ranks.first_rank(outlines)
+    first = next((o for o in outlines if o["rank"] == origin), None)
+    if first is None or first["local"]:
+        return ""
+    return (f"non-finite gradients from step {first['first_bad']}, none born here (no loss of "
+            "theirs went non-finite): received through the gradient all-reduce from another "
+            "node, or born in a backward pass")
+
+
+def _ending(main: list[dict]) -> str:
+    """How the processes ended, when not by finishing."""
     raised = sorted({o["status"].split(":", 1)[1] for o in main
                      if o["status"].startswith("exception:")})
     stopped = sorted({o["status"].split(":", 1)[1] for o in main
                       if o["status"].startswith("signal:")})
     if raised:
-        text += f"; the command raised {', '.join(raised)}"
-    elif stopped:
-        text += f"; the command was stopped by {', '.join(stopped)}"
-    elif any(o["status"] == "interrupted" for o in main):
-        text += "; the recording was cut short (the process was killed)"
-    if extra:
-        text += "; other training processes wrote " + ", ".join(
-            _shown_path(o["path"], settings) for o in extra)
-    return text
+        return f"; the command raised {', '.join(raised)}"
+    if stopped:
+        return f"; the command was stopped by {', '.join(stopped)}"
+    if any(o["status"] == "interrupted" for o in main):
+        return "; the recording was cut short (the process was killed)"
+    return ""
 
 
-def _steps(outlines: list[dict]) -> str:
+def _steps(outlines: list[dict], where: str = "") -> str:
+    """``30 steps``, ``6 steps each on 2 ranks``, ``6 steps each on ranks 2, 3 of 4``."""
     counts = sorted({o["steps"] for o in outlines})
     if len(outlines) == 1:
-        return f"{counts[0]} step{'s' if counts[0] != 1 else ''}"
+        one = f"{counts[0]} step{'s' if counts[0] != 1 else ''}"
+        return f"{one} on {where}" if where else one
     each = f"{counts[0]} steps each" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} steps"
-    return f"{each} on {len(outlines)} ranks"
+    return f"{each} on {where or f'{len(outlines)} ranks'}"
 
 
 def _skipped(outlines: list[dict]) -> str:
@@ -373,13 +438,14 @@ def _skipped(outlines: list[dict]) -> str:
     return f"{counts[0]}-{counts[-1]} skipped (the ranks disagree)"
 
 
-def _verdict(settings: Settings, ranked: bool) -> str:
-    """``diagnose``'s verdict and first bad step, "lr_overflow, first bad at step 4 in
-    blocks.0.attn (backward)", or "" when the run cannot be diagnosed (the line says less)."""
+def _verdict(files: list[str], ranked: bool) -> str:
+    """``diagnose``'s verdict and first bad step over ``files``, "lr_overflow, first bad at
+    step 4 in blocks.0.attn (backward)", or "" when the run cannot be diagnosed (the line says
+    less)."""
     from ..diagnosis.engine import diagnose
 
     try:
-        d = diagnose(settings.output)
+        d = diagnose(files if len(files) > 1 else files[0])
     except Exception:  # noqa: BLE001 - a summary line never fails the command
         return ""
     first = d.first_bad or {}
@@ -412,6 +478,6 @@ def _shown_path(path: str, settings: Settings) -> str:
 
 
 def _rank_pattern(settings: Settings, outlines: list[dict]) -> str:
-    ids = ",".join(str(o["rank"]) for o in outlines)
+    ids = ranks.spans(sorted(o["rank"] for o in outlines)).replace(", ", ",")
     stem, ext = os.path.splitext(settings.shown)
     return f"{stem}.rank{{{ids}}}{ext}"

@@ -9,6 +9,7 @@ import json
 import textwrap
 from typing import Any
 
+from ..diagnosis.rankview import lines as rank_lines
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
 from ..numfmt import fmt
@@ -100,6 +101,10 @@ def render_text(d: Diagnosis) -> str:
         lines += ["", "evidence:"]
         for e in d.evidence:
             lines += _bullet(e.text)
+    if d.rank_view:
+        lines += ["", "ranks:"]
+        for line in rank_lines(d.rank_view):
+            lines += _bullet(line)
     if d.history and d.history.get("step"):
         lines += ["", "around the first bad step:",
                   "  step       loss        scale       lr          grad_norm  skipped"]
@@ -137,6 +142,8 @@ def render_markdown(d: Diagnosis) -> str:
     out += _warning_markdown(d)
     if d.evidence:
         out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
+    if d.rank_view:
+        out += ["### Ranks", ""] + [f"- {line}" for line in rank_lines(d.rank_view)] + [""]
     if d.fixes:
         out += ["### What to change", ""]
         for fx in d.fixes:
@@ -215,6 +222,14 @@ def render_dump(info: dict) -> str:
     lines += ["", "meta:"]
     for key, value in info.get("meta", {}).items():
         lines.append(f"  {key}: {json.dumps(value, default=str)}")
+    found = dict(info.get("summary") or {})
+    if found:
+        points = found.pop("scale_points", None)
+        lines += ["", "summary:"] + [f"  {key}: {value}" for key, value in found.items()
+                                     if key != "path"]
+        if points is not None:
+            shown = ", ".join(f"{step}: {fmt(value)}" for step, value in points[:8])
+            lines.append(f"  scale change points: {shown}" + (" ..." if len(points) > 8 else ""))
     lines += ["", "tables:", f"  {'name':<10} {'rows':>9} {'stored':>10}  columns"]
     for name, t in info["tables"].items():
         if t is None:

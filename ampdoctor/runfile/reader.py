@@ -80,6 +80,32 @@ def opened(run: Any, caller: str = "this") -> Iterator[Run]:
         yield loaded
 
 
+def load_steps(path: str | os.PathLike) -> np.ndarray:
+    """Only the /steps rows of a run file, as ``load(path).steps`` holds them: what a reader of
+    a large job's many rank files needs of a rank it does not load (its loss scales, its
+    shares of a sharded gradient norm). Raises ``RunFileError`` as ``load`` does.
+
+    Example::
+
+        steps = store.load_steps("run.rank7.h5")
+        steps["scale"]
+    """
+    path = os.fspath(path)
+    return retrying(path, lambda: _steps_once(path))
+
+
+def _steps_once(path: str) -> np.ndarray:
+    f, live = open_file(path)
+    try:
+        check_format(path, root_attrs(f, ("format", "format_version")))
+        return _read_table(path, f, "steps", live or bool(f.swmr_mode))
+    except H5_ERRORS as exc:
+        raise RunFileError(f"{path} is damaged and could not be read "
+                           f"({reason(exc)})") from None
+    finally:
+        f.close()
+
+
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
     """What a file holds, for ``ampdoctor dump``: attributes, meta, and each table's rows.
 
@@ -239,7 +265,9 @@ def dataset(path: str, f: h5py.File, name: str) -> Any:
 
 
 def expected_dtype(name: str) -> np.dtype:
-    """The dtype of table ``name`` (``schema.TABLES``; /blob: bytes)."""
+    """The dtype of table ``name`` (``schema.TABLES``; /summary; /blob: bytes)."""
+    if name == schema.SUMMARY_TABLE:
+        return schema.SUMMARY
     return schema.TABLES.get(name, np.dtype("u1"))
 
 
@@ -283,7 +311,8 @@ def _inspect_once(path: str) -> dict[str, Any]:
         version = check_format(path, attrs)
         info: dict[str, Any] = {"path": path, "format_version": version, "attrs": attrs,
                                 "tables": {}, "live": live}
-        for name in list(schema.TABLES) + [schema.BLOB]:
+        extra = [schema.SUMMARY_TABLE] if version >= 2 else []  # format 1 had no /summary
+        for name in list(schema.TABLES) + [schema.BLOB] + extra:
             table = info["tables"][name] = _table_info(f, name)
             if table is not None:
                 table["damaged"] = table.pop("dtype") != expected_dtype(name)

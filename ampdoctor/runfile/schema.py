@@ -5,7 +5,8 @@ their numpy dtypes, and the small integer codes stored in them. The recorder wri
 tables (through ``store.Writer``); ``store.load`` reads them back into a ``Run``. This module
 imports numpy only, so the analysis side never pulls in torch.
 
-Layout of format version 1 (one HDF5 file per process)::
+Layout of format version 2 (one HDF5 file per process; version 1 is the same without
+``/summary``)::
 
     /            attrs: format, format_version, ampdoctor_version, created, pid, host,
                         rank, world_size, argv
@@ -18,6 +19,9 @@ Layout of format version 1 (one HDF5 file per process)::
     /arrays      arrays saved with a snapshot (the batch), bytes in /blob
     /meta        key -> JSON value, appended as the run discovers its configuration
     /blob        uint8 heap for text and array bytes, addressed by (offset, length)
+    /summary     one row, rewritten in place at every flush: the run in a few numbers
+                 (steps, skips, first bad step, loss scale change points, status), so that
+                 the rank files of a large job are diagnosed without reading every table
 
 Every table exists from the first flush, because no dataset can be created once SWMR
 writing has begun. Text is kept in ``/blob`` rather than in variable-length strings, which
@@ -31,7 +35,7 @@ import enum
 import numpy as np
 
 FORMAT_NAME = "ampdoctor-run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: /summary
 
 # fp16 range: max finite 65504, min normal 2**-14, min subnormal 2**-24. A value whose
 # magnitude is above 65504 overflows to inf once rounded; one below half the smallest
@@ -296,6 +300,55 @@ TABLES: dict[str, np.dtype] = {
     "meta": META,
 }
 BLOB = "blob"
+
+# /summary (format 2): one row, rewritten in place at each flush (no dataset may be created
+# once SWMR writing has begun, and a /meta key appended at every flush would grow without
+# bound). It covers the rows of the flush that wrote it: a reader checks the counts against
+# the tables and reads the file in full where they disagree (a flush cut short by a kill).
+SUMMARY_TABLE = "summary"
+SCALE_POINTS = 64  # loss scale change points a summary holds; a run with more is read from /steps
+STATUS_BYTES = 64
+SUMMARY = np.dtype(
+    [
+        ("written", "<f8"),  # unix time of the flush that wrote it
+        ("rank", "<i8"),  # the root attributes' rank and world_size, at hand
+        ("world_size", "<i8"),
+        ("steps", "<i8"),  # rows of /steps it covers; -1: not written yet (read the tables)
+        ("events", "<i8"),  # rows of /events it covers
+        ("snapshots", "<i8"),  # rows of /snapshots it covers
+        ("first_step", "<i8"),  # -1 without a step
+        ("last_step", "<i8"),
+        ("contiguous", "i1"),  # 1: every step from first_step to last_step, once, in order
+        ("skipped", "<i8"),  # steps with skipped == 1
+        ("bad_steps", "<i8"),  # steps flagged skipped, non-finite loss or non-finite gradient
+        ("first_bad", "<i8"),  # the first of them, -1 none
+        ("loss_bad_steps", "<i8"),  # steps whose loss was non-finite (born on this rank)
+        ("first_loss_bad", "<i8"),
+        ("local_norm_steps", "<i8"),  # steps flagged GRAD_NORM_LOCAL (a shard's grad norm)
+        ("located", "<i4"),  # /snapshots row of the first replay that located a value, -1
+        ("located_step", "<i8"),
+        ("located_phase", "i1"),  # its Phase
+        ("replays", "<i4"),  # /snapshots rows
+        ("replays_finite", "<i4"),  # replays that found every value finite (Phase.NONE)
+        ("sampled_step", "<i8"),  # first non-finite tensor of the sampled tier: step, -1 none
+        ("sampled_tensor", "<i4"),  # ... and its /tensors id
+        ("stopped", "<i8"),  # /events row of the first RECORDER_ERROR, -1 none
+        ("status", f"S{STATUS_BYTES}"),  # the last /meta status, UTF-8
+        ("status_state", "i1"),  # 0 none written, 1 in ``status``, 2 read /meta (longer, not text)
+        ("scaled", "i1"),  # 1: some step has a loss scale
+        ("scale_n", "<i8"),  # change points of the loss scale over the whole run
+        ("scale_step", "<i8", (SCALE_POINTS,)),  # the first SCALE_POINTS: step where it changed
+        ("scale_value", "<f4", (SCALE_POINTS,)),  # ... and the scale from there (NaN: none)
+        ("scale_digest", "S16"),  # blake2b of every change point: equal digests, equal scales
+    ]
+)
+
+# The order in which a step measures each Kind (the sampled tier's first non-finite value is
+# the earliest step, then this order, then the row's seq). diagnosis/streamed.py keeps the
+# same order with each kind's phase name (tests/test_store.py checks that they agree).
+KIND_ORDER: dict[int, int] = {int(Kind.INPUT): 0, int(Kind.OUTPUT): 1, int(Kind.GRAD_OUTPUT): 2,
+                              int(Kind.PARAM_GRAD): 3, int(Kind.PARAM): 4, int(Kind.BUFFER): 5}
+KIND_ORDER_UNKNOWN = 9
 
 # Rows per HDF5 chunk. Small tables get small chunks so that a short run stays small.
 CHUNK_ROWS = {

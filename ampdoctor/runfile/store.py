@@ -4,7 +4,9 @@ This module is the run file's front door: the rest of ampdoctor imports these na
 and the modules beside it own the parts (each module's docstring says what it owns):
 
 * ``writer``: ``Writer``, the crash-safe SWMR append path, and ``WriteError``;
-* ``reader``: ``load``, ``opened`` and ``inspect``, the bounded, never-hanging read;
+* ``reader``: ``load``, ``load_steps``, ``opened`` and ``inspect``, the bounded,
+  never-hanging read;
+* ``summary``: ``/summary``, a run in a few numbers: the writer's ``Tally``, ``summary.read``;
 * ``run``: ``Run`` and its ``Table``s and ``Blob``, and the decoding of text references;
 * ``tail``: ``Tail``, a file followed while it is written (``ampdoctor top``, ``export``);
 * ``attributes``: the root attributes, read without hanging, and the format check;
@@ -24,14 +26,39 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Any
+
 from ..errors import FormatTooNewError, RunFileError
+from . import summary
 from .hdf5 import reason
-from .reader import inspect, load, opened
+from .reader import inspect as _inspect
+from .reader import load, load_steps, opened
 from .run import TENSOR_VIEW, Blob, Run, Table, decoded
 from .tail import Tail
 from .writer import WriteError, Writer
 
 __all__ = ["FormatTooNewError", "RunFileError", "TENSOR_VIEW", "Blob", "Run", "Table",
-           "Tail", "WriteError", "Writer", "decoded", "inspect", "load", "opened"]
+           "Tail", "WriteError", "Writer", "decoded", "inspect", "load", "load_steps",
+           "opened", "summary"]
 
 _reason = reason  # record/recorder.py's name for it: the one line of an error a user reads
+
+
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """What a file holds, for ``ampdoctor dump``: attributes, meta, each table's rows, and
+    what its ``/summary`` says (``summary``: None for a file of format 1, or one whose summary
+    disagrees with its tables). See ``reader.inspect``.
+
+    Example::
+
+        store.inspect("run.h5")["summary"]["first_bad"]     # 9000
+    """
+    info = _inspect(path)
+    try:
+        found = summary.read(path)
+    except RunFileError:
+        found = None
+    info["summary"] = dataclasses.asdict(found) if found is not None else None
+    return info

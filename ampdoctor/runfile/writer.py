@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 
 from ..version import __version__
-from . import hdf5, liveness, schema
+from . import hdf5, liveness, schema, summary
 from .hdf5 import errno_in, reason
 
 _DISOWNED: list = []  # files inherited through fork: never closed in this process (Writer.disown)
@@ -60,7 +60,7 @@ class Writer:
                  argv: list[str] | None = None, overwrite: bool = True, create: bool = True):
         self.path = os.fspath(path)
         self.overwrite = overwrite
-        self._attrs = {
+        self._attrs: dict[str, Any] = {
             "format": schema.FORMAT_NAME,
             "format_version": schema.FORMAT_VERSION,
             "ampdoctor_version": __version__,
@@ -80,6 +80,9 @@ class Writer:
         self.committed = {name: 0 for name in schema.TABLES}  # rows on disk (last good flush)
         self._blob = bytearray()  # queued bytes of /blob, which start at self._blob_placed
         self._blob_placed = 0
+        # /summary's numbers, kept as rows come; None once it failed (the summary then says
+        # "read the tables": a bug in it must never stop the recording)
+        self._tally: summary.Tally | None = summary.Tally()
         self.closed = False
         self.failed: BaseException | None = None
         if create:
@@ -156,6 +159,10 @@ class Writer:
         self._tables[schema.BLOB] = f.create_dataset(
             schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1", chunks=(schema.BLOB_CHUNK,),
             compression="gzip", compression_opts=4)
+        # One row, rewritten in place at each flush (``summary``); until the first flush it
+        # says that there is no summary yet.
+        self._tables[schema.SUMMARY_TABLE] = f.create_dataset(
+            schema.SUMMARY_TABLE, data=summary.unwritten())
 
     # -- buffering --------------------------------------------------------------------------
 
@@ -163,8 +170,18 @@ class Writer:
         """Queue rows for ``table``; return the index of the first one."""
         first = self.rows(table)
         if len(rows):
-            self._pending[table].append(np.asarray(rows, schema.TABLES[table]))
+            rows = np.asarray(rows, schema.TABLES[table])
+            self._pending[table].append(rows)
+            self._count(table, rows, first)
         return first
+
+    def _count(self, table: str, rows: np.ndarray, first: int) -> None:
+        if self._tally is None:
+            return
+        try:
+            self._tally.add(table, rows, first)
+        except Exception:  # noqa: BLE001 - readers fall back to the tables
+            self._tally = None
 
     def text(self, value: str) -> tuple[int, int]:
         """Queue a UTF-8 string in /blob; return its (offset, length)."""
@@ -188,6 +205,8 @@ class Writer:
         row["key"] = key.encode()[:32]
         row["value_off"], row["value_len"] = self.text(json.dumps(value, default=str))
         self.append("meta", row)
+        if key == "status" and self._tally is not None:
+            self._tally.set_status(value)
 
     # -- committing -------------------------------------------------------------------------
 
@@ -234,6 +253,17 @@ class Writer:
             self._pending[name] = []
             self._placed[name] += len(rows)
             _append_rows(self._tables[name], rows)
+        # Last, so that a summary never counts rows the tables do not hold yet.
+        self._tables[schema.SUMMARY_TABLE][0:1] = self._summary_row()
+
+    def _summary_row(self) -> np.ndarray:
+        try:
+            if self._tally is not None:
+                return self._tally.row(self._placed, self._attrs["rank"],
+                                       self._attrs["world_size"])
+        except Exception:  # noqa: BLE001 - readers fall back to the tables
+            self._tally = None
+        return summary.unwritten()
 
     def _check_still_there(self) -> None:
         """A deleted file (its directory removed) still takes writes that nobody will read."""

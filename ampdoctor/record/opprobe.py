@@ -439,11 +439,17 @@ def _view_of(t: torch.Tensor, operands: list, ins: list, func: Any) -> Optional[
     return None
 
 
+# Tensor types the probe measures: a subclass (a user's own, a quantised or wrapper type) may
+# refuse aminmax or give it another meaning; the sampled tier says so once for its outputs.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _probed(t: Any) -> bool:
-    """A dense floating tensor with values (``_floating``, in the order cheapest first: this
-    runs on every op's every tensor)."""
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout is \
-        torch.strided and not t.is_meta and t.numel() > 0
+    """A plain dense floating tensor with values, not an inference tensor (an evaluation inside
+    the step, with no version counter to key it by), in the order cheapest first: this runs
+    on every op's every tensor."""
+    return type(t) in _PLAIN and t.is_floating_point() and t.layout is torch.strided and \
+        not t.is_meta and t.numel() > 0 and not t.is_inference()
 
 
 def _results(out: Any) -> tuple:

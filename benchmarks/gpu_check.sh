@@ -8,7 +8,7 @@
 #   3. memory between steps and at peak (the CUDA allocator's), large-vocabulary LM
 #   4. the GPU-marked tests: syncs per steady step under torch.cuda.set_sync_debug_mode,
 #      output gradients released, step time from CUDA events, the deferred skip decision...
-# and writes OUT/summary.md: the README's GPU tables, as `overhead.py --markdown` prints them.
+# and writes OUT/summary.md: docs/performance.md's GPU tables, as `overhead.py --markdown` prints them.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                 # on the GPU machine
 #   bash benchmarks/gpu_check.sh --device cpu [OUT_DIR]    # every path on tiny models, on CPU

@@ -484,7 +484,7 @@ def _summary(workload, cname, w, table, steady, sampled, rounds, steps) -> dict:
 
 
 def table_text(results: list[dict]) -> str:
-    """The overhead table, one row per configuration and mode (what the README quotes)."""
+    """The overhead table, one row per configuration and mode (what docs/performance.md quotes)."""
     lines = [f"  {'workload':<20} {'config':<12} {'compute':<21} {'plain step':>11}  "
              f"{'mode':<22} {'ratio':>7}  {'steady':>7} {'steady range':>15}  sampled step"
              f"  own time/step"]
@@ -597,11 +597,11 @@ def memory_text(m: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# markdown: the README's tables (gpu_check.sh writes its summary with it)
+# markdown: docs/performance.md's tables (gpu_check.sh writes its summary with it)
 
 
 def markdown(paths: list[str]) -> str:
-    """The overhead and memory results of ``--json`` files as the README's markdown tables."""
+    """The overhead and memory results of ``--json`` files as docs/performance.md's markdown tables."""
     speed = ["| workload | config | compute | plain step | A/A | ampdoctor (default) | "
              "steady range | ampdoctor's own time | machine |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -651,7 +651,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny models: check the paths")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", nargs="+", metavar="JSON",
-                        help="print these --json results as the README's markdown tables")
+                        help="print these --json results as docs/performance.md's markdown tables")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--native", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 python benchmarks/preflight_cost.py               # a few minutes
     python benchmarks/preflight_cost.py --width 256 --layers 4 --device cuda --json out.json
 
-1. **parity**, on the README's example language model (``fixtures/examples/layer_parity.py``,
+1. **parity**, on docs/before-a-long-run.md's example language model (``fixtures/examples/layer_parity.py``,
    widened with ``--width``/``--layers``), in bf16: its wall time as a multiple of what the
    same work costs the model itself, one fp32 forward plus one autocast forward (without a
    loss) or one fp32 and one autocast forward and backward (with ``loss_fn``). The design says

@@ -64,7 +64,7 @@ NO_PROGRESS = 0.5
 # Climbed: with no single jump, the end of the run sits >= 10x above where it began (and 4
 # standard errors above it): the loss rose step by step and stayed up. Healthy curves that rise
 # by design (KL annealing, a curriculum) rise 1.5-3x; a GAN's generator loss can climb further,
-# which is the one known way for a healthy run to meet this (see the README).
+# which is the one known way for a healthy run to meet this.
 CLIMB = 10.0
 # Did it learn? The loss fell when it ended more than 10 % below where it began (FLAT_END)
 # AND the fall is at least FALL_SIGMAS standard errors of the two medians compared (from the

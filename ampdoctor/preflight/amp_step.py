@@ -55,7 +55,7 @@ from .snapshot import Snapshot
 
 CALLS = 2  # a re-created scaler and un-zeroed gradients show on the second call
 
-# Every violation id check_amp_step reports, with what it means (the README's table).
+# Every violation id check_amp_step reports, with what it means (docs/before-a-long-run.md's table).
 VIOLATIONS = {
     "clip_before_unscale": "clip_grad_norm_ ran on scaled gradients, before scaler.unscale_",
     "step_bypasses_scaler": "optimizer.step() called directly while a GradScaler scales the loss",

@@ -1,6 +1,6 @@
 """The in-process recorder: ``watch()`` and what ``ampdoctor record`` starts in a child process.
 
-Tiers (see the README's design section):
+Tiers (see docs/design.md):
 
 1. **Sentinel, every step.** Loss (seen where backward starts, or at ``GradScaler.scale``),
    loss scale before and after ``update``, found_inf/skipped, LR of each group, global grad
@@ -61,7 +61,7 @@ from .skips import Skips
 from .steplog import StepLog
 from .watched import Watched
 
-DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and the README curve
+DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and docs/performance.md
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
 
 __all__ = ["DEFAULT_EVERY", "FLUSH_SECONDS", "Recorder", "active"]

@@ -28,7 +28,7 @@ import torch
 from ..runfile import schema
 from .sharding import local
 
-SAMPLE = 1024  # elements gathered per tensor in sampled mode (see README: Performance)
+SAMPLE = 1024  # elements gathered per tensor in sampled mode (see docs/performance.md)
 EXACT_CHUNK = 1 << 24  # elements classified at once in exact mode (bounds temporary memory)
 
 # Buckets of a finite, non-zero magnitude a (bucketize with right=True counts bounds <= a):

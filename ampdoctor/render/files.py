@@ -14,8 +14,7 @@ import tempfile
 from typing import Any, Iterable
 
 from ..errors import AmpDoctorError
-
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+from ..runfile.hdf5 import is_hdf5
 
 
 def check_target(path: str, protect: Iterable[str] = ()) -> None:
@@ -35,7 +34,7 @@ def check_target(path: str, protect: Iterable[str] = ()) -> None:
         if os.path.exists(other) and os.path.samefile(path, other):
             raise AmpDoctorError(f"{path} is the run file being reported on: write the report "
                                  "to another file")
-    if _is_hdf5(path):
+    if is_hdf5(path):
         raise AmpDoctorError(f"{path} is an HDF5 file (a run file?): refusing to overwrite it "
                              "with a report")
 
@@ -97,12 +96,6 @@ def write_plots(report: Any, directory: str, relative_to: str = "-") -> dict[str
     return links
 
 
-def _is_hdf5(path: str) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(8) == _HDF5_SIGNATURE
-    except OSError:
-        return False
 
 
 def _umask() -> int:

@@ -31,6 +31,16 @@ from typing import Any
 import h5py
 
 SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first 8 bytes of every HDF5 file
+
+
+def is_hdf5(path: str) -> bool:
+    """Does the file at ``path`` begin with the HDF5 signature (a run file, or another HDF5
+    file that a report must not overwrite)?"""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(SIGNATURE)) == SIGNATURE
+    except OSError:
+        return False
 SUPERBLOCK_BYTES = 48  # a version 2/3 superblock with 8-byte addresses, checksum included
 
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)  # what h5py raises

@@ -15,7 +15,7 @@ Its evidence says what was checked and found normal: the loss (start, end, noise
 precision (``progress.precision_answer``). What it cannot tell: a run whose loss is not meant
 to fall (a fine-tune that starts at its optimum, a GAN) looks the same, hence the low
 confidence. Shorter runs are judged only as far as their length allows: under ``SHORT_RUN``
-steps the verdict stays healthy, with a note saying so (``engine._coverage_notes``).
+steps the verdict stays healthy, with a note saying so (``notes._coverage_notes``).
 
 Example::
 

@@ -15,7 +15,7 @@ LAYER_UNDERFLOW = 0.5
 LOW_SCALE = 8.0
 # taxonomy §3: GradScaler starts at 2**16 and doubles every 2000 clean steps; 2**24 is about as
 # high as a real run's scale climbs before one overflow halves it again, so a scale at or over
-# it and rising means the gradients are ~0 (C8b). (engine notes; readiness' settled scale)
+# it and rising means the gradients are ~0 (C8b). (notes.py; readiness' settled scale)
 RUNAWAY_SCALE = 2.0 ** 24
 # taxonomy C9a: most sampled elements unchanged by a step although their gradient was not 0
 # (ml-by-hand PR #85: "0 / 768 moved"). Half is far above the ~0 of fp32 master weights.

@@ -1,0 +1,209 @@
+"""What a diagnosis says beside its verdict: what it could and could not tell from the run,
+how the run ended, what a treated run was treated with, and risks worth knowing.
+
+numpy only. ``engine._conclude`` calls ``notes(facts, top)`` once the verdict is chosen.
+
+Example::
+
+    from ampdoctor.diagnosis.facts import Facts
+    notes(Facts(run), finding)   # ['Only 12 steps were recorded: ...', ...]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..numfmt import fmt
+from ..runfile import schema
+from ..runfile.schema import Event
+from . import ranks, reproduced
+from .overflow import hidden_note
+from .thresholds import RUNAWAY_SCALE, SHORT_RUN
+from .verdict import EMPTY, Finding
+
+
+def notes(f: Any, top: Finding) -> list[str]:
+    """What the diagnosis could and could not tell from this run, and risks worth knowing."""
+    out = _status_notes(f)
+    if top.verdict == "recording_stopped":  # its summary says it already
+        out = [n for n in out if not n.startswith("ampdoctor stopped recording")]
+    if not f.n:
+        if top.verdict not in EMPTY:
+            out.append("No optimizer step was completed (a step ends at scaler.update(), or at "
+                       "optimizer.step() without a scaler), so no per-step data was recorded.")
+        return out
+    out += _applied_notes(f)
+    out += _coverage_notes(f, top)
+    # a sharded (FSDP) run: per-shard numbers, replay off
+
+    out += ranks.sharding_notes(f.meta, f.steps)
+    out += _compiled_notes(f)
+    if not f.optimizers and np.all(f.skipped):
+        out.append("The optimizer never stepped (every step was skipped), so its settings were "
+                   "not recorded.")
+    if top.verdict == "healthy":
+        out += reproduced.notes(f) + _risks(f) + _flat_notes(f, top) + hidden_note(f)
+    return out
+
+
+def _flat_notes(f: Any, top: Finding) -> list[str]:
+    """Where to look when the loss did not fall and nothing numeric explains it."""
+    if not any(e.key == "loss_flat" for e in top.evidence):
+        return []
+    upd = f.reduced.upd_log[np.isfinite(f.reduced.upd_log)]
+    moved = (f" The weights moved by ~{10 ** float(np.median(upd)):.2g} of their norm per step "
+             "(median update ratio on the sampled steps).") if len(upd) else (
+        " No sampled step measured how far the weights move: record with `--every N`.")
+    return ["The loss did not fall and no precision signal explains it: look at the learning "
+            "rate (too high bounces, too low crawls), the data (labels that do not match the "
+            "inputs) and the loss (parameters it does not reach, or not in the optimizer)."
+            + moved]
+
+
+def _status_notes(f: Any) -> list[str]:
+    status = f.run.status
+    last = int(f.steps["step"][-1]) if f.n else None
+    if status == "running":
+        out = [f"The run is still being recorded; this covers the steps up to {last}, the "
+               "writer's last flush." if last is not None else
+               "The run is still being recorded and has no step yet."]
+    elif status == "interrupted" or status.startswith(schema.STATUS_SIGNAL):
+        how = "interrupted (its writer never closed the file)" if status == "interrupted" \
+            else f"interrupted by {status.split(':', 1)[1]}"
+        out = [f"The run was {how}; the last recorded step is {last}: whatever happened later "
+               "is not in this file." if last is not None else
+               f"The run was {how} before its first recorded step."]
+    else:
+        out = []
+    if status.startswith("exception:"):
+        exc = f.exception
+        msg = f" ({exc[1][:160]})" if exc and exc[1] else ""
+        out.append(f"The training script raised {status.split(':', 1)[1]}{msg}"
+                   + (f" after step {last}." if last is not None else "."))
+    damaged = getattr(f.run, "damaged", [])
+    if damaged:
+        out.append("Part of the file is damaged and was left out: table(s) "
+                   f"{', '.join('/' + t for t in damaged)} could not be read.")
+    errors = f.events(Event.RECORDER_ERROR)
+    if len(errors):
+        out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "
+                   f"internal error ({str(errors['text'][0])[:160]}); training went on, but "
+                   "what followed is not in this file.")
+    return out
+
+
+def _coverage_notes(f: Any, top: Finding) -> list[str]:
+    """Checks that lacked the data they need: no sampled step, a short run, no replay."""
+    out = []
+    recorder = f.meta.get("recorder") if isinstance(f.meta.get("recorder"), dict) else {}
+    every = recorder.get("every")
+    if not f.sampled_steps:
+        why = (f" (the sampling interval, {every} steps, is longer than the run)"
+               if every and every > f.n else "")
+        out.append("No sampled step was recorded" + why + ": gradient underflow, LR-driven "
+                   "growth, bf16 rounding and BatchNorm buffers could not be checked. Record "
+                   "with `--every N` (N below the run length) to measure them.")
+    elif f.sampled_steps < 3 and top.verdict == "healthy":
+        out.append(f"Only {f.sampled_steps} sampled step(s): trends are measured on few points.")
+    if f.n < SHORT_RUN and top.verdict == "healthy":
+        out.append(f"Only {f.n} steps were recorded: whether the loss falls is judged from "
+                   f"{SHORT_RUN} steps on, and failures that build up over time (LR-driven "
+                   "growth, scale probing) may not have shown yet.")
+    elif top.verdict == "healthy" and not f.curve.judged:
+        out += _unjudged_note(f)
+    located = [s for s in f.snapshots if s["phase"] not in ("none", "unknown")]
+    if f.failure_index is None or located or top.verdict in EMPTY:
+        return out
+    if recorder.get("forensics") is False:
+        out.append("Forensic replay was off: the failing op could not be located and checked "
+                   "in fp32.")
+    elif recorder.get("max_replays") is not None and len(f.snapshots) >= \
+            recorder["max_replays"]:
+        out.append(f"The forensic replay budget ({recorder['max_replays']}) was spent on "
+                   "earlier skipped steps, so the failing step was not replayed; the module "
+                   "comes from sampled statistics, if any.")
+    return out
+
+
+def _unjudged_note(f: Any) -> list[str]:
+    """Why the loss curve was not judged; a loss that reached exactly 0 has converged."""
+    loss = f.steps["loss"].astype(float)
+    fin = loss[np.isfinite(loss)]
+    if len(fin) and fin[0] > 0 and np.all(fin >= 0) and np.any(fin == 0):
+        step = f.first(np.isfinite(loss) & (loss == 0))
+        return [f"The loss reached exactly 0 at step {step}: the model fits its data exactly "
+                "(converged), so its exact zero gradients are not dead units."]
+    return [f"Whether the loss fell was not judged: {f.curve.why}."] if f.curve.why else []
+
+
+def _applied_notes(f: Any) -> list[str]:
+    """A run treated with ``record --apply``: what was applied, and what could not be."""
+    applied = f.run.applied
+    if not applied:
+        return []
+    out = ["This run was treated with " + ", ".join(f"--apply {a.get('arg')}" for a in applied)
+           + " (ampdoctor record --apply): compare it with the untreated run, ampdoctor "
+           "compare run.h5 fixed.h5."]
+    for a in applied:
+        if a.get("error"):
+            out.append(f"--apply {a.get('arg')} could not be applied ({a['error']}): this run "
+                       "ran without it.")
+        if a.get("missing"):
+            out.append(f"--apply fp32_island: no module named {', '.join(a['missing'])} in the "
+                       "model (names as diagnose shows them, e.g. blocks.0.attn): "
+                       + ("those ran as before." if a.get("modules") else
+                          "no island was made."))
+        for name, why in (a.get("skipped") or {}).items():
+            out.append(f"--apply fp32_island: {name} was left as it was: {why} (only "
+                       "model.float() in the code makes it an island).")
+    return out
+
+
+def _compiled_notes(f: Any) -> list[str]:
+    """What a torch.compile'd model kept out of the sampled statistics."""
+    info = f.meta.get("compiled")
+    if not isinstance(info, dict) or not info.get("regions"):
+        return []
+    where = ", ".join(str(r.get("module")) for r in info["regions"][:3])
+    hooked = ", ".join(str(m) for m in (info.get("hooked") or [])[:3]) or "none"
+    return [f"{where} ran under torch.compile: the outputs of the modules inside it were not "
+            f"measured on sampled steps (module outputs measured: {hooked}); gradients, "
+            "weights and forensic replays (run eagerly) cover every layer."]
+
+
+def _risks(f: Any) -> list[str]:
+    """Configurations that have not failed in this run but are known to (taxonomy Stage A)."""
+    out = []
+    s = f.steps
+    if f.low_precision == "fp16" and not f.has_scaler and f.autocast_dtype == "float16":
+        out.append("fp16 autocast without a GradScaler: gradients below 6e-8 flush to zero. "
+                   "None were seen to underflow here, but a GradScaler (or bf16) is the safe "
+                   "setup.")
+    seen = s["loss_dtype"] != 0
+    if seen.any() and np.mean(s["loss_dtype"][seen] == 2) >= 0.5:
+        out.append("The loss is computed in float16 (outside autocast): a sum or mean over many "
+                   "elements can pass 65504. Compute it in fp32.")
+    if f.params_mostly("bfloat16") and not f.sampled_steps:
+        out.append("The weights are bf16 and updated in place: updates below ~0.4 % of a weight "
+                   "round away. Keep fp32 master weights if the loss stalls.")
+    if f.has_scaler and f.story.final_scale >= RUNAWAY_SCALE:
+        out.append(f"The loss scale grew to {fmt(f.story.final_scale)} without overflowing: "
+                   "gradients this small are often zero or disconnected (a detached loss, "
+                   "parameters missing from the optimizer, a loss weight of 0).")
+    story = f.story
+    if f.has_scaler and story.post_skips and story.benign:
+        out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
+                   f"({story.calib_len} while calibrating, {story.post_skips} later, each "
+                   "with a finite loss): normal probing, not a failure.")
+    elif f.has_scaler and story.post_skips and not reproduced.notes(f):  # (that note says it)
+        out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
+                   "than probing explains (gradients overflowing fp16 at the current scale); "
+                   f"each skip halved the scale, now {fmt(story.final_scale)}. Not a failure yet: "
+                   "watch for a falling scale.")
+    elif f.has_scaler and f.story.calib_len:
+        out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
+                   "calibrated its scale: normal.")
+    return out
+

@@ -89,12 +89,7 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     the recorder's module -> name map (for ``fp32_modules``)."""
     root = unwrap(cap.root)
     out = Outcome(t.name)
-    set_rng(cap.rng)
-    with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
-            _islands(names, t.fp32_modules, cap.autocast[0]), \
-            autocast(_forward_state(cap.autocast, t)):
-        output = root(*cap.args, **cap.kwargs)
-    outs = list(tensors_in(output))
+    outs = forward(cap, t, names)
     out.output_finite = _finite(outs)
     losses = _losses(cap, outs, t, out)
     pairs = _backward_pairs(cap, outs, losses, t, out)
@@ -109,6 +104,17 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
         else "backward" if out.grads == "non-finite" else ""
     out.finite = out.first == ""
     return out
+
+
+def forward(cap: Capture, t: Trial, names: dict) -> list:
+    """The root's forward of one captured micro-batch under ``t``, from its RNG state: the
+    output tensors, in the graph (the caller owns the replay's guarantees, as for ``rerun``)."""
+    set_rng(cap.rng)
+    with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
+            _islands(names, t.fp32_modules, cap.autocast[0]), \
+            autocast(_forward_state(cap.autocast, t)):
+        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
+    return list(tensors_in(output))
 
 
 def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
@@ -146,7 +152,9 @@ def _forward_state(recorded: tuple, t: Trial) -> tuple:
         return recorded
     if t.autocast == "off":
         return device, False, dtype, cache
-    return device, True, t.autocast, cache
+    # No cast cache: an event decided inside the next step's autocast block (or after the
+    # replay's own forward) would otherwise hand this dtype the weights cast to the other.
+    return device, True, t.autocast, False
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.paths import resolve
 from ..runfile.schema import Event
-from . import forecast, job, ranks, rankview, reproduced
+from . import forecast, job, proven, ranks, rankview, reproduced
 from .facts import Facts
 from .overflow import hidden_note
 from .progress import flat_warning
@@ -277,6 +277,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             if fx.id not in seen:
                 seen.add(fx.id)
                 fixes.append(fx)
+    fixes = proven.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
     history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
         "step") is not None and f.n else {}
     return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),

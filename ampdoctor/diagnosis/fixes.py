@@ -708,9 +708,10 @@ def clamp_loss_input(c: Context) -> Advice:
     else:
         dose = Dose({}, "not measured (the singular point is inside the loss function): keep "
                     "its input at least the dtype's resolution away from it")
-    return (f"Clamp the input of {op} in the loss: its derivative is infinite at values this "
-            "run reached, in fp32 as well as in fp16, so neither precision nor a loss scale "
-            "fixes it (fp32 only reaches the point later).", snippet, dose)
+    checked = f" (checked{at})" if at else ""
+    return (f"Clamp the input of {op} in the loss: at values this run reached its derivative "
+            f"is infinite in fp32 as well as in fp16{checked}, so neither precision nor a loss "
+            "scale makes it finite there.", snippet, dose)
 
 
 @fix("safe_mask", "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",

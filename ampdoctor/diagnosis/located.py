@@ -385,9 +385,10 @@ def rule_loss_backward(f: Facts) -> Optional[Finding]:
             ids = ["clamp_loss_input"] + ids
             summary = (f"The loss's backward is singular: the model's outputs and the loss "
                        f"are finite, but {sing.name} in the loss reaches the point where its "
-                       "derivative is infinite, in fp32 too (fp16 only gets there sooner). No "
-                       "loss scale and no precision fixes it: GradScaler skips step after "
-                       "step; a clamp of that op's input does.")
+                       "derivative is infinite, in fp32 too: the singular point is in the "
+                       "loss's formula, not in fp16's range. No loss scale and no precision "
+                       "fixes it (GradScaler skips step after step); a clamp of that op's "
+                       "input does.")
     return Finding("fp16_loss", 0.85 if snaps else 0.7, summary, ev, fixes.make(ids, ctx),
                    first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"],
                    kind="loss_backward")

@@ -82,6 +82,10 @@ def outcome(t: dict) -> str:
     if t.get("finite"):
         loss = t.get("loss")
         shown = f" (loss {fmt(loss)})" if isinstance(loss, (int, float)) else ""
+        if t.get("at_scale") is not None:
+            shown += (f" at loss scale {fmt(t['at_scale'])} (at the recorded "
+                      f"{fmt(t.get('recorded_scale'))} its gradients overflow fp16, and "
+                      "GradScaler lowers the scale by itself)")
         return f"with this fix, step {step} is finite{shown}"
     where = WHERE.get(str(t.get("first")), "")
     return f"still non-finite at step {step}{f' ({where})' if where else ''}: not enough on its own"

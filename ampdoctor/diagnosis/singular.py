@@ -12,9 +12,9 @@ failing values in fp32 (``record/singular.py``):
 * a torch loss function: the replay's snapshot (``loss_singular_fp32``): the loss recomputed
   in fp32 on the replayed outputs and differentiated there.
 
-Singular in fp32 too means the singular point is in the loss's formula: fp16 only reaches it
-sooner, neither precision nor a loss scale fixes it, and the first fix is a clamp of the op's
-input (``clamp_loss_input``). Finite in fp32 means fp16's range is what the derivative passed.
+Singular in fp32 too means the singular point is in the loss's formula, not in fp16's range:
+neither precision nor a loss scale fixes it, and the first fix is a clamp of the op's input
+(``clamp_loss_input``). Finite in fp32 means fp16's range is what the derivative passed.
 
 Example::
 
@@ -142,7 +142,7 @@ def evidence(s: Singular) -> Evidence:
     if s.fp32_singular:
         text = (f"{where} is exactly {_point(s)} at {s.at_point} of {s.numel} values, where "
                 f"{derivative} is infinite: non-finite at {s.fp32_nonfinite} of them in fp32 "
-                "too. The singular point is in the loss's formula; fp16 only reaches it sooner")
+                "too. The singular point is in the loss's formula, not in fp16's range")
     else:
         near = f"comes within {fmt(s.nearest)} of {_point(s)}" if s.nearest is not None \
             else f"stays away from {_point(s)}"

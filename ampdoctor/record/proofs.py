@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -182,30 +183,41 @@ def prove(forensics: Any, captures: list, f: Culprit, micro: int, scale: Optiona
           step: int) -> dict[str, dict]:
     """Run the trials of ``plans`` through ``forensics.trial`` (its guarantees: RNG forked,
     buffers restored, ``.grad`` untouched); each outcome as a dict, ``tried`` and ``step``
-    added. The loss's own fp32 re-run that the replay already made is reused."""
+    added. The loss's own fp32 re-run that the replay already made is reused. A trial whose
+    forward and loss are finite but whose gradients overflow at the recorded loss scale is
+    run again at scale 1 (``at_scale``): GradScaler lowers its scale by itself, and a fix is
+    not refuted by a scale too high for the fixed step."""
     out: dict[str, dict] = {}
     for fix_id, plan in plans(captures, f, micro, forensics.watched.names).items():
         if isinstance(plan, str):
             out[fix_id] = {"tried": False, "note": plan}
             continue
-        if fix_id == "loss_in_fp32" and isinstance(f.detail.get("loss_fp32"), dict):
-            done = dict(f.detail["loss_fp32"])  # reproduce's re-run of this micro-batch
-        else:
-            began = time.perf_counter()
-            try:
-                done = forensics.trial(captures, plan, scale).as_dict()
-            except Exception as exc:  # noqa: BLE001 - a trial must never stop the training run
-                if forensics.strict:
-                    raise
-                out[fix_id] = {"tried": False, "note": f"the trial failed: "
-                               f"{type(exc).__name__}: {exc}"[:300]}
-                continue
-            done["seconds"] = round(time.perf_counter() - began, 4)
-        done.update(tried=True, step=step)
+        began = time.perf_counter()
+        try:
+            reused = f.detail.get("loss_fp32") if fix_id == "loss_in_fp32" else None
+            done = dict(reused) if isinstance(reused, dict) else \
+                forensics.trial(captures, plan, scale).as_dict()
+            if _scale_bound(done, plan, scale):
+                low = forensics.trial(captures, replace(plan, scale=1.0), scale).as_dict()
+                if low["finite"]:
+                    done = dict(low, at_scale=1.0, recorded_scale=scale)
+        except Exception as exc:  # noqa: BLE001 - a trial must never stop the training run
+            if forensics.strict:
+                raise
+            out[fix_id] = {"tried": False, "note": f"the trial failed: "
+                           f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        done.update(tried=True, step=step, seconds=round(time.perf_counter() - began, 4))
         if plan.fp32_modules:
             done["modules"] = list(plan.fp32_modules)
         out[fix_id] = done
     return out
+
+
+def _scale_bound(done: dict, plan: Trial, scale: Optional[float]) -> bool:
+    """Finite up to the gradients, which overflowed at a loss scale above 1."""
+    return not done.get("finite") and done.get("first") == "backward" and \
+        plan.scale is None and scale is not None and scale > 1.0
 
 
 def handwritten_backward(cap: Capture, f: Culprit) -> bool:

@@ -3,15 +3,17 @@ script with ``--fix`` (the textbook fix) is healthy.
 
 ``fixtures/verdicts/expected.json`` holds the expectations: verdict, module (an fnmatch
 pattern, or null when the verdict names none) and the first fix id, and optionally the first
-bad step's phase and range, the verdict's kind, the rank it names, and verdicts that must not
-be listed as "also". ``treated`` is the proof that the advice works: the number the diagnosis
-prescribes is fed back through ``ampdoctor record --apply`` (the fix's own ``apply``, or a
-value of its ``values``), and the treated run trains: healthy, a loss that fell, no layer
-flushing. A key names a run: ``script`` (default: the key) and ``args`` say what is run,
-``nproc`` under torchrun with that many ranks. Entries marked ``pending`` are
-expectations the engine does not meet yet (the issue that will make them pass): they are not
-recorded until the mark is removed (``AMPDOCTOR_TEST_PENDING=1`` runs them anyway). The scripts
-are recorded two at a time in subprocesses (``recording.py``), once per test session.
+bad step's phase and range, the verdict's kind, the rank it names, whether the first fix was
+proven on the saved failing step (``proven``: the replay tried it there and the step came out
+finite), and verdicts that must not be listed as "also". ``treated`` is the proof that the
+advice works: the number the diagnosis prescribes is fed back through ``ampdoctor record
+--apply`` (the fix's own ``apply``, or a value of its ``values``), and the treated run trains:
+healthy, a loss that fell, no layer flushing. A key names a run: ``script`` (default: the key)
+and ``args`` say what is run, ``nproc`` under torchrun with that many ranks. Entries marked
+``pending`` are expectations the engine does not meet yet (the issue that will make them pass):
+they are not recorded until the mark is removed (``AMPDOCTOR_TEST_PENDING=1`` runs them
+anyway). The scripts are recorded two at a time in subprocesses (``recording.py``), once per
+test session.
 """
 
 import fnmatch
@@ -107,6 +109,9 @@ def test_fixture_verdict(recorded, name):
         assert d.causes[0].get("kind") == e["kind"], str(d)
     if "rank" in e:
         assert d.first_bad.get("rank") == e["rank"], str(d)
+    if e.get("proven"):  # tried on the saved step, and said so in the evidence
+        assert d.fixes[0].tried and d.fixes[0].finite, str(d)
+        assert any(x.key == f"trial_{e['fix']}" for x in d.evidence), str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
     if d.healthy:  # issue 16: a healthy run gets no warning of failure

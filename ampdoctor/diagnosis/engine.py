@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import AmpDoctorError
 from ..numfmt import fmt
 from ..runfile.paths import resolve
-from . import forecast, job, ranks, rankview
+from . import forecast, job, proven, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .progress import flat_warning
@@ -274,6 +274,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             if fx.id not in seen:
                 seen.add(fx.id)
                 fixes.append(fx)
+    fixes = proven.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
     history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
         "step") is not None and f.n else {}
     return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),

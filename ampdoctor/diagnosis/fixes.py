@@ -92,6 +92,9 @@ class Context:
     siblings: list[str] = field(default_factory=list)
     clip_max_norm: Optional[float] = None  # the max_norm the script's clip_grad_norm_ passed
     replayed: Optional[int] = None  # the failing step a forensic replay re-ran, if any
+    # The loss's op whose derivative is infinite at a point, as the replay measured it, for
+    # clamp_loss_input: {"op", "exponent", "eps", "step", "dtype", "points", "source"}
+    singular: Optional[dict] = None
     # the run's measurer (diagnosis/dose.py): a dose by name ("lr", "init_scale", "eps",
     # "max_norm"); None: no run behind this context, the DEFAULTS serve
     measure: Optional[Callable[[str], Optional[Dose]]] = field(default=None, repr=False)
@@ -404,7 +407,9 @@ def _eps_apply(c: Context) -> Optional[str]:
 
 
 @fix("adam_eps", "an Adam eps that fp16 can hold, measured from the gradients, or fp32 master "
-     "weights", apply=_eps_apply, manual="no eps could be measured")
+     "weights", apply=_eps_apply, manual="no eps could be measured",
+     replay="the update that eps breaks runs on a step whose loss and gradients are finite, "
+     "which no event replays; the replayed step's weights are already non-finite")
 def adam_eps(c: Context) -> Advice:
     opt = c.optimizer
     lr = _literal(c.lr, "lr")
@@ -663,6 +668,50 @@ def loss_on_logits(c: Context) -> Advice:
     return ("Compute the loss from the logits, in fp32: an fp16 sigmoid "
             "rounds to exactly 1.0 (or 0.0), where BCE's, log's or sqrt's derivative is "
             "infinite. BCEWithLogitsLoss (or logsigmoid) never forms the probability.", snippet)
+
+
+# How the clamp reads for each op (``x``: the op's input in the user's loss).
+_CLAMPED = {"pow": "x.clamp(min={eps}) ** {e}", "sqrt": "torch.sqrt(x.clamp(min={eps}))",
+            "log": "torch.log(x.clamp(min={eps}))", "log2": "torch.log2(x.clamp(min={eps}))",
+            "log10": "torch.log10(x.clamp(min={eps}))",
+            "log1p": "torch.log1p(x.clamp(min=-1 + {eps}))",
+            "acos": "torch.acos(x.clamp(-1 + {eps}, 1 - {eps}))",
+            "asin": "torch.asin(x.clamp(-1 + {eps}, 1 - {eps}))"}
+
+
+@fix("clamp_loss_input", "clamp the input of the loss's op whose derivative is infinite there "
+     "(a power below 1, sqrt or log at 0), in any precision", manual="the loss's code must change")
+def clamp_loss_input(c: Context) -> Advice:
+    """The loss's derivative is infinite at values the step reached, in fp32 too: a clamp of
+    the op's input, at the distance the run's own values needed (``Context.singular``)."""
+    s = c.singular or {"op": "sqrt"}  # no measurement behind it: the commonest case
+    op = str(s.get("op"))
+    eps = s.get("eps")
+    at = f" at step {s['step']}" if s.get("step") is not None else ""
+    shown = _literal(eps, "eps")
+    form = _CLAMPED.get(op)
+    if form is None:  # a torch loss function: its input, the model's output
+        snippet = (f"p = p.clamp({shown}, 1 - {shown})  # the input of {op}, kept off the "
+                   "values where its derivative is infinite\n"
+                   f"loss = torch.nn.functional.{op}(p, y)")
+    else:
+        exponent = s.get("exponent")
+        expr = form.format(eps=shown, e=f"{exponent:g}" if exponent is not None else "e")
+        points = " or ".join(f"{p:g}" for p in s.get("points") or [0.0])
+        snippet = (f"# x: what your loss passes to {op} (1 - p_t, say), exactly {points}{at}, "
+                   f"where {op}'s derivative is infinite\n"
+                   f"y = {expr}  # no gradient where the clamp bites: nothing left to learn")
+    if isinstance(eps, (int, float)):
+        dose = Dose({"eps": float(eps)}, f"the nearest any value of {op}'s input came to its "
+                    f"singular point{at} with a finite derivative in "
+                    f"{s.get('dtype') or 'the run dtype'}")
+    else:
+        dose = Dose({}, "not measured (the singular point is inside the loss function): keep "
+                    "its input at least the dtype's resolution away from it")
+    checked = f" (checked{at})" if at else ""
+    return (f"Clamp the input of {op} in the loss: at values this run reached its derivative "
+            f"is infinite in fp32 as well as in fp16{checked}, so neither precision nor a loss "
+            "scale makes it finite there.", snippet, dose)
 
 
 @fix("safe_mask", "mask with torch.finfo(dtype).min or a bool mask, never -1e9 in fp16",

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..numfmt import fmt
 from ..runfile.schema import DType, Event, Kind
-from . import fixes
+from . import fixes, singular
 from .culprit import input_out_of_range, root_grad_output, snapshot_at
 from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from .verdict import PRIORITY, Evidence, Finding, first_bad
@@ -371,12 +371,25 @@ def rule_loss_backward(f: Facts) -> Optional[Finding]:
                        "sampled_loss_backward", None, seen["step"], seen["module"])]
     ev.append(_skipping_text(f, f.failure_index))
     first = f.failure_step
-    return Finding("fp16_loss", 0.85 if snaps else 0.7, "The loss's backward overflows: the "
-                   "model's outputs and the loss are finite, but the loss's derivative is "
-                   "infinite where fp16 rounded the model's output to a value the loss is "
-                   "singular at (a sigmoid saturated to 1.0 under BCELoss, a sqrt or log at 0). "
-                   "No loss scale fixes it: GradScaler skips step after step.", ev,
-                   fixes.make(["loss_on_logits", "loss_in_fp32"], f.fix_context(step=first)),
+    ctx = f.fix_context(step=first)
+    sing = singular.measured(f, first)
+    ids = ["loss_on_logits", "loss_in_fp32"]
+    summary = ("The loss's backward overflows: the model's outputs and the loss are finite, "
+               "but the loss's derivative is infinite where fp16 rounded the model's output to "
+               "a value the loss is singular at (a sigmoid saturated to 1.0 under BCELoss, a "
+               "sqrt or log at 0). No loss scale fixes it: GradScaler skips step after step.")
+    if sing is not None:
+        ev.insert(1, singular.evidence(sing))
+        ctx.singular = sing.context()
+        if sing.fp32_singular:  # the formula, not fp16: a clamp first, not precision
+            ids = ["clamp_loss_input"] + ids
+            summary = (f"The loss's backward is singular: the model's outputs and the loss "
+                       f"are finite, but {sing.name} in the loss reaches the point where its "
+                       "derivative is infinite, in fp32 too: the singular point is in the "
+                       "loss's formula, not in fp16's range. No loss scale and no precision "
+                       "fixes it (GradScaler skips step after step); a clamp of that op's "
+                       "input does.")
+    return Finding("fp16_loss", 0.85 if snaps else 0.7, summary, ev, fixes.make(ids, ctx),
                    first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"],
                    kind="loss_backward")
 

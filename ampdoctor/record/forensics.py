@@ -34,6 +34,14 @@ finite did not reproduce (the machine, not the numbers). ``trial`` and ``rerun``
 step under a ``trial.Trial`` (an fp32 island, another autocast dtype, the loss in
 fp32) and say whether it comes out finite.
 
+**The fixes, tried on the step.** Once a replay located the failure, the fixes one step can
+test are tried on it (``proofs.Prover``: a few re-runs, once per culprit, at most
+``proofs.MAX_PROVED`` per run) and their outcomes go into the snapshot (``detail["trials"]``).
+Where the loss's backward failed, whether it is singular in fp32 too is checked
+(``singular``): a torch loss function at once, a loss written by hand on the next event
+within ``singular.WATCH_STEPS`` steps, its singular op's input held from the loss's graph
+before that step's backward (an ``Event.LOSS_SINGULAR`` row says what it measured).
+
 **Rate limit.** Events close together (at most ``EPISODE_GAP`` steps apart) form an episode.
 In an episode the 1st, 2nd, 4th, 8th... events are replayed (and the next one whenever a
 replay found nothing), and a run replays at most ``max_replays`` times. After that the tier
@@ -69,22 +77,23 @@ reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``find
 
 (About 600 lines: capture, trigger policy and the replay search share one step's captures
 and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
-``kept``, ``losscall``, ``reproduce``, ``trial``.)
+``kept``, ``losscall``, ``reproduce``, ``trial``, ``proofs``, ``singular``.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import deque
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event, Phase
-from . import compiled, findings, losscall, replay, reproduce, sharding, snapshot, stats
+from . import compiled, findings, losscall, proofs, replay, reproduce, sharding, snapshot, stats
 from .accum import explain, overflow
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
@@ -138,6 +147,7 @@ class Forensics:
         self._hooks: list = []  # handles of this step's output-gradient hooks
         self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
         self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
+        self.prover = proofs.Prover(self)  # the fixes tried on a located failure's step
 
     @property
     def armed(self) -> bool:
@@ -204,6 +214,9 @@ class Forensics:
         cap.outputs = [weakref.ref(t) for t in tensors_in(output)]  # measured on the event only
         if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
+        if self.prover.watching(self.log.step):  # where a loss's graph ends (proofs.Prover)
+            cap.output_nodes = [t.grad_fn for t in tensors_in(output)
+                                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         grads = cap.grads
         for i, t in enumerate(tensors_in(output)):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
@@ -219,7 +232,10 @@ class Forensics:
         the gradient reaching it is then the scale, in the loss's dtype."""
         if self.replaying or not self.captures or loss.grad_fn is None:
             return
-        self.captures[-1].losses.append((loss.detach(), {"scaled": scaled}))
+        cap = self.captures[-1]
+        cap.losses.append((loss.detach(), {"scaled": scaled}))
+        if self.prover.watching(self.log.step):
+            self.prover.read(cap, loss)
 
     def capture_loss_call(self, name: str, fn: Any, args: tuple, kwargs: dict,
                           out: Any) -> None:
@@ -266,6 +282,7 @@ class Forensics:
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
         captures, dropped = (self.held or ([], 0)) if held else (self.captures, self.dropped)
+        self.prover.at_event(step, captures)
         if not captures:
             ev.note = ("not replayed: no call of the model with grad enabled was captured in "
                        "this step (in discovery mode the model is known after its first step)")
@@ -289,6 +306,7 @@ class Forensics:
         # or a backward that did not reproduce), never left over.
         earlier = any(e.step < step.index for e in self.events)
         trace, finding, micro = self._run(captures, scale, earlier=earlier)
+        self.prover.after_replay(step.index, captures, finding, micro, scale)
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
         result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
@@ -506,10 +524,17 @@ class Forensics:
             for cap in captures:
                 for _, holder in cap.losses:
                     holder["scale"] = scale if holder.get("scaled") else None
+        with self.guarded(captures):
+            return rerun_step(captures, t, self.watched.names)
+
+    @contextlib.contextmanager
+    def guarded(self, captures: list) -> Iterator[None]:
+        """A replay's guarantees around a re-run of ``captures``: RNG forked, buffers
+        restored, the recorder told it is replaying, compiled code run eagerly."""
         self.replaying = True
         try:
             with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
-                return rerun_step(captures, t, self.watched.names)
+                yield
         finally:
             self.replaying = False
 

@@ -67,6 +67,10 @@ class Capture:
     outputs: list = field(default_factory=list)
     loss_calls: list = field(default_factory=list)  # losscall.LossCall: torch losses after it
     open: bool = False  # the call is still running: a loss computed now is inside the model
+    # singular.Read: a hand-written loss's singular ops and their inputs, held on a watched
+    # step (after a loss-backward event) from before its backward to the step's end
+    singular: list = field(default_factory=list)
+    output_nodes: list = field(default_factory=list)  # the outputs' grad_fn, on such a step
 
 
 @dataclass

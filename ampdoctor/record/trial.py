@@ -12,8 +12,9 @@ micro-batch under it (``rerun_step`` every micro-batch of a step) and returns an
    (``loss_fp32``: inputs ``.float()``, autocast off);
 3. the backward, with ``torch.autograd.grad`` (``.grad`` is never written): from each
    recomputed loss with the gradient that reached it in the real step (the loss scale and any
-   weight or 1/accumulation factor included; ``scale`` replaces the loss scale), or, when no
-   loss could be recomputed, from the gradient that reached the root's outputs.
+   weight or 1/accumulation factor included; ``scale`` replaces the loss scale; where that
+   gradient is the scale overflowing a half loss, the scale itself), or, when no loss could
+   be recomputed, from the gradient that reached the root's outputs.
 
 ``Outcome.finite`` is True when the outputs, the recomputed loss and every parameter gradient
 are finite; ``first`` says where it first was not ("forward", "loss", "backward").
@@ -89,12 +90,7 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     the recorder's module -> name map (for ``fp32_modules``)."""
     root = unwrap(cap.root)
     out = Outcome(t.name)
-    set_rng(cap.rng)
-    with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
-            _islands(names, t.fp32_modules, cap.autocast[0]), \
-            autocast(_forward_state(cap.autocast, t)):
-        output = root(*cap.args, **cap.kwargs)
-    outs = list(tensors_in(output))
+    outs = forward(cap, t, names)
     out.output_finite = _finite(outs)
     losses = _losses(cap, outs, t, out)
     pairs = _backward_pairs(cap, outs, losses, t, out)
@@ -109,6 +105,17 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
         else "backward" if out.grads == "non-finite" else ""
     out.finite = out.first == ""
     return out
+
+
+def forward(cap: Capture, t: Trial, names: dict) -> list:
+    """The root's forward of one captured micro-batch under ``t``, from its RNG state: the
+    output tensors, in the graph (the caller owns the replay's guarantees, as for ``rerun``)."""
+    set_rng(cap.rng)
+    with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
+            _islands(names, t.fp32_modules, cap.autocast[0]), \
+            autocast(_forward_state(cap.autocast, t)):
+        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
+    return list(tensors_in(output))
 
 
 def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
@@ -146,7 +153,9 @@ def _forward_state(recorded: tuple, t: Trial) -> tuple:
         return recorded
     if t.autocast == "off":
         return device, False, dtype, cache
-    return device, True, t.autocast, cache
+    # No cast cache: an event decided inside the next step's autocast block (or after the
+    # replay's own forward) would otherwise hand this dtype the weights cast to the other.
+    return device, True, t.autocast, False
 
 
 @contextlib.contextmanager
@@ -273,7 +282,7 @@ def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outco
     the real step sent into each, else the root's outputs with the gradient that reached them."""
     recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
     factor = t.scale / recorded if t.scale is not None and recorded else 1.0
-    pairs = [(v, _grad_for(call.grads[0], v, factor)) for call, v in losses
+    pairs = [(v, _loss_grad(call, v, recorded, factor, out)) for call, v in losses
              if 0 in call.grads and v.requires_grad]
     if pairs:
         out.backward_from = "loss"
@@ -283,6 +292,23 @@ def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outco
     if pairs:
         out.backward_from = "output"
     return pairs
+
+
+def _loss_grad(call: Any, value: torch.Tensor, scale: Optional[float], factor: float,
+               out: Outcome) -> torch.Tensor:
+    """The gradient to send into a recomputed loss: the one that reached it in the real step,
+    unless that is non-finite under a loss scale (the scale overflowed the loss's half dtype):
+    then the scale itself, in the recomputed loss's dtype (inf again where that is half,
+    finite in fp32). A factor the code applied after the loss function (a division by the
+    batch or the micro-batches) cannot be read from an inf: it is taken as 1, and said."""
+    grad = call.grads[0]
+    if scale is None or bool(torch.isfinite(grad).all()):
+        return _grad_for(grad, value, factor)
+    note = (f"the gradient that reached {call.name} was the loss scale overflowing "
+            f"{str(grad.dtype).replace('torch.', '')}; the loss scale itself was sent in (a "
+            "factor applied after the loss function is not known, taken as 1)")
+    out.note = out.note or note
+    return torch.full_like(value, scale * factor)
 
 
 def _grad_for(grad: torch.Tensor, value: torch.Tensor, factor: float) -> torch.Tensor:

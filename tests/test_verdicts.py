@@ -9,11 +9,12 @@ finite), and verdicts that must not be listed as "also". ``treated`` is the proo
 advice works: the number the diagnosis prescribes is fed back through ``ampdoctor record
 --apply`` (the fix's own ``apply``, or a value of its ``values``), and the treated run trains:
 healthy, a loss that fell, no layer flushing. A key names a run: ``script`` (default: the key)
-and ``args`` say what is run, ``nproc`` under torchrun with that many ranks. Entries marked
-``pending`` are expectations the engine does not meet yet (the issue that will make them pass):
-they are not recorded until the mark is removed (``AMPDOCTOR_TEST_PENDING=1`` runs them
-anyway). The scripts are recorded two at a time in subprocesses (``recording.py``), once per
-test session.
+and ``args`` say what is run, ``nproc`` under torchrun with that many ranks, ``every`` the
+sampled interval (default 10), ``flat_probed`` that the first bad step was sampled because the
+loss had stopped falling. Entries marked ``pending`` are expectations the engine does not meet
+yet (the issue that will make them pass): they are not recorded until the mark is removed
+(``AMPDOCTOR_TEST_PENDING=1`` runs them anyway). The scripts are recorded two at a time in
+subprocesses (``recording.py``), once per test session.
 """
 
 import fnmatch
@@ -28,7 +29,7 @@ from conftest import PYTHON, ROOT, python_env
 from recording import command, start
 
 import ampdoctor
-from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.diagnosis.facts import Facts, flat_probes
 from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
 from ampdoctor.diagnosis.trends import computed_in_fp32
 from ampdoctor.diagnosis.verdict import canonical
@@ -63,7 +64,8 @@ def recorded(tmp_path_factory):
             path = str(out_dir / f"{name}{'.fixed' if fixed else ''}.h5")
             args = list(e.get("args") or []) + (["--fix"] if fixed else [])
             script = os.path.join(FIXTURES, f"{e.get('script', name)}.py")
-            running.append(((name, fixed), path, start(script, path, args, every=EVERY,
+            every = int(e.get("every") or EVERY)
+            running.append(((name, fixed), path, start(script, path, args, every=every,
                                                        nproc=int(e.get("nproc") or 0))))
         for item in list(running):
             key, path, proc = item
@@ -112,6 +114,8 @@ def test_fixture_verdict(recorded, name):
     if e.get("proven"):  # tried on the saved step, and said so in the evidence
         assert d.fixes[0].tried and d.fixes[0].finite, str(d)
         assert any(x.key == f"trial_{e['fix']}" for x in d.evidence), str(d)
+    if e.get("flat_probed"):  # seen first on a step sampled because the loss was flat
+        assert d.first_bad["step"] in flat_probes(ampdoctor.load(path)), str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
     if d.healthy:  # issue 16: a healthy run gets no warning of failure

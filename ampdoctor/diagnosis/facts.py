@@ -300,6 +300,11 @@ class Facts:
         """The sampled steps' op probe findings (``hidden_nonfinite``)."""
         return self.memo("hidden", lambda: hidden_nonfinite(self.run))
 
+    @property
+    def flat_probes(self) -> dict[int, dict]:
+        """Steps sampled because the loss had not fallen (``flat_probes``)."""
+        return self.memo("flat_probes", lambda: flat_probes(self.run))
+
     def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
         """Largest finite magnitude in a snapshot's saved float batch, and whether it held
         NaN/inf. Only the batch ("args.*", "kwargs.*"): not the culprit's own inputs, the
@@ -492,6 +497,29 @@ def hidden_nonfinite(run: Any) -> list[dict]:
                     "inner": detail.get("inner") or names.get(tid),
                     "index": int(detail.get("index", 0)), "ops": int(detail.get("ops", 1))})
     return sorted(out, key=lambda h: (h["step"], h["index"]))
+
+
+def flat_probes(run: Any) -> dict[int, dict]:
+    """The steps the recorder sampled (op probe included) because the loss had not fallen for
+    a while (``Event.FLAT_LOSS_PROBE``, ``record/flatloss.py``), by step: {"start", "recent"
+    (the loss's median at the start and over the last ten steps), "flat_steps", "probe"}.
+
+    Example::
+
+        flat_probes(ampdoctor.load("run.h5"))   # {29: {'start': 1.43, 'recent': 2.08, ...}}
+    """
+    ev = run.events
+    out = {}
+    for row in ev[ev["kind"] == int(Event.FLAT_LOSS_PROBE)]:
+        try:
+            detail = json.loads(str(row["text"])) if row["text"] else {}
+        except ValueError:
+            detail = {}
+        out[int(row["step"])] = {"start": float(detail.get("start", math.nan)),
+                                 "recent": float(detail.get("recent", math.nan)),
+                                 "flat_steps": int(detail.get("flat_steps", 0)),
+                                 "probe": int(detail.get("probe", 0))}
+    return out
 
 
 def _phase_name(code: int) -> str:

@@ -234,10 +234,17 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
     return Finding("unstable_op", 0.85 if flat and len({h["step"] for h in hits}) >= 2 else 0.7,
                    f"An op inside {module} overflows {low} although the module's output stays "
                    f"finite: {first['op']} makes {_kinds(first['created'])} from finite inputs"
-                   f"{what}{zeros}. No NaN and no skipped step: the overflow is hidden inside "
+                   f"{what}{zeros}. No NaN{_beyond(f)}: the overflow is hidden inside "
                    f"the module{stalls}. Computing it in fp32 fixes it.", ev,
                    fixes.make(ids, ctx), first_bad(first["step"], module, "forward"),
                    priority=PRIORITY["sampled"], kind="hidden_overflow")
+
+
+def _beyond(f: Facts) -> str:
+    """The skipped steps' clause of a hidden overflow's headline (the rule runs only where
+    ``failure_index`` is None: any skip is the loss scale's calibration)."""
+    n = int(f.skipped.sum())
+    return " and no skipped step" + (f" beyond the loss scale's calibration ({n})" if n else "")
 
 
 def hidden_overflows(f: Facts) -> list[dict]:
@@ -274,8 +281,8 @@ def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence
     ev = [Evidence(f"on sampled step {first['step']}, {first['op']}{inner} inside {module}{kind} "
                    f"made {_kinds(first['created'])} in {first['dtype']} from finite inputs, "
                    f"and {module}'s output stayed finite; seen on {len(steps)} of {sampled} "
-                   f"sampled steps ({steps[0]}..{steps[-1]})", "hidden_overflow",
-                   float(len(steps)), first["step"], module)]
+                   f"sampled steps ({steps[0]}..{steps[-1]}){_flat_probed(f, steps)}",
+                   "hidden_overflow", float(len(steps)), first["step"], module)]
     others = list(dict.fromkeys(h["module"] for h in hits if h["module"] != module))
     if others:
         ev.append(Evidence(f"the same in {len(others)} more module(s): "
@@ -286,6 +293,20 @@ def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence
                            "(mean over its sampled steps): what the overflow leaves behind",
                            "output_zeroed", zeroed, None, module))
     return ev
+
+
+def _flat_probed(f: Facts, steps: list[int]) -> str:
+    """What of ``steps`` the recorder probed only because the loss had stopped falling (the
+    interval alone would not have looked there): a clause for the evidence, or ""."""
+    probed = [s for s in steps if s in f.flat_probes]
+    if not probed:
+        return ""
+    p = f.flat_probes[probed[0]]
+    which = f"step {probed[0]} was" if len(probed) == 1 else \
+        f"steps {', '.join(str(s) for s in probed[:-1])} and {probed[-1]} were"
+    return (f"; {which} sampled because the loss had stopped falling (by step {probed[0]}, "
+            f"{p['flat_steps']} steps in a row with the median of the last ten at "
+            f"{fmt(p['recent'])}, against {fmt(p['start'])} at the start)")
 
 
 def _zeroed(f: Facts, hit: dict) -> float:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runfile.schema import Event, Kind, flag
-from . import losscall, patches, sharding, stats
+from . import flatloss, losscall, patches, sharding, stats
 from .forensics import Forensics
 from .journal import Journal
 from .opprobe import StepProbe
@@ -67,6 +67,10 @@ class Hooks:
         # the sampled step's op probe: overflows hidden inside a module (opprobe.StepProbe)
         self._probe = StepProbe() if sampler is not None and op_probe else None
         self._probing = False  # its hooks are in place this step
+        # ... and once more when the loss stops falling (flatloss.py): where the interval is
+        # longer than the watch's first mark, so that a flat stretch may hold no sampled step
+        if self._probe is not None and every > flatloss.FIRST:
+            log.flat = flatloss.FlatLoss()
         self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
         self._schedules = Schedules(journal)
 
@@ -412,13 +416,19 @@ class Hooks:
             self._maybe_sample()
 
     def _maybe_sample(self) -> None:
-        """Turn the sampled tier on for this step if it is due (before its first forward)."""
+        """Turn the sampled tier on for this step if it is due (before its first forward): at
+        the interval, or because the loss has not fallen for a while (``_flat_due``)."""
         st = self.log.step
         sampler = self._sampler
-        if sampler is None or st.sampled or self.every <= 0 or st.index % self.every or \
-                st.micro:
+        if sampler is None or st.sampled or self.every <= 0 or st.micro:
+            return
+        flat = self._flat_due()
+        if st.index % self.every and flat is None:
             return
         st.sampled = True
+        if flat is not None:  # (a step due at the interval anyway is probed for both reasons)
+            self.journal.event(Event.FLAT_LOSS_PROBE, st, value=flat["recent"] / flat["start"],
+                               text=json.dumps(flat))
         sampler.active = True
         eager = self.watched.eager
         if eager is None:
@@ -431,6 +441,18 @@ class Hooks:
         for m in eager:  # a compiled model: only modules that run outside its regions
             self._sample_hooks.add(m.register_forward_hook(
                 lambda m, a, o: patches.guard(self, "sample_post", m, a, o)))
+
+    def _flat_due(self) -> Optional[dict]:
+        """The flat-loss watch's probe, if one is armed and the op probe can run this step
+        (not on a compiled model's regions nor on a DTensor's shards: there it is dropped)."""
+        watch = self.log.flat
+        if watch is None or watch.due is None:
+            return None
+        due = watch.take()
+        if self._probe is None or self.watched.eager is not None or \
+                self.watched.sharding is not None:
+            return None
+        return due
 
     def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._replaying() or self._sampler is None:

@@ -15,7 +15,8 @@ The syncs of a steady step, all of them (tests/test_host_reads.py counts them):
   ``update`` (``check_applied_loss``): a non-finite loss that skips nothing is still caught
   with the weights in place. The same one read of host memory, not a second.
 - Every flush (about once a second): one read per device of all pending steps' values
-  (``steplog.StepLog.drain``).
+  (``steplog.StepLog.drain``). Where the flat-loss watch runs (``flatloss.py``), up to five
+  more flushes in a run's first 330 steps.
 
 On the event itself (a failing step, rare) more is read: the replay, and one read of the
 module buffers' finiteness (``_audit_buffers``). With ``forensics=False``, or once

@@ -6,7 +6,8 @@ and its device values (``steps.VALUES``) stacked in one tensor that stays on the
 drain (``drain``) reads every pending step's values in one host read per device
 (``steps.fetch``: the documented sync of a flush), derives found_inf, skipped and the flags
 from them, and writes the rows; it runs about once a second (``flush_seconds``), before a
-forensic replay and at close.
+forensic replay, at close, and at the five steps at most that the flat-loss watch asks for
+(``flatloss.FlatLoss``, which then takes the losses just read).
 
 Example (what the recorder's hooks do at a step boundary)::
 
@@ -30,6 +31,7 @@ from ..runfile import schema
 from ..runfile.schema import Event, flag
 from . import readback
 from .environment import peak_memory
+from .flatloss import FlatLoss
 from .journal import Journal
 from .steps import Constants, Step, columns, device_values, fetch
 from .treatment import lr_factor as treatment_lr_factor
@@ -74,6 +76,9 @@ class StepLog:
         self._groups: list[tuple] = []
         self._clock = readback.StepClock(None)
         self._last_flush = 0.0
+        # the loss as a drain reads it, watched for a loss that stopped falling (the hooks set
+        # it where the flat-loss probe runs: flatloss.FlatLoss)
+        self.flat: Optional[FlatLoss] = None
 
     def open(self, device: Optional[torch.device]) -> None:
         """Recording begins: the clock starts, on the model's device if it is known."""
@@ -104,8 +109,10 @@ class StepLog:
         self.steps = st.index + 1
 
     def due(self, now: float) -> bool:
-        """Time to drain (``now``: ``time.perf_counter()`` at the step's end)?"""
-        return self.flush_now or now - self._last_flush >= self.flush_seconds
+        """Time to drain (``now``: ``time.perf_counter()`` at the step's end)? Also at the
+        few steps the flat-loss watch asks for (``FlatLoss.wants_drain``)."""
+        return self.flush_now or now - self._last_flush >= self.flush_seconds or (
+            self.flat is not None and self.flat.wants_drain(self.steps))
 
     def _write_groups(self, step: int) -> list[float]:
         lrs = []
@@ -127,15 +134,33 @@ class StepLog:
         """Fetch the pending steps' device values (the documented sync: one read per device)
         and flush the file. Step times (CUDA events) and the peak memory are read here too."""
         w = self.journal.file
+        rows = None
         if self.pending:
             # Taken first: an interrupt below can lose these steps but never write them twice.
             pending, self.pending = self.pending, []
-            w.append("steps", self._rows(pending))
+            rows = self._rows(pending)
+            w.append("steps", rows)
         if self._groups:
             groups, self._groups = self._groups, []
             w.append("groups", np.array(groups, schema.GROUPS))
         w.flush()
         self._last_flush = time.perf_counter()
+        if rows is not None and self.flat is not None:
+            self._see_losses(rows["loss"])
+
+    def _see_losses(self, losses: np.ndarray) -> None:
+        """The flat-loss watch takes the losses just read (host values: no read of its own).
+        A failure of its own turns it off, after the rows are safe in the file."""
+        flat = self.flat
+        try:
+            if flat is not None:
+                flat.see(losses)
+        except Exception as exc:  # noqa: BLE001 - the watch steps aside, the recording goes on
+            self.flat = None
+            if self.journal.strict:
+                raise
+            self.journal.warn_once("flat_loss", f"the flat-loss watch stopped ({type(exc).__name__}"
+                                   f": {exc}); sampled steps come at the interval only")
 
     def _rows(self, pending: list[StepRow]) -> np.ndarray:
         rows = schema.empty("steps", len(pending))

@@ -154,6 +154,12 @@ class Event(enum.IntEnum):
     # {"ops": [{"op", "node", "exponent", "points", "dtype", "numel", "at_point", "nearest",
     # "run", "fp32", "eps", "clamped"}, ...]}, the most singular first. Additive, as 17.
     LOSS_SINGULAR = 19
+    # The step was sampled, op probe included, because the loss had not fallen for a while
+    # (record/flatloss.py), not because the interval was due: value, the recent loss over the
+    # run's start; text, JSON {"start" (median of the first losses), "recent" (median of the
+    # last ten), "flat_steps" (in a row, when armed), "probe" (which of the run's, from 1)}.
+    # Additive, as 17.
+    FLAT_LOSS_PROBE = 20
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

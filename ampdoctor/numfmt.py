@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["LARGE", "SMALL", "fmt"]
+__all__ = ["LARGE", "SMALL", "count", "fmt"]
 
 SMALL = 1e-3
 LARGE = 1e5
@@ -50,3 +50,10 @@ def fmt(x: Any, digits: int = 4) -> str:
     if "." in mantissa:
         mantissa = mantissa.rstrip("0").rstrip(".")
     return f"{mantissa}e{exponent}"
+
+
+def count(n: int, noun: str, plural: str = "") -> str:
+    """A count with its noun in the right number: ``count(1, "step")`` is "1 step",
+    ``count(3, "step")`` "3 steps", ``count(2, "replay", "replays")`` the same spelled out."""
+    n = int(n)
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

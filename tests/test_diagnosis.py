@@ -678,6 +678,69 @@ def test_masked_underflow_says_how_much_less_an_adam_layer_moves():
     assert slow.value == pytest.approx(1e3, rel=0.01) and "from sampled step 10 to 50" in slow.text
 
 
+def _aux_flushed(s: Synth, arriving=0.0, grad_output_dtype=DType.FLOAT16, steps=range(0, 60, 20)):
+    """The new user's aux_underflow.py: a trunk and a classifier that train, and an auxiliary
+    branch whose gradient is exactly 0 on every sampled step, as is the gradient arriving at
+    its output (fp16 under autocast, scale 65536)."""
+    for name in ("trunk.0", "cls", "aux.0"):
+        s.tensor(Kind.OUTPUT, name)
+        s.tensor(Kind.GRAD_OUTPUT, name)
+        s.tensor_dtypes[(int(Kind.OUTPUT), name)] = DType.FLOAT16  # computed under autocast
+        s.tensor_dtypes[(int(Kind.GRAD_OUTPUT), name)] = grad_output_dtype
+    s.sampled(steps, Kind.GRAD_OUTPUT, "aux.0", zeros=4096 if not arriving else 0,
+              absmax=arriving, rms=arriving)
+    for name in ("trunk.0", "cls"):
+        s.sampled(steps, Kind.GRAD_OUTPUT, name, absmax=50.0, rms=5.0)
+    for name in ("trunk.0.weight", "cls.weight"):
+        s.sampled(steps, Kind.PARAM_GRAD, name, absmax=300.0, rms=50.0)
+        s.sampled(steps, Kind.PARAM, name, norm=3.0, update=1e-3, unchanged=0.0)
+    for name in ("aux.0.weight", "aux.0.bias"):
+        s.sampled(steps, Kind.PARAM_GRAD, name, zeros=4096, absmax=0.0, rms=0.0)
+        s.sampled(steps, Kind.PARAM, name, norm=3.311, update=0.0, unchanged=0.0)
+    return s
+
+
+def test_a_layer_whose_gradient_flushes_whole_at_a_high_scale_is_masked_underflow():
+    """Issue 23's seed asked per layer (the new user's aux_underflow.py, called healthy): the
+    aux branch's gradient is exactly 0 on every sampled step although a gradient arrives at it
+    (its output's gradient is recorded in fp16, all zeros), the scale is 65536 throughout, and
+    its weights do not move."""
+    d = verdict(_aux_flushed(Synth(60)))
+    assert d.verdict == "masked_underflow" and d.causes[0]["kind"] == "flushed", str(d)
+    assert d.first_bad == {"step": 0, "module": "aux.0", "phase": "backward"}
+    assert fix_ids(d) == ["use_bf16", "rebalance_losses"]
+    flushed = next(e for e in d.evidence if e.key == "flushed_layers")
+    assert "aux.0.weight, aux.0.bias" in flushed.text and "exactly 0 on every one of the 3" \
+        in flushed.text
+    assert "or a loss term weighted by exactly 0" in flushed.text  # it cannot be told apart
+    stopped = next(e for e in d.evidence if e.key == "weights_stopped")
+    assert "aux.0.weight does not move: its norm is 3.311 at sampled step 0 and still at " \
+        "step 40" in stopped.text
+    assert "too small to measure" in d.fixes[1].snippet and "~1e6x" not in d.fixes[1].snippet
+
+
+@pytest.mark.parametrize("case", ["gradient_arrives", "fp32", "one_sample", "dead_layer",
+                                  "no_grad_output"])
+def test_structural_zero_gradients_are_not_a_flushed_layer(case):
+    """A gradient arriving non-zero (units dead beside it), an fp32 gradient, a single sampled
+    step (a zero-initialised layer after it), a dead layer downstream, and a frozen layer with
+    no gradient arriving at all stay healthy."""
+    s = Synth(60)
+    if case == "gradient_arrives":
+        _aux_flushed(s, arriving=0.5)
+    elif case == "fp32":
+        _aux_flushed(s, grad_output_dtype=DType.FLOAT32)
+    elif case == "one_sample":
+        _aux_flushed(s, steps=[0])
+    elif case == "dead_layer":
+        _aux_flushed(s)
+        s.sampled(range(0, 60, 20), Kind.OUTPUT, "aux.1", zeros=4096, absmax=0.0)
+    else:
+        _aux_flushed(s)
+        s.stats = [r for r in s.stats if r["tensor"][0] != s.tensor(Kind.GRAD_OUTPUT, "aux.0")]
+    assert verdict(s).verdict == "healthy"
+
+
 def test_bf16_weights_whose_updates_round_away():
     s = Synth(40, dtype=None, scaler=False, params="bfloat16")
     for name in ("encoder.0.weight", "encoder.3.weight", "tagger.weight"):
@@ -1011,7 +1074,7 @@ def test_a_hidden_overflow_in_a_run_that_learns_is_a_note():
                 op="pow")
     d = verdict(s)
     assert d.verdict == "healthy", str(d)
-    assert any("Inside mlp.act, pow made +inf in float16 on 6 sampled step(s)" in n
+    assert any("Inside mlp.act, pow made +inf in float16 on 6 sampled steps" in n
                for n in d.notes)
 
 

@@ -284,7 +284,11 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
 
 
 def _explained_by(top: Finding, x: Finding) -> bool:
-    """Is ``x`` only a symptom of ``top``: every step it points at is one ``top`` explains?"""
+    """Is ``x`` only a symptom of ``top``: located at a module whose output ``top`` accounts
+    for, or every step it points at is one ``top`` explains?"""
+    module = (x.first_bad or {}).get("module")
+    if module is not None and module in top.explains_modules:
+        return True
     steps = [e.step for e in x.evidence if e.step is not None]
     if x.first_bad and x.first_bad.get("step") is not None:
         steps.append(x.first_bad["step"])

@@ -414,6 +414,10 @@ class Facts:
                        low=self.low_precision,
                        scaler=self.has_scaler if self.n else bool(self.scaler),
                        siblings=self.siblings(module) if module else [],
+                       kin=self.modules_of_class(module_type) if module_type else [],
+                       params=self.own_params(module) if module else [],
+                       argv=[str(a) for a in self.run.attrs.get("argv") or []],
+                       world_size=int(self.run.attrs.get("world_size") or 1),
                        clip_max_norm=float(clip) if isinstance(clip, (int, float)) and
                        not isinstance(clip, bool) else None,
                        replayed=self.failure_replayed, measure=self.doses)
@@ -443,6 +447,23 @@ class Facts:
                  and n[len(head):len(n) - len(tail)].isdigit()}
         found.add(module)
         return sorted(found, key=lambda n: int(n[len(head):len(n) - len(tail)]))
+
+    def modules_of_class(self, module_type: str) -> list[str]:
+        """Every recorded module of class ``module_type`` (its OUTPUT rows), in the order the
+        first forward met them: ``modules_of_class("RMSNorm")`` -> ``["blocks.0.norm", ...,
+        "norm"]``. The root module is left out (an island around it is no island)."""
+        roots = self.root_names
+        return list(dict.fromkeys(
+            n for n, k, t in zip(self.tensor_names, self.tensor_kinds, self.tensor_types)
+            if k == Kind.OUTPUT and t == module_type and n and n not in roots))
+
+    def own_params(self, module: str) -> list[str]:
+        """The attribute names of ``module``'s own parameters, as recorded: ``["g"]`` for a
+        norm whose gain is ``norm.g`` (those of its submodules left out)."""
+        head = module + "."
+        return list(dict.fromkeys(
+            n[len(head):] for n, k in zip(self.tensor_names, self.tensor_kinds)
+            if k == Kind.PARAM and n.startswith(head) and "." not in n[len(head):]))
 
     def window(self, step: int, before: int = 5, after: int = 2) -> dict:
         """Scale, LR, loss and grad norm around ``step`` (for the report)."""

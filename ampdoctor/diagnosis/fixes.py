@@ -88,8 +88,16 @@ class Context:
     # What a check measured about the data, for check_data: {"kind": "nonfinite" | "range" |
     # "targets", "step": S, ...} (None: no check found a bad batch, and the fix says so).
     data: Optional[dict] = None
-    # the culprit and the same module in every block of its ModuleList, as recorded
+    # the culprit and the same module in every block of its ModuleList, as recorded (a rule
+    # that saw the failure in more modules than one adds theirs: what an island must cover)
     siblings: list[str] = field(default_factory=list)
+    # every recorded module of the culprit's class, in the order the forward met them
+    kin: list[str] = field(default_factory=list)
+    # the culprit's own parameters, by attribute name as recorded ("g" for norm.g)
+    params: list[str] = field(default_factory=list)
+    # the training command as the run recorded it (sys.argv of the script), and its ranks
+    argv: list[str] = field(default_factory=list)
+    world_size: int = 1
     clip_max_norm: Optional[float] = None  # the max_norm the script's clip_grad_norm_ passed
     replayed: Optional[int] = None  # the failing step a forensic replay re-ran, if any
     # The loss's op whose derivative is infinite at a point, as the replay measured it, for
@@ -249,18 +257,50 @@ def module_expr(path: str, root: str = "model") -> str:
     return out
 
 
-def _wrap_lines(path: str, wrapper: str) -> str:
-    """Assignments wrapping ``path`` (and its siblings in the same ModuleList) in ``wrapper``."""
+def _listed(path: str) -> Optional[tuple[str, str]]:
+    """(the ModuleList, the path inside a block) for 'blocks.3.attn' -> ('blocks', 'attn');
+    None for a module in no ModuleList."""
     parts = path.split(".")
     idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
     if idx is not None and 0 < idx < len(parts) - 1:
-        container = module_expr(".".join(parts[:idx]))
-        rest = ".".join(parts[idx + 1:])
+        return ".".join(parts[:idx]), ".".join(parts[idx + 1:])
+    return None
+
+
+def _wrap_lines(path: str, wrapper: str) -> str:
+    """Assignments wrapping ``path`` (and its siblings in the same ModuleList) in ``wrapper``."""
+    listed = _listed(path)
+    if listed is not None:
+        container, rest = module_expr(listed[0]), listed[1]
         inner = module_expr(rest, "block")
         return (f"for block in {container}:  # {path} and the same module in every block\n"
                 f"    {inner} = {wrapper}({inner})")
     target = module_expr(path)
     return f"{target} = {wrapper}({target})"
+
+
+def _wrap_all(paths: list[str], wrapper: str) -> str:
+    """``_wrap_lines`` for each of ``paths``, one loop per ModuleList they share."""
+    lines, seen = [], set()
+    for path in paths:
+        key = _listed(path) or path
+        if key not in seen:
+            seen.add(key)
+            lines.append(_wrap_lines(path, wrapper))
+    return "\n".join(lines)
+
+
+def _island_targets(c: Context) -> list[str]:
+    """What an fp32 island covers: the culprit, its siblings and the modules the rule saw the
+    same failure in (``Context.siblings``)."""
+    head = [] if not c.module or c.module in c.siblings else [c.module]
+    return list(dict.fromkeys(head + c.siblings))
+
+
+def _beyond(c: Context, targets: list[str]) -> list[str]:
+    """Those of ``targets`` that the culprit's own loop (its ModuleList) does not cover."""
+    own = _listed(c.module or "")
+    return [t for t in targets if t != c.module and (own is None or _listed(t) != own)]
 
 
 def _op_island(c: Context) -> Advice:
@@ -281,7 +321,15 @@ def _island_apply(c: Context) -> Optional[str]:
     snippet wraps); None for the model itself (the island goes around an op in its code)."""
     if c.root or not c.module:
         return None
-    return "fp32_island=" + ",".join(c.siblings or [c.module])
+    return "fp32_island=" + ",".join(_island_targets(c))
+
+
+def _class_apply(c: Context) -> Optional[str]:
+    """``fp32_island=`` over every module of the norm's class (what norm_in_fp32 changes: the
+    class's forward), else over what the island would cover."""
+    if c.root or not c.module:
+        return None
+    return "fp32_island=" + ",".join(dict.fromkeys(_island_targets(c) + c.kin))
 
 
 @fix("fp32_island", "run the named module with autocast off, on fp32 inputs",
@@ -293,6 +341,12 @@ def fp32_island(c: Context) -> Advice:
     path = c.module or "the_module"
     what = f"{path} ({c.module_type})" if c.module_type else path
     inside = f" (its first op to overflow is {c.op})" if c.op else ""
+    targets = _island_targets(c) or [path]
+    more = _beyond(c, targets)
+    if more:
+        inside += (f", and {', '.join(more[:4])}" + (f" and {len(more) - 4} more" if len(more)
+                                                     > 4 else "")
+                   + " too (the same overflow was seen there, or in their ModuleList)")
     snippet = (
         "import torch\n\n"
         "class FP32Island(torch.nn.Module):\n"
@@ -304,26 +358,43 @@ def fp32_island(c: Context) -> Advice:
         "        up = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
         f'        with torch.autocast("{c.device}", enabled=False):\n'
         "            return self.inner(*map(up, args), **{k: up(v) for k, v in kwargs.items()})\n\n"
-        + _wrap_lines(path, "FP32Island"))
+        + _wrap_all(targets, "FP32Island"))
     return (f"Run {what} in fp32{inside}: autocast off inside it and its "
             "inputs cast to float32, so the values it produces have fp32's range. Wrap the "
             "module that produces the large values, not the one after it.", snippet)
 
 
 @fix("norm_in_fp32", "compute a hand-written norm's statistics in fp32, the result cast back",
-     apply=_island_apply, manual="the norm is the model itself: its forward must change")
+     apply=_class_apply, manual="the norm is the model itself: its forward must change")
 def norm_in_fp32(c: Context) -> Advice:
     cls = c.module_type or "the norm"
-    where = f" ({c.module} and every module of its class)" if c.module else ""
+    others = [m for m in c.kin if m != c.module]
+    where = (f" ({c.module} and the {len(others)} other {cls} module"
+             f"{'s' if len(others) != 1 else ''}: the class's forward serves them all)"
+             if c.module and others else f" ({c.module})" if c.module else "")
     snippet = (f"# in {cls}.forward: square, mean and rsqrt in fp32; the result back in x's dtype\n"
                "def forward(self, x):\n"
                "    xf = x.float()\n"
-               "    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)\n"
-               "    return (y * self.weight.float()).to(x.dtype)\n"
+               + _norm_lines(c) +
                "# or torch.nn.RMSNorm / torch.nn.LayerNorm, which autocast runs in fp32")
     return (f"Compute {cls}'s statistics in fp32{where}: in fp16, x * x passes 65504 once a "
             "value passes 256, its mean is inf and x / sqrt(inf) is 0. Cast x to float32 "
             "first and the result back: the output is as cheap to pass on as before.", snippet)
+
+
+def _norm_lines(c: Context) -> str:
+    """The norm's last lines, with the gain the run recorded (its one parameter, by name);
+    what the run does not record (the eps, a gain among several) is said in a comment."""
+    eps = "    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)  # your class's eps\n"
+    if len(c.params) == 1:
+        gain = c.params[0]
+        return eps + (f"    return (y * self.{gain}.float()).to(x.dtype)  # self.{gain}: "
+                      f"{c.module}'s one parameter, as recorded\n")
+    if not c.params and c.module:
+        return eps + f"    return y.to(x.dtype)  # {c.module} recorded no parameter: no gain\n"
+    known = (f"of {', '.join(c.params[:3])}" if c.params else "its name is not recorded")
+    return eps + ("    return (y * self.weight.float()).to(x.dtype)  # self.weight: your "
+                  f"class's gain ({known})\n")
 
 
 @fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention",
@@ -755,13 +826,15 @@ def guard_buffers(c: Context) -> Advice:
      manual="the loss's weights are in the code")
 def rebalance_losses(c: Context) -> Advice:
     mod = c.module or "the small head"
-    ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e6"
+    ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e3"
     head = module_expr(mod) if c.module else "small_head"
-    snippet = (f"# the gradients reaching {mod} are ~{ratio}x smaller than the rest's: one loss\n"
+    size = (f"are ~{ratio}x smaller than the rest's" if c.ratio else
+            f"flush to 0, too small to measure (x{ratio}: a first step, not a measured one)")
+    snippet = (f"# the gradients reaching {mod} {size}: one loss\n"
                "# scale cannot serve both. Weight that loss term up to the others' size (and,\n"
                "# with SGD, lower that head's learning rate by the same factor):\n"
                f"loss = main_loss + aux_weight * {ratio} * aux_loss\n"
-               "optimizer = torch.optim.AdamW([\n"
+               f"optimizer = torch.optim.{c.optimizer}([\n"
                f"    {{\"params\": [p for n, p in model.named_parameters() if not "
                f"n.startswith(\"{mod}.\")]}},\n"
                f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from . import culprit, fixes, schedule
 from .facts import Facts
 from .learning import loss_evidence
@@ -216,35 +216,39 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
     ev = _hidden_evidence(f, hits, zeroed)
     if c.judged:
         ev.append(loss_evidence(f, c))
-    ev.append(Evidence(f"no inf/NaN in any loss or gradient and {int(f.skipped.sum())} steps "
-                       "skipped" + (f", the loss scale at {fmt(f.story.final_scale)} at the end"
-                                    if f.has_scaler else "")
-                       + ": nothing downstream of the module sees the overflow", "hidden",
-                       None))
+    skipped = int(f.skipped.sum())
+    ev.append(Evidence("no inf/NaN in any loss" + (
+        " or gradient, no step skipped" if not skipped else
+        f"; {count(skipped, 'step')} skipped by GradScaler (inf/NaN in the scaled gradients "
+        "there, a finite loss)") + (f", the loss scale at {fmt(f.story.final_scale)} at the "
+                                    "end" if f.has_scaler else "")
+        + f": {module}'s output is finite, so what follows it never sees the overflow as one",
+        "hidden", None))
     norm = _is_norm(module, first["type"])
     ids = (["norm_in_fp32"] if norm else []) + ["fp32_island", "use_bf16"]
     ctx = f.fix_context(module, first["type"], first["step"])
     ctx.op = first["op"]
+    # The island covers every module the same overflow was seen in (and their siblings in
+    # each ModuleList): the one named first alone leaves the others to overflow.
+    seen = list(dict.fromkeys(h["module"] for h in hits))
+    ctx.siblings = list(dict.fromkeys(m for name in seen for m in f.siblings(name)))
     low = "fp16" if first["dtype"] == "float16" else "bf16"
     limit = "65504" if low == "fp16" else "3.4e38"
     what = (f" (x * x passes {limit}; its mean is inf and x / sqrt(inf) is exactly 0)"
             if norm and first["op"] in ("mul", "pow", "square") else "")
     zeros = f", and {zeroed:.0%} of its output is exactly 0" if zeroed >= 0.01 else ""
     stalls = "; the loss does not fall" if flat else ""
+    quiet = ("No NaN reaches the loss and no step was skipped" if not skipped else
+             f"No NaN reaches the loss, and only {count(skipped, 'step')} "
+             f"{'was' if skipped == 1 else 'were'} skipped")
     return Finding("unstable_op", 0.85 if flat and len({h["step"] for h in hits}) >= 2 else 0.7,
                    f"An op inside {module} overflows {low} although the module's output stays "
                    f"finite: {first['op']} makes {_kinds(first['created'])} from finite inputs"
-                   f"{what}{zeros}. No NaN{_beyond(f)}: the overflow is hidden inside "
-                   f"the module{stalls}. Computing it in fp32 fixes it.", ev,
+                   f"{what}{zeros}. {quiet}: the overflow is hidden inside the "
+                   f"module{stalls}. Computing it in fp32 fixes it.", ev,
                    fixes.make(ids, ctx), first_bad(first["step"], module, "forward"),
-                   priority=PRIORITY["sampled"], kind="hidden_overflow")
-
-
-def _beyond(f: Facts) -> str:
-    """The skipped steps' clause of a hidden overflow's headline (the rule runs only where
-    ``failure_index`` is None: any skip is the loss scale's calibration)."""
-    n = int(f.skipped.sum())
-    return " and no skipped step" + (f" beyond the loss scale's calibration ({n})" if n else "")
+                   priority=PRIORITY["sampled"], kind="hidden_overflow",
+                   explains_modules=frozenset(seen))
 
 
 def hidden_overflows(f: Facts) -> list[dict]:
@@ -265,10 +269,12 @@ def hidden_note(f: Facts) -> list[str]:
         return []
     h = hits[0]
     steps = sorted({x["step"] for x in hits if x["module"] == h["module"]})
+    harm = ("the loss still fell, so it did no harm this run shows" if f.curve.fell else
+            f"whether it did harm was not judged ({f.curve.why or 'the run is short'})")
     return [f"Inside {h['module']}, {h['op']} made {_kinds(h['created'])} in {h['dtype']} on "
-            f"{len(steps)} sampled step(s) (first {steps[0]}) although {h['module']}'s output "
-            "stayed finite; the loss still fell, so it did no harm this run shows. Computing "
-            f"that op in fp32 (an fp32 island around {h['module']}) keeps it out."]
+            f"{count(len(steps), 'sampled step')} (first {steps[0]}) although {h['module']}'s "
+            f"output stayed finite; {harm}. Computing that op in fp32 (an fp32 island around "
+            f"{h['module']}) keeps it out."]
 
 
 def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence]:
@@ -281,11 +287,11 @@ def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence
     ev = [Evidence(f"on sampled step {first['step']}, {first['op']}{inner} inside {module}{kind} "
                    f"made {_kinds(first['created'])} in {first['dtype']} from finite inputs, "
                    f"and {module}'s output stayed finite; seen on {len(steps)} of {sampled} "
-                   f"sampled steps ({steps[0]}..{steps[-1]}){_flat_probed(f, steps)}",
+                   f"sampled steps ({_span(steps)}){_flat_probed(f, steps)}",
                    "hidden_overflow", float(len(steps)), first["step"], module)]
     others = list(dict.fromkeys(h["module"] for h in hits if h["module"] != module))
     if others:
-        ev.append(Evidence(f"the same in {len(others)} more module(s): "
+        ev.append(Evidence(f"the same in {count(len(others), 'more module')}: "
                            + ", ".join(others[:4]) + (" ..." if len(others) > 4 else ""),
                            "hidden_elsewhere", float(len(others))))
     if zeroed >= 0.01:
@@ -307,6 +313,10 @@ def _flat_probed(f: Facts, steps: list[int]) -> str:
     return (f"; {which} sampled because the loss had stopped falling (by step {probed[0]}, "
             f"{p['flat_steps']} steps in a row with the median of the last ten at "
             f"{fmt(p['recent'])}, against {fmt(p['start'])} at the start)")
+
+
+def _span(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"{steps[0]}..{steps[-1]}"
 
 
 def _zeroed(f: Facts, hit: dict) -> float:

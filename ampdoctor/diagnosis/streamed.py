@@ -53,7 +53,9 @@ class Reduced:
       tensor's last sample: every unit dead for the whole batch), out_alive_step (last sampled
       step with a non-zero value), out_seen_step (last sampled step), layer_out_zeros (mean
       share of its sampled elements that are exactly 0); for gradients,
-      grad_zero_last (share of exact zeros at the tensor's last sample); for parameters,
+      grad_zero_last (share of exact zeros at the tensor's last sample), and for them and the
+      gradients arriving at module outputs, grad_rows / zero_rows (clean sampled steps seen,
+      and those on which the whole tensor was exactly 0: ``always_zero``); for parameters,
       stuck_first (the first sampled step of the streak, up to the horizon, on which each
       step left >= UNCHANGED_HIGH of its sampled elements unchanged although their gradient
       was not 0; -1: none), moving_last (the last sampled step that moved it).
@@ -110,6 +112,8 @@ class Reduced:
         self.out_zero_sum = np.zeros(t)
         self.out_zero_cnt = np.zeros(t)
         self.grad_zero_last = np.full(t, np.nan)
+        self.grad_rows = np.zeros(t, np.int64)
+        self.zero_rows = np.zeros(t, np.int64)
         self.stuck_first = np.full(t, -1, np.int64)
         self.moving_last = np.full(t, -1, np.int64)
 
@@ -132,6 +136,12 @@ class Reduced:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.grad_numel > 0, self.grad_zero / np.maximum(self.grad_numel, 1),
                             np.nan)
+
+    @property
+    def always_zero(self) -> np.ndarray:
+        """Per tensor (a parameter's gradient, or the gradient arriving at a module's output):
+        exactly 0 in every element on every clean sampled step it was seen on."""
+        return (self.grad_rows > 0) & (self.zero_rows == self.grad_rows)
 
     @property
     def layer_under(self) -> np.ndarray:
@@ -217,6 +227,8 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
         _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step)
+        _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
+            kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)
         _reduce_flags(out, rows, pos, tid, kind, bad)
     out.first_nonfinite = _located(best, kinds, names)
     out.first_forward = _located(best_fwd, kinds, names)
@@ -324,6 +336,14 @@ def _reduce_grads(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarr
     if pr.any():
         np.add.at(out.grms_sum, t[pr], np.log10(rms[pr]))
         np.add.at(out.grms_cnt, t[pr], 1.0)
+
+
+def _reduce_zero_grads(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.ndarray
+                       ) -> None:
+    """Gradients that are exactly 0 everywhere (absmax is exact over the whole tensor)."""
+    if sel.any():
+        np.add.at(out.grad_rows, tid[sel], 1)
+        np.add.at(out.zero_rows, tid[sel], (rows["absmax"][sel] == 0).astype(np.int64))
 
 
 def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,

@@ -68,12 +68,12 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
     if not scale >= HEALTHY_SCALE:
         return None
     hot, measured = _underflowing(f)
-    if not len(hot):
-        return None
     under = f.reduced.layer_under
     healthy = measured[under[measured] < LAYER_HEALTHY]
     if not len(healthy):
         return None  # nothing trains normally: that is not a per-layer mismatch
+    if not len(hot):
+        return _flushed(f, scale, len(healthy), len(measured))
     names = f.tensor_names
     module = _common_module([names[t] for t in hot]) or module_of(names[hot[0]])
     ev = [Evidence(f"the loss scale is healthy ({fmt(scale)}, median after calibration) and "
@@ -99,6 +99,113 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
                    "sit in fp16's subnormal band, and that part of the model hardly learns.", ev,
                    fixes.make(["use_bf16", "rebalance_losses"], ctx),
                    first_bad(step, module, "backward"), priority=PRIORITY["masked_underflow"])
+
+
+# A layer's gradient flushed whole: exactly 0 on every one of at least this many sampled steps
+# (one sample could be a zero-initialised layer after it, on its first step).
+FLUSHED_SAMPLES = 2
+
+
+def flushed_layers(f: Facts) -> list[tuple[str, list[int], int]]:
+    """Layers whose gradient flushed whole (issue 23's seed, asked per layer): each parameter's
+    gradient exactly 0 on every sampled step (``FLUSHED_SAMPLES`` or more) although a gradient
+    arrives at the module (its output's gradient is recorded, in fp16) and is exactly 0 too.
+    (module, its parameter-gradient tensor ids, its output-gradient id), in recorded order.
+
+    Structural zeros are not this: a frozen layer has no gradient at all (nothing recorded), an
+    embedding's unused rows and dead ReLU units sit beside non-zero values, and a layer behind
+    a dead one (a module output exactly 0 everywhere) gets zeros from the forward pass."""
+    st, kinds, names = f.reduced, f.tensor_kinds, f.tensor_names
+    if not len(kinds) or np.any((kinds == Kind.OUTPUT) & st.out_zero_last):
+        return []
+    zero = st.always_zero & (st.grad_rows >= FLUSHED_SAMPLES)
+    arriving = {names[t]: int(t) for t in np.flatnonzero(
+        zero & (kinds == Kind.GRAD_OUTPUT) & (_recorded_dtypes(f) == DType.FLOAT16))}
+    found: dict[str, tuple[int, list[int]]] = {}
+    for t in np.flatnonzero(zero & (kinds == Kind.PARAM_GRAD)):
+        module = module_of(names[t])
+        if module in arriving:
+            found.setdefault(module, (arriving[module], []))[1].append(int(t))
+    return [(m, ts, g) for m, (g, ts) in found.items()]
+
+
+def _recorded_dtypes(f: Facts) -> np.ndarray:
+    """Each tensor id's dtype as /tensors recorded it (DType.UNKNOWN where it holds none)."""
+    def build() -> np.ndarray:
+        t = f.run.tensors
+        out = np.zeros(len(f.tensor_kinds), np.int64)
+        if len(t) and "dtype" in (t.dtype.names or ()):
+            out[t["id"]] = t["dtype"]
+        return out
+    return f.memo("recorded_dtypes", build)
+
+
+def _flushed(f: Facts, scale: float, healthy: int, measured: int) -> Optional[Finding]:
+    """masked_underflow of kind "flushed": layers whose gradient is exactly 0 throughout while
+    the scale is high and the rest of the model trains."""
+    layers = flushed_layers(f)
+    if not layers:
+        return None
+    names, st = f.tensor_names, f.reduced
+    params = [t for _, ts, _ in layers for t in ts]
+    module = _common_module([names[t] for t in params]) or layers[0][0]
+    sampled = [f.step_at(int(i)) for i in np.flatnonzero(st.sampled)]
+    shown = ", ".join(names[t] for t in params[:4]) + (
+        f" and {len(params) - 4} more" if len(params) > 4 else "")
+    outputs = ", ".join(m for m, _, _ in layers[:3])
+    ev = [Evidence(f"the loss scale is healthy ({fmt(scale)}, median after calibration) and "
+                   f"{healthy} of {measured} measured gradients are in range", "median_scale",
+                   scale),
+          Evidence(f"{shown}: the gradient is exactly 0 on every one of the "
+                   f"{int(st.grad_rows[params[0]])} sampled steps ({_steps_text(sampled)}), and "
+                   f"so is the gradient arriving at the output of {outputs}, recorded in fp16 at "
+                   f"a loss scale of {fmt(scale)}: flushed to zero in fp16 (below its smallest "
+                   "subnormal, 6e-08, even multiplied by the scale), or a loss term weighted by "
+                   "exactly 0; the run cannot tell the two apart", "flushed_layers",
+                   float(len(params)), sampled[0] if sampled else None, module)]
+    ev += _still_evidence(f, params)
+    step = sampled[0] if sampled else None
+    return Finding("masked_underflow", 0.8 if f.sampled_steps >= FLUSHED_SAMPLES else 0.6,
+                   f"The gradient of {module} is exactly 0 on every sampled step although a "
+                   f"gradient arrives at it, while the loss scale is high ({fmt(scale)}) and the "
+                   f"rest of the model trains: {module} does not learn at all. Either its "
+                   "gradient flushes to zero in fp16 (what reaches it is below fp16's smallest "
+                   "value even multiplied by the scale: one loss scale, set by the largest "
+                   "gradients, cannot hold it) or its loss term is weighted by exactly 0; the "
+                   "run cannot tell which, and bf16, whose range holds such gradients, does.",
+                   ev, fixes.make(["use_bf16", "rebalance_losses"],
+                                  f.fix_context(module, step=step)),
+                   first_bad(step, module, "backward"), priority=PRIORITY["masked_underflow"],
+                   kind="flushed")
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:6])
+    return shown + (f" ... {steps[-1]}" if len(steps) > 6 else "")
+
+
+def _still_evidence(f: Facts, grads: list[int]) -> list[Evidence]:
+    """Whether the weights of these gradients moved: the same norm at their first and last
+    sampled step (no gradient, no update), else their update ratio."""
+    st, names, kinds = f.reduced, f.tensor_names, f.tensor_kinds
+    params = {names[t]: int(t) for t in np.flatnonzero(kinds == Kind.PARAM)}
+    out = []
+    for g in grads[:2]:
+        t = params.get(names[g])
+        if t is None or st.norm_first_step[t] < 0:
+            continue
+        first, last = st.norm_first[t], st.norm_last[t]
+        since, until = int(st.norm_first_step[t]), int(st.last_step[t])
+        if first == last and until > since:
+            out.append(Evidence(f"{names[t]} does not move: its norm is {fmt(float(first))} at "
+                                f"sampled step {since} and still at step {until}",
+                                "weights_stopped", 1.0, since, module_of(names[t])))
+        elif np.isfinite(st.layer_update[t]):
+            out.append(Evidence(f"{names[t]} moves by ~{fmt(10 ** float(st.layer_update[t]))} "
+                                "of its norm per step, with no gradient (weight decay)",
+                                "weights_slow", 10 ** float(st.layer_update[t]), since,
+                                module_of(names[t])))
+    return out
 
 
 # Half an ulp, relative to a weight: an update smaller than this share of the weight rounds

@@ -104,6 +104,9 @@ class Finding:
     # Step numbers this finding accounts for (the skips a re-created scaler causes): an "also"
     # whose first bad step and evidence all fall inside them is its symptom, not a second cause.
     explains: frozenset = frozenset()
+    # Modules whose output this finding accounts for (a hidden overflow comes out of them as
+    # exact zeros): an "also" located at one of them (its dead units, its zeros) is its symptom.
+    explains_modules: frozenset = frozenset()
 
 
 def canonical(verdict_id: str) -> str:

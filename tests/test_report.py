@@ -321,6 +321,43 @@ def test_compare_refuses_runs_with_nothing_in_common():
         comparison.compare(nan_base, synth(10))
 
 
+def test_a_baseline_that_went_nonfinite_against_its_fix_is_no_parity_match():
+    """The new user's ``compare half_adam.h5 half_adam_fixed.h5``: the first run's loss is
+    non-finite from step 1, the second (its fix) trains. Not "match, largest difference 0%":
+    a fix comparison whose verdict is ``fixed``, with both runs' story."""
+    loss = 2.0 - np.arange(100) / 100
+    bad = synth(100, every=0, nan_loss=range(1, 100))
+    good = synth(100, every=0, loss=loss)
+    good.meta["applied"] = [{"fix": "adam_eps", "arg": "adam_eps=0.001"}]
+    c = comparison.compare(bad, good)
+    assert c.kind == "fix" and c.verdict == "fixed", c.summary
+    t = c.treatment
+    assert (t["base"]["nonfinite"], t["base"]["first_nonfinite"]) == (99, 1)
+    assert t["amp"]["nonfinite"] == 0 and t["amp"]["applied"] == ["adam_eps=0.001"]
+    assert t["change"] == {"added": ["adam_eps=0.001"], "removed": []}
+    assert t["amp"]["last_loss"] == {"step": 99, "loss": pytest.approx(loss[-1])}
+    text = report_release.render_comparison(c, "text")
+    assert "verdict: fixed" in text and "match" not in text.split("\n")[3]
+    assert "--apply adam_eps=0.001" in text and "99 of 100, from step 1" in text
+    assert comparison.compare(bad, good).to_dict()["kind"] == "fix"
+    assert "What the fix changed: `fixed`" in report_release.render_comparison(c, "markdown")
+    # the fix that did not help, and the treated run that broke a healthy one
+    assert comparison.compare(bad, synth(100, every=0, nan_loss=range(5, 100))).verdict == \
+        "still_failing"
+    worse = synth(100, every=0, nan_loss=range(50, 100))
+    worse.meta["applied"] = [{"fix": "lr_factor", "arg": "lr_factor=2"}]
+    assert comparison.compare(synth(100, every=0, loss=loss), worse).verdict == "worse"
+
+
+def test_two_fp32_runs_say_nothing_of_fp16():
+    """Both runs in fp32 (nanoGPT on CPU uses no autocast): no fp16 range verdict."""
+    base = synth(50, dtype=None, scaler=False, every=0)
+    other = synth(50, dtype=None, scaler=False, every=0, loss=2.0 - np.arange(50) / 50 + 1e-4)
+    c = comparison.compare(base, other)
+    assert c.kind == "parity" and c.verdict == "match" and not c.amp_range
+    assert "fp16" not in report_release.render_comparison(c, "text")
+
+
 # ---------------------------------------------------------------------------------------------
 # Real recorded runs
 

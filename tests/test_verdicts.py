@@ -207,9 +207,14 @@ def test_diagnose_prints_the_apply_and_compare_says_what_it_changed(recorded, tr
     assert f"try it: --apply {apply}" in text and "numbers: lr " in text
     out = run("compare", bad, fixed)
     assert out.returncode == 0, out.stderr
-    assert f"none -> --apply {apply}" in out.stdout and "lr_overflow -> healthy" in out.stdout
-    assert "The second run was treated with" in out.stdout
+    assert "verdict: fixed" in out.stdout
+    applied = next(line for line in out.stdout.splitlines() if line.strip().startswith("applied"))
+    verdicts = next(line for line in out.stdout.splitlines() if line.strip().startswith("verdict "))
+    assert applied.split()[1:] == ["none", "--apply", apply], applied
+    assert verdicts.split()[1] == "lr_overflow" and "healthy" in verdicts, verdicts
     data = json.loads(run("compare", bad, fixed, "--format", "json").stdout)
+    assert data["kind"] == "fix" and data["verdict"] == "fixed"
+    assert data["summary"].startswith(f"--apply {apply} fixed the run")
     assert data["treatment"]["amp"]["applied"] == [apply]
     assert data["treatment"]["base"]["nonfinite"] > 0 == data["treatment"]["amp"]["nonfinite"]
 

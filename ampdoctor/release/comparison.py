@@ -1,4 +1,5 @@
-"""fp32 parity: a baseline run (fp32, or bf16) against a mixed-precision run of the same training.
+"""Two runs of one training compared: fp32 parity (a baseline against a mixed-precision run), or a
+run against its fix.
 
 numpy only. ``compare(base, amp)`` lines the two loss curves up by step and says whether the
 mixed-precision run matches the baseline, drifts from it, or diverges (and from which step);
@@ -19,9 +20,10 @@ because one batch's loss is noisy while a real divergence persists:
 Relative differences are taken against ``max(|base|, 1e-3 * max|base|)``, so that a loss
 heading to zero does not turn noise into infinite ratios.
 
-A run treated with ``record --apply`` (``ampdoctor compare run.h5 fixed.h5``): ``treatment``
-says what each run was treated with, each run's verdict and where its loss began and ended,
-so that the comparison reads as what the fix changed.
+A run and its fix (``ampdoctor compare run.h5 fixed.h5``, the second recorded with ``record
+--apply``, or a first run whose loss went non-finite) is no parity question: ``kind`` is then
+``"fix"``, the verdict one of ``fix_outcome.VERDICTS`` and ``treatment`` holds what each run was
+treated with and how it fared (``fix_outcome`` says when, and what).
 
 Example::
 
@@ -43,6 +45,8 @@ from ..diagnosis.layers import Kind
 from ..display import Displayable
 from ..errors import AmpDoctorError
 from ..runfile.store import opened
+from . import fix_outcome
+from .curves import LOSS_FLOOR, percent, relative, trailing
 from .readiness import Readiness, fp16_readiness, plain, precision
 
 VERDICTS = {
@@ -53,7 +57,6 @@ VERDICTS = {
 RTOL = 0.02
 DIVERGE = 0.10
 MAX_WINDOW = 100
-LOSS_FLOOR = 1e-3  # of the baseline's largest loss: the smallest denominator
 TOP_LAYERS = 10
 COMPARED_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 
@@ -103,14 +106,17 @@ class Comparison(Displayable):
     memory: dict = field(default_factory=dict)  # peak bytes: base, amp, what was measured
     memory_ratio: Optional[float] = None  # amp peak / base peak
     notes: list[str] = field(default_factory=list)
-    # record --apply: per run ("base", "amp") its applied fixes, verdict and loss; {} untreated
+    # "parity", or "fix": the second run is the first treated or changed (fix_outcome.question)
+    kind: str = "parity"
+    # kind "fix": per run ("base": the first, "amp": the second) fix_outcome.outcome; "change",
+    # "at_steps", "loss_difference". {} for parity
     treatment: dict = field(default_factory=dict)
     curve: dict = field(default_factory=dict, repr=False)  # arrays for plots; not in to_dict
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("curve")
-        return plain(out)
+        return plain({"kind": out.pop("kind"), **out})
 
 
 
@@ -132,50 +138,28 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
     common, ib, ia = np.intersect1d(b.steps["step"], a.steps["step"], return_indices=True)
     lb = b.steps["loss"][ib].astype(np.float64)
     la = a.steps["loss"][ia].astype(np.float64)
+    kind = fix_outcome.question(b, a, common) if len(common) else "parity"
     usable = np.isfinite(lb)
-    if not usable.any():
+    if not len(common) or (kind == "parity" and not usable.any()):
         raise AmpDoctorError(_nothing_to_compare(b, a, len(common)))
     w = window or int(np.clip(len(common) // 10, 1, MAX_WINDOW))
-    floor = LOSS_FLOOR * float(np.max(np.abs(lb[usable])))
-    raw = _relative(lb, la, floor)
-    smooth = _relative(_trailing(lb, w), _trailing(la, w), floor)
     c = Comparison(verdict="match", summary="", base=describe(b), amp=describe(a),
                    tolerance={"rtol": rtol, "diverge": diverge, "window": w},
-                   common_steps=int(len(common)))
+                   common_steps=int(len(common)), kind=kind)
+    c.step_time, c.speedup = _speed(b, a)
+    c.memory, c.memory_ratio = _memory(b, a)
+    if kind == "fix":
+        return _fix(c, b, a, common, lb, la)
+    floor = LOSS_FLOOR * float(np.max(np.abs(lb[usable])))
+    raw = relative(lb, la, floor)
+    smooth = relative(trailing(lb, w), trailing(la, w), floor)
     c.curve = {"step": common, "base": lb, "amp": la, "rel": smooth, "rel_raw": raw}
     _loss_verdict(c, common, raw, smooth, rtol, diverge, w)
     c.layers, c.layer_steps = _layer_diffs(b, a, common)
-    r = fp16_readiness(a)
-    c.amp_range = _range_summary(r)
-    c.step_time, c.speedup = _speed(b, a)
-    c.memory, c.memory_ratio = _memory(b, a)
-    c.treatment = treatment(b, a)
+    if c.amp["dtype"] != "float32":  # fp16 range: the question of a run in low precision
+        c.amp_range = _range_summary(fp16_readiness(a))
     c.notes = _notes(b, a, c)
     return c
-
-
-# The losses a treated run's start and end are the median of.
-LOSS_ENDS = 10
-
-
-def treatment(b: Any, a: Any) -> dict:
-    """When either run was treated (``record --apply``): for each, the fixes applied, its
-    verdict and its loss at the start and the end (median of ``LOSS_ENDS`` finite steps), and
-    how many losses were non-finite. {} when neither was."""
-    if not (b.applied or a.applied):
-        return {}
-    from ..diagnosis.engine import diagnose
-
-    out = {}
-    for key, run in (("base", b), ("amp", a)):
-        loss = run.steps["loss"].astype(np.float64)
-        fin = loss[np.isfinite(loss)]
-        out[key] = {"applied": [x.get("arg") for x in run.applied],
-                    "verdict": diagnose(run).verdict,
-                    "loss_start": float(np.median(fin[:LOSS_ENDS])) if len(fin) else None,
-                    "loss_end": float(np.median(fin[-LOSS_ENDS:])) if len(fin) else None,
-                    "nonfinite": int(len(loss) - len(fin))}
-    return out
 
 
 def describe(run: Any) -> dict:
@@ -186,7 +170,8 @@ def describe(run: Any) -> dict:
     return {"path": run.path, "dtype": precision(run),
             "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
             "device_name": dev.get("name"), "steps": int(len(run.steps)),
-            "params": model.get("trainable"), "status": run.status}
+            "params": model.get("trainable"), "status": run.status,
+            "applied": fix_outcome.applied(run)}
 
 
 def _nothing_to_compare(b: Any, a: Any, common: int) -> str:
@@ -199,30 +184,6 @@ def _nothing_to_compare(b: Any, a: Any, common: int) -> str:
                 "same training")
     return (f"{b.path} has no finite loss on any of the {common} steps both runs recorded: "
             "the baseline must itself be sound")
-
-
-def _trailing(x: np.ndarray, w: int) -> np.ndarray:
-    """Mean of the last ``w`` values at each position; non-finite if any of them is."""
-    if w <= 1:
-        return x.copy()
-    finite = np.isfinite(x)
-    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, x, 0.0))])
-    cbad = np.concatenate([[0], np.cumsum(~finite)])
-    idx = np.arange(len(x))
-    lo = np.maximum(idx - w + 1, 0)
-    mean = (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
-    mean[(cbad[idx + 1] - cbad[lo]) > 0] = np.nan
-    return mean
-
-
-def _relative(base: np.ndarray, amp: np.ndarray, floor: float) -> np.ndarray:
-    """|amp - base| / max(|base|, floor); inf where only amp is non-finite, NaN where the
-    baseline is (those steps decide nothing)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        rel = np.abs(amp - base) / np.maximum(np.abs(base), max(floor, 1e-30))
-    rel[~np.isfinite(amp)] = np.inf
-    rel[~np.isfinite(base)] = np.nan
-    return rel
 
 
 def _loss_verdict(c: Comparison, steps: np.ndarray, raw: np.ndarray, smooth: np.ndarray,
@@ -264,18 +225,6 @@ def _divergence_start(smooth: np.ndarray, decided: np.ndarray, rtol: float,
     return int(pos[after + out[0]]) if len(out) else None
 
 
-def percent(x: Optional[float], digits: int = 2) -> str:
-    """A fraction as people read it: 0.00026 -> '0.026%', 3.4 -> '340%'."""
-    if x is None or math.isnan(x):
-        return "-"
-    if math.isinf(x):
-        return "non-finite"
-    return f"{100 * x:.{digits}g}%" if 100 * x < 10 ** digits else f"{100 * x:.0f}%"
-
-
-_pct = percent
-
-
 def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
     a, b = c.amp, c.base
     who = f"The {a['dtype']} run's loss"
@@ -283,18 +232,41 @@ def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
     mean = f" (trailing mean of {w} steps)" if w > 1 else ""
     if c.verdict == "diverged":
         return (f"{who} diverges from {ref} at step {c.divergence_step}: it goes more than "
-                f"{_pct(diverge)} away (or non-finite) and never comes back within "
-                f"{_pct(rtol)}{mean} up to step {c.final_step}; final difference "
-                f"{_pct(c.final_rel)}.")
+                f"{percent(diverge)} away (or non-finite) and never comes back within "
+                f"{percent(rtol)}{mean} up to step {c.final_step}; final difference "
+                f"{percent(c.final_rel)}.")
     worst = (f"a non-finite loss at step {c.max_rel_step}" if math.isinf(c.max_rel) else
-             f"largest difference {_pct(c.max_rel)} at step {c.max_rel_step}")
-    final = f"final {_pct(c.final_rel)} at step {c.final_step}"
+             f"largest difference {percent(c.max_rel)} at step {c.max_rel_step}")
+    final = f"final {percent(c.final_rel)} at step {c.final_step}"
     if c.verdict == "match":
-        return f"{who} matches {ref} within {_pct(rtol)}{mean}: {worst}, {final}."
+        return f"{who} matches {ref} within {percent(rtol)}{mean}: {worst}, {final}."
     extra = (f"; {c.nonfinite_count} non-finite step" + ("s" if c.nonfinite_count > 1 else "")
              + " the baseline did not have") if c.nonfinite_count else ""
-    return (f"{who} drifts from {ref} beyond {_pct(rtol)}{mean} without diverging: {worst}, "
+    return (f"{who} drifts from {ref} beyond {percent(rtol)}{mean} without diverging: {worst}, "
             f"{final}{extra}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# A run and its fix (kind "fix": see fix_outcome): what changed, not parity
+
+
+def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
+         la: np.ndarray) -> Comparison:
+    from ..diagnosis.engine import diagnose
+
+    before, after = diagnose(b), diagnose(a)
+    c.verdict = fix_outcome.verdict(before.healthy, after.healthy)
+    c.treatment = {"base": fix_outcome.outcome(b, before), "amp": fix_outcome.outcome(a, after),
+                   "change": fix_outcome.change(b, a),
+                   "at_steps": fix_outcome.at_steps(steps, lb, la),
+                   "loss_difference": fix_outcome.loss_difference(steps, lb, la,
+                                                                  c.tolerance["window"])}
+    c.curve = {"step": steps, "base": lb, "amp": la}
+    c.summary = fix_outcome.summary(c.verdict, c.treatment, c.common_steps, c.tolerance)
+    c.notes = (_model_note(c) + fix_outcome.notes(c.treatment, c.base["steps"],
+                                                  c.amp["steps"], c.common_steps)
+               + _device_note(c))
+    return c
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,19 +389,10 @@ def _memory(b: Any, a: Any) -> tuple[dict, Optional[float]]:
 
 
 def _notes(b: Any, a: Any, c: Comparison) -> list[str]:
-    notes = []
-    if c.base["params"] and c.amp["params"] and c.base["params"] != c.amp["params"]:
-        notes.append(f"The runs train different models ({c.base['params']} vs "
-                     f"{c.amp['params']} trainable parameters): the comparison may mean little.")
-    if c.treatment:
-        treated = [k for k in ("base", "amp") if c.treatment[k]["applied"]]
-        which = {"base": "The first run", "amp": "The second run"}
-        for k in treated:
-            notes.append(f"{which[k]} was treated with "
-                         + ", ".join(f"--apply {x}" for x in c.treatment[k]["applied"])
-                         + " (ampdoctor record --apply): the differences are what "
-                         + ("the fixes" if len(treated) > 1 else "that fix") + " changed.")
-    elif c.base["dtype"] == c.amp["dtype"]:
+    notes = _model_note(c)
+    if c.base["applied"] or c.amp["applied"]:
+        notes.append(_treated_parity_note(c))
+    if c.base["dtype"] == c.amp["dtype"]:
         notes.append(f"Both runs ran in {c.base['dtype']}: this compares two runs of one "
                      "precision (run to run noise, or a change other than the dtype).")
     elif c.base["dtype"] != "float32" and c.amp["dtype"] == "float32":
@@ -441,10 +404,35 @@ def _notes(b: Any, a: Any, c: Comparison) -> list[str]:
     if not c.layer_steps:
         notes.append("No per-layer comparison: the runs have no sampled step in common "
                      "(record both with the same --every).")
-    if c.base["device"] != c.amp["device"] or c.base["device_name"] != c.amp["device_name"]:
-        notes.append(f"The runs ran on different devices ({c.base['device_name']} vs "
-                     f"{c.amp['device_name']}): the speed and memory ratios compare them too.")
+    if _device_note(c):
+        notes += _device_note(c)
     elif c.memory.get("measure") == "process peak RSS":
         notes.append("On CPU the peak memory is the process's peak RSS (interpreter and "
                      "libraries included), so its ratio understates the tensors' saving.")
     return notes
+
+
+def _model_note(c: Comparison) -> list[str]:
+    if c.base["params"] and c.amp["params"] and c.base["params"] != c.amp["params"]:
+        return [f"The runs train different models ({c.base['params']} vs {c.amp['params']} "
+                "trainable parameters): the comparison may mean little."]
+    return []
+
+
+def _device_note(c: Comparison) -> list[str]:
+    if c.base["device"] != c.amp["device"] or c.base["device_name"] != c.amp["device_name"]:
+        return [f"The runs ran on different devices ({c.base['device_name']} vs "
+                f"{c.amp['device_name']}): the step time and memory compare them too."]
+    return []
+
+
+def _treated_parity_note(c: Comparison) -> str:
+    """A parity comparison where a run was treated: both alike, or a treated run against a
+    baseline of a higher precision (fix_outcome.question)."""
+    if c.base["applied"] == c.amp["applied"]:
+        return (f"Both runs were treated with {fix_outcome.applies(c.amp['applied'])} "
+                "(ampdoctor record --apply): the comparison is of the treated training.")
+    parts = [f"the {which} run with {fix_outcome.applies(args)}" for which, args in
+             (("first", c.base["applied"]), ("second", c.amp["applied"])) if args]
+    return (f"Treated with ampdoctor record --apply: {' and '.join(parts)}; the "
+            f"{c.base['dtype']} run is the baseline for parity.")

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -42,8 +43,9 @@ CAPTIONS = {
                    "dashed line extends a layer the early warning names to its limit.",
     "grad_underflow": "Share of each layer's non-zero gradient values below fp16's normal "
                       "range, at the worst sampled step.",
-    "parity": "Loss of the baseline and of the mixed-precision run, and their relative "
-              "difference.",
+    "parity": "Loss of both runs compared: for fp32 parity, the baseline's and the "
+              "mixed-precision run's, with their relative difference; for a run and its fix, "
+              "each run's non-finite steps marked.",
 }
 
 _BAD = "#d62728"
@@ -261,6 +263,8 @@ def parity_figure(c: Any) -> Optional[Any]:
     curve = c.curve
     if not curve or not len(curve.get("step", ())):
         return None
+    if c.kind == "fix":
+        return fix_figure(c)
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(WIDTH, HEIGHT * 1.6), layout="constrained")
@@ -287,6 +291,23 @@ def parity_figure(c: Any) -> Optional[Any]:
     bottom.set_yscale("log")
     bottom.set_xlabel("step")
     _legend(bottom)
+    return fig
+
+
+def fix_figure(c: Any) -> Any:
+    """A run and its fix (``Comparison.kind == "fix"``): both losses, each run's non-finite
+    steps marked."""
+    fig, ax = _axes(f"what the fix changed: {c.verdict}")
+    steps = c.curve["step"]
+    for name, color, lw in (("base", _BASE, 1.6), ("amp", _MAIN, 1.0)):
+        loss = c.curve[name]
+        applied = ", ".join(c.treatment[name]["applied"]) or "untreated"
+        file = os.path.basename(c.treatment[name]["path"])
+        _line(ax, steps, loss, color=color, lw=lw, label=f"{file} ({applied})")
+        _rug(ax, steps[~np.isfinite(loss)], f"non-finite loss, {file}")
+    ax.set_ylabel("loss")
+    ax.set_xlabel("step")
+    _legend(ax)
     return fig
 
 

@@ -13,64 +13,34 @@ from __future__ import annotations
 
 import base64
 import datetime
-import html
 import json
-import math
 from typing import Any, Optional
 
 from ..display import renders
 from ..numfmt import fmt
 from ..release.comparison import Comparison
-from ..release.comparison import percent as _pct
+from ..release.curves import percent as _pct
 from ..release.report import ReleaseReport
 from ..version import __version__
+from . import fix_outcome
 from .diagnosis import also_text, split_causes, where_text
 from .diagnosis import render_markdown as diagnosis_markdown
+from .tables import esc as _esc
+from .tables import html_table as _table
+from .tables import kv_table as _kv_table
+from .tables import md_table as _md_table
+from .tables import nbytes as _bytes
+from .tables import plural as _plural
+from .tables import ratio as _ratio
+from .tables import run_label as _run_label
+from .tables import scale as _scale
+from .tables import seconds as _seconds
+from .tables import step as _step
+from .tables import text_table as _text_table
 
 RELEASE_FORMATS = ("html", "markdown", "json")
 COMPARE_FORMATS = ("text", "json", "markdown")
 READINESS_ROWS = 15
-
-
-# ---------------------------------------------------------------------------------------------
-# Numbers as people read them
-
-
-def _bytes(n: Optional[int]) -> str:
-    if not n:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def _seconds(t: Optional[float]) -> str:
-    if t is None or not math.isfinite(t):
-        return "-"
-    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
-
-
-def _ratio(x: Optional[float]) -> str:
-    return f"{x:.2f}x" if x is not None and math.isfinite(x) else "-"
-
-
-def _scale(x: Optional[float]) -> str:
-    """A loss scale, with its power of two when it is one (GradScaler's always are)."""
-    if x is None or not math.isfinite(x) or x <= 0:
-        return fmt(x)
-    exp = math.log2(x)
-    if exp == int(exp):
-        return (f"{x:.0f}" if 1 <= x < 1e9 else fmt(x)) + f" (2**{int(exp)})"
-    return fmt(x)
-
-
-def _step(x: Optional[int]) -> str:
-    return "-" if x is None else f"step {x}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +123,6 @@ def comparison_rows(c: Any) -> list[tuple[str, str]]:
                           f"{_pct(c.tolerance['diverge'])}"
                           + (f", trailing mean of {c.tolerance['window']} steps"
                              if c.tolerance["window"] > 1 else "")),
-            *_treatment_rows(c),
             ("common steps", str(c.common_steps)),
             ("largest loss difference", f"{_pct(c.max_rel)} ({_step(c.max_rel_step)})"),
             ("final loss difference", f"{_pct(c.final_rel)} ({_step(c.final_step)})")]
@@ -172,25 +141,6 @@ def comparison_rows(c: Any) -> list[tuple[str, str]]:
                  + (f" ({_ratio(c.memory_ratio)} of the baseline, {m.get('measure')})"
                     if c.memory_ratio else "")))
     return rows
-
-
-def _treatment_rows(c: Any) -> list[tuple[str, str]]:
-    """A run treated with record --apply: what each run was treated with, its verdict, its
-    loss from start to end."""
-    t = getattr(c, "treatment", None)
-    if not t:
-        return []
-
-    def applied(k: str) -> str:
-        return ", ".join(f"--apply {x}" for x in t[k]["applied"]) or "none"
-
-    def loss(k: str) -> str:
-        bad = f", {t[k]['nonfinite']} non-finite" if t[k]["nonfinite"] else ""
-        return f"{fmt(t[k]['loss_start'])} to {fmt(t[k]['loss_end'])}{bad}"
-
-    return [("applied", f"{applied('base')} -> {applied('amp')}"),
-            ("verdicts", f"{t['base']['verdict']} -> {t['amp']['verdict']}"),
-            ("loss, start to end", f"{loss('base')} -> {loss('amp')}")]
 
 
 def layer_diff_rows(c: Any) -> list[tuple[str, ...]]:
@@ -213,15 +163,9 @@ def render_comparison(c: Comparison, fmt: str = "text") -> str:
     return comparison_text(c)
 
 
-def _run_label(info: dict) -> str:
-    dev = info.get("device_name") or info.get("device")
-    if info.get("device") == "cpu":
-        dev = f"CPU {dev}" if dev and dev != "cpu" else "CPU"
-    return (f"{info['path']} ({info['dtype']}" + (" + GradScaler" if info.get("scaler") else "")
-            + f", {dev})")
-
-
 def comparison_text(c: Any) -> str:
+    if c.kind == "fix":
+        return fix_outcome.text(c)
     lines = [f"ampdoctor compare: {_run_label(c.base)}", f"               vs {_run_label(c.amp)}",
              "", f"verdict: {c.verdict}", f"  {c.summary}", ""]
     width = max(len(k) for k, _ in comparison_rows(c))
@@ -233,7 +177,7 @@ def comparison_text(c: Any) -> str:
         lines += _text_table(LAYER_DIFF_HEAD, layer_diff_rows(c), indent="  ")
     rng = c.amp_range
     if rng:
-        lines += ["", f"fp16 range in the mixed-precision run: {rng['status']}",
+        lines += ["", f"fp16 range in the {c.amp['dtype']} run: {rng['status']}",
                   f"  {rng['advice']}"]
         for x in rng.get("overflowing", []) + rng.get("near", []):
             lines.append(f"  - {x['name']} ({x['kind']}): abs max {fmt(x['absmax'])} at step "
@@ -249,21 +193,9 @@ def comparison_text(c: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _text_table(head: tuple, rows: list[tuple], indent: str = "") -> list[str]:
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    fmt = indent + "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*head).rstrip()] + [fmt.format(*map(str, r)).rstrip() for r in rows]
-
-
-def _md_table(head: tuple, rows: list[tuple]) -> list[str]:
-    def cell(v: Any) -> str:
-        return str(v).replace("|", "\\|")
-
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
-
-
 def comparison_markdown(c: Any, level: int = 2) -> str:
+    if c.kind == "fix":
+        return fix_outcome.markdown(c, level)
     h = "#" * level
     out = [f"{h} fp32 parity: `{c.verdict}`", "",
            f"`{c.base['path']}` ({c.base['dtype']}) vs `{c.amp['path']}` ({c.amp['dtype']}"
@@ -276,7 +208,7 @@ def comparison_markdown(c: Any, level: int = 2) -> str:
         out += _md_table(LAYER_DIFF_HEAD, layer_diff_rows(c)) + [""]
     rng = c.amp_range
     if rng:
-        out += [f"{h}# fp16 range in the mixed-precision run: `{rng['status']}`", "",
+        out += [f"{h}# fp16 range in the {c.amp['dtype']} run: `{rng['status']}`", "",
                 rng["advice"], ""]
     for note in c.notes:
         out += [f"> {note}", ""]
@@ -353,21 +285,6 @@ border-bottom:1px solid #eee;vertical-align:top}th{background:#fafafa}
 figure{margin:1em 0}figure img{max-width:100%;height:auto}figcaption{color:#555;font-size:.9em}
 .muted{color:#777}
 """
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _kv_table(rows: list[tuple[str, str]]) -> str:
-    body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
-    return f"<table>{body}</table>"
-
-
-def _table(head: tuple, rows: list[tuple]) -> str:
-    th = "".join(f"<th>{_esc(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(v)}</td>" for v in r) + "</tr>" for r in rows)
-    return f"<table><tr>{th}</tr>{body}</table>"
 
 
 def _figure(name: str, data: bytes, caption: str) -> str:
@@ -487,6 +404,9 @@ def _readiness_html(rd: Any, images: dict[str, bytes]) -> str:
 def _comparison_html(c: Any, images: dict[str, bytes]) -> str:
     from .plots import CAPTIONS
 
+    if c.kind == "fix":
+        return fix_outcome.html(c, _figure("parity", images["parity"], CAPTIONS["parity"])
+                                if "parity" in images else "")
     cls = {"match": "ok", "drift": "warn"}.get(c.verdict, "bad")
     out = [f"<h2>fp32 parity: <code>{_esc(c.verdict)}</code></h2>",
            f"<p><code>{_esc(c.base['path'])}</code> ({_esc(c.base['dtype'])}) vs "

@@ -83,7 +83,7 @@ def test_observer_effect_is_zero_on_cuda(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # always on: no sync of ampdoctor's own on a steady step, nothing held past it, step time from
-# CUDA events (tests/test_host_reads.py has the same loops on CPU)
+# CUDA events (tests/record/test_host_reads.py has the same loops on CPU)
 
 
 def _sync_count(fn) -> int:

@@ -519,29 +519,17 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from helpers import batches, fresh  # noqa: E402
+from helpers import fresh, train  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor.errors import RecorderFault  # noqa: E402
 
 
 def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None, bad_step=None):
-    losses = []
-    for i, (x, y) in enumerate(batches(steps, bad_step=bad_step)):
-        with torch.autocast("cpu", dtype=dtype):
-            loss = F.cross_entropy(model(x), y)
-        losses.append(loss.detach().float().item())
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step(i, model)
+    """helpers.train without unscale_ (GradScaler.step unscales); the losses and the weights."""
+    on_step = None if after_step is None else (lambda i: after_step(i, model))
+    losses = train(model, opt, scaler, steps=steps, dtype=dtype, bad_step=bad_step,
+                   on_step=on_step, unscale=False)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 

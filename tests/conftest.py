@@ -1,4 +1,10 @@
-"""Shared helpers: tiny deterministic training loops that run in milliseconds on CPU."""
+"""pytest's hooks and fixtures for every folder of tests/ (the ``gpu`` skip, ``run_path``).
+
+The shared non-test modules live in tests/support/ (helpers, synthetic, recording, testenv,
+the reliability and live-view scripts). They are imported by their bare names (``from helpers
+import fresh, train``), as the scripts among them that run by path import each other: so
+support/ goes on ``sys.path`` once, here, before any test module is imported.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,13 @@ import sys
 
 import pytest
 
-pytest_plugins = ["pytester"]  # test_amp_step runs a user's pytest session with the plugin
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from testenv import PYTHON, ROOT, SUPPORT, python_env  # what tests import from conftest
+
+__all__ = ["PYTHON", "ROOT", "SUPPORT", "python_env"]
+
+pytest_plugins = ["pytester"]  # test_amp_step runs a user's pytest session with the plugin
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,14 +38,3 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def run_path(tmp_path):
     return str(tmp_path / "run.h5")
-
-
-def python_env() -> dict:
-    """Environment for subprocesses: the package importable, torch single-threaded."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-PYTHON = sys.executable

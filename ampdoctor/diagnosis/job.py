@@ -10,7 +10,7 @@ of 1024 files takes seconds and its memory does not grow with the rank count
 
 ``RankFacts`` is what the job-level diagnosis knows of one rank, the same whether it came from
 a summary or from the loaded run (a file of format 1 has no summary; a summary that disagrees
-with its tables is not used): ``tests/test_ranks.py`` checks that both agree.
+with its tables is not used): ``tests/diagnosis/test_ranks.py`` checks that both agree.
 
 numpy only, like the rest of the analysis side.
 

@@ -43,7 +43,7 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 DTYPE_MAX = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 # A module is lossy when its relative error exceeds this many unit roundoffs (bf16: 6.25 %,
 # SQNR 24 dB; fp16: 0.78 %, 42 dB). Healthy layers measure about one (0.4 to 1.2 on the
-# models of tests/test_layer_parity.py: rounding their inputs, weights and result); 16 is
+# models of tests/preflight/test_layer_parity.py: rounding their inputs, weights and result); 16 is
 # four bits lost beyond that.
 LOSSY_ROUNDOFFS = 16
 VERDICTS = ("overflows", "lossy", "ok")  # worst first

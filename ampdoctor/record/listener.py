@@ -10,7 +10,7 @@ fails a check rather than a hook that silently never runs:
 * each ``patches`` function declares the door it opens (``TrainingListener``, ``Listener``,
   ``SchedulerListener``) and calls ``require`` when it patches: a listener that lacks a
   callback of that door raises ``TypeError`` then, not at the hook;
-* tests/test_recorder.py checks that every name dispatched in record/ is a ``Callback``, that
+* tests/record/test_recorder.py checks that every name dispatched in record/ is a ``Callback``, that
   ``Callback`` is exactly the protocols' methods, and that the listeners define them all.
 
 The listeners: ``hooks.Hooks`` (the recorder's, a ``Listener``) and ``check_amp_step``'s

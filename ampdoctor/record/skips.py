@@ -1,7 +1,7 @@
 """The skip decision: is this step failing, seen while its parameters are still in place? Then
 the forensic tier gets it (``trigger``).
 
-The syncs of a steady step, all of them (tests/test_host_reads.py counts them):
+The syncs of a steady step, all of them (tests/record/test_host_reads.py counts them):
 
 - GradScaler, any optimizer: none of ampdoctor's own. found_inf and the loss are copied into
   host mirrors (``readback.HostMirror``) with non-blocking copies (``stage_found``). A

@@ -3,7 +3,7 @@
 Reading never trusts the file: everything read is data (numbers, UTF-8 text, JSON; nothing is
 unpickled or evaluated), and every failure of h5py on a damaged file becomes one
 ``RunFileError`` sentence naming the file. What can go wrong, and what happens then
-(tests/test_reliability.py shows each):
+(tests/integration/test_reliability.py shows each):
 
 * the file is still being written, or its writer was killed: it opens as a SWMR reader and
   reads as it was at the writer's last flush (``Run.live``, ``Run.status``);

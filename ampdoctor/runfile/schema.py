@@ -358,7 +358,7 @@ SUMMARY = np.dtype(
 
 # The order in which a step measures each Kind (the sampled tier's first non-finite value is
 # the earliest step, then this order, then the row's seq). diagnosis/streamed.py keeps the
-# same order with each kind's phase name (tests/test_store.py checks that they agree).
+# same order with each kind's phase name (tests/runfile/test_store.py checks that they agree).
 KIND_ORDER: dict[int, int] = {int(Kind.INPUT): 0, int(Kind.OUTPUT): 1, int(Kind.GRAD_OUTPUT): 2,
                               int(Kind.PARAM_GRAD): 3, int(Kind.PARAM): 4, int(Kind.BUFFER): 5}
 KIND_ORDER_UNKNOWN = 9

@@ -5,7 +5,7 @@ SWMR on, then only append and flush. A writer killed at any moment leaves a file
 holding every row up to its last flush. Rows are buffered in memory and written in one append
 per table at each flush, so the cost of a flush does not grow with the number of steps.
 
-What can go wrong, and what happens then (tests/test_reliability.py shows each):
+What can go wrong, and what happens then (tests/integration/test_reliability.py shows each):
 
 * the writer is killed: the file reads as it was at the last flush (status "interrupted");
 * a write fails (disk full, file deleted): the writer stops for good, and the file is left as

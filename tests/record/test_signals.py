@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import batches, fresh
+from helpers import batches, fresh, train
 
 import ampdoctor
 from ampdoctor.record.opprobe import first_nonfinite_op
@@ -68,13 +68,7 @@ def test_calibration_skips_leave_the_replay_budget_for_the_failure(run_path):
     # on steps 0 and 1.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22)
     with ampdoctor.watch(model, opt, scaler, path=run_path, every=0, max_replays=2):
-        for i, (x, y) in enumerate(batches(30, bad_step=25)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+        train(model, opt, scaler, steps=30, bad_step=25, unscale=False)
     run = ampdoctor.load(run_path)
     assert run.steps["skipped"][:3].all()  # calibrating
     snaps = run.snapshots

@@ -11,13 +11,13 @@ README.md and docs/*.md are read the way a user reads them, and checked this far
   real options (prose often names a command without its arguments).
 - Every ``fixtures/``, ``benchmarks/``, ``tests/`` or ``.ci/`` path and every ``ampdoctor/...py``
   module a document names exists (a pattern such as ``fixtures/formats/v<N>.h5`` is not a
-  path), and so does every test a ``tests/x.py::test_name`` names.
+  path), and so does every test a ``tests/folder/x.py::test_name`` names.
 - Every ``python benchmarks/X.py ARGS`` a document quotes, and every ``python fixtures/X.py
   ARGS`` that a quoted ``ampdoctor record -- ...`` runs, is parsed by that script's own
   argparse: in one child process each script runs as ``__main__`` with the quoted arguments
   until its ``ArgumentParser.parse_args`` returns, and is stopped there. That shows the flags
   and values are accepted; nothing is trained, measured or timed. Whether a benchmark still
-  runs to the end is tests/test_benchmarks.py's job for the ones it runs at tiny sizes (see
+  runs to the end is tests/project/test_benchmarks.py's job for the ones it runs at tiny sizes (see
   docs/development.md for which), and the figures are the commands' own, never this test's.
   ``bash benchmarks/gpu_check.sh`` has no argparse: the flags quoted for it must appear in it.
 - Every relative link resolves: its file exists, and its ``#anchor`` is a heading there.
@@ -128,7 +128,7 @@ def test_every_path_a_doc_names_exists():
             named += 1
             if not os.path.exists(os.path.join(ROOT, path)):
                 missing.append(f"{name}: {path}")
-        for path, test in set(re.findall(r"(tests/\w+\.py)::(\w+)", TEXT[name])):
+        for path, test in set(re.findall(r"(tests/[\w/]+\.py)::(\w+)", TEXT[name])):
             if f"def {test}(" not in open(os.path.join(ROOT, path)).read():
                 missing.append(f"{name}: {path}::{test}")
     assert not missing, "\n".join(sorted(missing))

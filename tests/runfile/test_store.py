@@ -205,7 +205,7 @@ def test_reading_never_imports_torch(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Robustness of the writer and the reader (see also tests/test_reliability.py)
+# Robustness of the writer and the reader (see also tests/integration/test_reliability.py)
 
 
 def test_lookup3_is_the_checksum_hdf5_writes(tmp_path):

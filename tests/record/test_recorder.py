@@ -214,14 +214,7 @@ def test_fp16_without_scaler_is_an_event_once(run_path, use_scaler):
     model, opt = fresh()
     scaler = torch.amp.GradScaler("cpu") if use_scaler else None
     with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True, forensics=False):
-        for x, y in __import__("helpers").batches(3):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            (scaler.scale(loss) if scaler else loss).backward()
-            scaler.step(opt) if scaler else opt.step()
-            if scaler:
-                scaler.update()
-            opt.zero_grad()
+        train(model, opt, scaler, steps=3, unscale=False)
     run = ampdoctor.load(run_path)
     steps = list(run.events["step"][run.events["kind"] == Event.FP16_WITHOUT_SCALER])
     assert steps == ([] if use_scaler else [0])

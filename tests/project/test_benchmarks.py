@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-import ampdoctor
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import ampdoctor
 
 
 def bench(*args: str) -> str:

@@ -1,7 +1,7 @@
 """Rank files diagnosed together at scale: each file's /summary, the fast path against the full
 read, the rank view, ``diagnose --rank``, ``top`` over many rank files, and the closing line of
-one node of a multi-node job. Synthetic rank files (tests/synthetic.py), no torch, except the
-multi-node recording on localhost at the end (slow)."""
+one node of a multi-node job. Synthetic rank files (tests/support/synthetic.py), no torch,
+except the multi-node recording on localhost at the end (slow)."""
 
 import ast
 import json
@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 
 import pytest
-from conftest import PYTHON, ROOT, python_env
+from conftest import PYTHON, ROOT, SUPPORT, python_env
 from synthetic import Synth, write
 
 import ampdoctor
@@ -21,8 +21,6 @@ from ampdoctor.diagnosis import engine, job, ranks
 from ampdoctor.record import launch, written
 from ampdoctor.runfile import paths, schema, store, summary
 from ampdoctor.runfile.schema import Kind
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def job_files(tmp_path, runs: dict, world=None, **kw) -> list:
@@ -170,7 +168,7 @@ def test_fast_path_agrees_when_a_rank_file_was_truncated_by_a_kill(tmp_path):
     killed = paths.rank_path(str(tmp_path / "run.h5"), 2)
     code = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {TESTS!r})
+        sys.path.insert(0, {SUPPORT!r})
         from synthetic import Synth, write
         s = Synth(60).skip([40])
         s.nan_loss([12])

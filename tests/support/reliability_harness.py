@@ -1,6 +1,6 @@
-"""Recorded training processes that die on purpose, for tests/test_reliability.py.
+"""Recorded training processes that die on purpose, for tests/integration/test_reliability.py.
 
-    python tests/reliability_harness.py PLAN.json     # writes <out>/results.json
+    python tests/support/reliability_harness.py PLAN.json     # writes <out>/results.json
 
 The plan lists cases; each case is one recorded training run (a small fp16 model with a
 GradScaler, the sampled tier, and a NaN batch that triggers a forensic replay) that is ended

@@ -8,7 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from helpers import fresh
+from helpers import fresh, train
 
 import ampdoctor
 from ampdoctor.record import stats
@@ -39,37 +39,16 @@ def _cuda_model():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _train_cuda(model, opt, scaler, ctx=None, steps=6):
-    import contextlib
-
-    from helpers import batches
-
-    losses = []
-    with ctx if ctx is not None else contextlib.nullcontext():
-        for i, (x, y) in enumerate(batches(steps, bad_step=3)):
-            x, y = x.cuda(), y.cuda()
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            losses.append(loss.item())
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    return losses
-
-
 def test_observer_effect_is_zero_on_cuda(tmp_path):
     torch.use_deterministic_algorithms(True, warn_only=True)
     model, opt = _cuda_model()
-    plain = _train_cuda(model, opt, torch.amp.GradScaler("cuda"))
+    plain = train(model, opt, torch.amp.GradScaler("cuda"), bad_step=3, clip=1.0, device="cuda")
     w_plain = [p.detach().cpu() for p in model.parameters()]
     model, opt = _cuda_model()
     scaler = torch.amp.GradScaler("cuda")
     rec = ampdoctor.watch(model, opt, scaler, path=str(tmp_path / "run.h5"), every=1,
                           strict=True)
-    recorded = _train_cuda(model, opt, scaler, ctx=rec)
+    recorded = train(model, opt, scaler, bad_step=3, clip=1.0, recorder_ctx=rec, device="cuda")
     w_rec = [p.detach().cpu() for p in model.parameters()]
     assert np.array_equal(np.array(plain), np.array(recorded), equal_nan=True)
     for a, b in zip(w_plain, w_rec):
@@ -83,7 +62,7 @@ def test_observer_effect_is_zero_on_cuda(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # always on: no sync of ampdoctor's own on a steady step, nothing held past it, step time from
-# CUDA events (tests/test_host_reads.py has the same loops on CPU)
+# CUDA events (tests/record/test_host_reads.py has the same loops on CPU)
 
 
 def _sync_count(fn) -> int:

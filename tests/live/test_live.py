@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PYTHON, ROOT, python_env
+from conftest import PYTHON, ROOT, SUPPORT, python_env
 
 from ampdoctor.diagnosis import engine
 from ampdoctor.live import follow, frame, top
@@ -23,7 +23,7 @@ from ampdoctor.release.readiness import underflow_share
 from ampdoctor.render import diagnosis as report
 from ampdoctor.runfile import store
 
-WRITER = os.path.join(ROOT, "tests", "live_writer.py")
+WRITER = os.path.join(SUPPORT, "live_writer.py")
 
 
 class Child:

@@ -1,7 +1,7 @@
 """Run files made on purpose (good, bad, damaged) and a fuzzer for the reader. No torch.
 
-    python tests/reliability_tools.py killed PATH            # a run whose writer is SIGKILLed
-    python tests/reliability_tools.py fuzz OUT N SEED BASE...  # prints a JSON summary
+    python tests/support/reliability_tools.py killed PATH       # a run whose writer is SIGKILLed
+    python tests/support/reliability_tools.py fuzz OUT N SEED BASE...  # prints a JSON summary
 
 The fuzzer damages real run files (bit flips, zeroed or overwritten ranges, truncations) and
 reads each one in a forked child with a time limit, through everything a user can call:
@@ -25,7 +25,7 @@ import traceback
 import h5py
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from ampdoctor import cli

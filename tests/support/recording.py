@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import PYTHON, python_env
+from testenv import PYTHON, python_env
 
 
 def command(script: str, out: str, args: list[str], every: int, nproc: int = 0) -> list[str]:
@@ -36,7 +36,7 @@ def start(script: str, out: str, args: list[str] = (), every: int = 10,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-if __name__ == "__main__":  # python tests/recording.py SCRIPT OUT [EVERY] [-- ARGS]
+if __name__ == "__main__":  # python tests/support/recording.py SCRIPT OUT [EVERY] [-- ARGS]
     argv = sys.argv[1:]
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     head = argv[: argv.index("--")] if "--" in argv else argv

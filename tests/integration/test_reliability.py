@@ -1,8 +1,8 @@
 """Reliability: a run file survives what kills the run, every file gets an answer, and
 ampdoctor is never what breaks training.
 
-The killed-writer tests run tests/reliability_harness.py once (one process, one fork per
-case); the bad-file and fuzz tests go through the real CLI or forked readers.
+The killed-writer tests run tests/support/reliability_harness.py once (one process, one fork
+per case); the bad-file and fuzz tests go through the real CLI or forked readers.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import PYTHON, ROOT, python_env
+from conftest import PYTHON, ROOT, SUPPORT, python_env
 
 from ampdoctor.diagnosis import engine
 from ampdoctor.runfile import attributes, schema, store, summary
 
-HARNESS = os.path.join(ROOT, "tests", "reliability_harness.py")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+HARNESS = os.path.join(SUPPORT, "reliability_harness.py")
 from reliability_harness import BAD_STEP, STEPS, spread  # noqa: E402
 
 COMPARED = ("step", "loss", "scale", "scale_after", "found_inf", "skipped", "grad_norm",
@@ -223,7 +221,7 @@ def bad_files(tmp_path_factory):
     good = str(folder / "good.h5")
     synthetic_run(good)
     live = str(folder / "live.h5")
-    subprocess.run([PYTHON, os.path.join(ROOT, "tests", "reliability_tools.py"), "killed", live],
+    subprocess.run([PYTHON, os.path.join(SUPPORT, "reliability_tools.py"), "killed", live],
                    env=python_env(), check=False)
     paths = {}
     for case in BAD:
@@ -274,7 +272,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from reliability_tools import read_everything  # noqa: E402
 
-TOOLS = os.path.join(ROOT, "tests", "reliability_tools.py")
+TOOLS = os.path.join(SUPPORT, "reliability_tools.py")
 FORMATS = os.path.join(ROOT, "fixtures", "formats")
 
 
@@ -384,7 +382,7 @@ def test_reading_a_file_never_runs_anything_in_it(tmp_path):
         f.attrs["pickled"] = np.void(payload)
         f.attrs["argv"] = np.bytes_(f"__import__('os').system('touch {marker}')".encode())
         f.create_dataset("pickled", data=np.frombuffer(payload, "u1"))
-    proc = subprocess.run([PYTHON, "-c", _AUDIT, benign, hostile, os.path.join(ROOT, "tests")],
+    proc = subprocess.run([PYTHON, "-c", _AUDIT, benign, hostile, SUPPORT],
                           env=python_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -473,7 +471,7 @@ def test_live_file_is_read_while_written_without_disturbing_the_writer(tmp_path)
     import time
 
     path, stop = str(tmp_path / "live.h5"), str(tmp_path / "stop")
-    writer = subprocess.Popen([PYTHON, "-c", _WRITER, path, stop, os.path.join(ROOT, "tests")],
+    writer = subprocess.Popen([PYTHON, "-c", _WRITER, path, stop, SUPPORT],
                               env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
@@ -521,29 +519,17 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from helpers import batches, fresh  # noqa: E402
+from helpers import fresh, train  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor.errors import RecorderFault  # noqa: E402
 
 
 def _loop(model, opt, scaler, steps, dtype=torch.float16, after_step=None, bad_step=None):
-    losses = []
-    for i, (x, y) in enumerate(batches(steps, bad_step=bad_step)):
-        with torch.autocast("cpu", dtype=dtype):
-            loss = F.cross_entropy(model(x), y)
-        losses.append(loss.detach().float().item())
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step(i, model)
+    """helpers.train without unscale_ (GradScaler.step unscales); the losses and the weights."""
+    on_step = None if after_step is None else (lambda i: after_step(i, model))
+    losses = train(model, opt, scaler, steps=steps, dtype=dtype, bad_step=bad_step,
+                   on_step=on_step, unscale=False)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -630,9 +616,10 @@ def test_a_write_error_keeps_what_was_flushed(tmp_path, monkeypatch):
         assert 0 < kept < 10
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # _DISK_FULL imports this module, then conftest
 _DISK_FULL = r"""
 import json, os, resource, signal, sys, warnings
-sys.path.insert(0, sys.argv[3])
+sys.path[:0] = sys.argv[3].split(os.pathsep)  # this file's folder, and conftest's
 import torch
 import test_reliability as t
 from ampdoctor.runfile import store
@@ -674,8 +661,8 @@ def test_disk_full_keeps_what_was_flushed(tmp_path, tiny_filesystem, how):
     else:
         path, limit = tmp_path / "run.h5", 48 << 10
     proc = subprocess.run([PYTHON, "-c", _DISK_FULL, str(path), str(limit),
-                           os.path.join(ROOT, "tests")], env=python_env(), capture_output=True,
-                          text=True, timeout=300)
+                           os.pathsep.join([HERE, os.path.dirname(SUPPORT)])],
+                          env=python_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and len(result["said"]) == 1, result
@@ -834,7 +821,7 @@ print(codes[2:])
 
 def test_forked_children_leave_the_parents_file_alone(tmp_path):
     path = str(tmp_path / "run.h5")
-    proc = subprocess.run([PYTHON, "-c", _FORKS, path, os.path.join(ROOT, "tests")],
+    proc = subprocess.run([PYTHON, "-c", _FORKS, path, SUPPORT],
                           env=python_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ampdoctor:" not in proc.stderr

@@ -1,4 +1,4 @@
-"""Small models and loops used by the recorder tests (import torch; recorder side only)."""
+"""Small models, batches and the training loop the recorder tests share (torch: recorder side)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,30 @@ def batches(n: int, seed: int = 0, bad_step: int | None = None):
 
 
 def train(model, opt, scaler=None, steps: int = 6, dtype=torch.float16, accum: int = 1,
-          bad_step=None, clip: float | None = None, recorder_ctx=None):
-    """A plain user loop; returns the list of losses (python floats)."""
+          bad_step=None, clip: float | None = None, recorder_ctx=None, on_step=None,
+          unscale: bool = True, device: str = "cpu"):
+    """A plain user loop; returns the list of losses (python floats).
+
+    The loop the recorder tests share (test_forensics keeps its own, over batches it is given:
+    see there): ``steps`` optimizer steps of ``accum`` micro-batches
+    from ``batches`` (seed 0, a NaN in micro-batch ``bad_step``), the forward under autocast to
+    ``dtype`` (``None``: no autocast), the loss divided by ``accum``. With a ``scaler``:
+    ``unscale_``, then the clip, then ``step`` and ``update`` (``unscale=False``: no
+    ``unscale_`` call, ``step`` unscales by itself); ``on_step(i)`` runs after optimizer step
+    ``i``'s ``zero_grad``. Example (test_recorder's observer-effect test)::
+
+        losses = train(model, opt, scaler, steps=8, clip=1.0, bad_step=4,
+                       recorder_ctx=ampdoctor.watch(model, opt, scaler, path=path))
+    """
     losses = []
     ctx = recorder_ctx if recorder_ctx is not None else contextlib.nullcontext()
     with ctx:
         data = list(batches(steps * accum, bad_step=bad_step))
         for i, (x, y) in enumerate(data):
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            if device != "cpu":  # on the CPU no .to() call at all, as a CPU loop has none
+                x, y = x.to(device), y.to(device)
+            with torch.autocast(torch.device(device).type, dtype=dtype,
+                                enabled=dtype is not None):
                 loss = F.cross_entropy(model(x), y) / accum
             losses.append(loss.detach().float().item())
             if scaler is not None:
@@ -49,7 +65,8 @@ def train(model, opt, scaler=None, steps: int = 6, dtype=torch.float16, accum: i
             if (i + 1) % accum:
                 continue
             if scaler is not None:
-                scaler.unscale_(opt)
+                if unscale:
+                    scaler.unscale_(opt)
                 if clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 scaler.step(opt)
@@ -59,6 +76,8 @@ def train(model, opt, scaler=None, steps: int = 6, dtype=torch.float16, accum: i
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
             opt.zero_grad(set_to_none=True)
+            if on_step is not None:
+                on_step(i // accum)
     return losses
 
 

@@ -4,8 +4,8 @@ script, then ``ampdoctor diagnose run.h5``. Plus unit tests of ``sharding`` and 
 rank-file merge on synthetic steps.
 
 Cost: five 2-rank launches of a 30-step script, about 90 s of CPU time in all, children
-included (`time python -m pytest tests/test_sharded.py`); the two ranks run in parallel. A
-hang (a collective one rank never joins) fails a launch at its timeout."""
+included (`time python -m pytest tests/record/test_sharded.py`); the two ranks run in
+parallel. A hang (a collective one rank never joins) fails a launch at its timeout."""
 
 import json
 import os

@@ -366,25 +366,21 @@ def test_two_fp32_runs_say_nothing_of_fp16():
 def runs(tmp_path_factory):
     """fp32, bf16 autocast, and bf16 whose head weights are multiplied by 30 at step 15."""
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
-    from helpers import batches, fresh
+    from helpers import fresh, train
 
     root = tmp_path_factory.mktemp("report")
 
     def record(name, dtype, corrupt_at=None):
         path = str(root / f"{name}.h5")
         model, opt = fresh()
+
+        def corrupt(i):  # after step i: before step i + 1's forward
+            if i + 1 == corrupt_at:
+                with torch.no_grad():
+                    model.head.weight.mul_(30)
+
         with ampdoctor.watch(model, opt, None, path=path, every=5):
-            for i, (x, y) in enumerate(batches(30)):
-                if i == corrupt_at:
-                    with torch.no_grad():
-                        model.head.weight.mul_(30)
-                with torch.autocast("cpu", dtype=dtype or torch.bfloat16,
-                                    enabled=dtype is not None):
-                    loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+            train(model, opt, None, steps=30, dtype=dtype, on_step=corrupt)
         return path
 
     return {"fp32": record("fp32", None), "bf16": record("bf16", torch.bfloat16),
@@ -585,8 +581,7 @@ def test_the_readme_parity_commands_end_to_end(tmp_path):
 def test_report_of_a_cuda_run_names_the_gpu_and_its_bf16(tmp_path):
     """On a CUDA machine (benchmarks/gpu_check.sh): device meta, decision and memory measure."""
     import torch
-    import torch.nn.functional as F
-    from helpers import batches, fresh
+    from helpers import fresh, train
 
     def record(name, dtype):
         path = str(tmp_path / f"{name}.h5")
@@ -594,13 +589,7 @@ def test_report_of_a_cuda_run_names_the_gpu_and_its_bf16(tmp_path):
         model.cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with ampdoctor.watch(model, opt, None, path=path, every=5):
-            for x, y in batches(20):
-                with torch.autocast("cuda", dtype=dtype or torch.bfloat16,
-                                    enabled=dtype is not None):
-                    loss = F.cross_entropy(model(x.cuda()), y.cuda())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+            train(model, opt, None, steps=20, dtype=dtype, device="cuda")
         return path
 
     base, amp = record("fp32", None), record("bf16", torch.bfloat16)

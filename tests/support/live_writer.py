@@ -8,7 +8,7 @@ The live-view tests drive it through its stdin, one command a line, and wait for
     replay            a forensic snapshot for the last step (blocks.0.attn, forward)
     close STATUS      finish the file with STATUS and exit
 
-    python tests/live_writer.py run.h5 [--rank R --world W] [--host NAME]
+    python tests/support/live_writer.py run.h5 [--rank R --world W] [--host NAME]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``diagnose``'s evidence and history, ``top``'s screen, ``parity``'s table and the release
 report all show values through ``fmt``, so a loss scale or an abs max reads the same in each.
-(Fix snippets write Python literals instead: see ``diagnosis/fixes.py``.)
+(Fix snippets write Python literals instead: see ``diagnosis/fixes/registry.py``.)
 
 The rules:
 

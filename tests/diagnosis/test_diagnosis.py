@@ -840,7 +840,7 @@ def test_every_fix_snippet_is_valid_python():
     ("model-v2.blocks.0", 'model.get_submodule("model-v2.blocks.0")'),
 ])
 def test_island_snippet_names_the_users_module(path, expected):
-    assert expected in fixes._wrap_lines(path, "FP32Island")
+    assert expected in fixes.precision.wrap_lines(path, "FP32Island")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""Fixes for the training script's calls: the order of unscale_, clip, step and update, the
+scaler created once, gradients zeroed, micro-batches averaged, the LR scheduler stepped once
+per real optimizer step, BatchNorm statistics guarded.
+"""
+
+from __future__ import annotations
+
+from .registry import (
+    Advice,
+    Context,
+    Dose,
+    fix,
+    literal,
+    max_norm,
+)
+
+
+@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_",
+     manual="the order of the calls in the loop must change")
+def unscale_before_clip(c: Context) -> Advice:
+    norm = literal(c.clip_max_norm, "max_norm") if c.clip_max_norm else "max_norm"
+    snippet = ("scaler.scale(loss).backward()\n"
+               "scaler.unscale_(optimizer)  # first: gradients back to their true size\n"
+               f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={norm})"
+               + ("  # your max_norm" if c.clip_max_norm else "") + "\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()")
+    dose = Dose({"max_norm": c.clip_max_norm}, "the max_norm the run's clip_grad_norm_ "
+                "passed") if c.clip_max_norm else None
+    return ("Call scaler.unscale_(optimizer) before "
+            "clip_grad_norm_: clipping the scaled gradients measures a norm S times too "
+            "large and shrinks every update by the loss scale S.", snippet, dose)
+
+
+@fix("use_scaler_step", "call scaler.step(optimizer), never optimizer.step(), under a scaler",
+     manual="the loop's optimizer.step() call must change")
+def use_scaler_step(c: Context) -> Advice:
+    snippet = ("scaler.scale(loss).backward()\n"
+               f"scaler.step(optimizer)  # not optimizer.step(): {c.optimizer} would apply "
+               "scaled, unchecked gradients\n"
+               "scaler.update()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return ("Step the optimizer through the scaler: scaler.step(optimizer) "
+            "unscales the gradients and skips steps with inf/NaN; optimizer.step() applies "
+            "gradients that are still multiplied by the loss scale.", snippet)
+
+
+@fix("create_scaler_once", "create the GradScaler once and checkpoint its state",
+     manual="where the scaler is created is in the code")
+def create_scaler_once(c: Context) -> Advice:
+    snippet = (f'scaler = torch.amp.GradScaler("{c.device}")  # once, before the epoch loop\n'
+               "if \"scaler\" in checkpoint:\n"
+               "    scaler.load_state_dict(checkpoint[\"scaler\"])\n"
+               "for epoch in range(epochs):\n"
+               "    ...\n"
+               "checkpoint[\"scaler\"] = scaler.state_dict()")
+    return ("Create the GradScaler once, and save/restore its state "
+            "with checkpoints: a new scaler restarts at init_scale and skips steps to "
+            "recalibrate every time.", snippet)
+
+
+@fix("zero_grad_every_step", "zero the gradients after every step, skipped or not",
+     manual="the loop must call zero_grad")
+def zero_grad_every_step(c: Context) -> Advice:
+    snippet = ("scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "optimizer.zero_grad(set_to_none=True)  # every step, also when it was skipped")
+    return ("Zero the gradients after every optimizer step, "
+            "including skipped ones: an inf left in .grad makes every later step overflow.",
+            snippet)
+
+
+@fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
+     manual="the order of the calls in the loop must change")
+def fix_scaler_calls(c: Context) -> Advice:
+    clip, dose = max_norm(c)
+    snippet = ("for i, batch in enumerate(loader):\n"
+               f'    with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "        loss = compute_loss(model, batch) / accum_steps\n"
+               "    scaler.scale(loss).backward()\n"
+               "    if (i + 1) % accum_steps == 0:\n"
+               "        scaler.unscale_(optimizer)  # once, only on stepping iterations\n"
+               f"        torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})\n"
+               "        scaler.step(optimizer)\n"
+               "        scaler.update()  # once per iteration, after every step()\n"
+               "        optimizer.zero_grad(set_to_none=True)")
+    return ("Call unscale_, step and update once per optimizer step, in "
+            "that order (with gradient accumulation: only on the stepping iteration).",
+            snippet, dose)
+
+
+@fix("divide_loss_by_accum", "divide each micro-batch's loss by the number of micro-batches",
+     manual="the loss's code must change")
+def divide_loss_by_accum(c: Context) -> Advice:
+    snippet = ("for micro, (x, y) in enumerate(micro_batches):\n"
+               "    loss = criterion(model(x), y) / len(micro_batches)  # a mean, not a sum\n"
+               "    scaler.scale(loss).backward()")
+    return ("Divide each micro-batch's loss by the number of "
+            "micro-batches: .grad then holds their mean, which stays the size of one "
+            "micro-batch's gradient however many are accumulated.", snippet)
+
+
+@fix("scheduler_per_step", "step the LR scheduler once per optimizer step, not per micro-batch",
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
+def scheduler_per_step(c: Context) -> Advice:
+    snippet = ("for i, batch in enumerate(loader):\n"
+               "    loss = compute_loss(model, batch) / accum_steps\n"
+               "    loss.backward()\n"
+               "    if (i + 1) % accum_steps == 0:\n"
+               "        optimizer.step()\n"
+               "        optimizer.zero_grad(set_to_none=True)\n"
+               "        scheduler.step()  # here, once per optimizer step: not per micro-batch")
+    return ("Step the LR scheduler once per optimizer step: stepped once per micro-batch, a "
+            "warm-up reaches its peak as many times too early as there are micro-batches, and "
+            "the peak then hits a model that has not warmed up.", snippet)
+
+
+@fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran",
+     apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
+     "needs many steps")
+def scheduler_after_real_step(c: Context) -> Advice:
+    snippet = ("scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() >= scale:  # applied (a skipped step halves the scale)\n"
+               "    scheduler.step()\n"
+               "optimizer.zero_grad(set_to_none=True)")
+    return ("Step the LR scheduler only after a step the "
+            "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
+            "schedule that advances on them ends its warmup before the model trained.",
+            snippet)
+
+
+@fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them",
+     manual="the loop must guard the batches or restore the statistics")
+def guard_buffers(c: Context) -> Advice:
+    snippet = ("for x, y in loader:\n"
+               "    if not torch.isfinite(x).all():  # guard what reaches BatchNorm\n"
+               "        continue\n"
+               "    ...\n"
+               "# or undo a skipped step's statistics:\n"
+               'stats = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}\n'
+               "scale = scaler.get_scale()\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()\n"
+               "if scaler.get_scale() < scale:  # skipped: the forward saw inf/NaN\n"
+               "    model.load_state_dict(stats, strict=False)")
+    mod = f" ({c.module})" if c.module else ""
+    step = "a skipped step" if c.scaler else "a bad step"  # a run without a scaler skips none
+    return (f"GradScaler's skip protects the weights, not module "
+            f"buffers: the BatchNorm running statistics{mod} absorbed the inf/NaN of "
+            f"{step} and every eval is now NaN. Keep non-finite batches away from the "
+            "model, or restore the statistics when a step is skipped; recompute them "
+            "(a pass in train mode over clean data) to recover this run.", snippet)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from ..errors import AmpDoctorError
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..runfile.paths import resolve
 from . import forecast, job, proven, ranks, rankview
 from .facts import Facts
@@ -330,8 +330,8 @@ def _cause(x: Finding, role: str) -> dict:
 def _healthy_summary(f: Any) -> str:
     if not f.n:
         return ""
-    body = ("no non-finite loss or gradient reached the weights, and the loss scale behaved "
-            "normally.")
+    body = "no non-finite loss or gradient reached the weights" + (
+        ", and the loss scale behaved normally." if f.has_scaler else ".")
     stopped = f.stopped
     if stopped is None:
         return "No failure: " + body
@@ -345,7 +345,8 @@ def _checked(f: Any) -> list[Evidence]:
         return []
     s = f.steps
     finite = int(np.isfinite(s["loss"]).sum())
-    ev = [Evidence(f"{finite} of {f.n} losses finite, {int(f.skipped.sum())} steps skipped",
+    skipped = count(int(f.skipped.sum()), "step")
+    ev = [Evidence(f"{finite} of {f.n} losses finite, {skipped} skipped",
                    "finite_losses", float(finite))]
     if f.has_scaler:
         st = f.story

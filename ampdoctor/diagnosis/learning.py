@@ -31,9 +31,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..runfile.schema import Kind
-from . import curve, fixes
+from . import curve, fixes, schedule
 from .facts import Facts
 from .progress import precision_answer, untroubled
 from .thresholds import SHORT_RUN, UNCHANGED_HIGH
@@ -43,6 +43,9 @@ from .verdict import PRIORITY, Evidence, Finding, first_bad
 CONFIDENCE = 0.4
 # ... and less when no sampled step looked at the gradients and updates.
 UNMEASURED_CONFIDENCE = 0.3
+# A scheduler stepped per micro-batch is a bug the run shows, named first; that it is why the
+# loss is flat is likely, not shown.
+SCHEDULER_CONFIDENCE = 0.5
 
 
 def rule_not_learning(f: Facts) -> Optional[Finding]:
@@ -60,6 +63,20 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                else f"{clean} (no sampled step measured the gradients and updates: record with "
                "`--every N`)")
     why = " Not a precision problem: fp32 would do the same." if answer.value else ""
+    sched = schedule.per_micro(f)
+    if sched is not None:  # a cause the run shows, though not one that proves the flat loss
+        ev.insert(0, sched)
+        return Finding("not_learning", SCHEDULER_CONFIDENCE,
+                       f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> "
+                       f"{fmt(c.end)}), and the LR scheduler stepped {int(sched.value or 0)} "
+                       "times per optimizer step: its schedule ran that many times too fast (a "
+                       "warm-up at its peak that many times too early, a decay as much too "
+                       f"soon). {checked[0].upper() + checked[1:]}.{why} Step the scheduler "
+                       "once per optimizer step first; if the loss still does not fall, the "
+                       "usual causes are the data, the learning rate and the loss.", ev,
+                       fixes.make(["scheduler_per_step", "overfit_one_batch"],
+                                  f.fix_context(step=int(sched.step or 0))),
+                       first_bad(sched.step, None, None), priority=PRIORITY["not_learning"])
     return Finding("not_learning", CONFIDENCE if measured else UNMEASURED_CONFIDENCE,
                    f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> {fmt(c.end)}) "
                    f"and no cause was found: {checked}.{why} The numbers ampdoctor records "
@@ -124,7 +141,7 @@ def _scale_evidence(f: Facts) -> list[Evidence]:
         return []
     st = f.story
     return [Evidence(f"the loss scale went {fmt(st.init_scale)} -> {fmt(st.final_scale)} "
-                     f"(lowest {fmt(st.min_scale)}), {int(f.skipped.sum())} steps skipped",
+                     f"(lowest {fmt(st.min_scale)}), {count(int(f.skipped.sum()), 'step')} skipped",
                      "loss_scale", st.final_scale)]
 
 

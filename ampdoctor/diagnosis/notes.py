@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..runfile import schema
 from ..runfile.schema import Event
 from . import ranks, reproduced
@@ -106,7 +106,8 @@ def _coverage_notes(f: Any, top: Finding) -> list[str]:
                    "growth, bf16 rounding and BatchNorm buffers could not be checked. Record "
                    "with `--every N` (N below the run length) to measure them.")
     elif f.sampled_steps < 3 and top.verdict == "healthy":
-        out.append(f"Only {f.sampled_steps} sampled step(s): trends are measured on few points.")
+        out.append(f"Only {count(f.sampled_steps, 'sampled step')}: trends are measured on few "
+                   "points.")
     if f.n < SHORT_RUN and top.verdict == "healthy":
         out.append(f"Only {f.n} steps were recorded: whether the loss falls is judged from "
                    f"{SHORT_RUN} steps on, and failures that build up over time (LR-driven "
@@ -194,16 +195,31 @@ def _risks(f: Any) -> list[str]:
                    "parameters missing from the optimizer, a loss weight of 0).")
     story = f.story
     if f.has_scaler and story.post_skips and story.benign:
-        out.append(f"GradScaler skipped {int(f.skipped.sum())} step(s) "
-                   f"({story.calib_len} while calibrating, {story.post_skips} later, each "
-                   "with a finite loss): normal probing, not a failure.")
+        skipped = count(int(f.skipped.sum()), "step")
+        if _scale_grew(f):  # a skip after the scale doubled: GradScaler probing upwards
+            out.append(f"GradScaler skipped {skipped} ({story.calib_len} while calibrating, "
+                       f"{story.post_skips} later, each with a finite loss): normal probing, "
+                       "not a failure.")
+        else:  # the scale never grew, so no skip was a probe of a higher scale
+            out.append(f"GradScaler skipped {skipped} ({story.calib_len} while calibrating, "
+                       f"{story.post_skips} later, each with a finite loss, the scale never "
+                       "having grown): a batch now and then whose scaled gradients pass fp16's "
+                       "range; each skip halved the scale. Not a failure unless it goes on.")
     elif f.has_scaler and story.post_skips and not reproduced.notes(f):  # (that note says it)
         out.append(f"GradScaler skipped {story.post_skips} steps after calibration, more often "
                    "than probing explains (gradients overflowing fp16 at the current scale); "
                    f"each skip halved the scale, now {fmt(story.final_scale)}. Not a failure yet: "
                    "watch for a falling scale.")
     elif f.has_scaler and f.story.calib_len:
-        out.append(f"GradScaler skipped the first {f.story.calib_len} step(s) while it "
+        out.append(f"GradScaler skipped the first {count(f.story.calib_len, 'step')} while it "
                    "calibrated its scale: normal.")
     return out
 
+
+def _scale_grew(f: Any) -> bool:
+    """Did GradScaler's scale ever grow (a clean growth interval passed) in the run?"""
+    scale = f.steps["scale"].astype(np.float64)
+    after = f.steps["scale_after"].astype(np.float64) if "scale_after" in (
+        f.steps.dtype.names or ()) else scale
+    with np.errstate(invalid="ignore"):
+        return bool(np.any(after > scale))

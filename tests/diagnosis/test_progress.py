@@ -11,7 +11,7 @@ from synthetic import Synth
 from ampdoctor.diagnosis import curve, engine, learning, progress
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
-from ampdoctor.runfile.schema import Kind
+from ampdoctor.runfile.schema import Event, Kind
 
 
 def verdict(s: Synth):
@@ -367,6 +367,20 @@ def test_not_learning_without_sampled_steps_says_what_could_not_be_checked():
     d = verdict(_flat(every=0))
     assert d.verdict == "not_learning" and d.confidence == learning.UNMEASURED_CONFIDENCE
     assert evidence(d, "not_measured") is not None and "--every N" in d.summary
+
+
+def test_a_flat_loss_with_a_scheduler_stepped_per_micro_batch_names_the_scheduler():
+    """The new user's sched_micro.py at peak 1: no blow-up, a flat loss, and the file holds the
+    recorder's SCHEDULER_STEPS event (8 steps per optimizer step): the scheduler is named, its
+    fix first, not "no cause was found"."""
+    s = _flat()
+    s.event(3, Event.SCHEDULER_STEPS, "LambdaLR", value=8)
+    d = verdict(s)
+    assert d.verdict == "not_learning" and d.confidence == learning.SCHEDULER_CONFIDENCE, str(d)
+    assert [fx.id for fx in d.fixes] == ["scheduler_per_step", "overfit_one_batch"]
+    assert evidence(d, "scheduler_per_micro").value == 8 and d.first_bad["step"] == 3
+    assert "stepped 8 times per optimizer step" in d.summary
+    assert "no cause was found" not in d.summary
 
 
 def test_a_loss_that_fell_within_its_own_noise_did_not_fall():

@@ -168,7 +168,8 @@ def scale_attention(c: Context) -> Advice:
                "scores = q @ k.transpose(-2, -1)\n"
                "attn = torch.softmax(scores.float(), dim=-1).to(v.dtype)\n"
                "# or let PyTorch's fused kernel do all of it:\n"
-               "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)")
+               "out = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # + your mask,\n"
+               "# attn_mask=mask, or is_causal=True for a causal one")
     return (f"Cheaper than an island: in {cls}, pre-scale the query by "
             "1/sqrt(head_dim) before q @ k^T (or use scaled_dot_product_attention).", snippet)
 

@@ -1127,6 +1127,18 @@ def test_a_failure_the_replay_does_not_reproduce_is_the_machine():
     assert "batch held" not in texts + d.summary  # no batch is blamed: the replay found it finite
 
 
+def test_the_machine_fixes_name_the_recorded_command_and_the_device_kind():
+    ctx = fixes.Context(device="cuda", rank=3, step=12, argv=["pretrain.py", "--lr", "3e-4"],
+                        world_size=8)
+    device, rerun = fixes.make(["test_device", "rerun_elsewhere"], ctx)
+    assert "nvidia-smi" in device.snippet and "rank 3" in device.snippet
+    assert '"python", "pretrain.py", "--lr", "3e-4"]' in rerun.snippet
+    assert "CUDA_VISIBLE_DEVICES" in rerun.snippet and "one rank of 8" in rerun.snippet
+    cpu = fixes.make(["rerun_elsewhere"], fixes.Context(device="cpu", argv=["t.py"]))[0]
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.snippet and "another host" in cpu.snippet
+    assert "one rank of" not in cpu.snippet
+
+
 def test_one_unreproduced_skip_in_a_healthy_run_is_a_note_not_a_verdict():
     s = Synth(60)
     s.skip([20], loss_nan=True)

@@ -4,6 +4,7 @@ model that does not learn, and a NaN the replay does not reproduce (the device, 
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from .registry import (
@@ -112,14 +113,29 @@ def test_device(c: Context) -> Advice:
     """A failure that did not reproduce on the same batch and weights: the device first."""
     where = f"rank {c.rank}'s device" if c.rank is not None else "the device"
     who = f"rank {c.rank}" if c.rank is not None else "each rank"
-    snippet = ("import socket, subprocess\n"
-               f"# where {who} runs (log it on every rank):\n"
-               "print(socket.gethostname(), torch.cuda.current_device(), "
-               "torch.cuda.get_device_name())\n"
-               "# on that host, the vendor's diagnostics (AMD: rocm-smi --showrasinfo all, rvs)\n"
-               'subprocess.run(["nvidia-smi", "-q", "-d", "ECC,PAGE_RETIREMENT,ROW_REMAPPER"])\n'
-               'subprocess.run(["dcgmi", "diag", "-r", "3"])  # memory, compute, PCIe stress\n'
-               "# and keep the node out of the job (the scheduler's exclude list) until it passes")
+    if c.device == "cuda":
+        snippet = ("import socket, subprocess\n"
+                   f"# where {who} runs (log it on every rank):\n"
+                   "print(socket.gethostname(), torch.cuda.current_device(), "
+                   "torch.cuda.get_device_name())\n"
+                   "# on that host, the vendor's diagnostics (AMD: rocm-smi --showrasinfo all, "
+                   "rvs)\n"
+                   'subprocess.run(["nvidia-smi", "-q", "-d", "ECC,PAGE_RETIREMENT,'
+                   'ROW_REMAPPER"])\n'
+                   'subprocess.run(["dcgmi", "diag", "-r", "3"])  # memory, compute, PCIe '
+                   "stress\n"
+                   "# and keep the node out of the job (the scheduler's exclude list) until it "
+                   "passes")
+    else:
+        snippet = ("import socket\n"
+                   f"# where {who} runs (log it on every rank):\n"
+                   "print(socket.gethostname())\n"
+                   "# on that host: the kernel's record of corrected and uncorrected memory "
+                   "errors,\n"
+                   "#   grep . /sys/devices/system/edac/mc/mc*/[cu]e_count; journalctl -k | grep "
+                   "-i mce\n"
+                   "# a memory test (memtester, or the vendor's), and keep the host out of the "
+                   "job until it passes")
     return (f"Test {where} with the vendor's diagnostics, and keep it out of the job until it "
             "passes: a NaN that the same step on the same batch and weights does not repeat "
             "is the machine's, and a faulty GPU tends to do it again.", snippet)
@@ -130,12 +146,16 @@ def test_device(c: Context) -> Advice:
      replay="the replay ran on the same device")
 def rerun_elsewhere(c: Context) -> Advice:
     step = c.step if c.step is not None else "S"
+    command = json.dumps(["ampdoctor", "record", "-o", "rerun.h5", "--", "python",
+                          *(c.argv or ["train.py"])])
+    launched = (f"# (one rank of {c.world_size}: re-run it the way the job was launched, "
+                "torchrun included)\n" if c.world_size > 1 else "")
+    run = (f'subprocess.run({command},\n'
+           '               env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})  # another GPU\n'
+           if c.device == "cuda" else f"subprocess.run({command})  # on another host\n")
     snippet = ("import os, subprocess\n"
                f"# resume from the last checkpoint before step {step}, same data order, on "
-               "another GPU\n"
-               'subprocess.run(["ampdoctor", "record", "-o", "rerun.h5", "--", "python", '
-               '"train.py"],\n'
-               '               env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})\n'
+               "another device\n" + launched + run +
                f"# step {step} finite there: this device is at fault; non-finite again: the "
                "numbers are")
     return ("Re-run the failing step on another device: resume from a checkpoint before it "

@@ -9,6 +9,7 @@ support/ goes on ``sys.path`` once, here, before any test module is imported.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -20,6 +21,13 @@ from testenv import PYTHON, ROOT, SUPPORT, python_env  # what tests import from 
 __all__ = ["PYTHON", "ROOT", "SUPPORT", "python_env"]
 
 pytest_plugins = ["pytester"]  # test_amp_step runs a user's pytest session with the plugin
+
+# A suite started in the background (``cmd &`` in a script, nohup) inherits SIGINT ignored, and
+# every process it starts would too (an ignored signal survives exec): the tests that press
+# Ctrl-C (record forwarding SIGINT, top quitting on it) would wait in vain. With the handler
+# Python installs in a terminal, the children get SIGINT's default again, as a user's do.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -72,7 +72,7 @@ part gpt2 95 "${bench[@]}" --workload gpt2 "${big[@]}" --json "$out/gpt2.json"
 part tiny 45 "${bench[@]}" --workload gpt "${small[@]}" --json "$out/tiny.json"
 part memory 60 "${bench[@]}" --memory --workload lm --config fused,bf16 "${memory[@]}" \
     --json "$out/memory.json"
-part tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+part tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests  # one GPU: serial
 
 jsons=()
 for name in gpt2 tiny memory; do

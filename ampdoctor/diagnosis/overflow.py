@@ -481,5 +481,11 @@ def lr_evidence(f: Facts) -> list[Evidence]:
     reach = int(np.flatnonzero(lr >= peak * 0.999)[0])
     rising = reach > 0 and lr[0] < peak * 0.5
     text = f"the LR was {fmt(at)} at the failure (peak {fmt(peak)}"
-    text += f", reached at step {f.step_at(reach)} after a warmup)" if rising else ")"
+    last = len(lr) - 1
+    if rising and reach == last and last > 0 and lr[last] > lr[last - 1]:
+        # the highest it got, not a peak: the warm-up was still rising when the run ended
+        text = (f"the LR was {fmt(at)} at the failure (the highest it reached, {fmt(peak)} at "
+                f"step {f.step_at(reach)}, still rising in a warm-up when the run ended)")
+    else:
+        text += f", reached at step {f.step_at(reach)} after a warmup)" if rising else ")"
     return [Evidence(text, "lr_at_failure", at, f.step_at(fi))]

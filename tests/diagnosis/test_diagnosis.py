@@ -188,6 +188,20 @@ def test_lr_overflow_when_weights_grew_before_the_overflow():
     keys = {e.key for e in d.evidence}
     assert {"weight_norm_growth", "update_ratio", "activation_growth"} <= keys
     assert "lr_at_failure" in keys
+    assert "peak 0.2, reached at step 40 after a warmup" in next(
+        e.text for e in d.evidence if e.key == "lr_at_failure")
+
+
+def test_a_warm_up_still_rising_at_the_end_has_no_peak_to_name():
+    """The new user's schedule of peak 3 that ended at 1.6: the highest LR recorded is no peak
+    'reached after a warmup'."""
+    s = _growing(Synth(120, lr=0.2), 80)
+    s.set("lr", np.arange(120) / 600)
+    s.skip(range(80, 120), loss_nan=True)
+    s.snapshot(80, "forward", "trunk.2", "Linear", fp32_finite=0)
+    text = next(e.text for e in verdict(s).evidence if e.key == "lr_at_failure")
+    assert "still rising in a warm-up when the run ended" in text and "119" in text, text
+    assert "after a warmup" not in text
 
 
 def test_steady_weights_make_it_an_unstable_op_not_the_lr():

@@ -383,7 +383,8 @@ def original(fn: Any) -> Any:
     return getattr(fn, _MARK, fn)
 
 
-def _scheduler_classes() -> list[type]:
+def scheduler_classes() -> list[type]:
+    """torch's LRScheduler and every subclass of it defined so far (the user's included)."""
     base = torch.optim.lr_scheduler.LRScheduler
     classes, todo = [], [base]
     while todo:
@@ -407,7 +408,7 @@ def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
             return orig(self, *args, **kwargs)
         return wrapper
 
-    for cls in _scheduler_classes():
+    for cls in scheduler_classes():
         if "step" in cls.__dict__:
             patches.add(Patch(cls, "step", make))
 

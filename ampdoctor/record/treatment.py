@@ -377,13 +377,6 @@ def _scheduler_gate(patch_set: patches.PatchSet) -> None:
         return step
 
     patch_set.add(optimizer_hooks.register_optimizer_step_post_hook(counted))
-    base = torch.optim.lr_scheduler.LRScheduler
-    classes, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    for cls in classes:
+    for cls in patches.scheduler_classes():
         if "step" in cls.__dict__:
             patch_set.add(patches.Patch(cls, "step", make))

@@ -196,7 +196,7 @@ def _risks(f: Any) -> list[str]:
     story = f.story
     if f.has_scaler and story.post_skips and story.benign:
         skipped = count(int(f.skipped.sum()), "step")
-        if _scale_grew(f):  # a skip after the scale doubled: GradScaler probing upwards
+        if story.grew:  # a skip after the scale doubled: GradScaler probing upwards
             out.append(f"GradScaler skipped {skipped} ({story.calib_len} while calibrating, "
                        f"{story.post_skips} later, each with a finite loss): normal probing, "
                        "not a failure.")
@@ -214,12 +214,3 @@ def _risks(f: Any) -> list[str]:
         out.append(f"GradScaler skipped the first {count(f.story.calib_len, 'step')} while it "
                    "calibrated its scale: normal.")
     return out
-
-
-def _scale_grew(f: Any) -> bool:
-    """Did GradScaler's scale ever grow (a clean growth interval passed) in the run?"""
-    scale = f.steps["scale"].astype(np.float64)
-    after = f.steps["scale_after"].astype(np.float64) if "scale_after" in (
-        f.steps.dtype.names or ()) else scale
-    with np.errstate(invalid="ignore"):
-        return bool(np.any(after > scale))

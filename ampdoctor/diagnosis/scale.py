@@ -70,6 +70,7 @@ class ScaleStory:
     init_scale: float = math.nan
     growth_interval: int = 2000
     halvings: int = 0  # post-calibration halvings not recovered by growth (log2 fall)
+    grew: bool = False  # the scale grew at some step (a clean growth interval passed)
 
     @property
     def benign(self) -> bool:
@@ -101,6 +102,8 @@ def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray)
     story.init_scale = float(info.get("init_scale") or finite_scale[0])
     story.growth_interval = int(info.get("growth_interval") or 2000)
     story.min_scale = float(finite_scale.min())
+    with np.errstate(invalid="ignore"):
+        story.grew = bool(np.any(after > scale))
     story.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(finite_scale[-1])
     _calibration(story, skipped, scale, after, loss_bad)
     _probing(story, skipped, loss_bad)

@@ -44,6 +44,7 @@ from ..diagnosis import layers as _layers
 from ..diagnosis.layers import Kind
 from ..display import Displayable
 from ..errors import AmpDoctorError
+from ..numfmt import count
 from ..runfile.store import opened
 from . import fix_outcome
 from .curves import LOSS_FLOOR, percent, relative, trailing
@@ -240,7 +241,7 @@ def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
     final = f"final {percent(c.final_rel)} at step {c.final_step}"
     if c.verdict == "match":
         return f"{who} matches {ref} within {percent(rtol)}{mean}: {worst}, {final}."
-    extra = (f"; {c.nonfinite_count} non-finite step" + ("s" if c.nonfinite_count > 1 else "")
+    extra = (f"; {count(c.nonfinite_count, 'non-finite step')}"
              + " the baseline did not have") if c.nonfinite_count else ""
     return (f"{who} drifts from {ref} beyond {percent(rtol)}{mean} without diverging: {worst}, "
             f"{final}{extra}.")

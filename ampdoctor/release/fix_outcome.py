@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..runfile.schema import Event, flag
 from .curves import LOSS_FLOOR, percent, relative, trailing
 from .readiness import precision
@@ -268,7 +268,7 @@ def _losses(o: dict, ranges: bool = True) -> str:
         out = "no non-finite loss"
     if skipped:
         out += (", every step skipped" if skipped == n else
-                f", {skipped} step{'s' if skipped > 1 else ''} skipped")
+                f", {count(skipped, 'step')} skipped")
     first, last = o["first_loss"], o["last_loss"]
     if not ranges or not (first and last):
         return out

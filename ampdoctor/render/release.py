@@ -17,7 +17,7 @@ import json
 from typing import Any, Optional
 
 from ..display import renders
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..release.comparison import Comparison
 from ..release.curves import percent as _pct
 from ..release.report import ReleaseReport
@@ -30,7 +30,6 @@ from .tables import html_table as _table
 from .tables import kv_table as _kv_table
 from .tables import md_table as _md_table
 from .tables import nbytes as _bytes
-from .tables import plural as _plural
 from .tables import ratio as _ratio
 from .tables import run_label as _run_label
 from .tables import scale as _scale
@@ -99,7 +98,7 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
         frac = f", {_pct(x.over)} of values" if x.over else ""
         out.append((x.name, x.kind, f"overflows fp16: abs max {fmt(x.absmax)}{frac}"
                     + (f" (unscaled {fmt(x.absmax / x.scale)})" if x.scale != 1 else ""),
-                    f"{_plural(x.over_steps, 'sampled step')}, first at step {x.first_over}"
+                    f"{count(x.over_steps, 'sampled step')}, first at step {x.first_over}"
                     if x.first_over is not None else _step(x.absmax_step)))
     for x in r.near:
         out.append((x.name, x.kind, f"within 2x of fp16's max: abs max {fmt(x.absmax)}",
@@ -112,7 +111,7 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
                     _step(x.sub_step)))
     for x in r.nonfinite:
         out.append((x.name, x.kind, "NaN or inf",
-                    f"{_plural(x.nonfinite_steps, 'sampled step')}, first at step "
+                    f"{count(x.nonfinite_steps, 'sampled step')}, first at step "
                     f"{x.first_nonfinite}"))
     return out[:READINESS_ROWS]
 
@@ -172,7 +171,7 @@ def comparison_text(c: Any) -> str:
     lines += [f"  {k:<{width}}  {v}" for k, v in comparison_rows(c)[1:]]
     if c.layers:
         lines += ["", f"layers that differ most (rms of the mixed-precision run over the "
-                      f"baseline's, {_plural(c.layer_steps, 'common sampled step')}, "
+                      f"baseline's, {count(c.layer_steps, 'common sampled step')}, "
                       "gradients unscaled):"]
         lines += _text_table(LAYER_DIFF_HEAD, layer_diff_rows(c), indent="  ")
     rng = c.amp_range
@@ -204,7 +203,7 @@ def comparison_markdown(c: Any, level: int = 2) -> str:
     if c.layers:
         out += [f"{h}# Layers that differ most", "",
                 f"rms of the mixed-precision run over the baseline's on "
-                f"{_plural(c.layer_steps, 'common sampled step')}, gradients unscaled.", ""]
+                f"{count(c.layer_steps, 'common sampled step')}, gradients unscaled.", ""]
         out += _md_table(LAYER_DIFF_HEAD, layer_diff_rows(c)) + [""]
     rng = c.amp_range
     if rng:
@@ -392,8 +391,8 @@ def _readiness_html(rd: Any, images: dict[str, bytes]) -> str:
     if rows:
         out.append(_table(("layer", "kind", "finding", "where"), rows))
     if rd.layers:
-        out.append(f'<p class="muted">From {_plural(rd.sampled_steps, "sampled step")}, '
-                   f"{_plural(len(rd.layers), 'layer tensor')}; gradients "
+        out.append(f'<p class="muted">From {count(rd.sampled_steps, "sampled step")}, '
+                   f"{count(len(rd.layers), 'layer tensor')}; gradients "
                    + ("at the run's loss scale" if rd.scaled else "unscaled") + ".</p>")
     if "grad_underflow" in images:
         out.append(_figure("grad_underflow", images["grad_underflow"],
@@ -418,7 +417,7 @@ def _comparison_html(c: Any, images: dict[str, bytes]) -> str:
     if c.layers:
         out.append(f"<h3>Layers that differ most</h3><p class=\"muted\">rms of the mixed-"
                    f"precision run over the baseline's on "
-                   f"{_plural(c.layer_steps, 'common sampled step')}, gradients unscaled.</p>")
+                   f"{count(c.layer_steps, 'common sampled step')}, gradients unscaled.</p>")
         out.append(_table(LAYER_DIFF_HEAD, layer_diff_rows(c)))
     for note in c.notes:
         out.append(f'<p class="muted">Note: {_esc(note)}</p>')

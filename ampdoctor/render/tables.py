@@ -56,10 +56,6 @@ def step(x: Optional[int]) -> str:
     return "-" if x is None else f"step {x}"
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def run_label(info: dict) -> str:
     """'run.h5 (float16 + GradScaler, CPU x86_64)', with what ``record --apply`` applied:
     ``info`` is ``comparison.describe``'s."""

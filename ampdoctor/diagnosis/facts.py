@@ -406,7 +406,8 @@ class Facts:
         lr = float(lrs.max()) if len(lrs) else hyper.get("lr")
         if module and not module_type:
             module_type = self.module_type(module)
-        clip = (self.run.clip or {}).get("max_norm")
+        clip_call = self.run.clip or {}
+        clip, value = clip_call.get("max_norm"), clip_call.get("clip_value")
         return Context(device=self.device_type, optimizer=opt.get("class") or "AdamW",
                        lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
                        growth_interval=scaler.get("growth_interval"), module=module,
@@ -418,8 +419,8 @@ class Facts:
                        params=self.own_params(module) if module else [],
                        argv=[str(a) for a in self.run.attrs.get("argv") or []],
                        world_size=int(self.run.attrs.get("world_size") or 1),
-                       clip_max_norm=float(clip) if isinstance(clip, (int, float)) and
-                       not isinstance(clip, bool) else None,
+                       clip_max_norm=_number(clip), clip_value=_number(value),
+                       clip_call=str(clip_call.get("how") or "clip_grad_norm_"),
                        replayed=self.failure_replayed, measure=self.doses)
 
     @property
@@ -553,3 +554,9 @@ def _phase_name(code: int) -> str:
 def _num(v: Any) -> Any:
     """A plain Python number; NaN stays NaN (the text report prints it, JSON makes it null)."""
     return v.item() if isinstance(v, np.generic) else v
+
+
+def _number(value: Any) -> Optional[float]:
+    """A number as /meta recorded it (a tensor argument was recorded as "tensor")."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None

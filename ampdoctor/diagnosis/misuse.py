@@ -76,7 +76,8 @@ def rule_exception(f: Facts) -> Optional[Finding]:
 
 
 def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
-    """C6a: clip_grad_norm_ on scaled gradients (the event, or the norm it returned ~ S x)."""
+    """C6a: a clip on scaled gradients (the event, or the norm clip_grad_norm_ returned, or
+    clip_grads_with_norm_ was given, ~ S x)."""
     if not f.n or not f.has_scaler:
         return None
     ev_rows = f.events(Event.CLIP_BEFORE_UNSCALE)
@@ -93,14 +94,15 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
         return None
     first = int(ev_rows["step"][0]) if len(ev_rows) else f.first(scaled)
     ev = []
+    how = _clip_call(f)
     if len(ev_rows):
-        ev.append(Evidence(f"clip_grad_norm_ ran before scaler.unscale_ on {len(ev_rows)} steps "
+        ev.append(Evidence(f"{how} ran before scaler.unscale_ on {len(ev_rows)} steps "
                            f"(first at step {first})", "clip_before_unscale_steps",
                            float(len(ev_rows)), first))
     if scaled.any():
         i = int(np.flatnonzero(scaled)[0])
         ev.append(Evidence(
-            f"at step {f.step_at(i)} clip_grad_norm_ measured {fmt(clip[i])} while the true "
+            f"at step {f.step_at(i)} {how} measured {fmt(clip[i])} while the true "
             f"(unscaled) norm was {fmt(norm[i])}: a ratio of {fmt(ratio[i])}, the loss scale "
             f"{fmt(scale[i])}", "clip_norm_over_grad_norm", float(ratio[i]), f.step_at(i)))
         ev.append(Evidence(f"{int(scaled.sum())} of {int(ran.sum())} clipped steps clipped a "
@@ -108,11 +110,20 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
     cut = _clip_cut(f, clip, ran)
     if cut:
         ev.append(cut)
+    sees = ("the loss-scaled values (S times too large), so it cuts them at a bound S times "
+            "too tight" if how == "clip_grad_value_" else "the loss-scaled norm (S times too "
+            "large), so every step is cut down by the scale")
     return _misuse(f, "clip_before_unscale", 0.95 if len(ev_rows) else 0.85,
-                   "Gradients are clipped before scaler.unscale_: clip_grad_norm_ sees the "
-                   "loss-scaled norm (S times too large), so every step is cut down by the "
-                   "scale and the model barely learns.", ev, "unscale_before_clip", first,
-                   "optimizer")
+                   f"Gradients are clipped before scaler.unscale_: {how} sees {sees} and the "
+                   "model barely learns.", ev, "unscale_before_clip", first, "optimizer")
+
+
+def _clip_call(f: Facts) -> str:
+    """The clip function the run called (/meta ``clip``'s ``how``; files written before it was
+    recorded clipped only through clip_grad_norm_)."""
+    how = (f.run.clip or {}).get("how")
+    return how if how in ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_") \
+        else "clip_grad_norm_"
 
 
 def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:
@@ -123,7 +134,7 @@ def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]
         return None
     seen = float(np.median(clip[ran]))
     clipped = float(np.mean(clip[ran] > max_norm))
-    return Evidence(f"clip_grad_norm_(max_norm={fmt(float(max_norm))}) saw a median norm of "
+    return Evidence(f"{_clip_call(f)}(max_norm={fmt(float(max_norm))}) saw a median norm of "
                     f"{fmt(seen)}: {clipped:.0%} of the clipped steps were cut, to "
                     f"1/{fmt(seen / max_norm)} of their size", "clip_cut",
                     seen / max_norm if seen > max_norm else 1.0)

@@ -57,7 +57,8 @@ CALLS = 2  # a re-created scaler and un-zeroed gradients show on the second call
 
 # Every violation id check_amp_step reports, with what it means (docs/before-a-long-run.md's table).
 VIOLATIONS = {
-    "clip_before_unscale": "clip_grad_norm_ ran on scaled gradients, before scaler.unscale_",
+    "clip_before_unscale": "a clip (clip_grad_norm_, clip_grads_with_norm_, clip_grad_value_) "
+                           "ran on scaled gradients, before scaler.unscale_",
     "step_bypasses_scaler": "optimizer.step() called directly while a GradScaler scales the loss",
     "step_without_update": "scaler.step(optimizer) with no scaler.update() after it",
     "unscale_twice": "scaler.unscale_ more than once per optimizer step",

@@ -20,7 +20,8 @@ The order of one scaled step, and what each hook adds::
     before_backward  a micro-batch (and the loss, without a scaler)
     before_unscale   gradients complete: sampled gradient statistics
     after_unscale    found_inf staged for the skip decision (non-fused optimizers)
-    before_clip / after_clip         the clip config, the pre-clip norm
+    before_clip / after_clip         the clip config, the pre-clip norm (every clip of
+                                     torch.nn.utils, the split API's included)
     enter_scaler_step / before_optimizer_step / after_optimizer_step / exit_scaler_step
     before_update    scale, found_inf, grad norm; the skip decided (or deferred)
     after_update     the scale after; the step ends
@@ -71,7 +72,7 @@ class Hooks:
         # longer than the watch's first mark, so that a flat stretch may hold no sampled step
         if self._probe is not None and every > flatloss.FIRST:
             log.flat = flatloss.FlatLoss()
-        self._clip_config: Optional[dict] = None  # clip_grad_norm_'s arguments, last written
+        self._clip_config: Optional[dict] = None  # the last clip's call, as last written
         self._schedules = Schedules(journal)
 
     def fault(self, exc: BaseException, where: str) -> None:
@@ -294,8 +295,9 @@ class Hooks:
                 self.skips.stage_found(scaler, optimizer)
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None:
-        """``config``: max_norm, norm_type, foreach as called (``patches.clip_config``), kept
-        in /meta ``clip`` whenever it changes (Python values only: no host read)."""
+        """``config``: the clip function, max_norm (or clip_value), norm_type, foreach as
+        called (``patches.clip_config``), kept in /meta ``clip`` whenever it changes (Python
+        values only: no host read)."""
         self.skips.settle()
         st = self.log.step
         if config is not None and config != self._clip_config:
@@ -306,9 +308,13 @@ class Hooks:
                 self.journal.event(Event.CLIP_BEFORE_UNSCALE, st)
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         self._grads_ready(fallback=params)
+        if config is not None and config.get("how") == "clip_grad_value_":
+            self._ensure_grad_norm()  # it returns no norm: the pre-clip one is taken now
 
     def after_clip(self, total_norm: Any, combined: bool = False) -> None:
-        """``combined``: FSDP1's ``model.clip_grad_norm_`` returned it (a global norm)."""
+        """``total_norm``: the pre-clip norm (``clip_grad_norm_``'s result, the ``total_norm``
+        given to ``clip_grads_with_norm_``); ``combined``: FSDP1's ``model.clip_grad_norm_``
+        returned it (a global norm)."""
         if isinstance(total_norm, torch.Tensor):
             st = self.log.step
             st.clip_norm, whole = sharding.clip_result(total_norm, self.watched.sharding,

@@ -64,7 +64,7 @@ class SchedulerListener(Faults, Protocol):
 
 
 class Listener(TrainingListener, SchedulerListener, Protocol):
-    """The recorder's doors besides: ``clip_grad_norm_`` (``patch_clip``,
+    """The recorder's doors besides: the clips of ``torch.nn.utils`` (``patch_clip``,
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
     discovering or sampling, ``hook_module_calls`` for the sampled step's op probe),
     ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``), the torch loss

@@ -5,8 +5,9 @@ A recorder sees a training loop through seven doors, all opened here and nowhere
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
 * ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
-* ``torch.nn.utils.clip_grad_norm_`` (and FSDP1's ``clip_grad_norm_`` method, patched once
-  a sharded model is seen): the pre-clip norm and the unscale/clip order;
+* the clips of ``torch.nn.utils`` (``clip_grad_norm_``, ``get_total_norm`` +
+  ``clip_grads_with_norm_``, ``clip_grad_value_``; FSDP1's ``clip_grad_norm_`` method, patched
+  once a sharded model is seen): the pre-clip norm and the unscale/clip order;
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
   a step given a closure (Lightning, LBFGS) runs forward and backward inside ``step``, so the
   pre-step work waits until the closure has returned;
@@ -200,41 +201,84 @@ def patch_backward(patches: PatchSet, listener: TrainingListener) -> None:
     patches.add(Patch(torch.autograd, "backward", make))
 
 
-def patch_clip(patches: PatchSet, listener: Listener) -> None:
-    """See ``clip_grad_norm_``: grads before clipping, the norm it returns, and call order."""
-    require(listener, Listener)
+# The public clip functions of ``torch.nn.utils`` and how each is seen: ``clip_grad_norm_``
+# computes the norm and clips; the split API of torch >= 2.6 (accelerate >= 1.16, torchtitan)
+# computes it with ``get_total_norm`` and hands it to ``clip_grads_with_norm_``, whose
+# ``total_norm`` is the pre-clip norm; ``clip_grad_value_`` clips each element and returns none.
+CLIPS = {
+    "clip_grad_norm_": ("max_norm", "norm_type", "error_if_nonfinite", "foreach"),
+    "clip_grads_with_norm_": ("max_norm", "total_norm", "foreach"),
+    "clip_grad_value_": ("clip_value", "foreach"),
+}
 
-    def make(orig):
+
+def patch_clip(patches: PatchSet, listener: Listener) -> None:
+    """See every clip of ``torch.nn.utils`` (``CLIPS``): the parameters and the call's settings
+    before it (``before_clip``), the pre-clip norm after it (``after_clip``). Patched in
+    ``torch.nn.utils.clip_grad`` and under the same name in ``torch.nn.utils``; a clip called
+    inside another (torch versions whose ``clip_grad_norm_`` calls the public split functions)
+    is the outer one's, told once."""
+    require(listener, Listener)
+    depth = [0]
+
+    def make(orig: Callable, name: str) -> Callable:
         @functools.wraps(orig)
         def wrapper(parameters, *args, **kwargs):
+            if depth[0] or _compiling():
+                return orig(parameters, *args, **kwargs)
             if not isinstance(parameters, torch.Tensor):
                 parameters = list(parameters)  # a generator can be read only once
-            guard(listener, "before_clip", parameters, clip_config(args, kwargs))
-            out = orig(parameters, *args, **kwargs)
-            guard(listener, "after_clip", out)
+            given = clip_args(name, args, kwargs)
+            guard(listener, "before_clip", parameters, clip_config(name, given))
+            depth[0] += 1
+            try:
+                out = orig(parameters, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            total = {"clip_grad_norm_": out, "clip_grads_with_norm_": given.get("total_norm")}
+            guard(listener, "after_clip", total.get(name))  # (clip_grad_value_: no norm)
             return out
         return wrapper
 
-    patch = patches.add(Patch(clip_grad, "clip_grad_norm_", make))
-    if getattr(torch.nn.utils, "clip_grad_norm_", None) is patch.original:
-        utils_patch = Patch(torch.nn.utils, "clip_grad_norm_", lambda _orig: patch.wrapper)
-        patches.add(utils_patch)
+    for name in CLIPS:
+        public = getattr(torch.nn.utils, name, None)
+        if public is None:  # (the split API is torch >= 2.6)
+            continue
+        inner = None  # torch 2.13 keeps the split API private there: clip_grad_norm_'s own
+        if name in clip_grad.__dict__:
+            inner = patches.add(Patch(clip_grad, name, functools.partial(make, name=name)))
+        if inner is not None and public is inner.original:
+            patches.add(Patch(torch.nn.utils, name, lambda _orig, w=inner.wrapper: w))
+        else:
+            patches.add(Patch(torch.nn.utils, name, functools.partial(make, name=name)))
 
 
-def clip_config(args: tuple, kwargs: dict) -> dict:
-    """``clip_grad_norm_``'s max_norm, norm_type and foreach as called (after ``parameters``).
-    A tensor max_norm is recorded as "tensor": reading its value would be a host sync."""
+def clip_args(name: str, args: tuple, kwargs: dict) -> dict:
+    """A clip's arguments after ``parameters``, by name (``CLIPS``)."""
+    names = CLIPS[name]
+    given = dict(zip(names, args))
+    given.update((k, kwargs[k]) for k in names if k in kwargs)
+    return given
+
+
+def clip_config(name: str, given: dict) -> dict:
+    """What /meta ``clip`` keeps of a call: the function, max_norm (or clip_value), norm_type
+    and foreach as called. A tensor argument is recorded as "tensor": reading its value would
+    be a host sync."""
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return "tensor"
         return value if value is None or isinstance(value, (bool, int, float, str)) else \
             str(value)
 
-    names = ("max_norm", "norm_type", "error_if_nonfinite", "foreach")
-    given = dict(zip(names, args))
-    given.update((k, kwargs[k]) for k in names if k in kwargs)
-    return {"max_norm": plain(given.get("max_norm")), "norm_type": plain(given.get(
-        "norm_type", 2.0)), "foreach": plain(given.get("foreach"))}
+    config = {"how": name, "max_norm": plain(given.get("max_norm")),
+              "norm_type": plain(given.get("norm_type", 2.0)),
+              "foreach": plain(given.get("foreach"))}
+    if name == "clip_grads_with_norm_":  # the norm's type is get_total_norm's, not seen here
+        config["norm_type"] = None
+    if name == "clip_grad_value_":
+        config.update(max_norm=None, norm_type=None, clip_value=plain(given.get("clip_value")))
+    return config
 
 
 def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]) -> None:
@@ -246,7 +290,8 @@ def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
-            guard(listener, "before_clip", list(self.parameters()), clip_config(args, kwargs))
+            config = clip_config("clip_grad_norm_", clip_args("clip_grad_norm_", args, kwargs))
+            guard(listener, "before_clip", list(self.parameters()), config)
             out = orig(self, *args, **kwargs)
             guard(listener, "after_clip", out, True)
             return out

@@ -203,7 +203,8 @@ def test_clip_before_unscale_is_an_event(run_path):
     np.testing.assert_allclose(ratio, run.steps["scale"], rtol=1e-3)
     assert float(norm) > 1000
     # max_norm is recorded (issue 16) and the diagnosis says how much the clip cut
-    assert run.meta["clip"] == {"max_norm": 1.0, "norm_type": 2.0, "foreach": None}
+    assert run.meta["clip"] == {"how": "clip_grad_norm_", "max_norm": 1.0, "norm_type": 2.0,
+                                "foreach": None}
     d = ampdoctor.diagnose(run_path)
     cut = next(e for e in d.evidence if e.key == "clip_cut")
     assert "max_norm=1" in cut.text and cut.value > 1000
@@ -231,7 +232,102 @@ def test_clip_config_is_recorded_without_reading_a_tensor_max_norm(run_path):
             opt.step()
             opt.zero_grad()
     clip = ampdoctor.load(run_path).meta["clip"]
-    assert clip == {"max_norm": "tensor", "norm_type": 1.0, "foreach": True}
+    assert clip == {"how": "clip_grad_norm_", "max_norm": "tensor", "norm_type": 1.0,
+                    "foreach": True}
+
+
+def _split_clip(params, max_norm):
+    """The split API as accelerate >= 1.16 and torchtitan clip: the norm, then the clip."""
+    params = list(params)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# each looked up at the call, as a training loop does (a reference taken at import time
+# would be torch's own function, not the one recording patched)
+CLIP_PATHS = {"clip_grad_norm_": lambda params, v: torch.nn.utils.clip_grad_norm_(params, v),
+              "clip_grads_with_norm_": _split_clip,
+              "clip_grad_value_": lambda params, v: torch.nn.utils.clip_grad_value_(params, v)}
+
+
+def _norm(params) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+
+@pytest.mark.parametrize("how", list(CLIP_PATHS))
+def test_each_clip_records_the_pre_clip_norm(run_path, how):
+    """Every clip of torch.nn.utils, the split API of torch >= 2.6 included: the recorded
+    grad norm is the one before the clip (what the loop measured itself), never the clipped
+    one, and /meta clip names the function."""
+    if not hasattr(torch.nn.utils, how):
+        pytest.skip(f"this torch has no torch.nn.utils.{how}")
+    model, opt = fresh()
+    before = []
+    with ampdoctor.watch(model, opt, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(4):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            before.append(_norm(model.parameters()))
+            CLIP_PATHS[how](model.parameters(), 1e-3)  # cuts every step
+            after = _norm(model.parameters())
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert after < min(before) / 5  # the clip did cut
+    np.testing.assert_allclose(run.steps["grad_norm"], before, rtol=1e-5)
+    assert run.meta["clip"]["how"] == how
+    if how == "clip_grad_value_":
+        assert run.meta["clip"]["clip_value"] == 1e-3
+        assert np.all(np.isnan(run.steps["clip_norm"]))  # it returns no norm
+    else:
+        assert run.meta["clip"]["max_norm"] == 1e-3
+        np.testing.assert_allclose(run.steps["clip_norm"], before, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", list(CLIP_PATHS))
+def test_each_clip_before_unscale_is_an_event(run_path, how):
+    """The unscale -> clip -> step order is checked on every clip path."""
+    if not hasattr(torch.nn.utils, how):
+        pytest.skip(f"this torch has no torch.nn.utils.{how}")
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            CLIP_PATHS[how](model.parameters(), 1.0)  # before unscale_
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert list(run.events["kind"]).count(Event.CLIP_BEFORE_UNSCALE) == 3
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "clip_order" and "before scaler.unscale_" in d.summary, str(d)
+    assert how in d.summary and any(how in e.text for e in d.evidence), str(d)
+
+
+def test_a_clip_inside_a_clip_is_told_once(run_path, monkeypatch):
+    """A clip that calls another (here a clip_grad_value_ that some library replaced with a
+    norm clip; torch versions whose clip_grad_norm_ calls the public split API) is one clip:
+    the outer call's settings, its pre-clip norm, the inner call not told again."""
+    plain = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_value_",
+                        lambda params, clip_value, foreach=None: (plain(params, clip_value),
+                                                                  None)[1])
+    model, opt = fresh()
+    before = []
+    with ampdoctor.watch(model, opt, path=run_path, strict=True):
+        for x, y in __import__("helpers").batches(2):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            before.append(_norm(model.parameters()))
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert run.meta["clip"]["how"] == "clip_grad_value_"
+    np.testing.assert_allclose(run.steps["grad_norm"], before, rtol=1e-5)
+    assert np.all(np.isnan(run.steps["clip_norm"]))  # the inner clip_grad_norm_ not told
 
 
 def test_context_manager_puts_everything_back(run_path):

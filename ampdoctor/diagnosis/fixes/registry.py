@@ -68,7 +68,11 @@ class Context:
     # the training command as the run recorded it (sys.argv of the script), and its ranks
     argv: list[str] = field(default_factory=list)
     world_size: int = 1
-    clip_max_norm: Optional[float] = None  # the max_norm the script's clip_grad_norm_ passed
+    clip_max_norm: Optional[float] = None  # the max_norm the script's clip passed
+    # the clip function the script called (clip_grad_norm_, clip_grads_with_norm_ after
+    # get_total_norm, clip_grad_value_) and a clip_value it passed
+    clip_call: str = "clip_grad_norm_"
+    clip_value: Optional[float] = None
     replayed: Optional[int] = None  # the failing step a forensic replay re-ran, if any
     # The loss's op whose derivative is infinite at a point, as the replay measured it, for
     # clamp_loss_input: {"op", "exponent", "eps", "step", "dtype", "points", "source"}

@@ -15,21 +15,38 @@ from .registry import (
 )
 
 
-@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before clip_grad_norm_",
+@fix("unscale_before_clip", "call scaler.unscale_(optimizer) before the clip",
      manual="the order of the calls in the loop must change")
 def unscale_before_clip(c: Context) -> Advice:
-    norm = literal(c.clip_max_norm, "max_norm") if c.clip_max_norm else "max_norm"
     snippet = ("scaler.scale(loss).backward()\n"
                "scaler.unscale_(optimizer)  # first: gradients back to their true size\n"
-               f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={norm})"
-               + ("  # your max_norm" if c.clip_max_norm else "") + "\n"
+               + _clip_line(c) + "\n"
                "scaler.step(optimizer)\n"
                "scaler.update()")
-    dose = Dose({"max_norm": c.clip_max_norm}, "the max_norm the run's clip_grad_norm_ "
-                "passed") if c.clip_max_norm else None
-    return ("Call scaler.unscale_(optimizer) before "
-            "clip_grad_norm_: clipping the scaled gradients measures a norm S times too "
-            "large and shrinks every update by the loss scale S.", snippet, dose)
+    bound = c.clip_value if c.clip_call == "clip_grad_value_" else c.clip_max_norm
+    name = "clip_value" if c.clip_call == "clip_grad_value_" else "max_norm"
+    dose = Dose({name: bound}, f"the {name} the run's {c.clip_call} passed") if bound else None
+    what = ("clips every value at a bound S times too tight" if c.clip_call ==
+            "clip_grad_value_" else "measures a norm S times too large and shrinks every "
+            "update by the loss scale S")
+    return (f"Call scaler.unscale_(optimizer) before {c.clip_call}: clipping the scaled "
+            f"gradients {what}.", snippet, dose)
+
+
+def _clip_line(c: Context) -> str:
+    """The run's own clip, as it called it, with the bound it passed."""
+    if c.clip_call == "clip_grad_value_":
+        value = literal(c.clip_value, "clip_value") if c.clip_value else "clip_value"
+        return (f"torch.nn.utils.clip_grad_value_(model.parameters(), clip_value={value})"
+                + ("  # your clip_value" if c.clip_value else ""))
+    norm = literal(c.clip_max_norm, "max_norm") if c.clip_max_norm else "max_norm"
+    mine = "  # your max_norm" if c.clip_max_norm else ""
+    if c.clip_call == "clip_grads_with_norm_":
+        return ("params = list(model.parameters())\n"
+                "total = torch.nn.utils.get_total_norm([p.grad for p in params])\n"
+                f"torch.nn.utils.clip_grads_with_norm_(params, max_norm={norm}, "
+                f"total_norm=total){mine}")
+    return f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={norm}){mine}"
 
 
 @fix("use_scaler_step", "call scaler.step(optimizer), never optimizer.step(), under a scaler",

@@ -419,6 +419,7 @@ class Facts:
                        params=self.own_params(module) if module else [],
                        argv=[str(a) for a in self.run.attrs.get("argv") or []],
                        world_size=int(self.run.attrs.get("world_size") or 1),
+                       handles=self.run.handles,
                        clip_max_norm=_number(clip), clip_value=_number(value),
                        clip_call=str(clip_call.get("how") or "clip_grad_norm_"),
                        replayed=self.failure_replayed, measure=self.doses)

@@ -30,6 +30,7 @@ The order of one scaled step, and what each hook adds::
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -490,6 +491,8 @@ class Hooks:
             self.skips.settle()  # a step with no hook of ours between: decided before this ends
         if self.watched.discovery_open:
             self.watched.finish_discovery()
+        if st.index == 0:
+            self.watched.name_handles(sys._getframe())
         self.watched.fp16_without_scaler(st)
         self._schedules.end_step(st)
         now = time.perf_counter()

@@ -25,13 +25,20 @@ def is_wrapper(module: torch.nn.Module) -> bool:
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside DDP/DataParallel/FSDP1/torch.compile wrappers (for names)."""
     for _ in range(4):
-        inner = getattr(module, "_orig_mod", None)
-        if inner is None and (is_wrapper(module) or sharding.is_fsdp1(module)):
-            inner = getattr(module, "module", None)
-        if not isinstance(inner, torch.nn.Module):
+        inner = unwrap_once(module)
+        if inner is None:
             return module
         module = inner
     return module
+
+
+def unwrap_once(module: Any) -> Any:
+    """The module one wrapper holds (``_orig_mod`` of torch.compile, ``module`` of DDP,
+    DataParallel, FSDP1); None for a module that wraps nothing."""
+    inner = getattr(module, "_orig_mod", None)
+    if inner is None and (is_wrapper(module) or sharding.is_fsdp1(module)):
+        inner = getattr(module, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 def scaler_enabled(scaler: Any) -> bool:

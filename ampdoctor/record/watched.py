@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runfile.schema import Event
-from . import amp_state, compiled, patches, sharding
+from . import amp_state, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
 from .listener import Listener
@@ -161,6 +161,15 @@ class Watched:
         if trained and keep and len(keep) < len(self.roots):
             self._root_hooks.remove()
             self.adopt_roots(keep)
+
+    def name_handles(self, frame: Any) -> None:
+        """What the training code calls the recorded modules (``handles.find`` over ``frame``
+        and the frames below it), into /meta ``handles``; once, at the end of the first
+        step."""
+        if self.roots:
+            found = handles.find(self.roots, _root_prefixes(self.roots), self.names, frame)
+            if found:
+                self.journal.meta("handles", found)
 
     def on_module_compile(self, module: torch.nn.Module) -> None:
         """``module.compile()``: its calls (hooks included) are compiled from now on, so they

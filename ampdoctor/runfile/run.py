@@ -215,6 +215,14 @@ class Run:
         return self._meta_dict("clip")
 
     @property
+    def handles(self) -> dict[str, str]:
+        """What the training code calls the recorded modules, {recorded path: expression}
+        (``{"": "model.module"}``); {} where none was found or recorded."""
+        value = self._meta_dict("handles") or {}
+        return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)
+                and _is_expression(v)}
+
+    @property
     def applied(self) -> list[dict[str, Any]]:
         """``record --apply``: ``[{"fix": "lr_factor", "arg": "lr_factor=0.028"}, ...]``; []
         for a run that was not treated."""
@@ -336,3 +344,9 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out["name"] = [blob.text(int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
     out["type"] = [blob.text(int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
     return out
+
+
+def _is_expression(text: str) -> bool:
+    """A dotted name (``model``, ``self.model.module``): all a handle may be, since a snippet
+    puts it into code the user runs."""
+    return bool(text) and all(p.isidentifier() for p in text.split("."))

@@ -394,8 +394,11 @@ META_KEYS = {
     "scaler": "GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)",
     "optimizer": "one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)",
     "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
-    "clip": "clip_grad_norm_ as called: max_norm ('tensor' if one was given), norm_type, "
-            "foreach; rewritten when they change (Run.clip)",
+    "clip": "the clip as called: how (clip_grad_norm_, clip_grads_with_norm_, "
+            "clip_grad_value_), max_norm ('tensor' if one was given) or clip_value, "
+            "norm_type, foreach; rewritten when they change (Run.clip)",
+    "handles": "what the training code calls the recorded modules: {recorded path: "
+               "expression}, e.g. {'': 'model.module'} (Run.handles)",
     "applied": "record --apply: the fixes the run was treated with, one dict each: fix, arg, "
                "and what the treatment found (fp32_island's modules and missing names, "
                "use_bf16's scaler, an error); rewritten when that changes (Run.applied)",

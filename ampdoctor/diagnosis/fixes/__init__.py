@@ -44,6 +44,7 @@ from .registry import (
                        Context,
                        Dose,
                        Fix,
+                       assign_module,
                        fix,
                        is_attention,
                        make,
@@ -51,4 +52,4 @@ from .registry import (
 )
 
 __all__ = ["DEFAULTS", "FIX_IDS", "MAKERS", "NOT_REPLAYABLE", "Advice", "Applier", "Context",
-           "Dose", "Fix", "fix", "is_attention", "make", "module_expr"]
+           "Dose", "Fix", "assign_module", "fix", "is_attention", "make", "module_expr"]

@@ -12,9 +12,11 @@ from .registry import (
     Advice,
     Context,
     Dose,
+    assign_module,
     fix,
     literal,
     module_expr,
+    one_line,
 )
 
 
@@ -28,26 +30,26 @@ def _listed(path: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def wrap_lines(path: str, wrapper: str) -> str:
-    """Assignments wrapping ``path`` (and its siblings in the same ModuleList) in ``wrapper``."""
+def wrap_lines(path: str, wrapper: str, handles: Optional[dict] = None) -> str:
+    """Assignments wrapping ``path`` (and its siblings in the same ModuleList) in ``wrapper``,
+    through the script's own names for the modules (``handles``)."""
     listed = _listed(path)
     if listed is not None:
-        container, rest = module_expr(listed[0]), listed[1]
-        inner = module_expr(rest, "block")
-        return (f"for block in {container}:  # {path} and the same module in every block\n"
-                f"    {inner} = {wrapper}({inner})")
-    target = module_expr(path)
-    return f"{target} = {wrapper}({target})"
+        container, rest = module_expr(listed[0], handles), listed[1]
+        inner = module_expr(rest, root="block")
+        return (f"for block in {container}:  # {one_line(path)} and the same module in every "
+                f"block\n    {assign_module(rest, f'{wrapper}({inner})', root='block')}")
+    return assign_module(path, f"{wrapper}({module_expr(path, handles)})", handles)
 
 
-def _wrap_all(paths: list[str], wrapper: str) -> str:
+def _wrap_all(paths: list[str], wrapper: str, handles: Optional[dict] = None) -> str:
     """``wrap_lines`` for each of ``paths``, one loop per ModuleList they share."""
     lines, seen = [], set()
     for path in paths:
         key = _listed(path) or path
         if key not in seen:
             seen.add(key)
-            lines.append(wrap_lines(path, wrapper))
+            lines.append(wrap_lines(path, wrapper, handles))
     return "\n".join(lines)
 
 
@@ -119,7 +121,7 @@ def fp32_island(c: Context) -> Advice:
         "        up = lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point() else t\n"
         f'        with torch.autocast("{c.device}", enabled=False):\n'
         "            return self.inner(*map(up, args), **{k: up(v) for k, v in kwargs.items()})\n\n"
-        + _wrap_all(targets, "FP32Island"))
+        + _wrap_all(targets, "FP32Island", c.handles))
     return (f"Run {what} in fp32{inside}: autocast off inside it and its "
             "inputs cast to float32, so the values it produces have fp32's range. Wrap the "
             "module that produces the large values, not the one after it.", snippet)
@@ -150,9 +152,10 @@ def _norm_lines(c: Context) -> str:
     if len(c.params) == 1:
         gain = c.params[0]
         return eps + (f"    return (y * self.{gain}.float()).to(x.dtype)  # self.{gain}: "
-                      f"{c.module}'s one parameter, as recorded\n")
+                      f"{one_line(c.module)}'s one parameter, as recorded\n")
     if not c.params and c.module:
-        return eps + f"    return y.to(x.dtype)  # {c.module} recorded no parameter: no gain\n"
+        return eps + (f"    return y.to(x.dtype)  # {one_line(c.module)} recorded no parameter: "
+                      "no gain\n")
     known = (f"of {', '.join(c.params[:3])}" if c.params else "its name is not recorded")
     return eps + ("    return (y * self.weight.float()).to(x.dtype)  # self.weight: your "
                   f"class's gain ({known})\n")
@@ -299,16 +302,16 @@ def safe_mask(c: Context) -> Advice:
 def rebalance_losses(c: Context) -> Advice:
     mod = c.module or "the small head"
     ratio = f"{c.ratio:.0e}".replace("e+0", "e") if c.ratio else "1e3"
-    head = module_expr(mod) if c.module else "small_head"
+    head = module_expr(mod, c.handles) if c.module else "small_head"
     size = (f"are ~{ratio}x smaller than the rest's" if c.ratio else
             f"flush to 0, too small to measure (x{ratio}: a first step, not a measured one)")
-    snippet = (f"# the gradients reaching {mod} {size}: one loss\n"
+    snippet = (f"# the gradients reaching {one_line(mod)} {size}: one loss\n"
                "# scale cannot serve both. Weight that loss term up to the others' size (and,\n"
                "# with SGD, lower that head's learning rate by the same factor):\n"
                f"loss = main_loss + aux_weight * {ratio} * aux_loss\n"
                f"optimizer = torch.optim.{c.optimizer}([\n"
-               f"    {{\"params\": [p for n, p in model.named_parameters() if not "
-               f"n.startswith(\"{mod}.\")]}},\n"
+               f"    {{\"params\": [p for n, p in {module_expr('', c.handles)}"
+               f".named_parameters() if not n.startswith({mod + '.'!r})]}},\n"
                f"    {{\"params\": {head}.parameters(), \"lr\": lr}},  # SGD: lr / {ratio}\n"
                "], lr=lr)")
     dose = Dose({"ratio": float(c.ratio)}, f"the other layers' gradient rms over {mod}'s") \

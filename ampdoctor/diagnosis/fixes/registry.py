@@ -68,6 +68,9 @@ class Context:
     # the training command as the run recorded it (sys.argv of the script), and its ranks
     argv: list[str] = field(default_factory=list)
     world_size: int = 1
+    # what the training code calls the recorded modules: {recorded path: expression}
+    # (/meta handles); {} gives "model" for the root
+    handles: dict = field(default_factory=dict)
     clip_max_norm: Optional[float] = None  # the max_norm the script's clip passed
     # the clip function the script called (clip_grad_norm_, clip_grads_with_norm_ after
     # get_total_norm, clip_grad_value_) and a clip_value it passed
@@ -224,17 +227,49 @@ def joined(*doses: Optional[Dose]) -> Optional[Dose]:
     return Dose(values, "; ".join(named(d) for d in found if d.source))
 
 
-def module_expr(path: str, root: str = "model") -> str:
-    """Python expression for a submodule: 'blocks.3.attn' -> 'model.blocks[3].attn'."""
-    out = root
-    for part in path.split("."):
+def module_expr(path: str, handles: Optional[dict] = None, root: str = "model") -> str:
+    """Python expression for a recorded module, from the script's own name for it or for the
+    module above it (``handles``, else ``root`` for the model): 'blocks.3.attn' ->
+    'model.blocks[3].attn'; a name that is no identifier goes through ``get_submodule`` with
+    the name quoted, so the expression is valid Python for any name."""
+    base, rest = _handle(path, handles or {}, root)
+    out = base
+    for part in rest.split(".") if rest else []:
         if part.isdigit():
             out += f"[{part}]"
         elif part.isidentifier() and not keyword.iskeyword(part):
             out += f".{part}"
         else:
-            return f'{root}.get_submodule("{path}")'
+            return f"{base}.get_submodule({rest!r})"
     return out
+
+
+def assign_module(path: str, value: str, handles: Optional[dict] = None,
+                  root: str = "model") -> str:
+    """A statement that puts ``value`` where the recorded module ``path`` is: an attribute or
+    index assignment, or ``setattr`` on its parent for a name that is no identifier."""
+    target = module_expr(path, handles, root)
+    if "get_submodule(" not in target:
+        return f"{target} = {value}"
+    parent, _, leaf = path.rpartition(".")
+    holder = module_expr(parent, handles, root) if parent else _handle("", handles or {},
+                                                                        root)[0]
+    return f"setattr({holder}, {leaf!r}, {value})"
+
+
+def one_line(text: str) -> str:
+    """A name put on a comment line of a snippet: no line break can end the comment early."""
+    return " ".join(str(text).split())
+
+
+def _handle(path: str, handles: dict, root: str) -> tuple[str, str]:
+    """(the script's expression for the nearest recorded module at or above ``path`` that it
+    has a name for, the rest of the path below it); ``root`` for the model without one."""
+    matches = [k for k in handles if k == "" or path == k or path.startswith(k + ".")]
+    if not matches:
+        return root, path
+    best = max(matches, key=len)
+    return handles[best], path[len(best):].lstrip(".")
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:

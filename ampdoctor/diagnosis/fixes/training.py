@@ -11,12 +11,13 @@ from .registry import (
     Advice,
     Context,
     Dose,
+    assign_module,
     clip_step,
     fix,
     joined,
     literal,
     max_norm,
-    module_expr,
+    one_line,
 )
 
 
@@ -64,10 +65,10 @@ def revive_units(c: Context) -> Advice:
     kind = (c.module_type or "").lower()
     at = f" before step {c.step}" if c.step is not None else ""
     if c.module and kind in ("relu", "relu6", "threshold", "hardtanh", ""):
-        target = module_expr(c.module)
-        what = f"{c.module}{f' ({c.module_type})' if c.module_type else ''}"
+        what = one_line(f"{c.module}{f' ({c.module_type})' if c.module_type else ''}")
+        leaky = assign_module(c.module, "torch.nn.LeakyReLU(0.01)", c.handles)
         snippet = (f"# {what} outputs exactly 0 for every input: nothing before it learns\n"
-                   f"{target} = torch.nn.LeakyReLU(0.01)  # or torch.nn.GELU(): never flat, "
+                   f"{leaky}  # or torch.nn.GELU(): never flat, "
                    "so the gradient keeps flowing\n"
                    "# and restart from the initial weights (or a checkpoint"
                    f"{at}): dead units do not come back")

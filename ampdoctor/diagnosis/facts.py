@@ -407,7 +407,8 @@ class Facts:
         if module and not module_type:
             module_type = self.module_type(module)
         clip_call = self.run.clip or {}
-        clip, value = clip_call.get("max_norm"), clip_call.get("clip_value")
+        clip = clip_call.get("max_norm")
+        value = clip_call.get("clip_value", clip_call.get("clip_factor"))
         return Context(device=self.device_type, optimizer=opt.get("class") or "AdamW",
                        lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
                        growth_interval=scaler.get("growth_interval"), module=module,

@@ -110,9 +110,12 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
     cut = _clip_cut(f, clip, ran)
     if cut:
         ev.append(cut)
-    sees = ("the loss-scaled values (S times too large), so it cuts them at a bound S times "
-            "too tight" if how == "clip_grad_value_" else "the loss-scaled norm (S times too "
-            "large), so every step is cut down by the scale")
+    sees = {"clip_grad_value_": "the loss-scaled values (S times too large), so it cuts them "
+                                "at a bound S times too tight",
+            "adaptive_clip_grad": "loss-scaled gradients (S times too large) against the "
+                                  "weights' norms, so it cuts them S times too hard"
+            }.get(how, "the loss-scaled norm (S times too large), so every step is cut down "
+                       "by the scale")
     return _misuse(f, "clip_before_unscale", 0.95 if len(ev_rows) else 0.85,
                    f"Gradients are clipped before scaler.unscale_: {how} sees {sees} and the "
                    "model barely learns.", ev, "unscale_before_clip", first, "optimizer")
@@ -122,8 +125,8 @@ def _clip_call(f: Facts) -> str:
     """The clip function the run called (/meta ``clip``'s ``how``; files written before it was
     recorded clipped only through clip_grad_norm_)."""
     how = (f.run.clip or {}).get("how")
-    return how if how in ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_") \
-        else "clip_grad_norm_"
+    return how if how in ("clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_",
+                          "adaptive_clip_grad") else "clip_grad_norm_"
 
 
 def _clip_cut(f: Facts, clip: np.ndarray, ran: np.ndarray) -> Optional[Evidence]:

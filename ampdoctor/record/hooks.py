@@ -74,6 +74,8 @@ class Hooks:
         if self._probe is not None and every > flatloss.FIRST:
             log.flat = flatloss.FlatLoss()
         self._clip_config: Optional[dict] = None  # the last clip's call, as last written
+        # patch_clip's wrapper maker, until the first loss has looked for a library's clips
+        self._clip_maker: Optional[Callable[[Callable, str], Callable]] = None
         self._schedules = Schedules(journal)
 
     def fault(self, exc: BaseException, where: str) -> None:
@@ -85,7 +87,8 @@ class Hooks:
         """Open every door (``patches``), hook the model (or discover it), begin step 0."""
         patches.patch_scaler(self.patches, self)
         patches.patch_backward(self.patches, self)
-        patches.patch_clip(self.patches, self)
+        self._clip_maker = patches.patch_clip(self.patches, self)
+        patches.patch_library_clips(self.patches, self, self._clip_maker)
         patches.hook_optimizers(self.patches, self)
         patches.patch_module_compile(self.patches, self)
         if self.forensics is not None:
@@ -224,6 +227,10 @@ class Hooks:
         self.skips.settle()
         if not self.journal.created:
             self.journal.create()
+        if self._clip_maker is not None:  # a script imports its libraries before its first
+            # loss: their clips are seen from now on
+            patches.patch_library_clips(self.patches, self, self._clip_maker)
+            self._clip_maker = None
         self._end_step_without_update()
 
     def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
@@ -309,7 +316,8 @@ class Hooks:
                 self.journal.event(Event.CLIP_BEFORE_UNSCALE, st)
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         self._grads_ready(fallback=params)
-        if config is not None and config.get("how") == "clip_grad_value_":
+        if config is not None and config.get("how") in ("clip_grad_value_",
+                                                         "adaptive_clip_grad"):
             self._ensure_grad_norm()  # it returns no norm: the pre-clip one is taken now
 
     def after_clip(self, total_norm: Any, combined: bool = False) -> None:

@@ -7,7 +7,8 @@ A recorder sees a training loop through seven doors, all opened here and nowhere
 * ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
 * the clips of ``torch.nn.utils`` (``clip_grad_norm_``, ``get_total_norm`` +
   ``clip_grads_with_norm_``, ``clip_grad_value_``; FSDP1's ``clip_grad_norm_`` method, patched
-  once a sharded model is seen): the pre-clip norm and the unscale/clip order;
+  once a sharded model is seen; timm's ``adaptive_clip_grad``, once timm is imported): the
+  pre-clip norm and the unscale/clip order;
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
   a step given a closure (Lightning, LBFGS) runs forward and backward inside ``step``, so the
   pre-step work waits until the closure has returned;
@@ -35,6 +36,7 @@ attribute someone else re-patched after us.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any, Callable, Optional
 
@@ -201,24 +203,28 @@ def patch_backward(patches: PatchSet, listener: TrainingListener) -> None:
     patches.add(Patch(torch.autograd, "backward", make))
 
 
-# The public clip functions of ``torch.nn.utils`` and how each is seen: ``clip_grad_norm_``
-# computes the norm and clips; the split API of torch >= 2.6 (accelerate >= 1.16, torchtitan)
-# computes it with ``get_total_norm`` and hands it to ``clip_grads_with_norm_``, whose
-# ``total_norm`` is the pre-clip norm; ``clip_grad_value_`` clips each element and returns none.
+# The clip functions and how each is seen: ``clip_grad_norm_`` computes the norm and clips;
+# the split API of torch >= 2.6 (accelerate >= 1.16, torchtitan) computes it with
+# ``get_total_norm`` and hands it to ``clip_grads_with_norm_``, whose ``total_norm`` is the
+# pre-clip norm; ``clip_grad_value_`` and timm's adaptive clipping (``adaptive_clip_grad``,
+# ``--clip-mode agc``) clip each element or parameter and return no norm. Each name maps to
+# its arguments after ``parameters``.
 CLIPS = {
     "clip_grad_norm_": ("max_norm", "norm_type", "error_if_nonfinite", "foreach"),
     "clip_grads_with_norm_": ("max_norm", "total_norm", "foreach"),
     "clip_grad_value_": ("clip_value", "foreach"),
+    "adaptive_clip_grad": ("clip_factor", "eps", "norm_type"),
 }
+# clips of other libraries, by the modules that hold them once those are imported
+LIBRARY_CLIPS = {"adaptive_clip_grad": ("timm.utils.agc", "timm.utils.clip_grad", "timm.utils")}
 
 
-def patch_clip(patches: PatchSet, listener: Listener) -> None:
-    """See every clip of ``torch.nn.utils`` (``CLIPS``): the parameters and the call's settings
-    before it (``before_clip``), the pre-clip norm after it (``after_clip``). Patched in
-    ``torch.nn.utils.clip_grad`` and under the same name in ``torch.nn.utils``; a clip called
-    inside another (torch versions whose ``clip_grad_norm_`` calls the public split functions)
-    is the outer one's, told once."""
-    require(listener, Listener)
+def _clip_maker(listener: Listener) -> Callable[[Callable, str], Callable]:
+    """``make(orig, name)``: a clip's wrapper, telling ``listener`` the parameters and the
+    call's settings before it (``before_clip``), the pre-clip norm after it (``after_clip``:
+    ``clip_grad_norm_``'s result, the ``total_norm`` handed to ``clip_grads_with_norm_``). A
+    clip called inside another (torch versions whose ``clip_grad_norm_`` calls the public
+    split functions, a library's clip built on torch's) is the outer one's, told once."""
     depth = [0]
 
     def make(orig: Callable, name: str) -> Callable:
@@ -236,13 +242,21 @@ def patch_clip(patches: PatchSet, listener: Listener) -> None:
             finally:
                 depth[0] -= 1
             total = {"clip_grad_norm_": out, "clip_grads_with_norm_": given.get("total_norm")}
-            guard(listener, "after_clip", total.get(name))  # (clip_grad_value_: no norm)
+            guard(listener, "after_clip", total.get(name))  # (the others: no norm)
             return out
         return wrapper
+    return make
 
+
+def patch_clip(patches: PatchSet, listener: Listener) -> Callable[[Callable, str], Callable]:
+    """See every clip of ``torch.nn.utils`` (``CLIPS``), patched in
+    ``torch.nn.utils.clip_grad`` and under the same name in ``torch.nn.utils``. Returns the
+    wrapper maker, for ``patch_library_clips``."""
+    require(listener, Listener)
+    make = _clip_maker(listener)
     for name in CLIPS:
         public = getattr(torch.nn.utils, name, None)
-        if public is None:  # (the split API is torch >= 2.6)
+        if public is None:  # (the split API is torch >= 2.6; adaptive_clip_grad is timm's)
             continue
         inner = None  # torch 2.13 keeps the split API private there: clip_grad_norm_'s own
         if name in clip_grad.__dict__:
@@ -251,6 +265,28 @@ def patch_clip(patches: PatchSet, listener: Listener) -> None:
             patches.add(Patch(torch.nn.utils, name, lambda _orig, w=inner.wrapper: w))
         else:
             patches.add(Patch(torch.nn.utils, name, functools.partial(make, name=name)))
+    return make
+
+
+def patch_library_clips(patches: PatchSet, listener: Listener,
+                        make: Callable[[Callable, str], Callable]) -> None:
+    """See the clips of ``LIBRARY_CLIPS`` in the modules already imported (called again
+    when a run's first loss is seen: a training script imports its libraries first). A
+    function held under several names is wrapped once, and each name gets that wrapper."""
+    for name, modules in LIBRARY_CLIPS.items():
+        made: dict[int, Callable] = {}
+        for module_name in modules:
+            module = sys.modules.get(module_name)
+            fn = getattr(module, name, None) if module is not None else None
+            if not callable(fn) or _wrapped_for(fn, listener):
+                continue
+            wrapper = made.get(id(fn))
+            if wrapper is None:
+                patch = patches.add(Patch(module, name, functools.partial(make, name=name),
+                                          listener))
+                made[id(fn)] = patch.wrapper
+            else:
+                patches.add(Patch(module, name, lambda _orig, w=wrapper: w, listener))
 
 
 def clip_args(name: str, args: tuple, kwargs: dict) -> dict:
@@ -278,6 +314,8 @@ def clip_config(name: str, given: dict) -> dict:
         config["norm_type"] = None
     if name == "clip_grad_value_":
         config.update(max_norm=None, norm_type=None, clip_value=plain(given.get("clip_value")))
+    if name == "adaptive_clip_grad":  # timm's default factor is 0.01
+        config.update(max_norm=None, clip_factor=plain(given.get("clip_factor", 0.01)))
     return config
 
 

@@ -1,6 +1,8 @@
 """watch(): what is recorded, that it matches what the loop saw, and that it changes nothing."""
 
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -328,6 +330,61 @@ def test_a_clip_inside_a_clip_is_told_once(run_path, monkeypatch):
     assert run.meta["clip"]["how"] == "clip_grad_value_"
     np.testing.assert_allclose(run.steps["grad_norm"], before, rtol=1e-5)
     assert np.all(np.isnan(run.steps["clip_norm"]))  # the inner clip_grad_norm_ not told
+
+
+def _unitwise_clip(parameters, clip_factor=0.01, eps=1e-3, norm_type=2.0):
+    """Adaptive gradient clipping (Brock et al. 2021) with timm's signature: each
+    parameter's gradient is cut to clip_factor times its weight's norm."""
+    for p in parameters:
+        if p.grad is None:
+            continue
+        bound = p.detach().norm().clamp_min(eps) * clip_factor
+        norm = p.grad.detach().norm().clamp_min(1e-6)
+        p.grad.detach().mul_(torch.where(norm > bound, bound / norm, torch.ones_like(norm)))
+
+
+@pytest.mark.parametrize("when", ["before_watch", "before_first_loss"])
+def test_timms_adaptive_clipping_is_seen(run_path, monkeypatch, when):
+    """timm's --clip-mode agc calls timm.utils.agc.adaptive_clip_grad, re-exported by
+    timm.utils and imported by timm.utils.clip_grad: each name is seen (a script imports timm
+    before watch() or, under ``record``, after recording began and before its first loss).
+    timm itself needs torchvision, which this CPU build of torch cannot load: the module is
+    stood for here by one with timm's module names and signature."""
+    import types
+
+    def install():
+        for name in ("timm", "timm.utils", "timm.utils.agc", "timm.utils.clip_grad"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        for name in ("timm.utils", "timm.utils.agc", "timm.utils.clip_grad"):
+            sys.modules[name].adaptive_clip_grad = _unitwise_clip
+
+    if when == "before_watch":
+        install()
+    model, opt = fresh()
+    scaler = torch.amp.GradScaler("cpu")
+    before = []
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
+        if when == "before_first_loss":
+            install()
+        for x, y in __import__("helpers").batches(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            before.append(_norm(model.parameters()) / scaler.get_scale())
+            sys.modules["timm.utils.clip_grad"].adaptive_clip_grad(model.parameters(), 1e-4)
+            scaler.step(opt)  # the clip ran before unscale_: a misuse
+            scaler.update()
+            opt.zero_grad()
+    assert sys.modules["timm.utils.agc"].adaptive_clip_grad is _unitwise_clip  # put back
+    run = ampdoctor.load(run_path)
+    assert run.meta["clip"]["how"] == "adaptive_clip_grad"
+    assert run.meta["clip"]["clip_factor"] == 1e-4
+    np.testing.assert_allclose(run.steps["grad_norm"], before, rtol=1e-3)  # before the clip
+    assert list(run.events["kind"]).count(Event.CLIP_BEFORE_UNSCALE) == 3
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "clip_order" and "adaptive_clip_grad" in d.summary, str(d)
+    fix = next(f for f in d.fixes if f.id == "unscale_before_clip")
+    assert "timm.utils.adaptive_clip_grad(model.parameters(), 1e-4)" in fix.snippet
 
 
 def test_context_manager_puts_everything_back(run_path):

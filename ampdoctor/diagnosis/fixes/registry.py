@@ -73,7 +73,8 @@ class Context:
     handles: dict = field(default_factory=dict)
     clip_max_norm: Optional[float] = None  # the max_norm the script's clip passed
     # the clip function the script called (clip_grad_norm_, clip_grads_with_norm_ after
-    # get_total_norm, clip_grad_value_) and a clip_value it passed
+    # get_total_norm, clip_grad_value_, timm's adaptive_clip_grad) and the clip_value (or
+    # the clip factor) it passed
     clip_call: str = "clip_grad_norm_"
     clip_value: Optional[float] = None
     replayed: Optional[int] = None  # the failing step a forensic replay re-ran, if any

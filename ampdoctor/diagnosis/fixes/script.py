@@ -23,18 +23,27 @@ def unscale_before_clip(c: Context) -> Advice:
                + _clip_line(c) + "\n"
                "scaler.step(optimizer)\n"
                "scaler.update()")
-    bound = c.clip_value if c.clip_call == "clip_grad_value_" else c.clip_max_norm
-    name = "clip_value" if c.clip_call == "clip_grad_value_" else "max_norm"
+    by_value = c.clip_call in ("clip_grad_value_", "adaptive_clip_grad")
+    bound = c.clip_value if by_value else c.clip_max_norm
+    name = {"clip_grad_value_": "clip_value", "adaptive_clip_grad": "clip_factor"}.get(
+        c.clip_call, "max_norm")
     dose = Dose({name: bound}, f"the {name} the run's {c.clip_call} passed") if bound else None
-    what = ("clips every value at a bound S times too tight" if c.clip_call ==
-            "clip_grad_value_" else "measures a norm S times too large and shrinks every "
-            "update by the loss scale S")
+    what = {"clip_grad_value_": "clips every value at a bound S times too tight",
+            "adaptive_clip_grad": "compares gradients S times too large with the weights and "
+                                  "cuts them S times too hard"
+            }.get(c.clip_call, "measures a norm S times too large and shrinks every update by "
+                               "the loss scale S")
     return (f"Call scaler.unscale_(optimizer) before {c.clip_call}: clipping the scaled "
             f"gradients {what}.", snippet, dose)
 
 
 def _clip_line(c: Context) -> str:
     """The run's own clip, as it called it, with the bound it passed."""
+    if c.clip_call == "adaptive_clip_grad":
+        factor = literal(c.clip_value, "clip_factor") if c.clip_value else "clip_factor"
+        return (f"timm.utils.adaptive_clip_grad(model.parameters(), {factor})"
+                + ("  # your clip factor (--clip-grad with --clip-mode agc)" if c.clip_value
+                   else ""))
     if c.clip_call == "clip_grad_value_":
         value = literal(c.clip_value, "clip_value") if c.clip_value else "clip_value"
         return (f"torch.nn.utils.clip_grad_value_(model.parameters(), clip_value={value})"

@@ -341,6 +341,21 @@ def test_lightning_16_mixed_on_cpu_is_bf16_with_a_scheduler_per_epoch(lightning)
     assert per_epoch.diagnose().verdict == "healthy"
 
 
+def test_lightning_value_clipping_records_the_norm_before_it(tmp_path):
+    """gradient_clip_algorithm="value": Lightning calls torch.nn.utils.clip_grad_value_; the
+    recorded norm is the one before the clip (larger than any clipped gradient can have)."""
+    pytest.importorskip("lightning", reason="pip install -e '.[test]'")
+    run = Run(tmp_path, "lightning_train.py", ["--batches", "8", "--clip", "1e-4",
+                                               "--clip-algorithm", "value"], record=True)
+    with run.load() as rec:
+        assert rec.meta["clip"]["how"] == "clip_grad_value_"
+        assert rec.meta["clip"]["clip_value"] == 1e-4
+        params = rec.model["trainable"]
+        bound = 1e-4 * math.sqrt(params)  # the largest norm a value-clipped gradient has
+        assert params > 0 and np.all(rec.steps["grad_norm"] > 10 * bound), rec.steps["grad_norm"]
+        assert np.all(np.isnan(rec.steps["clip_norm"]))
+
+
 @pytest.fixture(scope="module")
 def lightning_broken(tmp_path_factory):
     pytest.importorskip("lightning", reason="pip install -e '.[test]'")

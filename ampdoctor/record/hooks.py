@@ -77,6 +77,8 @@ class Hooks:
         # patch_clip's wrapper maker, until the first loss has looked for a library's clips
         self._clip_maker: Optional[Callable[[Callable, str], Callable]] = None
         self._schedules = Schedules(journal)
+        # optimizers that stepped inside a compiled region since the last eager hook
+        self._compiled_steps: list = []
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)
@@ -89,7 +91,8 @@ class Hooks:
         patches.patch_backward(self.patches, self)
         self._clip_maker = patches.patch_clip(self.patches, self)
         patches.patch_library_clips(self.patches, self, self._clip_maker)
-        patches.hook_optimizers(self.patches, self)
+        patches.hook_optimizers(self.patches, self, self._compiled_steps)
+        patches.patch_zero_grad(self.patches, self)
         patches.patch_module_compile(self.patches, self)
         if self.forensics is not None:
             patches.patch_losses(self.patches, self, losscall.LOSSES)
@@ -112,7 +115,8 @@ class Hooks:
     def wind_up(self) -> None:
         """``close()``: a step whose ``update()`` never came ends now, and a skip still in
         flight is decided; a failure goes to ``fault``, as in a hook."""
-        for where, finish in (("_end_step_without_update", self._end_step_without_update),
+        for where, finish in (("_catch_up", self._catch_up),
+                              ("_end_step_without_update", self._end_step_without_update),
                               ("_settle", self.skips.settle)):
             try:
                 finish()
@@ -161,6 +165,8 @@ class Hooks:
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying():
             return
+        if self._compiled_steps and torch.is_grad_enabled():
+            self._catch_up()
         if self.skips.undecided is not None and torch.is_grad_enabled():
             self.skips.settle()  # before this forward allocates, or changes a BatchNorm buffer
         if torch.is_grad_enabled():  # an evaluation call says nothing of the training dtype
@@ -204,6 +210,7 @@ class Hooks:
     def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None:
         if not self.watched.uses_scaler(scaler) or not scaler_enabled(scaler):
             return
+        self._catch_up()
         self._training()
         self.log.step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
@@ -211,6 +218,7 @@ class Hooks:
             self.log.step.keep.append(out)
 
     def before_backward(self, tensors: Any) -> None:
+        self._catch_up()
         self._training()
         st = self.log.step
         st.micro += 1
@@ -383,6 +391,27 @@ class Hooks:
             self._end_step()
         elif st.sampled and self._sampler is not None:
             self._sampler.after_step()
+
+    def before_zero_grad(self, optimizer: Any) -> None:
+        """``optimizer.zero_grad()``: the last eager moment at which a step taken inside a
+        compiled region still has its gradients."""
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Optimizer steps taken inside a compiled region (``patches.hook_optimizers``), told
+        now: the step's gradient norm from the gradients as they still are, and its end. No
+        forensic check: the weights have already moved, a replay would not be faithful."""
+        while self._compiled_steps:
+            optimizer = self._compiled_steps.pop(0)
+            if not self.watched.owns(optimizer):
+                continue
+            if not self.journal.created:
+                self.journal.create()
+            st = self.log.step
+            if not st.scaled:
+                self._grads_ready()
+                self._ensure_grad_norm()
+            self.after_optimizer_step(optimizer)
 
     def _end_step_without_update(self) -> None:
         """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a

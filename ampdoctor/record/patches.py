@@ -1,6 +1,6 @@
 """Every change ampdoctor makes to torch's globals, each undoable through a handle.
 
-A recorder sees a training loop through seven doors, all opened here and nowhere else:
+A recorder sees a training loop through these doors, all opened here and nowhere else:
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
@@ -11,7 +11,8 @@ A recorder sees a training loop through seven doors, all opened here and nowhere
   pre-clip norm and the unscale/clip order;
 * global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_*_hook``);
   a step given a closure (Lightning, LBFGS) runs forward and backward inside ``step``, so the
-  pre-step work waits until the closure has returned;
+  pre-step work waits until the closure has returned; a step inside a compiled region is
+  only noted there, and told at the next eager hook, ``Optimizer.zero_grad`` at the latest;
 * global module forward hooks, installed only while discovering the model or sampling a step
   (on a sampled step also the op probe's, whose post-hook runs even when a forward raises);
 * ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
@@ -338,11 +339,16 @@ def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]
     patches.add(Patch(cls, "clip_grad_norm_", make))
 
 
-def hook_optimizers(patches: PatchSet, listener: TrainingListener) -> None:
+def hook_optimizers(patches: PatchSet, listener: TrainingListener,
+                    compiled_steps: Optional[list] = None) -> None:
     """Global optimizer step pre/post hooks (every optimizer, including ones made later).
 
     ``optimizer.step(closure)`` computes the gradients inside the step: the pre-step work then
     runs when the closure returns (once, however often the optimizer calls it), not before.
+    An optimizer step inside a compiled region (``torch.compile`` around ``optimizer.step()``)
+    runs its hooks as dynamo traces them, where the listener may do nothing: the post hook
+    then only appends the optimizer to ``compiled_steps``, a list mutation dynamo replays
+    after the compiled call, for the listener to take up at its next eager hook.
     """
     require(listener, TrainingListener)
 
@@ -357,10 +363,37 @@ def hook_optimizers(patches: PatchSet, listener: TrainingListener) -> None:
         return (wrapped,) + tuple(args[1:]), kwargs
 
     def post(optimizer, args, kwargs):
+        if _compiling():
+            if compiled_steps is not None:
+                compiled_steps.append(optimizer)
+            return
         guard(listener, "after_optimizer_step", optimizer)
 
     patches.add(optimizer_hooks.register_optimizer_step_pre_hook(pre))
     patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
+
+
+def patch_zero_grad(patches: PatchSet, listener: Listener) -> None:
+    """See ``Optimizer.zero_grad`` (``listener.before_zero_grad(optimizer)``), on the base class
+    and on subclasses that override it."""
+    require(listener, Listener)
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_zero_grad", self)
+            return orig(self, *args, **kwargs)
+        return wrapper
+
+    todo, seen = [torch.optim.Optimizer], []
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        todo.extend(cls.__subclasses__())
+        if "zero_grad" in cls.__dict__:
+            patches.add(Patch(cls, "zero_grad", make))
 
 
 def _after_closure(closure: Callable, listener: TrainingListener, optimizer: Any) -> Callable:

@@ -387,6 +387,45 @@ def test_timms_adaptive_clipping_is_seen(run_path, monkeypatch, when):
     assert "timm.utils.adaptive_clip_grad(model.parameters(), 1e-4)" in fix.snippet
 
 
+def _compiled_step_run(run_path, record: bool):
+    """A loop whose optimizer step is compiled (the PyTorch tutorial's form); no scaler."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, opt = fresh()
+
+    @torch.compile(backend="eager")
+    def step():
+        opt.step()
+
+    losses, norms = [], []
+    ctx = ampdoctor.watch(model, opt, path=run_path, strict=True) if record else \
+        __import__("contextlib").nullcontext()
+    with ctx:
+        for x, y in __import__("helpers").batches(4):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            norms.append(_norm(model.parameters()))
+            step()
+            opt.zero_grad(set_to_none=True)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return losses, norms, [p.detach().clone() for p in model.parameters()], frames
+
+
+def test_a_compiled_optimizer_step_is_recorded(run_path):
+    """torch.compile around optimizer.step(): its step hooks run as dynamo traces them, where
+    the recorder does nothing; the step is told at the next eager hook (zero_grad here), with
+    the gradient norm the step used. Nothing recompiles, and training is unchanged."""
+    plain_losses, _, plain_weights, plain_graphs = _compiled_step_run(run_path, record=False)
+    losses, norms, weights, graphs = _compiled_step_run(run_path, record=True)
+    assert losses == plain_losses and graphs == plain_graphs
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 4
+    np.testing.assert_array_equal(run.steps["loss"], np.float32(losses))
+    np.testing.assert_allclose(run.steps["grad_norm"], norms, rtol=1e-5)
+
+
 def test_context_manager_puts_everything_back(run_path):
     import torch.nn.modules.module as mm
     import torch.optim.optimizer as oo

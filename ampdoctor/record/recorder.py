@@ -107,7 +107,11 @@ class Recorder:
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None,
                  replaceable: bool = False, op_probe: bool = True):
-        self.every = DEFAULT_EVERY if every is None else int(every)
+        try:
+            self.every = DEFAULT_EVERY if every is None else int(every)
+        except (TypeError, ValueError):
+            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not "
+                                 f"{every!r}") from None
         if self.every < 0:
             raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
         self.forensics_on = forensics
@@ -147,14 +151,30 @@ class Recorder:
         if current is not None and not current.closed:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {current.path}; close that recorder first")
-        self._journal.open(self.lazy)
-        exits.hold(self)
-        self.active = True
-        self._exits.catch()
-        self._write_start_meta()
-        self._hooks.attach()
-        self._journal.file.flush()
+        try:
+            self._journal.open(self.lazy)
+            exits.hold(self)
+            self.active = True
+            self._exits.catch()
+            self._write_start_meta()
+            self._hooks.attach()
+            self._journal.file.flush()
+        except BaseException as exc:
+            self._undo_start(exc)
+            raise
         return self
+
+    def _undo_start(self, exc: BaseException) -> None:
+        """A start that failed leaves nothing armed: every patch and hook removed, the
+        process free to record again, the file (if made) closed with the failure as its
+        status."""
+        try:
+            self.close(f"{schema.STATUS_EXCEPTION}{type(exc).__name__}")
+        except Exception:  # noqa: BLE001 - the first failure is the one to report
+            self.closed, self.active = True, False
+            self._detach()
+            exits.let_go(self)
+            self._exits.release()
 
     def close(self, status: str = schema.STATUS_FINISHED, *, keep_empty: bool = False) -> None:
         """Stop recording, put back every hook and patch, and finish the file. Idempotent.

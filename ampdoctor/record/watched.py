@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..errors import AmpDoctorError
 from ..runfile.schema import Event
 from . import amp_state, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
@@ -48,8 +49,14 @@ class Watched:
                  forensics: bool):
         self.journal = journal
         self.forensics_on = forensics
-        self.roots: list[torch.nn.Module] = _as_list(model)
-        self.optimizers: list[Any] = _as_list(optimizer)
+        self.roots: list[torch.nn.Module] = _checked(_as_list(model), "model", torch.nn.Module,
+                                                     "a torch.nn.Module")
+        self.optimizers: list[Any] = _checked(_as_list(optimizer), "optimizer",
+                                              torch.optim.Optimizer, "a torch.optim.Optimizer")
+        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in
+                                          ("scale", "unscale_", "step", "update")):
+            raise AmpDoctorError(f"watch(): scaler must be a torch.amp.GradScaler (or None), "
+                                 f"not {type(scaler).__name__}")
         self.scaler = scaler
         self.given = {"model": bool(self.roots), "optimizer": bool(self.optimizers),
                       "scaler": scaler is not None}
@@ -371,6 +378,15 @@ def _unique(groups: list) -> list[torch.Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+def _checked(values: list, what: str, kind: type, named: str) -> list:
+    """``values`` when each is a ``kind``; else one sentence, before anything is armed."""
+    for v in values:
+        if not isinstance(v, kind):
+            raise AmpDoctorError(f"watch(): {what} must be {named} (or a list of them, or "
+                                 f"None), not {type(v).__name__}")
+    return values
 
 
 def _as_list(value: Any) -> list:

@@ -456,6 +456,46 @@ def test_context_manager_puts_everything_back(run_path):
         assert not m._forward_hooks and not m._forward_pre_hooks
 
 
+@pytest.mark.parametrize("args, kwargs, words", [
+    (("model",), {}, "model must be a torch.nn.Module"),
+    ((None, "sgd"), {}, "optimizer must be a torch.optim.Optimizer"),
+    ((None, None, "scaler"), {}, "scaler must be a torch.amp.GradScaler"),
+    ((), {"every": "x"}, "every must be 0"),
+])
+def test_a_watch_given_a_wrong_argument_says_so_and_leaves_nothing_armed(run_path, tmp_path,
+                                                                         args, kwargs, words):
+    """One sentence for the wrong argument; the next watch() in the same process works (a
+    notebook needs no kernel restart)."""
+    before = (torch.autograd.backward, torch.nn.utils.clip_grad_norm_)
+    with pytest.raises(ampdoctor.AmpDoctorError, match=words):
+        ampdoctor.watch(*args, path=str(tmp_path / "bad.h5"), **kwargs)
+    assert (torch.autograd.backward, torch.nn.utils.clip_grad_norm_) == before
+    model, opt = fresh()
+    with ampdoctor.watch(model, opt, path=run_path):
+        train(model, opt, None, steps=2)
+    assert len(ampdoctor.load(run_path).steps) == 2
+
+
+def test_a_start_that_fails_inside_is_undone(run_path, tmp_path, monkeypatch):
+    """Whatever fails while a recorder starts, nothing of it stays armed."""
+    from ampdoctor.record import hooks as hooks_module
+
+    def broken(self):
+        hooks_module.patches.patch_backward(self.patches, self)  # half attached
+        raise RuntimeError("injected")
+
+    before = torch.autograd.backward
+    monkeypatch.setattr(hooks_module.Hooks, "attach", broken)
+    model, opt = fresh()
+    with pytest.raises(RuntimeError, match="injected"):
+        ampdoctor.watch(model, opt, path=str(tmp_path / "bad.h5"))
+    assert torch.autograd.backward is before and ampdoctor.record.recorder.active() is None
+    monkeypatch.undo()
+    with ampdoctor.watch(model, opt, path=run_path):
+        train(model, opt, None, steps=2)
+    assert len(ampdoctor.load(run_path).steps) == 2
+
+
 def test_only_one_recorder_at_a_time(run_path, tmp_path):
     model, opt = fresh()
     with ampdoctor.watch(model, opt, path=run_path):

@@ -15,7 +15,10 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   optimizer's first update is unlike its later ones). It is capped by the largest LR at
   which the run was still steady (the LR history before the gradient norm, the loss or the
   update ratio first jumped, ``JUMP``), and always set below the LR where it jumped. With no
-  sampled ratio, an order of magnitude below that LR. ``lr_factor`` is the new LR over the
+  sampled ratio, an order of magnitude below that LR. A ratio at ``RATIO_CEILING`` bounds the
+  LR and measures no value: then the highest LR at which a sampled step was still healthy
+  (``STABLE_RATIO``), where the run has one, else an order of magnitude below the bound, and
+  the source says which. ``lr_factor`` is the new LR over the
   run's peak: the whole schedule scaled (``record --apply lr_factor=F``).
 * ``init_scale``: the power of two that lifts the smallest layer's recorded gradient rms
   (unscaled: divided by the step's loss scale) into fp16's normal range (>= 2**-14) without
@@ -74,6 +77,9 @@ JUMP_MIN = 3
 # The update ratios are kept up to 10 (streamed.py clips their log there): a ratio at that
 # ceiling is "at least 10".
 RATIO_CEILING = 10.0
+# An update ratio at most this is a healthy step (10x TARGET_RATIO: what a bounded LR falls
+# back on, the highest LR at which a sampled step was still healthy).
+STABLE_RATIO = 1e-2
 # max_norm: this percentile of the steady steps' gradient norms, from this many steps.
 CLIP_PERCENTILE = 90
 CLIP_MIN_STEPS = 5
@@ -127,7 +133,9 @@ class Doses:
                  f"{f.step_at(jump.seen)}" if jump is not None else f"the peak LR {fmt(peak)}")
         measured = self._ratio_lr()
         if measured is not None:
-            value, source = measured
+            value, source, bounded = measured
+            if bounded:  # the ratio sat at the ceiling: the run bounds the LR, measures no value
+                value, source = self._below_bound(value, source)
         else:
             value = limit / 10
             source = f"an order of magnitude below {where} (no sampled update ratio to " \
@@ -143,9 +151,32 @@ class Doses:
         value = _round(value)
         return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
 
-    def _ratio_lr(self) -> Optional[tuple[float, str]]:
+    def _below_bound(self, bound: float, source: str) -> tuple[float, str]:
+        """An update ratio at ``RATIO_CEILING`` says only that the LR must be below ``bound``.
+        The highest LR at which a sampled step's ratio was still healthy (at most
+        ``STABLE_RATIO``) is a value the run measured, where it has one; else an order of
+        magnitude below the bound, said as such."""
+        f = self.f
+        jump = self.jump()
+        end = jump.seen + 1 if jump is not None else f.n
+        upd, lr = f.reduced.upd_log[:end], f.steps["lr"].astype(float)[:end]
+        ok = f.reduced.sampled[:end] & np.isfinite(upd) & np.isfinite(lr) & (lr > 0)
+        stable = ok & (upd <= math.log10(STABLE_RATIO))
+        clause = (f"{source}: that is only an upper bound (the ratio reached the recorder's "
+                  f"ceiling of {fmt(RATIO_CEILING)})")
+        if stable.any():
+            value = float(lr[stable].max())
+            i = int(np.flatnonzero(stable & (lr == value))[0])
+            return value, (f"{clause}; at sampled step {f.step_at(i)} the update ratio was "
+                           f"still {fmt(10.0 ** upd[i])} at LR {fmt(value)}, the highest LR at "
+                           "which the run measured a healthy step")
+        return bound / 10, (f"{clause} and no sampled step measured a healthy one; set an "
+                            "order of magnitude below the bound")
+
+    def _ratio_lr(self) -> Optional[tuple[float, str, bool]]:
         """L * TARGET_RATIO / r over the sampled steps before the failure (the first step left
-        out when others exist), with its source clause."""
+        out when others exist), with its source clause, and whether the ratio was at the
+        ceiling (then the value is an upper bound, not a measurement)."""
         f = self.f
         jump = self.jump()  # after it the ratios describe a broken run (dead units, NaN)
         end = jump.seen + 1 if jump is not None else f.n
@@ -165,8 +196,11 @@ class Doses:
         least = "at least " if r >= RATIO_CEILING * 0.999 else ""
         where = (f"median of {len(idx)} sampled steps" if len(idx) > 1 else
                  f"sampled step {f.step_at(int(idx[0]))}")
-        return value, (f"update ratio {least}{fmt(r)} at LR {fmt(at_lr)} ({where}); at "
-                       f"~{target:g} {why} the LR is about {fmt(_round(value))}")
+        if least:
+            return value, (f"update ratio at least {fmt(r)} at LR {fmt(at_lr)} ({where}); at "
+                           f"~{target:g} {why} the LR is at most {fmt(_round(value))}"), True
+        return value, (f"update ratio {fmt(r)} at LR {fmt(at_lr)} ({where}); at "
+                       f"~{target:g} {why} the LR is about {fmt(_round(value))}"), False
 
     def _first_target(self) -> tuple[float, str]:
         """The healthy ratio of an optimizer's first update, when that is all that was

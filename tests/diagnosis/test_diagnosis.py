@@ -855,7 +855,8 @@ def test_every_fix_snippet_is_valid_python():
     ("head", "model.head = FP32Island(model.head)"),
     ("layers.2", "model.layers[2] = FP32Island(model.layers[2])"),
     ("encoder.layer.0.attention.self", "block.attention.self = FP32Island("),
-    ("model-v2.blocks.0", 'model.get_submodule("model-v2.blocks.0")'),
+    ("model-v2.blocks.0", "setattr(model.get_submodule('model-v2.blocks'), '0', "
+                          "FP32Island(model.get_submodule('model-v2.blocks.0')))"),
 ])
 def test_island_snippet_names_the_users_module(path, expected):
     assert expected in fixes.precision.wrap_lines(path, "FP32Island")

@@ -51,8 +51,27 @@ def test_the_first_step_is_left_out_when_others_were_sampled():
 def test_a_ratio_at_the_ceiling_says_at_least():
     dose = doses(_adam_at(30.0, 12.0, every=100))("lr")  # one sample, step 0, clipped at 10
     assert "at least 10" in dose.source and "sampled step 0" in dose.source
-    # the first step is all there is: AdamW's is sign-sized, ~1e-2 at a sane LR
-    assert dose.values["lr"] == 0.03 and "AdamW's first, sign-sized step" in dose.source
+    # the first step is all there is: AdamW's is sign-sized, ~1e-2 at a sane LR: the LR is at
+    # most 30 * 1e-2 / 10 = 0.03, a bound, and the run was never steady below it
+    assert "AdamW's first, sign-sized step the LR is at most 0.03" in dose.source
+    assert "only an upper bound" in dose.source and "no sampled step measured a healthy" \
+        in dose.source
+    assert dose.values["lr"] == 0.003
+
+
+def test_a_bound_takes_the_highest_lr_of_a_healthy_sampled_step():
+    """An LR warm-up into a blow-up: most sampled ratios sit at the ceiling (the run only
+    bounds the LR there); the step sampled early in the warm-up was healthy at its LR, a value
+    the run measured."""
+    s = Synth(60, dtype=None, scaler=False, every=10)
+    s.set("lr", np.arange(60) * 0.01)  # a warm-up
+    s.set("grad_norm", np.where(np.arange(60) >= 45, 1e6, 1.0))  # blows up at step 45
+    s.sampled([10], Kind.PARAM, "fc.weight", norm=3.0, update=2e-3)
+    s.sampled([20, 30, 40, 50], Kind.PARAM, "fc.weight", norm=3.0, update=12.0)
+    dose = doses(s)("lr")
+    assert "only an upper bound" in dose.source, dose.source
+    assert "at sampled step 10 the update ratio was still 0.002 at LR 0.1" in dose.source
+    assert dose.values["lr"] == 0.1
 
 
 def test_the_lr_is_capped_where_the_run_was_steady_and_set_below_where_it_jumped():
@@ -82,7 +101,8 @@ def test_without_a_sampled_ratio_the_lr_default_says_why():
 
 def test_lower_lr_at_lr_30_never_says_7_5():
     """The issue's regression: an update ratio of 10 at LR 1.43 on AdamW's first step (all that
-    was sampled) says ~1.4e-3, not 7.5 (the old "peak / 4")."""
+    was sampled) says at most ~1.4e-3, not 7.5 (the old "peak / 4"); a ratio at the ceiling is
+    a bound, and the LR is set a tenth below it."""
     s = _adam_at(30.0, 10.0, n=30, every=100)
     s.set("lr", np.minimum(30.0, 30.0 * (np.arange(30) + 1) / 21))
     s.skip(range(2, 30), loss_nan=True)
@@ -92,8 +112,8 @@ def test_lower_lr_at_lr_30_never_says_7_5():
     assert d.verdict == "lr_overflow"
     lower = fix(d, "lower_lr")
     assert lower.values["lr"] < 0.01 and "lr=7.5" not in lower.snippet
-    assert "lr=0.0014" in lower.snippet and lower.values["lr"] == 0.0014
-    assert lower.apply == "lr_factor=4.7e-5" and lower.values["lr_factor"] == 4.7e-5
+    assert "lr=1.4e-4" in lower.snippet and lower.values["lr"] == 0.00014  # a tenth of the bound
+    assert lower.apply == "lr_factor=4.7e-6" and lower.values["lr_factor"] == 4.7e-6
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,6 +116,11 @@ class Reduced:
         self.zero_rows = np.zeros(t, np.int64)
         self.stuck_first = np.full(t, -1, np.int64)
         self.moving_last = np.full(t, -1, np.int64)
+        self.buf_first_step = np.full(t, -1, np.int64)
+        self.buf_first_bad = np.zeros(t, bool)
+        self.buf_finite_step = np.full(t, -1, np.int64)
+        self.buf_changed = np.zeros(t, bool)
+        self._buf_sig = np.full((t, len(_BUFFER_SIG)), np.nan)
 
     @property
     def upd_log(self) -> np.ndarray:
@@ -183,6 +188,10 @@ class Reduced:
             return np.where(self.upd_cnt > 0, self.upd_sum / np.maximum(self.upd_cnt, 1), np.nan)
 
 
+# The statistics that tell whether a buffer changed between two samples.
+_BUFFER_SIG = ("nonfinite", "zeros", "absmax", "rms")
+
+
 _PHASE_ORDER = {int(Kind.INPUT): (0, "input"), int(Kind.OUTPUT): (1, "forward"),
                 int(Kind.GRAD_OUTPUT): (2, "backward"), int(Kind.PARAM_GRAD): (3, "backward"),
                 int(Kind.PARAM): (4, "optimizer"), int(Kind.BUFFER): (5, "buffer")}
@@ -230,6 +239,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
             kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)
         _reduce_flags(out, rows, pos, tid, kind, bad)
+        _reduce_buffers(out, rows, tid, kind == Kind.BUFFER, bad)
     out.first_nonfinite = _located(best, kinds, names)
     out.first_forward = _located(best_fwd, kinds, names)
     out.first_backward = _located(best_bwd, kinds, names)
@@ -403,6 +413,26 @@ def _reduce_stuck(out: Reduced, t: np.ndarray, step: np.ndarray, unch: np.ndarra
     first = np.where(out.stuck_first >= 0, out.stuck_first, np.iinfo(np.int64).max)
     np.minimum.at(first, t[stuck], step[stuck])
     out.stuck_first = np.where(first < np.iinfo(np.int64).max, first, -1)
+
+
+def _reduce_buffers(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.ndarray,
+                    bad: np.ndarray) -> None:
+    """Was each buffer finite at some sample, and did it change between samples? (Rows arrive
+    in step order: a tensor's first row seen is its first sample.)"""
+    if not sel.any():
+        return
+    r, t, b = rows[sel], tid[sel], bad[sel]
+    sig = np.stack([r[c].astype(np.float64) for c in _BUFFER_SIG], axis=1)
+    new = out.buf_first_step[t] < 0
+    uniq, idx = np.unique(t[new], return_index=True)
+    out.buf_first_step[uniq] = r["step"][new][idx]
+    out.buf_first_bad[uniq] = b[new][idx]
+    out._buf_sig[uniq] = sig[new][idx]
+    same = np.all((sig == out._buf_sig[t]) | (np.isnan(sig) & np.isnan(out._buf_sig[t])), axis=1)
+    out.buf_changed[t[~same]] = True
+    fin = ~b & (out.buf_finite_step[t] < 0)
+    uniq, idx = np.unique(t[fin], return_index=True)
+    out.buf_finite_step[uniq] = r["step"][fin][idx]
 
 
 def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,

@@ -102,3 +102,82 @@ def test_a_buffer_first_sampled_after_the_failure_is_not_measured():
     assert d.verdict == "state_poisoning"
     assert premises(d)["buffer_was_finite"]["status"] == "not measured"
     assert d.confidence < 0.85
+
+
+# -- not_reproducible: the replay recomputed what the step found non-finite -------------------
+
+UNREPRODUCED = {"reproduced": False, "loss_recomputed": True,
+                "recorded": {"loss_nonfinite": True, "output_nonfinite": True},
+                "rerun": {"finite": True, "loss": 1.25, "loss_finite": True,
+                          "loss_fns": ["cross_entropy"], "grads": "finite"}}
+
+
+def _lr_30():
+    """nanoGPT at LR 30 in fp32, as recorded: the loss grows to 713 at step 8, whose gradient
+    norm is +inf (5.9e4 at step 7, 3.1e14 at step 9); the replay of step 8 finds every
+    gradient finite; from step 10 the weights overflow."""
+    s = Synth(16, dtype=None, scaler=False, lr=30.0, every=2)
+    loss = [4.0, 5.0, 7.0, 11.0, 20.0, 45.0, 120.0, 300.0, 713.0, 900.0]
+    s.steps["loss"][:10] = loss
+    s.steps["grad_norm"][:10] = [1.0, 3.0, 10.0, 40.0, 150.0, 900.0, 5e3, 5.9e4, np.inf,
+                                 3.1e14]
+    s.nan_loss(range(10, 16))
+    s.nan_grad([8, *range(10, 16)])
+    s.steps["grad_norm"][8] = np.inf
+    for i in range(0, 10, 2):
+        s.stat(i, Kind.PARAM, "h.0.mlp.weight", norm=3.0 * 3 ** i, update=0.5)
+    s.snapshot(8, "none", reproduced=False,
+               recorded={"loss_nonfinite": False, "output_nonfinite": False},
+               rerun={"finite": True, "loss": 713.0, "loss_finite": True,
+                      "loss_fns": ["cross_entropy"], "grads": "finite"})
+    s.snapshot(10, "forward", "h.0.attn", "CausalSelfAttention", fp32_finite=0)
+    return s
+
+
+def test_a_gradient_norm_that_overflows_over_a_finite_loss_is_not_the_machine():
+    d = verdict(_lr_30())
+    assert d.verdict == "lr_overflow", str(d)
+    p = premises(d, "not_reproducible")
+    assert p["same_quantity"]["status"] == "failed"
+    fact = p["same_quantity"]["fact"]
+    assert "loss was finite (713)" in fact and "+inf; 59000 at step 7" in fact, fact
+    assert p["later_unreproduced"]["status"] == "failed"
+    assert "step 10" in p["later_unreproduced"]["fact"]
+    assert not any(c["verdict"] == "not_reproducible" for c in d.causes)
+    assert "machine" not in d.summary
+
+
+def test_a_nan_gradient_norm_that_does_not_reproduce_is_the_machine():
+    s = Synth(40, dtype="bfloat16", scaler=False)
+    s.nan_grad([12])
+    s.steps["grad_norm"][12] = np.nan
+    s.snapshot(12, "none", reproduced=False,
+               recorded={"loss_nonfinite": False, "output_nonfinite": False},
+               rerun={"finite": True, "loss": 1.2, "loss_finite": True, "grads": "finite"})
+    d = verdict(s)
+    assert d.verdict == "not_reproducible", str(d)
+    assert premises(d)["same_quantity"]["status"] == "held"
+
+
+def test_the_machine_with_both_premises_held():
+    s = Synth(60)
+    for step in (12, 30, 48):
+        s.skip([step], loss_nan=True)
+        s.snapshot(step, "none", **UNREPRODUCED)
+    d = verdict(s)
+    assert d.verdict == "not_reproducible"
+    p = premises(d)
+    assert p["same_quantity"]["status"] == "held" and "1.25" in p["same_quantity"]["fact"]
+    assert p["later_unreproduced"]["status"] == "held"
+    assert "2 later failing steps" in p["later_unreproduced"]["fact"]
+
+
+def test_never_the_machine_when_later_failures_reproduce_on_finite_weights():
+    s = Synth(60, dtype="bfloat16", scaler=False)
+    s.nan_loss([12, 30, 31, 32])
+    s.snapshot(12, "none", **UNREPRODUCED)
+    s.snapshot(30, "forward", "blocks.1.attn", "Attention", fp32_finite=1, reproduced=True)
+    d = verdict(s)
+    assert d.verdict != "not_reproducible", str(d)
+    later = premises(d, "not_reproducible")["later_unreproduced"]
+    assert later["status"] == "failed" and "blocks.1.attn" in later["fact"]

@@ -181,3 +181,62 @@ def test_never_the_machine_when_later_failures_reproduce_on_finite_weights():
     assert d.verdict != "not_reproducible", str(d)
     later = premises(d, "not_reproducible")["later_unreproduced"]
     assert later["status"] == "failed" and "blocks.1.attn" in later["fact"]
+
+
+# -- unstable_op: "while the weights are steady", measured by the update ratios ---------------
+
+
+def _first_inf_in_one_op(update: float, fp32_finite: int = 1) -> Synth:
+    """An fp16 run whose step 3 overflows in blocks.0.conv (the replay: finite inputs, finite
+    in fp32), with the update ratio ``update`` on the sampled steps 0 and 2."""
+    s = Synth(20, every=2)
+    s.skip(range(3, 20), loss_nan=True)
+    for i in (0, 2):
+        s.stat(i, Kind.PARAM, "blocks.0.conv.weight", norm=3.0, update=update)
+        s.stat(i, Kind.PARAM, "head.weight", norm=2.0, update=update)
+    s.snapshot(3, "forward", "blocks.0.conv", "Conv2d", fp32_finite=fp32_finite,
+               fp32_absmax=7e4, in_absmax=30.0)
+    return s
+
+
+def test_update_ratios_of_17_and_more_are_not_steady_weights_but_the_lr():
+    """timm's SGD at --lr 1000: update ratios of 17 to 1,700 at step 0 (kept up to 10)."""
+    d = verdict(_first_inf_in_one_op(17.0))
+    assert d.verdict == "lr_overflow", str(d)
+    assert "lower_lr" in [fx.id for fx in d.fixes]
+    grew = premises(d)["weights_grew"]
+    assert grew["status"] == "held" and "10 or more at step 0" in grew["fact"]
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes)
+
+
+def test_a_sustained_update_ratio_above_a_percent_is_not_steady():
+    d = verdict(_first_inf_in_one_op(0.05))
+    assert d.verdict == "lr_overflow", str(d)
+    assert "median of 2 samples" in premises(d)["weights_grew"]["fact"]
+
+
+def test_steady_weights_measured_keep_unstable_op():
+    d = verdict(_first_inf_in_one_op(1e-3))
+    assert d.verdict == "unstable_op" and d.confidence == 0.9
+    steady = premises(d)["weights_steady"]
+    assert steady["status"] == "held" and "at most 0.001" in steady["fact"]
+    assert "while the weights are steady" in d.summary
+
+
+def test_unmeasured_steadiness_is_said_and_lowers_the_confidence():
+    s = _first_inf_in_one_op(1e-3)
+    s.stats = [r for r in s.stats if r["tensor"][0] < 0]  # no sampled statistics at all
+    d = verdict(s)
+    assert d.verdict == "unstable_op"
+    assert premises(d)["weights_steady"]["status"] == "not measured"
+    assert "while the weights are steady" not in d.summary and d.confidence <= 0.7
+
+
+def test_a_failure_at_step_0_has_the_initial_weights():
+    s = Synth(20)
+    s.skip(range(0, 20), loss_nan=True)
+    s.snapshot(0, "forward", "blocks.0.attn", "Attention", fp32_finite=1, fp32_absmax=7e4)
+    d = verdict(s)
+    assert d.verdict == "unstable_op"
+    steady = premises(d)["weights_steady"]
+    assert steady["status"] == "held" and "before any optimizer step" in steady["fact"]

@@ -223,8 +223,8 @@ def steadiness(f: Facts) -> tuple[Premise, bool]:
                        f"{f.step_at(int(idx[-1]))}; above {UPDATE_TOO_LARGE:g} is too "
                        "large)"), False
     return Premise("weights_steady", HELD, f"the update ratio |dW|/|W| was at most "
-                   f"{fmt(biggest)} (step {step}) on the {len(upd)} sampled steps up to step "
-                   f"{f.step_at(int(idx[-1]))}"), False
+                   f"{fmt(biggest)} (step {step}) over {count(len(upd), 'sampled step')} up "
+                   f"to step {f.step_at(int(idx[-1]))}"), False
 
 
 def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
@@ -265,7 +265,31 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
                    "failing step was not replayed, so whether fp32 fixes it is not known.", ev,
                    fixes.make(["fp32_island", "use_bf16"],
                               f.fix_context(module, step=where["step"])),
-                   where, priority=PRIORITY["sampled"], premises=[steady])
+                   where, priority=PRIORITY["sampled"],
+                   premises=[steady, beyond_scaling(f, located)])
+
+
+def beyond_scaling(f: Facts, located: dict) -> Premise:
+    """A non-finite value only in the scaled gradients, on steps GradScaler skipped with a
+    finite loss, is its calibration and probing at work (taxonomy C0), as
+    ``culprit.failure_replay`` reads a replay: an op's overflow only where a forward value
+    went non-finite, a loss did, or the skipping persisted (the scale collapsed, or three
+    steps or more skipped to the end)."""
+    story = f.story
+    if located["phase"] != "backward" or not f.has_scaler:
+        return Premise("beyond_scaling", HELD, f"the first non-finite value is in the "
+                       f"{located['phase']} of {located['module']} (sampled step "
+                       f"{located['step']})")
+    if f.loss_bad.any() or story.collapsed or story.terminal_run >= 3:
+        what = ("a loss was non-finite" if f.loss_bad.any() else
+                f"the skipping persisted ({count(int(f.skipped.sum()), 'step')} skipped, the "
+                f"scale at {fmt(story.final_scale)} at the end)")
+        return Premise("beyond_scaling", HELD, what)
+    return Premise("beyond_scaling", FAILED, f"the non-finite values were only in the scaled "
+                   f"gradients ({located['module']}, sampled step {located['step']}), on steps "
+                   f"GradScaler skipped with a finite loss ({count(int(f.skipped.sum()), 'step')} "
+                   f"skipped, the scale at {fmt(story.final_scale)} at the end): its "
+                   "calibration and probing, not an op's overflow")
 
 
 def rule_hidden_overflow(f: Facts) -> Optional[Finding]:

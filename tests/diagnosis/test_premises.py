@@ -240,3 +240,55 @@ def test_a_failure_at_step_0_has_the_initial_weights():
     assert d.verdict == "unstable_op"
     steady = premises(d)["weights_steady"]
     assert steady["status"] == "held" and "before any optimizer step" in steady["fact"]
+
+
+# -- false alarms on healthy runs (issue 28) --------------------------------------------------
+
+
+def test_gradscalers_early_skips_in_a_correct_run_are_not_an_unstable_op():
+    """Calibration at steps 0-2, then a few more skips while the early gradients grow: more
+    than probing allows, each with a finite loss, the scale never collapsing."""
+    s = Synth(100)
+    s.skip([0, 1, 2, 5, 9, 14, 22])
+    s.sampled([14], Kind.GRAD_OUTPUT, "blocks.2.mlp", nonfinite=2, posinf=3)
+    s.sampled([0, 10, 20, 30], Kind.PARAM, "blocks.2.mlp.weight", norm=3.0, update=1e-3)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    p = premises(d, "unstable_op")["beyond_scaling"]
+    assert p["status"] == "failed" and "7 steps skipped" in p["fact"]
+
+
+def test_an_overflow_in_the_gradients_that_persists_is_still_located():
+    s = Synth(100)
+    s.skip(range(40, 100))
+    s.sampled([40, 50], Kind.GRAD_OUTPUT, "blocks.2.mlp", nonfinite=2, posinf=3)
+    s.sampled([0, 10, 20, 30], Kind.PARAM, "blocks.2.mlp.weight", norm=3.0, update=1e-3)
+    d = verdict(s)
+    assert d.verdict == "unstable_op" and d.first_bad["module"] == "blocks.2.mlp"
+    assert premises(d)["beyond_scaling"]["status"] == "held"
+
+
+def _flushing(loss: np.ndarray) -> Synth:
+    """An fp16 run whose body's gradient sits in fp16's subnormal band from step 30 on while
+    the head's is in range."""
+    s = Synth(100)
+    s.steps["loss"] = loss
+    steps = range(0, 100, 10)
+    s.sampled(steps, Kind.PARAM_GRAD, "body.weight", zeros=0,
+              sub16=lambda i: 4000 if i >= 30 else 0, rms=lambda i: 1e-4 if i < 30 else 1e-8)
+    s.sampled(steps, Kind.PARAM_GRAD, "head.weight", zeros=0, sub16=0, rms=1e-2)
+    s.sampled(steps, Kind.PARAM, "body.weight", norm=3.0, update=1e-3)
+    return s
+
+
+def test_a_run_that_converged_to_1e_5_is_not_masked_underflow():
+    d = verdict(_flushing(2.0 * np.exp(-np.arange(100) / 8.0) + 1e-5))
+    assert d.verdict == "healthy", str(d)
+    p = premises(d, "masked_underflow")["not_converged"]
+    assert p["status"] == "failed" and "the run converged" in p["fact"]
+
+
+def test_flushing_gradients_of_a_run_still_learning_stay_masked_underflow():
+    d = verdict(_flushing(2.0 - np.arange(100) / 100))
+    assert d.verdict == "masked_underflow"
+    assert premises(d)["not_converged"]["status"] == "held"

@@ -211,6 +211,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
     best: Optional[tuple] = None
     best_fwd: Optional[tuple] = None
     best_bwd: Optional[tuple] = None
+    zero_grads: set[tuple[int, str]] = set()  # (step, parameter) whose gradient was exactly 0
     for rows in run.stats.chunks(chunk, names=_COLUMNS):
         rows = rows[(rows["source"] == Source.SAMPLED) & (rows["tensor"] >= 0)
                     & (rows["tensor"] < t)]
@@ -235,7 +236,8 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_outputs(out, rows, pos, tid, kind == Kind.OUTPUT, bad, pre)
         _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
-        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step)
+        no_grad = _zero_grad_params(rows, tid, kind, bad, names, zero_grads)
+        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step, no_grad)
         _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
             kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)
         _reduce_flags(out, rows, pos, tid, kind, bad)
@@ -356,8 +358,27 @@ def _reduce_zero_grads(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.
         np.add.at(out.zero_rows, tid[sel], (rows["absmax"][sel] == 0).astype(np.int64))
 
 
+def _zero_grad_params(rows: np.ndarray, tid: np.ndarray, kind: np.ndarray, bad: np.ndarray,
+                      names: list, seen: set) -> np.ndarray:
+    """Per row: a parameter whose gradient was exactly 0 on the same step (zero by
+    construction: the layers behind a zero-initialised BatchNorm scale, the last norm of a
+    residual block, get none on the first step). Its update is weight decay or momentum
+    alone, no measure of the step size: it is left out of the update ratios. ``seen`` carries
+    the last step's zero gradients over a chunk's boundary."""
+    zero = (kind == Kind.PARAM_GRAD) & (rows["absmax"] == 0) & ~bad
+    seen.update((int(s), names[t]) for s, t in zip(rows["step"][zero], tid[zero]))
+    out = np.zeros(len(rows), bool)
+    params = np.flatnonzero(kind == Kind.PARAM)
+    if seen and len(params):
+        out[params] = [(int(rows["step"][i]), names[tid[i]]) in seen for i in params]
+    last = int(rows["step"][-1]) if len(rows) else 0
+    for key in [k for k in seen if k[0] < last]:
+        seen.discard(key)
+    return out
+
+
 def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
-                   sel: np.ndarray, pre_clean: np.ndarray) -> None:
+                   sel: np.ndarray, pre_clean: np.ndarray, no_grad: np.ndarray) -> None:
     if not sel.any():
         return
     r, p, t = rows[sel], pos[sel], tid[sel]
@@ -369,7 +390,7 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     # Update ratios, as log10, clipped and weighted by size: a zero-initialised bias has
     # |dW|/|W| of 1e300 on its first step, and must not outvote the weight matrices.
     upd = r["update"].astype(np.float64)
-    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM)
+    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM) & ~no_grad[sel]
     with np.errstate(divide="ignore"):
         lu = np.clip(np.log10(np.where(good, upd, 1.0)), -12.0, 1.0)
     size = np.maximum(r["numel"], 1).astype(np.float64)

@@ -5,10 +5,12 @@ memory (``synthetic.py``)."""
 import json
 
 import numpy as np
+import pytest
 from synthetic import Synth
 
 from ampdoctor.diagnosis.engine import diagnose
-from ampdoctor.runfile.schema import Kind
+from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.runfile.schema import Event, Kind
 
 
 def verdict(s: Synth):
@@ -292,3 +294,40 @@ def test_flushing_gradients_of_a_run_still_learning_stay_masked_underflow():
     d = verdict(_flushing(2.0 - np.arange(100) / 100))
     assert d.verdict == "masked_underflow"
     assert premises(d)["not_converged"]["status"] == "held"
+
+
+def test_a_loop_that_zeroes_between_forward_and_backward_is_not_clip_order():
+    """At each skip's event (handled at the next forward) the .grad of such a loop still holds
+    the skipped step's own overflow; the steps after it are applied: it was zeroed."""
+    s = Synth(60)
+    s.skip([0, 1, 2, 17, 41])
+    for step in (17, 41):
+        s.event(step, Event.GRAD_NOT_ZEROED, text="fc.weight")
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    p = premises(d, "clip_order")["stale_persists"]
+    assert p["status"] == "failed" and "41 of the 42 steps after step 17 were applied" in p["fact"]
+
+
+def test_grads_left_in_grad_make_every_later_step_skip():
+    s = Synth(40)
+    s.skip(range(10, 40))
+    s.event(11, Event.GRAD_NOT_ZEROED, text="fc.weight")
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "grad_not_zeroed"
+    assert premises(d)["stale_persists"]["status"] == "held"
+
+
+def test_layers_with_a_zero_gradient_by_construction_are_left_out_of_update_ratios():
+    """A residual block whose last BatchNorm scale starts at 0: the conv before it gets an
+    exactly-zero gradient on step 0, and its update there is weight decay alone."""
+    s = Synth(40)
+    s.stat(0, Kind.PARAM_GRAD, "layer1.0.conv2.weight", absmax=0.0, zeros=4096, rms=0.0)
+    s.stat(0, Kind.PARAM, "layer1.0.conv2.weight", norm=3.0, update=1e-9)
+    s.stat(0, Kind.PARAM_GRAD, "fc.weight", absmax=0.5, rms=0.1)
+    s.stat(0, Kind.PARAM, "fc.weight", norm=3.0, update=1e-3)
+    s.stat(10, Kind.PARAM_GRAD, "layer1.0.conv2.weight", absmax=0.2, rms=0.01)
+    s.stat(10, Kind.PARAM, "layer1.0.conv2.weight", norm=3.0, update=2e-3)
+    f = Facts(s.run())
+    assert 10 ** f.reduced.upd_log[0] == pytest.approx(1e-3)  # fc alone
+    assert 10 ** f.reduced.upd_log[10] == pytest.approx(2e-3)  # the conv, once it has one

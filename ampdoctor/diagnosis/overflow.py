@@ -92,12 +92,7 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     mask = culprit.mask_pattern(op) if phase == "forward" else None
     if mask:
         ev.insert(1, Evidence(mask, "mask_overflow", None, snap["step"], module))
-        return Finding("mask_overflow", 0.85, f"An attention mask overflows fp16 in {module}: "
-                       "a large negative constant becomes -inf and fully masked rows turn into "
-                       "NaN in softmax. In fp32 the same code is fine.", ev,
-                       fixes.make(["safe_mask", "fp32_island"],
-                                  f.fix_context(module, snap["module_type"], first)),
-                       where, priority=PRIORITY["mask_overflow"])
+        return _mask_finding(f, snap, where, ev, op)
     score, growth = growth_evidence(f)
     steady, moved = steadiness(f)
     poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
@@ -116,16 +111,48 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     return _unstable_op(f, snap, where, ev + growth, steady)
 
 
+def _mask_finding(f: Facts, snap: dict, where: dict, ev: list[Evidence],
+                  op: Optional[dict]) -> Finding:
+    """mask_overflow: a mask constant turned -inf, or a softmax over rows every key of which is
+    masked. Where fp32 gives NaN too, the mask (or the data that masks every key) is the cause:
+    no precision fixes it, so no fp32 island is offered."""
+    module, fp32 = snap["module"], snap["fp32_finite"]
+    ctx = f.fix_context(module, snap["module_type"], where["step"])
+    if fp32 == 0:
+        return Finding("mask_overflow", 0.7, f"Rows of the attention in {module} have every key "
+                       "masked and softmax makes them NaN; in fp32 it is NaN too, so not the "
+                       "precision: the mask (or the data that masks every key of a row).", ev,
+                       fixes.make(["safe_mask"], ctx), where,
+                       priority=PRIORITY["mask_overflow"])
+    made = "a large negative constant becomes -inf and fully masked rows turn into NaN in " \
+        "softmax" if culprit.nonfinite_kind(op) != culprit.DOMAIN else \
+        "rows whose every key is masked turn into NaN in softmax"
+    fine = " In fp32 the same code is fine." if fp32 == 1 else \
+        " Whether fp32 does the same was not measured."
+    return Finding("mask_overflow", 0.85 if fp32 == 1 else 0.7,
+                   f"An attention mask overflows fp16 in {module}: {made}.{fine}", ev,
+                   fixes.make(["safe_mask", "fp32_island"], ctx), where,
+                   priority=PRIORITY["mask_overflow"])
+
+
 def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
                  steady: Premise) -> Finding:
     module = snap["module"]
     low = "bf16" if f.low_precision == "bf16" else "fp16"
     while_steady = "while the weights are steady" if steady.status == HELD else \
         "(whether the weights were steady was not measured)"
+    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
     if snap["phase"] == "backward":
         text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
                 "derivative at a singularity: log/sqrt/division near 0, or a clamp that rounds "
                 "to its bound in low precision). Doing that op in fp32 avoids it.")
+    elif kind in (culprit.DOMAIN, culprit.OPERAND):
+        what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
+                culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
+        text = (f"One op in {module}, {(op or {}).get('op')}, {what} in {low} {while_steady}. "
+                + ("In fp32 the same op is finite: an fp32 island around it fixes the step."
+                   if snap["fp32_finite"] == 1 else "Whether fp32 fixes it was not measured."))
     elif low == "fp16":
         text = (f"One op in {module} overflows fp16 {while_steady}: its output "
                 "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "
@@ -137,8 +164,7 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
     ctx = f.fix_context(module, snap["module_type"], where["step"])
-    op = snap["detail"].get("op")
-    ctx.op = op.get("op") if isinstance(op, dict) else None
+    ctx.op = op.get("op") if op else None
     ctx.root = module in f.root_names
     conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
@@ -334,9 +360,11 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
              f"No NaN reaches the loss, and only {count(skipped, 'step')} "
              f"{'was' if skipped == 1 else 'were'} skipped")
     return Finding("unstable_op", 0.85 if flat and len({h["step"] for h in hits}) >= 2 else 0.7,
-                   f"An op inside {module} overflows {low} although the module's output stays "
+                   f"An op inside {module} {_verb(first['created'])} {low} although the "
+                   "module's output stays "
                    f"finite: {first['op']} makes {_kinds(first['created'])} from finite inputs"
-                   f"{what}{zeros}. {quiet}: the overflow is hidden inside the "
+                   f"{what}{zeros}. {quiet}: the "
+                   f"{'NaN' if first['created'] == 1 else 'overflow'} is hidden inside the "
                    f"module{stalls}. Computing it in fp32 fixes it.", ev,
                    fixes.make(ids, ctx), first_bad(first["step"], module, "forward"),
                    priority=PRIORITY["sampled"], kind="hidden_overflow",
@@ -420,6 +448,11 @@ def _zeroed(f: Facts, hit: dict) -> float:
 def _is_norm(module: Optional[str], module_type: Optional[str]) -> bool:
     text = f"{module_type or ''} {(module or '').rsplit('.', 1)[-1]}".lower()
     return "norm" in text
+
+
+def _verb(bits: int) -> str:
+    """An op that made only NaN did not overflow (a domain error: 0/0, sqrt of a negative)."""
+    return "makes NaN without overflowing in" if bits == 1 else "overflows"
 
 
 def _kinds(bits: int) -> str:

@@ -331,3 +331,57 @@ def test_layers_with_a_zero_gradient_by_construction_are_left_out_of_update_rati
     f = Facts(s.run())
     assert 10 ** f.reduced.upd_log[0] == pytest.approx(1e-3)  # fc alone
     assert 10 ** f.reduced.upd_log[10] == pytest.approx(2e-3)  # the conv, once it has one
+
+
+# -- the kind of non-finite value (issue 28 item 3) -------------------------------------------
+
+
+def _op_run(op: dict, fp32_finite: int, module="blocks.0.norm", type_="VarNorm") -> Synth:
+    s = Synth(20)
+    s.skip(range(0, 20), loss_nan=True)
+    s.snapshot(0, "forward", module, type_, fp32_finite=fp32_finite, fp32_absmax=3.0,
+               in_absmax=4.0, op=op)
+    return s
+
+
+def _op(created, **inputs):
+    return {"op": inputs.pop("op", "sqrt"), "created": created, "dtype": "float16",
+            "in_absmax": 4.0, "in_nan": False, "in_posinf": False, "in_neginf": False,
+            "mask_operand": False, **inputs}
+
+
+def test_a_nan_from_finite_inputs_is_a_domain_error_not_an_overflow():
+    """A variance that comes out negative by cancellation in fp16: sqrt of it is NaN."""
+    d = verdict(_op_run(_op(["nan"]), fp32_finite=1))
+    assert d.verdict == "unstable_op"
+    assert "65504" not in d.summary and "overflows" not in d.summary
+    assert "domain error" in d.summary and "In fp32 the same op is finite" in d.summary
+    kind = next(e for e in d.evidence if e.key == "nonfinite_kind")
+    assert kind.text.startswith("sqrt made NaN from finite inputs: no overflow, a domain error")
+    assert kind.text.endswith("in fp32 the same code is finite")
+
+
+def test_a_nan_from_an_inf_operand_is_said_so():
+    d = verdict(_op_run(_op(["nan"], op="mul", in_posinf=True), fp32_finite=1))
+    assert "0 x inf or inf - inf" in d.summary and "65504" not in d.summary
+    kind = next(e for e in d.evidence if e.key == "nonfinite_kind")
+    assert "from an inf among its inputs" in kind.text
+
+
+def test_an_overflow_from_finite_inputs_keeps_its_text():
+    d = verdict(_op_run(_op(["posinf"], op="matmul", in_absmax=252.0), fp32_finite=1,
+                        module="blocks.0.attn", type_="Attention"))
+    assert d.verdict == "unstable_op" and "passes 65504" in d.summary
+    kind = next(e for e in d.evidence if e.key == "nonfinite_kind")
+    assert kind.text.startswith("matmul overflowed: finite inputs (up to 252)")
+
+
+def test_a_fully_masked_softmax_row_that_is_nan_in_fp32_too_is_the_mask():
+    d = verdict(_op_run(_op(["nan"], op="softmax", in_neginf=True), fp32_finite=0,
+                        module="blocks.0.attn", type_="Attention"))
+    assert d.verdict == "mask_overflow", str(d)
+    assert "in fp32 the same code is fine" not in d.summary.lower()
+    assert "in fp32 it is NaN too" in d.summary
+    assert [fx.id for fx in d.fixes][:1] == ["safe_mask"]
+    assert "fp32_island" not in [fx.id for fx in d.fixes]
+    assert "use_bf16" not in [fx.id for fx in d.fixes][:1]

@@ -235,13 +235,14 @@ def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
     """Was ``name`` a statistic that became non-finite (seen finite, or changing), or a
     constant that was non-finite from the start?"""
     st = f.reduced
-    t = next(i for i, (n, k) in enumerate(zip(f.tensor_names, f.tensor_kinds))
-             if n == name and k == Kind.BUFFER)
-    seen, finite = int(st.buf_first_step[t]), int(st.buf_finite_step[t])
+    t = next((i for i, (n, k) in enumerate(zip(f.tensor_names, f.tensor_kinds))
+              if n == name and k == Kind.BUFFER), None)
+    seen, finite = (int(st.buf_first_step[t]), int(st.buf_finite_step[t])) if t is not None \
+        else (-1, -1)
     if finite >= 0:
         return Premise("buffer_was_finite", HELD, f"{name} was finite at step {finite} and "
                        f"non-finite from step {first_bad_step}")
-    if st.buf_changed[t]:
+    if t is not None and st.buf_changed[t]:
         return Premise("buffer_was_finite", HELD, f"{name} was non-finite from its first "
                        f"sample (step {seen}) but its statistics changed between samples: a "
                        "running statistic")

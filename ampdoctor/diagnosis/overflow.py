@@ -151,8 +151,9 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
         text = (f"One op in {module}, {(op or {}).get('op')}, {what} in {low} {while_steady}. "
-                + ("In fp32 the same op is finite: an fp32 island around it fixes the step."
-                   if snap["fp32_finite"] == 1 else "Whether fp32 fixes it was not measured."))
+                + (f"Re-run in fp32, {module} is finite: an fp32 island around it fixes the "
+                   "step." if snap["fp32_finite"] == 1 else
+                   "Whether fp32 fixes it was not measured."))
     elif low == "fp16":
         text = (f"One op in {module} overflows fp16 {while_steady}: its output "
                 "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "

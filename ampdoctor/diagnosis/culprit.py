@@ -146,6 +146,10 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
     if op:
         ev.append(Evidence(_op_text(op, module), "first_nonfinite_op", op.get("in_absmax"),
                            snap["step"], module))
+        kind = nonfinite_kind(op)
+        if kind is not None:
+            ev.append(Evidence(kind_text(op, kind, snap["fp32_finite"]), "nonfinite_kind", None,
+                               snap["step"], module))
     if snap["fp32_finite"] == 1:
         beyond = ", beyond fp16's 65504" if snap["fp32_absmax"] > schema.FP16_MAX else ""
         ev.append(Evidence(f"re-run in fp32, {module} is finite (output abs max "
@@ -156,6 +160,50 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
                            "it are themselves out of range", "fp32_nonfinite", None,
                            snap["step"], module))
     return ev
+
+
+# -- the kind of non-finite value ------------------------------------------------------------
+
+# What the first non-finite op made, from the op probe (issue 28 item 3).
+OVERFLOW = "overflow"  # finite inputs, a result past the dtype's max: +-inf
+OPERAND = "nonfinite_operand"  # an inf among the inputs turned into NaN: 0 x inf, inf - inf
+DOMAIN = "domain"  # NaN from finite inputs: sqrt/log of a negative, 0/0, an empty reduction
+
+
+def nonfinite_kind(op: Optional[dict]) -> Optional[str]:
+    """OVERFLOW, OPERAND or DOMAIN for the op probe's finding ``op``; None where there is none
+    or it fits none (a mix of kinds).
+
+    Example::
+
+        nonfinite_kind({"created": ["nan"], "in_posinf": True, ...})   # "nonfinite_operand"
+    """
+    if not op:
+        return None
+    created = set(op.get("created") or ())
+    bad_in = bool(op.get("in_posinf") or op.get("in_neginf") or op.get("in_nan"))
+    if created == {"nan"}:
+        return OPERAND if op.get("in_posinf") or op.get("in_neginf") else \
+            (DOMAIN if not bad_in else None)
+    if created and created <= {"posinf", "neginf"} and not bad_in:
+        return OVERFLOW
+    return None
+
+
+def kind_text(op: dict, kind: str, fp32_finite: int) -> str:
+    """The kind in one sentence, with what the same op did in fp32 (the culprit's re-run)."""
+    name, dtype = op.get("op"), op.get("dtype", "the run's precision")
+    if kind == OVERFLOW:
+        text = (f"{name} overflowed: finite inputs (up to {fmt(float(op.get('in_absmax') or 0))})"
+                f" and a result past {dtype}'s largest value")
+    elif kind == OPERAND:
+        text = (f"{name} made NaN from an inf among its inputs (0 x inf, or inf - inf): the inf "
+                "was made earlier")
+    else:
+        text = (f"{name} made NaN from finite inputs: no overflow, a domain error (sqrt or log of "
+                "a negative, 0/0, an empty reduction, a fully masked softmax row)")
+    fp32 = {1: "; in fp32 the same code is finite", 0: "; in fp32 it is non-finite too"}
+    return text + fp32.get(fp32_finite, "; fp32 was not tried")
 
 
 def _op_text(op: dict, module: str) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import re
+from dataclasses import asdict
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -240,7 +241,10 @@ def _diagnose_all(paths: list[str], rules: Optional[Iterable[Callable]]) -> Diag
 
 
 def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
-    """The strongest root cause is the verdict; consequences and other roots form the chain."""
+    """The strongest root cause is the verdict; consequences and other roots form the chain.
+    A finding whose premise failed takes no part: it is listed under ``rejected``, with why."""
+    rejected = [x for x in findings if x.failed]
+    findings = [x for x in findings if not x.failed]
     roots = sorted((x for x in findings if x.root), key=lambda x: -x.priority)
     consequences = [x for x in findings if not x.root]
     if not roots and consequences:
@@ -280,7 +284,20 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),
                      summary=top.summary, first_bad=top.first_bad, causes=causes,
                      evidence=evidence, fixes=fixes, run=run_summary(f),
-                     notes=notes(f, top), history=history)
+                     notes=notes(f, top) + [_rejected_note(x) for x in rejected],
+                     history=history, premises=list(top.premises),
+                     rejected=[_rejected(x) for x in rejected])
+
+
+def _rejected(x: Finding) -> dict:
+    return {"verdict": x.verdict, "confidence": round(x.confidence, 2), "summary": x.summary,
+            "premises": [asdict(p) for p in x.premises]}
+
+
+def _rejected_note(x: Finding) -> str:
+    """Why a verdict a rule found is not given: its failed premises, as measured."""
+    why = "; ".join(p.fact for p in x.failed)
+    return f"Not {x.verdict}: {why}."
 
 
 def _explained_by(top: Finding, x: Finding) -> bool:
@@ -320,6 +337,8 @@ def _healthy(f: Any) -> Finding:
 def _cause(x: Finding, role: str) -> dict:
     out = {"verdict": x.verdict, "role": role, "text": x.summary,
            "confidence": round(x.confidence, 2)}
+    if x.premises:
+        out["premises"] = [asdict(p) for p in x.premises]
     if x.kind:
         out["kind"] = x.kind
     if x.first_bad:

@@ -17,7 +17,7 @@ from ..runfile.schema import DType, Event, Kind
 from . import fixes, singular
 from .culprit import input_out_of_range, root_grad_output, snapshot_at
 from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # ---------------------------------------------------------------------------------------------
 # C5: the data
@@ -166,12 +166,36 @@ def _micro_rise(f: Facts, step: int) -> Optional[Evidence]:
 
 
 def rule_state_poisoning(f: Facts) -> Optional[Finding]:
-    """C10: buffers (BatchNorm running stats, EMA) non-finite while the parameters are finite."""
+    """C10: buffers (BatchNorm running stats, EMA) non-finite while the parameters are finite.
+
+    Premise (``buffer_was_finite``): the buffer was seen finite earlier, or changed between
+    samples. A buffer non-finite at its first sample, before any failure, that never changed is
+    a constant (open_clip's causal attention mask is a buffer filled with -inf by design): its
+    premise fails, and the finding is rejected."""
     if not f.n:
         return None
-    buffers, first_seen, last_seen = _poisoned_buffers(f)
-    if not buffers or f.reduced.param_bad[f.index_of(last_seen)] > 0:
-        return None  # nothing poisoned, or the weights are gone too
+    bad = _poisoned_buffers(f)
+    if not bad:
+        return None
+    checks = {name: _buffer_premise(f, name, first) for name, (first, _) in bad.items()}
+    standing = {k: v for k, v in bad.items() if checks[k].status != FAILED}
+    found = _poisoning(f, standing or bad)
+    if found is None:
+        return None
+    if standing:
+        found.premises = [checks[next(iter(standing))]]
+        if found.premises[0].status == NOT_MEASURED:
+            found.confidence = 0.7
+    else:
+        found.premises = [_constants(checks)]
+    return found
+
+
+def _poisoning(f: Facts, bad: dict[str, tuple[int, int]]) -> Optional[Finding]:
+    buffers = list(bad)
+    first_seen, last_seen = bad[buffers[0]][0], max(last for _, last in bad.values())
+    if f.reduced.param_bad[f.index_of(last_seen)] > 0:
+        return None  # the weights are gone too
     after = slice(f.index_of(first_seen), f.n)
     if not np.any(~f.loss_bad[after] & ~f.skipped[after]):
         return None  # training did not go on: this is no buffer-only damage
@@ -207,11 +231,49 @@ def rule_state_poisoning(f: Facts) -> Optional[Finding]:
                    first_bad(trigger, module, "forward"), priority=PRIORITY["state_poisoning"])
 
 
-def _poisoned_buffers(f: Facts) -> tuple[list[str], int, int]:
-    """Buffers that went non-finite and stayed so (first-poisoned first), the step they were
-    first seen so, and the last step they were seen so. Two sources: the sampled tier (still
-    non-finite at the buffer's last sample) and the recorder's audit on failing steps (unless a
-    later sample shows the buffer finite again)."""
+def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
+    """Was ``name`` a statistic that became non-finite (seen finite, or changing), or a
+    constant that was non-finite from the start?"""
+    st = f.reduced
+    t = next((i for i, (n, k) in enumerate(zip(f.tensor_names, f.tensor_kinds))
+              if n == name and k == Kind.BUFFER), None)
+    seen, finite = (int(st.buf_first_step[t]), int(st.buf_finite_step[t])) if t is not None \
+        else (-1, -1)
+    if finite >= 0:
+        return Premise("buffer_was_finite", HELD, f"{name} was finite at step {finite} and "
+                       f"non-finite from step {first_bad_step}")
+    if t is not None and st.buf_changed[t]:
+        return Premise("buffer_was_finite", HELD, f"{name} was non-finite from its first "
+                       f"sample (step {seen}) but its statistics changed between samples: a "
+                       "running statistic")
+    failure = f.failure_step
+    if seen < 0 or (failure is not None and seen > failure):
+        when = "never sampled" if seen < 0 else f"first sampled at step {seen}, after the " \
+            f"first failing step {failure}"
+        return Premise("buffer_was_finite", NOT_MEASURED, f"{name} was {when}: whether it was "
+                       "finite before is not known")
+    return Premise("buffer_was_finite", FAILED, f"{name} was non-finite from its first sample "
+                   f"(step {seen}) and never changed up to step {int(st.last_step[t])}: a "
+                   "constant (such as an attention mask filled with -inf), not a poisoned "
+                   "statistic")
+
+
+def _constants(checks: dict[str, Premise]) -> Premise:
+    """Every non-finite buffer is a constant: one failed premise that names them."""
+    names = list(checks)
+    first = checks[names[0]]
+    if len(names) == 1:
+        return first
+    return Premise(first.name, FAILED, f"{first.fact}; so are the {len(names) - 1} other "
+                   f"non-finite buffers ({', '.join(names[1:5])}"
+                   + (" ..." if len(names) > 5 else "") + ")")
+
+
+def _poisoned_buffers(f: Facts) -> dict[str, tuple[int, int]]:
+    """Buffers that went non-finite and stayed so (first-poisoned first), each with the step
+    it was first seen so and the last step it was seen so. Two sources: the sampled tier
+    (still non-finite at the buffer's last sample) and the recorder's audit on failing steps
+    (unless a later sample shows the buffer finite again)."""
     st, names, kinds = f.reduced, f.tensor_names, f.tensor_kinds
     bad: dict[str, tuple[int, int]] = {}
     for t in np.flatnonzero((kinds == Kind.BUFFER) & st.last_bad):
@@ -222,10 +284,8 @@ def _poisoned_buffers(f: Facts) -> tuple[list[str], int, int]:
             continue  # unknown, or finite again at a later sample
         first, last = bad.get(names[t], (step, step))
         bad[names[t]] = (min(first, step), max(last, step))
-    if not bad:
-        return [], -1, -1
     order = sorted(bad, key=lambda name: (bad[name][0], name))
-    return order, bad[order[0]][0], max(last for _, last in bad.values())
+    return {name: bad[name] for name in order}
 
 
 # ---------------------------------------------------------------------------------------------

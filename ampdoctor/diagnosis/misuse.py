@@ -18,7 +18,7 @@ from ..numfmt import fmt
 from ..runfile.schema import Event
 from . import fixes
 from .facts import Facts
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- thresholds --------------------------------------------------------------------------------
 
@@ -229,10 +229,31 @@ def rule_stale_grads(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(f"replaying step {stale[0]['step']} gave finite values everywhere, "
                            "yet .grad held inf/NaN: left over from an earlier step",
                            "stale_grads", None, stale[0]["step"]))
-    return _misuse(f, "grad_not_zeroed", 0.8, "Gradients are not zeroed after a skipped step: "
-                   "the inf left in .grad is added to every later gradient, so every step "
-                   "overflows and the scale halves towards 0 while the forward pass is fine.",
-                   ev, "zero_grad_every_step", first, "backward")
+    found = _misuse(f, "grad_not_zeroed", 0.8, "Gradients are not zeroed after a skipped step: "
+                    "the inf left in .grad is added to every later gradient, so every step "
+                    "overflows and the scale halves towards 0 while the forward pass is fine.",
+                    ev, "zero_grad_every_step", first, "backward")
+    found.premises = [stale_persists(f, first)]
+    return found
+
+
+def stale_persists(f: Facts, first: int) -> Premise:
+    """grad_not_zeroed's premise: an inf left in .grad is added to every later gradient, so
+    every step after the first stale one is skipped. A step applied after it had finite
+    gradients: they were zeroed (a loop that zeroes between the forward and the backward is
+    legal; at the event its .grad still holds the step's own overflow)."""
+    after = np.asarray(f.steps["step"]) > first
+    if not after.any():
+        return Premise("stale_persists", NOT_MEASURED, f"no step was recorded after step "
+                       f"{first}")
+    applied = int((after & ~f.skipped).sum())
+    total = int(after.sum())
+    if applied:
+        return Premise("stale_persists", FAILED, f"{applied} of the {total} steps after step "
+                       f"{first} were applied (GradScaler found their gradients finite): an "
+                       "inf left in .grad would have made every one of them overflow")
+    return Premise("stale_persists", HELD, f"every one of the {total} steps after step "
+                   f"{first} was skipped")
 
 
 def rule_unscale_twice(f: Facts) -> Optional[Finding]:

@@ -25,7 +25,7 @@ from ..numfmt import count, fmt
 from . import culprit, fixes, schedule
 from .facts import Facts
 from .learning import loss_evidence
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- the growth signals' thresholds (taxonomy C2) ---------------------------------------------
 
@@ -92,48 +92,85 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     mask = culprit.mask_pattern(op) if phase == "forward" else None
     if mask:
         ev.insert(1, Evidence(mask, "mask_overflow", None, snap["step"], module))
-        return Finding("mask_overflow", 0.85, f"An attention mask overflows fp16 in {module}: "
-                       "a large negative constant becomes -inf and fully masked rows turn into "
-                       "NaN in softmax. In fp32 the same code is fine.", ev,
-                       fixes.make(["safe_mask", "fp32_island"],
-                                  f.fix_context(module, snap["module_type"], first)),
-                       where, priority=PRIORITY["mask_overflow"])
+        return _mask_finding(f, snap, where, ev, op)
     score, growth = growth_evidence(f)
+    steady, moved = steadiness(f)
     poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
-    replaced = any(e.key == "weights_replaced" for e in growth)
+    replaced = any(e.key == "weights_replaced" for e in growth) or moved
     if replaced and poisoned and snap["step"] > f.failure_step:
         where = first_bad(f.failure_step, None, None)  # the culprit shows the poison only
-    if (score >= GROWTH_SIGNALS or replaced or (fp32 == 0 and score >= 1 and not poisoned)) \
-            and rests_on_lr(growth):
-        return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6)
+    # Decided from growth, not from where the first inf appeared (issue 28): weights that are
+    # not steady are the LR's, unless the culprit shows only their poison in fp32 too.
+    grew = steady.status == FAILED and not (poisoned and fp32 == 0)
+    if moved or grew or ((score >= GROWTH_SIGNALS or replaced or (
+            fp32 == 0 and score >= 1 and not poisoned)) and rests_on_lr(growth)):
+        return _lr_finding(f, where, ev + growth, 0.8 if score >= GROWTH_SIGNALS else 0.6,
+                           steady)
     if (fp32 == 0 or poisoned) and phase == "forward":
         return None  # out of range in fp32 too (or its weights are): not one op's overflow
-    return _unstable_op(f, snap, where, ev + growth)
+    return _unstable_op(f, snap, where, ev + growth, steady)
 
 
-def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence]) -> Finding:
+def _mask_finding(f: Facts, snap: dict, where: dict, ev: list[Evidence],
+                  op: Optional[dict]) -> Finding:
+    """mask_overflow: a mask constant turned -inf, or a softmax over rows every key of which is
+    masked. Where fp32 gives NaN too, the mask (or the data that masks every key) is the cause:
+    no precision fixes it, so no fp32 island is offered."""
+    module, fp32 = snap["module"], snap["fp32_finite"]
+    ctx = f.fix_context(module, snap["module_type"], where["step"])
+    if fp32 == 0:
+        return Finding("mask_overflow", 0.7, f"Rows of the attention in {module} have every key "
+                       "masked and softmax makes them NaN; in fp32 it is NaN too, so not the "
+                       "precision: the mask (or the data that masks every key of a row).", ev,
+                       fixes.make(["safe_mask"], ctx), where,
+                       priority=PRIORITY["mask_overflow"])
+    made = "a large negative constant becomes -inf and fully masked rows turn into NaN in " \
+        "softmax" if culprit.nonfinite_kind(op) != culprit.DOMAIN else \
+        "rows whose every key is masked turn into NaN in softmax"
+    fine = " In fp32 the same code is fine." if fp32 == 1 else \
+        " Whether fp32 does the same was not measured."
+    return Finding("mask_overflow", 0.85 if fp32 == 1 else 0.7,
+                   f"An attention mask overflows fp16 in {module}: {made}.{fine}", ev,
+                   fixes.make(["safe_mask", "fp32_island"], ctx), where,
+                   priority=PRIORITY["mask_overflow"])
+
+
+def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
+                 steady: Premise) -> Finding:
     module = snap["module"]
     low = "bf16" if f.low_precision == "bf16" else "fp16"
+    while_steady = "while the weights are steady" if steady.status == HELD else \
+        "(whether the weights were steady was not measured)"
+    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
     if snap["phase"] == "backward":
         text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
                 "derivative at a singularity: log/sqrt/division near 0, or a clamp that rounds "
                 "to its bound in low precision). Doing that op in fp32 avoids it.")
+    elif kind in (culprit.DOMAIN, culprit.OPERAND):
+        what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
+                culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
+        text = (f"One op in {module}, {(op or {}).get('op')}, {what} in {low} {while_steady}. "
+                + (f"Re-run in fp32, {module} is finite: an fp32 island around it fixes the "
+                   "step." if snap["fp32_finite"] == 1 else
+                   "Whether fp32 fixes it was not measured."))
     elif low == "fp16":
-        text = (f"One op in {module} overflows fp16 while the weights are steady: its output "
+        text = (f"One op in {module} overflows fp16 {while_steady}: its output "
                 "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "
                 "it fixes the step.")
     else:
-        text = (f"One op in {module} produces inf/NaN in bf16 while the weights are steady (a "
+        text = (f"One op in {module} produces inf/NaN in bf16 {while_steady} (a "
                 "singularity such as log(0) or 0/0 that bf16's 8-bit precision reaches where "
                 "fp32 does not). An fp32 island around it fixes the step.")
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
     ctx = f.fix_context(module, snap["module_type"], where["step"])
-    op = snap["detail"].get("op")
-    ctx.op = op.get("op") if isinstance(op, dict) else None
+    ctx.op = op.get("op") if op else None
     ctx.root = module in f.root_names
-    return Finding("unstable_op", 0.9 if snap["fp32_finite"] == 1 else 0.65, text, ev,
-                   fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"])
+    conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
+    return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
+                   ev, fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"],
+                   premises=[steady])
 
 
 def rests_on_lr(growth: list[Evidence]) -> bool:
@@ -141,7 +178,11 @@ def rests_on_lr(growth: list[Evidence]) -> bool:
     return any(e.key in LR_SIGNALS for e in growth)
 
 
-def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Finding:
+def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
+                steady: Premise) -> Finding:
+    if steady.status == FAILED and not any(e.key in ("weights_replaced", "update_ratio")
+                                           for e in ev):
+        ev = ev + [Evidence(steady.fact, "weights_not_steady")]
     ev = ev + lr_evidence(f)
     scheduler = schedule.per_micro(f)
     if scheduler is not None:
@@ -159,7 +200,58 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float) -> Findi
     return Finding("lr_overflow", conf, text + schedule.summary(f), ev,
                    fixes.make(schedule.lr_fixes(f, ["lower_lr", "use_bf16"]),
                               f.fix_context(module, step=where.get("step") if where else None)),
-                   where, priority=PRIORITY["lr_overflow"])
+                   where, priority=PRIORITY["lr_overflow"], premises=[_grew(ev, steady)])
+
+
+def _grew(ev: list[Evidence], steady: Premise) -> Premise:
+    """lr_overflow's premise: the weights or their updates grew (the negation of
+    ``weights_steady``), from the update ratios or the other growth signals."""
+    if steady.status == FAILED:
+        return Premise("weights_grew", HELD, steady.fact)
+    grown = [e.text for e in ev if e.key in LR_SIGNALS + ("activation_growth",
+                                                          "grad_norm_growth")]
+    if grown:
+        return Premise("weights_grew", HELD, "; ".join(grown[:2]))
+    return Premise("weights_grew", NOT_MEASURED, steady.fact)
+
+
+def weights_steady(f: Facts) -> Premise:
+    """unstable_op's premise, measured by the update ratios |dW|/|W| of the sampled steps up
+    to the failure (its own step included): steady while no step moved the weights by their
+    own norm (``REPLACED``) and the median stays below ``UPDATE_TOO_LARGE``."""
+    return steadiness(f)[0]
+
+
+def steadiness(f: Facts) -> tuple[Premise, bool]:
+    """``weights_steady``'s premise, and whether one step moved the weights by their norm."""
+    hi = f.failure_index if f.failure_index is not None else f.n - 1
+    if f.failure_index is not None and f.skipped[:hi].all():
+        return Premise("weights_steady", HELD, f"step {f.step_at(hi)} failed before any "
+                       "optimizer step was applied: the weights were the ones the run started "
+                       "with"), False
+    idx = np.flatnonzero(f.reduced.sampled[:hi + 1])
+    upd = f.reduced.upd_log[idx] if len(idx) else np.zeros(0)
+    ok = np.isfinite(upd)
+    idx, upd = idx[ok], upd[ok]
+    if not len(upd):
+        return Premise("weights_steady", NOT_MEASURED, "no update ratio |dW|/|W| was sampled "
+                       "before the failure"), False
+    top = int(np.argmax(upd))
+    biggest, step = 10 ** float(upd[top]), f.step_at(int(idx[top]))
+    shown = "10 or more" if upd[top] >= 1.0 else fmt(biggest)  # (ratios are kept up to 10)
+    if biggest >= REPLACED:
+        return Premise("weights_steady", FAILED, f"the update ratio |dW|/|W| was {shown} at "
+                       f"step {step} (sampled): one step moved the weights by their own "
+                       "norm"), True
+    median = 10 ** float(np.median(upd))
+    if len(upd) >= 2 and median >= UPDATE_TOO_LARGE:
+        return Premise("weights_steady", FAILED, f"the update ratio |dW|/|W| was ~"
+                       f"{fmt(median)} per step (median of {len(upd)} samples up to step "
+                       f"{f.step_at(int(idx[-1]))}; above {UPDATE_TOO_LARGE:g} is too "
+                       "large)"), False
+    return Premise("weights_steady", HELD, f"the update ratio |dW|/|W| was at most "
+                   f"{fmt(biggest)} (step {step}) over {count(len(upd), 'sampled step')} up "
+                   f"to step {f.step_at(int(idx[-1]))}"), False
 
 
 def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
@@ -186,18 +278,45 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
                            f"{located['phase']} value is in {located['module']}",
                            "sampled_first_nonfinite", None, located["step"],
                            located["module"]))
-    if score >= GROWTH_SIGNALS and rests_on_lr(growth):
-        return _lr_finding(f, where, ev + growth, 0.75 if located else 0.65)
+    steady = weights_steady(f)
+    if steady.status == FAILED or (score >= GROWTH_SIGNALS and rests_on_lr(growth)):
+        return _lr_finding(f, where, ev + growth, 0.75 if located else 0.65, steady)
     if not located:
         return None
     module = located["module"]
     ev += growth
+    while_steady = "while the weights were steady" if steady.status == HELD else \
+        "(whether the weights were steady was not measured)"
     return Finding("unstable_op", 0.5, f"{module} is the first module with non-finite values "
-                   f"({located['phase']}) on a sampled step while the weights were steady; the "
+                   f"({located['phase']}) on a sampled step {while_steady}; the "
                    "failing step was not replayed, so whether fp32 fixes it is not known.", ev,
                    fixes.make(["fp32_island", "use_bf16"],
                               f.fix_context(module, step=where["step"])),
-                   where, priority=PRIORITY["sampled"])
+                   where, priority=PRIORITY["sampled"],
+                   premises=[steady, beyond_scaling(f, located)])
+
+
+def beyond_scaling(f: Facts, located: dict) -> Premise:
+    """A non-finite value only in the scaled gradients, on steps GradScaler skipped with a
+    finite loss, is its calibration and probing at work (taxonomy C0), as
+    ``culprit.failure_replay`` reads a replay: an op's overflow only where a forward value
+    went non-finite, a loss did, or the skipping persisted (the scale collapsed, or three
+    steps or more skipped to the end)."""
+    story = f.story
+    if located["phase"] != "backward" or not f.has_scaler:
+        return Premise("beyond_scaling", HELD, f"the first non-finite value is in the "
+                       f"{located['phase']} of {located['module']} (sampled step "
+                       f"{located['step']})")
+    if f.loss_bad.any() or story.collapsed or story.terminal_run >= 3:
+        what = ("a loss was non-finite" if f.loss_bad.any() else
+                f"the skipping persisted ({count(int(f.skipped.sum()), 'step')} skipped, the "
+                f"scale at {fmt(story.final_scale)} at the end)")
+        return Premise("beyond_scaling", HELD, what)
+    return Premise("beyond_scaling", FAILED, f"the non-finite values were only in the scaled "
+                   f"gradients ({located['module']}, sampled step {located['step']}), on steps "
+                   f"GradScaler skipped with a finite loss ({count(int(f.skipped.sum()), 'step')} "
+                   f"skipped, the scale at {fmt(story.final_scale)} at the end): its "
+                   "calibration and probing, not an op's overflow")
 
 
 def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
@@ -242,9 +361,11 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
              f"No NaN reaches the loss, and only {count(skipped, 'step')} "
              f"{'was' if skipped == 1 else 'were'} skipped")
     return Finding("unstable_op", 0.85 if flat and len({h["step"] for h in hits}) >= 2 else 0.7,
-                   f"An op inside {module} overflows {low} although the module's output stays "
+                   f"An op inside {module} {_verb(first['created'])} {low} although the "
+                   "module's output stays "
                    f"finite: {first['op']} makes {_kinds(first['created'])} from finite inputs"
-                   f"{what}{zeros}. {quiet}: the overflow is hidden inside the "
+                   f"{what}{zeros}. {quiet}: the "
+                   f"{'NaN' if first['created'] == 1 else 'overflow'} is hidden inside the "
                    f"module{stalls}. Computing it in fp32 fixes it.", ev,
                    fixes.make(ids, ctx), first_bad(first["step"], module, "forward"),
                    priority=PRIORITY["sampled"], kind="hidden_overflow",
@@ -328,6 +449,11 @@ def _zeroed(f: Facts, hit: dict) -> float:
 def _is_norm(module: Optional[str], module_type: Optional[str]) -> bool:
     text = f"{module_type or ''} {(module or '').rsplit('.', 1)[-1]}".lower()
     return "norm" in text
+
+
+def _verb(bits: int) -> str:
+    """An op that made only NaN did not overflow (a domain error: 0/0, sqrt of a negative)."""
+    return "makes NaN without overflowing in" if bits == 1 else "overflows"
 
 
 def _kinds(bits: int) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 from ..numfmt import fmt
 from . import fixes
 from .facts import Facts
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 STEPS_LISTED = 8  # steps named in a count's evidence
 
@@ -88,9 +88,90 @@ def first_replay(f: Facts) -> Optional[dict]:
 
 
 def first_unreproduced(f: Facts) -> Optional[dict]:
-    """The replay of the first failing step, when it did not reproduce."""
+    """The replay of the first failing step, when it did not reproduce and the premises of
+    "it did not reproduce" hold (``premises``)."""
     snap = first_replay(f)
-    return snap if snap is not None and unreproduced(snap) else None
+    if snap is None or not unreproduced(snap):
+        return None
+    return None if any(p.status == FAILED for p in premises(f, snap)) else snap
+
+
+# ---------------------------------------------------------------------------------------------
+# not_reproducible's premises
+
+
+def premises(f: Facts, snap: dict) -> list[Premise]:
+    """What "the replay is finite where the step was not" needs: that the replay recomputed
+    the quantity the step found non-finite (``same_quantity``), and that the run's later
+    failures do not reproduce (``later_unreproduced``)."""
+    return [_same_quantity(f, snap), _later_failures(f, snap)]
+
+
+def _same_quantity(f: Facts, snap: dict) -> Premise:
+    """The loss or the model's output: the replay recomputes them. A gradient norm of +inf
+    over a finite loss: the replay checks each gradient, never their norm, and the norm of
+    large finite gradients overflows to +inf (a NaN norm needs a NaN gradient)."""
+    step = snap["step"]
+    i = f.index_of(step)
+    d = _dict(snap["detail"])
+    seen = _dict(d.get("recorded"))
+    loss = float(f.steps["loss"][i])
+    norm = float(f.steps["grad_norm"][i])
+    if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
+        again = _dict(d.get("rerun"))
+        if again.get("loss_finite") is not None:
+            return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
+                           f"replay recomputed it: {fmt(_num(again.get('loss')))}")
+        if seen.get("output_nonfinite"):
+            return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
+                           "the replay recomputed it finite")
+        if d.get("loss_not_recomputed"):
+            return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss was non-finite "
+                           f"and the replay did not recompute it ({d['loss_not_recomputed']})")
+        return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
+                       "recomputed the forward and the backward finite")
+    if seen.get("output_nonfinite"):
+        return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; the "
+                       "replay recomputed it finite")
+    if norm == np.inf:
+        before = _last_finite_norm(f, i)
+        return Premise("same_quantity", FAILED, f"step {step}'s loss was finite "
+                       f"({fmt(loss)}) and only its gradient norm was non-finite (+inf"
+                       + (f"; {fmt(before[1])} at step {before[0]}" if before else "")
+                       + "); the replay found every gradient finite but does not recompute "
+                       "their norm: the norm of large finite gradients overflowing is an "
+                       "overflow of the norm, not a device fault")
+    if np.isnan(norm):
+        return Premise("same_quantity", HELD, f"step {step}'s gradient norm was NaN (a NaN "
+                       "gradient: no norm of finite values is NaN); the replay found every "
+                       "gradient finite")
+    return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss and gradient norm were "
+                   "finite; what GradScaler found non-finite was not recorded")
+
+
+def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
+    norms = f.steps["grad_norm"][:i].astype(float)
+    fin = np.flatnonzero(np.isfinite(norms))
+    return (f.step_at(int(fin[-1])), float(norms[fin[-1]])) if len(fin) else None
+
+
+def _later_failures(f: Facts, snap: dict) -> Premise:
+    """Never "the machine" over a run whose later failures reproduce on finite weights."""
+    later = [s for s in _on_failing(f, failing(f)) if s["step"] > snap["step"]
+             and not _dict(s["detail"]).get("weights_nonfinite")]
+    again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
+    if again:
+        first = again[0]
+        where = f"in the {first['phase']} of {first['module']}" if first["module"] else \
+            f"in its {first['phase']}"
+        return Premise("later_unreproduced", FAILED, f"the replays of {len(again)} later "
+                       f"failing steps reproduce the failure (step {first['step']}: "
+                       f"non-finite {where}): the numbers make it")
+    if later:
+        return Premise("later_unreproduced", HELD, f"none of the {len(later)} later failing "
+                       "steps replayed on finite weights reproduced")
+    return Premise("later_unreproduced", HELD, "no later failing step was replayed on finite "
+                   "weights")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +179,10 @@ def first_unreproduced(f: Facts) -> Optional[dict]:
 
 
 def rule_not_reproducible(f: Facts) -> Optional[Finding]:
-    """The first replayed failure did not reproduce (see the module docstring)."""
-    first = first_unreproduced(f)
-    if first is None:
+    """The first replayed failure did not reproduce (see the module docstring); rejected
+    where ``premises`` fail."""
+    first = first_replay(f)
+    if first is None or not unreproduced(first):
         return None
     bad = failing(f)
     unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
@@ -140,7 +222,8 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     return Finding("not_reproducible", 0.75 if len(unrep) > 1 else 0.6, summary, ev,
                    fixes.make(["test_device", "rerun_elsewhere", "deterministic_algorithms"],
                               ctx), first_bad(step, None, None),
-                   priority=PRIORITY["not_reproducible"], explains=frozenset(explains))
+                   priority=PRIORITY["not_reproducible"], explains=frozenset(explains),
+                   premises=premises(f, first))
 
 
 def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:

@@ -34,7 +34,7 @@ from ..numfmt import fmt
 from . import fixes, learning, located, misuse, overflow, progress, reproduced, trends
 from .culprit import snapshot_at
 from .facts import Facts
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # ---------------------------------------------------------------------------------------------
 # The training script stopped before its first step
@@ -121,10 +121,27 @@ def rule_nonfinite(f: Facts) -> Optional[Finding]:
         ev.append(Evidence(_loss_replay_text(loss_only[0]), "replay_loss_phase", None,
                            loss_only[0]["step"]))
         loc = loc or first_bad(step, None, "loss")
-    return Finding("nonfinite", 0.3, "Non-finite values appeared and no failure class fits the "
-                   "evidence recorded (see the notes for what could not be checked).", ev,
+    summary = ("Non-finite values appeared and no failure class fits the evidence recorded "
+               "(see the notes for what could not be checked).")
+    norm = _norm_overflow(f)
+    if norm is not None:
+        ev.insert(0, Evidence(norm.fact, "norm_overflow", None, step))
+        summary = (f"The gradient norm overflowed at step {step}: its loss was finite and the "
+                   "replay found every gradient finite, but their norm was +inf. Gradients that "
+                   "large are the numbers, not the machine; no failure class fits more.")
+    return Finding("nonfinite", 0.3, summary, ev,
                    fixes.make(["check_data"], f.fix_context(step=step)),
                    loc or first_bad(step, None, None), priority=PRIORITY["nonfinite"])
+
+
+def _norm_overflow(f: Facts) -> Optional[Premise]:
+    """not_reproducible's failed ``same_quantity`` premise where it is a norm that overflowed
+    over finite gradients (the first replayed failure), else None."""
+    snap = reproduced.first_replay(f)
+    if snap is None or not reproduced.unreproduced(snap):
+        return None
+    same = reproduced.premises(f, snap)[0]
+    return same if same.status == FAILED and "+inf" in same.fact else None
 
 
 def _loss_replay_text(snap: dict) -> str:

@@ -116,6 +116,11 @@ class Reduced:
         self.zero_rows = np.zeros(t, np.int64)
         self.stuck_first = np.full(t, -1, np.int64)
         self.moving_last = np.full(t, -1, np.int64)
+        self.buf_first_step = np.full(t, -1, np.int64)
+        self.buf_first_bad = np.zeros(t, bool)
+        self.buf_finite_step = np.full(t, -1, np.int64)
+        self.buf_changed = np.zeros(t, bool)
+        self._buf_sig = np.full((t, len(_BUFFER_SIG)), np.nan)
 
     @property
     def upd_log(self) -> np.ndarray:
@@ -183,6 +188,10 @@ class Reduced:
             return np.where(self.upd_cnt > 0, self.upd_sum / np.maximum(self.upd_cnt, 1), np.nan)
 
 
+# The statistics that tell whether a buffer changed between two samples.
+_BUFFER_SIG = ("nonfinite", "zeros", "absmax", "rms")
+
+
 _PHASE_ORDER = {int(Kind.INPUT): (0, "input"), int(Kind.OUTPUT): (1, "forward"),
                 int(Kind.GRAD_OUTPUT): (2, "backward"), int(Kind.PARAM_GRAD): (3, "backward"),
                 int(Kind.PARAM): (4, "optimizer"), int(Kind.BUFFER): (5, "buffer")}
@@ -202,6 +211,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
     best: Optional[tuple] = None
     best_fwd: Optional[tuple] = None
     best_bwd: Optional[tuple] = None
+    zero_grads: set[tuple[int, str]] = set()  # (step, parameter) whose gradient was exactly 0
     for rows in run.stats.chunks(chunk, names=_COLUMNS):
         rows = rows[(rows["source"] == Source.SAMPLED) & (rows["tensor"] >= 0)
                     & (rows["tensor"] < t)]
@@ -226,10 +236,12 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_outputs(out, rows, pos, tid, kind == Kind.OUTPUT, bad, pre)
         _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
-        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step)
+        no_grad = _zero_grad_params(rows, tid, kind, bad, names, zero_grads)
+        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step, no_grad)
         _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
             kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)
         _reduce_flags(out, rows, pos, tid, kind, bad)
+        _reduce_buffers(out, rows, tid, kind == Kind.BUFFER, bad)
     out.first_nonfinite = _located(best, kinds, names)
     out.first_forward = _located(best_fwd, kinds, names)
     out.first_backward = _located(best_bwd, kinds, names)
@@ -346,8 +358,27 @@ def _reduce_zero_grads(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.
         np.add.at(out.zero_rows, tid[sel], (rows["absmax"][sel] == 0).astype(np.int64))
 
 
+def _zero_grad_params(rows: np.ndarray, tid: np.ndarray, kind: np.ndarray, bad: np.ndarray,
+                      names: list, seen: set) -> np.ndarray:
+    """Per row: a parameter whose gradient was exactly 0 on the same step (zero by
+    construction: the layers behind a zero-initialised BatchNorm scale, the last norm of a
+    residual block, get none on the first step). Its update is weight decay or momentum
+    alone, no measure of the step size: it is left out of the update ratios. ``seen`` carries
+    the last step's zero gradients over a chunk's boundary."""
+    zero = (kind == Kind.PARAM_GRAD) & (rows["absmax"] == 0) & ~bad
+    seen.update((int(s), names[t]) for s, t in zip(rows["step"][zero], tid[zero]))
+    out = np.zeros(len(rows), bool)
+    params = np.flatnonzero(kind == Kind.PARAM)
+    if seen and len(params):
+        out[params] = [(int(rows["step"][i]), names[tid[i]]) in seen for i in params]
+    last = int(rows["step"][-1]) if len(rows) else 0
+    for key in [k for k in seen if k[0] < last]:
+        seen.discard(key)
+    return out
+
+
 def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
-                   sel: np.ndarray, pre_clean: np.ndarray) -> None:
+                   sel: np.ndarray, pre_clean: np.ndarray, no_grad: np.ndarray) -> None:
     if not sel.any():
         return
     r, p, t = rows[sel], pos[sel], tid[sel]
@@ -359,7 +390,7 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     # Update ratios, as log10, clipped and weighted by size: a zero-initialised bias has
     # |dW|/|W| of 1e300 on its first step, and must not outvote the weight matrices.
     upd = r["update"].astype(np.float64)
-    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM)
+    good = np.isfinite(upd) & (upd > 0) & fin & (norm > TINY_NORM) & ~no_grad[sel]
     with np.errstate(divide="ignore"):
         lu = np.clip(np.log10(np.where(good, upd, 1.0)), -12.0, 1.0)
     size = np.maximum(r["numel"], 1).astype(np.float64)
@@ -403,6 +434,26 @@ def _reduce_stuck(out: Reduced, t: np.ndarray, step: np.ndarray, unch: np.ndarra
     first = np.where(out.stuck_first >= 0, out.stuck_first, np.iinfo(np.int64).max)
     np.minimum.at(first, t[stuck], step[stuck])
     out.stuck_first = np.where(first < np.iinfo(np.int64).max, first, -1)
+
+
+def _reduce_buffers(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.ndarray,
+                    bad: np.ndarray) -> None:
+    """Was each buffer finite at some sample, and did it change between samples? (Rows arrive
+    in step order: a tensor's first row seen is its first sample.)"""
+    if not sel.any():
+        return
+    r, t, b = rows[sel], tid[sel], bad[sel]
+    sig = np.stack([r[c].astype(np.float64) for c in _BUFFER_SIG], axis=1)
+    new = out.buf_first_step[t] < 0
+    uniq, idx = np.unique(t[new], return_index=True)
+    out.buf_first_step[uniq] = r["step"][new][idx]
+    out.buf_first_bad[uniq] = b[new][idx]
+    out._buf_sig[uniq] = sig[new][idx]
+    same = np.all((sig == out._buf_sig[t]) | (np.isnan(sig) & np.isnan(out._buf_sig[t])), axis=1)
+    out.buf_changed[t[~same]] = True
+    fin = ~b & (out.buf_finite_step[t] < 0)
+    uniq, idx = np.unique(t[fin], return_index=True)
+    out.buf_finite_step[uniq] = r["step"][fin][idx]
 
 
 def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,

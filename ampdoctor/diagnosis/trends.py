@@ -17,7 +17,7 @@ from ..runfile.schema import DType, Kind
 from . import fixes
 from .facts import Facts, module_of
 from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- thresholds ------------------------------------------------------------------------------
 
@@ -61,7 +61,35 @@ def rule_grad_underflow(f: Facts) -> Optional[Finding]:
 
 
 def rule_masked_underflow(f: Facts) -> Optional[Finding]:
-    """C8a: the scale looks healthy but some layers' gradients flush anyway."""
+    """C8a: the scale looks healthy but some layers' gradients flush anyway. Premise
+    (``not_converged``): the run has something left to learn; a loss that fell to a thousandth
+    of its start has converged, and a converged model's gradients are small everywhere."""
+    found = _masked_underflow(f)
+    if found is not None:
+        found.premises = [not_converged(f)]
+    return found
+
+
+# A loss that ended at this share of its start (or below) has converged: what its small
+# gradients fail to teach the model is nothing (issue 28: a run at 1e-5 from ~1).
+CONVERGED = 1e-3
+
+
+def not_converged(f: Facts) -> Premise:
+    """masked_underflow's premise: the loss did not converge (``CONVERGED``)."""
+    c = f.curve
+    if not c.judged:
+        return Premise("not_converged", NOT_MEASURED, f"the loss curve was not judged "
+                       f"({c.why or 'too few finite losses'})")
+    if c.end <= CONVERGED * c.start:
+        return Premise("not_converged", FAILED, f"the loss fell from {fmt(c.start)} to "
+                       f"{fmt(c.end)} ({c.end / c.start:.1e} of its start): the run converged, "
+                       "and a converged model's gradients are small everywhere")
+    return Premise("not_converged", HELD, f"the loss went from {fmt(c.start)} to {fmt(c.end)} "
+                   f"({c.end / c.start:.2g} of its start)")
+
+
+def _masked_underflow(f: Facts) -> Optional[Finding]:
     if not f.n or f.low_precision != "fp16" or not f.has_scaler or f.story.collapsed:
         return None
     scale = _post_calibration_scale(f)

@@ -88,6 +88,27 @@ class Evidence:
     module: Optional[str] = None
 
 
+# What a premise's check found: it held, it failed (the verdict is removed), or the file does
+# not hold what would tell (the verdict stands, on what was measured).
+HELD, FAILED, NOT_MEASURED = "held", "failed", "not measured"
+
+
+@dataclass
+class Premise:
+    """What must hold for a verdict, checked against the file: ``name`` says what (e.g.
+    ``"buffer_was_finite"``), ``status`` is HELD, FAILED or NOT_MEASURED, ``fact`` the measured
+    fact that decided it, as a sentence.
+
+    Example::
+
+        Premise("weights_steady", FAILED, "update ratio |dW|/|W| 10x or more at step 0")
+    """
+
+    name: str
+    status: str
+    fact: str
+
+
 @dataclass
 class Finding:
     """What one rule concluded."""
@@ -107,6 +128,14 @@ class Finding:
     # Modules whose output this finding accounts for (a hidden overflow comes out of them as
     # exact zeros): an "also" located at one of them (its dead units, its zeros) is its symptom.
     explains_modules: frozenset = frozenset()
+    # What must hold for this verdict (``Premise``): one that failed removes the finding from
+    # the verdict and the causes (``engine._conclude`` lists it under ``rejected``).
+    premises: list[Premise] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Premise]:
+        """The premises that failed (empty: the finding may stand)."""
+        return [p for p in self.premises if p.status == FAILED]
 
 
 def canonical(verdict_id: str) -> str:
@@ -139,6 +168,9 @@ class Diagnosis(Displayable):
     history: dict = field(default_factory=dict)  # scale/LR/loss around the first bad step
     forecast: Optional[Any] = None  # forecast.Forecast: the early warning (None: not judged)
     rank_view: Optional[dict] = None  # rank files diagnosed together: rankview.build's data
+    premises: list[Premise] = field(default_factory=list)  # the verdict's, as checked
+    # Verdicts a rule found but whose premise failed: {verdict, confidence, summary, premises}.
+    rejected: list[dict] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:

@@ -829,11 +829,12 @@ def test_json_contract():
     data = verdict(s).to_dict()
     json.dumps(data, allow_nan=False)
     assert {"verdict", "confidence", "first_bad", "causes", "evidence", "fixes",
-            "run"} <= set(data)
+            "run", "premises", "rejected"} <= set(data)
     assert set(data["first_bad"]) == {"step", "module", "phase"}
+    assert all(set(p) == {"name", "status", "fact"} for p in data["premises"])
     for fx in data["fixes"]:
         assert set(fx) == {"id", "text", "snippet", "values", "source", "apply", "apply_note",
-                           "tried", "outcome", "finite"} and fx["id"] in fixes.FIX_IDS
+                           "tried", "outcome", "finite", "proven"} and fx["id"] in fixes.FIX_IDS
         assert all(isinstance(v, (int, float)) for v in fx["values"].values())
         assert (fx["apply"] is None) == bool(fx["apply_note"])
         assert fx["tried"] is False and fx["outcome"].startswith("not tried: ")

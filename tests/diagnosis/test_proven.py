@@ -34,22 +34,25 @@ def attention_run(trials):
     return ampdoctor.diagnose(s.run())
 
 
+# The run's losses before step 3 are 2, 1.967 and 1.933 (Synth's falling loss).
+IN_RANGE = "with this fix, step 3 is finite (loss 2.31; the run's losses before it: 1.933 to 2)"
+
+
 def test_a_trial_says_on_its_fix_and_in_the_evidence_what_it_did():
     d = attention_run({"fp32_island": tried(True), "use_bf16": tried(False, first="backward")})
     assert d.verdict == "unstable_op" and fix_ids(d) == ["fp32_island", "scale_attention",
                                                          "use_bf16"]
     island, attention, bf16 = d.fixes
     assert (island.tried, island.finite) == (True, True)
-    assert island.outcome == "with this fix, step 3 is finite (loss 2.31)"
+    assert island.outcome == IN_RANGE and island.proven is True
     assert (attention.tried, attention.finite) == (False, None)
     assert attention.outcome.startswith("not tried")
     assert (bf16.tried, bf16.finite) == (True, False)
     assert bf16.outcome == "still non-finite at step 3 (in the backward): not enough on its own"
     lines = {e.key: e.text for e in d.evidence}
-    assert lines["trial_fp32_island"] == ("tried fp32_island on the saved step: with this fix, "
-                                          "step 3 is finite (loss 2.31)")
+    assert lines["trial_fp32_island"] == f"tried fp32_island on the saved step: {IN_RANGE}"
     assert "not enough on its own" in lines["trial_use_bf16"]
-    assert "tried: with this fix, step 3 is finite (loss 2.31)" in fix_lines(island)
+    assert f"tried: {IN_RANGE}" in fix_lines(island)
     out = d.to_dict()["fixes"][0]
     assert (out["tried"], out["finite"], out["outcome"]) == (True, True, island.outcome)
 
@@ -194,3 +197,62 @@ def test_an_unreadable_check_is_passed_by():
     s.event(15, Event.LOSS_SINGULAR, json.dumps({"ops": [{"error": "RuntimeError: x"}]}))
     d = ampdoctor.diagnose(s.run())
     assert d.verdict == "fp16_loss" and fix_ids(d)[0] == "loss_on_logits"
+
+
+# A finite step is not a fixed step (issue 28 item 4)
+
+
+def test_a_finite_trial_whose_loss_is_far_outside_the_runs_range_is_not_proven():
+    d = attention_run({"fp32_island": tried(True, loss=1.1e6), "use_bf16": tried(True, loss=1248)})
+    island = next(fx for fx in d.fixes if fx.id == "fp32_island")
+    bf16 = next(fx for fx in d.fixes if fx.id == "use_bf16")
+    assert (island.tried, island.finite, island.proven) == (True, True, False)
+    assert island.outcome == ("step 3 is finite but the loss 1.1e+06 is outside the run's range "
+                              "[1.933, 2] (its losses before step 3): not proven")
+    assert "outside the run's range [1.933, 2]" in bf16.outcome and bf16.proven is False
+    assert "with this fix" not in " ".join(e.text for e in d.evidence)
+    # neither proves anything: the untried fix ranks above both
+    assert fix_ids(d) == ["scale_attention", "fp32_island", "use_bf16"]
+    out = d.to_dict()["fixes"]
+    assert [f["proven"] for f in out] == [None, False, False]
+
+
+def test_the_healthy_range_leaves_out_the_spike_into_the_failure():
+    s = Synth(30)
+    s.steps["loss"][:5] = [2.2, 2.1, 2.0, 1.9, 713.0]
+    s.skip(range(5, 30), loss_nan=True)
+    s.snapshot(5, "forward", "blocks.3.attn", "Attention", fp32_finite=1, fp32_absmax=7.1e4,
+               trials={"fp32_island": tried(True, loss=500.0)})
+    d = ampdoctor.diagnose(s.run())
+    island = next(fx for fx in d.fixes if fx.id == "fp32_island")
+    assert island.proven is False and "[1.9, 2.2]" in island.outcome
+
+
+def test_no_loss_before_the_failure_leaves_the_trial_unjudged_and_says_so():
+    s = Synth(30)
+    s.skip(range(0, 30), loss_nan=True)
+    s.snapshot(0, "forward", "blocks.3.attn", "Attention", fp32_finite=1, fp32_absmax=7.1e4,
+               trials={"fp32_island": dict(tried(True, loss=4.32), step=0)})
+    d = ampdoctor.diagnose(s.run())
+    island = d.fixes[0]
+    assert island.id == "fp32_island" and island.finite and island.proven is None
+    assert island.outcome == ("with this fix, step 0 is finite (loss 4.32; the run had no "
+                              "finite loss before it)")
+
+
+def test_trials_that_failed_inside_ampdoctor_say_why_in_the_evidence():
+    s = Synth(30)
+    s.skip(range(3, 30), loss_nan=True)
+    error = "RuntimeError: Trying to backward through the graph a second time"
+    s.snapshot(3, "forward", "blocks.3.attn", "Attention", fp32_finite=1, fp32_absmax=7.1e4,
+               trials_error=error)
+    d = ampdoctor.diagnose(s.run())
+    line = next(e for e in d.evidence if e.key == "trials_error")
+    assert line.text == ("the fixes could not be tried on the saved step 3: the trials failed "
+                         f"inside ampdoctor ({error})")
+    s = Synth(30)
+    s.skip(range(3, 30), loss_nan=True)
+    s.snapshot(3, "forward", "blocks.3.attn", "Attention", fp32_finite=1, fp32_absmax=7.1e4,
+               trials={"fp32_island": {"tried": False, "note": f"the trial failed: {error}"}})
+    d = ampdoctor.diagnose(s.run())
+    assert any(e.key == "trial_fp32_island" and error in e.text for e in d.evidence)

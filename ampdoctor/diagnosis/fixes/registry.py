@@ -98,7 +98,9 @@ class Fix:
     and their ``source``; the ``--apply`` argument that tries it on a whole run (None: it
     cannot be applied from outside the code, ``apply_note`` says why); and whether it was
     tried on the saved failing step (``tried``, ``outcome``: the result, or why not;
-    ``finite``: the step came out finite with it)."""
+    ``finite``: the step came out finite with it; ``proven``: True when its loss also lies in
+    the run's own range, False when it is not finite or its loss is out of that range, None
+    when not tried or nothing to compare its loss with)."""
 
     id: str
     text: str
@@ -110,6 +112,7 @@ class Fix:
     tried: bool = False
     outcome: str = ""
     finite: Optional[bool] = None
+    proven: Optional[bool] = None
 
 
 # What a fix function returns: the advice (a sentence or three) and its code snippet, and the

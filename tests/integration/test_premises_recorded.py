@@ -1,0 +1,95 @@
+"""Premises on recorded runs, where what the recorder writes matters (issue 28): a model that
+keeps its causal attention mask as a buffer filled with -inf (open_clip does) trains healthily,
+and the buffer's sampled statistics tell a constant from a poisoned statistic."""
+
+import json
+import textwrap
+
+import pytest
+from recording import record
+
+import ampdoctor
+
+pytestmark = pytest.mark.slow
+
+MASKED = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    class Causal(nn.Module):
+        def __init__(self, d=16, n=8):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, 4)
+            # open_clip's build_causal_mask: -inf above the diagonal, kept as a buffer
+            self.register_buffer("attn_mask", torch.full((n, n), float("-inf")).triu(1),
+                                 persistent=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            a = F.softmax(q @ k.transpose(-1, -2) / 4 + self.attn_mask, -1)
+            return self.out((a @ v).mean(1))
+
+    torch.manual_seed(0)
+    model = Causal()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x = torch.randn(16, 8, 16, generator=g)
+        y = (x[:, 0, :4].argmax(-1))
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+''')
+
+
+def test_a_causal_mask_buffer_of_minus_inf_is_not_state_poisoning(tmp_path):
+    script = tmp_path / "causal.py"
+    script.write_text(MASKED)
+    out = str(tmp_path / "run.h5")
+    proc = record(str(script), out, every=5)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = ampdoctor.diagnose(out)
+    assert d.verdict == "healthy", str(d)
+    rejected = json.loads(json.dumps(d.to_dict()))["rejected"]
+    assert [r["verdict"] for r in rejected] == ["state_poisoning"]
+    premise = rejected[0]["premises"][0]
+    assert premise["name"] == "buffer_was_finite" and premise["status"] == "failed"
+    assert "attn_mask was non-finite from its first sample (step 0)" in premise["fact"]
+
+
+NORM = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x = torch.randn(32, 64, generator=g)
+        # step 5's loss is weighted 3e20: each gradient stays finite (~1e19), their fp32 norm
+        # does not
+        weight = 3e20 if step == 5 else 1.0
+        loss = weight * F.mse_loss(model(x), torch.zeros(32, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+''')
+
+
+def test_a_gradient_norm_that_overflows_over_finite_gradients_is_not_the_machine(tmp_path):
+    """fp32, no scaler: the step's loss is finite, its recorded gradient norm +inf, and the
+    replay finds every gradient finite (before issue 28: not_reproducible, 'the machine')."""
+    script = tmp_path / "norm.py"
+    script.write_text(NORM)
+    out = str(tmp_path / "run.h5")
+    proc = record(str(script), out, every=1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = ampdoctor.diagnose(out)
+    assert d.verdict != "not_reproducible", str(d)
+    assert "machine" not in d.summary.replace("not the machine", "")
+    rejected = {r["verdict"]: r for r in json.loads(json.dumps(d.to_dict()))["rejected"]}
+    same = rejected["not_reproducible"]["premises"][0]
+    assert same["name"] == "same_quantity" and same["status"] == "failed"
+    assert "step 5's loss was finite" in same["fact"] and "+inf" in same["fact"]
+    assert d.first_bad["step"] == 5
+    assert any(e.key == "norm_overflow" for e in d.evidence)

@@ -51,6 +51,9 @@ GROWTH_SIGNALS = 2
 # (|dW|/|W| >= 1; Adam's first step at a sane LR is ~lr/|w|, 1e-2..0.3). A failure a step or
 # two later has no ramp to show, but the weights were not steady: never one op's overflow.
 REPLACED = 1.0
+# An LR this many times the one the update ratios were sampled at: they no longer measure the
+# step (timm's warm-up epoch at 1e-5, then the LR it was given).
+LR_RAISED = 10.0
 # A verdict that prescribes an LR rests on the LR: the weights or their updates grew with it
 # (their norm, the update ratio, a step that replaced them), the LR rose into the failure, or
 # the loss blew up. Activations and gradients growing alone at a constant LR are not the LR's
@@ -249,9 +252,39 @@ def steadiness(f: Facts) -> tuple[Premise, bool]:
                        f"{fmt(median)} per step (median of {len(upd)} samples up to step "
                        f"{f.step_at(int(idx[-1]))}; above {UPDATE_TOO_LARGE:g} is too "
                        "large)"), False
+    raised = _lr_raised_since(f, int(idx[-1]), hi)
+    if raised is not None:  # the samples were taken at a far smaller LR than the failure's
+        factor, lr_then, lr_now, at = raised
+        guess = biggest * factor
+        fact = (f"the update ratio |dW|/|W| was at most {fmt(biggest)} at LR {fmt(lr_then)} "
+                f"(sampled up to step {f.step_at(int(idx[-1]))}), but the LR rose "
+                f"{fmt(factor)}x to {fmt(lr_now)} by step {f.step_at(at)}: a step's update "
+                f"grows with the LR, to a ratio of about {fmt(guess)}")
+        if guess >= UPDATE_TOO_LARGE:
+            return Premise("weights_steady", FAILED, fact), guess >= REPLACED
+        return Premise("weights_steady", HELD, fact), False
     return Premise("weights_steady", HELD, f"the update ratio |dW|/|W| was at most "
                    f"{fmt(biggest)} (step {step}) over {count(len(upd), 'sampled step')} up "
                    f"to step {f.step_at(int(idx[-1]))}"), False
+
+
+def _lr_raised_since(f: Facts, last: int, hi: int) -> Optional[tuple[float, float, float, int]]:
+    """(factor, the LR at the last sampled step, the highest LR after it up to the failure,
+    where) when the LR rose ``LR_RAISED`` x or more in between: the sampled update ratios
+    then describe a far smaller step than the failure's."""
+    if not f.n or hi <= last:
+        return None
+    lr = f.steps["lr"].astype(float)
+    then = lr[last]
+    later = lr[last + 1:hi + 1]
+    ok = np.isfinite(later)
+    if not math.isfinite(then) or then <= 0 or not ok.any():
+        return None
+    top = int(np.argmax(np.where(ok, later, -np.inf)))
+    now = float(later[top])
+    if now < then * LR_RAISED:
+        return None
+    return now / then, float(then), now, last + 1 + top
 
 
 def rule_sampled_culprit(f: Facts) -> Optional[Finding]:

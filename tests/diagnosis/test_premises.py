@@ -234,6 +234,25 @@ def test_unmeasured_steadiness_is_said_and_lowers_the_confidence():
     assert "while the weights are steady" not in d.summary and d.confidence <= 0.7
 
 
+def test_ratios_sampled_at_a_far_smaller_lr_do_not_make_the_weights_steady():
+    """timm's train.py: a warm-up epoch at LR 1e-5 (the only sampled step), then the LR it was
+    given, 200, and an overflow the step after: the ratio measured at 1e-5 says nothing of a
+    step at 200; scaled by the LR, it is far too large."""
+    s = Synth(20, every=100)
+    s.set("lr", np.where(np.arange(20) >= 12, 200.0, 1e-5))
+    s.skip(range(13, 20), loss_nan=True)
+    s.stat(0, Kind.PARAM, "conv1.weight", norm=3.0, update=1.7e-6)
+    s.snapshot(13, "forward", "conv1", "Conv2d", fp32_finite=1, fp32_absmax=7e4, in_absmax=250.0)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow", str(d)
+    steady = premises(d, "lr_overflow")["weights_grew"]
+    assert steady["status"] == "held" and "the LR rose 2e+07x to 200 by step 12" in \
+        steady["fact"], steady
+    # the same ratio at a steady LR keeps the op the cause
+    s.set("lr", np.full(20, 1e-5))
+    assert verdict(s).verdict == "unstable_op"
+
+
 def test_a_failure_at_step_0_has_the_initial_weights():
     s = Synth(20)
     s.skip(range(0, 20), loss_nan=True)

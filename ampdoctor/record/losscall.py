@@ -10,6 +10,9 @@ inside it: a loss the model computes itself is replayed with the model) into a `
 * an argument that is a root output, a view of one, or a dtype cast of either (``logits``,
   ``logits.view(-1, V)``, ``logits.float()``) is not held at all: a ``FromOutput`` says how to
   rebuild it from the replayed output (which output, the cast, the view's geometry);
+* an argument the training code computed from the outputs otherwise (a product of two
+  outputs, as a contrastive loss's logits) is not held (``Derived``): a re-run cannot make it
+  again, and starts its backward from the outputs;
 * any other tensor argument (the targets, class weights, a mask) is held by reference while
   the step's held loss arguments stay under ``HELD_BYTES``, by weak reference beyond (a
   replay can use it only if the user's loop still holds it);
@@ -121,10 +124,24 @@ class LossCall:
         return [(label, t) for label, t in named if isinstance(t, torch.Tensor)]
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A loss argument computed from the model's outputs by ops other than a view or a cast
+    (open_clip's ``logit_scale * image_features @ text_features.T``): not held (it carries
+    the real step's graph, freed by its backward), and not rebuilt: the replay cannot repeat
+    the code that made it, so a re-run starts its backward from the model's outputs."""
+
+    shape: tuple
+
+    def get(self) -> torch.Tensor:
+        raise Missing(f"a loss argument (shape {list(self.shape)}) was computed from the "
+                      "model's outputs by the training code, which the replay cannot repeat")
+
+
 def _get(value: Any, outputs: list) -> Any:
     if isinstance(value, FromOutput):
         return value.rebuild(outputs)
-    if isinstance(value, Weak):
+    if isinstance(value, (Weak, Derived)):
         return value.get()
     return value
 
@@ -162,6 +179,8 @@ def _hold(value: Any, outputs: list, budget: list) -> Any:
     made = relation(value, outputs)
     if made is not None:
         return made
+    if value.grad_fn is not None:
+        return Derived(tuple(value.shape))
     nbytes = value.numel() * value.element_size()
     if nbytes <= budget[0]:
         budget[0] -= nbytes

@@ -274,3 +274,28 @@ def test_a_power_of_one_or_more_is_not_singular():
     assert [(r.op.name, r.exponent) for r in ops] == [("pow", 0.5)]
     assert singular.inputs(loss.detach(), [out.grad_fn]) == []  # no graph
     assert singular.inputs(loss, []) == []  # the model's end unknown: nothing read
+
+
+def test_a_loss_argument_made_from_the_outputs_by_other_ops_is_not_held():
+    """open_clip's contrastive loss takes ``scale * image @ text.T`` of the model's outputs:
+    neither held (it carries the real step's graph, freed by its backward: every trial on
+    open_clip failed with 'Trying to backward through the graph a second time') nor rebuilt;
+    a re-run starts its backward from the outputs instead."""
+    from ampdoctor.record import losscall
+
+    image = torch.randn(4, 8, requires_grad=True) * 1.0
+    text = torch.randn(4, 8, requires_grad=True) * 1.0
+    logits = 10.0 * image @ text.T
+    labels = torch.arange(4)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    outputs = [weakref.ref(image), weakref.ref(text)]
+    call = losscall.capture("cross_entropy", torch.nn.functional.cross_entropy,
+                            (logits, labels), {}, loss, outputs, [1 << 20], [])
+    assert isinstance(call.args[0], losscall.Derived) and call.args[1] is labels
+    with pytest.raises(losscall.Missing, match="computed from the model's outputs"):
+        call.arguments([image, text])
+    # a view of an output is still rebuilt from the replayed one
+    call = losscall.capture("cross_entropy", torch.nn.functional.cross_entropy,
+                            (image.view(4, 8), labels % 8), {}, loss, outputs, [1 << 20], [])
+    replayed = torch.zeros(4, 8)
+    assert call.arguments([replayed, text])[0][0].data_ptr() == replayed.data_ptr()

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, proven, ranks, rankview
+from . import forecast, job, overflow, proven, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .progress import flat_warning
@@ -279,10 +279,12 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
                 seen.add(fx.id)
                 fixes.append(fx)
     fixes = proven.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
+    summary = top.summary + (overflow.island_outcome(fixes) if top.verdict == "unstable_op"
+                             else "")
     history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
         "step") is not None and f.n else {}
     return Diagnosis(verdict=top.verdict, confidence=round(top.confidence, 2),
-                     summary=top.summary, first_bad=top.first_bad, causes=causes,
+                     summary=summary, first_bad=top.first_bad, causes=causes,
                      evidence=evidence, fixes=fixes, run=run_summary(f),
                      notes=notes(f, top) + [_rejected_note(x) for x in rejected],
                      history=history, premises=list(top.premises),

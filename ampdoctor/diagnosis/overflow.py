@@ -154,17 +154,14 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
         text = (f"One op in {module}, {(op or {}).get('op')}, {what} in {low} {while_steady}. "
-                + (f"Re-run in fp32, {module} is finite: an fp32 island around it fixes the "
-                   "step." if snap["fp32_finite"] == 1 else
-                   "Whether fp32 fixes it was not measured."))
+                + _in_fp32(module, snap))
     elif low == "fp16":
         text = (f"One op in {module} overflows fp16 {while_steady}: its output "
-                "passes 65504 (or feeds an fp32 op that is already inf). An fp32 island around "
-                "it fixes the step.")
+                "passes 65504 (or feeds an fp32 op that is already inf). " + _in_fp32(module, snap))
     else:
         text = (f"One op in {module} produces inf/NaN in bf16 {while_steady} (a "
                 "singularity such as log(0) or 0/0 that bf16's 8-bit precision reaches where "
-                "fp32 does not). An fp32 island around it fixes the step.")
+                "fp32 does not). " + _in_fp32(module, snap))
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
     ctx = f.fix_context(module, snap["module_type"], where["step"])
@@ -174,6 +171,27 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
                    ev, fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"],
                    premises=[steady])
+
+
+def _in_fp32(module: str, snap: dict) -> str:
+    """What the replay measured of the module in fp32; whether an island fixes the whole step
+    is the trial's to say (``engine``: ``island_outcome``)."""
+    if snap["fp32_finite"] == 1:
+        return f"Re-run in fp32, {module} is finite."
+    return "Whether it is finite in fp32 was not measured."
+
+
+def island_outcome(fixes: list) -> str:
+    """The sentence an unstable_op's summary ends with once the island was tried on the saved
+    step: it fixed the step, or it did not (measured, not promised)."""
+    island = next((fx for fx in fixes if fx.id == "fp32_island" and fx.tried), None)
+    if island is None:
+        return ""
+    if island.proven:
+        return " Tried on the saved step, an fp32 island around it fixes the step."
+    if island.finite and island.proven is None:
+        return " Tried on the saved step, an fp32 island around it makes the step finite."
+    return " Tried on the saved step, an fp32 island around it alone does not fix the step."
 
 
 def rests_on_lr(growth: list[Evidence]) -> bool:

@@ -404,3 +404,20 @@ def test_a_fully_masked_softmax_row_that_is_nan_in_fp32_too_is_the_mask():
     assert [fx.id for fx in d.fixes][:1] == ["safe_mask"]
     assert "fp32_island" not in [fx.id for fx in d.fixes]
     assert "use_bf16" not in [fx.id for fx in d.fixes][:1]
+
+
+def test_the_consistency_check_finds_a_sentence_against_its_evidence():
+    """tests/support/consistency.py, which the fixture tests run on every recorded fixture,
+    flags a diagnosis whose words contradict the file or its own trials."""
+    from consistency import contradictions
+
+    s = Synth(20)
+    s.skip(range(3, 20), loss_nan=True)
+    s.snapshot(3, "forward", "blocks.0.conv", "Conv2d", fp32_finite=1, fp32_absmax=7e4)
+    run = s.run()
+    d = verdict(s)
+    assert not contradictions(d, run), contradictions(d, run)
+    d.summary += " An fp32 island around it fixes the step."
+    d.evidence[0].text = "3 of 20 steps were skipped"
+    found = contradictions(d, run)
+    assert any("island" in x for x in found) and any("17 of 20" in x for x in found), found

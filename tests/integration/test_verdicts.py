@@ -26,6 +26,7 @@ import time
 import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
+from consistency import contradictions
 from recording import command, start
 
 import ampdoctor
@@ -120,6 +121,9 @@ def test_fixture_verdict(recorded, name):
     assert not also & set(e.get("no_also", ())), str(d)
     if d.healthy:  # issue 16: a healthy run gets no warning of failure
         assert d.forecast is not None and not d.forecast.warns, str(d)
+    if os.path.exists(path):  # issue 28: no sentence contradicts its own evidence (a rank
+        with ampdoctor.load(path) as run:  # job's files count per rank: not compared)
+            assert not contradictions(d, run), (contradictions(d, run), str(d))
 
 
 @pytest.mark.parametrize("name", sorted(k for k, v in ACTIVE.items() if v.get("fixed")))
@@ -130,6 +134,9 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert d.verdict == canonical(EXPECTED[name]["fixed"]), str(d)
     if d.healthy:
         assert d.forecast is not None and not d.forecast.warns, str(d)
+    if os.path.exists(path):
+        with ampdoctor.load(path) as run:
+            assert not contradictions(d, run), (contradictions(d, run), str(d))
 
 
 TREATED = sorted(k for k, v in ACTIVE.items() if v.get("treated"))

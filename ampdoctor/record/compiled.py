@@ -99,18 +99,29 @@ _GLOBAL_HOOK_WARNING = re.escape("Using `torch.compile(module)` when there are g
 
 class QuietGlobalHookWarning:
     """While it is installed, torch's warning about global hooks on a compiled module is not
-    shown. ``remove()`` takes the filter out again (safe to call twice)."""
+    shown. ``remove()`` puts the display back (safe to call twice).
+
+    It screens what ``warnings.showwarning`` is handed instead of adding a filter: adding or
+    removing a filter resets every module's once-only warning memory, so the user's own
+    warnings (a DataLoader's, shown once) would print a second time after recording began.
+    """
 
     def __init__(self) -> None:
-        warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
-        self._entry = warnings.filters[0]
+        self._shown = warnings.showwarning
+        previous = self._shown
+
+        def screened(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, UserWarning) and re.match(_GLOBAL_HOOK_WARNING,
+                                                              str(message)):
+                return None
+            return previous(message, category, filename, lineno, file, line)
+
+        self._screen: Optional[Any] = screened
+        warnings.showwarning = screened
 
     def remove(self) -> None:
-        if self._entry is None:
+        if self._screen is None:
             return
-        try:
-            warnings.filters.remove(self._entry)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
-        except (ValueError, AttributeError):
-            pass
-        self._entry = None
+        if warnings.showwarning is self._screen:  # (someone who replaced it since keeps theirs)
+            warnings.showwarning = self._shown
+        self._screen = None

@@ -261,11 +261,11 @@ def patch_clip(patches: PatchSet, listener: Listener) -> Callable[[Callable, str
             continue
         inner = None  # torch 2.13 keeps the split API private there: clip_grad_norm_'s own
         if name in clip_grad.__dict__:
-            inner = patches.add(Patch(clip_grad, name, functools.partial(make, name=name)))
+            inner = patches.add(Patch(clip_grad, name, _named(make, name)))
         if inner is not None and public is inner.original:
-            patches.add(Patch(torch.nn.utils, name, lambda _orig, w=inner.wrapper: w))
+            patches.add(Patch(torch.nn.utils, name, _same(inner.wrapper)))
         else:
-            patches.add(Patch(torch.nn.utils, name, functools.partial(make, name=name)))
+            patches.add(Patch(torch.nn.utils, name, _named(make, name)))
     return make
 
 
@@ -283,11 +283,20 @@ def patch_library_clips(patches: PatchSet, listener: Listener,
                 continue
             wrapper = made.get(id(fn))
             if wrapper is None:
-                patch = patches.add(Patch(module, name, functools.partial(make, name=name),
-                                          listener))
+                patch = patches.add(Patch(module, name, _named(make, name), listener))
                 made[id(fn)] = patch.wrapper
             else:
-                patches.add(Patch(module, name, lambda _orig, w=wrapper: w, listener))
+                patches.add(Patch(module, name, _same(wrapper), listener))
+
+
+def _named(make: Callable[[Callable, str], Callable], name: str) -> Callable[[Callable], Callable]:
+    """A ``Patch`` maker: ``make``'s wrapper for the clip ``name``."""
+    return lambda orig: make(orig, name)
+
+
+def _same(wrapper: Callable) -> Callable[[Callable], Callable]:
+    """A ``Patch`` maker that puts an existing wrapper under a second name."""
+    return lambda _orig: wrapper
 
 
 def clip_args(name: str, args: tuple, kwargs: dict) -> dict:

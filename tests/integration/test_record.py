@@ -82,6 +82,52 @@ def test_plain_script_records_and_its_own_options_pass_through(tmp_path):
     assert d.first_bad["step"] == 3
 
 
+USER_OUTPUT = textwrap.dedent("""
+    import logging, sys, warnings
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    log = logging.getLogger("train")
+
+    def note():
+        warnings.warn("this warning is shown once per location")  # default action: once
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
+    for step, (x, y) in enumerate(loader):
+        note()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.4f}")
+        print(f"stderr line {step}", file=sys.stderr)
+        log.info("logged %d", step)
+    warnings.warn("a second warning, after training", DeprecationWarning, stacklevel=1)
+""")
+
+
+@pytest.mark.slow
+def test_the_users_output_is_the_same_under_record(tmp_path):
+    """Nothing of the user's output changes under record: stdout byte for byte, stderr but for
+    ampdoctor's own lines; a once-only warning still prints once (a warnings filter added and
+    removed would reset Python's once-only memory and print it again)."""
+    script = tmp_path / "train.py"
+    script.write_text(USER_OUTPUT)
+    plain = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=python_env(),
+                           capture_output=True, text=True, timeout=300)
+    rec = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert plain.returncode == 0 == rec.returncode, rec.stderr
+    assert rec.stdout == plain.stdout
+    theirs = [line for line in rec.stderr.splitlines() if not line.startswith("ampdoctor:")]
+    assert theirs == plain.stderr.splitlines()
+    assert plain.stderr.count("UserWarning: this warning is shown once") == 1
+    assert len(ours(rec.stderr)) == 2 and "recorded 4 steps" in ours(rec.stderr)[-1]
+
+
 @pytest.mark.slow
 def test_recorded_losses_and_weights_are_bit_identical(tmp_path):
     """The script prints every loss and the final weights in float.hex; a recorded run with

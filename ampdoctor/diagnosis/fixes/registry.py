@@ -9,7 +9,7 @@ import functools
 import keyword
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 
 @dataclass
@@ -261,7 +261,7 @@ def assign_module(path: str, value: str, handles: Optional[dict] = None,
     return f"setattr({holder}, {leaf!r}, {value})"
 
 
-def one_line(text: str) -> str:
+def one_line(text: Any) -> str:
     """A name put on a comment line of a snippet: no line break can end the comment early."""
     return " ".join(str(text).split())
 

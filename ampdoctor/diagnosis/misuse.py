@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
+from ..numfmt import count, fmt
 from ..runfile.schema import Event
 from . import fixes
 from .facts import Facts
@@ -267,6 +267,28 @@ def rule_unscale_twice(f: Facts) -> Optional[Finding]:
                    [Evidence(f"unscale_ repeated on {len(rows)} steps (first at step {first})",
                              "unscale_twice_steps", float(len(rows)), first)],
                    "fix_scaler_calls", first, "optimizer")
+
+
+def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
+    """A loss backwarded without ``scaler.scale`` beside one that went through it: its
+    gradients reach the optimizer divided by the loss scale (the AMP docs: every loss that is
+    backwarded goes through ``scale``)."""
+    rows = f.events(Event.BACKWARD_UNSCALED)
+    if not len(rows):
+        return None
+    first = int(rows["step"][0])
+    at = f.index_of(first)
+    scale = float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
+    by = f"the loss scale ({fmt(scale)} at step {first})" if math.isfinite(scale) else \
+        "the loss scale"
+    ev = [Evidence(f"a loss was backwarded without scaler.scale beside a scaled one on "
+                   f"{count(len(rows), 'step')} (first at step {first}): its gradients reach "
+                   f"the optimizer divided by {by}", "backward_unscaled_steps",
+                   float(len(rows)), first)]
+    return _misuse(f, "backward_unscaled", 0.9, "A loss is backwarded without scaler.scale in "
+                   "steps where GradScaler scales another: scaler.step unscales every gradient "
+                   "by the loss scale, so that loss's gradients arrive S times too small and it "
+                   "barely trains.", ev, "scale_every_loss", first, "backward")
 
 
 def _misuse(f: Facts, kind: str, confidence: float, summary: str, ev: list[Evidence],

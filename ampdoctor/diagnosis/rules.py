@@ -176,6 +176,7 @@ RULES = [
     misuse.rule_scaler_recreated,
     misuse.rule_stale_grads,
     misuse.rule_unscale_twice,
+    misuse.rule_backward_unscaled,
     located.rule_state_poisoning,
     located.rule_adam_eps,
     located.rule_accum_overflow,

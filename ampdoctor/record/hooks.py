@@ -227,6 +227,9 @@ class Hooks:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
                 if not any(t is k for k in st.keep):
                     self._add_loss(t)
+                    if scaler_enabled(self.watched.scaler) and \
+                            torch._C._current_graph_task_id() == -1:  # (not from a backward)
+                        st.unscaled_backwards += 1
                 break
 
     def _training(self) -> None:
@@ -531,6 +534,8 @@ class Hooks:
         if st.index == 0:
             self.watched.name_handles(sys._getframe())
         self.watched.fp16_without_scaler(st)
+        if st.scaled and st.unscaled_backwards:  # beside a scaled loss: its gradients / S
+            self.journal.event(Event.BACKWARD_UNSCALED, st, value=float(st.unscaled_backwards))
         self._schedules.end_step(st)
         now = time.perf_counter()
         self.log.finish(st)

@@ -44,6 +44,7 @@ class Step:
     flags: int = 0
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
+    unscaled_backwards: int = 0  # losses backwarded without scaler.scale, a scaler in use
     staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
     loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step

@@ -160,6 +160,11 @@ class Event(enum.IntEnum):
     # last ten), "flat_steps" (in a row, when armed), "probe" (which of the run's, from 1)}.
     # Additive, as 17.
     FLAT_LOSS_PROBE = 20
+    # A loss was backwarded without scaler.scale in a step where an enabled GradScaler scaled
+    # another (an auxiliary loss's own .backward()): its gradients reach the optimizer divided
+    # by the loss scale. value: how many such backwards in the step. Written at the step's
+    # end. Additive, as 17.
+    BACKWARD_UNSCALED = 21
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

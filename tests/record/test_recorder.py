@@ -426,6 +426,73 @@ def test_a_compiled_optimizer_step_is_recorded(run_path):
     np.testing.assert_allclose(run.steps["grad_norm"], norms, rtol=1e-5)
 
 
+class TwoHeads(torch.nn.Module):
+    """A multi-task model: a main head and an auxiliary one on a shared trunk."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(8, 16)
+        self.main = torch.nn.Linear(16, 4)
+        self.aux = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.main(h), self.aux(h).squeeze(-1)
+
+
+def _two_losses(run_path, how: str, steps: int = 6):
+    """The AMP docs' recipes with two losses and one scaler: ``how`` = "sum" (scale the sum),
+    "each" (scale each, two backwards), "accumulate" (scale each micro-batch), or the misuse
+    "aux_unscaled" (the auxiliary loss's own .backward())."""
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True, forensics=False):
+        for _ in range(steps):
+            for part in ((x[:32], y[:32]), (x[32:], y[32:])) if how == "accumulate" else \
+                    ((x, y),):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits, guess = model(part[0])
+                    loss = torch.nn.functional.cross_entropy(logits, part[1])
+                    aux = torch.nn.functional.mse_loss(guess, part[1].float())
+                if how == "sum" or how == "accumulate":
+                    scaler.scale(loss + aux).backward()
+                elif how == "each":
+                    scaler.scale(loss).backward(retain_graph=True)
+                    scaler.scale(aux).backward()
+                else:
+                    aux.backward(retain_graph=True)  # the misuse: not through the scaler
+                    scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return ampdoctor.load(run_path)
+
+
+@pytest.mark.parametrize("how", ["sum", "each", "accumulate"])
+def test_every_loss_through_the_scaler_is_the_docs_recipe(run_path, how):
+    run = _two_losses(run_path, how)
+    assert not (run.events["kind"] == Event.BACKWARD_UNSCALED).any()
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict != "clip_order", str(d)
+
+
+def test_a_loss_backwarded_without_the_scaler_is_a_misuse(run_path):
+    """An auxiliary loss's own .backward() beside a scaled main loss: scaler.step divides its
+    gradients by the scale too, so it barely trains (it was diagnosed healthy 0.90)."""
+    run = _two_losses(run_path, "aux_unscaled")
+    rows = run.events[run.events["kind"] == Event.BACKWARD_UNSCALED]
+    assert len(rows) == 6 and set(rows["value"]) == {1.0}
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "backward_unscaled", str(d)
+    assert d.fixes[0].id == "scale_every_loss" and "scaler.scale(loss + aux)" in \
+        d.fixes[0].snippet
+    assert "divided by the loss scale (65536 at step 0)" in d.evidence[0].text
+
+
 def test_context_manager_puts_everything_back(run_path):
     import torch.nn.modules.module as mm
     import torch.optim.optimizer as oo

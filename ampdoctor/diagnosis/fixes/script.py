@@ -96,6 +96,22 @@ def zero_grad_every_step(c: Context) -> Advice:
             snippet)
 
 
+@fix("scale_every_loss", "backward every loss through scaler.scale (their sum, or each)",
+     manual="the loop's backward calls must change")
+def scale_every_loss(c: Context) -> Advice:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    loss = main_loss(model, batch)\n"
+               "    aux = aux_loss(model, batch)\n"
+               "scaler.scale(loss + aux).backward()  # one backward, both losses scaled\n"
+               "# or, each on its own: scaler.scale(loss).backward(); "
+               "scaler.scale(aux).backward()\n"
+               "scaler.step(optimizer)  # unscales every gradient once, by the same scale\n"
+               "scaler.update()")
+    return ("Send every loss that is backwarded through scaler.scale: scaler.step divides "
+            "all the gradients by the loss scale, so a loss backwarded on its own arrives S "
+            "times too small.", snippet)
+
+
 @fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
      manual="the order of the calls in the loop must change")
 def fix_scaler_calls(c: Context) -> Advice:

@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from ..errors import RunFileError
-from . import hdf5, liveness, schema
+from . import guard, hdf5, liveness, schema
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .paths import resolve
@@ -143,13 +143,15 @@ def open_file(path: str) -> tuple[h5py.File, bool]:
     _check_path(path)
     if not hdf5.flagged_as_written(path):
         try:
-            return h5py.File(path, "r"), False
+            f = h5py.File(path, "r")
         except H5_ERRORS as exc:
             message = str(exc)
             if "signature" in message:
                 raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)") from None
             if "already open for write" not in message:  # a writer may just have opened it
                 raise _unopenable(path, reason(exc)) from None
+        else:
+            return _checked(path, f), False
     # A live writer's flush writes the header's new end of file just before it extends the
     # file, so "shorter than its header says" can last a moment: `load` tries again.
     size = os.path.getsize(path)
@@ -157,9 +159,23 @@ def open_file(path: str) -> tuple[h5py.File, bool]:
     if superblock is not None and size < superblock.end:
         raise _unopenable(path, "shorter than its header says")
     try:
-        return hdf5.open_swmr(path), True
+        f = hdf5.open_swmr(path)
     except H5_ERRORS as exc:
         raise _unopenable(path, reason(exc)) from None
+    return _checked(path, f), True
+
+
+def _checked(path: str, f: h5py.File) -> h5py.File:
+    """``f``, once ``guard.check`` found nothing in it pointing outside or past the file."""
+    try:
+        guard.check(path, f)
+    except RunFileError:
+        f.close()
+        raise
+    except H5_ERRORS as exc:
+        f.close()
+        raise _unopenable(path, reason(exc)) from None
+    return f
 
 
 def _unopenable(path: str, why: str) -> RunFileError:

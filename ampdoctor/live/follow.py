@@ -260,7 +260,8 @@ class _Source:
         except RunFileError as exc:
             self.failures += 1
             self.state.error = str(exc)
-            if self.failures >= MAX_READ_FAILURES:
+            # A file no writer has open reads the same each time: its first failure is final.
+            if self.failures >= MAX_READ_FAILURES or not self.tail.live:
                 raise
             return None
         self.failures, self.state.error = 0, None

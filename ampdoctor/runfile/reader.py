@@ -30,11 +30,11 @@ import h5py
 import numpy as np
 
 from ..errors import RunFileError
-from . import guard, hdf5, liveness, schema
+from . import guard, hdf5, liveness, schema, values
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .paths import resolve
-from .run import Blob, Run, Table, decoded_rows, meta_dict, tensor_view
+from .run import TEXTS, Blob, Run, Table, decoded_rows, meta_dict, tensor_view
 
 LIVE_RETRIES = 3  # reads of a file flagged as being written (its writer may be mid-flush)
 
@@ -238,9 +238,12 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
             raw[name] = Table(schema.empty(name), name=name) if name in ON_DEMAND else \
                 Blob() if name == schema.BLOB else schema.empty(name)
     stats, blob = raw["stats"], raw[schema.BLOB]
+    check_values(path, raw, blob.size if schema.BLOB not in damaged else None)
+    if "tensors" not in damaged:
+        stats.tensors = len(raw["tensors"])
     run = Run(path=path, attrs=attrs, _file=f, _blob=blob)
     run.live = live and liveness.writer_alive(run.attrs, path)
-    run.meta = meta_dict(raw["meta"], blob)
+    run.meta = meta_dict(raw["meta"], blob, path)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
     # A writer numbers tensors 0, 1, 2... in row order; an id outside that (damage) would
@@ -256,6 +259,31 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.arrays = decoded_rows("arrays", raw["arrays"], blob)
     run.damaged = damaged
     return run
+
+
+# The text references of each table read whole, checked against /blob before they are decoded.
+REFS = {**TEXTS, "arrays": [*TEXTS["arrays"], "data"], "meta": ["value"],
+        "tensors": ["name", "type"]}
+
+
+def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
+                 start: dict[str, int] | None = None, last_step: int | None = None) -> None:
+    """The values of the tables read whole hold to the schema's contract (``values``): step
+    numbers, tensor ids of /events, references into a /blob of ``blob_size`` bytes (None:
+    /blob could not be read, and its references read as empty text). ``start``: the row
+    number of each table's first row here; ``last_step``: the step read before them (a Tail's).
+    """
+    start = start or {}
+    values.check_steps(path, rows["steps"], start.get("steps", 0), last_step)
+    if "tensors" in rows and "events" in rows:
+        values.check_ids(path, "events", rows["events"]["tensor"],
+                         start.get("tensors", 0) + len(rows["tensors"]),
+                         start.get("events", 0), none=-1)
+    if blob_size is None:
+        return
+    for name, texts in REFS.items():
+        if name in rows:
+            values.check_refs(path, name, rows[name], texts, blob_size, start.get(name, 0))
 
 
 def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:

@@ -123,3 +123,56 @@ def test_a_file_being_written_passes_the_guard(tmp_path):
             assert len(tail.read()["steps"]) == 40
     finally:
         w.close("finished")
+
+
+# -- values: the schema's contract checked at the reader ---------------------------------------
+
+VALUES = {
+    "meta_types": "/meta row 0 (status) holds a list where a text is expected",
+    "negative_steps": "/steps row 2 holds step -5 (steps count up from 0)",
+    "unordered_steps": "/steps row 4 holds step 3 after step 4 (steps never go back)",
+    "tensor_nowhere": "/stats row 1 names tensor 2147483647, which /tensors does not hold "
+                      "(16 tensors)",
+    "text_offset": "/events row 0 points at text past the end of /blob "
+                   "(offset 4611686018427387904, 6 bytes, in 7462)",
+}
+
+
+def _read_all(path):
+    with store.load(path) as run:
+        run.stats.column("tensor")
+
+
+def _follow(path):
+    with store.Tail(path) as tail:
+        tail.read()
+        tail.stats.rows()
+
+
+@pytest.mark.parametrize("case", VALUES)
+@pytest.mark.parametrize("read", [_read_all, _follow], ids=["load", "tail"])
+def test_a_value_outside_the_contract_names_file_table_and_row(tmp_path, case, read):
+    path = crafted.make(case, str(tmp_path))
+    with pytest.raises(RunFileError) as err:
+        read(path)
+    assert str(err.value) == f"{path} is damaged: {VALUES[case]}"
+
+
+def test_a_follower_checks_steps_across_its_reads():
+    from ampdoctor.runfile import schema, values
+
+    rows = schema.empty("steps", 2)
+    rows["step"] = [7, 8]
+    values.check_steps("run.h5", rows, start=10, before=7)  # a step may repeat, never go back
+    with pytest.raises(RunFileError, match=r"/steps row 10 holds step 7 after step 9"):
+        values.check_steps("run.h5", rows, start=10, before=9)
+
+
+def test_events_about_no_tensor_pass_and_a_meta_null_passes(tmp_path):
+    from ampdoctor.runfile import values
+
+    values.check_ids("run.h5", "events", np.array([-1, 0, 3]), 4, none=-1)
+    with pytest.raises(RunFileError, match=r"/events row 1 names tensor -2"):
+        values.check_ids("run.h5", "events", np.array([-1, -2]), 4, none=-1)
+    values.check_meta("run.h5", "clip", None, 3)
+    values.check_meta("run.h5", "some_later_key", 5, 3)  # keys a later writer adds: any type

@@ -399,7 +399,7 @@ class Follower:
     def files(self) -> list[str]:
         """The files of the recording that exist now: ``path``, else its rank files (what
         ``ampdoctor diagnose path`` reads)."""
-        if os.path.isfile(self.path):
+        if os.path.exists(self.path):  # a FIFO or a directory too: the opener says what it is
             return [self.path]
         return paths.rank_files(self.path)
 

@@ -1,7 +1,7 @@
 """The opener refuses what points outside a run file or past its size, before reading any table.
 
 Each crafted file comes from fixtures/crafted/make_crafted.py (a copy of the v2 fixture changed
-in one way); tests/runfile/test_crafted.py runs the same files through every command's CLI.
+in one way); tests/integration/test_crafted.py runs the same files through every command's CLI.
 """
 
 import importlib.util

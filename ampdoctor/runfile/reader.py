@@ -133,12 +133,44 @@ def retrying(path: str, read: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-def open_file(path: str) -> tuple[h5py.File, bool]:
+def is_run_file(path: str | os.PathLike) -> bool:
+    """Is ``path`` a regular file that ampdoctor wrote (HDF5 declaring its format, of any
+    version; or HDF5 too damaged to open whose first bytes name the format)? What
+    ``record --force`` may replace: never a script, a text file or a device.
+
+    Example::
+
+        store.is_run_file("run.h5"), store.is_run_file("train.py")      # (True, False)
+    """
+    path = os.fspath(path)
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or not hdf5.is_hdf5(path):
+            return False
+        head = hdf5.head(path, 1 << 16)
+    except OSError:
+        return False
+    try:
+        f, _live = open_file(path, guarded=False)
+    except RunFileError:  # a recording killed mid-write: its header still names the format
+        return schema.FORMAT_NAME.encode() in head
+    with f:
+        try:
+            return root_attrs(f, ("format",)).get("format") == schema.FORMAT_NAME
+        except H5_ERRORS:
+            return False
+
+
+def open_file(path: str, guarded: bool = True) -> tuple[h5py.File, bool]:
     """Open ``path`` read-only; return the file and whether it is flagged as being written.
 
     A file whose writer has not closed it (still running, or killed) can only be opened by
     a SWMR reader. Such a reader skips HDF5's end-of-file check and retries unreadable
     metadata, so a truncated file is refused here first, and the retries are bounded.
+    ``guarded``: refused if it points outside itself (``guard.check``); only the root
+    attributes may be read of a file opened unguarded.
     """
     _check_path(path)
     if not hdf5.flagged_as_written(path):
@@ -151,7 +183,7 @@ def open_file(path: str) -> tuple[h5py.File, bool]:
             if "already open for write" not in message:  # a writer may just have opened it
                 raise _unopenable(path, reason(exc)) from None
         else:
-            return _checked(path, f), False
+            return (_checked(path, f) if guarded else f), False
     # A live writer's flush writes the header's new end of file just before it extends the
     # file, so "shorter than its header says" can last a moment: `load` tries again.
     size = os.path.getsize(path)
@@ -162,7 +194,7 @@ def open_file(path: str) -> tuple[h5py.File, bool]:
         f = hdf5.open_swmr(path)
     except H5_ERRORS as exc:
         raise _unopenable(path, reason(exc)) from None
-    return _checked(path, f), True
+    return (_checked(path, f) if guarded else f), True
 
 
 def _checked(path: str, f: h5py.File) -> h5py.File:

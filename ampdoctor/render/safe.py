@@ -21,8 +21,16 @@ _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 _CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`).*?(?<!`)\1(?!`)")
 
 
-def terminal(text: str) -> str:
-    """``text`` with every control byte but tab and newline written out (``\\x1b``)."""
+_SGR = re.compile(r"(\x1b\[[0-9;]*m)")  # select graphic rendition: colour, bold, nothing else
+
+
+def terminal(text: str, colour: bool = False) -> str:
+    """``text`` with every control byte but tab and newline written out (``\\x1b``).
+    ``colour``: colour and bold sequences are kept (``top`` paints with them); they can
+    neither move the cursor nor retitle or clear the terminal."""
+    if colour:
+        return "".join(part if i % 2 else terminal(part) for i, part in
+                       enumerate(_SGR.split(text)))
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 

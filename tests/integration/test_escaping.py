@@ -83,3 +83,15 @@ def test_safe_escapes_and_leaves_code_alone():
     assert safe.markdown("x <b>`<i>`\n```\n<u>\n```\n") == "x &lt;b>`<i>`\n```\n<u>\n```\n"
     text = "**First bad:** module <img src=x onerror=alert(1)>"
     assert safe.markdown(safe.markdown(text)) == safe.markdown(text)  # composes, once
+
+
+def test_top_once_writes_control_bytes_out(hostile):
+    out = _out("top", "--once", hostile)
+    assert _no_control_bytes(out) and "blocks.0" in out
+
+
+def test_top_keeps_its_own_colours_only():
+    from ampdoctor.live import top
+
+    assert top.safe.terminal("\x1b[31mred\x1b[0m \x1b[2J", colour=True) == \
+        "\x1b[31mred\x1b[0m \\x1b[2J"

@@ -25,7 +25,7 @@ META_TYPES: dict[str, type] = {
     "status": str, "recorder": dict, "torch": dict, "roots": list, "model": dict,
     "device": dict, "compiled": dict, "sharding": dict, "scaler": dict, "optimizer": list,
     "autocast": dict, "clip": dict, "applied": list}
-_TYPE_WORDS = {str: "a text", dict: "an object", list: "a list"}
+_TYPE_WORDS: dict[type, str] = {str: "a text", dict: "an object", list: "a list"}
 
 
 def damaged(path: str, table: str, row: int, what: str) -> RunFileError:

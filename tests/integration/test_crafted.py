@@ -114,3 +114,35 @@ def test_the_reliability_readers_refuse_each_crafted_file_in_time(tmp_path, case
     path = crafted.make(case, str(tmp_path))
     outcome, said = in_child(read_everything, path, timeout=30)
     assert (outcome, said) == ("ok", "refused")
+
+
+def test_crafted_changes_combined_are_refused_in_time(tmp_path):
+    """Pairs of crafted changes on one file, chosen by a printed seed: whatever mix a file
+    holds, every reader answers with one sentence in time."""
+    import random
+    import shutil
+
+    import h5py
+    from reliability_tools import in_child, read_everything
+
+    seed = random.randrange(1 << 30)
+    print(f"crafted pairs seed {seed}")
+    rng = random.Random(seed)
+    names = [case for case in crafted.CASES if case != "fifo"]
+    checked = 0
+    for i in range(12):
+        pair = rng.sample(names, 2)
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        path = str(folder / "run.h5")
+        shutil.copyfile(crafted.BASE, path)
+        try:
+            with h5py.File(path, "r+") as f:
+                for case in pair:
+                    crafted._CRAFT[case](f, str(folder))
+        except (KeyError, ValueError, TypeError, IndexError, OSError):
+            continue  # the first change removed what the second changes
+        outcome, said = in_child(read_everything, path, timeout=30)
+        assert (outcome, said) == ("ok", "refused"), (seed, pair, outcome, said)
+        checked += 1
+    assert checked >= 6, (seed, checked)  # most pairs combine

@@ -260,7 +260,8 @@ class _Source:
         except RunFileError as exc:
             self.failures += 1
             self.state.error = str(exc)
-            if self.failures >= MAX_READ_FAILURES:
+            # A file no writer has open reads the same each time: its first failure is final.
+            if self.failures >= MAX_READ_FAILURES or not self.tail.live:
                 raise
             return None
         self.failures, self.state.error = 0, None
@@ -398,7 +399,7 @@ class Follower:
     def files(self) -> list[str]:
         """The files of the recording that exist now: ``path``, else its rank files (what
         ``ampdoctor diagnose path`` reads)."""
-        if os.path.isfile(self.path):
+        if os.path.exists(self.path):  # a FIFO or a directory too: the opener says what it is
             return [self.path]
         return paths.rank_files(self.path)
 

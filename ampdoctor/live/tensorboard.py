@@ -42,7 +42,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
-from ..errors import MissingExtraError, RunFileError
+from ..errors import AmpDoctorError, MissingExtraError, RunFileError
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Source
 from .follow import STALE_SECONDS, Follower
@@ -221,6 +221,7 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
     try:
         if not follower.files() and not follow:
             raise RunFileError(f"{run}: no such file")
+        _writable(logdir)
         follower.wait(wait)
         try:
             _loop(follower, logdir, protos, writers, done, follow, interval)
@@ -229,14 +230,33 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
         paths = follower.files()
         follower.close()
         _diagnosis(paths, writers, done)
+        for w in writers.values():  # a failing flush (disk full) said here, as one sentence
+            w.close()
+    except OSError as exc:
+        raise _unwritable(logdir, exc) from None
     finally:
         follower.close()
         for w in writers.values():
-            w.close()
+            try:
+                w.close()
+            except OSError:  # already said: the first failure is the sentence
+                pass
     done.scalars = sum(w.scalars for w in writers.values())
     done.texts = sum(w.texts for w in writers.values())
     done.runs = [w.logdir for w in writers.values()]
     return done
+
+
+def _writable(logdir: str) -> None:
+    """Make ``logdir`` (and refuse a place no file can be written) before any run is read."""
+    os.makedirs(logdir, exist_ok=True)
+    if not os.access(logdir, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied", logdir)
+
+
+def _unwritable(logdir: str, exc: OSError) -> AmpDoctorError:
+    return AmpDoctorError(f"cannot write TensorBoard events into {logdir}: "
+                          f"{exc.strerror or exc}")
 
 
 def _loop(follower: Follower, logdir: str, protos: Any, writers: dict, done: Exported,

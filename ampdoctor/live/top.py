@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, TextIO
 import numpy as np
 
 from ..numfmt import fmt
+from ..render import safe
 from . import frame as _frame
 from .follow import FULL_RANKS, STALE_SECONDS, WAIT_POLL, Follower
 
@@ -78,7 +79,8 @@ def render(fr: _frame.Frame, width: int = 80, height: Optional[int] = None, *,
         cut = len(lines) - height
         keep = max(2, len(layers) - cut)  # the table's title and first row stay longest
         lines = head + [""] + body + [""] + layers[:keep] + tail
-    lines = [_clip(line, width).rstrip() for line in lines]
+    # Names come from the run file: their control bytes are shown, never obeyed.
+    lines = [safe.terminal(_clip(line, width).rstrip(), colour=color) for line in lines]
     return lines[:height] if height is not None else lines
 
 

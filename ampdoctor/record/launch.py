@@ -30,6 +30,7 @@ anything starts (``prescription.py``), travel to the children in ``AMPDOCTOR_APP
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -41,7 +42,7 @@ from typing import Mapping, Optional, Sequence
 
 from ..diagnosis import ranks
 from ..errors import RecordError, RunFileError
-from ..runfile import paths
+from ..runfile import paths, store
 from . import prescription, written
 from .prescription import Prescription
 
@@ -125,6 +126,11 @@ def check_output(path: str, force: bool) -> str:
     if not os.path.isdir(folder):
         raise RecordError(f"cannot record into {shown}: {folder} is not a directory")
     existing = paths.related_files(path)
+    for old in existing:
+        if not store.is_run_file(old):
+            raise RecordError(f"cannot record into {shown}: {old} exists and is not an "
+                              "ampdoctor run file (--force replaces only a run file); choose "
+                              "another file with -o")
     if existing and not force:
         name = os.path.basename(existing[0])
         raise RecordError(f"{name} already exists in {folder}: pass --force to replace it, "
@@ -203,19 +209,76 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
     fixes = tuple(prescription.parse_all(apply))
     path = check_output(output, force)
     check_command(command, environ)
-    if force:
-        clear_output(path)
-    settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes,
-                        session=written.create())
-    try:
-        if not quiet:
-            _say(start_line(settings))
-        code = run_command(command, child_env(settings, environ))
-        if not quiet:
-            _say(summary(settings))
-    finally:
-        written.remove(settings.session)
+    with OutputLock(path, output):
+        if force:
+            clear_output(path)
+        settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes,
+                            session=written.create())
+        try:
+            if not quiet:
+                _say(start_line(settings))
+            code = run_command(command, child_env(settings, environ))
+            if not quiet:
+                _say(summary(settings))
+        finally:
+            written.remove(settings.session)
     return code
+
+
+class OutputLock:
+    """One ``record`` at a time into an output: an exclusive lock on ``.<name>.lock`` beside
+    it, held while the command runs. A second ``record`` into the same ``-o`` refuses before
+    it clears or starts anything, so that neither run is lost. The kernel drops the lock
+    when its holder dies, so a killed ``record`` leaves nothing that blocks the next.
+
+    Example::
+
+        with OutputLock("/data/run.h5", "run.h5"):
+            ...   # RecordError in another process doing the same
+    """
+
+    def __init__(self, path: str, shown: str):
+        folder, name = os.path.split(path)
+        self.lock = os.path.join(folder, f".{name}.lock")
+        self.shown = shown
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "OutputLock":
+        while self.fd is None:
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise RecordError(
+                    f"cannot record into {self.shown}: another ampdoctor record is recording "
+                    f"into it{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to "
+                    "end, or choose another file with -o") from None
+            if _same_file(fd, self.lock):  # not one its last holder removed meanwhile
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                self.fd = fd
+            else:
+                os.close(fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            try:
+                os.unlink(self.lock)  # while still held: a waiting opener sees a new file
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:

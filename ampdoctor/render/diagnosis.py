@@ -13,6 +13,7 @@ from ..diagnosis.rankview import lines as rank_lines
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
 from ..numfmt import fmt
+from . import safe
 
 FORMATS = ("text", "json", "markdown")
 
@@ -22,7 +23,7 @@ def render(d: Diagnosis, fmt: str = "text") -> str:
         return json.dumps(d.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
     if fmt == "markdown":
         return render_markdown(d)
-    return render_text(d)
+    return safe.terminal(render_text(d))
 
 
 def _cell(v: Any) -> str:
@@ -164,7 +165,7 @@ def render_markdown(d: Diagnosis) -> str:
         out.append(f"| loss scale | {fmt(scale.get('init'))} → {fmt(scale.get('final'))} |")
     for note in d.notes:
         out += ["", f"> {note}"]
-    return "\n".join(out) + "\n"
+    return safe.markdown("\n".join(out)) + "\n"
 
 
 # Said once under the fixes, when one of them can be applied from outside the code.
@@ -239,4 +240,4 @@ def render_dump(info: dict) -> str:
         if t.get("damaged"):
             cols = "UNEXPECTED COLUMNS OR SHAPE: " + cols
         lines.append(f"  {name:<10} {t['rows']:>9} {t['stored_bytes']:>10}  {cols}")
-    return "\n".join(lines) + "\n"
+    return safe.terminal("\n".join(lines) + "\n")

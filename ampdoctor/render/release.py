@@ -22,7 +22,7 @@ from ..release.comparison import Comparison
 from ..release.curves import percent as _pct
 from ..release.report import ReleaseReport
 from ..version import __version__
-from . import fix_outcome
+from . import fix_outcome, safe
 from .diagnosis import also_text, split_causes, where_text
 from .diagnosis import render_markdown as diagnosis_markdown
 from .tables import esc as _esc
@@ -158,8 +158,8 @@ def render_comparison(c: Comparison, fmt: str = "text") -> str:
     if fmt == "json":
         return json.dumps(c.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
     if fmt == "markdown":
-        return comparison_markdown(c, level=2)
-    return comparison_text(c)
+        return safe.markdown(comparison_markdown(c, level=2))
+    return safe.terminal(comparison_text(c))
 
 
 def comparison_text(c: Any) -> str:
@@ -265,8 +265,8 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
             out += [f"![{CAPTIONS.get(name, name)}]({path})", ""]
     for note in r.notes:
         out += [f"> {note}", ""]
-    out += [f"<sub>ampdoctor {__version__}</sub>"]
-    return "\n".join(out).rstrip() + "\n"
+    # Names and notes from the run file escaped; the footer is the one tag of our own.
+    return safe.markdown("\n".join(out).rstrip()) + f"\n\n<sub>ampdoctor {__version__}</sub>\n"
 
 
 _CSS = """

@@ -20,10 +20,12 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import glob
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +39,21 @@ def is_hdf5(path: str) -> bool:
     """Does the file at ``path`` begin with the HDF5 signature (a run file, or another HDF5
     file that a report must not overwrite)?"""
     try:
-        with open(path, "rb") as fh:
-            return fh.read(len(SIGNATURE)) == SIGNATURE
+        return head(path, len(SIGNATURE)) == SIGNATURE
     except OSError:
         return False
+
+
+def head(path: str, nbytes: int) -> bytes:
+    """The first ``nbytes`` of a regular file; OSError for anything else. A FIFO is opened
+    without blocking and refused, so that no look at a path named by a user can hang."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.pread(fd, nbytes, 0)
+    finally:
+        os.close(fd)
 SUPERBLOCK_BYTES = 48  # a version 2/3 superblock with 8-byte addresses, checksum included
 
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)  # what h5py raises
@@ -109,8 +122,7 @@ def parse_superblock(head: bytes) -> Superblock | None:
 
 def read_superblock(path: str) -> Superblock | None:
     """The superblock of the file at ``path`` (OSError where it cannot be read)."""
-    with open(path, "rb") as fh:
-        return parse_superblock(fh.read(SUPERBLOCK_BYTES))
+    return parse_superblock(head(path, SUPERBLOCK_BYTES))
 
 
 def superblock_with_eof(head: bytes, size: int) -> bytes | None:

@@ -30,11 +30,11 @@ import h5py
 import numpy as np
 
 from ..errors import RunFileError
-from . import hdf5, liveness, schema
+from . import guard, hdf5, liveness, schema, values
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .paths import resolve
-from .run import Blob, Run, Table, decoded_rows, meta_dict, tensor_view
+from .run import TEXTS, Blob, Run, Table, decoded_rows, meta_dict, tensor_view
 
 LIVE_RETRIES = 3  # reads of a file flagged as being written (its writer may be mid-flush)
 
@@ -133,23 +133,57 @@ def retrying(path: str, read: Any) -> Any:
     raise AssertionError("unreachable")
 
 
-def open_file(path: str) -> tuple[h5py.File, bool]:
+def is_run_file(path: str | os.PathLike) -> bool:
+    """Is ``path`` a regular file that ampdoctor wrote (HDF5 declaring its format, of any
+    version; or HDF5 too damaged to open whose first bytes name the format)? What
+    ``record --force`` may replace: never a script, a text file or a device.
+
+    Example::
+
+        store.is_run_file("run.h5"), store.is_run_file("train.py")      # (True, False)
+    """
+    path = os.fspath(path)
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or not hdf5.is_hdf5(path):
+            return False
+        head = hdf5.head(path, 1 << 16)
+    except OSError:
+        return False
+    try:
+        f, _live = open_file(path, guarded=False)
+    except RunFileError:  # a recording killed mid-write: its header still names the format
+        return schema.FORMAT_NAME.encode() in head
+    with f:
+        try:
+            return root_attrs(f, ("format",)).get("format") == schema.FORMAT_NAME
+        except H5_ERRORS:
+            return False
+
+
+def open_file(path: str, guarded: bool = True) -> tuple[h5py.File, bool]:
     """Open ``path`` read-only; return the file and whether it is flagged as being written.
 
     A file whose writer has not closed it (still running, or killed) can only be opened by
     a SWMR reader. Such a reader skips HDF5's end-of-file check and retries unreadable
     metadata, so a truncated file is refused here first, and the retries are bounded.
+    ``guarded``: refused if it points outside itself (``guard.check``); only the root
+    attributes may be read of a file opened unguarded.
     """
     _check_path(path)
     if not hdf5.flagged_as_written(path):
         try:
-            return h5py.File(path, "r"), False
+            f = h5py.File(path, "r")
         except H5_ERRORS as exc:
             message = str(exc)
             if "signature" in message:
                 raise RunFileError(f"{path} is not an ampdoctor run file (not HDF5)") from None
             if "already open for write" not in message:  # a writer may just have opened it
                 raise _unopenable(path, reason(exc)) from None
+        else:
+            return (_checked(path, f) if guarded else f), False
     # A live writer's flush writes the header's new end of file just before it extends the
     # file, so "shorter than its header says" can last a moment: `load` tries again.
     size = os.path.getsize(path)
@@ -157,9 +191,23 @@ def open_file(path: str) -> tuple[h5py.File, bool]:
     if superblock is not None and size < superblock.end:
         raise _unopenable(path, "shorter than its header says")
     try:
-        return hdf5.open_swmr(path), True
+        f = hdf5.open_swmr(path)
     except H5_ERRORS as exc:
         raise _unopenable(path, reason(exc)) from None
+    return (_checked(path, f) if guarded else f), True
+
+
+def _checked(path: str, f: h5py.File) -> h5py.File:
+    """``f``, once ``guard.check`` found nothing in it pointing outside or past the file."""
+    try:
+        guard.check(path, f)
+    except RunFileError:
+        f.close()
+        raise
+    except H5_ERRORS as exc:
+        f.close()
+        raise _unopenable(path, reason(exc)) from None
+    return f
 
 
 def _unopenable(path: str, why: str) -> RunFileError:
@@ -222,9 +270,12 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
             raw[name] = Table(schema.empty(name), name=name) if name in ON_DEMAND else \
                 Blob() if name == schema.BLOB else schema.empty(name)
     stats, blob = raw["stats"], raw[schema.BLOB]
+    check_values(path, raw, blob.size if schema.BLOB not in damaged else None)
+    if "tensors" not in damaged:
+        stats.tensors = len(raw["tensors"])
     run = Run(path=path, attrs=attrs, _file=f, _blob=blob)
     run.live = live and liveness.writer_alive(run.attrs, path)
-    run.meta = meta_dict(raw["meta"], blob)
+    run.meta = meta_dict(raw["meta"], blob, path)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
     # A writer numbers tensors 0, 1, 2... in row order; an id outside that (damage) would
@@ -240,6 +291,31 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.arrays = decoded_rows("arrays", raw["arrays"], blob)
     run.damaged = damaged
     return run
+
+
+# The text references of each table read whole, checked against /blob before they are decoded.
+REFS = {**TEXTS, "arrays": [*TEXTS["arrays"], "data"], "meta": ["value"],
+        "tensors": ["name", "type"]}
+
+
+def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
+                 start: dict[str, int] | None = None, last_step: int | None = None) -> None:
+    """The values of the tables read whole hold to the schema's contract (``values``): step
+    numbers, tensor ids of /events, references into a /blob of ``blob_size`` bytes (None:
+    /blob could not be read, and its references read as empty text). ``start``: the row
+    number of each table's first row here; ``last_step``: the step read before them (a Tail's).
+    """
+    start = start or {}
+    values.check_steps(path, rows["steps"], start.get("steps", 0), last_step)
+    if "tensors" in rows and "events" in rows:
+        values.check_ids(path, "events", rows["events"]["tensor"],
+                         start.get("tensors", 0) + len(rows["tensors"]),
+                         start.get("events", 0), none=-1)
+    if blob_size is None:
+        return
+    for name, texts in REFS.items():
+        if name in rows:
+            values.check_refs(path, name, rows[name], texts, blob_size, start.get(name, 0))
 
 
 def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:

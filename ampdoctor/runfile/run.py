@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import RunFileError
-from . import schema
+from . import schema, values
 from .hdf5 import H5_ERRORS, reason
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
@@ -48,6 +48,9 @@ class Table:
         self.dtype = data.dtype
         self._path = path
         self._name = name
+        # How many tensors /tensors holds, set by the reader: every id read is checked
+        # against it (``values.check_ids``). None: not checked (a Run built in memory).
+        self.tensors: int | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -64,10 +67,16 @@ class Table:
             return np.empty(0, dtype)
         try:
             source = self._data if what is None else self._data.fields(what)
-            return source[start:stop]
+            out = source[start:stop]
         except H5_ERRORS as exc:
             raise RunFileError(f"{self._path} is damaged: reading /{self._name} failed "
                                f"({reason(exc)})") from None
+        if self.tensors is not None:
+            ids = out if what == "tensor" else out["tensor"] \
+                if out.dtype.names and "tensor" in out.dtype.names else None
+            if ids is not None:
+                values.check_ids(str(self._path), self._name, ids, self.tensors, start)
+        return out
 
     def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         return self._read(name, start, stop)
@@ -322,17 +331,21 @@ def _known(rows: np.ndarray, column: str, codes: Any, unknown: int) -> None:
     rows[column] = np.where(valid, rows[column], int(unknown))
 
 
-def meta_dict(rows: np.ndarray, blob: Blob) -> dict[str, Any]:
+def meta_dict(rows: np.ndarray, blob: Blob, path: str | None = None,
+              start: int = 0) -> dict[str, Any]:
     """``/meta`` rows as ``Run.meta``: key -> JSON value (the text itself where it is not JSON);
-    a later row for a key wins."""
+    a later row for a key wins. With ``path``, a known key's value of the wrong type is
+    ``RunFileError`` (``values.check_meta``; ``start``: the row number of ``rows[0]``)."""
     meta: dict[str, Any] = {}
-    for row in rows:
+    for i, row in enumerate(rows):
         key = bytes(row["key"]).decode(errors="replace")
         text = blob.text(int(row["value_off"]), int(row["value_len"]))
         try:
             meta[key] = json.loads(text)
         except (ValueError, RecursionError):
             meta[key] = text
+        if path is not None:
+            values.check_meta(path, key, meta[key], start + i)
     return meta
 
 

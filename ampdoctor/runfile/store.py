@@ -5,7 +5,9 @@ and the modules beside it own the parts (each module's docstring says what it ow
 
 * ``writer``: ``Writer``, the crash-safe SWMR append path, and ``WriteError``;
 * ``reader``: ``load``, ``load_steps``, ``opened`` and ``inspect``, the bounded,
-  never-hanging read;
+  never-hanging read, and ``is_run_file``, what ``record --force`` may replace;
+* ``guard`` and ``values``: a run file is untrusted input: nothing outside it is read, no
+  table past what it stores, no value outside the schema's contract;
 * ``summary``: ``/summary``, a run in a few numbers: the writer's ``Tally``, ``summary.read``;
 * ``run``: ``Run`` and its ``Table``s and ``Blob``, and the decoding of text references;
 * ``tail``: ``Tail``, a file followed while it is written (``ampdoctor top``, ``export``);
@@ -34,14 +36,14 @@ from ..errors import FormatTooNewError, RunFileError
 from . import summary
 from .hdf5 import reason
 from .reader import inspect as _inspect
-from .reader import load, load_steps, opened
+from .reader import is_run_file, load, load_steps, opened
 from .run import TENSOR_VIEW, Blob, Run, Table, decoded
 from .tail import Tail
 from .writer import WriteError, Writer
 
 __all__ = ["FormatTooNewError", "RunFileError", "TENSOR_VIEW", "Blob", "Run", "Table",
-           "Tail", "WriteError", "Writer", "decoded", "inspect", "load", "load_steps",
-           "opened", "summary"]
+           "Tail", "WriteError", "Writer", "decoded", "inspect", "is_run_file", "load",
+           "load_steps", "opened", "summary"]
 
 _reason = reason  # record/recorder.py's name for it: the one line of an error a user reads
 

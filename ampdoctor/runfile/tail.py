@@ -18,7 +18,15 @@ from ..errors import RunFileError
 from . import liveness, schema
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
-from .reader import READ_ORDER, dataset, open_file, retrying, without_unwritten_tail, written_rows
+from .reader import (
+    READ_ORDER,
+    check_values,
+    dataset,
+    open_file,
+    retrying,
+    without_unwritten_tail,
+    written_rows,
+)
 from .run import TEXTS, Blob, Table, decoded_rows, meta_dict, tensor_view
 
 
@@ -57,6 +65,7 @@ class Tail:
         self.stats = Table(schema.empty("stats"), name="stats")
         self._datasets: dict[str, Any] = {}  # opened and checked once, refreshed at each read
         self._stats_shape = -1  # /stats length at the last read, all of it written
+        self._last_step: int | None = None  # the step of the last /steps row handed out
 
     def read(self) -> dict[str, Any]:
         """New rows of every table but ``/stats`` (``meta``: the keys written since, decoded)."""
@@ -65,14 +74,18 @@ class Tail:
         try:
             rows, stats = self._new_rows()
             blob = self._blob()
+            check_values(self.path, rows, blob.size, self.done, self._last_step)
+            stats.tensors = self.done["tensors"] + len(rows["tensors"])
             out = {"steps": rows["steps"], "groups": rows["groups"],
-                   "meta": meta_dict(rows["meta"], blob),
+                   "meta": meta_dict(rows["meta"], blob, self.path, self.done["meta"]),
                    "tensors": tensor_view(rows["tensors"], blob)}
             out.update({name: decoded_rows(name, rows[name], blob) for name in TEXTS})
         except H5_ERRORS as exc:
             raise RunFileError(f"{self.path} could not be read ({reason(exc)})") from None
         for name, new in rows.items():
             self.done[name] += len(new)
+        if len(rows["steps"]):
+            self._last_step = int(rows["steps"]["step"][-1])
         self.stats = stats
         # Known for good only once every row of it is written (a flush may be half-way).
         self._stats_shape = len(stats) if len(stats) == len(stats._data) else -1

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -339,24 +340,121 @@ def test_output_that_cannot_be_written(tmp_path, output, message):
     assert not (tmp_path / "started").exists()
 
 
+EARLIER_RUN = os.path.join(ROOT, "fixtures", "formats", "v2.h5")
+
+
+def _earlier_run():
+    with open(EARLIER_RUN, "rb") as fh:
+        return fh.read()
+
+
 @pytest.mark.parametrize("existing", ["run.h5", "run.rank1.h5"])
 def test_existing_run_needs_force(tmp_path, existing):
-    (tmp_path / existing).write_bytes(b"an earlier run")
+    (tmp_path / existing).write_bytes(_earlier_run())
     proc = record(["-o", "run.h5", "--", *_marker_command(tmp_path)], tmp_path)
     assert proc.returncode == 2
     assert f"{existing} already exists" in proc.stderr and "--force" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "started").exists()
-    assert (tmp_path / existing).read_bytes() == b"an earlier run"  # untouched
+    assert (tmp_path / existing).read_bytes() == _earlier_run()  # untouched
 
 
 def test_force_replaces_the_runs_of_that_name(tmp_path):
     for name in ("run.h5", "run.rank0.h5", "run.rank1.h5", "other.h5"):
-        (tmp_path / name).write_bytes(b"old")
+        (tmp_path / name).write_bytes(_earlier_run())
     proc = record(["-o", "run.h5", "--force", "--", *_marker_command(tmp_path)], tmp_path)
     assert proc.returncode == 0
     assert (tmp_path / "started").exists()
     assert files(tmp_path) == ["other.h5"]  # the command never imported torch
+
+
+@pytest.mark.parametrize("output,content", [
+    ("mytrain.py", b"print('training')\n"),        # the very script being recorded
+    ("notes.txt", b"notes\n"),
+    ("run.h5", b"not HDF5 at all"),
+    ("run.rank1.h5", b"\x89HDF\r\n\x1a\n but another program's"),
+])
+@pytest.mark.parametrize("force", [True, False])
+def test_force_never_replaces_a_file_that_is_not_a_run_file(tmp_path, output, content, force):
+    (tmp_path / output).write_bytes(content)
+    shown = "run.h5" if output.startswith("run.") else output
+    proc = record(["-o", shown, *(["--force"] if force else []), "--",
+                   *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"ampdoctor: cannot record into {shown}: {tmp_path / output} exists "
+                           "and is not an ampdoctor run file (--force replaces only a run "
+                           "file); choose another file with -o\n")
+    assert (tmp_path / output).read_bytes() == content
+    assert not (tmp_path / "started").exists()
+
+
+def test_force_never_replaces_a_device_node(tmp_path):
+    before = os.stat("/dev/null")
+    proc = record(["-o", "/dev/null", "--force", "--", *_marker_command(tmp_path)], tmp_path)
+    assert proc.returncode == 2 and "/dev/null exists and is not an ampdoctor run file" \
+        in proc.stderr
+    after = os.stat("/dev/null")
+    assert (after.st_ino, after.st_rdev, after.st_mode) == \
+        (before.st_ino, before.st_rdev, before.st_mode)
+
+
+def test_two_records_into_one_output_the_second_refuses(tmp_path):
+    (tmp_path / "run.h5").write_bytes(_earlier_run())
+    go = tmp_path / "go"
+    wait = [PYTHON, "-c", textwrap.dedent(f"""
+        import os, time
+        open({str(tmp_path / 'first')!r}, 'w').close()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.02)
+    """)]
+    first = subprocess.Popen([PYTHON, "-m", "ampdoctor", "record", "-o", "run.h5", "--force",
+                              "--", *wait], cwd=tmp_path, env=python_env(),
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1500):
+            if (tmp_path / "first").exists():
+                break
+            first.poll()
+            assert first.returncode is None, first.stderr.read()
+            time.sleep(0.02)
+        second = record(["-o", "run.h5", "--force", "--", *_marker_command(tmp_path)],
+                        tmp_path)
+        assert second.returncode == 2
+        assert second.stderr == (f"ampdoctor: cannot record into run.h5: another ampdoctor "
+                                 f"record is recording into it (pid {first.pid}); wait for it "
+                                 "to end, or choose another file with -o\n")
+        assert not (tmp_path / "started").exists()
+    finally:
+        go.touch()
+        first.wait(timeout=60)
+    assert first.returncode == 0
+    # The lock goes with the recording that held it: the next record proceeds.
+    assert not (tmp_path / ".run.h5.lock").exists()
+    third = record(["-o", "run.h5", "--force", "--", *_marker_command(tmp_path)], tmp_path)
+    assert third.returncode == 0 and (tmp_path / "started").exists()
+
+
+def test_a_killed_record_leaves_no_lock_that_blocks_the_next(tmp_path):
+    from ampdoctor.record.launch import OutputLock
+
+    path = str(tmp_path / "run.h5")
+    holder = subprocess.Popen([PYTHON, "-c", textwrap.dedent(f"""
+        import sys, time
+        from ampdoctor.record.launch import OutputLock
+        with OutputLock({path!r}, "run.h5"):
+            print("held", flush=True)
+            time.sleep(60)
+    """)], env=python_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ampdoctor.AmpDoctorError, match=f"pid {holder.pid}"):
+            OutputLock(path, "run.h5").__enter__()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.path.exists(str(tmp_path / ".run.h5.lock"))  # left by the killed holder
+    with OutputLock(path, "run.h5"):
+        pass
 
 
 @pytest.mark.parametrize("args,message", [

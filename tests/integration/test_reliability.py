@@ -372,7 +372,8 @@ def test_reading_a_file_never_runs_anything_in_it(tmp_path):
     synthetic_run(benign)
     w = synthetic_run(hostile, close=False)
     w.meta("model", {"py/reduce": payload.hex(), "__class__": "os.system"})
-    w.meta("optimizer", f"__import__('os').system('touch {marker}')")
+    # Code where the schema's types hold (a list), so that diagnose reads it, and fails to run it.
+    w.meta("optimizer", [f"__import__('os').system('touch {marker}')"])
     row = schema.empty("arrays", 1)  # an array row that claims to hold a pickled object
     row["dtype"], row["ndim"], row["numel"], row["saved"] = b"|O", 1, 1, 1
     row["data_off"], row["data_len"] = w.bytes(payload)

@@ -1,0 +1,97 @@
+"""The schema's contract on values, checked where rows are read (not in each rule that uses them).
+
+``guard`` keeps a file's structure inside itself; this keeps its values within what a writer
+writes: step numbers from 0 that never go back, ``/meta`` values of the type each key holds,
+tensor ids that name a row of ``/tensors``, text references inside ``/blob``. A value outside
+the contract is one sentence naming the file, the table and the row (``RunFileError``, exit 2),
+so that no rule, view or exporter downstream meets it.
+
+Example::
+
+    values.check_steps("run.h5", rows)          # RunFileError: run.h5 is damaged: /steps row 2
+                                                # holds step -5 (steps count up from 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import RunFileError
+
+# /meta key -> the JSON type its value has (schema.META_KEYS); null is taken for any key.
+META_TYPES: dict[str, type] = {
+    "status": str, "recorder": dict, "torch": dict, "roots": list, "model": dict,
+    "device": dict, "compiled": dict, "sharding": dict, "scaler": dict, "optimizer": list,
+    "autocast": dict, "clip": dict, "applied": list}
+_TYPE_WORDS: dict[type, str] = {str: "a text", dict: "an object", list: "a list"}
+
+
+def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
+    return RunFileError(f"{path} is damaged: /{table} row {row} {what}")
+
+
+def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None = None) -> None:
+    """Step numbers are >= 0 and never go back. ``start``: the row number of ``steps[0]``;
+    ``before``: the step of the row before it (a follower's previous read)."""
+    numbers = steps["step"]
+    if not len(numbers):
+        return
+    negative = np.flatnonzero(numbers < 0)
+    if len(negative):
+        row = int(negative[0])
+        raise damaged(path, "steps", start + row,
+                      f"holds step {int(numbers[row])} (steps count up from 0)")
+    previous = np.concatenate(([before if before is not None else numbers[0]], numbers[:-1]))
+    back = np.flatnonzero(numbers < previous)
+    if len(back):
+        row = int(back[0])
+        raise damaged(path, "steps", start + row,
+                      f"holds step {int(numbers[row])} after step {int(previous[row])} "
+                      "(steps never go back)")
+
+
+def check_meta(path: str, key: str, value: Any, row: int) -> None:
+    """A known ``/meta`` key holds a value of its type (or null)."""
+    want = META_TYPES.get(key)
+    if want is None or value is None or isinstance(value, want):
+        return
+    raise damaged(path, "meta", row, f"({key}) holds {_json_type(value)} where "
+                                     f"{_TYPE_WORDS[want]} is expected")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return _TYPE_WORDS.get(type(value), "a value")
+
+
+def check_ids(path: str, table: str, ids: np.ndarray, count: int, start: int = 0,
+              none: int | None = None) -> None:
+    """Every tensor id in ``ids`` (rows ``start``...) names one of ``count`` tensors, or is
+    ``none`` (/events' -1: an event about no tensor)."""
+    bad = np.flatnonzero(((ids < 0) | (ids >= count)) & (ids != none if none is not None
+                                                         else True))
+    if len(bad):
+        row = int(bad[0])
+        raise damaged(path, table, start + row,
+                      f"names tensor {int(ids[row])}, which /tensors does not hold "
+                      f"({count} tensors)")
+
+
+def check_refs(path: str, table: str, rows: np.ndarray, texts: list[str], size: int,
+               start: int = 0) -> None:
+    """Every (``<text>_off``, ``<text>_len``) reference of ``rows`` lies inside a ``/blob`` of
+    ``size`` bytes."""
+    for text in texts:
+        off = rows[f"{text}_off"].astype(np.int64)
+        length = rows[f"{text}_len"].astype(np.int64)
+        bad = np.flatnonzero((off < 0) | (length < 0) | (off > size - length))
+        if len(bad):
+            row = int(bad[0])
+            raise damaged(path, table, start + row,
+                          f"points at {text} past the end of /blob (offset {int(off[row])}, "
+                          f"{int(length[row])} bytes, in {size})")

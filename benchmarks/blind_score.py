@@ -95,6 +95,14 @@ def diagnose_one(case: str, root: Path, workdir: Path) -> tuple[str, Optional[fl
     return str(report["verdict"]), report.get("confidence")
 
 
+def head_commit(root: Path) -> Optional[str]:
+    """The commit checked out at ``root`` (None outside git): a score names what it scored."""
+    done = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or None
+
+
 def totals(rows: list[Row]) -> dict[str, list[int]]:
     """[right, of] for the failures, the healthy runs and the verdicts at high confidence."""
     failures = [row for row in rows if row.expected != "healthy"]
@@ -137,6 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not (root / "ampdoctor" / "__init__.py").exists():
         print(f"blind_score: {root} holds no ampdoctor package", file=sys.stderr)
         return 2
+    commit = head_commit(root)
     rows = []
     with tempfile.TemporaryDirectory(prefix="blind_score_") as tmp:
         for case, expected in load_cases(args.only).items():
@@ -150,9 +159,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {case}: {got} ({seconds} s)", file=sys.stderr, flush=True)
     counts = totals(rows)
     print_table(rows, counts)
+    if head_commit(root) != commit:
+        print(f"blind_score: {root} moved from commit {commit} during the run", file=sys.stderr)
+        commit = None
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        document = {"root": str(root), "rows": [asdict(row) for row in rows], "totals": counts}
+        document = {
+            "root": str(root),
+            "commit": commit,
+            "rows": [asdict(row) for row in rows],
+            "totals": counts,
+        }
         args.out.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 

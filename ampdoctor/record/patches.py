@@ -258,7 +258,8 @@ def patch_autograd_grad(patches: PatchSet, listener: Listener) -> None:
         @functools.wraps(orig)
         def wrapper(outputs, *args, **kwargs):
             out = orig(outputs, *args, **kwargs)
-            create_graph = kwargs.get("create_graph", args[4] if len(args) > 4 else False)
+            # grad(outputs, inputs, grad_outputs, retain_graph, create_graph, ...)
+            create_graph = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
             guard(listener, "after_autograd_grad", outputs, bool(create_graph))
             return out
         return wrapper

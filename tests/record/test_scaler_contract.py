@@ -40,7 +40,9 @@ def test_several_optimizers_step_each_update_once_is_healthy(run_path):
             scaler.scale(loss0).backward(retain_graph=True)
             scaler.scale(loss1).backward()
             scaler.unscale_(opt_a)  # once per optimizer per step, before its clip
+            scaler.unscale_(opt_b)
             torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0)
             scaler.step(opt_a)
             scaler.step(opt_b)
             scaler.update()  # once, after every optimizer stepped
@@ -60,7 +62,8 @@ def _penalty(run_path, unscale, steps=6):
         for x, y in batches(steps):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
-            grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+            # create_graph given by position, as grad(outputs, inputs, None, None, True)
+            grads = torch.autograd.grad(scaler.scale(loss), params, None, None, True)
             if unscale:
                 inv_scale = 1.0 / scaler.get_scale()
                 grads = [g * inv_scale for g in grads]

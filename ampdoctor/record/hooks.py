@@ -225,12 +225,17 @@ class Hooks:
         """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss
         on (a gradient penalty), its gradients must be unscaled before that loss."""
         st = self.log.step
-        if create_graph and any(_from_any_scaled(t, st.keep) for t in _tensors(outputs)):
+        if create_graph and not st.scale_read and any(_from_any_scaled(t, st.keep)
+                                                      for t in _tensors(outputs)):
             st.scaled_grads_pending = True
 
     def on_get_scale(self, scaler: Any) -> None:
+        """The docs' ``g * (1. / scaler.get_scale())``, read after the step's first scaled
+        loss: before or after ``autograd.grad``, the gradients can be unscaled with it."""
         if self.watched.uses_scaler(scaler):
-            self.log.step.scaled_grads_pending = False  # the docs' g * (1. / get_scale())
+            st = self.log.step
+            st.scaled_grads_pending = False
+            st.scale_read = st.scale_read or st.scaled
 
     def _penalty_unscaled(self, st: Step) -> None:
         """The step scales a loss after a penalty's gradients were taken of the scaled loss and

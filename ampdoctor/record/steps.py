@@ -48,6 +48,7 @@ class Step:
     # torch.autograd.grad(create_graph=True) of a scaled loss, not yet followed by
     # scaler.get_scale() (the docs' unscale of those gradients) before the next scale()
     scaled_grads_pending: bool = False
+    scale_read: bool = False  # scaler.get_scale() called after a scaled loss in this step
     staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
     loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step

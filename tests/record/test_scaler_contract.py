@@ -5,6 +5,7 @@ gradients is the ``scaled_grads_in_loss`` misuse, with the docs' fix.
 
 (The auxiliary loss backwarded without the scaler, and accumulation: ``test_recorder.py``.)"""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TinyNet, batches, fresh
@@ -52,7 +53,7 @@ def test_several_optimizers_step_each_update_once_is_healthy(run_path):
     assert ampdoctor.diagnose(run_path).verdict == "healthy"
 
 
-def _penalty(run_path, unscale, steps=6):
+def _penalty(run_path, unscale, steps=6, read_first=False):
     """The AMP docs' gradient penalty: torch.autograd.grad of the scaled loss, the norm of
     those gradients added to the loss; unscaled first (the recipe) or not."""
     model, opt = fresh()
@@ -62,10 +63,14 @@ def _penalty(run_path, unscale, steps=6):
         for x, y in batches(steps):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
+            scaled = scaler.scale(loss)
+            if read_first:
+                inv_scale = 1.0 / scaler.get_scale()  # read before autograd.grad: as good
             # create_graph given by position, as grad(outputs, inputs, None, None, True)
-            grads = torch.autograd.grad(scaler.scale(loss), params, None, None, True)
+            grads = torch.autograd.grad(scaled, params, None, None, True)
             if unscale:
-                inv_scale = 1.0 / scaler.get_scale()
+                if not read_first:
+                    inv_scale = 1.0 / scaler.get_scale()
                 grads = [g * inv_scale for g in grads]
             with torch.autocast("cpu", dtype=torch.float16):
                 norm = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
@@ -76,8 +81,9 @@ def _penalty(run_path, unscale, steps=6):
             opt.zero_grad()
 
 
-def test_a_gradient_penalty_unscaled_as_the_docs_do_is_healthy(run_path):
-    _penalty(run_path, unscale=True)
+@pytest.mark.parametrize("read_first", [False, True], ids=["docs", "scale-read-first"])
+def test_a_gradient_penalty_unscaled_as_the_docs_do_is_healthy(run_path, read_first):
+    _penalty(run_path, unscale=True, read_first=read_first)
     assert _misuses(run_path) == set()
     assert ampdoctor.diagnose(run_path).verdict == "healthy"
 

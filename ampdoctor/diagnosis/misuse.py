@@ -291,6 +291,25 @@ def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
                    "barely trains.", ev, "scale_every_loss", first, "backward")
 
 
+def rule_scaled_grads_in_loss(f: Facts) -> Optional[Finding]:
+    """A gradient penalty built from torch.autograd.grad of the scaled loss, never unscaled
+    (the AMP docs' recipe multiplies those gradients by 1 / scaler.get_scale() first): the
+    penalty is the scale (squared) times too large, an overflow read otherwise as an op's."""
+    rows = f.events(Event.SCALED_GRADS_IN_LOSS)
+    if not len(rows):
+        return None
+    first = int(rows["step"][0])
+    ev = [Evidence(f"on {len(rows)} steps (first at step {first}) torch.autograd.grad of the "
+                   "scaled loss fed the next scaled loss with no scaler.get_scale() between: "
+                   "its gradients were not unscaled", "scaled_grads_steps", float(len(rows)),
+                   first)]
+    return _misuse(f, "scaled_grads_in_loss", 0.85, "A gradient penalty is built from "
+                   "torch.autograd.grad of the scaled loss without unscaling those gradients: "
+                   "they are the loss scale times too large, so the penalty is off by the "
+                   "scale (its square for a squared norm).", ev,
+                   "unscale_autograd_grad", first, "backward")
+
+
 def _misuse(f: Facts, kind: str, confidence: float, summary: str, ev: list[Evidence],
             fix_id: str, first: Optional[int], phase: Optional[str],
             priority: int = PRIORITY["misuse"]) -> Finding:

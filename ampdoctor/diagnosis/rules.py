@@ -177,6 +177,7 @@ RULES = [
     misuse.rule_stale_grads,
     misuse.rule_unscale_twice,
     misuse.rule_backward_unscaled,
+    misuse.rule_scaled_grads_in_loss,
     located.rule_state_poisoning,
     located.rule_adam_eps,
     located.rule_accum_overflow,

@@ -29,6 +29,7 @@ The order of one scaled step, and what each hook adds::
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import time
@@ -45,6 +46,7 @@ from .sampler import Sampler
 from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
+from .steps import Step
 from .torchcompat import scaler_enabled, unscaled_already
 from .watched import Watched
 
@@ -89,6 +91,7 @@ class Hooks:
         """Open every door (``patches``), hook the model (or discover it), begin step 0."""
         patches.patch_scaler(self.patches, self)
         patches.patch_backward(self.patches, self)
+        patches.patch_autograd_grad(self.patches, self)
         self._clip_maker = patches.patch_clip(self.patches, self)
         patches.patch_library_clips(self.patches, self, self._clip_maker)
         patches.hook_optimizers(self.patches, self, self._compiled_steps)
@@ -212,10 +215,35 @@ class Hooks:
             return
         self._catch_up()
         self._training()
+        self._penalty_unscaled(self.log.step)
         self.log.step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._add_loss(outputs, scaled=True)
             self.log.step.keep.append(out)
+
+    def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None:
+        """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss
+        on (a gradient penalty), its gradients must be unscaled before that loss."""
+        st = self.log.step
+        if create_graph and not st.scale_read and any(_from_any_scaled(t, st.keep)
+                                                      for t in _tensors(outputs)):
+            st.scaled_grads_pending = True
+
+    def on_get_scale(self, scaler: Any) -> None:
+        """The docs' ``g * (1. / scaler.get_scale())``, read after the step's first scaled
+        loss: before or after ``autograd.grad``, the gradients can be unscaled with it."""
+        if self.watched.uses_scaler(scaler):
+            st = self.log.step
+            st.scaled_grads_pending = False
+            st.scale_read = st.scale_read or st.scaled
+
+    def _penalty_unscaled(self, st: Step) -> None:
+        """The step scales a loss after a penalty's gradients were taken of the scaled loss and
+        never unscaled (no ``get_scale()`` since ``autograd.grad``): that penalty is the scale
+        (squared, for a squared norm) times too large."""
+        if st.scaled_grads_pending and not st.flags & flag(Event.SCALED_GRADS_IN_LOSS):
+            self.journal.event(Event.SCALED_GRADS_IN_LOSS, st)
+        st.scaled_grads_pending = False
 
     def before_backward(self, tensors: Any) -> None:
         self._catch_up()
@@ -226,6 +254,8 @@ class Hooks:
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
                 if not any(t is k for k in st.keep):
+                    if _from_any_scaled(t, st.keep):
+                        break  # computed from a scaled loss (scaler.scale(loss) / n): counted
                     self._add_loss(t)
                     if scaler_enabled(self.watched.scaler) and \
                             torch._C._current_graph_task_id() == -1:  # (not from a backward)
@@ -596,3 +626,40 @@ def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
     return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
 
+
+
+# How many autograd nodes back from autograd.grad's output a scaled loss is looked for: far
+# enough for a few ops on what scaler.scale returned (scaler.scale(loss) / n), never a walk of
+# the model's whole graph.
+_SCALED_WALK = 16
+
+
+def _from_scaled(node: Any, scaled: list) -> bool:
+    """Does the graph at ``node`` start from what ``scaler.scale`` returned (a ``grad_fn`` in
+    ``scaled``), within ``_SCALED_WALK`` nodes?"""
+    todo, seen = collections.deque([node]), 0
+    while todo and seen < _SCALED_WALK:
+        n = todo.popleft()
+        if any(n is s for s in scaled):
+            return True
+        seen += 1
+        todo.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
+    return False
+
+
+def _from_any_scaled(t: torch.Tensor, keep: list) -> bool:
+    """Is ``t`` one of the step's scaled losses (``keep``), or computed from one by a few ops?
+    (No walk at all without a scaled loss in the step.)"""
+    if any(t is k for k in keep):
+        return True
+    scaled = [k.grad_fn for k in keep if k.grad_fn is not None]
+    return bool(scaled) and t.grad_fn is not None and _from_scaled(t.grad_fn, scaled)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of autograd.grad's ``outputs``: a tensor or a sequence of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

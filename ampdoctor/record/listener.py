@@ -88,6 +88,8 @@ class Listener(TrainingListener, SchedulerListener, Protocol):
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
     def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
     def before_zero_grad(self, optimizer: Any) -> None: ...
+    def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None: ...
+    def on_get_scale(self, scaler: Any) -> None: ...
 
 
 Callback = Literal[
@@ -96,7 +98,7 @@ Callback = Literal[
     "before_optimizer_step", "after_optimizer_step",
     "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
     "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
-    "compiled_post", "after_loss", "before_zero_grad",
+    "compiled_post", "after_loss", "before_zero_grad", "after_autograd_grad", "on_get_scale",
     "before_scheduler_step"]
 CALLBACKS: tuple[str, ...] = get_args(Callback)
 

@@ -249,6 +249,34 @@ def _clip_maker(listener: Listener) -> Callable[[Callable, str], Callable]:
     return make
 
 
+def patch_autograd_grad(patches: PatchSet, listener: Listener) -> None:
+    """See ``torch.autograd.grad`` (a gradient penalty takes it of the scaled loss) and
+    ``GradScaler.get_scale`` (what the AMP docs unscale that penalty's gradients with)."""
+    require(listener, Listener)
+
+    def grad(orig):
+        @functools.wraps(orig)
+        def wrapper(outputs, *args, **kwargs):
+            out = orig(outputs, *args, **kwargs)
+            # grad(outputs, inputs, grad_outputs, retain_graph, create_graph, ...)
+            create_graph = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+            guard(listener, "after_autograd_grad", outputs, bool(create_graph))
+            return out
+        return wrapper
+
+    def get_scale(orig):
+        @functools.wraps(orig)
+        def wrapper(self):
+            guard(listener, "on_get_scale", self)
+            return orig(self)
+        return wrapper
+
+    patches.add(Patch(torch.autograd, "grad", grad))
+    for cls in _scaler_classes():
+        if "get_scale" in cls.__dict__ and not _wrapped_for(cls.__dict__["get_scale"], listener):
+            patches.add(Patch(cls, "get_scale", get_scale, listener))
+
+
 def patch_clip(patches: PatchSet, listener: Listener) -> Callable[[Callable, str], Callable]:
     """See every clip of ``torch.nn.utils`` (``CLIPS``), patched in
     ``torch.nn.utils.clip_grad`` and under the same name in ``torch.nn.utils``. Returns the

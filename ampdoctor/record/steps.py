@@ -45,6 +45,10 @@ class Step:
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
     unscaled_backwards: int = 0  # losses backwarded without scaler.scale, a scaler in use
+    # torch.autograd.grad(create_graph=True) of a scaled loss, not yet followed by
+    # scaler.get_scale() (the docs' unscale of those gradients) before the next scale()
+    scaled_grads_pending: bool = False
+    scale_read: bool = False  # scaler.get_scale() called after a scaled loss in this step
     staged: dict = field(default_factory=dict)  # id(optimizer) -> HostMirror of found_inf, loss
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
     loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step

@@ -165,6 +165,11 @@ class Event(enum.IntEnum):
     # by the loss scale. value: how many such backwards in the step. Written at the step's
     # end. Additive, as 17.
     BACKWARD_UNSCALED = 21
+    # torch.autograd.grad(create_graph=True) of what scaler.scale returned (a gradient
+    # penalty), then the step's next scaler.scale with no scaler.get_scale() between: the
+    # penalty was built from gradients still multiplied by the loss scale, not unscaled as the
+    # AMP docs' recipe does (record/hooks.py). One row per step. Additive, as 17.
+    SCALED_GRADS_IN_LOSS = 22
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

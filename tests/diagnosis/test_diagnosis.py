@@ -505,6 +505,16 @@ def test_optimizer_step_bypassing_the_scaler():
     assert fix_ids(d) == ["use_scaler_step"]
 
 
+def test_a_gradient_penalty_of_scaled_gradients():
+    s = Synth(20)
+    for i in range(3, 20):
+        s.event(i, Event.SCALED_GRADS_IN_LOSS)
+    d = verdict(s)
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaled_grads_in_loss"
+    assert d.first_bad["step"] == 3 and fix_ids(d) == ["unscale_autograd_grad"]
+    assert "on 17 steps (first at step 3)" in d.evidence[0].text
+
+
 def test_scaler_recreated_every_epoch():
     n = 300
     scales = np.full(n, 2.0 ** 16)

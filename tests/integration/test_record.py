@@ -174,6 +174,69 @@ def test_dataloader_workers_write_nothing(tmp_path):
         assert run.attrs["pid"] != 0
 
 
+_NOISY = textwrap.dedent("""\
+    import logging, sys, warnings
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+
+    def once():
+        warnings.warn("printed once: same text, same line", UserWarning)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = torch.randn(8, 4), torch.randn(8, 1)
+
+    class Short(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return 0  # but it yields 2 batches: once len(loader) was asked, the DataLoader
+            # warns at each epoch's first batch (before the first step), Python prints it once
+
+        def __iter__(self):
+            return iter(zip(xs, ys))
+
+        def __repr__(self):  # the warning's text: no address
+            return "Short()"
+
+    loader = torch.utils.data.DataLoader(Short(), batch_size=4)
+    print(f"{len(loader)} batch per epoch")
+    for epoch in range(3):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            once()
+            print(f"epoch {epoch} loss {loss.item():.6f}")
+            print(f"stderr {epoch}", file=sys.stderr)
+        logging.getLogger("train").info("epoch %d done", epoch)
+""")
+
+
+@pytest.mark.slow
+def test_a_dataloader_warning_prints_once_under_record(tmp_path):
+    """A DataLoader's warning at every epoch's first batch (open_clip's trainer: printed twice
+    under record once), over three epochs: stdout equal, stderr equal but for ampdoctor's own
+    lines."""
+    script = tmp_path / "noisy.py"
+    script.write_text(_NOISY)
+    plain = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=python_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stderr.count("UserWarning: printed once") == 1
+    assert plain.stderr.count("but 1 samples have been fetched") == 1
+    assert "epoch 2 done" in plain.stderr
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == plain.stdout
+    theirs = [line for line in proc.stderr.splitlines() if not line.startswith("ampdoctor:")]
+    assert theirs == plain.stderr.splitlines()
+    assert len(ours(proc.stderr)) == 2  # it did record: the start and the end
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 6
+
+
 @pytest.mark.slow
 def test_script_that_raises_leaves_a_complete_file(tmp_path):
     proc = record(["-o", "run.h5", "--", PYTHON, example("train_raises.py")], tmp_path)

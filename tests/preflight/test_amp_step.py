@@ -135,6 +135,19 @@ def loss_outside_autocast(model, opt, scaler, batch):
     opt.zero_grad()
 
 
+def penalty_of_scaled_grads(model, opt, scaler, batch):
+    x, y = batch
+    with torch.autocast(DEV, dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()), create_graph=True)
+    with torch.autocast(DEV, dtype=torch.float16):  # no 1 / scaler.get_scale() first
+        loss = loss + torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
 def with_scheduler(guarded: bool):
     state = {}
 
@@ -165,6 +178,7 @@ def test_a_correct_step_passes(step, kw):
 
 
 MISUSES = [
+    (penalty_of_scaled_grads, {}, "scaled_grads_in_loss", "unscale_autograd_grad"),
     (clip_before_unscale, {}, "clip_before_unscale", "unscale_before_clip"),
     (step_bypasses_scaler, {}, "step_bypasses_scaler", "use_scaler_step"),
     (step_without_update, {}, "step_without_update", "fix_scaler_calls"),

@@ -71,6 +71,22 @@ def use_scaler_step(c: Context) -> Advice:
             "gradients that are still multiplied by the loss scale.", snippet)
 
 
+@fix("unscale_autograd_grad", "unscale torch.autograd.grad's gradients of the scaled loss "
+     "before a penalty uses them", manual="the penalty's code must change")
+def unscale_autograd_grad(c: Context) -> Advice:
+    snippet = ("scaled_grads = torch.autograd.grad(scaler.scale(loss), model.parameters(),\n"
+               "                                   create_graph=True)\n"
+               "inv_scale = 1. / scaler.get_scale()\n"
+               "grads = [g * inv_scale for g in scaled_grads]  # unscaled: their true size\n"
+               f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    penalty = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()\n"
+               "    loss = loss + penalty\n"
+               "scaler.scale(loss).backward()")
+    return ("Unscale the gradients torch.autograd.grad returns for the scaled loss before the "
+            "penalty uses them (the AMP docs' gradient penalty): they are the loss scale "
+            "times too large.", snippet)
+
+
 @fix("create_scaler_once", "create the GradScaler once and checkpoint its state",
      manual="where the scaler is created is in the code")
 def create_scaler_once(c: Context) -> Advice:

@@ -12,6 +12,7 @@ calibration: of the verdicts given with confidence >= 0.9, how many were right.
     python benchmarks/blind_score.py --only norm_overflow            # one script (and its --fix)
     python benchmarks/blind_score.py --only "norm_overflow --fix"    # one entry
     python benchmarks/blind_score.py --jobs 2 --workdir /tmp/blind   # two at a time, keep runs
+    python benchmarks/blind_score.py --show benchmarks/results/blind_before.json  # a saved table
 
 Run from the repository root so that its ``ampdoctor`` is the one imported.
 """
@@ -73,7 +74,7 @@ def score_one(name: str, entry: dict[str, Any], workdir: str, timeout: float) ->
                                "--format", "json"], cwd=ROOT, env=env(), capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        row["error"] = f"timed out after {exc.timeout:.0f} s"
+        row["error"] = [f"timed out after {exc.timeout:.0f} s"]
         return row
     row["record_rc"] = done.returncode
     row["seconds"] = round(time.monotonic() - started, 1)
@@ -106,9 +107,12 @@ def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
         conf = "" if r["confidence"] is None else f"{r['confidence']:.2f}"
         fb = r["first_bad"] or {}
         where = "" if not fb else f"{fb.get('step')} {fb.get('module') or ''} {fb.get('phase') or ''}"
-        got = r["got"] or f"error: {r['error']}"
+        got = r["got"] or "error (below)"
         lines.append(f"{r['name']:34} {r['expected']:14} {got:18} {conf:>5}  {where[:24]:24} "
                      f"{'right' if r['right'] else 'WRONG'}")
+    for r in rows:
+        if r["error"]:
+            lines.append(f"{r['name']}: {' '.join(r['error'])[:300]}")
     lines.append("")
     lines.append(f"failures right: {score['failures_right']}/{score['failures']}")
     lines.append(f"healthy with no false alarm: {score['healthy_right']}/{score['healthy']}")
@@ -125,7 +129,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workdir", help="keep the run files here (default: a temp folder)")
     parser.add_argument("--expected", default=os.path.join(CORPUS, "expected.json"))
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    parser.add_argument("--show", help="print the table of a result file written by --out")
     args = parser.parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            saved = json.load(f)
+        print(table(saved["rows"], saved["score"]))
+        return 0
     entries = load_expected(args.expected)
     names = selected(entries, args.only)
     workdir = args.workdir or tempfile.mkdtemp(prefix="blind_")

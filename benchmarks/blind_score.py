@@ -13,6 +13,10 @@ calibration: of the verdicts given with confidence >= 0.9, how many were right.
     python benchmarks/blind_score.py --only "norm_overflow --fix"    # one entry
     python benchmarks/blind_score.py --jobs 2 --workdir /tmp/blind   # two at a time, keep runs
     python benchmarks/blind_score.py --show benchmarks/results/blind_before.json  # a saved table
+    python benchmarks/blind_score.py --corpus fixtures/blind2 --root /path/to/other/checkout
+
+Two corpora, each written by an engineer who had not read ``ampdoctor/diagnosis/``:
+``fixtures/blind`` and ``fixtures/blind2``.
 
 Run from the repository root so that its ``ampdoctor`` is the one imported.
 """
@@ -51,15 +55,17 @@ def selected(entries: dict[str, dict[str, Any]], only: Optional[str]) -> list[st
     return names
 
 
-def env() -> dict[str, str]:
+def env(root: str) -> dict[str, str]:
     out = dict(os.environ)
-    out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
+    out["PYTHONPATH"] = root + os.pathsep + out.get("PYTHONPATH", "")
     return out
 
 
-def score_one(name: str, entry: dict[str, Any], workdir: str, timeout: float) -> dict[str, Any]:
-    """Records and diagnoses one entry; the row of the table."""
-    script = os.path.join(CORPUS, name.split(" ")[0] + ".py")
+def score_one(name: str, entry: dict[str, Any], workdir: str, timeout: float,
+              corpus: str = CORPUS, root: str = ROOT) -> dict[str, Any]:
+    """Records and diagnoses one entry with the ampdoctor of checkout ``root``; the row of
+    the table."""
+    script = os.path.join(corpus, name.split(" ")[0] + ".py")
     run = os.path.join(workdir, name.replace(" --", "__").replace(" ", "_") + ".h5")
     row: dict[str, Any] = {"name": name, "kind": entry["kind"], "expected": entry["verdict"],
                            "accept": entry["accept"], "got": None, "confidence": None,
@@ -68,11 +74,11 @@ def score_one(name: str, entry: dict[str, Any], workdir: str, timeout: float) ->
     record = [sys.executable, "-m", "ampdoctor", "record", "-o", run, "--force", "--",
               sys.executable, script, *entry["args"]]
     try:
-        done = subprocess.run(record, cwd=ROOT, env=env(), capture_output=True, text=True,
+        done = subprocess.run(record, cwd=root, env=env(root), capture_output=True, text=True,
                               timeout=timeout)
         diag = subprocess.run([sys.executable, "-m", "ampdoctor", "diagnose", run,
-                               "--format", "json"], cwd=ROOT, env=env(), capture_output=True,
-                              text=True, timeout=timeout)
+                               "--format", "json"], cwd=root, env=env(root),
+                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         row["error"] = [f"timed out after {exc.timeout:.0f} s"]
         return row
@@ -127,7 +133,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="entries recorded at once (1)")
     parser.add_argument("--out", help="write the table and the score to this JSON file")
     parser.add_argument("--workdir", help="keep the run files here (default: a temp folder)")
-    parser.add_argument("--expected", default=os.path.join(CORPUS, "expected.json"))
+    parser.add_argument("--corpus", default=CORPUS,
+                        help="the folder of scripts and its expected.json (fixtures/blind, "
+                             "fixtures/blind2)")
+    parser.add_argument("--root", default=ROOT,
+                        help="the checkout whose ampdoctor is scored (default: this one)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     parser.add_argument("--show", help="print the table of a result file written by --out")
     args = parser.parse_args(argv)
@@ -136,12 +146,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             saved = json.load(f)
         print(table(saved["rows"], saved["score"]))
         return 0
-    entries = load_expected(args.expected)
+    corpus, root = os.path.abspath(args.corpus), os.path.abspath(args.root)
+    entries = load_expected(os.path.join(corpus, "expected.json"))
     names = selected(entries, args.only)
     workdir = args.workdir or tempfile.mkdtemp(prefix="blind_")
     os.makedirs(workdir, exist_ok=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        rows = list(pool.map(lambda n: score_one(n, entries[n], workdir, args.timeout), names))
+        rows = list(pool.map(lambda n: score_one(n, entries[n], workdir, args.timeout, corpus,
+                                                 root), names))
     score = summary(rows)
     print(table(rows, score))
     if args.out:

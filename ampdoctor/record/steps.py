@@ -31,7 +31,8 @@ class Step:
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
-    unscaled: bool = False
+    unscaled: bool = False  # some optimizer's gradients were unscaled in this step
+    unscaled_by: set = field(default_factory=set)  # id() of each optimizer unscale_ saw
     in_scaler_step: bool = False
     grads_ready: bool = False
     grad_norm: Optional[torch.Tensor] = None

@@ -1,0 +1,50 @@
+"""Several models and optimizers with one GradScaler (the AMP docs' "multiple models, losses
+and optimizers" recipe): the grad norm recorded is the unscaled one, whichever optimizer
+``unscale_`` was called for."""
+
+import numpy as np
+import pytest
+import torch
+
+import ampdoctor
+
+
+def docs_recipe(path, steps=5, unscale_first=True):
+    """The AMP docs' example: two models, two losses, ``unscale_`` of optimizer0 only, a
+    ``step`` per optimizer and one ``update``. Returns the unscaled global grad norm of each
+    step as the loop measures it (after both steps, every gradient unscaled in place)."""
+    torch.manual_seed(0)
+    model0, model1 = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    opt0 = torch.optim.SGD(model0.parameters(), lr=0.01)
+    opt1 = torch.optim.SGD(model1.parameters(), lr=0.02)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    norms = []
+    with ampdoctor.watch([model0, model1], [opt0, opt1], scaler, path=path, strict=True):
+        for _ in range(steps):
+            x, target = torch.randn(8, 4), torch.randn(8, 3)
+            opt0.zero_grad()
+            opt1.zero_grad()
+            out0, out1 = model0(x), model1(x)
+            loss0 = torch.nn.functional.mse_loss(2 * out0 + 3 * out1, target)
+            loss1 = torch.nn.functional.mse_loss(3 * out0 - 5 * out1, target)
+            scaler.scale(loss0).backward(retain_graph=True)
+            scaler.scale(loss1).backward()
+            if unscale_first:
+                scaler.unscale_(opt0)
+            scaler.step(opt0)
+            scaler.step(opt1)
+            grads = [p.grad for m in (model0, model1) for p in m.parameters()]
+            norms.append(float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+            scaler.update()
+    return norms
+
+
+@pytest.mark.parametrize("unscale_first", [True, False])
+def test_grad_norm_is_unscaled_for_every_optimizer(run_path, unscale_first):
+    norms = docs_recipe(run_path, unscale_first=unscale_first)
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["skipped"]) == [0] * 5
+    # Before: optimizer1's gradients entered the norm still multiplied by the scale (1024).
+    np.testing.assert_allclose(run.steps["grad_norm"], norms, rtol=1e-5)
+    assert len(run.meta["optimizer"]) == 2

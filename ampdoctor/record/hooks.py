@@ -390,6 +390,7 @@ class Hooks:
             return
         st = self.log.step
         st.stepped = True
+        st.bypassed = st.bypassed or not st.in_scaler_step
         self.watched.stepped(optimizer)
         if not st.scaled and self.watched.primary(optimizer):
             if st.sampled and self._sampler is not None:
@@ -400,9 +401,12 @@ class Hooks:
 
     def _end_step_without_update(self) -> None:
         """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
-        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        loop that calls ``optimizer.step()`` itself): the next loss closes it. A step taken
+        through ``scaler.step`` waits for its ``update()``: the AMP docs' several-optimizers
+        loop (a GAN: the discriminator's loss and step, then the generator's, one update) is
+        one step, not one per optimizer."""
         st = self.log.step
-        if st.scaled and st.stepped and not st.in_scaler_step:
+        if st.scaled and st.stepped and st.bypassed and not st.in_scaler_step:
             scale = getattr(self.watched.scaler, "_scale", None)
             if scale is not None and st.scale is None:
                 st.scale = st.scale_after = scale.detach().reshape(()).clone()

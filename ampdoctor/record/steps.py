@@ -42,6 +42,7 @@ class Step:
     scale_after: Optional[torch.Tensor] = None
     found_inf: Optional[torch.Tensor] = None
     stepped: bool = False
+    bypassed: bool = False  # an optimizer stepped outside scaler.step: no update() may follow
     flags: int = 0
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique

@@ -48,3 +48,34 @@ def test_grad_norm_is_unscaled_for_every_optimizer(run_path, unscale_first):
     # Before: optimizer1's gradients entered the norm still multiplied by the scale (1024).
     np.testing.assert_allclose(run.steps["grad_norm"], norms, rtol=1e-5)
     assert len(run.meta["optimizer"]) == 2
+
+
+def test_a_gan_loop_is_one_step_per_update(run_path):
+    """The discriminator's loss, backward and step, then the generator's, then one update():
+    one recorded step per update (before: one per optimizer step, the D and G losses
+    alternating in one curve), both losses counted in it, both optimizers listed."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    og, od = (torch.optim.Adam(m.parameters(), lr=1e-3) for m in (gen, disc))
+    scaler = torch.amp.GradScaler("cpu")
+    bce = torch.nn.BCEWithLogitsLoss()
+    seen = []
+    with ampdoctor.watch([gen, disc], [od, og], scaler, path=run_path, strict=True):
+        for _ in range(4):
+            real, fake = torch.randn(8, 2) + 2, gen(torch.randn(8, 2))
+            od.zero_grad()
+            og.zero_grad()
+            d_loss = bce(disc(real), torch.ones(8, 1)) + bce(disc(fake.detach()),
+                                                            torch.zeros(8, 1))
+            scaler.scale(d_loss).backward()
+            scaler.step(od)
+            g_loss = bce(disc(fake), torch.ones(8, 1))
+            scaler.scale(g_loss).backward()
+            scaler.step(og)
+            scaler.update()
+            seen.append((d_loss.item() + g_loss.item()) / 2)
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["step"]) == [0, 1, 2, 3]
+    assert list(run.steps["micro"]) == [2] * 4
+    np.testing.assert_allclose(run.steps["loss"], seen, rtol=1e-6)
+    assert [o["class"] for o in run.meta["optimizer"]] == ["Adam", "Adam"]

@@ -2,6 +2,8 @@
 and optimizers" recipe): the grad norm recorded is the unscaled one, whichever optimizer
 ``unscale_`` was called for."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -79,3 +81,22 @@ def test_a_gan_loop_is_one_step_per_update(run_path):
     assert list(run.steps["micro"]) == [2] * 4
     np.testing.assert_allclose(run.steps["loss"], seen, rtol=1e-6)
     assert [o["class"] for o in run.meta["optimizer"]] == ["Adam", "Adam"]
+
+
+@pytest.mark.slow
+def test_a_recorded_gan_script_is_one_step_per_iteration_and_healthy(tmp_path):
+    """`ampdoctor record` on fixtures/examples/train_gan.py (no code change): 120 iterations,
+    120 steps of two losses each, both optimizers, finite unscaled grad norms, and healthy."""
+    from recording import record
+    from testenv import ROOT
+
+    out = str(tmp_path / "gan.h5")
+    script = os.path.join(ROOT, "fixtures", "examples", "train_gan.py")
+    proc = record(script, out, ["--steps", "120"])
+    assert proc.returncode == 0, proc.stderr
+    run = ampdoctor.load(out)
+    assert len(run.steps) == 120 and np.all(run.steps["micro"] == 2)
+    assert [o["class"] for o in run.meta["optimizer"]] == ["Adam", "Adam"]
+    norms = run.steps["grad_norm"]
+    assert np.all(np.isfinite(norms)) and norms.max() < 100  # unscaled: the scale is 65536
+    assert ampdoctor.diagnose(out).verdict == "healthy"

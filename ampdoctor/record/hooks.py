@@ -107,7 +107,8 @@ class Hooks:
     def wind_up(self) -> None:
         """``close()``: a step whose ``update()`` never came ends now, and a skip still in
         flight is decided; a failure goes to ``fault``, as in a hook."""
-        for where, finish in (("_end_step_without_update", self._end_step_without_update),
+        for where, finish in (("_end_step_without_update",
+                               lambda: self._end_step_without_update(closing=True)),
                               ("_settle", self.skips.settle)):
             try:
                 finish()
@@ -399,14 +400,15 @@ class Hooks:
         elif st.sampled and self._sampler is not None:
             self._sampler.after_step()
 
-    def _end_step_without_update(self) -> None:
+    def _end_step_without_update(self, closing: bool = False) -> None:
         """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
         loop that calls ``optimizer.step()`` itself): the next loss closes it. A step taken
         through ``scaler.step`` waits for its ``update()``: the AMP docs' several-optimizers
         loop (a GAN: the discriminator's loss and step, then the generator's, one update) is
-        one step, not one per optimizer."""
+        one step, not one per optimizer. ``closing``: the recorder closes, and a step that
+        stepped ends whichever way it stepped."""
         st = self.log.step
-        if st.scaled and st.stepped and st.bypassed and not st.in_scaler_step:
+        if st.scaled and st.stepped and (st.bypassed or closing) and not st.in_scaler_step:
             scale = getattr(self.watched.scaler, "_scale", None)
             if scale is not None and st.scale is None:
                 st.scale = st.scale_after = scale.detach().reshape(()).clone()

@@ -100,3 +100,20 @@ def test_a_recorded_gan_script_is_one_step_per_iteration_and_healthy(tmp_path):
     norms = run.steps["grad_norm"]
     assert np.all(np.isfinite(norms)) and norms.max() < 100  # unscaled: the scale is 65536
     assert ampdoctor.diagnose(out).verdict == "healthy"
+
+
+def test_a_step_whose_update_never_came_still_ends_at_close(run_path):
+    """scaler.step, then the recorder closes before update(): the step is kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
+        for i in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+            scaler.step(opt)
+            if i < 2:
+                scaler.update()
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["step"]) == [0, 1, 2]

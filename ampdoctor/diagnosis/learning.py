@@ -46,6 +46,9 @@ UNMEASURED_CONFIDENCE = 0.3
 # A scheduler stepped per micro-batch is a bug the run shows, named first; that it is why the
 # loss is flat is likely, not shown.
 SCHEDULER_CONFIDENCE = 0.5
+# Several optimizers stepped: the recorded loss is the mean of every loss backwarded in a step
+# (a GAN's generator and discriminator losses, which are not meant to fall, among them).
+SEVERAL_CONFIDENCE = 0.2
 
 
 def rule_not_learning(f: Facts) -> Optional[Finding]:
@@ -55,6 +58,8 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
         return None
     ev = [loss_evidence(f, c)] + _spike_evidence(f, c) + _weights_evidence(f)
     ev += _scale_evidence(f) + _lr_evidence(f)
+    several = _optimizers_evidence(f)
+    ev += several
     answer = precision_answer(f)
     ev.append(answer)
     measured = f.sampled_steps >= 2
@@ -77,7 +82,8 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                        fixes.make(["scheduler_per_step", "overfit_one_batch"],
                                   f.fix_context(step=int(sched.step or 0))),
                        first_bad(sched.step, None, None), priority=PRIORITY["not_learning"])
-    return Finding("not_learning", CONFIDENCE if measured else UNMEASURED_CONFIDENCE,
+    sure = SEVERAL_CONFIDENCE if several else CONFIDENCE if measured else UNMEASURED_CONFIDENCE
+    return Finding("not_learning", sure,
                    f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> {fmt(c.end)}) "
                    f"and no cause was found: {checked}.{why} The numbers ampdoctor records "
                    "cannot tell why; the usual causes are the data (labels not paired with "
@@ -143,6 +149,19 @@ def _scale_evidence(f: Facts) -> list[Evidence]:
     return [Evidence(f"the loss scale went {fmt(st.init_scale)} -> {fmt(st.final_scale)} "
                      f"(lowest {fmt(st.min_scale)}), {count(int(f.skipped.sum()), 'step')} skipped",
                      "loss_scale", st.final_scale)]
+
+
+def _optimizers_evidence(f: Facts) -> list[Evidence]:
+    """Several optimizers in /meta ``optimizer``: the one loss curve judged is their losses'
+    mean, which a GAN's pair (each pulling against the other) keeps level while both learn."""
+    opts = f.meta.get("optimizer") or []
+    if not isinstance(opts, list) or len(opts) < 2:
+        return []
+    names = ", ".join(str(o.get("class", "?")) if isinstance(o, dict) else "?" for o in opts)
+    return [Evidence(f"{len(opts)} optimizers stepped ({names}): the loss judged is the mean of "
+                     "every loss backwarded in a step, not each optimizer's own; an adversarial "
+                     "pair (a GAN's generator and discriminator) keeps that mean level while "
+                     "both learn", "several_optimizers", float(len(opts)))]
 
 
 def _lr_evidence(f: Facts) -> list[Evidence]:

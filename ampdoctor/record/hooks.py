@@ -119,7 +119,8 @@ class Hooks:
         """``close()``: a step whose ``update()`` never came ends now, and a skip still in
         flight is decided; a failure goes to ``fault``, as in a hook."""
         for where, finish in (("_catch_up", self._catch_up),
-                              ("_end_step_without_update", self._end_step_without_update),
+                              ("_end_step_without_update",
+                               lambda: self._end_step_without_update(closing=True)),
                               ("_settle", self.skips.settle)):
             try:
                 finish()
@@ -313,14 +314,42 @@ class Hooks:
                 st.grad_norm = self._unscaled(share)
                 st.flags |= flag(Event.GRAD_NORM_LOCAL)
             return
-        grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)]
-        if grads:
-            st.grad_norm = self._unscaled(_global_norm(grads))
+        still = self._still_scaled(params)
+        grads = [p.grad for p in params if p.grad is not None and stats.measurable(p.grad)
+                 and id(p) not in still]
+        left = [p.grad for p in params if id(p) in still and p.grad is not None
+                and stats.measurable(p.grad)]
+        if grads and left:  # several optimizers, some unscaled: each part in its own space
+            scale = self.watched.scaler._scale
+            rest = _global_norm(left) / scale.to(left[0].device).reshape(())
+            st.grad_norm = torch.linalg.vector_norm(torch.stack(
+                [_global_norm(grads), rest.to(grads[0].device)]))
+        elif grads or left:
+            st.grad_norm = self._unscaled(_global_norm(grads or left), scaled=bool(left))
 
-    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+    def _still_scaled(self, params: list[torch.Tensor]) -> set[int]:
+        """ids of the parameters whose gradients are still scaled while another optimizer's
+        were unscaled (``unscale_`` is per optimizer: the AMP docs' several-optimizers recipe
+        unscales one, then steps each). Empty in the common case (one optimizer, or none or
+        every one unscaled): Python sets only, no tensor read."""
+        st = self.log.step
+        opts = self.watched.optimizers
+        if not st.unscaled or len(opts) < 2 or getattr(self.watched.scaler, "_scale", None) is None:
+            return set()
+        waiting = [o for o in opts if id(o) not in st.unscaled_by]
+        if not waiting:
+            return set()
+        done = {id(p) for o in opts if id(o) in st.unscaled_by
+                for g in o.param_groups for p in g["params"]}
+        ours = {id(p) for p in params}
+        return {id(p) for o in waiting for g in o.param_groups for p in g["params"]
+                if id(p) not in done and id(p) in ours}
+
+    def _unscaled(self, norm: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+        """``scaled``: the norm's gradients are known to be still scaled (``_still_scaled``)."""
         st = self.log.step
         scaler = self.watched.scaler
-        if st.scaled and not st.unscaled and scaler is not None:
+        if st.scaled and (scaled or not st.unscaled) and scaler is not None:
             scale = scaler._scale
             if scale is not None:
                 return norm / scale.to(norm.device).reshape(())
@@ -338,6 +367,7 @@ class Hooks:
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
             self.log.step.unscaled = True
+            self.log.step.unscaled_by.add(id(optimizer))
             if self.skips.armed and scaler_enabled(scaler):
                 # Queued before GradScaler.step reads found_inf (non-fused optimizers):
                 # its own sync lands this copy too.
@@ -417,6 +447,7 @@ class Hooks:
             return
         st = self.log.step
         st.stepped = True
+        st.bypassed = st.bypassed or not st.in_scaler_step
         self.watched.stepped(optimizer)
         if not st.scaled and self.watched.primary(optimizer):
             if st.sampled and self._sampler is not None:
@@ -446,11 +477,15 @@ class Hooks:
                 self._ensure_grad_norm()
             self.after_optimizer_step(optimizer)
 
-    def _end_step_without_update(self) -> None:
+    def _end_step_without_update(self, closing: bool = False) -> None:
         """A scaled step whose optimizer stepped but whose ``scaler.update()`` never came (a
-        loop that calls ``optimizer.step()`` itself): the next loss closes it."""
+        loop that calls ``optimizer.step()`` itself): the next loss closes it. A step taken
+        through ``scaler.step`` waits for its ``update()``: the AMP docs' several-optimizers
+        loop (a GAN: the discriminator's loss and step, then the generator's, one update) is
+        one step, not one per optimizer. ``closing``: the recorder closes, and a step that
+        stepped ends whichever way it stepped."""
         st = self.log.step
-        if st.scaled and st.stepped and not st.in_scaler_step:
+        if st.scaled and st.stepped and (st.bypassed or closing) and not st.in_scaler_step:
             scale = getattr(self.watched.scaler, "_scale", None)
             if scale is not None and st.scale is None:
                 st.scale = st.scale_after = scale.detach().reshape(()).clone()

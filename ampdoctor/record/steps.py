@@ -31,7 +31,8 @@ class Step:
     loss_n: int = 0
     loss_dtype: int = 0
     scaled: bool = False  # an enabled GradScaler scaled a loss in this step
-    unscaled: bool = False
+    unscaled: bool = False  # some optimizer's gradients were unscaled in this step
+    unscaled_by: set = field(default_factory=set)  # id() of each optimizer unscale_ saw
     in_scaler_step: bool = False
     grads_ready: bool = False
     grad_norm: Optional[torch.Tensor] = None
@@ -41,6 +42,7 @@ class Step:
     scale_after: Optional[torch.Tensor] = None
     found_inf: Optional[torch.Tensor] = None
     stepped: bool = False
+    bypassed: bool = False  # an optimizer stepped outside scaler.step: no update() may follow
     flags: int = 0
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique

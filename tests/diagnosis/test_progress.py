@@ -524,3 +524,20 @@ def test_the_lightning_run_of_issue_15(tmp_path):
     assert bad.first_bad["step"] == 1 and evidence(bad, "fp32_same").value == 1.0
     assert bad.fixes[0].id == "lower_lr"
     assert good.verdict == "healthy" and evidence(good, "loss_flat") is None, str(good)
+
+
+def test_a_flat_loss_of_several_optimizers_says_it_is_their_mean():
+    """A GAN recorded with one scaler: two optimizers, one level loss curve (the mean of the
+    generator's and discriminator's losses). Still not_learning (the losses are not recorded
+    apart yet), with less confidence and the evidence that says why."""
+    s = Synth(120)
+    s.set("loss", noisy(np.full(120, 1.4), 0.05, 3))
+    one = verdict(s)
+    assert one.verdict == "not_learning" and evidence(one, "several_optimizers") is None
+    first = s.meta["optimizer"][0]
+    s.meta["optimizer"] = [dict(first), dict(first, **{"class": "Adam"})]
+    d = verdict(s)
+    assert d.verdict == "not_learning", str(d)
+    e = evidence(d, "several_optimizers")
+    assert e is not None and e.value == 2 and "(AdamW, Adam)" in e.text
+    assert d.confidence < one.confidence

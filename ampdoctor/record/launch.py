@@ -30,6 +30,7 @@ anything starts (``prescription.py``), travel to the children in ``AMPDOCTOR_APP
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shlex
@@ -209,7 +210,8 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
     fixes = tuple(prescription.parse_all(apply))
     path = check_output(output, force)
     check_command(command, environ)
-    with OutputLock(path, output):
+    with OutputLock(path, output) if not one_node_of_several(command) else \
+            contextlib.nullcontext():
         if force:
             clear_output(path)
         settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes,
@@ -223,6 +225,22 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
         finally:
             written.remove(settings.session)
     return code
+
+
+def one_node_of_several(command: Sequence[str]) -> bool:
+    """Is ``command`` one node of a job launched on several (torchrun's ``--nnodes`` above 1,
+    or a ``--node_rank``)? Each node runs its own ``record`` into the same ``-o`` on a shared
+    filesystem, its ranks into their own files: no lock between them."""
+    args = list(command)
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--nnodes", "--nnodes_per_job") and not value and i + 1 < len(args):
+            value = args[i + 1]
+        if name in ("--nnodes", "--nnodes_per_job") and value.split(":")[-1] not in ("", "1"):
+            return True
+        if name in ("--node_rank", "--node-rank", "--machine_rank"):
+            return True
+    return False
 
 
 class OutputLock:

@@ -851,3 +851,18 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
                           text=True)
     assert proc.returncode == 0, proc.stderr
     assert "first bad at step 0 on rank 1" in proc.stdout
+
+
+@pytest.mark.parametrize("command, several", [
+    (["torchrun", "--nnodes=2", "--node_rank=1", "train.py"], True),
+    (["torchrun", "--nnodes", "2", "train.py"], True),
+    (["torchrun", "--nnodes=1:4", "train.py"], True),
+    (["accelerate", "launch", "--machine_rank", "1", "train.py"], True),
+    (["torchrun", "--nnodes=1", "--nproc_per_node=2", "train.py"], False),
+    (["python", "train.py", "--nodes", "2"], False),
+])
+def test_the_nodes_of_one_job_take_no_output_lock(command, several):
+    """Each node of a multi-node job records into the same -o on a shared filesystem (its
+    ranks into their own files): the lock that keeps two runs apart must not stop them."""
+    assert launch.one_node_of_several(command) == several
+

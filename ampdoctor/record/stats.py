@@ -1,7 +1,7 @@
 """Per-tensor numeric statistics, computed on the tensor's device without a host sync.
 
-What a row holds is ``schema.STAT_FIELDS``: element counts by fp16/bf16 range class, NaN and
-inf counts, exact zeros, abs max, smallest non-zero magnitude and rms.
+What a row holds is ``schema.STATS``'s statistic columns: element counts by fp16/bf16 range
+class, NaN and inf counts, exact zeros, abs max, smallest non-zero magnitude and rms.
 
 Cost is the design constraint (``shared/notes/overhead-measurements.md``): every extra full
 pass over an activation costs about as much as the whole step budget. So a ``Collector`` in

@@ -16,6 +16,7 @@ from typing import Optional
 import click
 
 from .errors import AmpDoctorError, EmptyRunError
+from .record import prescription  # torch-free: the --apply forms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -47,10 +48,7 @@ def cli() -> None:
 @click.option("-q", "--quiet", is_flag=True, envvar="AMPDOCTOR_QUIET", show_envvar=True,
               help="Print nothing (no start line, no summary).")
 @click.option("--apply", "apply", multiple=True, metavar="FIX[=VALUE]",
-              help="Run the command with this fix applied, no code change (repeatable): "
-                   "fp32_island=NAME[,NAME...], use_bf16, adam_eps=EPS, init_scale=S, "
-                   "growth_interval=N, lr_factor=F, lr=LR, loss_in_fp32, scheduler_per_step. "
-                   "diagnose prints each fix's own.")
+              help=prescription.help_text())
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(output: str, every: Optional[int], force: bool, quiet: bool,
            apply: tuple[str, ...], command: tuple[str, ...]) -> None:

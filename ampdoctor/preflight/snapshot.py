@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..record.trace import rng_state, set_rng
+
 
 class Snapshot:
     """The state of ``model`` (parameters, ``.grad``, buffers, train/eval flags),
@@ -182,9 +184,9 @@ def _unique(tensors: list) -> list:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    state = {"torch": rng_state(list(range(torch.cuda.device_count())) if cuda else []),
+             "python": random.getstate()}
     try:
         import numpy as np
 
@@ -195,10 +197,8 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    set_rng(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
 

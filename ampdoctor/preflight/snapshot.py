@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..record.isolated import restore_buffers, saved_buffers
 from ..record.trace import rng_state, set_rng
 
 
@@ -40,8 +41,7 @@ class Snapshot:
         if optimizer is not None:
             kept = _unique(kept + [p for g in optimizer.param_groups for p in g["params"]])
         self._params = [_TensorState(p) for p in kept]
-        self._buffers = [(m, name, b, b.detach().clone() if b is not None else None)
-                         for m in modules for name, b in m._buffers.items()]
+        self._buffers = saved_buffers(modules, empty=True)
         self._optimizer = _OptimizerState(optimizer) if optimizer is not None else None
         self._scaler = _ScalerState(scaler) if scaler is not None else None
         self._schedulers: dict[int, tuple[Any, dict]] = {}
@@ -55,12 +55,7 @@ class Snapshot:
         with torch.no_grad():
             for state in self._params:
                 state.restore()
-            for module, name, obj, saved in self._buffers:
-                if obj is not None and saved is not None and _same_kind(obj, saved):
-                    obj.copy_(saved)
-                    module._buffers[name] = obj
-                else:
-                    module._buffers[name] = saved
+        restore_buffers(self._buffers)
         for module, training in self._training:
             module.training = training
         if self._optimizer is not None:

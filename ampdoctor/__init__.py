@@ -21,7 +21,7 @@ Importing ampdoctor imports neither torch nor h5py: ``watch`` pulls in torch whe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from . import display
 from .errors import AmpDoctorError, FormatTooNewError, RunFileError
@@ -54,6 +54,7 @@ __all__ = [
     "parity",
     "release_report",
     "watch",
+    "write_report",
     "__version__",
 ]
 
@@ -97,11 +98,21 @@ def load(path: Any) -> "Run":
     return _load(path)
 
 
-def diagnose(run: Any, **options: Any) -> "Diagnosis":
-    """Diagnose a run: a path, a list of rank files' paths, or a loaded ``Run``."""
+def diagnose(run: Any, *, rank: Optional[int] = None,
+             rules: Optional[Iterable[Callable]] = None) -> "Diagnosis":
+    """Diagnose a run: a path, a list of rank files' paths, or a loaded ``Run``. ``rank``: one
+    rank file of a torchrun job on its own; ``rules``: the rules to try (default
+    ``ampdoctor.diagnosis.rules.RULES``).
+
+    Example::
+
+        d = ampdoctor.diagnose("run.h5")
+        d.verdict, d.first_bad, [fx.id for fx in d.fixes]
+        ampdoctor.diagnose("run.h5", rank=3)     # rank 3's own diagnosis
+    """
     from .diagnosis.engine import diagnose as _diagnose
 
-    return _diagnose(run, **options)
+    return _diagnose(run, rank=rank, rules=rules)
 
 
 def compare(base: Any, amp: Any, **options: Any) -> "Comparison":
@@ -151,6 +162,24 @@ def release_report(run: Any, baseline: Any = None, **options: Any) -> "ReleaseRe
     from .release.report import release_report as _release_report
 
     return _release_report(run, baseline, **options)
+
+
+def write_report(run: Any, path: str = "report.html", *, baseline: Any = None,
+                 parity: Any = None, fmt: str = "html",
+                 plots_dir: Optional[str] = None) -> "ReleaseReport":
+    """``ampdoctor report`` from a notebook: the release report of ``run`` written to ``path``
+    (HTML, or ``fmt="markdown"``/``"json"``), with a ``baseline`` and ``parity`` as the
+    command takes them; returns the ``ReleaseReport`` (see ``ampdoctor.render.files``).
+
+    Example::
+
+        r = ampdoctor.write_report("amp.h5", "report.html", baseline="fp32.h5")
+        r.diagnosis.verdict
+    """
+    from .render.files import write_report as _write_report
+
+    return _write_report(run, path, baseline=baseline, parity=parity, fmt=fmt,
+                         plots_dir=plots_dir)
 
 
 def fp16_readiness(run: Any) -> "Readiness":

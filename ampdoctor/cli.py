@@ -16,6 +16,7 @@ from typing import Optional
 import click
 
 from .errors import AmpDoctorError, EmptyRunError
+from .record import prescription  # torch-free: the --apply forms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -47,10 +48,7 @@ def cli() -> None:
 @click.option("-q", "--quiet", is_flag=True, envvar="AMPDOCTOR_QUIET", show_envvar=True,
               help="Print nothing (no start line, no summary).")
 @click.option("--apply", "apply", multiple=True, metavar="FIX[=VALUE]",
-              help="Run the command with this fix applied, no code change (repeatable): "
-                   "fp32_island=NAME[,NAME...], use_bf16, adam_eps=EPS, init_scale=S, "
-                   "growth_interval=N, lr_factor=F, lr=LR, loss_in_fp32, scheduler_per_step. "
-                   "diagnose prints each fix's own.")
+              help=prescription.help_text())
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(output: str, every: Optional[int], force: bool, quiet: bool,
            apply: tuple[str, ...], command: tuple[str, ...]) -> None:
@@ -154,24 +152,14 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
     """
-    from .release.report import release_report
-    from .render import files as outputs
-    from .render.release import render_release
+    from .render.files import write_report
 
     if plots_dir is not None and fmt != "markdown":
         raise click.UsageError("--plots-dir goes with --format markdown (an HTML report "
                                "embeds its figures)")
     target = output or ("report.html" if fmt == "html" else "-")
-    outputs.check_target(target, protect=[run] + ([baseline] if baseline else [])
-                         + ([parity_file] if parity_file else []))
-    if plots_dir is not None:
-        outputs.check_dir(plots_dir)
-    with release_report(run, baseline, parity=parity_file) as r:
-        images = None
-        if plots_dir is not None:
-            images = outputs.write_plots(r, plots_dir, relative_to=target)
-        text = render_release(r, fmt, images)
-    outputs.write(target, text)
+    r = write_report(run, target, baseline=baseline, parity=parity_file, fmt=fmt,
+                     plots_dir=plots_dir)
     if target != "-":
         click.echo(f"ampdoctor: wrote {target} ({r.diagnosis.verdict}"
                    + (f"; fp32 parity: {r.comparison.verdict}" if r.comparison else "")

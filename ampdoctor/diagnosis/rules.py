@@ -52,7 +52,7 @@ def rule_no_training(f: Facts) -> Optional[Finding]:
                        f"({why}); training went on unrecorded, so there is nothing to "
                        "diagnose.", [Evidence(f"recorder error: {why}", "recorder_error",
                                               None, stopped["step"])],
-                       priority=PRIORITY["no_training"])
+                       priority=PRIORITY["recording_stopped"])
     exc = f.exception
     if exc is not None:
         summary = (f"The script raised {exc[0]} before its first optimizer step; nothing was "

@@ -24,36 +24,90 @@ import numpy as np
 from ..display import Displayable
 from .fixes import Fix
 
-VERDICTS = {
-    "healthy": "no failure; GradScaler calibration and probing skips are normal",
-    "grad_underflow": "fp16 gradients flush to zero: no GradScaler, or a scale stuck low",
-    "masked_underflow": "the scale looks healthy but some layers' gradients flush anyway",
-    "lr_overflow": "weights and activations grow with the LR until fp16 overflows",
-    "unstable_op": "one op overflows fp16 (or its backward goes NaN) while weights are steady",
-    "mask_overflow": "an attention mask constant becomes -inf in fp16; masked rows go NaN",
-    "adam_eps": "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
-    "bad_input": "the batch itself holds NaN/inf or values beyond fp16's range, or targets "
-                 "that make the loss NaN in fp32 too (kind targets)",
-    "accum_overflow": "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
-    "fp16_loss": "the loss overflows while the model is finite: an fp16 loss, or a loss whose "
-                 "backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
-    "clip_order": "GradScaler API misuse: clip before unscale_, optimizer.step() bypassing the "
-                  "scaler, scaler re-created, grads not zeroed, calls out of order",
-    "lost_updates": "bf16 or fp16 weights updated in place: updates below half an ulp of a "
-                    "weight round away (was bf16_precision)",
-    "diverged": "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
-    "dead_units": "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
-    "not_learning": "no failure found, but the loss did not fall (low confidence; says what was "
-                    "checked)",
-    "state_poisoning": "BatchNorm/buffers non-finite while the weights are finite",
-    "not_reproducible": "a non-finite step whose replay on the same batch and weights is "
-                        "finite: the machine (a faulty device, nondeterminism), not the numbers",
-    "scale_collapse": "the scale fell persistently and no root cause could be told",
-    "nonfinite": "non-finite values that no class explains (low confidence; see notes)",
-    "no_training": "no optimizer step was recorded",
-    "recording_stopped": "ampdoctor stopped recording (an internal error) before any step was "
-                         "kept; the script itself may have trained",
-}
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verdict's declaration: every table about verdicts derives from ``TABLE``.
+
+    ``priority``: what its finding ranks by among root causes (``PRIORITY``; None where the rule
+    takes another key's, or no rule decides it). ``family``: the module of ``diagnosis/`` whose
+    rule decides it (``engine`` for healthy: no rule fired). ``report``: what the release
+    report's precision decision reads into it: ``"range"`` (fp16's range failed: another dtype
+    or fp32 islands are the remedy), ``"bug"`` (the script or its data: no dtype fixes it), or
+    ``"neither"``. ``fixtures``: what shows it decided, keys of fixtures/verdicts/expected.json
+    or ``tests/...py::test_name`` for one a recording cannot make (tests/diagnosis/
+    test_verdict_table.py checks every part)."""
+
+    id: str
+    means: str
+    priority: Optional[int]
+    family: str
+    report: str
+    fixtures: tuple[str, ...]
+
+
+_DIAG = "tests/diagnosis/test_diagnosis.py::"
+TABLE = (
+    Verdict("healthy", "no failure; GradScaler calibration and probing skips are normal",
+            None, "engine", "neither", ("healthy_fp16", "healthy_bf16")),
+    Verdict("grad_underflow", "fp16 gradients flush to zero: no GradScaler, or a scale stuck low",
+            62, "trends", "range", ("grad_underflow",)),
+    Verdict("masked_underflow",
+            "the scale looks healthy but some layers' gradients flush anyway",
+            60, "trends", "range", ("masked_underflow", "aux_flushed")),
+    Verdict("lr_overflow", "weights and activations grow with the LR until fp16 overflows",
+            80, "overflow", "range", ("lr_overflow", "nanogpt_lr")),
+    Verdict("unstable_op",
+            "one op overflows fp16 (or its backward goes NaN) while weights are steady",
+            80, "overflow", "range", ("unstable_op", "hidden_overflow")),
+    Verdict("mask_overflow",
+            "an attention mask constant becomes -inf in fp16; masked rows go NaN",
+            81, "overflow", "range", ("mask_overflow",)),
+    Verdict("adam_eps", "fp16 weights/optimizer state with an eps that rounds to 0 in fp16",
+            87, "located", "bug", ("adam_eps",)),
+    Verdict("bad_input", "the batch itself holds NaN/inf or values beyond fp16's range, or "
+            "targets that make the loss NaN in fp32 too (kind targets)",
+            84, "located", "bug", ("bad_input", "ignore_index")),
+    Verdict("accum_overflow",
+            "finite micro-batch gradients whose sum in an fp16 .grad passes 65504",
+            86, "located", "neither", ("accum_half_grad",)),
+    Verdict("fp16_loss", "the loss overflows while the model is finite: an fp16 loss, or a "
+            "loss whose backward is infinite on fp16-rounded outputs (sigmoid + BCELoss)",
+            82, "located", "range", ("fp16_loss", "bce_saturation")),
+    Verdict("clip_order", "GradScaler API misuse: clip before unscale_, optimizer.step() "
+            "bypassing the scaler, scaler re-created, grads not zeroed, calls out of order",
+            None, "misuse", "bug", ("clip_order",)),  # ranks by misuse's (by kind)
+    Verdict("lost_updates", "bf16 or fp16 weights updated in place: updates below half an ulp "
+            "of a weight round away (was bf16_precision)",
+            55, "trends", "neither", ("bf16_precision", "fp16_sgd")),
+    Verdict("diverged",
+            "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
+            54, "progress", "neither", ("diverged",)),
+    Verdict("dead_units",
+            "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
+            53, "progress", "neither", ("dead_units",)),
+    Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "
+            "says what was checked)", 15, "learning", "neither", ("not_learning",)),
+    Verdict("state_poisoning", "BatchNorm/buffers non-finite while the weights are finite",
+            88, "located", "bug", ("state_poisoning",)),
+    Verdict("not_reproducible", "a non-finite step whose replay on the same batch and weights "
+            "is finite: the machine (a faulty device, nondeterminism), not the numbers",
+            83, "reproduced", "neither", ("faulty_device", "faulty_rank")),
+    Verdict("scale_collapse", "the scale fell persistently and no root cause could be told",
+            None, "rules", "range",  # a consequence (root=False): ranks by nothing
+            (_DIAG + "test_scale_collapse_when_nothing_else_can_be_told",)),
+    Verdict("nonfinite", "non-finite values that no class explains (low confidence; see notes)",
+            5, "rules", "neither",
+            (_DIAG + "test_nonfinite_in_fp32_too_without_growth_is_not_claimed",)),
+    Verdict("no_training", "no optimizer step was recorded",
+            70, "rules", "neither", (_DIAG + "test_no_steps_is_no_training",)),
+    Verdict("recording_stopped", "ampdoctor stopped recording (an internal error) before any "
+            "step was kept; the script itself may have trained",
+            70, "rules", "neither",
+            ("tests/integration/test_stacks.py::"
+             "test_recording_stopped_before_any_step_is_not_never_trained",)),
+)
+VERDICTS = {v.id: v.means for v in TABLE}
 # Old verdict ids, still understood wherever an id is read (``canonical``): the verdict a run
 # gets is always the new one.
 ALIASES = {"bf16_precision": "lost_updates"}
@@ -62,18 +116,13 @@ EMPTY = ("no_training", "recording_stopped")
 
 # A finding's ``priority`` by what decided it: among root causes the higher wins (exact
 # fingerprints of the script's own failure, then located numeric causes, then trends, then the
-# fallbacks). The rules (``rules.RULES``) read their priority here.
+# fallbacks). The rules (``rules.RULES``) read their priority here: each verdict's from
+# ``TABLE``, and the keys that are not one verdict's.
 PRIORITY = {
     "exception": 95, "misuse": 90,  # the script's own errors and API misuse events: exact
-    "state_poisoning": 88, "adam_eps": 87, "accum_overflow": 86, "bad_input": 84,
-    "not_reproducible": 83,  # the replay of the failing step: finite where the step was not
-    "fp16_loss": 82,
-    "mask_overflow": 81, "unstable_op": 80, "lr_overflow": 80,  # located by a replay
-    "sampled": 70, "no_training": 70,  # located by sampled statistics only
-    "grad_underflow": 62, "masked_underflow": 60, "lost_updates": 55,  # trends, no NaN
-    "diverged": 54, "dead_units": 53,  # no NaN, no precision signal (progress.py)
-    "not_learning": 15,  # a flat loss that no cause explains (learning.py)
-    "risk": 20, "nonfinite": 5,  # a configuration that will fail; the honest fallback
+    "sampled": 70,  # located by sampled statistics only
+    "risk": 20,  # a configuration that will fail
+    **{v.id: v.priority for v in TABLE if v.priority is not None},
 }
 
 

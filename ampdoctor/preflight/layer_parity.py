@@ -40,6 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AmpDoctorError
+from ..record.trace import rng_state, set_rng
 from .parity_result import DTYPE_MAX, ModuleParity, ParityResult
 from .snapshot import Snapshot
 
@@ -537,17 +538,12 @@ def _copy(t: Any) -> Any:
 
 
 def _rng(device: torch.device, same_as: Any = None) -> Any:
-    state = (torch.get_rng_state(),
-             torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-    if same_as is not None and torch.equal(state[0], same_as[0]) and (
-            state[1] is None or torch.equal(state[1], same_as[1])):
+    state = rng_state([device] if device.type == "cuda" else [])
+    if same_as is not None and all(torch.equal(v, same_as[k]) for k, v in state.items()):
         return same_as  # most modules draw nothing: share one copy
     return state
 
 
 def _set_rng(device: torch.device, state: Any) -> None:
-    if state is None:
-        return
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+    if state is not None:
+        set_rng(state)

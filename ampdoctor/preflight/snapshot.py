@@ -21,6 +21,9 @@ from typing import Any, Optional
 
 import torch
 
+from ..record.isolated import restore_buffers, saved_buffers
+from ..record.trace import rng_state, set_rng
+
 
 class Snapshot:
     """The state of ``model`` (parameters, ``.grad``, buffers, train/eval flags),
@@ -38,8 +41,7 @@ class Snapshot:
         if optimizer is not None:
             kept = _unique(kept + [p for g in optimizer.param_groups for p in g["params"]])
         self._params = [_TensorState(p) for p in kept]
-        self._buffers = [(m, name, b, b.detach().clone() if b is not None else None)
-                         for m in modules for name, b in m._buffers.items()]
+        self._buffers = saved_buffers(modules, empty=True)
         self._optimizer = _OptimizerState(optimizer) if optimizer is not None else None
         self._scaler = _ScalerState(scaler) if scaler is not None else None
         self._schedulers: dict[int, tuple[Any, dict]] = {}
@@ -53,12 +55,7 @@ class Snapshot:
         with torch.no_grad():
             for state in self._params:
                 state.restore()
-            for module, name, obj, saved in self._buffers:
-                if obj is not None and saved is not None and _same_kind(obj, saved):
-                    obj.copy_(saved)
-                    module._buffers[name] = obj
-                else:
-                    module._buffers[name] = saved
+        restore_buffers(self._buffers)
         for module, training in self._training:
             module.training = training
         if self._optimizer is not None:
@@ -182,9 +179,9 @@ def _unique(tensors: list) -> list:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    state = {"torch": rng_state(list(range(torch.cuda.device_count())) if cuda else []),
+             "python": random.getstate()}
     try:
         import numpy as np
 
@@ -195,10 +192,8 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    set_rng(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
 

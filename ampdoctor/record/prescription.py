@@ -27,23 +27,35 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from ..errors import RecordError
 
 Value = Union[None, float, int, tuple[str, ...]]
 
-# name -> (the value's placeholder or "" for none, what it does)
-FORMS: dict[str, tuple[str, str]] = {
-    "fp32_island": ("NAME[,NAME...]", "the named modules run with autocast off, on fp32 inputs"),
-    "use_bf16": ("", "fp16 autocast becomes bf16, and GradScalers are disabled"),
-    "adam_eps": ("EPS", "every optimizer with an eps uses EPS"),
-    "init_scale": ("S", "GradScaler starts at scale S"),
-    "growth_interval": ("N", "GradScaler grows its scale every N clean steps"),
-    "lr_factor": ("F", "each optimizer steps with its LR times F (schedules keep working)"),
-    "lr": ("LR", "each optimizer steps with its LR times LR / the LR it was created with"),
-    "loss_in_fp32": ("", "torch's loss functions run in fp32, autocast off"),
-    "scheduler_per_step": ("", "an LR scheduler steps at most once per optimizer step"),
+
+
+class Form(NamedTuple):
+    """One ``--apply`` form: the value's placeholder ("" for none) and what it does."""
+
+    placeholder: str
+    does: str
+
+
+# The one declaration of the --apply forms: parse() accepts these, the CLI's help lists them
+# (help_text), treatment.INSTALL has one installer each and docs/commands.md a row each
+# (tests/record/test_treatment.py checks both).
+FORMS: dict[str, Form] = {
+    "fp32_island": Form("NAME[,NAME...]",
+                        "the named modules run with autocast off, on fp32 inputs"),
+    "use_bf16": Form("", "fp16 autocast becomes bf16, and GradScalers are disabled"),
+    "adam_eps": Form("EPS", "every optimizer with an eps uses EPS"),
+    "init_scale": Form("S", "GradScaler starts at scale S"),
+    "growth_interval": Form("N", "GradScaler grows its scale every N clean steps"),
+    "lr_factor": Form("F", "each optimizer steps with its LR times F (schedules keep working)"),
+    "lr": Form("LR", "each optimizer steps with its LR times LR / the LR it was created with"),
+    "loss_in_fp32": Form("", "torch's loss functions run in fp32, autocast off"),
+    "scheduler_per_step": Form("", "an LR scheduler steps at most once per optimizer step"),
 }
 # Forms that cannot be given together.
 EXCLUSIVE = (("lr", "lr_factor"),)
@@ -69,7 +81,13 @@ class Prescription:
 
 def usage() -> str:
     """Every form, for messages and help: ``fp32_island=NAME[,NAME...], use_bf16, ...``."""
-    return ", ".join(f"{n}={v}" if v else n for n, (v, _) in FORMS.items())
+    return ", ".join(f"{n}={f.placeholder}" if f.placeholder else n for n, f in FORMS.items())
+
+
+def help_text() -> str:
+    """``record --apply``'s help: every form (``usage``)."""
+    return ("Run the command with this fix applied, no code change (repeatable): "
+            f"{usage()}. diagnose prints each fix's own.")
 
 
 def parse(text: str) -> Prescription:
@@ -79,7 +97,7 @@ def parse(text: str) -> Prescription:
     if name not in FORMS:
         raise RecordError(f"--apply {text}: unknown fix {name or '(empty)'!r}; record can apply "
                           f"{usage()}")
-    placeholder = FORMS[name][0]
+    placeholder = FORMS[name].placeholder
     if not placeholder:
         if eq:
             raise RecordError(f"--apply {text}: {name} takes no value")

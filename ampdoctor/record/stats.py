@@ -1,7 +1,7 @@
 """Per-tensor numeric statistics, computed on the tensor's device without a host sync.
 
-What a row holds is ``schema.STAT_FIELDS``: element counts by fp16/bf16 range class, NaN and
-inf counts, exact zeros, abs max, smallest non-zero magnitude and rms.
+What a row holds is ``schema.STATS``'s statistic columns: element counts by fp16/bf16 range
+class, NaN and inf counts, exact zeros, abs max, smallest non-zero magnitude and rms.
 
 Cost is the design constraint (``shared/notes/overhead-measurements.md``): every extra full
 pass over an activation costs about as much as the whole step budget. So a ``Collector`` in
@@ -134,12 +134,17 @@ def _classify(values: torch.Tensor, rows: torch.Tensor, n: int):
     return counts, absmin, fmax, sumsq
 
 
+def _host(counts: torch.Tensor, *columns: torch.Tensor) -> list[np.ndarray]:
+    """The per-row results of one device in one device-to-host copy: ``[counts (int64),
+    *columns (float64)]``. The counts travel as float64, exact below 2**53."""
+    k = counts.shape[1]
+    both = torch.cat([counts.double(), torch.stack([c.double() for c in columns], 1)], 1)
+    host = both.cpu().numpy()
+    return [host[:, :k].astype(np.int64)] + [host[:, k + i] for i in range(len(columns))]
+
+
 def _pack(counts, absmin, fmax, sumsq, numel, sample_n, minmax=None) -> np.ndarray:
-    """Host rows (schema.STATS columns) from the per-row results of _classify."""
-    counts = counts.cpu().numpy().astype(np.int64)
-    absmin = absmin.double().cpu().numpy()
-    fmax = fmax.double().cpu().numpy()
-    sumsq = sumsq.double().cpu().numpy()
+    """Host rows (schema.STATS columns) from the per-row results of _classify (host arrays)."""
     out = schema.empty("stats", len(counts))
     out["numel"] = numel
     out["sample_n"] = sample_n
@@ -251,7 +256,7 @@ class _DeviceBuffer:
 
     def finish(self) -> np.ndarray:
         if self.exact:
-            return np.concatenate([_pack(*parts, numel=n, sample_n=n)
+            return np.concatenate([_pack(*_host(*parts), numel=n, sample_n=n)
                                    for parts, n in self.items])
         n = len(self.items)
         groups: dict[torch.dtype, list[int]] = {}
@@ -274,9 +279,9 @@ class _DeviceBuffer:
         counts, absmin, fmax, sumsq = _classify(values, torch.cat(rows), n)
         sample_n = np.array([item[3].numel() for item in self.items])
         numel = np.array([item[4] for item in self.items])
-        mm = torch.stack([lo, hi]).double().cpu().numpy()
+        counts, absmin, fmax, sumsq, lo_host, hi_host = _host(counts, absmin, fmax, sumsq, lo, hi)
         return _pack(counts, absmin, fmax, sumsq, numel=numel, sample_n=sample_n,
-                     minmax=(mm[0], mm[1]))
+                     minmax=(lo_host, hi_host))
 
     def reset(self) -> None:
         self.items = []

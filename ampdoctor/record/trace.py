@@ -428,7 +428,8 @@ def to_fp32(value: Any, depth: int = 0) -> Any:
 
 
 def rng_state(devices: list) -> dict:
-    """The CPU generator's state and that of each listed CUDA device (host copies, no sync)."""
+    """The CPU generator's state and that of each listed CUDA device (host copies, no sync):
+    torch's RNGs saved once for the replay and for preflight (``set_rng`` puts them back)."""
     state: dict[Any, torch.Tensor] = {"cpu": torch.get_rng_state()}
     for d in devices:
         state[d] = torch.cuda.get_rng_state(d)
@@ -436,6 +437,7 @@ def rng_state(devices: list) -> dict:
 
 
 def set_rng(state: dict) -> None:
+    """Put back the generators ``rng_state`` saved."""
     for key, value in state.items():
         if key == "cpu":
             torch.set_rng_state(value)

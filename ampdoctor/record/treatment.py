@@ -117,36 +117,15 @@ class Treatment:
             pass
 
     def _install(self, p: Prescription, by_name: dict) -> dict:
-        if p.name == "fp32_island":
-            assert isinstance(p.value, tuple)
-            self._islands = _Islands(p.value, self._found)
-            self._islands.install(self.patches)
-            return {"modules": [], "missing": list(p.value)}
-        if p.name == "use_bf16":
-            _bf16_autocast(self.patches)
-            if "init_scale" not in by_name and "growth_interval" not in by_name:
-                _scaler_settings(self.patches, disable=True)
-            return {"scaler": "disabled"}
-        if p.name in ("init_scale", "growth_interval"):
-            if p.name == "growth_interval" and "init_scale" in by_name:
-                return {}  # installed with init_scale
-            _scaler_settings(self.patches, init_scale=by_name.get("init_scale"),
-                             growth_interval=by_name.get("growth_interval"),
-                             disable="use_bf16" in by_name)
-            return {}
-        if p.name == "adam_eps":
-            _eps(self.patches, float(p.value))  # type: ignore[arg-type]
-            return {}
-        if p.name in ("lr_factor", "lr"):
-            _lr(self.patches, float(p.value), relative=p.name == "lr_factor")  # type: ignore
-            return {}
-        if p.name == "loss_in_fp32":
-            _losses(self.patches)
-            return {"functions": len(LOSSES)}
-        if p.name == "scheduler_per_step":
-            _scheduler_gate(self.patches)
-            return {}
-        raise ValueError(f"no treatment for {p.name}")
+        if p.name not in INSTALL:
+            raise ValueError(f"no treatment for {p.name}")
+        return INSTALL[p.name](self, p, by_name)
+
+    def _install_islands(self, p: Prescription, by_name: dict) -> dict:
+        assert isinstance(p.value, tuple)
+        self._islands = _Islands(p.value, self._found)
+        self._islands.install(self.patches)
+        return {"modules": [], "missing": list(p.value)}
 
     def _found(self, found: list[str], missing: list[str], skipped: dict) -> None:
         """The islands' lookup progressed: /meta says which modules were wrapped."""
@@ -156,6 +135,57 @@ class Treatment:
                 if skipped:
                     e["skipped"] = dict(skipped)
         self._tell()
+
+
+def _install_bf16(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    _bf16_autocast(t.patches)
+    if "init_scale" not in by_name and "growth_interval" not in by_name:
+        _scaler_settings(t.patches, disable=True)
+    return {"scaler": "disabled"}
+
+
+def _install_scaler(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    if p.name == "growth_interval" and "init_scale" in by_name:
+        return {}  # installed with init_scale
+    _scaler_settings(t.patches, init_scale=by_name.get("init_scale"),
+                     growth_interval=by_name.get("growth_interval"),
+                     disable="use_bf16" in by_name)
+    return {}
+
+
+def _install_eps(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    _eps(t.patches, float(p.value))  # type: ignore[arg-type]
+    return {}
+
+
+def _install_lr(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    _lr(t.patches, float(p.value), relative=p.name == "lr_factor")  # type: ignore
+    return {}
+
+
+def _install_losses(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    _losses(t.patches)
+    return {"functions": len(LOSSES)}
+
+
+def _install_scheduler_gate(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    _scheduler_gate(t.patches)
+    return {}
+
+
+# One installer per form of prescription.FORMS (tests/record/test_treatment.py checks that
+# they match): it patches and returns what /meta ``applied`` adds for the form.
+INSTALL: dict[str, Callable[[Treatment, Prescription, dict], dict]] = {
+    "fp32_island": Treatment._install_islands,
+    "use_bf16": _install_bf16,
+    "adam_eps": _install_eps,
+    "init_scale": _install_scaler,
+    "growth_interval": _install_scaler,
+    "lr_factor": _install_lr,
+    "lr": _install_lr,
+    "loss_in_fp32": _install_losses,
+    "scheduler_per_step": _install_scheduler_gate,
+}
 
 
 # ---------------------------------------------------------------------------------------------

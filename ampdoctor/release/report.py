@@ -21,17 +21,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..diagnosis.verdict import canonical
+from ..diagnosis.verdict import TABLE, canonical
 from ..display import render
 from ..runfile.schema import Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
-RANGE_VERDICTS = {"grad_underflow", "masked_underflow", "lr_overflow", "unstable_op",
-                  "mask_overflow", "fp16_loss", "scale_collapse"}
+RANGE_VERDICTS = {v.id for v in TABLE if v.report == "range"}
 # Verdicts that are bugs in the script or its data: no dtype fixes them.
-BUG_VERDICTS = {"bad_input", "clip_order", "adam_eps", "state_poisoning"}
+BUG_VERDICTS = {v.id for v in TABLE if v.report == "bug"}
 
 # NVIDIA compute capability (major, minor) -> architecture. bf16 tensor cores start at sm80.
 GENERATIONS = [((12, 0), "Blackwell"), ((10, 0), "Blackwell"), ((9, 0), "Hopper"),

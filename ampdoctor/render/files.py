@@ -11,10 +11,39 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from ..errors import AmpDoctorError
 from ..runfile.hdf5 import is_hdf5
+
+
+def write_report(run: Any, path: str = "report.html", *, baseline: Any = None,
+                 parity: Any = None, fmt: str = "html", plots_dir: Optional[str] = None) -> Any:
+    """``ampdoctor report`` as one call: the release report of ``run`` (against ``baseline``,
+    with ``parity``'s layer parity) written to ``path`` ('-': stdout) as ``fmt`` ("html",
+    "markdown" or "json"), Markdown's figures into ``plots_dir``; returns the ``ReleaseReport``.
+    The target is checked before any work, and never a file being reported on.
+
+    Example::
+
+        r = ampdoctor.write_report("amp.h5", "report.html", baseline="fp32.h5")
+        r.diagnosis.verdict, r.comparison.verdict
+    """
+    from ..release.report import release_report
+    from .release import render_release
+
+    if plots_dir is not None and fmt != "markdown":
+        raise AmpDoctorError("plots_dir goes with the markdown format (an HTML report embeds "
+                             "its figures)")
+    named = [x for x in (run, baseline, parity) if isinstance(x, (str, os.PathLike))]
+    check_target(path, protect=[os.fspath(x) for x in named])
+    if plots_dir is not None:
+        check_dir(plots_dir)
+    with release_report(run, baseline, parity=parity) as r:
+        images = write_plots(r, plots_dir, relative_to=path) if plots_dir is not None else None
+        text = render_release(r, fmt, images)
+    write(path, text)
+    return r
 
 
 def check_target(path: str, protect: Iterable[str] = ()) -> None:

@@ -37,8 +37,6 @@ from .tables import seconds as _seconds
 from .tables import step as _step
 from .tables import text_table as _text_table
 
-RELEASE_FORMATS = ("html", "markdown", "json")
-COMPARE_FORMATS = ("text", "json", "markdown")
 READINESS_ROWS = 15
 
 

@@ -1,7 +1,7 @@
 """A run file's root attributes: read without ever hanging, and the format they declare checked.
 
 The root attributes say what a file is (``format``, ``format_version``) and who wrote it
-(``pid``, ``host``, ``created``, ...: ``schema.ROOT_ATTRS``). ``root_attrs`` reads numbers and
+(``pid``, ``host``, ``created``, ``rank``, ``argv``, ...). ``root_attrs`` reads numbers and
 fixed-length strings directly, refuses anything that is not plain data or is oversized, and
 reads the variable-length strings of format 1's first writer in a forked child with a time
 limit (``VLEN_SECONDS``), because their values sit in HDF5's unchecksummed global heap, where

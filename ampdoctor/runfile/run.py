@@ -188,7 +188,7 @@ class Run:
         value = self.meta.get(key)
         return value if isinstance(value, dict) else None
 
-    # Typed views of /meta (schema.META_KEYS): None (or []) when the run did not record it.
+    # Typed views of /meta (its keys: schema.py): None (or []) when the run did not record it.
     @property
     def autocast(self) -> dict[str, Any] | None:
         """``{"enabled": True, "dtype": "float16", "device_type": "cuda", ...}``"""
@@ -237,10 +237,6 @@ class Run:
         for a run that was not treated."""
         value = self.meta.get("applied")
         return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
-
-    @property
-    def torch_info(self) -> dict[str, Any] | None:
-        return self._meta_dict("torch")
 
     @property
     def optimizers(self) -> list[dict[str, Any]]:

@@ -244,27 +244,6 @@ STATS = np.dtype(
     ]
 )
 
-# The statistic columns, in the order stats.py packs them into a vector.
-STAT_FIELDS = (
-    "numel",
-    "sample_n",
-    "nonfinite",
-    "nan",
-    "posinf",
-    "neginf",
-    "zeros",
-    "absmax",
-    "absmin",
-    "rms",
-    "over16",
-    "near16",
-    "sub16",
-    "flush16",
-    "overbf16",
-    "subbf16",
-    "flushbf16",
-)
-
 EVENTS = np.dtype(
     [
         ("step", "<i8"),
@@ -386,33 +365,27 @@ CHUNK_ROWS = {
 }
 BLOB_CHUNK = 1 << 16
 
-# Root attributes written once at creation. Configuration learnt later goes into /meta.
-ROOT_ATTRS = ("format", "format_version", "ampdoctor_version", "created", "pid", "host",
-              "rank", "world_size", "argv")
-
 # Keys of /meta (JSON values, the last row of a key wins), each read through the ``Run``
-# accessor named here (runfile/run.py), never parsed ad hoc.
-META_KEYS = {
-    "status": "how the run ended: 'running' until it did (Run.status)",
-    "recorder": "the recorder's settings: every, sample, forensics, ... (Run.recorder_settings)",
-    "torch": "torch's version and build (Run.torch_info)",
-    "roots": "class names of the root module(s) the recorder hooked (Run.roots)",
-    "model": "parameter counts and param_dtypes of the model (Run.model)",
-    "device": "type, name and memory of the training device (Run.device)",
-    "compiled": "torch.compile regions: module and kind (Run.compiled)",
-    "sharding": "FSDP/DTensor: kind, world size, replay on or off (Run.sharding)",
-    "scaler": "GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)",
-    "optimizer": "one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)",
-    "autocast": "the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)",
-    "clip": "the clip as called: how (clip_grad_norm_, clip_grads_with_norm_, "
-            "clip_grad_value_), max_norm ('tensor' if one was given) or clip_value, "
-            "norm_type, foreach; rewritten when they change (Run.clip)",
-    "handles": "what the training code calls the recorded modules: {recorded path: "
-               "expression}, e.g. {'': 'model.module'} (Run.handles)",
-    "applied": "record --apply: the fixes the run was treated with, one dict each: fix, arg, "
-               "and what the treatment found (fp32_island's modules and missing names, "
-               "use_bf16's scaler, an error); rewritten when that changes (Run.applied)",
-}
+# accessor named here (runfile/run.py), never parsed ad hoc:
+# - status: how the run ended: 'running' until it did (Run.status)
+# - recorder: the recorder's settings: every, sample, forensics, ... (Run.recorder_settings)
+# - torch: torch's version and build (the diagnosis's environment: diagnosis/engine.py)
+# - roots: class names of the root module(s) the recorder hooked (Run.roots)
+# - model: parameter counts and param_dtypes of the model (Run.model)
+# - device: type, name and memory of the training device (Run.device)
+# - compiled: torch.compile regions: module and kind (Run.compiled)
+# - sharding: FSDP/DTensor: kind, world size, replay on or off (Run.sharding)
+# - scaler: GradScaler settings: enabled, init_scale, growth_interval... (Run.scaler)
+# - optimizer: one dict per optimizer: type, hyperparameters, param_dtypes (Run.optimizers)
+# - autocast: the autocast state seen in the loss: enabled, dtype, device_type (Run.autocast)
+# - clip: the clip as called: how (clip_grad_norm_, clip_grads_with_norm_, clip_grad_value_,
+#   adaptive_clip_grad), max_norm ('tensor' if one was given), clip_value or clip_factor,
+#   norm_type, foreach; rewritten when they change (Run.clip)
+# - handles: what the training code calls the recorded modules: {recorded path: expression},
+#   e.g. {'': 'model.module'} (Run.handles)
+# - applied: record --apply: the fixes the run was treated with, one dict each: fix, arg, and what
+#   the treatment found (fp32_island's modules and missing names, use_bf16's scaler, an error);
+#   rewritten when that changes (Run.applied)
 
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"

@@ -20,11 +20,12 @@ import numpy as np
 
 from ..errors import RunFileError
 
-# /meta key -> the JSON type its value has (schema.META_KEYS); null is taken for any key.
+# /meta key -> the JSON type its value has (schema.py's list of /meta keys); null is taken
+# for any key.
 META_TYPES: dict[str, type] = {
     "status": str, "recorder": dict, "torch": dict, "roots": list, "model": dict,
     "device": dict, "compiled": dict, "sharding": dict, "scaler": dict, "optimizer": list,
-    "autocast": dict, "clip": dict, "applied": list}
+    "autocast": dict, "clip": dict, "handles": dict, "applied": list}
 _TYPE_WORDS: dict[type, str] = {str: "a text", dict: "an object", list: "a list"}
 
 

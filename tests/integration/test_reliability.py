@@ -110,6 +110,7 @@ def reference(ended):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", _ids("kill-"))
 def test_sigkill_leaves_every_flushed_step(ended, reference, case):
     result = ended[case]
@@ -130,6 +131,7 @@ def test_sigkill_leaves_every_flushed_step(ended, reference, case):
         assert _reported(result, "T")[-1] == str(BAD_STEP - 1), "not killed in the replay step"
 
 
+@pytest.mark.slow
 def test_at_least_twenty_kills_spread_over_the_run(ended):
     kills = [ended[c] for c in _ids("kill-")]
     assert len(kills) >= 20 and all(k["signal"] == signal.SIGKILL for k in kills)
@@ -139,6 +141,7 @@ def test_at_least_twenty_kills_spread_over_the_run(ended):
     assert any(ended[c]["lines"][-1] == "S" for c in _ids("kill-async-"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", _ids("term-"))
 def test_sigterm_finishes_the_file_and_still_ends_the_process(ended, reference, case):
     result = ended[case]
@@ -163,11 +166,13 @@ def test_sigterm_finishes_the_file_and_still_ends_the_process(ended, reference, 
             "interrupted by SIGTERM before its first recorded step") in " ".join(d.notes)
 
 
+@pytest.mark.slow
 def test_some_sigterm_landed_in_ampdoctor_code_and_waited_for_it(ended):
     waited = [c for c in _ids("term-at-") if "W" in ended[c]["lines"]]
     assert waited, "no SIGTERM case exercised the wait (the moments need re-drawing)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["raise-with", "raise-no-with"])
 def test_an_exception_in_the_script_is_the_status(ended, reference, case):
     result = ended[case]
@@ -182,6 +187,7 @@ def test_an_exception_in_the_script_is_the_status(ended, reference, case):
     assert "raised RuntimeError" in said and "after step 7" in said
 
 
+@pytest.mark.slow
 def test_cli_says_interrupted_with_the_last_step(ended):
     result = ended["kill-at-8"]
     proc = subprocess.run([PYTHON, "-m", "ampdoctor", "diagnose", result["path"]],
@@ -286,6 +292,7 @@ def fuzz_bases(tmp_path_factory, bad_files):
     return folder, [good, live] + recorded
 
 
+@pytest.mark.slow
 def test_fuzzed_run_files_get_an_answer_never_a_crash_or_hang(fuzz_bases):
     folder, bases = fuzz_bases
     proc = subprocess.run([PYTHON, TOOLS, "fuzz", str(folder), "360", "2024", *bases],
@@ -468,6 +475,7 @@ print(len(losses), "identical" if same else "DIFFERENT")
 """
 
 
+@pytest.mark.slow
 def test_live_file_is_read_while_written_without_disturbing_the_writer(tmp_path):
     import time
 
@@ -652,6 +660,7 @@ def tiny_filesystem(tmp_path):
         subprocess.run(["umount", str(folder)], capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["file-size-limit", "tiny-filesystem"])
 def test_disk_full_keeps_what_was_flushed(tmp_path, tiny_filesystem, how):
     """A real write failure inside HDF5 (EFBIG past RLIMIT_FSIZE, or ENOSPC on a full tmpfs)."""
@@ -820,6 +829,7 @@ print(codes[2:])
 """
 
 
+@pytest.mark.slow
 def test_forked_children_leave_the_parents_file_alone(tmp_path):
     path = str(tmp_path / "run.h5")
     proc = subprocess.run([PYTHON, "-c", _FORKS, path, SUPPORT],

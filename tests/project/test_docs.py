@@ -246,3 +246,41 @@ def test_each_doc_says_what_it_covers_and_links_back():
         assert text.startswith("# "), name
         assert "](../README.md)" in head, f"{name}: no link back to the README at its top"
         assert len(head.split("\n\n")[1]) > 80, f"{name}: no line saying what it covers"
+
+
+def layout_sections() -> dict[str, str]:
+    """docs/development.md's layout block by subpackage: {"record": its text, "": the top}."""
+    text = open(os.path.join(ROOT, "docs", "development.md")).read()
+    block = text.split("Layout of `ampdoctor/`", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    sections: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        head = re.match(r"(\w+)/\s", line)
+        if head:
+            name = head.group(1)
+        elif not line.startswith(" "):
+            name = ""  # an unindented line without "pkg/" names top-level modules
+        sections[name] = sections.get(name, "") + line + "\n"
+    return sections
+
+
+def test_the_development_layout_names_every_module():
+    sections = layout_sections()
+    package = os.path.join(ROOT, "ampdoctor")
+    missing = []
+    for entry in sorted(os.listdir(package)):
+        path = os.path.join(package, entry)
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "__init__.py")):
+            for sub in sorted(os.listdir(path)):
+                if sub == "__init__.py" or sub.startswith("."):
+                    continue
+                if sub.endswith(".py") or os.path.isdir(os.path.join(path, sub)) \
+                        and sub != "__pycache__":
+                    shown = sub if sub.endswith(".py") else sub + "/"
+                    if not re.search(rf"(?<![\w/]){re.escape(shown)}",
+                                     sections.get(entry, "")):
+                        missing.append(f"{entry}/{shown}")
+        elif entry.endswith(".py") and entry != "__main__.py":
+            if not re.search(rf"(?<![\w/]){re.escape(entry)}", sections.get("", "")):
+                missing.append(entry)
+    assert not missing, f"docs/development.md's layout leaves out {missing}"

@@ -1254,3 +1254,28 @@ def test_the_comparison_and_its_rerun_leave_no_trace_on_the_run(run_path, dtype,
         assert all(torch.equal(x, y) for x, y in zip(step_a, step_b))
     for a, b in zip(plain[3:], watched[3:]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_saved_buffers_come_back_bit_for_bit_the_same_objects():
+    from ampdoctor.preflight.snapshot import Snapshot
+    from ampdoctor.record.isolated import preserved
+
+    for keep in ("replay", "snapshot"):
+        bn = nn.BatchNorm1d(3)
+        bn.register_buffer("extra", None)
+        mean, var, count = bn.running_mean, bn.running_var, bn.num_batches_tracked
+        before = [t.clone() for t in (mean, var, count)]
+        snap = Snapshot(bn, params=False) if keep == "snapshot" else None
+        with contextlib.ExitStack() as stack:
+            if snap is None:
+                stack.enter_context(preserved([bn], devices=[]))
+            bn(torch.randn(8, 3) * 5 + 2)  # updates the statistics in place
+            bn.running_var = torch.full((3,), float("nan"))  # replaces the attribute
+            assert not torch.equal(bn.running_mean, before[0])
+        if snap is not None:
+            snap.restore()
+        assert bn.running_mean is mean and bn.running_var is var, keep
+        assert bn.num_batches_tracked is count
+        for now, was in zip((mean, var, count), before):
+            assert torch.equal(now, was), keep
+        assert bn.extra is None

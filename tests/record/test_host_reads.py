@@ -376,3 +376,15 @@ def test_parameter_list_follows_add_param_group(run_path):
         again = rec._watched.trained_params()
         assert len(again) == len(first) + 2 and again[-1] is extra.bias
         step(model, opt, sc, clip, dtype, *batch(1))
+
+
+def test_a_sampled_steps_statistics_come_to_the_host_in_one_copy_per_device(tmp_path,
+                                                                             monkeypatch):
+    """Every step sampled: the statistics of all its tensors (counts, sums, abs min/max, the
+    full-tensor minmax) cross to the host in one copy per device and drain, from one place."""
+    reads, rec = count_reads("scaler-foreach", tmp_path, monkeypatch, every=1)
+    stats_reads = [w for w in reads.device if "stats.py" in w]
+    copies = [w for w in stats_reads if w.startswith("cpu at")]
+    assert copies and len({w.split()[-1] for w in copies}) == 1, stats_reads
+    assert len(copies) <= STEADY * 2, stats_reads  # the step's drain, the parameters' update
+    assert not [w for w in stats_reads if not w.startswith(("cpu at", "numpy at"))], stats_reads

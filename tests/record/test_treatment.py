@@ -268,3 +268,29 @@ def test_every_apply_a_fix_prints_is_one_record_accepts():
     assert len(applies) >= 7
     for arg in applies:
         assert prescription.parse(arg).arg == arg
+
+
+def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
+    import os
+    import re
+
+    from conftest import ROOT
+
+    from ampdoctor import cli
+    from ampdoctor.record import treatment
+
+    forms = set(prescription.FORMS)
+    assert set(treatment.INSTALL) == forms, "an --apply form without its installer, or the reverse"
+    option = next(o for o in cli.record.params if o.name == "apply")
+    assert option.help == prescription.help_text()
+    assert prescription.usage() in option.help
+    shown = [form.split("=")[0] for form in prescription.usage().split(", ")]
+    assert sorted(shown) == sorted(forms), shown
+    doc = open(os.path.join(ROOT, "docs", "commands.md")).read()
+    table = doc.split("| `--apply` | what it changes |", 1)[1].split("\n\n", 1)[0]
+    in_doc = set(re.findall(r"`([a-z0-9_]+)(?:=[^`]*)?`", "".join(
+        line.split(" | ")[0] for line in table.splitlines()[2:])))
+    assert in_doc == forms, f"docs/commands.md's --apply table: {sorted(in_doc ^ forms)}"
+    for name, form in prescription.FORMS.items():
+        if form.placeholder:
+            assert f"`{name}={form.placeholder}`" in table, name

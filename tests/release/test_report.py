@@ -602,3 +602,22 @@ def test_report_of_a_cuda_run_names_the_gpu_and_its_bf16(tmp_path):
         assert r.comparison.verdict == "match", r.comparison.summary
         page = report_release.render_release(r, "html")
     assert torch.cuda.get_device_name() in page
+
+
+def test_write_report_is_the_command_in_one_library_call(runs, tmp_path):
+    import inspect
+
+    assert cli.main(["report", runs["bf16"], "--baseline", runs["fp32"], "--format",
+                     "markdown", "-o", str(tmp_path / "cli.md")]) == 0
+    r = ampdoctor.write_report(runs["bf16"], str(tmp_path / "lib.md"), baseline=runs["fp32"],
+                               fmt="markdown")
+    assert r.comparison is not None and r.diagnosis.verdict
+    assert (tmp_path / "lib.md").read_text() == (tmp_path / "cli.md").read_text()
+    page = ampdoctor.write_report(runs["fp32"], str(tmp_path / "r.html"))
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>") and page.diagnosis
+    with pytest.raises(ampdoctor.AmpDoctorError, match="run file being reported on"):
+        ampdoctor.write_report(runs["fp32"], runs["fp32"])
+    # diagnose's options are its real keywords, not **options
+    params = inspect.signature(ampdoctor.diagnose).parameters
+    assert [(n, p.kind.name) for n, p in params.items()] == [
+        ("run", "POSITIONAL_OR_KEYWORD"), ("rank", "KEYWORD_ONLY"), ("rules", "KEYWORD_ONLY")]

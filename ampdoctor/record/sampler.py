@@ -192,7 +192,11 @@ class _ParamProbe:
                 idx = stats._INDEX.get(w.numel(), self.sample, w.device)
                 self.params.append((tid, p, idx))
                 self.w0.append(torch.take(w.detach(), idx))
-                self.g0.append(torch.take(local(p.grad).detach(), idx))
+                grad = local(p.grad) if p.grad is not None else None
+                # a sparse gradient (nn.Embedding(sparse=True)) or none: nothing to sample
+                self.g0.append(torch.take(grad.detach(), idx) if stats.measurable(grad) else
+                               torch.full(idx.shape, float("nan"), device=w.device,
+                                          dtype=w.dtype))
                 groups.setdefault((w.device, w.dtype), []).append(i)
             self.norms = [None] * len(named)
             for members in groups.values():

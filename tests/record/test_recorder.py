@@ -493,6 +493,28 @@ def test_a_loss_backwarded_without_the_scaler_is_a_misuse(run_path):
     assert "divided by the loss scale (65536 at step 0)" in d.evidence[0].text
 
 
+def test_a_sparse_gradient_is_recorded_around(run_path):
+    """nn.Embedding(sparse=True) with SparseAdam beside a dense optimizer: the sampled step
+    measures the dense parameters and passes the sparse gradient by (it stopped the recorder
+    at step 0: torch.take has no sparse kernel)."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 3)
+    sparse, dense = torch.optim.SparseAdam(emb.parameters()), torch.optim.Adam(head.parameters())
+    model = torch.nn.Sequential(emb, head)
+    with ampdoctor.watch(model, [sparse, dense], path=run_path, every=1, strict=True):
+        for _ in range(3):
+            idx = torch.randint(0, 50, (16,))
+            loss = torch.nn.functional.cross_entropy(model(idx), idx % 3)
+            loss.backward()
+            sparse.step()
+            dense.step()
+            sparse.zero_grad()
+            dense.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 3 and run.status == "finished"
+    assert np.isfinite(run.steps["loss"]).all()
+
+
 def test_context_manager_puts_everything_back(run_path):
     import torch.nn.modules.module as mm
     import torch.optim.optimizer as oo

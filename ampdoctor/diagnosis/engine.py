@@ -258,6 +258,11 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
         top = roots[0]
     else:
         top = _healthy(f)
+        unjudged = next((x for x in rejected if x.verdict == "not_learning"), None)
+        if unjudged is not None:  # no failure, but whether it learned could not be judged
+            top.summary += (" Whether the run learned was not judged: "
+                            f"{unjudged.failed[0].fact}.")
+            top.confidence = min(top.confidence, UNJUDGED_CONFIDENCE)
     causes = [_cause(top, "root")]
     causes += [_cause(x, "consequence") for x in consequences]
     # Other roots are worth knowing; the honest fallbacks (non-finite values no class
@@ -319,6 +324,9 @@ FALLBACKS = ("nonfinite", "not_learning")
 # A healthy verdict whose loss jumped and then stayed above half its start
 # (progress.flat_warning) is no more sure than this.
 FLAT_CONFIDENCE = 0.6
+# ... nor one whose flat loss could not be judged (not_learning's premise failed: several
+# models' losses averaged into one curve).
+UNJUDGED_CONFIDENCE = 0.6
 
 
 def _healthy(f: Any) -> Finding:

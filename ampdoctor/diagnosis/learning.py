@@ -37,7 +37,7 @@ from . import curve, fixes, schedule
 from .facts import Facts
 from .progress import precision_answer, untroubled
 from .thresholds import SHORT_RUN, UNCHANGED_HIGH
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from .verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # Sure of little: the numbers say the loss is flat and that nothing recorded explains it.
 CONFIDENCE = 0.4
@@ -83,15 +83,39 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                                   f.fix_context(step=int(sched.step or 0))),
                        first_bad(sched.step, None, None), priority=PRIORITY["not_learning"])
     sure = SEVERAL_CONFIDENCE if several else CONFIDENCE if measured else UNMEASURED_CONFIDENCE
-    return Finding("not_learning", sure,
-                   f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> {fmt(c.end)}) "
-                   f"and no cause was found: {checked}.{why} The numbers ampdoctor records "
-                   "cannot tell why; the usual causes are the data (labels not paired with "
-                   "their inputs), the learning rate and the loss (parameters it does not "
-                   "reach). A run whose loss is not meant to fall (a fine-tune at its optimum, "
-                   "a GAN) looks the same.", ev,
-                   fixes.make(["overfit_one_batch"], f.fix_context(step=f.step_at(0))),
-                   first_bad(f.step_at(0), None, None), priority=PRIORITY["not_learning"])
+    text, ev, fixed_by, where = _flat_text(f, c, checked, why, ev)
+    return Finding("not_learning", sure, text, ev, fixed_by, where,
+                   priority=PRIORITY["not_learning"], premises=[one_objective(f)])
+
+
+def one_objective(f: Facts) -> Premise:
+    """not_learning's premise: the curve judged is one objective's. Several models each
+    stepped by its own optimizer (a GAN's generator and discriminator, the AMP docs' several
+    models and losses with one scaler) have their losses averaged into it, and an adversarial
+    pair keeps that mean level while both learn: the premise fails there (per-optimizer losses
+    are not recorded yet, so whether each learned is not told)."""
+    opts = f.meta.get("optimizer") or []
+    roots = f.meta.get("roots") or []
+    n_opt = len(opts) if isinstance(opts, list) else 0
+    n_roots = len(roots) if isinstance(roots, list) else 0
+    if n_opt >= 2 and n_roots >= 2:
+        return Premise("one_objective", FAILED,
+                       f"{n_roots} models stepped by {n_opt} optimizers: the loss recorded is "
+                       "the mean of their losses, which an adversarial pair (a GAN) keeps level "
+                       "while both learn; whether each model's own loss fell is not recorded")
+    return Premise("one_objective", HELD, f"{count(max(n_roots, 1), 'model')}, "
+                   f"{count(max(n_opt, 1), 'optimizer')}: the loss judged is its objective")
+
+
+def _flat_text(f: Facts, c: curve.Curve, checked: str, why: str, ev: list) -> tuple:
+    """(summary, evidence, fixes, first bad) of a flat loss no cause explains."""
+    return (f"The loss did not fall over {f.n} steps ({fmt(c.start)} -> {fmt(c.end)}) and no "
+            f"cause was found: {checked}.{why} The numbers ampdoctor records cannot tell why; "
+            "the usual causes are the data (labels not paired with their inputs), the learning "
+            "rate and the loss (parameters it does not reach). A run whose loss is not meant "
+            "to fall (a fine-tune at its optimum, a GAN) looks the same.", ev,
+            fixes.make(["overfit_one_batch"], f.fix_context(step=f.step_at(0))),
+            first_bad(f.step_at(0), None, None))
 
 
 def loss_evidence(f: Facts, c: curve.Curve) -> Evidence:

@@ -527,9 +527,8 @@ def test_the_lightning_run_of_issue_15(tmp_path):
 
 
 def test_a_flat_loss_of_several_optimizers_says_it_is_their_mean():
-    """A GAN recorded with one scaler: two optimizers, one level loss curve (the mean of the
-    generator's and discriminator's losses). Still not_learning (the losses are not recorded
-    apart yet), with less confidence and the evidence that says why."""
+    """Two optimizers over one model (a sparse and a dense one): one objective, still judged;
+    less sure, with the evidence that the curve is their losses' mean."""
     s = Synth(120)
     s.set("loss", noisy(np.full(120, 1.4), 0.05, 3))
     one = verdict(s)
@@ -541,3 +540,20 @@ def test_a_flat_loss_of_several_optimizers_says_it_is_their_mean():
     e = evidence(d, "several_optimizers")
     assert e is not None and e.value == 2 and "(AdamW, Adam)" in e.text
     assert d.confidence < one.confidence
+
+
+def test_an_adversarial_pairs_level_loss_is_not_called_not_learning():
+    """A GAN as the AMP docs train it (two models, an optimizer each, one scaler): the one
+    curve recorded is the mean of the generator's and the discriminator's losses, which stays
+    level while both learn. not_learning's premise (one objective) fails: healthy, less sure,
+    and it says that learning was not judged (it was not_learning 0.4, a false alarm)."""
+    s = Synth(120)
+    s.set("loss", noisy(np.full(120, 1.4), 0.05, 3))
+    first = s.meta["optimizer"][0]
+    s.meta["optimizer"] = [dict(first, **{"class": "Adam"}), dict(first, **{"class": "Adam"})]
+    s.meta["roots"] = ["Generator", "Discriminator"]
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence <= 0.6, str(d)
+    assert "Whether the run learned was not judged: 2 models stepped by 2 optimizers" in \
+        d.summary
+    assert [r["verdict"] for r in d.to_dict()["rejected"]] == ["not_learning"]

@@ -128,7 +128,9 @@ def test_crafted_changes_combined_are_refused_in_time(tmp_path):
     seed = random.randrange(1 << 30)
     print(f"crafted pairs seed {seed}")
     rng = random.Random(seed)
-    names = [case for case in crafted.CASES if case != "fifo"]
+    # (not the FIFOs: crafting a second change onto /steps stored in a FIFO would write to
+    # it, in this process, and wait forever for a reader; each is tested alone, in a child)
+    names = [case for case in crafted.CASES if case not in ("fifo", "external_fifo")]
     checked = 0
     for i in range(12):
         pair = rng.sample(names, 2)

@@ -52,8 +52,9 @@ GROWTH_SIGNALS = 2
 # two later has no ramp to show, but the weights were not steady: never one op's overflow.
 REPLACED = 1.0
 # An LR this many times the one the update ratios were sampled at: they no longer measure the
-# step (timm's warm-up epoch at 1e-5, then the LR it was given).
-LR_RAISED = 10.0
+# step, which is judged by the ratio scaled by the rise (timm's warm-up epoch at 1e-5, then
+# the LR it was given; a linear warm-up sampled at its first step).
+LR_RAISED = 1.5
 # A verdict that prescribes an LR rests on the LR: the weights or their updates grew with it
 # (their norm, the update ratio, a step that replaced them), the LR rose into the failure, or
 # the loss blew up. Activations and gradients growing alone at a constant LR are not the LR's
@@ -271,7 +272,7 @@ def steadiness(f: Facts) -> tuple[Premise, bool]:
                        f"{f.step_at(int(idx[-1]))}; above {UPDATE_TOO_LARGE:g} is too "
                        "large)"), False
     raised = _lr_raised_since(f, int(idx[-1]), hi)
-    if raised is not None:  # the samples were taken at a far smaller LR than the failure's
+    if raised is not None:  # the samples were taken at a smaller LR than the failure's
         factor, lr_then, lr_now, at = raised
         guess = biggest * factor
         fact = (f"the update ratio |dW|/|W| was at most {fmt(biggest)} at LR {fmt(lr_then)} "
@@ -288,8 +289,9 @@ def steadiness(f: Facts) -> tuple[Premise, bool]:
 
 def _lr_raised_since(f: Facts, last: int, hi: int) -> Optional[tuple[float, float, float, int]]:
     """(factor, the LR at the last sampled step, the highest LR after it up to the failure,
-    where) when the LR rose ``LR_RAISED`` x or more in between: the sampled update ratios
-    then describe a far smaller step than the failure's."""
+    where) when the LR rose ``LR_RAISED`` x or more in between (a warm-up): the sampled update
+    ratios then describe a smaller step than the failure's, and a step's update grows with
+    the LR (SGD's and Adam's alike)."""
     if not f.n or hi <= last:
         return None
     lr = f.steps["lr"].astype(float)

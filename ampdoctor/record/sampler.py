@@ -193,10 +193,11 @@ class _ParamProbe:
                 self.params.append((tid, p, idx))
                 self.w0.append(torch.take(w.detach(), idx))
                 grad = local(p.grad) if p.grad is not None else None
-                # a sparse gradient (nn.Embedding(sparse=True)) or none: nothing to sample
-                self.g0.append(torch.take(grad.detach(), idx) if stats.measurable(grad) else
-                               torch.full(idx.shape, float("nan"), device=w.device,
-                                          dtype=w.dtype))
+                if grad is not None and stats.measurable(grad):
+                    self.g0.append(torch.take(grad.detach(), idx))
+                else:  # a sparse gradient (nn.Embedding(sparse=True)) or none: no sample
+                    self.g0.append(torch.full(idx.shape, float("nan"), device=w.device,
+                                              dtype=w.dtype))
                 groups.setdefault((w.device, w.dtype), []).append(i)
             self.norms = [None] * len(named)
             for members in groups.values():

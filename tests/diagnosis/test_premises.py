@@ -253,6 +253,21 @@ def test_ratios_sampled_at_a_far_smaller_lr_do_not_make_the_weights_steady():
     assert verdict(s).verdict == "unstable_op"
 
 
+def test_a_warm_up_sampled_at_its_first_step_is_judged_at_the_failures_lr():
+    """fixtures/blind's lr_warmup_blowup (scored before this was written: unstable_op 0.90): a
+    linear warm-up sampled at step 0 (ratio 0.013 at LR 0.067), an overflow at step 4 at LR
+    0.33: five times the step, a ratio of about 0.067, not steady."""
+    s = Synth(20, every=100)
+    s.set("lr", (np.arange(20) + 1) / 15.0)
+    s.skip(range(4, 20), loss_nan=True)
+    s.stat(0, Kind.PARAM, "6.weight", norm=3.0, update=0.0133)
+    s.snapshot(4, "forward", "6", "Linear", fp32_finite=1, fp32_absmax=2e5, in_absmax=16048.0)
+    d = verdict(s)
+    assert d.verdict == "lr_overflow", str(d)
+    assert "the LR rose 5x to 0.3333 by step 4" in premises(d, "lr_overflow")["weights_grew"][
+        "fact"]
+
+
 def test_a_failure_at_step_0_has_the_initial_weights():
     s = Synth(20)
     s.skip(range(0, 20), loss_nan=True)

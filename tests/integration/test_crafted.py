@@ -125,7 +125,10 @@ def test_crafted_changes_combined_are_refused_in_time(tmp_path):
     import h5py
     from reliability_tools import in_child, read_everything
 
-    seed = random.randrange(1 << 30)
+    # a fixed seed by default, so that CI is repeatable; AMPDOCTOR_CRAFTED_SEED=random (or a
+    # number) explores other pairs
+    given = os.environ.get("AMPDOCTOR_CRAFTED_SEED", "1")
+    seed = random.randrange(1 << 30) if given == "random" else int(given)
     print(f"crafted pairs seed {seed}")
     rng = random.Random(seed)
     # (not the FIFOs: crafting a second change onto /steps stored in a FIFO would write to
@@ -142,8 +145,9 @@ def test_crafted_changes_combined_are_refused_in_time(tmp_path):
             with h5py.File(path, "r+") as f:
                 for case in pair:
                     crafted._CRAFT[case](f, str(folder))
-        except (KeyError, ValueError, TypeError, IndexError, OSError):
-            continue  # the first change removed what the second changes
+        except Exception:  # noqa: BLE001 - the first change removed (turned into a group,
+            continue  # inflated past memory) what the second changes: crafting it here fails,
+            # which says nothing of ampdoctor
         outcome, said = in_child(read_everything, path, timeout=30)
         assert (outcome, said) == ("ok", "refused"), (seed, pair, outcome, said)
         checked += 1

@@ -108,6 +108,10 @@ def diagnose(run: str, fmt: str, fail_on: str, rank: Optional[int]) -> None:
 def dump(run: str) -> None:
     """Show what a run file holds: attributes, configuration, tables and row counts.
 
+    A file whose values break the format's contract (a step number that goes back, a tensor
+    id naming no tensor) is still shown as it is; then one sentence says what breaks it, and
+    the exit status is 2.
+
     RUN may name the rank files of a torchrun recording (run.h5 for run.rank{R}.h5):
     each of them is shown.
 
@@ -119,6 +123,7 @@ def dump(run: str) -> None:
 
     for path in paths.resolve(run):
         click.echo(render_dump(store.inspect(path)), nl=False)
+        store.validate(path)  # shown as it is; a value outside the contract is then said, exit 2
 
 
 @cli.command()

@@ -51,6 +51,9 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = ("step", "tensor", "source", "absmax", "sample_n", "zeros", "nan", "posinf",
                   "neginf", "sub16")
 CHUNK = 1 << 16
+# ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.ampdoctor``):
+# a second export into a directory that holds one would show every point twice, so it refuses
+SUFFIX = ".ampdoctor"
 
 
 @dataclass
@@ -89,7 +92,8 @@ class _RunWriter:
         writer_class, self.event_pb2, self.summary_pb2, self.tensor_pb2, self.shape_pb2, \
             self.types_pb2 = protos
         self.logdir = logdir
-        self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30)
+        self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
+                                 filename_suffix=SUFFIX)
         self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
         self.scalars = self.texts = 0
 
@@ -248,10 +252,33 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
 
 
 def _writable(logdir: str) -> None:
-    """Make ``logdir`` (and refuse a place no file can be written) before any run is read."""
+    """Make ``logdir`` (and refuse a place no file can be written, or one that already holds
+    ampdoctor's events) before any run is read."""
     os.makedirs(logdir, exist_ok=True)
     if not os.access(logdir, os.W_OK | os.X_OK):
         raise PermissionError(13, "Permission denied", logdir)
+    earlier = _earlier_export(logdir)
+    if earlier:
+        raise AmpDoctorError(
+            f"{logdir} already holds ampdoctor's TensorBoard events ({earlier}): a second "
+            "export there would show every point twice; remove that file or export into "
+            "another directory")
+
+
+def _earlier_export(logdir: str) -> Optional[str]:
+    """An event file an earlier export wrote into ``logdir`` or its ``rank<R>`` runs."""
+    places = [logdir] + [os.path.join(logdir, d) for d in sorted(os.listdir(logdir))
+                         if d.startswith("rank") and d[4:].isdigit()]
+    for place in places:
+        try:
+            names = sorted(os.listdir(place))
+        except OSError:
+            continue
+        found = next((n for n in names if n.startswith("events.out.tfevents.")
+                      and n.endswith(SUFFIX)), None)
+        if found:
+            return os.path.relpath(os.path.join(place, found), logdir)
+    return None
 
 
 def _unwritable(logdir: str, exc: OSError) -> AmpDoctorError:

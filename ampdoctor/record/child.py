@@ -44,6 +44,8 @@ class Session:
         self.top = os.environ.pop(launch.ENV_TOP, None) == "1"
         self.recorder = Recorder(path=self.file_name, every=settings.every, lazy=True,
                                  replaceable=True)
+        self.recorder.on_stop = self.stopped
+        self.path: Optional[str] = None
         self.applied: list[dict] = []
         self.treatment: Any = None
 
@@ -86,7 +88,14 @@ class Session:
             # Another process of this recording trained first (record cleared old runs).
             path = paths.pid_path(path, os.getpid())
         written.note(self.settings.session, path)  # for record's closing line: ours
+        self.path = path
         return path
+
+    def stopped(self, what: str, kept: int) -> None:
+        """The recording stopped on a fault: ``record``'s closing line says why (a full disk
+        leaves an unclosed file that would otherwise read as a killed process)."""
+        if self.path is not None:
+            written.note_fault(self.settings.session, self.path, what, kept)
 
     def others_wrote(self) -> bool:
         """Did another process of this recording leave a file? (This node's, as noted; all

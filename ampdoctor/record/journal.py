@@ -146,17 +146,24 @@ class Journal:
     def lost(self, exc: BaseException, where: str) -> str:
         """The warning after a failure: what happened, and what the file does and does not
         hold."""
-        w = self.writer
-        kept = w.committed["steps"] if w is not None else 0
-        if isinstance(exc, FileNotFoundError) and "deleted" in str(exc):
-            return (f"{self.path} was deleted while recording (its directory removed?): "
-                    "recording stopped and what the file held is gone; training continues")
-        if isinstance(exc, OSError):
-            what = f"could not write {self.path} ({store._reason(exc)})"
-        else:
-            what = f"internal error in {where} ({type(exc).__name__}: {exc})"
+        what, kept = self.stopped(exc, where)
+        if kept is None:
+            return what
         held = f"steps 0-{kept - 1}" if kept else "no step"
         return f"{what}; recording stopped, {self.path} keeps {held}; training continues"
+
+    def stopped(self, exc: BaseException, where: str) -> tuple[str, Optional[int]]:
+        """Why the recording stopped ("could not write run.h5 (No space left on device)") and
+        how many steps the file keeps (None: the file is gone)."""
+        if isinstance(exc, FileNotFoundError) and "deleted" in str(exc):
+            return (f"{self.path} was deleted while recording (its directory removed?): "
+                    "recording stopped and what the file held is gone; training continues",
+                    None)
+        w = self.writer
+        kept = w.committed["steps"] if w is not None else 0
+        if isinstance(exc, OSError):
+            return f"could not write {self.path} ({store._reason(exc)})", kept
+        return f"internal error in {where} ({type(exc).__name__}: {exc})", kept
 
 
 def _rank_and_world(rank: int, world_size: int) -> tuple[int, int]:

@@ -416,7 +416,7 @@ def summary(settings: Settings) -> str:
             unreadable.append(str(exc))
     if not outlines:
         return f"ampdoctor: {unreadable[0]}"
-    text = _describe(outlines, settings)
+    text = _describe(outlines, settings, written.faults(settings.session))
     if unreadable:
         text += f"; {unreadable[0]}"
     return text + f"; next: ampdoctor diagnose {shlex.quote(settings.shown)}"
@@ -442,7 +442,8 @@ def _outline(path: str) -> dict:
         return ranks.outline(run)
 
 
-def _describe(outlines: list[dict], settings: Settings) -> str:
+def _describe(outlines: list[dict], settings: Settings,
+              faults: Optional[dict[str, dict]] = None) -> str:
     # Rank files are told by their names (run.rank{R}.h5 of this output): no directory listing.
     per_rank = [o for o in outlines if o["path"] != settings.output
                 and paths.run_name(o["path"]) == settings.output]
@@ -452,19 +453,25 @@ def _describe(outlines: list[dict], settings: Settings) -> str:
     node = bool(per_rank) and len({o["rank"] for o in main}) < world
     files = _files(main, settings)
     stopped = next((o for o in main if o.get("stopped")), None)
+    # a recording stopped by a write error its file could not hold (a full disk), as noted
+    faults = faults or {}
+    fault = next((faults[p] for p in (os.path.abspath(o["path"]) for o in main)
+                  if p in faults), None)
     if not any(o["steps"] for o in main):
         text = f"ampdoctor: {files}: " + (_stopped(stopped) + ", before any step was kept"
                                           if stopped else
+                                          _faulted(fault, " before any step was kept")
+                                          if fault else
                                           "no optimizer step (the command never trained)")
     else:
         where = f"{ranks.ranks_text([o['rank'] for o in main])} of {world}" if node else ""
         text = f"ampdoctor: recorded {_steps(main, where)} into {files}, {_skipped(main)}"
-        text += f"; {_stopped(stopped)}" if stopped else ""
+        text += f"; {_stopped(stopped)}" if stopped else f"; {_faulted(fault)}" if fault else ""
         received = _received(main) if node else ""
         verdict = received or _verdict([o["path"] for o in main], len(main) > 1)
         if verdict:
             text += f"; this node's ranks: {verdict}" if node else f"; diagnosis: {verdict}"
-    text += _ending(main)
+    text += _ending(main, fault is not None)
     if extra:
         text += "; other training processes wrote " + ", ".join(
             _shown_path(o["path"], settings) for o in extra)
@@ -487,8 +494,9 @@ def _received(outlines: list[dict]) -> str:
             "node, or born in a backward pass")
 
 
-def _ending(main: list[dict]) -> str:
-    """How the processes ended, when not by finishing."""
+def _ending(main: list[dict], faulted: bool = False) -> str:
+    """How the processes ended, when not by finishing (a file left open by a recording that
+    stopped on a write error says nothing of how its process ended)."""
     raised = sorted({o["status"].split(":", 1)[1] for o in main
                      if o["status"].startswith("exception:")})
     stopped = sorted({o["status"].split(":", 1)[1] for o in main
@@ -497,7 +505,7 @@ def _ending(main: list[dict]) -> str:
         return f"; the command raised {', '.join(raised)}"
     if stopped:
         return f"; the command was stopped by {', '.join(stopped)}"
-    if any(o["status"] == "interrupted" for o in main):
+    if any(o["status"] == "interrupted" for o in main) and not faulted:
         return "; the recording was cut short (the process was killed)"
     return ""
 
@@ -544,6 +552,12 @@ def _stopped(outline: dict) -> str:
     stop = outline["stopped"]
     why = stop["why"] if len(stop["why"]) <= 160 else stop["why"][:157] + "..."
     return f"recording stopped at step {stop['step']} after an internal error ({why})"
+
+
+def _faulted(fault: dict, when: str = "") -> str:
+    """"recording stopped (could not write run.h5 (No space left on device)); training went
+    on without it"."""
+    return f"recording stopped{when} ({fault['what']}); training went on without it"
 
 
 def _files(outlines: list[dict], settings: Settings) -> str:

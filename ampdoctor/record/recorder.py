@@ -125,6 +125,9 @@ class Recorder:
         self.active = False
         self.closed = False
         self.faulted = False
+        # told (why, steps kept) when a fault stops the recording: ``record`` hears of a full
+        # disk this way, which the file itself cannot hold (child.py)
+        self.on_stop: Optional[Callable[[str, int], None]] = None
         self._journal = Journal(
             path, rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
             world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
@@ -210,6 +213,7 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001
             w.abandon()
             self._journal.warn_once("close", self._journal.lost(exc, "close"))
+            self._tell_stop(exc, "close")
             if self.strict:
                 raise RecorderFault(str(exc)) from exc
 
@@ -310,6 +314,17 @@ class Recorder:
         self.active = False
         self._save_after_fault(exc, where)
         self._journal.warn_once("fault", self._journal.lost(exc, where))
+        self._tell_stop(exc, where)
+
+    def _tell_stop(self, exc: BaseException, where: str) -> None:
+        """``on_stop``, if set, hears why the recording stopped and what the file keeps."""
+        if self.on_stop is None:
+            return
+        what, kept = self._journal.stopped(exc, where)
+        try:
+            self.on_stop(what, kept or 0)
+        except Exception:  # noqa: BLE001 - telling is a courtesy, never a failure
+            pass
 
     def _save_after_fault(self, exc: BaseException, where: str) -> None:
         """Steps already taken, and a RECORDER_ERROR event, reach the file if it still works."""

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -303,9 +304,24 @@ def decoded(rows: np.ndarray, texts: list[str], blob: Blob | None = None) -> np.
     for name, _ in fields:
         out[name] = rows[name]
     for t in texts:
-        out[t] = [blob.text(int(o), int(n)) if blob is not None else ""
+        line = one_line if t in NAMES else str
+        out[t] = [line(blob.text(int(o), int(n))) if blob is not None else ""
                   for o, n in zip(rows[f"{t}_off"], rows[f"{t}_len"])]
     return out
+
+
+# Texts that are names (of modules and types), one line each by the schema's contract: a line
+# break in one (a crafted file's, since torch's own printing would break on it too) is written
+# out, so no name can start a line of its own in a diagnosis, a table or a report.
+NAMES = frozenset({"name", "type", "module", "module_type"})
+_BREAKS = {"\n": "\\n", "\r": "\\r", "\u2028": "\\u2028", "\u2029": "\\u2029",
+           "\x85": "\\x85", "\x0b": "\\x0b", "\x0c": "\\x0c"}
+_BREAK = re.compile("|".join(_BREAKS))
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line break written out: ``one_line("a\\nb")`` is ``'a\\\\nb'``."""
+    return _BREAK.sub(lambda m: _BREAKS[m.group()], text)
 
 
 def _no_rows(table: str) -> np.ndarray:
@@ -336,6 +352,8 @@ def meta_dict(rows: np.ndarray, blob: Blob, path: str | None = None,
     for i, row in enumerate(rows):
         key = bytes(row["key"]).decode(errors="replace")
         text = blob.text(int(row["value_off"]), int(row["value_len"]))
+        if text and not text.strip("\x00"):
+            continue  # bytes a flush cut short (a full disk) never wrote: the earlier value holds
         try:
             meta[key] = json.loads(text)
         except (ValueError, RecursionError):
@@ -350,8 +368,10 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out = np.zeros(len(rows), TENSOR_VIEW)
     for name in ("id", "kind", "index", "dtype", "numel"):
         out[name] = rows[name]
-    out["name"] = [blob.text(int(o), int(n)) for o, n in zip(rows["name_off"], rows["name_len"])]
-    out["type"] = [blob.text(int(o), int(n)) for o, n in zip(rows["type_off"], rows["type_len"])]
+    out["name"] = [one_line(blob.text(int(o), int(n)))
+                   for o, n in zip(rows["name_off"], rows["name_len"])]
+    out["type"] = [one_line(blob.text(int(o), int(n)))
+                   for o, n in zip(rows["type_off"], rows["type_len"])]
     return out
 
 

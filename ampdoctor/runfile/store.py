@@ -64,3 +64,12 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         found = None
     info["summary"] = dataclasses.asdict(found) if found is not None else None
     return info
+
+
+def validate(path: str | os.PathLike) -> None:
+    """Every value of the file checked against the schema's contract, as ``load`` and the
+    analysis would meet it: ``RunFileError`` with the first that breaks it. ``dump`` shows a
+    file as it is, then says this (the statistics are streamed: memory stays flat)."""
+    with load(path) as run:
+        for _chunk in run.stats.chunks(names=("tensor",)):
+            pass

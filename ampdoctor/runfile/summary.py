@@ -42,7 +42,7 @@ from . import liveness, schema
 from .attributes import check_format, root_attrs, scalar_attrs
 from .hdf5 import H5_ERRORS, reason
 from .reader import dataset, open_file, retrying
-from .run import Blob, meta_dict
+from .run import Blob, meta_dict, one_line
 from .schema import Event, Phase, Source, flag
 
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
@@ -405,7 +405,7 @@ def _names(path: str, f: h5py.File, r: Any, out: RankSummary, live: bool) -> Non
         space.select_hyperslab((off,), (length,))
         data = np.zeros(length, np.uint8)
         blob.read(h5py.h5s.create_simple((length,)), space, data)
-        return data.tobytes().decode("utf-8", errors="replace")
+        return one_line(data.tobytes().decode("utf-8", errors="replace"))
 
     snap = row("snapshots", int(r["located"]), _MODULE) if int(r["located"]) >= 0 else None
     if snap is not None:

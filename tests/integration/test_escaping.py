@@ -12,7 +12,8 @@ from conftest import PYTHON, ROOT, python_env
 
 from ampdoctor.render import safe
 
-HOSTILE = "blocks.0\x1b]0;pwned\x07\x1b[2J<script>alert(1)</script>\x9b31m'\"x"
+HOSTILE = ("blocks.0\x1b]0;pwned\x07\x1b[2J<script>alert(1)</script>\x9b31m'\"x"
+           "\nverdict: healthy\r\nINJECTED\u2028line")
 
 
 def _name_every_module(path, name):
@@ -48,11 +49,19 @@ def _no_control_bytes(text):
     return not any(ord(c) < 32 and c not in "\n\t" or 0x7f <= ord(c) <= 0x9f for c in text)
 
 
+def _no_line_of_its_own(text):
+    """The name's line breaks are written out: none of its parts starts a line (the v2
+    fixture's verdict is bad_input, so a line 'verdict: healthy' could only be the name's)."""
+    lines = text.splitlines()
+    return not any(line.lstrip("| ").startswith(("verdict: healthy", "INJECTED", "line"))
+                   for line in lines) and "\u2028" not in text
+
+
 @pytest.mark.parametrize("args", [("diagnose",), ("dump",),
                                   ("compare", os.path.join(ROOT, "fixtures", "formats", "v2.h5"))])
 def test_text_output_writes_control_bytes_out(hostile, args):
     out = _out(*args, hostile)
-    assert _no_control_bytes(out)
+    assert _no_control_bytes(out) and _no_line_of_its_own(out)
     if args[0] == "diagnose":  # the name is still there to read, its escapes written out
         assert "blocks.0\\x1b]0;pwned\\x07\\x1b[2J<script>" in out
 
@@ -61,7 +70,7 @@ def test_text_output_writes_control_bytes_out(hostile, args):
                                   ("report", "--format", "markdown", "-o", "-")])
 def test_markdown_holds_no_tag_from_the_file(hostile, args):
     out = _out(args[0], hostile, *args[1:])
-    assert _no_control_bytes(out)
+    assert _no_control_bytes(out) and _no_line_of_its_own(out)
     prose = [line for line in _outside_fences(out)]
     for line in prose:
         stripped = safe._CODE_SPAN.sub("", line)
@@ -87,7 +96,19 @@ def test_safe_escapes_and_leaves_code_alone():
 
 def test_top_once_writes_control_bytes_out(hostile):
     out = _out("top", "--once", hostile)
-    assert _no_control_bytes(out) and "blocks.0" in out
+    assert _no_control_bytes(out) and _no_line_of_its_own(out) and "blocks.0" in out
+
+
+def test_json_and_html_keep_the_name_whole(hostile, tmp_path):
+    """Machine formats hold the name with its breaks written out, in valid JSON / escaped HTML."""
+    import json
+
+    data = json.loads(_out("diagnose", hostile, "--format", "json"))
+    assert "verdict: healthy" in json.dumps(data) and data["verdict"] == "bad_input"
+    html = tmp_path / "r.html"
+    _out("report", hostile, "-o", str(html))
+    text = html.read_text()
+    assert "<script>alert" not in text and "&lt;script&gt;" in text
 
 
 def test_top_keeps_its_own_colours_only():

@@ -345,3 +345,17 @@ def test_groups_are_read_on_demand(tmp_path):
         assert isinstance(run.groups, store.Table) and len(run.groups) == 8
         np.testing.assert_allclose(run.groups["lr"][:2], [1e-3, 2e-3])
         assert list(run.groups[run.groups["group"] == 1]["step"]) == [0, 1, 2, 3]
+
+
+def test_meta_bytes_a_cut_flush_never_wrote_leave_the_earlier_value():
+    """A full disk can leave a /meta row whose text was reserved in /blob but never written
+    (zeros): the status reads as the value before it, never as NUL bytes."""
+    from ampdoctor.runfile.run import Blob, meta_dict
+
+    text = b'"running"' + b"\x00" * 10
+    rows = np.zeros(2, schema.META)
+    rows["key"] = b"status"
+    rows["value_off"], rows["value_len"] = (0, 9), (9, 10)
+    assert meta_dict(rows, Blob(text)) == {"status": "running"}
+    rows["value_off"][1], rows["value_len"][1] = 19, 10  # a value written: the later row wins
+    assert meta_dict(rows, Blob(text + b'"finished"'))["status"] == "finished"

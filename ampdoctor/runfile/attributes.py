@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 
 from ..errors import FormatTooNewError, RunFileError
-from . import schema
+from . import schema, values
 from .hdf5 import H5_ERRORS
 
 _PLAIN_TYPES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.STRING)
@@ -112,6 +112,7 @@ def check_format(path: str, attrs: dict[str, Any]) -> int:
             f"{schema.FORMAT_VERSION}: upgrade ampdoctor")
     if version < 1:
         raise RunFileError(f"{path} has an invalid format version ({version})")
+    values.check_attrs(path, attrs)
     return version
 
 

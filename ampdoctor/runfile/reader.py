@@ -392,11 +392,13 @@ def _inspect_once(path: str) -> dict[str, Any]:
             table = info["tables"][name] = _table_info(f, name)
             if table is not None:
                 table["damaged"] = table.pop("dtype") != expected_dtype(name)
-        try:
-            blob = Blob(f[schema.BLOB], path)
-            info["meta"] = meta_dict(f["meta"][:], blob)
-        except (*H5_ERRORS, RunFileError):
-            info["meta"] = {}
+        info["meta"] = {}
+        usable = [info["tables"][n] for n in ("meta", schema.BLOB)]
+        if all(t is not None and not t["damaged"] for t in usable):  # rows of the schema's type
+            try:
+                info["meta"] = meta_dict(f["meta"][:], Blob(f[schema.BLOB], path))
+            except (*H5_ERRORS, RunFileError):
+                pass
         info["file_bytes"] = os.path.getsize(path)
         return info
 

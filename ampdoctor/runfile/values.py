@@ -29,6 +29,42 @@ META_TYPES: dict[str, type] = {
 _TYPE_WORDS: dict[type, str] = {str: "a text", dict: "an object", list: "a list"}
 
 
+# Root attribute -> (its type, the least value a number may hold); a missing one is fine (each
+# reader has its default). argv is JSON text, decoded by attributes.root_attrs.
+ATTR_TYPES: dict[str, tuple[Any, Any]] = {
+    "rank": (int, 0), "world_size": (int, 1), "pid": (int, 0), "created": ((int, float), None),
+    "host": (str, None), "argv": (list, None), "ampdoctor_version": (str, None)}
+_ATTR_WORDS = {int: "a whole number", str: "a text", list: "a list"}
+
+
+def check_attrs(path: str, attrs: dict[str, Any]) -> None:
+    """The root attributes a writer writes hold values of their type: ``rank`` a whole
+    number from 0, ``world_size`` from 1 and above the rank, ``host`` a text..."""
+    for key, (want, least) in ATTR_TYPES.items():
+        if key not in attrs or attrs[key] is None:
+            continue
+        value = attrs[key]
+        if isinstance(value, bool) or not isinstance(value, want):
+            word = _ATTR_WORDS.get(want, "a number") if isinstance(want, type) else "a number"
+            raise RunFileError(f"{path} is damaged: its root attribute {key} holds "
+                               f"{_shown(value)} where {word} is expected")
+        if least is not None and value < least:
+            raise RunFileError(f"{path} is damaged: its root attribute {key} holds {value} "
+                               f"(at least {least:g})")
+        if key == "argv" and not all(isinstance(a, str) for a in value):
+            raise RunFileError(f"{path} is damaged: its root attribute argv holds a list of "
+                               "something else than texts")
+    rank, world = attrs.get("rank"), attrs.get("world_size")
+    if isinstance(rank, int) and isinstance(world, int) and rank >= world:
+        raise RunFileError(f"{path} is damaged: its root attributes say rank {rank} of a "
+                           f"world of {world}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
     return RunFileError(f"{path} is damaged: /{table} row {row} {what}")
 

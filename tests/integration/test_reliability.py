@@ -249,12 +249,14 @@ def test_bad_files_get_one_sentence_and_exit_2_through_the_cli(bad_files):
     for (case, command), proc in runs.items():
         out, err = proc.communicate(timeout=120)
         path = bad_files[case]
-        if command == "dump" and case in DUMP_SHOWS:  # dump shows what is there
+        if command == "dump" and case == "zero_steps":  # a valid file, with nothing to judge
             assert proc.returncode == 0 and DUMP_SHOWS[case] in out, (case, out, err)
             continue
         assert proc.returncode == 2, (case, command, out, err)
-        # A run with no step still shows its (no_training) diagnosis; nothing else prints.
-        assert (out == "") != (case == "zero_steps"), (case, command, out)
+        if command == "dump" and case in DUMP_SHOWS:  # dump shows what is there, then says
+            assert DUMP_SHOWS[case] in out, (case, out, err)
+        else:  # a run with no step still shows its (no_training) diagnosis; nothing else prints
+            assert (out == "") != (case == "zero_steps"), (case, command, out)
         assert "Traceback" not in err, (case, command, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ampdoctor: "), (case, command, err)
@@ -388,7 +390,8 @@ def test_reading_a_file_never_runs_anything_in_it(tmp_path):
     w.close(schema.STATUS_FINISHED)
     with h5py.File(hostile, "r+") as f:
         f.attrs["pickled"] = np.void(payload)
-        f.attrs["argv"] = np.bytes_(f"__import__('os').system('touch {marker}')".encode())
+        f.attrs["argv"] = np.bytes_(json.dumps([f"__import__('os').system('touch {marker}')"])
+                                    .encode())  # a list of texts, as the schema says: read
         f.create_dataset("pickled", data=np.frombuffer(payload, "u1"))
     proc = subprocess.run([PYTHON, "-c", _AUDIT, benign, hostile, SUPPORT],
                           env=python_env(), capture_output=True, text=True, timeout=120)

@@ -1,0 +1,566 @@
+"""The third-party corpus: training code nobody on the team wrote, run unmodified under
+``ampdoctor record``, diagnosed, and scored against the verdict an expert would give.
+
+Rows (``ROWS`` below): timm's ``train.py`` (fp16 and bf16 AMP, AGC clipping, SGD at LR 1000,
+AdamW at LR 5, an fp16 model with no AMP), open_clip's trainer ``python -m
+open_clip_train.main`` (AMP fp16 and bf16, clipping with accumulation, LR 1000), nanoGPT's
+``train.py`` (a healthy LR, LR 30 unclipped), and in this project's own environment a Hugging
+Face Trainer and a Lightning run (``benchmarks/third_party/``: a model and data, built as the
+libraries' docs show; the library trains). Each row is recorded with ``python -m ampdoctor
+record -o ROW.h5 --force -- PYTHON SCRIPT ARGS`` (default recording options, as a user runs
+it), diagnosed with ``python -m ampdoctor diagnose ROW.h5 --format json``, and is right when
+the verdict is one the expert accepts (``accept``), as in ``benchmarks/blind_score.py``. The
+score: failures named right x/N, healthy runs with no false alarm x/M, and calibration: of the
+verdicts given with confidence >= 0.9, how many were right.
+
+    python benchmarks/third_party.py --out benchmarks/results/third_party.json
+    python benchmarks/third_party.py --only timm                 # one stack's rows
+    python benchmarks/third_party.py --only timm_sgd_lr1000      # one row
+    python benchmarks/third_party.py --workdir /tmp/tp           # keep data, runs and logs
+    python benchmarks/third_party.py --show benchmarks/results/third_party.json
+
+Everything a row needs is built in ``--workdir``, offline: a folder of random 32x32 PNG images
+in 4 classes (timm's ImageFolder; open_clip's CSV points at the same files, one caption per
+class), the tiny CLIP model config, nanoGPT's dataset (``data/tiny``: a synthetic text encoded
+as nanoGPT's ``data/shakespeare_char/prepare.py`` does, ``train.bin``/``val.bin``/``meta.pkl``),
+and the third-party scripts, copied from their checkouts. What is not there is said in one
+sentence, and that row is "not run: why", never left out.
+
+The checkouts: ``--timm-repo`` (huggingface/pytorch-image-models: its ``train.py`` runs against
+the timm the side python has installed) and ``--nanogpt-repo`` (karpathy/nanoGPT: ``train.py``,
+``model.py``, ``configurator.py``). Either may be a work tree or a bare git directory (its HEAD
+is read with ``git show``). Results name the commit.
+
+The side python (``--side-python``) runs timm and open_clip, which need torchvision: PyPI's
+torchvision does not import beside this project's torch 2.13.0 CPU build ("operator
+torchvision::nms does not exist"), so they get a venv of their own. Made so (Python 3.11,
+x86_64; about 6 GB, a CUDA build of torch whose CUDA libraries are ordinary pip wheels, which
+load without a GPU: no stub library and no LD_LIBRARY_PATH are needed; about 70 s here, where
+pip takes torch and torchvision from the local wheel index):
+
+    python3.11 -m venv /tmp/tv
+    /tmp/tv/bin/pip install torch==2.14.1 torchvision==0.29.1 timm==1.0.31 \\
+        open-clip-torch==3.3.0 pandas webdataset h5py matplotlib click
+
+(pandas and webdataset are open_clip_train's imports; h5py, matplotlib and click are
+ampdoctor's, which the side python imports from this checkout through PYTHONPATH.) The Hugging
+Face and Lightning rows, nanoGPT and ``ampdoctor diagnose`` run with the python that runs this
+script (``pip install torch==2.13.0 -e '.[test]'``).
+
+Training processes run one at a time with ``OMP_NUM_THREADS=1`` (``--threads``). Run from the
+repository root so that its ``ampdoctor`` is the one imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "benchmarks", "third_party")
+CONFIDENT = 0.9
+TIMM_REPO = "/work/.mirror/huggingface+pytorch-image-models/repo"
+NANOGPT_REPO = "/work/.mirror/karpathy+nanoGPT/repo"
+SIDE_PYTHON = "/tmp/tv/bin/python"
+
+TIMM = ["--data-dir", "{images}", "--model", "test_resnet", "--img-size", "32",
+        "--num-classes", "4", "--device", "cpu", "--workers", "0", "--no-prefetcher",
+        "--log-interval", "5", "-b", "16", "--output", "{work}/out"]
+CLIP = ["--train-data", "{work}/train.csv", "--dataset-type", "csv", "--csv-img-key",
+        "filepath", "--csv-caption-key", "title", "--model", "local-dir:{work}/cfg",
+        "--device", "cpu", "--batch-size", "16", "--workers", "0", "--warmup", "2",
+        "--report-to", "none", "--logs", "{work}/logs", "--name", "{row}",
+        "--save-frequency", "0", "--log-every-n-steps", "2"]
+NANO = ["--dataset=tiny", "--device=cpu", "--dtype=float32", "--compile=False", "--n_layer=2",
+        "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=8", "--max_iters=40",
+        "--eval_interval=1000", "--eval_iters=2", "--log_interval=1", "--warmup_iters=5",
+        "--lr_decay_iters=40", "--always_save_checkpoint=False", "--out_dir={work}/out"]
+
+
+def row(name: str, stack: str, args: list[str], expected: str, accept: list[str],
+        why: str, record: Optional[list[str]] = None) -> dict[str, Any]:
+    return {"name": name, "stack": stack, "args": args, "expected": expected,
+            "accept": accept, "why": why, "record": record or []}
+
+
+# The expert's verdict, and why, for each row. On CPU timm and nanoGPT use no GradScaler (timm
+# makes one for CUDA fp16 only; nanoGPT's is torch.cuda.amp's, off without CUDA) and nanoGPT
+# runs no autocast (its ctx is a nullcontext on CPU, whatever --dtype says): its rows are fp32.
+ROWS = [
+    row("timm_fp16", "timm", TIMM + ["--amp", "--amp-dtype", "float16", "--epochs", "3",
+                                     "--lr", "0.05", "--opt", "sgd"],
+        "healthy", ["healthy"], "fp16 autocast, SGD at a sane LR: the loss falls"),
+    row("timm_bf16", "timm", TIMM + ["--amp", "--amp-dtype", "bfloat16", "--epochs", "3",
+                                     "--lr", "0.05", "--opt", "sgd"],
+        "healthy", ["healthy"], "bf16 autocast, SGD at a sane LR: the loss falls"),
+    row("timm_agc", "timm", TIMM + ["--amp", "--amp-dtype", "float16", "--epochs", "2",
+                                    "--lr", "0.05", "--opt", "sgd", "--clip-grad", "0.01",
+                                    "--clip-mode", "agc"],
+        "healthy", ["healthy"], "adaptive gradient clipping (timm's own) on a healthy run"),
+    row("timm_sgd_lr1000", "timm", TIMM + ["--amp", "--amp-dtype", "float16", "--epochs", "2",
+                                           "--lr", "1000", "--opt", "sgd"],
+        "lr_overflow", ["lr_overflow"],
+        "timm warms up at 1e-5 for the first epoch, then steps SGD at LR 200: the weights blow "
+        "up and the fp16 forward overflows"),
+    row("timm_adamw_lr5", "timm", TIMM + ["--amp", "--amp-dtype", "float16", "--epochs", "2",
+                                          "--lr", "5", "--opt", "adamw"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 1 after warm-up: the loss blows up, to an overflow or not"),
+    row("timm_model_fp16", "timm", TIMM + ["--model-dtype", "float16", "--epochs", "3",
+                                           "--lr", "0.05", "--opt", "sgd"],
+        "grad_underflow", ["grad_underflow", "lost_updates"],
+        "fp16 weights, no autocast, no loss scaling, no fp32 master weights (timm warns "
+        "'float16 is not recommended for training'): from step 6 on a third of the sampled "
+        "gradient elements are subnormal or 0, deep convs' 96-99%, and the warm-up epoch's "
+        "updates (LR 1e-5) round away; the loss still falls like timm_fp16's in 36 steps"),
+    row("timm_model_fp16_every3", "timm", TIMM + ["--model-dtype", "float16", "--epochs", "3",
+                                                  "--lr", "0.05", "--opt", "sgd"],
+        "grad_underflow", ["grad_underflow", "lost_updates"],
+        "the row above recorded with --every 3 (not a user's default): whether the verdict "
+        "follows once the sampled tier sees the steps after the first", record=["--every", "3"]),
+    row("clip_amp", "open_clip", CLIP + ["--precision", "amp", "--epochs", "3", "--lr", "1e-3"],
+        "healthy", ["healthy"], "fp16 autocast with open_clip's GradScaler"),
+    row("clip_amp_bf16", "open_clip", CLIP + ["--precision", "amp_bf16", "--epochs", "3",
+                                              "--lr", "1e-3"],
+        "healthy", ["healthy"], "bf16 autocast"),
+    row("clip_clip_accum", "open_clip", CLIP + ["--precision", "amp", "--epochs", "3",
+                                                "--lr", "1e-3", "--grad-clip-norm", "1",
+                                                "--accum-freq", "2"],
+        "healthy", ["healthy"], "open_clip's feature-caching accumulation and norm clipping"),
+    row("clip_lr1000", "open_clip", CLIP + ["--precision", "amp", "--epochs", "2",
+                                            "--lr", "1000"],
+        "lr_overflow", ["lr_overflow"], "AdamW at LR 1000: overflow from the first steps"),
+    row("nanogpt_lr1e-3", "nanogpt", NANO + ["--learning_rate=1e-3"],
+        "healthy", ["healthy"], "the LR of nanoGPT's own shakespeare_char config"),
+    row("nanogpt_lr30", "nanogpt", NANO + ["--learning_rate=30.0", "--grad_clip=0.0"],
+        "lr_overflow", ["lr_overflow"], "AdamW at LR 30 with clipping off: the loss goes NaN"),
+    row("hf_trainer_bf16", "hf_trainer", ["--bf16", "--steps", "60"],
+        "healthy", ["healthy"], "Trainer with bf16=True (accelerate's autocast), a tiny GPT-2"),
+    row("lightning_bf16", "lightning", ["--precision", "bf16-mixed", "--epochs", "3"],
+        "healthy", ["healthy"], "Trainer(precision='bf16-mixed'), an MLP classifier"),
+]
+STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning"]
+COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 200)),
+          ("gray", (128, 128, 128))]
+
+
+# ---------------------------------------------------------------------------------------------
+# building what the rows need
+
+
+class NotRun(Exception):
+    """A row cannot run here; the message says why in one sentence."""
+
+
+def png(path: str, size: int, rgb: bytes) -> None:
+    """An 8-bit RGB PNG written with the standard library (no PIL in this python)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    rows = b"".join(b"\0" + rgb[y * size * 3:(y + 1) * size * 3] for y in range(size))
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2,
+                                                                  0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def make_images(folder: str, per_class: int = 48, val_per_class: int = 8,
+                size: int = 32) -> str:
+    """``train/`` and ``validation/`` ImageFolders of noisy images, one colour per class."""
+    done = os.path.join(folder, ".done")
+    if os.path.exists(done):
+        return folder
+    rng = random.Random(0)
+    for split, n in (("train", per_class), ("validation", val_per_class)):
+        for c, (_, base) in enumerate(COLORS):
+            d = os.path.join(folder, split, f"class{c}")
+            os.makedirs(d, exist_ok=True)
+            for i in range(n):
+                noise = rng.randbytes(size * size * 3)
+                rgb = bytes((base[k % 3] * 3 + noise[k] * 2) // 5 for k in range(len(noise)))
+                png(os.path.join(d, f"{i}.png"), size, rgb)
+    open(done, "w").close()
+    return folder
+
+
+def repo_file(repo: str, path: str, dest: str) -> None:
+    """``path`` of a checkout, or of a bare git directory's HEAD, copied to ``dest``."""
+    if os.path.isfile(os.path.join(repo, path)):
+        shutil.copyfile(os.path.join(repo, path), dest)
+        return
+    done = subprocess.run(["git", "--git-dir", repo, "show", f"HEAD:{path}"],
+                          capture_output=True)
+    if done.returncode != 0:
+        raise NotRun(f"{repo} has no {path} (neither a work tree nor a git directory with it)")
+    with open(dest, "wb") as f:
+        f.write(done.stdout)
+
+
+def repo_commit(repo: str) -> Optional[str]:
+    for flag in (["-C", repo], ["--git-dir", repo]):
+        done = subprocess.run(["git", *flag, "rev-parse", "HEAD"], capture_output=True,
+                              text=True)
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None
+
+
+def need_repo(repo: str, what: str, flag: str) -> None:
+    if not os.path.isdir(repo):
+        raise NotRun(f"no {what} checkout at {repo} (pass {flag})")
+
+
+def check_python(python: str, modules: list[str], how: str) -> str:
+    """The python's versions line, or NotRun naming the first module it cannot import."""
+    if not os.path.exists(python):
+        raise NotRun(f"no python at {python} ({how})")
+    code = ("import importlib, sys, torch\n"
+            f"for m in {modules!r}:\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except Exception as e:\n        sys.exit(f'{m}: {type(e).__name__}: {e}')\n"
+            "print(' '.join(f'{m} {getattr(sys.modules[m], \"__version__\", \"\")}'.strip()\n"
+            f"               for m in {['torch'] + modules!r} if '.' not in m))")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True,
+                          env=child_env(1), timeout=300)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise NotRun(f"{python} cannot import {last[:200]} ({how})")
+    return done.stdout.strip()
+
+
+class Setup:
+    """Builds each stack's folder in the workdir once, and remembers what failed and why."""
+
+    def __init__(self, args: argparse.Namespace, workdir: str):
+        self.args, self.workdir = args, workdir
+        self.done: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+
+    def get(self, stack: str) -> dict[str, Any]:
+        if stack not in self.done:
+            try:
+                self.done[stack] = getattr(self, stack)()
+            except NotRun as e:
+                self.done[stack] = e
+        if isinstance(self.done[stack], NotRun):
+            raise self.done[stack]
+        return self.done[stack]
+
+    def side(self) -> str:
+        if "side" not in self.info:
+            try:
+                self.info["side"] = check_python(
+                    self.args.side_python, ["torchvision", "timm", "open_clip", "open_clip_train.main",
+                                            "h5py", "click", "matplotlib"],
+                    "make the side venv as benchmarks/third_party.py's docstring says, or pass "
+                    "--side-python")
+            except NotRun as e:
+                self.info["side"] = e
+        if isinstance(self.info["side"], NotRun):
+            raise self.info["side"]
+        return self.args.side_python
+
+    def timm(self) -> dict[str, Any]:
+        need_repo(self.args.timm_repo, "pytorch-image-models", "--timm-repo")
+        python = self.side()
+        work = os.path.join(self.workdir, "timm")
+        os.makedirs(work, exist_ok=True)
+        repo_file(self.args.timm_repo, "train.py", os.path.join(work, "train.py"))
+        self.info["timm_commit"] = repo_commit(self.args.timm_repo)
+        images = make_images(os.path.join(self.workdir, "images"))
+        return {"python": python, "cwd": work, "command": [python, "train.py"],
+                "fill": {"work": work, "images": images}}
+
+    def open_clip(self) -> dict[str, Any]:
+        python = self.side()
+        work = os.path.join(self.workdir, "open_clip")
+        os.makedirs(os.path.join(work, "cfg"), exist_ok=True)
+        images = make_images(os.path.join(self.workdir, "images"))
+        with open(os.path.join(work, "train.csv"), "w") as f:
+            f.write("filepath\ttitle\n")
+            for c, (color, _) in enumerate(COLORS):
+                d = os.path.join(images, "train", f"class{c}")
+                for name in sorted(os.listdir(d), key=lambda n: int(n.split(".")[0])):
+                    f.write(f"{os.path.join(d, name)}\ta photo of {color} noise\n")
+        config = {"model_cfg": {
+            "embed_dim": 32,
+            "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "patch_size": 8,
+                           "head_width": 16},
+            "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
+                         "layers": 2}}}
+        with open(os.path.join(work, "cfg", "open_clip_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        return {"python": python, "cwd": work,
+                "command": [python, "-m", "open_clip_train.main"], "fill": {"work": work},
+                "before": lambda name: shutil.rmtree(os.path.join(work, "logs", name),
+                                                     ignore_errors=True)}
+
+    def nanogpt(self) -> dict[str, Any]:
+        need_repo(self.args.nanogpt_repo, "nanoGPT", "--nanogpt-repo")
+        check_python(sys.executable, ["numpy"], "pip install numpy")
+        work = os.path.join(self.workdir, "nanogpt")
+        os.makedirs(os.path.join(work, "data", "tiny"), exist_ok=True)
+        for name in ("train.py", "model.py", "configurator.py"):
+            repo_file(self.args.nanogpt_repo, name, os.path.join(work, name))
+        self.info["nanogpt_commit"] = repo_commit(self.args.nanogpt_repo)
+        tiny_text_dataset(os.path.join(work, "data", "tiny"))
+        return {"python": sys.executable, "cwd": work, "command": [sys.executable, "train.py"],
+                "fill": {"work": work}}
+
+    def hf_trainer(self) -> dict[str, Any]:
+        check_python(sys.executable, ["transformers", "accelerate"],
+                     "pip install torch==2.13.0 -e '.[test]'")
+        return {"python": sys.executable, "cwd": self.workdir,
+                "command": [sys.executable, os.path.join(HERE, "hf_trainer.py")], "fill": {}}
+
+    def lightning(self) -> dict[str, Any]:
+        check_python(sys.executable, ["lightning"], "pip install torch==2.13.0 -e '.[test]'")
+        return {"python": sys.executable, "cwd": self.workdir,
+                "command": [sys.executable, os.path.join(HERE, "lightning_train.py")],
+                "fill": {}}
+
+
+def main_versions() -> str:
+    try:
+        return check_python(sys.executable, ["numpy", "transformers", "lightning"], "")
+    except NotRun as e:
+        return str(e)
+
+
+def tiny_text_dataset(folder: str, chars: int = 200_000) -> None:
+    """nanoGPT's character-level dataset (the format of its data/shakespeare_char/prepare.py:
+    uint16 ``train.bin``/``val.bin`` split 90/10 and ``meta.pkl`` with the vocabulary) from a
+    synthetic text: words of a made-up vocabulary, each followed by one of three others."""
+    import numpy as np
+
+    if os.path.exists(os.path.join(folder, "meta.pkl")):
+        return
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(200)]
+    follow = {w: rng.sample(words, 3) for w in words}
+    out: list[str] = []
+    word, length = words[0], 0
+    while length < chars:
+        out.append(word + (".\n" if rng.random() < 0.1 else " "))
+        length += len(out[-1])
+        word = rng.choice(follow[word])
+    data = "".join(out)[:chars]
+    vocab = sorted(set(data))
+    stoi = {ch: i for i, ch in enumerate(vocab)}
+    ids = np.array([stoi[c] for c in data], dtype=np.uint16)
+    n = int(len(ids) * 0.9)
+    ids[:n].tofile(os.path.join(folder, "train.bin"))
+    ids[n:].tofile(os.path.join(folder, "val.bin"))
+    with open(os.path.join(folder, "meta.pkl"), "wb") as f:
+        pickle.dump({"vocab_size": len(vocab), "itos": dict(enumerate(vocab)), "stoi": stoi}, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# running and scoring
+
+
+def child_env(threads: int) -> dict[str, str]:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
+    out["OMP_NUM_THREADS"] = str(threads)
+    return out
+
+
+def last_lines(path: str, n: int = 3) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip() for line in f.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+def score_one(entry: dict[str, Any], setup: Setup, runs: str, timeout: float,
+              threads: int) -> dict[str, Any]:
+    """Records and diagnoses one row; the row of the table."""
+    name = entry["name"]
+    out: dict[str, Any] = {"name": name, "stack": entry["stack"],
+                           "kind": "healthy" if entry["expected"] == "healthy" else "failure",
+                           "expected": entry["expected"], "accept": entry["accept"],
+                           "why": entry["why"], "got": None, "confidence": None,
+                           "first_bad": None, "rejected": [], "notes": [], "right": False,
+                           "not_run": None, "error": None}
+    try:
+        stack = setup.get(entry["stack"])
+    except NotRun as e:
+        out["not_run"] = str(e)
+        return out
+    fill = {**stack["fill"], "row": name}
+    args = [a.format(**fill) for a in entry["args"]]
+    if "before" in stack:
+        stack["before"](name)
+    run = os.path.join(runs, name + ".h5")
+    log = os.path.join(runs, name + ".log")
+    command = [stack["python"], "-m", "ampdoctor", "record", *entry["record"], "-o", run,
+               "--force", "--",
+               *stack["command"], *args]
+    out["command"] = " ".join(command)
+    started = time.monotonic()
+    try:
+        with open(log, "w") as f:
+            done = subprocess.run(command, cwd=stack["cwd"], env=child_env(threads), stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=timeout)
+        out["record_rc"] = done.returncode
+        out["seconds"] = round(time.monotonic() - started, 1)
+        diag = subprocess.run([sys.executable, "-m", "ampdoctor", "diagnose", run, "--format",
+                               "json"], cwd=ROOT, env=child_env(threads), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out["error"] = [f"timed out after {exc.timeout:.0f} s"] + last_lines(log)
+        return out
+    if diag.returncode != 0:
+        out["error"] = (diag.stderr or diag.stdout).strip().splitlines()[-1:] + last_lines(log)
+        return out
+    if done.returncode != 0:
+        out["error"] = [f"the training exited {done.returncode}"] + last_lines(log)
+    result = json.loads(diag.stdout)
+    out["got"] = result["verdict"]
+    out["confidence"] = result["confidence"]
+    out["first_bad"] = result.get("first_bad")
+    out["summary"] = result.get("summary")
+    out["causes"] = [f"{c.get('verdict')} ({c.get('role')}, {c.get('confidence')})"
+                     for c in result.get("causes") or []]
+    out["evidence"] = [e.get("text") for e in (result.get("evidence") or [])[:4]]
+    out["rejected"] = [{"verdict": c.get("verdict"), "confidence": c.get("confidence"),
+                        "failed": [f"{p.get('name')}: {p.get('fact')}"
+                                   for p in c.get("premises") or []
+                                   if p.get("status") == "failed"]}
+                       for c in result.get("rejected") or []]
+    out["notes"] = [str(n)[:300] for n in result.get("notes") or []]
+    out["right"] = result["verdict"] in entry["accept"]
+    return out
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Failures right, healthy runs without a false alarm, calibration at >= 0.9; rows that did
+    not run count in none of them."""
+    ran = [r for r in rows if not r["not_run"]]
+    failures = [r for r in ran if r["kind"] == "failure"]
+    healthy = [r for r in ran if r["kind"] != "failure"]
+    confident = [r for r in ran if (r["confidence"] or 0) >= CONFIDENT]
+    return {
+        "failures_right": sum(r["right"] for r in failures), "failures": len(failures),
+        "healthy_right": sum(r["right"] for r in healthy), "healthy": len(healthy),
+        "confident_right": sum(r["right"] for r in confident), "confident": len(confident),
+        "not_run": len(rows) - len(ran),
+    }
+
+
+def where(r: dict[str, Any]) -> str:
+    fb = r["first_bad"] or {}
+    if fb.get("step") is None:
+        return ""
+    text = f"step {fb['step']}"
+    if fb.get("module"):
+        text += f" {fb['module']} ({fb.get('phase') or ''})"
+    return text
+
+
+def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
+    """The Markdown table, then the errors, the score and the calibration line."""
+    lines = ["| row | expected (accepted) | got | conf | first bad | right? |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        expected = r["expected"] + "".join(f", {a}" for a in r["accept"] if a != r["expected"])
+        if r["not_run"]:
+            got, right = f"not run: {r['not_run']}", "—"
+        else:
+            got = r["got"] or "error (below)"
+            right = "right" if r["right"] else "**WRONG**"
+        conf = "" if r["confidence"] is None else f"{r['confidence']:.2f}"
+        lines.append(f"| {r['name']} | {expected} | {got} | {conf} | {where(r)} | {right} |")
+    lines.append("")
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['name']}: {' / '.join(r['error'])[:400]}")
+    lines.append(f"failures right: {score['failures_right']}/{score['failures']}; "
+                 f"healthy with no false alarm: {score['healthy_right']}/{score['healthy']}"
+                 + (f"; not run: {score['not_run']}" if score["not_run"] else ""))
+    lines.append(f"calibration: of {score['confident']} verdicts at confidence >= {CONFIDENT}, "
+                 f"{score['confident_right']} right")
+    return "\n".join(lines)
+
+
+def selected(only: Optional[str]) -> list[dict[str, Any]]:
+    if only is None:
+        return ROWS
+    rows = [r for r in ROWS if only in (r["name"], r["stack"])]
+    if not rows:
+        sys.exit(f"third_party: no row or stack named {only!r} (stacks: {', '.join(STACKS)})")
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="one row, or one stack's rows (" + ", ".join(STACKS)
+                        + ")")
+    parser.add_argument("--out", help="write the table and the score to this JSON file")
+    parser.add_argument("--workdir", help="build the data and keep the runs here (default: a "
+                                          "temp folder)")
+    parser.add_argument("--timm-repo", default=TIMM_REPO,
+                        help="a checkout or git directory of huggingface/pytorch-image-models")
+    parser.add_argument("--nanogpt-repo", default=NANOGPT_REPO,
+                        help="a checkout or git directory of karpathy/nanoGPT")
+    parser.add_argument("--side-python", default=SIDE_PYTHON,
+                        help="the python with torchvision, timm and open_clip (see the top of "
+                             "this file)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of the training processes (1)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    parser.add_argument("--show", help="print the table of a result file written by --out")
+    args = parser.parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            saved = json.load(f)
+        print(table(saved["rows"], saved["score"]))
+        return 0
+    entries = selected(args.only)
+    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="third_party_"))
+    runs = os.path.join(workdir, "runs")
+    os.makedirs(runs, exist_ok=True)
+    setup = Setup(args, workdir)
+    started = time.monotonic()
+    rows = []
+    for entry in entries:  # one training process at a time
+        rows.append(score_one(entry, setup, runs, args.timeout, args.threads))
+        r = rows[-1]
+        state = (f"not run: {r['not_run']}" if r["not_run"] else
+                 f"{r['got']} {r['confidence']} ({'right' if r['right'] else 'WRONG'}, "
+                 f"{r.get('seconds')} s)")
+        print(f"third_party: {r['name']}: {state}", file=sys.stderr, flush=True)
+    score = summary(rows)
+    print(table(rows, score))
+    if args.out:
+        side = setup.info.get("side")
+        env: dict[str, Any] = {
+            "python": sys.version.split()[0], "side_python": args.side_python,
+            "side": None if side is None else str(side),
+            "timm_repo": args.timm_repo, "timm_commit": setup.info.get("timm_commit"),
+            "nanogpt_repo": args.nanogpt_repo,
+            "nanogpt_commit": setup.info.get("nanogpt_commit"),
+            "main": main_versions(), "threads": args.threads, "wall_s": round(time.monotonic() - started, 1)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "score": score, "env": env}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

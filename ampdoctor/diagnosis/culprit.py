@@ -6,7 +6,7 @@ re-run, and the evidence lines that tell it. No verdict is decided here: the rul
 
 A replay snapshot is the dict ``Facts.snapshots`` makes of one ``/snapshots`` row (``phase``,
 ``module``, ``module_type``, ``fp32_finite`` 1/0/-1, ``fp32_absmax``, ``in_absmax``, ``scale``,
-``detail``: what ``record/replay.py`` found, parsed from JSON).
+``detail``: what ``record/forensic/replay.py`` found, parsed from JSON).
 
 Example::
 

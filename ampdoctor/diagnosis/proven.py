@@ -2,7 +2,7 @@
 the evidence, and in the fixes' order.
 
 At the event the recorder tried the fixes one step can test on the failing step
-(``record/proofs.py``: an fp32 island around the culprit, bf16 instead of fp16, the loss in
+(``record/forensic/proofs.py``: an fp32 island around the culprit, bf16 instead of fp16, the loss in
 fp32, the logits form) and kept each outcome in the snapshot (``detail["trials"]``); a loss
 whose backward is singular had the clamp of its op's input tried on the held values
 (``singular.clamp_trial``). ``apply`` gives each fix of a diagnosis its ``tried``,

@@ -1,7 +1,7 @@
 """Is it the numbers or the machine? What the forensic replays say about reproduction.
 
 A replay re-runs the failing step on the same batch, weights and RNG state, and compares it
-with what the real step saw (``record/reproduce.py`` writes the snapshot's ``recorded``,
+with what the real step saw (``record/forensic/reproduced.py`` writes the snapshot's ``recorded``,
 ``rerun``, ``reproduced``, ``loss_fp32`` and ``targets``). Two verdicts come of it:
 
 * ``not_reproducible`` (``rule_not_reproducible``): the first failing step that was replayed

@@ -39,10 +39,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import stats
+from .. import stats
+from ..sampler import tensors_in
+from ..torchcompat import autocast_state
 from .losscall import Missing
-from .sampler import tensors_in
-from .torchcompat import autocast_state
 from .trace import Capture, autocast, set_rng, unwrap
 
 

@@ -28,7 +28,7 @@ without one just before ``optimizer.step`` when the loss or the grad norm is non
 micro-batches of the step are replayed in order by ``replay.explain`` until one explains the
 event (forward culprit, backward culprit, bad batch or loss); if none does and ``.grad`` is
 non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped). A loss-phase
-finding is checked against what the real step saw (``reproduce``): the loss recomputed, in
+finding is checked against what the real step saw (``reproduced``): the loss recomputed, in
 fp32 too, its targets read; a step whose loss or output was non-finite and whose replay is
 finite did not reproduce (the machine, not the numbers). ``trial`` and ``rerun`` re-run a
 step under a ``trial.Trial`` (an fp32 island, another autocast dtype, the loss in
@@ -77,7 +77,7 @@ reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``find
 
 (About 600 lines: capture, trigger policy and the replay search share one step's captures
 and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
-``kept``, ``losscall``, ``reproduce``, ``trial``, ``proofs``, ``singular``.)
+``kept``, ``losscall``, ``reproduced``, ``trial``, ``proofs``, ``singular``.)
 """
 
 from __future__ import annotations
@@ -91,21 +91,22 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..errors import AmpDoctorError
-from ..runfile.schema import Event, Phase
-from . import compiled, findings, losscall, proofs, replay, reproduce, sharding, snapshot, stats
+from ...errors import AmpDoctorError
+from ...runfile.schema import Event, Phase
+from .. import compiled, sharding, stats
+from ..journal import Journal
+from ..sampler import tensors_in
+from ..steplog import StepLog
+from ..steps import columns, device_values, fetch
+from ..watched import Watched
+from . import findings, losscall, proofs, replay, reproduced, snapshot
 from .accum import explain, overflow
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
 from .isolated import preserved
-from .journal import Journal
 from .kept import Kept, offload, reload, versions
-from .sampler import tensors_in
-from .steplog import StepLog
-from .steps import columns, device_values, fetch
 from .trace import Capture, Trace, rng_state, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
-from .watched import Watched
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
 GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
@@ -498,15 +499,15 @@ class Forensics:
                                "was changed in place after the step: the replay is not "
                                "faithful")
         elif finding.phase == Phase.NONE:
-            finding.detail["recorded"] = reproduce.recorded(captures[micro])
-            reproduce.not_reproduced(finding, finding.detail["recorded"], None)
+            finding.detail["recorded"] = reproduced.recorded(captures[micro])
+            reproduced.not_reproduced(finding, finding.detail["recorded"], None)
         return trace, finding, micro
 
     def _examine(self, cap: Capture, trace: Trace, finding: Culprit) -> None:
-        """``reproduce.examine``; a re-run that fails in the user's code leaves the finding
+        """``reproduced.examine``; a re-run that fails in the user's code leaves the finding
         as the replay made it (and says why)."""
         try:
-            reproduce.examine(cap, trace, finding, self.watched.names)
+            reproduced.examine(cap, trace, finding, self.watched.names)
         except Exception as exc:  # noqa: BLE001 - the replay's finding stands without it
             if self.strict:
                 raise

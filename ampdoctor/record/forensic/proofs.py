@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..runfile.schema import Event, Phase
+from ...runfile.schema import Event, Phase
 from . import singular
 from .culprit import Culprit
 from .trace import Capture, unwrap

@@ -1,8 +1,8 @@
-"""The fixes tried on the saved failing step at the event (``record/proofs.py``) and the loss's
-backward checked in fp32 (``record/singular.py``), under ``ampdoctor.watch`` on tiny models in
-the test process: what each trial found, what the singular op's input held, and that none of
-it leaves a trace on the run (RNG, buffers, weights, optimizer state and ``.grad`` bit for
-bit as without ampdoctor)."""
+"""The fixes tried on the saved failing step at the event (``record/forensic/proofs.py``) and
+the loss's backward checked in fp32 (``record/forensic/singular.py``), under ``ampdoctor.watch``
+on tiny models in the test process: what each trial found, what the singular op's input held,
+and that none of it leaves a trace on the run (RNG, buffers, weights, optimizer state and
+``.grad`` bit for bit as without ampdoctor)."""
 
 import json
 import weakref
@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampdoctor
-from ampdoctor.record import singular
+from ampdoctor.record.forensic import singular
 from ampdoctor.runfile.schema import Event
 
 
@@ -281,7 +281,7 @@ def test_a_loss_argument_made_from_the_outputs_by_other_ops_is_not_held():
     neither held (it carries the real step's graph, freed by its backward: every trial on
     open_clip failed with 'Trying to backward through the graph a second time') nor rebuilt;
     a re-run starts its backward from the outputs instead."""
-    from ampdoctor.record import losscall
+    from ampdoctor.record.forensic import losscall
 
     image = torch.randn(4, 8, requires_grad=True) * 1.0
     text = torch.randn(4, 8, requires_grad=True) * 1.0

@@ -14,10 +14,10 @@
    non-finite while its inputs are finite, preferring the innermost one that explains it;
    else the first module in backward order whose grad_input (or own parameter gradient) is
    non-finite while its grad_output is finite; else the batch or the loss;
-4. re-runs the culprit alone (``rerun.check_culprit``), once as it ran (exact statistics in the
-   run's precision) and once in fp32: autocast off, inputs ``.float()``, an fp32 copy of
-   the module if its parameters are half; for a backward culprit, its backward from the
-   same grad_output.
+4. re-runs the culprit alone (``culprit_rerun.check_culprit``), once as it ran (exact
+   statistics in the run's precision) and once in fp32: autocast off, inputs ``.float()``, an
+   fp32 copy of the module if its parameters are half; for a backward culprit, its backward
+   from the same grad_output.
 
 The culprit's inputs (and its grad_output) are not held during the instrumented pass, which
 keeps the replay's memory close to the training step's: a second, lean pass re-runs the
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..runfile.schema import Phase
+from ...runfile.schema import Phase
 from .culprit import Culprit, bad_batch, decide, describe
-from .rerun import check_culprit
+from .culprit_rerun import check_culprit
 from .trace import HARD, Capture, Trace
 
 

@@ -23,8 +23,8 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from ..runfile.schema import Phase
-from . import stats
+from ...runfile.schema import Phase
+from .. import stats
 from .trace import CLEAN, HARD, ROOT_INPUT, SOFT, UNKNOWN, Call, Capture, Trace
 
 

@@ -24,7 +24,7 @@ Only on the event: host reads and one more forward and backward per re-run.
 Example (what ``Forensics._search`` does with a micro-batch's finding)::
 
     if finding.phase == Phase.LOSS:
-        reproduce.examine(cap, trace, finding, names)
+        reproduced.examine(cap, trace, finding, names)
     finding.detail["reproduced"]     # False: the machine, not the numbers
 """
 
@@ -34,9 +34,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..numfmt import fmt
-from ..runfile.schema import Phase
-from . import losscall, stats, trial
+from ...numfmt import fmt
+from ...runfile.schema import Phase
+from .. import stats
+from . import losscall, trial
 from .culprit import Culprit
 from .trace import Capture, Trace
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..runfile.schema import Kind, Phase
-from . import patches, stats, torchcompat
+from ...runfile.schema import Kind, Phase
+from .. import patches, stats, torchcompat
+from ..sampler import tensors_in
 from .culprit import Culprit
-from .sampler import tensors_in
 from .trace import Call, Slot, Trace, autocast, labeled, rng_state, row_summary, set_rng, to_fp32
 
 
@@ -142,7 +142,7 @@ def check_culprit(trace: Trace, f: Culprit) -> None:
 def _probe_ops(f: Culprit, module: torch.nn.Module, target: _Target) -> None:
     """Which op inside a forward culprit went non-finite first (``opprobe``): tells a mask
     constant that fp16 cannot hold from a product that overflows."""
-    from .opprobe import first_nonfinite_op
+    from ..opprobe import first_nonfinite_op
 
     set_rng(target.rng)
     try:

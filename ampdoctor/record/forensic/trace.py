@@ -34,10 +34,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from ..runfile import schema
-from ..runfile.schema import Kind
-from . import patches, stats, torchcompat
-from .sampler import tensors_in
+from ...runfile import schema
+from ...runfile.schema import Kind
+from .. import patches, stats, torchcompat
+from ..sampler import tensors_in
 
 CLEAN, SOFT, HARD = 0, 1, 2
 ROOT_INPUT, UNKNOWN = -1, -2  # sources of a module input that no module call produced

@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..runfile.schema import Phase
+from ...runfile.schema import Phase
+from ..sampler import tensors_in
 from .culprit import Culprit
-from .sampler import tensors_in
 from .trace import Capture, autocast, set_rng, unwrap
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .torchcompat import autocast_state
+from ..torchcompat import autocast_state
 
 # The loss functions of torch.nn.functional seen through the door (``patches.patch_losses``).
 LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy",

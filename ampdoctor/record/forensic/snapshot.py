@@ -18,9 +18,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..runfile import schema, store
-from ..runfile.schema import Event, Source
-from . import sharding
+from ...runfile import schema, store
+from ...runfile.schema import Event, Source
+from .. import sharding
 from .culprit import Culprit
 from .findings import ReplayResult
 from .trace import Capture, Slot, Trace, labeled

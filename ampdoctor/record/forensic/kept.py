@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..sampler import tensors_in
 from .losscall import LossCall, Weak
-from .sampler import tensors_in
 from .trace import Capture
 
 

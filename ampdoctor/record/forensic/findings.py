@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..runfile import schema
-from ..runfile.schema import Event, Phase
+from ...runfile import schema
+from ...runfile.schema import Event, Phase
 from .culprit import Culprit
 from .trace import Trace
 

@@ -12,10 +12,11 @@
   stops falling), ``schedules`` (LR scheduler steps per optimizer step)
 - ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
   fixes tried on it (its own docstring lists its modules)
-- ``ampdoctor record -- COMMAND``: ``launch`` (the parent), ``child`` (each Python process of
-  the command), ``written`` (the files a node's processes wrote), ``_bootstrap/`` (the
-  ``sitecustomize`` that starts ``child``)
-- ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them applied)
+- ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own
+  docstring lists its modules)
+- ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them applied in
+  each process of the command; flat here, since ``steplog`` reads the LR factor it applied)
 
-Importing this package imports nothing (``launch`` is imported by the CLI without torch).
+Importing this package imports nothing (``command.launch`` is imported by the CLI without
+torch).
 """

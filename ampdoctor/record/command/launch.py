@@ -8,15 +8,15 @@ the file it writes into site-packages)::
 1. ``record`` checks the output before anything runs: its directory must exist and accept a
    new file, and an existing run (``run.h5`` or ``run.rank{R}.h5``) is replaced only with
    ``--force``. Then it starts the command unchanged, with
-   - ``ampdoctor/record/_bootstrap`` prepended to ``PYTHONPATH``: its ``sitecustomize`` runs in
-     every Python interpreter the command starts, after chaining to any ``sitecustomize`` the
-     user already had;
+   - ``ampdoctor/record/command/_bootstrap`` prepended to ``PYTHONPATH``: its
+     ``sitecustomize`` runs in every Python interpreter the command starts, after chaining to
+     any ``sitecustomize`` the user already had;
    - the settings in ``AMPDOCTOR_*`` variables, which launchers that re-exec their workers
      (torchrun, accelerate) pass on with the rest of the environment.
 2. Inside each of those interpreters nothing happens until torch is imported (a script that
-   never imports torch records nothing); then ``ampdoctor.record.child`` starts a recorder that
-   finds the model, optimizer and scaler itself, and creates its file at the first sign of
-   training.
+   never imports torch records nothing); then ``ampdoctor.record.command.child`` starts a
+   recorder that finds the model, optimizer and scaler itself, and creates its file at the
+   first sign of training.
 3. ``record`` forwards SIGINT and SIGTERM, waits, prints what was recorded on stderr, and exits
    with the command's own exit code. stdin, stdout and stderr are the command's.
 
@@ -24,8 +24,8 @@ The same settings can come from the environment, for a launcher that runs ``ampd
 itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FORCE``, ``AMPDOCTOR_QUIET``.
 
 ``--apply FIX[=VALUE]`` (repeatable) treats the command as well: the fixes, checked here before
-anything starts (``prescription.py``), travel to the children in ``AMPDOCTOR_APPLY``, where
-``treatment.py`` applies them from the bootstrap, before the recorder starts.
+anything starts (``record/prescription.py``), travel to the children in ``AMPDOCTOR_APPLY``, where
+``record/treatment.py`` applies them from the bootstrap, before the recorder starts.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..diagnosis import ranks
-from ..errors import RecordError, RunFileError
-from ..runfile import paths, store
-from . import prescription, written
-from .prescription import Prescription
+from ...diagnosis import ranks
+from ...errors import RecordError, RunFileError
+from ...runfile import paths, store
+from .. import prescription
+from ..prescription import Prescription
+from . import written
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
@@ -58,7 +59,7 @@ ENV_ACTIVE = "AMPDOCTOR_RECORD"
 # Taken (removed from the environment) by the first Python of the command that imports torch:
 # that process leaves a file even if it never trains; the processes it starts do not.
 ENV_TOP = "AMPDOCTOR_TOP"
-# Set by `record`: the list file (record/written.py) where each child notes the run file it
+# Set by `record`: the list file (record/command/written.py) where each child notes the run file it
 # created, so that `record` speaks of its own node's files only.
 ENV_SESSION = "AMPDOCTOR_SESSION"
 
@@ -432,8 +433,8 @@ def node_files(settings: Settings) -> list[str]:
 
 def _outline(path: str) -> dict:
     """``ranks.outline`` of one file, from its summary where it has one (a few milliseconds)."""
-    from ..diagnosis import job
-    from ..runfile.store import load, summary
+    from ...diagnosis import job
+    from ...runfile.store import load, summary
 
     s = summary.read(path)
     if s is not None:
@@ -523,7 +524,7 @@ def _verdict(files: list[str], ranked: bool) -> str:
     """``diagnose``'s verdict and first bad step over ``files``, "lr_overflow, first bad at
     step 4 in blocks.0.attn (backward)", or "" when the run cannot be diagnosed (the line says
     less)."""
-    from ..diagnosis.engine import diagnose
+    from ...diagnosis.engine import diagnose
 
     try:
         d = diagnose(files if len(files) > 1 else files[0])

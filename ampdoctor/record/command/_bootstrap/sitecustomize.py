@@ -5,8 +5,8 @@ starts (the script, torchrun's workers, helper processes) runs this file at star
 little as it can there:
 
 1. it waits for ``import torch`` with a one-shot import hook; only then does it load ampdoctor
-   and start recording (``ampdoctor.record.child``). A script that never imports torch loads nothing
-   of ampdoctor and records nothing;
+   and start recording (``ampdoctor.record.command.child``). A script that never imports
+   torch loads nothing of ampdoctor and records nothing;
 2. it runs the ``sitecustomize`` this one hides (the user's own, or the distribution's), the
    way coverage.py's subprocess support does.
 
@@ -17,17 +17,19 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # the ampdoctor of ampdoctor/record/_bootstrap
-_ACTIVE = "AMPDOCTOR_RECORD"  # = record.launch.ENV_ACTIVE (not imported: startup stays light)
+# the ampdoctor of ampdoctor/record/command/_bootstrap
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+# = record.command.launch.ENV_ACTIVE (not imported: startup stays light)
+_ACTIVE = "AMPDOCTOR_RECORD"
 
 
 def _start_recording():
     """torch has just been imported: start ampdoctor's recorder in this process."""
     try:
         _ampdoctor()
-        import ampdoctor.record.child
+        import ampdoctor.record.command.child
 
-        ampdoctor.record.child.start()
+        ampdoctor.record.command.child.start()
     except Exception as exc:  # noqa: BLE001 - never stop the user's script from starting
         sys.stderr.write("ampdoctor: not recording this process (%s: %s)\n"
                          % (type(exc).__name__, exc))

@@ -27,7 +27,7 @@ import sys
 import warnings
 from typing import Any, Optional
 
-from ..runfile import paths, schema
+from ...runfile import paths, schema
 from . import launch, written
 
 _SESSION: Optional["Session"] = None
@@ -37,7 +37,7 @@ class Session:
     """The recording of one process of the command."""
 
     def __init__(self, settings: launch.Settings):
-        from .recorder import Recorder
+        from ..recorder import Recorder
 
         self.settings = settings
         self.pid = os.getpid()
@@ -53,7 +53,7 @@ class Session:
         if not self.settings.apply:
             return self
         try:
-            from .treatment import Treatment
+            from ..treatment import Treatment
 
             self.treatment = Treatment(list(self.settings.apply), note=self.note_applied)
             self.treatment.install()
@@ -111,7 +111,7 @@ class Session:
 
 def _placeholder(path: str) -> bool:
     """A finished run with no step: what a never-training process of this recording left."""
-    from ..runfile.store import load
+    from ...runfile.store import load
 
     try:
         with load(path) as run:

@@ -153,7 +153,7 @@ def evidence(s: Singular) -> Evidence:
 
 def clamp_trial(s: Singular) -> Optional[dict]:
     """The clamp at ``eps`` tried on the held values (a trial of ``clamp_loss_input``, in the
-    form ``proven`` reads), or None when it was not measured."""
+    form ``proofs`` reads), or None when it was not measured."""
     if s.source != "graph" or s.eps is None or s.clamped_nonfinite is None:
         return None
     finite = s.clamped_nonfinite == 0

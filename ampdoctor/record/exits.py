@@ -199,7 +199,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(_HERE)
 _RECORDING_DIRS = (_PACKAGE, _HERE) + tuple(
     os.path.join(_HERE, room) for room in ("forensic", "command")) + tuple(
-    os.path.join(_PACKAGE, sub) for sub in ("runfile", "diagnosis", "release", "render"))
+    os.path.join(_PACKAGE, sub) for sub in ("runfile", "diagnosis", "diagnosis/rules", "release",
+                                            "render"))
 RECORDING_CODE = frozenset(
     os.path.join(folder, name) for folder in _RECORDING_DIRS for name in os.listdir(folder)
     if name.endswith(".py")

@@ -1,7 +1,7 @@
 """A located overflow: one op (``unstable_op``, ``mask_overflow``; taxonomy C3, C7a) or the
 learning rate growing everything until something overflowed (``lr_overflow``, C2).
 
-``rule_culprit`` reads the forensic replay of the failing step (``culprit.py``), and
+``rule_culprit`` reads the forensic replay of the failing step (``diagnosis/culprit.py``), and
 ``rule_sampled_culprit`` the sampled tier when no replay was made; both ask the C2 growth
 signals (``growth_evidence``: weights, updates, activations, gradients, the loss and the LR
 growing before the failure) whether the weights were steady. Steady weights and a finite fp32
@@ -21,11 +21,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import count, fmt
-from . import culprit, fixes, schedule
-from .facts import Facts
+from ...numfmt import count, fmt
+from .. import culprit, fixes, schedules
+from ..facts import Facts
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 from .learning import loss_evidence
-from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- the growth signals' thresholds (taxonomy C2) ---------------------------------------------
 
@@ -206,7 +206,7 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
                                            for e in ev):
         ev = ev + [Evidence(steady.fact, "weights_not_steady")]
     ev = ev + lr_evidence(f)
-    scheduler = schedule.per_micro(f)
+    scheduler = schedules.per_micro(f)
     if scheduler is not None:
         ev.insert(0, scheduler)
     module = where.get("module") if where else None
@@ -219,8 +219,8 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
                 "until they overflowed even "
                 + ("bf16, which has fp32's range" if f.low_precision == "bf16" else "fp32")
                 + ". This is divergence, not a precision problem: lower the LR.")
-    return Finding("lr_overflow", conf, text + schedule.summary(f), ev,
-                   fixes.make(schedule.lr_fixes(f, ["lower_lr", "use_bf16"]),
+    return Finding("lr_overflow", conf, text + schedules.summary(f), ev,
+                   fixes.make(schedules.lr_fixes(f, ["lower_lr", "use_bf16"]),
                               f.fix_context(module, step=where.get("step") if where else None)),
                    where, priority=PRIORITY["lr_overflow"], premises=[_grew(ev, steady)])
 

@@ -12,12 +12,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
-from ..runfile.schema import DType, Kind
-from . import fixes
-from .facts import Facts, module_of
-from .thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
-from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from ...numfmt import fmt
+from ...runfile.schema import DType, Kind
+from .. import fixes
+from ..facts import Facts, module_of
+from ..thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- thresholds ------------------------------------------------------------------------------
 

@@ -35,12 +35,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
-from ..runfile.schema import Kind
-from . import curve, fixes, schedule
-from .facts import Facts
-from .thresholds import UNCHANGED_HIGH
-from .verdict import PRIORITY, Evidence, Finding, first_bad
+from ...numfmt import fmt
+from ...runfile.schema import Kind
+from .. import curve, fixes, schedules
+from ..facts import Facts
+from ..thresholds import UNCHANGED_HIGH
+from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
 # -- thresholds ------------------------------------------------------------------------------
 # (the loss curve's own thresholds, spike and recovery, are in curve.py)
@@ -375,8 +375,8 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"
-                   + schedule.summary(f), _scheduled(f, ev + [answer]),
-                   fixes.make(schedule.lr_fixes(f, ["lower_lr"] + (
+                   + schedules.summary(f), _scheduled(f, ev + [answer]),
+                   fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
                        ["revive_units"] if kind == "dead_units" else [])), ctx),
                    first_bad(onset, module, None),
                    priority=PRIORITY["diverged"], kind=kind)
@@ -394,9 +394,9 @@ def _climbed(f: Facts) -> Finding:
     return Finding("diverged", _sure(0.7, answer),
                    f"Training diverged without any inf/NaN: the loss climbed "
                    f"{c.end / c.start:.0f}x above where it began, from step {onset} on, and "
-                   f"never came back. {_conclusion(f, answer)}" + schedule.summary(f),
+                   f"never came back. {_conclusion(f, answer)}" + schedules.summary(f),
                    _scheduled(f, ev + [answer]),
-                   fixes.make(schedule.lr_fixes(f, ["lower_lr"]),
+                   fixes.make(schedules.lr_fixes(f, ["lower_lr"]),
                               _blowup_context(f, None, c.climb_onset)),
                    first_bad(onset, None, None), priority=PRIORITY["diverged"],
                    kind="climbed")
@@ -404,7 +404,7 @@ def _climbed(f: Facts) -> Finding:
 
 def _scheduled(f: Facts, ev: list[Evidence]) -> list[Evidence]:
     """The evidence, with a scheduler stepped per micro-batch first when there was one."""
-    found = schedule.per_micro(f)
+    found = schedules.per_micro(f)
     return [found] + ev if found is not None else ev
 
 

@@ -31,13 +31,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import count, fmt
-from ..runfile.schema import Kind
-from . import curve, fixes, schedule
-from .facts import Facts
+from ...numfmt import count, fmt
+from ...runfile.schema import Kind
+from .. import curve, fixes, schedules
+from ..facts import Facts
+from ..thresholds import SHORT_RUN, UNCHANGED_HIGH
+from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 from .progress import precision_answer, untroubled
-from .thresholds import SHORT_RUN, UNCHANGED_HIGH
-from .verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # Sure of little: the numbers say the loss is flat and that nothing recorded explains it.
 CONFIDENCE = 0.4
@@ -68,7 +68,7 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                else f"{clean} (no sampled step measured the gradients and updates: record with "
                "`--every N`)")
     why = " Not a precision problem: fp32 would do the same." if answer.value else ""
-    sched = schedule.per_micro(f)
+    sched = schedules.per_micro(f)
     if sched is not None:  # a cause the run shows, though not one that proves the flat loss
         ev.insert(0, sched)
         return Finding("not_learning", SCHEDULER_CONFIDENCE,

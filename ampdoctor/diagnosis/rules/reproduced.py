@@ -31,10 +31,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
-from . import fixes
-from .facts import Facts
-from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from ...numfmt import fmt
+from .. import fixes
+from ..facts import Facts
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 STEPS_LISTED = 8  # steps named in a count's evidence
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from synthetic import Synth
 
-from ampdoctor.diagnosis import curve, engine, learning, progress
+from ampdoctor.diagnosis import curve, engine
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.diagnosis.rules import learning, progress
 from ampdoctor.runfile.schema import Event, Kind
 
 

@@ -3,7 +3,7 @@
 summed past 65504 in an fp16 ``.grad`` (``accum_overflow``), module buffers poisoned while the
 weights stay finite (``state_poisoning``, C10), an Adam eps that is 0 in fp16 (``adam_eps``,
 C4), and the loss or its backward (``fp16_loss``, C7b). Each reads the forensic replays and the
-sampled tier (``culprit.py``) for the signal its class is told by.
+sampled tier (``diagnosis/culprit.py``) for the signal its class is told by.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import fmt
-from ..runfile.schema import DType, Event, Kind
-from . import fixes, singular
-from .culprit import input_out_of_range, root_grad_output, snapshot_at
-from .facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
-from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from ...numfmt import fmt
+from ...runfile.schema import DType, Event, Kind
+from .. import fixes, singular
+from ..culprit import input_out_of_range, root_grad_output, snapshot_at
+from ..facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # ---------------------------------------------------------------------------------------------
 # C5: the data

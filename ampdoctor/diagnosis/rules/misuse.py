@@ -14,11 +14,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..numfmt import count, fmt
-from ..runfile.schema import Event
-from . import fixes
-from .facts import Facts
-from .verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from ...numfmt import count, fmt
+from ...runfile.schema import Event
+from .. import fixes
+from ..facts import Facts
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # -- thresholds --------------------------------------------------------------------------------
 

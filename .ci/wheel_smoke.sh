@@ -26,9 +26,9 @@ import json, sys
 d = json.load(open("d.json"))
 assert d["verdict"] == "unstable_op", d["verdict"]
 assert sys.argv[1] == "1", f"diagnose --fail-on unhealthy exited {sys.argv[1]}, not 1"
-import ampdoctor, ampdoctor.record, os
+import ampdoctor, ampdoctor.record.command, os
 assert ampdoctor.__file__.startswith(sys.prefix), (ampdoctor.__file__, sys.prefix)
-boot = os.path.join(os.path.dirname(ampdoctor.record.__file__), "_bootstrap", "sitecustomize.py")
+boot = os.path.join(os.path.dirname(ampdoctor.record.command.__file__), "_bootstrap", "sitecustomize.py")
 assert os.path.isfile(boot), boot
 print(f"wheel smoke test: {d['verdict']} from the installed wheel")
 PY

@@ -64,7 +64,7 @@ def record(output: str, every: Optional[int], force: bool, quiet: bool,
         ampdoctor record -o run.h5 -- torchrun --standalone --nproc_per_node=2 train.py
         ampdoctor record --apply lr_factor=0.1 -o fixed.h5 -- python train.py --lr 3e-4
     """
-    from .record import launch
+    from .record.command import launch
 
     code = launch.record(list(command), output, every=every, force=force, quiet=quiet,
                          apply=apply)

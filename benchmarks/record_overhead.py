@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ampdoctor.record import launch  # noqa: E402
+from ampdoctor.record.command import launch  # noqa: E402
 
 TRAIN = r"""
 import time, torch, torch.nn as nn, torch.nn.functional as F

@@ -58,7 +58,7 @@ print(json.dumps({"s": seconds, "rss_mb": int(hwm) / 1024, "verdict": d.verdict,
 LIVE = """
 import json, os, sys, time
 from ampdoctor.live import follow, frame, top
-from ampdoctor.record import launch, written
+from ampdoctor.record.command import launch, written
 paths, late = json.loads(sys.argv[1]), int(sys.argv[2])
 base = os.path.join(os.path.dirname(paths[0]), "run.h5")
 f = follow.Follower(base, full_ranks=follow.FULL_RANKS)

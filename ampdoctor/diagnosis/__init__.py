@@ -1,8 +1,19 @@
 """From a run to a diagnosis: numpy only.
 
-``facts`` reduces a run to what the rules need; the rules decide the verdicts (one function per
-verdict, by family: ``misuse``, ``located``, ``overflow`` with ``culprit`` reading the forensic
-replays, ``trends``, ``progress``), tried in the order of ``rules.RULES`` by
-``engine.diagnose``; ``fixes`` are the fixes they propose; ``forecast`` is the early warning;
-``ranks`` merges the files of a multi-process run.
+``engine.diagnose`` is the facade, over:
+
+- the facts, what the rules read: ``facts`` (a run reduced to what the rules need, with
+  ``scale``: the loss scale's story, ``streamed``: /stats in one pass), ``layers``, ``curve``;
+  the readers of what the forensic tier recorded, each named as its writer in
+  ``record/forensic/`` or ``record/``: ``culprit`` (the replays), ``singular`` (the loss's
+  fp32 check), ``schedules`` (LR scheduler steps per optimizer step), ``proofs`` (the fixes
+  tried on the saved step: outcome, proven, order)
+- ``rules/``: the rules by family, one function per verdict, tried in the order of
+  ``rules.RULES`` (its own docstring lists its modules)
+- ``fixes/``: the fixes they propose; ``dose``: the numbers a fix prescribes, from the run
+- ``verdict``: ``Diagnosis``, ``Finding``, ``Evidence``, ``Premise``, the verdict table;
+  ``notes``: what a diagnosis could not tell; ``thresholds``: the shared thresholds
+- ``forecast``: the early warning
+- ``ranks`` (the files of a multi-process run, merged), ``job`` (a job's ranks from their
+  summaries), ``rankview`` (the rank view)
 """

@@ -2,11 +2,11 @@
 was made: the replay that describes a failing step, the module and op that produced the value
 (following a -inf that a later module turned into NaN back to its producer), the culprit's fp32
 re-run, and the evidence lines that tell it. No verdict is decided here: the rules in
-``overflow.py``, ``located.py`` and ``rules.py`` read these.
+``rules/overflow.py``, ``rules/located.py`` and ``rules/fallbacks.py`` read these.
 
 A replay snapshot is the dict ``Facts.snapshots`` makes of one ``/snapshots`` row (``phase``,
 ``module``, ``module_type``, ``fp32_finite`` 1/0/-1, ``fp32_absmax``, ``in_absmax``, ``scale``,
-``detail``: what ``record/replay.py`` found, parsed from JSON).
+``detail``: what ``record/forensic/replay.py`` found, parsed from JSON).
 
 Example::
 

@@ -51,7 +51,7 @@ MIN_AFTER = 10
 # Not recovered: the end of the run sits >= 3x above the level before the spike, and that gap
 # is >= 4 standard errors of the two medians compared (noisy curves need a wider gap). 3x, not
 # 2x: a loss that rises over a run by design (KL annealing, a curriculum) plus one freak batch
-# must not read as a blow-up (measured on synthetic curves: tests/diagnosis/test_progress.py).
+# must not read as a blow-up (measured on synthetic curves: tests/diagnosis/rules/test_progress.py).
 STUCK = 3.0
 STUCK_SIGMAS = 4.0
 # "Stayed up" is asked of 3 in 4 of the steps of a stretch (its 25th percentile), not of its

@@ -27,11 +27,11 @@ import numpy as np
 from ..errors import AmpDoctorError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, overflow, proven, ranks, rankview
+from . import forecast, job, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
-from .progress import flat_warning
-from .rules import RULES
+from .rules import RULES, overflow
+from .rules.progress import flat_warning
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
@@ -283,7 +283,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             if fx.id not in seen:
                 seen.add(fx.id)
                 fixes.append(fx)
-    fixes = proven.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
+    fixes = proofs.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
     summary = top.summary + (overflow.island_outcome(fixes) if top.verdict == "unstable_op"
                              else "")
     history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(

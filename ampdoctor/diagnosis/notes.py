@@ -18,8 +18,9 @@ import numpy as np
 from ..numfmt import count, fmt
 from ..runfile import schema
 from ..runfile.schema import Event
-from . import ranks, reproduced
-from .overflow import hidden_note
+from . import ranks
+from .rules import reproduced
+from .rules.overflow import hidden_note
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, Finding
 

@@ -2,7 +2,7 @@
 
 Where the loss's backward sends inf/NaN into the model's output while the loss is finite
 (``fp16_loss`` of kind ``loss_backward``), the recorder checks the loss's derivative at the
-failing values in fp32 (``record/singular.py``):
+failing values in fp32 (``record/forensic/singular.py``):
 
 * a loss written by hand: the op of its autograd graph whose derivative is infinite at a point
   (a power below 1, sqrt, log at 0; acos, asin at +-1), its input read before a later failing
@@ -153,7 +153,7 @@ def evidence(s: Singular) -> Evidence:
 
 def clamp_trial(s: Singular) -> Optional[dict]:
     """The clamp at ``eps`` tried on the held values (a trial of ``clamp_loss_input``, in the
-    form ``proven`` reads), or None when it was not measured."""
+    form ``proofs`` reads), or None when it was not measured."""
     if s.source != "graph" or s.eps is None or s.clamped_nonfinite is None:
         return None
     finite = s.clamped_nonfinite == 0

@@ -30,8 +30,8 @@ class Verdict:
     """One verdict's declaration: every table about verdicts derives from ``TABLE``.
 
     ``priority``: what its finding ranks by among root causes (``PRIORITY``; None where the rule
-    takes another key's, or no rule decides it). ``family``: the module of ``diagnosis/`` whose
-    rule decides it (``engine`` for healthy: no rule fired). ``report``: what the release
+    takes another key's, or no rule decides it). ``family``: the module of ``diagnosis/rules/``
+    whose rule decides it (``engine`` for healthy: no rule fired). ``report``: what the release
     report's precision decision reads into it: ``"range"`` (fp16's range failed: another dtype
     or fp32 islands are the remedy), ``"bug"`` (the script or its data: no dtype fixes it), or
     ``"neither"``. ``fixtures``: what shows it decided, keys of fixtures/verdicts/expected.json
@@ -47,6 +47,7 @@ class Verdict:
 
 
 _DIAG = "tests/diagnosis/test_diagnosis.py::"
+_OVERFLOW = "tests/diagnosis/rules/test_overflow.py::"
 TABLE = (
     Verdict("healthy", "no failure; GradScaler calibration and probing skips are normal",
             None, "engine", "neither", ("healthy_fp16", "healthy_bf16")),
@@ -94,16 +95,16 @@ TABLE = (
             "is finite: the machine (a faulty device, nondeterminism), not the numbers",
             83, "reproduced", "neither", ("faulty_device", "faulty_rank")),
     Verdict("scale_collapse", "the scale fell persistently and no root cause could be told",
-            None, "rules", "range",  # a consequence (root=False): ranks by nothing
+            None, "fallbacks", "range",  # a consequence (root=False): ranks by nothing
             (_DIAG + "test_scale_collapse_when_nothing_else_can_be_told",)),
     Verdict("nonfinite", "non-finite values that no class explains (low confidence; see notes)",
-            5, "rules", "neither",
-            (_DIAG + "test_nonfinite_in_fp32_too_without_growth_is_not_claimed",)),
+            5, "fallbacks", "neither",
+            (_OVERFLOW + "test_nonfinite_in_fp32_too_without_growth_is_not_claimed",)),
     Verdict("no_training", "no optimizer step was recorded",
-            70, "rules", "neither", (_DIAG + "test_no_steps_is_no_training",)),
+            70, "fallbacks", "neither", (_DIAG + "test_no_steps_is_no_training",)),
     Verdict("recording_stopped", "ampdoctor stopped recording (an internal error) before any "
             "step was kept; the script itself may have trained",
-            70, "rules", "neither",
+            70, "fallbacks", "neither",
             ("tests/integration/test_stacks.py::"
              "test_recording_stopped_before_any_step_is_not_never_trained",)),
 )

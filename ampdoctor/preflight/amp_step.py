@@ -45,8 +45,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..diagnosis import fixes, misuse
+from ..diagnosis import fixes
 from ..diagnosis.facts import Facts
+from ..diagnosis.rules import misuse
 from ..record import patches
 from ..record.recorder import Recorder
 from ..runfile import schema, store

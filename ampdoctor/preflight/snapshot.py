@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..record.isolated import restore_buffers, saved_buffers
-from ..record.trace import rng_state, set_rng
+from ..record.forensic.isolated import restore_buffers, saved_buffers
+from ..record.forensic.trace import rng_state, set_rng
 
 
 class Snapshot:

@@ -1,13 +1,22 @@
 """The torch side: recording a run.
 
-``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts: ``journal``
-(the run file's rows), ``watched`` (model, optimizers, scaler), ``hooks`` (the hook
-callbacks, declared in ``listener``, reached through ``patches``), ``steplog`` and ``steps``
-(the step buffer and its rows), ``skips`` (the skip decision and its syncs), ``exits``
-(SIGTERM, atexit, fork); ``stats``, ``sampler``, ``readback``, ``amp_state``, ``compiled`` and
-``sharding`` are what its hooks use; ``forensics`` (with ``findings``, ``snapshot``, ``kept``),
-``replay`` (``trace``, ``culprit``, ``rerun``) and ``opprobe`` are tier 3 (the culprit of the
-first non-finite value); ``launch``, ``child`` and ``_bootstrap/`` are ``ampdoctor record``.
+``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts:
 
-Importing this package imports nothing (``launch`` is imported by the CLI without torch).
+- ``journal``: the run file's rows; ``watched``: model, optimizers, scaler
+- ``hooks``: the hook callbacks, declared in ``listener``, reached through ``patches``
+- ``steplog`` and ``steps``: the step buffer and its rows; ``skips``: the skip decision, its syncs
+- ``exits``: SIGTERM, atexit, fork
+- what the hooks use: ``stats``, ``sampler`` (the sampled tier), ``readback``, ``amp_state``,
+  ``compiled``, ``sharding``, ``torchcompat``, ``environment``, ``handles`` (the script's names
+  for its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss
+  stops falling), ``schedules`` (LR scheduler steps per optimizer step)
+- ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
+  fixes tried on it (its own docstring lists its modules)
+- ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own
+  docstring lists its modules)
+- ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them applied in
+  each process of the command; flat here, since ``steplog`` reads the LR factor it applied)
+
+Importing this package imports nothing (``command.launch`` is imported by the CLI without
+torch).
 """

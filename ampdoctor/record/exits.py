@@ -192,13 +192,15 @@ class ExitGuard:
 
 # Code that changes the recorder's or the writer's state. A signal that lands in it is held
 # back until that code is done, so the file is never finished from half-made state.
-# That is record/ (the recorder and its helpers), runfile/ (the writer) and what they call:
-# the package's own modules, its numpy side; not live/ or preflight/, which run around
-# training code.
+# That is record/ (the recorder and its helpers, its forensic/ and command/ rooms), runfile/
+# (the writer) and what they call: the package's own modules, its numpy side; not live/ or
+# preflight/, which run around training code.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(_HERE)
 _RECORDING_DIRS = (_PACKAGE, _HERE) + tuple(
-    os.path.join(_PACKAGE, sub) for sub in ("runfile", "diagnosis", "release", "render"))
+    os.path.join(_HERE, room) for room in ("forensic", "command")) + tuple(
+    os.path.join(_PACKAGE, sub) for sub in ("runfile", "diagnosis", "diagnosis/rules", "release",
+                                            "render"))
 RECORDING_CODE = frozenset(
     os.path.join(folder, name) for folder in _RECORDING_DIRS for name in os.listdir(folder)
     if name.endswith(".py")

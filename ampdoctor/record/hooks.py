@@ -38,8 +38,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runfile.schema import Event, Kind, flag
-from . import flatloss, losscall, patches, sharding, stats
-from .forensics import Forensics
+from . import flatloss, patches, sharding, stats
+from .forensic import losscall
+from .forensic.forensics import Forensics
 from .journal import Journal
 from .opprobe import StepProbe
 from .sampler import Sampler

@@ -53,7 +53,7 @@ from ..runfile.schema import Event
 from ..version import __version__
 from . import exits, stats
 from .exits import active
-from .forensics import Forensics
+from .forensic.forensics import Forensics
 from .hooks import Hooks
 from .journal import Journal
 from .sampler import Sampler

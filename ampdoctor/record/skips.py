@@ -38,7 +38,7 @@ import torch
 
 from ..runfile.schema import Event, Kind
 from . import readback, sharding, stats
-from .forensics import Forensics
+from .forensic.forensics import Forensics
 from .journal import Journal
 from .steplog import StepLog
 from .steps import Step

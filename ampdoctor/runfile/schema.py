@@ -149,7 +149,7 @@ class Event(enum.IntEnum):
     SCHEDULER_STEPS = 18
     # The loss's backward was non-finite with a loss written by hand: on a later event the
     # input of each op of its graph whose derivative is infinite at a point (a power below 1,
-    # sqrt, log at 0; acos at +-1), read before that step's backward (record/singular.py).
+    # sqrt, log at 0; acos at +-1), read before that step's backward (record/forensic/singular.py).
     # value: how many of those values have a non-finite derivative in fp32 too; text: JSON
     # {"ops": [{"op", "node", "exponent", "points", "dtype", "numel", "at_point", "nearest",
     # "run", "fp32", "eps", "clamped"}, ...]}, the most singular first. Additive, as 17.

@@ -1,7 +1,7 @@
 """Fixes proven on the saved step, on runs built in memory (no torch): what the replay's trials
 (a snapshot's ``trials``) and the loss's fp32 check (``Event.LOSS_SINGULAR``, a snapshot's
 ``loss_singular_fp32``) make of each fix's ``tried``, ``outcome`` and ``finite``, of the
-evidence, and of the fixes' order (``diagnosis/proven.py``, ``diagnosis/singular.py``)."""
+evidence, and of the fixes' order (``diagnosis/proofs.py``, ``diagnosis/singular.py``)."""
 
 import json
 
@@ -9,7 +9,7 @@ import numpy as np
 from synthetic import Synth
 
 import ampdoctor
-from ampdoctor.diagnosis import proven
+from ampdoctor.diagnosis import proofs
 from ampdoctor.diagnosis.fixes import Fix
 from ampdoctor.render.diagnosis import fix_lines
 from ampdoctor.runfile.schema import DType, Event
@@ -72,9 +72,9 @@ def test_ranked_keeps_each_group_in_the_verdicts_order():
         return Fix(i, "", tried=was_tried, finite=finite)
 
     fixes = [fx("a"), fx("b", True, False), fx("c"), fx("d", True, True), fx("e", True, True)]
-    assert [f.id for f in proven.ranked(fixes)] == ["a", "d", "e", "c", "b"]
-    assert [f.id for f in proven.ranked([fx("a", True, False), fx("b")])] == ["b", "a"]
-    assert proven.ranked([]) == []
+    assert [f.id for f in proofs.ranked(fixes)] == ["a", "d", "e", "c", "b"]
+    assert [f.id for f in proofs.ranked([fx("a", True, False), fx("b")])] == ["b", "a"]
+    assert proofs.ranked([]) == []
 
 
 def test_a_fix_not_tried_says_why():

@@ -18,7 +18,7 @@ from synthetic import Synth, write
 import ampdoctor
 from ampdoctor import cli
 from ampdoctor.diagnosis import engine, job, ranks
-from ampdoctor.record import launch, written
+from ampdoctor.record.command import launch, written
 from ampdoctor.runfile import paths, schema, store, summary
 from ampdoctor.runfile.schema import Kind
 

@@ -14,7 +14,7 @@ from conftest import PYTHON, ROOT, python_env
 
 import ampdoctor
 from ampdoctor.diagnosis import ranks
-from ampdoctor.record import launch
+from ampdoctor.record.command import launch
 from ampdoctor.runfile import paths, schema, store
 from ampdoctor.runfile.schema import Event, Phase, flag
 
@@ -498,12 +498,12 @@ def test_two_records_into_one_output_the_second_refuses(tmp_path):
 
 
 def test_a_killed_record_leaves_no_lock_that_blocks_the_next(tmp_path):
-    from ampdoctor.record.launch import OutputLock
+    from ampdoctor.record.command.launch import OutputLock
 
     path = str(tmp_path / "run.h5")
     holder = subprocess.Popen([PYTHON, "-c", textwrap.dedent(f"""
         import sys, time
-        from ampdoctor.record.launch import OutputLock
+        from ampdoctor.record.command.launch import OutputLock
         with OutputLock({path!r}, "run.h5"):
             print("held", flush=True)
             time.sleep(60)
@@ -842,7 +842,7 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
     write_rank(paths.rank_path(base, 1), 1, 2, [8.0, 4.0], bad_loss={0}, skipped={0})
     out = str(tmp_path / "none.h5")
     code = ("import sys, ampdoctor; from ampdoctor import cli; "
-            "from ampdoctor.record import launch; "
+            "from ampdoctor.record.command import launch; "
             f"assert cli.main(['record', '-o', {out!r}, '--', sys.executable, '-c', 'pass']) == 0; "
             f"print(launch.summary(launch.Settings(output={base!r}, shown='ranks.h5'))); "
             f"d = ampdoctor.diagnose({base!r}); assert d.first_bad['rank'] == 1; "

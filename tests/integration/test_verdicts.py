@@ -31,8 +31,8 @@ from recording import command, start
 
 import ampdoctor
 from ampdoctor.diagnosis.facts import Facts, flat_probes
+from ampdoctor.diagnosis.rules.trends import computed_in_fp32
 from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
-from ampdoctor.diagnosis.trends import computed_in_fp32
 from ampdoctor.diagnosis.verdict import canonical
 
 FIXTURES = os.path.join(ROOT, "fixtures", "verdicts")

@@ -47,7 +47,7 @@ BAD = [
     # verdict.py is a leaf that engine imports: importing engine back closes a cycle
     ("diagnosis.verdict", "from . import engine  # noqa", "No import cycles"),
     ("diagnosis.facts", "import torch  # noqa", "The analysis side imports neither torch"),
-    ("diagnosis.rules", "import matplotlib  # noqa", "Only render.plots imports matplotlib"),
+    ("diagnosis.rules.misuse", "import matplotlib  # noqa", "Only render.plots imports matplotlib"),
     ("release.readiness", "import h5py  # noqa", "Only runfile imports h5py"),
     # the run file reading the diagnosis: upward, and a cycle between subpackages
     ("runfile.store", "from ..diagnosis import facts  # noqa", "Layers:"),
@@ -91,3 +91,28 @@ def test_no_private_names_are_imported_across_subpackages(tmp_path):
     root = copy_package(tmp_path)
     append(root, "live.follow", "from ..runfile.store import _open_swmr  # noqa")
     assert len(private_imports_across_subpackages(os.path.join(root, "ampdoctor"))) == 1
+
+
+
+# One bad import per contract of the rooms inside record/ and diagnosis/, each of which breaks
+# it (a forensic module importing the recorder closes a cycle too: the recorder imports it).
+BAD_ROOMS = [
+    # the recorder reaching past the forensic room's entry points
+    ("record.hooks", "from .forensic import trial  # noqa", "record/forensic/ is entered"),
+    # the forensic tier calling back into the recorder
+    ("record.forensic.trial", "from .. import recorder  # noqa", "record/: command/ above"),
+    ("diagnosis.rules.trends", "from .. import engine  # noqa", "diagnosis/rules/ imports the"),
+]
+
+
+def test_a_bad_import_breaks_its_rooms_contract(tmp_path):
+    root = copy_package(tmp_path)
+    for module, line, _ in BAD_ROOMS:
+        append(root, module, line)
+    proc = lint(root)
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    for _, _, contract in BAD_ROOMS:
+        status = [x if x.endswith(("KEPT", "BROKEN")) else x + " " + y  # a name wrapped
+                  for x, y in zip(lines, lines[1:] + [""]) if x.startswith(contract)]
+        assert status and status[0].endswith("BROKEN"), (contract, proc.stdout)

@@ -171,8 +171,8 @@ def test_a_skip_the_gpu_had_not_finished_is_decided_at_the_next_step(tmp_path):
     in each forward keeps the GPU behind the host, so the skip is not known at update(). It is
     decided at the next forward (after one event wait) and replayed with the right culprit;
     the only synchronizing CUDA operations are the replay's own, in that next step."""
-    from test_forensics import ExpNet, batches
-    from test_forensics import make as make_model
+    from culprits import ExpNet, batches
+    from culprits import make as make_model
 
     torch.manual_seed(0)
     model = make_model(ExpNet).cuda()

@@ -272,8 +272,8 @@ def test_a_failing_step_is_replayed_on_every_path(kind, tmp_path, request):
     """The right step, trigger and culprit on every path, and no observer effect. "device
     behind": the step is skipped on a GPU still running it; the replay at the next step's first
     forward names the same culprit, from the weights the skip left alone."""
-    from test_forensics import ExpNet, batches, scaler, train
-    from test_forensics import make as make_model
+    from culprits import ExpNet, batches, scaler, train
+    from culprits import make as make_model
 
     if kind.endswith("behind"):
         request.getfixturevalue("device_behind")

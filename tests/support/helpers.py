@@ -36,8 +36,8 @@ def train(model, opt, scaler=None, steps: int = 6, dtype=torch.float16, accum: i
           unscale: bool = True, device: str = "cpu"):
     """A plain user loop; returns the list of losses (python floats).
 
-    The loop the recorder tests share (test_forensics keeps its own, over batches it is given:
-    see there): ``steps`` optimizer steps of ``accum`` micro-batches
+    The loop the recorder tests share (``culprits.train`` is another, over batches it is given,
+    for the forensic tests): ``steps`` optimizer steps of ``accum`` micro-batches
     from ``batches`` (seed 0, a NaN in micro-batch ``bad_step``), the forward under autocast to
     ``dtype`` (``None``: no autocast), the loss divided by ``accum``. With a ``scaler``:
     ``unscale_``, then the clip, then ``step`` and ``update`` (``unscale=False``: no

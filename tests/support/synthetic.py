@@ -2,7 +2,8 @@
 
 ``Synth`` fills /steps like GradScaler would (a skipped step halves the scale), and adds
 tensors, sampled statistics, forensic snapshots, events and configuration on request; ``run()``
-returns a ``store.Run`` that ``ampdoctor.diagnose`` takes as is.
+returns a ``store.Run`` that ``ampdoctor.diagnose`` takes as is. ``growing`` and
+``underflowing_grads`` add the sampled trends that more than one rule family's tests build.
 
 Example::
 
@@ -270,3 +271,20 @@ def grow(start: float, factor: float, steps: int):
 
 
 INF = math.inf
+
+
+def growing(s: Synth, until: int) -> Synth:
+    """Weights, updates and activations growing on sampled steps before ``until``."""
+    for name in ("trunk.0", "trunk.2", "out"):
+        s.sampled(range(10, until, 10), Kind.PARAM, f"{name}.weight",
+                  norm=grow(5.0, 8.0, until), update=0.05)
+        s.sampled(range(10, until, 10), Kind.OUTPUT, name, absmax=grow(2.0, 500.0, until))
+    return s
+
+
+def underflowing_grads(s: Synth, names, under: int, steps=range(10, 60, 10)):
+    """Gradients of ``names`` underflowing fp16 on sampled ``steps``: ``under`` values in the
+    subnormal band, a quarter of that count flushed to zero and as many exact zeros."""
+    for name in names:
+        s.sampled(steps, Kind.PARAM_GRAD, name, sub16=under, flush16=under // 4,
+                  zeros=under // 4, absmax=1e-5, rms=1e-6)

@@ -1,0 +1,65 @@
+"""The diagnosis rules, in the order ``engine.diagnose`` tries them (``RULES``): small functions
+from ``Facts`` to a ``Finding`` (or None), one family per module. They read the facts and the
+readers of the forensic facts beside ``engine`` (``facts``, ``culprit``, ``singular``,
+``schedules``, ``verdict``, ``fixes``), never the engine or what it assembles (``.importlinter``
+holds it):
+
+* ``fallbacks.py``: the script never trained (``no_training``), a scale that collapsed with no
+  cause told, non-finite values no class explains;
+* ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
+* ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
+* ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), and
+  targets that make the loss non-finite in fp32 too;
+* ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
+  (``culprit.py`` reads the replays) or by the sampled tier, and an overflow hidden inside a
+  module (the sampled step's op probe);
+* ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
+* ``progress.py``: a loss that diverged or units that died, with no NaN at all;
+* ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
+
+Each rule follows one failure class of ``shared/reference/taxonomy.md`` (class ids in the
+docstrings) and decides on the signal the taxonomy names as its discriminator; the thresholds
+are the taxonomy's §3 defaults unless a comment says otherwise. ``engine._conclude`` picks
+the root cause among the findings by priority (``verdict.PRIORITY``) and turns the rest into
+the causal chain.
+
+Priorities (higher wins among root causes): exact fingerprints of the training script's own
+failure (exceptions, API misuse events) above located numeric causes, above trends, above the
+fallbacks. A rule that can only be a consequence (scale collapse, underflow after a collapse)
+returns ``root=False``.
+"""
+
+from __future__ import annotations
+
+from . import fallbacks, learning, located, misuse, overflow, progress, reproduced, trends
+
+RULES = [
+    fallbacks.rule_no_training,
+    misuse.rule_exception,
+    misuse.rule_clip_before_unscale,
+    misuse.rule_scaler_bypass,
+    misuse.rule_scaler_recreated,
+    misuse.rule_stale_grads,
+    misuse.rule_unscale_twice,
+    misuse.rule_backward_unscaled,
+    misuse.rule_scaled_grads_in_loss,
+    located.rule_state_poisoning,
+    located.rule_adam_eps,
+    located.rule_accum_overflow,
+    located.rule_bad_input,
+    reproduced.rule_bad_targets,
+    reproduced.rule_not_reproducible,
+    located.rule_fp16_loss,
+    located.rule_loss_backward,
+    overflow.rule_culprit,
+    overflow.rule_sampled_culprit,
+    overflow.rule_hidden_overflow,
+    trends.rule_grad_underflow,
+    trends.rule_masked_underflow,
+    trends.rule_lost_updates,
+    fallbacks.rule_scale_collapse,
+    fallbacks.rule_nonfinite,
+    progress.rule_diverged,
+    progress.rule_dead_units,
+    learning.rule_not_learning,
+]

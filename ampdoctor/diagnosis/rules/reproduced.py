@@ -1,0 +1,361 @@
+"""Is it the numbers or the machine? What the forensic replays say about reproduction.
+
+A replay re-runs the failing step on the same batch, weights and RNG state, and compares it
+with what the real step saw (``record/forensic/reproduced.py`` writes the snapshot's ``recorded``,
+``rerun``, ``reproduced``, ``loss_fp32`` and ``targets``). Two verdicts come of it:
+
+* ``not_reproducible`` (``rule_not_reproducible``): the first failing step that was replayed
+  was non-finite (its loss, or its gradients with no GradScaler to skip them, or a skip that
+  is not GradScaler calibrating) and its replay is finite everywhere. The numbers do not make
+  the NaN: a device fault or silent data corruption, a nondeterministic kernel, or code the
+  replay does not run. Evidence: the step, what it saw against what the replay gave, how many
+  of the run's non-finite steps did not reproduce (per rank in a multi-rank run: ``ranks``).
+  One such skip in an otherwise healthy run (GradScaler threw it away, nothing else failed) is
+  healthy with a note (``notes``), never a data verdict.
+* ``bad_input`` of kind ``targets`` (``rule_bad_targets``): the loss, recomputed by the torch
+  loss function on a finite model output, is non-finite in fp32 too and its targets say why
+  (every one ``ignore_index``: the mean over nothing is 0/0): not the precision, the data.
+
+``first_replay`` and ``unreproduced`` are what ``rules.rule_nonfinite`` asks before it speaks:
+``nonfinite`` is never the verdict where the replay of the failure was finite.
+
+Example::
+
+    snap = first_replay(f)              # the replay of the first failing step, or None
+    unreproduced(snap)                  # True: the machine, not the numbers
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ...numfmt import fmt
+from .. import fixes
+from ..facts import Facts
+from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+
+STEPS_LISTED = 8  # steps named in a count's evidence
+
+
+def _dict(value: object) -> dict:
+    """A detail entry as a dict (a damaged or foreign file may hold anything there)."""
+    return value if isinstance(value, dict) else {}
+
+
+def unreproduced(snap: dict) -> bool:
+    """Did this replay find the step finite where the real step was not? (Files written
+    before the comparison existed: a replay whose every micro-batch stayed finite.)"""
+    d = _dict(snap["detail"])
+    if "reproduced" in d:
+        return d["reproduced"] is False
+    return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
+
+
+def began_here(snap: dict) -> bool:
+    """The real step's own loss or model output was non-finite (not only the gradients, which
+    an all-reduce brings from another rank)."""
+    seen = _dict(_dict(snap["detail"]).get("recorded"))
+    return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
+
+
+def failing(f: Facts) -> np.ndarray:
+    """Per step: a recorded failure (a non-finite loss, non-finite gradients with no
+    GradScaler to skip them, or a skip that GradScaler's calibration and probing do not
+    explain)."""
+    if not f.n:
+        return np.zeros(0, bool)
+    applied = f.grad_bad if not f.has_scaler else np.zeros(f.n, bool)
+    return f.loss_bad | applied | f.story.bad_skip
+
+
+def _on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
+    if not f.n:
+        return []
+    out = []
+    for s in f.snapshots:
+        i = f.index_of(s["step"])
+        if f.step_at(i) == s["step"] and bad[i] and s["phase"] != "unknown":
+            out.append(s)
+    return out
+
+
+def first_replay(f: Facts) -> Optional[dict]:
+    """The replay of the first failing step that was replayed (snapshots are in step order)."""
+    found = _on_failing(f, failing(f))
+    return found[0] if found else None
+
+
+def first_unreproduced(f: Facts) -> Optional[dict]:
+    """The replay of the first failing step, when it did not reproduce and the premises of
+    "it did not reproduce" hold (``premises``)."""
+    snap = first_replay(f)
+    if snap is None or not unreproduced(snap):
+        return None
+    return None if any(p.status == FAILED for p in premises(f, snap)) else snap
+
+
+# ---------------------------------------------------------------------------------------------
+# not_reproducible's premises
+
+
+def premises(f: Facts, snap: dict) -> list[Premise]:
+    """What "the replay is finite where the step was not" needs: that the replay recomputed
+    the quantity the step found non-finite (``same_quantity``), and that the run's later
+    failures do not reproduce (``later_unreproduced``)."""
+    return [_same_quantity(f, snap), _later_failures(f, snap)]
+
+
+def _same_quantity(f: Facts, snap: dict) -> Premise:
+    """The loss or the model's output: the replay recomputes them. A gradient norm of +inf
+    over a finite loss: the replay checks each gradient, never their norm, and the norm of
+    large finite gradients overflows to +inf (a NaN norm needs a NaN gradient)."""
+    step = snap["step"]
+    i = f.index_of(step)
+    d = _dict(snap["detail"])
+    seen = _dict(d.get("recorded"))
+    loss = float(f.steps["loss"][i])
+    norm = float(f.steps["grad_norm"][i])
+    if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
+        again = _dict(d.get("rerun"))
+        if again.get("loss_finite") is not None:
+            return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
+                           f"replay recomputed it: {fmt(_num(again.get('loss')))}")
+        if seen.get("output_nonfinite"):
+            return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
+                           "the replay recomputed it finite")
+        if d.get("loss_not_recomputed"):
+            return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss was non-finite "
+                           f"and the replay did not recompute it ({d['loss_not_recomputed']})")
+        return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
+                       "recomputed the forward and the backward finite")
+    if seen.get("output_nonfinite"):
+        return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; the "
+                       "replay recomputed it finite")
+    if norm == np.inf:
+        before = _last_finite_norm(f, i)
+        return Premise("same_quantity", FAILED, f"step {step}'s loss was finite "
+                       f"({fmt(loss)}) and only its gradient norm was non-finite (+inf"
+                       + (f"; {fmt(before[1])} at step {before[0]}" if before else "")
+                       + "); the replay found every gradient finite but does not recompute "
+                       "their norm: the norm of large finite gradients overflowing is an "
+                       "overflow of the norm, not a device fault")
+    if np.isnan(norm):
+        return Premise("same_quantity", HELD, f"step {step}'s gradient norm was NaN (a NaN "
+                       "gradient: no norm of finite values is NaN); the replay found every "
+                       "gradient finite")
+    return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss and gradient norm were "
+                   "finite; what GradScaler found non-finite was not recorded")
+
+
+def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
+    norms = f.steps["grad_norm"][:i].astype(float)
+    fin = np.flatnonzero(np.isfinite(norms))
+    return (f.step_at(int(fin[-1])), float(norms[fin[-1]])) if len(fin) else None
+
+
+def _later_failures(f: Facts, snap: dict) -> Premise:
+    """Never "the machine" over a run whose later failures reproduce on finite weights."""
+    later = [s for s in _on_failing(f, failing(f)) if s["step"] > snap["step"]
+             and not _dict(s["detail"]).get("weights_nonfinite")]
+    again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
+    if again:
+        first = again[0]
+        where = f"in the {first['phase']} of {first['module']}" if first["module"] else \
+            f"in its {first['phase']}"
+        return Premise("later_unreproduced", FAILED, f"the replays of {len(again)} later "
+                       f"failing steps reproduce the failure (step {first['step']}: "
+                       f"non-finite {where}): the numbers make it")
+    if later:
+        return Premise("later_unreproduced", HELD, f"none of the {len(later)} later failing "
+                       "steps replayed on finite weights reproduced")
+    return Premise("later_unreproduced", HELD, "no later failing step was replayed on finite "
+                   "weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# not_reproducible
+
+
+def rule_not_reproducible(f: Facts) -> Optional[Finding]:
+    """The first replayed failure did not reproduce (see the module docstring); rejected
+    where ``premises`` fail."""
+    first = first_replay(f)
+    if first is None or not unreproduced(first):
+        return None
+    bad = failing(f)
+    unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
+    skipped = [bool(f.skipped[f.index_of(s["step"])]) for s in unrep]
+    if lone_skip(f, bad, unrep, skipped):
+        return None  # GradScaler threw the one bad step away: healthy, with a note
+    step = first["step"]
+    rank = int(f.run.attrs.get("rank", 0))
+    world = int(f.run.attrs.get("world_size", 1))
+    ev = [Evidence(_seen_text(first, world), "recorded_nonfinite", None, step),
+          Evidence(_replay_text(first), "replay_finite", None, step),
+          _count(f, bad, unrep, world, rank)]
+    applied = not f.has_scaler or not skipped[0]
+    explains = {s["step"] for s in unrep}
+    if applied:
+        later = [f.step_at(int(i)) for i in np.flatnonzero(bad) if f.step_at(int(i)) > step]
+        explains |= set(later)
+        if later:
+            poisoned = [s["step"] for s in f.snapshots if s["step"] in later
+                        and _dict(s["detail"]).get("weights_nonfinite")]
+            seen = (f" (the replays of steps {', '.join(map(str, poisoned[:STEPS_LISTED]))} "
+                    "find the weights non-finite)") if poisoned else ""
+            ev.append(Evidence(f"no GradScaler skipped step {step}: what it computed reached the "
+                               f"weights, and {len(later)} non-finite steps followed{seen}",
+                               "weights_poisoned", float(len(later)), step))
+    where = f"rank {rank}" if world > 1 else "this device"
+    origin = began_here(first) or world == 1
+    cause = (f"a device fault or silent data corruption on {where}, a nondeterministic "
+             "kernel, or code outside the model that the replay does not run" if origin else
+             "another rank (the gradients' all-reduce brings its NaN here: see its file), or "
+             "a fault on this one")
+    summary = (f"The failure did not reproduce: step {step} was non-finite, but its replay on "
+               "the same batch, weights and RNG state is finite. The numbers do not make this "
+               f"NaN; it points at the machine: {cause}. Not the data, not the precision.")
+    ctx = f.fix_context(step=step)
+    ctx.rank = rank if world > 1 else None
+    return Finding("not_reproducible", 0.75 if len(unrep) > 1 else 0.6, summary, ev,
+                   fixes.make(["test_device", "rerun_elsewhere", "deterministic_algorithms"],
+                              ctx), first_bad(step, None, None),
+                   priority=PRIORITY["not_reproducible"], explains=frozenset(explains),
+                   premises=premises(f, first))
+
+
+def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:
+    """One non-reproducible failure, skipped by GradScaler, and no other failure in the run."""
+    return f.has_scaler and len(unrep) == 1 and skipped[0] and int(bad.sum()) == 1
+
+
+def _seen_text(snap: dict, world: int) -> str:
+    """What the real step saw, as the snapshot measured it on the event."""
+    seen = _dict(_dict(snap["detail"]).get("recorded"))
+    parts = []
+    if seen.get("loss_nonfinite"):
+        parts.append("its loss was non-finite")
+    if seen.get("output_nonfinite"):
+        parts.append("the model's output held NaN/inf when the event fired")
+    elif seen.get("output_nonfinite") is False:
+        parts.append("the model's output was finite when the event fired")
+    elif parts:
+        parts.append("the model's output was no longer held when the event fired (not "
+                     "measured)")
+    if not parts:
+        parts.append("its gradients were non-finite" + (
+            " (on this rank the loss was finite: they may have come through the all-reduce)"
+            if world > 1 else ""))
+    return f"step {snap['step']} as it ran: " + ", ".join(parts)
+
+
+def _replay_text(snap: dict) -> str:
+    """What the replay gave, from its snapshot (never more than it measured)."""
+    d = _dict(snap["detail"])
+    again = _dict(d.get("rerun"))
+    text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
+            "finite (checked), the model's output is finite")
+    fns = again.get("loss_fns")
+    fns = fns if isinstance(fns, list) else []
+    if again.get("loss_finite") and fns:
+        text += (f", the loss recomputed by {', '.join(map(str, fns))} is "
+                 f"{fmt(_num(again.get('loss')))}")
+        grads = again.get("grads")
+        if grads in ("finite", "zero"):
+            text += f" and every gradient is {'exactly zero' if grads == 'zero' else 'finite'}"
+    elif d.get("loss_not_recomputed"):
+        text += f" (the loss was not recomputed: {d['loss_not_recomputed']})"
+    else:
+        text += ", and so is every gradient of its backward"
+    return text + ": it did not reproduce"
+
+
+def _num(x: object) -> Optional[float]:
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _count(f: Facts, bad: np.ndarray, unrep: list, world: int, rank: int) -> Evidence:
+    steps = [s["step"] for s in unrep]
+    replayed = len(_on_failing(f, bad))
+    listed = ", ".join(str(s) for s in steps[:STEPS_LISTED]) + (", ..." if len(steps) >
+                                                                 STEPS_LISTED else "")
+    where = f" on rank {rank}" if world > 1 else ""
+    return Evidence(f"{len(steps)} of the {replayed} replayed non-finite steps{where} did not "
+                    f"reproduce (steps {listed}); the run had {int(bad.sum())} non-finite "
+                    "steps", "unreproduced_steps", float(len(steps)), steps[0])
+
+
+def notes(f: Facts) -> list[str]:
+    """The note a healthy verdict carries for one non-reproducible skip."""
+    first = first_unreproduced(f)
+    if first is None:
+        return []
+    bad = failing(f)
+    unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
+    skipped = [bool(f.skipped[f.index_of(s["step"])]) for s in unrep]
+    if not lone_skip(f, bad, unrep, skipped):
+        return []
+    return [f"Step {first['step']} was non-finite and GradScaler skipped it, but its replay on "
+            "the same batch and weights is finite: it did not reproduce. One transient fault "
+            "(a device error, a nondeterministic kernel) that GradScaler absorbed; if it "
+            "recurs, test the device (`test_device`)."]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad_input, kind targets
+
+
+def rule_bad_targets(f: Facts) -> Optional[Finding]:
+    """A non-finite loss on a finite output whose fp32 recomputation is non-finite too, and
+    whose targets say why."""
+    snap = next((s for s in f.snapshots if s["phase"] == "loss" and _target_problem(s)), None)
+    if snap is None:
+        return None
+    d = _dict(snap["detail"])
+    target = _target_problem(snap) or {}
+    fp32 = _dict(d.get("loss_fp32"))
+    step = snap["step"]
+    ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
+                   "(checked)", "output_finite", None, step),
+          Evidence(f"the targets of {target.get('fn', 'the loss')} at step {step}: "
+                   f"{target['problem']}",
+                   "targets", None, step)]
+    if fp32.get("loss_finite") is False:
+        zero = fp32.get("grads") == "zero"
+        ev.append(Evidence(f"recomputed in fp32 the loss is still {fmt(_num(fp32.get('loss')))}"
+                           + (" and every gradient is exactly zero" if zero else "")
+                           + ": not the precision (turning AMP off would not change it)",
+                           "loss_fp32_nonfinite", None, step))
+    steps = [f.step_at(int(i)) for i in np.flatnonzero(f.loss_bad)]
+    if steps:
+        skipped = int(f.skipped[f.loss_bad].sum())
+        ev.append(Evidence(f"{len(steps)} of {f.n} steps had a non-finite loss (first step "
+                           f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
+                           float(len(steps)), steps[0]))
+    ctx = f.fix_context(step=step)
+    ctx.data = {"kind": "targets", "step": step, **target}
+    summary = ("The targets are the cause, not the precision: at step "
+               f"{step} {target['problem']}. The model's output is finite, and the loss is "
+               "non-finite in fp32 as well" + (", with every gradient exactly zero (nothing to "
+                                               "skip, the weights unharmed)"
+                                               if fp32.get("grads") == "zero" else "")
+               + ": leave AMP as it is and keep such batches out.")
+    return Finding("bad_input", 0.9, summary, ev, fixes.make(["check_data"], ctx),
+                   first_bad(step, None, "loss"), priority=PRIORITY["bad_input"],
+                   kind="targets", explains=frozenset(steps))
+
+
+def _target_problem(snap: dict) -> Optional[dict]:
+    """The first loss call whose targets hold a problem, if the fp32 recomputation did not
+    make the loss finite."""
+    d = _dict(snap["detail"])
+    if _dict(d.get("loss_fp32")).get("loss_finite") is not False:
+        return None
+    targets = d.get("targets")
+    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \
+        if isinstance(targets, list) else None

@@ -1,0 +1,13 @@
+"""``ampdoctor record -- COMMAND``: a command recorded without a change to its code.
+
+Entered by the CLI through ``launch`` and by the command's interpreters through
+``_bootstrap/``; it imports the recorder and the treatments, which never import it back.
+Importing this package imports nothing (``launch`` is torch-free: the CLI imports it).
+
+- ``launch``: the parent side: check the output, start the command with the bootstrap on its
+  ``PYTHONPATH`` and the settings in ``AMPDOCTOR_*``, forward signals, say what was recorded
+- ``child``: inside each Python process of the command: one recording per process
+- ``written``: which run files this node's processes wrote (a list the children append to)
+- ``_bootstrap/``: the ``sitecustomize`` every interpreter of the command runs: it waits for
+  ``import torch``, then starts ``child``
+"""

@@ -1,0 +1,23 @@
+"""The forensic tier (tier 3): the failing step caught, replayed, explained and tried again.
+
+Entered from the rest of ``ampdoctor`` through four modules only (``.importlinter`` holds it):
+``forensics`` (the recorder, its hooks and skip decision), ``losscall`` (the hooks' loss
+capture), ``trace`` and ``isolated`` (``preflight`` reuses the instrumented pass and the
+guarantees); the others are its own parts. Importing this package imports nothing.
+
+- ``forensics``: the facade (``Forensics``): capture each step, trigger, replay, keep, write
+- ``findings``: what the tier reports: ``ForensicEvent``, ``ReplayResult``, ``TraceRow``
+- ``snapshot``: a replay's findings written to the run file (/snapshots, /stats, /arrays)
+- ``kept``: CPU copies of a replayed event's micro-batches, for ``rec.replay(step)`` later
+- ``isolated``: a replay leaves no trace: RNG forked, module buffers put back bit for bit
+- ``trace``: the instrumented pass: a captured root call re-run with every module measured
+- ``culprit``: who went non-finite first, decided over a ``Trace`` (the ``Culprit``)
+- ``replay``: the replay: one captured root call re-run instrumented, its culprit named
+- ``culprit_rerun``: the culprit alone, re-run in the run's precision and in fp32
+- ``reproduced``: the step re-run as recorded: did the replay repeat what the real step saw
+- ``losscall``: the loss as the step computed it (a torch loss function's call, held)
+- ``accum``: micro-batch gradients recomputed and summed in a half ``.grad``
+- ``singular``: is the loss's backward singular at the failing values in fp32 too
+- ``trial``: a saved step re-run with one change applied (``Trial``), finite or not
+- ``proofs``: the fixes a diagnosis will name, each tried on the saved step as a ``Trial``
+"""

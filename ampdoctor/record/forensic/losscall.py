@@ -1,0 +1,285 @@
+"""The loss as the training step computed it: a call of a torch loss function after the model
+(``torch.nn.functional.cross_entropy`` and the others of ``LOSSES``, which the ``nn.*Loss``
+modules call), held for the step so that a forensic replay can compute it again on the
+replayed output, in the run's precision or in fp32, and read its targets.
+
+**Capture: every step, references only, no host read.** ``patches.patch_losses`` sees each
+call; while the forensic tier is armed, ``capture`` turns one that follows a root call (not
+inside it: a loss the model computes itself is replayed with the model) into a ``LossCall``:
+
+* an argument that is a root output, a view of one, or a dtype cast of either (``logits``,
+  ``logits.view(-1, V)``, ``logits.float()``) is not held at all: a ``FromOutput`` says how to
+  rebuild it from the replayed output (which output, the cast, the view's geometry);
+* an argument the training code computed from the outputs otherwise (a product of two
+  outputs, as a contrastive loss's logits) is not held (``Derived``): a re-run cannot make it
+  again, and starts its backward from the outputs;
+* any other tensor argument (the targets, class weights, a mask) is held by reference while
+  the step's held loss arguments stay under ``HELD_BYTES``, by weak reference beyond (a
+  replay can use it only if the user's loop still holds it);
+* the result, detached, and the gradient that reaches it in backward (a tensor hook that
+  holds a dict and nothing else, removed with the step's other hooks).
+
+Everything is dropped at the step's end with the capture. A loss written by hand (no torch
+loss function) is not captured: the replay cannot recompute it and says so.
+
+**On the event** (host reads allowed): ``LossCall.arguments`` gives the call's arguments for a
+re-run, the replayed outputs put in; ``check_targets`` reads its targets (every one
+``ignore_index``, class indices out of range, NaN/inf, probabilities outside [0, 1]).
+
+Example (what ``forensics`` does after a root call)::
+
+    call = losscall.capture("cross_entropy", F.cross_entropy, (logits, y), {}, loss,
+                            cap.outputs, budget, hooks)
+    args, kwargs = call.arguments(replayed_outputs)      # logits rebuilt, y as held
+    check_targets(call, args, kwargs)   # {'fn': 'cross_entropy', 'all_ignored': True, ...}
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..torchcompat import autocast_state
+
+# The loss functions of torch.nn.functional seen through the door (``patches.patch_losses``).
+LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy",
+          "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss",
+          "huber_loss", "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
+          "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
+          "hinge_embedding_loss", "margin_ranking_loss", "cosine_embedding_loss",
+          "triplet_margin_loss")
+CLASS_INDEX = ("cross_entropy", "nll_loss")  # targets are class indices (or probabilities)
+PROBABILITY = ("binary_cross_entropy", "binary_cross_entropy_with_logits")
+HELD_BYTES = 64 << 20  # loss arguments held by reference per step (targets, weights, masks)
+
+
+class Missing(Exception):
+    """A loss argument a re-run needs is gone (held weakly and freed, or not rebuildable)."""
+
+
+@dataclass(frozen=True)
+class FromOutput:
+    """A loss argument made from root output ``index``: itself, ``cast`` to (dtype, device),
+    then viewed as ``view`` = (size, stride, storage offset) of a tensor laid out as
+    ``base`` = (stride, storage offset)."""
+
+    index: int
+    cast: Optional[tuple] = None
+    view: Optional[tuple] = None
+    base: tuple = ()
+
+    def rebuild(self, outputs: list) -> torch.Tensor:
+        t = outputs[self.index] if self.index < len(outputs) else None
+        if not isinstance(t, torch.Tensor):
+            raise Missing(f"the model's output {self.index} is not a tensor in the replay")
+        if self.cast is not None:
+            t = t.to(dtype=self.cast[0], device=self.cast[1])
+        if self.view is not None:
+            if (tuple(t.stride()), t.storage_offset()) != self.base:
+                raise Missing("the replayed output is laid out differently from the real one")
+            t = t.as_strided(*self.view)
+        return t
+
+
+@dataclass(frozen=True)
+class Weak:
+    """A loss argument held by weak reference (over ``HELD_BYTES``)."""
+
+    ref: Any
+
+    def get(self) -> torch.Tensor:
+        t = self.ref()
+        if t is None:
+            raise Missing("a loss argument over the held budget was freed before the event")
+        return t
+
+
+@dataclass(eq=False)
+class LossCall:
+    """One call of a torch loss function in the real step, as ``capture`` holds it."""
+
+    name: str  # "cross_entropy"
+    fn: Callable  # the original torch function (never the patched one)
+    args: tuple = field(repr=False)  # tensors as held: a tensor, a FromOutput or a Weak
+    kwargs: dict = field(repr=False)
+    autocast: tuple = field(repr=False)  # (device_type, enabled, dtype, cache) at the call
+    value: torch.Tensor = field(repr=False)  # its result, detached
+    grads: dict = field(default_factory=dict, repr=False)  # {0: gradient that reached it}
+
+    def arguments(self, outputs: list) -> tuple[tuple, dict]:
+        """The call's arguments for a re-run, ``outputs`` (the replayed root outputs) put in
+        for what came from the model. Raises ``Missing``."""
+        return (tuple(_get(a, outputs) for a in self.args),
+                {k: _get(v, outputs) for k, v in self.kwargs.items()})
+
+    def held(self) -> list[tuple[str, torch.Tensor]]:
+        """(label, tensor) of the arguments held by reference (the targets, mostly)."""
+        named = [(f"args.{i}", a) for i, a in enumerate(self.args)]
+        named += [(f"kwargs.{k}", v) for k, v in self.kwargs.items()]
+        return [(label, t) for label, t in named if isinstance(t, torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A loss argument computed from the model's outputs by ops other than a view or a cast
+    (open_clip's ``logit_scale * image_features @ text_features.T``): not held (it carries
+    the real step's graph, freed by its backward), and not rebuilt: the replay cannot repeat
+    the code that made it, so a re-run starts its backward from the model's outputs."""
+
+    shape: tuple
+
+    def get(self) -> torch.Tensor:
+        raise Missing(f"a loss argument (shape {list(self.shape)}) was computed from the "
+                      "model's outputs by the training code, which the replay cannot repeat")
+
+
+def _get(value: Any, outputs: list) -> Any:
+    if isinstance(value, FromOutput):
+        return value.rebuild(outputs)
+    if isinstance(value, (Weak, Derived)):
+        return value.get()
+    return value
+
+
+def capture(name: str, fn: Callable, args: tuple, kwargs: dict, out: Any, outputs: list,
+            budget: list, hooks: list) -> Optional[LossCall]:
+    """A ``LossCall`` of this call (None when its result is not a loss with a graph).
+    ``outputs``: weak references to the root call's outputs; ``budget``: [bytes left to hold
+    this step]; ``hooks``: where the gradient hook's handle goes (removed at the step's end).
+    Python only: no host read, nothing copied."""
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+        return None
+    alive = [r() for r in outputs]
+    device = out.device.type
+    enabled, dtype = autocast_state(device)
+    call = LossCall(name, fn, tuple(_hold(a, alive, budget) for a in args),
+                    {k: _hold(v, alive, budget) for k, v in kwargs.items()},
+                    (device, enabled, dtype, torch.is_autocast_cache_enabled()), out.detach())
+    # The hook holds the dict and nothing else (a reference to ``out`` from its own hook would
+    # be a cycle through autograd's C++ hook table that Python's collector cannot see).
+    hooks.append(out.register_hook(partial(_keep_grad, call.grads)))
+    return call
+
+
+def _keep_grad(grads: dict, grad: Optional[torch.Tensor]) -> None:
+    if grad is None:
+        return
+    grad = grad.detach()
+    grads[0] = grad if 0 not in grads else grads[0] + grad
+
+
+def _hold(value: Any, outputs: list, budget: list) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    made = relation(value, outputs)
+    if made is not None:
+        return made
+    if value.grad_fn is not None:
+        return Derived(tuple(value.shape))
+    nbytes = value.numel() * value.element_size()
+    if nbytes <= budget[0]:
+        budget[0] -= nbytes
+        return value
+    return Weak(weakref.ref(value))
+
+
+def relation(t: torch.Tensor, outputs: list) -> Optional[FromOutput]:
+    """How ``t`` was made from one of the root call's ``outputs``, if it was: the output
+    itself, a view of it (or of what it views), a cast of it, or a view of such a cast.
+    Reads only Python-side metadata (identity, autograd nodes, strides)."""
+    for i, o in enumerate(outputs):
+        if t is o:
+            return FromOutput(i)
+    base = t._base
+    if base is not None:
+        for i, o in enumerate(outputs):
+            if isinstance(o, torch.Tensor) and (base is o or (o._base is not None
+                                                              and base is o._base)):
+                return FromOutput(i, view=_geometry(t), base=_layout(o))
+    cast = base if base is not None else t
+    fn = cast.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return None
+    source, nr = fn.next_functions[0]
+    for i, o in enumerate(outputs):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None and source is o.grad_fn \
+                and o.output_nr == nr and o.shape == cast.shape:
+            view = _geometry(t) if cast is not t else None
+            return FromOutput(i, cast=(cast.dtype, cast.device), view=view,
+                              base=_layout(cast) if view else ())
+    return None
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.stride()), t.storage_offset()
+
+
+# ---------------------------------------------------------------------------------------------
+# on the event: the targets
+
+
+def bound(call: LossCall, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by parameter name, defaults filled in ({} if they do not bind)."""
+    try:
+        b = inspect.signature(call.fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
+def check_targets(call: LossCall, args: tuple, kwargs: dict) -> Optional[dict]:
+    """What the targets of a loss call hold (event only: host reads), with ``problem``: one
+    sentence on what makes the loss non-finite whatever the precision, or None."""
+    a = bound(call, args, kwargs)
+    target, inp = a.get("target"), a.get("input")
+    if not isinstance(target, torch.Tensor) or not target.numel():
+        return None
+    t = target.detach()
+    out: dict[str, Any] = {"fn": call.name, "numel": int(t.numel()),
+                           "dtype": str(t.dtype).replace("torch.", ""), "problem": None}
+    if call.name in CLASS_INDEX and not t.is_floating_point():
+        _class_targets(out, t, inp, a)
+    elif t.is_floating_point():
+        bad = int((~torch.isfinite(t)).sum())
+        out["nonfinite"] = bad
+        if bad:
+            out["problem"] = f"{bad} of the {out['numel']} targets are NaN/inf"
+        elif call.name in PROBABILITY or (call.name == "kl_div" and not a.get("log_target")):
+            low = 0.0
+            high = 1.0 if call.name in PROBABILITY else None
+            outside = int(((t < low) | (t > high)).sum()) if high is not None else \
+                int((t < low).sum())
+            out["outside"] = outside
+            if outside:
+                out["problem"] = (f"{outside} of the {out['numel']} targets of {call.name} lie "
+                                  + ("outside [0, 1]" if high is not None else "below 0"))
+    return out
+
+
+def _class_targets(out: dict, t: torch.Tensor, inp: Any, a: dict) -> None:
+    """Class-index targets: how many are ignore_index, how many out of range."""
+    ignore = a.get("ignore_index", -100)
+    ignore = int(ignore) if isinstance(ignore, int) else -100
+    ignored = int((t == ignore).sum())
+    out.update(ignore_index=ignore, ignored=ignored, reduction=a.get("reduction", "mean"))
+    if isinstance(inp, torch.Tensor) and inp.ndim:
+        classes = int(inp.shape[0] if inp.ndim == 1 else inp.shape[1])
+        wrong = int(((t != ignore) & ((t < 0) | (t >= classes))).sum())
+        out.update(classes=classes, out_of_range=wrong)
+        if wrong:
+            out["problem"] = (f"{wrong} of the {out['numel']} targets are outside 0..{classes - 1} "
+                              "(the number of classes) and not ignore_index")
+    out["all_ignored"] = ignored == out["numel"]
+    if out["all_ignored"] and out["reduction"] == "mean":
+        out["problem"] = (f"every one of the {out['numel']} targets is ignore_index ({ignore}): "
+                          "the mean over no targets is 0/0 = NaN")

@@ -1,0 +1,331 @@
+"""Re-run a saved step with a change applied, and say whether it comes out finite.
+
+A ``Trial`` names the change; ``rerun(capture, trial, names)`` re-runs one captured
+micro-batch under it (``rerun_step`` every micro-batch of a step) and returns an ``Outcome``:
+
+1. the root's forward, from the captured RNG state, in the captured autocast state or the
+   trial's (``autocast``: another dtype, or off), with autocast off and fp32 inputs around
+   the named modules (``fp32_modules``: an fp32 island; a module whose parameters are half
+   runs on fp32 casts of them, through which gradients still reach the real ones);
+2. the loss, recomputed from the replayed output by each torch loss function the real step
+   called after the model (``losscall``), in the precision it ran in or in fp32
+   (``loss_fp32``: inputs ``.float()``, autocast off);
+3. the backward, with ``torch.autograd.grad`` (``.grad`` is never written): from each
+   recomputed loss with the gradient that reached it in the real step (the loss scale and any
+   weight or 1/accumulation factor included; ``scale`` replaces the loss scale; where that
+   gradient is the scale overflowing a half loss, the scale itself), or, when no loss could
+   be recomputed, from the gradient that reached the root's outputs.
+
+``Outcome.finite`` is True when the outputs, the recomputed loss and every parameter gradient
+are finite; ``first`` says where it first was not ("forward", "loss", "backward").
+
+The caller owns the observer-effect guarantee, as for a replay: ``Forensics.trial`` and
+``Forensics.rerun`` fork the RNG, restore module buffers and mark the recorder as replaying.
+
+Example::
+
+    rec.forensics.rerun(12)                                       # as the step ran
+    rec.forensics.rerun(12, Trial("island", fp32_modules=("blocks.3.attn",)))
+    rec.forensics.rerun(12, Trial("bf16", autocast="bfloat16", scale=1.0))
+    # Outcome(trial='bf16', finite=True, first='', loss=2.31, grads='finite', ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .. import stats
+from ..sampler import tensors_in
+from ..torchcompat import autocast_state
+from .losscall import Missing
+from .trace import Capture, autocast, set_rng, unwrap
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A change applied to a re-run of the saved step (the default changes nothing)."""
+
+    name: str = "as recorded"
+    autocast: Optional[str] = None  # None: as recorded; "float16", "bfloat16", or "off"
+    fp32_modules: tuple = ()  # names of modules run with autocast off, on fp32 inputs
+    loss_fp32: bool = False  # the torch loss functions recomputed in fp32
+    scale: Optional[float] = None  # the loss scale of the backward (None: as recorded)
+
+
+AS_RECORDED = Trial()
+LOSS_FP32 = Trial("loss in fp32", loss_fp32=True)
+
+
+@dataclass
+class Outcome:
+    """What one re-run under a trial gave."""
+
+    trial: str
+    finite: bool = False  # outputs, recomputed loss and every parameter gradient finite
+    first: str = ""  # where it first was not: "forward", "loss", "backward" ("": nowhere)
+    output_finite: Optional[bool] = None
+    loss: Optional[float] = None  # the recomputed loss (summed over the loss calls)
+    loss_finite: Optional[bool] = None  # None: no loss was recomputed
+    loss_fns: list = field(default_factory=list)  # the torch loss functions recomputed
+    loss_dtype: Optional[str] = None
+    grads: str = "not run"  # "finite", "non-finite", "zero" (every one exactly 0), "not run"
+    backward_from: str = ""  # "loss" (recomputed) or "output" (the recorded output gradient)
+    micro: int = -1  # rerun_step: the first micro-batch that was not finite
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        if out["loss"] is not None and not math.isfinite(out["loss"]):
+            out["loss"] = str(out["loss"])  # JSON has no NaN
+        return out
+
+
+def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
+    """Re-run one captured micro-batch under ``t`` (see the module docstring). ``names``:
+    the recorder's module -> name map (for ``fp32_modules``)."""
+    root = unwrap(cap.root)
+    out = Outcome(t.name)
+    outs = forward(cap, t, names)
+    out.output_finite = _finite(outs)
+    losses = _losses(cap, outs, t, out)
+    pairs = _backward_pairs(cap, outs, losses, t, out)
+    params = [p for p in root.parameters() if p.requires_grad]
+    if pairs and params:
+        grads = torch.autograd.grad([x for x, _ in pairs], params, [g for _, g in pairs],
+                                    allow_unused=True)
+        out.grads = _grad_state([g for g in grads if g is not None])
+    elif not params:
+        out.note = (out.note + " " if out.note else "") + "no parameter requires grad"
+    out.first = "forward" if not out.output_finite else "loss" if out.loss_finite is False \
+        else "backward" if out.grads == "non-finite" else ""
+    out.finite = out.first == ""
+    return out
+
+
+def forward(cap: Capture, t: Trial, names: dict) -> list:
+    """The root's forward of one captured micro-batch under ``t``, from its RNG state: the
+    output tensors, in the graph (the caller owns the replay's guarantees, as for ``rerun``)."""
+    set_rng(cap.rng)
+    with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
+            _islands(names, t.fp32_modules, cap.autocast[0]), \
+            autocast(_forward_state(cap.autocast, t)):
+        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
+    return list(tensors_in(output))
+
+
+def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
+    """Every micro-batch of a step under ``t``: finite when each one is; the loss summed;
+    ``micro`` the first one that was not finite (-1: none). Gradients are judged per
+    micro-batch (a sum that overflows a half ``.grad`` is not re-run here)."""
+    total = Outcome(t.name, finite=True)
+    losses: list = []
+    for micro, cap in enumerate(captures):
+        one = rerun(cap, t, names)
+        if one.loss is not None:
+            losses.append(one.loss)
+        total.loss_fns += [n for n in one.loss_fns if n not in total.loss_fns]
+        if total.micro < 0 and not one.finite:
+            total.micro, total.first, total.finite = micro, one.first, False
+            total.output_finite, total.loss_finite, total.grads = (
+                one.output_finite, one.loss_finite, one.grads)
+        elif total.finite:
+            total.output_finite, total.loss_finite, total.grads = (
+                one.output_finite, one.loss_finite, one.grads)
+        total.loss_dtype = total.loss_dtype or one.loss_dtype
+        total.backward_from = total.backward_from or one.backward_from
+        total.note = total.note or one.note
+    total.loss = sum(losses) if losses else None
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward
+
+
+def _forward_state(recorded: tuple, t: Trial) -> tuple:
+    device, enabled, dtype, cache = recorded
+    if t.autocast is None:
+        return recorded
+    if t.autocast == "off":
+        return device, False, dtype, cache
+    # No cast cache: an event decided inside the next step's autocast block (or after the
+    # replay's own forward) would otherwise hand this dtype the weights cast to the other.
+    return device, True, t.autocast, False
+
+
+@contextlib.contextmanager
+def _islands(names: dict, wanted: tuple, device: str) -> Iterator[None]:
+    """Autocast off and fp32 inputs inside each module named in ``wanted`` for the re-run's
+    forward; a half module runs on fp32 casts of its parameters and buffers (the real ones are
+    put back after it; the gradient reaches them through the casts)."""
+    by_name = {n: m for m, n in names.items()}
+    missing = [n for n in wanted if n not in by_name]
+    if missing:
+        raise KeyError(f"no module named {', '.join(missing)} in the recorded model")
+    handles, swapped = [], []
+    try:
+        for name in wanted:
+            module = by_name[name]
+            swapped += _cast_state(module)
+            island = _Island(device)
+            handles.append(module.register_forward_pre_hook(island.enter, with_kwargs=True))
+            handles.append(module.register_forward_hook(island.leave, always_call=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for table, key, value in reversed(swapped):
+            table[key] = value
+
+
+def _cast_state(module: torch.nn.Module) -> list:
+    """Half parameters and buffers of ``module`` replaced by fp32 casts (differentiable: the
+    gradient reaches the real parameter); returns what to put back."""
+    swapped = []
+    for m in module.modules():
+        tables: tuple[dict, ...] = (m._parameters, m._buffers)
+        for table in tables:
+            for key, value in list(table.items()):
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                        value.dtype != torch.float32:
+                    swapped.append((table, key, value))
+                    table[key] = value.float()
+    return swapped
+
+
+class _Island:
+    """Forward pre-hook and hook of one island: autocast off inside, inputs cast to fp32;
+    outputs cast back to the input dtype only where autocast was off outside too (a .half()
+    model, whose next layers take half inputs)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.stack: list = []
+
+    def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        dtype = next((t.dtype for t in tensors_in((args, kwargs))
+                      if t.is_floating_point()), None)
+        outside = autocast_state(self.device)[0]
+        ctx = torch.autocast(self.device, enabled=False)
+        ctx.__enter__()
+        self.stack.append((ctx, dtype, outside))
+        return _float(args), _float(kwargs)
+
+    def leave(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        ctx, dtype, outside = self.stack.pop()
+        ctx.__exit__(None, None, None)
+        if outside or dtype is None or dtype == torch.float32:
+            return None
+        return _cast(output, dtype)
+
+
+def _float(value: Any, depth: int = 0) -> Any:
+    """``value`` with its floating tensors in fp32, kept in the graph (unlike trace.to_fp32)."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if depth < 4 and type(value) in (tuple, list):
+        return type(value)(_float(v, depth + 1) for v in value)
+    if depth < 4 and type(value) is dict:
+        return {k: _float(v, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _cast(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if depth < 4 and type(value) in (tuple, list):
+        return type(value)(_cast(v, dtype, depth + 1) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# the loss and the backward
+
+
+def _losses(cap: Capture, outs: list, t: Trial, out: Outcome) -> list:
+    """(LossCall, recomputed value) for each loss call that could be rebuilt; the outcome's
+    loss fields filled in."""
+    done = []
+    for call in cap.loss_calls:
+        try:
+            args, kwargs = call.arguments(outs)
+        except Missing as exc:
+            out.note = f"{call.name} not recomputed: {exc}"
+            continue
+        state = call.autocast
+        if t.loss_fp32:
+            args, kwargs = _float(args), _float(kwargs)
+            state = (state[0], False, state[2], False)
+        with torch.enable_grad(), autocast(state):
+            value = call.fn(*args, **kwargs)
+        done.append((call, value))
+    if not done:
+        if not cap.loss_calls:
+            out.note = out.note or ("no torch loss function was called after the model: the "
+                                    "loss (computed by hand, or inside it) is not recomputed")
+        return done
+    values = [v for _, v in done]
+    out.loss_fns = [c.name for c, _ in done]
+    out.loss_finite = _finite(values)
+    out.loss = float(sum(float(v.detach().float().sum()) for v in values))
+    out.loss_dtype = str(values[0].dtype).replace("torch.", "")
+    return done
+
+
+def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outcome) -> list:
+    """(tensor, gradient) to run the backward from: the recomputed losses with the gradient
+    the real step sent into each, else the root's outputs with the gradient that reached them."""
+    recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+    factor = t.scale / recorded if t.scale is not None and recorded else 1.0
+    pairs = [(v, _loss_grad(call, v, recorded, factor, out)) for call, v in losses
+             if 0 in call.grads and v.requires_grad]
+    if pairs:
+        out.backward_from = "loss"
+        return pairs
+    pairs = [(o, _grad_for(cap.grads[i], o, factor)) for i, o in enumerate(outs)
+             if i in cap.grads and isinstance(o, torch.Tensor) and o.requires_grad]
+    if pairs:
+        out.backward_from = "output"
+    return pairs
+
+
+def _loss_grad(call: Any, value: torch.Tensor, scale: Optional[float], factor: float,
+               out: Outcome) -> torch.Tensor:
+    """The gradient to send into a recomputed loss: the one that reached it in the real step,
+    unless that is non-finite under a loss scale (the scale overflowed the loss's half dtype):
+    then the scale itself, in the recomputed loss's dtype (inf again where that is half,
+    finite in fp32). A factor the code applied after the loss function (a division by the
+    batch or the micro-batches) cannot be read from an inf: it is taken as 1, and said."""
+    grad = call.grads[0]
+    if scale is None or bool(torch.isfinite(grad).all()):
+        return _grad_for(grad, value, factor)
+    note = (f"the gradient that reached {call.name} was the loss scale overflowing "
+            f"{str(grad.dtype).replace('torch.', '')}; the loss scale itself was sent in (a "
+            "factor applied after the loss function is not known, taken as 1)")
+    out.note = out.note or note
+    return torch.full_like(value, scale * factor)
+
+
+def _grad_for(grad: torch.Tensor, value: torch.Tensor, factor: float) -> torch.Tensor:
+    g = grad.to(dtype=value.dtype, device=value.device)
+    if g.shape != value.shape:
+        g = g.expand_as(value) if g.numel() == 1 else g.reshape(value.shape)
+    return g * factor if factor != 1.0 else g
+
+
+def _finite(tensors: list) -> bool:
+    return all(bool(torch.isfinite(x).all()) for x in tensors if stats.measurable(x))
+
+
+def _grad_state(grads: list) -> str:
+    if not grads:
+        return "not run"
+    if not _finite(grads):
+        return "non-finite"
+    return "zero" if all(not bool(g.any()) for g in grads) else "finite"
+

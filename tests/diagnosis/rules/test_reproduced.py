@@ -1,0 +1,161 @@
+"""The reproduction rules (``diagnosis/rules/reproduced.py``) on runs built in memory (no
+torch): a failure the replay does not reproduce is the machine, not the numbers; targets that
+make the loss non-finite in fp32 too are bad input."""
+
+
+
+import pytest
+from synthetic import Synth
+
+from ampdoctor.diagnosis import fixes
+from ampdoctor.diagnosis.engine import diagnose
+
+
+def verdict(s: Synth):
+    return diagnose(s.run())
+
+
+def fix_ids(d):
+    return [fx.id for fx in d.fixes]
+
+
+# the numbers or the machine (issue 20), targets that are NaN in fp32 too (issue 23)
+
+UNREPRODUCED = {"reproduced": False, "loss_recomputed": True,
+                "recorded": {"loss_nonfinite": True, "output_nonfinite": True},
+                "rerun": {"finite": True, "loss": 1.25, "loss_finite": True,
+                          "loss_fns": ["cross_entropy"], "grads": "finite"}}
+
+
+def test_a_failure_the_replay_does_not_reproduce_is_the_machine():
+    s = Synth(60)
+    for step in (12, 30, 48):
+        s.skip([step], loss_nan=True)
+        s.snapshot(step, "none", **UNREPRODUCED)
+    d = verdict(s)
+    assert d.verdict == "not_reproducible" and d.first_bad["step"] == 12
+    assert fix_ids(d) == ["test_device", "rerun_elsewhere", "deterministic_algorithms"]
+    texts = " | ".join(e.text for e in d.evidence)
+    assert "3 of the 3 replayed non-finite steps did not reproduce (steps 12, 30, 48)" in texts
+    assert "the loss recomputed by cross_entropy is 1.25" in texts
+    assert "batch held" not in texts + d.summary  # no batch is blamed: the replay found it finite
+
+
+def test_the_machine_fixes_name_the_recorded_command_and_the_device_kind():
+    ctx = fixes.Context(device="cuda", rank=3, step=12, argv=["pretrain.py", "--lr", "3e-4"],
+                        world_size=8)
+    device, rerun = fixes.make(["test_device", "rerun_elsewhere"], ctx)
+    assert "nvidia-smi" in device.snippet and "rank 3" in device.snippet
+    assert '"python", "pretrain.py", "--lr", "3e-4"]' in rerun.snippet
+    assert "CUDA_VISIBLE_DEVICES" in rerun.snippet and "one rank of 8" in rerun.snippet
+    cpu = fixes.make(["rerun_elsewhere"], fixes.Context(device="cpu", argv=["t.py"]))[0]
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.snippet and "another host" in cpu.snippet
+    assert "one rank of" not in cpu.snippet
+
+
+def test_one_unreproduced_skip_in_a_healthy_run_is_a_note_not_a_verdict():
+    s = Synth(60)
+    s.skip([20], loss_nan=True)
+    s.snapshot(20, "none", **UNREPRODUCED)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    assert any("did not reproduce" in n and "test_device" in n for n in d.notes)
+    assert not any("more often than probing explains" in n for n in d.notes)
+
+
+def test_unreproduced_without_a_scaler_explains_the_poisoned_steps_after_it():
+    s = Synth(40, dtype="bfloat16", scaler=False)
+    s.nan_loss(range(10, 40))
+    s.nan_grad(range(10, 40))
+    s.snapshot(10, "none", **UNREPRODUCED)
+    s.snapshot(11, "forward", "body.0", "Linear", fp32_finite=0, weights_nonfinite=["weight"])
+    d = verdict(s)
+    assert d.verdict == "not_reproducible" and d.first_bad["step"] == 10
+    assert not [c for c in d.causes if c["role"] == "also"], str(d)
+    poisoned = next(e for e in d.evidence if e.key == "weights_poisoned")
+    assert "30 non-finite steps followed" not in poisoned.text  # 29 after step 10
+    assert "29 non-finite steps followed (the replays of steps 11 find" in poisoned.text
+
+
+@pytest.mark.parametrize("phase,detail", [
+    ("none", {}),  # a file written before the comparison: every micro-batch stayed finite
+    ("none", UNREPRODUCED),
+])
+def test_nonfinite_is_never_the_verdict_where_the_replay_was_finite(phase, detail):
+    for bad in ([20], [20, 21, 40]):
+        s = Synth(60, dtype="bfloat16", scaler=False)
+        s.nan_loss(bad)
+        for step in bad:
+            s.snapshot(step, phase, **detail)
+        d = verdict(s)
+        assert d.verdict == "not_reproducible", str(d)
+
+
+def test_a_replayed_loss_with_a_hand_written_formula_claims_no_batch():
+    s = Synth(40, dtype="bfloat16", scaler=False)
+    s.nan_loss([15])
+    s.snapshot(15, "loss", loss_nonfinite=True, loss_recomputed=False,
+               loss_not_recomputed="no torch loss function was called after the model",
+               recorded={"loss_nonfinite": True, "output_nonfinite": False})
+    d = verdict(s)
+    assert d.verdict == "nonfinite"
+    text = next(e.text for e in d.evidence if e.key == "replay_loss_phase")
+    assert "finite (in the real step too)" in text and "not recomputed" in text
+    assert "had one" not in d.fixes[0].snippet and "As a guard" in d.fixes[0].text
+
+
+def test_targets_all_ignore_index_are_bad_input_not_precision():
+    s = Synth(40)
+    s.nan_loss([25])
+    target = {"fn": "cross_entropy", "numel": 64, "ignore_index": -100, "ignored": 64,
+              "all_ignored": True, "reduction": "mean",
+              "problem": "every one of the 64 targets is ignore_index (-100): the mean over "
+                         "no targets is 0/0 = NaN"}
+    s.snapshot(25, "loss", fp32_finite=0, reproduced=True, loss_nonfinite=True,
+               loss_fp32={"loss_finite": False, "loss": "nan", "grads": "zero"},
+               targets=[target])
+    d = verdict(s)
+    assert (d.verdict, d.causes[0]["kind"]) == ("bad_input", "targets")
+    assert d.first_bad == {"step": 25, "module": None, "phase": "loss"}
+    assert "in fp32 as well" in d.summary and "every gradient exactly zero" in d.summary
+    fix = d.fixes[0]
+    assert fix.id == "check_data" and "(y != -100).sum() == 0" in fix.snippet
+    assert "AMP is not the cause" in fix.text
+
+
+def test_check_data_names_the_step_its_check_measured():
+    s = Synth(64)
+    s.skip(range(15, 18), loss_nan=True)
+    s.snapshot(17, "input", "Regressor", "Regressor",
+               bad_inputs=[{"label": "args.0", "nan": 3}])
+    d = verdict(s)
+    assert d.verdict == "bad_input" and d.first_bad["step"] == 15  # the run of bad steps
+    snippet = d.fixes[0].snippet
+    assert "step 17's batch held NaN/inf (args.0)" in snippet and "step 15" not in snippet
+    assert "GradScaler skipped those steps" in d.summary
+    s = Synth(64, dtype="bfloat16", scaler=False)
+    s.nan_loss([15])
+    s.snapshot(15, "input", "Regressor", "Regressor")
+    assert "No GradScaler skipped those steps" in verdict(s).summary
+
+
+def test_merged_ranks_count_the_unreproduced_steps_of_each_rank():
+    from ampdoctor.diagnosis import ranks
+
+    runs = []
+    for rank in (0, 1):
+        s = Synth(40)
+        s.skip([7, 21], loss_nan=rank == 1)
+        detail = UNREPRODUCED if rank == 1 else dict(UNREPRODUCED, recorded={
+            "loss_nonfinite": False, "output_nonfinite": False})
+        for step in (7, 21):
+            s.snapshot(step, "none", **detail)
+        run = s.run()
+        run.attrs.update(rank=rank, world_size=2)
+        runs.append(run)
+    d = ranks.merge([(ranks.outline(r), diagnose(r), ranks.scales(r)) for r in runs])
+    assert d.verdict == "not_reproducible" and d.first_bad["rank"] == 1
+    count = next(e for e in d.evidence if e.key == "unreproduced_by_rank")
+    assert count.text == ("rank 1: 2 of the run's 2 non-finite steps began there and did not "
+                          "reproduce when replayed (steps 7, 21); rank 0: 0")
+    assert "rank 1" in d.summary and "rank 1" in d.fixes[0].text

@@ -4,6 +4,7 @@ building blocks, and a verdict for whatever a run holds. Each rule family has it
 rules/."""
 
 
+import ast
 import json
 
 import numpy as np
@@ -139,12 +140,28 @@ def test_json_contract():
     assert data["verdict"] in engine.VERDICTS
 
 
-def test_every_fix_snippet_is_valid_python():
+def _snippets(module):
     ctx = fixes.Context(device="cuda", optimizer="AdamW", lr=3e-4, eps=1e-8, init_scale=65536,
-                        growth_interval=2000, module="blocks.3.attn", module_type="Attention",
+                        growth_interval=2000, module=module, module_type="Attention",
                         autocast="float16", step=12)
-    for fx in fixes.make(list(fixes.FIX_IDS), ctx):
-        compile(fx.snippet.replace("...\n", "pass\n"), fx.id, "exec")
+    return fixes.make(list(fixes.FIX_IDS), ctx)
+
+
+def _imports(snippet, fix):
+    tree = ast.parse(snippet.replace("...\n", "pass\n"), fix)  # a SyntaxError fails the test
+    return sorted(a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                  for a in n.names)
+
+
+@pytest.mark.parametrize("module", ["blocks.3.attn", "odd'na\"me.0.x", "a\nb.c\\n.2",
+                                    "model-v2.blocks.0", "x.y')\nimport ctypes#"])
+def test_every_fix_snippet_is_valid_python(module):
+    """Any module name (quotes, line breaks, names no attribute can spell) gives snippets that
+    parse, and none runs code of the name's: it stays inside string literals (the snippet
+    imports what it imports for a plain name, nothing more)."""
+    plain = {fx.id: _imports(fx.snippet, fx.id) for fx in _snippets("blocks.3.attn")}
+    for fx in _snippets(module):
+        assert _imports(fx.snippet, fx.id) == plain[fx.id], fx.snippet
         assert fx.text
 
 

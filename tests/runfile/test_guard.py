@@ -176,3 +176,33 @@ def test_events_about_no_tensor_pass_and_a_meta_null_passes(tmp_path):
         values.check_ids("run.h5", "events", np.array([-1, -2]), 4, none=-1)
     values.check_meta("run.h5", "clip", None, 3)
     values.check_meta("run.h5", "some_later_key", 5, 3)  # keys a later writer adds: any type
+
+
+def test_a_wall_time_that_is_no_time_is_damage():
+    from ampdoctor.runfile import schema, values
+
+    rows = schema.empty("steps", 3)
+    rows["step"], rows["time"] = [0, 1, 2], [1.7e9, np.inf, 1.7e9]
+    with pytest.raises(RunFileError, match=r"/steps row 6 holds the wall time inf"):
+        values.check_steps("run.h5", rows, start=5)
+
+
+@pytest.mark.parametrize("attrs,said", [
+    ({"rank": ""}, "its root attribute rank holds '' where a whole number is expected"),
+    ({"rank": True}, "its root attribute rank holds True where a whole number is expected"),
+    ({"world_size": 0}, "its root attribute world_size holds 0 (at least 1)"),
+    ({"rank": 4, "world_size": 4}, "its root attributes say rank 4 of a world of 4"),
+    ({"host": 7}, "its root attribute host holds 7 where a text is expected"),
+    ({"argv": "python x.py"}, "its root attribute argv holds 'python x.py' where a list is "
+                              "expected"),
+    ({"argv": [1]}, "its root attribute argv holds a list of something else than texts"),
+    ({"created": "today"}, "its root attribute created holds 'today' where a number is "
+                           "expected"),
+])
+def test_root_attributes_of_another_type_are_one_sentence(attrs, said):
+    from ampdoctor.runfile import values
+
+    values.check_attrs("run.h5", {"rank": 0, "world_size": 1, "argv": ["x.py"]})
+    with pytest.raises(RunFileError) as err:
+        values.check_attrs("run.h5", attrs)
+    assert str(err.value) == f"run.h5 is damaged: {said}"

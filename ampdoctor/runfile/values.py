@@ -70,7 +70,8 @@ def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
 
 
 def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None = None) -> None:
-    """Step numbers are >= 0 and never go back, wall times finite. ``start``: the row number of ``steps[0]``;
+    """Step numbers are >= 0 and never go back, wall times neither infinite nor negative.
+    ``start``: the row number of ``steps[0]``;
     ``before``: the step of the row before it (a follower's previous read)."""
     numbers = steps["step"]
     if not len(numbers):
@@ -81,12 +82,14 @@ def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None
         raise damaged(path, "steps", start + row,
                       f"holds step {int(numbers[row])} (steps count up from 0)")
     if "time" in (steps.dtype.names or ()):
-        clock = np.flatnonzero(~np.isfinite(steps["time"]) | (steps["time"] < 0))
+        # (NaN is the schema's "not measured", as in schema.empty; an infinite or negative
+        # time is no time at all)
+        clock = np.flatnonzero(np.isinf(steps["time"]) | (steps["time"] < 0))
         if len(clock):
             row = int(clock[0])
             raise damaged(path, "steps", start + row,
                           f"holds the wall time {float(steps['time'][row])!r} (a time "
-                          "is finite, in seconds since 1970)")
+                          "is in seconds since 1970)")
     previous = np.concatenate(([before if before is not None else numbers[0]], numbers[:-1]))
     back = np.flatnonzero(numbers < previous)
     if len(back):

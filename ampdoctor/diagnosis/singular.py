@@ -25,11 +25,11 @@ Example::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..numfmt import fmt
+from ..runfile.payloads import LossSingular
 from ..runfile.schema import Event
 from .verdict import Evidence
 
@@ -97,10 +97,7 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
 
 
 def _from_event(step: int, text: str) -> Optional[Singular]:
-    try:
-        ops = json.loads(text).get("ops") or []
-    except (ValueError, AttributeError):
-        return None
+    ops = LossSingular.from_json(text).get("ops") or []
     for m in ops:
         if not isinstance(m, dict) or "fp32" not in m:
             continue

@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Phase
 from .. import stats
 from .trace import CLEAN, HARD, ROOT_INPUT, SOFT, UNKNOWN, Call, Capture, Trace
@@ -38,7 +39,7 @@ class Culprit:
     module_type: str = ""
     culprit_slot: Optional[int] = None  # the slot named in the snapshot's culprit column
     summary: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: SnapshotDetail = field(default_factory=SnapshotDetail)
     fp32_finite: Optional[bool] = None
     fp32_absmax: float = math.nan
     in_absmax: float = math.nan

@@ -303,6 +303,22 @@ TABLES: dict[str, np.dtype] = {
 }
 BLOB = "blob"
 
+
+def columns(table: str, *names: str) -> tuple[str, ...]:
+    """``names``, checked to be columns of ``table``: a module that reads a few columns
+    declares them so, and a misspelt or removed one fails when it is imported, not when a
+    run is read.
+
+    Example::
+
+        _COLUMNS = schema.columns("stats", "step", "tensor", "absmax")
+    """
+    have = TABLES[table].names or ()
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise KeyError(f"/{table} has no column {', '.join(missing)} (runfile/schema.py)")
+    return names
+
 # /summary (format 2): one row, rewritten in place at each flush (no dataset may be created
 # once SWMR writing has begun, and a /meta key appended at every flush would grow without
 # bound). It covers the rows of the flush that wrote it: a reader checks the counts against

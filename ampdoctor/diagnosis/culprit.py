@@ -98,7 +98,7 @@ def producer(f: Facts, snap: dict) -> dict:
     origin = chain_origin(snap["detail"].get("chain"), f.root_names)
     if origin is None or origin == snap["module"]:
         return snap
-    detail = SnapshotDetail.of(snap["detail"])
+    detail = SnapshotDetail.of(dict(snap["detail"]))
     detail["op"], detail["passed_on_by"] = None, snap["module"]
     return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
                 in_absmax=math.nan, detail=detail)

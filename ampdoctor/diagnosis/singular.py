@@ -88,8 +88,8 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
         if found is not None:
             return found
     for s in f.snapshots:
-        d = s["detail"].get("loss_singular_fp32")
-        if s["step"] >= start and isinstance(d, dict):
+        d = s["detail"].part("loss_singular_fp32")
+        if s["step"] >= start and isinstance(s["detail"].get("loss_singular_fp32"), dict):
             fns = d.get("loss_fns") or ["the loss"]
             return Singular(s["step"], "torch_loss", str(fns[0]), int(d.get("nonfinite", 0)),
                             _num(d.get("largest")), int(d.get("numel", 0)))

@@ -97,6 +97,12 @@ class Payload(dict):
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    def part(self, key: str) -> Any:
+        """The payload nested under ``key`` (its ``Key.type``, a ``Payload``), read through its
+        own declaration; empty where the file holds none, or not an object."""
+        kind = self.KEYS[self.check(key)].type
+        return kind.of(self.get(key))
+
     def to_json(self) -> str:
         """The text written to the file: as ``json.dumps`` writes the same plain dict."""
         return json.dumps(dict(self), default=str)
@@ -113,11 +119,106 @@ class Payload(dict):
 
     @classmethod
     def of(cls, value: Any) -> Any:
-        """``value`` (parsed JSON) as this payload; empty unless it is an object."""
+        """``value`` (parsed JSON) as this payload; empty unless it is an object; ``value``
+        itself if it is one already."""
+        if isinstance(value, cls):
+            return value
         out = cls()
         if isinstance(value, dict):
             dict.update(out, value)  # (undeclared keys of a newer writer kept as they are)
         return out
+
+
+class Recorded(Payload):
+    """``detail["recorded"]``: what the real step saw, measured at the event; each True
+    (non-finite), False, or None (not seen) (record/forensic/reproduced.py)."""
+
+    NAME = "a snapshot's recorded"
+    KEYS = {
+        "loss_nonfinite": Key(bool, "the loss"),
+        "output_nonfinite": Key(bool, "the model's output"),
+        "output_grad_nonfinite": Key(bool, "the gradient at the model's output"),
+        "loss_fns": Key(list, "the torch loss functions the step called"),
+    }
+
+
+class TrialOutcome(Payload):
+    """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run under a trial, the fields of
+    ``record/forensic/trial.py``'s ``Outcome`` (a test holds them equal)."""
+
+    NAME = "a trial's outcome"
+    KEYS = {
+        "trial": Key(str, "the trial's name"),
+        "finite": Key(bool, "outputs, loss and every gradient finite"),
+        "first": Key(str, "where it first was not: forward, loss, backward"),
+        "output_finite": Key(bool, "the outputs"),
+        "loss": Key(float, "the recomputed loss (a string where not finite)"),
+        "loss_finite": Key(bool, "the recomputed loss; None: none recomputed"),
+        "loss_fns": Key(list, "the torch loss functions recomputed"),
+        "loss_dtype": Key(str, "the recomputed loss's dtype"),
+        "grads": Key(str, "finite, non-finite, zero or not run"),
+        "backward_from": Key(str, "loss (recomputed) or output (the recorded gradient)"),
+        "micro": Key(int, "the first micro-batch that was not finite"),
+        "note": Key(str, "why something was not run"),
+    }
+
+
+class LossInfo(Payload):
+    """``detail["loss"]``: the loss as replayed, and the gradient that reached it
+    (record/forensic/culprit.py)."""
+
+    NAME = "a snapshot's loss"
+    KEYS = {
+        "dtype": Key(str, "the loss's dtype"),
+        "value": Key(float, "the loss, summed"),
+        "grad_fp32": Key(float, "the loss scale: the gradient reaching the loss, in fp32"),
+        "grad": Key(float, "that gradient cast to the loss's dtype"),
+        "grad_nonfinite": Key(bool, "the cast overflowed"),
+    }
+
+
+class OutputGrad(Payload):
+    """``detail["output_grad"]``: the gradient the loss's backward sent into the model's first
+    bad output (record/forensic/culprit.py)."""
+
+    NAME = "a snapshot's output_grad"
+    KEYS = {
+        "index": Key(int, "which output"),
+        "nonfinite": Key(int, "elements NaN/inf"),
+        "numel": Key(int, "elements"),
+        "dtype": Key(str, "the gradient's dtype"),
+        "finite_absmax": Key(float, "the largest finite magnitude"),
+        "output_values": Key(list, "the output's values where the gradient is non-finite"),
+        "output_values_n": Key(int, "how many distinct such values"),
+    }
+
+
+class AccumOverflow(Payload):
+    """``detail["accum_overflow"]``: where the micro-batch gradients summed in a half
+    ``.grad`` overflowed (record/forensic/accum.py)."""
+
+    NAME = "a snapshot's accum_overflow"
+    KEYS = {
+        "param": Key(str, "the parameter"),
+        "micro": Key(int, "the micro-batch whose gradient made the sum overflow"),
+        "micro_batches": Key(int, "micro-batches of the step"),
+        "dtype": Key(str, "the .grad's dtype"),
+        "fp32_absmax": Key(float, "the sum's magnitude in fp32"),
+    }
+
+
+class SingularFp32(Payload):
+    """``detail["loss_singular_fp32"]``: a torch loss's derivative recomputed in fp32
+    (record/forensic/singular.py)."""
+
+    NAME = "a snapshot's loss_singular_fp32"
+    KEYS = {
+        "nonfinite": Key(int, "derivatives non-finite in fp32 too"),
+        "largest": Key(float, "the largest finite one"),
+        "numel": Key(int, "derivatives"),
+        "loss_fns": Key(list, "the loss functions recomputed"),
+        "loss": Key(float, "the loss recomputed (a string where not finite)"),
+    }
 
 
 class SnapshotDetail(Payload):
@@ -152,9 +253,9 @@ class SnapshotDetail(Payload):
         "run": Key(dict, "the culprit's inputs and outputs in the run's precision"),
         "output_grad_nonfinite": Key(bool, "the gradient at the model's output was"),
         "loss_nonfinite": Key(bool, "the loss itself was non-finite"),
-        "output_grad": Key(dict, "the gradient at the model's output: counts, output_values"),
-        "loss": Key(dict, "the loss as replayed: value, grad_nonfinite"),
-        "accum_overflow": Key(dict, "micro-batch gradients that overflowed when summed"),
+        "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
+        "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
+        "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
         "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
         "fp32": Key(dict, "the culprit re-run in fp32: finite, absmax"),
@@ -162,19 +263,19 @@ class SnapshotDetail(Payload):
         "op": Key(dict, "the op inside the culprit that made the value"),
         "op_error": Key(str, "the exception the op probe raised"),
         # reproduced (reproduced.py)
-        "recorded": Key(dict, "what the real step saw: loss_nonfinite, output_nonfinite"),
-        "rerun": Key(dict, "the step re-run as recorded"),
+        "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
+        "rerun": Key(TrialOutcome, "the step re-run as recorded"),
         "loss_recomputed": Key(bool, "the replay recomputed the loss"),
         "loss_not_recomputed": Key(str, "why the loss was not recomputed"),
         "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
         "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
-        "loss_fp32": Key(dict, "the loss recomputed in fp32: loss_finite"),
+        "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
         "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
         # proofs (proofs.py)
         "trials": Key(list, "the fixes tried on the step, each an outcome"),
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
-        "loss_singular_fp32": Key(dict, "a torch loss's backward checked in fp32"),
+        "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
     }
 
 
@@ -213,5 +314,6 @@ class FlatLossProbe(Payload):
 
 
 # Every declared payload: the contract test reads each writer and reader against these.
-PAYLOADS: tuple[type[Payload], ...] = (SnapshotDetail, HiddenNonfinite, LossSingular,
-                                       FlatLossProbe)
+PAYLOADS: tuple[type[Payload], ...] = (
+    SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
+    HiddenNonfinite, LossSingular, FlatLossProbe)

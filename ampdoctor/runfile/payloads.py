@@ -272,7 +272,7 @@ class SnapshotDetail(Payload):
         "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
         "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
         # proofs (proofs.py)
-        "trials": Key(list, "the fixes tried on the step, each an outcome"),
+        "trials": Key(dict, "the fixes tried on the step: fix id -> its outcome"),
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
         "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..numfmt import fmt
 from ..runfile import schema
+from ..runfile.payloads import SnapshotDetail
 from .facts import Facts
 from .verdict import Evidence
 
@@ -97,7 +98,8 @@ def producer(f: Facts, snap: dict) -> dict:
     origin = chain_origin(snap["detail"].get("chain"), f.root_names)
     if origin is None or origin == snap["module"]:
         return snap
-    detail = dict(snap["detail"], op=None, passed_on_by=snap["module"])
+    detail = SnapshotDetail.of(dict(snap["detail"]))
+    detail["op"], detail["passed_on_by"] = None, snap["module"]
     return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
                 in_absmax=math.nan, detail=detail)
 

@@ -338,7 +338,7 @@ def _first_jump(x: np.ndarray) -> Optional[int]:
 
 
 # The /stats columns the gradient sizes read.
-_COLUMNS = ("step", "tensor", "source", "nonfinite", "rms", "absmax")
+_COLUMNS = schema.columns("stats", "step", "tensor", "source", "nonfinite", "rms", "absmax")
 
 
 def _grad_sizes(f: Facts) -> Optional[tuple[str, float, float]]:

@@ -11,13 +11,13 @@ few here describe GradScaler itself and are commented where they are defined.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from ..runfile import schema
+from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
 from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve
 from .dose import Doses
@@ -278,10 +278,7 @@ class Facts:
         def build():
             out = []
             for s in self.run.snapshots:
-                try:
-                    detail = json.loads(s["detail"]) if s["detail"] else {}
-                except ValueError:
-                    detail = {}
+                detail = SnapshotDetail.from_json(s["detail"])
                 out.append({"id": int(s["id"]), "step": int(s["step"]),
                             "phase": _phase_name(int(s["phase"])),
                             "module": str(s["module"]) or None,
@@ -508,18 +505,15 @@ def hidden_nonfinite(run: Any) -> list[dict]:
     types = {int(i): str(c) for i, c in zip(t["id"], t["type"])}
     out = []
     for row in ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]:
-        try:
-            detail = json.loads(str(row["text"])) if row["text"] else {}
-        except ValueError:
-            detail = {}
+        detail = HiddenNonfinite.from_json(str(row["text"]))
         tid = int(row["tensor"])
         value = float(row["value"])
         out.append({"step": int(row["step"]), "module": names.get(tid) or None,
                     "type": types.get(tid) or None, "tensor": tid,
                     "created": int(value) if math.isfinite(value) else 0,
-                    "op": str(detail.get("op", "?")), "dtype": str(detail.get("dtype", "")),
+                    "op": str(detail.get("op")), "dtype": str(detail.get("dtype")),
                     "inner": detail.get("inner") or names.get(tid),
-                    "index": int(detail.get("index", 0)), "ops": int(detail.get("ops", 1))})
+                    "index": int(detail.get("index")), "ops": int(detail.get("ops"))})
     return sorted(out, key=lambda h: (h["step"], h["index"]))
 
 
@@ -535,14 +529,11 @@ def flat_probes(run: Any) -> dict[int, dict]:
     ev = run.events
     out = {}
     for row in ev[ev["kind"] == int(Event.FLAT_LOSS_PROBE)]:
-        try:
-            detail = json.loads(str(row["text"])) if row["text"] else {}
-        except ValueError:
-            detail = {}
-        out[int(row["step"])] = {"start": float(detail.get("start", math.nan)),
-                                 "recent": float(detail.get("recent", math.nan)),
-                                 "flat_steps": int(detail.get("flat_steps", 0)),
-                                 "probe": int(detail.get("probe", 0))}
+        detail = FlatLossProbe.from_json(str(row["text"]))
+        out[int(row["step"])] = {"start": float(detail.get("start")),
+                                 "recent": float(detail.get("recent")),
+                                 "flat_steps": int(detail.get("flat_steps")),
+                                 "probe": int(detail.get("probe"))}
     return out
 
 

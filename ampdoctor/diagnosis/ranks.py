@@ -27,6 +27,7 @@ import numpy as np
 
 from ..numfmt import fmt
 from ..runfile.paths import run_name
+from ..runfile.payloads import SnapshotDetail
 from ..runfile.schema import Event, Phase, flag
 from .verdict import Diagnosis, Evidence
 
@@ -233,7 +234,8 @@ def unreproduced_steps(run: Any) -> list[int]:
             continue
         if not isinstance(detail, dict):
             continue
-        snap = {"phase": _PHASE_NAMES.get(int(s["phase"]), "unknown"), "detail": detail}
+        snap = {"phase": _PHASE_NAMES.get(int(s["phase"]), "unknown"),
+                "detail": SnapshotDetail.of(detail)}
         if unreproduced(snap) and began_here(snap):
             out.append(int(s["step"]))
     return out

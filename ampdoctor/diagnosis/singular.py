@@ -25,11 +25,11 @@ Example::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..numfmt import fmt
+from ..runfile.payloads import LossSingular
 from ..runfile.schema import Event
 from .verdict import Evidence
 
@@ -88,8 +88,8 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
         if found is not None:
             return found
     for s in f.snapshots:
-        d = s["detail"].get("loss_singular_fp32")
-        if s["step"] >= start and isinstance(d, dict):
+        d = s["detail"].part("loss_singular_fp32")
+        if s["step"] >= start and isinstance(s["detail"].get("loss_singular_fp32"), dict):
             fns = d.get("loss_fns") or ["the loss"]
             return Singular(s["step"], "torch_loss", str(fns[0]), int(d.get("nonfinite", 0)),
                             _num(d.get("largest")), int(d.get("numel", 0)))
@@ -97,10 +97,7 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
 
 
 def _from_event(step: int, text: str) -> Optional[Singular]:
-    try:
-        ops = json.loads(text).get("ops") or []
-    except (ValueError, AttributeError):
-        return None
+    ops = LossSingular.from_json(text).get("ops") or []
     for m in ops:
         if not isinstance(m, dict) or "fp32" not in m:
             continue

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..runfile import schema
 from ..runfile.schema import Kind, Source
 from .thresholds import UNCHANGED_HIGH
 
@@ -26,8 +27,9 @@ TINY_NORM = 1e-6
 
 
 # Columns read from /stats; nothing else is loaded.
-_COLUMNS = ("step", "tensor", "seq", "source", "nonfinite", "numel", "sample_n", "zeros",
-            "sub16", "subbf16", "near16", "over16", "absmax", "rms", "norm", "update", "unchanged")
+_COLUMNS = schema.columns("stats", "step", "tensor", "seq", "source", "nonfinite", "numel",
+                          "sample_n", "zeros", "sub16", "subbf16", "near16", "over16", "absmax",
+                          "rms", "norm", "update", "unchanged")
 
 
 @dataclass

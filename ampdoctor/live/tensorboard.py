@@ -44,12 +44,12 @@ import numpy as np
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, RunFileError
 from ..release.readiness import underflow_share
-from ..runfile.schema import Kind, Source
+from ..runfile.schema import Kind, Source, columns
 from .follow import STALE_SECONDS, Follower
 
 LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
-_STATS_COLUMNS = ("step", "tensor", "source", "absmax", "sample_n", "zeros", "nan", "posinf",
-                  "neginf", "sub16")
+_STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
+                         "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.ampdoctor``):
 # a second export into a directory that holds one would show every point twice, so it refuses

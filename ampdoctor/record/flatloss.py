@@ -41,6 +41,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..runfile.payloads import FlatLossProbe
+
 # The start: the median of the first five losses (curve.START_STEPS: one step is as noisy as
 # its batch, five are not).
 START_STEPS = 5
@@ -131,8 +133,8 @@ class FlatLoss:
             return
         self.probes += 1
         self._last = self.flat_steps
-        self.due = {"start": self.start, "recent": self.recent, "flat_steps": self.flat_steps,
-                    "probe": self.probes}
+        self.due = FlatLossProbe(start=self.start, recent=self.recent,
+                                 flat_steps=self.flat_steps, probe=self.probes)
 
     def take(self) -> Optional[dict]:
         """At a step's start: why this step is to be probed (the loss's start and recent

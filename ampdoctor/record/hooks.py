@@ -30,13 +30,13 @@ The order of one scaled step, and what each hook adds::
 from __future__ import annotations
 
 import collections
-import json
 import sys
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
+from ..runfile.payloads import FlatLossProbe, HiddenNonfinite
 from ..runfile.schema import Event, Kind, flag
 from . import flatloss, patches, sharding, stats
 from .forensic import losscall
@@ -541,7 +541,7 @@ class Hooks:
         st.sampled = True
         if flat is not None:  # (a step due at the interval anyway is probed for both reasons)
             self.journal.event(Event.FLAT_LOSS_PROBE, st, value=flat["recent"] / flat["start"],
-                               text=json.dumps(flat))
+                               text=FlatLossProbe(flat).to_json())
         sampler.active = True
         eager = self.watched.eager
         if eager is None:
@@ -646,8 +646,8 @@ class Hooks:
         for h in probe.finish():
             tid = self.journal.tensor_id(Kind.OUTPUT, h.name, 0, None, type(h.module).__name__)
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
-                               text=json.dumps({"op": h.op, "dtype": h.dtype, "inner": h.inner,
-                                                "index": h.index, "ops": h.ops}))
+                               text=HiddenNonfinite(op=h.op, dtype=h.dtype, inner=h.inner,
+                                                    index=h.index, ops=h.ops).to_json())
 
 
 def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:

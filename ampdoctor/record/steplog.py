@@ -29,12 +29,11 @@ import torch
 
 from ..runfile import schema
 from ..runfile.schema import Event, flag
-from . import readback
+from . import lrfactors, readback
 from .environment import peak_memory
 from .flatloss import FlatLoss
 from .journal import Journal
 from .steps import Constants, Step, columns, device_values, fetch
-from .treatment import lr_factor as treatment_lr_factor
 from .watched import Watched
 
 
@@ -118,7 +117,7 @@ class StepLog:
         lrs = []
         rows: list[tuple] = []
         for opt in self.watched.optimizers:
-            factor = treatment_lr_factor(opt)  # --apply lr_factor: the LR the step ran with
+            factor = lrfactors.of(opt)  # --apply lr_factor: the LR the step ran with
             for g in opt.param_groups:
                 lr = g.get("lr", math.nan)
                 lr = float(lr) * factor if not isinstance(lr, torch.Tensor) or \

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
-from . import patches
+from . import lrfactors, patches
 from .prescription import Prescription
 
 # torch.nn.functional's losses: the ones ``loss_in_fp32`` casts.
@@ -63,18 +63,6 @@ LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", 
           "margin_ranking_loss", "triplet_margin_loss", "multi_margin_loss",
           "multilabel_margin_loss", "ctc_loss")
 _HALF = (torch.float16, torch.bfloat16)
-
-# The LR factor each optimizer steps with (the recorder multiplies the LR it reads by it).
-_LR_FACTORS: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
-
-
-def lr_factor(optimizer: Any) -> float:
-    """The factor ``--apply lr_factor``/``lr`` multiplies this optimizer's LR by (1.0: none)."""
-    try:
-        return _LR_FACTORS.get(optimizer, 1.0)
-    except TypeError:  # not weak-referenceable: never one of ours
-        return 1.0
-
 
 class Treatment:
     """The prescriptions of one process, installed as patches (``install``, ``remove``).
@@ -337,12 +325,12 @@ def _lr(patch_set: patches.PatchSet, value: float, relative: bool) -> None:
     held: dict[int, list[tuple[dict, Any]]] = {}
 
     def factor(optimizer: Any) -> float:
-        f = _LR_FACTORS.get(optimizer)
+        f = lrfactors.get(optimizer)
         if f is None:
             base = (getattr(optimizer, "defaults", None) or {}).get("lr")
             base = float(base) if base is not None else 0.0
             f = value if relative else (value / base if base > 0 else 1.0)
-            _LR_FACTORS[optimizer] = f
+            lrfactors.set(optimizer, f)
         return f
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:

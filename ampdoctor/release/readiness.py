@@ -35,13 +35,13 @@ from ..diagnosis.facts import low_precision
 from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..numfmt import fmt
-from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN
+from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, columns
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
 KINDS = VALUE_KINDS + GRAD_KINDS
-_COLUMNS = ("dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf", "neginf", "absmax",
-            "absmin", "over16", "near16", "sub16", "flush16")
+_COLUMNS = columns("stats", "dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf",
+                   "neginf", "absmax", "absmin", "over16", "near16", "sub16", "flush16")
 
 STATUSES = {
     "unknown": "no sampled statistics to judge from",

@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from ..errors import RunFileError
-from . import guard, hdf5, liveness, schema, values
+from . import guard, hdf5, liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .paths import resolve
@@ -97,8 +97,8 @@ def load_steps(path: str | os.PathLike) -> np.ndarray:
 def _steps_once(path: str) -> np.ndarray:
     f, live = open_file(path)
     try:
-        check_format(path, root_attrs(f, ("format", "format_version")))
-        return _read_table(path, f, "steps", live or bool(f.swmr_mode))
+        version = check_format(path, root_attrs(f, ("format", "format_version")))
+        return _read_table(path, f, "steps", live or bool(f.swmr_mode), version)
     except H5_ERRORS as exc:
         raise RunFileError(f"{path} is damaged and could not be read "
                            f"({reason(exc)})") from None
@@ -254,7 +254,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     (stats → tensors, rows → /blob) first means every reference read has its target.
     """
     attrs = root_attrs(f)
-    check_format(path, attrs)
+    version = check_format(path, attrs)
     # HDF5 shares one open file among every open of it in a process (a Run not closed yet):
     # a plain open may hand back a SWMR reader's file, whose cached tables can be stale.
     live = live or bool(f.swmr_mode)
@@ -262,7 +262,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     damaged = []
     for name in READ_ORDER:  # each table's length is fixed here, in this order
         try:
-            raw[name] = _read_table(path, f, name, live)
+            raw[name] = _read_table(path, f, name, live, version)
         except H5_ERRORS:
             if name == "steps":  # without its steps a run has nothing to tell
                 raise
@@ -318,24 +318,30 @@ def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
             values.check_refs(path, name, rows[name], texts, blob_size, start.get(name, 0))
 
 
-def _read_table(path: str, f: h5py.File, name: str, live: bool) -> Any:
-    """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``."""
-    ds = dataset(path, f, name)
+def _read_table(path: str, f: h5py.File, name: str, live: bool,
+                version: int = schema.FORMAT_VERSION) -> Any:
+    """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``;
+    a table an older format wrote lifted into the current dtype (``migrations``)."""
+    ds = dataset(path, f, name, version)
     if live:
         ds.refresh()
     if name in ON_DEMAND:
-        return Table(ds, nrows=written_rows(ds), path=path, name=name)
+        return Table(ds, nrows=written_rows(ds), path=path, name=name,
+                     lift=migrations.find(name, version, ds.dtype))
     if name == schema.BLOB:
         return Blob(ds, path)
-    return without_unwritten_tail(name, ds[:])
+    return migrations.lift(name, version, without_unwritten_tail(name, ds[:]))
 
 
-def dataset(path: str, f: h5py.File, name: str) -> Any:
-    """Table ``name`` of ``f``, checked to have the columns this reader expects."""
+def dataset(path: str, f: h5py.File, name: str, version: int = schema.FORMAT_VERSION) -> Any:
+    """Table ``name`` of ``f``, checked to have the columns this reader expects: the current
+    schema's, or those of a migration declared for format ``version`` (``migrations``)."""
     if name not in f or not isinstance(f[name], h5py.Dataset):
         raise RunFileError(f"{path} is damaged: table /{name} is missing")
     ds = f[name]
-    if ds.dtype != expected_dtype(name) or ds.ndim != 1:
+    known = ds.dtype == expected_dtype(name) or \
+        migrations.find(name, version, ds.dtype) is not None
+    if not known or ds.ndim != 1:
         raise RunFileError(f"{path} is damaged: table /{name} has unexpected columns or shape")
     return ds
 
@@ -391,7 +397,9 @@ def _inspect_once(path: str) -> dict[str, Any]:
         for name in list(schema.TABLES) + [schema.BLOB] + extra:
             table = info["tables"][name] = _table_info(f, name)
             if table is not None:
-                table["damaged"] = table.pop("dtype") != expected_dtype(name)
+                dtype = table.pop("dtype")
+                table["damaged"] = dtype != expected_dtype(name) and \
+                    (dtype is None or migrations.find(name, version, dtype) is None)
         info["meta"] = {}
         usable = [info["tables"][n] for n in ("meta", schema.BLOB)]
         if all(t is not None and not t["damaged"] for t in usable):  # rows of the schema's type

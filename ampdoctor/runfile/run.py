@@ -43,10 +43,13 @@ class Table:
     """
 
     def __init__(self, data: Any, nrows: int | None = None, path: str | None = None,
-                 name: str = "stats"):
+                 name: str = "stats", lift: Any = None):
         self._data = data
         self._n = len(data) if nrows is None else nrows
-        self.dtype = data.dtype
+        # A table an older format wrote: read whole rows, handed out lifted into the current
+        # dtype (a ``migrations.Migration``; None: stored as the schema has it).
+        self._lift = lift
+        self.dtype = data.dtype if lift is None else schema.TABLES[name]
         self._path = path
         self._name = name
         # How many tensors /tensors holds, set by the reader: every id read is checked
@@ -67,8 +70,12 @@ class Table:
                 else np.dtype([(n, self.dtype[n]) for n in what]))
             return np.empty(0, dtype)
         try:
-            source = self._data if what is None else self._data.fields(what)
-            out = source[start:stop]
+            if self._lift is not None:
+                out = self._lift.lift(self._data[start:stop])
+                out = out if what is None else out[what]
+            else:
+                source = self._data if what is None else self._data.fields(what)
+                out = source[start:stop]
         except H5_ERRORS as exc:
             raise RunFileError(f"{self._path} is damaged: reading /{self._name} failed "
                                f"({reason(exc)})") from None

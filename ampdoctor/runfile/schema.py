@@ -138,10 +138,11 @@ class Event(enum.IntEnum):
     # On a sampled step, an op inside a module made inf/NaN from finite inputs while the
     # module's output stayed finite (record/opprobe.StepProbe): tensor, the module's OUTPUT
     # id; value, what the op made (bits 1 NaN, 2 +inf, 4 -inf, as /stats nonfinite); text, JSON
-    # {"op", "dtype" (of the op's result), "inner" (the module running the op: this one or one
-    # inside it), "index" (ops probed before it in the step), "ops" (ops of the step that made
-    # one in this module)}. An additive code, not a format change: a reader that does not know
-    # it passes the rows by (the diagnosis reads events by kind).
+    # (payloads.HiddenNonfinite) {"op", "dtype" (of the op's result), "inner" (the module
+    # running the op: this one or one inside it), "index" (ops probed before it in the step),
+    # "ops" (ops of the step that made one in this module)}. An additive code, not a format
+    # change: a reader that does not know it passes the rows by (the diagnosis reads events by
+    # kind).
     HIDDEN_NONFINITE = 17
     # An LR scheduler stepped more than once in one optimizer step (once per micro-batch):
     # value: its steps that took effect in this one, text: its class. Written when that count
@@ -151,13 +152,15 @@ class Event(enum.IntEnum):
     # input of each op of its graph whose derivative is infinite at a point (a power below 1,
     # sqrt, log at 0; acos at +-1), read before that step's backward (record/forensic/singular.py).
     # value: how many of those values have a non-finite derivative in fp32 too; text: JSON
-    # {"ops": [{"op", "node", "exponent", "points", "dtype", "numel", "at_point", "nearest",
-    # "run", "fp32", "eps", "clamped"}, ...]}, the most singular first. Additive, as 17.
+    # (payloads.LossSingular) {"ops": [{"op", "node", "exponent", "points", "dtype", "numel",
+    # "at_point", "nearest", "run", "fp32", "eps", "clamped"}, ...]}, the most singular first.
+    # Additive, as 17.
     LOSS_SINGULAR = 19
     # The step was sampled, op probe included, because the loss had not fallen for a while
     # (record/flatloss.py), not because the interval was due: value, the recent loss over the
-    # run's start; text, JSON {"start" (median of the first losses), "recent" (median of the
-    # last ten), "flat_steps" (in a row, when armed), "probe" (which of the run's, from 1)}.
+    # run's start; text, JSON (payloads.FlatLossProbe) {"start" (median of the first losses),
+    # "recent" (median of the last ten), "flat_steps" (in a row, when armed), "probe" (which
+    # of the run's, from 1)}.
     # Additive, as 17.
     FLAT_LOSS_PROBE = 20
     # A loss was backwarded without scaler.scale in a step where an enabled GradScaler scaled
@@ -271,7 +274,7 @@ SNAPSHOTS = np.dtype(
         ("out_absmax", "<f4"),  # culprit output abs max (run precision, NaN if NaN)
         ("scale", "<f4"),
         ("lr", "<f4"),
-        *_text("detail"),  # JSON: anything else the replay learnt
+        *_text("detail"),  # JSON: what else the replay learnt, payloads.SnapshotDetail
     ]
 )
 
@@ -302,6 +305,22 @@ TABLES: dict[str, np.dtype] = {
     "meta": META,
 }
 BLOB = "blob"
+
+
+def columns(table: str, *names: str) -> tuple[str, ...]:
+    """``names``, checked to be columns of ``table``: a module that reads a few columns
+    declares them so, and a misspelt or removed one fails when it is imported, not when a
+    run is read.
+
+    Example::
+
+        _COLUMNS = schema.columns("stats", "step", "tensor", "absmax")
+    """
+    have = TABLES[table].names or ()
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise KeyError(f"/{table} has no column {', '.join(missing)} (runfile/schema.py)")
+    return names
 
 # /summary (format 2): one row, rewritten in place at each flush (no dataset may be created
 # once SWMR writing has begun, and a /meta key appended at every flush would grow without

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RunFileError
-from . import liveness, schema
+from . import liveness, migrations, schema
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .reader import (
@@ -55,7 +55,7 @@ class Tail:
         self._file, self.live = retrying(self.path, lambda: open_file(self.path))
         try:
             self.attrs = root_attrs(self._file)
-            check_format(self.path, self.attrs)
+            self.version = check_format(self.path, self.attrs)
         except BaseException:
             self._file.close()
             raise
@@ -100,11 +100,12 @@ class Tail:
             ds = self._table(name)
             if name == "stats":
                 if ds.shape[0] != self._stats_shape:  # finding the written end reads rows
-                    stats = Table(ds, nrows=written_rows(ds), path=self.path, name="stats")
+                    stats = Table(ds, nrows=written_rows(ds), path=self.path, name="stats",
+                                  lift=migrations.find(name, self.version, ds.dtype))
                 continue
             start = self.done[name]
-            rows[name] = without_unwritten_tail(name, ds[start:]) if ds.shape[0] > start \
-                else schema.empty(name)
+            rows[name] = migrations.lift(name, self.version, without_unwritten_tail(
+                name, ds[start:])) if ds.shape[0] > start else schema.empty(name)
         return rows, stats
 
     def _blob(self) -> "_Ranged":
@@ -113,7 +114,7 @@ class Tail:
     def _table(self, name: str) -> Any:
         ds = self._datasets.get(name)
         if ds is None:
-            ds = self._datasets[name] = dataset(self.path, self._file, name)
+            ds = self._datasets[name] = dataset(self.path, self._file, name, self.version)
         if self.live:
             ds.refresh()
         return ds

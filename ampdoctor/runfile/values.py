@@ -71,8 +71,8 @@ def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
 
 def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None = None) -> None:
     """Step numbers are >= 0 and never go back, wall times neither infinite nor negative.
-    ``start``: the row number of ``steps[0]``;
-    ``before``: the step of the row before it (a follower's previous read)."""
+    ``start``: the row number of ``steps[0]``; ``before``: the step of the row before it (a
+    follower's previous read)."""
     numbers = steps["step"]
     if not len(numbers):
         return

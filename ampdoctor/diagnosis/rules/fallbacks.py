@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...numfmt import fmt
+from ...runfile.payloads import SnapshotDetail
 from .. import fixes
 from ..culprit import snapshot_at
 from ..facts import Facts
@@ -125,17 +126,15 @@ def _norm_overflow(f: Facts) -> Optional[Premise]:
 def _loss_replay_text(snap: dict) -> str:
     """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
     why not), the fp32 recomputation, the targets."""
-    d = snap["detail"] if isinstance(snap["detail"], dict) else {}
-    seen = d.get("recorded")
-    seen = seen if isinstance(seen, dict) else {}
+    d = SnapshotDetail.of(snap["detail"])
+    seen = d.part("recorded")
     text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
     if seen.get("output_nonfinite") is False:
         text += " (in the real step too)"
     if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
         return text + (f"; the loss was non-finite in the real step and was not recomputed "
                        f"({d['loss_not_recomputed']})")
-    fp32 = d.get("loss_fp32")
-    fp32 = fp32 if isinstance(fp32, dict) else {}
+    fp32 = d.part("loss_fp32")
     if fp32.get("loss_finite") is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
         targets = d.get("targets")

@@ -129,7 +129,7 @@ def rule_accum_overflow(f: Facts) -> Optional[Finding]:
                 None)
     if snap is None:
         return None
-    acc = snap["detail"]["accum_overflow"]
+    acc = snap["detail"].part("accum_overflow")
     where = first_bad(snap["step"], snap["module"], "backward")
     ev = [Evidence(f"replay of step {snap['step']}: each of the {acc['micro_batches']} "
                    f"micro-batches' gradients is finite, but their sum in {acc['dtype']} .grad "
@@ -466,8 +466,7 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
 
 def _fp32_too(snap: dict) -> bool:
     """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
-    fp32 = snap["detail"].get("loss_fp32")
-    return isinstance(fp32, dict) and fp32.get("loss_finite") is False
+    return snap["detail"].part("loss_fp32").get("loss_finite") is False
 
 
 def _loss_backward_only(snap: dict) -> bool:
@@ -475,13 +474,13 @@ def _loss_backward_only(snap: dict) -> bool:
     backward sent NaN/inf into the model's output: the loss's derivative, not its value."""
     d = snap["detail"]
     return bool(d.get("output_grad_nonfinite")) and not d.get("loss_nonfinite") and \
-        not (d.get("loss") or {}).get("grad_nonfinite")
+        not d.part("loss").get("grad_nonfinite")
 
 
 def _loss_snapshot_text(snap: dict) -> str:
     """What a loss replay saw, from its detail (never more than it saw)."""
     d = snap["detail"]
-    loss = d.get("loss") or {}
+    loss = d.part("loss")
     dtype = loss.get("dtype", "?")
     head = f"replay of step {snap['step']}: every module output is finite"
     if d.get("loss_nonfinite"):
@@ -492,7 +491,7 @@ def _loss_snapshot_text(snap: dict) -> str:
                 f"gradient reaching it is {fmt(loss.get('grad_fp32'))} cast to {dtype} = inf")
     text = (f"{head} and so is the loss ({fmt(loss.get('value'))}, {dtype}), but the gradient "
             "the loss's backward sends into the model's output is not")
-    grad = d.get("output_grad") or {}
+    grad = d.part("output_grad")
     if grad.get("numel"):
         text += (f" ({grad['nonfinite']} of {grad['numel']} elements NaN/inf, the largest "
                  f"finite one {fmt(grad.get('finite_absmax'))})")

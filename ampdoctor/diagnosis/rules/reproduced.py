@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
+from ...runfile.payloads import SnapshotDetail
 from .. import fixes
 from ..facts import Facts
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
@@ -39,15 +40,10 @@ from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, P
 STEPS_LISTED = 8  # steps named in a count's evidence
 
 
-def _dict(value: object) -> dict:
-    """A detail entry as a dict (a damaged or foreign file may hold anything there)."""
-    return value if isinstance(value, dict) else {}
-
-
 def unreproduced(snap: dict) -> bool:
     """Did this replay find the step finite where the real step was not? (Files written
     before the comparison existed: a replay whose every micro-batch stayed finite.)"""
-    d = _dict(snap["detail"])
+    d = SnapshotDetail.of(snap["detail"])
     if "reproduced" in d:
         return d["reproduced"] is False
     return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
@@ -56,7 +52,7 @@ def unreproduced(snap: dict) -> bool:
 def began_here(snap: dict) -> bool:
     """The real step's own loss or model output was non-finite (not only the gradients, which
     an all-reduce brings from another rank)."""
-    seen = _dict(_dict(snap["detail"]).get("recorded"))
+    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
     return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
 
 
@@ -113,12 +109,12 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
     large finite gradients overflows to +inf (a NaN norm needs a NaN gradient)."""
     step = snap["step"]
     i = f.index_of(step)
-    d = _dict(snap["detail"])
-    seen = _dict(d.get("recorded"))
+    d = SnapshotDetail.of(snap["detail"])
+    seen = d.part("recorded")
     loss = float(f.steps["loss"][i])
     norm = float(f.steps["grad_norm"][i])
     if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
-        again = _dict(d.get("rerun"))
+        again = d.part("rerun")
         if again.get("loss_finite") is not None:
             return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
                            f"replay recomputed it: {fmt(_num(again.get('loss')))}")
@@ -158,7 +154,7 @@ def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
 def _later_failures(f: Facts, snap: dict) -> Premise:
     """Never "the machine" over a run whose later failures reproduce on finite weights."""
     later = [s for s in _on_failing(f, failing(f)) if s["step"] > snap["step"]
-             and not _dict(s["detail"]).get("weights_nonfinite")]
+             and not SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
     again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
     if again:
         first = again[0]
@@ -202,7 +198,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
         explains |= set(later)
         if later:
             poisoned = [s["step"] for s in f.snapshots if s["step"] in later
-                        and _dict(s["detail"]).get("weights_nonfinite")]
+                        and SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
             seen = (f" (the replays of steps {', '.join(map(str, poisoned[:STEPS_LISTED]))} "
                     "find the weights non-finite)") if poisoned else ""
             ev.append(Evidence(f"no GradScaler skipped step {step}: what it computed reached the "
@@ -233,7 +229,7 @@ def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:
 
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
-    seen = _dict(_dict(snap["detail"]).get("recorded"))
+    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
     parts = []
     if seen.get("loss_nonfinite"):
         parts.append("its loss was non-finite")
@@ -253,8 +249,8 @@ def _seen_text(snap: dict, world: int) -> str:
 
 def _replay_text(snap: dict) -> str:
     """What the replay gave, from its snapshot (never more than it measured)."""
-    d = _dict(snap["detail"])
-    again = _dict(d.get("rerun"))
+    d = SnapshotDetail.of(snap["detail"])
+    again = d.part("rerun")
     text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
             "finite (checked), the model's output is finite")
     fns = again.get("loss_fns")
@@ -316,9 +312,9 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     snap = next((s for s in f.snapshots if s["phase"] == "loss" and _target_problem(s)), None)
     if snap is None:
         return None
-    d = _dict(snap["detail"])
+    d = SnapshotDetail.of(snap["detail"])
     target = _target_problem(snap) or {}
-    fp32 = _dict(d.get("loss_fp32"))
+    fp32 = d.part("loss_fp32")
     step = snap["step"]
     ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
                    "(checked)", "output_finite", None, step),
@@ -353,8 +349,8 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
 def _target_problem(snap: dict) -> Optional[dict]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
-    d = _dict(snap["detail"])
-    if _dict(d.get("loss_fp32")).get("loss_finite") is not False:
+    d = SnapshotDetail.of(snap["detail"])
+    if d.part("loss_fp32").get("loss_finite") is not False:
         return None
     targets = d.get("targets")
     return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...runfile.payloads import AccumOverflow
 from ...runfile.schema import Phase
 from ..sampler import tensors_in
 from .culprit import Culprit
@@ -47,9 +48,10 @@ def overflow(watched: Any, captures: list, stale: list[str]) -> Optional[dict]:
             wide = (sums[j].float() + g.float()).abs().max()
             sums[j] += g
             if not bool(torch.isfinite(sums[j]).all()):
-                return {"param": params[j][0], "micro": k, "micro_batches": len(captures),
-                        "dtype": str(g.dtype).replace("torch.", ""),
-                        "fp32_absmax": float(wide)}
+                return AccumOverflow(param=params[j][0], micro=k,
+                                     micro_batches=len(captures),
+                                     dtype=str(g.dtype).replace("torch.", ""),
+                                     fp32_absmax=float(wide))
     return None
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
+from ...runfile.payloads import LossInfo, OutputGrad, SnapshotDetail
 from ...runfile.schema import Phase
 from .. import stats
 from .trace import CLEAN, HARD, ROOT_INPUT, SOFT, UNKNOWN, Call, Capture, Trace
@@ -38,7 +39,7 @@ class Culprit:
     module_type: str = ""
     culprit_slot: Optional[int] = None  # the slot named in the snapshot's culprit column
     summary: str = ""
-    detail: dict = field(default_factory=dict)
+    detail: SnapshotDetail = field(default_factory=SnapshotDetail)
     fp32_finite: Optional[bool] = None
     fp32_absmax: float = math.nan
     in_absmax: float = math.nan
@@ -276,9 +277,8 @@ def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
     i = bad[0]
     grad = trace.cap.grads[i]
     finite = torch.isfinite(grad)
-    out: dict[str, Any] = {"index": i, "nonfinite": int((~finite).sum()),
-                           "numel": int(grad.numel()),
-                           "dtype": str(grad.dtype).replace("torch.", "")}
+    out = OutputGrad(index=i, nonfinite=int((~finite).sum()), numel=int(grad.numel()),
+                     dtype=str(grad.dtype).replace("torch.", ""))
     kept = grad[finite]
     out["finite_absmax"] = float(kept.abs().max().float()) if kept.numel() else 0.0
     value = trace.outputs[i] if i < len(trace.outputs) else None
@@ -292,12 +292,12 @@ def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
 def _loss_info(cap: Capture) -> dict:
     """dtype and value of this micro-batch's loss, and the gradient that reached it."""
     if not cap.losses:
-        return {}
+        return LossInfo()
     # The first loss that went wrong (a step may add several), else the first.
     loss, holder = next((x for x in cap.losses if not bool(torch.isfinite(x[0]).all())),
                         cap.losses[0])
-    info: dict[str, Any] = {"dtype": str(loss.dtype).replace("torch.", ""),
-                            "value": float(loss.float().sum())}
+    info = LossInfo(dtype=str(loss.dtype).replace("torch.", ""),
+                    value=float(loss.float().sum()))
     scale = holder.get("scale")
     if scale is not None:
         # GradScaler multiplies the loss by S in fp32, so the gradient reaching the loss is S

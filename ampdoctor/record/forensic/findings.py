@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...runfile import schema
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Event, Phase
 from .culprit import Culprit
 from .trace import Trace
@@ -63,7 +64,7 @@ class ReplayResult:
     in_absmax: float = math.nan
     out_absmax: float = math.nan
     summary: str = ""
-    detail: dict = field(default_factory=dict, repr=False)
+    detail: SnapshotDetail = field(default_factory=SnapshotDetail, repr=False)
     faithful: bool = True
     snapshot: Optional[int] = None
     trace: list = field(default_factory=list, repr=False)

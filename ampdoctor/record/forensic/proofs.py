@@ -45,13 +45,13 @@ Example (what ``Forensics`` does after a replay located the failure)::
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
+from ...runfile.payloads import LossSingular
 from ...runfile.schema import Event, Phase
 from . import singular
 from .culprit import Culprit
@@ -145,7 +145,7 @@ class Prover:
         worst = measured[0].get("fp32") or {}
         self.forensics.journal.event(Event.LOSS_SINGULAR, step,
                                      value=float(worst.get("nonfinite", 0)),
-                                     text=json.dumps({"ops": measured}, default=str))
+                                     text=LossSingular(ops=measured).to_json())
 
 
 def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]:

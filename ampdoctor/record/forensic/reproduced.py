@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ...numfmt import fmt
+from ...runfile.payloads import Recorded, TrialOutcome
 from ...runfile.schema import Phase
 from .. import stats
 from . import losscall, trial
@@ -50,10 +51,9 @@ def recorded(cap: Capture) -> dict:
     the output; each True (non-finite), False, or None (not seen, or no longer held)."""
     alive = [t for t in (r() for r in cap.outputs) if stats.measurable(t)]
     grads = [g for g in cap.grads.values() if stats.measurable(g)]
-    return {"loss_nonfinite": _any_bad([loss for loss, _ in cap.losses]),
-            "output_nonfinite": _any_bad(alive),
-            "output_grad_nonfinite": _any_bad(grads),
-            "loss_fns": [c.name for c in cap.loss_calls]}
+    return Recorded(loss_nonfinite=_any_bad([loss for loss, _ in cap.losses]),
+                    output_nonfinite=_any_bad(alive), output_grad_nonfinite=_any_bad(grads),
+                    loss_fns=[c.name for c in cap.loss_calls])
 
 
 def _any_bad(tensors: list) -> Optional[bool]:
@@ -68,7 +68,7 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     seen = f.detail["recorded"] = recorded(cap)
     again = trial.rerun(cap, trial.AS_RECORDED, names) if cap.loss_calls else None
     if again is not None:
-        f.detail["rerun"] = again.as_dict()
+        f.detail["rerun"] = TrialOutcome(again.as_dict())
     if again is None or again.loss_finite is None:
         f.detail["loss_recomputed"] = False
         f.detail["loss_not_recomputed"] = again.note if again is not None else NO_LOSS_CALL
@@ -121,7 +121,7 @@ def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
     """The recomputed loss is non-finite again: is it the precision (fp32 re-run) or not (the
     targets, the loss's formula)?"""
     fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
-    f.detail["loss_fp32"] = fp32.as_dict()
+    f.detail["loss_fp32"] = TrialOutcome(fp32.as_dict())
     found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls) if t]
     f.detail["targets"] = found
     f.detail["reproduced"] = True

@@ -42,6 +42,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...runfile.payloads import SingularFp32
+
 WATCH_STEPS = 16  # steps after a hand-written loss's backward event whose losses are walked
 MAX_NODES = 256  # autograd nodes walked per loss (a hand-written loss has a handful)
 HOLD_BYTES = 16 << 20  # an op's input held beyond this is not held (said so)
@@ -260,7 +262,7 @@ def torch_loss(cap: Any, outputs: list) -> Optional[dict]:
     if not got:
         return None
     flat = torch.cat([g.reshape(-1) for g in got])
-    out = _summary(flat)
+    out = SingularFp32(_summary(flat))
     out.update(numel=int(flat.numel()), loss_fns=[c.name for c in cap.loss_calls],
                loss=float(sum(float(v.detach().sum()) for v in values)))
     if not math.isfinite(out["loss"]):

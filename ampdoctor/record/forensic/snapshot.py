@@ -12,13 +12,13 @@ Example (what ``Forensics`` does after a replay)::
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ...runfile import schema, store
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Event, Source
 from .. import sharding
 from .culprit import Culprit
@@ -59,7 +59,7 @@ def write(w: store.Writer, tensor_id: TensorId, step: int, why: Event, r: Replay
             row["culprit"] = ids[f.culprit_slot]
     items = array_items(cap, f) if cap is not None else []
     f.detail["arrays"] = _write_arrays(w, sid, items)
-    row["detail_off"], row["detail_len"] = w.text(json.dumps(f.detail, default=str))
+    row["detail_off"], row["detail_len"] = w.text(SnapshotDetail(f.detail).to_json())
     w.append("snapshots", row)
     return sid
 

@@ -1208,3 +1208,14 @@ def test_saved_buffers_come_back_bit_for_bit_the_same_objects():
         for now, was in zip((mean, var, count), before):
             assert torch.equal(now, was), keep
         assert bn.extra is None
+
+
+def test_a_trial_outcome_is_declared_field_for_field():
+    """``Outcome.as_dict()`` goes into a snapshot's detail as ``payloads.TrialOutcome`` (the
+    replay's ``rerun`` and ``loss_fp32``): the declaration has each field, and no other."""
+    import dataclasses
+
+    from ampdoctor.runfile import payloads
+
+    fields = [f.name for f in dataclasses.fields(trial.Outcome)]
+    assert list(payloads.TrialOutcome.KEYS) == fields

@@ -1,0 +1,319 @@
+"""The JSON payloads of the run file, declared: a snapshot's ``detail`` and the JSON text of
+the ``/events`` kinds that carry one. The recorder builds each payload as one of these types
+and the analysis side reads it back through the same type, so a key has one spelling.
+
+A payload is a ``dict`` whose keys are checked against its declaration (``KEYS``: name ->
+``Key``, its type, its default, the payload version that added it): setting, reading or
+testing a key the declaration does not have raises ``UndeclaredKey`` (a bug on either side,
+caught by the tests that run it; tests/runfile/test_payloads.py also reads every writer and
+reader in the source for the keys they name). Reading a key a file does not hold gives its
+declared default (``get(key)``; ``get(key, other)`` gives ``other``). A key from a newer
+writer that this reader does not declare is kept as read (``from_json``) and never looked at.
+
+The JSON written is what ``json.dumps(payload, default=str)`` makes of a plain dict: the
+declarations add no field to the file, so the format version does not change with them. A new
+key is one line in ``KEYS`` with ``since`` raised to the payload's new ``VERSION``
+(docs/development.md, "Adding a key or a column"). This module imports the standard library
+only, as the rest of ``runfile/`` imports no torch.
+
+Example::
+
+    detail = SnapshotDetail(micro_batches=2)
+    detail["reproduced"] = True
+    SnapshotDetail.from_json(detail.to_json()).get("stale_grads")     # None: its default
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+_DECLARED: Any = object()  # get()'s "no default given": the declared one
+
+
+class UndeclaredKey(KeyError):
+    """A key a payload's declaration does not have: a typo, or a key not declared yet."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One declared key: its JSON type(s), the value a reader gets when a file lacks it, the
+    payload version that added it, and what it holds."""
+
+    type: Any
+    doc: str
+    default: Any = None
+    since: int = 1
+
+
+class Payload(dict):
+    """A JSON object with declared keys (see the module docstring)."""
+
+    NAME: ClassVar[str] = "payload"
+    VERSION: ClassVar[int] = 1
+    KEYS: ClassVar[Mapping[str, Key]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__()
+        self.update(*args, **kwargs)
+
+    @classmethod
+    def check(cls, key: Any) -> str:
+        if key not in cls.KEYS:
+            raise UndeclaredKey(f"{key!r} is not a key of {cls.NAME} (runfile/payloads.py "
+                                f"declares {', '.join(sorted(cls.KEYS))})")
+        return key
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(self.check(key), value)
+
+    def __missing__(self, key: str) -> Any:
+        return self.KEYS[self.check(key)].default
+
+    def __getitem__(self, key: str) -> Any:
+        self.check(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.check(key)
+        return super().__contains__(key)
+
+    def get(self, key: str, default: Any = _DECLARED) -> Any:
+        self.check(key)
+        if super().__contains__(key):
+            return super().__getitem__(key)
+        return self.KEYS[key].default if default is _DECLARED else default
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.check(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.check(key)
+        return super().pop(key, *default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def part(self, key: str) -> Any:
+        """The payload nested under ``key`` (its ``Key.type``, a ``Payload``), read through its
+        own declaration; empty where the file holds none, or not an object."""
+        kind = self.KEYS[self.check(key)].type
+        return kind.of(self.get(key))
+
+    def to_json(self) -> str:
+        """The text written to the file: as ``json.dumps`` writes the same plain dict."""
+        return json.dumps(dict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: Any) -> Any:
+        """The payload in ``text``; empty where the text is empty, not JSON or not an object
+        (a damaged or foreign file). Keys this reader does not declare are kept, unread."""
+        try:
+            value = json.loads(text) if text else {}
+        except (ValueError, TypeError):
+            value = {}
+        return cls.of(value)
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """``value`` (parsed JSON) as this payload; empty unless it is an object; ``value``
+        itself if it is one already."""
+        if isinstance(value, cls):
+            return value
+        out = cls()
+        if isinstance(value, dict):
+            dict.update(out, value)  # (undeclared keys of a newer writer kept as they are)
+        return out
+
+
+class Recorded(Payload):
+    """``detail["recorded"]``: what the real step saw, measured at the event; each True
+    (non-finite), False, or None (not seen) (record/forensic/reproduced.py)."""
+
+    NAME = "a snapshot's recorded"
+    KEYS = {
+        "loss_nonfinite": Key(bool, "the loss"),
+        "output_nonfinite": Key(bool, "the model's output"),
+        "output_grad_nonfinite": Key(bool, "the gradient at the model's output"),
+        "loss_fns": Key(list, "the torch loss functions the step called"),
+    }
+
+
+class TrialOutcome(Payload):
+    """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run under a trial, the fields of
+    ``record/forensic/trial.py``'s ``Outcome`` (a test holds them equal)."""
+
+    NAME = "a trial's outcome"
+    KEYS = {
+        "trial": Key(str, "the trial's name"),
+        "finite": Key(bool, "outputs, loss and every gradient finite"),
+        "first": Key(str, "where it first was not: forward, loss, backward"),
+        "output_finite": Key(bool, "the outputs"),
+        "loss": Key(float, "the recomputed loss (a string where not finite)"),
+        "loss_finite": Key(bool, "the recomputed loss; None: none recomputed"),
+        "loss_fns": Key(list, "the torch loss functions recomputed"),
+        "loss_dtype": Key(str, "the recomputed loss's dtype"),
+        "grads": Key(str, "finite, non-finite, zero or not run"),
+        "backward_from": Key(str, "loss (recomputed) or output (the recorded gradient)"),
+        "micro": Key(int, "the first micro-batch that was not finite"),
+        "note": Key(str, "why something was not run"),
+    }
+
+
+class LossInfo(Payload):
+    """``detail["loss"]``: the loss as replayed, and the gradient that reached it
+    (record/forensic/culprit.py)."""
+
+    NAME = "a snapshot's loss"
+    KEYS = {
+        "dtype": Key(str, "the loss's dtype"),
+        "value": Key(float, "the loss, summed"),
+        "grad_fp32": Key(float, "the loss scale: the gradient reaching the loss, in fp32"),
+        "grad": Key(float, "that gradient cast to the loss's dtype"),
+        "grad_nonfinite": Key(bool, "the cast overflowed"),
+    }
+
+
+class OutputGrad(Payload):
+    """``detail["output_grad"]``: the gradient the loss's backward sent into the model's first
+    bad output (record/forensic/culprit.py)."""
+
+    NAME = "a snapshot's output_grad"
+    KEYS = {
+        "index": Key(int, "which output"),
+        "nonfinite": Key(int, "elements NaN/inf"),
+        "numel": Key(int, "elements"),
+        "dtype": Key(str, "the gradient's dtype"),
+        "finite_absmax": Key(float, "the largest finite magnitude"),
+        "output_values": Key(list, "the output's values where the gradient is non-finite"),
+        "output_values_n": Key(int, "how many distinct such values"),
+    }
+
+
+class AccumOverflow(Payload):
+    """``detail["accum_overflow"]``: where the micro-batch gradients summed in a half
+    ``.grad`` overflowed (record/forensic/accum.py)."""
+
+    NAME = "a snapshot's accum_overflow"
+    KEYS = {
+        "param": Key(str, "the parameter"),
+        "micro": Key(int, "the micro-batch whose gradient made the sum overflow"),
+        "micro_batches": Key(int, "micro-batches of the step"),
+        "dtype": Key(str, "the .grad's dtype"),
+        "fp32_absmax": Key(float, "the sum's magnitude in fp32"),
+    }
+
+
+class SingularFp32(Payload):
+    """``detail["loss_singular_fp32"]``: a torch loss's derivative recomputed in fp32
+    (record/forensic/singular.py)."""
+
+    NAME = "a snapshot's loss_singular_fp32"
+    KEYS = {
+        "nonfinite": Key(int, "derivatives non-finite in fp32 too"),
+        "largest": Key(float, "the largest finite one"),
+        "numel": Key(int, "derivatives"),
+        "loss_fns": Key(list, "the loss functions recomputed"),
+        "loss": Key(float, "the loss recomputed (a string where not finite)"),
+    }
+
+
+class SnapshotDetail(Payload):
+    """``/snapshots`` ``detail``: what a forensic replay learnt beyond the row's columns
+    (written by ``record/forensic/``: findings.py, culprit.py, culprit_rerun.py,
+    reproduced.py, accum.py, proofs.py, forensics.py, snapshot.py; read by the diagnosis's
+    culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/)."""
+
+    NAME = "a snapshot's detail"
+    VERSION = 1
+    KEYS = {
+        # the replay (findings.py, forensics.py)
+        "summary": Key(str, "the finding in one sentence"),
+        "micro_batches": Key(int, "micro-batches of the step", 1),
+        "model_calls": Key(int, "root-module calls captured in the step"),
+        "model_calls_dropped": Key(int, "calls past the capture cap, not kept"),
+        "replay": Key(str, "'off: why' where the replay could not run"),
+        "replay_error": Key(str, "the exception the replay raised"),
+        "rerun_error": Key(str, "the exception the re-run as recorded raised"),
+        "weights": Key(str, "the weights replayed: as at the event, or after the step"),
+        "input_modified": Key(bool, "the step modified its input in place", False),
+        "micro_batches_forward_only": Key(list, "micro-batches with no backward"),
+        "stale_grads": Key(dict, ".grad non-finite before the step's backward"),
+        "history": Key(dict, "scale, LR and grad norm over the steps before the event"),
+        "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),
+        # the culprit (culprit.py, accum.py)
+        "bad_inputs": Key(list, "the batch's non-finite inputs: label, counts"),
+        "chain": Key(list, "the modules the non-finite value passed through"),
+        "backward_not_replayed": Key(str, "why the backward was not replayed"),
+        "how": Key(str, "how the culprit made its non-finite value"),
+        "weights_nonfinite": Key(list, "parameters already non-finite: poisoned earlier"),
+        "run": Key(dict, "the culprit's inputs and outputs in the run's precision"),
+        "output_grad_nonfinite": Key(bool, "the gradient at the model's output was"),
+        "loss_nonfinite": Key(bool, "the loss itself was non-finite"),
+        "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
+        "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
+        "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
+        "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
+        # the culprit re-run (culprit_rerun.py)
+        "fp32": Key(dict, "the culprit re-run in fp32: finite, absmax"),
+        "fp32_error": Key(str, "the exception the fp32 re-run raised"),
+        "op": Key(dict, "the op inside the culprit that made the value"),
+        "op_error": Key(str, "the exception the op probe raised"),
+        # reproduced (reproduced.py)
+        "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
+        "rerun": Key(TrialOutcome, "the step re-run as recorded"),
+        "loss_recomputed": Key(bool, "the replay recomputed the loss"),
+        "loss_not_recomputed": Key(str, "why the loss was not recomputed"),
+        "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
+        "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
+        "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
+        "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
+        # proofs (proofs.py)
+        "trials": Key(dict, "the fixes tried on the step: fix id -> its outcome"),
+        "trials_error": Key(str, "the exception the trials raised"),
+        "trials_seconds": Key(float, "time the trials took"),
+        "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
+    }
+
+
+class HiddenNonfinite(Payload):
+    """``Event.HIDDEN_NONFINITE`` text (record/hooks.py; diagnosis/facts.py)."""
+
+    NAME = "a HIDDEN_NONFINITE event's text"
+    KEYS = {
+        "op": Key(str, "the op that made inf/NaN", "?"),
+        "dtype": Key(str, "the dtype of the op's result", ""),
+        "inner": Key(str, "the module running the op: this one or one inside it"),
+        "index": Key(int, "ops probed before it in the step", 0),
+        "ops": Key(int, "ops of the step that made one in this module", 1),
+    }
+
+
+class LossSingular(Payload):
+    """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): one
+    dict per op, the most singular first (``record/forensic/singular.py`` says its keys)."""
+
+    NAME = "a LOSS_SINGULAR event's text"
+    KEYS = {"ops": Key(list, "the ops measured, most singular first", [])}
+
+
+class FlatLossProbe(Payload):
+    """``Event.FLAT_LOSS_PROBE`` text (record/flatloss.py via record/hooks.py;
+    diagnosis/facts.py)."""
+
+    NAME = "a FLAT_LOSS_PROBE event's text"
+    KEYS = {
+        "start": Key(float, "median of the run's first losses", float("nan")),
+        "recent": Key(float, "median of the last ten losses", float("nan")),
+        "flat_steps": Key(int, "steps in a row the loss had not fallen, when armed", 0),
+        "probe": Key(int, "which probe of the run, from 1", 0),
+    }
+
+
+# Every declared payload: the contract test reads each writer and reader against these.
+PAYLOADS: tuple[type[Payload], ...] = (
+    SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
+    HiddenNonfinite, LossSingular, FlatLossProbe)

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 from conftest import PYTHON, ROOT, SUPPORT, python_env
-from synthetic import Synth, write
+from synthetic import Synth, write, write_rank
 
 import ampdoctor
 from ampdoctor import cli
@@ -396,3 +396,39 @@ def _distributed(value):
     if isinstance(value, ast.Name):
         return value.id in ("dist", "distributed", "c10d")
     return getattr(value, "attr", None) in ("distributed", "c10d")
+
+
+def test_merged_diagnosis_names_the_origin_rank_and_scale_divergence(tmp_path):
+    base = str(tmp_path / "run.h5")
+    # Rank 1's loss went NaN at step 2; ranks 0 and 2 only received NaN gradients there.
+    # Rank 2's scaler then disagreed (it did not back off): the scales diverge at step 3.
+    write_rank(paths.rank_path(base, 0), 0, 3, [8.0, 8.0, 8.0, 4.0], bad_grad={2}, skipped={2})
+    write_rank(paths.rank_path(base, 1), 1, 3, [8.0, 8.0, 8.0, 4.0], bad_loss={2},
+               bad_grad={2}, skipped={2})
+    write_rank(paths.rank_path(base, 2), 2, 3, [8.0, 8.0, 8.0, 8.0], bad_grad={2})
+    d = ampdoctor.diagnose(base)
+    assert d.first_bad["rank"] == 1 and d.first_bad["step"] == 2
+    assert d.run["path"] == base and d.run["world_size"] == 3
+    assert [o["rank"] for o in d.run["ranks"]] == [0, 1, 2]
+    texts = [e.text for e in d.evidence]
+    assert texts[0].startswith("rank 1 went non-finite first, at step 2: a non-finite loss")
+    assert "ranks 0, 2 only received it" in texts[0]
+    assert "loss scale diverged across ranks at step 3 (rank 0: 4, rank 1: 4, rank 2: 8)" in \
+        texts[1]
+    assert any("weights no longer match" in n for n in d.notes)
+
+
+def test_merge_reports_missing_ranks_and_healthy_ranks(tmp_path):
+    base = str(tmp_path / "run.h5")
+    write_rank(paths.rank_path(base, 0), 0, 4, [8.0, 8.0])
+    write_rank(paths.rank_path(base, 1), 1, 4, [8.0, 8.0])
+    d = ampdoctor.diagnose(base)
+    assert d.verdict == "healthy" and d.first_bad is None
+    assert any("Only 2 of 4 rank files" in n for n in d.notes)
+    assert any("identical on every rank" in e.text for e in d.evidence)
+
+
+def test_scale_divergence_is_none_when_scales_agree():
+    assert ranks.scale_divergence({0: {0: 2.0, 1: 1.0}, 1: {0: 2.0, 1: 1.0}}) is None
+    assert ranks.scale_divergence({0: {0: 2.0}}) is None
+    assert ranks.scale_divergence({0: {}, 1: {}}) is None

@@ -11,12 +11,11 @@ import time
 import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
+from synthetic import write_rank
 
 import ampdoctor
-from ampdoctor.diagnosis import ranks
-from ampdoctor.record.command import launch
-from ampdoctor.runfile import paths, schema, store
-from ampdoctor.runfile.schema import Event, Phase, flag
+from ampdoctor.runfile import paths, schema
+from ampdoctor.runfile.schema import Event, Phase
 
 EXAMPLES = os.path.join(ROOT, "fixtures", "examples")
 TRAIN = os.path.join(EXAMPLES, "train.py")
@@ -594,170 +593,12 @@ def test_forked_child_never_writes_into_the_parents_file(tmp_path):
         assert run.steps["step"].tolist() == [0, 1, 2, 3]
 
 
-def test_bootstrap_and_launcher_agree():
-    from ampdoctor import cli
-    from ampdoctor.record import recorder
-
-    text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
-    assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
-    assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
-    envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
-    assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
-                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "apply": None,
-                       "command": None}
-
-
-def test_settings_round_trip_through_the_environment():
-    from ampdoctor.record import prescription
-
-    fixes = tuple(prescription.parse_all(["use_bf16", "lr_factor=0.1"]))
-    s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5",
-                        apply=fixes)
-    back = launch.Settings.from_env(s.to_env())
-    assert (back.output, back.every, back.apply) == ("/tmp/x/run.h5", 7, fixes)
-    assert launch.start_line(s).endswith(", treated with --apply use_bf16 --apply lr_factor=0.1")
-    assert launch.Settings.from_env(launch.Settings(output="r.h5").to_env()).apply == ()
-    # a variable left in the user's environment is not this recording's --apply
-    assert launch.ENV_APPLY not in launch.child_env(launch.Settings(output="r.h5"),
-                                                    {launch.ENV_APPLY: '["use_bf16"]'})
-    assert launch.Settings.from_env({"AMPDOCTOR_OUTPUT": "run.h5"}) is None  # not recording
-    env = launch.child_env(s, {"PYTHONPATH": "/mine", "HOME": "/home/me"})
-    assert env["PYTHONPATH"] == launch.BOOTSTRAP_DIR + os.pathsep + "/mine"
-    assert env["HOME"] == "/home/me" and env[launch.ENV_TOP] == "1"
-    assert launch.child_env(s, {})["PYTHONPATH"] == launch.BOOTSTRAP_DIR
-
-
 # ---------------------------------------------------------------------------------------------
 # In-process pieces: the lazy recorder, the deferred writer
 
 
-def test_deferred_writer_touches_no_file_until_created(tmp_path):
-    path = str(tmp_path / "late.h5")
-    w = store.Writer(path, create=False)
-    w.meta("status", "running")
-    w.flush()
-    assert not os.path.exists(path)
-    w.create(str(tmp_path / "named.h5"), rank=3, world_size=4)
-    w.close("finished")
-    with ampdoctor.load(tmp_path / "named.h5") as run:
-        assert run.rank == 3 and run.meta["status"] == "finished"
-    never = store.Writer(path, create=False)
-    never.close("finished")
-    assert not os.path.exists(path)
-
-
-def test_lazy_recorder_creates_its_file_when_training_begins(tmp_path):
-    import torch
-    from helpers import TinyNet, batches
-
-    named = []
-
-    def name(rank, world):
-        named.append((rank, world))
-        return str(tmp_path / "run.h5")
-
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rec = ampdoctor.watch(path=name, lazy=True, strict=True)
-    try:
-        with torch.no_grad():
-            model(torch.ones(2, 16))  # inference is not training
-        assert not os.path.exists(tmp_path / "run.h5") and named == []
-        for x, y in batches(3):
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            assert os.path.exists(tmp_path / "run.h5")
-            opt.step()
-            opt.zero_grad()
-    finally:
-        rec.close()
-    assert named == [(0, 1)]  # once, when the file was created
-    with ampdoctor.load(tmp_path / "run.h5") as run:
-        assert len(run.steps) == 3 and run.meta["roots"] == ["TinyNet"]
-
-
-def test_lazy_recorder_that_never_trains_writes_nothing_unless_kept(tmp_path):
-    import torch
-
-    path = str(tmp_path / "run.h5")
-    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
-    torch.nn.Linear(2, 2)(torch.ones(1, 2))
-    rec.close()
-    assert not os.path.exists(path)
-    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
-    rec.close(keep_empty=True)
-    with ampdoctor.load(path) as run:
-        assert len(run.steps) == 0 and run.status == "finished"
-
-
 # ---------------------------------------------------------------------------------------------
 # Rank files (numpy only)
-
-
-def test_rank_file_names(tmp_path):
-    base = str(tmp_path / "run.h5")
-    assert paths.rank_path(base, 3) == str(tmp_path / "run.rank3.h5")
-    assert paths.run_name(str(tmp_path / "run.rank3.h5")) == base
-    for r in (10, 2, 0):
-        (tmp_path / f"run.rank{r}.h5").write_bytes(b"")
-    (tmp_path / "run.rankx.h5").write_bytes(b"")
-    (tmp_path / "runner.rank1.h5").write_bytes(b"")
-    assert [os.path.basename(p) for p in paths.rank_files(base)] == \
-        ["run.rank0.h5", "run.rank2.h5", "run.rank10.h5"]
-    assert len(paths.resolve(base)) == 3
-    (tmp_path / "run.h5").write_bytes(b"")
-    assert paths.resolve(base) == [base]  # a file of that name wins over rank files
-
-
-def write_rank(path, rank, world, scales, bad_loss=(), bad_grad=(), skipped=()):
-    w = store.Writer(path, rank=rank, world_size=world)
-    n = len(scales)
-    rows = schema.empty("steps", n)
-    rows["step"] = np.arange(n)
-    rows["loss"] = 1.0
-    rows["scale"] = scales
-    rows["skipped"] = [int(i in skipped) for i in range(n)]
-    rows["flags"] = [(flag(Event.NONFINITE_LOSS) if i in bad_loss else 0)
-                     | (flag(Event.NONFINITE_GRAD) if i in bad_grad else 0)
-                     | (flag(Event.SKIPPED) if i in skipped else 0) for i in range(n)]
-    w.append("steps", rows)
-    w.close("finished")
-
-
-def test_merged_diagnosis_names_the_origin_rank_and_scale_divergence(tmp_path):
-    base = str(tmp_path / "run.h5")
-    # Rank 1's loss went NaN at step 2; ranks 0 and 2 only received NaN gradients there.
-    # Rank 2's scaler then disagreed (it did not back off): the scales diverge at step 3.
-    write_rank(paths.rank_path(base, 0), 0, 3, [8.0, 8.0, 8.0, 4.0], bad_grad={2}, skipped={2})
-    write_rank(paths.rank_path(base, 1), 1, 3, [8.0, 8.0, 8.0, 4.0], bad_loss={2},
-               bad_grad={2}, skipped={2})
-    write_rank(paths.rank_path(base, 2), 2, 3, [8.0, 8.0, 8.0, 8.0], bad_grad={2})
-    d = ampdoctor.diagnose(base)
-    assert d.first_bad["rank"] == 1 and d.first_bad["step"] == 2
-    assert d.run["path"] == base and d.run["world_size"] == 3
-    assert [o["rank"] for o in d.run["ranks"]] == [0, 1, 2]
-    texts = [e.text for e in d.evidence]
-    assert texts[0].startswith("rank 1 went non-finite first, at step 2: a non-finite loss")
-    assert "ranks 0, 2 only received it" in texts[0]
-    assert "loss scale diverged across ranks at step 3 (rank 0: 4, rank 1: 4, rank 2: 8)" in \
-        texts[1]
-    assert any("weights no longer match" in n for n in d.notes)
-
-
-def test_merge_reports_missing_ranks_and_healthy_ranks(tmp_path):
-    base = str(tmp_path / "run.h5")
-    write_rank(paths.rank_path(base, 0), 0, 4, [8.0, 8.0])
-    write_rank(paths.rank_path(base, 1), 1, 4, [8.0, 8.0])
-    d = ampdoctor.diagnose(base)
-    assert d.verdict == "healthy" and d.first_bad is None
-    assert any("Only 2 of 4 rank files" in n for n in d.notes)
-    assert any("identical on every rank" in e.text for e in d.evidence)
-
-
-def test_scale_divergence_is_none_when_scales_agree():
-    assert ranks.scale_divergence({0: {0: 2.0, 1: 1.0}, 1: {0: 2.0, 1: 1.0}}) is None
-    assert ranks.scale_divergence({0: {0: 2.0}}) is None
-    assert ranks.scale_divergence({0: {}, 1: {}}) is None
 
 
 @pytest.mark.slow
@@ -852,17 +693,4 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "first bad at step 0 on rank 1" in proc.stdout
 
-
-@pytest.mark.parametrize("command, several", [
-    (["torchrun", "--nnodes=2", "--node_rank=1", "train.py"], True),
-    (["torchrun", "--nnodes", "2", "train.py"], True),
-    (["torchrun", "--nnodes=1:4", "train.py"], True),
-    (["accelerate", "launch", "--machine_rank", "1", "train.py"], True),
-    (["torchrun", "--nnodes=1", "--nproc_per_node=2", "train.py"], False),
-    (["python", "train.py", "--nodes", "2"], False),
-])
-def test_the_nodes_of_one_job_take_no_output_lock(command, several):
-    """Each node of a multi-node job records into the same -o on a shared filesystem (its
-    ranks into their own files): the lock that keeps two runs apart must not stop them."""
-    assert launch.one_node_of_several(command) == several
 

@@ -284,3 +284,19 @@ def test_the_development_layout_names_every_module():
             if not re.search(rf"(?<![\w/]){re.escape(entry)}", sections.get("", "")):
                 missing.append(entry)
     assert not missing, f"docs/development.md's layout leaves out {missing}"
+
+
+def test_the_development_test_table_names_every_test_file():
+    """docs/development.md's table of tests has a row per folder of tests/ naming each of its
+    test files: a file added to a folder, or a folder added, fails here until the table says
+    what it runs on."""
+    text = open(os.path.join(ROOT, "docs", "development.md")).read()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `([\w/]+)/` \| ([^|]*) \|", text, re.M)}
+    tests = os.path.join(ROOT, "tests")
+    missing = []
+    for here, _dirs, names in os.walk(tests):
+        folder = os.path.relpath(here, tests)
+        for name in sorted(n for n in names if n.startswith("test_") and n.endswith(".py")):
+            if f"`{name}`" not in rows.get(folder, ""):
+                missing.append(f"{folder}/{name}")
+    assert not missing, f"docs/development.md's test table leaves out {missing}"

@@ -1,6 +1,7 @@
 """watch(): what is recorded, that it matches what the loop saw, and that it changes nothing."""
 
 
+import os
 import sys
 
 import numpy as np
@@ -933,3 +934,47 @@ def test_a_failure_inside_the_op_probe_never_reaches_the_loop(run_path, monkeypa
         assert len(run.steps) == 3 and run.steps["sampled"].all()  # the sampled tier went on
     with pytest.raises(RecorderFault, match="probe bug"):
         _probe_train(run_path, _probe_net(scale=200.0), steps=1)
+
+
+def test_lazy_recorder_creates_its_file_when_training_begins(tmp_path):
+    import torch
+    from helpers import TinyNet, batches
+
+    named = []
+
+    def name(rank, world):
+        named.append((rank, world))
+        return str(tmp_path / "run.h5")
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = ampdoctor.watch(path=name, lazy=True, strict=True)
+    try:
+        with torch.no_grad():
+            model(torch.ones(2, 16))  # inference is not training
+        assert not os.path.exists(tmp_path / "run.h5") and named == []
+        for x, y in batches(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            assert os.path.exists(tmp_path / "run.h5")
+            opt.step()
+            opt.zero_grad()
+    finally:
+        rec.close()
+    assert named == [(0, 1)]  # once, when the file was created
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 3 and run.meta["roots"] == ["TinyNet"]
+
+
+def test_lazy_recorder_that_never_trains_writes_nothing_unless_kept(tmp_path):
+    import torch
+
+    path = str(tmp_path / "run.h5")
+    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    rec.close()
+    assert not os.path.exists(path)
+    rec = ampdoctor.watch(path=path, lazy=True, strict=True)
+    rec.close(keep_empty=True)
+    with ampdoctor.load(path) as run:
+        assert len(run.steps) == 0 and run.status == "finished"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import PYTHON, python_env
 
+import ampdoctor
 from ampdoctor.errors import FormatTooNewError, RunFileError
 from ampdoctor.runfile import hdf5, schema, store, writer
 
@@ -359,3 +360,18 @@ def test_meta_bytes_a_cut_flush_never_wrote_leave_the_earlier_value():
     assert meta_dict(rows, Blob(text)) == {"status": "running"}
     rows["value_off"][1], rows["value_len"][1] = 19, 10  # a value written: the later row wins
     assert meta_dict(rows, Blob(text + b'"finished"'))["status"] == "finished"
+
+
+def test_deferred_writer_touches_no_file_until_created(tmp_path):
+    path = str(tmp_path / "late.h5")
+    w = store.Writer(path, create=False)
+    w.meta("status", "running")
+    w.flush()
+    assert not os.path.exists(path)
+    w.create(str(tmp_path / "named.h5"), rank=3, world_size=4)
+    w.close("finished")
+    with ampdoctor.load(tmp_path / "named.h5") as run:
+        assert run.rank == 3 and run.meta["status"] == "finished"
+    never = store.Writer(path, create=False)
+    never.close("finished")
+    assert not os.path.exists(path)

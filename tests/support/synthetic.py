@@ -288,3 +288,18 @@ def underflowing_grads(s: Synth, names, under: int, steps=range(10, 60, 10)):
     for name in names:
         s.sampled(steps, Kind.PARAM_GRAD, name, sub16=under, flush16=under // 4,
                   zeros=under // 4, absmax=1e-5, rms=1e-6)
+
+
+def write_rank(path, rank, world, scales, bad_loss=(), bad_grad=(), skipped=()):
+    w = store.Writer(path, rank=rank, world_size=world)
+    n = len(scales)
+    rows = schema.empty("steps", n)
+    rows["step"] = np.arange(n)
+    rows["loss"] = 1.0
+    rows["scale"] = scales
+    rows["skipped"] = [int(i in skipped) for i in range(n)]
+    rows["flags"] = [(flag(Event.NONFINITE_LOSS) if i in bad_loss else 0)
+                     | (flag(Event.NONFINITE_GRAD) if i in bad_grad else 0)
+                     | (flag(Event.SKIPPED) if i in skipped else 0) for i in range(n)]
+    w.append("steps", rows)
+    w.close("finished")

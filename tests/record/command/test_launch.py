@@ -1,0 +1,54 @@
+"""``ampdoctor record``'s launcher: its settings, the child's environment, the bootstrap."""
+
+import os
+
+import pytest
+
+from ampdoctor.record.command import launch
+
+
+def test_bootstrap_and_launcher_agree():
+    from ampdoctor import cli
+    from ampdoctor.record import recorder
+
+    text = open(os.path.join(launch.BOOTSTRAP_DIR, "sitecustomize.py")).read()
+    assert f'_ACTIVE = "{launch.ENV_ACTIVE}"' in text
+    assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
+    envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
+    assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
+                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "apply": None,
+                       "command": None}
+
+
+def test_settings_round_trip_through_the_environment():
+    from ampdoctor.record import prescription
+
+    fixes = tuple(prescription.parse_all(["use_bf16", "lr_factor=0.1"]))
+    s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5",
+                        apply=fixes)
+    back = launch.Settings.from_env(s.to_env())
+    assert (back.output, back.every, back.apply) == ("/tmp/x/run.h5", 7, fixes)
+    assert launch.start_line(s).endswith(", treated with --apply use_bf16 --apply lr_factor=0.1")
+    assert launch.Settings.from_env(launch.Settings(output="r.h5").to_env()).apply == ()
+    # a variable left in the user's environment is not this recording's --apply
+    assert launch.ENV_APPLY not in launch.child_env(launch.Settings(output="r.h5"),
+                                                    {launch.ENV_APPLY: '["use_bf16"]'})
+    assert launch.Settings.from_env({"AMPDOCTOR_OUTPUT": "run.h5"}) is None  # not recording
+    env = launch.child_env(s, {"PYTHONPATH": "/mine", "HOME": "/home/me"})
+    assert env["PYTHONPATH"] == launch.BOOTSTRAP_DIR + os.pathsep + "/mine"
+    assert env["HOME"] == "/home/me" and env[launch.ENV_TOP] == "1"
+    assert launch.child_env(s, {})["PYTHONPATH"] == launch.BOOTSTRAP_DIR
+
+
+@pytest.mark.parametrize("command, several", [
+    (["torchrun", "--nnodes=2", "--node_rank=1", "train.py"], True),
+    (["torchrun", "--nnodes", "2", "train.py"], True),
+    (["torchrun", "--nnodes=1:4", "train.py"], True),
+    (["accelerate", "launch", "--machine_rank", "1", "train.py"], True),
+    (["torchrun", "--nnodes=1", "--nproc_per_node=2", "train.py"], False),
+    (["python", "train.py", "--nodes", "2"], False),
+])
+def test_the_nodes_of_one_job_take_no_output_lock(command, several):
+    """Each node of a multi-node job records into the same -o on a shared filesystem (its
+    ranks into their own files): the lock that keeps two runs apart must not stop them."""
+    assert launch.one_node_of_several(command) == several

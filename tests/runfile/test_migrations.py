@@ -21,8 +21,15 @@ def _without(dtype, column):
     return np.dtype([(n, dtype.fields[n][0]) for n in dtype.names if n != column])
 
 
-OLD_STEPS = _without(schema.STEPS, "peak_mem")
-OLD_GROUPS = _without(schema.GROUPS, "weight_decay")  # read on demand (a Table)
+def _stored(name):
+    """The dtype v2.h5 stores ``name`` in: the schema's of format 2, whatever columns a later
+    format adds (declared by its own migration)."""
+    with h5py.File(V2, "r") as f:
+        return f[name].dtype
+
+
+OLD_STEPS = _without(_stored("steps"), "peak_mem")
+OLD_GROUPS = _without(_stored("groups"), "weight_decay")  # read on demand (a Table)
 DECLARED = (migrations.Migration("steps", (2,), OLD_STEPS, {"peak_mem": 7}),
             migrations.Migration("groups", (2,), OLD_GROUPS, {"weight_decay": 0.5}))
 

@@ -24,8 +24,9 @@ never extrapolates further than the data reaches. The gates were chosen on recor
 (``benchmarks/forecast_eval.py``: runs that overflowed, cut before the failure, and runs that
 stayed healthy); a healthy run must never get a forecast of failure.
 
-About 600 lines on purpose: the series read once, the fit, its gates and the texts they
-decide belong together (each gate's threshold is read beside the text that reports it).
+Why one module: the series read once, the fit, its gates and the texts they decide belong
+together (each gate's threshold is read beside the text that reports it), and reading and
+judging call each other (``Series.at`` is ``judge``, which takes a ``Series``).
 
 Example::
 

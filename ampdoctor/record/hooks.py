@@ -25,6 +25,12 @@ The order of one scaled step, and what each hook adds::
     enter_scaler_step / before_optimizer_step / after_optimizer_step / exit_scaler_step
     before_update    scale, found_inf, grad norm; the skip decided (or deferred)
     after_update     the scale after; the step ends
+
+Why one module: it is one class, ``Hooks``, the ``listener.Listener`` protocol implemented
+once. Its callbacks run in the order above and share one step's state (the step being
+recorded, the sampled step's hooks and op probe, a skip decision in flight), so splitting it
+would cut a step's order across files, or into mixins reaching into each other's attributes;
+the work beyond a few lines already lives in the parts it calls.
 """
 
 from __future__ import annotations

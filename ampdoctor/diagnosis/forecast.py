@@ -24,8 +24,9 @@ never extrapolates further than the data reaches. The gates were chosen on recor
 (``benchmarks/forecast_eval.py``: runs that overflowed, cut before the failure, and runs that
 stayed healthy); a healthy run must never get a forecast of failure.
 
-About 600 lines on purpose: the series read once, the fit, its gates and the texts they
-decide belong together (each gate's threshold is read beside the text that reports it).
+Why one module: the series read once, the fit, its gates and the texts they decide belong
+together (each gate's threshold is read beside the text that reports it), and reading and
+judging call each other (``Series.at`` is ``judge``, which takes a ``Series``).
 
 Example::
 
@@ -50,7 +51,7 @@ from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
 from .facts import hidden_nonfinite
 from .layers import KIND_LABELS, sampled
-from .rules.overflow import precision_hits
+from .rules.hidden import precision_hits
 
 FP32_MAX = 3.4028234663852886e38
 LIMITS = {int(DType.FLOAT16): FP16_MAX, int(DType.BFLOAT16): BF16_MAX,

@@ -20,7 +20,7 @@ from ..runfile import schema
 from ..runfile.schema import Event
 from . import ranks
 from .rules import reproduced
-from .rules.overflow import hidden_note
+from .rules.hidden import hidden_note
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, Finding
 

@@ -25,6 +25,12 @@ The order of one scaled step, and what each hook adds::
     enter_scaler_step / before_optimizer_step / after_optimizer_step / exit_scaler_step
     before_update    scale, found_inf, grad norm; the skip decided (or deferred)
     after_update     the scale after; the step ends
+
+Why one module: it is one class, ``Hooks``, the ``listener.Listener`` protocol implemented
+once. Its callbacks run in the order above and share one step's state (the step being
+recorded, the sampled step's hooks and op probe, a skip decision in flight), so splitting it
+would cut a step's order across files, or into mixins reaching into each other's attributes;
+the work beyond a few lines already lives in the parts it calls.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from .forensic import losscall
 from .forensic.forensics import Forensics
 from .journal import Journal
 from .opprobe import StepProbe
+from .readback import HostRead
 from .sampler import Sampler
 from .schedules import Schedules
 from .skips import Skips
@@ -608,8 +615,7 @@ class Hooks:
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
-            self._sample_rows(self._sampler, st.index)
-            self._hidden_rows(st)
+            self._drain_sampled(self._sampler, st)
         if self.forensics is not None:
             self.forensics.end_step(st, hold=st.undecided)
         st.keep.clear()
@@ -621,29 +627,32 @@ class Hooks:
         if self.skips.undecided is not None:
             self.skips.settle(wait=False)  # landed already: release its captures at once
 
-    def _sample_rows(self, sampler: Sampler, step: int) -> None:
+    def _drain_sampled(self, sampler: Sampler, st: Any) -> None:
+        """The sampled step's drain: its statistics, its parameter probe and the op probe's
+        measurements read in one copy per device (``readback.HostRead``), then written: the
+        /stats rows, and one /events row per module whose output stayed finite although an op
+        inside it made inf/NaN."""
         names = self.watched.names
-        buffers = [(f"{names[m]}.{n}", b) for m in list(names)
-                   for n, b in m.named_buffers(recurse=False)]
-        sampler.on_buffers(buffers)
-        self.journal.file.append("stats", sampler.finish(step))
-
-
-    def _hidden_rows(self, st: Any) -> None:
-        """The op probe's findings: one /events row per module whose output stayed finite
-        although an op inside it made inf/NaN (its one host read is here, at the drain)."""
+        sampler.on_buffers([(f"{names[m]}.{n}", b) for m in list(names)
+                            for n, b in m.named_buffers(recurse=False)])
+        read = HostRead()
+        rows = sampler.stage(st.index, read)
         probe, self._probing = self._probe, False
-        if probe is None:
-            return
-        probe.abort()
-        if probe.error is not None:  # the probe stepped aside; the recorder goes on
-            self._probe = None
+        hidden = None
+        if probe is not None:
+            probe.abort()
+            if probe.error is None:
+                hidden = probe.stage(read)
+        read.run()
+        self.journal.file.append("stats", rows())
+        if probe is not None and probe.error is not None:  # the probe stepped aside; the
+            self._probe = None                              # recorder goes on
             if self.journal.strict:
                 raise probe.error
             why = f"{type(probe.error).__name__}: {probe.error}"
             self.journal.warn_once("op_probe", f"the op probe stopped ({why}); sampled steps go "
                                    "on without it")
-        for h in probe.finish():
+        for h in hidden() if hidden is not None else []:
             tid = self.journal.tensor_id(Kind.OUTPUT, h.name, 0, None, type(h.module).__name__)
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
                                text=HiddenNonfinite(op=h.op, dtype=h.dtype, inner=h.inner,

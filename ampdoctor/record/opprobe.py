@@ -20,10 +20,11 @@ zeros, and the model stops learning. On a sampled step the probe runs as a
 ``TorchFunctionMode`` over the root module's forward (entered by its forward pre-hook, left by a
 global forward hook that runs even when the forward raises) and keeps, per floating tensor an
 op returns, its min and max (one ``torch.aminmax`` on the device, no host read), with the op
-and the module calls open at the time (the sampled tier's global module hooks). ``finish``, at
-the step's end, reads them in one copy per device (the sampled step's drain, where its other
-statistics are read too) and names each module whose output stayed finite although an op inside
-it made inf/NaN from finite inputs (``Hidden``).
+and the module calls open at the time (the sampled tier's global module hooks). At the step's
+end ``stage`` queues them in the sampled step's ``readback.HostRead``, read with the step's
+other statistics in one copy per device (the sampled step's drain), and the function it returns
+names each module whose output stayed finite although an op inside it made inf/NaN from finite
+inputs (``Hidden``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
+from .readback import HostRead
 from .sampler import tensors_in
 
 _KINDS = ("nan", "posinf", "neginf")
@@ -356,12 +358,26 @@ class StepProbe(TorchFunctionMode):
     def finish(self) -> list[Hidden]:
         """Read the measurements (one copy per device) and name the modules whose output
         stayed finite although an op inside them made inf/NaN from finite inputs."""
+        read = HostRead()
+        hidden = self.stage(read)
+        read.run()
+        return hidden()
+
+    def stage(self, read: HostRead) -> Callable[[], list[Hidden]]:
+        """``finish`` in two halves: the measurements queued in ``read`` (the sampled step's
+        one copy per device, shared with its statistics), the ``Hidden`` from the returned
+        function once ``read`` has run. Resets the probe now."""
         try:
             if not self._ops or self.error is not None:
-                return []
-            bits = self._bits()
+                return list
+            ops, host_bits = self._ops, self._bits(read)
+        finally:
+            self.reset()
+
+        def hidden() -> list[Hidden]:
+            bits = host_bits()
             found: dict[int, Hidden] = {}
-            for index, (func, calls, first, n, ins, explicit, dtype) in enumerate(self._ops):
+            for index, (func, calls, first, n, ins, explicit, dtype) in enumerate(ops):
                 made = int(np.bitwise_or.reduce(bits[first:first + n]))
                 if not made or explicit or not ins or any(i == UNKNOWN or bits[i] for i in ins) \
                         or "empty" in _name(func):
@@ -377,32 +393,38 @@ class StepProbe(TorchFunctionMode):
                                     str(dtype).replace("torch.", ""), index)
             low = sorted(found.values(), key=lambda h: (h.dtype not in _LOW, h.index))
             return low[:MAX_HIDDEN]
-        finally:
-            self.reset()
+        return hidden
 
-    def _bits(self) -> np.ndarray:
-        """Per measurement: _NAN | _POSINF | _NEGINF, from its min and max."""
+    def _bits(self, read: HostRead) -> Callable[[], np.ndarray]:
+        """Per measurement: _NAN | _POSINF | _NEGINF, from its min and max (queued in
+        ``read``; the returned function gives them once it has run)."""
+        measured = self._lo
         groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-        for i, t in enumerate(self._lo):
+        for i, t in enumerate(measured):
             if isinstance(t, torch.Tensor):
                 groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
-        lo = np.zeros(len(self._lo))
-        hi = np.zeros(len(self._lo))
+        queued = []
         for by_dtype in groups.values():
             members = [i for group in by_dtype.values() for i in group]
-            both = torch.cat([torch.stack([torch.stack([self._lo[i] for i in group]),
+            both = torch.cat([torch.stack([torch.stack([measured[i] for i in group]),
                                            torch.stack([self._hi[i] for i in group])]).double()
                               for group in by_dtype.values()], dim=1)
-            host = both.cpu().numpy()  # the one read of this device's measurements
-            lo[members], hi[members] = host[0], host[1]
-        nan = np.isnan(lo) | np.isnan(hi)
-        lo, hi, nan = np.append(lo, 0.0), np.append(hi, 0.0), np.append(nan, False)  # FINITE
-        bits = (nan * _NAN | (hi == math.inf) * _POSINF | (lo == -math.inf) * _NEGINF
-                ).astype(np.int64)
-        for i, parent in enumerate(self._lo):
-            if not isinstance(parent, torch.Tensor):
-                bits[i] = 0 if parent == FINITE else bits[parent]  # (parents come first)
-        return bits  # (with the FINITE entry last)
+            queued.append((members, read.add(both)))
+
+        def bits() -> np.ndarray:
+            lo = np.zeros(len(measured))
+            hi = np.zeros(len(measured))
+            for members, pending in queued:
+                lo[members], hi[members] = pending.value[0], pending.value[1]
+            nan = np.isnan(lo) | np.isnan(hi)
+            lo, hi, nan = np.append(lo, 0.0), np.append(hi, 0.0), np.append(nan, False)  # FINITE
+            out = (nan * _NAN | (hi == math.inf) * _POSINF | (lo == -math.inf) * _NEGINF
+                   ).astype(np.int64)
+            for i, parent in enumerate(measured):
+                if not isinstance(parent, torch.Tensor):
+                    out[i] = 0 if parent == FINITE else out[parent]  # (parents come first)
+            return out  # (with the FINITE entry last)
+        return bits
 
 
 _LOW = ("float16", "bfloat16")

@@ -32,6 +32,12 @@ callbacks a listener has are declared once, in ``listener.py``: each function he
 door it opens (a protocol there) and checks its listener against it when it patches.
 ``PatchSet.remove`` restores every original, is safe to call twice, and leaves alone an
 attribute someone else re-patched after us.
+
+Why one module: it is the one place that changes torch's globals (the doors listed above), so
+that every change is read, undone and audited in one file; ``tests/record/test_host_reads.py``
+exempts exactly this file from ampdoctor's host reads, its wrappers calling only the user's
+own GradScaler and clip functions. Each door's wrapper is short; split by door, the one list
+of what ampdoctor patches would be scattered.
 """
 
 from __future__ import annotations

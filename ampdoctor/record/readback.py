@@ -22,6 +22,20 @@ event recorded on the current stream at each boundary, resolved to seconds at th
 is the recorder's sync point anyway). ``perf_counter`` around asynchronous work measures how
 fast the host launched it; the events measure the step as the device ran it, idle gaps
 included.
+
+**One copy per device.** A ``HostRead`` gathers the device values of one drain from
+several owners (a sampled step: the statistics, the parameter probe, the op probe) and reads
+them in one copy per device: each owner ``add``s its tensors and gets back a ``Pending``,
+whose ``value`` (a float64 numpy array of the same shape) is there once ``run`` has read
+them all::
+
+    read = HostRead()
+    counts = read.add(device_counts)   # nothing read yet
+    read.run()                         # one torch.cat and one copy per device: the sync
+    counts.value                       # host values, float64
+
+Every value travels as float64: exact for float16/bfloat16/float32/float64 and for counts
+below 2**53, so an owner gets the bits it would have read on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import time
 import weakref
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 _MIRRORS: "weakref.WeakValueDictionary[int, HostMirror]" = weakref.WeakValueDictionary()
@@ -161,3 +176,39 @@ class StepClock:
                 m.end.synchronize()
         return [m.start.elapsed_time(m.end) / 1e3 if isinstance(m, _Span) else float(m)
                 for m in marks]
+
+
+class Pending:
+    """One owner's tensor in a ``HostRead``: ``value`` is its host copy once the read ran."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: np.ndarray = np.empty(0)
+
+
+class HostRead:
+    """Device tensors of one drain, read on the host in one copy per device (see above)."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, Pending]] = []
+
+    def add(self, t: torch.Tensor) -> Pending:
+        pending = Pending()
+        self._parts.append((t.detach(), pending))
+        return pending
+
+    def run(self) -> None:
+        """The drain's sync: per device, one concatenation of every tensor (as float64) and
+        one device-to-host copy; each ``Pending`` then holds its part."""
+        by_dev: dict[torch.device, list[tuple[torch.Tensor, Pending]]] = {}
+        for t, pending in self._parts:
+            by_dev.setdefault(t.device, []).append((t, pending))
+        self._parts = []
+        for parts in by_dev.values():
+            flat = torch.cat([t.reshape(-1).double() for t, _ in parts])
+            host = flat.numpy(force=True)  # the one copy of this device's values
+            at = 0
+            for t, pending in parts:
+                pending.value = host[at:at + t.numel()].reshape(tuple(t.shape))
+                at += t.numel()

@@ -7,7 +7,9 @@ hooks, keep in-place modules such as ``ReLU(inplace=True)`` working (pytorch#615
 
 Containers (``nn.Sequential``, a block returning its last child's tensor) hand on a tensor a
 child already produced: the (object, version) pair recognises it and it is not measured twice.
-At the step's end ``finish`` drains the collector once and returns ``schema.STATS`` rows.
+At the step's end ``stage`` queues the collector's and the parameter probe's device results in
+the step's ``readback.HostRead`` (with the op probe's: one copy per device for the whole
+sampled step) and gives the ``schema.STATS`` rows once it has run; ``finish`` does both.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from ..runfile import schema
 from ..runfile.schema import Kind, Source
 from . import stats
+from .readback import HostRead
 from .sharding import local
 
 MAX_DEPTH = 4  # nesting of tuples/lists/dicts searched for tensors in a module output
@@ -145,14 +148,28 @@ class Sampler:
 
     def finish(self, step: int) -> np.ndarray:
         """Every row of this step (one host sync per device); resets for the next sample."""
-        rows = self.collector.drain()
-        if len(rows):
-            meta = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
-            rows["tensor"], rows["call"], rows["seq"] = meta[:, 0], meta[:, 1], meta[:, 2]
-        rows = np.concatenate([rows, self._probe.rows()])
-        rows["step"] = step
-        rows["source"] = int(Source.SAMPLED)
+        read = HostRead()
+        rows = self.stage(step, read)
+        read.run()
+        return rows()
+
+    def stage(self, step: int, read: HostRead) -> Callable[[], np.ndarray]:
+        """``finish`` in two halves: the step's device results queued in ``read`` (shared with
+        the op probe: the sampled step's one copy per device), the rows from the returned
+        function once ``read`` has run. Resets for the next sample now."""
+        stats_rows = self.collector.stage(read)
+        meta = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
+        probe_rows = self._probe.stage(read)
         self.reset()
+
+        def rows() -> np.ndarray:
+            out = stats_rows()
+            if len(out):
+                out["tensor"], out["call"], out["seq"] = meta[:, 0], meta[:, 1], meta[:, 2]
+            out = np.concatenate([out, probe_rows()])
+            out["step"] = step
+            out["source"] = int(Source.SAMPLED)
+            return out
         return rows
 
     def reset(self) -> None:
@@ -210,11 +227,12 @@ class _ParamProbe:
         with torch.no_grad():
             self.w1 = [torch.take(local(p).detach(), idx) for _, p, idx in self.params]
 
-    def rows(self) -> np.ndarray:
+    def stage(self, read: HostRead) -> Callable[[], np.ndarray]:
+        """The comparison's device results queued in ``read``; the rows once it has run."""
         n = len(self.params)
         rows = schema.empty("stats", n)
         if not n:
-            return rows
+            return lambda: rows
         dev = self.norms[0].device
         rows["tensor"] = [tid for tid, _, _ in self.params]
         rows["numel"] = [local(p).numel() for _, p, _ in self.params]
@@ -222,7 +240,8 @@ class _ParamProbe:
         rows["sample_n"] = [idx.numel() for _, _, idx in self.params]
         rows["seq"] = np.arange(n)
         results = [torch.stack([x.to(dev) for x in self.norms])]
-        if self.w1:
+        updated = bool(self.w1)
+        if updated:
             w0 = torch.cat([x.to(dev).float() for x in self.w0])
             w1 = torch.cat([x.to(dev).float() for x in self.w1])
             g0 = torch.cat([x.to(dev).float() for x in self.g0])
@@ -234,10 +253,15 @@ class _ParamProbe:
             results += [zero.index_add(0, seg, d * d), zero.index_add(0, seg, w0 * w0),
                         zero.index_add(0, seg, ((w1 == w0) & moved).float()),
                         zero.index_add(0, seg, moved.float())]
-        host = torch.stack(results).double().cpu().numpy()
-        rows["norm"] = host[0]
-        if self.w1:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                rows["update"] = np.sqrt(host[1]) / np.sqrt(host[2])
-                rows["unchanged"] = np.where(host[4] > 0, host[3] / np.maximum(host[4], 1), 0.0)
-        return rows
+        pending = read.add(torch.stack(results).double())
+
+        def filled() -> np.ndarray:
+            host = pending.value
+            rows["norm"] = host[0]
+            if updated:
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    rows["update"] = np.sqrt(host[1]) / np.sqrt(host[2])
+                    rows["unchanged"] = np.where(host[4] > 0, host[3] / np.maximum(host[4], 1),
+                                                 0.0)
+            return rows
+        return filled

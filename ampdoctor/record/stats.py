@@ -20,12 +20,13 @@ is never misread against a threshold rounded to bf16.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ..runfile import schema
+from .readback import HostRead
 from .sharding import local
 
 SAMPLE = 1024  # elements gathered per tensor in sampled mode (see docs/performance.md)
@@ -134,13 +135,19 @@ def _classify(values: torch.Tensor, rows: torch.Tensor, n: int):
     return counts, absmin, fmax, sumsq
 
 
-def _host(counts: torch.Tensor, *columns: torch.Tensor) -> list[np.ndarray]:
-    """The per-row results of one device in one device-to-host copy: ``[counts (int64),
-    *columns (float64)]``. The counts travel as float64, exact below 2**53."""
+def _stage(read: HostRead, counts: torch.Tensor,
+           *columns: torch.Tensor) -> Callable[[], list[np.ndarray]]:
+    """The per-row results of one device, queued in ``read`` as one tensor; once it has run,
+    the returned function gives ``[counts (int64), *columns (float64)]``. The counts travel
+    as float64, exact below 2**53."""
     k = counts.shape[1]
-    both = torch.cat([counts.double(), torch.stack([c.double() for c in columns], 1)], 1)
-    host = both.cpu().numpy()
-    return [host[:, :k].astype(np.int64)] + [host[:, k + i] for i in range(len(columns))]
+    both = read.add(torch.cat([counts.double(), torch.stack([c.double() for c in columns], 1)],
+                              1))
+
+    def host() -> list[np.ndarray]:
+        values = both.value
+        return [values[:, :k].astype(np.int64)] + [values[:, k + i] for i in range(len(columns))]
+    return host
 
 
 def _pack(counts, absmin, fmax, sumsq, numel, sample_n, minmax=None) -> np.ndarray:
@@ -189,6 +196,10 @@ class Collector:
         slot = c.add(activation)      # launches device work, no sync
         rows = c.drain()              # one host sync per device; rows[slot] describes it
 
+    ``stage(read)`` instead of ``drain`` queues the device results in a ``readback.HostRead``
+    that other owners share (a sampled step's one copy per device) and returns the function
+    that gives the rows once the read has run.
+
     ``exact=True`` counts every element (forensic replay); otherwise each tensor contributes
     one aminmax pass and a ``sample``-element gather, and the counting of all tensors of a
     drain happens together, in a fixed number of kernels.
@@ -219,15 +230,26 @@ class Collector:
 
     def drain(self) -> np.ndarray:
         """Rows for every slot, in slot order (``schema.STATS`` dtype); resets the collector."""
-        out = schema.empty("stats", len(self._slots))
-        if self._slots:
-            per_dev = {dev: buf.finish() for dev, buf in self._dev.items() if buf.items}
-            for dev, rows in per_dev.items():
-                idx = [i for i, (d, _) in enumerate(self._slots) if d == dev]
-                out[idx] = rows
-            out["dtype"] = self._dtype
+        read = HostRead()
+        rows = self.stage(read)
+        read.run()
+        return rows()
+
+    def stage(self, read: HostRead) -> Callable[[], np.ndarray]:
+        """``drain`` in two halves: the device results queued in ``read`` now (the collector
+        is reset), the rows from the returned function once ``read`` has run."""
+        slots, dtypes = list(self._slots), list(self._dtype)
+        per_dev = {dev: buf.stage(read) for dev, buf in self._dev.items() if buf.items}
         self.reset()
-        return out
+
+        def rows() -> np.ndarray:
+            out = schema.empty("stats", len(slots))
+            if slots:
+                for dev, host in per_dev.items():
+                    out[[i for i, (d, _) in enumerate(slots) if d == dev]] = host()
+                out["dtype"] = dtypes
+            return out
+        return rows
 
     def reset(self) -> None:
         self._slots.clear()
@@ -254,10 +276,12 @@ class _DeviceBuffer:
             self.items.append((t.dtype, lo, hi, sample, t.numel()))
         return len(self.items) - 1
 
-    def finish(self) -> np.ndarray:
+    def stage(self, read: HostRead) -> Callable[[], np.ndarray]:
+        """This device's results queued in ``read``; its rows once the read has run."""
         if self.exact:
-            return np.concatenate([_pack(*_host(*parts), numel=n, sample_n=n)
-                                   for parts, n in self.items])
+            exact = [(_stage(read, *parts), n) for parts, n in self.items]
+            return lambda: np.concatenate([_pack(*host(), numel=n, sample_n=n)
+                                           for host, n in exact])
         n = len(self.items)
         groups: dict[torch.dtype, list[int]] = {}
         for i, item in enumerate(self.items):
@@ -279,9 +303,13 @@ class _DeviceBuffer:
         counts, absmin, fmax, sumsq = _classify(values, torch.cat(rows), n)
         sample_n = np.array([item[3].numel() for item in self.items])
         numel = np.array([item[4] for item in self.items])
-        counts, absmin, fmax, sumsq, lo_host, hi_host = _host(counts, absmin, fmax, sumsq, lo, hi)
-        return _pack(counts, absmin, fmax, sumsq, numel=numel, sample_n=sample_n,
-                     minmax=(lo_host, hi_host))
+        host = _stage(read, counts, absmin, fmax, sumsq, lo, hi)
+
+        def packed() -> np.ndarray:
+            counts, absmin, fmax, sumsq, lo_host, hi_host = host()
+            return _pack(counts, absmin, fmax, sumsq, numel=numel, sample_n=sample_n,
+                         minmax=(lo_host, hi_host))
+        return packed
 
     def reset(self) -> None:
         self.items = []

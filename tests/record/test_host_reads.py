@@ -16,7 +16,10 @@ into a plain host tensor (every tensor here is one): the GPU tests cover it.
 The expected count per steady step, with the forensic tier armed (the whole of a healthy run):
 0 with a GradScaler (foreach or fused optimizer, with or without ``unscale_`` + clipping), and
 1 without a scaler (the documented read before ``optimizer.step``); 0 everywhere with
-``forensics=False``; 1 per device at a flush.
+``forensics=False``; 1 per device at a flush. A sampled step adds 1 per device: its drain
+(``readback.HostRead``) reads the statistics of its tensors, its parameter probe and the op
+probe's measurements in one copy (it was 3 copies, each read again as numpy, before they
+were folded together).
 
 **Lifetimes.** In an ordinary loop the user's ``logits`` stays bound until the next forward
 returns; once the step has ended, nothing of ampdoctor's may reach the gradient that arrived at
@@ -226,14 +229,26 @@ def test_a_flush_reads_once(tmp_path, monkeypatch):
     assert len(reads.device) == 1 and "steps.py" in reads.device[0], reads.device
 
 
-def test_the_op_probe_reads_once_at_the_end_of_a_sampled_step(tmp_path, monkeypatch):
-    """Every step sampled: the op probe measures every op of the forward on the device and
-    reads it all once, in the step's drain, never inside a hook."""
-    reads, rec = count_reads("scaler-foreach", tmp_path, monkeypatch, every=1)
-    probe = [w for w in reads.device if "opprobe.py" in w]
-    copies = [w for w in probe if w.startswith("cpu at")]  # (then .numpy() of the host copy)
-    assert len(copies) == STEADY and len({w.split()[-1] for w in probe}) == 1, probe
-    assert not [w for w in reads.device if "hooks.py" in w]
+SAMPLED_READS = 1  # per device: the sampled step's drain, one copy (readback.HostRead.run)
+
+
+@pytest.mark.parametrize("path", ["scaler-foreach", "no-scaler"])
+def test_a_sampled_step_reads_its_device_values_in_one_copy_per_device(path, tmp_path,
+                                                                       monkeypatch):
+    """Every step sampled, the op probe on: the statistics of all its tensors (counts, sums,
+    abs min/max, the full-tensor minmax), the parameter probe's norms and update ratios and
+    every op's min and max cross to the host in one copy, from one place, at the step's end,
+    never inside a hook."""
+    reads, rec = count_reads(path, tmp_path, monkeypatch, every=1)
+    assert rec._hooks._probe is not None  # the op probe ran and was read in that copy
+    drain = [w for w in reads.device if "readback.py" in w]
+    assert len(drain) == SAMPLED_READS * STEADY and len(set(drain)) == 1, reads.device
+    assert drain[0].startswith("numpy at"), drain  # numpy(force=True): the copy itself
+    assert len(reads.device) == (SAMPLED_READS + PATHS[path][-1]) * STEADY, reads.device
+    assert not [w for w in reads.device if "hooks.py" in w or "opprobe.py" in w
+                or "sampler.py" in w or "stats.py" in w], reads.device
+    run = ampdoctor.load(str(tmp_path / "run.h5"))
+    assert (run.stats["step"] >= WARMUP).any() and np.isfinite(run.stats["norm"]).any()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,15 +391,3 @@ def test_parameter_list_follows_add_param_group(run_path):
         again = rec._watched.trained_params()
         assert len(again) == len(first) + 2 and again[-1] is extra.bias
         step(model, opt, sc, clip, dtype, *batch(1))
-
-
-def test_a_sampled_steps_statistics_come_to_the_host_in_one_copy_per_device(tmp_path,
-                                                                             monkeypatch):
-    """Every step sampled: the statistics of all its tensors (counts, sums, abs min/max, the
-    full-tensor minmax) cross to the host in one copy per device and drain, from one place."""
-    reads, rec = count_reads("scaler-foreach", tmp_path, monkeypatch, every=1)
-    stats_reads = [w for w in reads.device if "stats.py" in w]
-    copies = [w for w in stats_reads if w.startswith("cpu at")]
-    assert copies and len({w.split()[-1] for w in copies}) == 1, stats_reads
-    assert len(copies) <= STEADY * 2, stats_reads  # the step's drain, the parameters' update
-    assert not [w for w in stats_reads if not w.startswith(("cpu at", "numpy at"))], stats_reads

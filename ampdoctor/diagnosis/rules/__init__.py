@@ -11,8 +11,8 @@ holds it):
 * ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), and
   targets that make the loss non-finite in fp32 too;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
-  (``culprit.py`` reads the replays) or by the sampled tier, and an overflow hidden inside a
-  module (the sampled step's op probe);
+  (``culprit.py`` reads the replays) or by the sampled tier;
+* ``hidden.py``: an overflow hidden inside a module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
@@ -31,7 +31,7 @@ returns ``root=False``.
 
 from __future__ import annotations
 
-from . import fallbacks, learning, located, misuse, overflow, progress, reproduced, trends
+from . import fallbacks, hidden, learning, located, misuse, overflow, progress, reproduced, trends
 
 RULES = [
     fallbacks.rule_no_training,
@@ -53,7 +53,7 @@ RULES = [
     located.rule_loss_backward,
     overflow.rule_culprit,
     overflow.rule_sampled_culprit,
-    overflow.rule_hidden_overflow,
+    hidden.rule_hidden_overflow,
     trends.rule_grad_underflow,
     trends.rule_masked_underflow,
     trends.rule_lost_updates,

@@ -75,9 +75,12 @@ output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event:
 the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
 reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
 
-(About 600 lines: capture, trigger policy and the replay search share one step's captures
-and the rate limit's state; what stands alone lives beside it: ``accum``, ``isolated``,
-``kept``, ``losscall``, ``reproduced``, ``trial``, ``proofs``, ``singular``.)
+Why one module: capture, trigger policy and the replay search share one step's captures and
+the rate limit's state (the held step, the episodes, the replay budget), which nearly every
+method of ``Forensics`` reads; it is also the facade the recorder and its hooks enter the room
+through (``.importlinter`` holds them to that), so splitting it would widen that entrance.
+What stands alone lives beside it: ``accum``, ``isolated``, ``kept``, ``losscall``,
+``reproduced``, ``trial``, ``proofs``, ``singular``.
 """
 
 from __future__ import annotations

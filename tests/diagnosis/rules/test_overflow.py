@@ -1,7 +1,8 @@
-"""The overflow rules (``diagnosis/rules/overflow.py``) on runs built in memory (no torch): one
-op's overflow, a mask constant, the LR's growth, located by the replay or the sampled tier, the
-early LR blow-ups of real stacks, an overflow hidden inside a module; each told from the
-neighbour it must not be confused with."""
+"""The overflow rules (``diagnosis/rules/overflow.py`` and, for an overflow hidden inside a
+module, ``rules/hidden.py``) on runs built in memory (no torch): one op's overflow, a mask
+constant, the LR's growth, located by the replay or the sampled tier, the early LR blow-ups of
+real stacks, an overflow hidden inside a module; each told from the neighbour it must not be
+confused with."""
 
 
 import json

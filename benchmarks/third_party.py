@@ -67,9 +67,11 @@ import time
 import zlib
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import blind_score  # noqa: E402 - the scoring both corpora share
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks", "third_party")
-CONFIDENT = 0.9
 TIMM_REPO = "/work/.mirror/huggingface+pytorch-image-models/repo"
 NANOGPT_REPO = "/work/.mirror/karpathy+nanoGPT/repo"
 SIDE_PYTHON = "/tmp/tv/bin/python"
@@ -448,18 +450,10 @@ def score_one(entry: dict[str, Any], setup: Setup, runs: str, timeout: float,
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Failures right, healthy runs without a false alarm, calibration at >= 0.9; rows that did
-    not run count in none of them."""
+    """``blind_score.summary`` (failures right, healthy runs without a false alarm, calibration
+    at >= 0.9) over the rows that ran; those that did not count in none of them."""
     ran = [r for r in rows if not r["not_run"]]
-    failures = [r for r in ran if r["kind"] == "failure"]
-    healthy = [r for r in ran if r["kind"] != "failure"]
-    confident = [r for r in ran if (r["confidence"] or 0) >= CONFIDENT]
-    return {
-        "failures_right": sum(r["right"] for r in failures), "failures": len(failures),
-        "healthy_right": sum(r["right"] for r in healthy), "healthy": len(healthy),
-        "confident_right": sum(r["right"] for r in confident), "confident": len(confident),
-        "not_run": len(rows) - len(ran),
-    }
+    return {**blind_score.summary(ran), "not_run": len(rows) - len(ran)}
 
 
 def where(r: dict[str, Any]) -> str:
@@ -492,7 +486,7 @@ def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
     lines.append(f"failures right: {score['failures_right']}/{score['failures']}; "
                  f"healthy with no false alarm: {score['healthy_right']}/{score['healthy']}"
                  + (f"; not run: {score['not_run']}" if score["not_run"] else ""))
-    lines.append(f"calibration: of {score['confident']} verdicts at confidence >= {CONFIDENT}, "
+    lines.append(f"calibration: of {score['confident']} verdicts at confidence >= {blind_score.CONFIDENT}, "
                  f"{score['confident_right']} right")
     return "\n".join(lines)
 

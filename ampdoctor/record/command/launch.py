@@ -64,7 +64,7 @@ ENV_TOP = "AMPDOCTOR_TOP"
 ENV_SESSION = "AMPDOCTOR_SESSION"
 
 # The recorder's default sampled-tier interval, repeated so that the parent never imports torch
-# (tests/integration/test_record.py checks that the two agree).
+# (tests/record/command/test_launch.py checks that the two agree).
 DEFAULT_EVERY = 100
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, proofs, ranks, rankview
+from . import forecast, job, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
@@ -396,7 +396,7 @@ def _checked(f: Any) -> list[Evidence]:
         ev.append(Evidence(f"update ratio |dW|/|W| ~{10 ** float(np.median(upd)):.2g} per step "
                            "(median over the sampled steps)", "update_ratio",
                            10 ** float(np.median(upd))))
-    return ev
+    return ev + objectives.evidence(f, f.objectives)
 
 
 def _healthy_confidence(f: Any) -> float:

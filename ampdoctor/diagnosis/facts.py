@@ -19,7 +19,7 @@ import numpy as np
 from ..runfile import schema
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
 from ..runfile.schema import DType, Event, Kind, Phase, flag
-from . import curve
+from . import curve, objectives
 from .dose import Doses
 from .fixes import Context
 from .scale import ScaleStory, scale_story
@@ -192,6 +192,11 @@ class Facts:
         """Step number of the first True in a per-step mask."""
         idx = np.flatnonzero(mask)
         return int(self.steps["step"][idx[0]]) if len(idx) else None
+
+    @property
+    def objectives(self) -> list[objectives.Objective]:
+        """Each loss of a run that backwarded several, with its own curve (``objectives``)."""
+        return self.memo("objectives", lambda: objectives.read(self))
 
     @property
     def curve(self) -> curve.Curve:

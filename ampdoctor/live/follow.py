@@ -111,6 +111,7 @@ class RankState:
         from ..runfile.store import TENSOR_VIEW, decoded
 
         self._steps = _Grow(schema.STEPS)
+        self._losses = _Grow(schema.LOSSES)  # each loss of a run that backwards several
         self.tensors = np.zeros(0, TENSOR_VIEW)
         self.events = decoded(schema.empty("events"), ["text"])
         self.snapshots = decoded(schema.empty("snapshots"), ["module", "module_type",
@@ -133,6 +134,7 @@ class RankState:
         statistics rows)."""
         rows = delta.rows
         self._steps.extend(rows["steps"])
+        self._losses.extend(rows["losses"])
         self.meta.update(rows["meta"])
         for g, lr in zip(rows["groups"]["group"], rows["groups"]["lr"]):
             self.lr[int(g)] = float(lr)
@@ -211,7 +213,8 @@ class RankState:
             groups["step"] = self.steps["step"][-1]
         run = Run(path=self.path, attrs=self.attrs, meta=self.meta, steps=self.steps,
                   groups=Table(groups, name="groups"), tensors=self.tensors,
-                  stats=Table(self.layer_rows), events=self.events, snapshots=self.snapshots)
+                  stats=Table(self.layer_rows), events=self.events, snapshots=self.snapshots,
+                  losses=self._losses.view)
         run.live = not self.final
         return run
 

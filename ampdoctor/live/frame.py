@@ -31,6 +31,7 @@ from ..diagnosis import ranks
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
 from ..runfile import paths
+from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, Event
 
 # Layers shown: the nearest to fp16's max, then the gradients most underflowing.
@@ -228,7 +229,22 @@ def _steps(fr: Frame, run: Any) -> None:
     after = float(s["scale_after"][-1])
     fr.scale = after if math.isfinite(after) else float(s["scale"][-1])
     fr.steps_per_s = steps_per_second(s["time"])
-    fr.series = {"step": s["step"], "loss": s["loss"], "scale": s["scale"]}
+    fr.series = {"step": s["step"], "loss": s["loss"], "scale": s["scale"],
+                 "losses": _each_loss(run)}
+
+
+def _each_loss(run: Any) -> list[tuple[str, np.ndarray]]:
+    """(site, values) of each loss of a run that backwards several (/losses), in step order."""
+    meta, rows = run.losses_meta, run.losses
+    if len(meta) < 2 or not len(rows):
+        return []
+    out = []
+    for slot, info in enumerate(meta):
+        mine = rows[rows["slot"] == slot]
+        if len(mine):
+            out.append((one_line(str(info.get("site", slot))), mine["loss"][np.argsort(mine["step"],
+                                                                           kind="stable")]))
+    return out
 
 
 def _group_lrs(run: Any) -> dict[int, float]:

@@ -47,6 +47,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_ASCII = "_.,-=+*#"
 BAD_MARK = "!"  # a column of the curve that holds a non-finite value
 MIN_WIDTH = 40
+SITE_WIDTH = 24  # a loss's line (file:line) beside its curve, its end kept
 
 
 @dataclass
@@ -110,12 +111,19 @@ def _curves(fr: _frame.Frame, width: int, unicode: bool) -> list[str]:
     loss_note = f"lowest {fmt(s.min_loss)}" if s.min_loss is not None else ""
     scaled = s.init_scale is not None
     scale_note = f"lowest {fmt(s.min_scale)}" if scaled else ""
-    note_w = max(len(loss_note), len(scale_note))
+    each = [(_left_clip(site, SITE_WIDTH), values)
+            for site, values in fr.series.get("losses", [])]  # each loss's own, by its line
+    note_w = max([len(loss_note), len(scale_note)] + [len(site) for site, _ in each])
     spark_w = max(8, width - 20 - (note_w + 2 if note_w else 0))
     steps = fr.series["step"]
     loss_cols = _frame.buckets(fr.series["loss"], spark_w, "mean")
     lines = [f"{'loss':<8}{fmt(fr.loss):>10}  {sparkline(loss_cols, unicode):<{spark_w}}"
              + (f"  {loss_note}" if loss_note else "")]
+    for k, (site, values) in enumerate(each):
+        cols = _frame.buckets(values, spark_w, "mean")
+        now = float(values[-1]) if len(values) else math.nan
+        lines.append(f"{' loss ' + str(k):<8}{fmt(now):>10}  "
+                     f"{sparkline(cols, unicode):<{spark_w}}  {site}")
     if scaled:
         # A scale that reached 0 is a value (the bottom of the curve), not a non-finite one.
         scale = np.log2(np.maximum(fr.series["scale"].astype(np.float64), 2.0 ** -150))

@@ -48,6 +48,7 @@ from . import flatloss, patches, sharding, stats
 from .forensic import losscall
 from .forensic.forensics import Forensics
 from .journal import Journal
+from .objectives import Objectives
 from .opprobe import StepProbe
 from .readback import HostRead
 from .sampler import Sampler
@@ -87,6 +88,8 @@ class Hooks:
         # patch_clip's wrapper maker, until the first loss has looked for a library's clips
         self._clip_maker: Optional[Callable[[Callable, str], Callable]] = None
         self._schedules = Schedules(journal)
+        # several losses or optimizers: each one's own curve (objectives.py)
+        self.objectives = Objectives(journal, watched, log.constants)
         # optimizers that stepped inside a compiled region since the last eager hook
         self._compiled_steps: list = []
 
@@ -290,6 +293,7 @@ class Hooks:
         value = sharding.local(loss.detach()).reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
+        self.objectives.loss(value, loss)
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
         if self.forensics is not None and self.forensics.armed:
@@ -329,11 +333,11 @@ class Hooks:
                 and stats.measurable(p.grad)]
         if grads and left:  # several optimizers, some unscaled: each part in its own space
             scale = self.watched.scaler._scale
-            rest = _global_norm(left) / scale.to(left[0].device).reshape(())
+            rest = stats.global_norm(left) / scale.to(left[0].device).reshape(())
             st.grad_norm = torch.linalg.vector_norm(torch.stack(
-                [_global_norm(grads), rest.to(grads[0].device)]))
+                [stats.global_norm(grads), rest.to(grads[0].device)]))
         elif grads or left:
-            st.grad_norm = self._unscaled(_global_norm(grads or left), scaled=bool(left))
+            st.grad_norm = self._unscaled(stats.global_norm(grads or left), scaled=bool(left))
 
     def _still_scaled(self, params: list[torch.Tensor]) -> set[int]:
         """ids of the parameters whose gradients are still scaled while another optimizer's
@@ -371,6 +375,7 @@ class Hooks:
             if unscaled_already(scaler, optimizer) and not st.flags & flag(Event.UNSCALE_TWICE):
                 self.journal.event(Event.UNSCALE_TWICE, st)  # GradScaler raises next; this says why
             self._grads_ready()
+            self.objectives.norm(optimizer, st, scaler)
 
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
@@ -395,6 +400,7 @@ class Hooks:
                 self.journal.event(Event.CLIP_BEFORE_UNSCALE, st)
         params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         self._grads_ready(fallback=params)
+        self.objectives.norms_before_clip(params, st, self.watched.scaler)
         if config is not None and config.get("how") in ("clip_grad_value_",
                                                          "adaptive_clip_grad"):
             self._ensure_grad_norm()  # it returns no norm: the pre-clip one is taken now
@@ -420,6 +426,7 @@ class Hooks:
             self.watched.owns(optimizer)
             self.log.step.in_scaler_step = True
             self._grads_ready()
+            self.objectives.stepping(optimizer)
 
     def exit_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         if scaler is self.watched.scaler:
@@ -442,6 +449,8 @@ class Hooks:
             self.skips.stage_found(scaler, optimizer)
         self._grads_ready()
         self._ensure_grad_norm()
+        self.objectives.norm(optimizer, st, scaler)
+        self.objectives.stepping(optimizer)
         if not st.scaled and self.watched.primary(optimizer):
             self.skips.check_before_step()
         elif st.in_scaler_step and self.skips.armed and scaler_enabled(scaler):
@@ -457,6 +466,7 @@ class Hooks:
         st.stepped = True
         st.bypassed = st.bypassed or not st.in_scaler_step
         self.watched.stepped(optimizer)
+        self.objectives.stepped(optimizer)
         if not st.scaled and self.watched.primary(optimizer):
             if st.sampled and self._sampler is not None:
                 self._sampler.after_step()
@@ -468,6 +478,12 @@ class Hooks:
         """``optimizer.zero_grad()``: the last eager moment at which a step taken inside a
         compiled region still has its gradients."""
         self._catch_up()
+        self.objectives.zeroed_optimizer(optimizer)
+
+    def before_module_zero_grad(self, module: torch.nn.Module) -> None:
+        """``module.zero_grad()``: the gradients of a loss backwarded before it do not reach
+        an optimizer that steps after it (objectives.py)."""
+        self.objectives.zeroed_module(module)
 
     def _catch_up(self) -> None:
         """Optimizer steps taken inside a compiled region (``patches.hook_optimizers``), told
@@ -514,6 +530,7 @@ class Hooks:
         elif found:
             dev = found[0].device
             st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
+        self.objectives.found(scaler)
         if self.skips.armed:
             self.skips.at_update(scaler, st)
 
@@ -611,7 +628,7 @@ class Hooks:
             self.journal.event(Event.BACKWARD_UNSCALED, st, value=float(st.unscaled_backwards))
         self._schedules.end_step(st)
         now = time.perf_counter()
-        self.log.finish(st)
+        self.log.finish(st, self.objectives.end_step(st))
         if st.sampled and self._sampler is not None:
             self._sample_hooks.remove()
             self._sampler.active = False
@@ -657,20 +674,6 @@ class Hooks:
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
                                text=HiddenNonfinite(op=h.op, dtype=h.dtype, inner=h.inner,
                                                     index=h.index, ops=h.ops).to_json())
-
-
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g.detach())
-    parts = []
-    dev = grads[0].device
-    for members in groups.values():
-        norms = torch._foreach_norm(members, 2.0, dtype=torch.float32)
-        parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
-    return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
-
 
 
 # How many autograd nodes back from autograd.grad's output a scaled loss is looked for: far

@@ -68,8 +68,9 @@ class Listener(TrainingListener, SchedulerListener, Protocol):
     ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
     discovering or sampling, ``hook_module_calls`` for the sampled step's op probe),
     ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``), the torch loss
-    functions (``patch_losses``), ``Optimizer.zero_grad`` (``patch_zero_grad``: a step taken
-    inside a compiled region is told there at the latest) and ``LRScheduler.step``
+    functions (``patch_losses``), ``Optimizer.zero_grad`` and ``Module.zero_grad``
+    (``patch_zero_grad``: a step taken inside a compiled region is told there at the latest;
+    gradients zeroed between a loss's backward and an optimizer's step) and ``LRScheduler.step``
     (``patch_schedulers``)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
@@ -88,6 +89,7 @@ class Listener(TrainingListener, SchedulerListener, Protocol):
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
     def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
     def before_zero_grad(self, optimizer: Any) -> None: ...
+    def before_module_zero_grad(self, module: torch.nn.Module) -> None: ...
     def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None: ...
     def on_get_scale(self, scaler: Any) -> None: ...
 
@@ -98,7 +100,8 @@ Callback = Literal[
     "before_optimizer_step", "after_optimizer_step",
     "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
     "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
-    "compiled_post", "after_loss", "before_zero_grad", "after_autograd_grad", "on_get_scale",
+    "compiled_post", "after_loss", "before_zero_grad", "before_module_zero_grad",
+    "after_autograd_grad", "on_get_scale",
     "before_scheduler_step"]
 CALLBACKS: tuple[str, ...] = get_args(Callback)
 

@@ -418,7 +418,8 @@ def hook_optimizers(patches: PatchSet, listener: TrainingListener,
 
 def patch_zero_grad(patches: PatchSet, listener: Listener) -> None:
     """See ``Optimizer.zero_grad`` (``listener.before_zero_grad(optimizer)``), on the base class
-    and on subclasses that override it."""
+    and on subclasses that override it, and ``Module.zero_grad``
+    (``listener.before_module_zero_grad(module)``)."""
     require(listener, Listener)
 
     def make(orig):
@@ -437,6 +438,15 @@ def patch_zero_grad(patches: PatchSet, listener: Listener) -> None:
         todo.extend(cls.__subclasses__())
         if "zero_grad" in cls.__dict__:
             patches.add(Patch(cls, "zero_grad", make))
+
+    def make_module(orig):
+        @functools.wraps(orig)
+        def wrapper(self, *args, **kwargs):
+            guard(listener, "before_module_zero_grad", self)
+            return orig(self, *args, **kwargs)
+        return wrapper
+
+    patches.add(Patch(torch.nn.Module, "zero_grad", make_module))
 
 
 def _after_closure(closure: Callable, listener: TrainingListener, optimizer: Any) -> Callable:

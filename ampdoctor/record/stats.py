@@ -74,6 +74,19 @@ def measurable(t: object) -> bool:
             and t.numel() > 0 and t.device.type != "meta")
 
 
+def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    parts = []
+    dev = grads[0].device
+    for members in groups.values():
+        norms = torch._foreach_norm(members, 2.0, dtype=torch.float32)
+        parts.append(torch.linalg.vector_norm(torch.stack(norms)).to(dev))
+    return torch.linalg.vector_norm(torch.stack(parts)) if len(parts) > 1 else parts[0]
+
+
 def sample_index(numel: int, sample: int, device: torch.device) -> torch.Tensor:
     """Positions to gather from a flattened tensor of ``numel`` elements.
 

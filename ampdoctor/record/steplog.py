@@ -33,7 +33,8 @@ from . import lrfactors, readback
 from .environment import peak_memory
 from .flatloss import FlatLoss
 from .journal import Journal
-from .steps import Constants, Step, columns, device_values, fetch
+from .objectives import Parts
+from .steps import VALUES, Constants, Step, columns, device_values, fetch_all
 from .watched import Watched
 
 
@@ -54,6 +55,7 @@ class StepRow:
     has_loss: bool
     has_grad: bool
     values: torch.Tensor
+    parts: Optional[Parts] = None  # several losses or optimizers (objectives.py)
 
 
 HOST_FIELDS = ("step", "time", "loss_dtype", "micro", "sampled", "flags", "skipped", "lr")
@@ -94,8 +96,9 @@ class StepLog:
         self.flush_now = False
         return self.step
 
-    def finish(self, st: Step) -> None:
-        """The step has ended: its /groups rows and its /steps row, pending (no host read)."""
+    def finish(self, st: Step, parts: Optional[Parts] = None) -> None:
+        """The step has ended: its /groups rows and its /steps row, pending (no host read);
+        ``parts``: its /losses and /optimizers rows' values, as ``objectives`` gave them."""
         lrs = self._write_groups(st.index)
         # The step time is a CUDA event span on CUDA, and the peak memory is read at the drain.
         self.latest = StepRow(
@@ -103,7 +106,7 @@ class StepLog:
             micro=st.micro, sampled=int(st.sampled), flags=st.flags,
             skipped=0 if st.stepped or st.scaled else 1, lr=max(lrs) if lrs else math.nan,
             has_loss=st.loss_sum is not None, has_grad=st.grad_norm is not None,
-            values=device_values(st, self.constants))
+            values=device_values(st, self.constants), parts=parts)
         self.pending.append(self.latest)
         self.steps = st.index + 1
 
@@ -137,8 +140,10 @@ class StepLog:
         if self.pending:
             # Taken first: an interrupt below can lose these steps but never write them twice.
             pending, self.pending = self.pending, []
-            rows = self._rows(pending)
+            rows, losses, optimizers = self._rows(pending)
             w.append("steps", rows)
+            w.append("losses", losses)
+            w.append("optimizers", optimizers)
         if self._groups:
             groups, self._groups = self._groups, []
             w.append("groups", np.array(groups, schema.GROUPS))
@@ -161,13 +166,19 @@ class StepLog:
             self.journal.warn_once("flat_loss", f"the flat-loss watch stopped ({type(exc).__name__}"
                                    f": {exc}); sampled steps come at the interval only")
 
-    def _rows(self, pending: list[StepRow]) -> np.ndarray:
+    def _rows(self, pending: list[StepRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The /steps, /losses and /optimizers rows of the pending steps (one host read per
+        device for all of their device values)."""
         rows = schema.empty("steps", len(pending))
         for name in HOST_FIELDS:
             rows[name] = [getattr(r, name) for r in pending]
         has_loss = np.array([r.has_loss for r in pending], bool)
         has_grad = np.array([r.has_grad for r in pending], bool)
-        values = columns(fetch([r.values for r in pending]))
+        parted = [r for r in pending if r.parts is not None]
+        read = fetch_all([r.values for r in pending] +
+                         [r.parts.values for r in parted if r.parts is not None])
+        values = columns(np.array(read[:len(pending)]).reshape(len(pending), len(VALUES)))
+        losses, optimizers = _part_rows(parted, read[len(pending):])
         rows["dt"] = readback.StepClock.seconds([r.dt for r in pending])
         rows["peak_mem"] = peak_memory(self.watched.device)  # never reset: the run's peak so far
         rows["loss"] = values["loss_mean"]
@@ -186,4 +197,28 @@ class StepLog:
                           | np.where(has_grad & ~np.isfinite(values["grad_norm"]),
                                      flag(Event.NONFINITE_GRAD), 0)
                           ).astype(np.int32)
-        return rows
+        return rows, losses, optimizers
+
+
+def _part_rows(parted: list[StepRow], read: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """/losses and /optimizers rows of the steps that have them (``read``: each one's values
+    as fetched: its losses, then its optimizers' gradient norms, then their found_inf)."""
+    losses, optimizers = [], []
+    for r, got in zip(parted, read):
+        p = r.parts
+        if p is None:
+            continue
+        n, k = len(p.slots), len(p.optimizers)
+        part = schema.empty("losses", n)
+        part["step"], part["slot"], part["micro"] = r.step, p.slots, p.micro
+        part["loss"] = got[:n]
+        losses.append(part)
+        part = schema.empty("optimizers", k)
+        part["step"], part["optimizer"] = r.step, p.optimizers
+        part["lr"], part["stepped"] = p.lr, p.stepped
+        part["grad_norm"] = got[n:n + k]
+        found = got[n + k:n + 2 * k]
+        part["found_inf"] = np.where(np.isnan(found), -1, found > 0)
+        optimizers.append(part)
+    return (np.concatenate(losses) if losses else schema.empty("losses"),
+            np.concatenate(optimizers) if optimizers else schema.empty("optimizers"))

@@ -87,11 +87,25 @@ def device_values(st: Step, constants: Constants) -> torch.Tensor:
 def fetch(values: list[torch.Tensor]) -> np.ndarray:
     """Device values of many steps in one host read per device (the sync point)."""
     out = np.full((len(values), len(VALUES)), np.nan)
+    if values:
+        out[:] = fetch_all(values)
+    return out
+
+
+def fetch_all(values: list[torch.Tensor]) -> list[np.ndarray]:
+    """1-D device tensors of any lengths, read in one host read per device: each one's
+    values, in order."""
+    out: list[np.ndarray] = [np.zeros(0)] * len(values)
     by_dev: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         by_dev.setdefault(v.device, []).append(i)
     for idx in by_dev.values():
-        out[idx] = torch.stack([values[i] for i in idx]).double().tolist()
+        flat = np.array(torch.cat([values[i].reshape(-1) for i in idx]).double().tolist())
+        at = 0
+        for i in idx:
+            n = values[i].numel()
+            out[i] = flat[at:at + n]
+            at += n
     return out
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..diagnosis import layers as _layers
 from ..numfmt import fmt
+from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
 MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)
@@ -35,9 +36,12 @@ TOP_LAYERS = 8
 TOP_GRAD_LAYERS = 15
 
 CAPTIONS = {
-    "loss": "Loss per step; skipped steps and non-finite losses marked.",
+    "loss": "Loss per step (the mean of every loss backwarded, and each loss by the line that "
+            "backwarded it where there are several); skipped steps and non-finite losses "
+            "marked.",
     "scale": "GradScaler's loss scale (log2) before each update; skipped steps marked.",
-    "grad_norm": "Global gradient norm (unscaled, before clipping); the largest marked.",
+    "grad_norm": "Global gradient norm (unscaled, before clipping), and each optimizer's own "
+                 "where there are several; the largest marked.",
     "lr": "Learning rate per parameter group.",
     "activations": "Largest |value| per layer on the sampled steps, against fp16's limits; a "
                    "dashed line extends a layer the early warning names to its limit.",
@@ -52,6 +56,8 @@ _BAD = "#d62728"
 _SKIP = "#ff7f0e"
 _MAIN = "#1f77b4"
 _BASE = "#7f7f7f"
+# each loss or optimizer of a run that has several (none of the colours above)
+_PARTS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 
 
 def figures(run: Any, diagnosis: Any = None, readiness: Any = None,
@@ -92,17 +98,52 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
     fig, ax = _axes("loss")
     steps, loss = s["step"], s["loss"].astype(np.float64)
     ok = np.isfinite(loss)
-    _line(ax, steps, loss, color=_MAIN, label="loss")
+    several = _losses(run)
+    _line(ax, steps, loss, color=_MAIN, label="mean of the losses" if several else "loss")
+    for k, (label, x, y) in enumerate(several):
+        _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
         ax.plot(steps[skipped], loss[skipped], "o", ms=3, color=_SKIP,
                 label=f"skipped step ({int(skipped.sum())})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_LOSS)) != 0], "non-finite loss")
     _first_bad(ax, diagnosis)
-    _log_if_wide(ax, loss[ok])
+    _log_if_wide(ax, np.concatenate([loss[ok]] + [y[np.isfinite(y)] for _, _, y in several]))
     ax.set_xlabel("step")
     _legend(ax)
     return fig
+
+
+def _losses(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(label, steps, values) of each loss of a run that backwarded several (/losses)."""
+    rows = getattr(run, "losses", None)
+    meta = getattr(run, "losses_meta", [])
+    if rows is None or not len(rows) or len(meta) < 2:
+        return []
+    out = []
+    for slot, info in enumerate(meta):
+        mine = rows[rows["slot"] == slot]
+        if len(mine):
+            out.append((f"loss at {one_line(str(info.get('site', slot)))}", mine["step"],
+                        mine["loss"].astype(np.float64)))
+    return out
+
+
+def _optimizer_norms(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(label, steps, grad norms) of each optimizer of a run that had several."""
+    rows = getattr(run, "optimizer_steps", None)
+    if rows is None or not len(rows):
+        return []
+    opts = run.optimizers
+    out = []
+    for index in np.unique(rows["optimizer"]):
+        mine = rows[rows["optimizer"] == index]
+        norm = mine["grad_norm"].astype(np.float64)
+        keep = np.isfinite(norm)
+        if keep.any():
+            name = opts[int(index)].get("class", "?") if int(index) < len(opts) else "?"
+            out.append((f"{one_line(str(name))} #{int(index)}", mine["step"][keep], norm[keep]))
+    return out
 
 
 def scale_figure(run: Any) -> Optional[Any]:
@@ -142,6 +183,8 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
     if not same:
         _line(ax, steps[shown], clip[shown], color=_SKIP, lw=0.8,
               label="norm clip_grad_norm_ saw")
+    for k, (label, x, y) in enumerate(_optimizer_norms(run)):
+        _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     i = int(np.argmax(np.where(ok, norm, -np.inf)))
     ax.plot([steps[i]], [norm[i]], "v", color=_BAD, label=f"peak {fmt(float(norm[i]))} (step "
             f"{int(steps[i])})")

@@ -40,8 +40,8 @@ LIVE_RETRIES = 3  # reads of a file flagged as being written (its writer may be 
 
 ON_DEMAND = ("stats", "groups")  # tables read by range when asked, never whole at load
 # Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
-READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "meta", "tensors",
-              schema.BLOB)
+READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "losses",
+              "optimizers", "meta", "tensors", schema.BLOB)
 
 
 def load(path: str | os.PathLike) -> Run:
@@ -278,6 +278,8 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     run.meta = meta_dict(raw["meta"], blob, path)
     run.steps = raw["steps"]
     run.groups = raw["groups"]
+    run.losses = raw["losses"]
+    run.optimizer_steps = raw["optimizers"]
     # A writer numbers tensors 0, 1, 2... in row order; an id outside that (damage) would
     # make a reader size its id -> tensor maps by it (a 2**31 id: gigabytes).
     ids = raw["tensors"]["id"]
@@ -321,7 +323,10 @@ def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
 def _read_table(path: str, f: h5py.File, name: str, live: bool,
                 version: int = schema.FORMAT_VERSION) -> Any:
     """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``;
-    a table an older format wrote lifted into the current dtype (``migrations``)."""
+    a table an older format wrote lifted into the current dtype (``migrations``), and one
+    added since that format (``schema.SINCE``) empty."""
+    if name in schema.TABLES and name not in schema.tables_of(version):
+        return schema.empty(name)
     ds = dataset(path, f, name, version)
     if live:
         ds.refresh()
@@ -394,7 +399,7 @@ def _inspect_once(path: str) -> dict[str, Any]:
         info: dict[str, Any] = {"path": path, "format_version": version, "attrs": attrs,
                                 "tables": {}, "live": live}
         extra = [schema.SUMMARY_TABLE] if version >= 2 else []  # format 1 had no /summary
-        for name in list(schema.TABLES) + [schema.BLOB] + extra:
+        for name in list(schema.tables_of(version)) + [schema.BLOB] + extra:
             table = info["tables"][name] = _table_info(f, name)
             if table is not None:
                 dtype = table.pop("dtype")

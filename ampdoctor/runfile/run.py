@@ -182,6 +182,9 @@ class Run:
     meta: dict[str, Any] = field(default_factory=dict)
     steps: np.ndarray = field(default_factory=lambda: schema.empty("steps"))
     groups: Any = field(default_factory=lambda: Table(schema.empty("groups"), name="groups"))
+    # several losses / optimizers (format 3): a row per step and loss, per step and optimizer
+    losses: np.ndarray = field(default_factory=lambda: schema.empty("losses"))
+    optimizer_steps: np.ndarray = field(default_factory=lambda: schema.empty("optimizers"))
     tensors: np.ndarray = field(default_factory=lambda: np.zeros(0, TENSOR_VIEW))
     stats: Table = field(default_factory=lambda: Table(schema.empty("stats")))
     events: np.ndarray = field(default_factory=lambda: _no_rows("events"))
@@ -250,6 +253,13 @@ class Run:
     def optimizers(self) -> list[dict[str, Any]]:
         opt = self.meta.get("optimizer")
         return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []
+
+    @property
+    def losses_meta(self) -> list[dict[str, Any]]:
+        """The losses of a run that backwarded several (/losses slot order): ``[{"site":
+        "train.py:41", "optimizers": [0], "reaches": [0]}, ...]``; [] for one loss."""
+        value = self.meta.get("losses")
+        return [s for s in value if isinstance(s, dict)] if isinstance(value, list) else []
 
     @property
     def roots(self) -> list[str]:

@@ -5,13 +5,17 @@ their numpy dtypes, and the small integer codes stored in them. The recorder wri
 tables (through ``store.Writer``); ``store.load`` reads them back into a ``Run``. This module
 imports numpy only, so the analysis side never pulls in torch.
 
-Layout of format version 2 (one HDF5 file per process; version 1 is the same without
-``/summary``)::
+Layout of format version 3 (one HDF5 file per process; version 2 is the same without
+``/losses`` and ``/optimizers``, version 1 without ``/summary`` too)::
 
     /            attrs: format, format_version, ampdoctor_version, created, pid, host,
                         rank, world_size, argv
     /steps       one row per optimizer step (sentinel tier)
     /groups      one row per step and param group: the LR of each group
+    /losses      one row per step and loss, when a run backwards several losses (a GAN,
+                 a multi-task model): each loss's own curve, named in /meta ``losses``
+    /optimizers  one row per step and optimizer, when a run has several: each one's
+                 gradient norm, LR, found_inf and whether it stepped
     /tensors     one row per recorded tensor: id, kind, owner name and type
     /stats       per-tensor statistics (sampled tier and forensic replays)
     /events      what happened and when: skipped steps, non-finite values, API misuse
@@ -35,7 +39,7 @@ import enum
 import numpy as np
 
 FORMAT_NAME = "ampdoctor-run"
-FORMAT_VERSION = 2  # 2: /summary
+FORMAT_VERSION = 3  # 2: /summary; 3: /losses and /optimizers
 
 # fp16 range: max finite 65504, min normal 2**-14, min subnormal 2**-24. A value whose
 # magnitude is above 65504 overflows to inf once rounded; one below half the smallest
@@ -203,6 +207,30 @@ STEPS = np.dtype(
 
 GROUPS = np.dtype([("step", "<i8"), ("group", "<i2"), ("lr", "<f4"), ("weight_decay", "<f4")])
 
+# Written only by a run that backwards losses from two or more lines of code (record/
+# objectives.py): each loss is a "slot", named by /meta ``losses`` (its line, the optimizers
+# it feeds); micro-batches backwarded from one line are one slot.
+LOSSES = np.dtype(
+    [
+        ("step", "<i8"),
+        ("slot", "<i2"),  # /meta losses[slot]
+        ("loss", "<f4"),  # mean over the slot's backwards in the step, unscaled
+        ("micro", "<i2"),  # backwards of the slot in the step
+    ]
+)
+
+# Written only by a run with two or more optimizers (index: /meta optimizer order).
+OPTIMIZERS = np.dtype(
+    [
+        ("step", "<i8"),
+        ("optimizer", "<i2"),
+        ("grad_norm", "<f4"),  # L2 norm of its own gradients, unscaled, before clipping
+        ("lr", "<f4"),  # largest LR over its param groups
+        ("found_inf", "i1"),  # its own GradScaler flag: 1/0, -1 unknown (no scaler step)
+        ("stepped", "i1"),  # 1: its step() ran in this step
+    ]
+)
+
 TENSORS = np.dtype(
     [
         ("id", "<i4"),
@@ -297,6 +325,8 @@ META = np.dtype([("step", "<i8"), ("key", "S32"), *_text("value")])
 TABLES: dict[str, np.dtype] = {
     "steps": STEPS,
     "groups": GROUPS,
+    "losses": LOSSES,
+    "optimizers": OPTIMIZERS,
     "tensors": TENSORS,
     "stats": STATS,
     "events": EVENTS,
@@ -305,6 +335,14 @@ TABLES: dict[str, np.dtype] = {
     "meta": META,
 }
 BLOB = "blob"
+# The format version that added a table: a file of an older version has none, and reads as
+# if it were empty.
+SINCE = {"losses": 3, "optimizers": 3}
+
+
+def tables_of(version: int) -> tuple[str, ...]:
+    """The tables (of ``TABLES``) a file of format ``version`` holds."""
+    return tuple(name for name in TABLES if SINCE.get(name, 1) <= version)
 
 
 def columns(table: str, *names: str) -> tuple[str, ...]:
@@ -375,6 +413,8 @@ KIND_ORDER_UNKNOWN = 9
 CHUNK_ROWS = {
     "steps": 1024,
     "groups": 1024,
+    "losses": 1024,
+    "optimizers": 1024,
     "tensors": 256,
     "stats": 4096,
     "events": 256,
@@ -402,6 +442,10 @@ BLOB_CHUNK = 1 << 16
 #   norm_type, foreach; rewritten when they change (Run.clip)
 # - handles: what the training code calls the recorded modules: {recorded path: expression},
 #   e.g. {'': 'model.module'} (Run.handles)
+# - losses: the losses of a run that backwards several (record/objectives.py), one dict per
+#   /losses slot: site (file:line of the backward), optimizers (indices it feeds: stepped after
+#   its backward, its graph reaching their parameters), reaches (indices whose parameters its
+#   graph reaches); rewritten when a slot is added or settled (Run.losses)
 # - applied: record --apply: the fixes the run was treated with, one dict each: fix, arg, and what
 #   the treatment found (fp32_island's modules and missing names, use_bf16's scaler, an error);
 #   rewritten when that changes (Run.applied)

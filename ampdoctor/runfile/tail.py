@@ -77,6 +77,7 @@ class Tail:
             check_values(self.path, rows, blob.size, self.done, self._last_step)
             stats.tensors = self.done["tensors"] + len(rows["tensors"])
             out = {"steps": rows["steps"], "groups": rows["groups"],
+                   "losses": rows["losses"], "optimizers": rows["optimizers"],
                    "meta": meta_dict(rows["meta"], blob, self.path, self.done["meta"]),
                    "tensors": tensor_view(rows["tensors"], blob)}
             out.update({name: decoded_rows(name, rows[name], blob) for name in TEXTS})
@@ -96,6 +97,9 @@ class Tail:
         stats = self.stats
         for name in READ_ORDER:  # referring tables first, as ``load`` reads them
             if name == schema.BLOB:
+                continue
+            if name not in schema.tables_of(self.version):  # added by a later format
+                rows[name] = schema.empty(name)
                 continue
             ds = self._table(name)
             if name == "stats":

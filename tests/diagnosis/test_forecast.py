@@ -226,7 +226,12 @@ def test_attention_overflow_is_forecast_before_it_happens(recorded):
 def test_lr_ramp_is_called_unstable_before_it_overflows(recorded):
     d = ampdoctor.diagnose(recorded["ramp"])
     first = d.first_bad["step"]
-    assert d.verdict == "lr_overflow"
+    # Where the CPU computes fp16 matmuls natively (AMX), the trunk's output passes 65504 at
+    # step ~111; on one without (AMD Zen 4: avx512_bf16, no avx512_fp16) the rounding differs
+    # and an earlier LR step kills the ReLU units at step ~100, before any overflow. Either
+    # way the cause is the LR, whose fix comes first.
+    assert d.verdict in ("lr_overflow", "dead_units"), str(d)
+    assert d.fixes[0].id == "lower_lr"
     with ampdoctor.load(recorded["ramp"]) as run:
         fc = F.forecast(run, until=first - EVERY)
     assert fc.status == "unstable" and len(fc.signals) >= 2, fc.text

@@ -433,6 +433,12 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
             assert all(b.size for b in batches)
             assert run.meta["autocast"]["dtype"] == expected["autocast_dtype"]
             assert run.meta["optimizer"][0]["class"] == expected["optimizer"]
+            if version >= 3:  # each loss and each optimizer on its own
+                assert [s["site"] for s in run.losses_meta] == expected["losses"]
+                assert len(run.losses) == expected["loss_rows"] > 0
+                assert len(run.optimizer_steps) == expected["optimizer_rows"] > 0
+            else:
+                assert len(run.losses) == len(run.optimizer_steps) == 0
             d = engine.diagnose(run)
         assert d.verdict in engine.VERDICTS
         assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]

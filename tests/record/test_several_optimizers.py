@@ -2,6 +2,7 @@
 and optimizers" recipe): the grad norm recorded is the unscaled one, whichever optimizer
 ``unscale_`` was called for."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -117,3 +118,139 @@ def test_a_step_whose_update_never_came_still_ends_at_close(run_path):
                 scaler.update()
     run = ampdoctor.load(run_path)
     assert list(run.steps["step"]) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Each loss and each optimizer on its own (/losses, /optimizers, /meta losses: objectives.py)
+
+
+def _gan(path, steps=6, g_first=False, watch=True, scaler_on=True):
+    """A GAN as the AMP docs train it (D's loss and step, then G's, one update), or G first
+    with the discriminator's gradients zeroed by ``module.zero_grad()`` before its own
+    backward. Returns (D losses, G losses, each step's (D, G) unscaled grad norms, weights)."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    od, og = (torch.optim.Adam(m.parameters(), lr=1e-3) for m in (disc, gen))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, enabled=scaler_on)
+    bce = torch.nn.BCEWithLogitsLoss()
+    d_seen, g_seen, norms = [], [], []
+
+    def norm(m):
+        return float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in m.parameters()])))
+
+    def d_step(real, fake):
+        disc.zero_grad()
+        d_loss = bce(disc(real), torch.ones(8, 1)) + bce(disc(fake.detach()), torch.zeros(8, 1))
+        scaler.scale(d_loss).backward()
+        scaler.unscale_(od)
+        d_seen.append(d_loss.item())
+        scaler.step(od)
+        return norm(disc)
+
+    def g_step(fake):
+        og.zero_grad()
+        g_loss = bce(disc(fake), torch.ones(8, 1))
+        scaler.scale(g_loss).backward()
+        scaler.unscale_(og)
+        g_seen.append(g_loss.item())
+        scaler.step(og)
+        return norm(gen)
+
+    ctx = ampdoctor.watch([gen, disc], [od, og], scaler, path=path, strict=True) if watch \
+        else contextlib.nullcontext()
+    with ctx:
+        for _ in range(steps):
+            real, fake = torch.randn(8, 2) + 2, gen(torch.randn(8, 2))
+            if g_first:
+                gn = g_step(fake)
+                dn = d_step(real, fake)
+            else:
+                dn = d_step(real, fake)
+                gn = g_step(fake)
+            scaler.update()
+            norms.append((dn, gn))
+    weights = [p.detach().clone() for m in (gen, disc) for p in m.parameters()]
+    return d_seen, g_seen, norms, weights
+
+
+@pytest.mark.parametrize("g_first", [False, True])
+def test_each_loss_is_kept_with_the_optimizer_it_feeds(run_path, g_first):
+    """The generator's loss reaches the discriminator's parameters too, but their gradients
+    are zeroed before the discriminator steps: it feeds the generator's optimizer only. Each
+    loss's own curve and each optimizer's unscaled grad norm are recorded per step."""
+    d_seen, g_seen, norms, _ = _gan(run_path, g_first=g_first)
+    run = ampdoctor.load(run_path)
+    sites = run.losses_meta
+    assert [s["optimizers"] for s in sites] == ([[1], [0]] if g_first else [[0], [1]])
+    assert [s["reaches"] for s in sites] == ([[0, 1], [0]] if g_first else [[0], [0, 1]])
+    assert all(s["site"].startswith("test_several_optimizers.py:") for s in sites)
+    d_slot, g_slot = (1, 0) if g_first else (0, 1)
+    rows = run.losses
+    assert list(rows["step"][rows["slot"] == d_slot]) == list(range(6))
+    np.testing.assert_allclose(rows["loss"][rows["slot"] == d_slot], d_seen, rtol=1e-6)
+    np.testing.assert_allclose(rows["loss"][rows["slot"] == g_slot], g_seen, rtol=1e-6)
+    opt = run.optimizer_steps
+    assert list(opt["optimizer"]) == [0, 1] * 6 and set(opt["stepped"]) == {1}
+    np.testing.assert_allclose(opt["grad_norm"][opt["optimizer"] == 0],
+                               [d for d, _ in norms], rtol=1e-5)
+    np.testing.assert_allclose(opt["grad_norm"][opt["optimizer"] == 1],
+                               [g for _, g in norms], rtol=1e-5)
+    assert set(opt["found_inf"]) == {0} and np.allclose(opt["lr"], 1e-3)
+
+
+def test_a_recorded_gan_trains_exactly_as_without_ampdoctor(run_path):
+    plain = _gan(run_path, watch=False)
+    recorded = _gan(run_path)
+    assert plain[0] == recorded[0] and plain[1] == recorded[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain[3], recorded[3]))
+
+
+def test_the_docs_two_losses_feed_both_optimizers(run_path):
+    """The docs' multi-loss recipe: both losses are computed from both models' outputs, so
+    each feeds both optimizers; each optimizer's norm is its own model's."""
+    docs_recipe(run_path)
+    run = ampdoctor.load(run_path)
+    assert [s["optimizers"] for s in run.losses_meta] == [[0, 1], [0, 1]]
+    assert len(run.losses) == 10 and len(run.optimizer_steps) == 10
+    total = np.sqrt(np.sum(run.optimizer_steps["grad_norm"].reshape(5, 2) ** 2, axis=1))
+    np.testing.assert_allclose(total, run.steps["grad_norm"], rtol=1e-5)
+
+
+def test_one_loss_and_one_optimizer_write_no_rows_of_their_own(run_path):
+    """Micro-batches backwarded from one line are one loss: nothing in /losses."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.watch(model, opt, path=run_path, strict=True):
+        for _ in range(3):
+            for _micro in range(2):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    run = ampdoctor.load(run_path)
+    assert list(run.steps["micro"]) == [2, 2, 2]
+    assert len(run.losses) == 0 and len(run.optimizer_steps) == 0
+    assert "losses" not in run.meta
+
+
+def test_report_and_top_show_each_loss_and_each_optimizer(run_path):
+    """The loss figure has a line per loss (named by its line), the grad-norm figure one per
+    optimizer, and ``top`` a sparkline per loss."""
+    from ampdoctor.live import follow, frame, top
+    from ampdoctor.render import plots
+
+    _gan(run_path)
+    with ampdoctor.load(run_path) as run:
+        labels = [t.get_text() for t in plots.loss_figure(run).axes[0].get_legend().get_texts()]
+        assert labels[0] == "mean of the losses" and len(labels) == 3
+        assert all(t.startswith("loss at test_several_optimizers.py:") for t in labels[1:])
+        norms = plots.grad_norm_figure(run).axes[0].get_legend().get_texts()
+        assert {"Adam #0", "Adam #1"} <= {t.get_text() for t in norms}
+    with follow.Follower(run_path) as f:
+        f.poll()
+        fr = frame.build(f.states)
+    lines = top.render(fr, 100, unicode=False)
+    each = [line for line in lines if line.startswith(" loss ")]
+    assert len(each) == 2 and all("_optimizers.py:" in line for line in each)  # (its end)
+    assert all(len(line) <= 100 for line in lines)

@@ -59,6 +59,7 @@ class Synth:
         self.stats: list[np.ndarray] = []
         self.events: list[tuple] = []
         self.snaps: list[dict] = []
+        self.loss_rows = schema.empty("losses")
         self.meta = {
             "status": status,
             "recorder": {"every": every, "sample": 4096, "forensics": True, "max_replays": 4},
@@ -100,6 +101,20 @@ class Synth:
         for i in steps:
             self.steps["grad_norm"][i] = np.nan
             self.steps["flags"][i] |= flag(Event.NONFINITE_GRAD)
+        return self
+
+    def losses(self, sites: list[dict], curves: list) -> "Synth":
+        """Several losses: /meta ``losses`` (``sites``: one dict per slot, with site,
+        optimizers and reaches) and their /losses rows (``curves``: each one's loss at every
+        step); /steps' loss becomes their mean, as a recorder writes it."""
+        self.meta["losses"] = sites
+        rows = []
+        for slot, values in enumerate(curves):
+            r = schema.empty("losses", self.n)
+            r["step"], r["slot"], r["loss"], r["micro"] = np.arange(self.n), slot, values, 1
+            rows.append(r)
+        self.loss_rows = np.concatenate(rows)
+        self.steps["loss"] = np.mean(np.stack(curves), axis=0)
         return self
 
     def set(self, column: str, values, steps: Optional[Iterable[int]] = None) -> "Synth":
@@ -222,7 +237,8 @@ class Synth:
         groups["lr"] = self.steps["lr"]
         return store.Run(path="synthetic.h5", attrs={"rank": 0, "world_size": 1, "argv": []},
                          meta=self.meta, steps=self.steps, groups=groups, tensors=tensors,
-                         stats=store.Table(stats), events=events, snapshots=snaps)
+                         stats=store.Table(stats), events=events, snapshots=snaps,
+                         losses=self.loss_rows)
 
 
 def write(s: Synth, path: str, *, rank: int = 0, world_size: int = 1, flush_steps: int = 0,
@@ -242,6 +258,7 @@ def write(s: Synth, path: str, *, rank: int = 0, world_size: int = 1, flush_step
     w.append("events", _text_rows(w, "events", run.events, ("text",)))
     w.append("snapshots", _text_rows(w, "snapshots", run.snapshots,
                                      ("module", "module_type", "detail")))
+    w.append("losses", run.losses)
     steps = run.steps
     size = flush_steps or max(len(steps), 1)
     for first in range(0, len(steps), size):

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...numfmt import count, fmt
 from ...runfile.schema import Kind
-from .. import curve, fixes, schedules
+from .. import curve, fixes, objectives, schedules
 from ..facts import Facts
 from ..thresholds import SHORT_RUN, UNCHANGED_HIGH
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
@@ -52,9 +52,15 @@ SEVERAL_CONFIDENCE = 0.2
 
 
 def rule_not_learning(f: Facts) -> Optional[Finding]:
-    """No failure, a judged curve over SHORT_RUN steps or more, and a loss that did not fall."""
+    """No failure, a judged curve over SHORT_RUN steps or more, and a loss that did not fall:
+    each loss's own, where the run backwarded several (``_per_loss``)."""
+    if not untroubled(f) or f.n < SHORT_RUN:
+        return None
+    objs = f.objectives
+    if objs:
+        return _per_loss(f, objs)
     c = f.curve
-    if not untroubled(f) or not c.judged or f.n < SHORT_RUN or c.fell:
+    if not c.judged or c.fell:
         return None
     ev = [loss_evidence(f, c)] + _spike_evidence(f, c) + _weights_evidence(f)
     ev += _scale_evidence(f) + _lr_evidence(f)
@@ -88,12 +94,62 @@ def rule_not_learning(f: Facts) -> Optional[Finding]:
                    priority=PRIORITY["not_learning"], premises=[one_objective(f)])
 
 
+def _per_loss(f: Facts, objs: list[objectives.Objective]) -> Optional[Finding]:
+    """Several losses, each judged on its own curve; a loss paired adversarially with another
+    is not asked to fall. A loss that did not fall is ``not_learning``, named by its site; none
+    (while the mean of them all is flat) is a finding whose premise failed, so that the
+    diagnosis says why the flat mean is not judged."""
+    judged = [o for o in objs if o.rival is None and o.curve.judged]
+    flat = [o for o in judged if not o.fell]
+    ev = objectives.evidence(f, objs)
+    if not flat:
+        c = f.curve
+        if not c.judged or c.fell:
+            return None
+        paired = [o.site for o in objs if o.rival is not None]
+        why = (f"the losses at {', '.join(paired)} are paired adversarially (each one's "
+               "optimizers step against the other's loss), so their mean stays level while "
+               "both learn; neither is asked to fall") if paired else ""
+        if judged:
+            why += ("; " if why else "") + "each loss judged on its own fell: " + \
+                ", ".join(o.site for o in judged)
+        unjudged = [o for o in objs if o.rival is None and not o.curve.judged]
+        if unjudged and not judged:
+            why += ("; " if why else "") + "; ".join(
+                f"the loss at {o.site} could not be judged ({o.curve.why})" for o in unjudged)
+        return Finding("not_learning", CONFIDENCE, "The mean of the run's losses did not fall.",
+                       ev, [], None, priority=PRIORITY["not_learning"],
+                       premises=[Premise("each_loss", FAILED, why)])
+    ev += _weights_evidence(f) + _scale_evidence(f) + _lr_evidence(f)
+    answer = precision_answer(f)
+    ev.append(answer)
+    measured = f.sampled_steps >= 2
+    worst = flat[0]
+    c = worst.curve
+    others = [o for o in judged if o.fell]
+    fell = (f"; the loss at {', '.join(o.site for o in others)} fell, so the run as a whole "
+            "trains and this loss's own signal is what is missing") if others else ""
+    why = " Not a precision problem: fp32 would do the same." if answer.value else ""
+    text = (f"The loss backwarded at {worst.site} (stepping "
+            f"{objectives.optimizer_names(f, worst.feeds)}) did not fall over {c.n} steps "
+            f"({fmt(c.start)} -> {fmt(c.end)}), with no inf/NaN{fell}.{why} ampdoctor cannot "
+            "tell why from the numbers it records; the usual causes are that loss's data or "
+            "labels, its weight in the total, its learning rate, or parameters it does not "
+            "reach.")
+    return Finding("not_learning", CONFIDENCE if measured else UNMEASURED_CONFIDENCE, text, ev,
+                   fixes.make(["overfit_one_batch"], f.fix_context(step=f.step_at(0))),
+                   first_bad(int(worst.steps[0]), None, None), priority=PRIORITY["not_learning"],
+                   premises=[Premise("each_loss", HELD, f"{len(objs)} losses recorded, each "
+                                     f"judged on its own curve ({len(judged)} judged)")])
+
+
 def one_objective(f: Facts) -> Premise:
     """not_learning's premise: the curve judged is one objective's. Several models each
     stepped by its own optimizer (a GAN's generator and discriminator, the AMP docs' several
     models and losses with one scaler) have their losses averaged into it, and an adversarial
-    pair keeps that mean level while both learn: the premise fails there (per-optimizer losses
-    are not recorded yet, so whether each learned is not told)."""
+    pair keeps that mean level while both learn: the premise fails there. (A run that
+    backwarded them from separate lines has each loss's curve: ``_per_loss`` judges those; this
+    is a run whose losses came from one line, or a file of format 2.)"""
     opts = f.meta.get("optimizer") or []
     roots = f.meta.get("roots") or []
     n_opt = len(opts) if isinstance(opts, list) else 0
@@ -102,7 +158,8 @@ def one_objective(f: Facts) -> Premise:
         return Premise("one_objective", FAILED,
                        f"{n_roots} models stepped by {n_opt} optimizers: the loss recorded is "
                        "the mean of their losses, which an adversarial pair (a GAN) keeps level "
-                       "while both learn; whether each model's own loss fell is not recorded")
+                       "while both learn; whether each model's own loss fell is not recorded (it "
+                       "is where the losses are backwarded from separate lines)")
     return Premise("one_objective", HELD, f"{count(max(n_roots, 1), 'model')}, "
                    f"{count(max(n_opt, 1), 'optimizer')}: the loss judged is its objective")
 

@@ -558,3 +558,67 @@ def test_an_adversarial_pairs_level_loss_is_not_called_not_learning():
     assert "Whether the run learned was not judged: 2 models stepped by 2 optimizers" in \
         d.summary
     assert [r["verdict"] for r in d.to_dict()["rejected"]] == ["not_learning"]
+
+
+# Several losses, each with its own curve (/losses): judged one by one
+
+
+def _task_falls(n, seed):
+    return noisy(np.linspace(2.0, 0.6, n), 0.03, seed)
+
+
+def _task_flat(n, seed):
+    return noisy(np.full(n, 1.4), 0.03, seed)
+
+
+def _two_losses(a, b, feeds=([0], [0]), reaches=([0], [0]), optimizers=1):
+    s = Synth(120)
+    first = s.meta["optimizer"][0]
+    s.meta["optimizer"] = [dict(first) for _ in range(optimizers)]
+    return s.losses([{"site": "train.py:40", "optimizers": feeds[0], "reaches": reaches[0]},
+                     {"site": "train.py:41", "optimizers": feeds[1], "reaches": reaches[1]}],
+                    [a, b])
+
+
+def test_a_task_loss_that_stays_flat_is_named_while_the_mean_falls():
+    """A multi-task model: the mean of its two losses falls (the first task learns), the
+    second task's loss stays where it began. The one curve said healthy; each loss's own
+    says not_learning, at the second loss's line."""
+    s = _two_losses(_task_falls(120, 1), _task_flat(120, 2))
+    assert curve.read(s.steps["loss"]).fell
+    d = verdict(s)
+    assert d.verdict == "not_learning", str(d)
+    assert "train.py:41" in d.summary and "train.py:40 fell" in d.summary
+    lines = [e.text for e in d.evidence if e.key == "loss_per_objective"]
+    assert len(lines) == 2 and "did not fall" in lines[1] and " fell" in lines[0]
+    assert d.premises[0].name == "each_loss" and d.premises[0].status == "held"
+
+
+def test_several_losses_that_each_fall_are_healthy_with_each_curve_shown():
+    d = verdict(_two_losses(_task_falls(120, 1), _task_falls(120, 2)))
+    assert d.verdict == "healthy", str(d)
+    lines = [e.text for e in d.evidence if e.key == "loss_per_objective"]
+    assert len(lines) == 2 and all(" fell: " in t for t in lines)
+
+
+def test_an_adversarial_pair_is_not_asked_to_fall_and_says_so():
+    """A GAN recorded per loss: the generator's loss (line 41) reaches the discriminator's
+    optimizer (0), whose own loss (line 40) feeds it alone: a pair. Both losses level, the
+    mean level: healthy, not sure, and the note names the pair."""
+    s = _two_losses(_task_flat(120, 1), _task_flat(120, 2), feeds=([0], [1]), reaches=([0], [0, 1]),
+                    optimizers=2)
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence <= 0.6, str(d)
+    assert "paired adversarially" in d.summary and "train.py:40, train.py:41" in d.summary
+    assert [r["verdict"] for r in d.to_dict()["rejected"]] == ["not_learning"]
+    lines = [e.text for e in d.evidence if e.key == "loss_per_objective"]
+    assert "is computed through the parameters" in lines[1] and "trains the model" in lines[0]
+
+
+def test_two_models_side_by_side_are_not_a_pair():
+    """Two optimizers, each loss feeding its own, neither computed through the other's model:
+    not adversarial, so the one that stays flat is not_learning."""
+    s = _two_losses(_task_falls(120, 1), _task_flat(120, 2), feeds=([0], [1]), reaches=([0], [1]),
+                    optimizers=2)
+    d = verdict(s)
+    assert d.verdict == "not_learning" and "train.py:41" in d.summary, str(d)

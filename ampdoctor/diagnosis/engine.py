@@ -129,12 +129,14 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
         return _diagnose_all(paths, rules)
     facts = [_facts(p) for p in paths]
     facts.sort(key=lambda f: f.rank)
+    ranks.read_own_flags([f.outline for f in facts], ranks.own_flag_in_file)
     chosen = job.chosen(facts, job.base_rank(facts))
     shares = _norm_shares(facts)
     diagnoses: dict[str, Diagnosis] = {}
     for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
         if any(c is f for c in chosen):
             diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+            facts[i].outline["own_bad"] = f.outline["own_bad"]  # read once, above
     read = [f.rank for f in chosen]  # the base rank first
     scales = job.compare_scales(facts, _steps_history)
     per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
@@ -223,11 +225,13 @@ def _diagnose_all(paths: list[str], rules: Optional[Iterable[Callable]]) -> Diag
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(load(path)) for path in paths]
         combined = ranks.combine_grad_norms(runs)
-        for run in runs:
-            outline = ranks.outline(run)
+        outlines = [ranks.outline(run) for run in runs]
+        by_path = {r.path: r for r in runs}
+        ranks.read_own_flags(outlines, lambda o, step: ranks.own_flag(by_path[o["path"]].steps,
+                                                                       step))
+        for run, outline in zip(runs, outlines):
             per_rank.append((outline, diagnose(run, rules=rules), ranks.scales(run)))
             facts.append(job.from_run(run, outline))
-        by_path = {r.path: r for r in runs}
         scales = job.compare_scales(sorted(facts, key=lambda f: f.rank),
                                     lambda p: job.history_of(by_path[p]))
     per_rank.sort(key=lambda item: item[0]["rank"])

@@ -79,7 +79,8 @@ def from_summary(s: summaries.RankSummary) -> RankFacts:
     outline = {"path": s.path, "rank": s.rank, "world_size": s.world_size, "status": s.status,
                "steps": s.steps, "skipped": s.skipped, "first_bad": s.first_bad,
                "first_loss_bad": s.first_loss_bad, "module": None, "phase": None,
-               "local": False, "stopped": s.stopped, "nonfinite_steps": s.bad_steps,
+               "local": False, "own_bad": None, "stopped": s.stopped,
+               "nonfinite_steps": s.bad_steps,
                # none: a rank whose replays may hold one is read in full (``chosen``)
                "unreproduced": []}
     if s.first_bad is not None:

@@ -11,6 +11,9 @@ the ranks side by side can show: which rank went non-finite first (a NaN born in
 forward reaches every rank through the gradient all-reduce in the same step, so only the
 origin has a non-finite loss or a forward culprit of its own), and whether the loss scale
 diverged across ranks (their GradScalers disagreed about skipping, so their weights drift).
+Where no rank's loss or forward tells, a scaler that combines found_inf across ranks (FSDP's
+ShardedGradScaler) still leaves each rank's own flag (``Event.OWN_NONFINITE_GRAD``): the rank
+whose own shard of the gradients went non-finite is named before those that only skipped.
 
 numpy only, like the rest of the analysis side.
 """
@@ -21,7 +24,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +35,7 @@ from ..runfile.schema import Event, Phase, flag
 from .verdict import Diagnosis, Evidence
 
 BAD = flag(Event.SKIPPED) | flag(Event.NONFINITE_LOSS) | flag(Event.NONFINITE_GRAD)
+OWN = flag(Event.OWN_NONFINITE_GRAD)
 # Replay phases that put the first non-finite value inside this rank (not in what it received).
 LOCAL_PHASES = (Phase.INPUT, Phase.FORWARD, Phase.LOSS)
 # The same for the sampled tier's first non-finite tensor (a module output, the batch).
@@ -68,6 +72,9 @@ def outline(run: Any) -> dict:
         "module": None,
         "phase": None,
         "local": False,  # the first non-finite value was born in this rank
+        # this rank's own found_inf at first_bad (before ShardedGradScaler combined it): read
+        # only where it tells the ranks apart (``read_own_flags``), else None
+        "own_bad": None,
         "stopped": recording_stopped(run),  # {"step", "why"}: the recorder faulted there
         "nonfinite_steps": int(len(bad)),
         "unreproduced": unreproduced_steps(run),  # began here, did not reproduce here
@@ -92,6 +99,50 @@ def outline(run: Any) -> dict:
     if out["first_loss_bad"] == out["first_bad"]:
         out["local"] = True
     return out
+
+
+def own_flag(steps: np.ndarray, step: int) -> bool:
+    """Was this rank's own found_inf set at ``step`` (``Event.OWN_NONFINITE_GRAD``)? False
+    for a rank whose scaler does not record it as for one whose gradients were finite: the
+    ranks of one job run the same scaler, so ``first_rank`` reads it only where some rank
+    has it at that step."""
+    if not len(steps):
+        return False
+    at = steps["step"] == step
+    return bool(((steps["flags"][at] & OWN) != 0).any())
+
+
+def own_flag_in_file(outline: dict, step: int) -> bool:
+    """``own_flag`` of a rank file at ``step``: its /steps row of that step alone where the
+    rows run one per step from the first (two rows read, as a summary is), else its /steps."""
+    from ..runfile.store import load_steps, summary
+
+    path = outline["path"]
+    first = summary.step_flags(path, 0)
+    if first is not None and step >= first[0]:
+        got = summary.step_flags(path, step - first[0])
+        if got is not None and got[0] == step:
+            return bool(got[1] & OWN)
+    return own_flag(load_steps(path), step)
+
+
+def read_own_flags(outlines: list[dict], read: Callable[[dict, int], bool]) -> int:
+    """Where the ranks that went bad first are tied with none born there (no non-finite loss,
+    no located value), each one's own found_inf at that step, ``read(outline, step)``, into
+    its ``own_bad``: ``first_rank`` then names the rank whose own gradients went non-finite
+    (ShardedGradScaler). Read there only, the same on a summary's outline as on a loaded
+    run's (a summary does not hold it). Returns how many ranks were read."""
+    bad = [o for o in outlines if o["first_bad"] is not None]
+    if not bad:
+        return 0
+    step = min(o["first_bad"] for o in bad)
+    tied = [o for o in bad if o["first_bad"] == step]
+    if len(tied) < 2 or any(o["local"] for o in tied):
+        return 0
+    todo = [o for o in tied if o.get("own_bad") is None]
+    for o in todo:
+        o["own_bad"] = read(o, step)
+    return len(todo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,12 +395,22 @@ def files_text(paths: list[str], limit: int = 8) -> str:
 
 def first_rank(outlines: list[dict]) -> Optional[int]:
     """The rank that went non-finite first: earliest bad step; at the same step, a rank where
-    the value was born (non-finite loss, forward culprit) before one that only received it."""
+    the value was born (non-finite loss, forward culprit) before one that only received it,
+    and where none was, a rank whose own gradients were non-finite (``own_flag``) before one
+    that only skipped with the others."""
     bad = [o for o in outlines if o["first_bad"] is not None]
     if not bad:
         return None
-    best = min(bad, key=lambda o: (o["first_bad"], not o["local"], o["rank"]))
+    best = min(bad, key=lambda o: (o["first_bad"], not o["local"],
+                                   o["local"] or not o.get("own_bad"), o["rank"]))
     return int(best["rank"])
+
+
+def by_own_flag(outlines: list[dict], origin: Optional[int]) -> bool:
+    """Was ``origin`` told from the others by its own found_inf alone (no rank's loss or
+    forward went non-finite at its first bad step)?"""
+    o = next((x for x in outlines if x["rank"] == origin), None)
+    return o is not None and not o["local"] and bool(o.get("own_bad"))
 
 
 def where(outline: dict) -> str:
@@ -366,13 +427,17 @@ def where(outline: dict) -> str:
 
 def _origin_text(outlines: list[dict], origin: int) -> str:
     o = next(x for x in outlines if x["rank"] == origin)
+    own = by_own_flag(outlines, origin)
     what = "a non-finite loss" if o["first_loss_bad"] == o["first_bad"] else \
-        "non-finite gradients"
+        OWN_TEXT if own else "non-finite gradients"
     place = where(o)
     text = f"rank {origin} went non-finite first, at step {o['first_bad']}: {what}" + \
         (f", first seen {place}" if place else "")
     others = [x for x in outlines if x["rank"] != origin]
     same = [x["rank"] for x in others if x["first_bad"] == o["first_bad"] and not x["local"]]
+    if own:
+        text += _own_others([x for x in others if x["rank"] in same])
+        same = []
     later: dict[int, list[int]] = {}
     for x in others:
         if x["first_bad"] is not None and x["first_bad"] > o["first_bad"]:
@@ -388,6 +453,23 @@ def _origin_text(outlines: list[dict], origin: int) -> str:
         text += f"; {sum(len(later[k]) for k in rest)} more ranks from step {rest[0]} on"
     if clean:
         text += f"; {ranks_text(clean, LISTED)} stayed finite"
+    return text
+
+
+OWN_TEXT = ("non-finite gradients in its own shard, before ShardedGradScaler combined the "
+            "ranks' found_inf")
+
+
+def _own_others(same: list[dict]) -> str:
+    """The ranks that went bad at the origin's step, by their own found_inf."""
+    text = ""
+    flagged = [x["rank"] for x in same if x.get("own_bad")]
+    clean = [x["rank"] for x in same if not x.get("own_bad")]
+    if flagged:
+        text += f"; {ranks_text(flagged, LISTED)}: non-finite in their own shards too"
+    if clean:
+        text += (f"; {ranks_text(clean, LISTED)}: own gradients finite, skipped only because "
+                 "the ranks' found_inf is combined")
     return text
 
 

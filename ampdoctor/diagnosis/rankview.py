@@ -47,7 +47,9 @@ def build(facts: list[RankFacts], *, origin: Optional[int], scales: Optional[dic
         "first": None if first is None else {
             "rank": first.rank, "step": first.outline["first_bad"],
             "local": bool(first.outline["local"]), "module": first.outline["module"],
-            "phase": first.outline["phase"]},
+            "phase": first.outline["phase"],
+            # told by its own found_inf (ShardedGradScaler), no loss or forward telling
+            "own_grads": ranks.by_own_flag([f.outline for f in facts], origin)},
         **_origins(facts),
         "scale": _scale(facts, scales),
         **_lengths_and_skips(facts),
@@ -105,6 +107,9 @@ def lines(view: dict) -> list[str]:
     first = view.get("first")
     if first is not None:
         place = ranks.where(first)
+        if first.get("own_grads"):
+            place = "in its own shard of the gradients (its own found_inf, before the ranks' " \
+                "were combined)"
         out.append(f"went non-finite first: rank {first['rank']} at step {first['step']}"
                    + (f" {place}" if place else ""))
     out.append(_origins_line(view))
@@ -135,9 +140,13 @@ def _head(view: dict) -> str:
 def _origins_line(view: dict) -> str:
     rows = view["origins"]
     if not rows:
+        first = view.get("first") or {}
+        if first.get("own_grads"):
+            return ("no rank's loss went non-finite: each rank's own found_inf, read before "
+                    "ShardedGradScaler combined them, tells where the gradients went non-finite")
         return ("no rank's loss went non-finite: the non-finite values showed in the gradients, "
                 "which the all-reduce mixes, so the losses cannot tell where each began"
-                if view.get("first") else "")
+                if first else "")
     shown = "; ".join(_origin(x) for x in rows)
     more = view["origin_ranks"] - len(rows)
     text = ("non-finite losses (a NaN born on that rank), most steps first: " + shown

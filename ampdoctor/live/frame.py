@@ -167,6 +167,8 @@ def build(states: Sequence[Any], *, rank: Optional[int] = None,
         raise ValueError("build() needs the state of at least one followed file")
     runs = [s.run() for s in states]
     outlines = [ranks.outline(r) for r in runs]
+    ranks.read_own_flags(outlines, lambda o, step: ranks.own_flag(
+        runs[outlines.index(o)].steps, step))
     shown = _shown(states, outlines, rank)
     state, run = states[shown], runs[shown]
     others = list(summaries.known.values()) if summaries is not None else []

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from . import sharding
 from .torchcompat import scaler_enabled
 
 
@@ -44,7 +45,9 @@ def scaler_info(scaler: Any) -> dict:
             "growth_factor": getattr(scaler, "_growth_factor", None),
             "backoff_factor": getattr(scaler, "_backoff_factor", None),
             "growth_interval": getattr(scaler, "_growth_interval", None),
-            "device": str(getattr(scaler, "_device", ""))}
+            "device": str(getattr(scaler, "_device", "")),
+            # each step's own found_inf is recorded (steps flagged OWN_NONFINITE_GRAD)
+            "own_found_inf": sharding.combines_found_inf(scaler)}
 
 
 def model_summary(roots: list[torch.nn.Module]) -> dict:

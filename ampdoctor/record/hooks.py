@@ -19,6 +19,8 @@ The order of one scaled step, and what each hook adds::
     on_scale         the loss as given to scale(); the file created (lazy recorder)
     before_backward  a micro-batch (and the loss, without a scaler)
     before_unscale   gradients complete: sampled gradient statistics
+    after_unscale_grads  this rank's own found_inf copied (ShardedGradScaler, before its
+                     all-reduce)
     after_unscale    found_inf staged for the skip decision (non-fused optimizers)
     before_clip / after_clip         the clip config, the pre-clip norm (every clip of
                                      torch.nn.utils, the split API's included)
@@ -101,6 +103,7 @@ class Hooks:
     def attach(self) -> None:
         """Open every door (``patches``), hook the model (or discover it), begin step 0."""
         patches.patch_scaler(self.patches, self)
+        patches.patch_own_found_inf(self.patches, self)
         patches.patch_backward(self.patches, self)
         patches.patch_autograd_grad(self.patches, self)
         self._clip_maker = patches.patch_clip(self.patches, self)
@@ -385,6 +388,21 @@ class Hooks:
                 # Queued before GradScaler.step reads found_inf (non-fused optimizers):
                 # its own sync lands this copy too.
                 self.skips.stage_found(scaler, optimizer)
+
+    def after_unscale_grads(self, scaler: Any, optimizer: Any, found: Any) -> None:
+        """``_unscale_grads_`` returned this rank's found_inf per device. A scaler that
+        combines it across ranks (``sharding.combines_found_inf``: ShardedGradScaler's
+        ``unscale_`` all-reduces it in place next) has it copied now, on the device; the
+        drain reads it with the step's other values (``Event.OWN_NONFINITE_GRAD``)."""
+        if not isinstance(found, dict) or not found or not self.watched.uses_scaler(scaler) \
+                or not sharding.combines_found_inf(scaler):
+            return
+        flags = list(found.values())
+        dev = flags[0].device
+        own = torch.stack([f.to(dev).reshape(()).float() for f in flags]).sum()  # a copy
+        st = self.log.step
+        st.own_found_inf = own if st.own_found_inf is None else st.own_found_inf + own.to(
+            st.own_found_inf.device)
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None:
         """``config``: the clip function, max_norm (or clip_value), norm_type, foreach as

@@ -70,8 +70,9 @@ class Listener(TrainingListener, SchedulerListener, Protocol):
     ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``), the torch loss
     functions (``patch_losses``), ``Optimizer.zero_grad`` and ``Module.zero_grad``
     (``patch_zero_grad``: a step taken inside a compiled region is told there at the latest;
-    gradients zeroed between a loss's backward and an optimizer's step) and ``LRScheduler.step``
-    (``patch_schedulers``)."""
+    gradients zeroed between a loss's backward and an optimizer's step), ``LRScheduler.step``
+    (``patch_schedulers``) and GradScaler's ``_unscale_grads_`` (``patch_own_found_inf``: a
+    rank's own found_inf, before ShardedGradScaler all-reduces it)."""
 
     def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
     def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
@@ -92,6 +93,7 @@ class Listener(TrainingListener, SchedulerListener, Protocol):
     def before_module_zero_grad(self, module: torch.nn.Module) -> None: ...
     def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None: ...
     def on_get_scale(self, scaler: Any) -> None: ...
+    def after_unscale_grads(self, scaler: Any, optimizer: Any, found: Any) -> None: ...
 
 
 Callback = Literal[
@@ -101,8 +103,7 @@ Callback = Literal[
     "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
     "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
     "compiled_post", "after_loss", "before_zero_grad", "before_module_zero_grad",
-    "after_autograd_grad", "on_get_scale",
-    "before_scheduler_step"]
+    "after_autograd_grad", "on_get_scale", "after_unscale_grads", "before_scheduler_step"]
 CALLBACKS: tuple[str, ...] = get_args(Callback)
 
 

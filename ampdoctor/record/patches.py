@@ -4,6 +4,7 @@ A recorder sees a training loop through these doors, all opened here and nowhere
 
 * ``GradScaler`` methods (``scale``, ``unscale_``, ``step``, ``update``, ``__init__``), patched on
   the class so that a scaler created anywhere is seen, including ``torch.cuda.amp.GradScaler``;
+  and ``_unscale_grads_``, whose found_inf ShardedGradScaler all-reduces right after;
 * ``torch.autograd.backward``, which ``Tensor.backward`` calls: the loss, and micro-batches;
 * the clips of ``torch.nn.utils`` (``clip_grad_norm_``, ``get_total_norm`` +
   ``clip_grads_with_norm_``, ``clip_grad_value_``; FSDP1's ``clip_grad_norm_`` method, patched
@@ -194,6 +195,27 @@ def patch_scaler(patches: PatchSet, listener: TrainingListener) -> None:
             # wraps is left as it is; another listener's wrapper is wrapped again).
             if name in cls.__dict__ and not _wrapped_for(cls.__dict__[name], listener):
                 patches.add(Patch(cls, name, make, listener))
+
+
+def patch_own_found_inf(patches: PatchSet, listener: Listener) -> None:
+    """See the found_inf that ``_unscale_grads_`` returns (``listener.after_unscale_grads``),
+    on every scaler class that defines it: ShardedGradScaler's ``unscale_`` all-reduces that
+    tensor in place right after, so this is the one moment it is still this rank's own.
+    Called again, as ``patch_scaler``, once a sharded model is seen."""
+    require(listener, Listener)
+
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self, optimizer, *args, **kwargs):
+            out = orig(self, optimizer, *args, **kwargs)
+            guard(listener, "after_unscale_grads", self, optimizer, out)
+            return out
+        return wrapper
+
+    for cls in _scaler_classes():
+        method = cls.__dict__.get("_unscale_grads_")
+        if method is not None and not _wrapped_for(method, listener):
+            patches.add(Patch(cls, "_unscale_grads_", make, listener))
 
 
 def patch_backward(patches: PatchSet, listener: TrainingListener) -> None:

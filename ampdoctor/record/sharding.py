@@ -19,6 +19,12 @@ only what a rank holds, with plain local ops, and never starts a collective of i
   ``Event.GRAD_NORM_LOCAL``; ``diagnose run.h5`` combines the rank files
   (``ranks.combine_grad_norms``). A NaN or inf in any shard makes that rank's share, and so
   the combined norm, non-finite: the finiteness check needs no collective either.
+* FSDP's ShardedGradScaler all-reduces found_inf in ``unscale_``, so ``update()`` sees every
+  rank's combined flag. This rank's own (``combines_found_inf``) is copied on the device as
+  ``_unscale_grads_`` returns it, before that all-reduce, read at the drain with the step's
+  other values, and flags the step ``Event.OWN_NONFINITE_GRAD``. Under FULL_SHARD it is this
+  rank's shard of the reduce-scattered gradients: a NaN in one rank's batch reaches every
+  shard, while a value non-finite only in one shard flags that rank alone.
 * Forensic replay re-runs the model's forward, which under FSDP all-gathers every
   parameter: a rank replaying alone would wait forever for the others, and FSDP's backward
   hooks would write reduced gradients into ``.grad``. So it is off (``REPLAY_OFF``): on a
@@ -192,6 +198,20 @@ def clip_result(total: torch.Tensor, sharding: Optional[Sharding],
     else:
         glob = from_fsdp1 or sharding is None or sharding.kind != "fsdp1"
     return total.float().reshape(()), glob
+
+
+def combines_found_inf(scaler: Any) -> bool:
+    """Does ``scaler``'s class rewrite ``unscale_`` (FSDP's ShardedGradScaler, whose
+    ``unscale_`` all-reduces found_inf across ranks)? Then the found_inf that ``update()``
+    reads is every rank's, and this rank's own is read before, from ``_unscale_grads_``.
+    Python attributes only: no tensor read."""
+    base = torch.amp.GradScaler
+    for cls in type(scaler).__mro__:
+        if cls is base:
+            return False
+        if "unscale_" in cls.__dict__:
+            return True
+    return False
 
 
 def detect(roots: list[torch.nn.Module], world_size: int = 1) -> Optional[Sharding]:

@@ -191,11 +191,14 @@ class StepLog:
         skipped = np.where(rows["found_inf"] >= 0, rows["found_inf"] == 1, by_scale)
         scaled = ~np.isnan(rows["scale"])
         rows["skipped"] = np.where(scaled, skipped, rows["skipped"])
+        with np.errstate(invalid="ignore"):
+            own = values["own_found_inf"] > 0
         rows["flags"] |= (np.where(rows["skipped"] == 1, flag(Event.SKIPPED), 0)
                           | np.where(has_loss & ~np.isfinite(values["loss_mean"]),
                                      flag(Event.NONFINITE_LOSS), 0)
                           | np.where(has_grad & ~np.isfinite(values["grad_norm"]),
                                      flag(Event.NONFINITE_GRAD), 0)
+                          | np.where(own, flag(Event.OWN_NONFINITE_GRAD), 0)  # NaN: unmeasured
                           ).astype(np.int32)
         return rows, losses, optimizers
 

@@ -41,6 +41,9 @@ class Step:
     scale: Optional[torch.Tensor] = None
     scale_after: Optional[torch.Tensor] = None
     found_inf: Optional[torch.Tensor] = None
+    # this rank's own found_inf, copied before a scaler combined it across ranks (FSDP's
+    # ShardedGradScaler): summed over optimizers and devices
+    own_found_inf: Optional[torch.Tensor] = None
     stepped: bool = False
     bypassed: bool = False  # an optimizer stepped outside scaler.step: no update() may follow
     flags: int = 0
@@ -57,7 +60,8 @@ class Step:
     triggered: bool = False  # handed to the forensic tier already (one event per step)
 
 
-VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm")
+VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
+          "own_found_inf")
 
 
 class Constants:
@@ -76,7 +80,8 @@ class Constants:
 def device_values(st: Step, constants: Constants) -> torch.Tensor:
     """The step's device scalars stacked into one tensor (no sync); order as in VALUES."""
     loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
-    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm]
+    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm,
+              st.own_found_inf]
     dev = next((v.device for v in values if v is not None), torch.device("cpu"))
     nan = constants.nan(dev)
     return torch.stack([nan if v is None else

@@ -251,6 +251,7 @@ class Watched:
         if self.sharding is None:
             listener = self._listening()
             patches.patch_scaler(self._patches, listener)  # ShardedGradScaler, loaded since
+            patches.patch_own_found_inf(self._patches, listener)
             if found.kind == "fsdp1":
                 patches.patch_clip_method(self._patches, listener, sharding.fsdp1_class())
         self.sharding = found

@@ -177,6 +177,13 @@ class Event(enum.IntEnum):
     # penalty was built from gradients still multiplied by the loss scale, not unscaled as the
     # AMP docs' recipe does (record/hooks.py). One row per step. Additive, as 17.
     SCALED_GRADS_IN_LOSS = 22
+    # A step flag, never an /events row: this rank's own found_inf was set, read before a
+    # scaler that combines found_inf across ranks (FSDP's ShardedGradScaler all-reduces it in
+    # unscale_) made every rank's the same. Under FSDP it is this rank's shard of the reduced
+    # gradients that held inf/NaN. Written only where the scaler combines found_inf (/meta
+    # scaler "own_found_inf": true); on such a run an unflagged step's own gradients were
+    # finite. Additive, as 17.
+    OWN_NONFINITE_GRAD = 23
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -316,6 +316,32 @@ def _decode(path: str, f: h5py.File, live: bool) -> Optional[RankSummary]:
     return out
 
 
+_STEP_FLAGS = np.dtype([("step", "<i8"), ("flags", "<i4")])
+
+
+def step_flags(path: str | os.PathLike, row: int) -> Optional[tuple[int, int]]:
+    """``(step, flags)`` of one /steps row, read as the summary is (one field pair of one
+    row), or None past the table's end: a rank's own found_inf at its first bad step
+    (``diagnosis.job.read_own_flags``) without reading its /steps."""
+    path = os.fspath(path)
+    return retrying(path, lambda: _step_flags_once(path, row))
+
+
+def _step_flags_once(path: str, row: int) -> Optional[tuple[int, int]]:
+    f, live = open_file(path)
+    try:
+        check_format(path, scalar_attrs(f, ATTRS) or root_attrs(f, ATTRS))
+        ds = _table(path, f, "steps", live or bool(f.swmr_mode))
+        if not 0 <= row < (_length(ds) or 0):
+            return None
+        r = _row(ds, row, _STEP_FLAGS)
+        return int(r["step"]), int(r["flags"])
+    except H5_ERRORS as exc:
+        raise RunFileError(f"{path} is damaged and could not be read ({reason(exc)})") from None
+    finally:
+        f.close()
+
+
 def _opt(value: Any) -> Optional[int]:
     return None if int(value) < 0 else int(value)
 

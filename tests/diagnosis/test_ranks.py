@@ -148,6 +148,54 @@ def test_a_module_output_the_sampled_tier_saw_non_finite_was_born_on_its_rank(tm
     assert "ranks 0, 2 only received it" in fast.evidence[0].text
 
 
+def _own(s: Synth, *steps: int) -> Synth:
+    """ShardedGradScaler's rank: its own found_inf was set on ``steps``."""
+    s.meta["scaler"] = dict(s.meta["scaler"], own_found_inf=True)
+    for i in steps:
+        s.steps["flags"][i] |= ranks.OWN
+    return s
+
+
+def test_own_found_inf_names_the_rank_whose_shard_went_non_finite(tmp_path):
+    """Every rank skipped step 20 (ShardedGradScaler all-reduces found_inf) and no loss went
+    non-finite: the rank whose own flag was set is the origin, not the lowest rank."""
+    runs = {r: _own(received(at=20)) for r in range(4)}
+    runs[2] = _own(received(at=20), 20)
+    runs[3] = _own(received(at=20), 30)  # its own shard later: not the first
+    files = job_files(tmp_path, runs)
+    fast, full = both(files)
+    assert_same(fast, full)
+    assert fast.run["origin_rank"] == 2  # (one skip alone is healthy: no first_bad)
+    assert fast.evidence[0].text == (
+        "rank 2 went non-finite first, at step 20: non-finite gradients in its own shard, "
+        "before ShardedGradScaler combined the ranks' found_inf; ranks 0, 1, 3: own gradients "
+        "finite, skipped only because the ranks' found_inf is combined")
+    assert fast.rank_view["first"]["own_grads"] and not fast.rank_view["first"]["local"]
+    assert "found_inf" in "\n".join(rankview_lines(fast))
+    # Without the flags (a plain GradScaler's ranks) the tie goes to the lowest rank, as before
+    (tmp_path / "plain").mkdir()
+    plain = job_files(tmp_path / "plain", {r: received(at=20) for r in range(3)})
+    assert engine.diagnose_files(plain).run["origin_rank"] == 0
+
+
+def rankview_lines(d):
+    from ampdoctor.diagnosis import rankview
+
+    return rankview.lines(d.rank_view)
+
+
+def test_a_non_finite_loss_outranks_an_own_found_inf(tmp_path):
+    """A NaN in one rank's batch reaches every rank's shard through the reduce-scatter: all own
+    flags are set, and the rank whose loss went non-finite is still the origin."""
+    runs = {r: _own(received(at=20), 20) for r in range(3)}
+    runs[1] = _own(Synth(60).skip([20], loss_nan=True), 20)
+    fast, full = both(job_files(tmp_path, runs))
+    assert_same(fast, full)
+    assert fast.first_bad["rank"] == fast.run["origin_rank"] == 1
+    assert "a non-finite loss" in fast.evidence[0].text
+    assert not fast.rank_view["first"]["own_grads"]
+
+
 def test_fast_path_agrees_when_the_ranks_disagree_on_the_scale(tmp_path):
     n = 200  # GradScaler probing every third step: more change points than a summary holds
     runs = {r: Synth(n, growth_interval=2).skip(range(1, n, 3)) for r in range(5)}

@@ -3,9 +3,9 @@ runs it: ``ampdoctor record -o run.h5 -- torchrun ... train_fsdp.py`` or ``watch
 script, then ``ampdoctor diagnose run.h5``. Plus unit tests of ``sharding`` and of the
 rank-file merge on synthetic steps.
 
-Cost: five 2-rank launches of a 30-step script, about 90 s of CPU time in all, children
-included (`time python -m pytest tests/record/test_sharded.py`); the two ranks run in
-parallel. A hang (a collective one rank never joins) fails a launch at its timeout."""
+Cost: five 2-rank launches of a 30-step script and two of a 12-step one, about 70 s of CPU
+time in all, children included (`time python -m pytest tests/record/test_sharded.py`); the two
+ranks run in parallel. A hang (a collective one rank never joins) fails a launch at its timeout."""
 
 import json
 import os
@@ -24,6 +24,7 @@ from ampdoctor.runfile.schema import Event, Kind, Phase, flag
 
 SCRIPT = os.path.join(ROOT, "fixtures", "examples", "train_fsdp.py")
 LOCAL = flag(Event.GRAD_NORM_LOCAL)
+OWN = flag(Event.OWN_NONFINITE_GRAD)
 
 
 def torchrun(*args):
@@ -162,7 +163,13 @@ def test_fsdp1_fp16_sharded_scaler_and_clip_method(tmp_path):
             assert r.meta["scaler"]["class"] == "ShardedGradScaler"
             assert r.meta["autocast"]["dtype"] == "float16"
             assert np.flatnonzero(s["skipped"]).tolist() == [7]  # both ranks skipped it
-            assert s["scale"][8] == s["scale"][7] / 2
+            assert s["scale"][8] == s["scale_after"][7] == s["scale"][7] / 2
+            # found_inf is the ranks' combined flag (ShardedGradScaler all-reduced it) ...
+            assert (s["found_inf"] >= 0).all() and np.flatnonzero(s["found_inf"]).tolist() == [7]
+            # ... and each rank's own, read before that all-reduce, is set on both: the
+            # reduce-scatter put rank 0's NaN into every rank's shard of the gradients
+            assert r.meta["scaler"]["own_found_inf"] is True
+            assert np.flatnonzero(s["flags"] & OWN).tolist() == [7]
             assert r.meta["sharding"]["strategy"] == ["FULL_SHARD"]
             assert r.meta["roots"] == ["Net"]  # the model inside the wrapper
             names = set(str(n) for n in r.tensors["name"])
@@ -174,6 +181,48 @@ def test_fsdp1_fp16_sharded_scaler_and_clip_method(tmp_path):
             assert np.array_equal(s["grad_norm"], s["clip_norm"], equal_nan=True)
     d = diagnose(tmp_path)
     assert (d["verdict"], d["first_bad"]["step"], d["first_bad"]["rank"]) == ("bad_input", 7, 0)
+    assert not d["rank_view"]["first"]["own_grads"]  # told by rank 0's own loss
+
+
+@pytest.mark.slow
+def test_fsdp1_own_found_inf_names_the_rank_whose_shard_went_non_finite(tmp_path):
+    """Only rank 1's shard of the gradients holds an inf (its loss and rank 0's shard finite):
+    ShardedGradScaler's all-reduce makes both ranks skip, each rank's own flag says whose it
+    was, and diagnose names rank 1 (the tie went to rank 0 before). Recording changes nothing."""
+    args = ("--fsdp", "1", "--autocast", "float16", "--scaler", "--steps", "12",
+            "--bad-rank", "1", "--bad-step", "7", "--bad-shard")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    record(tmp_path, *args, "--dump", str(tmp_path))
+    run(torchrun(*args, "--dump", str(plain)), plain)
+    for rank in (0, 1):
+        recorded = torch.load(tmp_path / f"rank{rank}.pt")
+        alone = torch.load(plain / f"rank{rank}.pt")
+        assert recorded["losses"] == alone["losses"]  # bit for bit
+        for name, w in alone["weights"].items():
+            assert torch.equal(recorded["weights"][name], w), name
+        with ampdoctor.load(tmp_path / f"run.rank{rank}.h5") as r:
+            s = r.steps
+            assert len(s) == 12 and r.meta["scaler"]["own_found_inf"] is True
+            assert np.flatnonzero(s["skipped"]).tolist() == [7]
+            assert np.flatnonzero(s["found_inf"]).tolist() == [7]  # combined: every rank's
+            assert s["scale_after"][7] == s["scale"][7] / 2 == s["scale"][8]
+            assert np.isfinite(s["loss"]).all()
+            assert np.flatnonzero(s["flags"] & OWN).tolist() == ([7] if rank == 1 else [])
+    d = diagnose(tmp_path)
+    assert d["run"]["origin_rank"] == 1
+    assert d["rank_view"]["first"] == {"rank": 1, "step": 7, "local": False, "module": None,
+                                       "phase": None, "own_grads": True}
+    assert d["evidence"][0]["text"].startswith(
+        "rank 1 went non-finite first, at step 7: non-finite gradients in its own shard")
+    assert "rank 0: own gradients finite" in d["evidence"][0]["text"]
+
+
+def test_only_a_scaler_that_rewrites_unscale_combines_found_inf():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert not sharding.combines_found_inf(torch.amp.GradScaler("cpu"))
+    assert sharding.combines_found_inf(ShardedGradScaler("cpu"))
 
 
 @pytest.mark.slow

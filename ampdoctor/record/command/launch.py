@@ -417,6 +417,7 @@ def summary(settings: Settings) -> str:
             unreadable.append(str(exc))
     if not outlines:
         return f"ampdoctor: {unreadable[0]}"
+    ranks.read_own_flags(outlines, ranks.own_flag_in_file)  # ShardedGradScaler's ranks
     text = _describe(outlines, settings, written.faults(settings.session))
     if unreadable:
         text += f"; {unreadable[0]}"
@@ -488,7 +489,7 @@ def _received(outlines: list[dict]) -> str:
     from elsewhere, and a diagnosis of them alone would blame them for it; say so instead."""
     origin = ranks.first_rank(outlines)
     first = next((o for o in outlines if o["rank"] == origin), None)
-    if first is None or first["local"]:
+    if first is None or first["local"] or first.get("own_bad"):
         return ""
     return (f"non-finite gradients from step {first['first_bad']}, none born here (no loss of "
             "theirs went non-finite): received through the gradient all-reduce from another "

@@ -43,6 +43,7 @@ class Objective:
     rival: Optional[str] = None  # the sites of the losses it is paired against, adversarially
     through: bool = False  # ... and it is computed through the models their optimizers step
     rival_feeds: tuple = ()  # those optimizers
+    frames: tuple = ()  # its call stack's lines, innermost first (the recorder's /meta)
 
     @property
     def fell(self) -> bool:
@@ -50,24 +51,73 @@ class Objective:
 
 
 def read(f: Any) -> list[Objective]:
-    """The run's losses, each with its curve and its rivals; [] where /losses holds fewer
-    than two (one loss, or a file recorded before format 3)."""
-    meta = getattr(f.run, "losses_meta", [])
-    rows = getattr(f.run, "losses", None)
+    """The run's losses (``f``: its ``Facts``, or a ``Run``), each with its curve and its
+    rivals; [] where /losses holds fewer than two (one loss, or a file of format 2)."""
+    run = getattr(f, "run", f)
+    meta = getattr(run, "losses_meta", [])
+    rows = getattr(run, "losses", None)
     if len(meta) < 2 or rows is None or not len(rows):
         return []
-    out = []
+    rows = _with_first_steps(rows, getattr(run, "steps", None))
+    out: list[Objective] = []
     for slot, info in enumerate(meta):
         mine = rows[rows["slot"] == slot]
-        order = np.argsort(mine["step"], kind="stable")
-        loss = mine["loss"][order].astype(np.float64)
-        out.append(Objective(slot=slot, site=str(info.get("site", f"loss {slot}")),
-                             feeds=_indices(info.get("optimizers")),
-                             reaches=_indices(info.get("reaches"))
-                             if isinstance(info.get("reaches"), list) else None,
-                             steps=mine["step"][order], loss=loss, curve=curve.read(loss)))
+        if not len(mine):
+            continue
+        feeds = _indices(info.get("optimizers"))
+        reaches = _indices(info.get("reaches")) if isinstance(info.get("reaches"), list) \
+            else None
+        frames = tuple(str(x) for x in info.get("frames") or ()) \
+            if isinstance(info.get("frames"), list) else ()
+        earlier = _continued(out, frames, int(mine["step"].min()))
+        if earlier is not None:
+            earlier.steps = np.concatenate([earlier.steps, mine["step"]])
+            earlier.loss = np.concatenate([earlier.loss, mine["loss"].astype(np.float64)])
+            earlier.feeds = tuple(sorted(set(earlier.feeds) | set(feeds)))
+            if earlier.reaches is not None and reaches is not None:
+                earlier.reaches = tuple(sorted(set(earlier.reaches) | set(reaches)))
+            continue
+        out.append(Objective(slot=slot, site=str(info.get("site", f"loss {slot}")), feeds=feeds,
+                             reaches=reaches, steps=mine["step"],
+                             loss=mine["loss"].astype(np.float64), curve=curve.Curve(n=0),
+                             frames=frames))
+    if len(out) < 2:
+        return []
+    for o in out:
+        order = np.argsort(o.steps, kind="stable")
+        o.steps, o.loss = o.steps[order], o.loss[order]
+        o.curve = curve.read(o.loss)
     _pair(out)
     return out
+
+
+def _with_first_steps(rows: np.ndarray, steps: Any) -> np.ndarray:
+    """/losses begins at the step where a second loss was first seen; the steps before it
+    had one loss, the first (slot 0), whose value is the step's own loss (/steps)."""
+    if steps is None or not len(steps) or not len(rows):
+        return rows
+    before = steps[(steps["step"] < rows["step"].min()) & np.isfinite(steps["loss"])]
+    if not len(before):
+        return rows
+    first = np.zeros(len(before), rows.dtype)
+    first["step"], first["slot"], first["loss"] = before["step"], 0, before["loss"]
+    first["micro"] = before["micro"]
+    return np.concatenate([first, rows])
+
+
+def _continued(out: list[Objective], frames: tuple, start: int) -> Optional[Objective]:
+    """The loss that ``frames`` continues, if any: one of the same line, backwarded only before
+    ``start``, whose call stack differs from it in the outermost frame alone (the same loop,
+    called from a warm-up and then from the main loop), the closest such stack."""
+    best, shared = None, 0
+    for o in out:
+        if not frames or not o.frames or o.frames[0] != frames[0] or int(o.steps.max()) >= start:
+            continue
+        common = next((i for i, (a, b) in enumerate(zip(o.frames, frames)) if a != b),
+                      min(len(o.frames), len(frames)))
+        if common >= max(len(frames), len(o.frames)) - 1 and common > shared:
+            best, shared = o, common
+    return best
 
 
 def _indices(value: Any) -> tuple:

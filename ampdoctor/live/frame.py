@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..diagnosis import ranks
+from ..diagnosis import objectives, ranks
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
 from ..runfile import paths
@@ -237,16 +237,7 @@ def _steps(fr: Frame, run: Any) -> None:
 
 def _each_loss(run: Any) -> list[tuple[str, np.ndarray]]:
     """(site, values) of each loss of a run that backwards several (/losses), in step order."""
-    meta, rows = run.losses_meta, run.losses
-    if len(meta) < 2 or not len(rows):
-        return []
-    out = []
-    for slot, info in enumerate(meta):
-        mine = rows[rows["slot"] == slot]
-        if len(mine):
-            out.append((one_line(str(info.get("site", slot))), mine["loss"][np.argsort(mine["step"],
-                                                                           kind="stable")]))
-    return out
+    return [(one_line(o.site), o.loss) for o in objectives.read(run)]
 
 
 def _group_lrs(run: Any) -> dict[int, float]:

@@ -5,15 +5,20 @@ discriminator's loss and steps its optimizer, then the generator's; a multi-task
 backwards two losses and steps two optimizers. /steps holds one loss per step (the mean of
 every loss backwarded) and one gradient norm; here each loss and each optimizer keeps its own.
 
-A loss is known by where the training code backwarded it (its *site*): the innermost frames of
+A loss is known by where the training code backwarded it (its *site*): the innermost frame of
 the script's own code on the stack of ``backward`` or ``scaler.scale`` (frames of torch, of
 ampdoctor and of installed libraries are passed over, unless only those are there, as for a
-trainer installed as a package). Micro-batches backwarded from one line are one loss; a
-helper called from two lines makes two. Each loss is kept with the optimizers it *feeds*:
-those that step after its backward and whose parameters its graph reaches (walked once, the
-first time the loss is seen in a run with several optimizers), less the parameters whose
-gradients were zeroed in between (``optimizer.zero_grad``, ``module.zero_grad``): a GAN's
-generator loss reaches the discriminator too, whose gradients are zeroed before its own step.
+trainer installed as a package), with the frames that called it: micro-batches backwarded
+from one line are one loss, and a helper that backwards, called from two lines (the
+discriminator's loss, then the generator's), makes two. /meta ``losses`` holds each one's
+``frames``: the reader takes two losses of one line whose steps follow one another and whose
+stacks differ only in the outermost frame (the same loop called from a warm-up, then from the
+main loop) as one (``diagnosis/objectives.py``). Each
+loss is kept with the optimizers it *feeds*: those that step after its backward and whose
+parameters its graph reaches (walked once, the first time the loss is seen in a run with
+several optimizers), less the parameters whose gradients were zeroed in between
+(``optimizer.zero_grad``, ``module.zero_grad``): a GAN's generator loss reaches the
+discriminator too, whose gradients are zeroed before its own step.
 
 A run with one loss and one optimizer writes nothing here and pays one frame walk per
 backward. The others write a /losses row per step and loss, an /optimizers row per step and
@@ -88,6 +93,7 @@ class Parts:
     lr: list  # largest LR of each optimizer's groups
     stepped: list  # 1: the optimizer's step() ran in this step
     values: torch.Tensor
+    step_loss: bool = False  # its one loss is the step's (/steps loss): no value of its own
 
 
 class Objectives:
@@ -97,7 +103,8 @@ class Objectives:
         self.journal = journal
         self.watched = watched
         self.constants = constants
-        self.slots: dict[tuple, Slot] = {}
+        self.slots: list[Slot] = []  # the run's losses, by index
+        self._keys: dict[tuple, Slot] = {}  # call stack -> its loss
         self._kinds: dict[str, int] = {}  # co_filename -> 0 ours, 1 a library, 2 the script
         self._events: list[tuple] = []  # while a slot is unsettled: the step's order
         self._params: dict[int, tuple[int, frozenset]] = {}  # id(opt) -> (size, param ids)
@@ -113,9 +120,9 @@ class Objectives:
     def loss(self, value: torch.Tensor, loss: torch.Tensor) -> None:
         """A loss about to be backwarded (``value``: its detached fp32 scalar)."""
         key = self._site_key(sys._getframe(1))
-        slot = self.slots.get(key)
+        slot = self._keys.get(key)
         if slot is None:
-            slot = self._new_slot(key, loss)
+            slot = self._slot_for(key, loss)
         kept = self._losses.get(slot.index)
         if kept is None:
             self._losses[slot.index] = [value, 1]
@@ -125,12 +132,11 @@ class Objectives:
         if self._events or not slot.settled:
             self._events.append(("loss", slot.index))
 
-    def _new_slot(self, key: tuple, loss: torch.Tensor) -> Slot:
-        site = _label(key[0])
-        if any(s.site == site for s in self.slots.values()) and len(key) > 1:
-            site = f"{site} (from {_label(key[1])})"
-        slot = Slot(index=len(self.slots), site=site, key=key)
-        self.slots[key] = slot
+    def _slot_for(self, key: tuple, loss: torch.Tensor) -> Slot:
+        """A new loss: a call stack not seen before."""
+        slot = Slot(index=len(self.slots), site=_label(key[0]), key=key)
+        self.slots.append(slot)
+        self._keys[key] = slot
         if loss.grad_fn is not None:
             if len(self.watched.optimizers) >= 2:
                 slot.reaches = _reached(loss.grad_fn)
@@ -241,6 +247,11 @@ class Objectives:
         if not many and len(opts) < 2:
             return None
         slots = sorted(self._losses) if many else []
+        if len(slots) == 1 and len(opts) < 2 and self._losses[slots[0]][1] == st.loss_n:
+            # one loss this step, all of it: its row is the step's loss (no tensor of its own)
+            return Parts(slots=slots, micro=[st.loss_n], optimizers=[], lr=[], stepped=[],
+                         values=self.constants.nan(torch.device("cpu")).reshape(1)[:0],
+                         step_loss=True)
         values = [self._losses[s][0] / self._losses[s][1] for s in slots]
         values += [self._norms.get(id(o)) for o in opts] if len(opts) >= 2 else []
         values += [self._found.get(id(o)) for o in opts] if len(opts) >= 2 else []
@@ -258,7 +269,7 @@ class Objectives:
     def _settle(self) -> None:
         """Each unsettled loss: the optimizers that stepped after its backward, whose
         parameters its graph reaches and were not zeroed in between."""
-        pending = [s for s in self.slots.values() if not s.settled]
+        pending = [s for s in self.slots if not s.settled]
         if not pending:
             self._events = []
             return
@@ -288,7 +299,7 @@ class Objectives:
             slot.waited += 1
             if stepped_after or slot.waited >= SETTLE_STEPS:
                 slot.settled = changed = True
-        if all(s.settled for s in self.slots.values()):
+        if all(s.settled for s in self.slots):
             self._events = []
         else:  # the next step's events follow on from the last backward seen
             first = min((i for i, e in enumerate(self._events) if e[0] == "loss"
@@ -302,17 +313,22 @@ class Objectives:
             return
         params = [self._param_ids(o) for o in self.watched.optimizers]
         value = []
-        for slot in sorted(self.slots.values(), key=lambda s: s.index):
+        for slot in self.slots:
             reaches = None if slot.reaches is None else \
                 [i for i, p in enumerate(params) if slot.reaches & p]
-            value.append({"site": slot.site, "optimizers": sorted(slot.feeds),
+            site = slot.site
+            if len(slot.key) > 1 and any(s.key[0] == slot.key[0] for s in self.slots
+                                         if s is not slot):
+                site = f"{site} (from {_label(slot.key[1])})"  # a helper's: who called it
+            value.append({"site": site, "frames": [_label(k) for k in slot.key],
+                          "optimizers": sorted(slot.feeds),
                           "reaches": reaches, "settled": slot.settled})
         if value != self._written:
             self._written = value
             self.journal.meta("losses", value)
 
     def _slot(self, index: int) -> Slot:
-        return next(s for s in self.slots.values() if s.index == index)
+        return self.slots[index]
 
     def _index(self, optimizer: Any) -> Optional[int]:
         return next((i for i, o in enumerate(self.watched.optimizers) if o is optimizer), None)

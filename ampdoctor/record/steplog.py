@@ -178,7 +178,8 @@ class StepLog:
         read = fetch_all([r.values for r in pending] +
                          [r.parts.values for r in parted if r.parts is not None])
         values = columns(np.array(read[:len(pending)]).reshape(len(pending), len(VALUES)))
-        losses, optimizers = _part_rows(parted, read[len(pending):])
+        losses, optimizers = _part_rows(parted, read[len(pending):],
+                                        dict(zip(rows["step"], values["loss_mean"])))
         rows["dt"] = readback.StepClock.seconds([r.dt for r in pending])
         rows["peak_mem"] = peak_memory(self.watched.device)  # never reset: the run's peak so far
         rows["loss"] = values["loss_mean"]
@@ -203,9 +204,11 @@ class StepLog:
         return rows, losses, optimizers
 
 
-def _part_rows(parted: list[StepRow], read: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _part_rows(parted: list[StepRow], read: list[np.ndarray],
+               step_loss: dict) -> tuple[np.ndarray, np.ndarray]:
     """/losses and /optimizers rows of the steps that have them (``read``: each one's values
-    as fetched: its losses, then its optimizers' gradient norms, then their found_inf)."""
+    as fetched: its losses, then its optimizers' gradient norms, then their found_inf;
+    ``step_loss``: each step's /steps loss, for a step whose one loss is the step's)."""
     losses, optimizers = [], []
     for r, got in zip(parted, read):
         p = r.parts
@@ -214,7 +217,7 @@ def _part_rows(parted: list[StepRow], read: list[np.ndarray]) -> tuple[np.ndarra
         n, k = len(p.slots), len(p.optimizers)
         part = schema.empty("losses", n)
         part["step"], part["slot"], part["micro"] = r.step, p.slots, p.micro
-        part["loss"] = got[:n]
+        part["loss"] = [step_loss[r.step]] if p.step_loss else got[:n]
         losses.append(part)
         part = schema.empty("optimizers", k)
         part["step"], part["optimizer"] = r.step, p.optimizers

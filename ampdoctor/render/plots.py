@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis import layers as _layers
+from ..diagnosis import objectives
 from ..numfmt import fmt
 from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
@@ -116,17 +117,7 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
 
 def _losses(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(label, steps, values) of each loss of a run that backwarded several (/losses)."""
-    rows = getattr(run, "losses", None)
-    meta = getattr(run, "losses_meta", [])
-    if rows is None or not len(rows) or len(meta) < 2:
-        return []
-    out = []
-    for slot, info in enumerate(meta):
-        mine = rows[rows["slot"] == slot]
-        if len(mine):
-            out.append((f"loss at {one_line(str(info.get('site', slot)))}", mine["step"],
-                        mine["loss"].astype(np.float64)))
-    return out
+    return [(f"loss at {one_line(o.site)}", o.steps, o.loss) for o in objectives.read(run)]
 
 
 def _optimizer_norms(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:

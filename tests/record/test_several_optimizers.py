@@ -254,3 +254,70 @@ def test_report_and_top_show_each_loss_and_each_optimizer(run_path):
     each = [line for line in lines if line.startswith(" loss ")]
     assert len(each) == 2 and all("_optimizers.py:" in line for line in each)  # (its end)
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_a_loss_is_its_line_wherever_the_loop_is_called_from(run_path):
+    """A step function called from a warm-up loop, then from the main loop: one loss. A
+    helper that backwards, called twice in a step (two models' losses): two, each named by
+    the line that called it."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (a, b))
+
+    def backward(loss):
+        loss.backward()
+
+    def step():
+        backward(a(torch.randn(8, 4)).pow(2).mean())
+        opt_a.step()
+        backward(b(torch.randn(8, 4)).pow(2).mean())
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    with ampdoctor.watch([a, b], [opt_a, opt_b], path=run_path, strict=True):
+        for _ in range(2):
+            step()  # warm-up
+        for _ in range(3):
+            step()
+    run = ampdoctor.load(run_path)
+    sites = run.losses_meta
+    # (each call stack is a loss of its own; the diagnosis joins those of one line that follow
+    # one another: the warm-up's and the main loop's)
+    assert len(sites) == 4 and len({s["frames"][0] for s in sites}) == 1, sites
+    assert "(from test_several_optimizers.py:" in sites[1]["site"]
+    from ampdoctor.diagnosis import objectives
+    from ampdoctor.diagnosis.facts import Facts
+    objs = objectives.read(Facts(run))
+    assert [o.feeds for o in objs] == [(0,), (1,)], [(o.site, o.feeds) for o in objs]
+    # the recorder's steps end at opt_a's step: b's first loss comes in step 1, and its
+    # last, after the last step ended, is in no recorded step
+    assert [list(o.steps) for o in objs] == [[0, 1, 2, 3, 4], [1, 2, 3, 4]]
+
+
+def test_the_same_loop_from_two_lines_is_one_loss(run_path):
+    """A warm-up loop, then the main loop, calling one step function: two call stacks, written
+    as two losses of one line, which the diagnosis reads as the one loss they are. With one
+    optimizer, each step's row is the step's loss (no value of its own)."""
+    from ampdoctor.diagnosis import objectives
+    from ampdoctor.diagnosis.facts import Facts
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ampdoctor.watch(model, opt, path=run_path, strict=True):
+        step()
+        for _ in range(3):
+            step()
+    run = ampdoctor.load(run_path)
+    lines = {s["frames"][0] for s in run.losses_meta}
+    assert len(run.losses_meta) == 2 and len(lines) == 1
+    assert list(run.losses["step"]) == [1, 2, 3]  # from the step the second call stack came
+    np.testing.assert_array_equal(run.losses["loss"], run.steps["loss"][1:])
+    assert objectives.read(Facts(run)) == []  # one loss

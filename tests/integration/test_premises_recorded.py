@@ -148,3 +148,7 @@ def test_fp16_weights_under_sgd_behind_a_zero_initialised_branch_lose_their_upda
     assert behind == {"1.fc1.weight", "1.fc1.bias", "1.fc2.weight", "1.fc2.bias"}
     d = ampdoctor.diagnose(out)
     assert d.verdict == "lost_updates", str(d)
+    premise = d.to_dict()["premises"][0]
+    assert premise["name"] == "at_peak_lr" and premise["status"] == "not measured"
+    assert "at LR 1e-05 or below (sampled step 0), 5000x below the run's peak LR 0.05" in \
+        premise["fact"]

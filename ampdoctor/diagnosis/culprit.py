@@ -136,10 +136,20 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
     passed = snap["detail"].get("passed_on_by")
+    poisoned = list(snap["detail"].get("weights_nonfinite") or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
     if passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "
                 f"went non-finite (-inf); {passed} then turned it into NaN")
+    elif poisoned:
+        # A later step's replay (nanoGPT at LR 30: first bad step 4, the forward culprit step
+        # 7's) finds weights an update already made non-finite: it shows no overflow.
+        weights = ", ".join(f"{module}.{p}" for p in poisoned[:4])
+        text = (f"replay of step {snap['step']}: the first non-finite value appears in the "
+                f"{phase} of {module} ({snap['module_type']}), from finite inputs but with its "
+                f"weights ({weights}) already non-finite: an earlier step's update wrote them, "
+                "so this replay shows their poison, not where the failure began"
+                + (f" (step {f.failure_step})" if f.failure_step < snap["step"] else ""))
     else:
         text = (f"replay of step {snap['step']}: the first non-finite value appears in the "
                 f"{phase} of {module} ({snap['module_type']}) while its inputs are finite")
@@ -158,9 +168,10 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
                            f"{fmt(snap['fp32_absmax'])}{beyond})", "fp32_absmax",
                            snap["fp32_absmax"], snap["step"], module))
     elif snap["fp32_finite"] == 0:
-        ev.append(Evidence(f"re-run in fp32, {module} is still non-finite: the values reaching "
-                           "it are themselves out of range", "fp32_nonfinite", None,
-                           snap["step"], module))
+        why = ("its weights are" if poisoned else
+               "the values reaching it are themselves out of range")
+        ev.append(Evidence(f"re-run in fp32, {module} is still non-finite: {why}",
+                           "fp32_nonfinite", None, snap["step"], module))
     return ev
 
 

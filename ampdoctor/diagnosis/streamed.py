@@ -398,8 +398,12 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     size = np.maximum(r["numel"], 1).astype(np.float64)
     np.add.at(out._upd_sum, p[good], (lu * size)[good])
     np.add.at(out._upd_cnt, p[good], size[good])
+    # The unchanged share is of the elements whose gradient was not 0: a parameter with none
+    # on this step is not measured (files written before the recorder said so with NaN hold
+    # 0.0 there, which outvoted the updates that did round away: timm's zero-initialised
+    # residual branches at step 0).
     unch = r["unchanged"].astype(np.float64)
-    u_ok = np.isfinite(unch)
+    u_ok = np.isfinite(unch) & ~no_grad[sel]
     wts = np.maximum(r["sample_n"], 1).astype(np.float64)
     np.add.at(out._unch_sum, p[u_ok], (unch * wts)[u_ok])
     np.add.at(out._unch_n, p[u_ok], wts[u_ok])

@@ -261,7 +261,9 @@ class _ParamProbe:
             if updated:
                 with np.errstate(invalid="ignore", divide="ignore"):
                     rows["update"] = np.sqrt(host[1]) / np.sqrt(host[2])
+                    # No sampled element with a non-zero gradient: 0 of 0, not measured
+                    # (a parameter behind a zero-initialised norm scale on its first step).
                     rows["unchanged"] = np.where(host[4] > 0, host[3] / np.maximum(host[4], 1),
-                                                 0.0)
+                                                 np.nan)
             return rows
         return filled

@@ -278,7 +278,8 @@ STATS = np.dtype(
         ("flushbf16", "<i8"),  # 0 < |x| < 2**-133
         ("norm", "<f4"),  # PARAM rows: L2 norm of the weights before the step
         ("update", "<f4"),  # PARAM rows: |dW|/|W| across the optimizer step
-        ("unchanged", "<f4"),  # PARAM rows: fraction with dW == 0 although grad != 0
+        # PARAM rows: fraction with dW == 0 of the sampled elements with grad != 0 (NaN: none)
+        ("unchanged", "<f4"),
     ]
 )
 

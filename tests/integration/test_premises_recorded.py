@@ -1,14 +1,20 @@
 """Premises on recorded runs, where what the recorder writes matters (issue 28): a model that
 keeps its causal attention mask as a buffer filled with -inf (open_clip does) trains healthily,
-and the buffer's sampled statistics tell a constant from a poisoned statistic."""
+and the buffer's sampled statistics tell a constant from a poisoned statistic; a gradient norm
+that overflows over finite gradients is not the machine; and fp16 weights stepped by SGD
+(timm's ``--model-dtype float16``) lose their updates although a zero-initialised residual
+branch gets no gradient on the one step the default interval samples."""
 
 import json
 import textwrap
 
+import numpy as np
 import pytest
 from recording import record
 
 import ampdoctor
+from ampdoctor.record.recorder import DEFAULT_EVERY
+from ampdoctor.runfile.schema import Kind
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +99,56 @@ def test_a_gradient_norm_that_overflows_over_finite_gradients_is_not_the_machine
     assert "step 5's loss was finite" in same["fact"] and "+inf" in same["fact"]
     assert d.first_bad["step"] == 5
     assert any(e.key == "norm_overflow" for e in d.evidence)
+
+
+HALF_RESNET = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+            self.norm = nn.LayerNorm(d)
+            nn.init.zeros_(self.norm.weight)  # timm's zero_init_last
+
+        def forward(self, x):
+            return x + self.norm(self.fc2(F.relu(self.fc1(x))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), Block(32), nn.Linear(32, 4)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for step in range(24):
+        for group in opt.param_groups:  # timm's warm-up epoch at 1e-5
+            group["lr"] = 1e-5 if step < 8 else 0.05
+        x = torch.randn(16, 8, generator=g)
+        loss = F.cross_entropy(model(x.half()).float(), x[:, :4].argmax(1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+''')
+
+
+def test_fp16_weights_under_sgd_behind_a_zero_initialised_branch_lose_their_updates(tmp_path):
+    """The whole model .half(), SGD, no scaler, recorded at the default interval: step 0 alone
+    is sampled, where the branch's two Linear layers (4192 of the model's 4676 weights) get
+    an all-zero gradient. The recorder says their unchanged share is not measured (NaN), and the
+    rest of the weights' updates round away (before: 0.0 for them, and healthy)."""
+    script = tmp_path / "half_resnet.py"
+    script.write_text(HALF_RESNET)
+    out = str(tmp_path / "run.h5")
+    proc = record(str(script), out, every=DEFAULT_EVERY)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = ampdoctor.load(out)
+    kinds = dict(zip(run.tensors["id"], run.tensors["kind"]))
+    params = run.stats[[kinds[t] == Kind.PARAM for t in run.stats["tensor"]]]
+    assert set(params["step"]) == {0}
+    behind = {run.tensor_name(int(t)) for t, u in zip(params["tensor"], params["unchanged"])
+              if np.isnan(u)}
+    assert behind == {"1.fc1.weight", "1.fc1.bias", "1.fc2.weight", "1.fc2.bias"}
+    d = ampdoctor.diagnose(out)
+    assert d.verdict == "lost_updates", str(d)
+    premise = d.to_dict()["premises"][0]
+    assert premise["name"] == "at_peak_lr" and premise["status"] == "not measured"
+    assert "at LR 1e-05 or below (sampled step 0), 5000x below the run's peak LR 0.05" in \
+        premise["fact"]

@@ -244,9 +244,48 @@ HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 HALF_NAMES = {"bfloat16": ("bf16", "2**-8 = 0.4 %"), "float16": ("fp16", "2**-11 = 0.05 %")}
 
 
+# A sampled step ran "at the run's LR" within this factor of its peak LR: a warm-up far below
+# it (timm's first epoch at 1e-5, then 0.05) rounds away updates that the peak may apply.
+NEAR_PEAK_LR = 10.0
+
+
+def at_peak_lr(f: Facts) -> Premise:
+    """lost_updates' premise: the updates round away at the LR the run trains at, not only in
+    a warm-up far below it. Held: the sampled steps within ``NEAR_PEAK_LR`` of the peak LR
+    left most elements with a gradient unchanged; failed: they applied most updates; not
+    measured: every sampled step ran far below the peak."""
+    st, lr = f.reduced, f.steps["lr"].astype(float)
+    idx = np.flatnonzero(st.sampled & np.isfinite(st.unchanged) & np.isfinite(lr))
+    if not len(idx) or not np.nanmax(lr) > 0:
+        return Premise("at_peak_lr", NOT_MEASURED, "no sampled step with a recorded LR "
+                       "measured the share of updates left unchanged")
+    peak = float(np.nanmax(lr))
+    near = idx[lr[idx] * NEAR_PEAK_LR >= peak]
+    if not len(near):
+        top = float(lr[idx].max())
+        return Premise("at_peak_lr", NOT_MEASURED, f"the updates were measured at LR "
+                       f"{fmt(top)} or below ({_sampled_text(f, idx)}), {peak / top:.0f}x "
+                       f"below the run's peak LR {fmt(peak)}: no sampled step measured them "
+                       "there")
+    share = float(np.mean(st.unchanged[near]))
+    status = HELD if share >= UNCHANGED_HIGH else FAILED
+    low, high = fmt(float(lr[near].min())), fmt(float(lr[near].max()))
+    at = f"at LR {low}" if low == high else f"at LR {low} to {high}"
+    return Premise("at_peak_lr", status, f"{at} (the run's peak {fmt(peak)}; "
+                   f"{_sampled_text(f, near)}) {share:.0%} of the sampled elements with a "
+                   "gradient were left unchanged by the step"
+                   + ("" if status == HELD else ": there the updates are applied"))
+
+
+def _sampled_text(f: Facts, idx: np.ndarray) -> str:
+    return f"sampled step{'s' if len(idx) > 1 else ''} " + _steps_text(
+        [f.step_at(int(i)) for i in idx])
+
+
 def rule_lost_updates(f: Facts) -> Optional[Finding]:
     """C9a: half-precision (bf16 or fp16) weights updated in place; an update smaller than
-    half an ulp of its weight rounds back to it (``bf16_precision`` before fp16 joined it)."""
+    half an ulp of its weight rounds back to it (``bf16_precision`` before fp16 joined it).
+    Premise ``at_peak_lr``: they round away at the LR the run trains at."""
     dtype = next((d for d in HALF_ULP if f.params_mostly(d)), None)
     if not f.n or dtype is None:
         return None
@@ -288,13 +327,21 @@ def rule_lost_updates(f: Facts) -> Optional[Finding]:
     loss = (" and the loss does not fall" if c.judged and not c.fell else
             f" and the loss fell only to {c.end / c.start:.0%} of its start" if c.judged and
             c.end > 0.5 * c.start else "")
-    return Finding("lost_updates", 0.85 if f.sampled_steps >= 2 else 0.7,
+    peak = at_peak_lr(f)
+    conf = 0.85 if f.sampled_steps >= 2 else 0.7
+    lost = f"Most of each step's update is lost{loss}, without any NaN."
+    if peak.status == NOT_MEASURED:
+        conf -= 0.1
+        ev.append(Evidence(peak.fact, "at_peak_lr", None))
+        lost = (f"Most of each sampled step's update is lost{loss}, without any NaN; the "
+                "sampled steps ran far below the run's peak LR, where it was not measured.")
+    return Finding("lost_updates", conf,
                    f"The weights are {low} and the optimizer writes into them: {low} keeps "
                    f"{bits} significant bits, so an update smaller than half an ulp of a weight "
-                   f"(~{half.split('= ')[1]} of it) rounds back to the same weight. Most of "
-                   f"each step's update is lost{loss}, without any NaN.", ev,
+                   f"(~{half.split('= ')[1]} of it) rounds back to the same weight. {lost}", ev,
                    fixes.make(["fp32_master_weights"], f.fix_context(module, step=step)),
-                   first_bad(step, module, "optimizer"), priority=PRIORITY["lost_updates"])
+                   first_bad(step, module, "optimizer"), priority=PRIORITY["lost_updates"],
+                   premises=[peak])
 
 
 def _intended_update(f: Facts, dtype: str) -> list[Evidence]:

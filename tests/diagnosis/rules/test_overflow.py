@@ -238,6 +238,16 @@ def test_without_a_scaler_the_first_applied_nonfinite_gradient_starts_the_failur
     d = verdict(s)
     assert d.verdict == "lr_overflow" and d.first_bad["step"] == 4
     assert d.first_bad["module"] is None
+    # The replay that is evidence is step 7's: said as the poison it shows, and where the
+    # failure began (the first bad step), not as the values reaching wte out of range.
+    replay = next(e for e in d.evidence if e.key == "culprit")
+    assert replay.text.startswith("replay of step 7: the first non-finite value appears in the "
+                                  "forward of transformer.wte (Embedding), from finite inputs "
+                                  "but with its weights (transformer.wte.weight) already "
+                                  "non-finite")
+    assert replay.text.endswith("not where the failure began (step 4)")
+    fp32 = next(e for e in d.evidence if e.key == "fp32_nonfinite")
+    assert fp32.text == "re-run in fp32, transformer.wte is still non-finite: its weights are"
 
 
 def test_a_blowup_in_the_first_steps_is_the_lr():

@@ -197,6 +197,65 @@ def test_fp16_weights_under_plain_sgd_lose_their_updates_too():
     assert "not_learning" not in [c["verdict"] for c in d.causes]
 
 
+def _half_resnet(s: Synth, steps, unchanged=0.99, behind=0.0) -> Synth:
+    """timm's test_resnet in fp16 under SGD, sampled at ``steps``: two small layers whose
+    updates round away, and the large layers of a residual branch behind a norm scale
+    initialised to 0, which get an all-zero gradient (unchanged ``behind``: the recorder wrote
+    0.0 there, for 0 of 0 elements, before it wrote NaN)."""
+    for name in ("stem.weight", "fc.weight"):
+        s.sampled(steps, Kind.PARAM, name, norm=5.0, update=1e-6, unchanged=unchanged)
+        s.sampled(steps, Kind.PARAM_GRAD, name, absmax=0.05)
+    for name in ("block.conv1.weight", "block.conv2.weight"):
+        s.tensor(Kind.PARAM, name, numel=100_000)
+        s.sampled(steps, Kind.PARAM, name, norm=9.0, update=0.0, unchanged=behind)
+        s.sampled(steps, Kind.PARAM_GRAD, name, absmax=0.0, zeros=4096)
+    return s
+
+
+def test_parameters_with_no_gradient_do_not_outvote_the_updates_that_round_away():
+    """timm's --model-dtype float16, its one sampled step 0: the zero-initialised residual
+    branches' large convolutions have an all-zero gradient; 'unchanged' is a share of the
+    elements whose gradient was not 0, so they are not measured and do not count."""
+    s = Synth(36, dtype=None, scaler=False, params="float16", optimizer="SGD", lr=0.05)
+    d = verdict(_half_resnet(s, [0]))
+    assert d.verdict == "lost_updates" and d.confidence == pytest.approx(0.7), str(d)
+    assert evidence_value(d, "unchanged_fraction") == pytest.approx(0.99)
+    assert d.premises[0].name == "at_peak_lr" and d.premises[0].status == "held"
+    assert d.premises[0].fact.startswith("at LR 0.05 (the run's peak 0.05; sampled step 0) 99%")
+    s = Synth(36, dtype=None, scaler=False, params="float16", optimizer="SGD", lr=0.05)
+    assert verdict(_half_resnet(s, [0], unchanged=0.1)).verdict == "healthy"
+
+
+def test_updates_lost_only_far_below_the_peak_lr_are_said_to_be_measured_there_only():
+    """Only the warm-up (LR 1e-5, timm's first epoch) was sampled; the run trains at 0.05."""
+    s = Synth(36, dtype=None, scaler=False, params="float16", optimizer="SGD", lr=0.05)
+    s.set("lr", 1e-5, range(12))
+    d = verdict(_half_resnet(s, [0]))
+    assert d.verdict == "lost_updates" and d.confidence == pytest.approx(0.6), str(d)
+    assert d.premises[0].status == "not measured"
+    assert "at LR 1e-05 or below (sampled step 0), 5000x below the run's peak LR 0.05" in \
+        d.premises[0].fact
+    assert "far below the run's peak LR" in d.summary
+
+
+def test_updates_lost_in_a_warm_up_but_applied_at_the_peak_lr_are_not_lost_updates():
+    s = Synth(60, dtype=None, scaler=False, params="bfloat16", optimizer="SGD", lr=0.05)
+    s.set("lr", 1e-5, range(30))
+    _half_resnet(s, [0, 10, 20], unchanged=0.99)
+    _half_resnet(s, [30, 40], unchanged=0.1)
+    d = verdict(s)
+    assert d.verdict != "lost_updates", str(d)
+    rejected = next(r for r in d.rejected if r["verdict"] == "lost_updates")
+    premise = rejected["premises"][0]
+    assert premise["name"] == "at_peak_lr" and premise["status"] == "failed"
+    assert premise["fact"].startswith("at LR 0.05 (the run's peak 0.05; sampled steps 30, 40) "
+                                      "10% of the sampled elements")
+
+
+def evidence_value(d, key):
+    return next(e.value for e in d.evidence if e.key == key)
+
+
 def test_the_old_id_bf16_precision_is_understood():
     from ampdoctor.diagnosis.verdict import ALIASES, VERDICTS, canonical
 

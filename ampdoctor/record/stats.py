@@ -69,16 +69,19 @@ def measurable(t: object) -> bool:
     """True for a dense, real floating-point tensor with elements (what stats can describe).
 
     A DTensor is judged by the shard this rank holds, which is what gets measured."""
-    t = local(t)
-    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_floating_point()
-            and t.numel() > 0 and t.device.type != "meta")
+    if type(t) is not torch.Tensor:  # (a plain tensor, the common case, is its own shard)
+        t = local(t)
+        if not isinstance(t, torch.Tensor):
+            return False
+    return (t.layout == torch.strided and t.is_floating_point() and t.numel() > 0
+            and t.device.type != "meta")
 
 
 def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all gradients, accumulated in fp32, batched per (device, dtype)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    for g in grads:  # (a gradient with a graph of its own, create_graph=True: detached)
+        groups.setdefault((g.device, g.dtype), []).append(g.detach() if g.requires_grad else g)
     parts = []
     dev = grads[0].device
     for members in groups.values():

@@ -171,7 +171,19 @@ class Facts:
 
     @property
     def loss_bad(self) -> np.ndarray:
-        return (self.steps["flags"] & flag(Event.NONFINITE_LOSS)) != 0
+        """Steps whose loss was non-finite, less those of GradScaler's calibration whose loss
+        held gradients taken at the loss scale (``Event.PENALTY_AT_SCALE``: the AMP docs'
+        gradient penalty), where a scale too high for them is what the loss shows."""
+        def find() -> np.ndarray:
+            flags = self.steps["flags"]
+            bad = (flags & flag(Event.NONFINITE_LOSS)) != 0
+            skipped = self.skipped
+            lead = int(np.argmin(skipped)) if not skipped.all() else len(skipped)
+            at_scale = (flags & flag(Event.PENALTY_AT_SCALE)) != 0
+            calibrating = np.zeros(len(bad), bool)
+            calibrating[:lead] = True
+            return bad & ~(calibrating & at_scale & skipped)
+        return self.memo("loss_bad", find)
 
     @property
     def grad_bad(self) -> np.ndarray:

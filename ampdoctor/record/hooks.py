@@ -233,16 +233,19 @@ class Hooks:
         self._penalty_unscaled(self.log.step)
         self.log.step.scaled = True
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            self._add_loss(outputs, scaled=True)
+            # counted as the step's loss when it is backwarded (before_backward): a scaled
+            # output taken only through torch.autograd.grad (a gradient penalty's) is not one
             self.log.step.keep.append(out)
+            self.log.step.unscaled_of.append(outputs)
 
     def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None:
         """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss
         on (a gradient penalty), its gradients must be unscaled before that loss."""
         st = self.log.step
-        if create_graph and not st.scale_read and any(_from_any_scaled(t, st.keep)
-                                                      for t in _tensors(outputs)):
-            st.scaled_grads_pending = True
+        if create_graph and any(_from_any_scaled(t, st.keep) for t in _tensors(outputs)):
+            st.flags |= flag(Event.PENALTY_AT_SCALE)
+            if not st.scale_read:
+                st.scaled_grads_pending = True
 
     def on_get_scale(self, scaler: Any) -> None:
         """The docs' ``g * (1. / scaler.get_scale())``, read after the step's first scaled
@@ -268,13 +271,17 @@ class Hooks:
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
-                if not any(t is k for k in st.keep):
-                    if _from_any_scaled(t, st.keep):
-                        break  # computed from a scaled loss (scaler.scale(loss) / n): counted
-                    self._add_loss(t)
-                    if scaler_enabled(self.watched.scaler) and \
-                            torch._C._current_graph_task_id() == -1:  # (not from a backward)
-                        st.unscaled_backwards += 1
+                origin = _scaled_origin(t, st.keep)  # (scaler.scale(loss), or that / n)
+                if origin is not None:
+                    loss = st.unscaled_of[origin]
+                    if loss is not None:  # (backwarded twice, retain_graph: counted once)
+                        st.unscaled_of[origin] = None
+                        self._add_loss(loss, scaled=True)
+                    break
+                self._add_loss(t)
+                if scaler_enabled(self.watched.scaler) and \
+                        torch._C._current_graph_task_id() == -1:  # (not from a backward)
+                    st.unscaled_backwards += 1
                 break
 
     def _training(self) -> None:
@@ -373,7 +380,7 @@ class Hooks:
     def before_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
             self.skips.settle()
-            self.watched.owns(optimizer)
+            self.watched.owns(optimizer, through_scaler=True)
             st = self.log.step
             if unscaled_already(scaler, optimizer) and not st.flags & flag(Event.UNSCALE_TWICE):
                 self.journal.event(Event.UNSCALE_TWICE, st)  # GradScaler raises next; this says why
@@ -441,7 +448,7 @@ class Hooks:
     def enter_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
             self.skips.settle()
-            self.watched.owns(optimizer)
+            self.watched.owns(optimizer, through_scaler=True)
             self.log.step.in_scaler_step = True
             self._grads_ready()
             self.objectives.stepping(optimizer)
@@ -654,6 +661,7 @@ class Hooks:
         if self.forensics is not None:
             self.forensics.end_step(st, hold=st.undecided)
         st.keep.clear()
+        st.unscaled_of.clear()
         st.fallback = None
         self.skips.ended(st)
         if self.log.due(now):
@@ -716,10 +724,21 @@ def _from_scaled(node: Any, scaled: list) -> bool:
 def _from_any_scaled(t: torch.Tensor, keep: list) -> bool:
     """Is ``t`` one of the step's scaled losses (``keep``), or computed from one by a few ops?
     (No walk at all without a scaled loss in the step.)"""
-    if any(t is k for k in keep):
-        return True
-    scaled = [k.grad_fn for k in keep if k.grad_fn is not None]
-    return bool(scaled) and t.grad_fn is not None and _from_scaled(t.grad_fn, scaled)
+    return _scaled_origin(t, keep) is not None
+
+
+def _scaled_origin(t: torch.Tensor, keep: list) -> Optional[int]:
+    """Which of the step's scaled losses (``keep``) ``t`` is, or is computed from by a few
+    ops (its position); None for neither. No walk without a scaled loss in the step."""
+    for i, k in enumerate(keep):
+        if t is k:
+            return i
+    if not keep or t.grad_fn is None:
+        return None
+    for i, k in enumerate(keep):
+        if k.grad_fn is not None and _from_scaled(t.grad_fn, [k.grad_fn]):
+            return i
+    return None
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

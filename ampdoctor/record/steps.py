@@ -49,6 +49,8 @@ class Step:
     flags: int = 0
     sampled: bool = False
     keep: list = field(default_factory=list)  # scaled losses, so their ids stay unique
+    # ... and what each scaled (keep's order; None once backwarded and counted as the loss)
+    unscaled_of: list = field(default_factory=list)
     unscaled_backwards: int = 0  # losses backwarded without scaler.scale, a scaler in use
     # torch.autograd.grad(create_graph=True) of a scaled loss, not yet followed by
     # scaler.get_scale() (the docs' unscale of those gradients) before the next scale()

@@ -280,15 +280,17 @@ class Watched:
             self.adopt_scaler(scaler)
         return scaler is self.scaler
 
-    def owns(self, optimizer: Any) -> bool:
-        """Is this an optimizer of the watched model?"""
+    def owns(self, optimizer: Any, through_scaler: bool = False) -> bool:
+        """Is this an optimizer of the watched model? ``through_scaler``: it steps through
+        the watched GradScaler (``scaler.step``): part of the training recorded, even where
+        its model was never adopted (a GAN's generator, called first under no_grad)."""
         if self.optimizers and any(optimizer is o for o in self.optimizers):
             return True
         if self.given["optimizer"]:
             return False
         known = self._own_optimizer.get(id(optimizer))
         if known is None:
-            if self.roots and self.param_names:
+            if self.roots and self.param_names and not through_scaler:
                 known = any(id(p) in self.param_names for g in optimizer.param_groups
                             for p in g["params"])
             else:

@@ -184,6 +184,12 @@ class Event(enum.IntEnum):
     # scaler "own_found_inf": true); on such a run an unflagged step's own gradients were
     # finite. Additive, as 17.
     OWN_NONFINITE_GRAD = 23
+    # A step flag, never an /events row: the step took torch.autograd.grad of a scaled output
+    # with create_graph=True (a gradient penalty, as the AMP docs build one): its loss holds
+    # gradients computed at the loss scale, so a scale too high for them makes the loss
+    # itself non-finite on a step GradScaler skips. While it calibrates, that is its
+    # calibration at work (diagnosis/facts.py), not a failure. Additive, as 17.
+    PENALTY_AT_SCALE = 24
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -5,13 +5,14 @@ gradients is the ``scaled_grads_in_loss`` misuse, with the docs' fix.
 
 (The auxiliary loss backwarded without the scaler, and accumulation: ``test_recorder.py``.)"""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TinyNet, batches, fresh
 
 import ampdoctor
-from ampdoctor.runfile.schema import Event
+from ampdoctor.runfile.schema import Event, flag
 
 
 def _events(run_path, kind):
@@ -59,6 +60,7 @@ def _penalty(run_path, unscale, steps=6, read_first=False):
     model, opt = fresh()
     scaler = torch.amp.GradScaler("cpu")
     params = list(model.parameters())
+    seen = []
     with ampdoctor.watch(model, opt, scaler, path=run_path, strict=True):
         for x, y in batches(steps):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -75,17 +77,25 @@ def _penalty(run_path, unscale, steps=6, read_first=False):
             with torch.autocast("cpu", dtype=torch.float16):
                 norm = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
                 loss = loss + norm
+            seen.append(loss.item())
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+    return seen
 
 
 @pytest.mark.parametrize("read_first", [False, True], ids=["docs", "scale-read-first"])
 def test_a_gradient_penalty_unscaled_as_the_docs_do_is_healthy(run_path, read_first):
-    _penalty(run_path, unscale=True, read_first=read_first)
+    seen = _penalty(run_path, unscale=True, read_first=read_first)
     assert _misuses(run_path) == set()
     assert ampdoctor.diagnose(run_path).verdict == "healthy"
+    run = ampdoctor.load(run_path)
+    # the scaled output taken only through autograd.grad is not a loss of the step: the one
+    # recorded is the one backwarded, and the step says a penalty was built at the scale
+    assert list(run.steps["micro"]) == [1] * 6
+    np.testing.assert_allclose(run.steps["loss"], seen, rtol=1e-6)
+    assert all(run.steps["flags"] & flag(Event.PENALTY_AT_SCALE))
 
 
 def test_a_gradient_penalty_of_scaled_gradients_is_a_misuse(run_path):

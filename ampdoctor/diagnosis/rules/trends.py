@@ -66,8 +66,34 @@ def rule_masked_underflow(f: Facts) -> Optional[Finding]:
     of its start has converged, and a converged model's gradients are small everywhere."""
     found = _masked_underflow(f)
     if found is not None:
-        found.premises = [not_converged(f)]
+        hot, measured = _underflowing(f)
+        found.premises = [not_converged(f)] + ([share_matters(f, hot, measured)] if len(hot)
+                                                else [])
     return found
+
+
+# The underflowing gradients must hold at least this share of the measured parameters'
+# elements for the run to hinge on them (issue 28, blind4: one 64-element attention key bias,
+# whose gradient is 0 in exact arithmetic, was called masked_underflow at 0.8).
+MATTERS_SHARE = 0.005
+
+
+def share_matters(f: Facts, hot: np.ndarray, measured: np.ndarray) -> Premise:
+    """masked_underflow's premise ``share_matters``: the parameters whose gradients underflow
+    hold ``MATTERS_SHARE`` or more of the measured parameters' elements."""
+    numel = f.tensor_numel.astype(float)
+    total = float(numel[measured].sum())
+    mine = float(numel[hot].sum())
+    if total <= 0:
+        return Premise("share_matters", NOT_MEASURED, "the parameters' sizes were not recorded")
+    share = mine / total
+    names = ", ".join(f.tensor_names[t] for t in hot[:3]) + (" ..." if len(hot) > 3 else "")
+    if share < MATTERS_SHARE:
+        return Premise("share_matters", FAILED, f"the gradients that underflow ({names}) are "
+                       f"{int(mine)} of the {int(total)} parameter elements measured "
+                       f"({share:.2%}): too few for the run to hinge on them")
+    return Premise("share_matters", HELD, f"the gradients that underflow ({names}) are "
+                   f"{share:.1%} of the parameter elements measured")
 
 
 # A loss that ended at this share of its start (or below) has converged: what its small

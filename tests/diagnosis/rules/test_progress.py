@@ -622,3 +622,23 @@ def test_two_models_side_by_side_are_not_a_pair():
                     optimizers=2)
     d = verdict(s)
     assert d.verdict == "not_learning" and "train.py:41" in d.summary, str(d)
+
+
+def test_a_penalty_at_the_scale_that_makes_calibration_losses_nan_is_calibration():
+    """WGAN-GP as the AMP docs build its penalty (torch.autograd.grad of the scaled critic
+    output, unscaled after): at GradScaler's first scale the penalty's gradients overflow, so
+    the loss itself is NaN on the calibration steps it skips. With the step flag that says so,
+    that is calibration; without it, a NaN loss is a failure."""
+    from ampdoctor.runfile.schema import flag
+
+    def run(flagged):
+        s = Synth(120)
+        s.set("loss", noisy(np.linspace(2.0, 0.5, 120), 0.03, 1))
+        s.skip([0, 1])
+        s.nan_loss([0])
+        if flagged:
+            s.steps["flags"][:] |= flag(Event.PENALTY_AT_SCALE)
+        return verdict(s)
+
+    assert run(True).verdict == "healthy", str(run(True))
+    assert run(False).verdict != "healthy"

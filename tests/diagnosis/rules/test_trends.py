@@ -267,3 +267,21 @@ def test_fp32_master_weights_with_small_updates_are_fine():
     s = Synth(40, dtype="bfloat16", scaler=False, params="float32")
     s.sampled(range(10, 40, 10), Kind.PARAM, "fc.weight", norm=5.0, update=1e-5, unchanged=0.99)
     assert verdict(s).verdict == "healthy"
+
+
+def test_one_tiny_bias_whose_gradient_underflows_is_not_masked_underflow():
+    """Blind corpus 4: an attention key bias (64 elements) whose gradient is 0 in exact
+    arithmetic sits in the subnormal band, the rest of the model healthy. Too small a share of
+    the parameters for the run to hinge on: the premise share_matters fails, and it says so."""
+    s = Synth(60)
+    s.tensor(Kind.PARAM_GRAD, "attn.k.bias", numel=64)
+    underflowing_grads(s, ["attn.k.bias"], 4000)  # (of a 4096-element sample)
+    for name in ("attn.q.weight", "attn.k.weight", "mlp.weight"):
+        s.tensor(Kind.PARAM_GRAD, name, numel=16384)
+        s.sampled(range(10, 60, 10), Kind.PARAM_GRAD, name, absmax=300.0, rms=50.0)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    rejected = d.to_dict()["rejected"]
+    assert rejected[0]["verdict"] == "masked_underflow"
+    failed = [p for p in rejected[0]["premises"] if p["status"] == "failed"]
+    assert failed[0]["name"] == "share_matters" and "64 of the 49216" in failed[0]["fact"]

@@ -451,7 +451,25 @@ def rule_loss_backward(f: Facts) -> Optional[Finding]:
                        "input does.")
     return Finding("fp16_loss", 0.85 if snaps else 0.7, summary, ev, fixes.make(ids, ctx),
                    first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"],
-                   kind="loss_backward")
+                   kind="loss_backward", premises=[losses_finite(f)])
+
+
+def losses_finite(f: Facts) -> Premise:
+    """The loss's-backward verdict's premise ``losses_finite``: the recorded losses of the
+    failing steps are finite (it is the backward that fails, not the loss). Where they are
+    not, what lies between the replayed model's output and the loss (another model, a GAN's
+    discriminator after its generator) made the loss non-finite, and the replay did not
+    recompute it (blind4: an attention overflow read as the loss's backward at 0.85)."""
+    i = f.failure_index
+    if i is None:
+        return Premise("losses_finite", NOT_MEASURED, "no failing step")
+    bad = f.loss_bad[i:]
+    if bad.any():
+        return Premise("losses_finite", FAILED, f"the recorded loss was non-finite on "
+                       f"{int(bad.sum())} of the {len(bad)} steps from step {f.step_at(i)}: the "
+                       "loss itself failed, not only its backward")
+    return Premise("losses_finite", HELD, f"the recorded loss was finite on all {len(bad)} "
+                   f"steps from step {f.step_at(i)}")
 
 
 def _calibration_artefact(f: Facts, snap: dict) -> bool:

@@ -320,9 +320,12 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
     ev += growth
     while_steady = "while the weights were steady" if steady.status == HELD else \
         "(whether the weights were steady was not measured)"
+    replayed = any(x["step"] == f.failure_step for x in f.snapshots)
+    why = "no replay of the failing step located it" if replayed else \
+        "the failing step was not replayed"
     return Finding("unstable_op", 0.5, f"{module} is the first module with non-finite values "
-                   f"({located['phase']}) on a sampled step {while_steady}; the "
-                   "failing step was not replayed, so whether fp32 fixes it is not known.", ev,
+                   f"({located['phase']}) on a sampled step {while_steady}; {why}, so "
+                   "whether fp32 fixes it is not known.", ev,
                    fixes.make(["fp32_island", "use_bf16"],
                               f.fix_context(module, step=where["step"])),
                    where, priority=PRIORITY["sampled"],

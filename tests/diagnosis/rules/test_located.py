@@ -211,3 +211,19 @@ def test_one_loss_backward_overflow_at_a_high_scale_is_calibration():
     s.skip([40])
     _loss_snap(s, 40)
     assert verdict(s).verdict == "healthy"
+
+
+def test_a_loss_backward_replay_of_steps_whose_loss_was_nan_is_not_fp16_loss():
+    """Blind corpus 4: a GAN whose discriminator's attention overflows. The replay re-ran the
+    generator's call, found its output finite and the gradient into it not, and did not
+    recompute the loss; the recorded loss was NaN on every step. The premise losses_finite
+    fails: not fp16_loss (it was, at 0.85)."""
+    s = _loss_backward_run()
+    s.nan_loss(range(12, 150, 3))
+    _loss_snap(s, 12, output_grad={"nonfinite": 3, "numel": 128, "finite_absmax": 2.5,
+                                   "output_values": [1.0]})
+    d = verdict(s)
+    assert d.verdict != "fp16_loss", str(d)
+    rejected = {r["verdict"]: r for r in d.to_dict()["rejected"]}
+    assert [p["name"] for p in rejected["fp16_loss"]["premises"]
+            if p["status"] == "failed"] == ["losses_finite"]

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Optional
 
@@ -37,3 +38,22 @@ def of(optimizer: Any) -> float:
     """The factor ``optimizer``'s LR is multiplied by in its steps (1.0: none)."""
     factor = get(optimizer)
     return 1.0 if factor is None else factor
+
+
+def ran_with(optimizer: Any) -> list[float]:
+    """Each param group's LR as ``optimizer``'s step ran with it (the group's LR times
+    ``of(optimizer)``); NaN for an LR held in a tensor off the CPU, whose read would be a sync
+    (steplog's /groups rows, objectives' /optimizers rows)."""
+    factor = of(optimizer)
+    out = []
+    for g in optimizer.param_groups:
+        lr = g.get("lr", math.nan)
+        device = getattr(lr, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            out.append(math.nan)
+            continue
+        try:
+            out.append(float(lr) * factor)
+        except (TypeError, ValueError):
+            out.append(math.nan)
+    return out

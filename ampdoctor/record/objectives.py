@@ -374,11 +374,5 @@ def _reached(node: Any) -> Optional[frozenset]:
 
 
 def _largest_lr(optimizer: Any) -> float:
-    factor = lrfactors.of(optimizer)
-    lrs = []
-    for g in optimizer.param_groups:
-        lr = g.get("lr", math.nan)
-        if isinstance(lr, torch.Tensor):
-            lr = float(lr) if lr.device.type == "cpu" else math.nan
-        lrs.append(float(lr) * factor)
+    lrs = lrfactors.ran_with(optimizer)
     return max(lrs) if lrs else math.nan

@@ -120,11 +120,8 @@ class StepLog:
         lrs = []
         rows: list[tuple] = []
         for opt in self.watched.optimizers:
-            factor = lrfactors.of(opt)  # --apply lr_factor: the LR the step ran with
-            for g in opt.param_groups:
-                lr = g.get("lr", math.nan)
-                lr = float(lr) * factor if not isinstance(lr, torch.Tensor) or \
-                    lr.device.type == "cpu" else math.nan
+            # --apply lr_factor: the LR the step ran with
+            for g, lr in zip(opt.param_groups, lrfactors.ran_with(opt)):
                 lrs.append(lr)
                 wd = g.get("weight_decay", math.nan)
                 rows.append((step, len(rows), lr, float(wd) if isinstance(wd, (int, float))

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import PYTHON, ROOT, python_env
+from reliability_tools import reading_commands
 
 spec = importlib.util.spec_from_file_location(
     "make_crafted", os.path.join(ROOT, "fixtures", "crafted", "make_crafted.py"))
@@ -29,16 +30,7 @@ TIMEOUT = 60
 
 
 def _commands(path, out):
-    return {
-        "diagnose": ["diagnose", path],
-        "dump": ["dump", path],
-        "top": ["top", "--once", "--wait", "0", path],
-        "report": ["report", path, "-o", os.path.join(out, "report.html")],
-        "markdown": ["report", path, "--format", "markdown", "-o", os.path.join(out, "r.md")],
-        "export": ["export", path, "--tensorboard", os.path.join(out, "tb")],
-        "compare-amp": ["compare", GOOD, path],
-        "compare-base": ["compare", path, GOOD],
-    }
+    return reading_commands(path, GOOD, out)
 
 
 def _run(args):

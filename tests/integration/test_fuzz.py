@@ -38,7 +38,7 @@ import pytest
 from conftest import ROOT
 from hypothesis import HealthCheck, event, given, note, seed, settings
 from hypothesis import strategies as st
-from reliability_tools import in_child, synthetic_run
+from reliability_tools import in_child, reading_commands, synthetic_run
 
 from ampdoctor import cli
 from ampdoctor.runfile import schema
@@ -255,25 +255,11 @@ def _mutant(folder, base, chosen):
 
 # -- every command on it -----------------------------------------------------------------------
 
-def _commands(path, good, out):
-    return {
-        "diagnose": ["diagnose", path],
-        "diagnose-json": ["diagnose", path, "--format", "json"],
-        "dump": ["dump", path],
-        "top": ["top", "--once", "--wait", "0", path],
-        "report": ["report", path, "-o", os.path.join(out, "report.html")],
-        "markdown": ["report", path, "--format", "markdown", "-o", os.path.join(out, "r.md")],
-        "export": ["export", path, "--tensorboard", os.path.join(out, "tb")],
-        "compare": ["compare", good, path],
-        "compare-base": ["compare", path, good],
-    }
-
-
 def every_command(path, good, out):
     """In a child: each command's exit code, its stderr and whether the secret showed up."""
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
     answers = {}
-    for name, args in _commands(path, good, out).items():
+    for name, args in reading_commands(path, good, out).items():
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = cli.main(args)

@@ -38,6 +38,23 @@ from ampdoctor.runfile.schema import Event, Kind, Source  # noqa: E402
 # -- synthetic runs ---------------------------------------------------------------------------
 
 
+def reading_commands(path: str, good: str, out: str) -> dict[str, list[str]]:
+    """Every command that reads a run file, as ``ampdoctor`` arguments, on ``path`` (``good``:
+    a sound run for ``compare`` to set it against; ``out``: a folder for what they write):
+    what the crafted files and the fuzzer's mutants are each read with."""
+    return {
+        "diagnose": ["diagnose", path],
+        "diagnose-json": ["diagnose", path, "--format", "json"],
+        "dump": ["dump", path],
+        "top": ["top", "--once", "--wait", "0", path],
+        "report": ["report", path, "-o", os.path.join(out, "report.html")],
+        "markdown": ["report", path, "--format", "markdown", "-o", os.path.join(out, "r.md")],
+        "export": ["export", path, "--tensorboard", os.path.join(out, "tb")],
+        "compare": ["compare", good, path],
+        "compare-base": ["compare", path, good],
+    }
+
+
 def synthetic_run(path: str, steps: int = 40, flush_every: int = 10, close: bool = True,
                   modules: int = 6) -> store.Writer:
     """A run written through ``store.Writer`` the way the recorder writes one: sampled stats

@@ -58,7 +58,7 @@ from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
 from .steps import Step
-from .torchcompat import scaler_enabled, unscaled_already
+from .torchcompat import found_inf, scaler_enabled, unscaled_already
 from .watched import Watched
 
 
@@ -548,13 +548,9 @@ class Hooks:
         self._ensure_grad_norm()
         if scaler._scale is not None:
             st.scale = scaler._scale.detach().reshape(()).clone()  # update() changes it in place
-        found = [v for s in scaler._per_optimizer_states.values()
-                 for v in s["found_inf_per_device"].values()]
-        if len(found) == 1:  # made fresh by each unscale and never written after: no copy
-            st.found_inf = found[0].reshape(())
-        elif found:
-            dev = found[0].device
-            st.found_inf = torch.stack([f.to(dev).reshape(()) for f in found]).sum()
+        found = found_inf(scaler)
+        if found is not None:
+            st.found_inf = found
         self.objectives.found(scaler)
         if self.skips.armed:
             self.skips.at_update(scaler, st)

@@ -46,7 +46,7 @@ import torch
 from . import lrfactors, stats
 from .journal import Journal
 from .steps import Constants, Step
-from .torchcompat import scaler_enabled
+from .torchcompat import found_inf, scaler_enabled
 from .watched import Watched
 
 # Frames of the training code that name a loss: the innermost few (a helper that backwards,
@@ -219,13 +219,10 @@ class Objectives:
         """Each optimizer's own found_inf, as ``GradScaler.update`` is about to read them."""
         if len(self.watched.optimizers) < 2:
             return
-        states = getattr(scaler, "_per_optimizer_states", None) or {}
         for opt in self.watched.optimizers:
-            flags = list((states.get(id(opt)) or {}).get("found_inf_per_device", {}).values())
-            if flags:
-                dev = flags[0].device
-                self._found[id(opt)] = flags[0].reshape(()) if len(flags) == 1 else \
-                    torch.stack([f.to(dev).reshape(()) for f in flags]).sum()
+            flag = found_inf(scaler, id(opt))
+            if flag is not None:
+                self._found[id(opt)] = flag
 
     # -- the step's end -----------------------------------------------------------------------
 
@@ -252,14 +249,15 @@ class Objectives:
             return Parts(slots=slots, micro=[st.loss_n], optimizers=[], lr=[], stepped=[],
                          values=self.constants.nan(torch.device("cpu")).reshape(1)[:0],
                          step_loss=True)
+        several = len(opts) >= 2
         values = [self._losses[s][0] / self._losses[s][1] for s in slots]
-        values += [self._norms.get(id(o)) for o in opts] if len(opts) >= 2 else []
-        values += [self._found.get(id(o)) for o in opts] if len(opts) >= 2 else []
+        if several:
+            values += [self._norms.get(id(o)) for o in opts]
+            values += [self._found.get(id(o)) for o in opts]
         dev = next((v.device for v in values if v is not None), torch.device("cpu"))
         nan = self.constants.nan(dev)
         stacked = torch.stack([nan if v is None else v.to(dev).float().reshape(())
                                for v in values]) if values else nan.reshape(1)[:0]
-        several = len(opts) >= 2
         return Parts(slots=slots, micro=[self._losses[s][1] for s in slots],
                      optimizers=list(range(len(opts))) if several else [],
                      lr=[_largest_lr(o) for o in opts] if several else [],
@@ -303,7 +301,7 @@ class Objectives:
             self._events = []
         else:  # the next step's events follow on from the last backward seen
             first = min((i for i, e in enumerate(self._events) if e[0] == "loss"
-                         and not self._slot(e[1]).settled), default=len(self._events))
+                         and not self.slots[e[1]].settled), default=len(self._events))
             self._events = self._events[first:]
         if changed or (len(self.slots) >= 2 and self._written is None):
             self._write_meta()
@@ -326,9 +324,6 @@ class Objectives:
         if value != self._written:
             self._written = value
             self.journal.meta("losses", value)
-
-    def _slot(self, index: int) -> Slot:
-        return self.slots[index]
 
     def _index(self, optimizer: Any) -> Optional[int]:
         return next((i for i, o in enumerate(self.watched.optimizers) if o is optimizer), None)

@@ -42,6 +42,7 @@ from .forensic.forensics import Forensics
 from .journal import Journal
 from .steplog import StepLog
 from .steps import Step
+from .torchcompat import found_inf
 from .watched import Watched
 
 
@@ -77,11 +78,10 @@ class Skips:
         for key in keys:
             if key in st.staged or key not in states:  # a defaultdict: never index a new key
                 continue
-            found = list(states[key]["found_inf_per_device"].values())
-            if not found:
+            total = found_inf(scaler, key)
+            if total is None:
                 continue
-            dev = found[0].device
-            total = found[0] if len(found) == 1 else sum(f.to(dev) for f in found)
+            dev = total.device
             loss = st.loss_sum.to(dev) if st.loss_sum is not None else \
                 self.log.constants.nan(dev)
             mirror = self._pool(dev).take()

@@ -10,7 +10,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -51,6 +51,24 @@ def unscaled_already(scaler: Any, optimizer: Any) -> bool:
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     stage = state.get("stage") if isinstance(state, dict) else None
     return getattr(stage, "name", None) == "UNSCALED"
+
+
+def found_inf(scaler: Any, key: Optional[int] = None) -> Optional[torch.Tensor]:
+    """GradScaler's found_inf for the optimizer ``id()`` ``key`` (None: every optimizer it
+    has checked this step), summed over devices into one 0-dim tensor on the first one's
+    device; None where it checked none. No host read, and no entry made in its defaultdict."""
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    if key is None:
+        picked = list(states.values())
+    else:
+        picked = [states[key]] if key in states else []
+    flags = [f for s in picked for f in s.get("found_inf_per_device", {}).values()]
+    if not flags:
+        return None
+    if len(flags) == 1:  # made fresh by each unscale and never written after: no copy
+        return flags[0].reshape(())
+    dev = flags[0].device
+    return torch.stack([f.to(dev).reshape(()) for f in flags]).sum()
 
 
 def autocast_state(device_type: str) -> tuple[bool, str]:

@@ -146,7 +146,7 @@ class Hooks:
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
         """First step of a recorder given no model: the outermost module called with grad
         enabled that owns trainable parameters becomes a root (``Watched.enter``)."""
-        if self.watched.enter(module, self.log.step):
+        if self.watched.enter(module, self.log.step, args):
             self._discovered(module, args, {})
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,

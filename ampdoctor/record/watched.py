@@ -38,6 +38,7 @@ from . import amp_state, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
 from .listener import Listener
+from .sampler import tensors_in
 from .steps import Step
 from .torchcompat import is_wrapper, scaler_enabled, unwrap
 
@@ -69,6 +70,7 @@ class Watched:
         self.depth = 0  # module calls open, while discovering
         self.discovery_open = False  # global module hooks looking for roots (first step)
         self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
+        self._by_input: set[int] = set()  # frozen roots adopted for a trained input's gradient
         self._discovery_hooked = False  # the global discovery hooks are installed
         self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
         self._autocast_meta: Optional[dict] = None
@@ -107,12 +109,12 @@ class Watched:
 
     # -- discovery ---------------------------------------------------------------------------
 
-    def enter(self, module: torch.nn.Module, step: Step) -> bool:
+    def enter(self, module: torch.nn.Module, step: Step, args: tuple = ()) -> bool:
         """A module is called (discovery's global pre-hook): True when it is adopted as a root
         by this call, the outermost one called with grad enabled that owns trainable
-        parameters. DDP/DataParallel wrappers are looked through: the module they wrap is the
-        root, so that a forensic replay never runs the wrapper's collectives on one rank
-        alone."""
+        parameters (or carries the gradient of a trained input: ``adopt_discovered``).
+        DDP/DataParallel wrappers are looked through: the module they wrap is the root, so
+        that a forensic replay never runs the wrapper's collectives on one rank alone."""
         if is_wrapper(module):
             return False
         self.depth += 1
@@ -120,7 +122,7 @@ class Watched:
             self.note_inner_autocast(step)
         if self.depth != 1 or module in self.names or not torch.is_grad_enabled():
             return False
-        return self.adopt_discovered(module)
+        return self.adopt_discovered(module, args)
 
     def leave(self, module: torch.nn.Module) -> None:
         if not is_wrapper(module):
@@ -131,11 +133,15 @@ class Watched:
         return self.discovery_open and self.depth == 0 and module not in self.names and \
             torch.is_grad_enabled()
 
-    def adopt_discovered(self, module: torch.nn.Module) -> bool:
+    def adopt_discovered(self, module: torch.nn.Module, args: tuple = ()) -> bool:
         """A module called at the top with grad enabled becomes a root (unless it trains
-        nothing); this call is seen by the caller, the root's own hooks see the next ones."""
+        nothing); this call is seen by the caller, the root's own hooks see the next ones.
+        A frozen or parameter-free module is adopted only when it carries the gradient of a
+        trained input (``_carries_input_grad``)."""
         if not any(p.requires_grad for p in module.parameters()):
-            return False  # a loss module, a frozen model, a parameter-free transform
+            if not self._carries_input_grad(args):
+                return False  # a loss module, a frozen model, a parameter-free transform
+            self._by_input.add(id(module))
         self._root_hooks.remove()
         self.adopt_roots(self.roots + [module])
         # A global pre-hook gets no kwargs: the root's own post-hook fills them in.
@@ -146,6 +152,22 @@ class Watched:
             self._discovery.remove()
             self._discovery_hooked = False
         return True
+
+    def _carries_input_grad(self, args: tuple) -> bool:
+        """Is a frozen module's call the model of the run? Where the trained tensor is an
+        input (neural style transfer's image, fed to a frozen extractor, then to a Gram
+        matrix), the modules it flows through are all there is to replay: an input that is a
+        leaf requiring grad and owned by no root, or one computed through a module adopted so
+        already. ``finish_discovery`` keeps them only if an optimizer trains such a tensor."""
+        owned = {id(p) for r in self.roots for p in r.parameters()}
+        for t in tensors_in(args):
+            if not t.requires_grad:
+                continue
+            if t.is_leaf and id(t) not in owned:
+                return True
+            if not t.is_leaf and self._by_input:
+                return True
+        return False
 
     def ends_discovery_call(self, module: torch.nn.Module) -> bool:
         """The root's post-hook: True when this was the call that discovered it (its kwargs
@@ -165,6 +187,10 @@ class Watched:
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
         keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
+        owned = {id(p) for m in keep for p in m.parameters()}
+        if trained - owned:  # an optimizer trains a tensor outside every model: an input
+            keep += [m for m in self.roots if id(m) in self._by_input]
+            keep.sort(key=lambda m: [id(r) for r in self.roots].index(id(m)))
         if trained and keep and len(keep) < len(self.roots):
             self._root_hooks.remove()
             self.adopt_roots(keep)

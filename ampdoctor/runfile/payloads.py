@@ -160,6 +160,8 @@ class TrialOutcome(Payload):
         "backward_from": Key(str, "loss (recomputed) or output (the recorded gradient)"),
         "micro": Key(int, "the first micro-batch that was not finite"),
         "note": Key(str, "why something was not run"),
+        "unjudged": Key(str, "why the re-run cannot judge the fix (a target held NaN/inf as "
+                        "the step had it)"),
     }
 
 
@@ -241,6 +243,8 @@ class SnapshotDetail(Payload):
         "weights": Key(str, "the weights replayed: as at the event, or after the step"),
         "input_modified": Key(bool, "the step modified its input in place", False),
         "micro_batches_forward_only": Key(list, "micro-batches with no backward"),
+        "fed_by": Key(str, "the model replayed first, whose output this model's inputs were "
+                      "computed from (its output gradient came through this one)"),
         "stale_grads": Key(dict, ".grad non-finite before the step's backward"),
         "history": Key(dict, "scale, LR and grad norm over the steps before the event"),
         "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),

@@ -108,7 +108,7 @@ from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
 from .isolated import preserved
 from .kept import Kept, offload, reload, versions
-from .trace import Capture, Trace, rng_state, unwrap
+from .trace import Capture, Gone, Trace, feeds, outputs_of, rng_state, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -211,16 +211,20 @@ class Forensics:
             cap.versions = versions((cap.args, cap.kwargs))
 
     def capture_output(self, root: torch.nn.Module, output: Any) -> None:
-        if self.replaying or not self.captures or self.captures[-1].root is not root:
-            return
+        if self.replaying or not self.captures or self.captures[-1].root is not root or \
+                not self.captures[-1].open:
+            return  # (a call under no_grad after it was not captured: it is not this one)
         cap = self.captures[-1]
         cap.open = False
         cap.outputs = [weakref.ref(t) for t in tensors_in(output)]  # measured on the event only
         if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
-        if self.prover.watching(self.log.step):  # where a loss's graph ends (proofs.Prover)
-            cap.output_nodes = [t.grad_fn for t in tensors_in(output)
-                                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        # Where a loss's graph ends (proofs.Prover), and what a later model's inputs may be
+        # computed from (trace.feeds); dropped with the capture at the end of the step.
+        cap.output_nodes = [t.grad_fn for t in tensors_in(output)
+                            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        cap.output_meta = [Gone(t.grad_fn, t.output_nr, t.shape) if t.grad_fn is not None
+                           else None for t in tensors_in(output)]
         grads = cap.grads
         for i, t in enumerate(tensors_in(output)):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
@@ -252,7 +256,8 @@ class Forensics:
         cap = self.captures[-1]
         if cap.open or len(cap.loss_calls) >= MAX_LOSS_CALLS:
             return
-        call = losscall.capture(name, fn, args, kwargs, out, cap.outputs, self._loss_budget,
+        calls = [outputs_of(c) for c in self.captures[::-1][:losscall.EARLIER_CALLS + 1]]
+        call = losscall.capture(name, fn, args, kwargs, out, calls, self._loss_budget,
                                 self._hooks)
         if call is not None:
             cap.loss_calls.append(call)
@@ -462,10 +467,11 @@ class Forensics:
         last: Optional[tuple] = None
         unreproduced: Optional[tuple] = None  # the first micro-batch the replay did not repeat
         forward_only: list[int] = []  # micro-batches whose output gradient was not kept
+        through: Optional[tuple] = None  # a model whose output fed a later model: its finding
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
                 holder["scale"] = scale if holder.get("scaled") else None
-            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
+            root_name = _root_name(names, cap.root)
             trace, finding = replay.explain(cap, names, root_name, self._devices,
                                             self.watched.param_names, self.strict)
             modified = versions((cap.args, cap.kwargs)) != cap.versions
@@ -475,13 +481,25 @@ class Forensics:
                 self._examine(cap, trace, finding)
             if forward_only:
                 finding.detail["micro_batches_forward_only"] = list(forward_only)
+            if finding.phase == Phase.LOSS and feeds(cap, captures[micro + 1:]):
+                # The gradient at this model's output came through a model called after it
+                # (a generator's, through its discriminator): replay that one before blaming
+                # the loss.
+                through = through or (trace, finding, micro)
+                continue
             if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
+                if through is not None and finding.phase != Phase.LOSS:
+                    finding.detail["fed_by"] = _root_name(names, captures[through[2]].root)
                 return trace, finding, micro
+            if through is not None:
+                continue
             if finding.detail.get("reproduced") is False and unreproduced is None:
                 unreproduced = (trace, finding, micro)
             if cap.grads_dropped:
                 forward_only.append(micro)
             last = (trace, finding, micro)
+        if through is not None:  # no model after it located the failure either
+            return through
         if unreproduced is not None:  # its loss or output was non-finite: never stale grads
             return unreproduced
         if last is None:  # _run replays only a step with captures
@@ -616,6 +634,10 @@ class Forensics:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _root_name(names: dict, root: torch.nn.Module) -> str:
+    return names.get(root) or type(unwrap(root)).__name__
 
 
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ re-run, the replayed outputs put in; ``check_targets`` reads its targets (every 
 Example (what ``forensics`` does after a root call)::
 
     call = losscall.capture("cross_entropy", F.cross_entropy, (logits, y), {}, loss,
-                            cap.outputs, budget, hooks)
+                            [trace.outputs_of(cap)], budget, hooks)
     args, kwargs = call.arguments(replayed_outputs)      # logits rebuilt, y as held
     check_targets(call, args, kwargs)   # {'fn': 'cross_entropy', 'all_ignored': True, ...}
 """
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,7 @@ LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy",
 CLASS_INDEX = ("cross_entropy", "nll_loss")  # targets are class indices (or probabilities)
 PROBABILITY = ("binary_cross_entropy", "binary_cross_entropy_with_logits")
 HELD_BYTES = 64 << 20  # loss arguments held by reference per step (targets, weights, masks)
+EARLIER_CALLS = 8  # earlier root calls of the step whose outputs a loss argument may be
 
 
 class Missing(Exception):
@@ -66,12 +67,15 @@ class Missing(Exception):
 class FromOutput:
     """A loss argument made from root output ``index``: itself, ``cast`` to (dtype, device),
     then viewed as ``view`` = (size, stride, storage offset) of a tensor laid out as
-    ``base`` = (stride, storage offset)."""
+    ``base`` = (stride, storage offset). ``back``: of the root call the loss follows (0), or
+    of the one ``back`` calls before it in the step (a discriminator's output on real data,
+    then its output on fakes, then the loss of both)."""
 
     index: int
     cast: Optional[tuple] = None
     view: Optional[tuple] = None
     base: tuple = ()
+    back: int = 0
 
     def rebuild(self, outputs: list) -> torch.Tensor:
         t = outputs[self.index] if self.index < len(outputs) else None
@@ -111,11 +115,17 @@ class LossCall:
     value: torch.Tensor = field(repr=False)  # its result, detached
     grads: dict = field(default_factory=dict, repr=False)  # {0: gradient that reached it}
 
-    def arguments(self, outputs: list) -> tuple[tuple, dict]:
+    def arguments(self, outputs: list, earlier: Sequence[list] = ()) -> tuple[tuple, dict]:
         """The call's arguments for a re-run, ``outputs`` (the replayed root outputs) put in
-        for what came from the model. Raises ``Missing``."""
-        return (tuple(_get(a, outputs) for a in self.args),
-                {k: _get(v, outputs) for k, v in self.kwargs.items()})
+        for what came from the model, ``earlier`` (the step's earlier calls' replayed outputs,
+        the latest first) for what came from those. Raises ``Missing``."""
+        return (tuple(_get(a, outputs, earlier) for a in self.args),
+                {k: _get(v, outputs, earlier) for k, v in self.kwargs.items()})
+
+    def calls_used(self) -> set[int]:
+        """Which root calls' outputs it takes, counted back from the one it follows (0)."""
+        return {a.back for a in list(self.args) + list(self.kwargs.values())
+                if isinstance(a, FromOutput)}
 
     def held(self) -> list[tuple[str, torch.Tensor]]:
         """(label, tensor) of the arguments held by reference (the targets, mostly)."""
@@ -138,23 +148,29 @@ class Derived:
                       "model's outputs by the training code, which the replay cannot repeat")
 
 
-def _get(value: Any, outputs: list) -> Any:
+def _get(value: Any, outputs: list, earlier: Sequence[list]) -> Any:
     if isinstance(value, FromOutput):
-        return value.rebuild(outputs)
+        if not value.back:
+            return value.rebuild(outputs)
+        if value.back > len(earlier):
+            raise Missing("a loss argument is an earlier model call's output, which this "
+                          "re-run of one call does not make")
+        return value.rebuild(earlier[value.back - 1])
     if isinstance(value, (Weak, Derived)):
         return value.get()
     return value
 
 
-def capture(name: str, fn: Callable, args: tuple, kwargs: dict, out: Any, outputs: list,
+def capture(name: str, fn: Callable, args: tuple, kwargs: dict, out: Any, calls: list,
             budget: list, hooks: list) -> Optional[LossCall]:
     """A ``LossCall`` of this call (None when its result is not a loss with a graph).
-    ``outputs``: weak references to the root call's outputs; ``budget``: [bytes left to hold
-    this step]; ``hooks``: where the gradient hook's handle goes (removed at the step's end).
-    Python only: no host read, nothing copied."""
+    ``calls``: the outputs of the root call the loss follows, then of the step's earlier root
+    calls, the latest first (``trace.outputs_of``: a freed output stands in by its node);
+    ``budget``: [bytes left to hold this step]; ``hooks``: where the gradient hook's handle
+    goes (removed at the step's end). Python only: no host read, nothing copied."""
     if not isinstance(out, torch.Tensor) or out.grad_fn is None:
         return None
-    alive = [r() for r in outputs]
+    alive = calls[:EARLIER_CALLS + 1]
     device = out.device.type
     enabled, dtype = autocast_state(device)
     call = LossCall(name, fn, tuple(_hold(a, alive, budget) for a in args),
@@ -173,12 +189,14 @@ def _keep_grad(grads: dict, grad: Optional[torch.Tensor]) -> None:
     grads[0] = grad if 0 not in grads else grads[0] + grad
 
 
-def _hold(value: Any, outputs: list, budget: list) -> Any:
+def _hold(value: Any, calls: list, budget: list) -> Any:
+    """``calls``: each root call's outputs, the one the loss follows first."""
     if not isinstance(value, torch.Tensor):
         return value
-    made = relation(value, outputs)
-    if made is not None:
-        return made
+    for back, outputs in enumerate(calls):
+        made = relation(value, outputs)
+        if made is not None:
+            return replace(made, back=back) if back else made
     if value.grad_fn is not None:
         return Derived(tuple(value.shape))
     nbytes = value.numel() * value.element_size()
@@ -206,8 +224,8 @@ def relation(t: torch.Tensor, outputs: list) -> Optional[FromOutput]:
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
         return None
     source, nr = fn.next_functions[0]
-    for i, o in enumerate(outputs):
-        if isinstance(o, torch.Tensor) and o.grad_fn is not None and source is o.grad_fn \
+    for i, o in enumerate(outputs):  # o: a tensor, or a freed one's stand-in (its node)
+        if getattr(o, "grad_fn", None) is not None and source is o.grad_fn \
                 and o.output_nr == nr and o.shape == cast.shape:
             view = _geometry(t) if cast is not t else None
             return FromOutput(i, cast=(cast.dtype, cast.device), view=view,

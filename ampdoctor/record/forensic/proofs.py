@@ -207,6 +207,9 @@ def prove(forensics: Any, captures: list, f: Culprit, micro: int, scale: Optiona
             out[fix_id] = {"tried": False, "note": f"the trial failed: "
                            f"{type(exc).__name__}: {exc}"[:300]}
             continue
+        if done.get("unjudged"):
+            out[fix_id] = {"tried": False, "note": done["unjudged"]}
+            continue
         done.update(tried=True, step=step, seconds=round(time.perf_counter() - began, 4))
         if plan.fp32_modules:
             done["modules"] = list(plan.fp32_modules)

@@ -70,7 +70,54 @@ class Capture:
     # singular.Read: a hand-written loss's singular ops and their inputs, held on a watched
     # step (after a loss-backward event) from before its backward to the step's end
     singular: list = field(default_factory=list)
-    output_nodes: list = field(default_factory=list)  # the outputs' grad_fn, on such a step
+    output_nodes: list = field(default_factory=list)  # the outputs' grad_fn (trace.feeds)
+    output_meta: list = field(default_factory=list)  # a Gone per output (None: no graph)
+
+
+@dataclass(frozen=True)
+class Gone:
+    """What a root output was in the graph, for when the tensor itself is freed (a loss on
+    ``model(x).float()``: only the cast holds the output's node)."""
+
+    grad_fn: Any
+    output_nr: int
+    shape: torch.Size
+
+
+def outputs_of(cap: Capture) -> list:
+    """The root call's outputs: each tensor while it lives, its ``Gone`` once freed."""
+    meta = cap.output_meta
+    return [t if (t := ref()) is not None else (meta[i] if i < len(meta) else None)
+            for i, ref in enumerate(cap.outputs)]
+
+
+FEED_NODES = 256  # graph nodes walked back from a later model's inputs (``feeds``)
+
+
+def feeds(cap: Capture, later: list) -> bool:
+    """Does a later root call of the step take a tensor computed from this call's output (a
+    generator's samples given to the discriminator)? The gradient at its output then came
+    through that model, not straight from the loss."""
+    return any(reaches(t, cap.output_nodes) for other in later if other.root is not cap.root
+               for t in tensors_in((other.args, other.kwargs)))
+
+
+def reaches(t: Any, nodes: list) -> bool:
+    """Was ``t`` computed from a tensor whose grad_fn is one of ``nodes``? Read from the
+    graph: ``t``'s node walked back, at most ``FEED_NODES`` nodes."""
+    if not nodes or not isinstance(t, torch.Tensor) or t.grad_fn is None:
+        return False
+    wanted = {id(n) for n in nodes}
+    todo, seen = [t.grad_fn], set[int]()
+    while todo and len(seen) < FEED_NODES:
+        node = todo.pop()
+        if id(node) in wanted:
+            return True
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo += [n for n, _ in node.next_functions if n is not None]
+    return False
 
 
 @dataclass

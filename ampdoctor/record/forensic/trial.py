@@ -35,15 +35,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from .. import stats
 from ..sampler import tensors_in
 from ..torchcompat import autocast_state
-from .losscall import Missing
-from .trace import Capture, autocast, set_rng, unwrap
+from .losscall import Missing, bound, relation
+from .trace import Capture, autocast, outputs_of, reaches, set_rng, unwrap
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class Outcome:
     backward_from: str = ""  # "loss" (recomputed) or "output" (the recorded output gradient)
     micro: int = -1  # rerun_step: the first micro-batch that was not finite
     note: str = ""
+    unjudged: str = ""  # why the re-run cannot judge the change (``_held_nonfinite``)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -107,28 +108,34 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     return out
 
 
-def forward(cap: Capture, t: Trial, names: dict) -> list:
+def forward(cap: Capture, t: Trial, names: dict, args: Optional[tuple] = None,
+            kwargs: Optional[dict] = None) -> list:
     """The root's forward of one captured micro-batch under ``t``, from its RNG state: the
-    output tensors, in the graph (the caller owns the replay's guarantees, as for ``rerun``)."""
+    output tensors, in the graph (the caller owns the replay's guarantees, as for ``rerun``).
+    ``args``/``kwargs``: in place of the captured ones (a chained re-run's)."""
     set_rng(cap.rng)
     with torch.enable_grad(), torch.autograd.set_detect_anomaly(False), \
             _islands(names, t.fp32_modules, cap.autocast[0]), \
             autocast(_forward_state(cap.autocast, t)):
-        output = unwrap(cap.root)(*cap.args, **cap.kwargs)
+        output = unwrap(cap.root)(*(cap.args if args is None else args),
+                                  **(cap.kwargs if kwargs is None else kwargs))
     return list(tensors_in(output))
 
 
 def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
     """Every micro-batch of a step under ``t``: finite when each one is; the loss summed;
     ``micro`` the first one that was not finite (-1: none). Gradients are judged per
-    micro-batch (a sum that overflows a half ``.grad`` is not re-run here)."""
+    micro-batch (a sum that overflows a half ``.grad`` is not re-run here). A step of
+    several models is re-run as one chain (``rerun_chain``)."""
+    if len({id(unwrap(c.root)) for c in captures}) > 1:
+        return rerun_chain(captures, t, names)
     total = Outcome(t.name, finite=True)
     losses: list = []
     for micro, cap in enumerate(captures):
         one = rerun(cap, t, names)
         if one.loss is not None:
             losses.append(one.loss)
-        total.loss_fns += [n for n in one.loss_fns if n not in total.loss_fns]
+        total.loss_fns += [n for n in dict.fromkeys(one.loss_fns) if n not in total.loss_fns]
         if total.micro < 0 and not one.finite:
             total.micro, total.first, total.finite = micro, one.first, False
             total.output_finite, total.loss_finite, total.grads = (
@@ -139,8 +146,120 @@ def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
         total.loss_dtype = total.loss_dtype or one.loss_dtype
         total.backward_from = total.backward_from or one.backward_from
         total.note = total.note or one.note
+        total.unjudged = total.unjudged or one.unjudged
     total.loss = sum(losses) if losses else None
     return total
+
+
+def rerun_chain(captures: list, t: Trial, names: dict) -> Outcome:
+    """A step of several models (a generator feeding a discriminator; a frozen extractor
+    feeding a Gram matrix) under ``t``, as one chain:
+
+    1. every call's forward in order; a later call's input that is an earlier call's output
+       (or a view or cast of one) is taken from that call's re-run, so the change reaches it;
+       any other input with a graph (the generator's samples, shifted and scaled by the
+       training code, which cannot be run again) is taken as recorded, detached, and the
+       model that made it is judged on its forward only (said in ``note``);
+    2. each torch loss function recomputed from whichever calls' outputs it took;
+    3. one backward from the recomputed losses, and from the recorded output gradient of each
+       call whose output went neither into a loss recomputed nor into a later call, to every
+       model's parameters and the trained tensors given as inputs (a style-transfer image).
+
+    ``micro`` is the first call that was not finite."""
+    total = Outcome(t.name)
+    outs: list[list] = []
+    fed: dict[int, str] = {}  # earlier call -> "rebuilt" or "cut" (its output fed a later one)
+    for micro, cap in enumerate(captures):
+        args, kwargs = _chained_inputs(cap, captures[:micro], outs, fed)
+        outs.append(forward(cap, t, names, args, kwargs))
+        if not _finite(outs[-1]):
+            total.micro, total.first, total.output_finite = micro, "forward", False
+            return total
+    total.output_finite = True
+    pairs: list = []
+    used: set[int] = set()
+    values: list = []
+    for micro, cap in enumerate(captures):
+        one = Outcome(t.name)
+        losses = _losses(cap, outs[micro], t, one, outs[:micro][::-1])
+        values += [v for _, v in losses]
+        total.loss_fns += [n for n in dict.fromkeys(one.loss_fns) if n not in total.loss_fns]
+        total.loss_dtype = total.loss_dtype or one.loss_dtype
+        total.note = total.note or one.note
+        total.unjudged = total.unjudged or one.unjudged
+        used |= {micro - back for call, _ in losses for back in call.calls_used()}
+        pairs += _loss_pairs(cap, losses, t, total)
+    for micro, cap in enumerate(captures):
+        if micro not in used and micro not in fed:
+            pairs += _output_pairs(cap, outs[micro], t)
+    if values:
+        total.loss_finite = _finite(values)
+        total.loss = float(sum(float(v.detach().float().sum()) for v in values))
+    cut = sorted({_name(names, captures[i].root) for i, how in fed.items() if how == "cut"})
+    if cut:
+        total.note = total.note + " " if total.note else ""
+        total.note += (f"the training code computed the next model's input from {', '.join(cut)}"
+                      "'s output: not re-run, so its backward is not judged, its forward is")
+    wrt = _trained(captures)
+    if pairs and wrt:
+        grads = torch.autograd.grad([x for x, _ in pairs], wrt, [g for _, g in pairs],
+                                    allow_unused=True)
+        total.grads = _grad_state([g for g in grads if g is not None])
+    total.backward_from = "loss" if values else "output" if pairs else ""
+    total.first = "loss" if total.loss_finite is False else \
+        "backward" if total.grads == "non-finite" else ""
+    total.finite = total.first == ""
+    return total
+
+
+def _chained_inputs(cap: Capture, earlier: list, outs: list, fed: dict) -> tuple[tuple, dict]:
+    """``cap``'s arguments for a chained re-run (``rerun_chain``): an earlier call's output
+    (or a view or cast of one) from that call's re-run, any other tensor with a graph
+    detached; ``fed`` notes which earlier calls fed this one, and how."""
+    alive = [outputs_of(c) for c in earlier]
+
+    def swap(x: torch.Tensor) -> torch.Tensor:
+        if x.grad_fn is None:
+            return x
+        for i in reversed(range(len(earlier))):
+            made = relation(x, alive[i])
+            if made is not None:
+                fed.setdefault(i, "rebuilt")
+                return made.rebuild(outs[i])
+        for i in reversed(range(len(earlier))):
+            if reaches(x, earlier[i].output_nodes):
+                fed[i] = "cut"
+        return x.detach()
+
+    return _map(cap.args, swap), _map(cap.kwargs, swap)
+
+
+def _map(value: Any, fn: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if depth < 4 and type(value) in (tuple, list):
+        return type(value)(_map(v, fn, depth + 1) for v in value)
+    if depth < 4 and type(value) is dict:
+        return {k: _map(v, fn, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _trained(captures: list) -> list:
+    """Every re-run model's parameters that require grad, and the leaf inputs that do (a
+    trained image or embedding), each once."""
+    out: dict[int, torch.Tensor] = {}
+    for cap in captures:
+        for p in unwrap(cap.root).parameters():
+            if p.requires_grad:
+                out.setdefault(id(p), p)
+        for x in tensors_in((cap.args, cap.kwargs)):
+            if x.requires_grad and x.is_leaf:
+                out.setdefault(id(x), x)
+    return list(out.values())
+
+
+def _name(names: dict, root: torch.nn.Module) -> str:
+    return names.get(root) or type(unwrap(root)).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,13 +366,14 @@ def _cast(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
 # the loss and the backward
 
 
-def _losses(cap: Capture, outs: list, t: Trial, out: Outcome) -> list:
+def _losses(cap: Capture, outs: list, t: Trial, out: Outcome, earlier: Sequence = ()) -> list:
     """(LossCall, recomputed value) for each loss call that could be rebuilt; the outcome's
-    loss fields filled in."""
+    loss fields filled in. ``earlier``: the step's earlier calls' re-run outputs, the latest
+    first (a chained re-run's)."""
     done = []
     for call in cap.loss_calls:
         try:
-            args, kwargs = call.arguments(outs)
+            args, kwargs = call.arguments(outs, earlier)
         except Missing as exc:
             out.note = f"{call.name} not recomputed: {exc}"
             continue
@@ -264,6 +384,8 @@ def _losses(cap: Capture, outs: list, t: Trial, out: Outcome) -> list:
         with torch.enable_grad(), autocast(state):
             value = call.fn(*args, **kwargs)
         done.append((call, value))
+        if not out.unjudged and not _finite([value]):
+            out.unjudged = _held_nonfinite(call)
     if not done:
         if not cap.loss_calls:
             out.note = out.note or ("no torch loss function was called after the model: the "
@@ -277,21 +399,47 @@ def _losses(cap: Capture, outs: list, t: Trial, out: Outcome) -> list:
     return done
 
 
+def _held_nonfinite(call: Any) -> str:
+    """Why a loss recomputed non-finite says nothing of the change: an argument held as the
+    step had it (a style Gram matrix computed under no_grad in the run's precision, by code
+    a re-run does not repeat) is itself NaN/inf. "" when none is."""
+    for label, x in bound(call, call.args, call.kwargs).items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and stats.measurable(x) and \
+                not bool(torch.isfinite(x).all()):
+            return (f"{call.name}'s {label} holds NaN/inf as the step had it, made by code the "
+                    "re-run does not repeat: the trial cannot judge the loss")
+    return ""
+
+
 def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outcome) -> list:
     """(tensor, gradient) to run the backward from: the recomputed losses with the gradient
     the real step sent into each, else the root's outputs with the gradient that reached them."""
-    recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
-    factor = t.scale / recorded if t.scale is not None and recorded else 1.0
-    pairs = [(v, _loss_grad(call, v, recorded, factor, out)) for call, v in losses
-             if 0 in call.grads and v.requires_grad]
+    pairs = _loss_pairs(cap, losses, t, out)
     if pairs:
         out.backward_from = "loss"
         return pairs
-    pairs = [(o, _grad_for(cap.grads[i], o, factor)) for i, o in enumerate(outs)
-             if i in cap.grads and isinstance(o, torch.Tensor) and o.requires_grad]
+    pairs = _output_pairs(cap, outs, t)
     if pairs:
         out.backward_from = "output"
     return pairs
+
+
+def _factor(cap: Capture, t: Trial) -> tuple[Optional[float], float]:
+    """(the recorded loss scale, the factor ``t.scale`` changes it by)."""
+    recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+    return recorded, (t.scale / recorded if t.scale is not None and recorded else 1.0)
+
+
+def _loss_pairs(cap: Capture, losses: list, t: Trial, out: Outcome) -> list:
+    recorded, factor = _factor(cap, t)
+    return [(v, _loss_grad(call, v, recorded, factor, out)) for call, v in losses
+            if 0 in call.grads and v.requires_grad]
+
+
+def _output_pairs(cap: Capture, outs: list, t: Trial) -> list:
+    factor = _factor(cap, t)[1]
+    return [(o, _grad_for(cap.grads[i], o, factor)) for i, o in enumerate(outs)
+            if i in cap.grads and isinstance(o, torch.Tensor) and o.requires_grad]
 
 
 def _loss_grad(call: Any, value: torch.Tensor, scale: Optional[float], factor: float,

@@ -1,0 +1,198 @@
+"""Steps of several models, replayed as a chain (``record/forensic/forensics.py``,
+``trial.rerun_chain``): a generator feeding a discriminator whose attention overflows fp16, and
+neural style transfer, whose only trained tensor is the image, fed to a frozen extractor and
+then to a parameter-free Gram matrix (``watched.Watched.adopt_discovered``). Tiny models under
+``ampdoctor.watch`` with no model given, as ``ampdoctor record`` discovers them."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampdoctor
+
+
+class Attention(nn.Module):
+    """SAGAN's self-attention: energy = q k^T with no 1/sqrt(d), in fp16 under autocast."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.gamma = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        energy = torch.bmm(self.q(x), self.k(x).transpose(1, 2))
+        return x + self.gamma * torch.bmm(F.softmax(energy, -1).to(x.dtype), self.v(x))
+
+
+class Disc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(32)
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.out(self.norm(self.attn(x)).mean(1))
+
+
+def gan(steps: int, big: tuple = (), seed: int = 0):
+    """D then G, one GradScaler, the AMP docs' recipe; the real data (and the generator's
+    samples, shifted by the training code) reach ~300 at the steps in ``big``, where D's
+    attention energy passes 65504. Returns the models, optimizers and the losses."""
+    torch.manual_seed(seed)
+    gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4 * 32))
+    disc = Disc()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+
+    def run(step):
+        shift = 300.0 if step in big else 0.0
+        real = shift + torch.randn(16, 4, 32)
+        z = torch.randn(16, 8)
+        opt_d.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            fake = shift + torch.tanh(gen(z).view(16, 4, 32))
+            d_real, d_fake = disc(real), disc(fake.detach())
+            loss_d = (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+                      + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
+        scaler.scale(loss_d).backward()
+        scaler.step(opt_d)
+        opt_g.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            d_gen = disc(fake)
+            loss_g = F.binary_cross_entropy_with_logits(d_gen, torch.ones_like(d_gen))
+        scaler.scale(loss_g).backward()
+        scaler.step(opt_g)
+        scaler.update()
+        losses.append((loss_d.item(), loss_g.item()))
+
+    return (gen, disc, opt_g, opt_d), run, losses
+
+
+def _details(path):
+    run = ampdoctor.load(path)
+    return run, [json.loads(s["detail"]) for s in run.snapshots]
+
+
+def _bits(parts):
+    gen, disc, opt_g, opt_d = parts
+    out = [p.detach().clone() for m in (gen, disc) for p in m.parameters()]
+    out += [v.clone() for o in (opt_g, opt_d) for s in o.state.values() for v in s.values()
+            if torch.is_tensor(v)]
+    return [t.reshape(-1).view(torch.uint8) for t in out]
+
+
+def test_a_failure_in_the_second_model_is_located_there(run_path):
+    """The generator's replay finds its output finite and the gradient into it not: that
+    gradient came through the discriminator, which is replayed next and located (not 'the
+    loss's backward'). The island tried on the chain makes the step finite with the run's own
+    losses (D's two and G's), and nothing of it shows in the run."""
+    parts, run, losses = gan(4, big=(1,))
+    with ampdoctor.watch(path=run_path, every=0, strict=True) as rec:
+        for step in range(4):
+            run(step)
+    assert [(e.step, e.phase, e.module) for e in rec.events][:1] == \
+        [(1, "forward", "Disc.attn")]
+    _, details = _details(run_path)
+    assert details[0]["fed_by"] == "Sequential"
+    island = details[0]["trials"]["fp32_island"]
+    assert island["tried"] and island["finite"] and island["modules"] == ["Disc.attn"]
+    # D's loss on real and fake samples (an earlier call's output) and G's, recomputed
+    assert island["loss_fns"] == ["binary_cross_entropy_with_logits"]
+    assert 1.0 < island["loss"] < 3.0, island  # ~ln 2 each, at these logits
+    assert "not re-run" in island["note"]  # the generator's samples: shifted by the loop
+
+    watched = _bits(parts)
+    parts, run, plain = gan(4, big=(1,))
+    for step in range(4):
+        run(step)
+    assert repr(plain) == repr(losses)  # (NaN at step 1 in both)
+    assert all(torch.equal(a, b) for a, b in zip(watched, _bits(parts)))
+
+
+class Features(nn.Module):
+    """A frozen per-pixel extractor standing in for VGG's first layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Linear(3, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.conv1.weight.mul_(6.0)
+            self.conv2.weight.mul_(12.0)
+
+    def forward(self, img):
+        return torch.relu(self.conv2(torch.relu(self.conv1(img))))
+
+
+class Gram(nn.Module):
+    def __init__(self, fp32: bool = False):
+        super().__init__()
+        self.fp32 = fp32
+
+    def forward(self, f):
+        if self.fp32:
+            with torch.autocast("cpu", enabled=False):
+                f = f.float()
+                return f.transpose(1, 2) @ f / f.shape[1]
+        return f.transpose(1, 2) @ f / f.shape[1]
+
+
+def style_transfer(steps: int, fp32_gram: bool = False):
+    torch.manual_seed(0)
+    feats, gram = Features().requires_grad_(False), Gram(fp32_gram)
+    content, style = torch.rand(1, 4096, 3), torch.rand(1, 4096, 3) ** 2
+    image = nn.Parameter(content.clone())
+    opt = torch.optim.Adam([image], lr=2e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            f_img = feats(image)
+            with torch.no_grad():
+                g_style, f_content = gram(feats(style)), feats(content)
+            loss = F.mse_loss(gram(f_img).float(), g_style.float()) \
+                + 0.1 * F.mse_loss(f_img.float(), f_content.float())
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        with torch.no_grad():
+            image.clamp_(0, 1)
+    return image
+
+
+@pytest.mark.parametrize("fp32_gram", [False, True])
+def test_a_trained_image_makes_its_frozen_models_the_ones_replayed(run_path, fp32_gram):
+    """No module owns a trained parameter: the frozen extractor and the Gram matrix, through
+    which the image's gradient flows, are adopted and replayed; the fp16 Gram matrix is
+    located. A trial cannot judge bf16 there: the style's Gram matrix, the loss's target, was
+    computed under no_grad in fp16 and is inf as the step had it, and it says so."""
+    with ampdoctor.watch(path=run_path, every=0, strict=True) as rec:
+        style_transfer(3, fp32_gram)
+    run, details = _details(run_path)
+    assert run.meta["roots"] == ["Features", "Gram"]
+    if fp32_gram:
+        assert not rec.events and not details
+        return
+    assert (rec.events[0].phase, rec.events[0].module) == ("forward", "Gram")
+    bf16 = details[0]["trials"]["use_bf16"]
+    assert not bf16["tried"] and "target holds NaN/inf as the step had it" in bf16["note"]
+
+
+def test_a_loss_module_beside_a_model_is_not_adopted(run_path):
+    """A frozen or parameter-free module is adopted only for a trained tensor that no model
+    owns: nn.MSELoss called on a model's output is not a root."""
+    torch.manual_seed(0)
+    model, loss_fn = nn.Linear(4, 1), nn.MSELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.watch(path=run_path, every=0, strict=True):
+        for _ in range(3):
+            loss = loss_fn(model(torch.randn(8, 4)), torch.randn(8, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert ampdoctor.load(run_path).meta["roots"] == ["Linear"]

@@ -61,6 +61,23 @@ def find(roots: list[torch.nn.Module], prefixes: list[str],
     return found
 
 
+def stray_names(wanted: set[int], skip: set[int],
+                frame: Optional[types.FrameType]) -> dict[int, str]:
+    """{id(parameter): "<variable>.<parameter path>"} for the parameters in ``wanted`` owned
+    by a module the script holds in ``frame`` or the frames below it (the modules in
+    ``skip``, already named, left out): a GAN's generator never adopted, ``gen.0.weight``."""
+    found: dict[int, str] = {}
+    for var, value in _user_names(frame):
+        if not isinstance(value, torch.nn.Module) or id(value) in skip:
+            continue
+        for name, p in value.named_parameters():
+            if id(p) in wanted and id(p) not in found:
+                found[id(p)] = f"{var}.{name}"
+        if len(found) == len(wanted):
+            break
+    return found
+
+
 def _targets(roots: list[torch.nn.Module], prefixes: list[str],
              names: dict[torch.nn.Module, str]) -> dict[int, tuple[str, str]]:
     """id(object) -> (recorded path, the attributes from it to that path's module): a root

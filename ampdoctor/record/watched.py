@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -71,6 +72,7 @@ class Watched:
         self.discovery_open = False  # global module hooks looking for roots (first step)
         self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
         self._by_input: set[int] = set()  # frozen roots adopted for a trained input's gradient
+        self._unfound: set[int] = set()  # parameters looked for in the script, not found
         self._discovery_hooked = False  # the global discovery hooks are installed
         self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
         self._autocast_meta: Optional[dict] = None
@@ -354,9 +356,22 @@ class Watched:
 
     def param_name(self, p: torch.Tensor) -> str:
         name = self.param_names.get(id(p))
+        if name is None and id(p) not in self._unfound:
+            self._name_strays(p)
+            name = self.param_names.get(id(p))
         if name is None:
             name = self.param_names[id(p)] = f"param{len(self.param_names)}"
         return name
+
+    def _name_strays(self, p: torch.Tensor) -> None:
+        """Trained parameters of no adopted model (a GAN's generator, first called under
+        no_grad, never adopted) are named after the script's variable that holds their module
+        (``gen.0.weight``: ``handles.stray_names``); looked for once each."""
+        wanted = {id(q) for q in self.trained_params() if id(q) not in self.param_names}
+        wanted.add(id(p))
+        found = handles.stray_names(wanted, {id(m) for m in self.names}, sys._getframe())
+        self.param_names.update(found)
+        self._unfound |= wanted - found.keys()
 
     # -- autocast ----------------------------------------------------------------------------
 

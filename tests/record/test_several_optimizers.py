@@ -321,3 +321,37 @@ def test_the_same_loop_from_two_lines_is_one_loss(run_path):
     assert list(run.losses["step"]) == [1, 2, 3]  # from the step the second call stack came
     np.testing.assert_array_equal(run.losses["loss"], run.steps["loss"][1:])
     assert objectives.read(Facts(run)) == []  # one loss
+
+
+def test_a_generator_never_adopted_is_named_after_the_scripts_variable(run_path):
+    """WGAN's loop: the critic steps every iteration, the generator every second one, so the
+    first step (where models are discovered) runs the generator only under no_grad: it is
+    never adopted as a model. Its optimizer steps through the scaler, and its parameters are
+    named after the variable that holds it (``gen.0.weight``), not ``param0``."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    critic = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(path=run_path, every=1, strict=True):
+        for it in range(4):
+            with torch.no_grad():
+                fake = gen(torch.randn(16, 4))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss_c = critic(fake).mean() - critic(torch.randn(16, 2)).mean()
+            opt_c.zero_grad()
+            scaler.scale(loss_c).backward()
+            scaler.step(opt_c)
+            if it % 2:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss_g = -critic(gen(torch.randn(16, 4))).mean()
+                opt_g.zero_grad()
+                scaler.scale(loss_g).backward()
+                scaler.step(opt_g)
+            scaler.update()
+    run = ampdoctor.load(run_path)
+    names = {str(n) for n in run.tensors["name"]}
+    assert run.meta["roots"] == ["Sequential"]  # the critic
+    assert {"gen.0.weight", "gen.2.bias", "0.weight"} <= names, " ".join(sorted(names))
+    assert not any(n.startswith("param") for n in names)

@@ -134,6 +134,17 @@ class Facts:
         """Names the recorder gives the root module(s): its class name, for a single root."""
         return set(self.run.roots)
 
+    def is_the_model(self, module: str) -> bool:
+        """Is ``module`` the model itself, so that an island around it would be the whole
+        model in fp32? A root is, unless it is one of several models and has no submodule of
+        its own (a Gram matrix after a frozen extractor: the island is around its op)."""
+        roots = self.root_names
+        if module not in roots:
+            return False
+        if len(roots) == 1:
+            return True
+        return any(n.startswith(module + ".") for n in self.tensor_names)
+
     @property
     def optimizers(self) -> list[dict]:
         return self.run.optimizers

@@ -9,7 +9,9 @@ the same undoable ``patches.Patch`` handles as the recorder's doors. What each f
 * ``fp32_island=NAME,...``: the modules of those qualified names, looked up in each module
   called with grad enabled until all are found (the model's own call finds them, before their
   first call), get a forward pre-hook and hook that run them with autocast off on fp32 inputs
-  (their output is fp32). A name still missing at the first optimizer step is warned about
+  (their output is fp32). A name under a class name, as a run of several models is recorded
+  (``Disc.attn``, a parameter-free ``Gram``), is looked up in every call, under no_grad too,
+  until the first optimizer step, and a module it names is an island from that very call. A name still missing at the first optimizer step is warned about
   and recorded (``missing``); a module with half weights is left alone (its inputs must match
   them: only ``model.float()`` in the code helps).
 * ``use_bf16``: every autocast created as float16 (also by default, on CUDA) runs bfloat16;
@@ -45,7 +47,7 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -211,36 +213,55 @@ def _up(x: Any) -> Any:
 
 
 class _Islands:
-    """Finds the named modules as the model is first called, and hooks each once."""
+    """Finds the named modules as the model is first called, and hooks each once. A path is
+    looked up in each module called with grad enabled (the model's own call finds it, before
+    its first call; an EMA copy called under no_grad first does not take it). A name under a
+    class name, as the recorder names the modules of a run of several models (``Disc.attn``,
+    a parameter-free ``Gram``), is looked up in every call until the first optimizer step, and
+    every module it names gets the island: the first call of ``Gram`` may be under no_grad (a
+    style's Gram matrix, the loss's target), and it too runs in fp32 with the fix."""
 
     def __init__(self, names: tuple[str, ...],
                  found: Callable[[list[str], list[str], dict], None]):
+        self.names = list(names)
         self.wanted = list(names)
         self.found: list[str] = []
         self.skipped: dict[str, str] = {}
         self.tell = found
-        self._seen: set[int] = set()
+        self._seen: set[tuple[int, bool]] = set()
+        self._hooked: set[int] = set()
         self._search = patches.PatchSet()
-        self._warned = False
+        self._done = False  # the first optimizer step has been seen
 
     def install(self, patch_set: patches.PatchSet) -> None:
         self.patch_set = patch_set
-        self._search.add(module_hooks.register_module_forward_pre_hook(self._look))
-        self._search.add(optimizer_hooks.register_optimizer_step_post_hook(self._give_up))
+        # A global pre-hook may return the call's new inputs, as a module's may (the stubs
+        # say None only).
+        look = cast(Callable[..., None], self._look)
+        self._search.add(module_hooks.register_module_forward_pre_hook(look))
         patch_set.add(self._search)
+        # Left in place once done (removing it from inside the optimizer's own loop over its
+        # post hooks would break that loop): it does nothing after the first step.
+        patch_set.add(optimizer_hooks.register_optimizer_step_post_hook(self._give_up))
 
-    def _look(self, module: torch.nn.Module, args: tuple) -> None:
-        if id(module) in self._seen or not torch.is_grad_enabled():
-            return
-        self._seen.add(id(module))
-        changed = False
-        for name in list(self.wanted):
-            try:
-                target = module.get_submodule(name)
-            except AttributeError:
+    def _look(self, module: torch.nn.Module, args: tuple) -> Optional[tuple]:
+        """Island the modules this call names; the called module itself at once (its own
+        pre-hooks for this call are already chosen, its post-hooks not yet)."""
+        grad = torch.is_grad_enabled()
+        if (id(module), grad) in self._seen:
+            return None
+        self._seen.add((id(module), grad))
+        changed, now = False, None
+        for name in self.names:
+            target = _by_class(module, name)
+            if target is None and grad and name in self.wanted:
+                target = _by_path(module, name)
+            if target is None or id(target) in self._hooked:
                 continue
-            self.wanted.remove(name)
+            self._hooked.add(id(target))
             changed = True
+            if name in self.wanted:
+                self.wanted.remove(name)
             half = {str(p.dtype).replace("torch.", "") for p in target.parameters()
                     if p.dtype in _HALF}
             if half:
@@ -248,21 +269,40 @@ class _Islands:
                 continue
             self.patch_set.add(target.register_forward_pre_hook(_island_pre, with_kwargs=True))
             self.patch_set.add(target.register_forward_hook(_island_post, always_call=True))
-            self.found.append(name)
+            if target is module:
+                now = _island_pre(module, args, {})[0]
+            if name not in self.found:
+                self.found.append(name)
         if changed:
             self.tell(self.found, self.wanted, self.skipped)
-        if not self.wanted:
-            self._search.remove()
+        return now
 
     def _give_up(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The first optimizer step: a name not found by now is not in the model."""
+        if self._done:
+            return
         self._search.remove()
-        if self.wanted and not self._warned:
-            self._warned = True
+        if self.wanted:
             warnings.warn(f"ampdoctor: --apply fp32_island: no module named "
                           f"{', '.join(self.wanted)} in the model; those are not islands",
                           RuntimeWarning, stacklevel=2)
             self.tell(self.found, self.wanted, self.skipped)
+        self._done = True
+
+
+def _by_path(module: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _by_class(module: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+    """What ``name`` names under ``module``'s class name (``Disc.attn`` from a ``Disc``,
+    ``Gram`` the module itself). A class name the recorder numbered (``Sequential1``: two
+    models of one class) is not matched: which one it was is not known here."""
+    head, _, rest = name.partition(".")
+    return _by_path(module, rest) if head == type(module).__name__ else None
 
 
 # ---------------------------------------------------------------------------------------------

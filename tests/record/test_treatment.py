@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import fresh, train
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ampdoctor
 from ampdoctor.errors import RecordError
@@ -241,6 +242,38 @@ def test_an_island_that_is_not_in_the_model_is_warned_and_noted():
             ["blocks.7.attn"]
     finally:
         t.remove()
+
+
+class Gram(nn.Module):
+    def forward(self, f):
+        return f.transpose(0, 1) @ f
+
+
+def test_an_island_named_by_class_reaches_every_call_from_the_first():
+    """The names a run of several models is recorded with (``Disc.attn``, a parameter-free
+    ``Gram``) find their modules, and the first call of ``Gram``, under no_grad (a style's Gram
+    matrix), already runs in fp32. With another optimizer hook beside it, the search ends at
+    the first step without breaking the optimizer's loop over its hooks."""
+    gram, disc = Gram(), nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    disc.__class__ = type("Disc", (nn.Sequential,), {})
+    seen = []
+    gram.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    disc[0].register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    extra = register_optimizer_step_post_hook(lambda *a: None)
+    t, notes = treated("fp32_island=Gram,Disc.0")
+    try:
+        opt = torch.optim.SGD(disc.parameters(), lr=0.1)
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.no_grad():
+                    gram(torch.randn(4, 8))
+                gram(disc(torch.randn(4, 8))).float().sum().backward()
+            opt.step()
+        assert seen == [torch.float32] * 6
+        assert notes[-1][0]["modules"] == ["Gram", "Disc.0"] and notes[-1][0]["missing"] == []
+    finally:
+        t.remove()
+        extra.remove()
 
 
 def test_an_island_with_half_weights_is_left_alone():

@@ -147,7 +147,7 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         module, snap["module_type"]) else []) + ["use_bf16"]
     ctx = f.fix_context(module, snap["module_type"], where["step"])
     ctx.op = op.get("op") if op else None
-    ctx.root = module in f.root_names
+    ctx.root = f.is_the_model(module)
     conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
                    ev, fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"],

@@ -160,7 +160,8 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
         "are, which is not the fix")
     out: dict[str, Any] = {}
     if f.phase in (Phase.FORWARD, Phase.BACKWARD) and f.module:
-        if f.call is not None and f.call.module is unwrap(cap.root):
+        if f.call is not None and f.call.module is unwrap(cap.root) and \
+                not _one_of_a_chain(captures, cap.root):
             out["fp32_island"] = ("the culprit is the model itself: its island goes around an "
                                   "op in its own forward, which a trial cannot rewrite")
         else:
@@ -221,6 +222,14 @@ def _scale_bound(done: dict, plan: Trial, scale: Optional[float]) -> bool:
     """Finite up to the gradients, which overflowed at a loss scale above 1."""
     return not done.get("finite") and done.get("first") == "backward" and \
         plan.scale is None and scale is not None and scale > 1.0
+
+
+def _one_of_a_chain(captures: list, root: torch.nn.Module) -> bool:
+    """Is ``root`` one model of several in the step, with no submodule of its own (a Gram
+    matrix after a frozen extractor)? An island around it is then an island around its op."""
+    inner = unwrap(root)
+    return len({id(unwrap(c.root)) for c in captures}) > 1 and \
+        next(inner.children(), None) is None
 
 
 def handwritten_backward(cap: Capture, f: Culprit) -> bool:

@@ -259,8 +259,8 @@ def test_an_island_named_by_class_reaches_every_call_from_the_first():
     seen = []
     gram.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
     disc[0].register_forward_hook(lambda m, a, o: seen.append(o.dtype))
-    extra = register_optimizer_step_post_hook(lambda *a: None)
     t, notes = treated("fp32_island=Gram,Disc.0")
+    extra = register_optimizer_step_post_hook(lambda *a: None)  # after it, as the recorder's
     try:
         opt = torch.optim.SGD(disc.parameters(), lr=0.1)
         for _ in range(2):

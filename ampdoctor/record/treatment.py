@@ -11,9 +11,10 @@ the same undoable ``patches.Patch`` handles as the recorder's doors. What each f
   first call), get a forward pre-hook and hook that run them with autocast off on fp32 inputs
   (their output is fp32). A name under a class name, as a run of several models is recorded
   (``Disc.attn``, a parameter-free ``Gram``), is looked up in every call, under no_grad too,
-  until the first optimizer step, and a module it names is an island from that very call. A name still missing at the first optimizer step is warned about
-  and recorded (``missing``); a module with half weights is left alone (its inputs must match
-  them: only ``model.float()`` in the code helps).
+  until the first optimizer step, and a module it names is an island from that very call. A
+  name still missing at the first optimizer step is warned about and recorded (``missing``);
+  a module with half weights is left alone (its inputs must match them: only
+  ``model.float()`` in the code helps).
 * ``use_bf16``: every autocast created as float16 (also by default, on CUDA) runs bfloat16;
   every GradScaler is disabled, as the fix says (bf16 has fp32's range: nothing to scale).
   Weights the code itself made half stay half.

@@ -319,8 +319,11 @@ class Watched:
         known = self._own_optimizer.get(id(optimizer))
         if known is None:
             if self.roots and self.param_names and not through_scaler:
-                known = any(id(p) in self.param_names for g in optimizer.param_groups
-                            for p in g["params"])
+                params = [p for g in optimizer.param_groups for p in g["params"]]
+                known = any(id(p) in self.param_names for p in params) or (
+                    # the roots are frozen models a trained input flows through (a style
+                    # transfer's image): the optimizer of a tensor outside them trains it
+                    bool(self._by_input) and any(id(p) not in self.param_names for p in params))
             else:
                 known = True
             self._own_optimizer[id(optimizer)] = known

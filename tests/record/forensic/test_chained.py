@@ -202,3 +202,19 @@ def test_a_loss_module_beside_a_model_is_not_adopted(run_path):
             loss.backward()
             opt.step()
     assert ampdoctor.load(run_path).meta["roots"] == ["Linear"]
+
+
+def test_the_optimizer_of_a_trained_input_is_recorded_without_a_scaler(run_path):
+    """No GradScaler to say which optimizer is the run's: the optimizer of the image, a tensor
+    outside the frozen modules adopted for it, is the one whose steps end the run's steps."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(3, 8), nn.Linear(8, 8)]).requires_grad_(False)
+    img = torch.rand(64, 3).requires_grad_(True)
+    opt = torch.optim.Adam([img], lr=1e-2)
+    with ampdoctor.watch(path=run_path, every=1, strict=True):
+        for _ in range(4):
+            opt.zero_grad()
+            layers[1](torch.relu(layers[0](img))).square().mean().backward()
+            opt.step()
+    run = ampdoctor.load(run_path)
+    assert len(run.steps) == 4 and run.meta["roots"] == ["Linear", "Linear"]

@@ -379,7 +379,7 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
     s = f.steps
     seen = s["loss_dtype"] != DType.UNKNOWN
     if not seen.any() or np.mean(s["loss_dtype"][seen] == DType.FLOAT16) < 0.5:
-        return None
+        return _loss_in_the_step(f)
     alone = f.loss_bad & np.isfinite(s["grad_norm"]) & ~f.skipped
     # A calibration skip is healthy; an infinite derivative is rule_loss_backward's.
     loss_snaps = [x for x in f.snapshots if x["phase"] == "loss" and not _fp32_too(x)
@@ -405,6 +405,37 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
                    "gradients are finite.", ev,
                    fixes.make(["loss_in_fp32"], f.fix_context(step=first)),
                    first_bad(first, None, "loss"), priority=PRIORITY["fp16_loss"])
+
+
+def _loss_in_the_step(f: Facts) -> Optional[Finding]:
+    """The loss ends in fp32, but a replay of the failing step found it non-finite while every
+    module output was finite, in an fp16 run: the training code's own ops between the model's
+    outputs and the loss made it (an entropy's p * log p on an fp16 softmax: 0 x -inf). Where
+    the loss is written by hand the replay cannot recompute it: which op, and whether fp32 is
+    finite, is not measured, and the confidence says so."""
+    if f.failure_index is None or f.low_precision != "fp16":
+        return None
+    snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
+             and x["detail"].get("loss_nonfinite") and not _fp32_too(x)]
+    if not snaps:
+        return None
+    x = snaps[0]
+    d = x["detail"]
+    ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
+    recomputed = d.part("loss_fp32").get("loss_finite") is True
+    if recomputed:
+        ev.append(Evidence(f"replay of step {x['step']}: the loss recomputed in fp32 is finite",
+                           "loss_fp32_finite", None, x["step"]))
+        text = ("The loss is non-finite in fp16 and finite in fp32, while every module output "
+                "is finite: the loss's own computation fails in low precision.")
+    else:
+        text = ("The loss is non-finite while every module output is finite: the training "
+                "code's own ops between the model's outputs and the loss, run under fp16 "
+                "autocast, made the NaN/inf. The loss is written by hand, so the replay could "
+                "not recompute it to name the op or to say whether fp32 is finite.")
+    return Finding("fp16_loss", 0.75 if recomputed else 0.6, text, ev,
+                   fixes.make(["loss_in_fp32"], f.fix_context(step=x["step"])),
+                   first_bad(x["step"], None, "loss"), priority=PRIORITY["fp16_loss"])
 
 
 def rule_loss_backward(f: Facts) -> Optional[Finding]:

@@ -294,6 +294,9 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
         return None
     if any(s["phase"] == "input" for s in f.snapshots):
         return None
+    if any(s["phase"] == "loss" and s["step"] == f.failure_step and
+           s["detail"].get("loss_nonfinite") for s in f.snapshots):
+        return None  # its replay found every module finite and the loss not: not a module's
     # The first forward overflow names the module (gradients overflow first on the way there
     # but only say where the scale was too high); else the first backward one.
     # (A parameter's .grad is left out: it can hold an inf from an earlier step.)

@@ -252,7 +252,7 @@ def _loss_or_nothing(trace: Trace) -> Culprit:
     scale = loss_info.get("grad_fp32")
     if loss_bad:
         f.summary = (f"the model output is finite but the loss ({dtype}) is not: the loss "
-                     "computation outside the model (or its targets) overflowed")
+                     "computation outside the model (or its targets) made the NaN/inf")
     elif loss_info.get("grad_nonfinite") and dtype in ("float16", "bfloat16") and scale:
         f.summary = (f"the loss is finite but the gradient arriving at it, {scale:g} (the "
                      f"loss scale), overflows {dtype}: compute the loss in float32")

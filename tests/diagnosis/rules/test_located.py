@@ -176,6 +176,24 @@ def test_an_fp16_loss_that_overflows_later_says_what_the_replay_saw():
     assert "the loss (float16) is not" in text
 
 
+def test_a_loss_made_non_finite_by_the_steps_own_fp16_ops_is_the_loss_not_a_module():
+    """Blind corpus 5: an entropy bonus -(p * log p) on an fp16 softmax, cast to fp32 at the
+    end. Probabilities underflow to 0 and 0 x -inf is NaN. The replay finds every module output
+    finite and the loss not; the sampled tier's first non-finite backward value is at the
+    model's last layer, where the loss's NaN arrives: that module is not the culprit (it was
+    unstable_op 0.5 there, with an island around it). The loss is hand-written: neither the op
+    nor fp32 is measured, and the confidence is 0.6."""
+    s = Synth(200)
+    s.skip(range(53, 200, 2), loss_nan=True)
+    _loss_snap(s, 53, loss_nonfinite=True)
+    s.sampled([100], Kind.GRAD_INPUT, "2", nonfinite=4)
+    d = verdict(s)
+    assert (d.verdict, d.confidence) == ("fp16_loss", 0.6), str(d)
+    assert d.first_bad == {"step": 53, "module": None, "phase": "loss"}
+    assert fix_ids(d)[0] == "loss_in_fp32" and "could not recompute it" in d.summary
+    assert not any(c["verdict"] == "unstable_op" for c in d.causes)
+
+
 def _loss_backward_run(loss_dtype=DType.FLOAT32):
     """Sigmoid + BCELoss saturating in fp16: skipping from step 12 on, every loss finite."""
     s = Synth(150)

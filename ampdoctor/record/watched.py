@@ -161,15 +161,12 @@ class Watched:
         matrix), the modules it flows through are all there is to replay: an input that is a
         leaf requiring grad and owned by no root, or one computed through a module adopted so
         already. ``finish_discovery`` keeps them only if an optimizer trains such a tensor."""
-        owned = {id(p) for r in self.roots for p in r.parameters()}
-        for t in tensors_in(args):
-            if not t.requires_grad:
-                continue
-            if t.is_leaf and id(t) not in owned:
-                return True
-            if not t.is_leaf and self._by_input:
-                return True
-        return False
+        grads = [t for t in tensors_in(args) if t.requires_grad]
+        if any(not t.is_leaf for t in grads) and self._by_input:
+            return True
+        leaves = {id(t) for t in grads if t.is_leaf}
+        return bool(leaves) and not leaves <= {id(p) for r in self.roots
+                                                for p in r.parameters()}
 
     def ends_discovery_call(self, module: torch.nn.Module) -> bool:
         """The root's post-hook: True when this was the call that discovered it (its kwargs

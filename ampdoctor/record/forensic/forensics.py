@@ -108,7 +108,7 @@ from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
 from .isolated import preserved
 from .kept import Kept, offload, reload, versions
-from .trace import Capture, Gone, Trace, feeds, outputs_of, rng_state, unwrap
+from .trace import Capture, Gone, Trace, feeds, outputs_of, rng_state, root_name, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -349,8 +349,7 @@ class Forensics:
         a snapshot (phase input), as a replay would have found it."""
         names = self.watched.names
         for micro, cap in enumerate(captures):
-            root_name = names.get(cap.root) or type(unwrap(cap.root)).__name__
-            trace, finding = replay.check_batch(cap, names, root_name)
+            trace, finding = replay.check_batch(cap, names, root_name(names, cap.root))
             if finding is None:
                 continue
             finding.detail["replay"] = f"off: {unsafe} runs collectives in its forward"
@@ -471,8 +470,7 @@ class Forensics:
         for micro, cap in enumerate(captures):
             for _, holder in cap.losses:
                 holder["scale"] = scale if holder.get("scaled") else None
-            root_name = _root_name(names, cap.root)
-            trace, finding = replay.explain(cap, names, root_name, self._devices,
+            trace, finding = replay.explain(cap, names, root_name(names, cap.root), self._devices,
                                             self.watched.param_names, self.strict)
             modified = versions((cap.args, cap.kwargs)) != cap.versions
             if modified:
@@ -489,7 +487,7 @@ class Forensics:
                 continue
             if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
                 if through is not None and finding.phase != Phase.LOSS:
-                    finding.detail["fed_by"] = _root_name(names, captures[through[2]].root)
+                    finding.detail["fed_by"] = root_name(names, captures[through[2]].root)
                 return trace, finding, micro
             if through is not None:
                 continue
@@ -634,10 +632,6 @@ class Forensics:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _root_name(names: dict, root: torch.nn.Module) -> str:
-    return names.get(root) or type(unwrap(root)).__name__
 
 
 def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:

@@ -84,6 +84,11 @@ class Gone:
     shape: torch.Size
 
 
+def root_name(names: dict, root: torch.nn.Module) -> str:
+    """What the recorder calls a root (its class name where it has no name of its own)."""
+    return names.get(root) or type(unwrap(root)).__name__
+
+
 def outputs_of(cap: Capture) -> list:
     """The root call's outputs: each tensor while it lives, its ``Gone`` once freed."""
     meta = cap.output_meta

@@ -43,7 +43,7 @@ from .. import stats
 from ..sampler import tensors_in
 from ..torchcompat import autocast_state
 from .losscall import Missing, bound, relation
-from .trace import Capture, autocast, outputs_of, reaches, set_rng, unwrap
+from .trace import Capture, autocast, outputs_of, reaches, root_name, set_rng, unwrap
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def rerun_chain(captures: list, t: Trial, names: dict) -> Outcome:
     if values:
         total.loss_finite = _finite(values)
         total.loss = float(sum(float(v.detach().float().sum()) for v in values))
-    cut = sorted({_name(names, captures[i].root) for i, how in fed.items() if how == "cut"})
+    cut = sorted({root_name(names, captures[i].root) for i, how in fed.items() if how == "cut"})
     if cut:
         total.note = total.note + " " if total.note else ""
         total.note += (f"the training code computed the next model's input from {', '.join(cut)}"
@@ -256,10 +256,6 @@ def _trained(captures: list) -> list:
             if x.requires_grad and x.is_leaf:
                 out.setdefault(id(x), x)
     return list(out.values())
-
-
-def _name(names: dict, root: torch.nn.Module) -> str:
-    return names.get(root) or type(unwrap(root)).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,15 +339,9 @@ class _Island:
         return _cast(output, dtype)
 
 
-def _float(value: Any, depth: int = 0) -> Any:
+def _float(value: Any) -> Any:
     """``value`` with its floating tensors in fp32, kept in the graph (unlike trace.to_fp32)."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
-    if depth < 4 and type(value) in (tuple, list):
-        return type(value)(_float(v, depth + 1) for v in value)
-    if depth < 4 and type(value) is dict:
-        return {k: _float(v, depth + 1) for k, v in value.items()}
-    return value
+    return _map(value, lambda t: t.float() if t.is_floating_point() else t)
 
 
 def _cast(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:

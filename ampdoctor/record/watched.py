@@ -188,8 +188,7 @@ class Watched:
         keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
         owned = {id(p) for m in keep for p in m.parameters()}
         if trained - owned:  # an optimizer trains a tensor outside every model: an input
-            keep += [m for m in self.roots if id(m) in self._by_input]
-            keep.sort(key=lambda m: [id(r) for r in self.roots].index(id(m)))
+            keep = [m for m in self.roots if m in keep or id(m) in self._by_input]
         if trained and keep and len(keep) < len(self.roots):
             self._root_hooks.remove()
             self.adopt_roots(keep)

@@ -216,17 +216,16 @@ class Forensics:
             return  # (a call under no_grad after it was not captured: it is not this one)
         cap = self.captures[-1]
         cap.open = False
-        cap.outputs = [weakref.ref(t) for t in tensors_in(output)]  # measured on the event only
+        outs = list(tensors_in(output))
+        cap.outputs = [weakref.ref(t) for t in outs]  # measured on the event only
         if self.watched.sharding is not None:
             return  # never replayed: its output gradients would be held for nothing
-        # Where a loss's graph ends (proofs.Prover), and what a later model's inputs may be
-        # computed from (trace.feeds); dropped with the capture at the end of the step.
-        cap.output_nodes = [t.grad_fn for t in tensors_in(output)
-                            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        # Each output's node (the loss's graph's end, what a later model's input may be made
+        # from: trace.feeds), dropped with the capture at the end of the step.
         cap.output_meta = [Gone(t.grad_fn, t.output_nr, t.shape) if t.grad_fn is not None
-                           else None for t in tensors_in(output)]
+                           else None for t in outs]
         grads = cap.grads
-        for i, t in enumerate(tensors_in(output)):
+        for i, t in enumerate(outs):
             # A leaf (a parameter handed back) would keep the hook after the step: skip it.
             if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 # The hook holds the dict and nothing else: a hook that reached the output

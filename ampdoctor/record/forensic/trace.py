@@ -70,8 +70,13 @@ class Capture:
     # singular.Read: a hand-written loss's singular ops and their inputs, held on a watched
     # step (after a loss-backward event) from before its backward to the step's end
     singular: list = field(default_factory=list)
-    output_nodes: list = field(default_factory=list)  # the outputs' grad_fn (trace.feeds)
     output_meta: list = field(default_factory=list)  # a Gone per output (None: no graph)
+
+    @property
+    def output_nodes(self) -> list:
+        """The outputs' grad_fn: where a loss's graph ends (``proofs.Prover``), and what a later
+        model's inputs may be computed from (``feeds``)."""
+        return [m.grad_fn for m in self.output_meta if m is not None]
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
         one = rerun(cap, t, names)
         if one.loss is not None:
             losses.append(one.loss)
-        total.loss_fns += [n for n in dict.fromkeys(one.loss_fns) if n not in total.loss_fns]
+        _merge(total, one)
         if total.micro < 0 and not one.finite:
             total.micro, total.first, total.finite = micro, one.first, False
             total.output_finite, total.loss_finite, total.grads = (
@@ -143,12 +143,17 @@ def rerun_step(captures: list, t: Trial, names: dict) -> Outcome:
         elif total.finite:
             total.output_finite, total.loss_finite, total.grads = (
                 one.output_finite, one.loss_finite, one.grads)
-        total.loss_dtype = total.loss_dtype or one.loss_dtype
         total.backward_from = total.backward_from or one.backward_from
-        total.note = total.note or one.note
-        total.unjudged = total.unjudged or one.unjudged
     total.loss = sum(losses) if losses else None
     return total
+
+
+def _merge(total: Outcome, one: Outcome) -> None:
+    """One call's loss functions, loss dtype and notes into a step's outcome."""
+    total.loss_fns += [n for n in dict.fromkeys(one.loss_fns) if n not in total.loss_fns]
+    total.loss_dtype = total.loss_dtype or one.loss_dtype
+    total.note = total.note or one.note
+    total.unjudged = total.unjudged or one.unjudged
 
 
 def rerun_chain(captures: list, t: Trial, names: dict) -> Outcome:
@@ -183,10 +188,7 @@ def rerun_chain(captures: list, t: Trial, names: dict) -> Outcome:
         one = Outcome(t.name)
         losses = _losses(cap, outs[micro], t, one, outs[:micro][::-1])
         values += [v for _, v in losses]
-        total.loss_fns += [n for n in dict.fromkeys(one.loss_fns) if n not in total.loss_fns]
-        total.loss_dtype = total.loss_dtype or one.loss_dtype
-        total.note = total.note or one.note
-        total.unjudged = total.unjudged or one.unjudged
+        _merge(total, one)
         used |= {micro - back for call, _ in losses for back in call.calls_used()}
         pairs += _loss_pairs(cap, losses, t, total)
     for micro, cap in enumerate(captures):

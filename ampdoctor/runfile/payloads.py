@@ -230,7 +230,7 @@ class SnapshotDetail(Payload):
     culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/)."""
 
     NAME = "a snapshot's detail"
-    VERSION = 1
+    VERSION = 2
     KEYS = {
         # the replay (findings.py, forensics.py)
         "summary": Key(str, "the finding in one sentence"),
@@ -248,6 +248,8 @@ class SnapshotDetail(Payload):
         "stale_grads": Key(dict, ".grad non-finite before the step's backward"),
         "history": Key(dict, "scale, LR and grad norm over the steps before the event"),
         "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),
+        "isolation": Key(dict, "what the replay kept from the user's code: hooks_set_aside, "
+                         "hooks_not_installed (they did not run in it), output_held_back", since=2),
         # the culprit (culprit.py, accum.py)
         "bad_inputs": Key(list, "the batch's non-finite inputs: label, counts"),
         "chain": Key(list, "the modules the non-finite value passed through"),

@@ -446,8 +446,12 @@ class Forensics:
         self.replaying = True
         try:
             # Compiled code runs eagerly here: instrumented, and never recompiled.
-            with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
-                return self._search(captures, scale, stale_check, earlier)
+            with preserved(self._roots(captures), _cuda_devices()) as isolation, \
+                    compiled.eager():
+                trace, finding, micro = self._search(captures, scale, stale_check, earlier)
+            if isolation.hooks_set_aside or isolation.hooks_not_installed:
+                finding.detail["isolation"] = isolation.as_dict()
+            return trace, finding, micro
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.strict:
                 raise

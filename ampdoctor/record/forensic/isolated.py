@@ -1,31 +1,89 @@
-"""A replay leaves no trace on the run: ``preserved`` forks the RNG of the CPU and of the
-listed CUDA devices and puts every module buffer back bit for bit (BatchNorm's running
-statistics, which a replayed forward updates). ``.grad`` and the optimizer are never touched by
-a replay in the first place (gradients are read with ``torch.autograd.grad``).
+"""A replay leaves no trace on the run, and the user's code does not see it.
+
+``preserved`` is what every replay, culprit re-run, trial and proof runs inside. It
+
+- forks the RNG of the CPU and of the listed CUDA devices;
+- puts every module buffer back bit for bit (BatchNorm's running statistics, which a
+  replayed forward updates);
+- puts back the Python-side state of every module of the roots (a call counter, an EMA kept
+  in a float or a plain tensor attribute, a list the forward appends to, an attribute it adds)
+  and what each module's ``forward`` writes outside itself that its code names: the globals
+  it assigns (``global CALLS``), the closure cells it rebinds (``nonlocal``), and the lists,
+  dicts, sets and deques it reads from its globals or closure (a module-level ``LOG.append``);
+- sets the user's hooks aside while it runs and puts them back in their order afterwards:
+  forward, backward and pre-hooks on the roots' modules, the global module hooks, the tensor
+  hooks on their parameters, and any tensor hook the user's forward registers while the
+  replay runs (it is not installed). torch's own hooks (``weight_norm``'s pre-hook computes
+  the weight the module uses) and ampdoctor's keep running: they compute, they do not record;
+- holds back what the user's code prints, logs or warns while it runs (stdout, stderr,
+  ``logging``, every warning however it is shown) and leaves the ``warnings`` registries as
+  they were, so that a warning the replay raised is not taken as already shown when the
+  training raises it.
+
+``.grad`` and the optimizer are never touched by a replay in the first place (gradients are
+read with ``torch.autograd.grad``). What it yields (``Isolation``) counts what was set aside
+and held back; a snapshot's detail carries it (``isolation``), so a diagnosis can say that a
+hook that changes values (a gradient reversal written as a tensor hook) did not run in the
+replay.
+
+What it cannot see: state written by a function the forward calls (other than through the
+objects above), files and sockets written directly, and C-level state. A forward whose side
+effects go there still runs again in a replay.
 
 Example (what ``Forensics`` wraps every replay and re-run in)::
 
-    with preserved(roots, devices=[0]):
+    with preserved(roots, devices=[0]) as isolation:
         trace.run()
+    isolation.hooks_set_aside   # user hooks that did not run
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Iterator
+import copy
+import dis
+import functools
+import inspect
+import logging
+import sys
+import types
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
 
 import torch
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class Isolation:
+    """What a replay kept from the user's code: hooks that did not run, hooks its forward
+    registered that were not installed, characters of output held back."""
+
+    hooks_set_aside: int = 0
+    hooks_not_installed: int = 0
+    output_held_back: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @contextlib.contextmanager
-def preserved(roots: list, devices: list) -> Iterator[None]:
-    """Fork the RNG of the CPU and the listed CUDA devices; restore module buffers."""
-    saved = saved_buffers([m for root in roots for m in root.modules()])
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            restore_buffers(saved)
+def preserved(roots: list, devices: list) -> Iterator[Isolation]:
+    """Fork the RNG of the CPU and the listed CUDA devices; restore module buffers and the
+    modules' Python state; set the user's hooks aside and hold back their output."""
+    modules = list({id(m): m for root in roots for m in root.modules()}.values())
+    isolation = Isolation()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.callback(restore_buffers, saved_buffers(modules))
+        stack.enter_context(_python_state(modules))
+        stack.enter_context(_hooks_aside(modules, isolation))
+        stack.enter_context(_no_user_tensor_hooks(isolation))
+        stack.enter_context(_quiet(isolation))
+        yield isolation
 
 
 def saved_buffers(modules: list, *, empty: bool = False) -> list:
@@ -60,3 +118,290 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     except RuntimeError:
         return False
+
+
+# -- the modules' Python state -----------------------------------------------------------------
+
+# Attributes torch keeps on every module: the parameters, buffers, submodules and hook dicts
+# have their own restore (buffers) or are set aside (hooks); they are never rebound here.
+_TORCH_OWN = frozenset(k for k, v in vars(torch.nn.Module()).items() if isinstance(v, dict))
+_CONTAINERS = (list, dict, set, collections.deque, bytearray)
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _python_state(modules: list) -> Iterator[None]:
+    """Put back every module's attributes (rebound, added, or changed in place) and the
+    globals and closure cells its forward's own code writes or mutates."""
+    saved = [_Namespace(vars(m)) for m in modules]
+    for m in modules:
+        saved.extend(_forward_namespaces(m))
+    try:
+        yield
+    finally:
+        for ns in saved:
+            ns.restore()
+
+
+class _Namespace:
+    """One dict of names (a module's ``__dict__``, a function's globals), saved for the names
+    ``only`` lists (all but torch's own when None): each value's identity, and the contents
+    of a container or a plain tensor, put back in place so that whoever else holds the same
+    object sees it unchanged."""
+
+    def __init__(self, names: dict, only: Any = None):
+        self.names, self.only = names, only
+        keys = [k for k in names if k not in _TORCH_OWN] if only is None else \
+            [k for k in only]
+        self.values = {k: names.get(k, _MISSING) for k in keys}
+        self.contents = {k: c for k, v in self.values.items()
+                         if (c := _contents(v)) is not None}
+
+    def restore(self) -> None:
+        if self.only is None:
+            for k in [k for k in self.names if k not in self.values and k not in _TORCH_OWN]:
+                del self.names[k]  # an attribute the replay added
+        for k, v in self.values.items():
+            if v is _MISSING:
+                self.names.pop(k, None)
+                continue
+            self.names[k] = v
+            if k in self.contents:
+                _put_back(v, self.contents[k])
+
+
+def _contents(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().clone()
+    if isinstance(value, _CONTAINERS):
+        return copy.copy(value)
+    return None
+
+
+def _put_back(obj: Any, saved: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        if not same_bits(obj, saved):
+            with torch.no_grad():
+                obj.copy_(saved)
+    elif isinstance(obj, (dict, set, collections.deque)):
+        obj.clear()
+        obj.update(saved) if not isinstance(obj, collections.deque) else obj.extend(saved)
+    else:  # list, bytearray
+        obj[:] = saved
+
+
+class _Cells:
+    """A function's closure cells, saved and put back (``nonlocal`` rebinds one)."""
+
+    def __init__(self, cells: tuple):
+        self.cells = cells
+        self.values = [_cell_value(c) for c in cells]
+        self.contents = [_contents(v) for v in self.values]
+
+    def restore(self) -> None:
+        for cell, value, content in zip(self.cells, self.values, self.contents):
+            if value is _MISSING:
+                continue
+            cell.cell_contents = value
+            if content is not None:
+                _put_back(value, content)
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _forward_namespaces(module: torch.nn.Module) -> list:
+    """The globals a module's forward assigns or whose containers it reads, and its closure
+    cells, each saved (``_Namespace``, ``_Cells``)."""
+    fn = _function(getattr(module, "forward", None))
+    if fn is None:
+        return []
+    stores, loads = _global_names(fn.__code__)
+    names = [n for n in loads if isinstance(fn.__globals__.get(n), _CONTAINERS)]
+    out: list = [_Namespace(fn.__globals__, only=sorted(set(stores) | set(names)))]
+    if fn.__closure__:
+        out.append(_Cells(fn.__closure__))
+    return out
+
+
+def _function(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(getattr(fn, "__func__", fn)) if fn is not None else None
+    fn = getattr(fn, "__func__", fn)
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[tuple, tuple]:
+    """(globals assigned, globals read) by ``code`` and the functions nested in it."""
+    stores: list = []
+    loads: list = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.append(ins.argval)
+        elif ins.opname == "LOAD_GLOBAL":
+            loads.append(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            inner = _global_names(const)
+            stores.extend(inner[0])
+            loads.extend(inner[1])
+    return tuple(dict.fromkeys(stores)), tuple(dict.fromkeys(loads))
+
+
+# -- the user's hooks ---------------------------------------------------------------------------
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                 "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+@contextlib.contextmanager
+def _hooks_aside(modules: list, isolation: Isolation) -> Iterator[None]:
+    """Take the user's hooks out of every hook dict the replay would call, in place (a tensor's
+    hook dict is held by autograd itself), and put them back in their order afterwards."""
+    dicts = [getattr(m, name) for m in modules for name in _MODULE_HOOKS]
+    dicts += [getattr(module_hooks, name) for name in _GLOBAL_HOOKS]
+    dicts += [p._backward_hooks for m in modules for p in m.parameters(recurse=False)
+              if p._backward_hooks]
+    aside = []
+    for hooks in dicts:
+        users = [k for k, hook in hooks.items() if _users(hook)]
+        if users:
+            aside.append((hooks, list(hooks.items()), users))
+            for k in users:
+                del hooks[k]
+            isolation.hooks_set_aside += len(users)
+    try:
+        yield
+    finally:
+        for hooks, items, users in aside:
+            _put_hooks_back(hooks, items, users)
+
+
+def _put_hooks_back(hooks: dict, items: list, users: list) -> None:
+    """The saved order, with any hook added since (and still there) after it."""
+    now = dict(hooks)
+    hooks.clear()
+    for k, hook in items:
+        if k in users or k in now:
+            hooks[k] = hook
+    for k, hook in now.items():
+        if k not in hooks:
+            hooks[k] = hook
+
+
+def _users(hook: Any) -> bool:
+    """A hook that is neither torch's nor ampdoctor's: the user's code (or a library's)."""
+    owner = _owner(hook)
+    return not (owner == "torch" or owner.startswith(("torch.", "ampdoctor.")))
+
+
+def _owner(hook: Any) -> str:
+    fn = hook
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__module__", None)
+    if not isinstance(owner, str):
+        owner = type(fn).__module__
+    return owner or ""
+
+
+@contextlib.contextmanager
+def _no_user_tensor_hooks(isolation: Isolation) -> Iterator[None]:
+    """A tensor hook the user's code registers while the replay runs (a forward that collects
+    its activations' gradients) gets a handle and is not installed; torch's and ampdoctor's
+    own are."""
+    original = torch.Tensor.register_hook
+
+    def register_hook(self: torch.Tensor, hook: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "torch" or caller.startswith(("torch.", "ampdoctor.")):
+            return original(self, hook)
+        isolation.hooks_not_installed += 1
+        return RemovableHandle(collections.OrderedDict())
+
+    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+
+# -- the user's output --------------------------------------------------------------------------
+
+
+class _Sink:
+    """Stands in for stdout and stderr during a replay: the user's text is counted and held
+    back; ampdoctor's own warnings go through to the real stream."""
+
+    def __init__(self, through: Any):
+        self.through, self.held = through, 0
+
+    def write(self, text: str) -> int:
+        if "ampdoctor" in text:
+            return self.through.write(text)
+        self.held += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _quiet(isolation: Isolation) -> Iterator[None]:
+    """Hold back the user's printed and logged output; leave the warnings registries as they
+    were (a warning shown in the replay would otherwise count as shown for the training)."""
+    sink = _Sink(sys.stderr)
+    registries = _warning_registries()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    show = getattr(warnings, "_showwarnmsg", None)
+
+    def held(message: Any) -> None:
+        # where every warning is shown, the C implementation's included: a user's
+        # showwarning, logging.captureWarnings or catch_warnings(record=True) sees none
+        if show is not None and "ampdoctor" in str(message.message):
+            show(message)
+        else:
+            sink.held += len(str(message.message))
+
+    warnings._showwarnmsg = held  # type: ignore[attr-defined]
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):  # type: ignore[type-var]
+            yield
+    finally:
+        warnings._showwarnmsg = show  # type: ignore[attr-defined]
+        logging.disable(disabled)
+        _restore_registries(registries)
+        isolation.output_held_back = sink.held
+
+
+def _warning_registries() -> dict:
+    once = getattr(warnings, "onceregistry", {})
+    out: dict[Any, tuple] = {None: (once, dict(once))}
+    for name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        registry = namespace.get("__warningregistry__") if isinstance(namespace, dict) else None
+        if isinstance(registry, dict):
+            out[name] = (registry, dict(registry))
+    return out
+
+
+def _restore_registries(saved: dict) -> None:
+    for registry, content in saved.values():
+        if registry != content:
+            registry.clear()
+            registry.update(content)
+    for name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if isinstance(namespace, dict) and name not in saved and \
+                "__warningregistry__" in namespace:
+            del namespace["__warningregistry__"]  # made by a warning in the replay

@@ -40,7 +40,7 @@ def notes(f: Any, top: Finding) -> list[str]:
     # a sharded (FSDP) run: per-shard numbers, replay off
 
     out += ranks.sharding_notes(f.meta, f.steps)
-    out += _compiled_notes(f)
+    out += _compiled_notes(f) + _isolation_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
                    "not recorded.")
@@ -161,6 +161,22 @@ def _applied_notes(f: Any) -> list[str]:
             out.append(f"--apply fp32_island: {name} was left as it was: {why} (only "
                        "model.float() in the code makes it an island).")
     return out
+
+
+def _isolation_notes(f: Any) -> list[str]:
+    """A replay that ran without the user's hooks and did not repeat the failure, or found
+    nothing: a hook that changes values did not act in it."""
+    for s in f.snapshots:
+        iso = s["detail"].get("isolation") or {}
+        unlocated = s["phase"] in ("none", "unknown") or s["detail"].get("reproduced") is False
+        aside = int(iso.get("hooks_set_aside") or 0) + int(iso.get("hooks_not_installed") or 0)
+        if aside and unlocated:
+            return [f"The replay of step {s['step']} ran without the user's "
+                    f"{count(aside, 'hook')} (a replay never runs the user's hooks, so that "
+                    "it cannot change what the training sees): a hook that changes values, "
+                    "such as a gradient reversal or a clamp written as a hook, did not act "
+                    "in it, which may be why it did not find the failure."]
+    return []
 
 
 def _compiled_notes(f: Any) -> list[str]:

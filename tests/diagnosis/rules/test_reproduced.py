@@ -41,6 +41,22 @@ def test_a_failure_the_replay_does_not_reproduce_is_the_machine():
     assert "batch held" not in texts + d.summary  # no batch is blamed: the replay found it finite
 
 
+@pytest.mark.parametrize("hooks", [0, 2])
+def test_a_replay_run_without_the_users_hooks_says_so_where_it_found_nothing(hooks):
+    """The replay sets the user's hooks aside (record/forensic/isolated.py): where it did not
+    repeat the failure, a hook that changes values may be why, and the notes say so."""
+    s = Synth(60)
+    isolation = {"hooks_set_aside": hooks, "hooks_not_installed": 0, "output_held_back": 0}
+    for step in (12, 30, 48):
+        s.skip([step], loss_nan=True)
+        s.snapshot(step, "none", **UNREPRODUCED, isolation=isolation)
+    d = verdict(s)
+    said = [n for n in d.notes if "ran without the user's" in n]
+    assert len(said) == (1 if hooks else 0)
+    if hooks:
+        assert "step 12 ran without the user's 2 hooks" in said[0]
+
+
 def test_the_machine_fixes_name_the_recorded_command_and_the_device_kind():
     ctx = fixes.Context(device="cuda", rank=3, step=12, argv=["pretrain.py", "--lr", "3e-4"],
                         world_size=8)

@@ -9,7 +9,8 @@ guarantees); the others are its own parts. Importing this package imports nothin
 - ``findings``: what the tier reports: ``ForensicEvent``, ``ReplayResult``, ``TraceRow``
 - ``snapshot``: a replay's findings written to the run file (/snapshots, /stats, /arrays)
 - ``kept``: CPU copies of a replayed event's micro-batches, for ``rec.replay(step)`` later
-- ``isolated``: a replay leaves no trace: RNG forked, module buffers put back bit for bit
+- ``isolated``: a replay leaves no trace: RNG forked, module buffers and Python state put
+  back, the user's hooks set aside and their output held back
 - ``trace``: the instrumented pass: a captured root call re-run with every module measured
 - ``culprit``: who went non-finite first, decided over a ``Trace`` (the ``Culprit``)
 - ``replay``: the replay: one captured root call re-run instrumented, its culprit named

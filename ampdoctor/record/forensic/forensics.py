@@ -50,7 +50,9 @@ disarms: no capture, no sync. A run that skips every step thus costs a handful o
 **No observer effect.** A replay forks the RNG of the CPU and of every initialised CUDA
 device, restores every module buffer it changed bit for bit (BatchNorm running statistics),
 reads gradients with ``torch.autograd.grad`` only (``.grad`` and the optimizer state are never
-written) and never runs the DDP/compile wrapper, only the module inside.
+written) and never runs the DDP/compile wrapper, only the module inside. The user's code does
+not see it: the user's hooks are set aside, the modules' Python state is put back and their
+output held back (``isolated.py``).
 
 **What is kept** (``snapshot.py``). Each replay writes a /snapshots row (culprit, phase,
 fp32 verdict, scale, LR, and in its detail JSON the culprit's statistics in both precisions and

@@ -694,3 +694,26 @@ def test_record_and_rank_merging_never_import_torch(tmp_path):
     assert "first bad at step 0 on rank 1" in proc.stdout
 
 
+
+
+@pytest.mark.slow
+def test_user_code_with_state_and_hooks_trains_the_same_recorded(tmp_path):
+    """A script whose model counts its calls (a warm-up keyed on them), keeps a Python-side
+    EMA and appends to lists, with a forward hook collecting statistics, a printing backward
+    hook, a tensor hook registered in the forward and a warning: two overflowing steps are
+    replayed and their fixes tried, and the script prints exactly what it prints unrecorded
+    (each loss in float.hex, the scale, the user state, the weights), warning included."""
+    command = [PYTHON, example("train_stateful.py")]
+    plain = subprocess.run(command, cwd=tmp_path, env=python_env(), capture_output=True,
+                           text=True, timeout=300)
+    recorded = record(["-o", "run.h5", "--", *command], tmp_path)
+    assert plain.returncode == recorded.returncode == 0, recorded.stderr
+    assert "step 5 loss nan" in plain.stdout and "calls 14 14 history 14" in plain.stdout
+    assert recorded.stdout == plain.stdout
+    theirs = [line for line in recorded.stderr.splitlines() if not line.startswith("ampdoctor:")]
+    assert theirs == plain.stderr.splitlines()
+    assert plain.stderr.count("UserWarning: activations are growing") == 1
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        details = [json.loads(s["detail"]) for s in run.snapshots]
+    assert details and all(d["isolation"]["hooks_set_aside"] >= 2 for d in details)
+    assert all(d["isolation"]["hooks_not_installed"] >= 1 for d in details)

@@ -164,8 +164,15 @@ def _applied_notes(f: Any) -> list[str]:
 
 
 def _isolation_notes(f: Any) -> list[str]:
-    """A replay that ran without the user's hooks and did not repeat the failure, or found
-    nothing: a hook that changes values did not act in it."""
+    """A replay refused because the model's code would have written outside the run; one that
+    ran without the user's hooks and did not repeat the failure, or found nothing: a hook that
+    changes values did not act in it."""
+    refused = [s for s in f.snapshots
+               if str(s["detail"].get("replay_error") or "").startswith("SideEffect: ")]
+    if refused:
+        why = str(refused[0]["detail"]["replay_error"])[len("SideEffect: "):]
+        return [f"Step {refused[0]['step']} was not replayed: {why}. Move that write out of the "
+                "model's forward (or into a hook) to let ampdoctor locate the failure."]
     for s in f.snapshots:
         iso = s["detail"].get("isolation") or {}
         unlocated = s["phase"] in ("none", "unknown") or s["detail"].get("reproduced") is False

@@ -25,7 +25,7 @@ from ampdoctor.runfile import schema, store
 from ampdoctor.runfile.schema import DType, Event, Kind, Phase, Source, flag
 
 PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "input": Phase.INPUT,
-         "loss": Phase.LOSS, "none": Phase.NONE}
+         "loss": Phase.LOSS, "none": Phase.NONE, "unknown": Phase.UNKNOWN}
 
 
 class Synth:

@@ -57,6 +57,17 @@ def test_a_replay_run_without_the_users_hooks_says_so_where_it_found_nothing(hoo
         assert "step 12 ran without the user's 2 hooks" in said[0]
 
 
+def test_a_replay_refused_for_a_write_outside_the_run_says_so():
+    s = Synth(60)
+    s.skip([12], loss_nan=True)
+    s.snapshot(12, "unknown", replay_error="SideEffect: the model's code tried to open "
+               "'model.log' for writing while ampdoctor replayed its step; a replay never "
+               "changes anything outside the run, so this step was not replayed")
+    d = verdict(s)
+    said = [n for n in d.notes if n.startswith("Step 12 was not replayed")]
+    assert said and "'model.log' for writing" in said[0] and "Move that write" in said[0]
+
+
 def test_the_machine_fixes_name_the_recorded_command_and_the_device_kind():
     ctx = fixes.Context(device="cuda", rank=3, step=12, argv=["pretrain.py", "--lr", "3e-4"],
                         world_size=8)

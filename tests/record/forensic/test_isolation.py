@@ -194,3 +194,62 @@ def test_torch_s_own_hooks_still_run_in_a_replay():
     with preserved([lin], devices=[]):
         again = lin(x)
     assert not torch.allclose(expected, again)
+
+
+class Logging(nn.Module):
+    """Writes a line to its own log file on every call: a replay cannot put that back."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+        self.body = nn.Sequential(nn.Linear(8, 16), FastExp())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with open(self.path, "a") as f:
+            f.write("call\n")
+        return self.head(self.body(x))
+
+
+def test_a_replay_that_would_write_a_file_is_refused_and_says_so(tmp_path):
+    log = tmp_path / "model.log"
+    model = make(Logging, str(log), seed=0)
+    sc = scaler(2.0**10)
+    data = batches(6, seed=1)
+    data[3] = (data[3][0] * 40, data[3][1])
+    with ampdoctor.watch(model, model.opt, sc, path=str(tmp_path / "run.h5"), every=0) as rec:
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            sc.scale(loss).backward()
+            sc.step(model.opt)
+            sc.update()
+            model.opt.zero_grad(set_to_none=True)
+    assert log.read_text().count("call") == len(data)  # the real calls only
+    event = next(e for e in rec.events if e.step == 3)
+    error = event.result.detail.get("replay_error", "")
+    assert "SideEffect" in error and "model.log" in error and "not replayed" in error
+    notes = ampdoctor.diagnose(str(tmp_path / "run.h5")).notes
+    assert any(n.startswith("Step 3 was not replayed: the model's code tried to open")
+               for n in notes), notes
+    # other threads are not the replay's: they write as they like meanwhile
+    assert isolated_thread_writes(tmp_path)
+
+
+def isolated_thread_writes(tmp_path):
+    """A thread other than the replay's writes a file while a replay runs."""
+    import threading
+
+    done = []
+
+    def write():
+        (tmp_path / "other.txt").write_text("ok")
+        done.append(True)
+
+    with preserved([nn.Linear(2, 2)], devices=[]):
+        t = threading.Thread(target=write)
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError, match="for writing"):
+            open(tmp_path / "refused.txt", "w")
+    return done == [True] and not (tmp_path / "refused.txt").exists()

@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..errors import AmpDoctorError
+from ..errors import AmpDoctorError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, objectives, proofs, ranks, rankview
+from . import forecast, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
@@ -108,16 +108,19 @@ def paths_rank(path: str) -> Optional[int]:
 
 
 def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] = None,
-                   full: bool = False) -> Diagnosis:
+                   full: bool = False, nodes: bool = True) -> Diagnosis:
     """Diagnose the rank files of one run together; returns one ``Diagnosis``.
 
-    Each rank's ``/summary`` is read (a few milliseconds a file), and only the ranks that matter
-    are read in full, one at a time (``job.chosen``: where a value went non-finite first, and
-    a few whose loss scale or skip count disagrees), so time and memory stay small for a
-    thousand ranks. A file without a usable summary (format 1, a flush cut short) is read in
-    full for its part. ``full=True`` reads and diagnoses every rank (the reference the fast
-    path is tested against, and ``benchmarks/scale_diagnose.py`` times): the same verdict,
-    first bad step and rank.
+    Each rank's summary is read from its node summary (``runfile/nodes.py``: one small file
+    per node, where one is there and no older than the rank's file), else from the rank
+    file's own ``/summary`` (a few milliseconds a file), and only the ranks that matter are
+    read in full, one at a time (``job.chosen``: where a value went non-finite first, and a
+    few whose loss scale or skip count disagrees), so time and memory stay small for
+    thousands of ranks. A file without a usable summary (format 1, a flush cut short) is read
+    in full for its part; one that cannot be read at all (cut short, not a run file) is left
+    out, and a note names it. ``full=True`` reads and diagnoses every rank (the reference the
+    fast path is tested against, and ``benchmarks/scale_diagnose.py`` times): the same
+    verdict, first bad step and rank. ``nodes=False`` passes the node summaries over.
 
     Example::
 
@@ -127,8 +130,8 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     paths = list(paths)
     if full:
         return _diagnose_all(paths, rules)
-    facts = [_facts(p) for p in paths]
-    facts.sort(key=lambda f: f.rank)
+    found = _node_summaries(paths, nodes)
+    facts, left_out = _all_facts(paths, found)
     ranks.read_own_flags([f.outline for f in facts], ranks.own_flag_in_file)
     chosen = job.chosen(facts, job.base_rank(facts))
     shares = _norm_shares(facts)
@@ -142,15 +145,38 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
     d = ranks.merge(per_rank, divergence=scales, scaled=any(f.scaled for f in facts))
     _job_notes(d, facts, read, shares)
+    d.notes += jobfiles.notes(found, left_out, len(paths))
     d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales, full=read)
     return d
 
 
-def _facts(path: str) -> job.RankFacts:
-    """One rank from its summary; from the file itself where it has none to trust."""
+def _node_summaries(paths: list[str], use: bool) -> Any:
+    from ..runfile import nodes
+
+    return nodes.lookup(paths) if use and len(paths) > 1 else nodes.Found()
+
+
+def _all_facts(paths: list[str], found: Any) -> tuple[list[job.RankFacts], list[str]]:
+    """Every rank's facts, by rank, and why each file left out could not be read (one file
+    cut short must not stop the diagnosis of the others)."""
+    facts, left_out = [], []
+    for p in paths:
+        try:
+            facts.append(_facts(p, found.summaries.get(p)))
+        except RunFileError as exc:
+            left_out.append(str(exc))
+    if not facts:
+        raise RunFileError(left_out[0])
+    facts.sort(key=lambda f: f.rank)
+    return facts, left_out
+
+
+def _facts(path: str, known: Any = None) -> job.RankFacts:
+    """One rank from its summary (its node summary's, or its own); from the file itself
+    where it has none to trust."""
     from ..runfile.store import load, summary
 
-    s = summary.read(path)
+    s = known if known is not None else summary.read(path)
     if s is not None:
         return job.from_summary(s)
     with load(path) as run:

@@ -1,9 +1,13 @@
 """Run file names: one recording may write several files (``run.h5``, ``run.rank{R}.h5`` per
-rank, ``run.pid{P}.h5`` per extra process). Standard library only.
+rank, ``run.pid{P}.h5`` per extra process), and a job's nodes one node summary each
+(``run.node{R}.json``, named for the lowest rank it holds: ``runfile/nodes.py``). A node
+summary is JSON, not HDF5, and ends in ``.json``: no reader that looks for run files (every
+one globs ``run.rank*.h5``) can take it for one. Standard library only.
 
 Example::
 
     paths.rank_path("out/run.h5", 1)    # "out/run.rank1.h5"
+    paths.node_path("out/run.h5", 8)    # "out/run.node8.json"
     paths.resolve("out/run.h5")          # ["out/run.h5"], or its rank files when it is absent
 """
 
@@ -24,6 +28,22 @@ def pid_path(path: str, pid: int) -> str:
     """Where a second training process of one recording writes: ``run.pid4242.h5``."""
     stem, ext = os.path.splitext(os.fspath(path))
     return f"{stem}.pid{pid}{ext}"
+
+
+def node_path(path: str, rank: int) -> str:
+    """The node summary holding ranks from ``rank`` on: ``node_path("out/run.h5", 8) ==
+    "out/run.node8.json"``."""
+    stem, _ = os.path.splitext(os.fspath(path))
+    return f"{stem}.node{rank}{NODE_EXT}"
+
+
+NODE_EXT = ".json"
+
+
+def node_files(path: str) -> list[str]:
+    """The ``run.node{R}.json`` files beside ``path``, ordered by their lowest rank."""
+    stem, _ = os.path.splitext(os.fspath(path))
+    return _siblings(stem + NODE_EXT, "node")
 
 
 def rank_files(path: str) -> list[str]:

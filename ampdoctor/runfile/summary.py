@@ -254,6 +254,9 @@ class RankSummary:
     sampled: Optional[dict] = None
     stopped: Optional[dict] = None
     scale_points: Optional[list] = field(default=None, repr=False)
+    # The writer's host, pid and creation time where the status depends on whether it still
+    # runs ("running", "interrupted"): a node summary (``nodes.py``) asks again when read.
+    writer: Optional[dict] = field(default=None, repr=False)
 
 
 def read(path: str | os.PathLike) -> Optional[RankSummary]:
@@ -313,6 +316,8 @@ def _decode(path: str, f: h5py.File, live: bool) -> Optional[RankSummary]:
                                                          r["scale_value"][:n].tolist())]
         if n <= schema.SCALE_POINTS else None)
     _names(path, f, r, out, live)
+    if status in ("running", "interrupted"):
+        out.writer = root_attrs(f, LIVENESS_ATTRS)
     return out
 
 

@@ -128,6 +128,25 @@ def dump(run: str) -> None:
 
 @cli.command()
 @click.argument("run", type=click.Path(dir_okay=True))
+def index(run: str) -> None:
+    """Write node summaries for a job's rank files that have none, so diagnose reads them fast.
+
+    Each node's `ampdoctor record` writes one node summary (run.node{R}.json: its ranks'
+    summaries) as its ranks flush and at exit. A node that stopped first, or files recorded by
+    an older ampdoctor, leave none: then `diagnose` reads every rank file's own summary, a few
+    milliseconds each. This writes them, 8 ranks a file. Running it again writes nothing new.
+
+    \b
+        ampdoctor index run.h5          # run.rank{R}.h5 beside it
+    """
+    from .render.nodes import render_indexed
+    from .runfile import nodes
+
+    click.echo(render_indexed(nodes.index(run)))
+
+
+@cli.command()
+@click.argument("run", type=click.Path(dir_okay=True))
 @click.option("--baseline", type=click.Path(dir_okay=True), default=None,
               help="An fp32 (or bf16) run of the same training: adds the fp32 parity section.")
 @click.option("-o", "--output", default=None, metavar="FILE",

@@ -229,7 +229,8 @@ def index(path: str) -> Indexed:
     ``RANKS_PER_NODE`` a file, each named for its lowest rank; a node summary of that name
     already there keeps its own ranks too. Running it again writes nothing.
 
-    Raises ``RunFileError`` when ``path`` has no rank files, ``OSError`` where it cannot write.
+    Raises ``RunFileError`` when ``path`` has no rank files or a node summary cannot be
+    written.
 
     Example::
 
@@ -249,7 +250,10 @@ def index(path: str) -> Indexed:
         kept = [e for e in (entry(p) for p in _kept(node, group)) if e is not None]
         out.unreadable += len(group) - len(mine)
         if mine:
-            dump(node, kept + mine)
+            try:
+                dump(node, kept + mine)
+            except OSError as exc:
+                raise RunFileError(f"cannot write {node}: {exc.strerror or exc}") from None
             out.written.append(node)
             out.entries += len(mine)
     return out

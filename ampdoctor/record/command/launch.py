@@ -46,7 +46,7 @@ from ...errors import RecordError, RunFileError
 from ...runfile import paths, store
 from .. import prescription
 from ..prescription import Prescription
-from . import written
+from . import keeper, written
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
@@ -165,8 +165,9 @@ def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
 
 
 def clear_output(path: str) -> None:
-    """``--force``: remove the runs a previous recording left under this name."""
-    for old in paths.related_files(path):
+    """``--force``: remove the runs a previous recording left under this name, and its node
+    summaries (named so that nothing else is: ``run.node{R}.json``)."""
+    for old in paths.related_files(path) + paths.node_files(path):
         try:
             os.unlink(old)
         except OSError as exc:
@@ -220,7 +221,8 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
         try:
             if not quiet:
                 _say(start_line(settings))
-            code = run_command(command, child_env(settings, environ))
+            with keeper.Keeper(settings):  # this node's summary, for a faster diagnose
+                code = run_command(command, child_env(settings, environ))
             if not quiet:
                 _say(summary(settings))
         finally:

@@ -52,7 +52,7 @@ def notes(found: Any, left_out: list[str], files: int) -> list[str]:
     return out
 
 
-def _ranks(files: list[str]) -> str:
+def _ranks(files: Any) -> str:
     known = sorted(r for r in (_rank(p) for p in files) if r is not None)
     return ranks.ranks_text(known, limit=8) if known else f"{len(files)} rank files"
 

@@ -161,7 +161,7 @@ class Found:
 
     summaries: dict[str, summary.RankSummary] = field(default_factory=dict)  # path -> fresh
     nodes: list[str] = field(default_factory=list)  # the node summaries read
-    stale: list[str] = field(default_factory=list)  # rank files newer than their entry
+    stale: dict[str, str] = field(default_factory=dict)  # rank file newer than its entry -> node
     missing: dict[str, str] = field(default_factory=dict)  # listed rank file gone -> node
     unreadable: list[str] = field(default_factory=list)  # node summaries passed over: why
 
@@ -200,12 +200,13 @@ def _take(node: str, wanted: dict[str, str], out: Found) -> None:
         if path in out.summaries:
             continue
         if not fresh(e, path):
-            out.stale.append(path)
+            out.stale.setdefault(path, node)
             continue
         s = decode(e, path)
         if s is not None:
             out.summaries[path] = s
-    out.stale = [p for p in dict.fromkeys(out.stale) if p not in out.summaries]
+    for p in [p for p in out.stale if p in out.summaries]:  # fresh in another node summary
+        del out.stale[p]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,9 +226,10 @@ class Indexed:
 
 
 def index(path: str) -> Indexed:
-    """Write node summaries for the rank files of ``path`` that no fresh one holds, up to
-    ``RANKS_PER_NODE`` a file, each named for its lowest rank; a node summary of that name
-    already there keeps its own ranks too. Running it again writes nothing.
+    """Write node summaries for the rank files of ``path`` that no fresh one holds: a node
+    summary older than some of its ranks' files is written again, and the ranks none holds get
+    new ones, up to ``RANKS_PER_NODE`` a file, each named for its lowest rank (one of that
+    name already there keeps its own ranks too). Running it again writes nothing.
 
     Raises ``RunFileError`` when ``path`` has no rank files or a node summary cannot be
     written.
@@ -243,20 +245,31 @@ def index(path: str) -> Indexed:
     found = lookup(files)
     todo = [p for p in files if p not in found.summaries]
     out = Indexed(path=path, ranks=len(files), covered=len(files) - len(todo))
+    # A node summary older than some of its ranks' files is written again, whole ...
+    for node in dict.fromkeys(found.stale.values()):
+        group = [p for p in todo if found.stale.get(p) == node]
+        _index(out, node, group)
+    # ... and the ranks no node summary holds get new ones, RANKS_PER_NODE a file.
+    todo = [p for p in todo if p not in found.stale]
     for i in range(0, len(todo), RANKS_PER_NODE):
         group = todo[i:i + RANKS_PER_NODE]
-        node = paths.node_path(path, _rank(group[0]))
-        mine = [e for e in (entry(p) for p in group) if e is not None]
-        kept = [e for e in (entry(p) for p in _kept(node, group)) if e is not None]
-        out.unreadable += len(group) - len(mine)
-        if mine:
-            try:
-                dump(node, kept + mine)
-            except OSError as exc:
-                raise RunFileError(f"cannot write {node}: {exc.strerror or exc}") from None
-            out.written.append(node)
-            out.entries += len(mine)
+        _index(out, paths.node_path(path, _rank(group[0])), group)
     return out
+
+
+def _index(out: Indexed, node: str, group: list[str]) -> None:
+    """Write ``node`` with ``group``'s entries and those it already holds for other files."""
+    mine = [e for e in (entry(p) for p in group) if e is not None]
+    kept = [e for e in (entry(p) for p in _kept(node, group)) if e is not None]
+    out.unreadable += len(group) - len(mine)
+    if not mine:
+        return
+    try:
+        dump(node, kept + mine)
+    except OSError as exc:
+        raise RunFileError(f"cannot write {node}: {exc.strerror or exc}") from None
+    out.written.append(node)
+    out.entries += len(mine)
 
 
 def _rank(path: str) -> int:

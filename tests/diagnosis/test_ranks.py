@@ -19,7 +19,7 @@ import ampdoctor
 from ampdoctor import cli
 from ampdoctor.diagnosis import engine, job, ranks
 from ampdoctor.record.command import launch, written
-from ampdoctor.runfile import paths, schema, store, summary
+from ampdoctor.runfile import nodes, paths, schema, store, summary
 from ampdoctor.runfile.schema import Kind
 
 
@@ -279,6 +279,110 @@ def test_fast_path_reads_one_rank_at_a_time(tmp_path, monkeypatch):
 # The rank view, and one rank's own diagnosis
 
 
+# ---------------------------------------------------------------------------------------------
+# Node summaries: one small file per node read in place of its ranks' own summaries
+
+
+def node_job(tmp_path, n=20, bad=13):
+    """A job of ``n`` ranks whose NaN is born on rank ``bad`` at step 40, the others only
+    receiving it; its node summaries written by ``ampdoctor index``'s call."""
+    runs = {r: received() for r in range(n)}
+    runs[bad] = Synth(60).skip([40], loss_nan=True)
+    runs[bad].snapshot(40, "forward", "blocks.3.mlp", "MLP", fp32_finite=1)
+    runs[3] = Synth(60).skip([40]).skip([52])  # a rank whose skips disagree: read in full
+    files = job_files(tmp_path, runs)
+    assert len(nodes.index(str(tmp_path / "run.h5")).written) == (n + 7) // 8
+    return files
+
+
+def counted_reads(monkeypatch):
+    """The rank files whose own /summary was read."""
+    real, read = summary.read, []
+
+    def counting(path):
+        read.append(engine.paths_rank(path))
+        return real(path)
+    monkeypatch.setattr(summary, "read", counting)
+    return read
+
+
+def test_node_summaries_give_the_full_reads_answer_reading_no_rank_summary(tmp_path,
+                                                                          monkeypatch):
+    files = node_job(tmp_path)
+    full = engine.diagnose_files(files, full=True)
+    read = counted_reads(monkeypatch)
+    fast = engine.diagnose_files(files)
+    assert_same(fast, full)
+    assert read == [] and fast.first_bad["rank"] == 13 and fast.first_bad["step"] == 40
+    assert fast.rank_view["read_in_full"][:2] == [13, 3]
+    alone = engine.diagnose_files(files, nodes=False)  # each rank's own summary: the same
+    assert_same(alone, full)
+    assert not any("node summar" in n for n in fast.notes)
+
+
+def test_a_missing_node_summary_is_read_from_its_ranks_and_named(tmp_path, monkeypatch):
+    files = node_job(tmp_path)
+    os.unlink(str(tmp_path / "run.node8.json"))  # a node that died before writing its own
+    full = engine.diagnose_files(files, full=True)
+    read = counted_reads(monkeypatch)
+    fast = ampdoctor.diagnose(str(tmp_path / "run.h5"))
+    assert_same(fast, full)
+    assert sorted(read) == list(range(8, 16))
+    assert "8 rank files have no node summary (a node that stopped before writing one): read " \
+           "from their own files; `ampdoctor index RUN` writes one." in fast.notes
+
+
+def test_a_stale_node_summary_is_passed_over_for_the_rank_that_changed(tmp_path, monkeypatch):
+    files = node_job(tmp_path)
+    # rank 17 written again after its node summary, now with a NaN of its own, earlier
+    s = Synth(60).skip([30], loss_nan=True).skip([40])
+    write(s, files[17], rank=17, world_size=20)
+    full = engine.diagnose_files(files, full=True)
+    read = counted_reads(monkeypatch)
+    fast = engine.diagnose_files(files)
+    assert_same(fast, full)
+    assert fast.first_bad["rank"] == 17 and fast.first_bad["step"] == 30
+    assert read == [17]
+    assert "The files of rank 17 changed after their node summary was written: read on their " \
+           "own." in fast.notes
+
+
+def test_a_rank_cut_short_is_left_out_and_named_and_the_others_diagnosed(tmp_path):
+    files = node_job(tmp_path)
+    with open(files[6], "r+b") as fh:  # a copy cut short, a disk that filled
+        fh.truncate(os.path.getsize(files[6]) // 2)
+    d = engine.diagnose_files(files)
+    assert d.first_bad["rank"] == 13 and d.first_bad["step"] == 40
+    assert [o["rank"] for o in d.run["ranks"]] == [r for r in range(20) if r != 6]
+    left = next(n for n in d.notes if n.startswith("Left out, could not be read: "))
+    assert "run.rank6.h5" in left and "The other 19 rank files were diagnosed" in left
+    assert d.rank_view["missing"] == [6]
+    with pytest.raises(ampdoctor.RunFileError, match="run.rank6.h5"):
+        engine.diagnose_files(files[6:7] * 2)  # nothing left to diagnose: its own sentence
+
+
+def test_a_node_summary_naming_a_rank_file_that_is_gone_says_so(tmp_path):
+    files = node_job(tmp_path)
+    os.unlink(files[18])
+    d = ampdoctor.diagnose(str(tmp_path / "run.h5"))
+    assert "run.node16.json names run.rank18.h5, which is missing." in d.notes
+    assert d.first_bad["rank"] == 13
+
+
+def test_a_node_summary_for_a_file_of_format_1_is_never_written(tmp_path):
+    import h5py
+
+    runs = {r: received() for r in range(3)}
+    runs[1] = Synth(60).skip([40], loss_nan=True)
+    files = job_files(tmp_path, runs)
+    with h5py.File(files[2], "r+") as f:
+        del f["summary"]
+        f.attrs["format_version"] = 1
+    done = nodes.index(str(tmp_path / "run.h5"))
+    assert done.entries == 2 and done.unreadable == 1
+    assert_same(engine.diagnose_files(files), engine.diagnose_files(files, full=True))
+
+
 def test_rank_view_text_json_and_markdown(tmp_path):
     runs = {r: received() for r in range(12)}
     runs[7] = Synth(60).skip([40, 45, 50], loss_nan=True)
@@ -414,7 +518,10 @@ def test_two_nodes_on_localhost_each_say_what_they_know(tmp_path):
     assert "on ranks 2, 3 of 4 into run.rank{2,3}.h5" in lines[1]
     assert "this node's ranks: bad_input, first bad at step 3 on rank 3" in lines[1]
     assert all("the job's verdict is ampdoctor diagnose run.h5" in x for x in lines)
-    d = ampdoctor.diagnose(str(tmp_path / "run.h5"))
+    base = str(tmp_path / "run.h5")  # each node left its node summary, read in their place
+    assert paths.node_files(base) == [paths.node_path(base, 0), paths.node_path(base, 2)]
+    assert len(nodes.lookup(paths.rank_files(base)).summaries) == 4
+    d = ampdoctor.diagnose(base)
     assert d.first_bad["rank"] == 3 and d.first_bad["step"] == 3
     assert [o["rank"] for o in d.run["ranks"]] == [0, 1, 2, 3]
     assert d.rank_view["origins"][0]["rank"] == 3

@@ -65,13 +65,30 @@ def test_dump(recorded, capsys):
 
 
 @pytest.mark.parametrize("args", [["diagnose", "/nonexistent/run.h5"], ["dump", "/"],
-                                  ["diagnose", "--format", "xml", "x"]])
+                                  ["diagnose", "--format", "xml", "x"],
+                                  ["index", "/nonexistent/run.h5"]])
 def test_bad_input_is_one_line_and_exit_2(args):
     proc = subprocess.run([PYTHON, "-m", "ampdoctor", *args], env=python_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip()
+
+
+def test_index_writes_the_missing_node_summaries_once(tmp_path, capsys):
+    from synthetic import Synth, write
+
+    from ampdoctor.runfile import paths
+
+    base = str(tmp_path / "run.h5")
+    for r in range(10):
+        write(Synth(20), paths.rank_path(base, r), rank=r, world_size=10)
+    assert cli.main(["index", base]) == 0
+    assert capsys.readouterr().out == ("run.h5: 2 node summaries written (run.node0.json, "
+                                       "run.node8.json) for 10 of its 10 rank files\n")
+    assert cli.main(["index", base]) == 0
+    assert "already has a fresh node summary; nothing written" in capsys.readouterr().out
+    assert cli.main(["diagnose", base]) == 0 and "10 rank files" in capsys.readouterr().out
 
 
 def test_version():

@@ -52,3 +52,35 @@ def test_the_nodes_of_one_job_take_no_output_lock(command, several):
     """Each node of a multi-node job records into the same -o on a shared filesystem (its
     ranks into their own files): the lock that keeps two runs apart must not stop them."""
     assert launch.one_node_of_several(command) == several
+
+
+def test_the_node_summary_is_kept_on_each_flush_seen_and_at_exit(tmp_path):
+    """The keeper rewrites ``run.node{R}.json`` when one of this node's rank files changed,
+    not otherwise, and once more at exit; another node's files are never in it."""
+    from synthetic import Synth, write
+
+    from ampdoctor.record.command import keeper, written
+    from ampdoctor.runfile import nodes, paths
+
+    base = str(tmp_path / "run.h5")
+    marker = written.create()
+    try:
+        mine = [paths.rank_path(base, r) for r in (3, 2)]
+        writers = [write(Synth(30), p, rank=r, world_size=4, flush_steps=10, stop_after=15)
+                   for p, r in zip(mine, (3, 2))]
+        write(Synth(30), paths.rank_path(base, 0), rank=0, world_size=4)  # another node's
+        for p in mine:
+            written.note(marker, p)
+        settings = launch.Settings(output=base, session=marker)
+        with keeper.Keeper(settings, interval=3600) as k:  # the thread waits: looks by hand
+            node = k.update()
+            assert node == paths.node_path(base, 2) and k.update() is None  # nothing changed
+            assert {s.status for s in nodes.lookup(mine).summaries.values()} == {"running"}
+            for w in writers:
+                w.close("finished")
+        found = nodes.lookup(mine + [paths.rank_path(base, 0)])
+        assert set(found.summaries) == set(mine) and paths.node_files(base) == [node]
+        assert {s.status for s in found.summaries.values()} == {"finished"}
+        assert {s.steps for s in found.summaries.values()} == {20}  # all it was given
+    finally:
+        written.remove(marker)

@@ -36,7 +36,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from ..errors import FormatTooNewError, RunFileError
 from . import liveness, paths, summary
@@ -170,10 +170,7 @@ def lookup(rank_paths: list[str]) -> Found:
     """The fresh summaries the node summaries beside ``rank_paths`` hold for them."""
     out = Found()
     wanted = {os.path.abspath(p): p for p in rank_paths}
-    folders = {}
-    for p in rank_paths:
-        folders.setdefault(paths.run_name(os.path.abspath(p)), None)
-    for base in folders:
+    for base in dict.fromkeys(paths.run_name(p) for p in wanted):
         for node in paths.node_files(base):
             _take(node, wanted, out)
     return out

@@ -69,7 +69,7 @@ class Keeper:
         now = {p: nodes.key(p) for p in files}
         if not files or now == self._seen:
             return None
-        node = paths.node_path(self.settings.output, min(_rank(p) for p in files))
+        node = paths.node_path(self.settings.output, _rank(files[0]) or 0)  # the lowest
         nodes.write(node, files)
         if self._node is not None and self._node != node:  # a lower rank appeared late
             os.unlink(self._node)

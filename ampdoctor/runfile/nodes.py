@@ -134,6 +134,17 @@ def read(node: str) -> list[dict]:
     return [e for e in ranks if isinstance(e, dict)] if isinstance(ranks, list) else []
 
 
+def is_node_summary(path: str) -> bool:
+    """Is ``path`` a node summary (of any version): what ``record --force`` may remove."""
+    try:
+        read(path)
+    except FormatTooNewError:
+        return True
+    except RunFileError:
+        return False
+    return True
+
+
 def decode(e: dict, path: str) -> Optional[summary.RankSummary]:
     """An entry's summary, as ``summary.read(path)`` would give it; None if malformed."""
     try:

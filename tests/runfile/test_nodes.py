@@ -89,6 +89,7 @@ def test_a_file_that_is_not_a_node_summary_is_passed_over_in_one_sentence(tmp_pa
     open(node, "w").write(text)
     with pytest.raises(RunFileError, match=says):
         nodes.read(node)
+    assert not nodes.is_node_summary(node)  # record --force leaves it alone
     found = nodes.lookup(files)
     assert not found.summaries and not found.nodes and says in found.unreadable[0]
 

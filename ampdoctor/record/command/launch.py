@@ -43,7 +43,7 @@ from typing import Mapping, Optional, Sequence
 
 from ...diagnosis import ranks
 from ...errors import RecordError, RunFileError
-from ...runfile import paths, store
+from ...runfile import nodes, paths, store
 from .. import prescription
 from ..prescription import Prescription
 from . import keeper, written
@@ -167,7 +167,8 @@ def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
 def clear_output(path: str) -> None:
     """``--force``: remove the runs a previous recording left under this name, and its node
     summaries (named so that nothing else is: ``run.node{R}.json``)."""
-    for old in paths.related_files(path) + paths.node_files(path):
+    ours = [p for p in paths.node_files(path) if nodes.is_node_summary(p)]
+    for old in paths.related_files(path) + ours:
         try:
             os.unlink(old)
         except OSError as exc:

@@ -84,3 +84,16 @@ def test_the_node_summary_is_kept_on_each_flush_seen_and_at_exit(tmp_path):
         assert {s.steps for s in found.summaries.values()} == {20}  # all it was given
     finally:
         written.remove(marker)
+
+
+def test_force_removes_the_node_summaries_of_that_name_and_nothing_else(tmp_path):
+    from synthetic import Synth, write
+
+    from ampdoctor.runfile import nodes, paths
+
+    base = str(tmp_path / "run.h5")
+    write(Synth(10), paths.rank_path(base, 0))
+    nodes.index(base)
+    (tmp_path / "run.node9.json").write_text('{"mine": 1}')  # the user's, by chance
+    launch.clear_output(base)
+    assert sorted(os.listdir(tmp_path)) == ["run.node9.json"]

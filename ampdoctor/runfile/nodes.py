@@ -99,6 +99,8 @@ def dump(node: str, entries: list[dict]) -> None:
     folder = os.path.dirname(os.path.abspath(node))
     fd, tmp = tempfile.mkstemp(prefix=".ampdoctor-node-", suffix=".tmp", dir=folder)
     try:
+        # mkstemp's 0600 would hide it from the other users who read the job's rank files
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, separators=(",", ":"))
         os.replace(tmp, node)
@@ -106,6 +108,16 @@ def dump(node: str, entries: list[dict]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` sets it, and the keeper
+    writes from a thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0o022
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_an_entry_says_what_the_rank_files_own_summary_says(tmp_path):
     base, files = job(tmp_path)
     node = paths.node_path(base, 0)
     assert nodes.write(node, files[:8]) == 8
+    assert os.stat(node).st_mode & 0o777 == os.stat(files[0]).st_mode & 0o777  # as readable
     found = nodes.lookup(files)
     assert found.nodes == [node] and set(found.summaries) == set(files[:8])
     for p in files[:8]:

@@ -9,6 +9,8 @@ and the modules beside it own the parts (each module's docstring says what it ow
 * ``guard`` and ``values``: a run file is untrusted input: nothing outside it is read, no
   table past what it stores, no value outside the schema's contract;
 * ``summary``: ``/summary``, a run in a few numbers: the writer's ``Tally``, ``summary.read``;
+* ``nodes``: node summaries, a node's ``/summary`` rows in one JSON file beside its rank files
+  (``run.node{R}.json``), read in their place while fresh; ``nodes.index``;
 * ``run``: ``Run`` and its ``Table``s and ``Blob``, and the decoding of text references;
 * ``tail``: ``Tail``, a file followed while it is written (``ampdoctor top``, ``export``);
 * ``attributes``: the root attributes, read without hanging, and the format check;

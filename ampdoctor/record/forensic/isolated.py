@@ -20,7 +20,9 @@
   they were, so that a warning the replay raised is not taken as already shown when the
   training raises it.
 
-``.grad`` and the optimizer are never touched by a replay in the first place (gradients are
+``rng_state`` and ``set_rng`` save and put back the generators a captured call ran with (the
+replay's dropout masks are the step's own; preflight uses them too). ``.grad`` and the
+optimizer are never touched by a replay in the first place (gradients are
 read with ``torch.autograd.grad``). What it yields (``Isolation``) counts what was set aside
 and held back; a snapshot's detail carries it (``isolation``), so a diagnosis can say that a
 hook that changes values (a gradient reversal written as a tensor hook) did not run in the
@@ -129,6 +131,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     except RuntimeError:
         return False
+
+
+def rng_state(devices: list) -> dict:
+    """The CPU generator's state and that of each listed CUDA device (host copies, no sync):
+    torch's RNGs saved once for the replay and for preflight (``set_rng`` puts them back)."""
+    state: dict[Any, torch.Tensor] = {"cpu": torch.get_rng_state()}
+    for d in devices:
+        state[d] = torch.cuda.get_rng_state(d)
+    return state
+
+
+def set_rng(state: dict) -> None:
+    """Put back the generators ``rng_state`` saved."""
+    for key, value in state.items():
+        if key == "cpu":
+            torch.set_rng_state(value)
+        else:
+            torch.cuda.set_rng_state(value, key)
 
 
 # -- the modules' Python state -----------------------------------------------------------------

@@ -105,7 +105,7 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
         _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(steps[skipped], loss[skipped], "o", ms=3, color=_SKIP,
+        ax.plot(*thin(steps[skipped], loss[skipped]), "o", ms=3, color=_SKIP,
                 label=f"skipped step ({int(skipped.sum())})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_LOSS)) != 0], "non-finite loss")
     _first_bad(ax, diagnosis)
@@ -145,10 +145,10 @@ def scale_figure(run: Any) -> Optional[Any]:
         return None
     fig, ax = _axes("loss scale")
     steps = s["step"]
-    ax.plot(steps[ok], scale[ok], drawstyle="steps-post", color=_MAIN, label="scale")
+    ax.plot(*thin(steps[ok], scale[ok]), drawstyle="steps-post", color=_MAIN, label="scale")
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(steps[skipped], scale[skipped], "x", ms=4, color=_BAD,
+        ax.plot(*thin(steps[skipped], scale[skipped]), "x", ms=4, color=_BAD,
                 label=f"skipped step ({int(skipped.sum())})")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
@@ -389,7 +389,8 @@ def _rug(ax: Any, steps: np.ndarray, label: str) -> None:
     """Ticks along the top edge at steps whose value cannot be drawn (NaN, inf)."""
     if not len(steps):
         return
-    ax.plot(steps, np.full(len(steps), 0.97), "|", ms=10, mew=1.5, color=_BAD,
+    shown = thin(steps, np.zeros(len(steps)))[0]  # a tick per bin is as much as shows
+    ax.plot(shown, np.full(len(shown), 0.97), "|", ms=10, mew=1.5, color=_BAD,
             transform=ax.get_xaxis_transform(), label=f"{label} ({len(steps)})")
 
 

@@ -31,6 +31,7 @@ anything starts (``record/prescription.py``), travel to the children in ``AMPDOC
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shlex
@@ -41,8 +42,9 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from ... import outputs
 from ...diagnosis import ranks
-from ...errors import RecordError, RunFileError
+from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import paths, store
 from .. import prescription
 from ..prescription import Prescription
@@ -127,31 +129,18 @@ def check_output(path: str, force: bool) -> str:
         raise RecordError(f"cannot record into {shown}: directory {folder} does not exist")
     if not os.path.isdir(folder):
         raise RecordError(f"cannot record into {shown}: {folder} is not a directory")
+    rules = outputs.Rules(ours=store.is_run_file, kind="an ampdoctor run file", force=True,
+                          prefix=f"cannot record into {shown}: ", fix="choose another file with -o")
     existing = paths.related_files(path)
-    for old in existing:
-        if not store.is_run_file(old):
-            raise RecordError(f"cannot record into {shown}: {old} exists and is not an "
-                              "ampdoctor run file (--force replaces only a run file); choose "
-                              "another file with -o")
-    if existing and not force:
-        name = os.path.basename(existing[0])
-        raise RecordError(f"{name} already exists in {folder}: pass --force to replace it, "
-                          "or choose another file with -o")
-    _probe(folder, shown)
-    return path
-
-
-def _probe(folder: str, shown: str) -> None:
-    """Create and remove a file in ``folder``: the honest test of "can we write here" (access
-    bits say nothing about read-only mounts, quotas or root)."""
-    probe = os.path.join(folder, f".ampdoctor-probe-{os.getpid()}")
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except OSError as exc:
-        raise RecordError(f"cannot record into {shown}: {folder} is not writable "
-                          f"({exc.strerror or exc})") from None
-    os.close(fd)
-    os.unlink(probe)
+        for old in existing:  # what even --force never replaces, said first
+            outputs.check(old, rules)
+        if existing and not force:
+            outputs.check(existing[0], dataclasses.replace(rules, force=False))
+        outputs.check_folder(path, rules, shown)
+    except OutputError as exc:
+        raise RecordError(str(exc)) from None
+    return path
 
 
 def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
@@ -264,7 +253,11 @@ class OutputLock:
 
     def __enter__(self) -> "OutputLock":
         while self.fd is None:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link planted at the lock's name, never into a device
+                fd = outputs.open_own(self.lock, os.path.basename(self.lock),
+                                      prefix=f"cannot record into {self.shown}: its lock ")
+            except OutputError as exc:
+                raise RecordError(str(exc)) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

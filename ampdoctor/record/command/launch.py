@@ -18,7 +18,8 @@ the file it writes into site-packages)::
    recorder that finds the model, optimizer and scaler itself, and creates its file at the
    first sign of training.
 3. ``record`` forwards SIGINT and SIGTERM, waits, prints what was recorded on stderr, and exits
-   with the command's own exit code. stdin, stdout and stderr are the command's.
+   with the command's own exit code. stdin, stdout and stderr are the command's. A SIGKILL to
+   ``record`` stops the command too (``lifeline.py``).
 
 The same settings can come from the environment, for a launcher that runs ``ampdoctor record``
 itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FORCE``, ``AMPDOCTOR_QUIET``.
@@ -48,7 +49,7 @@ from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import paths, store
 from .. import prescription
 from ..prescription import Prescription
-from . import written
+from . import lifeline, written
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
@@ -61,6 +62,8 @@ ENV_ACTIVE = "AMPDOCTOR_RECORD"
 # Taken (removed from the environment) by the first Python of the command that imports torch:
 # that process leaves a file even if it never trains; the processes it starts do not.
 ENV_TOP = "AMPDOCTOR_TOP"
+# Set by `record`: its own pid, which the command's torch processes watch (lifeline.py).
+ENV_LAUNCHER = "AMPDOCTOR_LAUNCHER"
 # Set by `record`: the list file (record/command/written.py) where each child notes the run file it
 # created, so that `record` speaks of its own node's files only.
 ENV_SESSION = "AMPDOCTOR_SESSION"
@@ -168,6 +171,7 @@ def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
     env.pop(ENV_APPLY, None)  # only this recording's --apply
     env.update(settings.to_env())
     env[ENV_TOP] = "1"
+    env[ENV_LAUNCHER] = str(os.getpid())
     rest = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + rest if rest else "")
     return env
@@ -294,9 +298,14 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
-    """Start ``command``, forward SIGINT/SIGTERM to it while it runs, return its exit code."""
+    """Start ``command``, forward SIGINT/SIGTERM to it while it runs, return its exit code.
+    The command dies with ``record`` (``lifeline.py``): a SIGKILL here leaves no training
+    running unattended."""
     try:
-        proc = subprocess.Popen(list(command), env=dict(env))
+        # record has no thread of its own here: preexec_fn is safe (its one risk is a lock
+        # another thread held at fork)
+        proc = subprocess.Popen(list(command), env=dict(env),
+                                preexec_fn=lifeline.preexec(os.getpid()))
     except OSError as exc:
         raise RecordError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
     with _forwarding(proc):

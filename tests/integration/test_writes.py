@@ -208,6 +208,27 @@ def test_export_force_replaces_its_own_events_and_nothing_else(tmp_path):
     assert len(second.split(".")[-2]) == 16 and second.endswith(".ampdoctor")
 
 
+def test_a_file_made_between_the_check_and_the_write_is_never_replaced(tmp_path, monkeypatch):
+    """The check runs before the work (minutes, for a large run); a file someone makes at the
+    path meanwhile is refused, not replaced: a new file is linked into place, and a link
+    fails where the name exists."""
+    from ampdoctor import outputs
+    from ampdoctor.errors import OutputError
+
+    target = tmp_path / "report.html"
+    real_link = os.link
+
+    def someone_writes_first(src, dst):
+        target.write_text("theirs\n")
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", someone_writes_first)
+    rules = outputs.Rules(ours=lambda path: False, kind="a report ampdoctor wrote", force=True)
+    with pytest.raises(OutputError, match="exists and is not a report ampdoctor wrote"):
+        outputs.write_bytes(str(target), b"ours", rules)
+    assert target.read_text() == "theirs\n" and _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("plant", ["symlink", "fifo", "hardlink"])
 def test_record_lock_is_a_file_of_its_own(tmp_path, plant):
     """`ln -s victim.txt .lk.h5.lock` then `record -o lk.h5` wrote record's pid into

@@ -35,6 +35,8 @@ Example::
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -42,7 +44,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
-from ..errors import AmpDoctorError, MissingExtraError, RunFileError
+from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Source, columns
 from .follow import STALE_SECONDS, Follower
@@ -51,8 +53,11 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
-# ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.ampdoctor``):
-# a second export into a directory that holds one would show every point twice, so it refuses
+# ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
+# .ampdoctor``): a second export into a directory that holds one would show every point twice,
+# so it refuses (or, with --force, removes that file first). The random token makes the name
+# one nobody can have made before: the writer opens it without O_EXCL, and a link planted at a
+# guessable name (time, host, pid) would be written through.
 SUFFIX = ".ampdoctor"
 
 
@@ -93,7 +98,7 @@ class _RunWriter:
             self.types_pb2 = protos
         self.logdir = logdir
         self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
-                                 filename_suffix=SUFFIX)
+                                 filename_suffix=f".{secrets.token_hex(8)}{SUFFIX}")
         self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
         self.scalars = self.texts = 0
 
@@ -214,10 +219,12 @@ def _walls(state: Any, steps: np.ndarray) -> np.ndarray:
 
 
 def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
-           interval: float = 1.0, stale: float = STALE_SECONDS) -> Exported:
+           interval: float = 1.0, stale: float = STALE_SECONDS, force: bool = False) -> Exported:
     """Write the run at ``run`` into TensorBoard event files under ``logdir`` (see the module
-    docstring); with ``follow``, until the run ends. Raises ``MissingExtraError`` without the
-    tensorboard package, ``RunFileError`` for a missing or unreadable run."""
+    docstring); with ``follow``, until the run ends; with ``force``, in place of an earlier
+    export's event files there (removed first; nothing else is). Raises
+    ``MissingExtraError`` without the tensorboard package, ``RunFileError`` for a missing or
+    unreadable run."""
     protos = _protos()
     follower = Follower(run, stale=stale, layers=False)
     done = Exported()
@@ -225,7 +232,7 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
     try:
         if not follower.files() and not follow:
             raise RunFileError(f"{run}: no such file")
-        _writable(logdir)
+        _writable(logdir, force)
         follower.wait(wait)
         try:
             _loop(follower, logdir, protos, writers, done, follow, interval)
@@ -251,18 +258,33 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
     return done
 
 
-def _writable(logdir: str) -> None:
+def _writable(logdir: str, force: bool = False) -> None:
     """Make ``logdir`` (and refuse a place no file can be written, or one that already holds
-    ampdoctor's events) before any run is read."""
+    ampdoctor's events, unless ``force`` removes them) before any run is read."""
     os.makedirs(logdir, exist_ok=True)
     if not os.access(logdir, os.W_OK | os.X_OK):
         raise PermissionError(13, "Permission denied", logdir)
     earlier = _earlier_export(logdir)
+    while earlier and force:
+        os.unlink(os.path.join(logdir, earlier))  # a regular file of ours (_earlier_export)
+        earlier = _earlier_export(logdir)
     if earlier:
         raise AmpDoctorError(
             f"{logdir} already holds ampdoctor's TensorBoard events ({earlier}): a second "
-            "export there would show every point twice; remove that file or export into "
-            "another directory")
+            "export there would show every point twice; remove that file, pass --force to "
+            "replace it, or export into another directory")
+
+
+def _own_directory(path: str) -> None:
+    """A run directory under the log directory (``rank<R>``) is made here, never followed
+    through a link or taken from a file of that name."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise OutputError(f"cannot write TensorBoard events into {path}: it is not a "
+                              "directory of its own (a link or a file); remove it or export "
+                              "into another directory") from None
 
 
 def _earlier_export(logdir: str) -> Optional[str]:
@@ -275,10 +297,17 @@ def _earlier_export(logdir: str) -> Optional[str]:
         except OSError:
             continue
         found = next((n for n in names if n.startswith("events.out.tfevents.")
-                      and n.endswith(SUFFIX)), None)
+                      and n.endswith(SUFFIX) and _regular(os.path.join(place, n))), None)
         if found:
             return os.path.relpath(os.path.join(place, found), logdir)
     return None
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _unwritable(logdir: str, exc: OSError) -> AmpDoctorError:
@@ -293,8 +322,10 @@ def _loop(follower: Follower, logdir: str, protos: Any, writers: dict, done: Exp
             state = next(s for s in follower.states if s.path == delta.path)
             w = writers.get(delta.path)
             if w is None:
-                target = os.path.join(logdir, f"rank{state.rank}") if state.world_size > 1 \
-                    else logdir
+                target = logdir
+                if state.world_size > 1:
+                    target = os.path.join(logdir, f"rank{state.rank}")
+                    _own_directory(target)
                 w = writers[delta.path] = _RunWriter(target, protos)
             w.write(delta, state)
             done.steps += len(delta.rows["steps"])

@@ -83,8 +83,9 @@ def png(fig: Any, dpi: int = 100) -> bytes:
 
     buf = io.BytesIO()
     FigureCanvasAgg(fig)  # attaches itself to the figure
-    # No "Software" text chunk: it names matplotlib's web site, and a report has no links.
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    # "Software: ampdoctor", not matplotlib's default (its web site: a report has no links):
+    # how report --force knows a PNG it may replace (render/files.py's is_figure).
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": "ampdoctor"})
     return buf.getvalue()
 
 

@@ -60,6 +60,65 @@ def test_a_bad_form_gets_one_sentence(args, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+# The values the issue found reaching the command (issue 37): each killed, crashed or silently
+# spoiled the run; each is now one sentence before the command starts.
+OUT_OF_RANGE = [
+    ("lr_factor=1e300", "F must lie between 1e-12 and 1000"),  # killed the run at step 2
+    ("lr_factor=1e-300", "F must lie between 1e-12 and 1000"),
+    ("lr=1e4", "LR must lie between 1e-12 and 1000"),
+    ("init_scale=1e39", "S must lie between 2^-24 and 2^32"),  # inf in fp32: crashed at step 0
+    ("init_scale=1e-50", "S must lie between 2^-24 and 2^32"),  # 19 of 20 steps skipped
+    ("growth_interval=99999999999999999999", "N must lie between 1 and 2^31 - 1"),  # overflow
+    ("growth_interval=2147483648", "N must lie between 1 and 2^31 - 1"),
+    ("growth_interval=0", "N must lie between 1 and 2^31 - 1"),
+    # isdigit() took a superscript two, then int() raised: a traceback
+    ("growth_interval=\u00b2", "N must be a whole number of steps in ASCII digits"),
+    ("growth_interval=\u0661\u0662", "N must be a whole number of steps in ASCII digits"),
+    ("adam_eps=2", "EPS must lie between 2^-126 and 1"),
+    ("adam_eps=1e-40", "EPS must lie between 2^-126 and 1"),
+    ("lr_factor=nan", "F must be a positive number"),
+    ("lr_factor=inf", "F must be a positive number"),
+    ("lr_factor=1_0", "F must be a positive number"),  # float() takes the underscore
+    ("init_scale=\u0661\u0662", "S must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("arg,message", OUT_OF_RANGE)
+def test_a_value_outside_what_the_optimizer_or_scaler_takes_is_one_sentence(arg, message):
+    with pytest.raises(RecordError) as err:
+        prescription.parse(arg)
+    assert str(err.value).startswith(f"--apply {arg}: {message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("init_scale=16777216", 2.0 ** 24), ("init_scale=4294967296", 2.0 ** 32),
+    ("init_scale=5.960464477539063e-08", 2.0 ** -24), ("growth_interval=2147483647", 2 ** 31 - 1),
+    ("growth_interval=+7", 7), ("lr_factor=1000", 1e3), ("lr_factor=1e-12", 1e-12),
+    ("adam_eps=1", 1.0), ("adam_eps=.5", 0.5), ("lr=3E-4", 3e-4),
+])
+def test_the_edges_of_each_range_are_accepted(arg, value):
+    assert prescription.parse(arg).value == value
+
+
+def test_a_bad_value_stops_record_before_the_command_starts(tmp_path):
+    """Through the real CLI: exit 2, one line, no traceback, the command never ran."""
+    import subprocess
+
+    from conftest import PYTHON, python_env
+
+    started = tmp_path / "started"
+    for arg, message in (OUT_OF_RANGE[3], OUT_OF_RANGE[8]):
+        proc = subprocess.run(
+            [PYTHON, "-m", "ampdoctor", "record", "--apply", arg, "-o", str(tmp_path / "r.h5"),
+             "--", PYTHON, "-c", f"open({str(started)!r}, 'w')"],
+            env=python_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"ampdoctor: --apply {arg}: {message}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert not started.exists() and not (tmp_path / "r.h5").exists()
+
+
 def test_the_forms_travel_through_the_environment():
     ps = prescription.parse_all(["lr_factor=4.7e-6", "fp32_island=a.b,c"])
     assert prescription.from_env(prescription.to_env(ps)) == ps

@@ -14,6 +14,8 @@ carry the arguments in ``AMPDOCTOR_APPLY`` and ``treatment.py`` applies them):
                                          (``lr``: F = LR / the LR the optimizer was made with)
 ``loss_in_fp32``                         torch's loss functions get fp32 inputs, autocast off
 ``scheduler_per_step``                   an LR scheduler steps at most once per optimizer step
+``fp8=[RECIPE][:keep=NAME,...]``         the model's Linears train in fp8 (torchao, emulated
+                                         where the device has no fp8 matmul), those named kept
 =======================================  =====================================================
 
 Example::
@@ -29,6 +31,7 @@ crash or silently spoil the run after the command started.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -81,6 +84,10 @@ FORMS: dict[str, Form] = {
                "leaves them as they were"),
     "loss_in_fp32": Form("", "torch's loss functions run in fp32, autocast off"),
     "scheduler_per_step": Form("", "an LR scheduler steps at most once per optimizer step"),
+    "fp8": Form("[RECIPE][:keep=NAME,...]", "the model's Linears train in fp8 (torchao's "
+                "RECIPE: tensorwise, rowwise or rowwise_with_gw_hp; tensorwise when left out), "
+                "those named kept in high precision; needs torchao (pip install "
+                "'ampdoctor[fp8]')"),
 }
 # A number as a person types it: ASCII digits, a point, an exponent. float() and int() also
 # take "nan", "inf", "1_000" and any Unicode digit ("²", "١٢"), none of which is meant here.
@@ -105,7 +112,7 @@ class Prescription:
         if self.value is None:
             return self.name
         if isinstance(self.value, tuple):
-            return f"{self.name}={','.join(self.value)}"
+            return f"{self.name}={self.given or ','.join(self.value)}"
         return f"{self.name}={self.given or self.value}"
 
 
@@ -128,6 +135,8 @@ def parse(text: str) -> Prescription:
         raise RecordError(f"--apply {text}: unknown fix {name or '(empty)'!r}; record can apply "
                           f"{usage()}")
     placeholder = FORMS[name].placeholder
+    if placeholder.startswith("[") and not eq:  # the value may be left out
+        return Prescription(name)
     if not placeholder:
         if eq:
             raise RecordError(f"--apply {text}: {name} takes no value")
@@ -138,6 +147,8 @@ def parse(text: str) -> Prescription:
 
 
 def _value(name: str, raw: str, text: str, placeholder: str) -> Value:
+    if name == "fp8":
+        return fp8_value(raw, text)
     if name == "fp32_island":
         names = tuple(n.strip() for n in raw.split(","))
         if not all(names):
@@ -172,6 +183,26 @@ def _shown(bound: float) -> str:
     return f"{bound:g}"
 
 
+# torchao's Float8LinearConfig recipes (``from_recipe_name``) that --apply fp8 can name.
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def fp8_value(raw: str, text: str) -> tuple[str, ...]:
+    """``RECIPE``, ``RECIPE:keep=A,B`` or ``keep=A,B``: (recipe, kept names...)."""
+    recipe, _, keep = raw.partition(":") if not raw.startswith("keep=") else ("", "", raw)
+    recipe = recipe.strip() or FP8_RECIPES[0]
+    if recipe not in FP8_RECIPES:
+        raise RecordError(f"--apply {text}: unknown fp8 recipe {recipe!r}; torchao's are "
+                          f"{', '.join(FP8_RECIPES)}")
+    names: tuple[str, ...] = ()
+    if keep:
+        if not keep.startswith("keep=") or not all(n.strip() for n in keep[5:].split(",")):
+            raise RecordError(f"--apply {text}: name the modules to keep in high precision as "
+                              "in --apply fp8=tensorwise:keep=lm_head,blocks.0.mlp.fc1")
+        names = tuple(n.strip() for n in keep[5:].split(","))
+    return (recipe, *names)
+
+
 def parse_all(texts: Sequence[str]) -> list[Prescription]:
     """Every ``--apply`` argument, checked together: each once, and no two that exclude each
     other (``lr`` and ``lr_factor``)."""
@@ -183,6 +214,9 @@ def parse_all(texts: Sequence[str]) -> list[Prescription]:
     for a, b in EXCLUSIVE:
         if a in names and b in names:
             raise RecordError(f"--apply {a} and --apply {b} both set the learning rate: give one")
+    if "fp8" in names and importlib.util.find_spec("torchao") is None:
+        raise RecordError("--apply fp8 converts the model with torchao, which is not installed "
+                          "here: pip install 'ampdoctor[fp8]'")
     return out
 
 

@@ -386,3 +386,90 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
     for name, form in prescription.FORMS.items():
         if form.placeholder:
             assert f"`{name}={form.placeholder}`" in table, name
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (issue 36): torchao's Float8Linear, emulated on the CPU
+
+
+@pytest.mark.parametrize("text,value", [
+    ("fp8", None),
+    ("fp8=rowwise", ("rowwise",)),
+    ("fp8=tensorwise:keep=head,blocks.0", ("tensorwise", "head", "blocks.0")),
+    ("fp8=keep=head", ("tensorwise", "head")),
+])
+def test_the_fp8_forms(text, value):
+    p = prescription.parse(text)
+    assert p.value == value and prescription.parse(p.arg) == p
+
+
+@pytest.mark.parametrize("text,message", [
+    ("fp8=e4m3", "unknown fp8 recipe 'e4m3'; torchao's are tensorwise, rowwise"),
+    ("fp8=rowwise:kep=a", "name the modules to keep in high precision"),
+    ("fp8=", "fp8 needs a value"),
+])
+def test_a_bad_fp8_form_gets_one_sentence(text, message):
+    with pytest.raises(RecordError) as err:
+        prescription.parse_all([text])
+    assert message in str(err.value)
+
+
+def test_fp8_without_torchao_is_one_sentence_before_the_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(RecordError, match=r"pip install 'ampdoctor\[fp8\]'"):
+        prescription.parse_all(["fp8"])
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.out = nn.Linear(32, 16)
+        self.head = nn.Linear(16, 4)  # 4 outputs: not a multiple of 16
+
+    def forward(self, x):
+        return self.head(self.out(self.down(F.gelu(self.up(x)))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_fp8_converts_the_trained_model_and_trains_under_cpu_autocast(dtype):
+    """The model's Linears become Float8Linear at its first call with grad (a meta-device
+    copy run first, as a FLOP counter does, is not it); keep= and sizes that are not multiples
+    of 16 stay; under CPU bf16 autocast the converted model trains (torchao's backward alone
+    fails there), its parameters still the optimizer's."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    t, notes = treated("fp8=tensorwise:keep=out")
+    try:
+        with torch.device("meta"):
+            Blocks()(torch.randn(2, 32)).sum().backward()  # a FLOP count's throwaway copy
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = [id(p) for p in model.parameters()]
+        x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
+        losses = []
+        for _ in range(12):
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        t.remove()
+    assert [type(m).__name__ for m in (model.up, model.down, model.out, model.head)] == \
+        ["Float8Linear", "Float8Linear", "Linear", "Linear"]
+    assert isinstance(model.up, Float8Linear)
+    assert [id(p) for p in model.parameters()] == params
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+    applied = notes[-1][0]
+    assert applied["converted"] == ["up", "down"] and applied["emulated"] is True
+    assert applied["kept"] == {"out": "named with keep=",
+                               "head": "its sizes are not multiples of 16"}

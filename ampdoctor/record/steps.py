@@ -60,6 +60,20 @@ class Step:
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
     loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step
     triggered: bool = False  # handed to the forensic tier already (one event per step)
+    # while the model is discovered (the first step): each backward's ``Micro``, so that the
+    # micro-batches of a root dropped at the step's end leave it (Hooks._settle_discovery)
+    ledger: list = field(default_factory=list)
+
+
+@dataclass
+class Micro:
+    """One backward of the discovery step: the roots called since the one before, and the
+    loss it counted (its fp32 value, its dtype code, its objectives slot), if any."""
+
+    roots: frozenset
+    value: Optional[torch.Tensor] = None
+    dtype: int = 0
+    slot: int = -1
 
 
 VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",

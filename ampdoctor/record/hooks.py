@@ -5,7 +5,9 @@ What each hook does is small; the state it changes belongs to the parts: the ste
 recorded and the finished steps' rows (``steplog``), the model, optimizers and scaler
 (``watched``), the skip decision (``skips``), the sampled tier (``sampler``) and the forensic
 tier (``forensics``). ``patches`` calls the hooks through ``guard``: an exception in one goes
-to ``fault`` (the recorder steps aside), never to the training loop.
+to ``fault`` (the recorder steps aside), never to the training loop; one raised by a module
+while the model is discovered (no optimizer seen training it yet) skips only that module
+(``_skip``), and the rest is recorded.
 
 Step boundaries: ``GradScaler.update`` when an enabled scaler scaled the loss this step (a
 skipped step never calls ``optimizer.step``), else the step of the first optimizer seen.
@@ -57,7 +59,7 @@ from .sampler import Sampler
 from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
-from .steps import Micro, Step
+from .steps import Micro, Step, drop_micro
 from .torchcompat import found_inf, placeholder, scaler_enabled, unscaled_already
 from .watched import Watched
 
@@ -683,18 +685,9 @@ class Hooks:
         if not self.watched.discovery_open:
             return
         st = self.log.step
-        dropped = self.watched.finish_discovery()
-        ledger, st.ledger = st.ledger, []
-        if not dropped:
+        losses = drop_micro(st, self.watched.finish_discovery())
+        if losses is None:
             return
-        kept = [m for m in ledger if not (m.roots and m.roots <= dropped)]
-        st.micro -= len(ledger) - len(kept)
-        losses = [m for m in kept if m.value is not None]
-        st.loss_sum = None
-        for m in losses:  # summed as the step summed them
-            st.loss_sum = m.value if st.loss_sum is None else st.loss_sum + m.value
-        st.loss_n = len(losses)
-        st.loss_dtype = losses[0].dtype if losses else 0
         self.objectives.rewind([(m.slot, m.value) for m in losses])
         if self.forensics is not None:
             self.forensics.keep_roots(self.watched.root_ids)

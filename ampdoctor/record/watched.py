@@ -5,7 +5,10 @@ Each is given to ``watch()`` or discovered in the first step:
 
 * **roots**: the outermost modules called with grad enabled that own trainable parameters,
   adopted before their forward runs (DDP/DataParallel wrappers looked through); at the end of
-  the first step only those whose parameters an optimizer trains are kept. A compiled model is
+  the first step only those whose parameters an optimizer trains are kept (with the
+  micro-batches only they ran: a model run and dropped before the real one). Never adopted: a
+  module run on meta or fake tensors (a FLOP count, ``FakeTensorMode``), a module already
+  left out because recording it failed (``skip``: the rest is recorded). A compiled model is
   seen through an eager shim (``compiled.py``), a sharded one (FSDP2, FSDP1) is adopted with
   per-shard statistics and no replay (``sharding.py``).
 * **optimizers**: those that step the roots' parameters (any optimizer, while no root is

@@ -688,7 +688,7 @@ class Hooks:
         losses = drop_micro(st, self.watched.finish_discovery())
         if losses is None:
             return
-        self.objectives.rewind([(m.slot, m.value) for m in losses])
+        self.objectives.rewind([(m.slot, m.value) for m in losses if m.value is not None])
         if self.forensics is not None:
             self.forensics.keep_roots(self.watched.root_ids)
         if st.sampled and self._sampler is not None:

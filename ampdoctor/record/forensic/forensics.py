@@ -179,6 +179,11 @@ class Forensics:
         self.held = (self.captures, self.dropped) if hold and self.captures else None
         self.begin_step()
 
+    def keep_roots(self, root_ids: set[int]) -> None:
+        """The first step's discovery dropped a root (no optimizer trains it): its calls are
+        not the step's, nor replayed with it."""
+        self.captures = [c for c in self.captures if id(c.root) in root_ids]
+
     def release_held(self) -> None:
         self.held = None
 

@@ -337,7 +337,9 @@ def export(run: str, logdir: str, follow: bool, wait: float, force: bool) -> Non
                               force=force)
     click.echo(f"ampdoctor: wrote {done.scalars} scalars and {done.texts} texts "
                f"({done.steps} steps) into {logdir}; view with: tensorboard --logdir "
-               f"{logdir}", err=True)
+               f"{logdir}" + (f" (a long run: each curve keeps each bin's smallest and largest "
+                              f"value and every skipped or non-finite step, {done.thinned} "
+                              "steps left out)" if done.thinned else ""), err=True)
     if done.interrupted:
         sys.exit(130)
 

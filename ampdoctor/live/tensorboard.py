@@ -21,6 +21,12 @@ the curves line up with a loop that logs by optimizer step):
 ``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
 ====================================  =========================================================
 
+A month-long run is thinned as its plots are: where one read brings more than ``MAX_STEPS``
+steps, each curve keeps each bin's smallest and largest value (``curves.extremes``: a one-step
+spike survives) and every skipped or non-finite step (at most ``MAX_STEPS`` of those too);
+TensorBoard itself shows 1000 points of a scalar by default. ``Exported.thinned`` counts the
+steps left out.
+
 Each rank file of a torchrun job becomes its own run (``DIR/rank0``, ``DIR/rank1``...), so the
 ranks' curves overlay in TensorBoard. ``follow=True`` keeps writing while the run is recorded
 (a separate reader of the SWMR file: the training process does no extra work), until the run
@@ -45,6 +51,7 @@ import numpy as np
 
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
+from ..release.curves import extremes
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Source, columns
 from .follow import STALE_SECONDS, Follower
@@ -53,6 +60,7 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
+MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
 # .ampdoctor``): a second export into a directory that holds one would show every point twice,
 # so it refuses (or, with --force, removes that file first). The random token makes the name
@@ -70,6 +78,7 @@ class Exported:
     scalars: int = 0
     texts: int = 0
     interrupted: bool = False  # Ctrl-C ended a follow; everything up to then is written
+    thinned: int = 0  # steps of a long run left out of the curves (each bin's extremes kept)
 
 
 def _protos() -> Any:
@@ -100,7 +109,7 @@ class _RunWriter:
         self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
                                  filename_suffix=f".{secrets.token_hex(8)}{SUFFIX}")
         self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
-        self.scalars = self.texts = 0
+        self.scalars = self.texts = self.thinned = 0
 
     def scalars_at(self, step: int, wall: float, values: list[tuple[str, float]]) -> None:
         if not values:
@@ -131,7 +140,9 @@ class _RunWriter:
         self._forensics(delta.rows["snapshots"], state)
 
     def _steps(self, rows: np.ndarray) -> None:
-        for r in rows:
+        kept = _thinned(rows)
+        self.thinned += len(rows) - len(kept)
+        for r in rows[kept]:
             values = [("ampdoctor/loss", r["loss"]), ("ampdoctor/grad_norm", r["grad_norm"])]
             if np.isfinite(r["scale"]):  # with a GradScaler
                 values += [("ampdoctor/loss_scale", r["scale"]),
@@ -141,12 +152,17 @@ class _RunWriter:
     def _groups(self, rows: np.ndarray, state: Any) -> None:
         if not len(rows):
             return
+        steps = np.unique(rows["step"])
+        shown = steps[_thinned_steps(steps)]
+        rows = rows[np.isin(rows["step"], shown)]
+        order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
+        rows = rows[order]
         walls = _walls(state, rows["step"])
-        for step in np.unique(rows["step"]):
-            sel = rows["step"] == step
-            self.scalars_at(step, float(walls[sel][0]),
+        starts = np.flatnonzero(np.r_[True, rows["step"][1:] != rows["step"][:-1]])
+        for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+            self.scalars_at(rows["step"][a], float(walls[a]),
                             [(f"ampdoctor/lr/group{int(g)}", lr)
-                             for g, lr in zip(rows["group"][sel], rows["lr"][sel])])
+                             for g, lr in zip(rows["group"][a:b], rows["lr"][a:b])])
 
     def _layers(self, delta: Any, state: Any) -> None:
         self._name_tensors(state.tensors)
@@ -197,6 +213,28 @@ class _RunWriter:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _thinned(rows: np.ndarray) -> np.ndarray:
+    """Which /steps rows of one read are written: all, up to ``MAX_STEPS``; else each
+    curve's bin extremes and every skipped or non-finite step (module docstring)."""
+    if len(rows) <= MAX_STEPS:
+        return np.arange(len(rows))
+    keep = [extremes(rows[c].astype(np.float64), MAX_STEPS)
+            for c in ("loss", "grad_norm", "scale")]
+    special = np.flatnonzero((rows["skipped"] == 1) | ~np.isfinite(rows["loss"]) |
+                             ~np.isfinite(rows["grad_norm"]))
+    if len(special) > MAX_STEPS:
+        special = special[::int(np.ceil(len(special) / MAX_STEPS))]
+    return np.unique(np.concatenate(keep + [special]))
+
+
+def _thinned_steps(steps: np.ndarray) -> np.ndarray:
+    """Which of a read's LR steps are written: all, up to ``MAX_STEPS``; else each group's
+    LR at evenly spaced steps (an LR curve has no spikes to keep)."""
+    if len(steps) <= MAX_STEPS:
+        return np.arange(len(steps))
+    return np.unique(np.linspace(0, len(steps) - 1, MAX_STEPS).astype(np.int64))
 
 
 def _keep_max(best: dict, key: tuple, value: float) -> None:
@@ -253,6 +291,7 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
             except OSError:  # already said: the first failure is the sentence
                 pass
     done.scalars = sum(w.scalars for w in writers.values())
+    done.thinned = sum(w.thinned for w in writers.values())
     done.texts = sum(w.texts for w in writers.values())
     done.runs = [w.logdir for w in writers.values()]
     return done

@@ -28,6 +28,7 @@ import numpy as np
 from ..diagnosis import layers as _layers
 from ..diagnosis import objectives
 from ..numfmt import fmt
+from ..release.curves import extremes
 from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
@@ -365,17 +366,9 @@ def thin(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS
          ) -> tuple[np.ndarray, np.ndarray]:
     """At most about ``max_points`` points: each bin keeps its smallest and largest value, so a
     one-step spike in a million steps still shows."""
-    n = len(x)
-    if n <= max_points:
+    if len(x) <= max_points:
         return x, y
-    k = int(np.ceil(n / (max_points // 2)))
-    pad = (-n) % k
-    yy = np.concatenate([y.astype(np.float64), np.full(pad, np.nan)]).reshape(-1, k)
-    base = np.arange(len(yy)) * k
-    hi = base + np.argmax(np.where(np.isnan(yy), -np.inf, yy), axis=1)
-    lo = base + np.argmin(np.where(np.isnan(yy), np.inf, yy), axis=1)
-    idx = np.unique(np.concatenate([lo, hi]))
-    idx = idx[idx < n]
+    idx = extremes(y, max_points)
     return x[idx], y[idx]
 
 

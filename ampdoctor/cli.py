@@ -160,8 +160,10 @@ def index(run: str) -> None:
 @click.option("--parity", "parity_file", type=click.Path(dir_okay=False), default=None,
               metavar="FILE", help="A layer parity result (`ampdoctor parity ... --format json "
                                    "-o FILE`): adds the layer parity section.")
+@click.option("--force", is_flag=True, help="Replace a report (and figures) ampdoctor wrote "
+                                            "earlier; never any other file.")
 def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
-           plots_dir: Optional[str], parity_file: Optional[str]) -> None:
+           plots_dir: Optional[str], parity_file: Optional[str], force: bool) -> None:
     """Write a release report: one self-contained HTML page (or Markdown for a PR).
 
     It holds the diagnosis (verdict, evidence, fixes), the loss, loss-scale, grad-norm and LR
@@ -175,6 +177,7 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
         ampdoctor report amp.h5 --baseline fp32.h5 -o report.html
         ampdoctor report amp.h5 --parity parity.json -o report.html
         ampdoctor report amp.h5 --format markdown --plots-dir plots -o report.md
+        ampdoctor report run.h5 -o report.html --force    # replace the last report
     """
     from .render.files import write_report
 
@@ -183,7 +186,7 @@ def report(run: str, baseline: Optional[str], output: Optional[str], fmt: str,
                                "embeds its figures)")
     target = output or ("report.html" if fmt == "html" else "-")
     r = write_report(run, target, baseline=baseline, parity=parity_file, fmt=fmt,
-                     plots_dir=plots_dir)
+                     plots_dir=plots_dir, force=force)
     if target != "-":
         click.echo(f"ampdoctor: wrote {target} ({r.diagnosis.verdict}"
                    + (f"; fp32 parity: {r.comparison.verdict}" if r.comparison else "")
@@ -240,7 +243,9 @@ def compare(base: str, amp: str, fmt: str, rtol: float, diverge: float, window: 
               help="Where to write ('-': stdout).")
 @click.option("--fail-on", type=click.Choice(["lossy", "overflows", "never"]), default="never",
               show_default=True, help="Exit 1 if a module is this bad or worse (for CI).")
-def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None:
+@click.option("--force", is_flag=True, help="Replace a parity result ampdoctor wrote earlier; "
+                                            "never any other file.")
+def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str, force: bool) -> None:
     """Which modules of a model lose precision in bf16 or fp16: one batch in fp32 and under
     autocast, each module judged alone on its fp32 inputs, ranked worst first.
 
@@ -254,21 +259,24 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None
         ampdoctor parity check.py:make --dtype float16 --fail-on overflows
         ampdoctor parity check.py:make --format json -o parity.json
     """
+    from . import outputs
     from .preflight import parity_result
     from .preflight import target as targets
-    from .render import files as outputs
+    from .render import files
 
     script = target.rsplit(":", 1)[0]
     if output != "-" and os.path.exists(output) and os.path.exists(script) and \
             os.path.samefile(output, script):
         raise AmpDoctorError(f"{output} is the script being checked: write the result to "
                              "another file")
-    outputs.check_target(output)
+    rules = outputs.Rules(ours=parity_result.is_parity_output, force=force,
+                          kind="a parity result ampdoctor wrote")
+    files.check_target(output, rules=rules)
     model, batch, loss_fn = targets.load(target)
     from .preflight.layer_parity import parity as run_parity
 
     r = run_parity(model, batch, dtype, loss_fn)
-    outputs.write(output, parity_result.render(r, fmt))
+    files.write(output, parity_result.render(r, fmt), rules)
     worst = parity_result.VERDICTS.index(r.verdict)
     if fail_on != "never" and worst <= parity_result.VERDICTS.index(fail_on):
         sys.exit(1)
@@ -328,7 +336,10 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
 @click.option("--wait", type=click.FloatRange(min=0), default=60.0, show_default=True,
               metavar="SECONDS", help="With --follow: how long to wait for a run file that "
                                       "does not exist yet.")
-def export(run: str, logdir: str, follow: bool, wait: float) -> None:
+@click.option("--force", is_flag=True, help="Replace an earlier export's event files in DIR "
+                                            "(ampdoctor's own, ending .ampdoctor); nothing "
+                                            "else there.")
+def export(run: str, logdir: str, follow: bool, wait: float, force: bool) -> None:
     """Write a run's curves into TensorBoard: loss, loss scale, skips, grad norm, LR per
     group, per-layer abs max and underflow shares, forensic replays and the diagnosis.
 
@@ -341,10 +352,13 @@ def export(run: str, logdir: str, follow: bool, wait: float) -> None:
     """
     from .live import tensorboard
 
-    done = tensorboard.export(run, logdir, follow=follow, wait=wait if follow else 0.0)
+    done = tensorboard.export(run, logdir, follow=follow, wait=wait if follow else 0.0,
+                              force=force)
     click.echo(f"ampdoctor: wrote {done.scalars} scalars and {done.texts} texts "
                f"({done.steps} steps) into {logdir}; view with: tensorboard --logdir "
-               f"{logdir}", err=True)
+               f"{logdir}" + (f" (a long run: each curve keeps each bin's smallest and largest "
+                              f"value and every skipped or non-finite step, {done.thinned} "
+                              "steps left out)" if done.thinned else ""), err=True)
     if done.interrupted:
         sys.exit(130)
 

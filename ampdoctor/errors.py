@@ -29,6 +29,11 @@ class RecordError(AmpDoctorError):
     """``ampdoctor record`` cannot start: bad output path, existing file, no command."""
 
 
+class OutputError(AmpDoctorError):
+    """An output path ampdoctor will not write: a symbolic link, a device, someone else's
+    file, or one of its own without ``--force`` (``ampdoctor/outputs.py``)."""
+
+
 class RecorderFault(Exception):
     """An internal failure while recording; raised only in strict mode (ampdoctor's own tests)."""
 

@@ -44,8 +44,9 @@ def main() -> None:
         worst = (0.0, 0.0)
         for case, path in files.items():
             for args in (["diagnose", path], ["dump", path], ["top", "--once", "--wait", "0", path],
-                         ["report", path, "-o", out + ".html"],
-                         ["export", path, "--tensorboard", out],
+                         # --force: each case replaces the last one's report and events
+                         ["report", path, "-o", out + ".html", "--force"],
+                         ["export", path, "--tensorboard", out, "--force"],
                          ["compare", make_crafted.BASE, path]):
                 code, seconds, peak = measure(args)
                 print(f"{case:18s} {args[0]:9s} {code:4d}  {seconds:7.2f}  {peak:8.1f}")

@@ -15,11 +15,19 @@
    costs nothing on a CPU and is part of what a GPU run measures.
 3. **Replay (on an event).** A layer's output overflows bf16 at one step; the replay's wall
    time is printed as a multiple of the median step time.
+4. **The replay's isolation** (``--isolation ROUNDS``, alone): the same replay with
+   ``isolated.preserved`` as it is (the user's hooks set aside, Python state put back, output
+   held back, writes refused) against a bare one that only forks the RNG and puts the buffers
+   back, alternating in one process; the ratio of the medians is what isolation costs a
+   replay.
+
+    OMP_NUM_THREADS=1 python benchmarks/forensics_cost.py --isolation 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -33,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ampdoctor  # noqa: E402
+from ampdoctor.record.forensic import forensics, isolated  # noqa: E402
 
 
 class Block(nn.Module):
@@ -125,6 +134,35 @@ def tiny(steps: int, forensics: bool, device: str) -> list:
     return times
 
 
+def isolation(rounds: int, device: str) -> None:
+    """Section 4 of the module docstring."""
+    full = isolated.preserved
+
+    @contextlib.contextmanager
+    def bare(roots: list, devices: list):
+        saved = isolated.saved_buffers([m for r in roots for m in r.modules()])
+        with torch.random.fork_rng(devices=devices):
+            try:
+                yield isolated.Isolation()
+            finally:
+                isolated.restore_buffers(saved)
+
+    out: dict = {"isolated": [], "bare": []}
+    try:
+        for i in range(rounds):
+            order = (("bare", bare), ("isolated", full))
+            for name, impl in order if i % 2 else order[::-1]:
+                forensics.preserved = impl
+                out[name].append(run(12, True, device, bad_step=8)[1])
+    finally:
+        forensics.preserved = full
+    for name, times in out.items():
+        print(f"replay, {name}: median {statistics.median(times) * 1e3:.0f} ms "
+              f"({', '.join(f'{t * 1e3:.0f}' for t in times)})")
+    print(f"isolation: {statistics.median(out['isolated']) / statistics.median(out['bare']):.2f}x "
+          "the bare replay's time")
+
+
 def p5(times: list, warmup: int) -> float:
     steady = sorted(times[warmup:])
     return steady[max(0, len(steady) // 20)]
@@ -135,7 +173,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--isolation", type=int, default=0, metavar="ROUNDS",
+                        help="only measure what the replay's isolation costs (section 4)")
     args = parser.parse_args()
+    if args.isolation:
+        return isolation(args.isolation, args.device)
     warmup = min(20, args.steps // 4)
     diffs = []
     for _ in range(5):

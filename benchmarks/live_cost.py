@@ -55,7 +55,9 @@ WATCHERS = {
     "plain": None,
     "plain-again": None,
     "top": ["top", "{run}", "--interval", "0.2", "--wait", "120"],
-    "export": ["export", "{run}", "--tensorboard", "{dir}", "--follow", "--wait", "120"],
+    # --force: each round replaces the last round's events (else refused: each point twice)
+    "export": ["export", "{run}", "--tensorboard", "{dir}", "--follow", "--wait", "120",
+               "--force"],
 }
 
 

@@ -87,6 +87,10 @@ def _status_notes(f: Any) -> list[str]:
     if damaged:
         out.append("Part of the file is damaged and was left out: table(s) "
                    f"{', '.join('/' + t for t in damaged)} could not be read.")
+    for s in f.run.skipped_modules[:3]:
+        out.append(f"ampdoctor left out a module it could not record, "
+                   f"{str(s.get('module'))[:60]} ({str(s.get('why'))[:160]}); the rest of the "
+                   "run is recorded.")
     errors = f.events(Event.RECORDER_ERROR)
     if len(errors):
         out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "

@@ -21,6 +21,12 @@ the curves line up with a loop that logs by optimizer step):
 ``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
 ====================================  =========================================================
 
+A month-long run is thinned as its plots are: where one read brings more than ``MAX_STEPS``
+steps, each curve keeps each bin's smallest and largest value (``curves.extremes``: a one-step
+spike survives) and every skipped or non-finite step (at most ``MAX_STEPS`` of those too);
+TensorBoard itself shows 1000 points of a scalar by default. ``Exported.thinned`` counts the
+steps left out.
+
 Each rank file of a torchrun job becomes its own run (``DIR/rank0``, ``DIR/rank1``...), so the
 ranks' curves overlay in TensorBoard. ``follow=True`` keeps writing while the run is recorded
 (a separate reader of the SWMR file: the training process does no extra work), until the run
@@ -35,6 +41,8 @@ Example::
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -42,7 +50,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
-from ..errors import AmpDoctorError, MissingExtraError, RunFileError
+from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
+from ..release.curves import extremes
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Source, columns
 from .follow import STALE_SECONDS, Follower
@@ -51,8 +60,12 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
-# ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.ampdoctor``):
-# a second export into a directory that holds one would show every point twice, so it refuses
+MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
+# ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
+# .ampdoctor``): a second export into a directory that holds one would show every point twice,
+# so it refuses (or, with --force, removes that file first). The random token makes the name
+# one nobody can have made before: the writer opens it without O_EXCL, and a link planted at a
+# guessable name (time, host, pid) would be written through.
 SUFFIX = ".ampdoctor"
 
 
@@ -65,6 +78,7 @@ class Exported:
     scalars: int = 0
     texts: int = 0
     interrupted: bool = False  # Ctrl-C ended a follow; everything up to then is written
+    thinned: int = 0  # steps of a long run left out of the curves (each bin's extremes kept)
 
 
 def _protos() -> Any:
@@ -93,9 +107,9 @@ class _RunWriter:
             self.types_pb2 = protos
         self.logdir = logdir
         self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
-                                 filename_suffix=SUFFIX)
+                                 filename_suffix=f".{secrets.token_hex(8)}{SUFFIX}")
         self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
-        self.scalars = self.texts = 0
+        self.scalars = self.texts = self.thinned = 0
 
     def scalars_at(self, step: int, wall: float, values: list[tuple[str, float]]) -> None:
         if not values:
@@ -126,7 +140,9 @@ class _RunWriter:
         self._forensics(delta.rows["snapshots"], state)
 
     def _steps(self, rows: np.ndarray) -> None:
-        for r in rows:
+        kept = _thinned(rows)
+        self.thinned += len(rows) - len(kept)
+        for r in rows[kept]:
             values = [("ampdoctor/loss", r["loss"]), ("ampdoctor/grad_norm", r["grad_norm"])]
             if np.isfinite(r["scale"]):  # with a GradScaler
                 values += [("ampdoctor/loss_scale", r["scale"]),
@@ -136,12 +152,17 @@ class _RunWriter:
     def _groups(self, rows: np.ndarray, state: Any) -> None:
         if not len(rows):
             return
+        steps = np.unique(rows["step"])
+        shown = steps[_thinned_steps(steps)]
+        rows = rows[np.isin(rows["step"], shown)]
+        order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
+        rows = rows[order]
         walls = _walls(state, rows["step"])
-        for step in np.unique(rows["step"]):
-            sel = rows["step"] == step
-            self.scalars_at(step, float(walls[sel][0]),
+        starts = np.flatnonzero(np.r_[True, rows["step"][1:] != rows["step"][:-1]])
+        for a, b in zip(starts, np.r_[starts[1:], len(rows)]):
+            self.scalars_at(rows["step"][a], float(walls[a]),
                             [(f"ampdoctor/lr/group{int(g)}", lr)
-                             for g, lr in zip(rows["group"][sel], rows["lr"][sel])])
+                             for g, lr in zip(rows["group"][a:b], rows["lr"][a:b])])
 
     def _layers(self, delta: Any, state: Any) -> None:
         self._name_tensors(state.tensors)
@@ -194,6 +215,28 @@ class _RunWriter:
         self.file.close()
 
 
+def _thinned(rows: np.ndarray) -> np.ndarray:
+    """Which /steps rows of one read are written: all, up to ``MAX_STEPS``; else each
+    curve's bin extremes and every skipped or non-finite step (module docstring)."""
+    if len(rows) <= MAX_STEPS:
+        return np.arange(len(rows))
+    keep = [extremes(rows[c].astype(np.float64), MAX_STEPS)
+            for c in ("loss", "grad_norm", "scale")]
+    special = np.flatnonzero((rows["skipped"] == 1) | ~np.isfinite(rows["loss"]) |
+                             ~np.isfinite(rows["grad_norm"]))
+    if len(special) > MAX_STEPS:
+        special = special[::int(np.ceil(len(special) / MAX_STEPS))]
+    return np.unique(np.concatenate(keep + [special]))
+
+
+def _thinned_steps(steps: np.ndarray) -> np.ndarray:
+    """Which of a read's LR steps are written: all, up to ``MAX_STEPS``; else each group's
+    LR at evenly spaced steps (an LR curve has no spikes to keep)."""
+    if len(steps) <= MAX_STEPS:
+        return np.arange(len(steps))
+    return np.unique(np.linspace(0, len(steps) - 1, MAX_STEPS).astype(np.int64))
+
+
 def _keep_max(best: dict, key: tuple, value: float) -> None:
     """NaN wins: a non-finite value is the news."""
     old = best.get(key)
@@ -214,10 +257,12 @@ def _walls(state: Any, steps: np.ndarray) -> np.ndarray:
 
 
 def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
-           interval: float = 1.0, stale: float = STALE_SECONDS) -> Exported:
+           interval: float = 1.0, stale: float = STALE_SECONDS, force: bool = False) -> Exported:
     """Write the run at ``run`` into TensorBoard event files under ``logdir`` (see the module
-    docstring); with ``follow``, until the run ends. Raises ``MissingExtraError`` without the
-    tensorboard package, ``RunFileError`` for a missing or unreadable run."""
+    docstring); with ``follow``, until the run ends; with ``force``, in place of an earlier
+    export's event files there (removed first; nothing else is). Raises
+    ``MissingExtraError`` without the tensorboard package, ``RunFileError`` for a missing or
+    unreadable run."""
     protos = _protos()
     follower = Follower(run, stale=stale, layers=False)
     done = Exported()
@@ -225,7 +270,7 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
     try:
         if not follower.files() and not follow:
             raise RunFileError(f"{run}: no such file")
-        _writable(logdir)
+        _writable(logdir, force)
         follower.wait(wait)
         try:
             _loop(follower, logdir, protos, writers, done, follow, interval)
@@ -246,23 +291,39 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
             except OSError:  # already said: the first failure is the sentence
                 pass
     done.scalars = sum(w.scalars for w in writers.values())
+    done.thinned = sum(w.thinned for w in writers.values())
     done.texts = sum(w.texts for w in writers.values())
     done.runs = [w.logdir for w in writers.values()]
     return done
 
 
-def _writable(logdir: str) -> None:
+def _writable(logdir: str, force: bool = False) -> None:
     """Make ``logdir`` (and refuse a place no file can be written, or one that already holds
-    ampdoctor's events) before any run is read."""
+    ampdoctor's events, unless ``force`` removes them) before any run is read."""
     os.makedirs(logdir, exist_ok=True)
     if not os.access(logdir, os.W_OK | os.X_OK):
         raise PermissionError(13, "Permission denied", logdir)
     earlier = _earlier_export(logdir)
+    while earlier and force:
+        os.unlink(os.path.join(logdir, earlier))  # a regular file of ours (_earlier_export)
+        earlier = _earlier_export(logdir)
     if earlier:
         raise AmpDoctorError(
             f"{logdir} already holds ampdoctor's TensorBoard events ({earlier}): a second "
-            "export there would show every point twice; remove that file or export into "
-            "another directory")
+            "export there would show every point twice; remove that file, pass --force to "
+            "replace it, or export into another directory")
+
+
+def _own_directory(path: str) -> None:
+    """A run directory under the log directory (``rank<R>``) is made here, never followed
+    through a link or taken from a file of that name."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise OutputError(f"cannot write TensorBoard events into {path}: it is not a "
+                              "directory of its own (a link or a file); remove it or export "
+                              "into another directory") from None
 
 
 def _earlier_export(logdir: str) -> Optional[str]:
@@ -275,10 +336,17 @@ def _earlier_export(logdir: str) -> Optional[str]:
         except OSError:
             continue
         found = next((n for n in names if n.startswith("events.out.tfevents.")
-                      and n.endswith(SUFFIX)), None)
+                      and n.endswith(SUFFIX) and _regular(os.path.join(place, n))), None)
         if found:
             return os.path.relpath(os.path.join(place, found), logdir)
     return None
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _unwritable(logdir: str, exc: OSError) -> AmpDoctorError:
@@ -293,8 +361,10 @@ def _loop(follower: Follower, logdir: str, protos: Any, writers: dict, done: Exp
             state = next(s for s in follower.states if s.path == delta.path)
             w = writers.get(delta.path)
             if w is None:
-                target = os.path.join(logdir, f"rank{state.rank}") if state.world_size > 1 \
-                    else logdir
+                target = logdir
+                if state.world_size > 1:
+                    target = os.path.join(logdir, f"rank{state.rank}")
+                    _own_directory(target)
                 w = writers[delta.path] = _RunWriter(target, protos)
             w.write(delta, state)
             done.steps += len(delta.rows["steps"])

@@ -40,7 +40,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AmpDoctorError
-from ..record.forensic.trace import rng_state, set_rng
+from ..record.forensic.isolated import rng_state, set_rng
 from .parity_result import DTYPE_MAX, ModuleParity, ParityResult
 from .snapshot import Snapshot
 

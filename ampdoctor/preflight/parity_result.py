@@ -29,9 +29,11 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .. import outputs
 from ..diagnosis import fixes
 from ..errors import AmpDoctorError
 from ..numfmt import fmt
@@ -47,6 +49,10 @@ DTYPE_MAX = {"bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 # four bits lost beyond that.
 LOSSY_ROUNDOFFS = 16
 VERDICTS = ("overflows", "lossy", "ok")  # worst first
+# How each of parity's formats begins: what `parity -o FILE --force` may replace.
+_HEADS = (re.compile(rb'\A\{\s*"format": "ampdoctor-parity"'),
+          re.compile(rb"\Aparity: (" + "|".join(VERDICTS).encode() + rb")\n  "),
+          re.compile(rb"\A## Layer parity in (" + "|".join(UNIT_ROUNDOFF).encode() + rb"): `"))
 SHOWN = 10  # modules shown in text and Markdown (all of them are in to_dict)
 
 
@@ -204,6 +210,13 @@ class ParityResult:
 
     def _repr_html_(self) -> str:
         return render_html(self)
+
+
+def is_parity_output(path: str) -> bool:
+    """Is ``path`` a result ``ampdoctor parity -o`` wrote (text, Markdown or JSON), by how it
+    begins?"""
+    first = outputs.head(path)
+    return any(p.match(first) for p in _HEADS)
 
 
 def load(path: str) -> ParityResult:

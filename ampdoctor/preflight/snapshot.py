@@ -21,8 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..record.forensic.isolated import restore_buffers, saved_buffers
-from ..record.forensic.trace import rng_state, set_rng
+from ..record.forensic.isolated import restore_buffers, rng_state, saved_buffers, set_rng
 
 
 class Snapshot:

@@ -5,7 +5,9 @@ What each hook does is small; the state it changes belongs to the parts: the ste
 recorded and the finished steps' rows (``steplog``), the model, optimizers and scaler
 (``watched``), the skip decision (``skips``), the sampled tier (``sampler``) and the forensic
 tier (``forensics``). ``patches`` calls the hooks through ``guard``: an exception in one goes
-to ``fault`` (the recorder steps aside), never to the training loop.
+to ``fault`` (the recorder steps aside), never to the training loop; one raised by a module
+while the model is discovered (no optimizer seen training it yet) skips only that module
+(``_skip``), and the rest is recorded.
 
 Step boundaries: ``GradScaler.update`` when an enabled scaler scaled the loss this step (a
 skipped step never calls ``optimizer.step``), else the step of the first optimizer seen.
@@ -57,8 +59,8 @@ from .sampler import Sampler
 from .schedules import Schedules
 from .skips import Skips
 from .steplog import StepLog
-from .steps import Step
-from .torchcompat import found_inf, scaler_enabled, unscaled_already
+from .steps import Micro, Step, drop_micro
+from .torchcompat import found_inf, placeholder, scaler_enabled, unscaled_already
 from .watched import Watched
 
 
@@ -111,6 +113,7 @@ class Hooks:
         patches.hook_optimizers(self.patches, self, self._compiled_steps)
         patches.patch_zero_grad(self.patches, self)
         patches.patch_module_compile(self.patches, self)
+        patches.patch_module_state(self.patches)
         if self.forensics is not None:
             patches.patch_losses(self.patches, self, losscall.LOSSES)
         patches.patch_schedulers(self.patches, self)
@@ -145,9 +148,24 @@ class Hooks:
 
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
         """First step of a recorder given no model: the outermost module called with grad
-        enabled that owns trainable parameters becomes a root (``Watched.enter``)."""
-        if self.watched.enter(module, self.log.step, args):
-            self._discovered(module, args, {})
+        enabled that owns trainable parameters becomes a root (``Watched.enter``). A module
+        whose recording fails here is skipped, not the recording (``_skip``)."""
+        try:
+            if self.watched.enter(module, self.log.step, args):
+                self._discovered(module, args, {})
+        except Exception as exc:  # noqa: BLE001 - one module's failure is not the run's
+            self._skip(module, "discover_pre", exc)
+
+    def _skip(self, module: torch.nn.Module, where: str, exc: BaseException) -> None:
+        """A module failed to be recorded while discovered (no optimizer was seen training
+        it yet): it is left out, the warning says so once, and the rest of the run is
+        recorded. Strict mode raises, as ``fault`` does."""
+        if self.journal.strict:
+            raise exc
+        self.watched.skip(module, where, exc)
+        self.journal.warn_once("skipped", f"could not record {type(module).__name__} "
+                               f"({where}: {type(exc).__name__}: {exc}); it is left out of "
+                               "the recording, which goes on without it")
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
@@ -169,7 +187,7 @@ class Hooks:
             return
         if id(module) in self.watched.root_ids:
             self.root_pre(module, args, kwargs)
-        elif self.watched.may_adopt(module) and self.watched.adopt_discovered(module):
+        elif self.watched.may_adopt(module, args) and self.watched.adopt_discovered(module):
             self._discovered(module, args, kwargs)
 
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -181,8 +199,17 @@ class Hooks:
         self.root_post(module, args, output)
 
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying():
-            return
+        if id(module) not in self.watched.root_ids or self._replaying():
+            return  # a copy of a root that kept our hooks (not copied by deepcopy): not it
+        try:
+            self._root_pre(module, args, kwargs)
+        except Exception as exc:
+            if not self.watched.discovery_open:
+                raise
+            # a root no optimizer was seen training yet: skipped, the recording goes on
+            self._skip(module, "root_pre", exc)
+
+    def _root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._compiled_steps and torch.is_grad_enabled():
             self._catch_up()
         if self.skips.undecided is not None and torch.is_grad_enabled():
@@ -200,6 +227,8 @@ class Hooks:
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
                   kwargs: Optional[dict] = None) -> None:
+        if id(module) not in self.watched.root_ids:
+            return
         if self.watched.ends_discovery_call(module) and self.forensics is not None and kwargs:
             self.forensics.capture_kwargs(module, kwargs)
         if self.forensics is not None and self.forensics.armed:
@@ -264,11 +293,14 @@ class Hooks:
         st.scaled_grads_pending = False
 
     def before_backward(self, tensors: Any) -> None:
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if any(placeholder(t) for t in items):
+            return  # a copy on meta or fake tensors (a FLOP count): no micro-batch, no values
         self._catch_up()
         self._training()
         st = self.log.step
         st.micro += 1
-        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        micro = Micro(self.watched.take_called()) if self.watched.discovery_open else None
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
                 origin = _scaled_origin(t, st.keep)  # (scaler.scale(loss), or that / n)
@@ -276,13 +308,15 @@ class Hooks:
                     loss = st.unscaled_of[origin]
                     if loss is not None:  # (backwarded twice, retain_graph: counted once)
                         st.unscaled_of[origin] = None
-                        self._add_loss(loss, scaled=True)
+                        self._add_loss(loss, micro, scaled=True)
                     break
-                self._add_loss(t)
+                self._add_loss(t, micro)
                 if scaler_enabled(self.watched.scaler) and \
                         torch._C._current_graph_task_id() == -1:  # (not from a backward)
                     st.unscaled_backwards += 1
                 break
+        if micro is not None:
+            st.ledger.append(micro)
 
     def _training(self) -> None:
         """A loss is seen: the previous step is decided, the file exists (lazy recorder), a
@@ -296,16 +330,19 @@ class Hooks:
             self._clip_maker = None
         self._end_step_without_update()
 
-    def _add_loss(self, loss: torch.Tensor, scaled: bool = False) -> None:
+    def _add_loss(self, loss: torch.Tensor, micro: Optional[Micro],
+                  scaled: bool = False) -> None:
         st = self.log.step
         # A DTensor loss (loss_parallel): its local value; reading the DTensor would be a
         # collective that a rank whose replay budget ran out earlier would not join.
         value = sharding.local(loss.detach()).reshape(()).float()
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
-        self.objectives.loss(value, loss)
+        slot = self.objectives.loss(value, loss)
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
+        if micro is not None:
+            micro.value, micro.dtype, micro.slot = value, stats.dtype_code(loss.dtype), slot
         if self.forensics is not None and self.forensics.armed:
             self.forensics.capture_loss(loss, scaled)
 
@@ -465,6 +502,8 @@ class Hooks:
             self.journal.create()
         st = self.log.step
         scaler = self.watched.scaler
+        if not st.scaled and self.watched.primary(optimizer):
+            self._settle_discovery()  # (this step ends the step)
         if st.scaled and not st.in_scaler_step:
             st.flags |= flag(Event.STEP_BYPASSES_SCALER)
             self.journal.event(Event.STEP_BYPASSES_SCALER, st, text=type(optimizer).__name__)
@@ -543,6 +582,7 @@ class Hooks:
     def before_update(self, scaler: Any) -> None:
         if not self.watched.uses_scaler(scaler) or not scaler_enabled(scaler):
             return
+        self._settle_discovery()  # (every optimizer of the step has been through the scaler)
         self.skips.settle()
         st = self.log.step
         self._ensure_grad_norm()
@@ -636,12 +676,39 @@ class Hooks:
             self._probe.close_call(module, output)
             self._probe.leave(module)
 
+    def _settle_discovery(self) -> None:
+        """The first step's optimizers are known (its end, or the update or step that ends
+        it, before the forensic tier looks at it): only the roots they train are kept
+        (``Watched.finish_discovery``). A root dropped takes its micro-batches out of the step
+        (a model built, run and dropped before the real one): the step's loss is the real
+        one's, and its sampled statistics, named while that root was there, are not kept."""
+        if not self.watched.discovery_open:
+            return
+        st = self.log.step
+        losses = drop_micro(st, self.watched.finish_discovery())
+        if losses is None:
+            return
+        self.objectives.rewind([(m.slot, m.value) for m in losses if m.value is not None])
+        if self.forensics is not None:
+            self.forensics.keep_roots(self.watched.root_ids)
+        if st.sampled and self._sampler is not None:
+            self._unsample(st, self._sampler)
+
+    def _unsample(self, st: Step, sampler: Sampler) -> None:
+        """The step is not sampled after all: its statistics so far are dropped."""
+        self._sample_hooks.remove()
+        sampler.active = False
+        sampler.reset()
+        st.sampled = False
+        if self._probe is not None and self._probing:
+            self._probe.abort()
+        self._probing = False
+
     def _end_step(self) -> None:
         st = self.log.step
         if self.skips.undecided is not None and self.skips.undecided is not st:
             self.skips.settle()  # a step with no hook of ours between: decided before this ends
-        if self.watched.discovery_open:
-            self.watched.finish_discovery()
+        self._settle_discovery()
         if st.index == 0:
             self.watched.name_handles(sys._getframe())
         self.watched.fp16_without_scaler(st)

@@ -117,8 +117,8 @@ class Objectives:
 
     # -- a loss -----------------------------------------------------------------------------
 
-    def loss(self, value: torch.Tensor, loss: torch.Tensor) -> None:
-        """A loss about to be backwarded (``value``: its detached fp32 scalar)."""
+    def loss(self, value: torch.Tensor, loss: torch.Tensor) -> int:
+        """A loss about to be backwarded (``value``: its detached fp32 scalar); its slot."""
         key = self._site_key(sys._getframe(1))
         slot = self._keys.get(key)
         if slot is None:
@@ -131,6 +131,28 @@ class Objectives:
             kept[1] += 1
         if self._events or not slot.settled:
             self._events.append(("loss", slot.index))
+        return slot.index
+
+    def rewind(self, kept: list[tuple[int, torch.Tensor]]) -> None:
+        """The first step's losses again from its backwards ``kept`` ((slot, value), in their
+        order): those of a root that discovery dropped (a model run and dropped before the real
+        one) are left out, and a loss left with none is forgotten (the slots renumbered)."""
+        live = sorted({slot for slot, _ in kept})
+        index = {old: new for new, old in enumerate(live)}
+        self.slots = [self.slots[old] for old in live]
+        for slot in self.slots:
+            slot.index = index[slot.index]
+        self._keys = {slot.key: slot for slot in self.slots}
+        self._losses = {}
+        for old, value in kept:
+            sums = self._losses.get(index[old])
+            if sums is None:
+                self._losses[index[old]] = [value, 1]
+            else:
+                sums[0] = sums[0] + value
+                sums[1] += 1
+        self._events = [e if e[0] != "loss" else ("loss", index[e[1]]) for e in self._events
+                        if e[0] != "loss" or e[1] in index]
 
     def _slot_for(self, key: tuple, loss: torch.Tensor) -> Slot:
         """A new loss: a call stack not seen before."""

@@ -16,6 +16,8 @@ A recorder sees a training loop through these doors, all opened here and nowhere
   only noted there, and told at the next eager hook, ``Optimizer.zero_grad`` at the latest;
 * global module forward hooks, installed only while discovering the model or sampling a step
   (on a sampled step also the op probe's, whose post-hook runs even when a forward raises);
+* the root modules' own forward (pre-)hooks, marked as ours, and ``Module.__getstate__``, so
+  that a copy or a pickle of a root (an EMA model, ``torch.save(model)``) is made without them;
 * ``torch.nn.Module.compile``: a module compiled in place is called through an eager shim, the
   only place its calls can be seen without entering the compiled region (``compiled.py``);
 * the loss functions of ``torch.nn.functional`` (``cross_entropy``, ``mse_loss``...: those of
@@ -58,6 +60,7 @@ from .listener import Callback, Faults, Listener, SchedulerListener, TrainingLis
 
 _MARK = "__ampdoctor_original__"
 _LISTENER = "__ampdoctor_listener__"
+_OURS = "__ampdoctor_hook__"  # on a hook function of ours that a module holds
 _compiling = torch.compiler.is_compiling
 
 
@@ -547,6 +550,62 @@ def patch_module_compile(patches: PatchSet, listener: Listener) -> None:
         return wrapper
 
     patches.add(Patch(torch.nn.Module, "compile", make))
+
+
+def hook_root(patches: PatchSet, listener: Listener, root: torch.nn.Module) -> None:
+    """The root's forward pre-hook and hook (``root_pre``, ``root_post``, kwargs included),
+    marked as ours: a copy or a pickle of the root leaves them behind (``patch_module_state``)."""
+    def pre(module, args, kwargs):
+        return guard(listener, "root_pre", module, args, kwargs)
+
+    def post(module, args, kwargs, output):
+        return guard(listener, "root_post", module, args, output, kwargs)
+
+    for fn in (pre, post):
+        setattr(fn, _OURS, True)
+    patches.add(root.register_forward_pre_hook(pre, with_kwargs=True))
+    patches.add(root.register_forward_hook(post, with_kwargs=True))
+
+
+def patch_module_state(patches: PatchSet) -> None:
+    """``Module.__getstate__``, what ``copy.deepcopy``, ``copy.copy`` and pickle (``torch.save``)
+    read: a module carrying ``hook_root``'s hooks gives its state without them, so that an EMA
+    or evaluation copy is not recorded as the model, and the model still pickles (a local
+    function would not)."""
+    def make(orig):
+        @functools.wraps(orig)
+        def wrapper(self):
+            state = orig(self)
+            try:
+                return _without_our_hooks(state)
+            except Exception:  # noqa: BLE001 - the state as torch gives it, then
+                return state
+        return wrapper
+
+    patches.add(Patch(torch.nn.Module, "__getstate__", make))
+
+
+# The hook tables of a module (by hook id), and the sets of ids that mark a hook's kind.
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_MARKS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _without_our_hooks(state: Any) -> Any:
+    """A module's state (a shallow copy of its ``__dict__``) less ``hook_root``'s hooks: the
+    tables are new dicts, the module's own are left as they are."""
+    if not isinstance(state, dict):
+        return state
+    ours = {key for name in _HOOK_TABLES for key, fn in (state.get(name) or {}).items()
+            if getattr(fn, _OURS, False)}
+    if not ours:
+        return state
+    state = dict(state)
+    for name in _HOOK_TABLES + _HOOK_MARKS:
+        table = state.get(name)
+        if isinstance(table, dict):
+            state[name] = type(table)((k, v) for k, v in table.items() if k not in ours)
+    return state
 
 
 def shim_compiled_call(patches: PatchSet, listener: Listener,

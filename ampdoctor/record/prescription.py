@@ -14,18 +14,27 @@ carry the arguments in ``AMPDOCTOR_APPLY`` and ``treatment.py`` applies them):
                                          (``lr``: F = LR / the LR the optimizer was made with)
 ``loss_in_fp32``                         torch's loss functions get fp32 inputs, autocast off
 ``scheduler_per_step``                   an LR scheduler steps at most once per optimizer step
+``fp8=[RECIPE][:keep=NAME,...]``         the model's Linears train in fp8 (torchao, emulated
+                                         where the device has no fp8 matmul), those named kept
 =======================================  =====================================================
 
 Example::
 
     parse_all(["use_bf16", "lr_factor=0.1"])   # [Prescription('use_bf16'), ...('lr_factor', 0.1)]
     parse("adam_eps=abc")    # RecordError: --apply adam_eps=abc: EPS must be a positive number
+    parse("init_scale=1e39") # RecordError: ... S must lie between 2^-24 and 2^32 (...)
+
+Each number is checked against the range its ``Form`` declares (what the optimizer and
+GradScaler take, and what can help a run), here in the parent: a value outside it would kill,
+crash or silently spoil the run after the command started.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -34,12 +43,21 @@ from ..errors import RecordError
 Value = Union[None, float, int, tuple[str, ...]]
 
 
-
 class Form(NamedTuple):
-    """One ``--apply`` form: the value's placeholder ("" for none) and what it does."""
+    """One ``--apply`` form: the value's placeholder ("" for none), what it does, and for a
+    number the range it must lie in (``low`` to ``high``, both included) with why: a value
+    outside it would kill the run, crash GradScaler, overflow or silently train nothing, so it
+    is refused in the parent, before the command starts."""
 
     placeholder: str
     does: str
+    low: float = 0.0
+    high: float = math.inf
+    why: str = ""
+
+
+# fp32's smallest normal number: GradScaler's scale and the optimizers' state are fp32.
+FP32_TINY = 2.0 ** -126
 
 
 # The one declaration of the --apply forms: parse() accepts these, the CLI's help lists them
@@ -49,14 +67,33 @@ FORMS: dict[str, Form] = {
     "fp32_island": Form("NAME[,NAME...]",
                         "the named modules run with autocast off, on fp32 inputs"),
     "use_bf16": Form("", "fp16 autocast becomes bf16, and GradScalers are disabled"),
-    "adam_eps": Form("EPS", "every optimizer with an eps uses EPS"),
-    "init_scale": Form("S", "GradScaler starts at scale S"),
-    "growth_interval": Form("N", "GradScaler grows its scale every N clean steps"),
-    "lr_factor": Form("F", "each optimizer steps with its LR times F (schedules keep working)"),
-    "lr": Form("LR", "each optimizer steps with its LR times LR / the LR it was created with"),
+    "adam_eps": Form("EPS", "every optimizer with an eps uses EPS", FP32_TINY, 1.0,
+                     "an eps above 1 drowns every gradient's own scale, below fp32's smallest "
+                     "normal number it is no eps at all"),
+    "init_scale": Form("S", "GradScaler starts at scale S", 2.0 ** -24, 2.0 ** 32,
+                       "below 2^-24 every fp16 gradient flushes to zero, and the steps are "
+                       "skipped without a word; above 2^32 every step overflows and is skipped "
+                       "while the scale halves"),
+    "growth_interval": Form("N", "GradScaler grows its scale every N clean steps", 1,
+                            2 ** 31 - 1, "GradScaler counts clean steps in a 32-bit integer"),
+    "lr_factor": Form("F", "each optimizer steps with its LR times F (schedules keep working)",
+                      1e-12, 1e3, "a larger factor blows the weights up within steps, a "
+                      "smaller one leaves them as they were"),
+    "lr": Form("LR", "each optimizer steps with its LR times LR / the LR it was created with",
+               1e-12, 1e3, "a larger LR blows the weights up within steps, a smaller one "
+               "leaves them as they were"),
     "loss_in_fp32": Form("", "torch's loss functions run in fp32, autocast off"),
     "scheduler_per_step": Form("", "an LR scheduler steps at most once per optimizer step"),
+    "fp8": Form("[RECIPE][:keep=NAME,...]", "the model's Linears train in fp8 (torchao's "
+                "RECIPE: tensorwise, rowwise or rowwise_with_gw_hp; tensorwise when left out), "
+                "those named kept in high precision; needs torchao (pip install "
+                "'ampdoctor[fp8]')"),
 }
+# A number as a person types it: ASCII digits, a point, an exponent. float() and int() also
+# take "nan", "inf", "1_000" and any Unicode digit ("²", "١٢"), none of which is meant here.
+_DECIMAL = re.compile(r"[+]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
+_WHOLE = re.compile(r"[+]?\d+", re.ASCII)
+
 # Forms that cannot be given together.
 EXCLUSIVE = (("lr", "lr_factor"),)
 
@@ -75,7 +112,7 @@ class Prescription:
         if self.value is None:
             return self.name
         if isinstance(self.value, tuple):
-            return f"{self.name}={','.join(self.value)}"
+            return f"{self.name}={self.given or ','.join(self.value)}"
         return f"{self.name}={self.given or self.value}"
 
 
@@ -98,6 +135,8 @@ def parse(text: str) -> Prescription:
         raise RecordError(f"--apply {text}: unknown fix {name or '(empty)'!r}; record can apply "
                           f"{usage()}")
     placeholder = FORMS[name].placeholder
+    if placeholder.startswith("[") and not eq:  # the value may be left out
+        return Prescription(name)
     if not placeholder:
         if eq:
             raise RecordError(f"--apply {text}: {name} takes no value")
@@ -108,24 +147,60 @@ def parse(text: str) -> Prescription:
 
 
 def _value(name: str, raw: str, text: str, placeholder: str) -> Value:
+    if name == "fp8":
+        return fp8_value(raw, text)
     if name == "fp32_island":
         names = tuple(n.strip() for n in raw.split(","))
         if not all(names):
             raise RecordError(f"--apply {text}: give module names separated by commas, as in "
                               "--apply fp32_island=blocks.0.attn,blocks.1.attn")
         return names
+    form = FORMS[name]
     if name == "growth_interval":
-        if not raw.isdigit() or int(raw) < 1:
-            raise RecordError(f"--apply {text}: {placeholder} must be a whole number of steps, "
-                              "1 or more")
-        return int(raw)
-    try:
-        number = float(raw)
-    except ValueError:
-        number = math.nan
+        if not _WHOLE.fullmatch(raw):
+            raise RecordError(f"--apply {text}: {placeholder} must be a whole number of steps "
+                              "in ASCII digits, 1 or more")
+        return _in_range(int(raw), form, text)
+    number = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
     if not (math.isfinite(number) and number > 0):
         raise RecordError(f"--apply {text}: {placeholder} must be a positive number")
-    return number
+    return _in_range(number, form, text)
+
+
+def _in_range(number: Union[int, float], form: Form, text: str) -> Union[int, float]:
+    """``number`` when ``form`` accepts it, else the sentence that says its range and why."""
+    if form.low <= number <= form.high:
+        return number
+    raise RecordError(f"--apply {text}: {form.placeholder} must lie between {_shown(form.low)} "
+                      f"and {_shown(form.high)} ({form.why})")
+
+
+def _shown(bound: float) -> str:
+    """A bound as the messages show it: 2^k (or 2^k - 1) where it is one, else the number."""
+    for k, rest in ((math.log2(bound), ""), (math.log2(bound + 1), " - 1")):
+        if k.is_integer() and abs(k) >= 16:
+            return f"2^{int(k)}{rest}"
+    return f"{bound:g}"
+
+
+# torchao's Float8LinearConfig recipes (``from_recipe_name``) that --apply fp8 can name.
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def fp8_value(raw: str, text: str) -> tuple[str, ...]:
+    """``RECIPE``, ``RECIPE:keep=A,B`` or ``keep=A,B``: (recipe, kept names...)."""
+    recipe, _, keep = raw.partition(":") if not raw.startswith("keep=") else ("", "", raw)
+    recipe = recipe.strip() or FP8_RECIPES[0]
+    if recipe not in FP8_RECIPES:
+        raise RecordError(f"--apply {text}: unknown fp8 recipe {recipe!r}; torchao's are "
+                          f"{', '.join(FP8_RECIPES)}")
+    names: tuple[str, ...] = ()
+    if keep:
+        if not keep.startswith("keep=") or not all(n.strip() for n in keep[5:].split(",")):
+            raise RecordError(f"--apply {text}: name the modules to keep in high precision as "
+                              "in --apply fp8=tensorwise:keep=lm_head,blocks.0.mlp.fc1")
+        names = tuple(n.strip() for n in keep[5:].split(","))
+    return (recipe, *names)
 
 
 def parse_all(texts: Sequence[str]) -> list[Prescription]:
@@ -139,6 +214,9 @@ def parse_all(texts: Sequence[str]) -> list[Prescription]:
     for a, b in EXCLUSIVE:
         if a in names and b in names:
             raise RecordError(f"--apply {a} and --apply {b} both set the learning rate: give one")
+    if "fp8" in names and importlib.util.find_spec("torchao") is None:
+        raise RecordError("--apply fp8 converts the model with torchao, which is not installed "
+                          "here: pip install 'ampdoctor[fp8]'")
     return out
 
 

@@ -60,6 +60,39 @@ class Step:
     undecided: bool = False  # ended before its mirrors landed: decided at the next step's start
     loss_checked: bool = False  # an applied scaled step's loss read before optimizer.step
     triggered: bool = False  # handed to the forensic tier already (one event per step)
+    # while the model is discovered (the first step): each backward's ``Micro``, so that the
+    # micro-batches of a root dropped at the step's end leave it (Hooks._settle_discovery)
+    ledger: list = field(default_factory=list)
+
+
+@dataclass
+class Micro:
+    """One backward of the discovery step: the roots called since the one before, and the
+    loss it counted (its fp32 value, its dtype code, its objectives slot), if any."""
+
+    roots: frozenset
+    value: Optional[torch.Tensor] = None
+    dtype: int = 0
+    slot: int = -1
+
+
+def drop_micro(st: Step, dropped: frozenset) -> Optional[list[Micro]]:
+    """The discovery step without the micro-batches that ran only roots in ``dropped`` (ids
+    of roots no optimizer trains: a model run and dropped before the real one): its micro
+    count, loss and loss dtype made again from the rest, summed in their order, as the step
+    summed them. The micro-batches kept that counted a loss; None when none was dropped."""
+    ledger, st.ledger = st.ledger, []
+    if not dropped:
+        return None
+    kept = [m for m in ledger if not (m.roots and m.roots <= dropped)]
+    st.micro -= len(ledger) - len(kept)
+    losses = [m for m in kept if m.value is not None]
+    st.loss_sum = None
+    for m in losses:
+        st.loss_sum = m.value if st.loss_sum is None else st.loss_sum + m.value
+    st.loss_n = len(losses)
+    st.loss_dtype = losses[0].dtype if losses else 0
+    return losses
 
 
 VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",

@@ -6,11 +6,13 @@ Example::
     unwrap(torch.compile(DDP(model)))   # model
     autocast_state("cpu")               # (True, "bfloat16") inside torch.autocast("cpu")
     scaler_enabled(torch.amp.GradScaler("cpu", enabled=False))  # False
+    placeholder(torch.empty(2, device="meta"))  # True: shapes only, no values
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -39,6 +41,29 @@ def unwrap_once(module: Any) -> Any:
     if inner is None and (is_wrapper(module) or sharding.is_fsdp1(module)):
         inner = getattr(module, "module", None)
     return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def placeholder(t: Any) -> bool:
+    """A tensor with a shape and no values: on the ``meta`` device (``torch.device("meta")``
+    initialisation, Lightning's ``measure_flops``) or a ``FakeTensor`` (``FakeTensorMode``,
+    which also claims a real device). What runs on them is a copy being measured, never the
+    training: it has no values to record, and autocast knows no ``meta`` device."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.is_meta:
+        return True
+    if type(t) is torch.Tensor:  # every loss of a plain loop ends here (FakeTensor subclasses)
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # (loaded by whoever made one)
+    return fake is not None and bool(fake.is_fake(t))
+
+
+def placeholder_call(module: torch.nn.Module, tensors: Iterable[Any]) -> bool:
+    """A module call on placeholders: its first parameter (or buffer) or an input is one."""
+    first: Optional[torch.Tensor] = next(module.parameters(), None)
+    if first is None:
+        first = next(module.buffers(), None)
+    return placeholder(first) or any(placeholder(t) for t in tensors)
 
 
 def scaler_enabled(scaler: Any) -> bool:

@@ -31,6 +31,16 @@ the same undoable ``patches.Patch`` handles as the recorder's doors. What each f
 * ``scheduler_per_step``: an LR scheduler's ``step`` runs at most once per optimizer step
   that ran (later calls before the next optimizer step are left out; a step GradScaler
   skipped does not count, as ``scheduler_after_real_step`` asks).
+* ``fp8[=RECIPE][:keep=NAME,...]``: the model, the outermost module first called with grad
+  enabled that trains parameters and holds a Linear (a copy on the meta device, or one called
+  under no_grad, is not it), has its Linears converted by torchao's
+  ``convert_to_float8_training`` with the recipe's ``Float8LinearConfig``, at that first call
+  (the optimizer keeps the same parameters). Those named (a name keeps everything under it)
+  and those whose sizes are not multiples of 16 (fp8 matmuls need it) stay as they are.
+  ``emulate=True`` where the device has no fp8 matmul (CPU; CUDA below compute capability
+  8.9). Off CUDA a converted Linear runs with autocast off on fp32 inputs: torchao's backward
+  fails under CPU autocast ("expected m1 and m2 to have the same dtype"), and a training
+  loop must not crash because it was treated.
 
 What was applied (and what could not be) goes to ``/meta`` ``applied`` through ``note``.
 
@@ -176,6 +186,7 @@ INSTALL: dict[str, Callable[[Treatment, Prescription, dict], dict]] = {
     "lr": _install_lr,
     "loss_in_fp32": _install_losses,
     "scheduler_per_step": _install_scheduler_gate,
+    "fp8": lambda t, p, by_name: _install_fp8(t, p, by_name),  # (defined below)
 }
 
 
@@ -439,3 +450,108 @@ def _scheduler_gate(patch_set: patches.PatchSet) -> None:
     for cls in patches.scheduler_classes():
         if "step" in cls.__dict__:
             patch_set.add(patches.Patch(cls, "step", make))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 training (torchao)
+
+
+class _Fp8:
+    """Converts the model's Linears to torchao's ``Float8Linear`` at the model's first call
+    (this module's docstring says which module is the model)."""
+
+    def __init__(self, value: Any, treatment: Treatment):
+        from .prescription import FP8_RECIPES
+
+        value = tuple(value or ())
+        self.recipe = value[0] if value else FP8_RECIPES[0]
+        self.keep = value[1:]
+        self.treatment = treatment
+        self._search = patches.PatchSet()
+        self._depth = 0
+
+    def install(self) -> dict:
+        import torchao.float8  # noqa: F401 - a missing torchao fails here, at install
+
+        look = cast(Callable[..., None], self._look)
+        self._search.add(module_hooks.register_module_forward_pre_hook(look))
+        self._search.add(module_hooks.register_module_forward_hook(self._left, always_call=True))
+        self.treatment.patches.add(self._search)
+        return {"recipe": self.recipe, "keep": list(self.keep), "converted": []}
+
+    def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _look(self, module: torch.nn.Module, args: tuple) -> None:
+        self._depth += 1
+        if self._depth > 1 or not torch.is_grad_enabled() or not _trains_linears(module):
+            return
+        self._search.remove()
+        self._depth = 0
+        self._tell(self.convert(module))
+
+    def convert(self, model: torch.nn.Module) -> dict:
+        """Convert ``model``'s Linears in place (its parameters stay the optimizer's); what
+        /meta ``applied`` adds: converted, kept (name -> why), emulated, model."""
+        import dataclasses
+
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        device = next(model.parameters()).device
+        emulate = not (device.type == "cuda" and
+                       torch.cuda.get_device_capability(device) >= (8, 9))
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe),
+                                     emulate=emulate)
+        kept: dict[str, str] = {}
+
+        def chosen(mod: torch.nn.Module, fqn: str) -> bool:
+            if not isinstance(mod, torch.nn.Linear):
+                return True  # a container: its Linears are asked one by one
+            if any(fqn == k or fqn.startswith(k + ".") for k in self.keep):
+                kept[fqn] = "named with keep="
+            elif mod.in_features % 16 or mod.out_features % 16:
+                kept[fqn] = "its sizes are not multiples of 16"
+            return fqn not in kept
+
+        before = {id(m) for m in model.modules()}
+        convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+        converted = [n for n, m in model.named_modules() if id(m) not in before]
+        for name in converted:
+            target = model.get_submodule(name)
+            self.treatment.patches.add(
+                target.register_forward_pre_hook(_fp8_pre, with_kwargs=True))
+            self.treatment.patches.add(
+                target.register_forward_hook(_island_post, always_call=True))
+        return {"converted": converted, "kept": kept, "emulated": emulate,
+                "model": type(model).__name__}
+
+    def _tell(self, done: dict) -> None:
+        for e in self.treatment.applied:
+            if e["fix"] == "fp8":
+                e.update(done)
+        self.treatment._tell()
+
+
+def _install_fp8(t: Treatment, p: Prescription, by_name: dict) -> dict:
+    return _Fp8(p.value, t).install()
+
+
+def _trains_linears(module: torch.nn.Module) -> bool:
+    """A model fp8 can treat: it trains parameters (none on the meta device: a FLOP count's
+    copy) and holds a Linear below it."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params or any(p.device.type == "meta" for p in params):
+        return False
+    return any(isinstance(m, torch.nn.Linear) for m in module.modules() if m is not module)
+
+
+def _fp8_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A converted Linear off CUDA: autocast off, fp32 inputs (as an island), so that torchao's
+    backward sees one dtype; on CUDA torchao handles autocast itself."""
+    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values())):
+        opened = getattr(_ISLAND_STACK, "open", None)
+        if opened is None:
+            opened = _ISLAND_STACK.open = []
+        opened.append(contextlib.ExitStack())  # _island_post closes one per call
+        return args, kwargs
+    return _island_pre(module, args, kwargs)

@@ -5,7 +5,10 @@ Each is given to ``watch()`` or discovered in the first step:
 
 * **roots**: the outermost modules called with grad enabled that own trainable parameters,
   adopted before their forward runs (DDP/DataParallel wrappers looked through); at the end of
-  the first step only those whose parameters an optimizer trains are kept. A compiled model is
+  the first step only those whose parameters an optimizer trains are kept (with the
+  micro-batches only they ran: a model run and dropped before the real one). Never adopted: a
+  module run on meta or fake tensors (a FLOP count, ``FakeTensorMode``), a module already
+  left out because recording it failed (``skip``: the rest is recorded). A compiled model is
   seen through an eager shim (``compiled.py``), a sharded one (FSDP2, FSDP1) is adopted with
   per-shard statistics and no replay (``sharding.py``).
 * **optimizers**: those that step the roots' parameters (any optimizer, while no root is
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,7 +45,7 @@ from .journal import Journal
 from .listener import Listener
 from .sampler import tensors_in
 from .steps import Step
-from .torchcompat import is_wrapper, scaler_enabled, unwrap
+from .torchcompat import is_wrapper, placeholder_call, scaler_enabled, unwrap
 
 
 class Watched:
@@ -88,6 +92,10 @@ class Watched:
         self._patches = patches.PatchSet()  # replaced in attach by the recorder's own set
         self._root_hooks = patches.PatchSet()
         self._discovery = patches.PatchSet()
+        self.called: set[int] = set()  # roots called since the last backward (discovery)
+        # modules whose recording failed while discovered: left out, the rest recorded
+        self.left_out: weakref.WeakSet = weakref.WeakSet()
+        self.left_out_why: list[dict] = []  # ... what each was and why (/meta skipped_modules)
 
     def attach(self, listener: Listener, patch_set: patches.PatchSet,
                moved: Callable[[torch.device], None]) -> None:
@@ -122,18 +130,24 @@ class Watched:
         self.depth += 1
         if self.depth > 1:
             self.note_inner_autocast(step)
-        if self.depth != 1 or module in self.names or not torch.is_grad_enabled():
+        if self.depth != 1 or not torch.is_grad_enabled():
             return False
+        if module in self.names:
+            self.called.add(id(module))
+            return False
+        if module in self.left_out or placeholder_call(module, tensors_in(args)):
+            return False  # a copy on meta or fake tensors is measured, not trained
         return self.adopt_discovered(module, args)
 
     def leave(self, module: torch.nn.Module) -> None:
         if not is_wrapper(module):
             self.depth = max(0, self.depth - 1)
 
-    def may_adopt(self, module: torch.nn.Module) -> bool:
+    def may_adopt(self, module: torch.nn.Module, args: tuple = ()) -> bool:
         """Is this top-level call of a ``module.compile()``'d module a root to discover?"""
         return self.discovery_open and self.depth == 0 and module not in self.names and \
-            torch.is_grad_enabled()
+            torch.is_grad_enabled() and module not in self.left_out and \
+            not placeholder_call(module, tensors_in(args))
 
     def adopt_discovered(self, module: torch.nn.Module, args: tuple = ()) -> bool:
         """A module called at the top with grad enabled becomes a root (unless it trains
@@ -144,8 +158,14 @@ class Watched:
             if not self._carries_input_grad(args):
                 return False  # a loss module, a frozen model, a parameter-free transform
             self._by_input.add(id(module))
+        before = self.roots
         self._root_hooks.remove()
-        self.adopt_roots(self.roots + [module])
+        try:
+            self.adopt_roots(before + [module])
+        except Exception:
+            self._readopt(before)  # as it was: the caller skips this module
+            raise
+        self.called.add(id(module))
         # A global pre-hook gets no kwargs: the root's own post-hook fills them in.
         self._discovering = module
         if self._compiled and self._discovery_hooked:
@@ -178,20 +198,61 @@ class Watched:
             self.depth = 0  # nothing counted the calls inside it
         return True
 
-    def finish_discovery(self) -> None:
-        """End of the first step: keep the roots whose parameters an optimizer trains."""
+    def skip(self, module: torch.nn.Module, where: str, exc: BaseException) -> None:
+        """Recording ``module`` failed while it was being discovered: it is left out (and never
+        tried again), named in /meta ``skipped_modules``; the rest is recorded. A root adopted
+        from it is dropped, so a failure on a copy or a side model never stops the
+        recording."""
+        self.left_out.add(module)
+        self.left_out_why.append({"module": type(module).__name__, "where": where,
+                                  "why": f"{type(exc).__name__}: {exc}"[:300]})
+        self.journal.meta("skipped_modules", self.left_out_why)
+        if module is self._discovering:
+            self._discovering = None
+        if any(r is module for r in self.roots):
+            self._root_hooks.remove()
+            self._readopt([r for r in self.roots if r is not module])
+
+    def take_called(self) -> frozenset:
+        """ids of the roots called (at the top, grad enabled) since the last time asked: a
+        backward's, while discovering (``finish_discovery`` drops a root nothing trains, and
+        the micro-batches that only it ran)."""
+        called, self.called = frozenset(self.called), set()
+        return called
+
+    def finish_discovery(self) -> frozenset:
+        """End of the first step (once its optimizers are known): keep the roots whose
+        parameters an optimizer trains; the ids of those dropped (a model built, run and
+        dropped before the real one)."""
         self._discovery.remove()
         self.discovery_open = self._discovery_hooked = False
         self._discovering = None
+        self.called = set()
         trained = {id(p) for opt in self.optimizers for g in opt.param_groups
                    for p in g["params"]}
         keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
         owned = {id(p) for m in keep for p in m.parameters()}
         if trained - owned:  # an optimizer trains a tensor outside every model: an input
             keep = [m for m in self.roots if m in keep or id(m) in self._by_input]
-        if trained and keep and len(keep) < len(self.roots):
+        if not (trained and keep):
+            return frozenset()
+        dropped = frozenset(id(m) for m in self.roots if m not in keep)
+        # Named again when a root was dropped, or when a parameter it holds now is not the one
+        # named (adopted inside torch.func.functional_call, whose tensors stood in for them).
+        if dropped or any(id(p) not in self.param_names for m in keep for p in m.parameters()):
             self._root_hooks.remove()
             self.adopt_roots(keep)
+        return dropped
+
+    def _readopt(self, roots: list[torch.nn.Module]) -> None:
+        """Hooks and names for ``roots`` again (after a failed adoption, or a skip); none left:
+        discovery goes on looking."""
+        if roots:
+            self.adopt_roots(roots)
+            return
+        self.roots, self.root_ids, self.eager, self._compiled = [], set(), None, []
+        self.names.clear()
+        self.param_names.clear()
 
     def name_handles(self, frame: Any) -> None:
         """What the training code calls the recorded modules (``handles.find`` over ``frame``
@@ -252,11 +313,7 @@ class Watched:
         if compiled.kind(root) == compiled.CALL:
             patches.shim_compiled_call(self._root_hooks, listener, root)
             return
-        self._root_hooks.add(root.register_forward_pre_hook(
-            lambda m, a, k: patches.guard(listener, "root_pre", m, a, k), with_kwargs=True))
-        self._root_hooks.add(root.register_forward_hook(
-            lambda m, a, k, o: patches.guard(listener, "root_post", m, a, o, k),
-            with_kwargs=True))
+        patches.hook_root(self._root_hooks, listener, root)
 
     def _note_compiled(self, eager: list[torch.nn.Module]) -> None:
         """What a compiled model leaves out of the recording (module outputs inside its

@@ -48,7 +48,7 @@ from ..numfmt import count
 from ..runfile.store import opened
 from . import fix_outcome
 from .curves import LOSS_FLOOR, percent, relative, trailing
-from .readiness import Readiness, fp16_readiness, plain, precision
+from .readiness import Readiness, fp16_readiness, plain
 
 VERDICTS = {
     "match": "the loss curves agree within the tolerance at every step",
@@ -168,7 +168,7 @@ def describe(run: Any) -> dict:
     scaler = run.scaler or {}
     dev = run.device or {}
     model = run.model or {}
-    return {"path": run.path, "dtype": precision(run),
+    return {"path": run.path, "dtype": fix_outcome.label(run),
             "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
             "device_name": dev.get("name"), "steps": int(len(run.steps)),
             "params": model.get("trainable"), "status": run.status,

@@ -20,6 +20,24 @@ import numpy as np
 LOSS_FLOOR = 1e-3  # of the baseline's largest loss: the smallest denominator
 
 
+def extremes(y: np.ndarray, max_points: int) -> np.ndarray:
+    """The positions that keep a long series' shape in about ``max_points`` points: each
+    bin's smallest and largest value, so a one-step spike in a million steps survives; every
+    position of a series no longer than that. NaN counts as neither."""
+    n = len(y)
+    if n <= max_points:
+        return np.arange(n)
+    k = int(np.ceil(n / max(1, max_points // 2)))
+    pad = (-n) % k
+    yy = np.concatenate([np.asarray(y, np.float64), np.full(pad, np.nan)]).reshape(-1, k)
+    base = np.arange(len(yy)) * k
+    nan = np.isnan(yy)
+    hi = base + np.argmax(np.where(nan, -np.inf, yy), axis=1)
+    lo = base + np.argmin(np.where(nan, np.inf, yy), axis=1)
+    idx = np.unique(np.concatenate([lo, hi]))
+    return idx[idx < n]
+
+
 def trailing(x: np.ndarray, w: int) -> np.ndarray:
     """Mean of the last ``w`` values at each position; non-finite if any of them is."""
     if w <= 1:

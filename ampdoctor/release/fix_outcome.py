@@ -82,10 +82,27 @@ def question(first: Any, second: Any, steps: np.ndarray) -> str:
     if np.any(nonfinite_loss(first) & on_common):
         return "fix"
     moved = change(first, second)
-    if (moved["added"] or moved["removed"]) and \
-            RANK[precision(first)] <= RANK[precision(second)]:
+    if (moved["added"] or moved["removed"]) and _rank(first) <= _rank(second):
         return "fix"
     return "parity"
+
+
+def _rank(run: Any) -> int:
+    """A run's precision in RANK's order; Linears converted to fp8 (``--apply fp8``) rank
+    below fp16: a run against its fp8 treatment is a parity question, as one against bf16."""
+    return -1 if _fp8(run) else RANK[precision(run)]
+
+
+def _fp8(run: Any) -> Optional[dict]:
+    """The ``--apply fp8`` entry of a run whose Linears were converted, or None."""
+    return next((a for a in run.applied if a.get("fix") == "fp8" and a.get("converted")), None)
+
+
+def label(run: Any) -> str:
+    """The precision a comparison names a run by: its autocast dtype, with the fp8 recipe
+    its Linears were converted to (``float8 tensorwise + bfloat16``)."""
+    fp8 = _fp8(run)
+    return f"float8 {fp8.get('recipe', '')} + {precision(run)}" if fp8 else precision(run)
 
 
 def verdict(first_healthy: bool, second_healthy: bool) -> str:

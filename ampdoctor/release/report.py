@@ -28,6 +28,11 @@ from .comparison import Comparison, compare, median_step_time, peak_memory
 from .readiness import Readiness, fp16_readiness, plain, precision
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
+# The JSON report's first keys, as parity's JSON has its own: what makes a report file
+# recognisably ampdoctor's (render/files.py's is_report, which report --force relies on).
+REPORT_FORMAT = "ampdoctor-report"
+REPORT_VERSION = 1
+
 RANGE_VERDICTS = {v.id for v in TABLE if v.report == "range"}
 # Verdicts that are bugs in the script or its data: no dtype fixes them.
 BUG_VERDICTS = {v.id for v in TABLE if v.report == "bug"}
@@ -101,7 +106,8 @@ class ReleaseReport:
     _owned: bool = field(default=False, repr=False)  # the run was loaded here: close it
 
     def to_dict(self) -> dict:
-        return plain({"diagnosis": self.diagnosis.to_dict(), "summary": asdict(self.summary),
+        return plain({"format": REPORT_FORMAT, "version": REPORT_VERSION,
+                      "diagnosis": self.diagnosis.to_dict(), "summary": asdict(self.summary),
                       "decision": asdict(self.decision), "readiness": self.readiness.to_dict(),
                       "comparison": self.comparison.to_dict() if self.comparison else None,
                       "parity": self.parity.to_dict() if self.parity is not None else None,

@@ -28,6 +28,7 @@ import numpy as np
 from ..diagnosis import layers as _layers
 from ..diagnosis import objectives
 from ..numfmt import fmt
+from ..release.curves import extremes
 from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
@@ -83,8 +84,9 @@ def png(fig: Any, dpi: int = 100) -> bytes:
 
     buf = io.BytesIO()
     FigureCanvasAgg(fig)  # attaches itself to the figure
-    # No "Software" text chunk: it names matplotlib's web site, and a report has no links.
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    # "Software: ampdoctor", not matplotlib's default (its web site: a report has no links):
+    # how report --force knows a PNG it may replace (render/files.py's is_figure).
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": "ampdoctor"})
     return buf.getvalue()
 
 
@@ -105,7 +107,7 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
         _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(steps[skipped], loss[skipped], "o", ms=3, color=_SKIP,
+        ax.plot(*thin(steps[skipped], loss[skipped]), "o", ms=3, color=_SKIP,
                 label=f"skipped step ({int(skipped.sum())})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_LOSS)) != 0], "non-finite loss")
     _first_bad(ax, diagnosis)
@@ -145,10 +147,10 @@ def scale_figure(run: Any) -> Optional[Any]:
         return None
     fig, ax = _axes("loss scale")
     steps = s["step"]
-    ax.plot(steps[ok], scale[ok], drawstyle="steps-post", color=_MAIN, label="scale")
+    ax.plot(*thin(steps[ok], scale[ok]), drawstyle="steps-post", color=_MAIN, label="scale")
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(steps[skipped], scale[skipped], "x", ms=4, color=_BAD,
+        ax.plot(*thin(steps[skipped], scale[skipped]), "x", ms=4, color=_BAD,
                 label=f"skipped step ({int(skipped.sum())})")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
@@ -364,17 +366,9 @@ def thin(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS
          ) -> tuple[np.ndarray, np.ndarray]:
     """At most about ``max_points`` points: each bin keeps its smallest and largest value, so a
     one-step spike in a million steps still shows."""
-    n = len(x)
-    if n <= max_points:
+    if len(x) <= max_points:
         return x, y
-    k = int(np.ceil(n / (max_points // 2)))
-    pad = (-n) % k
-    yy = np.concatenate([y.astype(np.float64), np.full(pad, np.nan)]).reshape(-1, k)
-    base = np.arange(len(yy)) * k
-    hi = base + np.argmax(np.where(np.isnan(yy), -np.inf, yy), axis=1)
-    lo = base + np.argmin(np.where(np.isnan(yy), np.inf, yy), axis=1)
-    idx = np.unique(np.concatenate([lo, hi]))
-    idx = idx[idx < n]
+    idx = extremes(y, max_points)
     return x[idx], y[idx]
 
 
@@ -389,7 +383,8 @@ def _rug(ax: Any, steps: np.ndarray, label: str) -> None:
     """Ticks along the top edge at steps whose value cannot be drawn (NaN, inf)."""
     if not len(steps):
         return
-    ax.plot(steps, np.full(len(steps), 0.97), "|", ms=10, mew=1.5, color=_BAD,
+    shown = thin(steps, np.zeros(len(steps)))[0]  # a tick per bin is as much as shows
+    ax.plot(shown, np.full(len(shown), 0.97), "|", ms=10, mew=1.5, color=_BAD,
             transform=ax.get_xaxis_transform(), label=f"{label} ({len(steps)})")
 
 

@@ -37,6 +37,8 @@ from .tables import seconds as _seconds
 from .tables import step as _step
 from .tables import text_table as _text_table
 
+# In every HTML report's head: how report --force knows a page it may replace (files.py).
+GENERATOR = '<meta name="generator" content="ampdoctor">'
 READINESS_ROWS = 15
 
 
@@ -321,7 +323,7 @@ def release_html(r: Any) -> str:
         parts.append(f'<p class="muted">{_esc(note)}</p>')
     title = _esc(f"ampdoctor report: {_title(r)}")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{title}</title><style>{_CSS}</style></head><body>\n"
+            f"{GENERATOR}<title>{title}</title><style>{_CSS}</style></head><body>\n"
             + "\n".join(parts) + "\n</body></html>\n")
 
 

@@ -53,7 +53,8 @@ def rank_files(path: str) -> list[str]:
 
 def related_files(path: str) -> list[str]:
     """Every file a recording into ``path`` may have written: itself, rank and pid files."""
-    found = [os.fspath(path)] if os.path.exists(path) else []
+    # lexists: a link there, even a dangling one, is the caller's to refuse, never to follow
+    found = [os.fspath(path)] if os.path.lexists(path) else []
     return found + rank_files(path) + _siblings(path, "pid")
 
 

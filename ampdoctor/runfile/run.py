@@ -243,6 +243,13 @@ class Run:
                 and _is_expression(v)}
 
     @property
+    def skipped_modules(self) -> list[dict[str, Any]]:
+        """Modules left out because recording them failed (the rest recorded):
+        ``[{"module": "GPT", "where": "discover_pre", "why": "RuntimeError: ..."}]``."""
+        value = self.meta.get("skipped_modules")
+        return [s for s in value if isinstance(s, dict)] if isinstance(value, list) else []
+
+    @property
     def applied(self) -> list[dict[str, Any]]:
         """``record --apply``: ``[{"fix": "lr_factor", "arg": "lr_factor=0.028"}, ...]``; []
         for a run that was not treated."""

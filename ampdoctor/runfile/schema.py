@@ -463,6 +463,9 @@ BLOB_CHUNK = 1 << 16
 # - applied: record --apply: the fixes the run was treated with, one dict each: fix, arg, and what
 #   the treatment found (fp32_island's modules and missing names, use_bf16's scaler, an error);
 #   rewritten when that changes (Run.applied)
+# - skipped_modules: modules the recorder left out because recording them failed while the
+#   model was discovered (the rest recorded): one dict each, module (class), where (the hook),
+#   why (the error); rewritten when one is added (Run.skipped_modules)
 
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"

@@ -444,7 +444,7 @@ def test_force_never_replaces_a_file_that_is_not_a_run_file(tmp_path, output, co
                    *_marker_command(tmp_path)], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == (f"ampdoctor: cannot record into {shown}: {tmp_path / output} exists "
-                           "and is not an ampdoctor run file (--force replaces only a run "
+                           "and is not an ampdoctor run file (--force replaces only such a "
                            "file); choose another file with -o\n")
     assert (tmp_path / output).read_bytes() == content
     assert not (tmp_path / "started").exists()
@@ -453,8 +453,8 @@ def test_force_never_replaces_a_file_that_is_not_a_run_file(tmp_path, output, co
 def test_force_never_replaces_a_device_node(tmp_path):
     before = os.stat("/dev/null")
     proc = record(["-o", "/dev/null", "--force", "--", *_marker_command(tmp_path)], tmp_path)
-    assert proc.returncode == 2 and "/dev/null exists and is not an ampdoctor run file" \
-        in proc.stderr
+    assert proc.returncode == 2 and "/dev/null is a character device: ampdoctor writes only " \
+        "regular files" in proc.stderr
     after = os.stat("/dev/null")
     assert (after.st_ino, after.st_rdev, after.st_mode) == \
         (before.st_ino, before.st_rdev, before.st_mode)

@@ -60,6 +60,65 @@ def test_a_bad_form_gets_one_sentence(args, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+# The values the issue found reaching the command (issue 37): each killed, crashed or silently
+# spoiled the run; each is now one sentence before the command starts.
+OUT_OF_RANGE = [
+    ("lr_factor=1e300", "F must lie between 1e-12 and 1000"),  # killed the run at step 2
+    ("lr_factor=1e-300", "F must lie between 1e-12 and 1000"),
+    ("lr=1e4", "LR must lie between 1e-12 and 1000"),
+    ("init_scale=1e39", "S must lie between 2^-24 and 2^32"),  # inf in fp32: crashed at step 0
+    ("init_scale=1e-50", "S must lie between 2^-24 and 2^32"),  # 19 of 20 steps skipped
+    ("growth_interval=99999999999999999999", "N must lie between 1 and 2^31 - 1"),  # overflow
+    ("growth_interval=2147483648", "N must lie between 1 and 2^31 - 1"),
+    ("growth_interval=0", "N must lie between 1 and 2^31 - 1"),
+    # isdigit() took a superscript two, then int() raised: a traceback
+    ("growth_interval=\u00b2", "N must be a whole number of steps in ASCII digits"),
+    ("growth_interval=\u0661\u0662", "N must be a whole number of steps in ASCII digits"),
+    ("adam_eps=2", "EPS must lie between 2^-126 and 1"),
+    ("adam_eps=1e-40", "EPS must lie between 2^-126 and 1"),
+    ("lr_factor=nan", "F must be a positive number"),
+    ("lr_factor=inf", "F must be a positive number"),
+    ("lr_factor=1_0", "F must be a positive number"),  # float() takes the underscore
+    ("init_scale=\u0661\u0662", "S must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("arg,message", OUT_OF_RANGE)
+def test_a_value_outside_what_the_optimizer_or_scaler_takes_is_one_sentence(arg, message):
+    with pytest.raises(RecordError) as err:
+        prescription.parse(arg)
+    assert str(err.value).startswith(f"--apply {arg}: {message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("init_scale=16777216", 2.0 ** 24), ("init_scale=4294967296", 2.0 ** 32),
+    ("init_scale=5.960464477539063e-08", 2.0 ** -24), ("growth_interval=2147483647", 2 ** 31 - 1),
+    ("growth_interval=+7", 7), ("lr_factor=1000", 1e3), ("lr_factor=1e-12", 1e-12),
+    ("adam_eps=1", 1.0), ("adam_eps=.5", 0.5), ("lr=3E-4", 3e-4),
+])
+def test_the_edges_of_each_range_are_accepted(arg, value):
+    assert prescription.parse(arg).value == value
+
+
+def test_a_bad_value_stops_record_before_the_command_starts(tmp_path):
+    """Through the real CLI: exit 2, one line, no traceback, the command never ran."""
+    import subprocess
+
+    from conftest import PYTHON, python_env
+
+    started = tmp_path / "started"
+    for arg, message in (OUT_OF_RANGE[3], OUT_OF_RANGE[8]):
+        proc = subprocess.run(
+            [PYTHON, "-m", "ampdoctor", "record", "--apply", arg, "-o", str(tmp_path / "r.h5"),
+             "--", PYTHON, "-c", f"open({str(started)!r}, 'w')"],
+            env=python_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"ampdoctor: --apply {arg}: {message}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert not started.exists() and not (tmp_path / "r.h5").exists()
+
+
 def test_the_forms_travel_through_the_environment():
     ps = prescription.parse_all(["lr_factor=4.7e-6", "fp32_island=a.b,c"])
     assert prescription.from_env(prescription.to_env(ps)) == ps
@@ -327,3 +386,90 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
     for name, form in prescription.FORMS.items():
         if form.placeholder:
             assert f"`{name}={form.placeholder}`" in table, name
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (issue 36): torchao's Float8Linear, emulated on the CPU
+
+
+@pytest.mark.parametrize("text,value", [
+    ("fp8", None),
+    ("fp8=rowwise", ("rowwise",)),
+    ("fp8=tensorwise:keep=head,blocks.0", ("tensorwise", "head", "blocks.0")),
+    ("fp8=keep=head", ("tensorwise", "head")),
+])
+def test_the_fp8_forms(text, value):
+    p = prescription.parse(text)
+    assert p.value == value and prescription.parse(p.arg) == p
+
+
+@pytest.mark.parametrize("text,message", [
+    ("fp8=e4m3", "unknown fp8 recipe 'e4m3'; torchao's are tensorwise, rowwise"),
+    ("fp8=rowwise:kep=a", "name the modules to keep in high precision"),
+    ("fp8=", "fp8 needs a value"),
+])
+def test_a_bad_fp8_form_gets_one_sentence(text, message):
+    with pytest.raises(RecordError) as err:
+        prescription.parse_all([text])
+    assert message in str(err.value)
+
+
+def test_fp8_without_torchao_is_one_sentence_before_the_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(RecordError, match=r"pip install 'ampdoctor\[fp8\]'"):
+        prescription.parse_all(["fp8"])
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.out = nn.Linear(32, 16)
+        self.head = nn.Linear(16, 4)  # 4 outputs: not a multiple of 16
+
+    def forward(self, x):
+        return self.head(self.out(self.down(F.gelu(self.up(x)))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_fp8_converts_the_trained_model_and_trains_under_cpu_autocast(dtype):
+    """The model's Linears become Float8Linear at its first call with grad (a meta-device
+    copy run first, as a FLOP counter does, is not it); keep= and sizes that are not multiples
+    of 16 stay; under CPU bf16 autocast the converted model trains (torchao's backward alone
+    fails there), its parameters still the optimizer's."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    t, notes = treated("fp8=tensorwise:keep=out")
+    try:
+        with torch.device("meta"):
+            Blocks()(torch.randn(2, 32)).sum().backward()  # a FLOP count's throwaway copy
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = [id(p) for p in model.parameters()]
+        x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
+        losses = []
+        for _ in range(12):
+            with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        t.remove()
+    assert [type(m).__name__ for m in (model.up, model.down, model.out, model.head)] == \
+        ["Float8Linear", "Float8Linear", "Linear", "Linear"]
+    assert isinstance(model.up, Float8Linear)
+    assert [id(p) for p in model.parameters()] == params
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+    applied = notes[-1][0]
+    assert applied["converted"] == ["up", "down"] and applied["emulated"] is True
+    assert applied["kept"] == {"out": "named with keep=",
+                               "head": "its sizes are not multiples of 16"}

@@ -621,3 +621,19 @@ def test_write_report_is_the_command_in_one_library_call(runs, tmp_path):
     params = inspect.signature(ampdoctor.diagnose).parameters
     assert [(n, p.kind.name) for n, p in params.items()] == [
         ("run", "POSITIONAL_OR_KEYWORD"), ("rank", "KEYWORD_ONLY"), ("rules", "KEYWORD_ONLY")]
+
+
+def test_a_run_with_its_linears_in_fp8_is_compared_for_parity_against_its_baseline():
+    """``record --apply fp8`` changes the precision, not a failure: ``compare base.h5 fp8.h5``
+    is a parity question (match, drift, diverged), and names the fp8 run by its recipe."""
+    loss = 2.0 - np.arange(60) / 60
+    base = synth(60, dtype="bfloat16", scaler=False, every=0, loss=loss)
+    fp8 = synth(60, dtype="bfloat16", scaler=False, every=0, loss=loss * (1 + np.arange(60) / 200))
+    fp8.meta["applied"] = [{"fix": "fp8", "arg": "fp8", "recipe": "tensorwise",
+                            "converted": ["0", "2"], "kept": {}, "emulated": True}]
+    c = comparison.compare(base, fp8)
+    assert c.kind == "parity" and c.verdict == "diverged", c.summary
+    assert c.amp["dtype"] == "float8 tensorwise + bfloat16"
+    assert "The float8 tensorwise + bfloat16 run's loss diverges" in c.summary
+    fp8.meta["applied"][0]["converted"] = []  # nothing converted: a treatment like any other
+    assert comparison.compare(base, fp8).amp["dtype"] == "bfloat16"

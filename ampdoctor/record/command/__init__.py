@@ -7,6 +7,8 @@ Importing this package imports nothing (``launch`` is torch-free: the CLI import
 - ``launch``: the parent side: check the output, start the command with the bootstrap on its
   ``PYTHONPATH`` and the settings in ``AMPDOCTOR_*``, forward signals, say what was recorded
 - ``child``: inside each Python process of the command: one recording per process
+- ``lifeline``: the command dies with ``record`` (a SIGKILL to it stops the training): the
+  parent-death signal for the command, a watch on ``record``'s pid below it
 - ``written``: which run files this node's processes wrote (a list the children append to)
 - ``_bootstrap/``: the ``sitecustomize`` every interpreter of the command runs: it waits for
   ``import torch``, then starts ``child``

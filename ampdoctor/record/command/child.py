@@ -28,7 +28,7 @@ import warnings
 from typing import Any, Optional
 
 from ...runfile import paths, schema
-from . import launch, written
+from . import launch, lifeline, written
 
 _SESSION: Optional["Session"] = None
 
@@ -156,4 +156,7 @@ def start(settings: Optional[launch.Settings] = None) -> Optional[Session]:
         warnings.warn(f"ampdoctor: not recording this process ({type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=2)
         return None
+    launcher = os.environ.get(launch.ENV_LAUNCHER, "")
+    if launcher.isascii() and launcher.isdigit():  # below the command: stop when record is killed
+        lifeline.watch(int(launcher), settings.session)
     return _SESSION

@@ -1,10 +1,11 @@
 """The node summary a node's ``ampdoctor record`` keeps while its command runs, and at exit.
 
-``record`` already knows which rank files its own processes write (``written.py``). While the
-command runs, a thread looks at their sizes and modification times every ``INTERVAL`` seconds;
-when one changed (a flush), it rewrites this node's summary, ``run.node{R}.json``
-(``runfile/nodes.py``); once the command has exited, it writes it a last time. ``diagnose``
-then reads one small file per node instead of every rank file's ``/summary``.
+``record`` already knows which rank files its own processes write (``written.py``). Once the
+command has started, a thread looks at their sizes and modification times every
+``INTERVAL`` seconds; when one changed (a flush), it rewrites this node's summary,
+``run.node{R}.json`` (``runfile/nodes.py``); once the command has exited, it writes it a
+last time. ``diagnose`` then reads one small file per node instead of every rank file's
+``/summary``.
 
 A failure here never touches the command: the node summary is only a faster way to read what
 the rank files hold, so a write that fails (a full disk, a removed directory) is given up
@@ -12,8 +13,8 @@ silently, and ``diagnose`` reads those rank files on their own.
 
 Example::
 
-    with keeper.Keeper(settings):
-        code = run_command(command, env)       # run.node8.json written on each flush seen
+    with keeper.Keeper(settings) as node:
+        code = run_command(command, env, started=node.start)   # run.node8.json on each flush
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ class Keeper:
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "Keeper":
-        if self.settings.session:  # no list of this node's files: nothing to speak for
+        return self
+
+    def start(self) -> None:
+        """Start looking, once the command runs: ``record`` starts it with a ``preexec_fn``,
+        which a thread holding a lock at that fork could deadlock."""
+        if self.settings.session and self._thread is None:  # no list: nothing to speak for
             self._thread = threading.Thread(target=self._watch, name="ampdoctor-node-summary",
                                             daemon=True)
             self._thread.start()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

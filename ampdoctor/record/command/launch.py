@@ -18,7 +18,8 @@ the file it writes into site-packages)::
    recorder that finds the model, optimizer and scaler itself, and creates its file at the
    first sign of training.
 3. ``record`` forwards SIGINT and SIGTERM, waits, prints what was recorded on stderr, and exits
-   with the command's own exit code. stdin, stdout and stderr are the command's.
+   with the command's own exit code. stdin, stdout and stderr are the command's. A SIGKILL to
+   ``record`` stops the command too (``lifeline.py``).
 
 The same settings can come from the environment, for a launcher that runs ``ampdoctor record``
 itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FORCE``, ``AMPDOCTOR_QUIET``.
@@ -31,6 +32,7 @@ anything starts (``record/prescription.py``), travel to the children in ``AMPDOC
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import shlex
@@ -39,14 +41,15 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
+from ... import outputs
 from ...diagnosis import ranks
-from ...errors import RecordError, RunFileError
+from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import nodes, paths, store
 from .. import prescription
 from ..prescription import Prescription
-from . import keeper, written
+from . import keeper, lifeline, written
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"
@@ -59,6 +62,8 @@ ENV_ACTIVE = "AMPDOCTOR_RECORD"
 # Taken (removed from the environment) by the first Python of the command that imports torch:
 # that process leaves a file even if it never trains; the processes it starts do not.
 ENV_TOP = "AMPDOCTOR_TOP"
+# Set by `record`: its own pid, which the command's torch processes watch (lifeline.py).
+ENV_LAUNCHER = "AMPDOCTOR_LAUNCHER"
 # Set by `record`: the list file (record/command/written.py) where each child notes the run file it
 # created, so that `record` speaks of its own node's files only.
 ENV_SESSION = "AMPDOCTOR_SESSION"
@@ -127,31 +132,18 @@ def check_output(path: str, force: bool) -> str:
         raise RecordError(f"cannot record into {shown}: directory {folder} does not exist")
     if not os.path.isdir(folder):
         raise RecordError(f"cannot record into {shown}: {folder} is not a directory")
+    rules = outputs.Rules(ours=store.is_run_file, kind="an ampdoctor run file", force=True,
+                          prefix=f"cannot record into {shown}: ", fix="choose another file with -o")
     existing = paths.related_files(path)
-    for old in existing:
-        if not store.is_run_file(old):
-            raise RecordError(f"cannot record into {shown}: {old} exists and is not an "
-                              "ampdoctor run file (--force replaces only a run file); choose "
-                              "another file with -o")
-    if existing and not force:
-        name = os.path.basename(existing[0])
-        raise RecordError(f"{name} already exists in {folder}: pass --force to replace it, "
-                          "or choose another file with -o")
-    _probe(folder, shown)
-    return path
-
-
-def _probe(folder: str, shown: str) -> None:
-    """Create and remove a file in ``folder``: the honest test of "can we write here" (access
-    bits say nothing about read-only mounts, quotas or root)."""
-    probe = os.path.join(folder, f".ampdoctor-probe-{os.getpid()}")
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except OSError as exc:
-        raise RecordError(f"cannot record into {shown}: {folder} is not writable "
-                          f"({exc.strerror or exc})") from None
-    os.close(fd)
-    os.unlink(probe)
+        for old in existing:  # what even --force never replaces, said first
+            outputs.check(old, rules)
+        if existing and not force:
+            outputs.check(existing[0], dataclasses.replace(rules, force=False))
+        outputs.check_folder(path, rules, shown)
+    except OutputError as exc:
+        raise RecordError(str(exc)) from None
+    return path
 
 
 def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
@@ -181,6 +173,7 @@ def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
     env.pop(ENV_APPLY, None)  # only this recording's --apply
     env.update(settings.to_env())
     env[ENV_TOP] = "1"
+    env[ENV_LAUNCHER] = str(os.getpid())
     rest = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + rest if rest else "")
     return env
@@ -222,8 +215,8 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
         try:
             if not quiet:
                 _say(start_line(settings))
-            with keeper.Keeper(settings):  # this node's summary, for a faster diagnose
-                code = run_command(command, child_env(settings, environ))
+            with keeper.Keeper(settings) as node:  # this node's summary, for diagnose
+                code = run_command(command, child_env(settings, environ), started=node.start)
             if not quiet:
                 _say(summary(settings))
         finally:
@@ -267,7 +260,11 @@ class OutputLock:
 
     def __enter__(self) -> "OutputLock":
         while self.fd is None:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link planted at the lock's name, never into a device
+                fd = outputs.open_own(self.lock, os.path.basename(self.lock),
+                                      prefix=f"cannot record into {self.shown}: its lock ")
+            except OutputError as exc:
+                raise RecordError(str(exc)) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -303,12 +300,20 @@ def _same_file(fd: int, path: str) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
-    """Start ``command``, forward SIGINT/SIGTERM to it while it runs, return its exit code."""
+def run_command(command: Sequence[str], env: Mapping[str, str],
+                started: Optional[Callable[[], None]] = None) -> int:
+    """Start ``command``, forward SIGINT/SIGTERM to it while it runs, return its exit code.
+    The command dies with ``record`` (``lifeline.py``): a SIGKILL here leaves no training
+    running unattended. ``started`` is called once the command runs (the keeper's thread)."""
     try:
-        proc = subprocess.Popen(list(command), env=dict(env))
+        # record has no thread of its own here: preexec_fn is safe (its one risk is a lock
+        # another thread held at fork), so the keeper's thread starts after it (`started`)
+        proc = subprocess.Popen(list(command), env=dict(env),
+                                preexec_fn=lifeline.preexec(os.getpid()))
     except OSError as exc:
         raise RecordError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+    if started is not None:
+        started()
     with _forwarding(proc):
         return proc.wait()  # resumed after each forwarded signal (PEP 475)
 

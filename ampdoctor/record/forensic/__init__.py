@@ -1,9 +1,9 @@
 """The forensic tier (tier 3): the failing step caught, replayed, explained and tried again.
 
-Entered from the rest of ``ampdoctor`` through four modules only (``.importlinter`` holds it):
-``forensics`` (the recorder, its hooks and skip decision), ``losscall`` (the hooks' loss
-capture), ``trace`` and ``isolated`` (``preflight`` reuses the instrumented pass and the
-guarantees); the others are its own parts. Importing this package imports nothing.
+Entered from the rest of ``ampdoctor`` through three modules only (``.importlinter`` holds
+it): ``forensics`` (the recorder, its hooks and skip decision), ``losscall`` (the hooks' loss
+capture) and ``isolated`` (``preflight`` reuses its guarantees: the RNG saved and put back,
+the buffers restored); the others are its own parts. Importing this package imports nothing.
 
 - ``forensics``: the facade (``Forensics``): capture each step, trigger, replay, keep, write
 - ``findings``: what the tier reports: ``ForensicEvent``, ``ReplayResult``, ``TraceRow``

@@ -25,7 +25,8 @@ from ...runfile.payloads import AccumOverflow
 from ...runfile.schema import Phase
 from ..sampler import tensors_in
 from .culprit import Culprit
-from .trace import Capture, autocast, set_rng, unwrap
+from .isolated import set_rng
+from .trace import Capture, autocast, unwrap
 
 
 def overflow(watched: Any, captures: list, stale: list[str]) -> Optional[dict]:

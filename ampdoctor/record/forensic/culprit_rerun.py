@@ -27,7 +27,8 @@ from ...runfile.schema import Kind, Phase
 from .. import patches, stats, torchcompat
 from ..sampler import tensors_in
 from .culprit import Culprit
-from .trace import Call, Slot, Trace, autocast, labeled, rng_state, row_summary, set_rng, to_fp32
+from .isolated import rng_state, set_rng
+from .trace import Call, Slot, Trace, autocast, labeled, row_summary, to_fp32
 
 
 class _Target:

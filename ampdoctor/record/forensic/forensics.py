@@ -108,9 +108,9 @@ from . import findings, losscall, proofs, replay, reproduced, snapshot
 from .accum import explain, overflow
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
-from .isolated import preserved
+from .isolated import preserved, rng_state
 from .kept import Kept, offload, reload, versions
-from .trace import Capture, Gone, Trace, feeds, outputs_of, rng_state, root_name, unwrap
+from .trace import Capture, Gone, Trace, feeds, outputs_of, root_name, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -178,6 +178,11 @@ class Forensics:
         self._unhook()
         self.held = (self.captures, self.dropped) if hold and self.captures else None
         self.begin_step()
+
+    def keep_roots(self, root_ids: set[int]) -> None:
+        """The first step's discovery dropped a root (no optimizer trains it): its calls are
+        not the step's, nor replayed with it."""
+        self.captures = [c for c in self.captures if id(c.root) in root_ids]
 
     def release_held(self) -> None:
         self.held = None

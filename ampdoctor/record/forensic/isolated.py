@@ -10,6 +10,9 @@
   and what each module's ``forward`` writes outside itself that its code names: the globals
   it assigns (``global CALLS``), the closure cells it rebinds (``nonlocal``), and the lists,
   dicts, sets and deques it reads from its globals or closure (a module-level ``LOG.append``);
+  and, through a profile function while the replay runs, the same for every function of the
+  user's it calls (a helper that logs, a method of a plain object: that object's attributes),
+  each saved at its first call, before its body runs (``_Calls``);
 - sets the user's hooks aside while it runs and puts them back in their order afterwards:
   forward, backward and pre-hooks on the roots' modules, the global module hooks, the tensor
   hooks on their parameters, and any tensor hook the user's forward registers while the
@@ -20,7 +23,9 @@
   they were, so that a warning the replay raised is not taken as already shown when the
   training raises it.
 
-``.grad`` and the optimizer are never touched by a replay in the first place (gradients are
+``rng_state`` and ``set_rng`` save and put back the generators a captured call ran with (the
+replay's dropout masks are the step's own; preflight uses them too). ``.grad`` and the
+optimizer are never touched by a replay in the first place (gradients are
 read with ``torch.autograd.grad``). What it yields (``Isolation``) counts what was set aside
 and held back; a snapshot's detail carries it (``isolation``), so a diagnosis can say that a
 hook that changes values (a gradient reversal written as a tensor hook) did not run in the
@@ -32,8 +37,9 @@ installed at the first replay). The user's code gets ``SideEffect`` where it tri
 replay stops there, the step is not replayed, and its snapshot says why
 (``replay_error``). Other threads (a logger, a TensorBoard writer) are not affected.
 
-What it cannot see: state written by a function the forward calls (other than through the
-objects above), a file object opened before the replay and written in it, and C-level state.
+What it cannot see: a file object opened before the replay and written in it, C-level state
+(an ``lru_cache``), and an object reached only through another's attributes and changed in
+place by library code (torch's, the standard library's).
 A replay runs from the state the step left (a call counter one higher than the step saw): a
 forward whose output depends on such state may replay differently, which ``reproduced``
 reports.
@@ -60,7 +66,7 @@ import threading
 import types
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.nn.modules import module as module_hooks
@@ -131,6 +137,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def rng_state(devices: list) -> dict:
+    """The CPU generator's state and that of each listed CUDA device (host copies, no sync):
+    torch's RNGs saved once for the replay and for preflight (``set_rng`` puts them back)."""
+    state: dict[Any, torch.Tensor] = {"cpu": torch.get_rng_state()}
+    for d in devices:
+        state[d] = torch.cuda.get_rng_state(d)
+    return state
+
+
+def set_rng(state: dict) -> None:
+    """Put back the generators ``rng_state`` saved."""
+    for key, value in state.items():
+        if key == "cpu":
+            torch.set_rng_state(value)
+        else:
+            torch.cuda.set_rng_state(value, key)
+
+
 # -- the modules' Python state -----------------------------------------------------------------
 
 # Attributes torch keeps on every module: the parameters, buffers, submodules and hook dicts
@@ -142,16 +166,86 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def _python_state(modules: list) -> Iterator[None]:
-    """Put back every module's attributes (rebound, added, or changed in place) and the
-    globals and closure cells its forward's own code writes or mutates."""
+    """Put back every module's attributes (rebound, added, or changed in place), the globals
+    and closure cells its forward's own code writes or mutates, and what each function of the
+    user's that the replay calls finds before it runs (``_Calls``)."""
     saved = [_Namespace(vars(m)) for m in modules]
     for m in modules:
         saved.extend(_forward_namespaces(m))
+    calls = _Calls(saved, {id(m) for m in modules})
+    previous = sys.getprofile()
+    if previous is None:  # (a profiler the user runs is left alone, and sees the replay)
+        sys.setprofile(calls)
     try:
         yield
     finally:
-        for ns in saved:
+        if previous is None:
+            sys.setprofile(None)
+        for ns in reversed(saved):
             ns.restore()
+
+
+def _library_roots() -> tuple[str, ...]:
+    """Where torch's, ampdoctor's and the standard library's code lives: their functions are
+    not the user's (torch's own state is the RNG and the buffers, put back above)."""
+    import sysconfig
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    roots = {os.path.dirname(os.path.abspath(torch.__file__)), here}
+    for key in ("stdlib", "platstdlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(os.path.abspath(path))
+    return tuple(r + os.sep for r in sorted(roots))
+
+
+class _Calls:
+    """A profile function while a replay runs: when a function of the user's (a helper the
+    forward calls, a method of an object it holds) is first called, before its body runs,
+    the globals it assigns, the containers it reads from its globals and the attributes of
+    the object it is a method of are saved, to be put back with the rest."""
+
+    _LIBRARIES: Optional[tuple[str, ...]] = None
+
+    def __init__(self, saved: list, known: set):
+        self.saved, self.known = saved, known
+        self.users: dict = {}  # code -> is it the user's (and a method)
+        if _Calls._LIBRARIES is None:
+            _Calls._LIBRARIES = _library_roots()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        method = self.users.get(code)
+        if method is None:
+            method = self._first(frame, code)
+        if method:
+            self._method(frame)
+
+    def _first(self, frame: Any, code: Any) -> bool:
+        """A code object's first call: its globals saved if it is the user's; whether it is
+        a method of the user's (its object is then saved at each call, once per object)."""
+        name = code.co_filename
+        if name.startswith(self._LIBRARIES or ()) or name.startswith("<"):
+            self.users[code] = False
+            return False
+        stores, loads = _global_names(code)
+        names = frame.f_globals
+        wanted = set(stores) | {n for n in loads if isinstance(names.get(n), _CONTAINERS)}
+        if wanted:
+            self.saved.append(_Namespace(names, only=sorted(wanted)))
+        method = bool(code.co_argcount) and code.co_varnames[0] == "self"
+        self.users[code] = method
+        return method
+
+    def _method(self, frame: Any) -> None:
+        obj = frame.f_locals.get("self")
+        namespace = getattr(obj, "__dict__", None)
+        if isinstance(namespace, dict) and id(obj) not in self.known:
+            self.known.add(id(obj))
+            self.saved.append(_Namespace(namespace))
+        return None
 
 
 class _Namespace:

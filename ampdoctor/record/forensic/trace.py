@@ -38,6 +38,7 @@ from ...runfile import schema
 from ...runfile.schema import Kind
 from .. import patches, stats, torchcompat
 from ..sampler import tensors_in
+from .isolated import set_rng
 
 CLEAN, SOFT, HARD = 0, 1, 2
 ROOT_INPUT, UNKNOWN = -1, -2  # sources of a module input that no module call produced
@@ -482,24 +483,6 @@ def to_fp32(value: Any, depth: int = 0) -> Any:
     if depth < 4 and type(value) is dict:
         return {k: to_fp32(v, depth + 1) for k, v in value.items()}
     return value
-
-
-def rng_state(devices: list) -> dict:
-    """The CPU generator's state and that of each listed CUDA device (host copies, no sync):
-    torch's RNGs saved once for the replay and for preflight (``set_rng`` puts them back)."""
-    state: dict[Any, torch.Tensor] = {"cpu": torch.get_rng_state()}
-    for d in devices:
-        state[d] = torch.cuda.get_rng_state(d)
-    return state
-
-
-def set_rng(state: dict) -> None:
-    """Put back the generators ``rng_state`` saved."""
-    for key, value in state.items():
-        if key == "cpu":
-            torch.set_rng_state(value)
-        else:
-            torch.cuda.set_rng_state(value, key)
 
 
 def autocast(state: tuple):

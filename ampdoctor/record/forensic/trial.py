@@ -42,8 +42,9 @@ import torch
 from .. import stats
 from ..sampler import tensors_in
 from ..torchcompat import autocast_state
+from .isolated import set_rng
 from .losscall import Missing, bound, relation
-from .trace import Capture, autocast, outputs_of, reaches, root_name, set_rng, unwrap
+from .trace import Capture, autocast, outputs_of, reaches, root_name, unwrap
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,11 @@
-"""``ampdoctor record``'s launcher: its settings, the child's environment, the bootstrap."""
+"""``ampdoctor record``'s launcher: its settings, the child's environment, the bootstrap, and
+that the command dies with it (a SIGKILL to ``record``; the one test here that starts one)."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -73,6 +78,7 @@ def test_the_node_summary_is_kept_on_each_flush_seen_and_at_exit(tmp_path):
             written.note(marker, p)
         settings = launch.Settings(output=base, session=marker)
         with keeper.Keeper(settings, interval=3600) as k:  # the thread waits: looks by hand
+            k.start()  # (after the command's fork: record's preexec_fn wants no thread then)
             node = k.update()
             assert node == paths.node_path(base, 2) and k.update() is None  # nothing changed
             assert {s.status for s in nodes.lookup(mine).summaries.values()} == {"running"}
@@ -97,3 +103,73 @@ def test_force_removes_the_node_summaries_of_that_name_and_nothing_else(tmp_path
     (tmp_path / "run.node9.json").write_text('{"mine": 1}')  # the user's, by chance
     launch.clear_output(base)
     assert sorted(os.listdir(tmp_path)) == ["run.node9.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The training dies with its launcher (lifeline.py)
+
+
+def _descendants(pid):
+    """Every live process below ``pid`` (Linux's /proc children lists)."""
+    found, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        try:
+            with open(f"/proc/{here}/task/{here}/children") as fh:
+                kids = [int(k) for k in fh.read().split()]
+        except OSError:
+            continue
+        found += kids
+        todo += kids
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal and "
+                    "pidfds are Linux's; elsewhere nothing is set")
+@pytest.mark.parametrize("wrapped", [False, True], ids=["the-command", "below-a-wrapper"])
+def test_a_sigkill_to_record_stops_the_training_and_the_file_says_terminated(tmp_path, wrapped):
+    """A scheduler's SIGKILL to record's pid, or timeout -s KILL: the training must not go on
+    unattended with its file saying "running". The command gets the parent-death signal; a
+    torch process below a wrapper (which never imports torch) watches record's pid."""
+    from conftest import PYTHON, ROOT, python_env
+
+    import ampdoctor
+
+    train = [PYTHON, os.path.join(ROOT, "fixtures", "examples", "train.py"), "--steps", "-1",
+             "--sleep", "0.05"]
+    command = [PYTHON, "-c", f"import subprocess; subprocess.run({train!r})"] if wrapped \
+        else train
+    proc = subprocess.Popen([PYTHON, "-m", "ampdoctor", "record", "-o", "run.h5", "--",
+                             *command], cwd=tmp_path, env=python_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    training = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3 "):
+                break
+        training = _descendants(proc.pid)
+        assert len(training) == (2 if wrapped else 1), training
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in training) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in training), "the training outlived its launcher"
+    finally:  # whatever failed, leave nothing running
+        for p in [proc.pid, *training]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    with ampdoctor.load(tmp_path / "run.h5") as run:  # closed by the SIGTERM it was sent
+        assert run.status == "signal:SIGTERM"
+        assert len(run.steps) >= 4 and list(run.steps["step"][:4]) == [0, 1, 2, 3]

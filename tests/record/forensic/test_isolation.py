@@ -253,3 +253,57 @@ def isolated_thread_writes(tmp_path):
         with pytest.raises(RuntimeError, match="for writing"):
             open(tmp_path / "refused.txt", "w")
     return done == [True] and not (tmp_path / "refused.txt").exists()
+
+
+TALLY: dict = {"calls": 0}
+LOG: list = []
+
+
+def log_activation(h):
+    """A helper the forward calls: it keeps state of its own, in the module's globals."""
+    global LAST
+    LAST = float(h.detach().abs().mean())
+    TALLY["calls"] += 1
+    LOG.append(LAST)
+
+
+class Meter:
+    """A plain object (not a module) whose method the forward calls: a running count."""
+
+    def __init__(self):
+        self.n, self.seen = 0, []
+
+    def update(self, h):
+        self.n += 1
+        self.seen.append(h.shape[0])
+
+
+class Helped(nn.Module):
+    def __init__(self, meter):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.meter = meter
+
+    def forward(self, x):
+        h = self.lin(x)
+        log_activation(h)
+        self.meter.update(h)
+        return h
+
+
+def test_state_that_the_forwards_helpers_keep_is_put_back():
+    """What a function the forward calls changes (a global it assigns, a global list or dict
+    it fills) and the attributes of a plain object whose method it calls come back as they
+    were: each is saved when first called in the replay, before its body runs."""
+    global LAST
+    LAST = None
+    meter = Meter()
+    model = Helped(meter)
+    model(torch.randn(2, 4))  # the real call
+    before = (LAST, dict(TALLY), list(LOG), meter.n, list(meter.seen))
+    with preserved([model], devices=[]):
+        model(torch.randn(3, 4))
+        model(torch.randn(5, 4))
+    assert (LAST, TALLY, LOG, meter.n, meter.seen) == before
+    model(torch.randn(6, 4))  # and the real run goes on counting from there
+    assert meter.n == before[3] + 1 and TALLY["calls"] == before[1]["calls"] + 1

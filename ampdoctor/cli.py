@@ -15,6 +15,7 @@ from typing import Optional
 
 import click
 
+from . import safe
 from .errors import AmpDoctorError, EmptyRunError
 from .record import prescription  # torch-free: the --apply forms
 
@@ -340,8 +341,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except AmpDoctorError as exc:
-        click.echo(f"ampdoctor: {exc}", err=True)
+    except AmpDoctorError as exc:  # its sentence may quote the file: shown, never obeyed
+        click.echo(safe.one_line(f"ampdoctor: {exc}"), err=True)
         return exc.exit_code
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0

@@ -26,12 +26,12 @@ Example::
 
 from __future__ import annotations
 
-import html
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .. import safe
 from ..diagnosis import fixes
 from ..errors import AmpDoctorError
 from ..numfmt import fmt
@@ -303,22 +303,23 @@ def render_text(r: ParityResult) -> str:
 
 
 def render_markdown(r: ParityResult, level: int = 2) -> str:
-    h = "#" * level
-    out = [f"{h} Layer parity in {r.dtype}: `{r.verdict}`", "", headline(r), ""]
+    """Names come from the user's model or a parity JSON: each text goes through ``safe``."""
+    h, md = "#" * level, safe.md_text
+    out = [f"{h} Layer parity in {md(r.dtype)}: {safe.md_code(r.verdict)}", "", md(headline(r)),
+           ""]
     table = rows(r)
     if table:
         out += ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-        out += ["| " + " | ".join(str(x).replace("|", "\\|") for x in row) + " |"
-                for row in table]
-        out += ["", _criteria(r) + ".", ""]
+        out += ["| " + " | ".join(md(x) for x in row) + " |" for row in table]
+        out += ["", md(_criteria(r) + "."), ""]
     for fx in r.fixes:
-        out += [f"**{fx.id}**: {fx.text}", "", "```python", fx.snippet, "```", ""]
-    out += [f"> {n}" for n in r.notes]
+        out += [f"**{md(fx.id)}**: {md(fx.text)}", ""] + safe.md_fence(fx.snippet, "python") + [""]
+    out += [f"> {md(n)}" for n in r.notes]
     return "\n".join(out).rstrip() + "\n"
 
 
 def render_html(r: ParityResult) -> str:
-    esc = html.escape
+    esc = safe.html
     cls = {"ok": "ok", "lossy": "warn"}.get(r.verdict, "bad")
     out = [f"<h2>Layer parity in {esc(r.dtype)}: <code>{esc(r.verdict)}</code></h2>",
            f'<div class="verdict {cls}"><p>{esc(headline(r))}</p></div>']

@@ -41,6 +41,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from ... import safe
 from ...diagnosis import ranks
 from ...errors import RecordError, RunFileError
 from ...runfile import paths, store
@@ -379,7 +380,8 @@ def exit_like(code: int) -> int:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # One line, shown not obeyed: module names and exception texts in it come from run files.
+    print(safe.one_line(line), file=sys.stderr, flush=True)
 
 
 def start_line(settings: Settings) -> str:

@@ -145,3 +145,27 @@ def test_crafted_changes_combined_are_refused_in_time(tmp_path):
         assert (outcome, said) == ("ok", "refused"), (seed, pair, outcome, said)
         checked += 1
     assert checked >= 6, (seed, checked)  # most pairs combine
+
+
+@pytest.mark.parametrize("case", list(crafted.PARITY_CASES))
+def test_report_refuses_a_crafted_parity_result_with_one_sentence(tmp_path, case):
+    """``report --parity FILE``: a FIFO, /dev/zero, a file past the size a result can have,
+    JSON nested 100k deep, a number past a float, NaN, a field of the wrong type: exit 2 and
+    one sentence, in time, never a hang, a MemoryError or a traceback."""
+    path = crafted.make_parity(case, str(tmp_path))
+    proc = _run(["report", GOOD, "--parity", path, "--format", "json",
+                 "-o", str(tmp_path / "r.json")])
+    assert proc is not None, f"{case}: no answer in {TIMEOUT} s"
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (case, proc.stderr[-1000:])
+    assert crafted.PARITY_CASES[case] in lines[0], (case, lines)
+
+
+def test_a_well_formed_parity_result_is_read(tmp_path):
+    import json
+
+    from ampdoctor.preflight.parity_result import load
+
+    path = tmp_path / "parity.json"
+    path.write_text(json.dumps(crafted.GOOD_PARITY))
+    assert load(str(path)).verdict == "lossy"

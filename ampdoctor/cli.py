@@ -249,7 +249,7 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str) -> None
     model, batch, loss_fn = targets.load(target)
     from .preflight.layer_parity import parity as run_parity
 
-    r = run_parity(model, batch, dtype, loss_fn)
+    r = targets.run_checked(f"{target}'s model", run_parity, model, batch, dtype, loss_fn)
     outputs.write(output, parity_result.render(r, fmt))
     worst = parity_result.VERDICTS.index(r.verdict)
     if fail_on != "never" and worst <= parity_result.VERDICTS.index(fail_on):

@@ -169,3 +169,47 @@ def test_a_well_formed_parity_result_is_read(tmp_path):
     path = tmp_path / "parity.json"
     path.write_text(json.dumps(crafted.GOOD_PARITY))
     assert load(str(path)).verdict == "lossy"
+
+
+CHECKED = '''
+import os, sys
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self, forward):
+        super().__init__()
+        self.fc, self.how = torch.nn.Linear(4, 4), forward
+
+    def forward(self, x):
+        if self.how == "raise":
+            raise ValueError("boom in forward")
+        if self.how == "exit":
+            os._exit(0)
+        return self.fc(x)
+
+def raises():
+    return Net("raise"), torch.randn(2, 4)
+
+def exits():
+    return Net("exit"), torch.randn(2, 4)
+'''
+
+
+@pytest.mark.parametrize("head,function,said", [
+    ("import sys\nsys.exit(0)\n", "make", "exited (code 0)"),
+    ("import os\nos._exit(0)\n", "make", "exited (code 0)"),
+    ("", "raises", "model raised ValueError: boom in forward at "),
+    ("", "exits", "exited (code 0)"),
+])
+def test_parity_on_a_script_that_exits_or_raises_says_so_and_exits_2(tmp_path, head, function,
+                                                                       said):
+    """A checked file that exits at import or in its forward (a CI gate would read exit 0 as
+    passed), or a model that raises (exit 1 would read as --fail-on's 'the check failed'):
+    the check could not run, one sentence, exit 2."""
+    script = tmp_path / "check.py"
+    script.write_text(head + CHECKED)
+    proc = _run(["parity", f"{script}:{function}", "--fail-on", "lossy"])
+    assert proc is not None and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and said in lines[0], lines

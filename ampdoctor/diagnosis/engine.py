@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..errors import AmpDoctorError
+from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
 from . import forecast, job, objectives, proofs, ranks, rankview
@@ -127,7 +127,7 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     paths = list(paths)
     if full:
         return _diagnose_all(paths, rules)
-    facts = [_facts(p) for p in paths]
+    facts, unreadable = _readable(paths)
     facts.sort(key=lambda f: f.rank)
     ranks.read_own_flags([f.outline for f in facts], ranks.own_flag_in_file)
     chosen = job.chosen(facts, job.base_rank(facts))
@@ -135,15 +135,37 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     diagnoses: dict[str, Diagnosis] = {}
     for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
         if any(c is f for c in chosen):
-            diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+            try:
+                diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+            except RunFileError as exc:  # its summary stands for it, as for a rank not chosen
+                unreadable.append(str(exc))
+                continue
             facts[i].outline["own_bad"] = f.outline["own_bad"]  # read once, above
     read = [f.rank for f in chosen]  # the base rank first
     scales = job.compare_scales(facts, _steps_history)
     per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
     d = ranks.merge(per_rank, divergence=scales, scaled=any(f.scaled for f in facts))
     _job_notes(d, facts, read, shares)
+    d.notes += [f"Left out of this diagnosis: {why}" for why in unreadable]
     d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales, full=read)
     return d
+
+
+def _readable(paths: list[str]) -> tuple[list[job.RankFacts], list[str]]:
+    """Each rank's facts, and the sentence of each file that could not be read: one damaged
+    rank file (a node's disk filled, a copy cut short) leaves the others to diagnose, and
+    the diagnosis names it; none readable is the first one's sentence."""
+    facts, unreadable = [], []
+    for path in paths:
+        try:
+            facts.append(_facts(path))
+        except FormatTooNewError:
+            raise  # an upgrade reads them all: said once, not left out rank by rank
+        except RunFileError as exc:
+            unreadable.append(exc)
+    if not facts:
+        raise unreadable[0]
+    return facts, [str(exc) for exc in unreadable]
 
 
 def _facts(path: str) -> job.RankFacts:

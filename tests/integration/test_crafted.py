@@ -213,3 +213,25 @@ def test_parity_on_a_script_that_exits_or_raises_says_so_and_exits_2(tmp_path, h
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and said in lines[0], lines
+
+
+def test_one_truncated_rank_file_leaves_the_job_to_diagnose(tmp_path):
+    """A job of 4 ranks, rank 2's file cut in half: the other three are diagnosed and the
+    diagnosis names the file left out (it stopped the whole job)."""
+    import numpy as np
+    from synthetic import write_rank
+
+    for rank in range(4):
+        write_rank(str(tmp_path / f"run.rank{rank}.h5"), rank, 4, np.full(30, 65536.0))
+    bad = tmp_path / "run.rank2.h5"
+    with open(bad, "r+b") as fh:
+        fh.truncate(bad.stat().st_size // 2)
+    proc = _run(["diagnose", str(tmp_path / "run.h5")])
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "3 rank files diagnosed together" in proc.stdout
+    assert f"Left out of this diagnosis: {bad} " in proc.stdout.replace("\n", " ")
+    for rank in (0, 1, 3):  # a job with every file damaged is still one sentence, exit 2
+        with open(tmp_path / f"run.rank{rank}.h5", "r+b") as fh:
+            fh.truncate(100)
+    proc = _run(["diagnose", str(tmp_path / "run.h5")])
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr

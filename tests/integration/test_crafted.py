@@ -235,3 +235,27 @@ def test_one_truncated_rank_file_leaves_the_job_to_diagnose(tmp_path):
             fh.truncate(100)
     proc = _run(["diagnose", str(tmp_path / "run.h5")])
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_a_tensor_id_past_tensors_is_refused_by_the_live_view_in_time(tmp_path):
+    """/tensors' last id set to 2**31 - 1: the live view sized its id map by it (16 GiB, 100 s
+    on a laptop); it is one sentence at the reader now. ``load`` leaves the row out as damage
+    (tests/runfile/test_store.py)."""
+    import shutil
+
+    import h5py
+
+    path = str(tmp_path / "run.h5")
+    shutil.copyfile(GOOD, path)
+    with h5py.File(path, "r+") as f:
+        t = f["tensors"][:]
+        t["id"][-1] = 2**31 - 1
+        f["tensors"][:] = t
+    for args in (["top", "--once", "--wait", "0", path],
+                 ["export", path, "--tensorboard", str(tmp_path / "tb")]):
+        proc = _run(args)
+        assert proc is not None, f"{args[0]}: no answer in {TIMEOUT} s"
+        assert proc.returncode == 2 and proc.stdout == "", (args[0], proc.stderr)
+        assert proc.stderr.splitlines() == [f"ampdoctor: {path} is damaged: /tensors row 15 "
+                                            "names tensor 2147483647, which /tensors does not "
+                                            "hold (16 tensors)"]

@@ -259,3 +259,22 @@ def test_a_tensor_id_past_tensors_is_refused_by_the_live_view_in_time(tmp_path):
         assert proc.stderr.splitlines() == [f"ampdoctor: {path} is damaged: /tensors row 15 "
                                             "names tensor 2147483647, which /tensors does not "
                                             "hold (16 tensors)"]
+
+
+@pytest.mark.parametrize("absmax", [float("nan"), float("inf"), float("-inf"), -5.0])
+def test_top_shows_any_per_layer_abs_max(tmp_path, absmax):
+    """Every layer's abs max NaN, infinite (an overflow a recorder may well see) or below 0:
+    top shows its frame (headroom 'overflow' or none), never a math domain error."""
+    import shutil
+
+    import h5py
+
+    path = str(tmp_path / "run.h5")
+    shutil.copyfile(GOOD, path)
+    with h5py.File(path, "r+") as f:
+        s = f["stats"][:]
+        s["absmax"], s["rms"] = absmax, absmax
+        f["stats"][:] = s
+    proc = _run(["top", "--once", "--wait", "0", path])
+    assert proc is not None and proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "ampdoctor top" in proc.stdout

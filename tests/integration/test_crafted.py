@@ -24,8 +24,8 @@ spec.loader.exec_module(crafted)
 GOOD = os.path.join(ROOT, "fixtures", "formats", "v2.h5")
 # Values a writer never writes: dump, ampdoctor's look inside a file, still shows them, then
 # says what breaks the contract (exit 2).
-SHOWN_BY_DUMP = {"meta_types", "meta_nan", "negative_steps", "unordered_steps", "tensor_nowhere",
-                 "text_offset"}
+SHOWN_BY_DUMP = {"meta_types", "meta_nan", "negative_lr", "negative_steps", "unordered_steps",
+                 "tensor_nowhere", "text_offset"}
 TIMEOUT = 60
 
 
@@ -278,3 +278,15 @@ def test_top_shows_any_per_layer_abs_max(tmp_path, absmax):
     proc = _run(["top", "--once", "--wait", "0", path])
     assert proc is not None and proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "ampdoctor top" in proc.stdout
+
+
+def test_record_refuses_an_output_name_too_long_for_its_files(tmp_path):
+    """``record -o`` with a 250-character name: the lock and the files derived from it pass
+    NAME_MAX (it raised OSError with a traceback); one sentence before the command runs."""
+    marker = tmp_path / "ran"
+    proc = _run(["record", "-o", str(tmp_path / ("r" * 250 + ".h5")), "--", PYTHON, "-c",
+                 f"open({str(marker)!r}, 'w')"])
+    assert proc is not None and proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "its name is 253 bytes long" in lines[0], lines
+    assert not marker.exists()

@@ -288,13 +288,14 @@ def _finite_float(text: str) -> float:
 
 _NUMBER = (int, float, type(None))  # a number, or null: what the writer makes of inf/NaN
 _COUNT = (int, type(None))
-# each field of the file, where it is (an object's key, or 'modules' for each module's) and
-# the JSON types it may hold
+# the JSON types each field of the file may hold: at the top, inside output and loss, and in
+# each module
 _FIELDS = {"dtype": str, "device": str, "model": str, "modules": list, "output": (dict,
            type(None)), "loss": (dict, type(None)), "grad_scale": _NUMBER,
            "notes": (list, type(None))}
-_INNER = {"output": {"rel_err": _NUMBER, "nonfinite": _COUNT},
-          "loss": {"fp32": _NUMBER, "low": _NUMBER}}
+_INNER: dict[str, dict[str, Any]] = {
+    "output": {"rel_err": _NUMBER, "nonfinite": _COUNT},
+    "loss": {"fp32": _NUMBER, "low": _NUMBER}}
 _MODULE = {"name": str, "type": str, "calls": int, "numel": int, "rel_err": _NUMBER,
            "absmax_fp32": _NUMBER, "absmax_low": _NUMBER, "nonfinite": int,
            "grad_rel_err": _NUMBER, "grad_absmax": _NUMBER, "grad_nonfinite": int}

@@ -143,26 +143,15 @@ def check_output(path: str, force: bool) -> str:
     return path
 
 
-# What a recording adds to the output's name for the files it writes beside it: a second
-# process's .pid4194304, then a file being built's leading '.' and .4194304.partial (pids
-# reach 2**22), with room to spare.
-DERIVED_BYTES = 32
-
-
 def _name_fits(path: str, folder: str, shown: str) -> None:
-    """The names a recording derives from the output fit the folder's limit (NAME_MAX, 255
-    bytes on most file systems), or ``RecordError`` says so before anything starts."""
-    try:
-        limit = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    size = len(os.fsencode(os.path.basename(path)))
-    if size + DERIVED_BYTES > limit:
+    """The names derived from the output (``paths.DERIVED_BYTES`` more) fit NAME_MAX."""
+    size, limit = len(os.fsencode(os.path.basename(path))), paths.name_max(folder)
+    if size + paths.DERIVED_BYTES > limit:
         raise RecordError(f"cannot record into {shown}: its name is {size} bytes long, and the "
-                          f"files a recording writes beside it add up to {DERIVED_BYTES} bytes "
-                          f"to it (run.pid4242.h5, .run.h5.lock), past the {limit} a name may "
-                          f"have in {folder}: choose a name of at most {limit - DERIVED_BYTES} "
-                          "bytes")
+                          f"files a recording writes beside it add up to {paths.DERIVED_BYTES} "
+                          f"bytes to it (run.pid4242.h5, .run.h5.lock), past the {limit} a "
+                          f"name may have in {folder}: choose a name of at most "
+                          f"{limit - paths.DERIVED_BYTES} bytes")
 
 
 def _probe(folder: str, shown: str) -> None:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import click
 
+from . import safe
 from .errors import AmpDoctorError, EmptyRunError
 from .record import prescription  # torch-free: the --apply forms
 
@@ -275,7 +276,7 @@ def parity(target: str, dtype: str, fmt: str, output: str, fail_on: str, force: 
     model, batch, loss_fn = targets.load(target)
     from .preflight.layer_parity import parity as run_parity
 
-    r = run_parity(model, batch, dtype, loss_fn)
+    r = targets.run_checked(f"{target}'s model", run_parity, model, batch, dtype, loss_fn)
     files.write(output, parity_result.render(r, fmt), rules)
     worst = parity_result.VERDICTS.index(r.verdict)
     if fail_on != "never" and worst <= parity_result.VERDICTS.index(fail_on):
@@ -373,8 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except AmpDoctorError as exc:
-        click.echo(f"ampdoctor: {exc}", err=True)
+    except AmpDoctorError as exc:  # its sentence may quote the file: shown, never obeyed
+        click.echo(safe.one_line(f"ampdoctor: {exc}"), err=True)
         return exc.exit_code
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0

@@ -3,8 +3,9 @@
     python benchmarks/crafted_files.py
 
 The crafted files come from ``fixtures/crafted/make_crafted.py`` (a compression bomb inflating
-to 537 MB, a table declaring 2**40 rows, external storage at a FIFO, ...), made in a temporary
-folder. Each command is its own process; its peak resident memory comes from the kernel
+to 537 MB, a table declaring 2**40 rows, external storage at a FIFO, NaN counts in /meta, ...),
+made in a temporary folder, and so do the crafted parity results ``report --parity`` is given
+(a FIFO, /dev/zero, JSON nested 100k deep, 1e999, fields of the wrong type). Each command is its own process; its peak resident memory comes from the kernel
 (``wait4``'s ru_maxrss). A refusal should cost what reading the good file costs: the checks run
 before any table is read.
 """
@@ -53,6 +54,21 @@ def main() -> None:
                 if case != "(good) v2":
                     worst = (max(worst[0], seconds), max(worst[1], peak))
         print(f"crafted files, worst: {worst[0]:.2f} s, {worst[1]:.1f} MiB")
+        worst = _parity_files(folder, out)
+        print(f"crafted parity results, worst: {worst[0]:.2f} s, {worst[1]:.1f} MiB")
+
+
+def _parity_files(folder: str, out: str) -> tuple[float, float]:
+    """``report --parity`` on each crafted parity result (a FIFO, /dev/zero, JSON nested 100k
+    deep, ...): each refused in about the time a report takes, never a hang or a MemoryError."""
+    worst = (0.0, 0.0)
+    for case in make_crafted.PARITY_CASES:
+        path = make_crafted.make_parity(case, folder)
+        code, seconds, peak = measure(["report", make_crafted.BASE, "--parity", path,
+                                       "--format", "json", "-o", out + ".json"])
+        print(f"{case:18s} {'report':9s} {code:4d}  {seconds:7.2f}  {peak:8.1f}")
+        worst = (max(worst[0], seconds), max(worst[1], peak))
+    return worst
 
 
 if __name__ == "__main__":

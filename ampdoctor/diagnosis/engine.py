@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..errors import AmpDoctorError, RunFileError
+from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
 from . import forecast, job, jobfiles, objectives, proofs, ranks, rankview
@@ -138,7 +138,11 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     diagnoses: dict[str, Diagnosis] = {}
     for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
         if any(c is f for c in chosen):
-            diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+            try:
+                diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+            except RunFileError as exc:  # its summary stands for it, as for a rank not chosen
+                unreadable.append(str(exc))
+                continue
             facts[i].outline["own_bad"] = f.outline["own_bad"]  # read once, above
     read = [f.rank for f in chosen]  # the base rank first
     scales = job.compare_scales(facts, _steps_history)
@@ -163,6 +167,8 @@ def _all_facts(paths: list[str], found: Any) -> tuple[list[job.RankFacts], list[
     for p in paths:
         try:
             facts.append(_facts(p, found.summaries.get(p)))
+        except FormatTooNewError:
+            raise  # an upgrade reads them all: said once, not left out rank by rank
         except RunFileError as exc:
             left_out.append(str(exc))
     if not facts:

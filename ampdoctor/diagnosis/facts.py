@@ -18,6 +18,7 @@ import numpy as np
 
 from ..runfile import schema
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
+from ..runfile.run import one_line
 from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve, objectives
 from .dose import Doses
@@ -293,7 +294,9 @@ class Facts:
         rows = self.events(Event.EXCEPTION)
         status = self.run.status
         if len(rows):
-            text = str(rows["text"][-1])
+            # one line: a message is quoted inside a sentence (a traceback's lines would start
+            # lines of their own in a diagnosis)
+            text = one_line(str(rows["text"][-1]))
             typ, _, msg = text.partition(": ")
             return typ, msg
         if status.startswith(schema.STATUS_EXCEPTION):
@@ -515,7 +518,7 @@ def recording_stopped(run: Any) -> Optional[dict]:
     rows = ev[ev["kind"] == int(Event.RECORDER_ERROR)]
     if not len(rows):
         return None
-    return {"step": int(rows["step"][0]), "why": str(rows["text"][0])}
+    return {"step": int(rows["step"][0]), "why": one_line(str(rows["text"][0]))}
 
 
 def hidden_nonfinite(run: Any) -> list[dict]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..numfmt import count, fmt
 from ..runfile import schema
+from ..runfile.run import one_line
 from ..runfile.schema import Event
 from . import ranks
 from .rules import reproduced
@@ -93,9 +94,10 @@ def _status_notes(f: Any) -> list[str]:
                    "run is recorded.")
     errors = f.events(Event.RECORDER_ERROR)
     if len(errors):
+        why = one_line(str(errors["text"][0]))[:160]
         out.append(f"ampdoctor stopped recording at step {int(errors['step'][0])} after an "
-                   f"internal error ({str(errors['text'][0])[:160]}); training went on, but "
-                   "what followed is not in this file.")
+                   f"internal error ({why}); training went on, but what followed is not in "
+                   "this file.")
     return out
 
 

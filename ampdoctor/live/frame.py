@@ -322,10 +322,12 @@ def _trends(run: Any, lines: list) -> Optional[str]:
 
 def _headroom(absmax: float) -> float:
     """Powers of two from ``absmax`` up to fp16's max (65504): 0 or less overflows."""
-    if math.isnan(absmax):
+    if math.isnan(absmax) or absmax < 0:  # (no absolute maximum is below 0: not measured)
         return math.nan
-    if absmax <= 0:
+    if absmax == 0:
         return math.inf
+    if math.isinf(absmax):  # past any float: overflowed
+        return -math.inf
     return math.log2(FP16_MAX / absmax)
 
 

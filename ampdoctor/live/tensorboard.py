@@ -49,6 +49,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import safe
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
 from ..release.curves import extremes
@@ -209,7 +210,8 @@ class _RunWriter:
         lines = events(Run(snapshots=snapshots))
         walls = _walls(state, np.array([e.step for e in lines], np.int64))
         for line, wall in zip(lines, walls):
-            self.text_at(line.step, float(wall), "ampdoctor/forensics", line.text)
+            # TensorBoard shows a text as Markdown: the line's names escaped for it
+            self.text_at(line.step, float(wall), "ampdoctor/forensics", safe.md_text(line.text))
 
     def close(self) -> None:
         self.file.close()

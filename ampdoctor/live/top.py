@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -38,8 +39,8 @@ from typing import Any, Callable, Optional, TextIO
 
 import numpy as np
 
+from .. import safe
 from ..numfmt import fmt
-from ..render import safe
 from . import frame as _frame
 from .follow import FULL_RANKS, STALE_SECONDS, WAIT_POLL, Follower
 
@@ -80,8 +81,7 @@ def render(fr: _frame.Frame, width: int = 80, height: Optional[int] = None, *,
         cut = len(lines) - height
         keep = max(2, len(layers) - cut)  # the table's title and first row stay longest
         lines = head + [""] + body + [""] + layers[:keep] + tail
-    # Names come from the run file: their control bytes are shown, never obeyed.
-    lines = [safe.terminal(_clip(line, width).rstrip(), colour=color) for line in lines]
+    lines = [_finish(line, width, color) for line in lines]
     return lines[:height] if height is not None else lines
 
 
@@ -220,7 +220,8 @@ def _layer_table(fr: _frame.Frame, width: int, paint: Callable) -> list[str]:
             "overflow" if x.headroom <= 0 else f"2^{x.headroom:.1f}")
         under = f"{100 * x.underflow:.0f}%" if x.underflow else "-"
         kind = x.kind + (" *" if x.scaled else "")
-        row = (f"  {_left_clip(x.name, name_w - 1):<{name_w}}{kind:<18}{fmt(x.absmax):>9}"
+        name = _left_clip(safe.terminal(x.name), name_w - 1)  # its escaped width is shown
+        row = (f"  {name:<{name_w}}{kind:<18}{fmt(x.absmax):>9}"
                f"{room:>11}{_trend(x.trend):>8}{under:>10}")
         lines.append(paint("red", row) if (math.isnan(x.headroom) or x.headroom <= 1
                                             or x.underflow >= 0.5) else row)
@@ -321,32 +322,34 @@ def _left_clip(text: str, width: int) -> str:
 
 _ESC = "\x1b["
 _STYLES = {"bold": "1", "red": "31"}
+# paint marks its styles with a Unicode noncharacter (U+FDD0, never in interchanged text) and
+# _finish turns the marks into colour after every text between them has been escaped: an
+# escape sequence in a name is written out like any other, whatever ``color`` says. A mark a
+# name forges can only be one of these (bold, red, plain), never hide or move anything.
+_MARK = re.compile("\ufdd0(0|1|31)\ufdd1")
 
 
 def _painter(color: bool) -> Callable[[str, str], str]:
     def paint(style: str, text: str) -> str:
         if not color or style not in _STYLES or not text:
             return text
-        return f"{_ESC}{_STYLES[style]}m{text}{_ESC}0m"
+        return f"\ufdd0{_STYLES[style]}\ufdd1{text}\ufdd00\ufdd1"
     return paint
 
 
-def _clip(line: str, width: int) -> str:
-    """At most ``width`` visible characters (escape sequences do not count)."""
-    if _ESC not in line:
-        return line[:width]
-    out, seen, i = [], 0, 0
-    while i < len(line) and seen < width:
-        if line.startswith(_ESC, i):
-            end = line.index("m", i) + 1
-            out.append(line[i:end])
-            i = end
+def _finish(line: str, width: int, color: bool = False) -> str:
+    """The line as the terminal gets it: its text escaped (``safe.terminal``: names come from
+    the run file), at most ``width`` visible characters of it, paint's marks made colour."""
+    parts, out, seen = _MARK.split(line), [], 0
+    for i, part in enumerate(parts):
+        if i % 2:
+            out.append(f"{_ESC}{part}m" if color else "")
             continue
-        out.append(line[i])
-        seen += 1
-        i += 1
-    tail = f"{_ESC}0m" if _ESC in line else ""
-    return "".join(out) + tail
+        shown = safe.terminal(part)[:max(0, width - seen)]
+        out.append(shown)
+        seen += len(shown)
+    tail = f"{_ESC}0m" if color and len(parts) > 1 else ""
+    return "".join(out).rstrip() + tail
 
 
 def waiting(path: str, waited: float, limit: float) -> list[str]:
@@ -550,7 +553,7 @@ def _interactive(follower: Follower, path: str, opts: Options, screen: Screen,
     try:
         def show(waited: float) -> Optional[str]:
             cols, rows = screen.size()
-            screen.draw([_clip(x, cols) for x in waiting(path, waited, opts.wait)][:rows])
+            screen.draw([_finish(x, cols) for x in waiting(path, waited, opts.wait)][:rows])
             key = screen.wait(WAIT_POLL)
             return key if key in ("q", "Q") else None
 
@@ -580,4 +583,4 @@ def _interactive(follower: Follower, path: str, opts: Options, screen: Screen,
 
 def _footer(fr: _frame.Frame, opts: Options, width: int) -> str:
     ranks = " · 0-9 rank" if fr.world_size > 1 else ""
-    return _clip(f"q quit{ranks} · refresh {opts.interval:g} s", width)
+    return _finish(f"q quit{ranks} · refresh {opts.interval:g} s", width)

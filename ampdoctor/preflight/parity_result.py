@@ -26,14 +26,15 @@ Example::
 
 from __future__ import annotations
 
-import html
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from .. import outputs
+from .. import outputs, safe
 from ..diagnosis import fixes
 from ..errors import AmpDoctorError
 from ..numfmt import fmt
@@ -219,25 +220,137 @@ def is_parity_output(path: str) -> bool:
     return any(p.match(first) for p in _HEADS)
 
 
+# A parity result is a few hundred bytes per module: 64 MiB holds any model's, and a file
+# past it (or /dev/zero) is refused before it is read whole.
+MAX_BYTES = 64 << 20
+
+
 def load(path: str) -> ParityResult:
-    """Read a result written by ``ampdoctor parity ... --format json`` (or ``r.json()``)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise AmpDoctorError(f"{path} does not exist") from None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise AmpDoctorError(f"{path} is not a parity result ({exc})") from None
+    """Read a result written by ``ampdoctor parity ... --format json`` (or ``r.json()``).
+    The file is untrusted: a regular file of at most ``MAX_BYTES``, JSON of finite numbers,
+    each field of its type; anything else is one sentence (``AmpDoctorError``)."""
+    data = _parsed(path, _read(path))
     if not isinstance(data, dict) or data.get("format") != "ampdoctor-parity":
         raise AmpDoctorError(f"{path} is not a parity result: write one with "
                              "`ampdoctor parity SCRIPT:FUNCTION --format json -o FILE`")
-    if int(data.get("version", 0)) > 1:
+    version = data.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise AmpDoctorError(f"{path} is a damaged parity result (its version is "
+                             f"{_shown(version)})")
+    if version > 1:
         raise AmpDoctorError(f"{path} was written by a newer ampdoctor (parity format "
-                             f"{data['version']}); this one reads 1: upgrade ampdoctor")
+                             f"{version}); this one reads 1: upgrade ampdoctor")
+    problem = _wrong_field(data)
+    if problem:
+        raise AmpDoctorError(f"{path} is a damaged parity result ({problem})")
     try:
         return ParityResult.from_dict(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise AmpDoctorError(f"{path} is a damaged parity result ({exc})") from None
+
+
+def _read(path: str) -> bytes:
+    """The file's bytes, opened without waiting (a FIFO would wait for a writer forever) and
+    read no further than ``MAX_BYTES`` (a device such as /dev/zero never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise AmpDoctorError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise AmpDoctorError(f"{path} cannot be read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AmpDoctorError(f"{path} is not a regular file: a parity result is one")
+        if info.st_size > MAX_BYTES:
+            raise _too_large(path)
+        try:
+            data = fh.read(MAX_BYTES + 1)
+        except OSError as exc:
+            raise AmpDoctorError(f"{path} cannot be read ({exc.strerror})") from None
+    if len(data) > MAX_BYTES:  # (it grew while read)
+        raise _too_large(path)
+    return data
+
+
+def _too_large(path: str) -> AmpDoctorError:
+    return AmpDoctorError(f"{path} is larger than a parity result can be ({MAX_BYTES >> 20} MiB)")
+
+
+def _parsed(path: str, data: bytes) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except RecursionError:
+        raise AmpDoctorError(f"{path} is not a parity result (JSON nested too deep)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AmpDoctorError(f"{path} is not a parity result ({exc})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON number")  # the writer writes null for inf/NaN
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is out of a float's range")
+    return value
+
+
+_NUMBER = (int, float, type(None))  # a number, or null: what the writer makes of inf/NaN
+_COUNT = (int, type(None))
+# the JSON types each field of the file may hold: at the top, inside output and loss, and in
+# each module
+_FIELDS = {"dtype": str, "device": str, "model": str, "modules": list, "output": (dict,
+           type(None)), "loss": (dict, type(None)), "grad_scale": _NUMBER,
+           "notes": (list, type(None))}
+_INNER: dict[str, dict[str, Any]] = {
+    "output": {"rel_err": _NUMBER, "nonfinite": _COUNT},
+    "loss": {"fp32": _NUMBER, "low": _NUMBER}}
+_MODULE = {"name": str, "type": str, "calls": int, "numel": int, "rel_err": _NUMBER,
+           "absmax_fp32": _NUMBER, "absmax_low": _NUMBER, "nonfinite": int,
+           "grad_rel_err": _NUMBER, "grad_absmax": _NUMBER, "grad_nonfinite": int}
+_MODULE_OPTIONAL = ("grad_rel_err", "grad_absmax", "grad_nonfinite")
+
+
+def _wrong_field(data: dict) -> str:
+    """The first field of the wrong type, in words ('' when every one is right)."""
+    for key, want in _FIELDS.items():
+        if not _is(data.get(key), want):
+            return f"{key} holds {_shown(data.get(key))}"
+    if data["dtype"] not in DTYPE_MAX:
+        return f"dtype {_shown(data['dtype'])} is none of {', '.join(DTYPE_MAX)}"
+    for outer, fields in _INNER.items():
+        inner = data.get(outer) or {}
+        wrong = next((k for k, want in fields.items() if not _is(inner.get(k), want)), None)
+        if wrong:
+            return f"{outer}.{wrong} holds {_shown(inner[wrong])}"
+    if not all(isinstance(n, str) for n in data.get("notes") or []):
+        return "notes holds something else than texts"
+    return next((f"modules[{i}] {problem}" for i, m in enumerate(data["modules"])
+                 for problem in [_wrong_module(m)] if problem), "")
+
+
+def _wrong_module(m: Any) -> str:
+    if not isinstance(m, dict):
+        return f"is {_shown(m)}, not an object"
+    missing = next((k for k in _MODULE if k not in m and k not in _MODULE_OPTIONAL), None)
+    if missing:
+        return f"has no {missing}"
+    wrong = next((k for k, want in _MODULE.items() if k in m and not _is(m[k], want)), None)
+    return f"{wrong} holds {_shown(m[wrong])}" if wrong else ""
+
+
+def _is(value: Any, want: Any) -> bool:
+    """isinstance, where a bool is no number (JSON's true is not 1)."""
+    return isinstance(value, want) and not (isinstance(value, bool) and bool not in
+                                            (want if isinstance(want, tuple) else (want,)))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,22 +429,23 @@ def render_text(r: ParityResult) -> str:
 
 
 def render_markdown(r: ParityResult, level: int = 2) -> str:
-    h = "#" * level
-    out = [f"{h} Layer parity in {r.dtype}: `{r.verdict}`", "", headline(r), ""]
+    """Names come from the user's model or a parity JSON: each text goes through ``safe``."""
+    h, md = "#" * level, safe.md_text
+    out = [f"{h} Layer parity in {md(r.dtype)}: {safe.md_code(r.verdict)}", "", md(headline(r)),
+           ""]
     table = rows(r)
     if table:
         out += ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-        out += ["| " + " | ".join(str(x).replace("|", "\\|") for x in row) + " |"
-                for row in table]
-        out += ["", _criteria(r) + ".", ""]
+        out += ["| " + " | ".join(md(x) for x in row) + " |" for row in table]
+        out += ["", md(_criteria(r) + "."), ""]
     for fx in r.fixes:
-        out += [f"**{fx.id}**: {fx.text}", "", "```python", fx.snippet, "```", ""]
-    out += [f"> {n}" for n in r.notes]
+        out += [f"**{md(fx.id)}**: {md(fx.text)}", ""] + safe.md_fence(fx.snippet, "python") + [""]
+    out += [f"> {md(n)}" for n in r.notes]
     return "\n".join(out).rstrip() + "\n"
 
 
 def render_html(r: ParityResult) -> str:
-    esc = html.escape
+    esc = safe.html
     cls = {"ok": "ok", "lossy": "warn"}.get(r.verdict, "bad")
     out = [f"<h2>Layer parity in {esc(r.dtype)}: <code>{esc(r.verdict)}</code></h2>",
            f'<div class="verdict {cls}"><p>{esc(headline(r))}</p></div>']

@@ -9,11 +9,11 @@ import json
 import textwrap
 from typing import Any
 
+from .. import safe
 from ..diagnosis.rankview import lines as rank_lines
 from ..diagnosis.verdict import Diagnosis
 from ..display import renders
 from ..numfmt import fmt
-from . import safe
 
 FORMATS = ("text", "json", "markdown")
 
@@ -77,11 +77,14 @@ def _bullet(text: str) -> list[str]:
     return lines
 
 
-def also_text(cause: dict, quote: str = "") -> str:
+def first_sentence(cause: dict) -> str:
+    return cause["text"].split(". ")[0].rstrip(".") + "."
+
+
+def also_text(cause: dict) -> str:
     """Another cause found beside the verdict: its id, where, and its first sentence."""
     where = where_text(cause.get("first_bad"))
-    first = cause["text"].split(". ")[0].rstrip(".") + "."
-    return f"{quote}{cause['verdict']}{quote}" + (f" at {where}" if where else "") + f": {first}"
+    return cause["verdict"] + (f" at {where}" if where else "") + f": {first_sentence(cause)}"
 
 
 @renders(Diagnosis, "text")
@@ -131,41 +134,54 @@ def render_text(d: Diagnosis) -> str:
 
 @renders(Diagnosis, "markdown")
 def render_markdown(d: Diagnosis) -> str:
-    run = d.run
-    out = [f"## ampdoctor: `{d.verdict}` (confidence {d.confidence:.2f})", "", d.summary, ""]
+    """Markdown for a pull request or an issue. Every text of the diagnosis goes through
+    ``safe``'s Markdown escapers (names and exception texts come from the run file); the
+    headings, bold, lists and code spans around them are this renderer's own."""
+    text, code = safe.md_text, safe.md_code
+    out = [f"## ampdoctor: {code(d.verdict)} (confidence {d.confidence:.2f})", "",
+           text(d.summary), ""]
     if d.first_bad:
-        out += [f"**First bad:** {where_text(d.first_bad)}", ""]
+        out += [f"**First bad:** {text(where_text(d.first_bad))}", ""]
     chain, also = split_causes(d)
     if len(chain) > 1:
-        out += ["**Chain:** " + " → ".join(f"`{c['verdict']}`" for c in chain), ""]
+        out += ["**Chain:** " + " → ".join(code(c["verdict"]) for c in chain), ""]
     for c in also:
-        out += [f"**Also:** {also_text(c, '`')}", ""]
+        where = where_text(c.get("first_bad"))
+        out += [f"**Also:** {code(c['verdict'])}" + (f" at {text(where)}" if where else "")
+                + f": {text(first_sentence(c))}", ""]
     out += _warning_markdown(d)
     if d.evidence:
-        out += ["### Evidence", ""] + [f"- {e.text}" for e in d.evidence] + [""]
+        out += ["### Evidence", ""] + [f"- {text(e.text)}" for e in d.evidence] + [""]
     if d.rank_view:
-        out += ["### Ranks", ""] + [f"- {line}" for line in rank_lines(d.rank_view)] + [""]
+        out += ["### Ranks", ""] + [f"- {text(line)}" for line in rank_lines(d.rank_view)] + [""]
     if d.fixes:
-        out += ["### What to change", ""]
-        for fx in d.fixes:
-            out += [f"- **{fx.id}**: {fx.text}"]
-            if fx.snippet:
-                out += ["", "```python", fx.snippet, "```", ""]
-            out += [f"  {part.replace('--apply ', '`--apply ', 1)}`" if fx.apply and
-                    part.startswith("try it") else f"  {part}" for part in fix_lines(fx)]
-        if any(fx.apply for fx in d.fixes):
-            out += ["", TRY_IT]
-        out += [""]
+        out += ["### What to change", ""] + _fixes_markdown(d.fixes)
     out += ["### Run", "", "| | |", "|---|---|"]
     for key in ("path", "status", "steps", "skipped_steps", "sampled_steps", "replays",
                 "autocast_dtype", "torch"):
-        out.append(f"| {key} | {_cell(run.get(key))} |")
-    scale = run.get("loss_scale")
+        out.append(f"| {key} | {text(_cell(d.run.get(key)))} |")
+    scale = d.run.get("loss_scale")
     if scale:
         out.append(f"| loss scale | {fmt(scale.get('init'))} → {fmt(scale.get('final'))} |")
     for note in d.notes:
-        out += ["", f"> {note}"]
-    return safe.markdown("\n".join(out)) + "\n"
+        out += ["", f"> {text(note)}"]
+    return "\n".join(out) + "\n"
+
+
+def _fixes_markdown(fixes: list) -> list[str]:
+    out = []
+    for fx in fixes:
+        out += [f"- **{safe.md_text(fx.id)}**: {safe.md_text(fx.text)}"]
+        if fx.snippet:
+            out += [""] + safe.md_fence(fx.snippet, "python") + [""]
+        for part in fix_lines(fx):
+            if fx.apply and part.startswith("try it"):
+                out.append(f"  try it: {safe.md_code('--apply ' + fx.apply)}")
+            else:
+                out.append(f"  {safe.md_text(part)}")
+    if any(fx.apply for fx in fixes):
+        out += ["", safe.md_text(TRY_IT)]
+    return out + [""]
 
 
 # Said once under the fixes, when one of them can be applied from outside the code.
@@ -205,7 +221,7 @@ def _warning_text(d: Diagnosis) -> list[str]:
 def _warning_markdown(d: Diagnosis) -> list[str]:
     from ..diagnosis.forecast import warning_lines
 
-    found = warning_lines(d.forecast, d.healthy)
+    found = [safe.md_text(x) for x in warning_lines(d.forecast, d.healthy)]
     if not found:
         return []
     if not d.healthy:

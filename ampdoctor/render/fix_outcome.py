@@ -16,6 +16,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Optional
 
+from .. import safe
 from ..numfmt import fmt
 from ..release import fix_outcome
 from .diagnosis import where_text
@@ -78,15 +79,16 @@ def text(c: Any) -> str:
 def markdown(c: Any, level: int = 2) -> str:
     h = "#" * level
     nb, na = names(c)
-    out = [f"{h} What the fix changed: `{c.verdict}`", "",
-           f"`{c.base['path']}` ({_dtype(c.base)}) vs `{c.amp['path']}` ({_dtype(c.amp)})",
-           "", c.summary, ""]
+    code, md = safe.md_code, safe.md_text
+    out = [f"{h} What the fix changed: {code(c.verdict)}", "",
+           f"{code(c.base['path'])} ({md(_dtype(c.base))}) vs {code(c.amp['path'])} "
+           f"({md(_dtype(c.amp))})", "", md(c.summary), ""]
     out += md_table(("", nb, na), rows(c)) + [""]
     if c.treatment["at_steps"]:
         out += [f"{h}# Loss at the same steps", ""]
         out += md_table(("step", nb, na), at_rows(c)) + [""]
     for note in c.notes:
-        out += [f"> {note}", ""]
+        out += [f"> {md(note)}", ""]
     return "\n".join(out).rstrip() + "\n"
 
 

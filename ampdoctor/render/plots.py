@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
 
+from .. import safe
 from ..diagnosis import layers as _layers
 from ..diagnosis import objectives
 from ..numfmt import fmt
@@ -84,10 +86,25 @@ def png(fig: Any, dpi: int = 100) -> bytes:
 
     buf = io.BytesIO()
     FigureCanvasAgg(fig)  # attaches itself to the figure
-    # "Software: ampdoctor", not matplotlib's default (its web site: a report has no links):
-    # how report --force knows a PNG it may replace (render/files.py's is_figure).
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": "ampdoctor"})
+    _shown_as_text(fig)
+    with warnings.catch_warnings():
+        # a glyph the font lacks is drawn as a box; matplotlib's warning would repeat the name
+        warnings.filterwarnings("ignore", message="Glyph .* missing from")
+        # "Software: ampdoctor", not matplotlib's default (its web site: a report has no
+        # links): how report --force knows a PNG it may replace (render/files.py's is_figure).
+        fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": "ampdoctor"})
     return buf.getvalue()
+
+
+def _shown_as_text(fig: Any) -> None:
+    """Every text of the figure (labels, legends, ticks: names from the run file among them)
+    with its controls written out and read as plain text: a name's ``$`` starts no mathtext
+    (whose parser raises on what it cannot read)."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        text.set_text(safe.terminal(text.get_text()))
+        text.set_parse_math(False)
 
 
 # ---------------------------------------------------------------------------------------------

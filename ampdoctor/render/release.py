@@ -14,15 +14,17 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import re
 from typing import Any, Optional
 
+from .. import safe
 from ..display import renders
 from ..numfmt import count, fmt
 from ..release.comparison import Comparison
 from ..release.curves import percent as _pct
 from ..release.report import ReleaseReport
 from ..version import __version__
-from . import fix_outcome, safe
+from . import fix_outcome
 from .diagnosis import also_text, split_causes, where_text
 from .diagnosis import render_markdown as diagnosis_markdown
 from .tables import esc as _esc
@@ -158,7 +160,7 @@ def render_comparison(c: Comparison, fmt: str = "text") -> str:
     if fmt == "json":
         return json.dumps(c.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
     if fmt == "markdown":
-        return safe.markdown(comparison_markdown(c, level=2))
+        return comparison_markdown(c, level=2)
     return safe.terminal(comparison_text(c))
 
 
@@ -195,10 +197,11 @@ def comparison_text(c: Any) -> str:
 def comparison_markdown(c: Any, level: int = 2) -> str:
     if c.kind == "fix":
         return fix_outcome.markdown(c, level)
-    h = "#" * level
-    out = [f"{h} fp32 parity: `{c.verdict}`", "",
-           f"`{c.base['path']}` ({c.base['dtype']}) vs `{c.amp['path']}` ({c.amp['dtype']}"
-           + (" + GradScaler" if c.amp.get("scaler") else "") + ")", "", c.summary, ""]
+    h, code, md = "#" * level, safe.md_code, safe.md_text
+    out = [f"{h} fp32 parity: {code(c.verdict)}", "",
+           f"{code(c.base['path'])} ({md(c.base['dtype'])}) vs {code(c.amp['path'])} "
+           f"({md(c.amp['dtype'])}" + (" + GradScaler" if c.amp.get("scaler") else "") + ")", "",
+           md(c.summary), ""]
     out += _md_table(("", ""), comparison_rows(c)[1:]) + [""]
     if c.layers:
         out += [f"{h}# Layers that differ most", "",
@@ -207,10 +210,10 @@ def comparison_markdown(c: Any, level: int = 2) -> str:
         out += _md_table(LAYER_DIFF_HEAD, layer_diff_rows(c)) + [""]
     rng = c.amp_range
     if rng:
-        out += [f"{h}# fp16 range in the {c.amp['dtype']} run: `{rng['status']}`", "",
-                rng["advice"], ""]
+        out += [f"{h}# fp16 range in the {md(c.amp['dtype'])} run: {code(rng['status'])}", "",
+                md(rng["advice"]), ""]
     for note in c.notes:
-        out += [f"> {note}", ""]
+        out += [f"> {md(note)}", ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -238,18 +241,19 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     from .plots import CAPTIONS
 
     s, d, rd = r.summary, r.decision, r.readiness
-    out = [f"# ampdoctor release report: `{_title(r)}`", ""]
+    code, md = safe.md_code, safe.md_text
+    out = [f"# ampdoctor release report: {code(_title(r))}", ""]
     diagnosis = diagnosis_markdown(r.diagnosis).rstrip()
     if diagnosis.startswith("## ampdoctor: "):  # report's heading, as a section of this one
         diagnosis = "## Diagnosis: " + diagnosis[len("## ampdoctor: "):]
     out += [diagnosis, ""]
     out += ["## Summary", ""] + _md_table(("", ""), summary_rows(s)) + [""]
-    out += ["## Precision decision", "", f"**{d.recommendation}**", ""]
+    out += ["## Precision decision", "", f"**{md(d.recommendation)}**", ""]
     if d.fix_first:
-        out += [f"> {d.fix_first}", ""]
+        out += [f"> {md(d.fix_first)}", ""]
     out += _md_table(("", ""), decision_rows(d)[:-1]) + [""]
-    out += [f"- {reason}" for reason in d.reasons] + [""]
-    out += [f"## fp16 readiness: `{rd.status}`", "", rd.advice, ""]
+    out += [f"- {md(reason)}" for reason in d.reasons] + [""]
+    out += [f"## fp16 readiness: {code(rd.status)}", "", md(rd.advice), ""]
     rows = readiness_rows(rd)
     if rows:
         out += _md_table(("layer", "kind", "finding", "where"), rows) + [""]
@@ -262,11 +266,23 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     if images:
         out += ["## Figures", ""]
         for name, path in images.items():
-            out += [f"![{CAPTIONS.get(name, name)}]({path})", ""]
+            out += [f"![{md(CAPTIONS.get(name, name))}]({_md_link(path)})", ""]
     for note in r.notes:
-        out += [f"> {note}", ""]
-    # Names and notes from the run file escaped; the footer is the one tag of our own.
-    return safe.markdown("\n".join(out).rstrip()) + f"\n\n<sub>ampdoctor {__version__}</sub>\n"
+        out += [f"> {md(note)}", ""]
+    # Every text above went through safe's escapers; the footer is the one tag of our own.
+    return "\n".join(out).rstrip() + f"\n\n<sub>ampdoctor {__version__}</sub>\n"
+
+
+_PLAIN_PATH = re.compile(r"[\w./\-]+")
+
+
+def _md_link(path: str) -> str:
+    """A link destination: as written when plain, else in <...> where any character but a
+    line break (written out), < and > (escaped) is part of it."""
+    if _PLAIN_PATH.fullmatch(path):
+        return path
+    return "<" + safe.one_line(path).replace("\\", "\\\\").replace("<", "\\<") \
+        .replace(">", "\\>") + ">"
 
 
 _CSS = """

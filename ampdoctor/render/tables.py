@@ -13,10 +13,10 @@ Example::
 
 from __future__ import annotations
 
-import html
 import math
-from typing import Any, Optional
+from typing import Optional
 
+from .. import safe
 from ..numfmt import fmt
 
 # ---------------------------------------------------------------------------------------------
@@ -78,15 +78,13 @@ def text_table(head: tuple, rows: list[tuple], indent: str = "") -> list[str]:
 
 
 def md_table(head: tuple, rows: list[tuple]) -> list[str]:
-    def cell(v: Any) -> str:
-        return str(v).replace("|", "\\|")
-
+    """A (GFM) table, every cell through ``safe.md_text``: a cell is text, never markup."""
+    cell = safe.md_text
     return (["| " + " | ".join(cell(h) for h in head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
-def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+esc = safe.html
 
 
 def kv_table(rows: list[tuple[str, str]]) -> str:

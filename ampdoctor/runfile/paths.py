@@ -17,6 +17,19 @@ import glob
 import os
 import re
 
+# What a recording adds to the output's name for the files it writes beside it: a second
+# process's .pid4194304, then a file being built's leading '.' and .4194304.partial (pids
+# reach 2**22), with room to spare.
+DERIVED_BYTES = 32
+
+
+def name_max(folder: str) -> int:
+    """The longest file name ``folder`` takes, in bytes (NAME_MAX; 255 where not told)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
 
 def rank_path(path: str, rank: int) -> str:
     """The file of one rank: ``rank_path("out/run.h5", 1) == "out/run.rank1.h5"``."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RunFileError
-from . import liveness, migrations, schema
+from . import liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
 from .hdf5 import H5_ERRORS, reason
 from .reader import (
@@ -75,6 +75,10 @@ class Tail:
             rows, stats = self._new_rows()
             blob = self._blob()
             check_values(self.path, rows, blob.size, self.done, self._last_step)
+            # a writer numbers tensors 0, 1, 2... in row order: an id past that would size the
+            # live view's id -> tensor maps (a 2**31 id: 16 GiB)
+            values.check_ids(self.path, "tensors", rows["tensors"]["id"],
+                             self.done["tensors"] + len(rows["tensors"]), self.done["tensors"])
             stats.tensors = self.done["tensors"] + len(rows["tensors"])
             out = {"steps": rows["steps"], "groups": rows["groups"],
                    "losses": rows["losses"], "optimizers": rows["optimizers"],

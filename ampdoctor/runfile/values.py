@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,8 @@ def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
 
 
 def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None = None) -> None:
-    """Step numbers are >= 0 and never go back, wall times neither infinite nor negative.
+    """Step numbers are >= 0 and never go back, wall times neither infinite nor negative,
+    learning rates not negative.
     ``start``: the row number of ``steps[0]``; ``before``: the step of the row before it (a
     follower's previous read)."""
     numbers = steps["step"]
@@ -91,6 +93,15 @@ def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None
             raise damaged(path, "steps", start + row,
                           f"holds the wall time {float(steps['time'][row])!r} (a time "
                           "is in seconds since 1970)")
+    if "lr" in (steps.dtype.names or ()):
+        # (NaN: not measured; torch's optimizers refuse a negative learning rate, and a rule
+        # that compares LRs would meet one it cannot place on a schedule)
+        below = np.flatnonzero(steps["lr"] < 0)
+        if len(below):
+            row = int(below[0])
+            raise damaged(path, "steps", start + row,
+                          f"holds the learning rate {float(steps['lr'][row]):g} (a learning "
+                          "rate is 0 or more)")
     previous = np.concatenate(([before if before is not None else numbers[0]], numbers[:-1]))
     back = np.flatnonzero(numbers < previous)
     if len(back):
@@ -100,13 +111,50 @@ def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None
                       "(steps never go back)")
 
 
+# The counts inside /meta values the analysis takes as whole numbers (``int(...)``): each,
+# where present and not null, a finite number from 0 (JSON lets a file say NaN or Infinity).
+# A path: keys, '*' for every key of an object, '[]' for every item of a list.
+META_COUNTS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "recorder": (("every",), ("sample",), ("max_replays",)),
+    "scaler": (("growth_interval",),),
+    "model": (("trainable",), ("modules",), ("param_dtypes", "*")),
+    "optimizer": (("[]", "groups"), ("[]", "param_dtypes", "*")),
+}
+
+
 def check_meta(path: str, key: str, value: Any, row: int) -> None:
-    """A known ``/meta`` key holds a value of its type (or null)."""
+    """A known ``/meta`` key holds a value of its type (or null), its counts whole numbers."""
     want = META_TYPES.get(key)
-    if want is None or value is None or isinstance(value, want):
+    if want is None or value is None:
         return
-    raise damaged(path, "meta", row, f"({key}) holds {_json_type(value)} where "
-                                     f"{_TYPE_WORDS[want]} is expected")
+    if not isinstance(value, want):
+        raise damaged(path, "meta", row, f"({key}) holds {_json_type(value)} where "
+                                         f"{_TYPE_WORDS[want]} is expected")
+    for where in META_COUNTS.get(key, ()):
+        for name, count in _found(value, where, key):
+            if count is not None and not _is_count(count):
+                raise damaged(path, "meta", row, f"({key}) holds {name} = {_shown(count)} "
+                                                 "where a count (a whole number from 0) is "
+                                                 "expected")
+
+
+def _found(value: Any, where: tuple[str, ...], name: str) -> list[tuple[str, Any]]:
+    """(its name, the value) of each value at ``where`` inside ``value``."""
+    if not where:
+        return [(name, value)]
+    step, rest = where[0], where[1:]
+    if step == "[]":
+        items = enumerate(value) if isinstance(value, list) else ()
+        return [x for i, item in items for x in _found(item, rest, f"{name}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    keys = list(value) if step == "*" else [step] if step in value else []
+    return [x for k in keys for x in _found(value[k], rest, f"{name}.{k}")]
+
+
+def _is_count(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 def _json_type(value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import keyword
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -186,6 +187,8 @@ def literal(x: Optional[float], default: str) -> str:
     rounded to: 3e-4, 1.4e-4, 1e-8, 0.05, 7.5 (``default`` for None)."""
     if x is None:
         return default
+    if not math.isfinite(x):  # (an infinite LR a file recorded: torch takes one)
+        return f"float({str(float(x))!r})"
     if float(x).is_integer() and 1e4 <= abs(x) < 1e16:
         return str(int(x))  # a loss scale: 65536
     if x and (abs(x) < 1e-3 or abs(x) >= 1e4):

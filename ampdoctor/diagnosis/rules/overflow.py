@@ -501,6 +501,8 @@ def lr_evidence(f: Facts) -> list[Evidence]:
     if fi is None or not np.isfinite(lr[: fi + 1]).any():
         return []
     peak = float(np.nanmax(lr))
+    if not peak > 0:  # no schedule to place it on (a Run built in memory: the reader refuses)
+        return []
     at = float(lr[fi])
     reach = int(np.flatnonzero(lr >= peak * 0.999)[0])
     rising = reach > 0 and lr[0] < peak * 0.5

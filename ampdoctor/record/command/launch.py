@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from ... import outputs
+from ... import outputs, safe
 from ...diagnosis import ranks
 from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import nodes, paths, store
@@ -132,6 +132,7 @@ def check_output(path: str, force: bool) -> str:
         raise RecordError(f"cannot record into {shown}: directory {folder} does not exist")
     if not os.path.isdir(folder):
         raise RecordError(f"cannot record into {shown}: {folder} is not a directory")
+    _name_fits(path, folder, shown)
     rules = outputs.Rules(ours=store.is_run_file, kind="an ampdoctor run file", force=True,
                           prefix=f"cannot record into {shown}: ", fix="choose another file with -o")
     existing = paths.related_files(path)
@@ -144,6 +145,17 @@ def check_output(path: str, force: bool) -> str:
     except OutputError as exc:
         raise RecordError(str(exc)) from None
     return path
+
+
+def _name_fits(path: str, folder: str, shown: str) -> None:
+    """The names derived from the output (``paths.DERIVED_BYTES`` more) fit NAME_MAX."""
+    size, limit = len(os.fsencode(os.path.basename(path))), paths.name_max(folder)
+    if size + paths.DERIVED_BYTES > limit:
+        raise RecordError(f"cannot record into {shown}: its name is {size} bytes long, and the "
+                          f"files a recording writes beside it add up to {paths.DERIVED_BYTES} "
+                          f"bytes to it (run.pid4242.h5, .run.h5.lock), past the {limit} a "
+                          f"name may have in {folder}: choose a name of at most "
+                          f"{limit - paths.DERIVED_BYTES} bytes")
 
 
 def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:
@@ -387,7 +399,8 @@ def exit_like(code: int) -> int:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # One line, shown not obeyed: module names and exception texts in it come from run files.
+    print(safe.one_line(line), file=sys.stderr, flush=True)
 
 
 def start_line(settings: Settings) -> str:

@@ -1,0 +1,157 @@
+"""The fp8 counts of the sampled tier (record/fp8.py) against real casts.
+
+Every recipe's rounding is emulated in float32 so that it runs on any device; here each one is
+checked against ``Tensor.to(torch.float8_e4m3fn / torch.float8_e5m2)`` of the same scaled
+values (clamped first: a saturating cast), element by element, and the counts and SQNR the
+recorder writes against the ones the cast gives. Where torchao is installed its scale
+functions (``amax_to_scale``, rowwise ``tensor_to_scale``, ``to_mx``) give the scales.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ampdoctor.record import fp8
+from ampdoctor.runfile.schema import Fp8Format, Recipe, Role
+
+CAST = {Fp8Format.E4M3: torch.float8_e4m3fn, Fp8Format.E5M2: torch.float8_e5m2}
+
+
+def tensors():
+    """Tensors that reach every corner: an outlier channel, tiny values that flush, a row
+    count and width that are no multiple of 32, exact zeros, bf16 and a huge range."""
+    g = torch.Generator().manual_seed(0)
+    outlier = torch.randn(48, 96, generator=g)
+    outlier[:, 5] *= 3000
+    tiny = torch.randn(33, 70, generator=g) * torch.logspace(-12, 2, 70)
+    zeros = torch.relu(torch.randn(4, 8, 40, generator=g))
+    half = (torch.randn(16, 64, generator=g) * 50).bfloat16()
+    wide = torch.randn(7, 100, generator=g) * torch.logspace(-30, 30, 100)
+    return {"outlier": outlier, "tiny": tiny, "zeros": zeros, "bf16": half, "wide": wide}
+
+
+def rows_of(ops):
+    counts, formats = fp8.count(ops)
+    summaries = torch.stack([op.summary for op in ops]).double().numpy()
+    return fp8.pack(ops, counts.double().numpy(), summaries, formats)
+
+
+def by_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> dict:
+    """What the real cast gives for values ``x`` (float32) at per-element ``scale``."""
+    dtype = CAST[fmt]
+    info = torch.finfo(dtype)
+    y = x * scale
+    q = y.clamp(-info.max, info.max).to(dtype).float()
+    # Saturated: beyond what round-to-nearest keeps at the top (max + half its step).
+    over = info.max + info.eps * 2.0 ** math.floor(math.log2(info.max)) / 2
+    err = (x.double() - q.double() / scale.double())
+    return {"q": q, "flushed": int(((x != 0) & (q == 0)).sum()),
+            "subnormal": int(((q != 0) & (q.abs() < info.tiny)).sum()),
+            "saturated": int((y.abs() > over).sum()), "zeros": int((x == 0).sum()),
+            "sqnr": float(10 * torch.log10(x.double().square().sum() / err.square().sum()))}
+
+
+@pytest.mark.parametrize("name", list(tensors()))
+@pytest.mark.parametrize("role", list(Role))
+def test_every_recipe_counts_what_a_real_cast_does(name, role):
+    x = tensors()[name]
+    ops = [fp8.measure(x, role, sample=None)]
+    rows = rows_of(ops)
+    values, scales = ops[0].values, ops[0].scales
+    for recipe in Recipe:
+        fmt = fp8.element_format(recipe, role)
+        ref = by_cast(values, scales[recipe], fmt)
+        fmax, emin, mbits, _ = fp8.FORMATS[fmt]
+        q = fp8.quantise(values * scales[recipe], torch.tensor(fmax), torch.tensor(emin),
+                         torch.tensor(mbits))
+        assert torch.equal(q, ref["q"]), (name, recipe)  # bit for bit, every element
+        row = rows[int(recipe)]
+        assert row["format"] == fmt and row["sample_n"] == x.numel()
+        for key in ("flushed", "subnormal", "saturated", "zeros"):
+            assert row[key] == ref[key], (name, recipe, key, row[key], ref[key])
+        assert row["sqnr_db"] == pytest.approx(ref["sqnr"], abs=0.02), (name, recipe)
+
+
+def test_the_outlier_channel_flushes_under_per_tensor_scaling_not_under_mx():
+    x = tensors()["outlier"]
+    rows = rows_of([fp8.measure(x, Role.INPUT, sample=None)])
+    flushed = {Recipe(r["recipe"]): r["flushed"] / r["sample_n"] for r in rows}
+    assert flushed[Recipe.TENSOR] > 0.01 and flushed[Recipe.MX] < flushed[Recipe.TENSOR] / 4
+
+
+def test_scales_follow_each_recipes_rule():
+    x = tensors()["tiny"]
+    op = fp8.measure(x, Role.GRAD_OUTPUT, sample=None)
+    amax = float(x.abs().max())
+    s = op.scales
+    assert float(s[Recipe.TENSOR][0]) == pytest.approx(57344.0 / amax, rel=1e-6)  # e5m2
+    rows = x.abs().amax(1).double()
+    row_scale = 2.0 ** torch.floor(torch.log2(448.0 / rows))
+    assert torch.equal(s[Recipe.ROWWISE].view(x.shape).double()[:, 0], row_scale)
+    block0 = x[:, :32].abs().amax(1).double()
+    mx = 2.0 ** -(torch.floor(torch.log2(block0)) - 8)
+    assert torch.equal(s[Recipe.MX].view(x.shape).double()[:, 0], mx)
+
+
+def test_delayed_scaling_takes_the_previous_amaxes_and_saturates_when_they_grow():
+    g = torch.Generator().manual_seed(1)
+    history = torch.zeros(4)
+    first = torch.randn(64, 64, generator=g)
+    ops = [fp8.measure(first, Role.INPUT, sample=None, history=history)]
+    assert float(ops[0].scales[Recipe.DELAYED][0]) == float(ops[0].scales[Recipe.TENSOR][0])
+    grown = first * 4  # a jump the previous amax does not cover
+    ops.append(fp8.measure(grown, Role.INPUT, sample=None, history=history))
+    prev = 448.0 / float(first.abs().max())
+    assert float(ops[1].scales[Recipe.DELAYED][0]) == pytest.approx(prev, rel=1e-6)
+    rows = rows_of(ops)
+    delayed = rows[(rows["recipe"] == Recipe.DELAYED)][1]
+    assert delayed["saturated"] == int((grown * prev).abs().gt(464).sum()) > 0
+    assert rows[(rows["recipe"] == Recipe.TENSOR)][1]["saturated"] == 0
+
+
+def test_sampled_counts_estimate_the_exact_ones():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 256, generator=g)
+    x[:, 7] *= 3000
+    exact = rows_of([fp8.measure(x, Role.INPUT, sample=None)])
+    sampled = rows_of([fp8.measure(x, Role.INPUT, sample=1024)])
+    assert (sampled["sample_n"] == 1024).all()
+    for e, s in zip(exact, sampled):
+        assert abs(s["subnormal"] / 1024 - e["subnormal"] / e["sample_n"]) < 0.05
+    # SQNR from a sample is noisy where a few elements hold the energy (the outlier column:
+    # 1 in 256); on a tensor without one it is close.
+    plain = torch.randn(512, 256, generator=g)
+    exact = rows_of([fp8.measure(plain, Role.INPUT, sample=None)])
+    sampled = rows_of([fp8.measure(plain, Role.INPUT, sample=1024)])
+    assert np.allclose(sampled["sqnr_db"], exact["sqnr_db"], atol=1.0)
+    small = torch.randn(8, 40, generator=g)  # no larger than the sample: counted exactly
+    assert np.array_equal(rows_of([fp8.measure(small, Role.WEIGHT, sample=1024)]),
+                          rows_of([fp8.measure(small, Role.WEIGHT, sample=None)]))
+
+
+@pytest.mark.parametrize("name", ["outlier", "tiny", "bf16"])
+def test_scales_and_casts_agree_with_torchao(name):
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_utils import ScalingGranularity, amax_to_scale, tensor_to_scale
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = tensors()[name].float()
+    op = fp8.measure(x, Role.INPUT, sample=None)
+    ours = op.scales.view(len(fp8.RECIPES), *x.shape)
+    e4m3 = torch.float8_e4m3fn
+    assert torch.equal(ours[Recipe.TENSOR][0, 0], amax_to_scale(x.abs().max(), e4m3))
+    rowwise = tensor_to_scale(x, e4m3, scaling_granularity=ScalingGranularity.AXISWISE,
+                              axiswise_dim=-1, round_scales_to_power_of_2=True)
+    assert torch.equal(ours[Recipe.ROWWISE][:, :1], rowwise)
+    if x.shape[-1] % 32 == 0:  # to_mx takes whole blocks only
+        scale_e8m0, data = to_mx(x, e4m3, 32)
+        q = fp8.quantise(x * ours[Recipe.MX], torch.tensor(448.0), torch.tensor(-6),
+                         torch.tensor(3))
+        assert torch.equal(q, data.float())
+        exponent = scale_e8m0.view(torch.uint8).int() - 127
+        expected = torch.ldexp(torch.ones(exponent.shape), -exponent).view(x.shape[0], -1)
+        assert torch.equal(ours[Recipe.MX][:, ::32], expected)

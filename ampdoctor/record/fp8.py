@@ -238,8 +238,9 @@ def pack(operands: list[Operand], counts: np.ndarray, summaries: np.ndarray,
     for i, name in enumerate(("zeros", "flushed", "subnormal", "saturated"), start=1):
         out[name] = counts[:, i].round().astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out["sqnr_db"] = np.where(counts[:, 6] > 0, 10 * np.log10(counts[:, 5] / counts[:, 6]),
-                                  np.inf)
+        # no error at all: inf; NaN values (a NaN error sum): NaN
+        out["sqnr_db"] = np.where(counts[:, 6] == 0, np.inf,
+                                  10 * np.log10(counts[:, 5] / counts[:, 6]))
     out["amax"] = np.repeat(summaries[:, 0], n)
     out["scale"] = summaries[:, 1:].reshape(-1)
     return out

@@ -156,3 +156,15 @@ def test_an_outlier_token_is_flagged_per_tensor_not_rowwise_nor_mx(tmp_path):
     assert "4" in r.recipes["tensorwise"].keep_high_precision
     assert r.recipes["rowwise"].layers["2"].status == "ok"
     assert r.recipes["mxfp8"].layers["2"].status == "ok"
+
+
+def test_the_release_report_carries_it():
+    v4 = os.path.join(ROOT, "fixtures", "formats", "v4.h5")
+    with ampdoctor.release_report(v4) as report:
+        d = report.to_dict()
+        markdown = report.markdown()
+    assert d["fp8"] == ampdoctor.fp8_readiness(v4).to_dict()
+    assert set(d["fp8"]["recipes"]["tensorwise"]["layers"]) == {"fc1", "fc2"}
+    assert "## fp8 readiness" in markdown and "| tensorwise |" in markdown
+    with ampdoctor.release_report(os.path.join(ROOT, "fixtures", "formats", "v3.h5")) as old:
+        assert "fp8 readiness" not in old.markdown()

@@ -14,7 +14,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import fresh, train
 
+import ampdoctor
+from ampdoctor.errors import RecorderFault
 from ampdoctor.record import fp8
 from ampdoctor.runfile.schema import Fp8Format, Recipe, Role
 
@@ -155,3 +158,48 @@ def test_scales_and_casts_agree_with_torchao(name):
         exponent = scale_e8m0.view(torch.uint8).int() - 127
         expected = torch.ldexp(torch.ones(exponent.shape), -exponent).view(x.shape[0], -1)
         assert torch.equal(ours[Recipe.MX][:, ::32], expected)
+
+
+# -- in the recorder --------------------------------------------------------------------------
+
+
+def _recorded(path, **options):
+    model, opt = fresh()
+    losses = train(model, opt, steps=4, dtype=torch.bfloat16,
+                   recorder_ctx=ampdoctor.watch(model, opt, path=path, every=2, strict=True,
+                                                **options))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_fp8_counts_change_nothing_and_can_be_turned_off(tmp_path):
+    on = _recorded(str(tmp_path / "on.h5"))
+    off = _recorded(str(tmp_path / "off.h5"), fp8=False)
+    assert on[0] == off[0]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(on[1], off[1]))
+    with ampdoctor.load(str(tmp_path / "on.h5")) as run:
+        rows = run.fp8.rows()
+        assert run.recorder_settings["fp8"] is True
+        assert sorted(set(rows["step"])) == [0, 2]  # the sampled steps only
+        layers = {run.tensor_name(int(t)) for t in rows["tensor"]}
+        assert layers == {"fc1", "block.0", "head"}  # TinyNet's Linear layers
+        assert set(rows["role"]) == {int(r) for r in Role}
+    with ampdoctor.load(str(tmp_path / "off.h5")) as run:
+        assert run.recorder_settings["fp8"] is False and len(run.fp8) == 0
+
+
+def test_a_failure_inside_the_fp8_counts_never_reaches_the_loop(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("fp8 bug")
+
+    monkeypatch.setattr(fp8, "count", broken)
+    path = str(tmp_path / "run.h5")
+    with pytest.warns(RuntimeWarning, match="the fp8 counts stopped .RuntimeError: fp8 bug"):
+        model, opt = fresh()
+        losses = train(model, opt, steps=4, dtype=torch.bfloat16,
+                       recorder_ctx=ampdoctor.watch(model, opt, path=path, every=2))
+    assert len(losses) == 4
+    with ampdoctor.load(path) as run:
+        assert len(run.fp8) == 0 and len(run.stats) > 0  # the sampled tier went on
+    with pytest.raises(RecorderFault, match="fp8 bug"):
+        _recorded(path)

@@ -28,6 +28,7 @@ hook. Counts are out of the sample (exact when ``sample`` is None or the tensor 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -73,22 +74,28 @@ def matmul_weight(module: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """floor(log2(a)) for a > 0, exactly (frexp: a = m * 2**e, m in [0.5, 1)); log2 rounds
-    just under a power of two up to it."""
-    return torch.frexp(a).exponent - 1
+    """floor(log2(a)) of float32 ``a`` > 0, exactly, from its exponent bits (int32); -127 for
+    float32 subnormals and 0, 128 for inf and NaN. (log2 rounds a value just under a power of
+    two up to it; frexp is exact too, but on a CPU 25x slower.)"""
+    return ((a.view(torch.int32) >> 23) & 0xFF) - 127
 
 
-def quantise(y: torch.Tensor, fmax: torch.Tensor, emin: torch.Tensor,
-             mbits: torch.Tensor) -> torch.Tensor:
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float32 for int32 ``k`` in [-126, 127], exactly, from the exponent bits (ldexp
+    takes 40x longer on a CPU)."""
+    return ((k.clamp(-126, 127) + 127) << 23).view(torch.float32)
+
+
+def quantise(y: torch.Tensor, fmax: Any, emin: Any, mbits: Any) -> torch.Tensor:
     """``y`` (float32, already scaled) rounded to an fp8 grid as a saturating cast does:
     round half to even on steps of 2**(e - mbits), where e is the value's exponent but never
     below the smallest normal's (subnormals share its steps), then clamped to +-fmax. The
-    format's parameters broadcast against ``y`` (one per element, or scalars)."""
+    format's parameters (int32 ``emin``, ``mbits``) broadcast against ``y``."""
     a = y.abs()
-    e = torch.maximum(floor_log2(a), emin)
-    step = torch.ldexp(torch.ones_like(a), e - mbits)
-    q = torch.minimum(torch.round(a / step) * step, fmax)  # exact: scaling by powers of two
-    return q.copysign(y)
+    e = torch.maximum(floor_log2(a), torch.as_tensor(emin, dtype=torch.int32, device=a.device))
+    step = pow2(e - mbits)
+    q = torch.minimum(torch.round(a / step) * step, torch.as_tensor(fmax, device=a.device))
+    return q.copysign(y)  # (exact: a value scaled by powers of two)
 
 
 def _block_amax(flat: torch.Tensor) -> torch.Tensor:
@@ -106,7 +113,7 @@ def _block_amax(flat: torch.Tensor) -> torch.Tensor:
     return (torch.cat(parts, 1) if len(parts) > 1 else parts[0]).float()
 
 
-def amax_to_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, fmax: Any) -> torch.Tensor:
     """fmax / amax as torchao computes it: in float64, then rounded once to float32 (a float
     divided by a tensor in torch is a reciprocal and a product, two roundings)."""
     return (fmax / amax.double().clamp(min=EPS)).float()
@@ -122,25 +129,30 @@ def mx_scale(block_amax: torch.Tensor) -> torch.Tensor:
     clamped to E8M0's range; a zero block takes the smallest exponent, as to_mx does."""
     e = torch.where(block_amax > 0, floor_log2(block_amax), E8M0_MIN)
     shared = (e - schema.E4M3_MAX_POW2).clamp(E8M0_MIN, E8M0_MAX)
-    return torch.ldexp(torch.ones_like(block_amax), -shared)
+    return pow2(-shared)  # (a float32 amax's shared exponent is at most 120)
 
 
 @dataclass
 class Operand:
-    """One tensor's device results from the hook: the gathered values, each recipe's scale
-    for them [len(RECIPES), S], and [amax, the four recipes' scale columns]."""
+    """One tensor as the hook leaves it (device tensors, no sync): its abs max per MX block
+    [R, ceil(C / 32)] of its [R, C] view, and the values at the sampled positions with the
+    row and block of each, zero-padded to the sample's size (``length`` are real). The scales
+    are the drain's work (``scales``)."""
 
     tensor: int
     call: int
     role: Role
     numel: int
+    length: int
+    blocks: torch.Tensor
     values: torch.Tensor
-    scales: torch.Tensor
-    summary: torch.Tensor
+    row: torch.Tensor
+    block: torch.Tensor
 
 
 class _Positions:
-    """Sampled positions of a flattened [R, C] tensor with the row and MX block of each."""
+    """Sampled positions of a flattened [R, C] tensor with the row and MX block of each,
+    padded to ``size`` (a padded position's value is taken as 0)."""
 
     def __init__(self, limit: int = 512):
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -155,8 +167,11 @@ class _Positions:
             idx = stats._INDEX.get(numel, sample, device) if sample else \
                 torch.arange(numel, device=device)
             row = idx // cols
-            blocks = -(-cols // schema.MX_BLOCK)
-            hit = self._cache[key] = (idx, row, row * blocks + (idx % cols) // schema.MX_BLOCK)
+            block = row * -(-cols // schema.MX_BLOCK) + (idx % cols) // schema.MX_BLOCK
+            pad = (sample or 0) - len(idx)
+            if pad > 0:
+                row, block = (torch.nn.functional.pad(x, (0, pad)) for x in (row, block))
+            hit = self._cache[key] = (idx, row, block)
         return hit
 
 
@@ -164,62 +179,126 @@ _POSITIONS = _Positions()
 
 
 def measure(t: torch.Tensor, role: Role, *, tensor: int = -1, call: int = 0,
-            sample: Optional[int] = stats.SAMPLE,
-            history: Optional[torch.Tensor] = None) -> Operand:
-    """Scales of every recipe for ``t`` and the values they apply to (device work, no sync).
-
-    ``history``: the tensor's previous sampled amaxes (``DELAYED``; zeros where none yet),
-    updated in place with this one. ``sample`` None counts every element."""
+            sample: Optional[int] = stats.SAMPLE) -> Operand:
+    """The hook's part: one aminmax pass for the block amaxes and the sample's gather (device
+    work, no sync). ``sample`` None takes every element."""
     t = t.detach()
     cols = t.shape[-1] if t.dim() else 1
     flat = t.reshape(-1, cols)
-    blocks = _block_amax(flat)
-    rows = blocks.amax(1)
-    amax = rows.amax()
     idx, row, block = _POSITIONS.get(flat.numel(), cols, sample, t.device)
     values = torch.take(flat, idx).float()
-    fmt = [FORMATS[element_format(r, role)][0] for r in (Recipe.TENSOR, Recipe.DELAYED)]
-    current = amax_to_scale(amax, fmt[0])
-    if history is not None:
-        seen = history.amax()
-        delayed = amax_to_scale(torch.where(seen > 0, seen, amax), fmt[1])
-        # A non-finite amax is no scale to keep: it would poison every later max.
-        history.copy_(torch.cat([torch.nan_to_num(amax, 0.0, 0.0, 0.0).view(1), history[:-1]]))
-    else:
-        delayed = amax_to_scale(amax, fmt[1])
+    if len(values) < len(row):
+        values = torch.nn.functional.pad(values, (0, len(row) - len(values)))
+    return Operand(tensor, call, role, t.numel(), len(idx), _block_amax(flat), values, row,
+                   block)
+
+
+def _padded(ops: list[Operand], name: str) -> torch.Tensor:
+    """The operands' ``name`` tensors as one [n, S] (zero-padded: exact mode's lengths vary)."""
+    parts = [getattr(op, name) for op in ops]
+    size = max(len(p) for p in parts)
+    return torch.stack([p if len(p) == size else torch.nn.functional.pad(p, (0, size - len(p)))
+                        for p in parts])
+
+
+class History:
+    """The delayed recipe's amax history on one device: per (tensor, role, call), its last
+    ``length`` sampled amaxes, newest first (0: none yet)."""
+
+    def __init__(self, device: torch.device, length: int = schema.DELAYED_HISTORY):
+        self.index: dict[tuple, int] = {}
+        self.table = torch.zeros(0, length, device=device)
+
+    def delayed(self, keys: list[tuple], amax: torch.Tensor) -> torch.Tensor:
+        """Each key's amax for delayed scaling, the max of its history (its current amax
+        where it has none), pushing ``amax`` in; a key seen twice in one drain (a module whose
+        output gradient arrives twice) sees its first amax at the second."""
+        for key in keys:
+            self.index.setdefault(key, len(self.index))
+        grow = len(self.index) - self.table.shape[0]
+        if grow:
+            self.table = torch.cat([self.table, self.table.new_zeros(grow, self.table.shape[1])])
+        rows = [self.index[k] for k in keys]
+        out = torch.empty_like(amax)
+        seen_at: dict[int, int] = {}
+        occurrence = [seen_at.__setitem__(r, seen_at.get(r, -1) + 1) or seen_at[r] for r in rows]
+        for o in range(max(occurrence, default=-1) + 1):
+            sel = [i for i, x in enumerate(occurrence) if x == o]
+            at = torch.tensor(sel, device=amax.device)
+            k = torch.tensor([rows[i] for i in sel], device=amax.device)
+            seen = self.table[k].amax(1)
+            out[at] = torch.where(seen > 0, seen, amax[at])
+            # A non-finite amax is no scale to keep: it would poison every later max.
+            pushed = torch.nan_to_num(amax[at], 0.0, 0.0, 0.0).unsqueeze(1)
+            self.table[k] = torch.cat([pushed, self.table[k][:, :-1]], 1)
+        return out
+
+
+def _segments(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which segment each of sum(lengths) elements is in, each segment's start)."""
+    n = torch.tensor(lengths, device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), n), \
+        torch.cumsum(n, 0) - n
+
+
+def scales(ops: list[Operand], history: Optional[History] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every recipe's scale for the sampled values of ``ops`` (one device), in a fixed number
+    of kernels: [len(RECIPES), n, S] scales and [n, 5] summaries (amax, then the scale
+    columns of the four recipes). ``history`` None: delayed scaling = current."""
+    device = ops[0].values.device
+    shapes = [op.blocks.shape for op in ops]
+    block_of, block_start = _segments([r * b for r, b in shapes], device)
+    row_of, row_start = _segments([r for r, _ in shapes], device)
+    width = torch.tensor([b for _, b in shapes], device=device)[block_of]
+    local = torch.arange(len(block_of), device=device) - block_start[block_of]
+    blocks = torch.cat([op.blocks.reshape(-1) for op in ops])
+    rows = torch.zeros(len(row_of), device=device).scatter_reduce_(
+        0, row_start[block_of] + local // width, blocks, "amax")
+    amax = torch.zeros(len(ops), device=device).scatter_reduce_(0, row_of, rows, "amax")
+    fmax = [[FORMATS[element_format(r, op.role)][0] for op in ops]
+            for r in (Recipe.TENSOR, Recipe.DELAYED)]
+    current = amax_to_scale(amax, torch.tensor(fmax[0], device=device))
+    delayed_amax = amax if history is None else \
+        history.delayed([(op.tensor, int(op.role), op.call) for op in ops], amax)
+    delayed = amax_to_scale(delayed_amax, torch.tensor(fmax[1], device=device))
     per_row = _pow2_floor(amax_to_scale(rows, schema.E4M3_MAX))
-    per_block = mx_scale(blocks).reshape(-1)
-    scales = torch.stack([current.expand_as(values), delayed.expand_as(values),
-                          per_row[row], per_block[block]])
-    summary = torch.stack([amax, current, delayed, per_row.amin(), per_block.amin()])
-    return Operand(tensor, call, role, t.numel(), values, scales, summary)
+    per_block = mx_scale(blocks)
+    row = row_start[:, None] + _padded(ops, "row")
+    block = block_start[:, None] + _padded(ops, "block")
+    out = torch.stack([current[:, None].expand_as(row), delayed[:, None].expand_as(row),
+                       per_row[row], per_block[block]])
+    smallest = torch.full((len(ops),), math.inf, device=device)
+    summary = torch.stack([amax, current, delayed,
+                           smallest.scatter_reduce(0, row_of, per_row, "amin"),
+                           smallest.scatter_reduce(0, block_of, per_block, "amin")], 1)
+    return out, summary
 
 
-def count(operands: list[Operand]) -> tuple[torch.Tensor, list[int]]:
-    """The rows' counts of every operand on one device, computed together: [n * 4, 7]
-    (counted, zeros, flushed, subnormal, saturated, sum (x/amax)^2, sum (err/amax)^2), row
+def count(ops: list[Operand], scale: torch.Tensor, summary: torch.Tensor
+          ) -> tuple[torch.Tensor, list[int]]:
+    """The rows' counts of ``ops`` (one device) from ``scales``' results, computed together:
+    [n * 4, 6] (zeros, flushed, subnormal, saturated, sum (x/amax)^2, sum (err/amax)^2) over
+    each operand's padded sample (padding is 0: it counts only as a zero), row
     ``i * 4 + recipe``; and the element format of each row."""
-    device = operands[0].values.device
-    formats = [int(element_format(r, op.role)) for op in operands for r in RECIPES]
-    params = torch.tensor([FORMATS[Fp8Format(f)] for f in formats], dtype=torch.float32,
-                          device=device)  # [rows, 4]: max, emin, mbits, saturated above
-    lengths = torch.tensor([op.values.numel() for op in operands], device=device)
-    item = torch.repeat_interleave(torch.arange(len(operands), device=device), lengths)
-    seg = item.unsqueeze(0) * len(RECIPES) + torch.arange(len(RECIPES), device=device)[:, None]
-    x = torch.cat([op.values for op in operands]).unsqueeze(0)
-    scale = torch.cat([op.scales for op in operands], 1)
-    fmax, emin, mbits, over = (params[:, i][seg] for i in range(4))
+    device = scale.device
+    formats = [int(element_format(r, op.role)) for op in ops for r in RECIPES]
+    # e5m2 where a per-tensor recipe casts an output gradient, e4m3 elsewhere: [4, n, 1]
+    wide = torch.tensor(formats, device=device).view(len(ops), len(RECIPES)).T[..., None] == \
+        int(E5M2)
+    (fmax, emin, mbits, over), (fmax5, emin5, mbits5, over5) = FORMATS[E4M3], FORMATS[E5M2]
+    fmax_, over_ = torch.where(wide, fmax5, fmax), torch.where(wide, over5, over)
+    emin_ = torch.where(wide, emin5, emin).int()
+    x = _padded(ops, "values").unsqueeze(0)
     y = x * scale
-    q = quantise(y, fmax, emin.int(), mbits.int())
-    norm = torch.stack([op.summary[0] for op in operands]).clamp(min=EPS)[item]
+    q = quantise(y, fmax_, emin_, torch.where(wide, mbits5, mbits).int())
+    norm = summary[:, 0].clamp(min=EPS)[None, :, None]
     nonzero = x != 0
-    parts = [torch.ones_like(y), (~nonzero).expand_as(y).float(), (nonzero & (q == 0)).float(),
-             ((q != 0) & (q.abs() < torch.ldexp(torch.ones_like(y), emin.int()))).float(),
-             (y.abs() > over).float(), (x / norm).square().expand_as(y),
-             ((x - q / scale) / norm).square()]
-    flat_seg = seg.reshape(-1)
-    out = torch.zeros(len(formats), len(parts), dtype=torch.float32, device=device)
-    return out.index_add_(0, flat_seg, torch.stack([p.reshape(-1) for p in parts], 1)), formats
+    parts = [(~nonzero).expand_as(y), nonzero & (q == 0),
+             (q != 0) & (q.abs() < pow2(emin_)), y.abs() > over_,
+             (x / norm).square().expand_as(y), ((x - q / scale) / norm).square()]
+    sums = torch.stack([p.sum(-1, dtype=torch.float32) for p in parts], -1)  # [4, n, 6]
+    return sums.transpose(0, 1).reshape(len(formats), len(parts)), formats
 
 
 def pack(operands: list[Operand], counts: np.ndarray, summaries: np.ndarray,
@@ -233,14 +312,15 @@ def pack(operands: list[Operand], counts: np.ndarray, summaries: np.ndarray,
     out["recipe"] = np.tile([int(r) for r in RECIPES], len(operands))
     out["format"] = formats
     out["numel"] = np.repeat([op.numel for op in operands], n)
-    counted = counts[:, 0].round().astype(np.int64)
-    out["sample_n"] = counted
-    for i, name in enumerate(("zeros", "flushed", "subnormal", "saturated"), start=1):
+    out["sample_n"] = np.repeat([op.length for op in operands], n)
+    for i, name in enumerate(("zeros", "flushed", "subnormal", "saturated")):
         out[name] = counts[:, i].round().astype(np.int64)
+    padding = np.repeat([len(op.row) - op.length for op in operands], n)
+    out["zeros"] -= padding
     with np.errstate(divide="ignore", invalid="ignore"):
         # no error at all: inf; NaN values (a NaN error sum): NaN
-        out["sqnr_db"] = np.where(counts[:, 6] == 0, np.inf,
-                                  10 * np.log10(counts[:, 5] / counts[:, 6]))
+        out["sqnr_db"] = np.where(counts[:, 5] == 0, np.inf,
+                                  10 * np.log10(counts[:, 4] / counts[:, 5]))
     out["amax"] = np.repeat(summaries[:, 0], n)
     out["scale"] = summaries[:, 1:].reshape(-1)
     return out
@@ -270,7 +350,7 @@ class Fp8Probe:
         self.sample = sample
         self.history_len = history
         self.operands: list[Operand] = []
-        self._history: dict[tuple[int, int], torch.Tensor] = {}
+        self._history: dict[torch.device, History] = {}
 
     def on_module(self, module: torch.nn.Module, name: str, call: int, args: tuple,
                   output: Any) -> None:
@@ -303,12 +383,7 @@ class Fp8Probe:
         return None
 
     def _add(self, t: torch.Tensor, role: Role, tid: int, call: int) -> None:
-        key = (tid, int(role))
-        history = self._history.get(key)
-        if history is None or history.device != t.device:
-            history = self._history[key] = torch.zeros(self.history_len, device=t.device)
-        self.operands.append(measure(t, role, tensor=tid, call=call, sample=self.sample,
-                                     history=history))
+        self.operands.append(measure(t, role, tensor=tid, call=call, sample=self.sample))
 
     def stage(self, step: int, read: HostRead) -> Callable[[], np.ndarray]:
         """The step's counts queued in ``read`` (one copy per device with the rest of the
@@ -318,11 +393,13 @@ class Fp8Probe:
             per_dev.setdefault(op.values.device, []).append(op)
         self.operands = []
         staged = []
-        for ops in per_dev.values():
-            counts, formats = count(ops)
-            staged.append((ops, read.add(counts), read.add(torch.stack([o.summary
-                                                                        for o in ops])),
-                           formats))
+        for device, ops in per_dev.items():
+            history = self._history.get(device)
+            if history is None:
+                history = self._history[device] = History(device, self.history_len)
+            scale, summary = scales(ops, history)
+            counts, formats = count(ops, scale, summary)
+            staged.append((ops, read.add(counts), read.add(summary), formats))
 
         def rows() -> np.ndarray:
             parts = [pack(ops, c.value, s.value, f) for ops, c, s, f in staged]

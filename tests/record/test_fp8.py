@@ -37,10 +37,15 @@ def tensors():
     return {"outlier": outlier, "tiny": tiny, "zeros": zeros, "bf16": half, "wide": wide}
 
 
-def rows_of(ops):
-    counts, formats = fp8.count(ops)
-    summaries = torch.stack([op.summary for op in ops]).double().numpy()
-    return fp8.pack(ops, counts.double().numpy(), summaries, formats)
+def rows_of(ops, history=None):
+    scale, summary = fp8.scales(ops, history)
+    counts, formats = fp8.count(ops, scale, summary)
+    return fp8.pack(ops, counts.double().numpy(), summary.double().numpy(), formats)
+
+
+def scaled(ops, history=None):
+    """Each recipe's scales for the values of the first of ``ops`` [recipes, S]."""
+    return fp8.scales(ops, history)[0][:, 0, :ops[0].length]
 
 
 def by_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> dict:
@@ -64,7 +69,7 @@ def test_every_recipe_counts_what_a_real_cast_does(name, role):
     x = tensors()[name]
     ops = [fp8.measure(x, role, sample=None)]
     rows = rows_of(ops)
-    values, scales = ops[0].values, ops[0].scales
+    values, scales = ops[0].values, scaled(ops)
     for recipe in Recipe:
         fmt = fp8.element_format(recipe, role)
         ref = by_cast(values, scales[recipe], fmt)
@@ -90,7 +95,7 @@ def test_scales_follow_each_recipes_rule():
     x = tensors()["tiny"]
     op = fp8.measure(x, Role.GRAD_OUTPUT, sample=None)
     amax = float(x.abs().max())
-    s = op.scales
+    s = scaled([op])
     assert float(s[Recipe.TENSOR][0]) == pytest.approx(57344.0 / amax, rel=1e-6)  # e5m2
     rows = x.abs().amax(1).double()
     row_scale = 2.0 ** torch.floor(torch.log2(448.0 / rows))
@@ -102,18 +107,28 @@ def test_scales_follow_each_recipes_rule():
 
 def test_delayed_scaling_takes_the_previous_amaxes_and_saturates_when_they_grow():
     g = torch.Generator().manual_seed(1)
-    history = torch.zeros(4)
+    history = fp8.History(torch.device("cpu"), length=4)
     first = torch.randn(64, 64, generator=g)
-    ops = [fp8.measure(first, Role.INPUT, sample=None, history=history)]
-    assert float(ops[0].scales[Recipe.DELAYED][0]) == float(ops[0].scales[Recipe.TENSOR][0])
+    s = scaled([fp8.measure(first, Role.INPUT, sample=None)], history)
+    assert float(s[Recipe.DELAYED][0]) == float(s[Recipe.TENSOR][0])  # no history yet
     grown = first * 4  # a jump the previous amax does not cover
-    ops.append(fp8.measure(grown, Role.INPUT, sample=None, history=history))
+    ops = [fp8.measure(grown, Role.INPUT, sample=None)]
     prev = 448.0 / float(first.abs().max())
-    assert float(ops[1].scales[Recipe.DELAYED][0]) == pytest.approx(prev, rel=1e-6)
-    rows = rows_of(ops)
-    delayed = rows[(rows["recipe"] == Recipe.DELAYED)][1]
-    assert delayed["saturated"] == int((grown * prev).abs().gt(464).sum()) > 0
-    assert rows[(rows["recipe"] == Recipe.TENSOR)][1]["saturated"] == 0
+    rows = rows_of(ops, history)
+    assert float(rows[Recipe.DELAYED]["scale"]) == pytest.approx(prev, rel=1e-6)
+    assert rows[Recipe.DELAYED]["saturated"] == int((grown * prev).abs().gt(464).sum()) > 0
+    assert rows[Recipe.TENSOR]["saturated"] == 0
+    # the same tensor twice in one drain: the second sees the first's amax
+    twice = [fp8.measure(first, Role.INPUT, sample=None), fp8.measure(grown, Role.INPUT,
+                                                                       sample=None)]
+    history = fp8.History(torch.device("cpu"), length=4)
+    rows = rows_of(twice, history)
+    assert float(rows[4 + Recipe.DELAYED]["scale"]) == pytest.approx(prev, rel=1e-6)
+    # ... and after four more, the first has left a history of four
+    for _ in range(4):
+        rows_of([fp8.measure(first * 0.5, Role.INPUT, sample=None)], history)
+    rows = rows_of([fp8.measure(first, Role.INPUT, sample=None)], history)
+    assert float(rows[Recipe.DELAYED]["scale"]) == pytest.approx(prev * 2, rel=1e-6)
 
 
 def test_sampled_counts_estimate_the_exact_ones():
@@ -144,7 +159,7 @@ def test_scales_and_casts_agree_with_torchao(name):
 
     x = tensors()[name].float()
     op = fp8.measure(x, Role.INPUT, sample=None)
-    ours = op.scales.view(len(fp8.RECIPES), *x.shape)
+    ours = scaled([op]).view(len(fp8.RECIPES), *x.shape)
     e4m3 = torch.float8_e4m3fn
     assert torch.equal(ours[Recipe.TENSOR][0, 0], amax_to_scale(x.abs().max(), e4m3))
     rowwise = tensor_to_scale(x, e4m3, scaling_granularity=ScalingGranularity.AXISWISE,

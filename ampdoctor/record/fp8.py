@@ -18,17 +18,18 @@ dequantised tensor. The cast itself is emulated in float32 (``quantise``: round 
 on the format's grid, saturating at its max), so it runs on any device, fp8 or not;
 ``tests/record/test_fp8.py`` checks it against ``Tensor.to(torch.float8_*)`` and torchao.
 
-Cost, as for ``stats``: in the hook, one ``aminmax`` pass over the tensor (per 32-element
-block; the row and tensor amaxes are reduced from the blocks), then a gather of ``sample``
-elements at ``stats.sample_index``'s positions with each recipe's scale for them. The rounding
-and counting of every tensor of the step happen at the drain, in a fixed number of kernels,
-read with the sampled step's one copy per device (``readback.HostRead``). No host sync in a
-hook. Counts are out of the sample (exact when ``sample`` is None or the tensor is smaller).
+Cost, as for ``stats``: in the hook, one ``aminmax`` pass over the tensor (its abs max per
+32-element block) and a gather of ``sample`` elements at ``stats.sample_index``'s positions:
+device work, no host sync. At the drain, for every tensor of the step together, in a fixed
+number of kernels: the row and tensor amaxes reduced from the blocks, each recipe's scales
+(the delayed recipe's history kept on the device, ``History``), the rounding and the counts
+over a zero-padded [recipe, tensor, sample] block, read with the sampled step's one copy per
+device (``readback.HostRead``). Counts are out of the sample (exact when ``sample`` is None
+or the tensor is smaller).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -100,16 +101,17 @@ def quantise(y: torch.Tensor, fmax: Any, emin: Any, mbits: Any) -> torch.Tensor:
 
 def _block_amax(flat: torch.Tensor) -> torch.Tensor:
     """abs max per block of ``schema.MX_BLOCK`` along the last dimension of ``flat`` [R, C]
-    (the last block of a row may be shorter), float32 [R, ceil(C / 32)]: one aminmax pass."""
+    (the last block of a row may be shorter), float32 [R, ceil(C / 32)]."""
     rows, cols = flat.shape
     full = cols // schema.MX_BLOCK * schema.MX_BLOCK
     parts = []
+    # (amax and amin over a short last dimension: aminmax(dim=) is 5x slower on a CPU)
     if full:
-        lo, hi = torch.aminmax(flat[:, :full].unflatten(1, (-1, schema.MX_BLOCK)), dim=-1)
-        parts.append(torch.maximum(-lo, hi))
+        view = flat[:, :full].unflatten(1, (-1, schema.MX_BLOCK))
+        parts.append(torch.maximum(-view.amin(-1), view.amax(-1)))
     if cols > full:
-        lo, hi = torch.aminmax(flat[:, full:], dim=-1)
-        parts.append(torch.maximum(-lo, hi).unsqueeze(1))
+        tail = flat[:, full:]
+        parts.append(torch.maximum(-tail.amin(-1), tail.amax(-1)).unsqueeze(1))
     return (torch.cat(parts, 1) if len(parts) > 1 else parts[0]).float()
 
 
@@ -134,20 +136,19 @@ def mx_scale(block_amax: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Operand:
-    """One tensor as the hook leaves it (device tensors, no sync): its abs max per MX block
-    [R, ceil(C / 32)] of its [R, C] view, and the values at the sampled positions with the
-    row and block of each, zero-padded to the sample's size (``length`` are real). The scales
-    are the drain's work (``scales``)."""
+    """One tensor as the hook leaves it (device tensors, no sync): its abs max, and at the
+    sampled positions its values with the abs max of each one's row and MX block, zero-padded
+    to the sample's size (``length`` are real). The scales are the drain's work."""
 
     tensor: int
     call: int
     role: Role
     numel: int
     length: int
-    blocks: torch.Tensor
+    amax: torch.Tensor
     values: torch.Tensor
-    row: torch.Tensor
-    block: torch.Tensor
+    row_amax: torch.Tensor
+    block_amax: torch.Tensor
 
 
 class _Positions:
@@ -180,17 +181,19 @@ _POSITIONS = _Positions()
 
 def measure(t: torch.Tensor, role: Role, *, tensor: int = -1, call: int = 0,
             sample: Optional[int] = stats.SAMPLE) -> Operand:
-    """The hook's part: one aminmax pass for the block amaxes and the sample's gather (device
-    work, no sync). ``sample`` None takes every element."""
+    """The hook's part: one pass for the block amaxes, the row and tensor amaxes reduced from
+    them, and the sample's gathers (device work, no sync). ``sample`` None: every element."""
     t = t.detach()
     cols = t.shape[-1] if t.dim() else 1
     flat = t.reshape(-1, cols)
     idx, row, block = _POSITIONS.get(flat.numel(), cols, sample, t.device)
+    blocks = _block_amax(flat)
+    rows = blocks.amax(1)
     values = torch.take(flat, idx).float()
     if len(values) < len(row):
         values = torch.nn.functional.pad(values, (0, len(row) - len(values)))
-    return Operand(tensor, call, role, t.numel(), len(idx), _block_amax(flat), values, row,
-                   block)
+    return Operand(tensor, call, role, t.numel(), len(idx), rows.amax(), values, rows[row],
+                   blocks.reshape(-1)[block])
 
 
 def _padded(ops: list[Operand], name: str) -> torch.Tensor:
@@ -234,44 +237,26 @@ class History:
         return out
 
 
-def _segments(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(which segment each of sum(lengths) elements is in, each segment's start)."""
-    n = torch.tensor(lengths, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), n), \
-        torch.cumsum(n, 0) - n
-
-
 def scales(ops: list[Operand], history: Optional[History] = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every recipe's scale for the sampled values of ``ops`` (one device), in a fixed number
     of kernels: [len(RECIPES), n, S] scales and [n, 5] summaries (amax, then the scale
-    columns of the four recipes). ``history`` None: delayed scaling = current."""
+    columns of the four recipes: ROWWISE's and MX's smallest, the scale of the tensor's amax).
+    ``history`` None: delayed scaling = current."""
     device = ops[0].values.device
-    shapes = [op.blocks.shape for op in ops]
-    block_of, block_start = _segments([r * b for r, b in shapes], device)
-    row_of, row_start = _segments([r for r, _ in shapes], device)
-    width = torch.tensor([b for _, b in shapes], device=device)[block_of]
-    local = torch.arange(len(block_of), device=device) - block_start[block_of]
-    blocks = torch.cat([op.blocks.reshape(-1) for op in ops])
-    rows = torch.zeros(len(row_of), device=device).scatter_reduce_(
-        0, row_start[block_of] + local // width, blocks, "amax")
-    amax = torch.zeros(len(ops), device=device).scatter_reduce_(0, row_of, rows, "amax")
+    amax = torch.stack([op.amax for op in ops]).float()
     fmax = [[FORMATS[element_format(r, op.role)][0] for op in ops]
             for r in (Recipe.TENSOR, Recipe.DELAYED)]
     current = amax_to_scale(amax, torch.tensor(fmax[0], device=device))
     delayed_amax = amax if history is None else \
         history.delayed([(op.tensor, int(op.role), op.call) for op in ops], amax)
     delayed = amax_to_scale(delayed_amax, torch.tensor(fmax[1], device=device))
-    per_row = _pow2_floor(amax_to_scale(rows, schema.E4M3_MAX))
-    per_block = mx_scale(blocks)
-    row = row_start[:, None] + _padded(ops, "row")
-    block = block_start[:, None] + _padded(ops, "block")
-    out = torch.stack([current[:, None].expand_as(row), delayed[:, None].expand_as(row),
-                       per_row[row], per_block[block]])
-    smallest = torch.full((len(ops),), math.inf, device=device)
+    per_row = _pow2_floor(amax_to_scale(_padded(ops, "row_amax"), schema.E4M3_MAX))
+    per_block = mx_scale(_padded(ops, "block_amax"))
+    out = torch.stack([current[:, None].expand_as(per_row), delayed[:, None].expand_as(per_row),
+                       per_row, per_block])
     summary = torch.stack([amax, current, delayed,
-                           smallest.scatter_reduce(0, row_of, per_row, "amin"),
-                           smallest.scatter_reduce(0, block_of, per_block, "amin")], 1)
+                           _pow2_floor(amax_to_scale(amax, schema.E4M3_MAX)), mx_scale(amax)], 1)
     return out, summary
 
 
@@ -315,7 +300,8 @@ def pack(operands: list[Operand], counts: np.ndarray, summaries: np.ndarray,
     out["sample_n"] = np.repeat([op.length for op in operands], n)
     for i, name in enumerate(("zeros", "flushed", "subnormal", "saturated")):
         out[name] = counts[:, i].round().astype(np.int64)
-    padding = np.repeat([len(op.row) - op.length for op in operands], n)
+    width = max(len(op.values) for op in operands)  # (``_padded``'s)
+    padding = np.repeat([width - op.length for op in operands], n)
     out["zeros"] -= padding
     with np.errstate(divide="ignore", invalid="ignore"):
         # no error at all: inf; NaN values (a NaN error sum): NaN

@@ -152,11 +152,12 @@ class Operand:
 
 
 class _Positions:
-    """Sampled positions of a flattened [R, C] tensor with the row and MX block of each,
-    padded to ``size`` (a padded position's value is taken as 0)."""
+    """Sampled positions of a flattened [R, C] tensor: the flat index of each, its row and MX
+    block (padded to ``sample``: a padded position's value is taken as 0), and, sampled, the
+    flat indices of each one's block [S, 32] (a short last block repeats its last element)."""
 
     def __init__(self, limit: int = 512):
-        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._limit = limit
 
     def get(self, numel: int, cols: int, sample: Optional[int], device: torch.device):
@@ -168,11 +169,16 @@ class _Positions:
             idx = stats._INDEX.get(numel, sample, device) if sample else \
                 torch.arange(numel, device=device)
             row = idx // cols
-            block = row * -(-cols // schema.MX_BLOCK) + (idx % cols) // schema.MX_BLOCK
+            start = idx - idx % cols % schema.MX_BLOCK  # flat index of the block's first
+            end = row * cols + cols - 1  # the row's last
+            members = torch.minimum(start[:, None] + torch.arange(schema.MX_BLOCK,
+                                                                  device=device), end[:, None])
+            block = row * -(-cols // schema.MX_BLOCK) + idx % cols // schema.MX_BLOCK
             pad = (sample or 0) - len(idx)
             if pad > 0:
                 row, block = (torch.nn.functional.pad(x, (0, pad)) for x in (row, block))
-            hit = self._cache[key] = (idx, row, block)
+                members = torch.nn.functional.pad(members, (0, 0, 0, pad))
+            hit = self._cache[key] = (idx, row, block, members)
         return hit
 
 
@@ -181,19 +187,24 @@ _POSITIONS = _Positions()
 
 def measure(t: torch.Tensor, role: Role, *, tensor: int = -1, call: int = 0,
             sample: Optional[int] = stats.SAMPLE) -> Operand:
-    """The hook's part: one pass for the block amaxes, the row and tensor amaxes reduced from
-    them, and the sample's gathers (device work, no sync). ``sample`` None: every element."""
+    """The hook's part (device work, no sync): the abs max of each row (two passes, amax and
+    amin), the sample's values and the abs max of each one's MX block, from a gather of its
+    32 elements (exact: from every block, ``_block_amax``). ``sample`` None: every element."""
     t = t.detach()
     cols = t.shape[-1] if t.dim() else 1
     flat = t.reshape(-1, cols)
-    idx, row, block = _POSITIONS.get(flat.numel(), cols, sample, t.device)
-    blocks = _block_amax(flat)
-    rows = blocks.amax(1)
+    idx, row, block, members = _POSITIONS.get(flat.numel(), cols, sample, t.device)
+    if sample is None:
+        blocks = _block_amax(flat)
+        rows, at_block = blocks.amax(1), blocks.reshape(-1)[block]
+    else:
+        rows = torch.maximum(-flat.amin(1), flat.amax(1)).float()
+        at_block = torch.take(flat, members).abs().amax(1).float()
     values = torch.take(flat, idx).float()
     if len(values) < len(row):
         values = torch.nn.functional.pad(values, (0, len(row) - len(values)))
     return Operand(tensor, call, role, t.numel(), len(idx), rows.amax(), values, rows[row],
-                   blocks.reshape(-1)[block])
+                   at_block)
 
 
 def _padded(ops: list[Operand], name: str) -> torch.Tensor:

@@ -151,6 +151,25 @@ def test_sampled_counts_estimate_the_exact_ones():
                           rows_of([fp8.measure(small, Role.WEIGHT, sample=None)]))
 
 
+@pytest.mark.parametrize("cols", [96, 100, 31])
+def test_a_sampled_values_block_and_row_amax_are_those_of_the_whole_tensor(cols):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, cols, generator=g) * torch.logspace(-3, 3, cols)
+    sampled = fp8.measure(x, Role.INPUT, sample=1024)
+    idx = fp8.stats.sample_index(x.numel(), 1024, x.device)
+    # the reference: each sampled value's block, sliced from its row
+    reference = torch.stack([x[i // cols, (i % cols) // 32 * 32:(i % cols) // 32 * 32 + 32]
+                             .abs().max() for i in idx.tolist()])
+    assert torch.equal(sampled.block_amax, reference)
+    assert torch.equal(sampled.row_amax, x.abs().amax(1)[idx // cols])
+    assert float(sampled.amax) == float(x.abs().max())
+    small = torch.randn(3, cols, generator=g)  # fewer elements than the sample: padded
+    op = fp8.measure(small, Role.INPUT, sample=1024)
+    assert op.length == small.numel() and len(op.values) == len(op.block_amax) == 1024
+    exact = fp8.measure(small, Role.INPUT, sample=None)
+    assert torch.equal(op.block_amax[:op.length], exact.block_amax)
+
+
 @pytest.mark.parametrize("name", ["outlier", "tiny", "bf16"])
 def test_scales_and_casts_agree_with_torchao(name):
     pytest.importorskip("torchao")

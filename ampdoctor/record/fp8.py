@@ -235,7 +235,10 @@ class History:
         rows = [self.index[k] for k in keys]
         out = torch.empty_like(amax)
         seen_at: dict[int, int] = {}
-        occurrence = [seen_at.__setitem__(r, seen_at.get(r, -1) + 1) or seen_at[r] for r in rows]
+        occurrence = []  # 0 for a key's first operand in this drain, 1 for its second...
+        for r in rows:
+            seen_at[r] = seen_at.get(r, -1) + 1
+            occurrence.append(seen_at[r])
         for o in range(max(occurrence, default=-1) + 1):
             sel = [i for i, x in enumerate(occurrence) if x == o]
             at = torch.tensor(sel, device=amax.device)

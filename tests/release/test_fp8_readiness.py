@@ -163,6 +163,8 @@ def test_the_release_report_carries_it():
     with ampdoctor.release_report(v4) as report:
         d = report.to_dict()
         markdown = report.markdown()
+        html = report.html()
+    assert "<h2>fp8 readiness</h2>" in html and "<td>tensorwise</td>" in html
     assert d["fp8"] == ampdoctor.fp8_readiness(v4).to_dict()
     assert set(d["fp8"]["recipes"]["tensorwise"]["layers"]) == {"fc1", "fc2"}
     assert "## fp8 readiness" in markdown and "| tensorwise |" in markdown

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the annotations below; at run time these load on first use 
     from .preflight.parity_result import ParityResult
     from .record.recorder import Recorder
     from .release.comparison import Comparison
+    from .release.fp8 import Fp8Readiness
     from .release.readiness import Readiness
     from .release.report import ReleaseReport
     from .runfile.store import Run
@@ -41,6 +42,7 @@ __all__ = [
     "Comparison",
     "Diagnosis",
     "FormatTooNewError",
+    "Fp8Readiness",
     "ParityResult",
     "Readiness",
     "Recorder",
@@ -50,6 +52,7 @@ __all__ = [
     "compare",
     "diagnose",
     "fp16_readiness",
+    "fp8_readiness",
     "load",
     "parity",
     "release_report",
@@ -198,6 +201,25 @@ def fp16_readiness(run: Any) -> "Readiness":
         return _readiness(loaded)
 
 
+def fp8_readiness(run: Any) -> "Fp8Readiness":
+    """What each fp8 recipe (tensorwise, delayed, rowwise, mxfp8) would do to each Linear
+    layer of a run (a path or a loaded ``Run``) of any precision: the shares flushed and
+    saturated and the SQNR of its input, weight and output gradient, a status per layer, and
+    per recipe the layers to keep in high precision (ranked from the statistics; a per-layer
+    replay will decide). See docs/fp8.md.
+
+    Example::
+
+        r = ampdoctor.fp8_readiness("bf16.h5")
+        r.to_dict()["recipes"]["tensorwise"]["keep_high_precision"]
+    """
+    from .release.fp8 import fp8_readiness as _fp8
+    from .runfile.store import opened
+
+    with opened(run, "fp8_readiness") as loaded:
+        return _fp8(loaded)
+
+
 def __getattr__(name: str) -> Any:
     # Classes are imported on first use so that `import ampdoctor` stays light.
     if name == "Run":
@@ -220,6 +242,10 @@ def __getattr__(name: str) -> Any:
         from .release.report import ReleaseReport
 
         return ReleaseReport
+    if name == "Fp8Readiness":
+        from .release.fp8 import Fp8Readiness
+
+        return Fp8Readiness
     if name == "Readiness":
         from .release.readiness import Readiness
 

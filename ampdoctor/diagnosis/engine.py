@@ -141,7 +141,7 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
             try:
                 diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
             except RunFileError as exc:  # its summary stands for it, as for a rank not chosen
-                unreadable.append(str(exc))
+                left_out.append(str(exc))
                 continue
             facts[i].outline["own_bad"] = f.outline["own_bad"]  # read once, above
     read = [f.rank for f in chosen]  # the base rank first

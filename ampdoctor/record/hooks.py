@@ -195,7 +195,7 @@ class Hooks:
             return
         sampler = self._sampler
         if self.log.step.sampled and sampler is not None and sampler.active:
-            sampler.on_forward(module, output)
+            sampler.on_forward(module, output, args)
         self.root_post(module, args, output)
 
     def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -661,7 +661,7 @@ class Hooks:
         try:
             if id(module) not in self.watched.root_ids and module in self.watched.names:
                 self.watched.note_inner_autocast(self.log.step)
-            self._sampler.on_forward(module, output)
+            self._sampler.on_forward(module, output, args)
         finally:
             if probe is not None:
                 probe.busy -= 1
@@ -742,6 +742,7 @@ class Hooks:
         sampler.on_buffers([(f"{names[m]}.{n}", b) for m in list(names)
                             for n, b in m.named_buffers(recurse=False)])
         read = HostRead()
+        fp8 = self._stage_fp8(sampler, st.index, read)
         rows = sampler.stage(st.index, read)
         probe, self._probing = self._probe, False
         hidden = None
@@ -751,6 +752,8 @@ class Hooks:
                 hidden = probe.stage(read)
         read.run()
         self.journal.file.append("stats", rows())
+        if fp8 is not None:
+            self.journal.file.append("fp8", fp8())
         if probe is not None and probe.error is not None:  # the probe stepped aside; the
             self._probe = None                              # recorder goes on
             if self.journal.strict:
@@ -763,6 +766,21 @@ class Hooks:
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
                                text=HiddenNonfinite(op=h.op, dtype=h.dtype, inner=h.inner,
                                                     index=h.index, ops=h.ops).to_json())
+
+    def _stage_fp8(self, sampler: Sampler, step: int, read: HostRead) -> Any:
+        """The /fp8 rows of the step staged in ``read``; None where the fp8 counts are off or
+        stepped aside (an internal failure: warned once, the sampled tier goes on)."""
+        if sampler.fp8 is None:
+            return None
+        try:
+            return sampler.fp8.stage(step, read)
+        except Exception as exc:  # noqa: BLE001 - the fp8 counts must never stop the recording
+            sampler.fp8 = None
+            if self.journal.strict:
+                raise
+            self.journal.warn_once("fp8", f"the fp8 counts stopped ({type(exc).__name__}: "
+                                   f"{exc}); sampled steps go on without them")
+            return None
 
 
 # How many autograd nodes back from autograd.grad's output a scaled loss is looked for: far

@@ -94,6 +94,9 @@ class Recorder:
             that never reaches a module's output (``opprobe.StepProbe``; not inside
             ``torch.compile`` regions nor on sharded models). Off: the sampled step costs
             what it did before (``benchmarks/probe_cost.py`` measures the difference).
+        fp8: on sampled steps, what each fp8 recipe would do to every Linear's input, weight
+            and output gradient (``fp8.Fp8Probe``, the /fp8 table; docs/fp8.md). Off: the
+            sampled step costs what it did before (``benchmarks/fp8_cost.py``).
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
         replaceable: a recorder started later closes this one instead of failing (what
@@ -106,7 +109,7 @@ class Recorder:
                  max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None,
-                 replaceable: bool = False, op_probe: bool = True):
+                 replaceable: bool = False, op_probe: bool = True, fp8: bool = True):
         try:
             self.every = DEFAULT_EVERY if every is None else int(every)
         except (TypeError, ValueError):
@@ -119,6 +122,7 @@ class Recorder:
         self.flush_seconds = flush_seconds
         self.sample = sample
         self.op_probe = op_probe
+        self.fp8 = fp8
         self.strict = strict
         self.lazy = lazy
         self.replaceable = replaceable
@@ -138,7 +142,8 @@ class Recorder:
         self.forensics = Forensics(self._watched, self._journal, self._log,
                                    max_replays=max_replays, strict=strict) if forensics else None
         self._sampler = Sampler(self._watched.names, self._journal.tensor_id,
-                                self._journal.warn_tensor, sample=sample) if self.every else None
+                                self._journal.warn_tensor, sample=sample,
+                                fp8=fp8) if self.every else None
         self._skips = Skips(self._journal, self._watched, self._log, self.forensics)
         self._hooks = Hooks(self._journal, self._watched, self._log, self._skips,
                             sampler=self._sampler, forensics=self.forensics, every=self.every,
@@ -345,6 +350,7 @@ class Recorder:
         meta = self._journal.meta
         meta("status", schema.STATUS_RUNNING)
         meta("recorder", {"every": self.every, "sample": self.sample, "op_probe": self.op_probe,
+                          "fp8": self.fp8,
                           "forensics": self.forensics_on, "max_replays": self.max_replays,
                           "flush_seconds": self.flush_seconds, "version": __version__,
                           "given": self._watched.given})

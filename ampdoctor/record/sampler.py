@@ -24,6 +24,7 @@ import torch
 from ..runfile import schema
 from ..runfile.schema import Kind, Source
 from . import stats
+from .fp8 import Fp8Probe
 from .readback import HostRead
 from .sharding import local
 
@@ -48,10 +49,13 @@ class Sampler:
 
     ``tensor_id(kind, name, index, t)`` comes from the recorder, which owns the /tensors table.
     ``warn(what)`` reports a tensor that could not be measured (once per name).
+    ``fp8``: also what each fp8 recipe would do to every Linear's operands (``fp8.Fp8Probe``,
+    its rows staged apart, for /fp8); ``self.fp8 = None`` turns it off.
     """
 
     def __init__(self, names: dict[torch.nn.Module, str], tensor_id: Callable[..., int],
-                 warn: Callable[[str, BaseException], None], sample: int = stats.SAMPLE):
+                 warn: Callable[[str, BaseException], None], sample: int = stats.SAMPLE,
+                 fp8: bool = True):
         self.names = names
         self.tensor_id = tensor_id
         self.warn = warn
@@ -65,15 +69,19 @@ class Sampler:
         self._seq: collections.Counter = collections.Counter()
         self.active = False
         self._probe = _ParamProbe(sample)
+        self.fp8: Fp8Probe | None = Fp8Probe(tensor_id, lambda: self.active, warn,
+                                             sample=sample) if fp8 else None
 
     # -- forward and backward ---------------------------------------------------------------
 
-    def on_forward(self, module: torch.nn.Module, output: Any) -> None:
+    def on_forward(self, module: torch.nn.Module, output: Any, args: tuple = ()) -> None:
         name = self.names.get(module)
         if name is None:
             return
         call = self._calls.get(id(module), 0)
         self._calls[id(module)] = call + 1
+        if self.fp8 is not None:
+            self.fp8.on_module(module, name, call, args, output)
         for index, t in enumerate(tensors_in(output)):
             try:
                 if t.is_inference():  # an evaluation inside the step, not the step's values
@@ -179,6 +187,8 @@ class Sampler:
         self._calls.clear()
         self._seq = collections.Counter()
         self._probe = _ParamProbe(self.sample)
+        if self.fp8 is not None:
+            self.fp8.reset()
 
 
 class _ParamProbe:

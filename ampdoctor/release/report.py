@@ -25,6 +25,7 @@ from ..diagnosis.verdict import TABLE, canonical
 from ..display import render
 from ..runfile.schema import Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
+from .fp8 import Fp8Readiness, fp8_readiness
 from .readiness import Readiness, fp16_readiness, plain, precision
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
@@ -101,6 +102,7 @@ class ReleaseReport:
     readiness: Readiness
     comparison: Optional[Comparison] = None
     parity: Any = None  # preflight.parity_result.ParityResult, when one was given
+    fp8: Optional[Fp8Readiness] = None  # what each fp8 recipe would do, per Linear layer
     run: Any = field(default=None, repr=False)  # store.Run, for plots
     notes: list[str] = field(default_factory=list)
     _owned: bool = field(default=False, repr=False)  # the run was loaded here: close it
@@ -111,6 +113,7 @@ class ReleaseReport:
                       "decision": asdict(self.decision), "readiness": self.readiness.to_dict(),
                       "comparison": self.comparison.to_dict() if self.comparison else None,
                       "parity": self.parity.to_dict() if self.parity is not None else None,
+                      "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
                       "notes": list(self.notes)})
 
     def html(self) -> str:
@@ -169,7 +172,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
         report = ReleaseReport(diagnosis=d, summary=summarize(loaded),
                                decision=decide(loaded, d.verdict, readiness),
                                readiness=readiness, comparison=comparison, parity=parity,
-                               run=loaded, notes=notes)
+                               fp8=fp8_readiness(loaded), run=loaded, notes=notes)
     except BaseException:
         if owned:
             loaded.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .safe import terminal
+from ..safe import terminal
 
 
 def render_indexed(ix: Any) -> str:

@@ -42,6 +42,7 @@ from .tables import text_table as _text_table
 # In every HTML report's head: how report --force knows a page it may replace (files.py).
 GENERATOR = '<meta name="generator" content="ampdoctor">'
 READINESS_ROWS = 15
+FP8_NAMES = 5  # layers named per recipe in the fp8 section (the JSON has them all)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +117,24 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
                     f"{count(x.nonfinite_steps, 'sampled step')}, first at step "
                     f"{x.first_nonfinite}"))
     return out[:READINESS_ROWS]
+
+
+def fp8_rows(f: Any) -> list[tuple[str, str, str]]:
+    """(recipe, layers at risk of all, the first of them) per recipe; [] without /fp8 rows."""
+    out = []
+    for name, recipe in (f.recipes.items() if f is not None else ()):
+        if not recipe.layers:
+            continue
+        keep = recipe.keep_high_precision
+        named = ", ".join(keep[:FP8_NAMES]) + (f" (+{len(keep) - FP8_NAMES})"
+                                               if len(keep) > FP8_NAMES else "")
+        out.append((name, f"{len(keep)} of {len(recipe.layers)}", named or "none"))
+    return out
+
+
+FP8_NOTE = ("Layers to keep in high precision, ranked from the sampled statistics (values "
+            "flushed, saturated, SQNR of input, weight and output gradient); not yet proven by "
+            "a replay in fp8. Per layer and tensor: `report --format json`, key `fp8`.")
 
 
 def comparison_rows(c: Any) -> list[tuple[str, str]]:
@@ -257,6 +276,10 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     rows = readiness_rows(rd)
     if rows:
         out += _md_table(("layer", "kind", "finding", "where"), rows) + [""]
+    fp8 = fp8_rows(r.fp8)
+    if fp8:
+        out += ["## fp8 readiness", "", FP8_NOTE, ""]
+        out += _md_table(("recipe", "at risk", "keep in high precision"), fp8) + [""]
     if r.comparison is not None:
         out += [comparison_markdown(r.comparison, level=2).rstrip(), ""]
     if r.parity is not None:
@@ -329,6 +352,10 @@ def release_html(r: Any) -> str:
         if name in images:
             parts.append(_figure(name, images[name], plots.CAPTIONS[name]))
     parts.append(_readiness_html(r.readiness, images))
+    fp8 = fp8_rows(r.fp8)
+    if fp8:
+        parts += ["<h2>fp8 readiness</h2>", f'<p class="muted">{_esc(FP8_NOTE)}</p>',
+                  _table(("recipe", "at risk", "keep in high precision"), fp8)]
     if r.comparison is not None:
         parts.append(_comparison_html(r.comparison, images))
     if r.parity is not None:

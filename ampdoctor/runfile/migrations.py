@@ -13,7 +13,9 @@ column"): the column in ``schema.py``, ``FORMAT_VERSION`` raised, and here::
     Migration("steps", versions=(1, 2), dtype=OLD_STEPS, defaults={"new_column": 0})
 
 where ``OLD_STEPS`` is the table's dtype as those versions wrote it (copy it from the
-schema before editing). Formats 1 and 2 share every table's dtype, so none is declared yet.
+schema before editing). Formats 1 to 4 share every table's dtype, so none is declared yet: a
+format that added a whole table (3: /losses and /optimizers, 4: /fp8) declares it in
+``schema.SINCE`` instead, and a file older than that reads the table as empty.
 This module imports numpy only, as the schema does.
 """
 

@@ -38,9 +38,9 @@ from .run import TEXTS, Blob, Run, Table, decoded_rows, meta_dict, tensor_view
 
 LIVE_RETRIES = 3  # reads of a file flagged as being written (its writer may be mid-flush)
 
-ON_DEMAND = ("stats", "groups")  # tables read by range when asked, never whole at load
+ON_DEMAND = ("stats", "groups", "fp8")  # tables read by range when asked, never whole at load
 # Tables that refer to others come before what they refer to (stats -> tensors, rows -> /blob).
-READ_ORDER = ("stats", "events", "snapshots", "arrays", "steps", "groups", "losses",
+READ_ORDER = ("stats", "fp8", "events", "snapshots", "arrays", "steps", "groups", "losses",
               "optimizers", "meta", "tensors", schema.BLOB)
 
 
@@ -288,6 +288,10 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
         damaged.append("tensors")
     run.tensors = tensor_view(raw["tensors"][valid], blob)
     run.stats = stats
+    fp8 = raw["fp8"]  # (a format before 4 has none: rows, not a Table)
+    run.fp8 = fp8 if isinstance(fp8, Table) else Table(fp8, name="fp8")
+    if "tensors" not in damaged:
+        run.fp8.tensors = len(raw["tensors"])
     run.events = decoded_rows("events", raw["events"], blob)
     run.snapshots = decoded_rows("snapshots", raw["snapshots"], blob)
     run.arrays = decoded_rows("arrays", raw["arrays"], blob)

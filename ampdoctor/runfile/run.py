@@ -187,6 +187,8 @@ class Run:
     optimizer_steps: np.ndarray = field(default_factory=lambda: schema.empty("optimizers"))
     tensors: np.ndarray = field(default_factory=lambda: np.zeros(0, TENSOR_VIEW))
     stats: Table = field(default_factory=lambda: Table(schema.empty("stats")))
+    # format 4: what each fp8 recipe would do to the Linear layers' operands (sampled steps)
+    fp8: Table = field(default_factory=lambda: Table(schema.empty("fp8"), name="fp8"))
     events: np.ndarray = field(default_factory=lambda: _no_rows("events"))
     snapshots: np.ndarray = field(default_factory=lambda: _no_rows("snapshots"))
     arrays: np.ndarray = field(default_factory=lambda: _no_rows("arrays"))

@@ -5,8 +5,9 @@ their numpy dtypes, and the small integer codes stored in them. The recorder wri
 tables (through ``store.Writer``); ``store.load`` reads them back into a ``Run``. This module
 imports numpy only, so the analysis side never pulls in torch.
 
-Layout of format version 3 (one HDF5 file per process; version 2 is the same without
-``/losses`` and ``/optimizers``, version 1 without ``/summary`` too)::
+Layout of format version 4 (one HDF5 file per process; version 3 is the same without
+``/fp8``, version 2 without ``/losses`` and ``/optimizers`` too, version 1 without
+``/summary`` too)::
 
     /            attrs: format, format_version, ampdoctor_version, created, pid, host,
                         rank, world_size, argv
@@ -18,6 +19,8 @@ Layout of format version 3 (one HDF5 file per process; version 2 is the same wit
                  gradient norm, LR, found_inf and whether it stepped
     /tensors     one row per recorded tensor: id, kind, owner name and type
     /stats       per-tensor statistics (sampled tier and forensic replays)
+    /fp8         sampled tier: what each fp8 recipe would do to each Linear's input, weight
+                 and output gradient (flushed, subnormal, saturated, SQNR)
     /events      what happened and when: skipped steps, non-finite values, API misuse
     /snapshots   forensic replays: culprit, phase, fp32 verdict
     /arrays      arrays saved with a snapshot (the batch), bytes in /blob
@@ -39,7 +42,7 @@ import enum
 import numpy as np
 
 FORMAT_NAME = "ampdoctor-run"
-FORMAT_VERSION = 3  # 2: /summary; 3: /losses and /optimizers
+FORMAT_VERSION = 4  # 2: /summary; 3: /losses and /optimizers; 4: /fp8
 
 # fp16 range: max finite 65504, min normal 2**-14, min subnormal 2**-24. A value whose
 # magnitude is above 65504 overflows to inf once rounded; one below half the smallest
@@ -336,6 +339,72 @@ ARRAYS = np.dtype(
 
 META = np.dtype([("step", "<i8"), ("key", "S32"), *_text("value")])
 
+# fp8 element formats (OCP FP8; torch.float8_e4m3fn and torch.float8_e5m2): the largest finite
+# value, the exponent of the smallest normal and the mantissa bits. e4m3fn has no inf, so its
+# top is 448 (1.75 * 2**8), not 480; e5m2 keeps IEEE's inf, its top is 57344 (1.75 * 2**15).
+# A value below the smallest normal is subnormal (steps of 2**(emin - mbits)); one below half
+# the smallest subnormal flushes to zero.
+E4M3_MAX = 448.0
+E4M3_EMIN = -6
+E4M3_MBITS = 3
+E5M2_MAX = 57344.0
+E5M2_EMIN = -14
+E5M2_MBITS = 2
+# Saturated: a scaled value that round-to-nearest-even cannot keep below the top, i.e. above
+# max + half the top's step (448 + 16, 57344 + 4096); values between the max and these round
+# to the max in any cast, clamped or not, and lose no more than rounding does.
+E4M3_OVER = 464.0
+E5M2_OVER = 61440.0
+# The exponent of the largest power of two under e4m3's top (2**8 <= 448): an MX block's
+# shared scale is 2**(floor(log2(block amax)) - 8), the OCP MX spec's rule, which leaves the
+# block's largest value in [256, 512): above 448 it saturates (the spec's own trade-off).
+E4M3_MAX_POW2 = 8
+MX_BLOCK = 32  # elements per MX block along the last dimension (OCP MX: k = 32)
+DELAYED_HISTORY = 16  # sampled amaxes a delayed recipe takes its scale from (torchao's default)
+
+
+class Fp8Format(enum.IntEnum):
+    E4M3 = 0  # float8_e4m3fn: forward tensors (and every tensor of the rowwise and MX recipes)
+    E5M2 = 1  # float8_e5m2: the output gradient under per-tensor and delayed scaling
+
+
+class Recipe(enum.IntEnum):
+    """How an /fp8 row's scale was chosen."""
+
+    TENSOR = 0  # per-tensor current scaling: scale = fmt max / amax of this tensor
+    DELAYED = 1  # per-tensor, from the max of the tensor's previous sampled amaxes
+    ROWWISE = 2  # one power-of-two scale per row (along the last dimension), e4m3
+    MX = 3  # one power-of-two (E8M0) scale per block of MX_BLOCK elements, e4m3
+
+
+class Role(enum.IntEnum):
+    """Which operand of the matmul an /fp8 row describes."""
+
+    INPUT = 0  # the module's input (activation)
+    WEIGHT = 1
+    GRAD_OUTPUT = 2  # the gradient arriving at the module's output
+
+
+FP8 = np.dtype(
+    [
+        ("step", "<i8"),
+        ("tensor", "<i4"),  # /tensors id of the module's OUTPUT row (the module's name)
+        ("call", "<i2"),  # k-th call of the module in this step
+        ("role", "i1"),  # Role
+        ("recipe", "i1"),  # Recipe
+        ("format", "i1"),  # Fp8Format the elements were cast to
+        ("numel", "<i8"),
+        ("sample_n", "<i8"),  # elements counted below (numel if exact)
+        ("zeros", "<i8"),  # exact zeros before the cast
+        ("flushed", "<i8"),  # non-zero before, zero after the cast
+        ("subnormal", "<i8"),  # non-zero and below the format's smallest normal after it
+        ("saturated", "<i8"),  # |x * scale| > E4M3_OVER / E5M2_OVER: clamped to the max
+        ("sqnr_db", "<f4"),  # 10 log10(sum x^2 / sum (x - dequantised)^2); inf: no error
+        ("amax", "<f4"),  # abs max of the whole tensor (exact)
+        ("scale", "<f4"),  # TENSOR, DELAYED: the scale applied; ROWWISE, MX: the smallest
+    ]
+)
+
 TABLES: dict[str, np.dtype] = {
     "steps": STEPS,
     "groups": GROUPS,
@@ -347,11 +416,12 @@ TABLES: dict[str, np.dtype] = {
     "snapshots": SNAPSHOTS,
     "arrays": ARRAYS,
     "meta": META,
+    "fp8": FP8,
 }
 BLOB = "blob"
 # The format version that added a table: a file of an older version has none, and reads as
 # if it were empty.
-SINCE = {"losses": 3, "optimizers": 3}
+SINCE = {"losses": 3, "optimizers": 3, "fp8": 4}
 
 
 def tables_of(version: int) -> tuple[str, ...]:
@@ -435,6 +505,7 @@ CHUNK_ROWS = {
     "snapshots": 16,
     "arrays": 64,
     "meta": 64,
+    "fp8": 4096,
 }
 BLOB_CHUNK = 1 << 16
 

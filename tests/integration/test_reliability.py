@@ -439,6 +439,9 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
                 assert len(run.optimizer_steps) == expected["optimizer_rows"] > 0
             else:
                 assert len(run.losses) == len(run.optimizer_steps) == 0
+            # /fp8 (format 4 on); an older file reads as an empty table
+            assert len(run.fp8) == len(run.fp8.rows()) == expected.get("fp8_rows", 0)
+            assert (len(run.fp8) > 0) == (version >= 4)
             d = engine.diagnose(run)
         assert d.verdict in engine.VERDICTS
         assert d.first_bad and d.first_bad["step"] == expected["skipped_steps"][0]

@@ -89,6 +89,13 @@ def test_probe_cost_times_the_sampled_step_with_and_without_the_probe():
     assert probed > 10  # the tiny GPT's forward was probed op by op
 
 
+def test_fp8_cost_times_the_sampled_step_with_and_without_the_fp8_counts():
+    out = bench("fp8_cost.py", "--smoke")
+    assert "fp8 counts on a sampled step:" in out and "always-on step" in out
+    operands = int(out.split(" operands x 4 recipes")[0].rsplit(" ", 1)[1])
+    assert operands > 10  # the tiny GPT's Linear layers: input, weight, output gradient
+
+
 def test_scale_diagnose_gives_the_full_reads_answer():
     lines = bench("scale_diagnose.py", "--ranks", "1,4", "--steps", "1000", "--modules", "6",
                   "--json").splitlines()

@@ -28,7 +28,6 @@ interval, 100.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import os
@@ -42,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from probe_cost import GPT, step, timed  # noqa: E402  (the same model and loop)
+from probe_cost import reference, step, timed  # noqa: E402  (the same model and loop)
 
 import ampdoctor  # noqa: E402
 from ampdoctor.record import fp8  # noqa: E402
@@ -107,23 +106,7 @@ def operands(model, opt, data, device, path: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 rounds")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    dims = dict(vocab=512, dim=32, layers=2, heads=2, ctx=16) if args.smoke else {}
-    rounds, steps = (2, 3) if args.smoke else (args.rounds, args.steps)
-    model = GPT(**dims).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ctx = model.pos.num_embeddings
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 512, (8, ctx + 1), generator=g).to(device) for _ in range(8)]
-    for _ in range(3):
-        step(model, opt, data[0], device)  # warm-up
+    device, rounds, steps, model, opt, data = reference(__doc__ or "")
     results: dict[str, list[float]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):

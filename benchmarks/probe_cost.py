@@ -116,8 +116,10 @@ def ops_per_forward(model, idx) -> int:
     return count
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def reference(doc: str) -> tuple:
+    """The command line both this benchmark and ``fp8_cost.py`` take, and the reference GPT
+    they time, warmed up: (device, rounds, steps, model, opt, data)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--device", default="cpu")
@@ -134,6 +136,11 @@ def main() -> None:
     data = [torch.randint(0, 512, (8, ctx + 1), generator=g).to(device) for _ in range(8)]
     for _ in range(3):
         step(model, opt, data[0], device)  # warm-up
+    return device, rounds, steps, model, opt, data
+
+
+def main() -> None:
+    device, rounds, steps, model, opt, data = reference(__doc__ or "")
     results: dict[str, list[float]] = {"plain": [], "sampled": [], "probed": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):

@@ -3,7 +3,8 @@
 ``torch.func.functional_call``. None is adopted as the model, none stops the recording, and a
 module whose recording fails while the model is discovered is left out, the rest recorded.
 
-(fixtures/copies/ and tests/integration/test_copies.py run the same through ``ampdoctor record``.)
+(fixtures/copies/ and tests/integration/test_copies_recorded.py run the same through
+``ampdoctor record``.)
 """
 
 import copy

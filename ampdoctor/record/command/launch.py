@@ -152,10 +152,9 @@ def _name_fits(path: str, folder: str, shown: str) -> None:
     size, limit = len(os.fsencode(os.path.basename(path))), paths.name_max(folder)
     if size + paths.DERIVED_BYTES > limit:
         raise RecordError(f"cannot record into {shown}: its name is {size} bytes long, and the "
-                          f"files a recording writes beside it add up to {paths.DERIVED_BYTES} "
-                          f"bytes to it (run.pid4242.h5, .run.h5.lock), past the {limit} a "
-                          f"name may have in {folder}: choose a name of at most "
-                          f"{limit - paths.DERIVED_BYTES} bytes")
+                          f"files a recording writes beside it add {paths.DERIVED_BYTES} bytes "
+                          f"(run.pid4242.h5, .run.h5.lock), past the {limit} a name may have in "
+                          f"{folder}: choose a name of at most {limit - paths.DERIVED_BYTES} bytes")
 
 
 def check_command(command: Sequence[str], environ: Mapping[str, str]) -> None:

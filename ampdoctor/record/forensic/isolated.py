@@ -524,7 +524,7 @@ _REFUSED = {
     "os.mkdir": "make a folder", "os.truncate": "truncate a file", "os.symlink": "make a link",
     "os.link": "make a link", "shutil.rmtree": "remove a folder", "os.system": "run a command",
     "subprocess.Popen": "start a process", "os.posix_spawn": "start a process",
-    "os.exec": "replace the process", "os.fork": "fork the process", "os.kill": "send a signal",
+    "os.exec": "replace the process", "os.fork": "fork the process",
     "socket.connect": "open a connection", "socket.sendto": "send over the network",
     "socket.sendmsg": "send over the network", "socket.bind": "listen on the network",
 }

@@ -206,11 +206,16 @@ def _island_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     for device in sorted(devices or {"cpu"}):
         if torch.amp.is_autocast_available(device):
             stack.enter_context(torch.autocast(device, enabled=False))
+    _opened().append(stack)
+    return tuple(_up(a) for a in args), {k: _up(v) for k, v in kwargs.items()}
+
+
+def _opened() -> list:
+    """This thread's open islands' autocast stacks (``_island_post`` closes the last)."""
     opened = getattr(_ISLAND_STACK, "open", None)
     if opened is None:
         opened = _ISLAND_STACK.open = []
-    opened.append(stack)
-    return tuple(_up(a) for a in args), {k: _up(v) for k, v in kwargs.items()}
+    return opened
 
 
 def _island_post(module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -549,9 +554,6 @@ def _fp8_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """A converted Linear off CUDA: autocast off, fp32 inputs (as an island), so that torchao's
     backward sees one dtype; on CUDA torchao handles autocast itself."""
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values())):
-        opened = getattr(_ISLAND_STACK, "open", None)
-        if opened is None:
-            opened = _ISLAND_STACK.open = []
-        opened.append(contextlib.ExitStack())  # _island_post closes one per call
+        _opened().append(contextlib.ExitStack())  # _island_post closes one per call
         return args, kwargs
     return _island_pre(module, args, kwargs)

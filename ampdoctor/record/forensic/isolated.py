@@ -230,11 +230,7 @@ class _Calls:
         if name.startswith(self._LIBRARIES or ()) or name.startswith("<"):
             self.users[code] = False
             return False
-        stores, loads = _global_names(code)
-        names = frame.f_globals
-        wanted = set(stores) | {n for n in loads if isinstance(names.get(n), _CONTAINERS)}
-        if wanted:
-            self.saved.append(_Namespace(names, only=sorted(wanted)))
+        self.saved.append(_globals_of(code, frame.f_globals))
         method = bool(code.co_argcount) and code.co_varnames[0] == "self"
         self.users[code] = method
         return method
@@ -325,12 +321,17 @@ def _forward_namespaces(module: torch.nn.Module) -> list:
     fn = _function(getattr(module, "forward", None))
     if fn is None:
         return []
-    stores, loads = _global_names(fn.__code__)
-    names = [n for n in loads if isinstance(fn.__globals__.get(n), _CONTAINERS)]
-    out: list = [_Namespace(fn.__globals__, only=sorted(set(stores) | set(names)))]
+    out: list = [_globals_of(fn.__code__, fn.__globals__)]
     if fn.__closure__:
         out.append(_Cells(fn.__closure__))
     return out
+
+
+def _globals_of(code: types.CodeType, names: dict) -> _Namespace:
+    """The globals ``code`` assigns, and those whose containers it reads, saved."""
+    stores, loads = _global_names(code)
+    wanted = set(stores) | {n for n in loads if isinstance(names.get(n), _CONTAINERS)}
+    return _Namespace(names, only=sorted(wanted))
 
 
 def _function(fn: Any) -> Any:

@@ -304,6 +304,10 @@ FULL_RANKS = 8
 SUMMARY_BUDGET = 0.3
 
 
+# The stamp of a file known only from a stale node summary: never a file's own, so it is due.
+PROVISIONAL = (-2, 0.0)
+
+
 @dataclass
 class Summarized:
     """A rank file known from its summary: ``outline`` (``ranks.outline``'s keys), its last
@@ -340,6 +344,7 @@ class Summaries:
         present = set(files)
         for path in [p for p in self.known if p not in present]:
             del self.known[path]
+        self._from_nodes([p for p in files if p not in self.known])
         due = []
         for path in files:
             stamp = _stamp(path)
@@ -355,6 +360,26 @@ class Summaries:
             except RunFileError:
                 if path not in self.known and os.path.exists(path):
                     raise
+
+    def _from_nodes(self, new: list[str]) -> None:
+        """New files known from the node summaries beside them, so that the first poll of a
+        large job reads N/8 node summaries, not N rank files. A fresh entry is as good as a
+        read; a stale one (a running job's rank files change between its node's writes) is
+        shown as of its node's last write and stays due, read first, until read itself."""
+        from ..diagnosis import job
+        from ..runfile import nodes
+
+        if len(new) < 2:
+            return
+        found = nodes.lookup(new, older=True)
+        now = time.time()
+        for path, s in found.summaries.items():
+            self.known[path] = Summarized(path, job.from_summary(s).outline, s.last_step, now,
+                                          _stamp(path))
+        for path, s in found.older.items():
+            written = _stamp(found.stale[path])[1]
+            self.known[path] = Summarized(path, job.from_summary(s).outline, s.last_step,
+                                          written, PROVISIONAL)
 
     @property
     def outlines(self) -> list[dict]:

@@ -95,8 +95,11 @@ def drop_micro(st: Step, dropped: frozenset) -> Optional[list[Micro]]:
     return losses
 
 
+# The step's device scalars, in the order they are stacked and fetched: the mean loss, then
+# the ``Step`` fields of these names (a new one is a field above and a name here, nothing else).
 VALUES = ("loss_mean", "scale", "scale_after", "found_inf", "grad_norm", "clip_norm",
           "own_found_inf")
+_FIELDS = VALUES[1:]
 
 
 class Constants:
@@ -115,8 +118,7 @@ class Constants:
 def device_values(st: Step, constants: Constants) -> torch.Tensor:
     """The step's device scalars stacked into one tensor (no sync); order as in VALUES."""
     loss = st.loss_sum / st.loss_n if st.loss_sum is not None and st.loss_n > 1 else st.loss_sum
-    values = [loss, st.scale, st.scale_after, st.found_inf, st.grad_norm, st.clip_norm,
-              st.own_found_inf]
+    values = [loss] + [getattr(st, name) for name in _FIELDS]
     dev = next((v.device for v in values if v is not None), torch.device("cpu"))
     nan = constants.nan(dev)
     return torch.stack([nan if v is None else

@@ -187,19 +187,26 @@ class Found:
     stale: dict[str, str] = field(default_factory=dict)  # rank file newer than its entry -> node
     missing: dict[str, str] = field(default_factory=dict)  # listed rank file gone -> node
     unreadable: list[str] = field(default_factory=list)  # node summaries passed over: why
+    # stale rank file -> its entry's summary, as of when the node wrote it (``older=True``)
+    older: dict[str, summary.RankSummary] = field(default_factory=dict)
 
 
-def lookup(rank_paths: list[str]) -> Found:
-    """The fresh summaries the node summaries beside ``rank_paths`` hold for them."""
+def lookup(rank_paths: list[str], older: bool = False) -> Found:
+    """The fresh summaries the node summaries beside ``rank_paths`` hold for them; with
+    ``older``, also the summaries of stale entries (a running job's: seconds old), which a
+    live view shows until it reads the rank file itself."""
     out = Found()
     wanted = {os.path.abspath(p): p for p in rank_paths}
     for base in dict.fromkeys(paths.run_name(p) for p in wanted):
         for node in paths.node_files(base):
-            _take(node, wanted, out)
+            _take(node, wanted, out, older)
+    for p in [p for p in out.stale if p in out.summaries]:  # fresh in another node summary
+        del out.stale[p]
+        out.older.pop(p, None)
     return out
 
 
-def _take(node: str, wanted: dict[str, str], out: Found) -> None:
+def _take(node: str, wanted: dict[str, str], out: Found, older: bool) -> None:
     try:
         entries = read(node)
     except RunFileError as exc:
@@ -221,12 +228,12 @@ def _take(node: str, wanted: dict[str, str], out: Found) -> None:
             continue
         if not fresh(e, path):
             out.stale.setdefault(path, node)
+            if older and path not in out.older and (old := decode(e, path)) is not None:
+                out.older[path] = old
             continue
         s = decode(e, path)
         if s is not None:
             out.summaries[path] = s
-    for p in [p for p in out.stale if p in out.summaries]:  # fresh in another node summary
-        del out.stale[p]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 
@@ -75,11 +74,16 @@ def _siblings(path: str, kind: str) -> list[str]:
     stem, ext = os.path.splitext(os.fspath(path))
     pattern = re.compile(re.escape(os.path.basename(stem)) + rf"\.{kind}(\d+)" + re.escape(ext)
                          + "$")
+    folder = os.path.dirname(stem)
     found = []
-    for candidate in glob.glob(glob.escape(stem) + f".{kind}*{ext}"):
-        match = pattern.match(os.path.basename(candidate))
-        if match and os.path.isfile(candidate):
-            found.append((int(match.group(1)), candidate))
+    try:  # one listing, no stat per name (16 384 rank files are listed at every top refresh)
+        with os.scandir(folder or ".") as listing:
+            for entry in listing:
+                match = pattern.match(entry.name)
+                if match and entry.is_file():
+                    found.append((int(match.group(1)), os.path.join(folder, entry.name)))
+    except OSError:  # no such folder, or not one to list: no siblings
+        return []
     return [p for _, p in sorted(found)]
 
 

@@ -460,6 +460,33 @@ def test_top_over_many_rank_files_follows_one_in_full(tmp_path):
     assert "non-finite from step 40 on ranks 0-11" in frame
 
 
+def test_tops_first_poll_reads_the_node_summaries_not_every_rank_file(tmp_path, monkeypatch):
+    from ampdoctor.live import follow
+
+    runs = {r: received() for r in range(12)}
+    runs[9] = Synth(60).skip([40], loss_nan=True)
+    files = job_files(tmp_path, runs)
+    base = str(tmp_path / "run.h5")
+    nodes.write(paths.node_path(base, 0), files[:8])
+    nodes.write(paths.node_path(base, 8), files[8:])
+    later = os.stat(files[5]).st_mtime_ns + 10**9  # rank 5 written since its node's last write
+    os.utime(files[5], ns=(later, later))
+    read = []
+    outline = follow._outline
+    monkeypatch.setattr(follow, "_outline", lambda p: read.append(p) or outline(p))
+    shown = follow.Summaries(budget=0.0)  # no time to read: what the node summaries say
+    shown.poll(files)
+    assert read == [] and len(shown.known) == 12
+    assert shown.known[files[5]].stamp == follow.PROVISIONAL
+    assert [o["rank"] for o in shown.outlines] == list(range(12))
+    assert shown.known[files[9]].outline["first_bad"] == 40
+    shown.budget = 1.0
+    shown.poll(files)  # the stale one is due, and read first
+    assert read == [files[5]] and shown.known[files[5]].stamp != follow.PROVISIONAL
+    shown.poll(files)
+    assert read == [files[5]]  # nothing changed since
+
+
 # ---------------------------------------------------------------------------------------------
 # Each node says what it knows
 

@@ -15,5 +15,7 @@
   ``notes``: what a diagnosis could not tell; ``thresholds``: the shared thresholds
 - ``forecast``: the early warning
 - ``ranks`` (the files of a multi-process run, merged), ``job`` (a job's ranks from their
-  summaries), ``rankview`` (the rank view)
+  summaries), ``rankview`` (the rank view), ``jobfiles`` (what a job's diagnosis says of its
+  files: node summaries used or passed over, rank files unreadable)
+- ``objectives``: each loss of a run that backwards several, and which pull against each other
 """

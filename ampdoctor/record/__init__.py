@@ -9,13 +9,16 @@
 - what the hooks use: ``stats``, ``sampler`` (the sampled tier), ``readback``, ``amp_state``,
   ``compiled``, ``sharding``, ``torchcompat``, ``environment``, ``handles`` (the script's names
   for its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss
-  stops falling), ``schedules`` (LR scheduler steps per optimizer step)
+  stops falling), ``schedules`` (LR scheduler steps per optimizer step), ``fp8`` (what fp8
+  would do to each matmul's operands, on sampled steps), ``objectives`` (each loss's and each
+  optimizer's own curve)
 - ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
   fixes tried on it (its own docstring lists its modules)
 - ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own
   docstring lists its modules)
 - ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them applied in
-  each process of the command; flat here, since ``steplog`` reads the LR factor it applied)
+  each process of the command), ``lrfactors`` (the LR factor a treatment set, which
+  ``steplog`` reads)
 
 Importing this package imports nothing (``command.launch`` is imported by the CLI without
 torch).

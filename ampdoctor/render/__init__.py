@@ -1,5 +1,7 @@
-"""Rendering: text, markdown and HTML of the data objects (``diagnosis``, ``release``), plots
-(``plots``, the only module that imports matplotlib) and writing outputs (``files``).
+"""Rendering: text, markdown and HTML of the data objects (``diagnosis``, ``release``,
+``fix_outcome``: a run against its fix; ``nodes``: ``ampdoctor index``'s line), the pieces
+they share (``tables``), plots (``plots``, the only module that imports matplotlib) and
+writing outputs (``files``).
 """
 
 # Importing the package registers the renderers of the data objects with ampdoctor.display

@@ -1,10 +1,12 @@
 """The package's layering (see .importlinter and the README's Development section): the
-contracts hold, a new import cycle or torch on the analysis side breaks them, and no module
-imports another subpackage's private names."""
+contracts hold, a new import cycle or torch on the analysis side breaks them, no module
+imports another subpackage's private names, and each subpackage's docstring names every module
+and room in it (where a newcomer looks first)."""
 
 import ast
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,3 +118,21 @@ def test_a_bad_import_breaks_its_rooms_contract(tmp_path):
         status = [x if x.endswith(("KEPT", "BROKEN")) else x + " " + y  # a name wrapped
                   for x, y in zip(lines, lines[1:] + [""]) if x.startswith(contract)]
         assert status and status[0].endswith("BROKEN"), (contract, proc.stdout)
+
+
+def test_each_subpackages_docstring_names_every_module_in_it():
+    unnamed = []
+    for init in glob.glob(os.path.join(ROOT, "ampdoctor", "*", "**", "__init__.py"),
+                          recursive=True):
+        folder = os.path.dirname(init)
+        with open(init) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        # ``name``, ``name.attr``, ``name/`` (a room) or ``name()``
+        named = {re.split(r"[./(]", n)[0] for n in re.findall(r"``([\w./()]+)``", doc)}
+        for entry in sorted(os.listdir(folder)):
+            name = entry[:-3] if entry.endswith(".py") else entry
+            room = os.path.isfile(os.path.join(folder, entry, "__init__.py")) or \
+                entry == "_bootstrap"
+            if (entry.endswith(".py") or room) and entry != "__init__.py" and name not in named:
+                unnamed.append(os.path.relpath(os.path.join(folder, entry), ROOT))
+    assert not unnamed, f"not named in their package's docstring: {unnamed}"

@@ -10,6 +10,7 @@ Importing this package imports nothing (``launch`` is torch-free: the CLI import
 - ``lifeline``: the command dies with ``record`` (a SIGKILL to it stops the training): the
   parent-death signal for the command, a watch on ``record``'s pid below it
 - ``written``: which run files this node's processes wrote (a list the children append to)
+- ``keeper``: the node summary this node's ``record`` keeps while the command runs, and at exit
 - ``_bootstrap/``: the ``sitecustomize`` every interpreter of the command runs: it waits for
   ``import torch``, then starts ``child``
 """

@@ -23,3 +23,11 @@ RUNAWAY_SCALE = 2.0 ** 24
 UNCHANGED_HIGH = 0.5
 # Below this many steps a run is "short": trends need several sampled steps. (engine, progress)
 SHORT_RUN = 50
+# fp8: a non-zero value cast to exactly 0 loses everything; one in a hundred of a tensor's
+# non-zero values flushed is where a layer's output visibly shifts (its mean loses that share
+# of its terms), far above a healthy tensor's (about 1e-5 for a Gaussian under per-tensor e4m3:
+# only |x| below amax / 2**19 flush). A tenth subnormal (1 to 3 significant bits, not 4) is a
+# tensor squeezed to the bottom of the range by a few large values. (rules/fp8.py: the casts a
+# run in fp8 made; release/fp8.py: the readiness of every Linear)
+FP8_FLUSHED = 1e-2
+FP8_SUBNORMAL = 0.1

@@ -99,3 +99,88 @@ def test_a_run_without_fp8_layers_has_none(tmp_path):
     train(Mlp(), path, steps=2, strict=True)
     with ampdoctor.load(path) as run:
         assert run.fp8_layers == {} and len(run.fp8) > 0
+
+
+# -- the fixtures of the fp8 verdicts -----------------------------------------------------------
+
+
+class Gate(nn.Module):
+    """Passes its input on, or zeros on the steps in ``closed`` (a branch some batches skip:
+    an expert that got no token, a masked modality)."""
+
+    def __init__(self, closed=()):
+        super().__init__()
+        self.closed, self.step = set(closed), 0
+
+    def forward(self, x):
+        return x * 0 if self.step in self.closed else x
+
+
+def test_a_layer_fed_zeros_on_some_steps_is_flushed_whole(tmp_path):
+    """Layer 3's input is zero on steps 1 and 3: torchao clamps the zero amax at 1e-12 and
+    casts with the scale 448 / 1e-12, finite, so the run goes on without a NaN; the diagnosis
+    names the layer (not layer 0, whose output gradient is zero behind it), the step, and
+    keeping it in bf16, as `record --apply` takes it."""
+    torch.manual_seed(0)
+    gate = Gate(closed={1, 3})
+    model = converted(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), gate, nn.Linear(64, 32),
+                                    nn.ReLU(), nn.Linear(32, 16)), "tensorwise")
+    path = str(tmp_path / "gated.h5")
+
+    def batch(step, x):
+        gate.step = step
+        return x
+
+    losses = train(model, path, steps=5, batch=batch, strict=True)
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    d = ampdoctor.diagnose(path)
+    assert d.verdict == "fp8_flushed", d.summary
+    assert d.first_bad == {"step": 1, "module": "3", "phase": "forward"}
+    assert "was entirely zero" in d.summary and "sampled steps 1, 3 of 5" in d.evidence[0].text
+    assert d.evidence[-1].text == "the same in 0 (output gradient)"  # fc1's, zero behind it
+    fix = d.fixes[0]
+    assert fix.id == "fp8_keep_layer" and fix.apply == "fp8=tensorwise:keep=3"
+    assert {p.name: p.status for p in d.premises} == {"layer_in_fp8": "held",
+                                                       "not_always_zero": "held"}
+
+
+class Outlier(nn.Module):
+    def forward(self, x):
+        gain = torch.ones_like(x)
+        gain[..., 3] = 3e4
+        return x * gain
+
+
+def _outlier_run(tmp_path, recipe):
+    """The readiness's outlier channel (tests/release/test_fp8_readiness.py), in fp8: a
+    squared output as the loss (a softmax saturated by the outlier would underflow the last
+    layer's gradient in any format: another finding)."""
+    torch.manual_seed(0)
+    model = converted(nn.Sequential(nn.Linear(32, 256), Outlier(), nn.Linear(256, 64),
+                                    nn.ReLU(), nn.Linear(64, 16)), recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    path = str(tmp_path / f"{recipe}.h5")
+    with ampdoctor.watch(model, opt, path=path, every=1, strict=True):
+        for _ in range(3):
+            model(torch.randn(64, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+def test_a_gradient_that_underflows_e4m3_rowwise_is_diagnosed_with_its_layer(tmp_path):
+    """One channel 3000x the others: its gradient flows back into the first layer's output
+    gradient. Row-wise in e4m3 (torchao's rowwise) it loses its small values; per tensor in
+    e5m2 (tensorwise) it keeps them, so the fix is the tensorwise recipe; under tensorwise
+    itself there is no fp8_grad_underflow (the neighbour it must not be confused with)."""
+    d = ampdoctor.diagnose(_outlier_run(tmp_path, "rowwise"))
+    assert d.verdict == "fp8_grad_underflow", d.summary
+    assert d.first_bad["module"] == "0" and d.first_bad["phase"] == "backward"
+    assert [f.id for f in d.fixes] == ["fp8_tensorwise", "fp8_keep_layer"]
+    assert d.fixes[0].apply == "fp8=tensorwise"
+    e4m3, e5m2 = d.evidence[0], d.evidence[1]
+    assert "row-wise in e4m3" in e4m3.text and e4m3.module == "0"
+    assert e5m2.key == "fp8_grad_e5m2" and e5m2.value < 0.01 < e4m3.value + 0.1
+    tensorwise = ampdoctor.diagnose(_outlier_run(tmp_path, "tensorwise"))
+    assert tensorwise.verdict != "fp8_grad_underflow"
+    assert all(c["verdict"] != "fp8_grad_underflow" for c in tensorwise.causes)

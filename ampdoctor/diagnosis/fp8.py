@@ -9,7 +9,8 @@ picks, for each fp8 layer and operand, the rows of the cast the layer really mak
 reads what another recipe would have done to the same tensor on the same step (the
 discriminator of a gradient that underflows e4m3 row-wise and not e5m2 per tensor).
 
-``headroom`` is the early warning in fp8 terms, for any Linear: per sampled step, how many
+``headroom`` (per step and layer: ``layer_headroom``, which ``ampdoctor export`` writes) is
+the early warning in fp8 terms, for any Linear: per sampled step, how many
 binades lie between a tensor's amax and the top of the format under the scale that delayed
 scaling would have chosen from its earlier sampled amaxes (``DELAYED`` rows:
 log2(fmt max / (amax * scale))). Current scaling maps the amax to the top on every step, so
@@ -169,4 +170,39 @@ def headroom(amax: np.ndarray, scale: np.ndarray, fmt: np.ndarray) -> np.ndarray
         out = np.log2(top / (amax.astype(np.float64) * scale.astype(np.float64)))
     out[amax == 0] = math.inf
     out[~np.isfinite(amax)] = math.nan
+    return out
+
+
+HEADROOM_COLUMNS = columns("fp8", "step", "tensor", "role", "recipe", "format", "amax", "scale",
+                           "sample_n", "zeros", "flushed")
+
+
+def layer_headroom(rows: np.ndarray, names: dict[int, str], layers: Any
+                   ) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per (step, layer) of /fp8 ``rows`` (``HEADROOM_COLUMNS`` at least; ``names``: tensor id
+    -> layer name): its headroom, the least over its operands (``headroom`` of its DELAYED
+    rows), and for a layer in fp8 (``layers``, /meta fp8_layers) the largest share of an
+    operand's non-zero values its own cast flushed (NaN for a layer not in fp8)."""
+    out: dict[tuple[int, str], tuple[float, float]] = {}
+    delayed = rows[rows["recipe"] == int(Recipe.DELAYED)]
+    room = headroom(delayed["amax"], delayed["scale"], delayed["format"])
+    for step, tid, h in zip(delayed["step"], delayed["tensor"], room):
+        name = names.get(int(tid))
+        if name is None:
+            continue
+        key = (int(step), name)
+        least = out.get(key, (math.inf, math.nan))[0]
+        # a non-finite operand (NaN) leaves the layer's headroom NaN: no scale covers it
+        out[key] = (float(h) if math.isnan(h) or h < least else least, math.nan)
+    mine = [t for t, n in names.items() if n in layers]
+    for r in rows[np.isin(rows["tensor"], mine)] if mine else ():
+        name = names[int(r["tensor"])]
+        role = ROLES[Role(int(r["role"]))] if int(r["role"]) in _ROLE_CODES else None
+        if role is None or recipe_of(layers[name], role) != int(r["recipe"]):
+            continue
+        nonzero = int(r["sample_n"]) - int(r["zeros"])
+        share = int(r["flushed"]) / nonzero if nonzero > 0 else 0.0
+        key = (int(r["step"]), name)
+        least, lost = out.get(key, (math.nan, math.nan))
+        out[key] = (least, share if math.isnan(lost) else max(lost, share))
     return out

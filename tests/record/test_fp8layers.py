@@ -184,3 +184,59 @@ def test_a_gradient_that_underflows_e4m3_rowwise_is_diagnosed_with_its_layer(tmp
     tensorwise = ampdoctor.diagnose(_outlier_run(tmp_path, "tensorwise"))
     assert tensorwise.verdict != "fp8_grad_underflow"
     assert all(c["verdict"] != "fp8_grad_underflow" for c in tensorwise.causes)
+
+
+# -- the early warning in fp8 terms: headroom in `ampdoctor export` ----------------------------
+
+
+class Growing(nn.Module):
+    """One channel that grows ``factor`` x per step: an outlier on its way to saturating."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.step, self.factor = 0, factor
+
+    def forward(self, x):
+        gain = torch.ones_like(x)
+        gain[..., 3] = 30.0 * self.factor ** self.step
+        return x * gain
+
+
+def _headroom(tmp_path, factor):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from ampdoctor.live import tensorboard
+
+    torch.manual_seed(0)
+    grow = Growing(factor)
+    model = converted(nn.Sequential(nn.Linear(32, 64), grow, nn.Linear(64, 32), nn.ReLU(),
+                                    nn.Linear(32, 16)), "tensorwise", keep=("4",))
+    path = str(tmp_path / f"x{factor}.h5")
+
+    def batch(step, x):
+        grow.step = step
+        return x
+
+    train(model, path, steps=4, batch=batch, strict=True)
+    tensorboard.export(path, str(tmp_path / f"tb{factor}"))
+    acc = ea.EventAccumulator(str(tmp_path / f"tb{factor}"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+
+
+def test_export_writes_each_layers_fp8_headroom_falling_under_a_growing_outlier(tmp_path):
+    """The outlier's layer loses about 2 binades of headroom per step (its amax grows 4x over
+    the scale delayed scaling would have kept from the earlier steps: log2(1/4)), and so does
+    every layer its values or gradients reach; with the outlier steady each layer keeps about
+    0. The share its own cast flushed is written for the layers in fp8 only."""
+    pytest.importorskip("tensorboard")
+    growing, steady = _headroom(tmp_path, 4.0), _headroom(tmp_path, 1.0)
+    outlier = growing["ampdoctor-fp8-headroom/2"]
+    assert sorted(outlier) == [0, 1, 2, 3]
+    assert outlier[0] == pytest.approx(0.0, abs=0.01)  # the first sample: current scaling
+    assert all(-2.3 < outlier[s] < -1.5 for s in (1, 2, 3)), outlier  # (the weights move)
+    for name in ("0", "2", "4"):
+        kept = steady[f"ampdoctor-fp8-headroom/{name}"]
+        assert all(abs(kept[s]) < 0.5 for s in (1, 2, 3)), (name, kept)
+    assert "ampdoctor-fp8-flushed/2" in growing and "ampdoctor-fp8-flushed/4" not in growing
+    assert "ampdoctor-fp8-headroom/4" in growing  # kept in bf16, still a Linear with a headroom

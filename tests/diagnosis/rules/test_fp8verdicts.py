@@ -12,7 +12,7 @@ from conftest import ROOT, python_env
 from synthetic import Synth
 
 from ampdoctor.diagnosis.engine import diagnose
-from ampdoctor.diagnosis.fp8 import casts, headroom
+from ampdoctor.diagnosis.fp8 import casts, headroom, layer_headroom
 from ampdoctor.runfile import schema, store
 from ampdoctor.runfile.schema import Fp8Format, Kind, Recipe, Role
 
@@ -156,3 +156,18 @@ def test_the_fp8_diagnosis_imports_no_torch():
                          env=python_env(), cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_layer_headroom_is_the_least_over_its_operands_and_flushed_is_its_own_casts():
+    rows = np.concatenate([
+        row(0, 1, Role.INPUT, Recipe.DELAYED, amax=2.0, scale=224.0),  # 0 binades
+        row(0, 1, Role.GRAD_OUTPUT, Recipe.DELAYED, amax=4.0, scale=57344.0),  # -2
+        row(1, 1, Role.INPUT, Recipe.DELAYED, amax=np.nan),  # no scale covers it
+        row(1, 1, Role.WEIGHT, Recipe.DELAYED, amax=1.0),
+        row(0, 1, Role.INPUT, Recipe.ROWWISE, flushed=100, zeros=500),  # 20 % of 500
+        row(0, 1, Role.INPUT, Recipe.TENSOR, flushed=900),  # not fc1's cast: left out
+    ])
+    found = layer_headroom(rows, {0: "fc1", 1: "fc2"}, {"fc1": layer("rowwise")})
+    assert found[(1, "fc1")] == (-2.0, 0.2)
+    room, lost = found[(1, "fc2")]
+    assert np.isnan(room) and np.isnan(lost)  # fc2 is not in fp8: no share of its own

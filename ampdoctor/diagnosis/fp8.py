@@ -93,6 +93,24 @@ class Cast:
         return None
 
 
+@dataclass
+class Baseline:
+    """The run an fp8 run is measured against (``diagnose(..., baseline=)``): its path, its
+    /steps, its fp8 layers (a baseline should have none) and its precision in a word."""
+
+    path: str
+    steps: np.ndarray
+    fp8_layers: dict
+    precision: str
+
+    @classmethod
+    def of(cls, run: Any) -> "Baseline":
+        ac = run.autocast or {}
+        precision = "fp32" if not ac.get("enabled") else \
+            {"bfloat16": "bf16", "float16": "fp16"}.get(str(ac.get("dtype")), "fp32")
+        return cls(str(run.path), run.steps, fp8_layers(run), precision)
+
+
 def fp8_layers(run: Any) -> dict[str, dict]:
     """/meta ``fp8_layers``: the layers the run trains in fp8 (``Run.fp8_layers``)."""
     return run.fp8_layers if hasattr(run, "fp8_layers") else {}

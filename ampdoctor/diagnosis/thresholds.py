@@ -31,3 +31,8 @@ SHORT_RUN = 50
 # run in fp8 made; release/fp8.py: the readiness of every Linear)
 FP8_FLUSHED = 1e-2
 FP8_SUBNORMAL = 0.1
+# Parity of two loss curves (diagnosis/parity.py): their trailing means agree within 2 %
+# ("match"), or one goes beyond 10 % and never comes back within 2 % ("diverged"). (release/
+# comparison.py: fp32 parity; rules/fp8.py: an fp8 run's drift from its baseline)
+PARITY_RTOL = 0.02
+PARITY_DIVERGE = 0.10

@@ -96,6 +96,10 @@ TABLE = (
             "sampled steps: a zero amax (torchao clamps it, silently), a clamped one, or "
             "every value cast to 0", 52, "fp8", "neither",
             (_FP8 + "test_a_layer_fed_zeros_on_some_steps_is_flushed_whole",)),
+    Verdict("fp8_drift", "a run in fp8 whose loss drifts from its bf16 baseline's (diagnose "
+            "--baseline) with no NaN: the layer whose casts lose the most named",
+            51, "fp8", "neither", (_FP8 + "test_an_fp8_run_that_drifts_from_its_baseline_"
+                                   "names_the_layer",)),
     Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "
             "says what was checked)", 15, "learning", "neither", ("not_learning",)),
     Verdict("state_poisoning", "BatchNorm/buffers non-finite while the weights are finite",

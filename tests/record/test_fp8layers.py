@@ -6,11 +6,15 @@ fixtures of ``fp8_flushed``, ``fp8_grad_underflow`` and ``fp8_drift``."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import ROOT, python_env
 
 import ampdoctor
 
@@ -240,3 +244,51 @@ def test_export_writes_each_layers_fp8_headroom_falling_under_a_growing_outlier(
         assert all(abs(kept[s]) < 0.5 for s in (1, 2, 3)), (name, kept)
     assert "ampdoctor-fp8-flushed/2" in growing and "ampdoctor-fp8-flushed/4" not in growing
     assert "ampdoctor-fp8-headroom/4" in growing  # kept in bf16, still a Linear with a headroom
+
+
+def _regression(path, fp8: bool):
+    """Three Linears fitting a linear map from inputs whose channel 5 is 3000x the others
+    (docs/fp8.md's example, 100x stronger): the same seed, data and steps with or without
+    fp8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 16))
+    if fp8:
+        converted(model, "tensorwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 32, generator=g)
+    x[:, 5] *= 3000
+    y = x @ torch.randn(32, 16, generator=g) / 3000
+    with ampdoctor.watch(model, opt, path=path, every=5, strict=True):
+        for _ in range(40):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_an_fp8_run_that_drifts_from_its_baseline_names_the_layer(tmp_path):
+    """The fp8 run's loss leaves the fp32 baseline's (compare: diverged) with no NaN;
+    diagnose --baseline names the drift, from the step compare names, and the layer whose
+    casts lose the most; without the baseline, nothing about a drift is said."""
+    base, fp8 = str(tmp_path / "base.h5"), str(tmp_path / "fp8.h5")
+    _regression(base, False)
+    _regression(fp8, True)
+    c = ampdoctor.compare(base, fp8)
+    d = ampdoctor.diagnose(fp8, baseline=base)
+    assert c.verdict == "diverged" and d.verdict == "fp8_drift", d.summary
+    assert d.first_bad["step"] == c.divergence_step
+    assert d.first_bad["module"] == "0"  # its input holds the 3000x channel
+    assert d.evidence[1].module == "0" and "18." in d.evidence[1].text  # % subnormal
+    assert d.fixes[0].id == "fp8_keep_layer" and d.fixes[0].apply == "fp8=tensorwise:keep=0"
+    assert {p.name: p.status for p in d.premises} == {"baseline_not_fp8": "held",
+                                                       "same_training": "held"}
+    assert ampdoctor.diagnose(fp8).verdict != "fp8_drift"
+    # a baseline that is itself in fp8 is none: the premise fails
+    again = ampdoctor.diagnose(fp8, baseline=fp8)
+    assert again.verdict != "fp8_drift"
+    out = subprocess.run([sys.executable, "-m", "ampdoctor", "diagnose", fp8, "--baseline",
+                          base, "--format", "json"], capture_output=True, text=True,
+                         env=python_env(), cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["verdict"] == "fp8_drift"

@@ -15,7 +15,8 @@ holds it):
 * ``hidden.py``: an overflow hidden inside a module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``fp8.py``: a run already in fp8 (torchao's Float8Linear) whose casts lose a layer's values:
-  an operand flushed whole, a gradient that underflows its format;
+  an operand flushed whole, a gradient that underflows its format, a loss that drifts from
+  the baseline's (``diagnose --baseline``);
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -74,6 +75,7 @@ RULES = [
     fallbacks.rule_nonfinite,
     fp8.rule_fp8_grad_underflow,
     fp8.rule_fp8_flushed,
+    fp8.rule_fp8_drift,
     progress.rule_diverged,
     progress.rule_dead_units,
     learning.rule_not_learning,

@@ -8,15 +8,18 @@ casts its fp8 layers made on the sampled steps (``diagnosis/fp8.py``):
   its non-zero values (or ``FP8_SUBNORMAL`` go subnormal) in the format the layer casts it
   to; the discriminator is the same gradient under per-tensor e5m2 scaling (the /fp8
   ``tensorwise`` row): where that keeps it, the e4m3 format is the cause and per-tensor
-  scaling the fix, else the layer stays in bf16.
+  scaling the fix, else the layer stays in bf16;
+* ``fp8_drift``: the loss drifts from a bf16 (or fp32) baseline's, beyond the parity
+  tolerance ``ampdoctor compare`` uses (``diagnosis/parity.py``), with no NaN; given only
+  with the baseline (``diagnose fp8.h5 --baseline bf16.h5``). The layer named is the one whose
+  own casts lose the most (lowest SQNR): a ranking, not a proof.
 
 No NaN is needed, and none is made: torchao's casts saturate and clamp, so these failures
 show only as lost values. Not decided here: saturation (current scaling maps the amax to the
 top of the format on every step, so torchao 0.18's recipes never clamp; the delayed recipe
 that could was removed from torchao), a delayed scale behind an amax jump (only the /fp8
-``delayed`` emulation shows it, as the readiness's ``saturates``), amaxes that differ across
-ranks (each rank's file holds its own casts; the rank merge does not compare them), and drift
-against a bf16 baseline (``ampdoctor compare base.h5 fp8.h5`` measures it; it names no layer).
+``delayed`` emulation shows it, as the readiness's ``saturates``), and amaxes that differ
+across ranks (each rank's file holds its own casts; the rank merge does not compare them).
 """
 
 from __future__ import annotations
@@ -24,16 +27,22 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 from ...numfmt import fmt
 from ...runfile.schema import Recipe
-from .. import fixes
+from .. import fixes, parity
 from ..facts import Facts
 from ..fp8 import Cast, Casts, casts, fp8_layers
-from ..thresholds import FP8_FLUSHED, FP8_SUBNORMAL
+from ..thresholds import FP8_FLUSHED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # What each cast is called in a sentence: torchao's granularity and the element format.
 _CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise"}
+# The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
+# below it loses twice the error rounding does.
+ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}
+DEFICIT_DB = 3.0
 _WHOLE = {"zero": "was entirely zero (amax 0; torchao clamps it at 1e-12 and casts zeros)",
           "clamped": "had an amax below torchao's floor of 1e-12: its scale was clamped",
           "flushed": "had every non-zero value cast to 0"}
@@ -136,6 +145,82 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
                               if wide is not None else "the per-tensor e5m2 cast was not "
                               "measured on that step")]
     return found
+
+
+def rule_fp8_drift(f: Facts) -> Optional[Finding]:
+    """A run in fp8 whose loss drifts from its baseline's (``diagnose --baseline``) with no
+    NaN: the layer whose own casts lose the most named first."""
+    base, made = f.baseline, _casts(f)[0]
+    if base is None or not made or f.failure_index is not None or f.loss_bad.any():
+        return None
+    lined = parity.line_up(base.steps, f.steps)
+    if lined is None or np.isinf(lined.raw).any():
+        return None  # (a loss non-finite where the baseline's is not: not a drift)
+    decided = ~np.isnan(lined.smooth)
+    beyond = np.flatnonzero(decided & (lined.smooth > PARITY_RTOL))
+    if not len(beyond):
+        return None  # within the tolerance: the fp8 run matches its baseline
+    start = parity.diverged_at(lined.smooth, lined.raw, lined.w, PARITY_RTOL, PARITY_DIVERGE)
+    began = int(lined.steps[start if start is not None else beyond[0]])
+    last = int(np.flatnonzero(decided)[-1])
+    worst = _worst_casts(made)
+    first = worst[0]
+    out = _stands_out(first)
+    how = "diverges from" if start is not None else "drifts from"
+    ev = [Evidence(f"the loss {how} the {base.precision} baseline ({base.path}) from step "
+                   f"{began}: {lined.smooth[last]:.1%} apart at step {lined.steps[last]} "
+                   f"(trailing mean of {lined.w} steps; {PARITY_RTOL:.0%} is within), no "
+                   "NaN, no inf", "fp8_drift", float(lined.smooth[last]), began)]
+    ev += [Evidence(f"{c.layer}'s {_role(c.role)} ({_cast(f, c)}) on sampled step {c.step}: "
+                    f"{_lost_text(c)}, SQNR {c.sqnr_db:.1f} dB (rounding alone: about "
+                    f"{ROUNDING_DB[c.format]:.0f})", "fp8_cast_loss", _badness(c)[0], c.step,
+                    c.layer) for c in worst[:3]]
+    which = (f"Of its fp8 layers, {first.layer}'s casts lose the most ({_role(first.role)}: "
+             f"{_lost_text(first)}, SQNR {first.sqnr_db:.1f} dB): keep it in bf16 first. A "
+             "ranking from the casts, not a proof" if out else
+             "No fp8 layer's cast loses more than its format's rounding: the drift is that "
+             f"rounding, compounded over the layers and steps; {first.layer}, with the least "
+             "margin, is only the first to try")
+    found = Finding("fp8_drift", (0.7 if start is not None else 0.6) if out else 0.45,
+                    f"The fp8 run's loss {how} its {base.precision} baseline from step {began} "
+                    f"({lined.smooth[last]:.1%} apart at step {lined.steps[last]}) with no NaN. "
+                    f"{which}: `record --apply` with it kept, then `compare`, says whether it "
+                    "was the one.", ev, fixes.make(["fp8_keep_layer"], _context(f, first)),
+                    first_bad(began, first.layer, _phase(first.role)),
+                    priority=PRIORITY["fp8_drift"], kind="diverged" if start is not None
+                    else "drift")
+    ok = not base.fp8_layers
+    found.premises = [Premise("baseline_not_fp8", HELD if ok else FAILED,
+                              f"{base.path} trains no layer in fp8" if ok else
+                              f"{base.path} trains {len(base.fp8_layers)} layers in fp8 too: "
+                              "it is no baseline for fp8"),
+                      Premise("same_training", HELD, f"{len(lined.steps)} steps in common, "
+                              f"the baseline's loss finite on "
+                              f"{int(np.isfinite(lined.base).sum())} of them")]
+    return found
+
+
+def _worst_casts(made: list[Cast]) -> list[Cast]:
+    """Each fp8 layer's worst cast over its operands and sampled steps, the worst layer first:
+    by the share of values lost (flushed, and a tenth of those left subnormal, as the
+    readiness ranks), then by the SQNR below what the format's rounding alone gives."""
+    worst: dict[str, Cast] = {}
+    for c in made:
+        if c.layer not in worst or _badness(c) > _badness(worst[c.layer]):
+            worst[c.layer] = c
+    return sorted(worst.values(), key=lambda c: (_badness(c), c.layer), reverse=True)
+
+
+def _badness(c: Cast) -> tuple[float, float]:
+    sub = c.subnormal / c.nonzero if c.nonzero else 0.0
+    deficit = ROUNDING_DB[c.format] - c.sqnr_db if not math.isnan(c.sqnr_db) else 0.0
+    return (c.flushed_share + sub / 10, deficit)
+
+
+def _stands_out(c: Cast) -> bool:
+    """A cast that loses more than rounding: past the readiness thresholds, or 3 dB (half the
+    signal's precision bits' worth of one) below the format's rounding SQNR."""
+    return _lost(c) or _badness(c)[1] > DEFICIT_DB
 
 
 def _lost(c: Cast) -> bool:

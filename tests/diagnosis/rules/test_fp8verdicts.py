@@ -171,3 +171,46 @@ def test_layer_headroom_is_the_least_over_its_operands_and_flushed_is_its_own_ca
     assert found[(1, "fc1")] == (-2.0, 0.2)
     room, lost = found[(1, "fc2")]
     assert np.isnan(room) and np.isnan(lost)  # fc2 is not in fp8: no share of its own
+
+
+# -- fp8_drift: against a baseline ------------------------------------------------------------
+
+
+def _drifting(gap: float, n: int = 60):
+    """An fp8 run whose loss ends ``gap`` above its baseline's (from step 20 on), fc1's input
+    losing 20 % of its values; and the baseline."""
+    rows = healthy(steps=range(0, n, 10))
+    rows += [row(0, s, Role.INPUT, flushed=200) for s in range(0, n, 10)]
+    rows = [r for r in rows if not (r["tensor"][0] == 0 and r["role"][0] == Role.INPUT
+                                    and r["flushed"][0] == 0)]
+    run = run_with(rows, n=n)
+    base = Synth(n, dtype="bfloat16", scaler=False).run()
+    run.steps["loss"] = base.steps["loss"] * np.where(np.arange(n) >= 20, 1 + gap, 1.0)
+    return run, base
+
+
+def test_a_run_in_fp8_that_drifts_from_its_baseline_names_the_layer_that_loses_most():
+    run, base = _drifting(0.3)
+    d = diagnose(run, baseline=base)
+    assert d.verdict == "fp8_drift" and d.first_bad["module"] == "fc1"
+    assert d.first_bad["step"] == 20 and d.to_dict()["causes"][0]["verdict"] == "fp8_drift"
+    assert "fc1's casts lose the most" in d.summary
+    assert d.fixes[0].apply == "fp8=tensorwise:keep=fc1"
+
+
+def test_no_drift_without_a_baseline_within_the_tolerance_or_against_an_fp8_baseline():
+    run, base = _drifting(0.3)
+    assert diagnose(run).verdict != "fp8_drift"  # one run has nothing to drift from
+    run, base = _drifting(0.01)
+    assert diagnose(run, baseline=base).verdict != "fp8_drift"  # within compare's 2 %
+    run, base = _drifting(0.3)
+    base.meta["fp8_layers"] = {"fc1": layer("tensorwise")}
+    d = diagnose(run, baseline=base)
+    assert d.verdict != "fp8_drift"
+    assert [r["verdict"] for r in d.to_dict()["rejected"]] == ["fp8_drift"]
+
+
+def test_a_nan_in_the_fp8_run_is_not_a_drift():
+    run, base = _drifting(0.3)
+    run.steps["loss"][40] = np.nan
+    assert diagnose(run, baseline=base).verdict != "fp8_drift"

@@ -102,20 +102,22 @@ def load(path: Any) -> "Run":
 
 
 def diagnose(run: Any, *, rank: Optional[int] = None,
-             rules: Optional[Iterable[Callable]] = None) -> "Diagnosis":
+             rules: Optional[Iterable[Callable]] = None, baseline: Any = None) -> "Diagnosis":
     """Diagnose a run: a path, a list of rank files' paths, or a loaded ``Run``. ``rank``: one
     rank file of a torchrun job on its own; ``rules``: the rules to try (default
-    ``ampdoctor.diagnosis.rules.RULES``).
+    ``ampdoctor.diagnosis.rules.RULES``); ``baseline``: the same training in bf16 or fp32 (a
+    path or a ``Run``) that a run in fp8 is measured against (``fp8_drift``).
 
     Example::
 
         d = ampdoctor.diagnose("run.h5")
         d.verdict, d.first_bad, [fx.id for fx in d.fixes]
         ampdoctor.diagnose("run.h5", rank=3)     # rank 3's own diagnosis
+        ampdoctor.diagnose("fp8.h5", baseline="bf16.h5")
     """
     from .diagnosis.engine import diagnose as _diagnose
 
-    return _diagnose(run, rank=rank, rules=rules)
+    return _diagnose(run, rank=rank, rules=rules, baseline=baseline)
 
 
 def compare(base: Any, amp: Any, **options: Any) -> "Comparison":

@@ -80,7 +80,11 @@ def record(output: str, every: Optional[int], force: bool, quiet: bool,
               show_default=True, help="Exit 1 when the verdict is not healthy (for CI).")
 @click.option("--rank", type=click.IntRange(min=0), default=None, metavar="R",
               help="Of a torchrun job's rank files, diagnose rank R's alone.")
-def diagnose(run: str, fmt: str, fail_on: str, rank: Optional[int]) -> None:
+@click.option("--baseline", type=click.Path(dir_okay=False), default=None, metavar="BASE",
+              help="The same training in bf16 (or fp32): a run in fp8 is measured against it "
+                   "(fp8_drift).")
+def diagnose(run: str, fmt: str, fail_on: str, rank: Optional[int],
+             baseline: Optional[str]) -> None:
     """Say what went wrong in a recorded run, where, and what to change.
 
     The rank files of a torchrun job (run.rank{R}.h5) are diagnosed together: which rank went
@@ -90,11 +94,12 @@ def diagnose(run: str, fmt: str, fail_on: str, rank: Optional[int]) -> None:
         ampdoctor diagnose run.h5
         ampdoctor diagnose run.h5 --format json
         ampdoctor diagnose run.h5 --rank 3       # one rank's own diagnosis
+        ampdoctor diagnose fp8.h5 --baseline bf16.h5
     """
     from .diagnosis import engine
     from .render.diagnosis import render
 
-    d = engine.diagnose(run, rank=rank)
+    d = engine.diagnose(run, rank=rank, baseline=baseline)
     click.echo(render(d, fmt), nl=False)
     if d.verdict in engine.EMPTY:  # nothing to diagnose: unusable input, exit 2
         reason = d.summary.rstrip(".")

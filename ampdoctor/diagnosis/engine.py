@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, jobfiles, objectives, proofs, ranks, rankview
+from . import forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
@@ -42,16 +42,18 @@ __all__ = ["EMPTY", "RULES", "VERDICTS", "Diagnosis", "Evidence", "Finding", "di
 
 
 def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
-             rank: Optional[int] = None) -> Diagnosis:
+             rank: Optional[int] = None, baseline: Any = None) -> Diagnosis:
     """Diagnose a run: a path or a loaded ``Run``. The rank files of a torchrun job (``run.h5``
     absent, ``run.rank{R}.h5`` beside it) are diagnosed together; ``rank`` diagnoses one of
-    them on its own.
+    them on its own. ``baseline`` (a path or a ``Run``): the same training in bf16 (or fp32)
+    that a run in fp8 is measured against (``fp8_drift``).
 
     Example::
 
         d = ampdoctor.diagnose("run.h5")
         d.verdict, d.first_bad, [fx.id for fx in d.fixes]
         ampdoctor.diagnose("run.h5", rank=3)     # rank 3's own diagnosis
+        ampdoctor.diagnose("fp8.h5", baseline="bf16.h5")
     """
     from ..runfile.store import Run, load
 
@@ -60,15 +62,20 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
         if rank is not None:
             paths = [_rank_file(run, paths, rank)]
         if len(paths) > 1:
+            if baseline is not None:
+                raise AmpDoctorError(f"{run} is {len(paths)} rank files: a baseline is "
+                                     "compared with one (--rank R names it)")
             return diagnose_files(paths, rules=rules)
         with load(paths[0]) as loaded:
-            return diagnose(loaded, rules=rules, rank=rank)
+            return diagnose(loaded, rules=rules, rank=rank, baseline=baseline)
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
     if rank is not None and run.rank != rank:
         raise AmpDoctorError(f"{run.path or 'the run'} is rank {run.rank}'s file, not rank "
                              f"{rank}'s")
     facts = Facts(run)
+    if baseline is not None:
+        facts.baseline = _baseline(baseline)
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
     d = ranks.per_shard(_conclude(facts, findings), run.meta)
@@ -80,6 +87,16 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
     elif step is not None:
         d.forecast = forecast.for_diagnosis(run, int(step))
     return d
+
+
+def _baseline(baseline: Any) -> fp8.Baseline:
+    """The baseline's steps and fp8 layers, read (a path) or taken (a ``Run``)."""
+    from ..runfile.store import Run, load
+
+    if isinstance(baseline, Run):
+        return fp8.Baseline.of(baseline)
+    with load(os.fspath(baseline)) as loaded:
+        return fp8.Baseline.of(loaded)
 
 
 def _rank_file(run: Any, paths: list[str], rank: int) -> str:

@@ -104,6 +104,8 @@ class Facts:
         self.meta = run.meta
         self.chunk = chunk
         self._cache: dict[str, Any] = {}
+        # the run this one is measured against (``diagnose(..., baseline=)``: fp8.Baseline)
+        self.baseline: Any = None
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, computed on the first call with ``key`` and kept (a view other modules

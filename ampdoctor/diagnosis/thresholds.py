@@ -23,3 +23,16 @@ RUNAWAY_SCALE = 2.0 ** 24
 UNCHANGED_HIGH = 0.5
 # Below this many steps a run is "short": trends need several sampled steps. (engine, progress)
 SHORT_RUN = 50
+# fp8: a non-zero value cast to exactly 0 loses everything; one in a hundred of a tensor's
+# non-zero values flushed is where a layer's output visibly shifts (its mean loses that share
+# of its terms), far above a healthy tensor's (about 1e-5 for a Gaussian under per-tensor e4m3:
+# only |x| below amax / 2**19 flush). A tenth subnormal (1 to 3 significant bits, not 4) is a
+# tensor squeezed to the bottom of the range by a few large values. (rules/fp8.py: the casts a
+# run in fp8 made; release/fp8.py: the readiness of every Linear)
+FP8_FLUSHED = 1e-2
+FP8_SUBNORMAL = 0.1
+# Parity of two loss curves (diagnosis/parity.py): their trailing means agree within 2 %
+# ("match"), or one goes beyond 10 % and never comes back within 2 % ("diverged"). (release/
+# comparison.py: fp32 parity; rules/fp8.py: an fp8 run's drift from its baseline)
+PARITY_RTOL = 0.02
+PARITY_DIVERGE = 0.10

@@ -48,6 +48,7 @@ class Verdict:
 
 _DIAG = "tests/diagnosis/test_diagnosis.py::"
 _OVERFLOW = "tests/diagnosis/rules/test_overflow.py::"
+_FP8 = "tests/record/test_fp8layers.py::"
 TABLE = (
     Verdict("healthy", "no failure; GradScaler calibration and probing skips are normal",
             None, "engine", "neither", ("healthy_fp16", "healthy_bf16")),
@@ -87,6 +88,18 @@ TABLE = (
     Verdict("dead_units",
             "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
             53, "progress", "neither", ("dead_units",)),
+    Verdict("fp8_grad_underflow", "a layer trained in fp8 loses its output gradient's values "
+            "in the format it casts it to (e4m3 row-wise: e5m2 per tensor keeps them)",
+            57, "fp8", "neither", (_FP8 + "test_a_gradient_that_underflows_e4m3_rowwise_is_"
+                                   "diagnosed_with_its_layer",)),
+    Verdict("fp8_flushed", "a layer trained in fp8 had an operand flushed whole on some "
+            "sampled steps: a zero amax (torchao clamps it, silently), a clamped one, or "
+            "every value cast to 0", 52, "fp8", "neither",
+            (_FP8 + "test_a_layer_fed_zeros_on_some_steps_is_flushed_whole",)),
+    Verdict("fp8_drift", "a run in fp8 whose loss drifts from its bf16 baseline's (diagnose "
+            "--baseline) with no NaN: the layer whose casts lose the most named",
+            51, "fp8", "neither", (_FP8 + "test_an_fp8_run_that_drifts_from_its_baseline_"
+                                   "names_the_layer",)),
     Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "
             "says what was checked)", 15, "learning", "neither", ("not_learning",)),
     Verdict("state_poisoning", "BatchNorm/buffers non-finite while the weights are finite",

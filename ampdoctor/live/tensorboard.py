@@ -17,6 +17,12 @@ the curves line up with a loop that logs by optimizer step):
                                       multiplied by the loss scale)
 ``ampdoctor-underflow/{kind}/{layer}`` share of a gradient's non-zero values subnormal or
                                       flushed in fp16 (``readiness.underflow_share``)
+``ampdoctor-fp8-headroom/{layer}``    sampled steps, every Linear: binades between its
+                                      operands' amax and the fp8 format's top under the scale
+                                      delayed scaling would have set (the least of input,
+                                      weight, output gradient; <= 0 saturates)
+``ampdoctor-fp8-flushed/{layer}``     a layer already in fp8: the largest share of an
+                                      operand's non-zero values its own cast flushed
 ``ampdoctor/forensics`` (text)        each forensic replay: the step, the culprit, fp32's answer
 ``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
 ====================================  =========================================================
@@ -40,6 +46,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import stat
@@ -50,6 +57,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import safe
+from ..diagnosis import fp8
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
 from ..release.curves import extremes
@@ -138,6 +146,7 @@ class _RunWriter:
         self._steps(delta.rows["steps"])
         self._groups(delta.rows["groups"], state)
         self._layers(delta, state)
+        self._fp8(delta.rows.get("fp8"), state)
         self._forensics(delta.rows["snapshots"], state)
 
     def _steps(self, rows: np.ndarray) -> None:
@@ -200,6 +209,23 @@ class _RunWriter:
         for step in steps:
             self.scalars_at(step, walls[step], [(tag, v) for (s, tag), v in best.items()
                                                 if s == step])
+
+    def _fp8(self, rows: Optional[np.ndarray], state: Any) -> None:
+        """fp8 headroom and the share flushed per sampled step and layer (``diagnosis.fp8``)."""
+        if rows is None or not len(rows):
+            return
+        names = {int(t): str(n) for t, n in zip(state.tensors["id"], state.tensors["name"])}
+        found = fp8.layer_headroom(rows, names, state.meta.get("fp8_layers") or {})
+        steps = sorted({step for step, _ in found})
+        walls = dict(zip(steps, _walls(state, np.array(steps, np.int64))))
+        for step in steps:
+            values = []
+            for (s, name), (room, lost) in found.items():
+                if s == step and math.isfinite(room):
+                    values.append((f"ampdoctor-fp8-headroom/{name}", room))
+                if s == step and not math.isnan(lost):
+                    values.append((f"ampdoctor-fp8-flushed/{name}", lost))
+            self.scalars_at(step, walls[step], values)
 
     def _forensics(self, snapshots: np.ndarray, state: Any) -> None:
         if not len(snapshots):

@@ -38,7 +38,7 @@ import torch
 
 from ..runfile import schema
 from ..runfile.schema import Fp8Format, Kind, Recipe, Role
-from . import stats
+from . import fp8layers, stats
 from .readback import HostRead
 from .sharding import local
 
@@ -351,6 +351,10 @@ class Fp8Probe:
         self.history_len = history
         self.operands: list[Operand] = []
         self._history: dict[torch.device, History] = {}
+        # The layers already in fp8 (torchao's Float8Linear), by name: /meta fp8_layers, which
+        # the recorder writes at the drain after ``layers_changed``.
+        self.layers: dict[str, dict] = {}
+        self.layers_changed = False
 
     def on_module(self, module: torch.nn.Module, name: str, call: int, args: tuple,
                   output: Any) -> None:
@@ -361,6 +365,9 @@ class Fp8Probe:
         if weight is None or out is None:
             return
         try:
+            if name not in self.layers and fp8layers.is_float8(module):
+                self.layers[name] = fp8layers.describe(module) or {}
+                self.layers_changed = True
             tid = self.tensor_id(Kind.OUTPUT, name, 0, out, type(module).__name__)
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if x is not None and stats.measurable(x):

@@ -754,6 +754,9 @@ class Hooks:
         self.journal.file.append("stats", rows())
         if fp8 is not None:
             self.journal.file.append("fp8", fp8())
+            if sampler.fp8 is not None and sampler.fp8.layers_changed:
+                sampler.fp8.layers_changed = False
+                self.journal.meta("fp8_layers", dict(sampler.fp8.layers), st.index)
         if probe is not None and probe.error is not None:  # the probe stepped aside; the
             self._probe = None                              # recorder goes on
             if self.journal.strict:

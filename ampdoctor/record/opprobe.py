@@ -83,7 +83,7 @@ class _Probe(TorchFunctionMode):
 
 def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0 and \
-        t.layout == torch.strided and t.device.type != "meta"
+        t.layout == torch.strided and t.device.type != "meta" and t.dtype.itemsize > 1
 
 
 def _presence(tensors: list) -> tuple[list[int], float]:
@@ -469,9 +469,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _probed(t: Any) -> bool:
     """A plain dense floating tensor with values, not an inference tensor (an evaluation inside
     the step, with no version counter to key it by), in the order cheapest first: this runs
-    on every op's every tensor."""
+    on every op's every tensor. Not an fp8 (or fp4) one: one byte per element, no aminmax on a
+    CPU (``aminmax_cpu`` not implemented for Float8_e4m3fn), and a saturating cast in front of
+    it that makes no inf (torchao's Float8Linear: the probe sees its high-precision side)."""
     return type(t) in _PLAIN and t.is_floating_point() and t.layout is torch.strided and \
-        not t.is_meta and t.numel() > 0 and not t.is_inference()
+        not t.is_meta and t.dtype.itemsize > 1 and t.numel() > 0 and not t.is_inference()
 
 
 def _results(out: Any) -> tuple:

@@ -41,13 +41,16 @@ from typing import Any, Optional
 import numpy as np
 
 from ..diagnosis import layers as _layers
+from ..diagnosis import parity
 from ..diagnosis.layers import Kind
+from ..diagnosis.parity import LOSS_FLOOR, diverged_at, relative, trailing
+from ..diagnosis.thresholds import PARITY_DIVERGE, PARITY_RTOL
 from ..display import Displayable
 from ..errors import AmpDoctorError
 from ..numfmt import count
 from ..runfile.store import opened
 from . import fix_outcome
-from .curves import LOSS_FLOOR, percent, relative, trailing
+from .curves import percent
 from .readiness import Readiness, fp16_readiness, plain
 
 VERDICTS = {
@@ -55,9 +58,8 @@ VERDICTS = {
     "drift": "the loss differs beyond the tolerance somewhere, without diverging",
     "diverged": "the mixed-precision loss departs from the baseline and does not come back",
 }
-RTOL = 0.02
-DIVERGE = 0.10
-MAX_WINDOW = 100
+RTOL = PARITY_RTOL
+DIVERGE = PARITY_DIVERGE
 TOP_LAYERS = 10
 COMPARED_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 
@@ -143,7 +145,7 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
     usable = np.isfinite(lb)
     if not len(common) or (kind == "parity" and not usable.any()):
         raise AmpDoctorError(_nothing_to_compare(b, a, len(common)))
-    w = window or int(np.clip(len(common) // 10, 1, MAX_WINDOW))
+    w = window or parity.window(len(common))
     c = Comparison(verdict="match", summary="", base=describe(b), amp=describe(a),
                    tolerance={"rtol": rtol, "diverge": diverge, "window": w},
                    common_steps=int(len(common)), kind=kind)
@@ -199,31 +201,12 @@ def _loss_verdict(c: Comparison, steps: np.ndarray, raw: np.ndarray, smooth: np.
     c.max_rel_raw = float(np.nanmax(raw)) if (~np.isnan(raw)).any() else math.nan
     last = int(np.flatnonzero(decided)[-1])
     c.final_rel, c.final_step = float(smooth[last]), int(steps[last])
-    start = _divergence_start(smooth, decided, rtol, diverge)
-    if start is not None:
-        # The trailing mean crosses late by up to w-1 steps: the first step of its window
-        # whose own difference crosses is where it began.
-        lo = max(start - w + 1, 0)
-        crossing = np.flatnonzero(raw[lo:start + 1] > diverge)
-        first = lo + int(crossing[0]) if len(crossing) else start
+    first = diverged_at(smooth, raw, w, rtol, diverge)
+    if first is not None:
         c.verdict, c.divergence_step = "diverged", int(steps[first])
     elif c.max_rel > rtol or c.nonfinite_count:
         c.verdict = "drift"
     c.summary = _loss_summary(c, rtol, diverge, w)
-
-
-def _divergence_start(smooth: np.ndarray, decided: np.ndarray, rtol: float,
-                      diverge: float) -> Optional[int]:
-    """First position, after the smoothed difference was last within ``rtol``, where it is
-    above ``diverge``: the two tolerances make a hysteresis, so a diverged run's noisy batches
-    that come near the baseline again do not undo the verdict, and one excursion that came
-    back within ``rtol`` is no divergence."""
-    pos = np.flatnonzero(decided)
-    values = smooth[pos]
-    within = np.flatnonzero(values <= rtol)
-    after = int(within[-1]) + 1 if len(within) else 0
-    out = np.flatnonzero(values[after:] > diverge)
-    return int(pos[after + out[0]]) if len(out) else None
 
 
 def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:

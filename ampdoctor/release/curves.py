@@ -1,13 +1,13 @@
-"""Two loss curves lined up by step: trailing means, relative differences, and percentages as
-people read them.
+"""Loss curves for people: a long series thinned to its shape, and percentages as people read
+them (two curves' trailing means and relative differences: ``diagnosis/parity.py``, where the
+diagnosis decides an fp8 run's drift from its baseline on them too).
 
-numpy only. fp32 parity (``comparison``) decides its verdict on these; a run against its fix
-(``fix_outcome``) measures with them how far apart the two losses are where both are finite.
+numpy only.
 
 Example::
 
-    rel = relative(trailing(base, 10), trailing(amp, 10), LOSS_FLOOR * np.nanmax(abs(base)))
-    percent(float(np.nanmax(rel)))          # '0.19%'
+    idx = extremes(loss, 2000)              # a million steps drawn in about 2000 points
+    percent(0.0019)                         # '0.19%'
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import math
 from typing import Optional
 
 import numpy as np
-
-LOSS_FLOOR = 1e-3  # of the baseline's largest loss: the smallest denominator
 
 
 def extremes(y: np.ndarray, max_points: int) -> np.ndarray:
@@ -36,30 +34,6 @@ def extremes(y: np.ndarray, max_points: int) -> np.ndarray:
     lo = base + np.argmin(np.where(nan, np.inf, yy), axis=1)
     idx = np.unique(np.concatenate([lo, hi]))
     return idx[idx < n]
-
-
-def trailing(x: np.ndarray, w: int) -> np.ndarray:
-    """Mean of the last ``w`` values at each position; non-finite if any of them is."""
-    if w <= 1:
-        return x.copy()
-    finite = np.isfinite(x)
-    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, x, 0.0))])
-    cbad = np.concatenate([[0], np.cumsum(~finite)])
-    idx = np.arange(len(x))
-    lo = np.maximum(idx - w + 1, 0)
-    mean = (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
-    mean[(cbad[idx + 1] - cbad[lo]) > 0] = np.nan
-    return mean
-
-
-def relative(base: np.ndarray, amp: np.ndarray, floor: float) -> np.ndarray:
-    """|amp - base| / max(|base|, floor); inf where only amp is non-finite, NaN where the
-    baseline is (those steps decide nothing)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        rel = np.abs(amp - base) / np.maximum(np.abs(base), max(floor, 1e-30))
-    rel[~np.isfinite(amp)] = np.inf
-    rel[~np.isfinite(base)] = np.nan
-    return rel
 
 
 def percent(x: Optional[float], digits: int = 2) -> str:

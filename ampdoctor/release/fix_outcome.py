@@ -29,9 +29,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..diagnosis.parity import LOSS_FLOOR, relative, trailing
 from ..numfmt import count, fmt
 from ..runfile.schema import Event, flag
-from .curves import LOSS_FLOOR, percent, relative, trailing
+from .curves import percent
 from .readiness import precision
 
 VERDICTS = {

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..diagnosis.thresholds import FP8_FLUSHED, FP8_SUBNORMAL
 from ..runfile.schema import Recipe, Role, columns
 from .readiness import plain
 
@@ -42,15 +43,10 @@ _COLUMNS = columns("fp8", "step", "tensor", "role", "recipe", "sample_n", "zeros
                    "subnormal", "saturated", "sqnr_db", "amax")
 
 # The thresholds, each with its reason (the one place they are written down).
-# Flushed: a non-zero value that fp8 makes exactly 0 loses everything; one in a hundred of a
-# tensor's non-zero values is the share at which a layer's output visibly shifts (its mean
-# loses that share of its terms), far above what a healthy tensor shows (about 1e-5 for a
-# Gaussian under per-tensor e4m3: only |x| below amax / 2**19 flush).
-FLUSHED = 1e-2
-# Subnormal: below e4m3's smallest normal (2**-6) a value keeps 1 to 3 significant bits, not
-# 4; with a tenth of the values there, the tensor is being squeezed to the bottom of the range
-# by a few large ones (the outlier-channel signature), whatever its SQNR says.
-SUBNORMAL = 0.1
+# Flushed and subnormal: shares of the non-zero values (diagnosis/thresholds.py, where the
+# casts of a run already in fp8 are judged by the same).
+FLUSHED = FP8_FLUSHED
+SUBNORMAL = FP8_SUBNORMAL
 # Saturated: a value clamped to the format's max has an error that grows with it. One in a
 # thousand clamped (the sample's resolution is 1 in 1024) means the scale no longer covers the
 # tensor: delayed scaling behind a growing amax. MX is left out: its FLOOR rule clamps only a

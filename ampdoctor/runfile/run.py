@@ -259,6 +259,14 @@ class Run:
         return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
 
     @property
+    def fp8_layers(self) -> dict[str, dict[str, Any]]:
+        """The layers trained in fp8, by module name: ``{"fc1": {"library": "torchao",
+        "recipe": "rowwise", "input": {"scaling": "dynamic", "granularity": "axiswise",
+        "dtype": "float8_e4m3fn"}, ...}}``; {} for a run that has none."""
+        value = self._meta_dict("fp8_layers") or {}
+        return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, dict)}
+
+    @property
     def optimizers(self) -> list[dict[str, Any]]:
         opt = self.meta.get("optimizer")
         return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []

@@ -82,6 +82,7 @@ class Tail:
             stats.tensors = self.done["tensors"] + len(rows["tensors"])
             out = {"steps": rows["steps"], "groups": rows["groups"],
                    "losses": rows["losses"], "optimizers": rows["optimizers"],
+                   "fp8": rows["fp8"],
                    "meta": meta_dict(rows["meta"], blob, self.path, self.done["meta"]),
                    "tensors": tensor_view(rows["tensors"], blob)}
             out.update({name: decoded_rows(name, rows[name], blob) for name in TEXTS})

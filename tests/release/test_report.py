@@ -620,7 +620,8 @@ def test_write_report_is_the_command_in_one_library_call(runs, tmp_path):
     # diagnose's options are its real keywords, not **options
     params = inspect.signature(ampdoctor.diagnose).parameters
     assert [(n, p.kind.name) for n, p in params.items()] == [
-        ("run", "POSITIONAL_OR_KEYWORD"), ("rank", "KEYWORD_ONLY"), ("rules", "KEYWORD_ONLY")]
+        ("run", "POSITIONAL_OR_KEYWORD"), ("rank", "KEYWORD_ONLY"), ("rules", "KEYWORD_ONLY"),
+        ("baseline", "KEYWORD_ONLY")]
 
 
 def test_a_run_with_its_linears_in_fp8_is_compared_for_parity_against_its_baseline():

@@ -14,6 +14,9 @@ holds it):
   (``culprit.py`` reads the replays) or by the sampled tier;
 * ``hidden.py``: an overflow hidden inside a module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
+* ``fp8.py``: a run already in fp8 (torchao's Float8Linear) whose casts lose a layer's values:
+  an operand flushed whole, a gradient that underflows its format, a loss that drifts from
+  the baseline's (``diagnose --baseline``);
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -31,7 +34,18 @@ returns ``root=False``.
 
 from __future__ import annotations
 
-from . import fallbacks, hidden, learning, located, misuse, overflow, progress, reproduced, trends
+from . import (
+               fallbacks,
+               fp8,
+               hidden,
+               learning,
+               located,
+               misuse,
+               overflow,
+               progress,
+               reproduced,
+               trends,
+)
 
 RULES = [
     fallbacks.rule_no_training,
@@ -59,6 +73,9 @@ RULES = [
     trends.rule_lost_updates,
     fallbacks.rule_scale_collapse,
     fallbacks.rule_nonfinite,
+    fp8.rule_fp8_grad_underflow,
+    fp8.rule_fp8_flushed,
+    fp8.rule_fp8_drift,
     progress.rule_diverged,
     progress.rule_dead_units,
     learning.rule_not_learning,

@@ -1,0 +1,272 @@
+"""Failures of a run that already trains in fp8 (torchao's ``Float8Linear``), read from the
+casts its fp8 layers made on the sampled steps (``diagnosis/fp8.py``):
+
+* ``fp8_flushed``: an operand flushed whole: its amax was 0 on some sampled steps (and not on
+  others: a layer fed nothing, which torchao casts silently, clamping the amax at 1e-12), or
+  below torchao's floor of 1e-12 (the scale clamped), or every non-zero value cast to 0;
+* ``fp8_grad_underflow``: the output gradient loses more than ``thresholds.FP8_FLUSHED`` of
+  its non-zero values (or ``FP8_SUBNORMAL`` go subnormal) in the format the layer casts it
+  to; the discriminator is the same gradient under per-tensor e5m2 scaling (the /fp8
+  ``tensorwise`` row): where that keeps it, the e4m3 format is the cause and per-tensor
+  scaling the fix, else the layer stays in bf16;
+* ``fp8_drift``: the loss drifts from a bf16 (or fp32) baseline's, beyond the parity
+  tolerance ``ampdoctor compare`` uses (``diagnosis/parity.py``), with no NaN; given only
+  with the baseline (``diagnose fp8.h5 --baseline bf16.h5``). The layer named is the one whose
+  own casts lose the most (lowest SQNR): a ranking, not a proof.
+
+No NaN is needed, and none is made: torchao's casts saturate and clamp, so these failures
+show only as lost values. Not decided here: saturation (current scaling maps the amax to the
+top of the format on every step, so torchao 0.18's recipes never clamp; the delayed recipe
+that could was removed from torchao), a delayed scale behind an amax jump (only the /fp8
+``delayed`` emulation shows it, as the readiness's ``saturates``), and amaxes that differ
+across ranks (each rank's file holds its own casts; the rank merge does not compare them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from ...numfmt import fmt
+from ...runfile.schema import Recipe
+from .. import fixes, parity
+from ..facts import Facts
+from ..fp8 import Cast, Casts, casts, fp8_layers
+from ..thresholds import FP8_FLUSHED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
+from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
+
+# What each cast is called in a sentence: torchao's granularity and the element format.
+_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise"}
+# The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
+# below it loses twice the error rounding does.
+ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}
+DEFICIT_DB = 3.0
+_WHOLE = {"zero": "was entirely zero (amax 0; torchao clamps it at 1e-12 and casts zeros)",
+          "clamped": "had an amax below torchao's floor of 1e-12: its scale was clamped",
+          "flushed": "had every non-zero value cast to 0"}
+
+
+def _casts(f: Facts) -> tuple[list[Cast], Casts]:
+    return f.memo("fp8_casts", lambda: casts(f.run))
+
+
+def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
+    """An fp8 layer's input or output gradient flushed whole on some sampled steps."""
+    made, _ = _casts(f)
+    hits = [c for c in made if c.whole and c.role != "weight" and math.isfinite(c.amax)]
+    if not hits:
+        return None  # (a weight at exactly 0 is an initialisation, cast exactly)
+    # an input before a gradient: a zero input makes the gradients behind it zero too
+    first = min(hits, key=lambda c: (c.step, c.role == "grad_output"))
+    mine = [c for c in made if (c.layer, c.role) == (first.layer, first.role)]
+    flushed = sorted({c.step for c in mine if c.whole})
+    live = sorted({c.step for c in mine if not c.whole and c.amax > 0})
+    role = _role(first.role)
+    ev = [Evidence(f"{first.layer}'s {role} {_WHOLE[first.whole or 'zero']} on "
+                   f"{_steps(flushed)} of {len(mine)} sampled steps", "fp8_flushed",
+                   float(len(flushed)), first.step, first.layer),
+          Evidence(f"the cast: {_cast(f, first)}, scale {fmt(first.scale)}, amax "
+                   f"{fmt(first.amax)}; no NaN, no inf: nothing in the run says so",
+                   "fp8_scale", first.scale, first.step, first.layer)]
+    if live:
+        ev.append(Evidence(f"on {_steps(live)} the same {role} was non-zero (amax up to "
+                           f"{fmt(max(c.amax for c in mine))})", "fp8_live", float(len(live)),
+                           live[0], first.layer))
+    others = list(dict.fromkeys(f"{c.layer} ({_role(c.role)})" for c in hits
+                                if (c.layer, c.role) != (first.layer, first.role)))
+    if others:
+        ev.append(Evidence("the same in " + ", ".join(others[:4]) +
+                           (" ..." if len(others) > 4 else ""), "fp8_flushed_elsewhere",
+                           float(len(others))))
+    zero = first.whole == "zero"
+    premise = Premise("not_always_zero", HELD if live or not zero else FAILED,
+                      f"{first.layer}'s {role} was non-zero on {_steps(live)}" if live else
+                      f"{first.layer}'s {role} was zero on every sampled step: a layer that is "
+                      "never fed, not a cast that flushed" if zero else
+                      f"{first.layer}'s {role} is non-zero: its values were lost in the cast")
+    what = (f"torchao clamps a zero amax at 1e-12 and casts with the scale {fmt(first.scale)}, "
+            "finite, so the matmul runs on zeros with no NaN and no warning: fp8 hides a dead "
+            f"{role} (bf16 would pass the same zeros). Look at what feeds {first.layer} on "
+            f"those steps; where zeros are expected (an expert with no token, a masked branch) "
+            f"keep {first.layer} in bf16, out of the clamped cast" if zero else
+            f"its values were lost in the cast, and {first.layer} learns nothing from them on "
+            f"those steps; keeping {first.layer} in bf16 takes it out of the cast")
+    found = Finding("fp8_flushed", 0.8 if len(flushed) >= 2 else 0.65,
+                    f"{first.layer}'s {role} in fp8 "
+                    f"{'was entirely zero' if zero else _WHOLE[first.whole or 'zero']} on "
+                    f"{_steps(flushed)}: {what}.", ev,
+                    fixes.make(["fp8_keep_layer"], _context(f, first)),
+                    first_bad(first.step, first.layer, _phase(first.role)),
+                    priority=PRIORITY["fp8_flushed"], kind=first.whole or "")
+    found.premises = [_in_fp8(f, first), premise]
+    return found
+
+
+def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
+    """An fp8 layer's output gradient underflows the format it is cast to."""
+    made, every = _casts(f)
+    hits = [c for c in made if c.role == "grad_output" and math.isfinite(c.amax)
+            and not c.whole and _lost(c)]
+    if not hits:
+        return None
+    first = hits[0]
+    mine = [c for c in hits if c.layer == first.layer]
+    wide = every.other(first, Recipe.TENSOR)  # per tensor, e5m2: the /fp8 tensorwise row
+    held = wide is not None and wide.format == "e5m2" and not _lost(wide) and \
+        first.format == "e4m3"
+    ev = [Evidence(f"on sampled step {first.step}, {first.layer}'s output gradient under its "
+                   f"cast ({_cast(f, first)}): {_lost_text(first)}; lost so on {len(mine)} of "
+                   f"{len({c.step for c in made if c.layer == first.layer})} sampled steps",
+                   "fp8_grad_flushed", first.flushed_share, first.step, first.layer)]
+    if wide is not None:
+        ev.append(Evidence(f"per tensor in e5m2, the same gradient on the same step: "
+                           f"{_lost_text(wide)}", "fp8_grad_e5m2", wide.flushed_share,
+                           first.step, first.layer))
+    others = sorted({c.layer for c in hits if c.layer != first.layer})
+    if others:
+        ev.append(Evidence("the same in " + ", ".join(others[:4]), "fp8_grad_elsewhere",
+                           float(len(others))))
+    ids = ["fp8_tensorwise", "fp8_keep_layer"] if held else ["fp8_keep_layer"]
+    cause = ("e4m3 keeps values down to 2^-9, 2^18 below its top of 448, and e5m2 per tensor, "
+             "down to 2^32 below its top, keeps them: the format is the cause" if held else
+             "the wider e5m2 per-tensor cast loses them too: the gradient's values span more "
+             "binades than any fp8 format holds")
+    found = Finding("fp8_grad_underflow", 0.85 if len(mine) >= 2 else 0.7,
+                    f"{first.layer}'s output gradient underflows its fp8 cast ({_cast(f, first)})"
+                    f" with no NaN: on sampled step {first.step}, {_lost_text(first)}. "
+                    f"Here {cause}.", ev, fixes.make(ids, _context(f, first)),
+                    first_bad(first.step, first.layer, "backward"),
+                    priority=PRIORITY["fp8_grad_underflow"], kind=first.format)
+    found.premises = [_in_fp8(f, first),
+                      Premise("wider_format_keeps_it", HELD,
+                              f"per tensor in e5m2, the same gradient: {_lost_text(wide)}"
+                              if wide is not None else "the per-tensor e5m2 cast was not "
+                              "measured on that step")]
+    return found
+
+
+def rule_fp8_drift(f: Facts) -> Optional[Finding]:
+    """A run in fp8 whose loss drifts from its baseline's (``diagnose --baseline``) with no
+    NaN: the layer whose own casts lose the most named first."""
+    base, made = f.baseline, _casts(f)[0]
+    if base is None or not made or f.failure_index is not None or f.loss_bad.any():
+        return None
+    lined = parity.line_up(base.steps, f.steps)
+    if lined is None or np.isinf(lined.raw).any():
+        return None  # (a loss non-finite where the baseline's is not: not a drift)
+    decided = ~np.isnan(lined.smooth)
+    beyond = np.flatnonzero(decided & (lined.smooth > PARITY_RTOL))
+    if not len(beyond):
+        return None  # within the tolerance: the fp8 run matches its baseline
+    start = parity.diverged_at(lined.smooth, lined.raw, lined.w, PARITY_RTOL, PARITY_DIVERGE)
+    began = int(lined.steps[start if start is not None else beyond[0]])
+    last = int(np.flatnonzero(decided)[-1])
+    worst = _worst_casts(made)
+    first = worst[0]
+    out = _stands_out(first)
+    how = "diverges from" if start is not None else "drifts from"
+    ev = [Evidence(f"the loss {how} the {base.precision} baseline ({base.path}) from step "
+                   f"{began}: {lined.smooth[last]:.1%} apart at step {lined.steps[last]} "
+                   f"(trailing mean of {lined.w} steps; {PARITY_RTOL:.0%} is within), no "
+                   "NaN, no inf", "fp8_drift", float(lined.smooth[last]), began)]
+    ev += [Evidence(f"{c.layer}'s {_role(c.role)} ({_cast(f, c)}) on sampled step {c.step}: "
+                    f"{_lost_text(c)}, SQNR {c.sqnr_db:.1f} dB (rounding alone: about "
+                    f"{ROUNDING_DB[c.format]:.0f})", "fp8_cast_loss", _badness(c)[0], c.step,
+                    c.layer) for c in worst[:3]]
+    which = (f"Of its fp8 layers, {first.layer}'s casts lose the most ({_role(first.role)}: "
+             f"{_lost_text(first)}, SQNR {first.sqnr_db:.1f} dB): keep it in bf16 first. A "
+             "ranking from the casts, not a proof" if out else
+             "No fp8 layer's cast loses more than its format's rounding: the drift is that "
+             f"rounding, compounded over the layers and steps; {first.layer}, with the least "
+             "margin, is only the first to try")
+    found = Finding("fp8_drift", (0.7 if start is not None else 0.6) if out else 0.45,
+                    f"The fp8 run's loss {how} its {base.precision} baseline from step {began} "
+                    f"({lined.smooth[last]:.1%} apart at step {lined.steps[last]}) with no NaN. "
+                    f"{which}: `record --apply` with it kept, then `compare`, says whether it "
+                    "was the one.", ev, fixes.make(["fp8_keep_layer"], _context(f, first)),
+                    first_bad(began, first.layer, _phase(first.role)),
+                    priority=PRIORITY["fp8_drift"], kind="diverged" if start is not None
+                    else "drift")
+    ok = not base.fp8_layers
+    found.premises = [Premise("baseline_not_fp8", HELD if ok else FAILED,
+                              f"{base.path} trains no layer in fp8" if ok else
+                              f"{base.path} trains {len(base.fp8_layers)} layers in fp8 too: "
+                              "it is no baseline for fp8"),
+                      Premise("same_training", HELD, f"{len(lined.steps)} steps in common, "
+                              f"the baseline's loss finite on "
+                              f"{int(np.isfinite(lined.base).sum())} of them")]
+    return found
+
+
+def _worst_casts(made: list[Cast]) -> list[Cast]:
+    """Each fp8 layer's worst cast over its operands and sampled steps, the worst layer first:
+    by the share of values lost (flushed, and a tenth of those left subnormal, as the
+    readiness ranks), then by the SQNR below what the format's rounding alone gives."""
+    worst: dict[str, Cast] = {}
+    for c in made:
+        if c.layer not in worst or _badness(c) > _badness(worst[c.layer]):
+            worst[c.layer] = c
+    return sorted(worst.values(), key=lambda c: (_badness(c), c.layer), reverse=True)
+
+
+def _badness(c: Cast) -> tuple[float, float]:
+    sub = c.subnormal / c.nonzero if c.nonzero else 0.0
+    deficit = ROUNDING_DB[c.format] - c.sqnr_db if not math.isnan(c.sqnr_db) else 0.0
+    return (c.flushed_share + sub / 10, deficit)
+
+
+def _stands_out(c: Cast) -> bool:
+    """A cast that loses more than rounding: past the readiness thresholds, or 3 dB (half the
+    signal's precision bits' worth of one) below the format's rounding SQNR."""
+    return _lost(c) or _badness(c)[1] > DEFICIT_DB
+
+
+def _lost(c: Cast) -> bool:
+    return c.flushed_share > FP8_FLUSHED or \
+        (c.subnormal / c.nonzero if c.nonzero else 0.0) > FP8_SUBNORMAL
+
+
+def _lost_text(c: Optional[Cast]) -> str:
+    """"12.0 % of its non-zero values flushed to 0 (and 80.0 % subnormal)"."""
+    if c is None:
+        return "not measured"
+    sub = c.subnormal / c.nonzero if c.nonzero else 0.0
+    return f"{c.flushed_share:.1%} of its non-zero values flushed to 0" + (
+        f" and {sub:.1%} subnormal (1 to 3 significant bits left)" if sub > FP8_SUBNORMAL
+        else "")
+
+
+def _in_fp8(f: Facts, c: Cast) -> Premise:
+    return Premise("layer_in_fp8", HELD, f"{c.layer} trains in fp8: {_cast(f, c)} "
+                   "(/meta fp8_layers)")
+
+
+def _cast(f: Facts, c: Cast) -> str:
+    layer = fp8_layers(f.run).get(c.layer, {})
+    return (f"torchao {layer.get('recipe') or 'fp8'}, {_role(c.role)} {_CAST.get(c.recipe, '')}"
+            f" in {c.format}")
+
+
+def _context(f: Facts, c: Cast) -> fixes.Context:
+    ctx = f.fix_context(c.layer, step=c.step)
+    recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
+    kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
+    ctx.fp8 = {"recipe": recipes.pop() if len(recipes) == 1 else None, "keep": kept}
+    return ctx
+
+
+def _role(role: str) -> str:
+    return {"grad_output": "output gradient"}.get(role, role)
+
+
+def _phase(role: str) -> str:
+    return "backward" if role == "grad_output" else "forward"
+
+
+def _steps(steps: list[int]) -> str:
+    if not steps:
+        return "no sampled step"
+    shown = ", ".join(str(s) for s in steps[:6]) + (" ..." if len(steps) > 6 else "")
+    return f"sampled step {shown}" if len(steps) == 1 else f"sampled steps {shown}"

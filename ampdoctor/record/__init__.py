@@ -10,7 +10,8 @@
   ``compiled``, ``sharding``, ``torchcompat``, ``environment``, ``handles`` (the script's names
   for its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss
   stops falling), ``schedules`` (LR scheduler steps per optimizer step), ``fp8`` (what fp8
-  would do to each matmul's operands, on sampled steps), ``objectives`` (each loss's and each
+  would do to each matmul's operands, on sampled steps; ``fp8layers``: the layers already in
+  fp8 and their recipes), ``objectives`` (each loss's and each
   optimizer's own curve)
 - ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
   fixes tried on it (its own docstring lists its modules)

@@ -148,8 +148,11 @@ class Fp8Trial:
 
     def layers(self, root: torch.nn.Module) -> dict[str, torch.nn.Module]:
         names = self.forensics.watched.names
+        # (a Linear torchao or TransformerEngine made fp8 already, under --apply fp8, is not
+        # cast again)
         return {names[m]: m for m in root.modules()
-                if m in names and matmul_weight(m) is not None}
+                if m in names and matmul_weight(m) is not None and
+                not type(m).__module__.startswith(("torchao", "transformer_engine"))}
 
     def risk(self, name: str, module: torch.nn.Module, recipe: Recipe) -> tuple:
         """Sort key, the most at risk by the statistics first (unmeasured layers last)."""

@@ -96,7 +96,7 @@ class Hooks:
         self.objectives = Objectives(journal, watched, log.constants)
         # optimizers that stepped inside a compiled region since the last eager hook
         self._compiled_steps: list = []
-        self.fp8_trial: Any = None  # forensic/fp8trial.Fp8Trial: keeps each sampled step
+        self.fp8_trial: Any = None  # forensic/fp8trial.TrialAtClose: keeps each sampled step
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)

@@ -54,7 +54,7 @@ from ..version import __version__
 from . import exits, stats
 from .exits import active
 from .forensic.forensics import Forensics
-from .forensic.fp8trial import BUDGET_SECONDS, Fp8Trial
+from .forensic.fp8trial import BUDGET_SECONDS, TrialAtClose
 from .hooks import Hooks
 from .journal import Journal
 from .sampler import Sampler
@@ -154,7 +154,7 @@ class Recorder:
                             sampler=self._sampler, forensics=self.forensics, every=self.every,
                             fault=self.fault, op_probe=op_probe)
         self._exits = exits.ExitGuard(self)
-        self._fp8_trial = Fp8Trial(self.forensics, self._journal.tensor_id, fp8_trial) \
+        self._fp8_trial = TrialAtClose(self.forensics, self._journal.tensor_id, fp8_trial) \
             if fp8 and fp8_trial > 0 and self._sampler is not None and self.forensics else None
         self._hooks.fp8_trial = self._fp8_trial
 

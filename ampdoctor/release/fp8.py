@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import Recipe, Role, columns
 from . import fp8trial
 from .readiness import plain
@@ -215,11 +216,15 @@ def fp8_readiness(run: Any) -> Fp8Readiness:
 def _read_trial(run: Any, out: Fp8Readiness) -> None:
     """The fp8 trial's result, where the run holds one, into ``out`` (a recipe it did not
     run, or one it ran with no layer, keeps the statistics' ranking)."""
-    t = fp8trial.trial(run)
-    if t is None:
+    t = Fp8Trial.of(fp8trial.trial(run))
+    if not t:
         return
-    out.trial = {k: v for k, v in t.items() if k != "recipes"}
-    for name, part in (t.get("recipes") or {}).items():
+    out.trial = {"step": t["step"], "weights_step": t["weights_step"], "loss": t["loss"],
+                 "suits": t["suits"], "thresholds": t["thresholds"], "runs": t["runs"],
+                 "seconds": t["seconds"], "budget": t["budget"], "stopped": t["stopped"],
+                 "note": t["note"], "error": t["error"]}
+    recipes = t["recipes"]
+    for name, part in (recipes.items() if isinstance(recipes, dict) else ()):
         if name in out.recipes and isinstance(part, dict) and isinstance(part.get("keep"), list):
             out.recipes[name].trial = part
 

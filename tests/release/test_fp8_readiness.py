@@ -62,10 +62,13 @@ def test_to_dict_has_exactly_the_documented_shape_and_is_json():
                    rows(0, role=Role.GRAD_OUTPUT, sqnr_db=np.inf),
                    rows(1, recipe=Recipe.ROWWISE, amax=np.nan, sqnr_db=np.nan))
     d = ampdoctor.fp8_readiness(run).to_dict()
-    assert list(d) == ["recipes"]
+    assert list(d) == ["trial", "suits", "recipes"]
+    assert d["trial"] == {} and d["suits"] == ""  # no trial in this run
     assert list(d["recipes"]) == ["tensorwise", "delayed", "rowwise", "mxfp8"]
     for recipe in d["recipes"].values():
-        assert set(recipe) == {"keep_high_precision", "layers"}
+        assert set(recipe) == {"keep_high_precision", "decided_by", "trial", "paste", "layers"}
+        assert recipe["decided_by"] == "statistics" and recipe["trial"] == {}
+        assert set(recipe["paste"]) == {"torchao", "transformer_engine", "apply"}
         for layer in recipe["layers"].values():
             assert set(layer) == {"status", "tensors"}
             for role, t in layer["tensors"].items():
@@ -84,7 +87,8 @@ def test_a_skipped_steps_gradients_are_left_out_and_an_old_run_reads_empty():
                    skipped=(3,))
     assert fp8.fp8_readiness(run).recipes["tensorwise"].layers["fc1"].status == "ok"
     old = ampdoctor.fp8_readiness(os.path.join(ROOT, "fixtures", "formats", "v3.h5")).to_dict()
-    assert all(r == {"keep_high_precision": [], "layers": {}} for r in old["recipes"].values())
+    assert all(r["keep_high_precision"] == [] and r["layers"] == {}
+               for r in old["recipes"].values())
 
 
 def test_reading_imports_no_torch():
@@ -122,7 +126,8 @@ def record(tmp_path, outlier: str):
                           nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     path = str(tmp_path / f"{outlier}.h5")
-    with ampdoctor.watch(model, opt, path=path, every=1, strict=True):
+    # (the statistics alone: the fp8 trial, which would decide keep_high_precision, is off)
+    with ampdoctor.watch(model, opt, path=path, every=1, strict=True, fp8_trial=0):
         for _ in range(3):
             loss = model(torch.randn(64, 32)).square().mean()
             loss.backward()

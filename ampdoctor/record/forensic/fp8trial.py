@@ -36,7 +36,7 @@ output gradient was not kept (each said in ``note``).
 
 Example (what the recorder does)::
 
-    trial = Fp8Trial(forensics, tensor_id, budget=30.0)
+    trial = TrialAtClose(forensics, tensor_id, budget=30.0)
     trial.rank(fp8_rows)                  # each sampled step's /fp8 rows
     trial.keep(step, forensics.captures)  # each sampled step, before the captures go
     payload = trial.run(last_step)        # at close: payloads.Fp8Trial, or None
@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...runfile.payloads import Fp8Trial as Payload
+from ...runfile.payloads import Fp8Trial
 from ...runfile.schema import Kind, Recipe
 from ..fp8 import matmul_weight
 from ..sampler import tensors_in
@@ -73,7 +73,7 @@ BUDGET_SECONDS = 30.0
 KEEP_BYTES = 64 << 20  # CPU copies of the sampled step kept for the trial
 
 
-class Fp8Trial:
+class TrialAtClose:
     """The recorder's side of the trial (see the module docstring)."""
 
     def __init__(self, forensics: Any, tensor_id: Callable[..., int],
@@ -128,12 +128,12 @@ class Fp8Trial:
         self.captures = [offload(c, g) for c, g in zip(captures, grads)]
         self.step, self.note = step, ""
 
-    def run(self, at_step: int) -> Optional[Payload]:
+    def run(self, at_step: int) -> Optional[Fp8Trial]:
         """The trial on the kept step (the module docstring); None where no step was kept and
         nothing says why."""
         if not self.captures:
-            return Payload(note=self.note) if self.note else None
-        out = Payload(step=self.step, weights_step=at_step, budget=self.budget,
+            return Fp8Trial(note=self.note) if self.note else None
+        out = Fp8Trial(step=self.step, weights_step=at_step, budget=self.budget,
                       thresholds={"grad_error": GRAD_ERROR, "loss_change": LOSS_CHANGE})
         start = time.perf_counter()
         try:
@@ -164,7 +164,7 @@ class Fp8Trial:
 class _Run:
     """One trial: the reference, then the recipes' re-runs within the budget."""
 
-    def __init__(self, owner: Fp8Trial, out: Payload, start: float):
+    def __init__(self, owner: TrialAtClose, out: Fp8Trial, start: float):
         self.owner, self.out, self.start = owner, out, start
         self.captures = [reload(c) for c in owner.captures]
         self.root = unwrap(self.captures[0].root)

@@ -63,6 +63,7 @@ def te_lines(recipe: str, keep: list[str]) -> str:
     nearest = "  # nearest: TE has no power-of-two rowwise recipe" if recipe == "rowwise" else ""
     return (f"KEEP = {_set(keep)}  # stay torch.nn.Linear; every other Linear becomes "
             "te.Linear\n"
+            "import transformer_engine.pytorch as te\n"
             "from transformer_engine.common.recipe import " + TE[recipe].rstrip("()") + "\n"
             f"with te.fp8_autocast(enabled=True, fp8_recipe={TE[recipe]}):{nearest}\n"
             "    loss = loss_fn(model(x), y)")

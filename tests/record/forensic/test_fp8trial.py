@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from helpers import batches, fresh, train
 
 import ampdoctor
+from ampdoctor.errors import RecordError
+from ampdoctor.record import prescription
 from ampdoctor.record.forensic import fp8trial
 from ampdoctor.record.forensic.fp8matmul import in_fp8
 from ampdoctor.runfile import store
@@ -117,6 +119,24 @@ def test_the_trial_keeps_the_layer_an_outlier_channel_ruins(tmp_path):
     paste = r.recipes["tensorwise"].paste()
     assert "KEEP = {'%s', '%s'}" % tuple(tw["keep"]) in paste["torchao"]
     assert paste["apply"] == "--apply fp8=tensorwise:keep=" + ",".join(tw["keep"])
+    # what record --apply reads from it, and what the release report shows
+    assert prescription.parse(f"fp8=keep=from:{path}").value == ("tensorwise", *tw["keep"])
+    assert prescription.parse(f"fp8=from:{path}").value[0] in ("tensorwise", "rowwise")
+    with ampdoctor.release_report(path) as report:
+        markdown, html = report.markdown(), report.html()
+    assert "| tensorwise | trial | 2: %s, %s |" % tuple(tw["keep"]) in markdown
+    assert "| delayed | statistics |" in markdown
+    assert "def module_filter_fn(module, fqn):" in markdown and "te.fp8_autocast" in markdown
+    assert "<td>trial</td>" in html and "module_filter_fn" in html
+
+
+def test_keep_from_a_run_without_a_trial_is_one_sentence(tmp_path):
+    path = str(tmp_path / "run.h5")
+    trained(path, steps=2, fp8_trial=0)
+    with pytest.raises(RecordError, match="holds no fp8 trial of rowwise"):
+        prescription.parse(f"fp8=rowwise:keep=from:{path}")
+    with pytest.raises(RecordError, match="no such file"):
+        prescription.parse(f"fp8=from:{tmp_path / 'missing.h5'}")
 
 
 def test_a_recorded_run_trains_bit_for_bit_as_without_ampdoctor(tmp_path):

@@ -109,9 +109,10 @@ class TrialAtClose:
             self.captures, self.note = [], f"not kept: {type(exc).__name__}: {exc}"[:300]
 
     def _keep(self, step: int, captures: list) -> None:
+        captures = [c for c in captures if not c.open]  # (a call that raised never closed)
         if not captures:
-            self.note = ("no step was captured (the forensic tier had spent its replays, or "
-                         "the model is sharded)")
+            self.note = ("no model call of the step was captured whole (the forensic tier "
+                         "had spent its replays, or the call raised)")
             return
         if len({id(unwrap(c.root)) for c in captures}) > 1:
             self.note = "a step of several models: not tried"
@@ -247,6 +248,7 @@ class _Run:
                 for i, g in enumerate(grads):
                     if g is not None:
                         g = g.detach().float()
+                        g = g.to_dense() if g.is_sparse else g  # (an embedding's, sparse=True)
                         total[i] = g if total[i] is None else total[i] + g
         if all(g is None for g in total):
             return None, [], note

@@ -130,7 +130,7 @@ def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
         named = ", ".join(keep[:FP8_NAMES]) + (f" (+{len(keep) - FP8_NAMES})"
                                                if len(keep) > FP8_NAMES else "")
         if recipe.decided_by == "trial":
-            untried = recipe.trial.get("untried") or []
+            untried = recipe.trial["untried"]
             measured = f"all Linears: {_effect(recipe.trial.get('all'))}"
             if keep:
                 measured += f"; all but those kept: {_effect(recipe.trial.get('all_but_keep'))}"
@@ -167,9 +167,9 @@ def fp8_paste(f: Any) -> Optional[tuple[str, str, dict]]:
     why = (f"{name} suits this model: with the layers it keeps in high precision its step "
            "stays within the thresholds, with the fewest kept" if f.suits else
            "no recipe kept the step within the thresholds; tensorwise, with its layers kept")
-    intro = (f"The fp8 trial re-ran step {t.get('step')}'s batch with the weights after step "
-             f"{t.get('weights_step')} ({count(t.get('runs') or 0, 're-run')}, "
-             f"{_seconds(t.get('seconds'))}): {why}.")
+    intro = (f"The fp8 trial re-ran step {t['step']}'s batch with the weights after step "
+             f"{t['weights_step']} ({count(t['runs'], 're-run')}, {_seconds(t['seconds'])}): "
+             f"{why}.")
     if t.get("stopped"):
         intro += f" It stopped early: {t['stopped']}."
     return name, intro, f.recipes[name].paste()

@@ -207,8 +207,8 @@ def fp8_readiness(run: Any) -> "Fp8Readiness":
     """What each fp8 recipe (tensorwise, delayed, rowwise, mxfp8) would do to each Linear
     layer of a run (a path or a loaded ``Run``) of any precision: the shares flushed and
     saturated and the SQNR of its input, weight and output gradient, a status per layer, and
-    per recipe the layers to keep in high precision (ranked from the statistics; a per-layer
-    replay will decide). See docs/fp8.md.
+    per recipe the layers to keep in high precision: those the fp8 trial at the recording's
+    close measured (``decided_by`` "trial"), else ranked from the statistics. See docs/fp8.md.
 
     Example::
 

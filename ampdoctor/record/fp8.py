@@ -417,3 +417,24 @@ class Fp8Probe:
 
     def reset(self) -> None:
         self.operands = []
+
+
+def cast(t: torch.Tensor, recipe: Recipe, fmt: Fp8Format) -> torch.Tensor:
+    """``t`` cast to fp8 by ``recipe`` and scaled back, in float32, scales along the last
+    dimension (the contracted one, for a matmul operand): what the matmul of an fp8 recipe
+    reads instead of ``t``. The scales are the counts' (``scales``): per tensor, per row
+    rounded down to a power of two, per 32-element block (E8M0); ``DELAYED`` is cast as
+    ``TENSOR`` (one step holds no amax history). The forensic trial's cast (``fp8trial``)."""
+    x = t.float()
+    fmax, emin, mbits, _ = FORMATS[fmt]
+    a = x.abs()
+    if recipe in (Recipe.TENSOR, Recipe.DELAYED):
+        scale = amax_to_scale(a.amax(), fmax)
+    elif recipe == Recipe.ROWWISE:
+        scale = _pow2_floor(amax_to_scale(a.amax(-1, keepdim=True), fmax))
+    else:
+        cols = x.shape[-1]
+        pad = -cols % schema.MX_BLOCK
+        blocks = torch.nn.functional.pad(a, (0, pad)).unflatten(-1, (-1, schema.MX_BLOCK))
+        scale = mx_scale(blocks.amax(-1)).repeat_interleave(schema.MX_BLOCK, -1)[..., :cols]
+    return quantise(x * scale, fmax, emin, mbits) / scale

@@ -96,6 +96,7 @@ class Hooks:
         self.objectives = Objectives(journal, watched, log.constants)
         # optimizers that stepped inside a compiled region since the last eager hook
         self._compiled_steps: list = []
+        self.fp8_trial: Any = None  # forensic/fp8trial.TrialAtClose: keeps each sampled step
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)
@@ -721,6 +722,8 @@ class Hooks:
             self._sample_hooks.remove()
             self._sampler.active = False
             self._drain_sampled(self._sampler, st)
+            if self.fp8_trial is not None and self.forensics is not None:
+                self.fp8_trial.keep(st.index, self.forensics.captures)
         if self.forensics is not None:
             self.forensics.end_step(st, hold=st.undecided)
         st.keep.clear()
@@ -753,7 +756,10 @@ class Hooks:
         read.run()
         self.journal.file.append("stats", rows())
         if fp8 is not None:
-            self.journal.file.append("fp8", fp8())
+            fp8_rows = fp8()
+            self.journal.file.append("fp8", fp8_rows)
+            if self.fp8_trial is not None:
+                self.fp8_trial.rank(fp8_rows)
             if sampler.fp8 is not None and sampler.fp8.layers_changed:
                 sampler.fp8.layers_changed = False
                 self.journal.meta("fp8_layers", dict(sampler.fp8.layers), st.index)

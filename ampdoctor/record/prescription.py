@@ -16,6 +16,8 @@ carry the arguments in ``AMPDOCTOR_APPLY`` and ``treatment.py`` applies them):
 ``scheduler_per_step``                   an LR scheduler steps at most once per optimizer step
 ``fp8=[RECIPE][:keep=NAME,...]``         the model's Linears train in fp8 (torchao, emulated
                                          where the device has no fp8 matmul), those named kept
+                                         (``keep=from:RUN``: those RUN's fp8 trial kept;
+                                         ``fp8=from:RUN``: its recipe too)
 =======================================  =====================================================
 
 Example::
@@ -86,7 +88,8 @@ FORMS: dict[str, Form] = {
     "scheduler_per_step": Form("", "an LR scheduler steps at most once per optimizer step"),
     "fp8": Form("[RECIPE][:keep=NAME,...]", "the model's Linears train in fp8 (torchao's "
                 "RECIPE: tensorwise, rowwise or rowwise_with_gw_hp; tensorwise when left out), "
-                "those named kept in high precision; needs torchao (pip install "
+                "those named kept in high precision (keep=from:RUN.h5: those RUN's fp8 trial "
+                "kept; fp8=from:RUN.h5: its recipe too); needs torchao (pip install "
                 "'ampdoctor[fp8]')"),
 }
 # A number as a person types it: ASCII digits, a point, an exponent. float() and int() also
@@ -143,7 +146,12 @@ def parse(text: str) -> Prescription:
         return Prescription(name)
     if not raw.strip():
         raise RecordError(f"--apply {text}: {name} needs a value: --apply {name}={placeholder}")
-    return Prescription(name, _value(name, raw.strip(), text, placeholder), raw.strip())
+    value = _value(name, raw.strip(), text, placeholder)
+    if isinstance(value, tuple) and name == "fp8" and "from:" in raw:
+        # read here, once: the children get the names
+        given = f"{value[0]}:keep={','.join(value[1:])}" if len(value) > 1 else value[0]
+        return Prescription(name, value, given)
+    return Prescription(name, value, raw.strip())
 
 
 def _value(name: str, raw: str, text: str, placeholder: str) -> Value:
@@ -188,19 +196,56 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def fp8_value(raw: str, text: str) -> tuple[str, ...]:
-    """``RECIPE``, ``RECIPE:keep=A,B`` or ``keep=A,B``: (recipe, kept names...)."""
+    """``RECIPE``, ``RECIPE:keep=A,B`` or ``keep=A,B``: (recipe, kept names...); with
+    ``keep=from:RUN`` the layers RUN's fp8 readiness keeps under that recipe, with
+    ``from:RUN`` its trial's recipe too (``measured``)."""
+    if raw.startswith("from:"):
+        return measured(raw[5:], "", text)
     recipe, _, keep = raw.partition(":") if not raw.startswith("keep=") else ("", "", raw)
     recipe = recipe.strip() or FP8_RECIPES[0]
     if recipe not in FP8_RECIPES:
         raise RecordError(f"--apply {text}: unknown fp8 recipe {recipe!r}; torchao's are "
                           f"{', '.join(FP8_RECIPES)}")
     names: tuple[str, ...] = ()
+    if keep.startswith("keep=from:"):
+        return measured(keep[10:], recipe, text)
     if keep:
         if not keep.startswith("keep=") or not all(n.strip() for n in keep[5:].split(",")):
             raise RecordError(f"--apply {text}: name the modules to keep in high precision as "
                               "in --apply fp8=tensorwise:keep=lm_head,blocks.0.mlp.fc1")
         names = tuple(n.strip() for n in keep[5:].split(","))
     return (recipe, *names)
+
+
+def measured(path: str, recipe: str, text: str) -> tuple[str, ...]:
+    """(recipe, kept names...) from an earlier run's fp8 trial (its ``Event.FP8_TRIAL`` row,
+    ``record/forensic/fp8trial.py``): the layers it kept under ``recipe``; ``recipe`` "": the
+    one it found to suit the model where record can train it (tensorwise or rowwise), else
+    tensorwise. rowwise_with_gw_hp takes rowwise's."""
+    from ..errors import AmpDoctorError
+    from ..runfile.payloads import Fp8Trial
+    from ..runfile.schema import Event
+    from ..runfile.store import opened
+
+    if not path.strip():
+        raise RecordError(f"--apply {text}: name the run to read, as in "
+                          "--apply fp8=tensorwise:keep=from:bf16.h5")
+    try:
+        with opened(path.strip(), "--apply fp8") as run:
+            rows = run.events[run.events["kind"] == int(Event.FP8_TRIAL)]
+            trial = Fp8Trial.from_json(rows["text"][-1]) if len(rows) else Fp8Trial()
+    except AmpDoctorError as exc:
+        raise RecordError(f"--apply {text}: {exc}") from None
+    recipes = trial["recipes"] if isinstance(trial["recipes"], dict) else {}
+    if not recipe:
+        recipe = trial["suits"] if trial["suits"] in FP8_RECIPES else FP8_RECIPES[0]
+    part = recipes.get("rowwise" if recipe == "rowwise_with_gw_hp" else recipe)
+    if not isinstance(part, dict) or not isinstance(part.get("keep"), list):
+        why = trial["note"] or trial["error"] or "it was recorded without one"
+        raise RecordError(f"--apply {text}: {path.strip()} holds no fp8 trial of {recipe} "
+                          f"({why}): name the layers to keep, as in "
+                          f"--apply fp8={recipe}:keep=lm_head")
+    return (recipe, *(str(n) for n in part["keep"]))
 
 
 def parse_all(texts: Sequence[str]) -> list[Prescription]:

@@ -54,6 +54,7 @@ from ..version import __version__
 from . import exits, stats
 from .exits import active
 from .forensic.forensics import Forensics
+from .forensic.fp8trial import BUDGET_SECONDS, TrialAtClose
 from .hooks import Hooks
 from .journal import Journal
 from .sampler import Sampler
@@ -97,6 +98,9 @@ class Recorder:
         fp8: on sampled steps, what each fp8 recipe would do to every Linear's input, weight
             and output gradient (``fp8.Fp8Probe``, the /fp8 table; docs/fp8.md). Off: the
             sampled step costs what it did before (``benchmarks/fp8_cost.py``).
+        fp8_trial: seconds for the fp8 trial at close (``forensic/fp8trial.py``): the last
+            sampled step re-run with each Linear in emulated fp8, alone and together, to say
+            which to keep in bf16 (needs ``fp8`` and ``forensics``; 0: off).
         strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
         rank, world_size: for distributed runs (read from the environment when None).
         replaceable: a recorder started later closes this one instead of failing (what
@@ -109,7 +113,8 @@ class Recorder:
                  max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
                  sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
                  world_size: Optional[int] = None, argv: Optional[list[str]] = None,
-                 replaceable: bool = False, op_probe: bool = True, fp8: bool = True):
+                 replaceable: bool = False, op_probe: bool = True, fp8: bool = True,
+                 fp8_trial: float = BUDGET_SECONDS):
         try:
             self.every = DEFAULT_EVERY if every is None else int(every)
         except (TypeError, ValueError):
@@ -149,6 +154,9 @@ class Recorder:
                             sampler=self._sampler, forensics=self.forensics, every=self.every,
                             fault=self.fault, op_probe=op_probe)
         self._exits = exits.ExitGuard(self)
+        self._fp8_trial = TrialAtClose(self.forensics, self._journal.tensor_id, fp8_trial) \
+            if fp8 and fp8_trial > 0 and self._sampler is not None and self.forensics else None
+        self._hooks.fp8_trial = self._fp8_trial
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -195,6 +203,8 @@ class Recorder:
         try:
             if self.active:
                 self._hooks.wind_up()  # the step in progress ends; a skip in flight is decided
+                if status == schema.STATUS_FINISHED and self.active:
+                    self._run_fp8_trial()
         finally:  # closed even when that raised (strict mode): never left half-attached
             self.closed = True
             self.active = False
@@ -204,6 +214,23 @@ class Recorder:
                 self._finish(status, keep_empty)
             finally:
                 self._exits.release()  # only now: a SIGTERM during close still waits for it
+
+    def _run_fp8_trial(self) -> None:
+        """The fp8 trial on the last sampled step kept (a run that finished only), its
+        result one /events row; a failure in it is the trial's, never the run's."""
+        trial, self._fp8_trial = self._fp8_trial, None
+        if trial is None or not self._journal.open_for_rows:
+            return
+        try:
+            result = trial.run(self._log.steps - 1)
+            if result is not None:
+                self._journal.event(Event.FP8_TRIAL, None, value=float(result["runs"]),
+                                    text=result.to_json())
+        except Exception as exc:  # noqa: BLE001
+            if self.strict:
+                raise
+            self._journal.warn_once("fp8_trial", f"the fp8 trial stopped ({type(exc).__name__}:"
+                                    f" {exc})")
 
     def _finish(self, status: str, keep_empty: bool) -> None:
         w = self._journal.writer

@@ -8,9 +8,14 @@ scaling (``tensorwise``), per-tensor delayed scaling over the run's own sampled 
 flushed to zero, the share saturated, the SQNR of the dequantised tensor and a status, and
 ranks the layers at risk: ``keep_high_precision``, the layers to leave in bf16 first.
 
-The ranking is from the statistics alone. A later step will replace it with a per-layer
-replay of the saved step in fp8 (does the loss stay in the run's range with this layer cast?),
-which is what decides; until then ``keep_high_precision`` is where to look first, not proof.
+Where the recording ran the fp8 trial (``record/forensic/fp8trial.py``: when it closed, the
+last sampled step re-run with each Linear in emulated fp8, alone and together), the trial
+decides: ``keep_high_precision`` lists the layers whose cast alone moved the step's gradient
+or loss past the trial's thresholds, worst first, and each recipe carries what was measured
+(``trial``: every layer's effect, all layers', all but those kept) and the lines to paste
+(``paste``: torchao's ``module_filter_fn``, TransformerEngine's, ``record --apply``).
+``decided_by`` says which: ``"trial"``, or ``"statistics"`` where no trial ran for that recipe
+(``delayed`` never is: one step holds no amax history), ranked from the counts alone.
 
 Gradients are as the backward saw them: under GradScaler, multiplied by its scale. The
 tensorwise, rowwise and MX recipes are relative to each tensor's own amax, so a power-of-two
@@ -22,6 +27,7 @@ Example::
     r = ampdoctor.fp8_readiness("bf16.h5")
     r.to_dict()["recipes"]["tensorwise"]["keep_high_precision"]     # ['blocks.3.mlp.fc2']
     r.recipes["mxfp8"].layers["blocks.3.mlp.fc2"].status             # 'ok'
+    r.recipes["tensorwise"].decided_by, r.suits                       # ('trial', 'rowwise')
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from ..diagnosis.thresholds import FP8_FLUSHED, FP8_SUBNORMAL
+from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import Recipe, Role, columns
+from . import fp8trial
 from .readiness import plain
 
 RECIPES = {Recipe.TENSOR: "tensorwise", Recipe.DELAYED: "delayed", Recipe.ROWWISE: "rowwise",
@@ -113,12 +121,31 @@ class LayerFp8:
 @dataclass
 class RecipeFp8:
     layers: dict[str, LayerFp8] = field(default_factory=dict)
+    name: str = ""
+    # this recipe's part of the fp8 trial ({} where none ran): "all", "layers" (name ->
+    # effect), "keep", "all_but_keep", "untried" (payloads.Fp8Trial)
+    trial: dict = field(default_factory=dict)
+
+    @property
+    def decided_by(self) -> str:
+        return "trial" if "keep" in self.trial else "statistics"
 
     @property
     def keep_high_precision(self) -> list[str]:
-        """The layers whose statistics put them at risk, most at risk first."""
+        """The layers the trial kept, worst first; without a trial, those whose statistics
+        put them at risk, most at risk first."""
+        if self.decided_by == "trial":
+            return [str(n) for n in self.trial["keep"]]
         risky = [layer for layer in self.layers.values() if layer.status != "ok"]
         return [layer.name for layer in sorted(risky, key=LayerFp8.risk)]
+
+    def paste(self) -> dict:
+        """The lines that train this recipe with ``keep_high_precision`` kept: ``torchao``,
+        ``transformer_engine``, ``apply`` (record's argument; "" where it cannot)."""
+        keep = self.keep_high_precision
+        return {"torchao": fp8trial.torchao_lines(self.name, keep),
+                "transformer_engine": fp8trial.te_lines(self.name, keep),
+                "apply": fp8trial.apply_arg(self.name, keep)}
 
 
 @dataclass
@@ -127,15 +154,28 @@ class Fp8Readiness:
 
     recipes: dict[str, RecipeFp8]
     sampled_steps: int = 0
+    # the fp8 trial's own fields (payloads.Fp8Trial less "recipes"): step, weights_step, loss,
+    # suits, thresholds, runs, seconds, budget, stopped, note, error; {} where none ran
+    trial: dict = field(default_factory=dict)
+
+    @property
+    def suits(self) -> str:
+        """The recipe the trial found to suit the model ("" : none, or no trial)."""
+        return str(self.trial.get("suits") or "")
 
     def to_dict(self) -> dict:
-        return plain({"recipes": {
+        return plain({"trial": self.trial, "suits": self.suits, "recipes": {
             name: {"keep_high_precision": recipe.keep_high_precision,
+                   "decided_by": recipe.decided_by,
+                   "trial": {k: v for k, v in recipe.trial.items() if k != "layers"},
+                   "paste": recipe.paste(),
                    "layers": {layer.name: {
                        "status": layer.status,
                        "tensors": {role: {"flushed": t.flushed, "saturated": t.saturated,
                                           "sqnr_db": t.sqnr_db}
-                                   for role, t in layer.tensors.items()}}
+                                   for role, t in layer.tensors.items()},
+                       **({"trial": recipe.trial["layers"][layer.name]}
+                          if layer.name in recipe.trial.get("layers", {}) else {})}
                        for layer in recipe.layers.values()}}
             for name, recipe in self.recipes.items()}})
 
@@ -152,8 +192,9 @@ def fp8_readiness(run: Any) -> Fp8Readiness:
     skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
     rows = rows[~((rows["role"] == int(Role.GRAD_OUTPUT)) & np.isin(rows["step"], skipped))]
     names = {int(i): str(n) for i, n in zip(run.tensors["id"], run.tensors["name"])}
-    out = Fp8Readiness(recipes={name: RecipeFp8() for name in RECIPES.values()},
+    out = Fp8Readiness(recipes={name: RecipeFp8(name=name) for name in RECIPES.values()},
                        sampled_steps=int(len(np.unique(rows["step"]))))
+    _read_trial(run, out)
     key = np.stack([rows["tensor"].astype(np.int64), rows["role"], rows["recipe"]], 1)
     groups, inverse = np.unique(key, axis=0, return_inverse=True)
     known = ({int(r) for r in RECIPES}, {int(r) for r in ROLES})
@@ -166,6 +207,35 @@ def fp8_readiness(run: Any) -> Fp8Readiness:
             name, LayerFp8(name, saturable=Recipe(int(recipe)) in SATURATION_RECIPES))
         layer.tensors[ROLES[Role(int(role))]] = _tensor(rows[inverse.ravel() == g])
     return out
+
+
+def _read_trial(run: Any, out: Fp8Readiness) -> None:
+    """The fp8 trial's result, where the run holds one, into ``out`` (a recipe it did not
+    run, or one it ran with no layer, keeps the statistics' ranking). A value of the wrong
+    type (a damaged or crafted file) reads as its default."""
+    t = Fp8Trial.of(fp8trial.trial(run))
+    if not t:
+        return
+    num, text = (int, float), str
+    out.trial = {"step": _as(t["step"], int, -1), "weights_step": _as(t["weights_step"], int, -1),
+                 "loss": _as(t["loss"], num, None), "suits": _as(t["suits"], text, ""),
+                 "thresholds": _as(t["thresholds"], dict, {}), "runs": _as(t["runs"], int, 0),
+                 "seconds": _as(t["seconds"], num, 0.0), "budget": _as(t["budget"], num, 0.0),
+                 "stopped": _as(t["stopped"], text, ""), "note": _as(t["note"], text, ""),
+                 "error": _as(t["error"], text, "")}
+    for name, part in _as(t["recipes"], dict, {}).items():
+        if name in out.recipes and isinstance(part, dict) and isinstance(part.get("keep"), list):
+            layers = _as(part.get("layers"), dict, {})
+            out.recipes[name].trial = {
+                "all": _as(part.get("all"), dict, {}), "keep": [str(n) for n in part["keep"]],
+                "all_but_keep": _as(part.get("all_but_keep"), dict, {}),
+                "untried": [str(n) for n in _as(part.get("untried"), list, [])],
+                "layers": {str(k): v for k, v in layers.items() if isinstance(v, dict)}}
+
+
+def _as(value: Any, kind: Any, default: Any) -> Any:
+    """``value`` where it is of ``kind`` (a bool is no number), else ``default``."""
+    return value if isinstance(value, kind) and not isinstance(value, bool) else default
 
 
 def _dtype(run: Any) -> np.dtype:

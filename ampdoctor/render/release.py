@@ -119,22 +119,70 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
     return out[:READINESS_ROWS]
 
 
-def fp8_rows(f: Any) -> list[tuple[str, str, str]]:
-    """(recipe, layers at risk of all, the first of them) per recipe; [] without /fp8 rows."""
+def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
+    """(recipe, decided by, the layers to keep in high precision, what the trial measured)
+    per recipe; [] without /fp8 rows."""
     out = []
     for name, recipe in (f.recipes.items() if f is not None else ()):
-        if not recipe.layers:
+        if not recipe.layers and not recipe.trial:
             continue
         keep = recipe.keep_high_precision
         named = ", ".join(keep[:FP8_NAMES]) + (f" (+{len(keep) - FP8_NAMES})"
                                                if len(keep) > FP8_NAMES else "")
-        out.append((name, f"{len(keep)} of {len(recipe.layers)}", named or "none"))
+        if recipe.decided_by == "trial":
+            untried = recipe.trial["untried"]
+            measured = f"all Linears: {_effect(recipe.trial.get('all'))}"
+            if keep:
+                measured += f"; all but those kept: {_effect(recipe.trial.get('all_but_keep'))}"
+            if untried:
+                measured += f"; {count(len(untried), 'layer')} not tried (budget)"
+        else:
+            measured = "not tried: one step holds no amax history" if name == "delayed" \
+                else "no trial: ranked from the statistics"
+        out.append((name, recipe.decided_by, f"{len(keep)}: {named}" if keep else "none",
+                    measured))
     return out
 
 
-FP8_NOTE = ("Layers to keep in high precision, ranked from the sampled statistics (values "
-            "flushed, saturated, SQNR of input, weight and output gradient); not yet proven by "
-            "a replay in fp8. Per layer and tensor: `report --format json`, key `fp8`.")
+def _effect(e: Any) -> str:
+    """What one re-run did: the gradient's relative error, the loss's relative change."""
+    if not isinstance(e, dict) or "grad_error" not in e:
+        return "not measured"
+    grad = e["grad_error"]
+    text = f"gradient {_pct(grad)} off" if isinstance(grad, (int, float)) else "gradient " \
+        "non-finite"
+    change = e.get("loss_change")
+    if isinstance(change, (int, float)):
+        text += f", loss {'+' if change >= 0 else ''}{_pct(change)}"
+    return text
+
+
+def fp8_paste(f: Any) -> Optional[tuple[str, str, dict]]:
+    """(recipe, the sentence that introduces it, its lines to paste) for the recipe the trial
+    found to suit the model (else tensorwise); None where no trial decided."""
+    if f is None or not any(r.decided_by == "trial" for r in f.recipes.values()):
+        return None
+    t = f.trial
+    name = f.suits or "tensorwise"
+    why = (f"{name} suits this model: with the layers it keeps in high precision its step "
+           "stays within the thresholds, with the fewest kept" if f.suits else
+           "no recipe kept the step within the thresholds; tensorwise, with its layers kept")
+    intro = (f"The fp8 trial re-ran step {t['step']}'s batch with the weights after step "
+             f"{t['weights_step']} ({count(t['runs'], 're-run')}, {_seconds(t['seconds'])}): "
+             f"{why}.")
+    if t.get("stopped"):
+        intro += f" It stopped early: {t['stopped']}."
+    return name, intro, f.recipes[name].paste()
+
+
+FP8_NOTE = ("Layers to keep in high precision: where the fp8 trial ran, those whose cast to "
+            "fp8 alone moved the step's gradient by more than 10 % or its loss by more than 1 % "
+            "(the last sampled step re-run with each Linear in emulated fp8); elsewhere ranked "
+            "from the sampled statistics (values flushed, saturated, SQNR). Per layer and "
+            "tensor: `report --format json`, key `fp8`.")
+FP8_HEAD = ("recipe", "decided by", "keep in high precision", "measured")
+FP8_PASTE = (("torchao", "torchao", "python"), ("TransformerEngine", "transformer_engine",
+                                                 "python"), ("ampdoctor record", "apply", "sh"))
 
 
 def comparison_rows(c: Any) -> list[tuple[str, str]]:
@@ -279,7 +327,13 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     fp8 = fp8_rows(r.fp8)
     if fp8:
         out += ["## fp8 readiness", "", FP8_NOTE, ""]
-        out += _md_table(("recipe", "at risk", "keep in high precision"), fp8) + [""]
+        out += _md_table(FP8_HEAD, fp8) + [""]
+        paste = fp8_paste(r.fp8)
+        if paste is not None:
+            out += [md(paste[1]), ""]
+            for label, key, info in FP8_PASTE:
+                if paste[2][key]:
+                    out += [f"{label}:", "", *safe.md_fence(paste[2][key], info), ""]
     if r.comparison is not None:
         out += [comparison_markdown(r.comparison, level=2).rstrip(), ""]
     if r.parity is not None:
@@ -355,7 +409,12 @@ def release_html(r: Any) -> str:
     fp8 = fp8_rows(r.fp8)
     if fp8:
         parts += ["<h2>fp8 readiness</h2>", f'<p class="muted">{_esc(FP8_NOTE)}</p>',
-                  _table(("recipe", "at risk", "keep in high precision"), fp8)]
+                  _table(FP8_HEAD, fp8)]
+        paste = fp8_paste(r.fp8)
+        if paste is not None:
+            parts.append(f"<p>{_esc(paste[1])}</p>")
+            parts += [f"<p>{_esc(label)}:</p><pre><code>{_esc(paste[2][key])}</code></pre>"
+                      for label, key, _ in FP8_PASTE if paste[2][key]]
     if r.comparison is not None:
         parts.append(_comparison_html(r.comparison, images))
     if r.parity is not None:

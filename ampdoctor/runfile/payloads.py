@@ -319,7 +319,31 @@ class FlatLossProbe(Payload):
     }
 
 
+class Fp8Trial(Payload):
+    """``Event.FP8_TRIAL`` text (record/forensic/fp8trial.py; release/fp8.py). An effect is
+    {"loss", "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"}
+    against the step re-run as recorded ("inf"/"nan" as strings); a recipe is {"all",
+    "layers": {NAME: effect}, "keep": [NAME...], "all_but_keep", "untried": [NAME...]}."""
+
+    NAME = "an FP8_TRIAL event's text"
+    KEYS = {
+        "step": Key(int, "the sampled step whose batch was re-run", -1),
+        "weights_step": Key(int, "the last step: the weights re-run are those after it", -1),
+        "loss": Key(float, "the loss of the step re-run as recorded (the reference)"),
+        "recipes": Key(dict, "recipe name -> what each re-run did (see the class doc)", {}),
+        "suits": Key(str, "the recipe whose all-but-kept re-run stays within the thresholds "
+                     "with the fewest layers kept ('' none)", ""),
+        "thresholds": Key(dict, "grad_error, loss_change: above either a layer is kept", {}),
+        "runs": Key(int, "re-runs of the step", 0),
+        "seconds": Key(float, "time the trial took", 0.0),
+        "budget": Key(float, "the seconds it was given", 0.0),
+        "stopped": Key(str, "why layers were left untried ('' : every one was tried)", ""),
+        "note": Key(str, "why the trial did not run, or what it could not do", ""),
+        "error": Key(str, "the exception that stopped it", ""),
+    }
+
+
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
-    HiddenNonfinite, LossSingular, FlatLossProbe)
+    HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial)

@@ -193,6 +193,11 @@ class Event(enum.IntEnum):
     # itself non-finite on a step GradScaler skips. While it calibrates, that is its
     # calibration at work (diagnosis/facts.py), not a failure. Additive, as 17.
     PENALTY_AT_SCALE = 24
+    # When the recording closed, the last sampled step re-run with its Linear layers in
+    # emulated fp8, one at a time and together, per recipe (record/forensic/fp8trial.py):
+    # value, the re-runs; text, JSON (payloads.Fp8Trial): the loss and gradient each moved,
+    # the layers to keep in high precision, the recipe that suits the model. Additive, as 17.
+    FP8_TRIAL = 25
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -62,10 +62,13 @@ def test_to_dict_has_exactly_the_documented_shape_and_is_json():
                    rows(0, role=Role.GRAD_OUTPUT, sqnr_db=np.inf),
                    rows(1, recipe=Recipe.ROWWISE, amax=np.nan, sqnr_db=np.nan))
     d = ampdoctor.fp8_readiness(run).to_dict()
-    assert list(d) == ["recipes"]
+    assert list(d) == ["trial", "suits", "recipes"]
+    assert d["trial"] == {} and d["suits"] == ""  # no trial in this run
     assert list(d["recipes"]) == ["tensorwise", "delayed", "rowwise", "mxfp8"]
     for recipe in d["recipes"].values():
-        assert set(recipe) == {"keep_high_precision", "layers"}
+        assert set(recipe) == {"keep_high_precision", "decided_by", "trial", "paste", "layers"}
+        assert recipe["decided_by"] == "statistics" and recipe["trial"] == {}
+        assert set(recipe["paste"]) == {"torchao", "transformer_engine", "apply"}
         for layer in recipe["layers"].values():
             assert set(layer) == {"status", "tensors"}
             for role, t in layer["tensors"].items():
@@ -84,7 +87,8 @@ def test_a_skipped_steps_gradients_are_left_out_and_an_old_run_reads_empty():
                    skipped=(3,))
     assert fp8.fp8_readiness(run).recipes["tensorwise"].layers["fc1"].status == "ok"
     old = ampdoctor.fp8_readiness(os.path.join(ROOT, "fixtures", "formats", "v3.h5")).to_dict()
-    assert all(r == {"keep_high_precision": [], "layers": {}} for r in old["recipes"].values())
+    assert all(r["keep_high_precision"] == [] and r["layers"] == {}
+               for r in old["recipes"].values())
 
 
 def test_reading_imports_no_torch():
@@ -122,7 +126,8 @@ def record(tmp_path, outlier: str):
                           nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     path = str(tmp_path / f"{outlier}.h5")
-    with ampdoctor.watch(model, opt, path=path, every=1, strict=True):
+    # (the statistics alone: the fp8 trial, which would decide keep_high_precision, is off)
+    with ampdoctor.watch(model, opt, path=path, every=1, strict=True, fp8_trial=0):
         for _ in range(3):
             loss = model(torch.randn(64, 32)).square().mean()
             loss.backward()
@@ -170,3 +175,55 @@ def test_the_release_report_carries_it():
     assert "## fp8 readiness" in markdown and "| tensorwise |" in markdown
     with ampdoctor.release_report(os.path.join(ROOT, "fixtures", "formats", "v3.h5")) as old:
         assert "fp8 readiness" not in old.markdown()
+
+
+def trial_run(text):
+    s = Synth(10, dtype="bfloat16", scaler=False)
+    for name in ("fc1", "fc2"):
+        s.tensor(Kind.OUTPUT, name)
+    s.event(9, schema.Event.FP8_TRIAL, text=text)
+    run = s.run()
+    run.fp8 = store.Table(np.concatenate([rows(0, flushed=50), rows(1)]), name="fp8")
+    return run
+
+
+def test_the_trial_decides_where_it_ran_and_the_report_shows_what_it_measured():
+    effect = {"loss": 1.0, "loss_change": 0.002, "grad_error": 0.04, "grad_cosine": 0.99}
+    text = json.dumps({"step": 8, "weights_step": 9, "suits": "tensorwise", "runs": 7,
+                       "seconds": 0.5, "recipes": {"tensorwise": {
+                           "all": {**effect, "grad_error": 0.3}, "keep": ["fc2"],
+                           "all_but_keep": effect, "untried": [],
+                           "layers": {"fc1": effect, "fc2": {**effect, "grad_error": 0.2}}}}})
+    r = fp8.fp8_readiness(trial_run(text))
+    tw = r.recipes["tensorwise"]
+    # the statistics flag fc1 (5 % flushed), the trial keeps fc2: the trial decides
+    assert tw.layers["fc1"].status == "flushes"
+    assert (tw.keep_high_precision, tw.decided_by, r.suits) == (["fc2"], "trial", "tensorwise")
+    assert r.recipes["rowwise"].decided_by == "statistics"
+    d = r.to_dict()
+    assert d["recipes"]["tensorwise"]["layers"]["fc2"]["trial"]["grad_error"] == 0.2
+    assert d["recipes"]["tensorwise"]["paste"]["apply"] == "--apply fp8=tensorwise:keep=fc2"
+    assert d["recipes"]["mxfp8"]["paste"]["apply"] == ""  # record cannot train MX
+    json.dumps(d, allow_nan=False)
+    from ampdoctor.render.release import fp8_paste, fp8_rows
+    row = dict((r[0], r) for r in fp8_rows(r))["tensorwise"]
+    assert row[1:3] == ("trial", "1: fc2")
+    assert row[3] == ("all Linears: gradient 30% off, loss +0.2%; all but those kept: "
+                      "gradient 4% off, loss +0.2%")
+    recipe, intro, paste = fp8_paste(r)
+    assert recipe == "tensorwise" and "step 8's batch" in intro and "KEEP = {'fc2'}" in \
+        paste["torchao"]
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "[1, 2]",
+    json.dumps({"step": "x", "runs": [1], "seconds": {}, "suits": 3, "recipes": {
+        "tensorwise": {"keep": ["a\nb", 5], "layers": [1], "untried": 7, "all": "x"},
+        "rowwise": {"keep": "fc1"}}}),
+])
+def test_a_damaged_trial_reads_as_far_as_it_goes(text):
+    r = fp8.fp8_readiness(trial_run(text))
+    json.dumps(r.to_dict(), allow_nan=False)
+    from ampdoctor.render.release import fp8_paste, fp8_rows
+    fp8_rows(r), fp8_paste(r)
+    assert r.recipes["rowwise"].decided_by == "statistics"

@@ -1,9 +1,10 @@
 """The forensic tier (tier 3): the failing step caught, replayed, explained and tried again.
 
-Entered from the rest of ``ampdoctor`` through three modules only (``.importlinter`` holds
+Entered from the rest of ``ampdoctor`` through four modules only (``.importlinter`` holds
 it): ``forensics`` (the recorder, its hooks and skip decision), ``losscall`` (the hooks' loss
-capture) and ``isolated`` (``preflight`` reuses its guarantees: the RNG saved and put back,
-the buffers restored); the others are its own parts. Importing this package imports nothing.
+capture), ``isolated`` (``preflight`` reuses its guarantees: the RNG saved and put back,
+the buffers restored) and ``fp8trial`` (the recorder's fp8 trial at close); the others are
+its own parts. Importing this package imports nothing.
 
 - ``forensics``: the facade (``Forensics``): capture each step, trigger, replay, keep, write
 - ``findings``: what the tier reports: ``ForensicEvent``, ``ReplayResult``, ``TraceRow``
@@ -21,4 +22,7 @@ the buffers restored); the others are its own parts. Importing this package impo
 - ``singular``: is the loss's backward singular at the failing values in fp32 too
 - ``trial``: a saved step re-run with one change applied (``Trial``), finite or not
 - ``proofs``: the fixes a diagnosis will name, each tried on the saved step as a ``Trial``
+- ``fp8trial``: the last sampled step re-run with Linears in emulated fp8, alone and
+  together: which to keep in bf16, and the recipe that suits the model
+- ``fp8matmul``: a Linear's three matmuls in emulated fp8 (``in_fp8``)
 """

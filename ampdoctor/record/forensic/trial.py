@@ -90,6 +90,13 @@ class Outcome:
 def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     """Re-run one captured micro-batch under ``t`` (see the module docstring). ``names``:
     the recorder's module -> name map (for ``fp32_modules``)."""
+    return rerun_grads(cap, t, names)[0]
+
+
+def rerun_grads(cap: Capture, t: Trial, names: dict) -> tuple[Outcome, list]:
+    """``rerun``, and the gradient of each of the root's parameters that require grad, in
+    ``parameters()`` order (None: unused; [] where no backward ran): what a trial that
+    measures the change, not only its finiteness, compares (``fp8trial``)."""
     root = unwrap(cap.root)
     out = Outcome(t.name)
     outs = forward(cap, t, names)
@@ -97,6 +104,7 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     losses = _losses(cap, outs, t, out)
     pairs = _backward_pairs(cap, outs, losses, t, out)
     params = [p for p in root.parameters() if p.requires_grad]
+    grads: Sequence = []
     if pairs and params:
         grads = torch.autograd.grad([x for x, _ in pairs], params, [g for _, g in pairs],
                                     allow_unused=True)
@@ -106,7 +114,7 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     out.first = "forward" if not out.output_finite else "loss" if out.loss_finite is False \
         else "backward" if out.grads == "non-finite" else ""
     out.finite = out.first == ""
-    return out
+    return out, list(grads)
 
 
 def forward(cap: Capture, t: Trial, names: dict, args: Optional[tuple] = None,

@@ -30,10 +30,11 @@ numpy-free and torch-free: plain strings. ``registry.py`` holds the registry and
 the writers share; the writers live by family: ``precision.py`` (range and precision: islands,
 bf16, the loss scale, eps, master weights), ``loss.py`` (the loss and its inputs),
 ``script.py`` (the training script's calls), ``training.py`` (not the precision: the LR, dead
-units, the device). ``FIX_IDS`` lists every id with its meaning.
+units, the device), ``compiler.py`` (a NaN only the compiled model makes). ``FIX_IDS`` lists
+every id with its meaning.
 """
 
-from . import loss, precision, script, training  # noqa: F401 - each registers its fixes
+from . import compiler, loss, precision, script, training  # noqa: F401 - each registers its fixes
 from .registry import (
                        DEFAULTS,
                        FIX_IDS,

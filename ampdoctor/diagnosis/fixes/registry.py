@@ -82,6 +82,9 @@ class Context:
     # The loss's op whose derivative is infinite at a point, as the replay measured it, for
     # clamp_loss_input: {"op", "exponent", "eps", "step", "dtype", "points", "source"}
     singular: Optional[dict] = None
+    # What the compiled replay of a compiled model's step found, for the compiler fixes:
+    # {"region", "op", "op_module", "finite_backend", "backends"} (None: not compiled)
+    compiled: Optional[dict] = None
     # the run's measurer (diagnosis/dose.py): a dose by name ("lr", "init_scale", "eps",
     # "max_norm"); None: no run behind this context, the DEFAULTS serve
     measure: Optional[Callable[[str], Optional[Dose]]] = field(default=None, repr=False)

@@ -321,6 +321,8 @@ def notes(f: Facts) -> list[str]:
 RUNG_TEXT = {"aot_eager": "aot_eager (dynamo's and AOT autograd's graph, each op eager)",
              "decomposed": "inductor's decompositions (each op eager)",
              "inductor": "inductor (the default backend)"}
+RUNG_NAME = {"aot_eager": "dynamo's graph", "decomposed": "inductor's decompositions",
+             "inductor": "inductor's kernels"}
 FIRST_TEXT = {"forward": "in the forward", "loss": "in the loss", "backward": "in the backward"}
 
 
@@ -353,9 +355,11 @@ def rule_compiler(f: Facts) -> Optional[Finding]:
     rungs = {str(r.get("backend")): r.get("finite") for r in got["rungs"] if isinstance(r, dict)}
     failed = [b for b, fin in rungs.items() if fin is False]
     finite = [b for b, fin in rungs.items() if fin]
+    lowest = str(got.get("backend") or (failed[0] if failed else ""))
     summary = (f"The compiler, not the numbers: step {step} was non-finite, its replay run "
-               f"eagerly on the same batch, weights and RNG is finite, and compiled again "
-               f"({', '.join(failed)}) it is non-finite: torch.compile of {region} makes this "
+               f"eagerly on the same batch, weights and RNG is finite, and compiled again it "
+               f"is non-finite from {RUNG_NAME.get(lowest, lowest)} on "
+               f"({', '.join(failed)}): torch.compile of {region} makes this "
                "NaN" + (f", first at {op['op']}" if op.get("op") else "")
                + (f" (decomposed from {op['decomposed_from']})" if op.get("decomposed_from")
                   else "") + "." + (f" Compiled with {', '.join(finite)} the step is finite."

@@ -175,3 +175,39 @@ def test_module_paths_from_dynamo_sources():
     assert path("L['forward'].__self__.blocks[0].attn") == "blocks.0.attn"
     assert path("L['self']._modules['a b']") == "a b"
     assert path("L['forward'].__self__") == ""
+
+
+class Act(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.lin, self.op = nn.Linear(16, 16), op
+
+    def forward(self, x):
+        return self.op(self.lin(x))
+
+
+def test_of_several_compiled_regions_the_one_that_makes_the_nan_is_named(tmp_path):
+    """Two compiled blocks, one with the custom op: each compiled alone, only it fails; the
+    fix tried runs it eagerly with the other still compiled."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(Act(torch.relu), Act(FX.LogCosh()), nn.LayerNorm(16),
+                          nn.Linear(16, 4))
+    model[0] = torch.compile(model[0])
+    model[1] = torch.compile(model[1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = FX.make_data(3 * BATCH)
+    x[2 * BATCH] *= 1000  # an outlier: the second block's pre-activations pass 89
+    with ampdoctor.watch(model, opt, path=str(tmp_path / "r.h5"), strict=True):
+        for step in range(3):
+            sl = slice(step * BATCH, (step + 1) * BATCH)
+            loss = F.cross_entropy(model(x[sl]), y[sl])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    snap = next(s for s in ampdoctor.load(str(tmp_path / "r.h5")).snapshots if s["step"] == 2)
+    d = json.loads(snap["detail"])
+    got = d["compiled"]
+    assert got["regions"] == ["0", "1"] and got["alone"] == ["1"] and got["region"] == "1"
+    assert got["op"]["op"] == "aten.cosh" and got["op"]["module"] == "1.op"
+    assert d["trials"]["compiler_disable"]["finite"] is True

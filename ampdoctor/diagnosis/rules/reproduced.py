@@ -204,6 +204,11 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     ev = [Evidence(_seen_text(first, world), "recorded_nonfinite", None, step),
           Evidence(_replay_text(first), "replay_finite", None, step),
           _count(f, bad, unrep, world, rank)]
+    again = SnapshotDetail.of(first["detail"]).part("compiled")
+    ran = [str(r.get("backend")) for r in again["rungs"] if isinstance(r, dict) and r.get("finite")]
+    if ran:  # a compiled model: compiled again, the step is finite too (not the compiler)
+        ev.append(Evidence(f"step {step} compiled again ({', '.join(ran)}) is finite too: not "
+                           "the compiler", "compiled_finite", None, step))
     applied = not f.has_scaler or not skipped[0]
     explains = {s["step"] for s in unrep}
     if applied:

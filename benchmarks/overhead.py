@@ -6,6 +6,7 @@
     python benchmarks/overhead.py --curve                # overhead vs sampling interval
     python benchmarks/overhead.py --device cuda --workload gpt2   # on a GPU
     python benchmarks/overhead.py --json out.json        # also machine-readable
+    python benchmarks/overhead.py --compile --config clip    # the model under torch.compile
 
 **Configurations** (``--config``, default all), the loops users run:
 
@@ -75,6 +76,7 @@ from ampdoctor.record import recorder  # noqa: E402
 
 DEVICE = torch.device("cpu")
 SMOKE = False
+COMPILE = False  # --compile: the model under torch.compile
 EMULATED = 3.0  # a dtype this many times slower than fp32 at GEMM is emulated
 
 
@@ -211,6 +213,8 @@ def make_workload(name: str, config: Config, native: dict, seed: int = 0) -> Wor
         tokens = torch.randint(0, vocab, (4, batch, seq + 1), generator=g)
         pairs = [(b[:, :-1], b[:, 1:]) for b in tokens]
     model.to(DEVICE)
+    if COMPILE:  # as users compile: the wrapper is trained, watched and called
+        model = torch.compile(model)  # type: ignore[assignment]
     pairs = [(x.to(DEVICE), y.to(DEVICE)) for x, y in pairs]  # on the device before timing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=config.fused,
                             foreach=not config.fused)
@@ -649,6 +653,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny models: check the paths")
+    parser.add_argument("--compile", action="store_true",
+                        help="the model under torch.compile (inductor)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", nargs="+", metavar="JSON",
                         help="print these --json results as docs/performance.md's markdown tables")
@@ -659,11 +665,11 @@ def parse() -> argparse.Namespace:
 
 
 def main() -> None:
-    global DEVICE, SMOKE
+    global DEVICE, SMOKE, COMPILE
     args = parse()
     if args.markdown:
         return print(markdown(args.markdown))
-    DEVICE, SMOKE = torch.device(args.device), args.smoke
+    DEVICE, SMOKE, COMPILE = torch.device(args.device), args.smoke, args.compile
     torch.set_num_threads(args.threads)
     configs = list(CONFIGS) if args.config == "all" else args.config.split(",")
     unknown = [c for c in configs if c not in CONFIGS]

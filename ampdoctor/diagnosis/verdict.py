@@ -107,6 +107,9 @@ TABLE = (
     Verdict("not_reproducible", "a non-finite step whose replay on the same batch and weights "
             "is finite: the machine (a faulty device, nondeterminism), not the numbers",
             83, "reproduced", "neither", ("faulty_device", "faulty_rank")),
+    Verdict("compiler", "a non-finite step of a compiled model whose replay is finite eagerly "
+            "and non-finite compiled again: torch.compile makes the NaN (the region and op "
+            "named)", 85, "reproduced", "neither", ("compile_nan",)),
     Verdict("scale_collapse", "the scale fell persistently and no root cause could be told",
             None, "fallbacks", "range",  # a consequence (root=False): ranks by nothing
             (_DIAG + "test_scale_collapse_when_nothing_else_can_be_told",)),

@@ -223,6 +223,26 @@ class SingularFp32(Payload):
     }
 
 
+class CompiledReplay(Payload):
+    """``detail["compiled"]``: a compiled model's finite replay run again compiled, each
+    rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py)."""
+
+    NAME = "a snapshot's compiled"
+    KEYS = {
+        "regions": Key(list, "the compiled regions, by module name", []),
+        "reproduced": Key(bool, "the step compiled again is non-finite"),
+        "rungs": Key(list, "per backend (aot_eager, decomposed, inductor): backend, finite, "
+                     "outcome, op, error", []),
+        "backend": Key(str, "the lowest backend whose step is non-finite"),
+        "region": Key(str, "the region that reproduces (compiled alone, where several)"),
+        "alone": Key(list, "the regions that reproduce compiled alone"),
+        "op": Key(dict, "the first graph node non-finite from finite inputs: graph, node, op, "
+                  "decomposed_from, source, module"),
+        "error": Key(str, "the exception the compiled replay raised"),
+        "seconds": Key(float, "time the compiled replay took"),
+    }
+
+
 class SnapshotDetail(Payload):
     """``/snapshots`` ``detail``: what a forensic replay learnt beyond the row's columns
     (written by ``record/forensic/``: findings.py, culprit.py, culprit_rerun.py,
@@ -230,7 +250,7 @@ class SnapshotDetail(Payload):
     culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/)."""
 
     NAME = "a snapshot's detail"
-    VERSION = 2
+    VERSION = 3
     KEYS = {
         # the replay (findings.py, forensics.py)
         "summary": Key(str, "the finding in one sentence"),
@@ -277,6 +297,9 @@ class SnapshotDetail(Payload):
         "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
         "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
         "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
+        # the compiled replay (compiled_replay.py)
+        "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
+                        "compiled: reproduced, rungs, region, op", since=3),
         # proofs (proofs.py)
         "trials": Key(dict, "the fixes tried on the step: fix id -> its outcome"),
         "trials_error": Key(str, "the exception the trials raised"),
@@ -346,4 +369,4 @@ class Fp8Trial(Payload):
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
-    HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial)
+    CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial)

@@ -31,10 +31,11 @@ the writers share; the writers live by family: ``precision.py`` (range and preci
 bf16, the loss scale, eps, master weights), ``loss.py`` (the loss and its inputs),
 ``script.py`` (the training script's calls), ``training.py`` (not the precision: the LR, dead
 units, the device), ``fp8.py`` (a run already in fp8: a layer kept in bf16, another
-recipe). ``FIX_IDS`` lists every id with its meaning.
+recipe), ``compiler.py`` (a NaN only the compiled model makes). ``FIX_IDS`` lists every id
+with its meaning.
 """
 
-from . import fp8, loss, precision, script, training  # noqa: F401 - each registers its fixes
+from . import compiler, fp8, loss, precision, script, training  # noqa: F401 - each registers its fixes
 from .registry import (
                        DEFAULTS,
                        FIX_IDS,

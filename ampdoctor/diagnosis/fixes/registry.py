@@ -85,6 +85,9 @@ class Context:
     # a run that trains layers in fp8: {"recipe": torchao's recipe name, "keep": the layers
     # `record --apply fp8` already left in high precision} (None: no fp8 layer)
     fp8: Optional[dict] = None
+    # What the compiled replay of a compiled model's step found, for the compiler fixes:
+    # {"region", "op", "op_module", "finite_backend", "backends"} (None: not compiled)
+    compiled: Optional[dict] = None
     # the run's measurer (diagnosis/dose.py): a dose by name ("lr", "init_scale", "eps",
     # "max_norm"); None: no run behind this context, the DEFAULTS serve
     measure: Optional[Callable[[str], Optional[Dose]]] = field(default=None, repr=False)

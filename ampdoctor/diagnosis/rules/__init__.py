@@ -8,7 +8,8 @@ holds it):
   cause told, non-finite values no class explains;
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
-* ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), and
+* ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), one
+  only the compiled model makes (the compiler), and
   targets that make the loss non-finite in fp32 too;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
   (``culprit.py`` reads the replays) or by the sampled tier;
@@ -62,6 +63,7 @@ RULES = [
     located.rule_accum_overflow,
     located.rule_bad_input,
     reproduced.rule_bad_targets,
+    reproduced.rule_compiler,
     reproduced.rule_not_reproducible,
     located.rule_fp16_loss,
     located.rule_loss_backward,

@@ -12,6 +12,12 @@ with what the real step saw (``record/forensic/reproduced.py`` writes the snapsh
   of the run's non-finite steps did not reproduce (per rank in a multi-rank run: ``ranks``).
   One such skip in an otherwise healthy run (GradScaler threw it away, nothing else failed) is
   healthy with a note (``notes``), never a data verdict.
+* ``compiler`` (``rule_compiler``): the first failing step replayed was a compiled model's, its
+  eager replay is finite, and compiled again (``record/forensic/compiled_replay.py``: the
+  snapshot's ``compiled``) it is non-finite. The compiler makes the NaN, not the machine: the
+  region and the first non-finite op named, the rungs of backends that were finite and not,
+  the fixes tried on the step (the region run eagerly, a backend that keeps it finite). Such
+  a replay is never ``unreproduced``.
 * ``bad_input`` of kind ``targets`` (``rule_bad_targets``): the loss, recomputed by the torch
   loss function on a finite model output, is non-finite in fp32 too and its targets say why
   (every one ``ignore_index``: the mean over nothing is 0/0): not the precision, the data.
@@ -44,9 +50,16 @@ def unreproduced(snap: dict) -> bool:
     """Did this replay find the step finite where the real step was not? (Files written
     before the comparison existed: a replay whose every micro-batch stayed finite.)"""
     d = SnapshotDetail.of(snap["detail"])
+    if compiled_reproduced(snap):
+        return False
     if "reproduced" in d:
         return d["reproduced"] is False
     return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
+
+
+def compiled_reproduced(snap: dict) -> bool:
+    """Did the compiled replay repeat the failure the eager replay did not?"""
+    return SnapshotDetail.of(snap["detail"]).part("compiled").get("reproduced") is True
 
 
 def began_here(snap: dict) -> bool:
@@ -191,6 +204,11 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     ev = [Evidence(_seen_text(first, world), "recorded_nonfinite", None, step),
           Evidence(_replay_text(first), "replay_finite", None, step),
           _count(f, bad, unrep, world, rank)]
+    again = SnapshotDetail.of(first["detail"]).part("compiled")
+    ran = [str(r.get("backend")) for r in again["rungs"] if isinstance(r, dict) and r.get("finite")]
+    if ran:  # a compiled model: compiled again, the step is finite too (not the compiler)
+        ev.append(Evidence(f"step {step} compiled again ({', '.join(ran)}) is finite too: not "
+                           "the compiler", "compiled_finite", None, step))
     applied = not f.has_scaler or not skipped[0]
     explains = {s["step"] for s in unrep}
     if applied:
@@ -247,7 +265,7 @@ def _seen_text(snap: dict, world: int) -> str:
     return f"step {snap['step']} as it ran: " + ", ".join(parts)
 
 
-def _replay_text(snap: dict) -> str:
+def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
     """What the replay gave, from its snapshot (never more than it measured)."""
     d = SnapshotDetail.of(snap["detail"])
     again = d.part("rerun")
@@ -265,7 +283,7 @@ def _replay_text(snap: dict) -> str:
         text += f" (the loss was not recomputed: {d['loss_not_recomputed']})"
     else:
         text += ", and so is every gradient of its backward"
-    return text + ": it did not reproduce"
+    return text + end
 
 
 def _num(x: object) -> Optional[float]:
@@ -300,6 +318,94 @@ def notes(f: Facts) -> list[str]:
             "the same batch and weights is finite: it did not reproduce. One transient fault "
             "(a device error, a nondeterministic kernel) that GradScaler absorbed; if it "
             "recurs, test the device (`test_device`)."]
+
+
+# ---------------------------------------------------------------------------------------------
+# compiler
+
+RUNG_TEXT = {"aot_eager": "aot_eager (dynamo's and AOT autograd's graph, each op eager)",
+             "decomposed": "inductor's decompositions (each op eager)",
+             "inductor": "inductor (the default backend)"}
+RUNG_NAME = {"aot_eager": "dynamo's graph", "decomposed": "inductor's decompositions",
+             "inductor": "inductor's kernels"}
+FIRST_TEXT = {"forward": "in the forward", "loss": "in the loss", "backward": "in the backward"}
+
+
+def rule_compiler(f: Facts) -> Optional[Finding]:
+    """The first replayed failure is finite eagerly and non-finite compiled (see the module
+    docstring)."""
+    first = first_replay(f)
+    if first is None or not compiled_reproduced(first):
+        return None
+    step = first["step"]
+    got = SnapshotDetail.of(first["detail"]).part("compiled")
+    region = str(got.get("region") or ", ".join(map(str, got["regions"])))
+    op = got.get("op") if isinstance(got.get("op"), dict) else {}
+    ev = [Evidence(_seen_text(first, 1), "recorded_nonfinite", None, step),
+          Evidence(_replay_text(first, end=": eager PyTorch computes this step finite"),
+                   "replay_finite", None, step, region)]
+    ev += [_rung(r, step, region) for r in got["rungs"] if isinstance(r, dict)]
+    if op.get("op"):
+        ev.append(Evidence(_op_text(op), "compiled_op", None, step,
+                           str(op.get("module") or region)))
+    alone = got.get("alone")
+    if isinstance(alone, list) and len(got["regions"]) > 1:
+        ev.append(Evidence(f"compiled one at a time, {', '.join(map(str, alone)) or 'none'} of "
+                           f"the {len(got['regions'])} compiled regions reproduce alone",
+                           "compiled_regions", float(len(alone)), step))
+    bad = failing(f)
+    later = [f.step_at(int(i)) for i in np.flatnonzero(bad) if f.step_at(int(i)) > step]
+    skipped = f.has_scaler and bool(f.skipped[f.index_of(step)])
+    explains = {step} | (set() if skipped else set(later))
+    rungs = {str(r.get("backend")): r.get("finite") for r in got["rungs"] if isinstance(r, dict)}
+    failed = [b for b, fin in rungs.items() if fin is False]
+    finite = [b for b, fin in rungs.items() if fin]
+    lowest = str(got.get("backend") or (failed[0] if failed else ""))
+    summary = (f"The compiler, not the numbers: step {step} was non-finite, its replay run "
+               f"eagerly on the same batch, weights and RNG is finite, and compiled again it "
+               f"is non-finite from {RUNG_NAME.get(lowest, lowest)} on "
+               f"({', '.join(failed)}): torch.compile of {region} makes this "
+               "NaN" + (f", first at {op['op']}" if op.get("op") else "")
+               + (f" (decomposed from {op['decomposed_from']})" if op.get("decomposed_from")
+                  else "") + "." + (f" Compiled with {', '.join(finite)} the step is finite."
+                                    if finite else "")
+               + " Not the device, not the precision.")
+    ctx = f.fix_context(module=region, step=step)
+    ctx.compiled = {"region": region, "op": op.get("op"), "op_module": op.get("module"),
+                    "decomposed_from": op.get("decomposed_from"),
+                    "finite_backend": finite[-1] if finite else None}
+    ids = ["compiler_disable"] + (["compile_backend"] if finite else []) + ["report_compiler_bug"]
+    return Finding("compiler", 0.85, summary, ev, fixes.make(ids, ctx),
+                   first_bad(step, region, str(op.get("graph") or "") or None),
+                   priority=PRIORITY["compiler"], explains=frozenset(explains))
+
+
+def _rung(r: dict, step: int, region: str) -> Evidence:
+    backend = str(r.get("backend"))
+    outcome = r["outcome"] if isinstance(r.get("outcome"), dict) else {}
+    text = f"step {step} compiled again with {RUNG_TEXT.get(backend, backend)}: "
+    if r.get("finite") is None:
+        text += f"not run ({r.get('error') or 'no outcome'})"
+    elif r.get("finite"):
+        loss = _num(outcome.get("loss"))
+        text += "finite" + (f" (loss {fmt(loss)})" if loss is not None else "")
+    else:
+        where = FIRST_TEXT.get(str(outcome.get("first")), "")
+        text += "non-finite" + (f" {where}" if where else "")
+    return Evidence(text, f"compiled_{backend}", None if r.get("finite") is None else
+                    float(bool(r.get("finite"))), step, region)
+
+
+def _op_text(op: dict) -> str:
+    text = f"the first op of the compiled {op.get('graph', 'forward')} graph whose output is " \
+        f"non-finite from finite inputs: {op['op']}"
+    if op.get("decomposed_from"):
+        text += f", decomposed from {op['decomposed_from']}"
+    if op.get("module"):
+        text += f", in {op['module']}"
+    if op.get("source"):
+        text += f" ({op['source']})"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,4 +25,6 @@ its own parts. Importing this package imports nothing.
 - ``fp8trial``: the last sampled step re-run with Linears in emulated fp8, alone and
   together: which to keep in bf16, and the recipe that suits the model
 - ``fp8matmul``: a Linear's three matmuls in emulated fp8 (``in_fp8``)
+- ``compiled_replay``: a compiled model's step that replays finite, replayed compiled again
+  (aot_eager, inductor's decompositions, inductor): the region and op the compiler gets wrong
 """

@@ -104,7 +104,7 @@ from ..sampler import tensors_in
 from ..steplog import StepLog
 from ..steps import columns, device_values, fetch
 from ..watched import Watched
-from . import findings, losscall, proofs, replay, reproduced, snapshot
+from . import compiled_replay, findings, losscall, proofs, replay, reproduced, snapshot
 from .accum import explain, overflow
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
@@ -154,6 +154,7 @@ class Forensics:
         self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
         self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
         self.prover = proofs.Prover(self)  # the fixes tried on a located failure's step
+        self.recompiled = 0  # compiled replays run (compiled_replay.MAX_REPLAYS)
 
     @property
     def armed(self) -> bool:
@@ -320,7 +321,7 @@ class Forensics:
         # after a finite replay is this step's own (another rank's, through the all-reduce,
         # or a backward that did not reproduce), never left over.
         earlier = any(e.step < step.index for e in self.events)
-        trace, finding, micro = self._run(captures, scale, earlier=earlier)
+        trace, finding, micro = self._run(captures, scale, earlier=earlier, step=step.index)
         self.prover.after_replay(step.index, captures, finding, micro, scale)
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
@@ -443,9 +444,10 @@ class Forensics:
         return kept
 
     def _run(self, captures: list, scale: Optional[float], stale_check: bool = True,
-             earlier: bool = True):
+             earlier: bool = True, step: Optional[int] = None):
         """Replay the micro-batches until one explains the event; (trace, finding, micro).
-        ``earlier``: an earlier step failed (stale gradients can only come from one)."""
+        ``earlier``: an earlier step failed (stale gradients can only come from one). A
+        compiled model's step that replays finite is replayed compiled (``compiled_replay``)."""
         if not captures:
             return None, Culprit(Phase.UNKNOWN, summary="no root-module call of this step was "
                                  "captured (the model ran without grad, or is not the "
@@ -456,6 +458,9 @@ class Forensics:
             with preserved(self._roots(captures), _cuda_devices()) as isolation, \
                     compiled.eager():
                 trace, finding, micro = self._search(captures, scale, stale_check, earlier)
+                if self.recompiled < compiled_replay.MAX_REPLAYS and compiled_replay.examine(
+                        captures, finding, self.watched.names, step, self.strict):
+                    self.recompiled += 1
             if isolation.hooks_set_aside or isolation.hooks_not_installed:
                 finding.detail["isolation"] = isolation.as_dict()
             return trace, finding, micro

@@ -544,6 +544,18 @@ def _no_writes() -> Iterator[None]:
         _replaying["thread"] = outer
 
 
+@contextlib.contextmanager
+def writes_allowed() -> Iterator[None]:
+    """Inside a replay, ampdoctor's own work that writes (the compiler's cache and its C++
+    compiler, in a compiled replay's backend): the user's code never runs in it."""
+    outer = _replaying["thread"]
+    _replaying["thread"] = None
+    try:
+        yield
+    finally:
+        _replaying["thread"] = outer
+
+
 @functools.lru_cache(maxsize=None)
 def _install_audit() -> None:
     """Once per process: an audit hook that costs one dict lookup when no replay runs (audit

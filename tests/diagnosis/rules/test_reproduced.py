@@ -41,6 +41,46 @@ def test_a_failure_the_replay_does_not_reproduce_is_the_machine():
     assert "batch held" not in texts + d.summary  # no batch is blamed: the replay found it finite
 
 
+def _compiled(aot_eager: bool, inductor: bool) -> dict:
+    rungs = [{"backend": "aot_eager", "finite": aot_eager, "outcome": {"loss": 1.25}},
+             {"backend": "decomposed", "finite": aot_eager, "outcome": {"first": "forward"}},
+             {"backend": "inductor", "finite": inductor, "outcome": {"first": "forward"}}]
+    failed = [r["backend"] for r in rungs if not r["finite"]]
+    out = {"regions": ["Net"], "reproduced": bool(failed), "rungs": rungs}
+    if failed:
+        out.update(backend=failed[0], region="Net",
+                   op={"graph": "forward", "op": "aten.cosh", "module": "act",
+                       "decomposed_from": "fxops.logcosh"})
+    return out
+
+
+def test_a_failure_only_the_compiled_model_makes_is_the_compiler_never_the_machine():
+    s = Synth(60, dtype="bfloat16", scaler=False)
+    s.skip([12], loss_nan=True)
+    trials = {"compiler_disable": {"tried": True, "finite": True, "loss": 1.25, "step": 12}}
+    s.snapshot(12, "none", **UNREPRODUCED, compiled=_compiled(True, False), trials=trials)
+    d = verdict(s)
+    assert d.verdict == "compiler" and d.first_bad["module"] == "Net", str(d)
+    assert "not_reproducible" not in {c["verdict"] for c in d.causes}
+    assert fix_ids(d)[0] == "compiler_disable" and d.fixes[0].tried
+    assert "act.forward = torch.compiler.disable" in d.fixes[0].snippet
+    assert {"compile_backend", "report_compiler_bug"} <= set(fix_ids(d))
+    texts = " | ".join(e.text for e in d.evidence)
+    assert "aten.cosh, decomposed from fxops.logcosh, in act" in texts
+    assert "with inductor (the default backend): non-finite in the forward" in texts
+    assert "eager PyTorch computes this step finite" in texts
+
+
+def test_a_compiled_step_finite_compiled_again_too_stays_not_reproducible():
+    s = Synth(60)
+    for step in (12, 30):
+        s.skip([step], loss_nan=True)
+        s.snapshot(step, "none", **UNREPRODUCED, compiled=_compiled(True, True))
+    d = verdict(s)
+    assert d.verdict == "not_reproducible", str(d)
+    assert any(e.key == "compiled_finite" and "not the compiler" in e.text for e in d.evidence)
+
+
 @pytest.mark.parametrize("hooks", [0, 2])
 def test_a_replay_run_without_the_users_hooks_says_so_where_it_found_nothing(hooks):
     """The replay sets the user's hooks aside (record/forensic/isolated.py): where it did not

@@ -168,6 +168,7 @@ class Engines:
         optimizer = _torch_optimizer(engine)
         if optimizer is not None:
             self.hooks.watched.adopt_optimizer(optimizer)
+        self.hooks.begin_engine_step([p for p in engine.module.parameters() if p.requires_grad])
         st = self.hooks.log.step
         scale = _loss_scale(engine)
         st.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)

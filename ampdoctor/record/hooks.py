@@ -608,12 +608,21 @@ class Hooks:
 
     # -- step boundaries ----------------------------------------------------------------------
 
+    def begin_engine_step(self, params: list) -> None:
+        """An engine's optimizer step begins (``engines.py``): on a sampled step, the
+        weights before it (``params``: the model's, not the engine's copies)."""
+        if self.log.step.sampled and self._sampler is not None:
+            self._sampler.before_step([(self.watched.param_name(p), p) for p in params])
+
     def end_engine_step(self, fill: Callable[[Step], None]) -> None:
         """An engine's optimizer step has ended (``engines.py``: DeepSpeed's, a Megatron-core
         scaler's skip): ``fill(step)`` sets what it reported, and the step ends."""
         self.skips.settle()
         self._settle_discovery()
-        fill(self.log.step)
+        st = self.log.step
+        fill(st)
+        if st.sampled and self._sampler is not None and st.stepped:
+            self._sampler.after_step()
         self._end_step()
 
     def begin_step(self, index: int) -> None:

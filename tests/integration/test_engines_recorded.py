@@ -39,10 +39,13 @@ def needs(module: str) -> None:
 class Job:
     """A fixture script recorded, with what it logged itself per rank."""
 
-    def __init__(self, folder, script: str, args: list[str], nproc: int = 2, every: int = 5):
+    def __init__(self, folder, script: str, args: list[str], nproc: int = 2, every: int = 5,
+                 record: bool = True):
         self.folder = folder
         argv = command(os.path.join(STACKS, script), "run.h5",
                        [*args, "--history", "history.json"], every, nproc)
+        if not record:  # the command ampdoctor would have recorded, run as it is
+            argv = argv[argv.index("--") + 1:]
         self.proc = subprocess.run(argv, cwd=folder, env=python_env(), capture_output=True,
                                    text=True, timeout=600)
         assert self.proc.returncode == 0, self.proc.stderr[-3000:]
@@ -108,6 +111,13 @@ def test_deepspeed_fp16_engine_is_recorded_as_it_ran_and_healthy(ds_healthy):
     d = ds_healthy.diagnose()
     assert d.verdict == "healthy", str(d)
     assert d.run["world_size"] == 2
+
+
+def test_deepspeed_trains_exactly_as_without_ampdoctor(ds_healthy, tmp_path_factory):
+    plain = run(tmp_path_factory, "ds_plain", "deepspeed_train.py", ["--steps", "12"],
+                record=False)
+    for rank in (0, 1):  # losses, loss scales, grad norms and LRs bit for bit (JSON text)
+        assert json.dumps(plain.history(rank)) == json.dumps(ds_healthy.history(rank))
 
 
 def test_deepspeed_lr_blowup_is_lr_overflow_named_with_its_rank(ds_lr):

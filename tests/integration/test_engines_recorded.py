@@ -127,6 +127,7 @@ def test_deepspeed_lr_blowup_is_lr_overflow_named_with_its_rank(ds_lr):
     assert s["skipped"].sum() >= 3 and s["scale_after"][-1] < s["scale"][0]
     d = ds_lr.diagnose()
     assert d.verdict == "lr_overflow", str(d)
+    assert "overflowed fp16" in str(d)  # the engine's fp16 loss: the run's precision
     origin = d.run["origin_rank"]
     assert origin in (0, 1) and d.first_bad["rank"] == origin
     assert d.evidence[0].text.startswith(f"rank {origin} went non-finite first, at step "

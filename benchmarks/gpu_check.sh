@@ -7,7 +7,8 @@
 #   2. the same on the reference GPT (4 layers, width 256: launch-bound, the worst case)
 #   3. memory between steps and at peak (the CUDA allocator's), large-vocabulary LM
 #   4. the GPU-marked tests: syncs per steady step under torch.cuda.set_sync_debug_mode,
-#      output gradients released, step time from CUDA events, the deferred skip decision...
+#      output gradients released, step time from CUDA events, the deferred skip decision,
+#      DeepSpeed's fp16 engine on CUDA (where deepspeed is installed)...
 # and writes OUT/summary.md: docs/performance.md's GPU tables, as `overhead.py --markdown` prints them.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                 # on the GPU machine

@@ -456,8 +456,10 @@ def _origin_text(outlines: list[dict], origin: int) -> str:
     return text
 
 
-OWN_TEXT = ("non-finite gradients in its own shard, before ShardedGradScaler combined the "
-            "ranks' found_inf")
+# (ShardedGradScaler's unscale_, DeepSpeed's overflow check, Megatron-core's found_inf: each
+# combines the ranks' flags in an all-reduce; record/engines.py reads the engines' own)
+OWN_TEXT = ("non-finite gradients in its own shard, before the scaler combined the ranks' "
+            "found_inf")
 
 
 def _own_others(same: list[dict]) -> str:

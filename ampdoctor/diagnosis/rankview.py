@@ -143,7 +143,7 @@ def _origins_line(view: dict) -> str:
         first = view.get("first") or {}
         if first.get("own_grads"):
             return ("no rank's loss went non-finite: each rank's own found_inf, read before "
-                    "ShardedGradScaler combined them, tells where the gradients went non-finite")
+                    "the scaler combined them, tells where the gradients went non-finite")
         return ("no rank's loss went non-finite: the non-finite values showed in the gradients, "
                 "which the all-reduce mixes, so the losses cannot tell where each began"
                 if first else "")

@@ -39,7 +39,6 @@ the work beyond a few lines already lives in the parts it calls.
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -48,7 +47,7 @@ import torch
 
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite
 from ..runfile.schema import Event, Kind, flag
-from . import flatloss, patches, sharding, stats
+from . import engines, flatloss, patches, scaledloss, sharding, stats
 from .forensic import losscall
 from .forensic.forensics import Forensics
 from .journal import Journal
@@ -97,6 +96,7 @@ class Hooks:
         # optimizers that stepped inside a compiled region since the last eager hook
         self._compiled_steps: list = []
         self.fp8_trial: Any = None  # forensic/fp8trial.TrialAtClose: keeps each sampled step
+        self.engines = engines.Engines(self)  # DeepSpeed's, Megatron-core's optimizer steps
 
     def fault(self, exc: BaseException, where: str) -> None:
         self._fault(exc, where)
@@ -174,6 +174,7 @@ class Hooks:
 
     def _discovered(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A root adopted in its own call: this call is seen from here."""
+        self.engines.attach(self.patches)  # (an engine's backward comes next)
         self._maybe_sample()  # the first step is sampled, as with a model given to watch()
         self.root_pre(module, args, kwargs)
 
@@ -272,7 +273,8 @@ class Hooks:
         """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss
         on (a gradient penalty), its gradients must be unscaled before that loss."""
         st = self.log.step
-        if create_graph and any(_from_any_scaled(t, st.keep) for t in _tensors(outputs)):
+        if create_graph and any(scaledloss.from_any_scaled(t, st.keep)
+                                for t in scaledloss.tensors(outputs)):
             st.flags |= flag(Event.PENALTY_AT_SCALE)
             if not st.scale_read:
                 st.scaled_grads_pending = True
@@ -304,7 +306,7 @@ class Hooks:
         micro = Micro(self.watched.take_called()) if self.watched.discovery_open else None
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
-                origin = _scaled_origin(t, st.keep)  # (scaler.scale(loss), or that / n)
+                origin = scaledloss.origin(t, st.keep)  # (scaler.scale(loss), or that / n)
                 if origin is not None:
                     loss = st.unscaled_of[origin]
                     if loss is not None:  # (backwarded twice, retain_graph: counted once)
@@ -328,6 +330,7 @@ class Hooks:
         if self._clip_maker is not None:  # a script imports its libraries before its first
             # loss: their clips are seen from now on
             patches.patch_library_clips(self.patches, self, self._clip_maker)
+            self.engines.attach(self.patches)
             self._clip_maker = None
         self._end_step_without_update()
 
@@ -496,7 +499,7 @@ class Hooks:
             self.log.step.in_scaler_step = False
 
     def before_optimizer_step(self, optimizer: Any) -> None:
-        if not self.watched.owns(optimizer):
+        if self.engines.stepping or not self.watched.owns(optimizer):  # (an engine's: its own)
             return
         self.skips.settle()
         if not self.journal.created:
@@ -525,7 +528,7 @@ class Hooks:
                                        for p in self.watched.trained_params()])
 
     def after_optimizer_step(self, optimizer: Any) -> None:
-        if not self.watched.owns(optimizer):
+        if self.engines.stepping or not self.watched.owns(optimizer):
             return
         st = self.log.step
         st.stepped = True
@@ -605,6 +608,23 @@ class Hooks:
         self._end_step()
 
     # -- step boundaries ----------------------------------------------------------------------
+
+    def begin_engine_step(self, params: list) -> None:
+        """An engine's optimizer step begins (``engines.py``): on a sampled step, the
+        weights before it (``params``: the model's, not the engine's copies)."""
+        if self.log.step.sampled and self._sampler is not None:
+            self._sampler.before_step([(self.watched.param_name(p), p) for p in params])
+
+    def end_engine_step(self, fill: Callable[[Step], None]) -> None:
+        """An engine's optimizer step has ended (``engines.py``: DeepSpeed's, a Megatron-core
+        scaler's skip): ``fill(step)`` sets what it reported, and the step ends."""
+        self.skips.settle()
+        self._settle_discovery()
+        st = self.log.step
+        fill(st)
+        if st.sampled and self._sampler is not None and st.stepped:
+            self._sampler.after_step()
+        self._end_step()
 
     def begin_step(self, index: int) -> None:
         self.log.begin(index)
@@ -790,51 +810,3 @@ class Hooks:
             self.journal.warn_once("fp8", f"the fp8 counts stopped ({type(exc).__name__}: "
                                    f"{exc}); sampled steps go on without them")
             return None
-
-
-# How many autograd nodes back from autograd.grad's output a scaled loss is looked for: far
-# enough for a few ops on what scaler.scale returned (scaler.scale(loss) / n), never a walk of
-# the model's whole graph.
-_SCALED_WALK = 16
-
-
-def _from_scaled(node: Any, scaled: list) -> bool:
-    """Does the graph at ``node`` start from what ``scaler.scale`` returned (a ``grad_fn`` in
-    ``scaled``), within ``_SCALED_WALK`` nodes?"""
-    todo, seen = collections.deque([node]), 0
-    while todo and seen < _SCALED_WALK:
-        n = todo.popleft()
-        if any(n is s for s in scaled):
-            return True
-        seen += 1
-        todo.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
-    return False
-
-
-def _from_any_scaled(t: torch.Tensor, keep: list) -> bool:
-    """Is ``t`` one of the step's scaled losses (``keep``), or computed from one by a few ops?
-    (No walk at all without a scaled loss in the step.)"""
-    return _scaled_origin(t, keep) is not None
-
-
-def _scaled_origin(t: torch.Tensor, keep: list) -> Optional[int]:
-    """Which of the step's scaled losses (``keep``) ``t`` is, or is computed from by a few
-    ops (its position); None for neither. No walk without a scaled loss in the step."""
-    for i, k in enumerate(keep):
-        if t is k:
-            return i
-    if not keep or t.grad_fn is None:
-        return None
-    for i, k in enumerate(keep):
-        if k.grad_fn is not None and _from_scaled(t.grad_fn, [k.grad_fn]):
-            return i
-    return None
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of autograd.grad's ``outputs``: a tensor or a sequence of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []

@@ -387,6 +387,16 @@ class Watched:
                 self.journal.meta("optimizer", optimizer_info(self.optimizers))
         return known
 
+    def adopt_optimizer(self, optimizer: Any) -> None:
+        """An engine's optimizer (``engines.py``: a DeepSpeed engine's): its param groups' LRs
+        are the run's, whatever tensors it steps (ZeRO's flat fp32 partitions). Not where the
+        optimizers were given to ``watch()``."""
+        if self.given["optimizer"] or any(optimizer is o for o in self.optimizers):
+            return
+        self._own_optimizer[id(optimizer)] = True
+        self.optimizers.append(optimizer)
+        self.journal.meta("optimizer", optimizer_info(self.optimizers))
+
     def stepped(self, optimizer: Any) -> None:
         """After an optimizer's first step: /meta ``optimizer`` again, with its state dtypes."""
         if id(optimizer) not in self._optimizer_meta_done:

@@ -168,7 +168,7 @@ def test_own_found_inf_names_the_rank_whose_shard_went_non_finite(tmp_path):
     assert fast.run["origin_rank"] == 2  # (one skip alone is healthy: no first_bad)
     assert fast.evidence[0].text == (
         "rank 2 went non-finite first, at step 20: non-finite gradients in its own shard, "
-        "before ShardedGradScaler combined the ranks' found_inf; ranks 0, 1, 3: own gradients "
+        "before the scaler combined the ranks' found_inf; ranks 0, 1, 3: own gradients "
         "finite, skipped only because the ranks' found_inf is combined")
     assert fast.rank_view["first"]["own_grads"] and not fast.rank_view["first"]["local"]
     assert "found_inf" in "\n".join(rankview_lines(fast))

@@ -51,6 +51,7 @@ import numpy as np
 from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.schema import Kind, Source
+from . import lrrange
 from .fixes import Dose
 
 # The optimizers whose first step is sign-sized (facts.ADAM_FAMILY's Adams, repeated here:
@@ -127,6 +128,32 @@ class Doses:
         if not known.any():
             return None
         peak = float(lr[known].max())
+        trial = lrrange.tried(f)
+        if trial.lr is not None:
+            return self._against_command(_round(trial.lr), peak, trial.source)
+        value, source = self._bounded_lr(lr, known, peak)
+        return self._against_command(value, peak, f"a bound, not a trial ({trial.why}): "
+                                     f"{source}")
+
+    def _against_command(self, value: float, peak: float, source: str) -> Dose:
+        """The LR dose, its ``lr_factor`` against the user's own command: a run treated with
+        ``--apply lr_factor=F`` recorded its LRs times F, so the next factor is F times the
+        new LR over the recorded peak; one treated with ``lr=X`` gets ``lr`` alone."""
+        treated = applied_lr(self.f)
+        if treated is None:
+            return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
+        form, given = treated
+        if form != "lr_factor":
+            return Dose({"lr": value}, f"{source}; this run ran with --apply {form}={given:g}, "
+                        "so the LR is given as it is, not as a factor")
+        factor = _round(given * value / peak)
+        return Dose({"lr": value, "lr_factor": factor},
+                    f"{source}; lr_factor {fmt(factor)} is against your own command (this run "
+                    f"ran with --apply lr_factor={given:g}: its LRs were yours times {given:g})")
+
+    def _bounded_lr(self, lr: np.ndarray, known: np.ndarray, peak: float) -> tuple[float, str]:
+        """The LR from the update ratios and the LR history (no trial): a bound."""
+        f = self.f
         jump = self.jump()
         limit = float(lr[jump.update]) if jump is not None and known[jump.update] else peak
         where = (f"LR {fmt(limit)}, the LR of the update before {jump.what} at step "
@@ -148,8 +175,7 @@ class Doses:
         if value >= limit * 0.999:
             value = limit / 10
             source += f"; set an order of magnitude below {where}"
-        value = _round(value)
-        return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
+        return _round(value), source
 
     def _below_bound(self, bound: float, source: str) -> tuple[float, str]:
         """An update ratio at ``RATIO_CEILING`` says only that the LR must be below ``bound``.
@@ -317,6 +343,19 @@ class Doses:
         before = f" before step {f.step_at(end)} ({jump.what})" if jump is not None else ""
         return Dose({"max_norm": value}, f"the {CLIP_PERCENTILE}th percentile of the gradient "
                     f"norm over the {int(ok.sum())} steady steps{before}")
+
+
+def applied_lr(f: Facts) -> Optional[tuple[str, float]]:
+    """("lr_factor" or "lr", its value) of a run treated with ``record --apply`` on its LR,
+    or None."""
+    for a in f.run.applied:
+        name, _, value = str(a.get("arg") or "").partition("=")
+        if name in ("lr_factor", "lr") and not a.get("error"):
+            try:
+                return name, float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _first_jump(x: np.ndarray) -> Optional[int]:

@@ -21,4 +21,6 @@ the buffers restored); the others are its own parts. Importing this package impo
 - ``singular``: is the loss's backward singular at the failing values in fp32 too
 - ``trial``: a saved step re-run with one change applied (``Trial``), finite or not
 - ``proofs``: the fixes a diagnosis will name, each tried on the saved step as a ``Trial``
+- ``lrrange``: the LR range test: the first state kept, trained again at a ladder of LRs on
+  the failing step's batch at the first failure
 """

@@ -27,7 +27,8 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   lr * m / eps, so an eps of the order of the smallest layer's gradient rms (the power of ten
   at or below it) keeps those updates near the LR; at least fp16's smallest subnormal, and
   enough that m / eps stays below 65504 for the largest recorded gradient.
-* ``max_norm``: the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
+* ``max_norm``: the script's own ``clip_grad_norm_`` max_norm where it clips (/meta
+  ``clip``); else the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
   steps (before the failure or the first jump).
 
 Where the run holds too little, a dose is None and the fix falls back to ``fixes.DEFAULTS``
@@ -331,6 +332,12 @@ class Doses:
 
     def max_norm(self) -> Optional[Dose]:
         f = self.f
+        own = (f.run.clip or {})
+        value = own.get("max_norm")
+        if own.get("how") in (None, "clip_grad_norm_") and isinstance(value, (int, float)) and \
+                not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return Dose({"max_norm": float(value)}, f"the script's own clip, "
+                        f"clip_grad_norm_(max_norm={float(value):g}), as the run called it")
         if not f.n:
             return None
         jump = self.jump()

@@ -150,6 +150,10 @@ class RangeTest:
             factor = RUNG ** k
             rung = self._rung(optimizer, captures, event_lrs, factor, scale, out["max_norm"])
             out["rungs"].append(rung)
+            if not isinstance(rung["losses"][0], float):
+                out["stopped"] = ("the loss at the kept state is non-finite on this batch: no "
+                                  "LR can be told from another")
+                break
             if trained:
                 break  # the margin rung below the first that trained
             trained = LrRange.trains(rung)

@@ -5,7 +5,11 @@ where it comes from (``fixes.Dose``).
 numpy only. ``Doses(f)`` measures on first use and keeps what it measured; the fixes ask it by
 name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
 
-* ``lr``: an update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
+* ``lr``: tried, where the recorder ran its LR range test at the first non-finite loss
+  (``lrrange.py``: the rung below the highest whose trial loss fell and stayed in the run's
+  healthy range, "tried: LR X kept the loss at Y over N steps"). Else a bound, said as such
+  with why there was no trial ("a bound, not a trial (...)"), measured as follows.
+  An update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
   ratio grows with the LR (Adam's in proportion to it, SGD's with it and the gradient), so at
   a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r (when only the
   first step was sampled, against that step's own healthy size: ``FIRST_ADAM`` for Adam's
@@ -19,7 +23,8 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   LR and measures no value: then the highest LR at which a sampled step was still healthy
   (``STABLE_RATIO``), where the run has one, else an order of magnitude below the bound, and
   the source says which. ``lr_factor`` is the new LR over the
-  run's peak: the whole schedule scaled (``record --apply lr_factor=F``).
+  run's peak: the whole schedule scaled (``record --apply lr_factor=F``); in a run treated
+  with ``lr_factor=G`` already, G times that: against the user's own command.
 * ``init_scale``: the power of two that lifts the smallest layer's recorded gradient rms
   (unscaled: divided by the step's loss scale) into fp16's normal range (>= 2**-14) without
   passing 65504 with the largest recorded gradient: the middle of that band of exponents.

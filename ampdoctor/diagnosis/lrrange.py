@@ -58,7 +58,7 @@ def tried(f: Any) -> Tried:
     found = read(f)
     if found is None:
         return Tried(None, why="the recorder ran no LR range test on this run (it runs one at "
-                     "the first non-finite loss)")
+                     "the first non-finite loss at an LR above 0)")
     test = LrRange.of(found)
     if test.get("note"):
         return Tried(None, why=f"no LR range test ran: {test['note']}")

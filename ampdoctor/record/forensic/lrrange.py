@@ -54,7 +54,7 @@ from .. import lrfactors
 from ..sampler import tensors_in
 from .isolated import set_rng
 from .trace import Capture, autocast, unwrap
-from .trial import AS_RECORDED, Outcome, Trial, _loss_pairs, _losses
+from .trial import AS_RECORDED, Outcome, Trial, _factor, _grad_for, _loss_pairs, _losses
 
 STATE_BYTES = 256 << 20  # weights + optimizer state copied to the CPU at the first step
 STEPS = LrRange.STEPS  # optimizer steps per rung
@@ -93,6 +93,9 @@ class RangeTest:
         self.clip = clip
         if self.start is not None or self.not_kept is not None:
             return
+        if self.forensics.watched.sharding is not None:  # never replayed, so never tried
+            self.not_kept = f"the model is sharded ({self.forensics.watched.sharding.name})"
+            return
         size = sum(_nbytes(p) for p in _params(optimizer)) + \
             sum(_nbytes(v) for s in optimizer.state.values() for v in s.values())
         if size > STATE_BYTES:
@@ -114,6 +117,9 @@ class RangeTest:
         if self.done or not failed or finding.phase == Phase.INPUT or not captures or \
                 finding.detail.get("stale_grads") or finding.detail.get("input_modified"):
             return
+        optimizer = self._optimizer()
+        if optimizer is not None and not any(x != 0 for x in lrfactors.ran_with(optimizer)):
+            return  # a warm-up step at LR 0: its failure is not the LR's; a later one may be
         self.done = True
         began = time.perf_counter()
         try:
@@ -167,14 +173,15 @@ class RangeTest:
         """Why no trial can run ("" where one can)."""
         if self.start is None:
             return f"no state was kept: {self.not_kept}" if self.not_kept else \
-                "no state was kept: the run failed before its first optimizer step"
+                "no state was kept: the recorder saw no optimizer step before the failure"
         if optimizer is None or len(self.forensics.watched.optimizers) > 1:
             return "the run has several optimizers: a trial of one LR is not one of the run"
         if len({id(unwrap(c.root)) for c in captures}) > 1:
             return "the step runs several models: the trial trains one"
-        if not any(c.loss_calls for c in captures):
-            return ("the loss is written by hand (no torch loss function), so a trial cannot "
-                    "recompute it from the copies' output")
+        if not all(c.loss_calls or _model_losses(c) for c in captures):
+            return ("no torch loss function was called after the model and the model returns "
+                    "no loss (the loss is written by hand), so a trial cannot recompute it "
+                    "from the copies' output")
         params = _params(optimizer)
         if len(params) != len(self.start.params) or any(
                 p.shape != q.shape for p, q in zip(params, self.start.params)):
@@ -262,16 +269,30 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
     with torch.enable_grad(), autocast(cap.autocast):
         output = torch.func.functional_call(root, weights, cap.args, cap.kwargs)
     out = Outcome("lr_range")
-    losses = _losses(cap, list(tensors_in(output)), AS_RECORDED, out)
-    value = out.loss if out.loss is not None else math.nan
-    if measure_only or not losses or not math.isfinite(value):
+    outs = list(tensors_in(output))
+    if cap.loss_calls:
+        losses = _losses(cap, outs, AS_RECORDED, out)
+        value = out.loss if out.loss is not None else math.nan
+        pairs = _loss_pairs(cap, losses, Trial(scale=scale), out) if losses else []
+    else:  # the model returns its loss (a Hugging Face model given labels)
+        factor = _factor(cap, Trial(scale=scale))[1]
+        at = [i for i in _model_losses(cap) if i < len(outs) and outs[i].requires_grad]
+        value = float(sum(float(outs[i].detach().float().sum()) for i in at)) if at else math.nan
+        pairs = [(outs[i], _grad_for(cap.grads[i], outs[i], factor)) for i in at]
+    if measure_only or not math.isfinite(value):
         return value, None
-    pairs = _loss_pairs(cap, losses, Trial(scale=scale), out)
     if not pairs:
         return math.nan, None
     grads = torch.autograd.grad([x for x, _ in pairs], trained, [g for _, g in pairs],
                                 allow_unused=True)
     return value, grads
+
+
+def _model_losses(cap: Capture) -> list[int]:
+    """The outputs of ``cap`` that are a loss the model computed: one value, with the
+    gradient the real step sent into it."""
+    return [i for i, meta in enumerate(cap.output_meta) if meta is not None and i in cap.grads
+            and math.prod(meta.shape) == 1]
 
 
 def _clip(grads: list, max_norm: Optional[float]) -> None:

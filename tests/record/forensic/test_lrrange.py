@@ -31,11 +31,23 @@ def _data(n, seed=0):
     return out
 
 
-def _train(lr, path=None, steps=30, loss_fn=None):
+class WithLoss(nn.Module):
+    """A model that returns its own loss, as a Hugging Face model given labels does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x, y):
+        return ((self.net(x) - y) ** 2).mean()
+
+
+def _train(lr, path=None, steps=30, loss_fn=None, inside=False):
     """SGD with momentum under a GradScaler, so that the steps from the first inf loss on are
     skipped and the weights stay finite (what the range test must leave as they are)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = WithLoss() if inside else nn.Sequential(nn.Linear(8, 32), nn.ReLU(),
+                                                    nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu")
     watch = ampdoctor.watch(model, opt, scaler, path=str(path), strict=True) if path else \
@@ -43,8 +55,11 @@ def _train(lr, path=None, steps=30, loss_fn=None):
     losses = []
     with watch:
         for x, y in _data(steps):
-            out = model(x)
-            loss = F.mse_loss(out, y) if loss_fn is None else loss_fn(out, y)
+            if inside:
+                loss = model(x, y)
+            else:
+                out = model(x)
+                loss = F.mse_loss(out, y) if loss_fn is None else loss_fn(out, y)
             losses.append(loss.item())
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -122,3 +137,14 @@ def test_a_loss_written_by_hand_is_not_tried(tmp_path):
     _train(FAILING_LR, tmp_path / "run.h5", steps=12,
            loss_fn=lambda out, y: ((out - y) ** 2).mean())
     assert "written by hand" in _lr_range(tmp_path / "run.h5")["note"]
+
+
+def test_a_loss_the_model_returns_is_trained_on(tmp_path):
+    """A model that computes its loss inside (Hugging Face's, given labels): the trial
+    backwards from the loss it returns, as the step did."""
+    _, weights, _ = _train(FAILING_LR, tmp_path / "run.h5", inside=True)
+    plain = _train(FAILING_LR, inside=True)[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, weights))
+    test = _lr_range(tmp_path / "run.h5")
+    assert not test.get("note"), test.get("note")
+    assert not test["rungs"][0]["finite"] and any(LrRange.trains(r) for r in test["rungs"])

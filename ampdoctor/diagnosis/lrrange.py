@@ -4,9 +4,11 @@ for ``dose.py``.
 
 Each rung trained the failing step's batch again for a few steps at the failing LR times a
 factor. A rung *trains* when every loss stayed finite and the last fell below the first
-(``LrRange.trains``), and it *stays in range* when none of its losses rose above the run's
-own healthy range (``proofs.healthy_range``, widened as a trial's loss is judged there:
-``proofs.judged``). The prescribed LR is the rung below the highest that trains, the margin:
+(``LrRange.trains``), and it *stays in range* when the last third of its losses (where it
+ended, not the transient of Adam's first, sign-sized steps) lie below the top of the run's own
+healthy range (``proofs.healthy_range``, widened as a trial's loss is judged there:
+``proofs.judged``). The rungs are read from the highest LR down, whatever order they ran in.
+The prescribed LR is the rung below the highest that trains, the margin:
 that rung's own trial is then quoted ("tried: LR 0.016 kept the loss at 2.72 over 12 steps").
 Where that rung was not run (the time budget) or rose, the highest that trained, one rung
 lower, is prescribed, and the clause says it was not tried itself.
@@ -31,7 +33,8 @@ from ..numfmt import fmt
 from ..runfile.payloads import LrRange
 from .proofs import BAND, healthy_range
 
-# one rung of the recorder's ladder (record/forensic/lrrange.py's RUNG)
+# the margin below the highest rung that trained, where the rung below it was not run: the
+# recorder's half-decade (record/forensic/lrrange.py)
 RUNG = 10 ** -0.5
 
 
@@ -62,7 +65,8 @@ def tried(f: Any) -> Tried:
     test = LrRange.of(found)
     if test.get("note"):
         return Tried(None, why=f"no LR range test ran: {test['note']}")
-    rungs = [r for r in test.get("rungs") or [] if isinstance(r, dict)]
+    rungs = sorted((r for r in test.get("rungs") or [] if isinstance(r, dict) and
+                    isinstance(r.get("lr"), (int, float))), key=lambda r: -float(r["lr"]))
     if not rungs:
         return Tried(None, why="the LR range test ran no rung")
     band = _ceiling(f, test.get("event_step"), rungs[0])
@@ -110,10 +114,13 @@ def _ceiling(f: Any, step: Any, top: dict) -> Optional[float]:
 
 
 def _in_range(rung: dict, ceiling: Optional[float]) -> bool:
+    """The rung's last third of losses within the run's range: where it ended, not the
+    transient of its first steps (Adam's first, sign-sized update from an empty state)."""
     if ceiling is None:
         return True
     losses = [x for x in rung.get("losses") or [] if isinstance(x, (int, float))]
-    return bool(losses) and max(losses) <= ceiling
+    tail = losses[-max(1, len(losses) // 3):]
+    return bool(tail) and max(tail) <= ceiling
 
 
 def _held(rung: dict) -> bool:

@@ -11,12 +11,14 @@ steps are never copied again.
 a scaler, whose gradient is), ``after_replay`` trains again from the kept state on the failing
 step's micro-batches (its batch, as captured: the recorder keeps no other, so the one batch is
 repeated), ``STEPS`` optimizer steps per rung, at a geometric ladder of LRs down from the LR
-the step failed at (each rung ``RUNG`` times the one above, at most ``RUNGS``). A rung ends at
-its first non-finite loss or gradient. The ladder stops one rung below the first that trains
+the step failed at: a decade at a time (at most ``DECADES``) to the first rung that trains
 (``LrRange.trains``, in ``runfile/payloads.py``: every loss finite and the last one lower than
-the first by a margin), which is the margin the diagnosis prescribes, or at ``SECONDS``. Each
-rung's losses (the loss at the kept state first, then after each step) go into the snapshot
-(``detail["lr_range"]``); the diagnosis's ``lrrange.py`` picks the LR.
+the first by a margin), then the half-decade above it (the highest that trains, if it does)
+and, where that one does not, the half-decade below it: the rung below the highest that trains
+is the margin the diagnosis prescribes. A rung ends at its first non-finite loss or gradient;
+the ladder ends at ``SECONDS``. Each rung's losses (the loss at the kept state first, then
+after each step) go into the snapshot (``detail["lr_range"]``), in the order they ran; the
+diagnosis's ``lrrange.py`` picks the LR.
 
 **On copies, never on the run.** The trial trains leaf copies of the weights through
 ``torch.func.functional_call`` with a new optimizer of the run's class loaded from the kept
@@ -26,15 +28,16 @@ aside), with the global optimizer-step hooks (ampdoctor's own and the user's) se
 around the copies' steps. The loss is each torch loss function the step called, recomputed
 from the copies' output and scaled as the step scaled it (a scaled loss whose gradients
 overflow is tried again at a lower scale, as GradScaler would); the user's own clip
-(``max_norm``) is applied as the run applies it. A loss written by hand cannot be recomputed:
-then no trial, and the snapshot says why.
+(``max_norm``) is applied as the run applies it. A loss the model returns (a Hugging Face
+model given labels) is backwarded from as the step did; a loss written by hand after the model
+cannot be recomputed: then no trial, and the snapshot says why.
 
 Example (what ``Forensics`` does after the replay of the failing step)::
 
-    forensics.lrrange.after_replay(step, captures, finding, scale, why)
+    forensics.lrrange.after_replay(step, captures, finding, scale, why, loss_nonfinite)
     finding.detail["lr_range"]
-    # {'state': 'start', 'steps': 6, 'rungs': [{'factor': 1.0, 'lr': 0.5,
-    #  'losses': [1.9, 'inf'], 'finite': False}, {'factor': 0.316, ...}], ...}
+    # {'state': 'start', 'steps': 12, 'rungs': [{'factor': 1.0, 'lr': 0.5,
+    #  'losses': [2.79, 2.75, ..., 'nan'], 'finite': False}, {'factor': 0.1, ...}], ...}
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ from .trial import AS_RECORDED, Outcome, Trial, _factor, _grad_for, _loss_pairs,
 
 STATE_BYTES = 256 << 20  # weights + optimizer state copied to the CPU at the first step
 STEPS = LrRange.STEPS  # optimizer steps per rung
-RUNG = 10 ** -0.5  # each rung's LR over the one above
-RUNGS = 12  # rungs at most: down to RUNG**11, about 3e-6 of the failing LR
+DECADES = 10  # decade rungs at most: down to 1e-9 of the failing LR
 SECONDS = 20.0  # the whole ladder's time budget
 BACKOFF = 2.0 ** -4  # a scaled step whose gradients overflow is tried again at this x scale
 RETRIES = 3
@@ -148,21 +150,31 @@ class RangeTest:
                      batch="the failing step's batch, repeated", steps=STEPS, rungs=[],
                      optimizer=type(optimizer).__name__,
                      max_norm=float(clip) if isinstance(clip, (int, float)) else None)
-        began, trained = time.perf_counter(), False
-        for k in range(RUNGS):
+        began = time.perf_counter()
+
+        def tried(exponent: float) -> Optional[bool]:
+            """The rung at 10**-exponent of the failing LR: trained or not (None: stopped)."""
             if time.perf_counter() - began > SECONDS:
                 out["stopped"] = f"the time budget of {SECONDS:g} s"
-                break
-            factor = RUNG ** k
-            rung = self._rung(optimizer, captures, event_lrs, factor, scale, out["max_norm"])
+                return None
+            rung = self._rung(optimizer, captures, event_lrs, 10.0 ** -exponent, scale,
+                              out["max_norm"])
             out["rungs"].append(rung)
             if not isinstance(rung["losses"][0], float):
                 out["stopped"] = ("the loss at the kept state is non-finite on this batch: no "
                                   "LR can be told from another")
-                break
-            if trained:
-                break  # the margin rung below the first that trained
-            trained = LrRange.trains(rung)
+                return None
+            return LrRange.trains(rung)
+
+        for k in range(DECADES):  # a decade at a time, down to the first that trains
+            done = tried(k)
+            if done is None or (done and k == 0):
+                return out  # (the failing LR itself trained: no lower LR to find)
+            if done:
+                # the half-decade above it, the highest that trains; then the margin below
+                if tried(k - 0.5) is False:
+                    tried(k + 0.5)
+                return out
         return out
 
     def _optimizer(self) -> Any:
@@ -228,7 +240,7 @@ class RangeTest:
                 for c in trained:  # (not zero_grad: the recorder patches it)
                     c.grad = None
         lr = max(float(x) * factor for x in event_lrs if math.isfinite(x))
-        return {"factor": round(factor, 6), "lr": lr, "finite": finite,
+        return {"factor": float(f"{factor:.4g}"), "lr": lr, "finite": finite,
                 "losses": [x if math.isfinite(x) else str(x) for x in losses],
                 "skipped": skipped, "seconds": round(time.perf_counter() - began, 4)}
 

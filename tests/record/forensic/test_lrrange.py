@@ -90,21 +90,28 @@ def test_the_range_test_leaves_the_run_bit_identical(recorded):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
 
 
-def test_the_ladder_runs_down_from_the_failing_lr_and_stops_a_rung_below_one_that_trains(
+def test_the_ladder_goes_down_by_decades_then_finds_the_highest_that_trains_and_a_margin(
         recorded):
     path, _ = recorded
     test = _lr_range(path)
     assert test["state"] == "start" and test["state_step"] == 0 and test["event_step"] == 8
     assert test["lr"] == pytest.approx(FAILING_LR) and test["optimizer"] == "SGD"
     rungs = test["rungs"]
-    assert [r["lr"] for r in rungs] == pytest.approx(
-        [FAILING_LR * lrrange.RUNG ** k for k in range(len(rungs))])
-    assert not rungs[0]["finite"]  # the failing LR fails in the trial too
-    trained = [LrRange.trains(r) for r in rungs]
-    assert trained.index(True) == len(rungs) - 2, trained  # then the margin rung, then stop
+    assert not rungs[0]["finite"] and rungs[0]["factor"] == 1.0  # fails in the trial too
+    halves = [round(-2 * np.log10(r["lr"] / test["lr"]), 6) for r in rungs]
+    assert all(h == int(h) for h in halves), halves  # half-decades of the failing LR
+    decades = [h // 2 for h in halves if h % 2 == 0]
+    assert decades == list(range(len(decades)))  # a decade at a time, from the top
+    by_lr = sorted(rungs, key=lambda r: -r["lr"])
+    trained = [LrRange.trains(r) for r in by_lr]
+    top = trained.index(True)
+    assert not any(trained[:top]) and top + 1 < len(by_lr)  # above it none; below, a margin
+    assert by_lr[top + 1]["finite"]
+    assert by_lr[top - 1]["lr"] / by_lr[top]["lr"] == pytest.approx(10 ** 0.5)
     for r in rungs:
         assert r["losses"][0] == pytest.approx(rungs[0]["losses"][0])  # from one state
-        assert len(r["losses"]) == (test["steps"] + 1 if r["finite"] else len(r["losses"]))
+        if r["finite"]:
+            assert len(r["losses"]) == test["steps"] + 1
 
 
 def test_the_lr_the_trial_prescribes_trains_when_applied(recorded):

@@ -98,12 +98,12 @@ class RangeTest:
         if self.forensics.watched.sharding is not None:  # never replayed, so never tried
             self.not_kept = f"the model is sharded ({self.forensics.watched.sharding.name})"
             return
-        size = sum(_nbytes(p) for p in _params(optimizer)) + \
-            sum(_nbytes(v) for s in optimizer.state.values() for v in s.values())
-        if size > STATE_BYTES:
-            self.not_kept = NOT_KEPT_TOO_BIG.format(mib=STATE_BYTES >> 20, have=size >> 20)
-            return
         try:
+            size = sum(_nbytes(p) for p in _params(optimizer)) + sum(
+                _nbytes(v) for s in optimizer.state.values() for v in dict(s).values())
+            if size > STATE_BYTES:
+                self.not_kept = NOT_KEPT_TOO_BIG.format(mib=STATE_BYTES >> 20, have=size >> 20)
+                return
             self.start = Start(optimizer, step)
         except Exception as exc:  # noqa: BLE001 - the run goes on without the trial
             if self.forensics.strict:

@@ -5,7 +5,11 @@ where it comes from (``fixes.Dose``).
 numpy only. ``Doses(f)`` measures on first use and keeps what it measured; the fixes ask it by
 name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
 
-* ``lr``: an update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
+* ``lr``: tried, where the recorder ran its LR range test at the first non-finite loss
+  (``lrrange.py``: the rung below the highest whose trial loss fell and stayed in the run's
+  healthy range, "tried: LR X kept the loss at Y over N steps"). Else a bound, said as such
+  with why there was no trial ("a bound, not a trial (...)"), measured as follows.
+  An update ratio |dW|/|W| around ``TARGET_RATIO`` per step is healthy, and a step's
   ratio grows with the LR (Adam's in proportion to it, SGD's with it and the gradient), so at
   a sampled step with ratio r and LR L the LR is about L * TARGET_RATIO / r (when only the
   first step was sampled, against that step's own healthy size: ``FIRST_ADAM`` for Adam's
@@ -19,7 +23,8 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   LR and measures no value: then the highest LR at which a sampled step was still healthy
   (``STABLE_RATIO``), where the run has one, else an order of magnitude below the bound, and
   the source says which. ``lr_factor`` is the new LR over the
-  run's peak: the whole schedule scaled (``record --apply lr_factor=F``).
+  run's peak: the whole schedule scaled (``record --apply lr_factor=F``); in a run treated
+  with ``lr_factor=G`` already, G times that: against the user's own command.
 * ``init_scale``: the power of two that lifts the smallest layer's recorded gradient rms
   (unscaled: divided by the step's loss scale) into fp16's normal range (>= 2**-14) without
   passing 65504 with the largest recorded gradient: the middle of that band of exponents.
@@ -27,7 +32,8 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   lr * m / eps, so an eps of the order of the smallest layer's gradient rms (the power of ten
   at or below it) keeps those updates near the LR; at least fp16's smallest subnormal, and
   enough that m / eps stays below 65504 for the largest recorded gradient.
-* ``max_norm``: the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
+* ``max_norm``: the script's own ``clip_grad_norm_`` max_norm where it clips (/meta
+  ``clip``); else the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
   steps (before the failure or the first jump).
 
 Where the run holds too little, a dose is None and the fix falls back to ``fixes.DEFAULTS``
@@ -51,6 +57,7 @@ import numpy as np
 from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.schema import Kind, Source
+from . import lrrange
 from .fixes import Dose
 
 # The optimizers whose first step is sign-sized (facts.ADAM_FAMILY's Adams, repeated here:
@@ -127,6 +134,32 @@ class Doses:
         if not known.any():
             return None
         peak = float(lr[known].max())
+        trial = lrrange.tried(f)
+        if trial.lr is not None:
+            return self._against_command(_round(trial.lr), peak, trial.source)
+        value, source = self._bounded_lr(lr, known, peak)
+        return self._against_command(value, peak, f"a bound, not a trial ({trial.why}): "
+                                     f"{source}")
+
+    def _against_command(self, value: float, peak: float, source: str) -> Dose:
+        """The LR dose, its ``lr_factor`` against the user's own command: a run treated with
+        ``--apply lr_factor=F`` recorded its LRs times F, so the next factor is F times the
+        new LR over the recorded peak; one treated with ``lr=X`` gets ``lr`` alone."""
+        treated = applied_lr(self.f)
+        if treated is None:
+            return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
+        form, given = treated
+        if form != "lr_factor":
+            return Dose({"lr": value}, f"{source}; this run ran with --apply {form}={given:g}, "
+                        "so the LR is given as it is, not as a factor")
+        factor = _round(given * value / peak)
+        return Dose({"lr": value, "lr_factor": factor},
+                    f"{source}; lr_factor {fmt(factor)} is against your own command (this run "
+                    f"ran with --apply lr_factor={given:g}: its LRs were yours times {given:g})")
+
+    def _bounded_lr(self, lr: np.ndarray, known: np.ndarray, peak: float) -> tuple[float, str]:
+        """The LR from the update ratios and the LR history (no trial): a bound."""
+        f = self.f
         jump = self.jump()
         limit = float(lr[jump.update]) if jump is not None and known[jump.update] else peak
         where = (f"LR {fmt(limit)}, the LR of the update before {jump.what} at step "
@@ -148,8 +181,7 @@ class Doses:
         if value >= limit * 0.999:
             value = limit / 10
             source += f"; set an order of magnitude below {where}"
-        value = _round(value)
-        return Dose({"lr": value, "lr_factor": _round(value / peak)}, source)
+        return _round(value), source
 
     def _below_bound(self, bound: float, source: str) -> tuple[float, str]:
         """An update ratio at ``RATIO_CEILING`` says only that the LR must be below ``bound``.
@@ -305,6 +337,12 @@ class Doses:
 
     def max_norm(self) -> Optional[Dose]:
         f = self.f
+        own = (f.run.clip or {})
+        value = own.get("max_norm")
+        if own.get("how") in (None, "clip_grad_norm_") and isinstance(value, (int, float)) and \
+                not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return Dose({"max_norm": float(value)}, f"the script's own clip, "
+                        f"clip_grad_norm_(max_norm={float(value):g}), as the run called it")
         if not f.n:
             return None
         jump = self.jump()
@@ -317,6 +355,19 @@ class Doses:
         before = f" before step {f.step_at(end)} ({jump.what})" if jump is not None else ""
         return Dose({"max_norm": value}, f"the {CLIP_PERCENTILE}th percentile of the gradient "
                     f"norm over the {int(ok.sum())} steady steps{before}")
+
+
+def applied_lr(f: Facts) -> Optional[tuple[str, float]]:
+    """("lr_factor" or "lr", its value) of a run treated with ``record --apply`` on its LR,
+    or None."""
+    for a in f.run.applied:
+        name, _, value = str(a.get("arg") or "").partition("=")
+        if name in ("lr_factor", "lr") and not a.get("error"):
+            try:
+                return name, float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _first_jump(x: np.ndarray) -> Optional[int]:

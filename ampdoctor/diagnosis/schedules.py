@@ -51,3 +51,18 @@ def summary(f: Facts) -> str:
     return (f" The LR itself is a bug: the scheduler stepped {int(ev.value or 0)} times per "
             "optimizer step, so its schedule ran that many times too fast; step it once per "
             "optimizer step before lowering the peak.")
+
+
+def moving(f: Facts, step: Optional[int]) -> Optional[int]:
+    """Where an LR-driven failure begins, at or after ``step``: past any steps at LR 0 (a
+    warm-up's first steps move no weight, so an LR cannot have broken anything there; litgpt's
+    warm-up starts at 0). ``step`` itself where its LR is above 0 or not known, or where no
+    later step has one."""
+    if step is None or not f.n:
+        return step
+    lr = f.steps["lr"].astype(float)
+    i = f.index_of(step)
+    if not (np.isfinite(lr[i]) and lr[i] == 0):
+        return step
+    later = np.flatnonzero((np.arange(f.n) >= i) & np.isfinite(lr) & (lr > 0))
+    return f.step_at(int(later[0])) if len(later) else step

@@ -526,6 +526,9 @@ class Hooks:
         if st.sampled and self._sampler is not None:
             self._sampler.before_step([(self.watched.param_name(p), p)
                                        for p in self.watched.trained_params()])
+        if self.forensics is not None and self.forensics.armed and \
+                self.watched.primary(optimizer):
+            self.forensics.lrrange.before_step(optimizer, st.index, self._clip_config)
 
     def after_optimizer_step(self, optimizer: Any) -> None:
         if self.engines.stepping or not self.watched.owns(optimizer):

@@ -239,13 +239,14 @@ def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
     from ..diagnosis.engine import diagnose
 
     before, after = diagnose(b), diagnose(a)
-    c.verdict = fix_outcome.verdict(before.healthy, after.healthy)
     c.treatment = {"base": fix_outcome.outcome(b, before), "amp": fix_outcome.outcome(a, after),
                    "change": fix_outcome.change(b, a),
                    "at_steps": fix_outcome.at_steps(steps, lb, la),
                    "loss_difference": fix_outcome.loss_difference(steps, lb, la,
                                                                   c.tolerance["window"])}
     c.curve = {"step": steps, "base": lb, "amp": la}
+    c.verdict = fix_outcome.verdict(before.healthy, after.healthy,
+                                    (c.treatment["amp"]["levels"] or {}).get("learned"))
     c.summary = fix_outcome.summary(c.verdict, c.treatment, c.common_steps, c.tolerance)
     c.notes = (_model_note(c) + fix_outcome.notes(c.treatment, c.base["steps"],
                                                   c.amp["steps"], c.common_steps)

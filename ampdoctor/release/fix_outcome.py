@@ -10,7 +10,9 @@ call for (``Comparison.kind``):
   fp32 baseline, is still a parity question);
 - ``"parity"`` otherwise.
 
-For a fix, the verdict reads each run's diagnosis (``VERDICTS``); ``outcome(run, diagnosis)``
+For a fix, the verdict reads each run's diagnosis (``VERDICTS``), and calls a treated run
+``fixed`` only where its loss fell from where it started (``levels``: a run whose loss stays at
+its untrained level is ``not_trained``); ``outcome(run, diagnosis)``
 gives what each run was treated with, its verdict and first bad step, its non-finite and
 skipped steps, its first and last finite loss (each with its step) and its loss scale from the
 first step to the last; ``at_steps`` lines the two losses up at a few steps both recorded.
@@ -36,7 +38,10 @@ from .curves import percent
 from .readiness import precision
 
 VERDICTS = {
-    "fixed": "the first run failed and the second is healthy",
+    "fixed": "the first run failed and the second is healthy, its loss fallen from where it "
+             "started",
+    "not_trained": "the first run failed and the second has no failure, but its loss stayed "
+                   "at the level it started at: it stopped failing by not training",
     "still_failing": "both runs fail (diagnose the second for what is left)",
     "worse": "the first run was healthy and the second fails",
     "both_healthy": "both runs are healthy (the loss difference says what changed)",
@@ -106,10 +111,35 @@ def label(run: Any) -> str:
     return f"float8 {fp8.get('recipe', '')} + {precision(run)}" if fp8 else precision(run)
 
 
-def verdict(first_healthy: bool, second_healthy: bool) -> str:
+# A treated run is fixed only where its loss fell: its end level at least this fraction below
+# its start level (the untrained loss). A fix that stops the failure by stopping the training
+# (an LR so low, or a model so broken, that the loss stays where it began) is not_trained.
+FALL = 0.1
+# The start and end levels: the median of this share of the finite losses (at least LEVEL_MIN).
+LEVEL_SHARE = 0.1
+LEVEL_MIN = 3
+
+
+def verdict(first_healthy: bool, second_healthy: bool, learned: Optional[bool] = True) -> str:
+    """``learned``: the second run's loss fell from its start (``levels``); None: too few
+    losses to tell, taken as learned."""
     if first_healthy:
         return "both_healthy" if second_healthy else "worse"
-    return "fixed" if second_healthy else "still_failing"
+    if not second_healthy:
+        return "still_failing"
+    return "not_trained" if learned is False else "fixed"
+
+
+def levels(loss: np.ndarray) -> Optional[dict]:
+    """The start and end levels of a loss curve (the medians of its first and last
+    ``LEVEL_SHARE`` of finite losses) and whether it fell by ``FALL`` (``learned``); None with
+    fewer than 2 * ``LEVEL_MIN`` finite losses."""
+    finite = loss[np.isfinite(loss)].astype(np.float64)
+    k = max(LEVEL_MIN, int(LEVEL_SHARE * len(finite)))
+    if len(finite) < 2 * LEVEL_MIN:
+        return None
+    start, end = float(np.median(finite[:k])), float(np.median(finite[-k:]))
+    return {"start": start, "end": end, "learned": bool(end <= start - FALL * abs(start))}
 
 
 def outcome(run: Any, diagnosis: Any) -> dict:
@@ -134,7 +164,7 @@ def outcome(run: Any, diagnosis: Any) -> dict:
             "first_skipped": _first(s["step"][skipped]),
             "first_loss": point(int(finite[0])) if len(finite) else None,
             "last_loss": point(int(finite[-1])) if len(finite) else None,
-            "scale": scale_story(run)}
+            "levels": levels(loss), "scale": scale_story(run)}
 
 
 def scale_story(run: Any) -> Optional[dict]:
@@ -210,6 +240,13 @@ def summary(verdict: str, t: dict, common: int, tolerance: dict) -> str:
     if verdict == "fixed":
         text = (f"{what} fixed the run: {nb} failed with {_failure(before)}. {na} is "
                 f"healthy: {_losses(after)}.")
+    elif verdict == "not_trained":
+        lv = after["levels"] or {}
+        text = (f"{what} stopped the failure but not by training: {nb} failed with "
+                f"{_failure(before)}. {na} has no failure, but its loss stayed at the level it "
+                f"started at ({fmt(lv.get('start'))} at the start, {fmt(lv.get('end'))} at the "
+                f"end, less than {FALL:.0%} lower): it did not learn. ampdoctor diagnose "
+                f"{after['path']} says what the fix should be.")
     elif verdict == "still_failing":
         text = (f"{_what(t['change'], with_=True)}, the run still fails: {nb} with "
                 f"{_failure(before)}. {na} with {_failure(after)}. ampdoctor diagnose "

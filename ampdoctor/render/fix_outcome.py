@@ -23,7 +23,8 @@ from .diagnosis import where_text
 from .tables import esc, html_table, md_table, nbytes, run_label, scale, seconds, text_table
 
 WIDTH = 100
-CLASSES = {"fixed": "ok", "both_healthy": "ok", "still_failing": "bad", "worse": "bad"}
+CLASSES = {"fixed": "ok", "both_healthy": "ok", "still_failing": "bad", "worse": "bad",
+           "not_trained": "bad"}
 
 
 def names(c: Any) -> tuple[str, str]:

@@ -242,6 +242,41 @@ class CompiledReplay(Payload):
         "seconds": Key(float, "time the compiled replay took"),
     }
 
+class LrRange(Payload):
+    """``detail["lr_range"]``: the LR range test run from the run's first state at the first
+    failure (record/forensic/lrrange.py; diagnosis/lrrange.py). ``trains`` is the one test of
+    a rung both sides use: the recorder stops one rung below the first that trains."""
+
+    NAME = "a snapshot's lr_range"
+    STEPS: ClassVar[int] = 12  # optimizer steps per rung
+    # A rung trains when every loss is finite and its last is this fraction below its first.
+    FALL: ClassVar[float] = 0.05
+    KEYS = {
+        "state": Key(str, "the state trained from: 'start' (before the first update)"),
+        "state_step": Key(int, "the step whose weights and optimizer state were kept"),
+        "event_step": Key(int, "the failing step"),
+        "lr": Key(float, "the largest group LR the failing step ran with"),
+        "batch": Key(str, "which batches the rungs train on"),
+        "steps": Key(int, "optimizer steps per rung"),
+        "optimizer": Key(str, "the optimizer's class"),
+        "max_norm": Key(float, "the user's own clip, applied in the trial"),
+        "rungs": Key(list, "each rung: factor, lr, losses (the first at the kept state), "
+                     "finite, skipped, seconds", []),
+        "stopped": Key(str, "why the ladder stopped before a rung trained"),
+        "note": Key(str, "why no trial ran"),
+        "seconds": Key(float, "time the whole test took"),
+    }
+
+    @classmethod
+    def trains(cls, rung: Any) -> bool:
+        """Every loss finite over the rung's steps, the last ``FALL`` below the first."""
+        losses = rung.get("losses") if isinstance(rung, dict) else None
+        if not isinstance(losses, list) or len(losses) < 2 or not rung.get("finite") or \
+                not all(isinstance(x, (int, float)) for x in losses):
+            return False
+        first, last = float(losses[0]), float(losses[-1])
+        return last <= first - cls.FALL * abs(first)
+
 
 class SnapshotDetail(Payload):
     """``/snapshots`` ``detail``: what a forensic replay learnt beyond the row's columns
@@ -305,6 +340,8 @@ class SnapshotDetail(Payload):
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
         "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
+        # the LR range test (lrrange.py)
+        "lr_range": Key(LrRange, "the LR range test from the run's first state", since=3),
     }
 
 
@@ -369,4 +406,4 @@ class Fp8Trial(Payload):
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
-    CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial)
+    CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)

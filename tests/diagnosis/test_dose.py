@@ -278,3 +278,112 @@ def test_a_treated_run_says_what_was_applied_and_what_could_not_be():
     assert "no module named blocks.7.attn in the model" in notes
     assert "--apply adam_eps=1e-5 could not be applied (TypeError: x)" in notes
     assert not any("treated" in n for n in engine.diagnose(Synth(40).run()).notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# the LR measured by a trial: the recorder's LR range test (diagnosis/lrrange.py)
+
+
+def _rung(factor: float, losses: list, lr_top: float = 0.1) -> dict:
+    return {"factor": factor, "lr": lr_top * factor, "losses": losses,
+            "finite": all(isinstance(x, float) for x in losses), "skipped": 0, "seconds": 0.01}
+
+
+def _tried(*rungs: dict, note: str = "", applied: str = "") -> Synth:
+    """_warmup_overflow's run (loss 2 -> 1.3 before the failure at step 40, LR 0.1 there)
+    with the LR range test its replay ran."""
+    s = _warmup_overflow(False)
+    if applied:
+        s.meta["applied"] = [{"fix": "lr_factor", "arg": applied}]
+    test = {"note": note} if note else {
+        "state": "start", "state_step": 0, "event_step": 40, "lr": 0.1, "steps": 4,
+        "batch": "the failing step's batch, repeated", "rungs": list(rungs)}
+    s.snapshot(40, "forward", "trunk.2", "Linear", fp32_finite=0, lr_range=test)
+    return s
+
+
+FELL = [1.9, 1.7, 1.5, 1.3, 1.2]  # trains
+CREPT = [1.9, 1.89, 1.88, 1.88, 1.87]  # finite, barely moves: held, not trained
+BLEW = [1.9, 3.0, 40.0, "inf"]
+
+
+def test_the_lr_is_the_rung_below_the_highest_that_trained_and_quotes_its_trial():
+    d = engine.diagnose(_tried(_rung(1.0, BLEW), _rung(0.316, FELL), _rung(0.1, CREPT)).run())
+    assert d.verdict == "lr_overflow"
+    lower = fix(d, "lower_lr")
+    assert lower.values["lr"] == 0.01 and lower.values["lr_factor"] == 0.067  # peak 0.15
+    assert lower.source.startswith("lr 0.01: tried: LR 0.01 kept the loss at 1.87 over 4 "
+                                   "steps"), lower.source
+    assert "LR 0.0316, a rung above, is the highest that trained (the loss 1.9 to 1.2)" \
+        in lower.source
+    assert "LR 0.1 above it did not (the loss was inf after 3 steps)" in lower.source
+    assert lower.apply == "lr_factor=0.067"
+
+
+def test_a_rung_that_ends_above_the_runs_healthy_range_did_not_train():
+    """A rung whose loss fell from its start but ended far above the run's own losses (2 at
+    most here) is no LR to prescribe: the one below it is. A spike in its first steps alone
+    (Adam's first, sign-sized updates from an empty state) is a transient, not the end."""
+    ended = [40.0, 30.0, 28.0, 25.0, 24.0]
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, ended), _rung(0.1, FELL), _rung(0.0316, CREPT))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == 0.0032 and "LR 0.0316 above it did not" in lower.source, \
+        lower.source
+    spiked = [1.9, 30.0, 1.5, 1.3, 1.2]  # in range where it ended
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, spiked), _rung(0.1, FELL))
+    assert fix(engine.diagnose(s.run()), "lower_lr").values["lr"] == 0.01
+
+
+def test_the_rungs_are_read_from_the_highest_lr_down_whatever_order_they_ran_in():
+    """The recorder goes down a decade at a time, then tries the half-decade above the first
+    that trained: the rungs come in that order."""
+    s = _tried(_rung(1.0, BLEW), _rung(0.1, CREPT), _rung(0.316, FELL))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == 0.01 and "LR 0.0316, a rung above, is the highest" \
+        in lower.source
+
+
+def test_a_margin_rung_not_run_is_a_rung_below_and_says_it_was_not_tried():
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, FELL))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == 0.01
+    assert "LR 0.0316 is the highest that trained in the LR range test" in lower.source
+    assert "(not tried itself: the ladder stopped" in lower.source
+
+
+def test_without_a_trial_the_lr_is_a_bound_and_says_why():
+    plain = fix(engine.diagnose(_warmup_overflow(False).run()), "lower_lr")
+    assert "lr 0.0" in plain.source and "a bound, not a trial (the recorder ran no LR range " \
+        "test on this run" in plain.source, plain.source
+    kept = fix(engine.diagnose(_tried(note="no state was kept: the weights and optimizer state "
+                                      "were over 256 MiB (812 MiB)").run()), "lower_lr")
+    assert "a bound, not a trial (no LR range test ran: no state was kept: the weights and " \
+        "optimizer state were over 256 MiB (812 MiB)): " in kept.source
+    assert kept.values["lr"] == plain.values["lr"]
+    itself = fix(engine.diagnose(_tried(_rung(1.0, FELL)).run()), "lower_lr")
+    assert "the failing LR 0.1 itself trained over 4 steps" in itself.source
+    none = fix(engine.diagnose(_tried(_rung(1.0, BLEW), _rung(0.316, BLEW)).run()), "lower_lr")
+    assert "the LR range test found no LR that trained, down to LR 0.0316" in none.source
+
+
+def test_a_treated_runs_next_dose_is_against_the_users_own_command():
+    """A run treated with --apply lr_factor=0.5 recorded its LRs as the user's times 0.5: the
+    next lr_factor multiplies the user's, not the treated run's (issue 40's diffusers run said
+    its next dose against the treated LR)."""
+    rungs = (_rung(1.0, BLEW), _rung(0.316, FELL), _rung(0.1, CREPT))
+    lower = fix(engine.diagnose(_tried(*rungs, applied="lr_factor=0.5").run()), "lower_lr")
+    assert lower.values["lr"] == 0.01 and lower.values["lr_factor"] == 0.033  # 0.5 * 0.01/0.15
+    assert lower.apply == "lr_factor=0.033"
+    assert "against your own command (this run ran with --apply lr_factor=0.5" in lower.source
+
+
+def test_max_norm_is_the_scripts_own_clip_where_it_clips():
+    """Issue 40: diffusers clips at 1.0 and ampdoctor recorded it, yet the fix said
+    "max_norm 1: the common default"."""
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, FELL), _rung(0.1, CREPT))
+    s.meta["clip"] = {"how": "clip_grad_norm_", "max_norm": 0.5, "norm_type": 2.0}
+    assert doses(s)("max_norm").values["max_norm"] == 0.5
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert "keep clipping gradients at 0.5 (after unscale_), as the script does" in lower.text
+    assert "max_norm 0.5: the script's own clip, clip_grad_norm_(max_norm=0.5)" in lower.source
+    assert "common default" not in lower.source

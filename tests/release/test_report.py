@@ -349,6 +349,34 @@ def test_a_baseline_that_went_nonfinite_against_its_fix_is_no_parity_match():
     assert comparison.compare(synth(100, every=0, loss=loss), worse).verdict == "worse"
 
 
+def test_a_treated_run_whose_loss_stays_at_its_untrained_level_is_not_fixed(monkeypatch):
+    """Issue 40: diffusers at LR 10, treated with an LR 400x too high, ended at 1.10, its
+    untrained level, with no failure and a healthy diagnosis, and compare called it
+    ``fixed``. A fix that stops the failure by not training is ``not_trained``; the same
+    treatment whose loss falls below its start is ``fixed``."""
+    from ampdoctor.diagnosis import engine
+    from ampdoctor.release import fix_outcome
+
+    bad = synth(100, every=0, nan_loss=range(20, 100))
+    noise = np.random.default_rng(0).normal(0.0, 0.15, 100)  # a diffusion loss's noise
+    flat = synth(100, every=0, loss=1.0 + 0.1 * np.arange(100) / 100 + noise)
+    falling = synth(100, every=0, loss=1.0 - 0.5 * np.arange(100) / 100)
+    for run in (flat, falling):
+        run.meta["applied"] = [{"fix": "lr_factor", "arg": "lr_factor=0.04"}]
+    lv = fix_outcome.levels(flat.steps["loss"])
+    assert lv["learned"] is False and lv["end"] > lv["start"] * 0.9
+    real = engine.diagnose
+    # as the diffusers run was: the treated run's own diagnosis finds nothing wrong
+    monkeypatch.setattr(engine, "diagnose",
+                        lambda run, **kw: real(falling if run is flat else run, **kw))
+    c = comparison.compare(bad, flat)
+    assert c.kind == "fix" and c.verdict == "not_trained", c.summary
+    assert "did not learn" in c.summary and "--apply lr_factor=0.04" in c.summary
+    assert "verdict: not_trained" in report_release.render_comparison(c, "text")
+    assert comparison.compare(bad, falling).verdict == "fixed"
+    assert fix_outcome.verdict(False, True, None) == "fixed"  # too few losses to tell
+
+
 def test_two_fp32_runs_say_nothing_of_fp16():
     """Both runs in fp32 (nanoGPT on CPU uses no autocast): no fp16 range verdict."""
     base = synth(50, dtype=None, scaler=False, every=0)

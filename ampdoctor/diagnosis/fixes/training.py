@@ -41,9 +41,11 @@ def _lr_apply(c: Context) -> Optional[str]:
         f"lr={literal(dose.values['lr'], '')}"
 
 
-@fix("lower_lr", "lower the peak learning rate to the one the update ratios measure, clip "
-     "after unscale_", apply=_lr_apply, manual="the run recorded no learning rate to scale",
-     replay="the replay cannot try a lower LR, which needs many steps")
+@fix("lower_lr", "lower the peak learning rate to the one an LR range test on the run's "
+     "first state kept training (else a bound from the update ratios), clip after unscale_",
+     apply=_lr_apply, manual="the run recorded no learning rate to scale",
+     replay="the replay of one step cannot try a lower LR, which needs many steps (the LR "
+     "range test, where one ran, tried it from the run's first state: see its numbers)")
 def lower_lr(c: Context) -> Advice:
     lr_dose = c.dose("lr") or _tenth(c.lr)
     new = literal(lr_dose.values.get("lr") if lr_dose else None, "lr / 10")
@@ -51,8 +53,11 @@ def lower_lr(c: Context) -> Advice:
     peak = f"  # peak was {literal(c.lr, str(c.lr))}" if c.lr else ""
     snippet = (f"optimizer = torch.optim.{c.optimizer}(model.parameters(), lr={new}){peak}\n"
                "...\n" + clip_step(c.scaler, clip))
-    return (f"Set the peak learning rate to {new} and clip gradients at {clip}"
-            f"{' (after unscale_)' if c.scaler else ''}. Restart from the initial weights or "
+    after = " (after unscale_)" if c.scaler else ""
+    clipping = f"keep clipping gradients at {clip}{after}, as the script does" \
+        if c.clip_max_norm else f"clip gradients at {clip}{after}"
+    return (f"Set the peak learning rate to {new} and {clipping}. Restart from the initial "
+            "weights or "
             "a checkpoint before the weights grew: what a too-large step did to them does not "
             "undo itself.", snippet, joined(lr_dose, norm_dose))
 

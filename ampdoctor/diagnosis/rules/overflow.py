@@ -190,6 +190,11 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
     if scheduler is not None:
         ev.insert(0, scheduler)
     module = where.get("module") if where else None
+    if where and where.get("step") is not None:
+        moved = schedules.moving(f, where["step"])
+        if moved != where["step"]:  # (the module was located at the LR-0 step: not there)
+            where = first_bad(moved, None, None)
+            module = None
     if f.low_precision == "fp16":
         text = ("The learning rate is too high: weights and activations grew step after step "
                 "until the forward pass overflowed fp16 (it diverges in bf16/fp32 too, later). "

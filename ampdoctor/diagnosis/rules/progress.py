@@ -378,7 +378,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
                    + schedules.summary(f), _scheduled(f, ev + [answer]),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
                        ["revive_units"] if kind == "dead_units" else [])), ctx),
-                   first_bad(onset, module, None),
+                   first_bad(schedules.moving(f, onset), module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
 
@@ -398,8 +398,8 @@ def _climbed(f: Facts) -> Finding:
                    _scheduled(f, ev + [answer]),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"]),
                               _blowup_context(f, None, c.climb_onset)),
-                   first_bad(onset, None, None), priority=PRIORITY["diverged"],
-                   kind="climbed")
+                   first_bad(schedules.moving(f, onset), None, None),
+                   priority=PRIORITY["diverged"], kind="climbed")
 
 
 def _scheduled(f: Facts, ev: list[Evidence]) -> list[Evidence]:

@@ -27,4 +27,6 @@ its own parts. Importing this package imports nothing.
 - ``fp8matmul``: a Linear's three matmuls in emulated fp8 (``in_fp8``)
 - ``compiled_replay``: a compiled model's step that replays finite, replayed compiled again
   (aot_eager, inductor's decompositions, inductor): the region and op the compiler gets wrong
+- ``lrrange``: the LR range test: the first state kept, trained again at a ladder of LRs on
+  the failing step's batch at the first failure
 """

@@ -82,7 +82,8 @@ the rate limit's state (the held step, the episodes, the replay budget), which n
 method of ``Forensics`` reads; it is also the facade the recorder and its hooks enter the room
 through (``.importlinter`` holds them to that), so splitting it would widen that entrance.
 What stands alone lives beside it: ``accum``, ``isolated``, ``kept``, ``losscall``,
-``reproduced``, ``trial``, ``proofs``, ``singular``.
+``reproduced``, ``trial``, ``proofs``, ``singular``, ``lrrange`` (the LR range test at the
+first failure, from the state kept at the first step).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
 from .isolated import preserved, rng_state
 from .kept import Kept, offload, reload, versions
+from .lrrange import RangeTest
 from .trace import Capture, Gone, Trace, feeds, outputs_of, root_name, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
@@ -155,6 +157,7 @@ class Forensics:
         self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
         self.prover = proofs.Prover(self)  # the fixes tried on a located failure's step
         self.recompiled = 0  # compiled replays run (compiled_replay.MAX_REPLAYS)
+        self.lrrange = RangeTest(self)  # the LR range test from the first state, at the failure
 
     @property
     def armed(self) -> bool:
@@ -323,6 +326,8 @@ class Forensics:
         earlier = any(e.step < step.index for e in self.events)
         trace, finding, micro = self._run(captures, scale, earlier=earlier, step=step.index)
         self.prover.after_replay(step.index, captures, finding, micro, scale)
+        self.lrrange.after_replay(step.index, captures, finding, scale, why,
+                                  getattr(step, "loss_nonfinite", None))
         if dropped:
             finding.detail["model_calls_dropped"] = dropped
         result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)

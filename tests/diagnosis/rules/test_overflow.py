@@ -250,6 +250,23 @@ def test_without_a_scaler_the_first_applied_nonfinite_gradient_starts_the_failur
     assert fp32.text == "re-run in fp32, transformer.wte is still non-finite: its weights are"
 
 
+def test_a_first_bad_step_is_never_a_step_at_lr_0():
+    """Issue 40: litgpt ``--precision bf16-true`` said "first bad: step 0", a warm-up step at
+    LR 0, which moves no weight. The same run as above with its warm-up at LR 0 up to the
+    step the gradients went inf: the failure the LR made begins at the first step with an LR."""
+    s = Synth(20, dtype=None, scaler=False, every=100)
+    s.sampled([0], Kind.PARAM, "transformer.h.0.mlp.weight", norm=3.0, update=15.0)
+    s.set("loss", [2.9, 2.5e4, 9e5, 7.5e6, 2.9e8, 5e9], steps=range(6))
+    s.set("grad_norm", [0.67, 1.9e3, 1.2e10, 9.7e14], steps=range(4))
+    s.nan_grad(range(4, 20)).nan_loss(range(6, 20))
+    s.snapshot(7, "forward", "transformer.wte", "Embedding", fp32_finite=0,
+               weights_nonfinite=["weight"])
+    s.set("lr", np.r_[np.zeros(5), np.full(15, 1000.0)])
+    d = verdict(s)
+    assert Facts(s.run()).failure_step == 4
+    assert d.verdict == "lr_overflow" and d.first_bad["step"] == 5, d.first_bad
+
+
 def test_a_blowup_in_the_first_steps_is_the_lr():
     """HF Trainer with SGD at LR 1000: the loss 1.3 -> 237 -> 5.8e7 and the gradient norm
     1.8 -> 421 -> 4.5e12 in three steps, then NaN; the culprit is non-finite in fp32 too. Too

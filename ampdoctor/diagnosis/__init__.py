@@ -11,6 +11,7 @@
 - ``rules/``: the rules by family, one function per verdict, tried in the order of
   ``rules.RULES`` (its own docstring lists its modules)
 - ``fixes/``: the fixes they propose; ``dose``: the numbers a fix prescribes, from the run
+  (``lrrange``: the LR range test the recorder ran, read)
 - ``verdict``: ``Diagnosis``, ``Finding``, ``Evidence``, ``Premise``, the verdict table;
   ``notes``: what a diagnosis could not tell; ``thresholds``: the shared thresholds
 - ``forecast``: the early warning

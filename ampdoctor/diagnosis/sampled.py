@@ -35,9 +35,16 @@ class SampledSteps:
     def index(self, pos: np.ndarray) -> np.ndarray:
         """Where each step position of ``pos`` is held, those not held yet added (every part
         is then a new array: fetch ``parts`` after this)."""
-        new = np.setdiff1d(pos, self.positions)
-        if len(new):
-            merged = np.union1d(self.positions, new)
+        held = self.positions
+        at = np.minimum(np.searchsorted(held, pos), max(len(held) - 1, 0))
+        fresh = pos[held[at] != pos] if len(held) else pos
+        if len(fresh):
+            # (rows arrive in step order: new steps come sorted, after those held)
+            ordered = bool(np.all(fresh[1:] >= fresh[:-1]))
+            new = _distinct(fresh) if ordered else np.unique(fresh)
+            merged = np.concatenate([held, new])
+            if len(held) and new[0] < held[-1]:
+                merged.sort()
             where = np.searchsorted(merged, self.positions)
             for name, (dtype, fill) in self.fields.items():
                 grown = np.full(len(merged), fill, dtype)
@@ -71,3 +78,10 @@ class PerStep:
 
     def __get__(self, obj: Any, owner: Any = None) -> np.ndarray:
         return obj.per_step.dense(self.name)
+
+
+def _distinct(ordered: np.ndarray) -> np.ndarray:
+    """The distinct values of a sorted array (``np.unique`` without its sort)."""
+    keep = np.ones(len(ordered), bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return ordered[keep]

@@ -8,10 +8,19 @@ made in a temporary folder, and so do the crafted parity results ``report --pari
 (a FIFO, /dev/zero, JSON nested 100k deep, 1e999, fields of the wrong type). Each command is its own process; its peak resident memory comes from the kernel
 (``wait4``'s ru_maxrss). A refusal should cost what reading the good file costs: the checks run
 before any table is read.
+
+    python benchmarks/crafted_files.py --large 10000000             # a month-long run
+    python benchmarks/crafted_files.py --large 1000 --modules 100000 --keep /tmp/big.h5
+
+``--large STEPS``: every reading command on one large honest run instead (written by
+``benchmarks/make_large_run.py``, ``--modules`` modules, an overflow at 95% of the run), each
+with its wall seconds, CPU seconds (user + system: what it takes on an idle machine; on shared
+cores the wall time is higher) and peak MiB. ``--keep PATH``: write the run there, or reuse it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -25,6 +34,12 @@ import make_crafted  # noqa: E402
 
 def measure(args: list[str]) -> tuple[int, float, float]:
     """``python -m ampdoctor ARGS``: (exit code, seconds, peak RSS in MiB)."""
+    code, seconds, _cpu, peak = measure_cpu(args)
+    return code, seconds, peak
+
+
+def measure_cpu(args: list[str]) -> tuple[int, float, float, float]:
+    """``python -m ampdoctor ARGS``: (exit code, seconds, CPU seconds, peak RSS in MiB)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
     pid = os.fork()
@@ -34,7 +49,8 @@ def measure(args: list[str]) -> tuple[int, float, float]:
         os.dup2(null, 2)
         os.execve(sys.executable, [sys.executable, "-m", "ampdoctor", *args], env)
     _pid, status, usage = os.wait4(pid, 0)
-    return os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_maxrss / 1024
+    return (os.waitstatus_to_exitcode(status), time.monotonic() - start,
+            usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
 
 
 def main() -> None:
@@ -71,5 +87,38 @@ def _parity_files(folder: str, out: str) -> tuple[float, float]:
     return worst
 
 
+def large(steps: int, modules: int, keep: str | None) -> None:
+    """Every reading command on one large run (``--large``)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import make_large_run
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = keep or os.path.join(folder, "large.h5")
+        if not os.path.exists(path):
+            make_large_run.write_large_run(path, steps=steps, modules=modules,
+                                           flush_steps=10_000, overflow_step=steps * 95 // 100)
+        out = os.path.join(folder, "out")
+        print(f"{path}: {os.path.getsize(path) / 2**20:.0f} MiB, load {os.getloadavg()[0]:.1f}")
+        print(f"{'command':34s} exit  seconds  cpu s  peak MiB")
+        for args in (["diagnose", path], ["dump", path], ["top", "--once", path],
+                     ["report", path, "-o", out + ".html", "--force"],
+                     ["report", path, "--format", "markdown", "-o", out + ".md", "--force"],
+                     ["report", path, "--format", "json", "-o", out + ".json", "--force"],
+                     ["export", path, "--tensorboard", out, "--force"],
+                     ["compare", path, path]):
+            code, seconds, cpu, peak = measure_cpu(args)
+            shown = " ".join(a if a != path else "RUN" for a in args if not a.startswith(out))
+            print(f"{shown[:34]:34s} {code:4d}  {seconds:7.2f}  {cpu:5.2f}  {peak:8.1f}")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--large", type=int, metavar="STEPS",
+                        help="every reading command on one large run of STEPS steps instead")
+    parser.add_argument("--modules", type=int, default=4)
+    parser.add_argument("--keep", metavar="PATH", help="with --large: the run's path (reused)")
+    opts = parser.parse_args()
+    if opts.large:
+        large(opts.large, opts.modules, opts.keep)
+    else:
+        main()

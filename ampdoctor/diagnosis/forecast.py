@@ -167,7 +167,7 @@ class Series:
     pstep: np.ndarray  # sampled steps with parameter rows
     wnorm: np.ndarray  # total weight norm per pstep
     upd: np.ndarray  # 10 ** size-weighted mean log10 update ratio per pstep
-    s_step: np.ndarray  # the sentinel, per step
+    s_step: np.ndarray  # the sentinel, per step (the columns as /steps holds them)
     s_scale: np.ndarray
     s_skipped: np.ndarray
     s_loss: np.ndarray
@@ -222,9 +222,9 @@ def read(run: Any, until: Optional[int] = None, samples: Optional[int] = None) -
     if not every and len(series[0]) > 1:
         every = int(np.min(np.diff(series[0])))
     return Series(*series, every=int(every or 1), pstep=params[0], wnorm=params[1],
-                  upd=params[2], s_step=steps["step"].astype(np.int64),
-                  s_scale=steps["scale"].astype(np.float64), s_skipped=steps["skipped"] == 1,
-                  s_loss=steps["loss"].astype(np.float64), context=_context(run),
+                  upd=params[2], s_step=np.asarray(steps["step"], np.int64),
+                  s_scale=steps["scale"], s_skipped=steps["skipped"] == 1,
+                  s_loss=steps["loss"], context=_context(run),
                   types=_module_types(run), hidden=precision_hits(hidden_nonfinite(run)))
 
 
@@ -560,16 +560,17 @@ def instability(s: Series, cut: Optional[int]) -> list[str]:
 def _scale_fall(s: Series, cut: Optional[int]) -> Optional[float]:
     """Halvings of the loss scale since its post-calibration peak (None: no scaler, or a
     non-finite loss already: then the failure is here, not ahead)."""
-    sel = s.s_step < cut if cut is not None else np.ones(len(s.s_step), bool)
-    scale, skipped, loss = s.s_scale[sel], s.s_skipped[sel], s.s_loss[sel]
+    end = len(s.s_step) if cut is None else int(np.searchsorted(s.s_step, cut))  # (in order)
+    scale, skipped, loss = s.s_scale[:end], s.s_skipped[:end], s.s_loss[:end]
     fin = np.isfinite(scale)
     if not fin.any() or not np.isfinite(loss).all():
         return None
     applied = np.flatnonzero(~skipped & fin)
     if not len(applied):
         return None
-    ref = scale[applied[0]:][np.isfinite(scale[applied[0]:])]
-    return math.log2(ref.max() / ref[-1]) if ref[-1] > 0 else math.inf
+    ref = scale[applied[0]:][fin[applied[0]:]]
+    top, last = float(ref.max()), float(ref[-1])  # (in float64, as the scale is stored)
+    return math.log2(top / last) if last > 0 else math.inf
 
 
 # ---------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def outline(run: Any) -> dict:
     return out
 
 
-def own_flag(steps: np.ndarray, step: int) -> bool:
+def own_flag(steps: Any, step: int) -> bool:
     """Was this rank's own found_inf set at ``step`` (``Event.OWN_NONFINITE_GRAD``)? False
     for a rank whose scaler does not record it as for one whose gradients were finite: the
     ranks of one job run the same scaler, so ``first_rank`` reads it only where some rank
@@ -189,7 +189,7 @@ class NormShares:
         self.flagged = False  # some rank flagged a step
         self._sums: Optional[dict[int, float]] = None  # step -> sum of squared shares
 
-    def add(self, steps: np.ndarray) -> None:
+    def add(self, steps: Any) -> None:
         self.files += 1
         local = (steps["flags"] & LOCAL_NORM) != 0 if len(steps) else np.zeros(0, bool)
         self.flagged = self.flagged or bool(local.any())
@@ -211,7 +211,7 @@ class NormShares:
     def combined(self) -> int:
         return len(self.norms()[0])
 
-    def apply(self, steps: np.ndarray) -> None:
+    def apply(self, steps: Any) -> None:
         """Put the global norms into one rank's ``steps`` (in memory)."""
         keys, norm = self.norms()
         if not len(keys):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..runfile import schema
 from ..runfile.schema import Kind, Source
+from .sampled import PerStep, SampledSteps
 from .thresholds import UNCHANGED_HIGH
 
 # A weight whose norm is below this is (close to) zero-initialised: its update ratio says
@@ -30,6 +31,15 @@ TINY_NORM = 1e-6
 _COLUMNS = schema.columns("stats", "step", "tensor", "seq", "source", "nonfinite", "numel",
                           "sample_n", "zeros", "sub16", "subbf16", "near16", "over16", "absmax",
                           "rms", "norm", "update", "unchanged")
+
+
+_I, _F = np.int64, np.float64
+_PER_STEP = {"out_absmax": (_F, np.nan), "out_near": (_I, 0), "out_bad": (_I, 0),
+             "grad_under": (_F, 0.0), "grad_n": (_F, 0.0), "wnorm2": (_F, 0.0),
+             "wcount": (_I, 0), "param_bad": (_I, 0), "upd_sum": (_F, 0.0),
+             "upd_cnt": (_F, 0.0), "unch_sum": (_F, 0.0), "unch_n": (_F, 0.0),
+             "buffer_bad": (_I, 0), "input_bad": (_I, 0), "input_over": (_I, 0),
+             "input_absmax": (_F, np.nan), "grad_zero": (_F, 0.0), "grad_numel": (_F, 0.0)}
 
 
 @dataclass
@@ -71,24 +81,8 @@ class Reduced:
     first_backward: Optional[dict] = None  # ... for gradients arriving at module outputs
 
     def __post_init__(self) -> None:
-        n, t = self.n_steps, self.n_tensors
-        self.sampled = np.zeros(n, bool)
-        self.out_absmax = np.full(n, np.nan)
-        self.out_near = np.zeros(n, np.int64)
-        self.out_bad = np.zeros(n, np.int64)
-        self.grad_under = np.zeros(n)
-        self.grad_n = np.zeros(n)
-        self.wnorm2 = np.zeros(n)
-        self.wcount = np.zeros(n, np.int64)
-        self.param_bad = np.zeros(n, np.int64)
-        self._upd_sum = np.zeros(n)
-        self._upd_cnt = np.zeros(n)
-        self._unch_sum = np.zeros(n)
-        self._unch_n = np.zeros(n)
-        self.buffer_bad = np.zeros(n, np.int64)
-        self.input_bad = np.zeros(n, np.int64)
-        self.input_over = np.zeros(n, np.int64)
-        self.input_absmax = np.full(n, np.nan)
+        t = self.n_tensors
+        self.per_step = SampledSteps(self.n_steps, _PER_STEP)
         self.under_sum = np.zeros(t)
         self.under_cnt = np.zeros(t)
         self.zero_sum = np.zeros(t)  # sum of exact-zero fractions of the gradient, per tensor
@@ -106,8 +100,6 @@ class Reduced:
         self.first_bad_step = np.full(t, -1, np.int64)
         self.last_step = np.full(t, -1, np.int64)
         self.last_bad = np.zeros(t, bool)
-        self.grad_zero = np.zeros(n)
-        self.grad_numel = np.zeros(n)
         self.out_zero_last = np.zeros(t, bool)
         self.out_alive_step = np.full(t, -1, np.int64)
         self.out_seen_step = np.full(t, -1, np.int64)
@@ -124,25 +116,48 @@ class Reduced:
         self.buf_changed = np.zeros(t, bool)
         self._buf_sig = np.full((t, len(_BUFFER_SIG)), np.nan)
 
+    # The per-step arrays, held over the sampled steps only (``sampled.SampledSteps``) and
+    # read over every step: NaN or 0 where nothing was sampled.
+    out_absmax = PerStep()
+    out_near = PerStep()
+    out_bad = PerStep()
+    grad_under = PerStep()
+    grad_n = PerStep()
+    wnorm2 = PerStep()
+    wcount = PerStep()
+    param_bad = PerStep()
+    buffer_bad = PerStep()
+    input_bad = PerStep()
+    input_over = PerStep()
+    input_absmax = PerStep()
+    grad_zero = PerStep()
+    grad_numel = PerStep()
+
+    @property
+    def sampled(self) -> np.ndarray:
+        return self.per_step.seen()
+
+    def _ratio(self, num: str, den: str) -> np.ndarray:
+        """Per step: ``num / den`` of the parts, NaN where ``den`` is 0 or nothing was
+        sampled."""
+        part = self.per_step.parts
+        with np.errstate(invalid="ignore", divide="ignore"):
+            held = np.where(part[den] > 0, part[num] / np.maximum(part[den], 1), np.nan)
+        return self.per_step.spread(held, np.nan)
+
     @property
     def upd_log(self) -> np.ndarray:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self._upd_cnt > 0, self._upd_sum / np.maximum(self._upd_cnt, 1),
-                            np.nan)
+        return self._ratio("upd_sum", "upd_cnt")
 
     @property
     def unchanged(self) -> np.ndarray:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self._unch_n > 0, self._unch_sum / np.maximum(self._unch_n, 1),
-                            np.nan)
+        return self._ratio("unch_sum", "unch_n")
 
     @property
     def grad_zero_share(self) -> np.ndarray:
         """Per step: share of the trained parameters' gradient elements that are exactly 0
         (NaN where no gradient was sampled)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.grad_numel > 0, self.grad_zero / np.maximum(self.grad_numel, 1),
-                            np.nan)
+        return self._ratio("grad_zero", "grad_numel")
 
     @property
     def always_zero(self) -> np.ndarray:
@@ -226,23 +241,23 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         if not len(rows):
             continue
         out.rows += len(rows)
+        k = out.per_step.index(pos)  # where each row's step is held
         tid = rows["tensor"].astype(np.int64)
         kind = kinds[tid]
         bad = rows["nonfinite"] > 0
         pre = rows["step"] < horizon
         clean_step = ~skipped[pos]
-        out.sampled[pos] = True
         best = _first_nonfinite(rows, kind, bad, best)
         best_fwd = _first_nonfinite(rows, kind, bad & (kind == Kind.OUTPUT), best_fwd)
         best_bwd = _first_nonfinite(rows, kind, bad & (kind == Kind.GRAD_OUTPUT), best_bwd)
-        _reduce_outputs(out, rows, pos, tid, kind == Kind.OUTPUT, bad, pre)
-        _reduce_grads(out, rows, pos, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
+        _reduce_outputs(out, rows, k, tid, kind == Kind.OUTPUT, bad, pre)
+        _reduce_grads(out, rows, k, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
         no_grad = _zero_grad_params(rows, tid, kind, bad, names, zero_grads)
-        _reduce_params(out, rows, pos, tid, kind == Kind.PARAM, pre & clean_step, no_grad)
+        _reduce_params(out, rows, k, tid, kind == Kind.PARAM, pre & clean_step, no_grad)
         _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
             kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)
-        _reduce_flags(out, rows, pos, tid, kind, bad)
+        _reduce_flags(out, rows, k, tid, kind, bad)
         _reduce_buffers(out, rows, tid, kind == Kind.BUFFER, bad)
     out.first_nonfinite = _located(best, kinds, names)
     out.first_forward = _located(best_fwd, kinds, names)
@@ -282,9 +297,10 @@ def _reduce_outputs(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.nda
         return
     r, p, t, b = rows[sel], pos[sel], tid[sel], bad[sel]
     absmax = np.where(np.isfinite(r["absmax"]), r["absmax"], np.nan).astype(np.float64)
-    np.fmax.at(out.out_absmax, p, absmax)
-    np.add.at(out.out_near, p, (r["near16"] > 0).astype(np.int64))
-    np.add.at(out.out_bad, p, b.astype(np.int64))
+    part = out.per_step.parts
+    np.fmax.at(part["out_absmax"], p, absmax)
+    np.add.at(part["out_near"], p, (r["near16"] > 0).astype(np.int64))
+    np.add.at(part["out_bad"], p, b.astype(np.int64))
     pr = pre[sel] & ~b
     if pr.any():
         np.fmax.at(out.out_max, t[pr], absmax[pr])
@@ -332,12 +348,13 @@ def _reduce_grads(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarr
     with np.errstate(invalid="ignore", divide="ignore"):
         deep = np.where(nonzero > 0, sub / np.maximum(nonzero, 1), np.nan)
     flushed = np.where(deep >= ZEROS_FLUSHED_IF, r["zeros"], 0).astype(np.float64)
-    np.add.at(out.grad_under, p, sub + flushed)
-    np.add.at(out.grad_n, p, n)
+    part = out.per_step.parts
+    np.add.at(part["grad_under"], p, sub + flushed)
+    np.add.at(part["grad_n"], p, n)
     zero_frac = r["zeros"] / n
     size = np.maximum(r["numel"], 1).astype(np.float64)
-    np.add.at(out.grad_zero, p, zero_frac * size)
-    np.add.at(out.grad_numel, p, size)
+    np.add.at(part["grad_zero"], p, zero_frac * size)
+    np.add.at(part["grad_numel"], p, size)
     rev_t, rev_i = np.unique(t[::-1], return_index=True)
     out.grad_zero_last[rev_t] = zero_frac[::-1][rev_i]
     pr = pre[sel] & np.isfinite(deep)
@@ -386,9 +403,10 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     r, p, t = rows[sel], pos[sel], tid[sel]
     norm = r["norm"].astype(np.float64)
     fin = np.isfinite(norm)
-    np.add.at(out.wnorm2, p[fin], norm[fin] ** 2)
-    np.add.at(out.wcount, p[fin], 1)
-    np.add.at(out.param_bad, p[~fin], 1)
+    part = out.per_step.parts
+    np.add.at(part["wnorm2"], p[fin], norm[fin] ** 2)
+    np.add.at(part["wcount"], p[fin], 1)
+    np.add.at(part["param_bad"], p[~fin], 1)
     # Update ratios, as log10, clipped and weighted by size: a zero-initialised bias has
     # |dW|/|W| of 1e300 on its first step, and must not outvote the weight matrices.
     upd = r["update"].astype(np.float64)
@@ -396,8 +414,8 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     with np.errstate(divide="ignore"):
         lu = np.clip(np.log10(np.where(good, upd, 1.0)), -12.0, 1.0)
     size = np.maximum(r["numel"], 1).astype(np.float64)
-    np.add.at(out._upd_sum, p[good], (lu * size)[good])
-    np.add.at(out._upd_cnt, p[good], size[good])
+    np.add.at(part["upd_sum"], p[good], (lu * size)[good])
+    np.add.at(part["upd_cnt"], p[good], size[good])
     # The unchanged share is of the elements whose gradient was not 0: a parameter with none
     # on this step is not measured (files written before the recorder said so with NaN hold
     # 0.0 there, which outvoted the updates that did round away: timm's zero-initialised
@@ -405,8 +423,8 @@ def _reduce_params(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndar
     unch = r["unchanged"].astype(np.float64)
     u_ok = np.isfinite(unch) & ~no_grad[sel]
     wts = np.maximum(r["sample_n"], 1).astype(np.float64)
-    np.add.at(out._unch_sum, p[u_ok], (unch * wts)[u_ok])
-    np.add.at(out._unch_n, p[u_ok], wts[u_ok])
+    np.add.at(part["unch_sum"], p[u_ok], (unch * wts)[u_ok])
+    np.add.at(part["unch_n"], p[u_ok], wts[u_ok])
     pc = pre_clean[sel]
     if pc.any():
         # First and last norm per tensor: rows arrive in step order, so the first write of a
@@ -464,15 +482,16 @@ def _reduce_buffers(out: Reduced, rows: np.ndarray, tid: np.ndarray, sel: np.nda
 
 def _reduce_flags(out: Reduced, rows: np.ndarray, pos: np.ndarray, tid: np.ndarray,
                   kind: np.ndarray, bad: np.ndarray) -> None:
-    for k, target in ((Kind.BUFFER, out.buffer_bad), (Kind.INPUT, out.input_bad)):
+    part = out.per_step.parts
+    for k, target in ((Kind.BUFFER, "buffer_bad"), (Kind.INPUT, "input_bad")):
         sel = (kind == k) & bad
         if sel.any():
-            np.add.at(target, pos[sel], 1)
+            np.add.at(part[target], pos[sel], 1)
     inp = kind == Kind.INPUT
     if inp.any():
-        np.add.at(out.input_over, pos[inp], rows["over16"][inp].astype(np.int64))
+        np.add.at(part["input_over"], pos[inp], rows["over16"][inp].astype(np.int64))
         a = rows["absmax"][inp].astype(np.float64)
-        np.fmax.at(out.input_absmax, pos[inp], np.where(np.isfinite(a), a, np.nan))
+        np.fmax.at(part["input_absmax"], pos[inp], np.where(np.isfinite(a), a, np.nan))
     bad_t = tid[bad]
     if len(bad_t):
         first = out.first_bad_step[bad_t] < 0

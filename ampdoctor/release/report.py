@@ -157,9 +157,16 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
         loaded, owned, d = run, False, engine.diagnose(run)
     elif isinstance(run, (str, os.PathLike)):
         paths = resolve(os.fspath(run))
-        d = engine.diagnose(paths if len(paths) > 1 else paths[0])
-        loaded, owned = load(paths[0]), True
-        if len(paths) > 1:
+        if len(paths) == 1:  # one file: read once, for the diagnosis and the report
+            loaded, owned = load(paths[0]), True
+            try:
+                d = engine.diagnose(loaded)
+            except BaseException:
+                loaded.close()
+                raise
+        else:
+            d = engine.diagnose(paths)
+            loaded, owned = load(paths[0]), True
             ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms
             notes.append(f"Curves and figures are rank {loaded.rank}'s ({loaded.path}); the "
                          f"diagnosis reads all {len(paths)} ranks.")

@@ -208,6 +208,8 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
 def lr_figure(run: Any) -> Optional[Any]:
     g = run.groups
     series = []
+    if len(g):  # read once (/groups: a row per step and group)
+        g = g.columns(["step", "group", "lr"]) if hasattr(g, "columns") else g
     if len(g) and len(np.unique(g["group"])) > 1:
         for group in np.unique(g["group"]):
             rows = g[g["group"] == group]

@@ -32,6 +32,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import guard, hdf5, liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
+from .columns import Columns
 from .hdf5 import H5_ERRORS, reason
 from .paths import resolve
 from .run import TEXTS, Blob, Run, Table, decoded_rows, meta_dict, tensor_view
@@ -80,7 +81,7 @@ def opened(run: Any, caller: str = "this") -> Iterator[Run]:
         yield loaded
 
 
-def load_steps(path: str | os.PathLike) -> np.ndarray:
+def load_steps(path: str | os.PathLike) -> Columns:
     """Only the /steps rows of a run file, as ``load(path).steps`` holds them: what a reader of
     a large job's many rank files needs of a rank it does not load (its loss scales, its
     shares of a sharded gradient norm). Raises ``RunFileError`` as ``load`` does.
@@ -94,7 +95,7 @@ def load_steps(path: str | os.PathLike) -> np.ndarray:
     return retrying(path, lambda: _steps_once(path))
 
 
-def _steps_once(path: str) -> np.ndarray:
+def _steps_once(path: str) -> Columns:
     f, live = open_file(path)
     try:
         version = check_format(path, root_attrs(f, ("format", "format_version")))
@@ -339,6 +340,9 @@ def _read_table(path: str, f: h5py.File, name: str, live: bool,
                      lift=migrations.find(name, version, ds.dtype))
     if name == schema.BLOB:
         return Blob(ds, path)
+    if name == "steps":  # column by column, read a block at a time (``columns``)
+        return Columns.read(lambda a, b: migrations.lift(name, version, ds[a:b]),
+                            written_rows(ds), schema.STEPS)
     return migrations.lift(name, version, without_unwritten_tail(name, ds[:]))
 
 

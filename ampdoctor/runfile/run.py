@@ -180,7 +180,9 @@ class Run:
     path: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
-    steps: np.ndarray = field(default_factory=lambda: schema.empty("steps"))
+    # a structured array (a Run built in memory), or a loaded run's ``columns.Columns``: the
+    # same columns, rows and length, held column by column
+    steps: Any = field(default_factory=lambda: schema.empty("steps"))
     groups: Any = field(default_factory=lambda: Table(schema.empty("groups"), name="groups"))
     # several losses / optimizers (format 3): a row per step and loss, per step and optimizer
     losses: np.ndarray = field(default_factory=lambda: schema.empty("losses"))

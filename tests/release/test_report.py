@@ -666,3 +666,18 @@ def test_a_run_with_its_linears_in_fp8_is_compared_for_parity_against_its_baseli
     assert "The float8 tensorwise + bfloat16 run's loss diverges" in c.summary
     fp8.meta["applied"][0]["converted"] = []  # nothing converted: a treatment like any other
     assert comparison.compare(base, fp8).amp["dtype"] == "bfloat16"
+
+
+def test_common_steps_finds_what_intersect1d_finds():
+    """compare's steps in both runs, found by bisection when both are in order (a run's
+    /steps): the same values and first positions as np.intersect1d, in or out of order."""
+    from ampdoctor.release.comparison import common_steps
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        b = np.sort(rng.integers(0, 30, rng.integers(0, 20)))
+        a = np.sort(rng.integers(0, 30, rng.integers(0, 20)))
+        if trial % 3 == 0:
+            a = rng.permutation(a)
+        got, want = common_steps(b, a), np.intersect1d(b, a, return_indices=True)
+        assert all(np.array_equal(x, y) for x, y in zip(got, want)), (b, a)

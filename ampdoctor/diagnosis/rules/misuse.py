@@ -82,6 +82,8 @@ def rule_clip_before_unscale(f: Facts) -> Optional[Finding]:
         return None
     ev_rows = f.events(Event.CLIP_BEFORE_UNSCALE)
     s = f.steps
+    if not len(ev_rows) and not np.isfinite(s["clip_norm"]).any():
+        return None  # no clip ran (what follows finds none; on 10^7 steps, in seconds)
     clip, norm, scale = (s["clip_norm"].astype(float), s["grad_norm"].astype(float),
                          s["scale"].astype(float))
     ran = np.isfinite(clip) & np.isfinite(norm) & (norm > 0) & np.isfinite(scale) & (scale > 1)

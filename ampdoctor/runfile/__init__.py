@@ -1,8 +1,8 @@
 """The run file: its format (``schema``), writing and reading it (``store``). numpy + h5py only.
 
 - ``store``: the front door (``Writer``, ``load``), over ``writer`` (rows appended,
-  crash-safe) and ``reader`` (``load`` -> ``run``'s ``Run``; ``tail``: the rows added since
-  the last read, for ``top``)
+  crash-safe) and ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by
+  column in ``columns``; ``tail``: the rows added since the last read, for ``top``)
 - ``schema``: the tables and codes; ``migrations``: older versions' tables lifted into it;
   ``payloads``: the JSON payloads, declared; ``values``: the values a row may hold
 - what a file is: ``attributes`` (its root attributes), ``hdf5`` (the format beneath h5py),

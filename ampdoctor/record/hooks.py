@@ -48,7 +48,7 @@ import torch
 
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite
 from ..runfile.schema import Event, Kind, flag
-from . import flatloss, patches, sharding, stats
+from . import callorder, flatloss, patches, sharding, stats
 from .forensic import losscall
 from .forensic.forensics import Forensics
 from .journal import Journal
@@ -339,6 +339,7 @@ class Hooks:
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         slot = self.objectives.loss(value, loss)
+        callorder.late_backward(st, scaled)
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
         if micro is not None:
@@ -712,8 +713,7 @@ class Hooks:
         if st.index == 0:
             self.watched.name_handles(sys._getframe())
         self.watched.fp16_without_scaler(st)
-        if st.scaled and st.unscaled_backwards:  # beside a scaled loss: its gradients / S
-            self.journal.event(Event.BACKWARD_UNSCALED, st, value=float(st.unscaled_backwards))
+        callorder.step_events(self.journal, st)
         self._schedules.end_step(st)
         now = time.perf_counter()
         self.log.finish(st, self.objectives.end_step(st))

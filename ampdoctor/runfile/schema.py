@@ -193,6 +193,13 @@ class Event(enum.IntEnum):
     # itself non-finite on a step GradScaler skips. While it calibrates, that is its
     # calibration at work (diagnosis/facts.py), not a failure. Additive, as 17.
     PENALTY_AT_SCALE = 24
+    # A loss backwarded through scaler.scale after scaler.unscale_ in the same step (a
+    # two-pass optimizer such as SAM, a second loss after the first's unscale_): GradScaler
+    # unscales each optimizer once per update(), so scaler.step applies the later backward's
+    # gradients still multiplied by the loss scale, and the skip decision is the earlier
+    # pass's. value: how many such backwards in the step. Written at the step's end
+    # (record/callorder.py). Additive, as 17.
+    BACKWARD_AFTER_UNSCALE = 25
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

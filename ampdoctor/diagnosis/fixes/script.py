@@ -128,6 +128,30 @@ def scale_every_loss(c: Context) -> Advice:
             "times too small.", snippet)
 
 
+@fix("unscale_after_last_backward", "call scaler.unscale_ after the step's last backward "
+     "(SAM: the ascent from the scaled gradients)", manual="the order of the calls in the loop "
+     "must change")
+def unscale_after_last_backward(c: Context) -> Advice:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    loss = criterion(model(x), y)\n"
+               "scaler.scale(loss).backward()\n"
+               "# no unscale_ here: the ascent direction g / ||g|| is the same for scaled\n"
+               "# gradients (skip the ascent when their norm is not finite)\n"
+               "sam.first_step(zero_grad=True)\n"
+               f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    loss2 = criterion(model(x), y)\n"
+               "scaler.scale(loss2).backward()\n"
+               "sam.restore()  # back to w\n"
+               "scaler.unscale_(optimizer)  # once, after the last backward of the step\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()")
+    return ("Call scaler.unscale_(optimizer) once, after the step's last backward: GradScaler "
+            "unscales an optimizer only once per update(), so gradients backwarded after an "
+            "earlier unscale_ reach scaler.step still multiplied by the loss scale. A pass "
+            "that needs the gradients before that (SAM's ascent) uses the scaled ones, whose "
+            "direction is the same, or divides by scaler.get_scale() itself.", snippet)
+
+
 @fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
      manual="the order of the calls in the loop must change")
 def fix_scaler_calls(c: Context) -> Advice:

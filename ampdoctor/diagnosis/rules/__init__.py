@@ -42,6 +42,7 @@ RULES = [
     misuse.rule_stale_grads,
     misuse.rule_unscale_twice,
     misuse.rule_backward_unscaled,
+    misuse.rule_backward_after_unscale,
     misuse.rule_scaled_grads_in_loss,
     located.rule_state_poisoning,
     located.rule_adam_eps,

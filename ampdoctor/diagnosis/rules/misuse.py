@@ -291,6 +291,40 @@ def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
                    "barely trains.", ev, "scale_every_loss", first, "backward")
 
 
+def rule_backward_after_unscale(f: Facts) -> Optional[Finding]:
+    """A loss backwarded through ``scaler.scale`` after ``scaler.unscale_`` in the same step (a
+    two-pass optimizer such as SAM, a second loss after the first's ``unscale_``): GradScaler
+    unscales each optimizer once per ``update()``, so ``scaler.step`` applies the later
+    gradients still multiplied by the loss scale, with the earlier pass's skip decision."""
+    rows = f.events(Event.BACKWARD_AFTER_UNSCALE)
+    if not len(rows):
+        return None
+    first = int(rows["step"][0])
+    at = f.index_of(first)
+    scale = float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
+    by = f"the loss scale ({fmt(scale)} at step {first})" if math.isfinite(scale) else \
+        "the loss scale"
+    ev = [Evidence(f"a scaled loss was backwarded after scaler.unscale_ in the same step on "
+                   f"{count(len(rows), 'step')} (first at step {first}): scaler.step does not "
+                   f"unscale again, so the optimizer applied those gradients multiplied by {by}",
+                   "backward_after_unscale_steps", float(len(rows)), first)]
+    norm = float(f.steps["grad_norm"][at]) if 0 <= at < f.n else math.nan
+    if math.isfinite(scale) and scale > 1 and math.isfinite(norm) and norm > 0:
+        ev.append(Evidence(f"the gradient norm at step {first} was {fmt(norm)}: the loss scale "
+                           f"times {fmt(norm / scale)}, the size the step should have had",
+                           "scaled_grad_norm", norm, first))
+    found = _misuse(f, "backward_after_unscale", 0.9, "scaler.unscale_ runs before a later "
+                   "backward of the same step (a two-pass optimizer such as SAM, or a second "
+                   "loss): GradScaler unscales each optimizer once per update(), so scaler.step "
+                   "applies the later gradients still multiplied by the loss scale, and its "
+                   "inf/NaN check is the earlier pass's. The updates are S times too large.",
+                   ev, "unscale_after_last_backward", first, "optimizer")
+    # weights moved S times too far: what every later step shows (an overflow, a collapse of
+    # the scale, a climbing loss) is its consequence
+    found.explains = frozenset(int(x) for x in f.steps["step"] if int(x) >= first)
+    return found
+
+
 def rule_scaled_grads_in_loss(f: Facts) -> Optional[Finding]:
     """A gradient penalty built from torch.autograd.grad of the scaled loss, never unscaled
     (the AMP docs' recipe multiplies those gradients by 1 / scaler.get_scale() first): the

@@ -314,9 +314,10 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             evidence.append(e)
     seen = {fx.id for fx in top.fixes}
     fixes = list(top.fixes)
-    # After the script's own misuse, what followed (a scale collapse) is fixed by fixing the
-    # calls: a precision change for the consequence would not apply.
-    for x in (consequences if top.verdict != "clip_order" else []) + also:
+    # After the script's own misuse, or weights loaded non-finite, what followed (a scale
+    # collapse) is fixed by fixing the calls or the checkpoint: a precision change for the
+    # consequence would not apply.
+    for x in (consequences if top.verdict not in ("clip_order", "nonfinite") else []) + also:
         for fx in x.fixes:
             if fx.id not in seen:
                 seen.add(fx.id)

@@ -20,7 +20,7 @@ from ..runfile import schema
 from ..runfile.run import one_line
 from ..runfile.schema import Event
 from . import ranks
-from .rules import reproduced
+from .rules import misuse, reproduced
 from .rules.hidden import hidden_note
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, Finding
@@ -47,7 +47,7 @@ def notes(f: Any, top: Finding) -> list[str]:
                    "not recorded.")
     if top.verdict == "healthy":
         out += reproduced.notes(f) + _risks(f) + _flat_notes(f, top) + hidden_note(f)
-    return out
+    return out + misuse.resumed_note(f)
 
 
 def _flat_notes(f: Any, top: Finding) -> list[str]:

@@ -214,6 +214,28 @@ def scheduler_after_real_step(c: Context) -> Advice:
             snippet)
 
 
+@fix("reload_finite_checkpoint", "resume from the newest checkpoint whose tensors are all "
+     "finite, and check them before saving", manual="the resume must pick another checkpoint")
+def reload_finite_checkpoint(c: Context) -> Advice:
+    where = f" ({c.module})" if c.module else ""
+    snippet = ("def finite(state):\n"
+               "    return all(torch.isfinite(v).all() for v in state.values()\n"
+               "               if torch.is_tensor(v) and v.is_floating_point())\n"
+               "\n"
+               "for path in sorted(checkpoints, key=os.path.getmtime, reverse=True):\n"
+               "    ckpt = torch.load(path)\n"
+               "    if finite(ckpt[\"model\"]):  # the newest one with finite weights\n"
+               "        break\n"
+               "model.load_state_dict(ckpt[\"model\"])\n"
+               "# and when saving: only finite weights\n"
+               "if finite(model.state_dict()):\n"
+               "    torch.save({\"model\": model.state_dict(), ...}, path)")
+    return (f"The weights{where} were already NaN/inf before the run's first update: they "
+            "were loaded so (a checkpoint saved after an earlier run went non-finite). No "
+            "precision, LR or data change helps: resume from the newest checkpoint whose "
+            "tensors are all finite, and check them before writing one.", snippet)
+
+
 @fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them",
      manual="the loop must guard the batches or restore the statistics")
 def guard_buffers(c: Context) -> Advice:

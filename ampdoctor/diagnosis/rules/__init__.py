@@ -35,6 +35,7 @@ from . import fallbacks, hidden, learning, located, misuse, overflow, progress, 
 
 RULES = [
     fallbacks.rule_no_training,
+    fallbacks.rule_loaded_nonfinite,
     misuse.rule_exception,
     misuse.rule_clip_before_unscale,
     misuse.rule_scaler_bypass,

@@ -172,6 +172,8 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         return None
     if not len(jumps) and len(later) and not f.story.post_skips:
         return None  # a second scaler made mid-run that changed nothing measurable
+    if len(_resets(f)) == 1:
+        return None  # one resume whose scaler state was not restored: a note (resumed_note)
     first = f.step_at(int(jumps[0]) + 1) if len(jumps) else int(later["step"][0])
     ev = []
     if len(jumps):
@@ -192,6 +194,35 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
     found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
         f.index_of(int(x)) for x in created["step"]])
     return found
+
+
+def _resets(f: Facts) -> list[int]:
+    """Step numbers where the scale restarted after the first step: it jumped back up
+    outside update(), or a GradScaler was created again."""
+    s = f.steps
+    before, after = s["scale"][1:].astype(float), s["scale_after"][:-1].astype(float)
+    with np.errstate(invalid="ignore"):
+        jumps = np.flatnonzero(np.isfinite(before) & np.isfinite(after) & (before > after * 1.5))
+    created = f.events(Event.SCALER_CREATED)
+    return sorted({f.step_at(int(i) + 1) for i in jumps}
+                  | {int(x) for x in created["step"] if int(x) > f.step_at(0)})
+
+
+def resumed_note(f: Facts) -> list[str]:
+    """A GradScaler that restarted once mid-run (a resume that re-created it without
+    ``load_state_dict``): not a misuse, but its recalibration cost steps."""
+    if not f.n or not f.has_scaler:
+        return []
+    resets = _resets(f)
+    if len(resets) != 1:
+        return []
+    at = f.index_of(resets[0])
+    skips = len(_recalibration_skips(f, [at]))
+    init = float(f.steps["scale"][at])
+    return [f"The loss scale restarted at {fmt(init)} at step {resets[0]} (a GradScaler "
+            "created again, as a resume does, without its state restored): it skipped "
+            f"{count(skips, 'step')} to recalibrate. Save scaler.state_dict() with the "
+            "checkpoint and load it at the resume to keep its scale."]
 
 
 def _recalibration_skips(f: Facts, resets: list[int]) -> frozenset:

@@ -114,6 +114,22 @@ def test_scaler_recreated_every_epoch():
     assert fix_ids(d) == ["create_scaler_once"]
 
 
+def test_a_scaler_not_restored_at_one_resume_is_healthy_with_a_note():
+    """A resume that re-creates the GradScaler without load_state_dict: it restarts at
+    init_scale and recalibrates once; not the every-epoch misuse above (issue 40 item 5)."""
+    n = 160
+    scales = np.full(n, 2.0 ** 13)
+    for start in (0, 80):
+        scales[start:start + 3] = [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    s = Synth(n).scales(scales)
+    s.skip([0, 1, 2, 80, 81, 82])
+    s.event(80, Event.SCALER_CREATED, value=2.0 ** 16)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    assert any("restarted at 65536 at step 80" in n and "skipped 3 steps to recalibrate" in n
+               and "scaler.state_dict()" in n for n in d.notes), d.notes
+
+
 def _scaler_per_step(n=40):
     """A GradScaler made every step: each starts at 65536 and skips (issue 16, clip_order.py
     --scaler-per-step)."""

@@ -414,6 +414,30 @@ def test_how_often_the_noise_fools_the_fall_test():
     assert 0.05 <= flat <= 0.2 and 0.55 <= slow <= 0.85 and fast == 1.0, (flat, slow, fast)
 
 
+def test_a_loss_that_falls_steadily_beyond_its_noise_learned_however_little():
+    """blind6 healthy_slow_learner: a full-batch loss falling on every step, 9 % in 120 steps
+    (it was not_learning 0.4); and the same fall at a tenth of it as step-to-step noise."""
+    trend = np.linspace(0.7744, 0.7038, 120)
+    s = Synth(120, every=0)
+    s.set("loss", trend)
+    c = Facts(s.run()).curve
+    assert c.end >= curve.FLAT_END * c.start and c.steady and c.fell
+    assert verdict(s).verdict == "healthy"
+    for seed in range(10):
+        c = curve.read(noisy(trend, 0.0094, seed))  # the fall, ln(0.774/0.704), over 10
+        assert c.steady and c.fell, seed
+
+
+def test_a_small_drift_within_the_noise_is_not_a_steady_fall():
+    """A loss at chance with 5 % noise drifting to 95 % of its start: within what the noise
+    allows, still not_learning (the runs that do not learn end at 0.94 to 1.03)."""
+    hits = [curve.read(noisy(np.linspace(2.3, 2.3 * 0.95, 200), 0.05, seed)).steady
+            for seed in range(50)]
+    assert not any(hits)
+    assert not curve.read(np.linspace(2.3, 2.3 * 0.998, 200)).steady  # below STEADY_MIN
+    assert not curve.read(np.r_[np.linspace(2.3, 2.2, 100), np.linspace(2.2, 2.3, 100)]).steady
+
+
 def test_a_spike_that_recovers_to_where_the_loss_began_is_not_learning():
     d = verdict(_lightning_like(every=0))
     assert d.verdict == "not_learning" and d.confidence <= learning.UNMEASURED_CONFIDENCE
@@ -642,3 +666,35 @@ def test_a_penalty_at_the_scale_that_makes_calibration_losses_nan_is_calibration
 
     assert run(True).verdict == "healthy", str(run(True))
     assert run(False).verdict != "healthy"
+
+
+def _resumed(after):
+    """One training function called before and after an in-process resume (new model,
+    optimizer, scheduler and scaler, loaded from state_dicts): two call stacks that differ in
+    the caller's line, the second loss backwarded only after the first stopped."""
+    s = Synth(160)
+    first = s.meta["optimizer"][0]
+    s.meta["optimizer"] = [dict(first), dict(first)]
+    before = np.r_[_task_falls(80, 1) ** 3, np.full(80, np.nan)]
+    later = np.r_[np.full(80, np.nan), after]
+    s.losses([{"site": "train.py:40 (from train.py:57)", "optimizers": [0],
+               "frames": ["train.py:40", "train.py:57", "train.py:73"]},
+              {"site": "train.py:40 (from train.py:69)", "optimizers": [1],
+               "frames": ["train.py:40", "train.py:69", "train.py:73"]}], [before, later])
+    s.loss_rows = s.loss_rows[np.isfinite(s.loss_rows["loss"])]
+    s.steps["loss"] = np.where(np.isfinite(before), before, later)
+    return s
+
+
+def test_a_loss_resumed_at_its_converged_level_continues_the_one_before():
+    """blind6 healthy_resume_in_process: the second call's loss, at the level the first
+    reached and flat there, is the same training converged (it was not_learning 0.4)."""
+    d = verdict(_resumed(noisy(np.full(80, 0.6 ** 3), 0.03, 3)))
+    assert d.verdict == "healthy", str(d)
+
+
+def test_a_model_trained_anew_by_the_same_function_is_judged_on_its_own():
+    """The same function called for a second model from scratch: its loss starts where the
+    first began, not where it ended, and a flat one is not_learning."""
+    d = verdict(_resumed(_task_flat(80, 4) * 4))
+    assert d.verdict == "not_learning" and "train.py:69" in d.summary, str(d)

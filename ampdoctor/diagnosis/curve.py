@@ -36,6 +36,11 @@ BEFORE_STEPS = 10
 # blow-up goes far above where training began. 10x is an order of magnitude: healthy curves
 # reach it only on a single freak batch, which the recovery test below then clears.
 SPIKE = 10.0
+# A spike the run came back from is told from 5x (on a healthy verdict: a note, a lower
+# confidence, the LR fix as optional), when it rose above half where the run started (a
+# converged loss's freak batch, 0.01 -> 0.06, is not one).
+RECOVERED = 5.0
+RECOVERED_OVER_START = 0.5
 # ... and beyond the run's own noise: a jump of >= 5 robust standard deviations of the
 # per-step log-loss (so a loss that varies 3x from batch to batch needs a far larger jump).
 SPIKE_SIGMAS = 5.0
@@ -133,6 +138,7 @@ class Curve:
     climb_onset: int = -1  # where the climb began (the loss last stood < RISE x its start)
     best_after: float = math.nan  # lowest 5-step median after the spike
     start_steps: int = 0  # losses the start level is the median of
+    recovered: Optional[Spike] = None  # the largest jump of RECOVERED x or more it came back from
 
     @property
     def flat(self) -> bool:
@@ -235,6 +241,10 @@ def read(loss: np.ndarray) -> Curve:
         if onset is not None:
             c.climbed, c.climb_onset = True, int(where[onset])
     c.spikes = [_positions(s, where) for s in spikes]
+    back = [s for s in _spikes(values, c.noise, RECOVERED, RECOVERED_OVER_START)
+            if not _stuck(values, s, c.noise, c.tail_steps)]
+    if back and not (c.stuck or c.climbed):
+        c.recovered = _positions(max(back, key=lambda s: s.jump), where)
     if first is not None:
         c.spike = _positions(first, where)
         after = values[first.index + 1:]
@@ -243,25 +253,27 @@ def read(loss: np.ndarray) -> Curve:
     return c
 
 
-def _spikes(v: np.ndarray, sigma: float) -> list[Spike]:
-    """Every spike, in order. Candidates are found vectorised; the medians are taken only
-    there, so a million steps take a fraction of a second."""
+def _spikes(v: np.ndarray, sigma: float, at_least: float = SPIKE,
+            over_start: float = SPIKE) -> list[Spike]:
+    """Every spike, in order: ``at_least`` x the level before it, ``over_start`` x where the
+    run started. Candidates are found vectorised; the medians are taken only there, so a
+    million steps take a fraction of a second."""
     n = len(v)
-    need = max(SPIKE, math.exp(SPIKE_SIGMAS * sigma))
+    need = max(at_least, math.exp(SPIKE_SIGMAS * sigma))
     prev_min = np.full(n, np.inf)
     for k in range(1, BEFORE_STEPS + 1):  # running min of the previous BEFORE_STEPS values
         prev_min[k:] = np.minimum(prev_min[k:], v[:-k])
     # Necessary conditions, vectorised: >= need x the smallest loss before it (its level is no
     # lower) and, from START_STEPS on, >= SPIKE x the starting level (a constant there).
     cand = v >= need * prev_min
-    cand[START_STEPS:] &= v[START_STEPS:] >= SPIKE * float(np.median(v[:START_STEPS]))
+    cand[START_STEPS:] &= v[START_STEPS:] >= over_start * float(np.median(v[:START_STEPS]))
     out: list[Spike] = []
     for candidate in np.flatnonzero(cand):
         i = int(candidate)
         if i < 1 or n - i <= MIN_AFTER or (out and i <= out[-1].peak_index):
             continue  # no steps before or after it, or the same blow-up still going
-        if v[i] < need * _level(v, i) or v[i] < SPIKE * float(np.median(v[:min(START_STEPS,
-                                                                                   i)])):
+        if v[i] < need * _level(v, i) or v[i] < over_start * float(
+                np.median(v[:min(START_STEPS, i)])):
             continue
         onset = i
         while onset > 1 and i - onset < BEFORE_STEPS and v[onset - 1] >= RISE * _level(

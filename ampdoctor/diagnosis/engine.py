@@ -27,11 +27,11 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, job, jobfiles, objectives, proofs, ranks, rankview
+from . import fixes, forecast, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
-from .rules.progress import flat_warning
+from .rules.progress import flat_warning, recovered_spike
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
@@ -366,6 +366,8 @@ FLAT_CONFIDENCE = 0.6
 # ... nor one whose flat loss could not be judged (not_learning's premise failed: several
 # models' losses averaged into one curve).
 UNJUDGED_CONFIDENCE = 0.6
+# ... nor one whose loss jumped 5x or more and came back (progress.recovered_spike).
+SPIKE_CONFIDENCE = 0.75
 
 
 def _healthy(f: Any) -> Finding:
@@ -380,6 +382,14 @@ def _healthy(f: Any) -> Finding:
                          "a GAN); if it should have fallen, see the notes.")
         found.confidence = min(found.confidence, FLAT_CONFIDENCE)
         found.evidence.insert(0, warning)
+    spike = recovered_spike(f) if f.n and warning is None else None
+    if spike is not None:
+        found.confidence = min(found.confidence, SPIKE_CONFIDENCE)
+        found.evidence.insert(0, spike)
+        found.fixes = fixes.make(["lower_lr"], f.fix_context(step=spike.step))
+        for fx in found.fixes:
+            fx.text = ("Optional (the run recovered; one bad batch needs no change): if such "
+                       "spikes recur, " + fx.text[:1].lower() + fx.text[1:])
     return found
 
 

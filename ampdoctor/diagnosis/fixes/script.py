@@ -229,7 +229,8 @@ def reload_finite_checkpoint(c: Context) -> Advice:
                "model.load_state_dict(ckpt[\"model\"])\n"
                "# and when saving: only finite weights\n"
                "if finite(model.state_dict()):\n"
-               "    torch.save({\"model\": model.state_dict(), ...}, path)")
+               "    torch.save({\"model\": model.state_dict()}, path)  # with the optimizer's, "
+               "the scaler's")
     return (f"The weights{where} were already NaN/inf before the run's first update: they "
             "were loaded so (a checkpoint saved after an earlier run went non-finite). No "
             "precision, LR or data change helps: resume from the newest checkpoint whose "

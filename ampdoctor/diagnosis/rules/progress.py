@@ -270,11 +270,23 @@ def _spike_evidence(f: Facts, s: curve.Spike) -> list[Evidence]:
     if len(before) and np.isfinite(window).any():
         g0, top = float(np.median(before)), int(np.nanargmax(window))
         if window[top] >= GRAD_JUMP * g0:
-            ev.append(Evidence(f"the gradient norm jumped from {fmt(g0)} to "
-                               f"{fmt(float(window[top]))} at step "
-                               f"{f.step_at(s.onset + top)}", "grad_norm_jump",
-                               float(window[top] / g0), f.step_at(s.onset + top)))
+            ev.append(_grad_jump(f, gn, g0, s.onset + top))
     return ev
+
+
+def _grad_jump(f: Facts, gn: np.ndarray, g0: float, top: int) -> Evidence:
+    """The gradient norm's jump to ``gn[top]``, told at the step where it began: a norm that
+    rose on every step before its peak began rising at the first of those steps."""
+    began = top
+    while began > 0 and np.isfinite(gn[began - 1]) and 0 < gn[began - 1] < gn[began]:
+        began -= 1
+    peak, step = float(gn[top]), f.step_at(top)
+    if top - began >= 2:
+        text = (f"the gradient norm rose on every step from step {f.step_at(began)} "
+                f"({fmt(float(gn[began]))}) to {fmt(peak)} at step {step}")
+        return Evidence(text, "grad_norm_jump", peak / g0, f.step_at(began))
+    return Evidence(f"the gradient norm jumped from {fmt(g0)} to {fmt(peak)} at step {step}",
+                    "grad_norm_jump", peak / g0, step)
 
 
 def _lr_evidence(f: Facts, index: int) -> list[Evidence]:
@@ -501,6 +513,20 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
                     f"({fmt(c.start)})" + ("" if seen else "; no sampled step came after "
                                            "the jump, so dead units could not be checked"),
                     "loss_flat", c.end / c.start, f.step_at(s.index))
+
+
+def recovered_spike(f: Facts) -> Optional[Evidence]:
+    """For a run no rule called a failure: evidence "loss_spike_recovered" when the loss jumped
+    RECOVERED x or more (``curve.Curve.recovered``) and came back."""
+    c = f.curve
+    s = c.recovered
+    if s is None or f.failure_index is not None:
+        return None
+    onset, step = f.step_at(s.onset), f.step_at(s.index)
+    began = f" (rising from step {onset})" if onset != step else ""
+    return Evidence(f"the loss jumped to {fmt(s.value)} at step {step}{began}, {s.jump:.0f}x the "
+                    f"{fmt(s.before)} before it, and came back: it ended at {fmt(c.end)}",
+                    "loss_spike_recovered", s.jump, onset)
 
 
 RULES = [rule_diverged, rule_dead_units]

@@ -203,6 +203,20 @@ def test_a_jump_that_stays_up_is_diverged_without_sampled_steps():
     assert d.first_bad["step"] == 50 and d.fixes[0].id == "lower_lr"
 
 
+def test_a_gradient_norm_jump_is_told_where_its_rise_began():
+    """The norm rose on every step from its level at step 41 to its peak at step 51: the jump
+    is told from step 41, not at the peak (it read "jumped from 4.899 to 307.7 at step 11" of
+    a norm rising from step 2)."""
+    s = Synth(200, dtype="bfloat16", scaler=False, every=0)
+    s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
+    gn = np.full(200, 4.9)
+    gn[42:52] = 4.9 * 1.6 ** np.arange(1, 11)
+    s.set("grad_norm", gn)
+    jump = evidence(verdict(s), "grad_norm_jump")
+    assert jump.step == 41 and "rose on every step from step 41 (4.9)" in jump.text, jump
+    assert f"to {gn[51]:.4g} at step 51" in jump.text
+
+
 def test_a_fp32_run_says_precision_plays_no_part():
     s = Synth(200, dtype=None, scaler=False, every=0)
     s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
@@ -436,6 +450,23 @@ def test_a_small_drift_within_the_noise_is_not_a_steady_fall():
     assert not any(hits)
     assert not curve.read(np.linspace(2.3, 2.3 * 0.998, 200)).steady  # below STEADY_MIN
     assert not curve.read(np.r_[np.linspace(2.3, 2.2, 100), np.linspace(2.2, 2.3, 100)]).steady
+
+
+def test_a_spike_of_5x_that_recovers_is_healthy_with_a_note_and_the_lr_fix_optional():
+    n = 200
+    loss = noisy(0.3 + 1.7 * np.exp(-5 * np.arange(n) / n), 0.03, 0)
+    loss[100:103] *= 6
+    s = Synth(n, every=0)
+    s.set("loss", loss)
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence <= engine.SPIKE_CONFIDENCE, str(d)
+    spike = evidence(d, "loss_spike_recovered")
+    assert spike.step == 100 and spike.value == pytest.approx(6, rel=0.2)
+    assert [fx.id for fx in d.fixes] == ["lower_lr"] and d.fixes[0].text.startswith("Optional")
+    assert any("a spike the run survived" in n for n in d.notes)
+    calm = Synth(n, every=0)
+    calm.set("loss", noisy(0.3 + 1.7 * np.exp(-5 * np.arange(n) / n), 0.03, 0))
+    assert not verdict(calm).fixes and evidence(verdict(calm), "loss_spike_recovered") is None
 
 
 def test_a_spike_that_recovers_to_where_the_loss_began_is_not_learning():

@@ -122,7 +122,8 @@ def test_a_climb_without_a_single_jump():
 # Synthetic runs: diverged and dead units
 
 
-def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead=None):
+def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead=None,
+              act="ReLU"):
     """Three parameters and a ReLU layer, sampled at ``steps``: alive (a few zeros) up to
     ``alive_until``, then every unit of trunk.3 dead and the gradients exactly 0."""
     first_dead = alive_until if first_dead is None else first_dead
@@ -132,7 +133,7 @@ def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead
                   absmax=lambda i: 0.0 if i >= first_dead else 1.0)
         s.sampled(steps, Kind.PARAM, name, norm=5.0, unchanged=0.0,
                   update=lambda i: 1e-7 if i >= first_dead else 1e-3)
-    s.sampled(steps, Kind.OUTPUT, "trunk.3", type_="ReLU",
+    s.sampled(steps, Kind.OUTPUT, "trunk.3", type_=act,
               absmax=lambda i: 0.0 if i >= alive_until else 2.0,
               zeros=lambda i: 4096 if i >= alive_until else 2000)
     return s
@@ -177,6 +178,27 @@ def test_units_that_die_without_a_jump_are_dead_units_with_the_lr_first():
     assert "between sampled steps 60 and 70" in d.summary
     assert [fx.id for fx in d.fixes] == ["lower_lr", "revive_units"]
     assert evidence(d, "zero_gradient_share").value > 0.99
+
+
+def test_units_zeroed_by_exploded_activations_with_no_relu_get_no_relu_swap():
+    """A UNet with SiLU whose units died after activations of 6e18: revive_units ("ReLU ->")
+    has nothing to swap; the exploded activations are said instead (issue 40 item 4)."""
+    def run(kind, top):
+        s = Synth(120, dtype="bfloat16", scaler=False, every=10)
+        s.set("loss", noisy(np.full(120, 0.55), 0.2, 5))
+        s.set("lr", np.minimum(0.3, 0.005 * (np.arange(120) + 1)))
+        _relu_net(s, 70, range(0, 120, 10), act=kind)
+        s.sampled(range(0, 120, 10), Kind.OUTPUT, "down.1", type_="Conv2d",
+                  absmax=lambda i: top if i >= 60 else 3.0)
+        return verdict(s)
+
+    d = run("SiLU", 6e18)
+    assert d.verdict == "dead_units" and [fx.id for fx in d.fixes] == ["lower_lr"], str(d)
+    assert "activations exploded first (up to 6e+18)" in d.summary
+    assert evidence(d, "activations_exploded").value == pytest.approx(6e18)
+    calm = run("SiLU", 40.0)  # nothing exploded: said of no activation, still no ReLU swap
+    assert [fx.id for fx in calm.fixes] == ["lower_lr"] and "exploded" not in calm.summary
+    assert "revive_units" in [fx.id for fx in run("ReLU", 6e18).fixes]
 
 
 def test_units_dead_from_the_start_point_at_the_init_first():

@@ -16,15 +16,32 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..runfile.schema import Event
 from .journal import Journal
 from .steps import Step
 
 
+def unscaled(st: Step, optimizer: Any) -> None:
+    """``unscale_(optimizer)`` returned; one the script called (not ``scaler.step``'s own)
+    waits for its ``scaler.step``."""
+    st.unscaled_by.add(id(optimizer))
+    if not st.in_scaler_step:
+        st.pending_unscaled.add(id(optimizer))
+
+
+def stepping(st: Step, optimizer: Any) -> None:
+    """``scaler.step(optimizer)`` begins: that optimizer's ``unscale_`` is consumed."""
+    st.in_scaler_step = True
+    st.pending_unscaled.discard(id(optimizer))
+
+
 def late_backward(st: Step, scaled: bool) -> None:
-    """A loss is backwarded: one after an ``unscale_`` of this step is counted when it went
-    through ``scaler.scale`` (its gradients are still scaled at ``scaler.step``)."""
-    if scaled and st.unscaled:
+    """A loss is backwarded: one through ``scaler.scale`` while an optimizer's ``unscale_``
+    waits for its ``scaler.step`` is counted (those gradients stay scaled at that step; a
+    GAN's generator backwarded after the discriminator's ``scaler.step`` is not)."""
+    if scaled and st.pending_unscaled:
         st.backward_after_unscale += 1
 
 

@@ -428,7 +428,7 @@ class Hooks:
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
             self.log.step.unscaled = True
-            self.log.step.unscaled_by.add(id(optimizer))
+            callorder.unscaled(self.log.step, optimizer)
             if self.skips.armed and scaler_enabled(scaler):
                 # Queued before GradScaler.step reads found_inf (non-fused optimizers):
                 # its own sync lands this copy too.
@@ -487,7 +487,7 @@ class Hooks:
         if self.watched.uses_scaler(scaler):
             self.skips.settle()
             self.watched.owns(optimizer, through_scaler=True)
-            self.log.step.in_scaler_step = True
+            callorder.stepping(self.log.step, optimizer)
             self._grads_ready()
             self.objectives.stepping(optimizer)
 

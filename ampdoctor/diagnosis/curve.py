@@ -36,6 +36,11 @@ BEFORE_STEPS = 10
 # blow-up goes far above where training began. 10x is an order of magnitude: healthy curves
 # reach it only on a single freak batch, which the recovery test below then clears.
 SPIKE = 10.0
+# A spike the run came back from is told from 5x (on a healthy verdict: a note, a lower
+# confidence, the LR fix as optional), when it rose above half where the run started (a
+# converged loss's freak batch, 0.01 -> 0.06, is not one).
+RECOVERED = 5.0
+RECOVERED_OVER_START = 0.5
 # ... and beyond the run's own noise: a jump of >= 5 robust standard deviations of the
 # per-step log-loss (so a loss that varies 3x from batch to batch needs a far larger jump).
 SPIKE_SIGMAS = 5.0
@@ -82,6 +87,14 @@ CLIMB = 10.0
 # 0.94 to 1.03 (docs/verdicts.md, "Did it learn?").
 FLAT_END = 0.9
 FALL_SIGMAS = 1.5
+# ... or it fell steadily: each third's median below the one before, and from the first third
+# to the last by STEADY_NOISE times its step-to-step noise or more (and by STEADY_MIN at
+# least, past any rounding of the loss), however small the fall. A loss that falls on every
+# step by 0.08 %, 9 % in 120 steps with no noise at all (a full-batch regression at a small
+# LR), learned; a flat loss at 5 % noise would need a fall of 25 % to pass, and one of the
+# runs that do not learn (0.94 to 1.03 of their start, at several % of noise) does not.
+STEADY_NOISE = 5.0
+STEADY_MIN = 0.005
 # The rise that led into a spike began where the loss first passed 2x the level before it.
 RISE = 2.0
 # 1.4826 * MAD estimates a normal standard deviation; diffs of iid noise have sqrt(2) of it.
@@ -125,6 +138,7 @@ class Curve:
     climb_onset: int = -1  # where the climb began (the loss last stood < RISE x its start)
     best_after: float = math.nan  # lowest 5-step median after the spike
     start_steps: int = 0  # losses the start level is the median of
+    recovered: Optional[Spike] = None  # the largest jump of RECOVERED x or more it came back from
 
     @property
     def flat(self) -> bool:
@@ -133,6 +147,7 @@ class Curve:
 
     first: float = math.nan  # the first finite loss
     early: float = math.nan  # median of the first third of the losses
+    mid: float = math.nan  # ... of the middle third
     late: float = math.nan  # ... and of the last third
     third: int = 0  # losses in each third
 
@@ -152,7 +167,18 @@ class Curve:
             return False
         return _fell(self.start, self.end, self.fall_se) or _fell(
             self.early, self.late, _fall_se(self.noise, self.third, self.third)) or _fell(
-            self.first, self.end, _fall_se(self.noise, 1, self.tail_steps), NO_PROGRESS)
+            self.first, self.end, _fall_se(self.noise, 1, self.tail_steps), NO_PROGRESS) \
+            or self.steady
+
+    @property
+    def steady(self) -> bool:
+        """The loss fell steadily: third after third, by STEADY_NOISE x its step-to-step noise
+        (and STEADY_MIN) or more from the first third to the last, however small."""
+        if not (self.judged and self.early > self.mid > self.late > 0):
+            return False
+        drop = math.log(self.early / self.late)
+        return drop >= max(STEADY_NOISE * self.noise, -math.log(1.0 - STEADY_MIN),
+                           FALL_SIGMAS * _fall_se(self.noise, self.third, self.third))
 
 
 def _fall_se(sigma: float, a: int, b: int) -> float:
@@ -208,12 +234,17 @@ def read(loss: np.ndarray) -> Curve:
     c.first = float(values[0])
     c.third = len(values) // 3
     c.early = float(np.median(values[:c.third]))
+    c.mid = float(np.median(values[c.third:len(values) - c.third]))
     c.late = float(np.median(values[-c.third:]))
     if not c.stuck:
         onset = _climb(values, c.start, c.end, c.noise, c.tail_steps)
         if onset is not None:
             c.climbed, c.climb_onset = True, int(where[onset])
     c.spikes = [_positions(s, where) for s in spikes]
+    back = [s for s in _spikes(values, c.noise, RECOVERED, RECOVERED_OVER_START)
+            if not _stuck(values, s, c.noise, c.tail_steps)]
+    if back and not (c.stuck or c.climbed):
+        c.recovered = _positions(max(back, key=lambda s: s.jump), where)
     if first is not None:
         c.spike = _positions(first, where)
         after = values[first.index + 1:]
@@ -222,25 +253,27 @@ def read(loss: np.ndarray) -> Curve:
     return c
 
 
-def _spikes(v: np.ndarray, sigma: float) -> list[Spike]:
-    """Every spike, in order. Candidates are found vectorised; the medians are taken only
-    there, so a million steps take a fraction of a second."""
+def _spikes(v: np.ndarray, sigma: float, at_least: float = SPIKE,
+            over_start: float = SPIKE) -> list[Spike]:
+    """Every spike, in order: ``at_least`` x the level before it, ``over_start`` x where the
+    run started. Candidates are found vectorised; the medians are taken only there, so a
+    million steps take a fraction of a second."""
     n = len(v)
-    need = max(SPIKE, math.exp(SPIKE_SIGMAS * sigma))
+    need = max(at_least, math.exp(SPIKE_SIGMAS * sigma))
     prev_min = np.full(n, np.inf)
     for k in range(1, BEFORE_STEPS + 1):  # running min of the previous BEFORE_STEPS values
         prev_min[k:] = np.minimum(prev_min[k:], v[:-k])
     # Necessary conditions, vectorised: >= need x the smallest loss before it (its level is no
     # lower) and, from START_STEPS on, >= SPIKE x the starting level (a constant there).
     cand = v >= need * prev_min
-    cand[START_STEPS:] &= v[START_STEPS:] >= SPIKE * float(np.median(v[:START_STEPS]))
+    cand[START_STEPS:] &= v[START_STEPS:] >= over_start * float(np.median(v[:START_STEPS]))
     out: list[Spike] = []
     for candidate in np.flatnonzero(cand):
         i = int(candidate)
         if i < 1 or n - i <= MIN_AFTER or (out and i <= out[-1].peak_index):
             continue  # no steps before or after it, or the same blow-up still going
-        if v[i] < need * _level(v, i) or v[i] < SPIKE * float(np.median(v[:min(START_STEPS,
-                                                                                   i)])):
+        if v[i] < need * _level(v, i) or v[i] < over_start * float(
+                np.median(v[:min(START_STEPS, i)])):
             continue
         onset = i
         while onset > 1 and i - onset < BEFORE_STEPS and v[onset - 1] >= RISE * _level(

@@ -27,11 +27,11 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
+from . import culprit, fixes, forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
-from .rules.progress import flat_warning
+from .rules.progress import flat_warning, recovered_spike
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
@@ -331,11 +331,16 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             evidence.append(e)
     seen = {fx.id for fx in top.fixes}
     fixes = list(top.fixes)
-    for x in consequences + also:
+    # After the script's own misuse, or weights loaded non-finite, what followed (a scale
+    # collapse) is fixed by fixing the calls or the checkpoint: a precision change for the
+    # consequence would not apply.
+    for x in (consequences if top.verdict not in ("clip_order", "nonfinite") else []) + also:
         for fx in x.fixes:
             if fx.id not in seen:
                 seen.add(fx.id)
                 fixes.append(fx)
+    if _nonfinite_in_fp32(f, top):  # bf16 has fp32's range: it cannot fix what fp32 cannot
+        fixes = [fx for fx in fixes if fx.id != "use_bf16"]
     fixes = proofs.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
     summary = top.summary + (overflow.island_outcome(fixes) if top.verdict == "unstable_op"
                              else "")
@@ -360,6 +365,18 @@ def _rejected_note(x: Finding) -> str:
     return f"Not {x.verdict}: {why}."
 
 
+def _nonfinite_in_fp32(f: Any, top: Finding) -> bool:
+    """use_bf16's premise fails: the replay of the verdict's first bad step re-ran its culprit
+    in fp32 and it was non-finite there too (a softmax over a fully masked row, weights
+    already NaN)."""
+    where = top.first_bad or {}
+    if where.get("step") is None:
+        return False
+    snap = culprit.snapshot_at(f, where["step"])
+    return bool(snap and snap["module"] == (where.get("module") or snap["module"])
+                and snap["fp32_finite"] == 0)
+
+
 def _explained_by(top: Finding, x: Finding) -> bool:
     """Is ``x`` only a symptom of ``top``: located at a module whose output ``top`` accounts
     for, or every step it points at is one ``top`` explains?"""
@@ -380,6 +397,8 @@ FLAT_CONFIDENCE = 0.6
 # ... nor one whose flat loss could not be judged (not_learning's premise failed: several
 # models' losses averaged into one curve).
 UNJUDGED_CONFIDENCE = 0.6
+# ... nor one whose loss jumped 5x or more and came back (progress.recovered_spike).
+SPIKE_CONFIDENCE = 0.75
 
 
 def _healthy(f: Any) -> Finding:
@@ -394,6 +413,14 @@ def _healthy(f: Any) -> Finding:
                          "a GAN); if it should have fallen, see the notes.")
         found.confidence = min(found.confidence, FLAT_CONFIDENCE)
         found.evidence.insert(0, warning)
+    spike = recovered_spike(f) if f.n and warning is None else None
+    if spike is not None:
+        found.confidence = min(found.confidence, SPIKE_CONFIDENCE)
+        found.evidence.insert(0, spike)
+        found.fixes = fixes.make(["lower_lr"], f.fix_context(step=spike.step))
+        for fx in found.fixes:
+            fx.text = ("Optional (the run recovered; one bad batch needs no change): if such "
+                       "spikes recur, " + fx.text[:1].lower() + fx.text[1:])
     return found
 
 

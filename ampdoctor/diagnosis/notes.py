@@ -20,7 +20,7 @@ from ..runfile import schema
 from ..runfile.run import one_line
 from ..runfile.schema import Event
 from . import ranks
-from .rules import reproduced
+from .rules import misuse, reproduced
 from .rules.hidden import hidden_note
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, Finding
@@ -47,7 +47,17 @@ def notes(f: Any, top: Finding) -> list[str]:
                    "not recorded.")
     if top.verdict == "healthy":
         out += reproduced.notes(f) + _risks(f) + _flat_notes(f, top) + hidden_note(f)
-    return out
+        out += _spike_notes(top)
+    return out + misuse.resumed_note(f)
+
+
+def _spike_notes(top: Finding) -> list[str]:
+    """A healthy run whose loss jumped and came back: said, with the fix left to the user."""
+    spike = next((e for e in top.evidence if e.key == "loss_spike_recovered"), None)
+    if spike is None:
+        return []
+    return [f"Healthy, but {spike.text}: a spike the run survived. If spikes like it recur, "
+            "a lower peak LR or gradient clipping (the optional fix) keeps them away."]
 
 
 def _flat_notes(f: Any, top: Finding) -> list[str]:

@@ -69,7 +69,8 @@ def read(f: Any) -> list[Objective]:
             else None
         frames = tuple(str(x) for x in info.get("frames") or ()) \
             if isinstance(info.get("frames"), list) else ()
-        earlier = _continued(out, frames, int(mine["step"].min()))
+        earlier = _continued(out, frames, int(mine["step"].min()),
+                             mine["loss"][np.argsort(mine["step"], kind="stable")])
         if earlier is not None:
             earlier.steps = np.concatenate([earlier.steps, mine["step"]])
             earlier.loss = np.concatenate([earlier.loss, mine["loss"].astype(np.float64)])
@@ -105,10 +106,14 @@ def _with_first_steps(rows: np.ndarray, steps: Any) -> np.ndarray:
     return np.concatenate([first, rows])
 
 
-def _continued(out: list[Objective], frames: tuple, start: int) -> Optional[Objective]:
+def _continued(out: list[Objective], frames: tuple, start: int,
+               loss: np.ndarray) -> Optional[Objective]:
     """The loss that ``frames`` continues, if any: one of the same line, backwarded only before
     ``start``, whose call stack differs from it in the outermost frame alone (the same loop,
-    called from a warm-up and then from the main loop), the closest such stack."""
+    called from a warm-up and then from the main loop), the closest such stack; or in one
+    frame further in (the training function called again after a resume) where ``loss``
+    starts at the level the earlier one ended at (a model trained from scratch by the same
+    function starts again from its own start)."""
     best, shared = None, 0
     for o in out:
         if not frames or not o.frames or o.frames[0] != frames[0] or int(o.steps.max()) >= start:
@@ -117,7 +122,29 @@ def _continued(out: list[Objective], frames: tuple, start: int) -> Optional[Obje
                       min(len(o.frames), len(frames)))
         if common >= max(len(frames), len(o.frames)) - 1 and common > shared:
             best, shared = o, common
+        elif best is None and _resumed(o, frames, loss):
+            best = o
     return best
+
+
+# A loss resumed where an earlier one stopped starts within this factor of the level that one
+# ended at (its last RESUME_STEPS losses), and well below where that one began.
+RESUME_LEVEL = 2.0
+RESUME_STEPS = 10
+
+
+def _resumed(o: Objective, frames: tuple, loss: np.ndarray) -> bool:
+    """``frames`` is ``o``'s stack with one frame changed, and its first losses sit at the level
+    ``o``'s last ones reached, below half ``o``'s first: training resumed, not begun anew."""
+    if len(o.frames) != len(frames) or sum(a != b for a, b in zip(o.frames, frames)) != 1:
+        return False
+    mine, theirs = loss[np.isfinite(loss)], o.loss[np.isfinite(o.loss)]
+    if len(mine) < RESUME_STEPS or len(theirs) < 2 * RESUME_STEPS:
+        return False
+    began = float(np.median(theirs[:RESUME_STEPS]))
+    ended = float(np.median(theirs[-RESUME_STEPS:]))
+    again = float(np.median(mine[:RESUME_STEPS]))
+    return 0 < again <= RESUME_LEVEL * ended and again < 0.5 * began
 
 
 def _indices(value: Any) -> tuple:

@@ -113,9 +113,11 @@ TABLE = (
     Verdict("scale_collapse", "the scale fell persistently and no root cause could be told",
             None, "fallbacks", "range",  # a consequence (root=False): ranks by nothing
             (_DIAG + "test_scale_collapse_when_nothing_else_can_be_told",)),
-    Verdict("nonfinite", "non-finite values that no class explains (low confidence; see notes)",
-            5, "fallbacks", "neither",
-            (_OVERFLOW + "test_nonfinite_in_fp32_too_without_growth_is_not_claimed",)),
+    Verdict("nonfinite", "weights non-finite before the first update (loaded so), or non-finite "
+            "values that no class explains (low confidence; see notes)", 5, "fallbacks",
+            "neither", (_OVERFLOW + "test_nonfinite_in_fp32_too_without_growth_is_not_claimed",
+                        "tests/diagnosis/rules/test_fallbacks.py::"
+                        "test_weights_nonfinite_before_the_first_update_are_the_checkpoints")),
     Verdict("no_training", "no optimizer step was recorded",
             70, "fallbacks", "neither", (_DIAG + "test_no_steps_is_no_training",)),
     Verdict("recording_stopped", "ampdoctor stopped recording (an internal error) before any "

@@ -64,6 +64,7 @@ VIOLATIONS = {
     "step_without_update": "scaler.step(optimizer) with no scaler.update() after it",
     "unscale_twice": "scaler.unscale_ more than once per optimizer step",
     "backward_unscaled": "a loss backwarded without scaler.scale beside a scaled one",
+    "backward_after_unscale": "a scaled loss backwarded after scaler.unscale_ in the same step",
     "scaled_grads_in_loss": "torch.autograd.grad of the scaled loss used in a loss unscaled",
     "scaler_recreated": "a GradScaler created inside the step",
     "grad_not_zeroed": "the previous step's gradients still in .grad when backward begins",
@@ -80,7 +81,7 @@ VIOLATIONS = {
 # The recorder's rules that read one of its misuse events (not a trend): reused as they are.
 _EVENT_RULES = (misuse.rule_clip_before_unscale, misuse.rule_scaler_bypass,
                  misuse.rule_unscale_twice, misuse.rule_backward_unscaled,
-                 misuse.rule_scaled_grads_in_loss)
+                 misuse.rule_backward_after_unscale, misuse.rule_scaled_grads_in_loss)
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch
 
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite
 from ..runfile.schema import Event, Kind, flag
-from . import engines, flatloss, patches, scaledloss, sharding, stats
+from . import callorder, engines, flatloss, patches, scaledloss, sharding, stats
 from .forensic import losscall
 from .forensic.forensics import Forensics
 from .journal import Journal
@@ -343,6 +343,7 @@ class Hooks:
         st.loss_sum = value if st.loss_sum is None else st.loss_sum + value
         st.loss_n += 1
         slot = self.objectives.loss(value, loss)
+        callorder.late_backward(st, scaled)
         if not st.loss_dtype:
             st.loss_dtype = stats.dtype_code(loss.dtype)
         if micro is not None:
@@ -431,7 +432,7 @@ class Hooks:
     def after_unscale(self, scaler: Any, optimizer: Any) -> None:
         if self.watched.uses_scaler(scaler):
             self.log.step.unscaled = True
-            self.log.step.unscaled_by.add(id(optimizer))
+            callorder.unscaled(self.log.step, optimizer)
             if self.skips.armed and scaler_enabled(scaler):
                 # Queued before GradScaler.step reads found_inf (non-fused optimizers):
                 # its own sync lands this copy too.
@@ -490,7 +491,7 @@ class Hooks:
         if self.watched.uses_scaler(scaler):
             self.skips.settle()
             self.watched.owns(optimizer, through_scaler=True)
-            self.log.step.in_scaler_step = True
+            callorder.stepping(self.log.step, optimizer)
             self._grads_ready()
             self.objectives.stepping(optimizer)
 
@@ -736,8 +737,7 @@ class Hooks:
         if st.index == 0:
             self.watched.name_handles(sys._getframe())
         self.watched.fp16_without_scaler(st)
-        if st.scaled and st.unscaled_backwards:  # beside a scaled loss: its gradients / S
-            self.journal.event(Event.BACKWARD_UNSCALED, st, value=float(st.unscaled_backwards))
+        callorder.step_events(self.journal, st)
         self._schedules.end_step(st)
         now = time.perf_counter()
         self.log.finish(st, self.objectives.end_step(st))

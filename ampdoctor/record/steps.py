@@ -52,6 +52,9 @@ class Step:
     # ... and what each scaled (keep's order; None once backwarded and counted as the loss)
     unscaled_of: list = field(default_factory=list)
     unscaled_backwards: int = 0  # losses backwarded without scaler.scale, a scaler in use
+    backward_after_unscale: int = 0  # scaled losses backwarded after this step's unscale_
+    # id() of each optimizer unscale_ was called for by the script, not yet stepped
+    pending_unscaled: set = field(default_factory=set)
     # torch.autograd.grad(create_graph=True) of a scaled loss, not yet followed by
     # scaler.get_scale() (the docs' unscale of those gradients) before the next scale()
     scaled_grads_pending: bool = False

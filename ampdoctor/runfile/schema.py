@@ -198,6 +198,13 @@ class Event(enum.IntEnum):
     # value, the re-runs; text, JSON (payloads.Fp8Trial): the loss and gradient each moved,
     # the layers to keep in high precision, the recipe that suits the model. Additive, as 17.
     FP8_TRIAL = 25
+    # A loss backwarded through scaler.scale after scaler.unscale_ in the same step (a
+    # two-pass optimizer such as SAM, a second loss after the first's unscale_): GradScaler
+    # unscales each optimizer once per update(), so scaler.step applies the later backward's
+    # gradients still multiplied by the loss scale, and the skip decision is the earlier
+    # pass's. value: how many such backwards in the step. Written at the step's end
+    # (record/callorder.py). Additive, as 17.
+    BACKWARD_AFTER_UNSCALE = 26
 
 
 # Bits of steps["flags"], one per event kind seen on that step.

@@ -436,3 +436,22 @@ def test_the_consistency_check_finds_a_sentence_against_its_evidence():
     d.evidence[0].text = "3 of 20 steps were skipped"
     found = contradictions(d, run)
     assert any("island" in x for x in found) and any("17 of 20" in x for x in found), found
+
+
+def _masked_row(fp32_finite: int) -> Synth:
+    """An attention whose softmax goes NaN at step 3: over a fully masked row (NaN in fp32
+    too, ``fp32_finite`` 0), or over scores past fp16's range (finite in fp32)."""
+    s = Synth(30)
+    s.skip(range(3, 30), loss_nan=True)
+    for step in (3, 4, 5):
+        s.snapshot(step, "forward", "blocks.3.attn", "Attention", fp32_finite=fp32_finite,
+                   fp32_absmax=7.1e4)
+    return s
+
+
+def test_use_bf16_is_not_offered_for_a_nan_that_fp32_makes_too():
+    """use_bf16's premise: bf16 has fp32's range, so it fixes only what fp32 would not make
+    (issue 40 item 4: a softmax over a fully masked row is NaN in fp32 too)."""
+    nan_everywhere = verdict(_masked_row(0))
+    assert "use_bf16" not in [fx.id for fx in nan_everywhere.fixes], str(nan_everywhere)
+    assert "use_bf16" in [fx.id for fx in verdict(_masked_row(1)).fixes]

@@ -70,6 +70,15 @@ def clip_before_unscale(model, opt, scaler, batch):
     opt.zero_grad()
 
 
+def backward_after_unscale(model, opt, scaler, batch):
+    scaler.scale(fp16_loss(model, batch)).backward()
+    scaler.unscale_(opt)  # SAM's ascent on true gradients ...
+    scaler.scale(fp16_loss(model, batch)).backward()  # ... then its second pass, never unscaled
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
 def backward_unscaled(model, opt, scaler, batch):
     scaler.scale(fp16_loss(model, batch)).backward()
     (fp16_loss(model, batch) * 0.1).backward()  # a second loss, not through the scaler
@@ -184,6 +193,7 @@ MISUSES = [
     (step_without_update, {}, "step_without_update", "fix_scaler_calls"),
     (unscale_twice, {}, "unscale_twice", "fix_scaler_calls"),
     (backward_unscaled, {}, "backward_unscaled", "scale_every_loss"),
+    (backward_after_unscale, {}, "backward_after_unscale", "unscale_after_last_backward"),
     (scaler_recreated, {}, "scaler_recreated", "create_scaler_once"),
     (never_zeroed, {}, "grad_not_zeroed", "zero_grad_every_step"),
     # At a scale of 1 nothing overflows: the skip these two need is check_amp_step's own.

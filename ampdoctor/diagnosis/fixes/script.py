@@ -128,6 +128,30 @@ def scale_every_loss(c: Context) -> Advice:
             "times too small.", snippet)
 
 
+@fix("unscale_after_last_backward", "call scaler.unscale_ after the step's last backward "
+     "(SAM: the ascent from the scaled gradients)", manual="the order of the calls in the loop "
+     "must change")
+def unscale_after_last_backward(c: Context) -> Advice:
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    loss = criterion(model(x), y)\n"
+               "scaler.scale(loss).backward()\n"
+               "# no unscale_ here: the ascent direction g / ||g|| is the same for scaled\n"
+               "# gradients (skip the ascent when their norm is not finite)\n"
+               "sam.first_step(zero_grad=True)\n"
+               f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
+               "    loss2 = criterion(model(x), y)\n"
+               "scaler.scale(loss2).backward()\n"
+               "sam.restore()  # back to w\n"
+               "scaler.unscale_(optimizer)  # once, after the last backward of the step\n"
+               "scaler.step(optimizer)\n"
+               "scaler.update()")
+    return ("Call scaler.unscale_(optimizer) once, after the step's last backward: GradScaler "
+            "unscales an optimizer only once per update(), so gradients backwarded after an "
+            "earlier unscale_ reach scaler.step still multiplied by the loss scale. A pass "
+            "that needs the gradients before that (SAM's ascent) uses the scaled ones, whose "
+            "direction is the same, or divides by scaler.get_scale() itself.", snippet)
+
+
 @fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
      manual="the order of the calls in the loop must change")
 def fix_scaler_calls(c: Context) -> Advice:
@@ -188,6 +212,29 @@ def scheduler_after_real_step(c: Context) -> Advice:
             "optimizer really took: GradScaler skips steps with inf/NaN gradients, and a "
             "schedule that advances on them ends its warmup before the model trained.",
             snippet)
+
+
+@fix("reload_finite_checkpoint", "resume from the newest checkpoint whose tensors are all "
+     "finite, and check them before saving", manual="the resume must pick another checkpoint")
+def reload_finite_checkpoint(c: Context) -> Advice:
+    where = f" ({c.module})" if c.module else ""
+    snippet = ("def finite(state):\n"
+               "    return all(torch.isfinite(v).all() for v in state.values()\n"
+               "               if torch.is_tensor(v) and v.is_floating_point())\n"
+               "\n"
+               "for path in sorted(checkpoints, key=os.path.getmtime, reverse=True):\n"
+               "    ckpt = torch.load(path)\n"
+               "    if finite(ckpt[\"model\"]):  # the newest one with finite weights\n"
+               "        break\n"
+               "model.load_state_dict(ckpt[\"model\"])\n"
+               "# and when saving: only finite weights\n"
+               "if finite(model.state_dict()):\n"
+               "    torch.save({\"model\": model.state_dict()}, path)  # with the optimizer's, "
+               "the scaler's")
+    return (f"The weights{where} were already NaN/inf before the run's first update: they "
+            "were loaded so (a checkpoint saved after an earlier run went non-finite). No "
+            "precision, LR or data change helps: resume from the newest checkpoint whose "
+            "tensors are all finite, and check them before writing one.", snippet)
 
 
 @fix("guard_buffers", "keep inf/NaN batches away from BatchNorm statistics, or restore them",

@@ -50,6 +50,7 @@ from . import (
 
 RULES = [
     fallbacks.rule_no_training,
+    fallbacks.rule_loaded_nonfinite,
     misuse.rule_exception,
     misuse.rule_clip_before_unscale,
     misuse.rule_scaler_bypass,
@@ -57,6 +58,7 @@ RULES = [
     misuse.rule_stale_grads,
     misuse.rule_unscale_twice,
     misuse.rule_backward_unscaled,
+    misuse.rule_backward_after_unscale,
     misuse.rule_scaled_grads_in_loss,
     located.rule_state_poisoning,
     located.rule_adam_eps,

@@ -48,6 +48,40 @@ def rule_no_training(f: Facts) -> Optional[Finding]:
 # Consequences and fallbacks
 
 
+def rule_loaded_nonfinite(f: Facts) -> Optional[Finding]:
+    """Weights non-finite before the run's first update (a resume from a checkpoint saved
+    after an earlier run went NaN, weights loaded so): the replay of a failing step finds a
+    module's weights non-finite, and no step before it was applied. Not an op, not the LR,
+    not the precision: the checkpoint."""
+    if not f.n:
+        return None
+    for snap in f.snapshots:
+        poisoned = SnapshotDetail.of(snap["detail"]).get("weights_nonfinite")
+        at = f.index_of(snap["step"])
+        if not poisoned or f.step_at(at) != snap["step"] or (~f.skipped[:at]).any():
+            continue
+        step, module = snap["step"], snap["module"]
+        names = ", ".join(f"{module}.{p}" if module else str(p) for p in list(poisoned)[:4])
+        before = "the run's first step" if at == 0 else \
+            f"step {step}, every step before it skipped"
+        ev = [Evidence(f"the replay of step {step} found the weights {names} already NaN/inf "
+                       f"at {before}: no update had touched them", "weights_loaded_nonfinite",
+                       float(len(poisoned)), step, module)]
+        fp32 = ", in fp32 too" if snap["fp32_finite"] == 0 else ""
+        found = Finding("nonfinite", 0.9, "The weights were non-finite before the run's first "
+                        "update: they were loaded or initialised so (a resumed checkpoint saved "
+                        f"after an earlier run went NaN). The forward is NaN{fp32}; no op, LR or "
+                        "precision change helps. Reload a checkpoint whose weights are finite.",
+                        ev,
+                        fixes.make(["reload_finite_checkpoint"],
+                                   f.fix_context(module=module, step=step)),
+                        first_bad(step, module, "forward"), priority=PRIORITY["misuse"] - 1,
+                        kind="loaded_nonfinite")
+        found.explains = frozenset(int(x) for x in f.steps["step"])
+        return found
+    return None
+
+
 def rule_scale_collapse(f: Facts) -> Optional[Finding]:
     """The scale fell and kept falling (a consequence; the root when nothing else is known)."""
     story = f.story

@@ -4,7 +4,8 @@ numpy only (no torch). "No inf/NaN reached the weights" is not what healthy prom
 that trained is. ``rule_not_learning`` fires when the loss curve can be judged (``curve.read``:
 20 finite positive losses or more, not too noisy), the run is long enough to expect learning
 (``SHORT_RUN`` steps), nothing failed, and the loss did not fall (``Curve.fell``: below 90 % of
-its start, by two standard errors of its own noise). It is the honest answer when nothing
+its start, by two standard errors of its own noise; or steadily, third after third, by five
+times its step-to-step noise, however little). It is the honest answer when nothing
 recorded explains the flat loss, so it ranks below every cause (``PRIORITY``): a run whose loss
 is flat because its units died, its updates round away, an op inside a module overflows or a
 layer's gradients flush is that cause's verdict, and ``not_learning`` is never listed beside
@@ -179,10 +180,13 @@ def loss_evidence(f: Facts, c: curve.Curve) -> Evidence:
     """Evidence "loss_not_falling": where the loss began and ended, against its own noise."""
     noise = math.exp(c.noise) - 1.0
     needed = max(1.0 - curve.FLAT_END, 1.0 - math.exp(-curve.FALL_SIGMAS * c.fall_se))
+    steady = 1.0 - math.exp(-max(curve.STEADY_NOISE * c.noise,
+                                 -math.log(1.0 - curve.STEADY_MIN)))
     return Evidence(f"the loss began at {fmt(c.start)} (median of the first {c.start_steps} "
                     f"steps) and ended at {fmt(c.end)} (median of the last {c.tail_steps} of "
                     f"{c.n}), {c.end / c.start:.0%} of its start; with this run's step-to-step "
-                    f"noise (~{noise:.1%}) a fall of {needed:.0%} or more would have shown",
+                    f"noise (~{noise:.1%}) a fall of {needed:.0%} or more would have shown, or "
+                    f"a steady one (third after third) of {steady:.1%}",
                     "loss_not_falling", c.end / c.start, f.step_at(f.n - 1))
 
 

@@ -174,6 +174,8 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         return None
     if not len(jumps) and len(later) and not f.story.post_skips:
         return None  # a second scaler made mid-run that changed nothing measurable
+    if len(_resets(f)) == 1:
+        return None  # one resume whose scaler state was not restored: a note (resumed_note)
     first = f.step_at(int(jumps[0]) + 1) if len(jumps) else int(later["step"][0])
     ev = []
     if len(jumps):
@@ -194,6 +196,35 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
     found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
         f.index_of(int(x)) for x in created["step"]])
     return found
+
+
+def _resets(f: Facts) -> list[int]:
+    """Step numbers where the scale restarted after the first step: it jumped back up
+    outside update(), or a GradScaler was created again."""
+    s = f.steps
+    before, after = s["scale"][1:].astype(float), s["scale_after"][:-1].astype(float)
+    with np.errstate(invalid="ignore"):
+        jumps = np.flatnonzero(np.isfinite(before) & np.isfinite(after) & (before > after * 1.5))
+    created = f.events(Event.SCALER_CREATED)
+    return sorted({f.step_at(int(i) + 1) for i in jumps}
+                  | {int(x) for x in created["step"] if int(x) > f.step_at(0)})
+
+
+def resumed_note(f: Facts) -> list[str]:
+    """A GradScaler that restarted once mid-run (a resume that re-created it without
+    ``load_state_dict``): not a misuse, but its recalibration cost steps."""
+    if not f.n or not f.has_scaler:
+        return []
+    resets = _resets(f)
+    if len(resets) != 1:
+        return []
+    at = f.index_of(resets[0])
+    skips = len(_recalibration_skips(f, [at]))
+    init = float(f.steps["scale"][at])
+    return [f"The loss scale restarted at {fmt(init)} at step {resets[0]} (a GradScaler "
+            "created again, as a resume does, without its state restored): it skipped "
+            f"{count(skips, 'step')} to recalibrate. Save scaler.state_dict() with the "
+            "checkpoint and load it at the resume to keep its scale."]
 
 
 def _recalibration_skips(f: Facts, resets: list[int]) -> frozenset:
@@ -291,6 +322,40 @@ def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
                    "steps where GradScaler scales another: scaler.step unscales every gradient "
                    "by the loss scale, so that loss's gradients arrive S times too small and it "
                    "barely trains.", ev, "scale_every_loss", first, "backward")
+
+
+def rule_backward_after_unscale(f: Facts) -> Optional[Finding]:
+    """A loss backwarded through ``scaler.scale`` after ``scaler.unscale_`` in the same step (a
+    two-pass optimizer such as SAM, a second loss after the first's ``unscale_``): GradScaler
+    unscales each optimizer once per ``update()``, so ``scaler.step`` applies the later
+    gradients still multiplied by the loss scale, with the earlier pass's skip decision."""
+    rows = f.events(Event.BACKWARD_AFTER_UNSCALE)
+    if not len(rows):
+        return None
+    first = int(rows["step"][0])
+    at = f.index_of(first)
+    scale = float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
+    by = f"the loss scale ({fmt(scale)} at step {first})" if math.isfinite(scale) else \
+        "the loss scale"
+    ev = [Evidence(f"a scaled loss was backwarded after scaler.unscale_ in the same step on "
+                   f"{count(len(rows), 'step')} (first at step {first}): scaler.step does not "
+                   f"unscale again, so the optimizer applied those gradients multiplied by {by}",
+                   "backward_after_unscale_steps", float(len(rows)), first)]
+    norm = float(f.steps["grad_norm"][at]) if 0 <= at < f.n else math.nan
+    if math.isfinite(scale) and scale > 1 and math.isfinite(norm) and norm > 0:
+        ev.append(Evidence(f"the gradient norm at step {first} was {fmt(norm)}: the loss scale "
+                           f"times {fmt(norm / scale)}, the size the step should have had",
+                           "scaled_grad_norm", norm, first))
+    found = _misuse(f, "backward_after_unscale", 0.9, "scaler.unscale_ runs before a later "
+                   "backward of the same step (a two-pass optimizer such as SAM, or a second "
+                   "loss): GradScaler unscales each optimizer once per update(), so scaler.step "
+                   "applies the later gradients still multiplied by the loss scale, and its "
+                   "inf/NaN check is the earlier pass's. The updates are S times too large.",
+                   ev, "unscale_after_last_backward", first, "optimizer")
+    # weights moved S times too far: what every later step shows (an overflow, a collapse of
+    # the scale, a climbing loss) is its consequence
+    found.explains = frozenset(int(x) for x in f.steps["step"] if int(x) >= first)
+    return found
 
 
 def rule_scaled_grads_in_loss(f: Facts) -> Optional[Finding]:

@@ -129,8 +129,9 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
     if snap["phase"] == "backward":
         text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
-                "derivative at a singularity: log/sqrt/division near 0, or a clamp that rounds "
-                "to its bound in low precision). Doing that op in fp32 avoids it.")
+                "derivative that overflows, such as exp of a large argument, or one at a "
+                "singularity: log/sqrt/division near 0, a clamp that rounds to its bound in low "
+                "precision). Doing that op in fp32 avoids it.")
     elif kind in (culprit.DOMAIN, culprit.OPERAND):
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")

@@ -270,11 +270,23 @@ def _spike_evidence(f: Facts, s: curve.Spike) -> list[Evidence]:
     if len(before) and np.isfinite(window).any():
         g0, top = float(np.median(before)), int(np.nanargmax(window))
         if window[top] >= GRAD_JUMP * g0:
-            ev.append(Evidence(f"the gradient norm jumped from {fmt(g0)} to "
-                               f"{fmt(float(window[top]))} at step "
-                               f"{f.step_at(s.onset + top)}", "grad_norm_jump",
-                               float(window[top] / g0), f.step_at(s.onset + top)))
+            ev.append(_grad_jump(f, gn, g0, s.onset + top))
     return ev
+
+
+def _grad_jump(f: Facts, gn: np.ndarray, g0: float, top: int) -> Evidence:
+    """The gradient norm's jump to ``gn[top]``, told at the step where it began: a norm that
+    rose on every step before its peak began rising at the first of those steps."""
+    began = top
+    while began > 0 and np.isfinite(gn[began - 1]) and 0 < gn[began - 1] < gn[began]:
+        began -= 1
+    peak, step = float(gn[top]), f.step_at(top)
+    if top - began >= 2:
+        text = (f"the gradient norm rose on every step from step {f.step_at(began)} "
+                f"({fmt(float(gn[began]))}) to {fmt(peak)} at step {step}")
+        return Evidence(text, "grad_norm_jump", peak / g0, f.step_at(began))
+    return Evidence(f"the gradient norm jumped from {fmt(g0)} to {fmt(peak)} at step {step}",
+                    "grad_norm_jump", peak / g0, step)
 
 
 def _lr_evidence(f: Facts, index: int) -> list[Evidence]:
@@ -377,7 +389,8 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"
                    + schedules.summary(f), _scheduled(f, ev + [answer]),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
-                       ["revive_units"] if kind == "dead_units" else [])), ctx),
+                       ["revive_units"] if kind == "dead_units" and not _relu_free(f)
+                       else [])), ctx),
                    first_bad(schedules.moving(f, onset), module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
@@ -443,14 +456,20 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
             "no gradient reaches the layers before it" if module else
             "the gradients are exactly zero almost everywhere")
     conf = 0.85 if len(dead.steps) >= 2 else 0.7
+    # units that lived and died: the LR pushed them off; never alive: the init
+    ids = (["lower_lr", "revive_units"] if lived else ["revive_units", "lower_lr"])
+    if _relu_free(f):  # no ReLU to swap for one that cannot die
+        ids = ["lower_lr"]
+    exploded = _exploded(f)
+    if exploded is not None:  # ... and the activations' size is the cause
+        ev.insert(0, exploded)
+        where += (f"; the activations exploded first (up to {fmt(exploded.value or 0)}) and the "
+                  "model has no ReLU-family unit: that, not a ReLU, is what zeroed them")
     return Finding("dead_units", _sure(conf, answer),
                    f"The network stopped learning without any inf/NaN: {what}. "
                    f"{_pct(dead.share)} of the gradient is exactly 0, the weights no longer move "
                    f"and the loss stays where it was. {where}. {_conclusion(f, answer)}", ev,
-                   # units that lived and died: the LR pushed them off; never alive: the init
-                   fixes.make((["lower_lr", "revive_units"] if lived else
-                               ["revive_units", "lower_lr"]) + _underflow_fix(f, dead),
-                              f.fix_context(module, step=began)),
+                   fixes.make(ids + _underflow_fix(f, dead), f.fix_context(module, step=began)),
                    first_bad(began, module, "forward" if module else None),
                    root=spike is None, priority=PRIORITY["dead_units"],
                    kind="dead_layer" if module else "zero_gradients")
@@ -501,6 +520,51 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
                     f"({fmt(c.start)})" + ("" if seen else "; no sampled step came after "
                                            "the jump, so dead units could not be checked"),
                     "loss_flat", c.end / c.start, f.step_at(s.index))
+
+
+# Units that can die by going negative (revive_units swaps them), and activations that cannot.
+RELU_FAMILY = ("relu", "relu6", "threshold", "hardtanh", "leakyrelu", "prelu", "rrelu")
+SMOOTH = ("silu", "gelu", "mish", "tanh", "sigmoid", "softplus", "elu", "selu", "celu",
+          "hardswish", "hardsigmoid", "logsigmoid", "swish")
+# An activation this large is no healthy one: it exploded (a UNet's at 6e18).
+EXPLODED = 1e8
+
+
+def _relu_free(f: Facts) -> bool:
+    """The recorded activation modules are all smooth ones (SiLU, GELU, ...), none of the
+    ReLU family. False where none is recorded: activations called as functions (F.relu)."""
+    types = {t.lower() for t in f.tensor_types if t}
+    return not types & set(RELU_FAMILY) and bool(types & set(SMOOTH))
+
+
+def _exploded(f: Facts) -> Optional[Evidence]:
+    """Evidence that the units died of exploded activations in a model with no ReLU-family
+    unit to swap, else None."""
+    if not _relu_free(f):
+        return None  # a ReLU could be to blame, or the activations are functional calls
+    types = {t.lower() for t in f.tensor_types if t}
+    out = f.reduced.out_absmax
+    biggest = float(np.nanmax(out)) if np.isfinite(out).any() else 0.0
+    if biggest < EXPLODED:
+        return None
+    return Evidence(f"the largest activation sampled reached {fmt(biggest)} and the model's "
+                    f"activations are {', '.join(sorted(types & set(SMOOTH)))}: no ReLU-family "
+                    "unit, so the units were zeroed by activations that exploded",
+                    "activations_exploded", biggest)
+
+
+def recovered_spike(f: Facts) -> Optional[Evidence]:
+    """For a run no rule called a failure: evidence "loss_spike_recovered" when the loss jumped
+    RECOVERED x or more (``curve.Curve.recovered``) and came back."""
+    c = f.curve
+    s = c.recovered
+    if s is None or f.failure_index is not None:
+        return None
+    onset, step = f.step_at(s.onset), f.step_at(s.index)
+    began = f" (rising from step {onset})" if onset != step else ""
+    return Evidence(f"the loss jumped to {fmt(s.value)} at step {step}{began}, {s.jump:.0f}x the "
+                    f"{fmt(s.before)} before it, and came back: it ended at {fmt(c.end)}",
+                    "loss_spike_recovered", s.jump, onset)
 
 
 RULES = [rule_diverged, rule_dead_units]

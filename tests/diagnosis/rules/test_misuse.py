@@ -68,6 +68,34 @@ def test_a_gradient_penalty_of_scaled_gradients():
     assert "on 17 steps (first at step 3)" in d.evidence[0].text
 
 
+def _sam(n=30, late=True):
+    """SAM's two passes with one unscale_ after the first (blind6 sam_unscale_first_pass): the
+    first step applied scaled gradients, then every forward overflows and the scale falls."""
+    s = Synth(n)
+    s.set("grad_norm", 0.55 * 2.0 ** 16, steps=[0])
+    s.skip(range(1, n), loss_nan=True)
+    for i in range(n if late else 0):
+        s.event(i, Event.BACKWARD_AFTER_UNSCALE, value=1.0)
+    return s
+
+
+def test_a_backward_after_unscale_is_a_misuse_with_its_own_fix_only():
+    d = verdict(_sam())
+    assert d.verdict == "clip_order" and d.causes[0]["kind"] == "backward_after_unscale"
+    assert d.confidence >= 0.9 and d.first_bad["step"] == 0
+    # the collapse that follows is its consequence: no precision or LR fix beside it
+    assert fix_ids(d) == ["unscale_after_last_backward"]
+    assert "multiplied by the loss scale (65536 at step 0)" in d.evidence[0].text
+    norm = next(e for e in d.evidence if e.key == "scaled_grad_norm")
+    assert "the loss scale times 0.55" in norm.text
+
+
+def test_no_backward_after_unscale_is_not_that_misuse():
+    d = verdict(_sam(late=False))
+    assert d.causes[0].get("kind") != "backward_after_unscale"
+    assert "unscale_after_last_backward" not in fix_ids(d)
+
+
 def test_scaler_recreated_every_epoch():
     n = 300
     scales = np.full(n, 2.0 ** 16)
@@ -84,6 +112,22 @@ def test_scaler_recreated_every_epoch():
     d = verdict(s)
     assert d.verdict == "clip_order" and d.causes[0]["kind"] == "scaler_recreated"
     assert fix_ids(d) == ["create_scaler_once"]
+
+
+def test_a_scaler_not_restored_at_one_resume_is_healthy_with_a_note():
+    """A resume that re-creates the GradScaler without load_state_dict: it restarts at
+    init_scale and recalibrates once; not the every-epoch misuse above (issue 40 item 5)."""
+    n = 160
+    scales = np.full(n, 2.0 ** 13)
+    for start in (0, 80):
+        scales[start:start + 3] = [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    s = Synth(n).scales(scales)
+    s.skip([0, 1, 2, 80, 81, 82])
+    s.event(80, Event.SCALER_CREATED, value=2.0 ** 16)
+    d = verdict(s)
+    assert d.verdict == "healthy", str(d)
+    assert any("restarted at 65536 at step 80" in n and "skipped 3 steps to recalibrate" in n
+               and "scaler.state_dict()" in n for n in d.notes), d.notes
 
 
 def _scaler_per_step(n=40):

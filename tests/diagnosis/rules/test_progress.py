@@ -122,7 +122,8 @@ def test_a_climb_without_a_single_jump():
 # Synthetic runs: diverged and dead units
 
 
-def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead=None):
+def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead=None,
+              act="ReLU"):
     """Three parameters and a ReLU layer, sampled at ``steps``: alive (a few zeros) up to
     ``alive_until``, then every unit of trunk.3 dead and the gradients exactly 0."""
     first_dead = alive_until if first_dead is None else first_dead
@@ -132,7 +133,7 @@ def _relu_net(s: Synth, alive_until: int, steps, grad_zero_dead=4095, first_dead
                   absmax=lambda i: 0.0 if i >= first_dead else 1.0)
         s.sampled(steps, Kind.PARAM, name, norm=5.0, unchanged=0.0,
                   update=lambda i: 1e-7 if i >= first_dead else 1e-3)
-    s.sampled(steps, Kind.OUTPUT, "trunk.3", type_="ReLU",
+    s.sampled(steps, Kind.OUTPUT, "trunk.3", type_=act,
               absmax=lambda i: 0.0 if i >= alive_until else 2.0,
               zeros=lambda i: 4096 if i >= alive_until else 2000)
     return s
@@ -179,6 +180,27 @@ def test_units_that_die_without_a_jump_are_dead_units_with_the_lr_first():
     assert evidence(d, "zero_gradient_share").value > 0.99
 
 
+def test_units_zeroed_by_exploded_activations_with_no_relu_get_no_relu_swap():
+    """A UNet with SiLU whose units died after activations of 6e18: revive_units ("ReLU ->")
+    has nothing to swap; the exploded activations are said instead (issue 40 item 4)."""
+    def run(kind, top):
+        s = Synth(120, dtype="bfloat16", scaler=False, every=10)
+        s.set("loss", noisy(np.full(120, 0.55), 0.2, 5))
+        s.set("lr", np.minimum(0.3, 0.005 * (np.arange(120) + 1)))
+        _relu_net(s, 70, range(0, 120, 10), act=kind)
+        s.sampled(range(0, 120, 10), Kind.OUTPUT, "down.1", type_="Conv2d",
+                  absmax=lambda i: top if i >= 60 else 3.0)
+        return verdict(s)
+
+    d = run("SiLU", 6e18)
+    assert d.verdict == "dead_units" and [fx.id for fx in d.fixes] == ["lower_lr"], str(d)
+    assert "activations exploded first (up to 6e+18)" in d.summary
+    assert evidence(d, "activations_exploded").value == pytest.approx(6e18)
+    calm = run("SiLU", 40.0)  # nothing exploded: said of no activation, still no ReLU swap
+    assert [fx.id for fx in calm.fixes] == ["lower_lr"] and "exploded" not in calm.summary
+    assert "revive_units" in [fx.id for fx in run("ReLU", 6e18).fixes]
+
+
 def test_units_dead_from_the_start_point_at_the_init_first():
     s = Synth(100, dtype="bfloat16", scaler=False, every=10)
     s.set("loss", noisy(np.full(100, 1.7), 0.1, 6))
@@ -201,6 +223,20 @@ def test_a_jump_that_stays_up_is_diverged_without_sampled_steps():
     d = verdict(s)
     assert d.verdict == "diverged" and d.causes[0]["kind"] == "stuck", str(d)
     assert d.first_bad["step"] == 50 and d.fixes[0].id == "lower_lr"
+
+
+def test_a_gradient_norm_jump_is_told_where_its_rise_began():
+    """The norm rose on every step from its level at step 41 to its peak at step 51: the jump
+    is told from step 41, not at the peak (it read "jumped from 4.899 to 307.7 at step 11" of
+    a norm rising from step 2)."""
+    s = Synth(200, dtype="bfloat16", scaler=False, every=0)
+    s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
+    gn = np.full(200, 4.9)
+    gn[42:52] = 4.9 * 1.6 ** np.arange(1, 11)
+    s.set("grad_norm", gn)
+    jump = evidence(verdict(s), "grad_norm_jump")
+    assert jump.step == 41 and "rose on every step from step 41 (4.9)" in jump.text, jump
+    assert f"to {gn[51]:.4g} at step 51" in jump.text
 
 
 def test_a_fp32_run_says_precision_plays_no_part():
@@ -412,6 +448,47 @@ def test_how_often_the_noise_fools_the_fall_test():
 
     flat, slow, fast = rate(np.ones(60)), rate(decay(60, floor=0.7)), rate(decay(60, 0.2))
     assert 0.05 <= flat <= 0.2 and 0.55 <= slow <= 0.85 and fast == 1.0, (flat, slow, fast)
+
+
+def test_a_loss_that_falls_steadily_beyond_its_noise_learned_however_little():
+    """blind6 healthy_slow_learner: a full-batch loss falling on every step, 9 % in 120 steps
+    (it was not_learning 0.4); and the same fall at a tenth of it as step-to-step noise."""
+    trend = np.linspace(0.7744, 0.7038, 120)
+    s = Synth(120, every=0)
+    s.set("loss", trend)
+    c = Facts(s.run()).curve
+    assert c.end >= curve.FLAT_END * c.start and c.steady and c.fell
+    assert verdict(s).verdict == "healthy"
+    for seed in range(10):
+        c = curve.read(noisy(trend, 0.0094, seed))  # the fall, ln(0.774/0.704), over 10
+        assert c.steady and c.fell, seed
+
+
+def test_a_small_drift_within_the_noise_is_not_a_steady_fall():
+    """A loss at chance with 5 % noise drifting to 95 % of its start: within what the noise
+    allows, still not_learning (the runs that do not learn end at 0.94 to 1.03)."""
+    hits = [curve.read(noisy(np.linspace(2.3, 2.3 * 0.95, 200), 0.05, seed)).steady
+            for seed in range(50)]
+    assert not any(hits)
+    assert not curve.read(np.linspace(2.3, 2.3 * 0.998, 200)).steady  # below STEADY_MIN
+    assert not curve.read(np.r_[np.linspace(2.3, 2.2, 100), np.linspace(2.2, 2.3, 100)]).steady
+
+
+def test_a_spike_of_5x_that_recovers_is_healthy_with_a_note_and_the_lr_fix_optional():
+    n = 200
+    loss = noisy(0.3 + 1.7 * np.exp(-5 * np.arange(n) / n), 0.03, 0)
+    loss[100:103] *= 6
+    s = Synth(n, every=0)
+    s.set("loss", loss)
+    d = verdict(s)
+    assert d.verdict == "healthy" and d.confidence <= engine.SPIKE_CONFIDENCE, str(d)
+    spike = evidence(d, "loss_spike_recovered")
+    assert spike.step == 100 and spike.value == pytest.approx(6, rel=0.2)
+    assert [fx.id for fx in d.fixes] == ["lower_lr"] and d.fixes[0].text.startswith("Optional")
+    assert any("a spike the run survived" in n for n in d.notes)
+    calm = Synth(n, every=0)
+    calm.set("loss", noisy(0.3 + 1.7 * np.exp(-5 * np.arange(n) / n), 0.03, 0))
+    assert not verdict(calm).fixes and evidence(verdict(calm), "loss_spike_recovered") is None
 
 
 def test_a_spike_that_recovers_to_where_the_loss_began_is_not_learning():
@@ -642,3 +719,35 @@ def test_a_penalty_at_the_scale_that_makes_calibration_losses_nan_is_calibration
 
     assert run(True).verdict == "healthy", str(run(True))
     assert run(False).verdict != "healthy"
+
+
+def _resumed(after):
+    """One training function called before and after an in-process resume (new model,
+    optimizer, scheduler and scaler, loaded from state_dicts): two call stacks that differ in
+    the caller's line, the second loss backwarded only after the first stopped."""
+    s = Synth(160)
+    first = s.meta["optimizer"][0]
+    s.meta["optimizer"] = [dict(first), dict(first)]
+    before = np.r_[_task_falls(80, 1) ** 3, np.full(80, np.nan)]
+    later = np.r_[np.full(80, np.nan), after]
+    s.losses([{"site": "train.py:40 (from train.py:57)", "optimizers": [0],
+               "frames": ["train.py:40", "train.py:57", "train.py:73"]},
+              {"site": "train.py:40 (from train.py:69)", "optimizers": [1],
+               "frames": ["train.py:40", "train.py:69", "train.py:73"]}], [before, later])
+    s.loss_rows = s.loss_rows[np.isfinite(s.loss_rows["loss"])]
+    s.steps["loss"] = np.where(np.isfinite(before), before, later)
+    return s
+
+
+def test_a_loss_resumed_at_its_converged_level_continues_the_one_before():
+    """blind6 healthy_resume_in_process: the second call's loss, at the level the first
+    reached and flat there, is the same training converged (it was not_learning 0.4)."""
+    d = verdict(_resumed(noisy(np.full(80, 0.6 ** 3), 0.03, 3)))
+    assert d.verdict == "healthy", str(d)
+
+
+def test_a_model_trained_anew_by_the_same_function_is_judged_on_its_own():
+    """The same function called for a second model from scratch: its loss starts where the
+    first began, not where it ended, and a flat one is not_learning."""
+    d = verdict(_resumed(_task_flat(80, 4) * 4))
+    assert d.verdict == "not_learning" and "train.py:69" in d.summary, str(d)

@@ -3,8 +3,8 @@
 ``engine.diagnose`` is the facade, over:
 
 - the facts, what the rules read: ``facts`` (a run reduced to what the rules need, with
-  ``scale``: the loss scale's story, ``streamed``: /stats in one pass, its per-step arrays over the sampled steps only in
-  ``sampled``), ``layers``, ``curve``;
+  ``scale``: the loss scale's story, ``streamed``: /stats in one pass, its per-step arrays
+  held over the sampled steps only in ``sampled``), ``layers``, ``curve``;
   the readers of what the forensic tier recorded, each named as its writer in
   ``record/forensic/`` or ``record/``: ``culprit`` (the replays), ``singular`` (the loss's
   fp32 check), ``schedules`` (LR scheduler steps per optimizer step), ``proofs`` (the fixes

@@ -13,8 +13,9 @@
   would do to each matmul's operands, on sampled steps; ``fp8layers``: the layers already in
   fp8 and their recipes), ``objectives`` (each loss's and each
   optimizer's own curve), ``engines`` (DeepSpeed's engine and Megatron-core's grad scalers,
-  into the GradScaler's columns), ``scaledloss`` (which scaled loss a backward is), ``callorder`` (a step's backward
-  calls against GradScaler's: a scaled loss backwarded after ``unscale_``)
+  into the GradScaler's columns), ``scaledloss`` (which scaled loss a backward is),
+  ``callorder`` (a step's backward calls against GradScaler's: a scaled loss backwarded
+  after ``unscale_``)
 - ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
   fixes tried on it (its own docstring lists its modules)
 - ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own

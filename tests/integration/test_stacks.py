@@ -137,7 +137,12 @@ def test_compiled_nanogpt_is_recorded(nanogpt):
         # per-parameter statistics of every layer, and the compiled model's own output
         assert "transformer.h.1.attn.c_attn.weight" in names
         assert (int(Kind.OUTPUT), "GPT") in kinds
-        assert not any(n.startswith("transformer.h.") for k, n in kinds if k == Kind.OUTPUT)
+        # no hook inside the compiled region: no inner module's output has a statistic (the
+        # fp8 trial at close names the Linears it re-ran, with no statistics of their own)
+        measured = set(run.stats["tensor"].tolist())
+        assert not any(n.startswith("transformer.h.") and i in measured for i, k, n in
+                       zip(run.tensors["id"], run.tensors["kind"], run.tensors["name"])
+                       if k == Kind.OUTPUT)
         assert np.all(np.isfinite(run.steps["grad_norm"]))
     d = rec.diagnose()
     assert d.verdict == "healthy" and d.run["autocast_dtype"] == "bfloat16"

@@ -244,7 +244,16 @@ def test_a_sampled_step_reads_its_device_values_in_one_copy_per_device(path, tmp
     drain = [w for w in reads.device if "readback.py" in w]
     assert len(drain) == SAMPLED_READS * STEADY and len(set(drain)) == 1, reads.device
     assert drain[0].startswith("numpy at"), drain  # numpy(force=True): the copy itself
-    assert len(reads.device) == (SAMPLED_READS + PATHS[path][-1]) * STEADY, reads.device
+    # The fp8 trial keeps each sampled step's batch on the host for its re-run at close
+    # (forensic/fp8trial.py: kept.offload, after the drain's sync): its copies, and nothing
+    # else beside the drain; without the trial there are none.
+    kept = [w for w in reads.device if "kept.py" in w]
+    assert kept and len(kept) % STEADY == 0, reads.device
+    assert len(reads.device) - len(kept) == (SAMPLED_READS + PATHS[path][-1]) * STEADY, \
+        reads.device
+    (tmp_path / "no-trial").mkdir()
+    without, _ = count_reads(path, tmp_path / "no-trial", monkeypatch, every=1, fp8_trial=0)
+    assert not [w for w in without.device if "kept.py" in w], without.device
     assert not [w for w in reads.device if "hooks.py" in w or "opprobe.py" in w
                 or "sampler.py" in w or "stats.py" in w], reads.device
     run = ampdoctor.load(str(tmp_path / "run.h5"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -302,6 +302,20 @@ def rule_unscale_twice(f: Facts) -> Optional[Finding]:
                    "fix_scaler_calls", first, "optimizer")
 
 
+def _scale_at_first(f: Facts, rows: np.ndarray) -> Tuple[int, int, float]:
+    """The first step of ``rows``, its index in /steps and the loss scale there (NaN where the
+    step is not in /steps)."""
+    first = int(rows["step"][0])
+    at = f.index_of(first)
+    return first, at, float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
+
+
+def _the_loss_scale(scale: float, step: int) -> str:
+    """'the loss scale (S at step N)', or 'the loss scale' where S is not known."""
+    return f"the loss scale ({fmt(scale)} at step {step})" if math.isfinite(scale) else \
+        "the loss scale"
+
+
 def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
     """A loss backwarded without ``scaler.scale`` beside one that went through it: its
     gradients reach the optimizer divided by the loss scale (the AMP docs: every loss that is
@@ -309,11 +323,8 @@ def rule_backward_unscaled(f: Facts) -> Optional[Finding]:
     rows = f.events(Event.BACKWARD_UNSCALED)
     if not len(rows):
         return None
-    first = int(rows["step"][0])
-    at = f.index_of(first)
-    scale = float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
-    by = f"the loss scale ({fmt(scale)} at step {first})" if math.isfinite(scale) else \
-        "the loss scale"
+    first, _, scale = _scale_at_first(f, rows)
+    by = _the_loss_scale(scale, first)
     ev = [Evidence(f"a loss was backwarded without scaler.scale beside a scaled one on "
                    f"{count(len(rows), 'step')} (first at step {first}): its gradients reach "
                    f"the optimizer divided by {by}", "backward_unscaled_steps",
@@ -332,11 +343,8 @@ def rule_backward_after_unscale(f: Facts) -> Optional[Finding]:
     rows = f.events(Event.BACKWARD_AFTER_UNSCALE)
     if not len(rows):
         return None
-    first = int(rows["step"][0])
-    at = f.index_of(first)
-    scale = float(f.steps["scale"][at]) if 0 <= at < f.n else math.nan
-    by = f"the loss scale ({fmt(scale)} at step {first})" if math.isfinite(scale) else \
-        "the loss scale"
+    first, at, scale = _scale_at_first(f, rows)
+    by = _the_loss_scale(scale, first)
     ev = [Evidence(f"a scaled loss was backwarded after scaler.unscale_ in the same step on "
                    f"{count(len(rows), 'step')} (first at step {first}): scaler.step does not "
                    f"unscale again, so the optimizer applied those gradients multiplied by {by}",

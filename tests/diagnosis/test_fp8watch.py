@@ -34,7 +34,7 @@ def rows(amaxes: dict, kurtosis: dict = None, steps=STEPS) -> np.ndarray:
     return np.concatenate(out)
 
 
-def steady(n=len(STEPS)):
+def steady(n=6):
     return {Role.INPUT: [4.0] * n, Role.WEIGHT: [0.1] * n, Role.GRAD_OUTPUT: [1e-3] * n}
 
 

@@ -314,8 +314,9 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
     """Watch a run while it is recorded: a view that refreshes every second.
 
     Step, steps per second, loss and loss-scale curves, skipped steps beside GradScaler's
-    probing allowance, grad norm, LR, the layers closest to fp16's limits and the latest
-    forensic replay; rank files of a torchrun job too. It ends by itself when the run does
+    probing allowance, grad norm, LR, the layers closest to fp16's limits, the Linears at risk
+    in fp8 (only while some are) and the latest forensic replay; rank files of a torchrun job
+    too. It ends by itself when the run does
     (or its writer is gone) and prints the diagnosis. q or Ctrl-C quits.
 
     \b

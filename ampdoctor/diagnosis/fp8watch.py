@@ -155,13 +155,15 @@ def watch(rows: np.ndarray, names: dict[int, str], skipped: Sequence[int] = ()) 
         rows = rows[~((rows["role"] == int(Role.GRAD_OUTPUT)) & np.isin(rows["step"], skipped))]
     if not len(rows):
         return Fp8Watch()
+    order = np.argsort(rows["tensor"], kind="stable")  # one pass: a slice per tensor
+    rows = rows[order]
     room = headroom(rows["amax"], rows["scale"], rows["format"])
     out = Fp8Watch(step=int(rows["step"].max()))
-    for tid in np.unique(rows["tensor"]):
+    tids, starts = np.unique(rows["tensor"], return_index=True)
+    for tid, a, b in zip(tids, starts, np.r_[starts[1:], len(rows)]):
         name = names.get(int(tid))
         if name is not None:
-            mine = rows["tensor"] == tid
-            out.layers[name] = _layer(name, rows[mine], room[mine])
+            out.layers[name] = _layer(name, rows[a:b], room[a:b])
     return out
 
 
@@ -170,48 +172,59 @@ def _layer(name: str, rows: np.ndarray, room: np.ndarray) -> LayerWatch:
     at = np.searchsorted(steps, rows["step"])
     least = np.full(len(steps), np.inf)
     np.minimum.at(least, at, np.where(np.isnan(room), -np.inf, room))
-    least[~np.isfinite(least) & (least < 0)] = np.nan  # a non-finite amax: no scale covers it
-    kurt = np.full(len(steps), np.nan)
-    amax = {role: np.full(len(steps), np.nan) for role in ROLES}
-    for i, r in zip(at, rows):
-        role = Role(int(r["role"]))
-        a = float(r["amax"])
-        amax[role][i] = a if math.isnan(amax[role][i]) else max(amax[role][i], a)
-        if role == Role.INPUT and math.isfinite(float(r["kurtosis"])):
-            kurt[i] = max(float(r["kurtosis"]), np.nan_to_num(kurt[i], nan=-np.inf))
+    least[np.isneginf(least)] = np.nan  # a non-finite amax: no scale covers it
+    amax = {role: _per_step(at, rows["amax"], rows["role"] == int(role), len(steps), np.inf)
+            for role in ROLES}
+    kurt = _per_step(at, rows["kurtosis"], (rows["role"] == int(Role.INPUT))
+                     & np.isfinite(rows["kurtosis"]), len(steps), np.nan)
     growth, growing = _growth(steps, amax)
-    risk = [_risk(least[max(i - 1, 0):i + 1] if i else least[:0], kurt[i])
-            for i in range(len(steps))]
+    below = least < HEADROOM_RISK
+    saturates = np.isnan(least) | (below & np.r_[False, below[:-1]])
+    outlier = kurt > KURTOSIS_RISK
+    risk = [["saturates"] * bool(a) + ["outlier"] * bool(b) for a, b in zip(saturates, outlier)]
     return LayerWatch(name, steps, least, kurt, growth, growing, risk)
+
+
+def _per_step(at: np.ndarray, values: np.ndarray, mine: np.ndarray, n: int,
+              nan_as: float) -> np.ndarray:
+    """The largest of ``values[mine]`` per sampled step (``at``: each row's step index), a NaN
+    value read as ``nan_as``; NaN for a step with none."""
+    out = np.full(n, -np.inf)
+    v = values[mine].astype(np.float64)
+    np.maximum.at(out, at[mine], np.where(np.isnan(v), nan_as, v))
+    out[np.isneginf(out)] = np.nan
+    return out
 
 
 def _growth(steps: np.ndarray, amax: dict) -> tuple[np.ndarray, list]:
     """Per sampled step, the fastest-growing operand's slope of log2(amax) over the last
-    ``GROWTH_WINDOW`` sampled steps (binades per 100 steps; NaN with fewer than 3)."""
-    growth, growing = np.full(len(steps), np.nan), [""] * len(steps)
-    for i in range(len(steps)):
-        lo = max(0, i + 1 - GROWTH_WINDOW)
-        x = steps[lo:i + 1].astype(np.float64)
-        for role, values in amax.items():
-            y = values[lo:i + 1]
-            ok = np.isfinite(y) & (y > 0)
-            if ok.sum() < 3 or np.ptp(x[ok]) == 0:
-                continue
-            slope = float(np.polyfit(x[ok], np.log2(y[ok]), 1)[0]) * 100
-            if math.isnan(growth[i]) or slope > growth[i]:
-                growth[i], growing[i] = slope, ROLES[role]
-    return growth, growing
+    ``GROWTH_WINDOW`` sampled steps (binades per 100 steps; NaN with fewer than 3 finite)."""
+    slopes = np.stack([_slopes(steps.astype(np.float64), a) for a in amax.values()])
+    found = ~np.isnan(slopes).all(0)
+    best = np.argmax(np.where(np.isnan(slopes), -np.inf, slopes), 0)
+    growth = np.where(found, slopes[best, np.arange(len(steps))], np.nan)
+    names = [ROLES[r] for r in amax]
+    return growth, [names[b] if f else "" for b, f in zip(best, found)]
 
 
-def _risk(room: np.ndarray, kurt: float) -> list[str]:
-    """The thresholds crossed: ``room`` the headroom of this sampled step and the one before
-    (none on the first: its scale is its own amax), ``kurt`` the input's kurtosis."""
-    out = []
-    if len(room) and (np.isnan(room[-1]) or bool((room < HEADROOM_RISK).all())):
-        out.append("saturates")
-    if kurt > KURTOSIS_RISK:
-        out.append("outlier")
-    return out
+def _slopes(x: np.ndarray, amax: np.ndarray) -> np.ndarray:
+    """Least-squares slope of log2(amax) against the step over each window of
+    ``GROWTH_WINDOW`` sampled steps ending at each one, x 100; NaN where fewer than 3 of its
+    amaxes are finite and above 0."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(np.isfinite(amax) & (amax > 0), np.log2(amax), np.nan)
+    pad = np.full(GROWTH_WINDOW - 1, np.nan)
+    xs = sliding_window_view(np.r_[pad, x], GROWTH_WINDOW)
+    ys = sliding_window_view(np.r_[pad, y], GROWTH_WINDOW)
+    ok = np.isfinite(xs) & np.isfinite(ys)
+    n = np.maximum(ok.sum(1), 1)
+    dx = np.where(ok, xs - (np.where(ok, xs, 0).sum(1) / n)[:, None], 0.0)
+    dy = np.where(ok, ys - (np.where(ok, ys, 0).sum(1) / n)[:, None], 0.0)
+    den = (dx * dx).sum(1)
+    fit = (ok.sum(1) >= 3) & (den > 0)
+    return np.where(fit, (dx * dy).sum(1) / np.where(fit, den, 1.0), np.nan) * 100
 
 
 def _num(x: Any) -> Optional[float]:

@@ -121,9 +121,9 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
     return out[:READINESS_ROWS]
 
 
-def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
-    """(recipe, decided by, the layers to keep in high precision, what the trial measured)
-    per recipe; [] without /fp8 rows."""
+def fp8_rows(f: Any) -> list[tuple[str, str, str, str, str]]:
+    """(recipe, decided by, the layers to keep in high precision, what the trial measured,
+    the layers that keep their precision in fp8) per recipe; [] without /fp8 rows."""
     out = []
     for name, recipe in (f.recipes.items() if f is not None else ()):
         if not recipe.layers and not recipe.trial:
@@ -141,8 +141,11 @@ def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
         else:
             measured = "not tried: one step holds no amax history" if name == "delayed" \
                 else "no trial: ranked from the statistics"
+        fine = [n for n in recipe.layers if n not in keep]
+        in_fp8 = ", ".join(fine[:FP8_NAMES]) + (f" (+{len(fine) - FP8_NAMES})"
+                                                if len(fine) > FP8_NAMES else "")
         out.append((name, recipe.decided_by, f"{len(keep)}: {named}" if keep else "none",
-                    measured))
+                    measured, f"{len(fine)}: {in_fp8}" if fine else "none"))
     return out
 
 
@@ -196,7 +199,7 @@ FP8_NOTE = ("Layers to keep in high precision: where the fp8 trial ran, those wh
             "(the last sampled step re-run with each Linear in emulated fp8); elsewhere ranked "
             "from the sampled statistics (values flushed, saturated, SQNR). Per layer and "
             "tensor: `report --format json`, key `fp8`.")
-FP8_HEAD = ("recipe", "decided by", "keep in high precision", "measured")
+FP8_HEAD = ("recipe", "decided by", "keep in high precision", "measured", "keep precision in fp8")
 FP8_PASTE = (("torchao", "torchao", "python"), ("TransformerEngine", "transformer_engine",
                                                  "python"), ("ampdoctor record", "apply", "sh"))
 

@@ -68,6 +68,8 @@ def test_the_report_draws_the_headroom_of_the_layers_at_risk_and_says_when_fp8_p
     text = open(os.path.join(runs["dir"], "report.md")).read()
     assert os.path.exists(os.path.join(runs["dir"], "plots", "fp8_headroom.png"))
     assert "Early warning at step 50" in text and "fc2 from step 20" in text
+    # item 6: per recipe the layers to keep in bf16 and those that keep their precision
+    assert "| tensorwise | trial | 2: head, fc2 |" in text and text.count("| 1: fc1 |") >= 2
     assert "fp8 pays only on a GPU with fp8 matmuls" in text and "| fp8 matmuls |" in text
     report = json.loads(cli("report", runs["base"], "--format", "json", "-o", "-"))
     watch = report["fp8_watch"]

@@ -44,6 +44,11 @@ def cli() -> None:
 @click.option("--every", type=click.IntRange(min=0), default=None, envvar="AMPDOCTOR_EVERY",
               show_envvar=True, metavar="N",
               help="Per-layer statistics every N steps (0: never).  [default: 100]")
+@click.option("--fp8-trial", type=click.FloatRange(min=0, max=86400), default=None,
+              envvar="AMPDOCTOR_FP8_TRIAL", show_envvar=True, metavar="SECONDS",
+              help="Budget of the fp8 trial at close: the last sampled step re-run with each "
+                   "Linear in emulated fp8, to say which to keep in bf16 (0: off).  "
+                   "[default: 30]")
 @click.option("--force", is_flag=True, envvar="AMPDOCTOR_FORCE", show_envvar=True,
               help="Replace an existing run file (and its rank files).")
 @click.option("-q", "--quiet", is_flag=True, envvar="AMPDOCTOR_QUIET", show_envvar=True,
@@ -51,8 +56,8 @@ def cli() -> None:
 @click.option("--apply", "apply", multiple=True, metavar="FIX[=VALUE]",
               help=prescription.help_text())
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(output: str, every: Optional[int], force: bool, quiet: bool,
-           apply: tuple[str, ...], command: tuple[str, ...]) -> None:
+def record(output: str, every: Optional[int], fp8_trial: Optional[float], force: bool,
+           quiet: bool, apply: tuple[str, ...], command: tuple[str, ...]) -> None:
     """Run a training command and record it, with no change to its code.
 
     Everything after -- is the command, passed through untouched. Its exit code is this
@@ -64,11 +69,12 @@ def record(output: str, every: Optional[int], force: bool, quiet: bool,
         ampdoctor record -o run.h5 -- python -m mypkg.train
         ampdoctor record -o run.h5 -- torchrun --standalone --nproc_per_node=2 train.py
         ampdoctor record --apply lr_factor=0.1 -o fixed.h5 -- python train.py --lr 3e-4
+        ampdoctor record --fp8-trial 120 -o bf16.h5 -- python train.py
     """
     from .record.command import launch
 
     code = launch.record(list(command), output, every=every, force=force, quiet=quiet,
-                         apply=apply)
+                         apply=apply, fp8_trial=fp8_trial)
     sys.exit(launch.exit_like(code))
 
 
@@ -308,8 +314,9 @@ def top(run: str, once: bool, interval: float, wait: float, stale: float,
     """Watch a run while it is recorded: a view that refreshes every second.
 
     Step, steps per second, loss and loss-scale curves, skipped steps beside GradScaler's
-    probing allowance, grad norm, LR, the layers closest to fp16's limits and the latest
-    forensic replay; rank files of a torchrun job too. It ends by itself when the run does
+    probing allowance, grad norm, LR, the layers closest to fp16's limits, the Linears at risk
+    in fp8 (only while some are) and the latest forensic replay; rank files of a torchrun job
+    too. It ends by itself when the run does
     (or its writer is gone) and prints the diagnosis. q or Ctrl-C quits.
 
     \b

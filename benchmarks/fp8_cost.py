@@ -23,7 +23,8 @@ to ``plain``,
 the fp8 counts' own ratio ``sampled+fp8 / sampled`` (a sampled step's cost with them against
 without), ``steady+fp8 / steady`` (the always-on step: 1 within noise, since nothing of the
 fp8 counts runs there), the own time per sampled step, and what it adds at the default
-interval, 100.
+interval, 100; and of the own time, what the kurtosis of each operand takes (the fp8 early
+warning's outlier figure, ``fp8.kurtosis``, at the drain).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ MODES = {"plain": None, "sampled": dict(every=1, fp8=False), "sampled+fp8": dict
 
 
 OWN = [0.0]  # seconds spent inside the fp8 counts' own code (hooks and drain)
+KURTOSIS = [0.0]  # of which in the kurtosis of each operand (the fp8 early warning's figure)
 
 
 @contextlib.contextmanager
@@ -59,24 +61,27 @@ def own_time():
     perf_counter: on a CPU their device work runs inside them, so this is their whole cost,
     measured apart from the step's noise. (On CUDA it would be the launch time only.)"""
     saved = {name: getattr(fp8.Fp8Probe, name) for name in ("on_module", "_on_grad", "stage")}
+    kurtosis = fp8.kurtosis
 
-    def timer(fn):
+    def timer(fn, into):
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                OWN[0] += time.perf_counter() - t0
+                into[0] += time.perf_counter() - t0
         return wrapped
 
     for name, fn in saved.items():
-        setattr(fp8.Fp8Probe, name, timer(fn))
+        setattr(fp8.Fp8Probe, name, timer(fn, OWN))
+    fp8.kurtosis = timer(kurtosis, KURTOSIS)
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(fp8.Fp8Probe, name, fn)
+        fp8.kurtosis = kurtosis
 
 
 def mode_time(mode: str, model, opt, data, device, steps: int, path: str) -> float:
@@ -87,14 +92,16 @@ def mode_time(mode: str, model, opt, data, device, steps: int, path: str) -> flo
         step(model, opt, data[0], device)  # the first step: discovery, metadata (sampled)
         if mode != "sampled+fp8":
             return timed(model, opt, data, device, steps)
-        OWN[0] = 0.0
+        OWN[0] = KURTOSIS[0] = 0.0
         with own_time():
             median = timed(model, opt, data, device, steps)
         OWN_PER_STEP.append(OWN[0] / steps)
+        KURTOSIS_PER_STEP.append(KURTOSIS[0] / steps)
         return median
 
 
 OWN_PER_STEP: list[float] = []
+KURTOSIS_PER_STEP: list[float] = []
 
 
 def operands(model, opt, data, device, path: str) -> int:
@@ -126,6 +133,9 @@ def main() -> None:
     print(f"fp8 counts' own time: {own * 1e3:.2f} ms per sampled step "
           f"({own / med['plain']:.1%} of a plain step, {own / max(n, 1) * 1e6:.0f} us per "
           f"operand; the step-time ratio above is within the machine's noise where smaller)")
+    kurt = statistics.median(KURTOSIS_PER_STEP)
+    print(f"of which the kurtosis (the early warning's outlier figure): {kurt * 1e3:.2f} ms per "
+          f"sampled step ({kurt / max(own, 1e-12):.1%} of the own time)")
     print(f"always-on step with the fp8 counts on: {med['steady+fp8'] / med['steady']:.3f}x "
           f"the same without them")
     print(f"at the default interval (100): +{own / med['plain'] / 100:.3%} of a step "

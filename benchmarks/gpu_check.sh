@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with CUDA (the device machine when one is lent). Under 5 minutes on
+# GPU check, for a machine with CUDA (the device machine when one is lent). Under 9 minutes on
 # one GPU, each part under its own time limit:
 #   1. step-time overhead, GPT-2 small (12 layers, width 768, vocabulary 50257, 8 x 1024 tokens):
 #      fp16 + GradScaler (with and without unscale_ + clip), fused AdamW + GradScaler, bf16 with
@@ -9,6 +9,11 @@
 #   4. the GPU-marked tests: syncs per steady step under torch.cuda.set_sync_debug_mode,
 #      output gradients released, step time from CUDA events, the deferred skip decision,
 #      DeepSpeed's fp16 engine on CUDA (where deepspeed is installed)...
+#   5. the fp8 path, on a GPU with fp8 matmuls (compute capability 8.9 and up: an H100): a tiny
+#      run recorded in bf16 and with torchao's real fp8 matmuls (record --apply fp8), diagnosed
+#      against each other, the readiness and the early warning printed (benchmarks/fp8_gpu.py;
+#      one sentence and a skip on an older GPU or without torchao); then what the fp8 counts
+#      cost a sampled step there (benchmarks/fp8_cost.py)
 # and writes OUT/summary.md: docs/performance.md's GPU tables, as `overhead.py --markdown` prints them.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                 # on the GPU machine
@@ -63,9 +68,11 @@ EOF
 if [[ $device == cuda ]]; then
     size=(); big=(--rounds 3 --steps 15 --warmup 5); small=(--rounds 7 --steps 30)
     memory=(--steps 30 --pairs 1)
+    fp8=(--steps 30); fp8cost=(--rounds 3 --steps 10)
 else
     size=(--smoke); big=(--rounds 1 --steps 4 --warmup 1); small=(--rounds 1 --steps 4 --warmup 1)
     memory=(--steps 6 --pairs 1)
+    fp8=(--steps 12); fp8cost=(--smoke)
     scale=4
 fi
 bench=(python3 benchmarks/overhead.py --device "$device" ${size[@]+"${size[@]}"})
@@ -74,6 +81,8 @@ part tiny 45 "${bench[@]}" --workload gpt "${small[@]}" --json "$out/tiny.json"
 part memory 60 "${bench[@]}" --memory --workload lm --config fused,bf16 "${memory[@]}" \
     --json "$out/memory.json"
 part tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests  # one GPU: serial
+part fp8 150 python3 benchmarks/fp8_gpu.py --device "$device" --out "$out/fp8" "${fp8[@]}"
+part fp8_cost 90 python3 benchmarks/fp8_cost.py --device "$device" "${fp8cost[@]}"
 
 jsons=()
 for name in gpt2 tiny memory; do

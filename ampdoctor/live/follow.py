@@ -6,8 +6,9 @@ now (``run.h5``, else the ``run.rank{R}.h5`` of a torchrun job, which may appear
 another), opens the new ones, reads what was added to each since the last poll, and returns
 it as ``Delta``s. Every file also keeps a ``RankState``: what a live view needs of the run so
 far (all of ``/steps``, the latest LR of each param group, tensors, events, snapshots,
-configuration, and the statistics rows of the latest sampled step only), so memory follows the
-run's steps, never its statistics.
+configuration, the statistics rows of the latest sampled step only, and the delayed recipe's
+/fp8 rows of the last ``FP8_STEPS`` sampled steps), so memory follows the run's steps, never
+its statistics.
 
 The writer is never slowed: a SWMR reader takes no lock, and a poll reads only new rows.
 
@@ -50,6 +51,9 @@ MAX_READ_FAILURES = 5
 STATS_WINDOW = 1 << 16
 # Sampled steps kept for the layers' trends: what one judgement of the forecast reads.
 TREND_STEPS = NEEDED
+# Sampled steps of /fp8 rows kept for the fp8 early warning (``diagnosis.fp8watch``): its
+# growth window and the step each layer at risk was first seen at risk, within them.
+FP8_STEPS = 32
 WAIT_POLL = 0.2  # seconds between looks for a run file that does not exist yet
 FINAL_PREFIXES = (schema.STATUS_FINISHED, schema.STATUS_EXCEPTION, schema.STATUS_SIGNAL)
 
@@ -101,6 +105,8 @@ class RankState:
     layer_step: Optional[int] = None  # the sampled step ``layer_rows`` belong to
     # The sampled rows of the last few sampled steps: the early warning's window (``forecast``).
     trend_rows: np.ndarray = field(default_factory=lambda: schema.empty("stats"))
+    # The delayed recipe's /fp8 rows of the last FP8_STEPS sampled steps (fp8 headroom).
+    fp8_rows: np.ndarray = field(default_factory=lambda: schema.empty("fp8"))
     writer: Optional[bool] = None  # writer alive (None: cannot be told from this host)
     idle: float = 0.0  # seconds since the file last changed
     error: Optional[str] = None  # the last read failure, while it lasts
@@ -143,6 +149,18 @@ class RankState:
                 setattr(self, name, np.concatenate([getattr(self, name), rows[name]]))
         if layers:
             self._latest_layers(delta.stats, delta.stats_start)
+            self._keep_fp8(rows.get("fp8"))
+
+    def _keep_fp8(self, rows: Optional[np.ndarray]) -> None:
+        """Keep the delayed recipe's /fp8 rows (one per operand: its amax, its delayed scale,
+        its kurtosis) of the last ``FP8_STEPS`` sampled steps."""
+        if rows is None or not len(rows):
+            return
+        rows = np.concatenate([self.fp8_rows, rows[rows["recipe"] == int(schema.Recipe.DELAYED)]])
+        steps = np.unique(rows["step"])
+        if len(steps) > FP8_STEPS:
+            rows = rows[rows["step"] >= steps[-FP8_STEPS]]
+        self.fp8_rows = rows
 
     def _latest_layers(self, stats: Any, start: int) -> None:
         """Keep the sampled tier's rows of the latest sampled step (never the whole table)."""

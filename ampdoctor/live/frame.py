@@ -5,7 +5,8 @@ from the same functions the reports use, so that the live view and ``ampdoctor r
 disagree: skipped steps, GradScaler's calibration and its probing allowance, peak grad norm and
 lowest scale from ``release.summarize`` (which reads ``diagnosis.scale.scale_story``); the layers'
 range against fp16's limits from ``readiness.fp16_readiness``, on the latest sampled step;
-which rank went non-finite first from ``ranks.outline`` and ``ranks.first_rank``.
+which rank went non-finite first from ``ranks.outline`` and ``ranks.first_rank``; the Linears
+at risk in fp8 from ``diagnosis.fp8watch``, as ``report`` draws them.
 ``top`` draws a frame; ``frame.to_dict()`` is the same data for a script.
 
 Example::
@@ -27,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..diagnosis import objectives, ranks
+from ..diagnosis import fp8watch, objectives, ranks
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
 from ..runfile import paths
@@ -55,6 +56,18 @@ class LayerLine:
     underflow: float  # share of its non-zero values subnormal or flushed in fp16 (gradients)
     scaled: bool = False  # a gradient recorded under a GradScaler
     trend: Optional[float] = None  # doublings per 100 steps over the forecast's window
+
+
+@dataclass
+class Fp8Line:
+    """A Linear at risk in fp8 on the latest sampled step (``diagnosis.fp8watch``)."""
+
+    name: str
+    headroom: Optional[float]  # binades below the top under a delayed scale; < 0: clamps
+    growth: Optional[float]  # doublings per 100 steps of its fastest-growing operand's amax
+    kurtosis: Optional[float]  # its input's
+    why: str  # the thresholds crossed, in words
+    since: Optional[int]  # the first sampled step it was at risk (of those the view keeps)
 
 
 @dataclass
@@ -134,6 +147,8 @@ class Frame:
     layer_step: Optional[int] = None  # the sampled step they come from
     nonfinite_layers: int = 0  # layers holding NaN/inf on that step (the first is shown)
     forecast: Optional[str] = None  # the early warning when it warns (forecast.Forecast.text)
+    fp8: list = field(default_factory=list)  # Fp8Line per Linear at risk, most at risk first
+    fp8_at_risk: int = 0  # how many are (``fp8`` shows fp8watch.SHOWN at most)
     every: Optional[int] = None  # the sampling interval (0: never)
     event: Optional[EventLine] = None
     series: dict = field(default_factory=dict, repr=False)  # 'step', 'loss', 'scale' arrays
@@ -186,6 +201,7 @@ def build(states: Sequence[Any], *, rank: Optional[int] = None,
                     for s, o in zip(states, outlines)]
     _steps(fr, run)
     _layers(fr, state, run)
+    _fp8(fr, state)
     fr.event = latest_event(run)
     return fr
 
@@ -274,6 +290,24 @@ def _layers(fr: Frame, state: Any, run: Any) -> None:
             _with_stats(run, getattr(state, "trend_rows", None)), lines))
     fr.layers, fr.nonfinite_layers, fr.layer_step = cached[1], cached[2], state.layer_step
     fr.forecast = cached[3]
+
+
+def _fp8(fr: Frame, state: Any) -> None:
+    """The Linears at risk in fp8, from the follower's /fp8 rows; judged once per read."""
+    rows = getattr(state, "fp8_rows", None)
+    if rows is None or not len(rows):
+        return
+    key = (len(rows), int(rows["step"][-1]), len(state.tensors))
+    cached = getattr(state, "_frame_fp8", None)
+    if cached is None or cached[0] != key:
+        names = {int(t): str(n) for t, n in zip(state.tensors["id"], state.tensors["name"])}
+        steps = state.steps
+        w = fp8watch.watch(rows, names, steps["step"][steps["skipped"] == 1])
+        risky = w.at_risk
+        lines = [Fp8Line(x.name, **{k: x.at()[k] for k in ("headroom", "growth", "kurtosis")},
+                         why=x.why(), since=x.first_warned) for x in risky[:fp8watch.SHOWN]]
+        cached = state._frame_fp8 = (key, lines, len(risky))
+    fr.fp8, fr.fp8_at_risk = cached[1], cached[2]
 
 
 def _layer_lines(run: Any) -> tuple[list[LayerLine], int]:

@@ -23,6 +23,9 @@ the curves line up with a loop that logs by optimizer step):
                                       weight, output gradient; <= 0 saturates)
 ``ampdoctor-fp8-flushed/{layer}``     a layer already in fp8: the largest share of an
                                       operand's non-zero values its own cast flushed
+``ampdoctor-fp8-kurtosis/{layer}``    sampled steps, every Linear: its input's kurtosis (3 for
+                                      a Gaussian; an outlier channel: tens to hundreds;
+                                      ``diagnosis.fp8watch`` flags a layer past 50)
 ``ampdoctor/forensics`` (text)        each forensic replay: the step, the culprit, fp32's answer
 ``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
 ====================================  =========================================================
@@ -62,7 +65,7 @@ from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
 from ..release.curves import extremes
 from ..release.readiness import underflow_share
-from ..runfile.schema import Kind, Source, columns
+from ..runfile.schema import Kind, Recipe, Role, Source, columns
 from .follow import STALE_SECONDS, Follower
 
 LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
@@ -216,6 +219,7 @@ class _RunWriter:
             return
         names = {int(t): str(n) for t, n in zip(state.tensors["id"], state.tensors["name"])}
         found = fp8.layer_headroom(rows, names, state.meta.get("fp8_layers") or {})
+        kurtosis = _kurtosis(rows, names)
         steps = sorted({step for step, _ in found})
         walls = dict(zip(steps, _walls(state, np.array(steps, np.int64))))
         for step in steps:
@@ -225,6 +229,7 @@ class _RunWriter:
                     values.append((f"ampdoctor-fp8-headroom/{name}", room))
                 if s == step and not math.isnan(lost):
                     values.append((f"ampdoctor-fp8-flushed/{name}", lost))
+            values += kurtosis.get(step, [])
             self.scalars_at(step, walls[step], values)
 
     def _forensics(self, snapshots: np.ndarray, state: Any) -> None:
@@ -241,6 +246,24 @@ class _RunWriter:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _kurtosis(rows: np.ndarray, names: dict[int, str]) -> dict[int, list]:
+    """Step -> (tag, value) of each Linear's input kurtosis (its DELAYED row; the same on
+    every recipe's), the largest over its calls; a file before format 5 has none."""
+    if "kurtosis" not in (rows.dtype.names or ()):
+        return {}
+    mine = rows[(rows["recipe"] == int(Recipe.DELAYED)) & (rows["role"] == int(Role.INPUT))
+                & np.isfinite(rows["kurtosis"])]
+    best: dict[tuple[int, str], float] = {}
+    for step, tid, k in zip(mine["step"], mine["tensor"], mine["kurtosis"]):
+        name = names.get(int(tid))
+        if name is not None:
+            _keep_max(best, (int(step), f"ampdoctor-fp8-kurtosis/{name}"), float(k))
+    out: dict[int, list] = {}
+    for (step, tag), k in best.items():
+        out.setdefault(step, []).append((tag, k))
+    return out
 
 
 def _thinned(rows: np.ndarray) -> np.ndarray:

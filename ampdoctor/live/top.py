@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import safe
 from ..numfmt import fmt
+from . import fp8top
 from . import frame as _frame
 from .follow import FULL_RANKS, STALE_SECONDS, WAIT_POLL, Follower
 
@@ -74,7 +75,7 @@ def render(fr: _frame.Frame, width: int = 80, height: Optional[int] = None, *,
     paint = _painter(color)
     head = _header(fr, now, paint)
     body = _curves(fr, width, unicode) + _skips(fr, paint) + _gradients(fr)
-    layers = _layer_table(fr, width, paint)
+    layers = _layer_table(fr, width, paint) + fp8top.lines(fr, width, paint)
     tail = _event(fr, width) + _ranks(fr) + _reason(fr, width, paint)
     lines = head + [""] + body + [""] + layers + tail
     if height is not None and len(lines) > height:

@@ -14,8 +14,10 @@ scaled and rounded to fp8 as four recipes would (``schema.Recipe``):
   (the OCP MX rule, torchao's ``to_mx`` in its default FLOOR mode).
 
 Each gives an /fp8 row: elements flushed to zero, subnormal, saturated, and the SQNR of the
-dequantised tensor. The cast itself is emulated in float32 (``quantise``: round half to even
-on the format's grid, saturating at its max), so it runs on any device, fp8 or not;
+dequantised tensor; and the operand's kurtosis over the same sampled values (an outlier
+emerging, the early warning's third figure, the same on its four rows). The cast itself is
+emulated in float32 (``quantise``: round half to even on the format's grid, saturating at its
+max), so it runs on any device, fp8 or not;
 ``tests/record/test_fp8.py`` checks it against ``Tensor.to(torch.float8_*)`` and torchao.
 
 Cost, as for ``stats``: in the hook, one ``aminmax`` pass over the tensor (its abs max per
@@ -254,8 +256,9 @@ class History:
 def scales(ops: list[Operand], history: Optional[History] = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every recipe's scale for the sampled values of ``ops`` (one device), in a fixed number
-    of kernels: [len(RECIPES), n, S] scales and [n, 5] summaries (amax, then the scale
-    columns of the four recipes: ROWWISE's and MX's smallest, the scale of the tensor's amax).
+    of kernels: [len(RECIPES), n, S] scales and [n, 6] summaries (amax, then the scale
+    columns of the four recipes: ROWWISE's and MX's smallest, the scale of the tensor's amax;
+    then the operand's ``kurtosis``).
     ``history`` None: delayed scaling = current."""
     device = ops[0].values.device
     amax = torch.stack([op.amax for op in ops]).float()
@@ -270,8 +273,23 @@ def scales(ops: list[Operand], history: Optional[History] = None
     out = torch.stack([current[:, None].expand_as(per_row), delayed[:, None].expand_as(per_row),
                        per_row, per_block])
     summary = torch.stack([amax, current, delayed,
-                           _pow2_floor(amax_to_scale(amax, schema.E4M3_MAX)), mx_scale(amax)], 1)
+                           _pow2_floor(amax_to_scale(amax, schema.E4M3_MAX)), mx_scale(amax),
+                           kurtosis(ops, amax)], 1)
     return out, summary
+
+
+def kurtosis(ops: list[Operand], amax: torch.Tensor) -> torch.Tensor:
+    """Each operand's kurtosis over its sampled values (``length`` of them; the padding left
+    out), E[(x - mean)^4] / E[(x - mean)^2]^2: 3 for a Gaussian, C to 3C where one channel
+    in C holds the energy (an outlier feature). Divided by the amax first, so that the fourth
+    power of a large float32 does not overflow; NaN for a constant or non-finite tensor."""
+    x = _padded(ops, "values") / amax.clamp(min=EPS)[:, None]
+    n = torch.tensor([max(op.length, 1) for op in ops], device=x.device, dtype=x.dtype)
+    real = torch.arange(x.shape[1], device=x.device)[None, :] < n[:, None]
+    mean = x.sum(1) / n  # (padding is 0)
+    d = torch.where(real, x - mean[:, None], torch.zeros_like(x))
+    m2, m4 = d.square().sum(1) / n, d.square().square().sum(1) / n
+    return torch.where(m2 > 0, m4 / m2.square(), torch.full_like(m2, float("nan")))
 
 
 def count(ops: list[Operand], scale: torch.Tensor, summary: torch.Tensor
@@ -322,7 +340,8 @@ def pack(operands: list[Operand], counts: np.ndarray, summaries: np.ndarray,
         out["sqnr_db"] = np.where(counts[:, 5] == 0, np.inf,
                                   10 * np.log10(counts[:, 4] / counts[:, 5]))
     out["amax"] = np.repeat(summaries[:, 0], n)
-    out["scale"] = summaries[:, 1:].reshape(-1)
+    out["scale"] = summaries[:, 1:1 + n].reshape(-1)
+    out["kurtosis"] = np.repeat(summaries[:, 1 + n], n)
     return out
 
 

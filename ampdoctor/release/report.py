@@ -26,6 +26,7 @@ from ..display import render
 from ..runfile.schema import Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .fp8 import Fp8Readiness, fp8_readiness
+from .fp8pays import fp8_pays
 from .readiness import Readiness, fp16_readiness, plain, precision
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
@@ -90,6 +91,10 @@ class Decision:
     bf16_supported: Optional[bool] = None  # None: not known from this run
     fix_first: Optional[str] = None  # a bug to fix before any dtype choice matters
     autocast: bool = False  # False with a half run_dtype: the weights themselves are half
+    # whether the GPU multiplies fp8 in hardware (None: not known, a CPU); the reason that says
+    # when fp8 pays, for which layers ("" without fp8 figures): fp8pays.py
+    fp8_matmuls: Optional[bool] = None
+    fp8: str = ""
 
 
 @dataclass
@@ -103,6 +108,7 @@ class ReleaseReport:
     comparison: Optional[Comparison] = None
     parity: Any = None  # preflight.parity_result.ParityResult, when one was given
     fp8: Optional[Fp8Readiness] = None  # what each fp8 recipe would do, per Linear layer
+    fp8_watch: Any = None  # diagnosis.fp8watch.Fp8Watch: the Linears at risk in fp8
     run: Any = field(default=None, repr=False)  # store.Run, for plots
     notes: list[str] = field(default_factory=list)
     _owned: bool = field(default=False, repr=False)  # the run was loaded here: close it
@@ -114,6 +120,8 @@ class ReleaseReport:
                       "comparison": self.comparison.to_dict() if self.comparison else None,
                       "parity": self.parity.to_dict() if self.parity is not None else None,
                       "fp8": self.fp8.to_dict() if self.fp8 is not None else None,
+                      "fp8_watch": self.fp8_watch.to_dict() if self.fp8_watch is not None
+                      else None,
                       "notes": list(self.notes)})
 
     def html(self) -> str:
@@ -143,7 +151,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     baseline (fp32 or bf16) run of the same training; options go to ``compare``. ``parity``:
     a ``ParityResult`` (``ampdoctor.parity``) or the JSON file ``ampdoctor parity --format
     json`` wrote, shown as the layer parity section."""
-    from ..diagnosis import engine, ranks
+    from ..diagnosis import engine, fp8watch, ranks
     from ..runfile.paths import resolve
     from ..runfile.store import Run, load
 
@@ -176,10 +184,14 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
         readiness = fp16_readiness(loaded)
         comparison = compare(baseline, loaded, **compare_options) if baseline is not None \
             else None
-        report = ReleaseReport(diagnosis=d, summary=summarize(loaded),
-                               decision=decide(loaded, d.verdict, readiness),
+        fp8, watch = fp8_readiness(loaded), fp8watch.read(loaded)
+        decision = decide(loaded, d.verdict, readiness)
+        decision.fp8_matmuls, decision.fp8 = fp8_pays(decision, fp8, watch)
+        if decision.fp8:
+            decision.reasons.append(decision.fp8)
+        report = ReleaseReport(diagnosis=d, summary=summarize(loaded), decision=decision,
                                readiness=readiness, comparison=comparison, parity=parity,
-                               fp8=fp8_readiness(loaded), run=loaded, notes=notes)
+                               fp8=fp8, fp8_watch=watch, run=loaded, notes=notes)
     except BaseException:
         if owned:
             loaded.close()

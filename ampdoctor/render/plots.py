@@ -51,6 +51,10 @@ CAPTIONS = {
                    "dashed line extends a layer the early warning names to its limit.",
     "grad_underflow": "Share of each layer's non-zero gradient values below fp16's normal "
                       "range, at the worst sampled step.",
+    "fp8_headroom": "fp8 early warning, per Linear ever at risk: its headroom under a delayed "
+                    "scale (binades from its operands' amax to the fp8 top; below 0 the cast "
+                    "clamps) and its input's kurtosis (3: Gaussian), on the sampled steps; "
+                    "a dot marks where it was at risk.",
     "parity": "Loss of both runs compared: for fp32 parity, the baseline's and the "
               "mixed-precision run's, with their relative difference; for a run and its fix, "
               "each run's non-finite steps marked.",
@@ -75,6 +79,7 @@ def figures(run: Any, diagnosis: Any = None, readiness: Any = None,
         "activations": activation_range_figure(
             run, forecast=getattr(diagnosis, "forecast", None)),
         "grad_underflow": grad_underflow_figure(run, readiness),
+        "fp8_headroom": fp8_headroom_figure(run),
         "parity": parity_figure(comparison) if comparison is not None else None,
     }
     return {name: fig for name, fig in made.items() if fig is not None}
@@ -307,6 +312,50 @@ def grad_underflow_figure(run: Any, readiness: Any = None,
         ax.text(0.5, 0.5, "no gradient value below 2**-14 on any sampled step",
                 transform=ax.transAxes, ha="center", va="center", fontsize=9)
     _legend(ax)
+    return fig
+
+
+def fp8_headroom_figure(run: Any, watch: Any = None) -> Optional[Any]:
+    """The Linears ever at risk in fp8 (``diagnosis.fp8watch``, the most at risk first): their
+    headroom and their input's kurtosis per sampled step, the thresholds drawn; None when no
+    layer ever was."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    from ..diagnosis import fp8watch
+
+    w = watch if watch is not None else fp8watch.read(run)
+    shown = sorted((x for x in w.layers.values() if x.first_warned is not None),
+                   key=lambda x: (x.first_warned, x.severity()))[:fp8watch.SHOWN]
+    if not shown:
+        return None
+    fig = Figure(figsize=(WIDTH, 2 * HEIGHT), layout="constrained")
+    room, kurt = fig.subplots(2, 1, sharex=True)
+    room.set_title("fp8 headroom of the Linears at risk (sampled steps)", fontsize=10, loc="left")
+    for ax in (room, kurt):
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=8)
+    for x in shown:
+        lines = room.plot(x.steps, x.headroom, ".-", ms=3, lw=1,
+                          label=f"{x.name} (from step {x.first_warned})")
+        risky = np.array([bool(r) for r in x.risk])
+        room.plot(x.steps[risky], x.headroom[risky], "o", ms=5, color=lines[0].get_color())
+        kurt.plot(x.steps, x.kurtosis, ".-", ms=3, lw=1, color=lines[0].get_color())
+    room.axhline(0, color=_BASE, lw=1, label="0: a delayed cast clamps below")
+    room.axhline(fp8watch.HEADROOM_RISK, color=_BAD, lw=1, ls="--",
+                 label=f"{fp8watch.HEADROOM_RISK:g}: at risk (twice in a row)")
+    room.set_ylabel("binades", fontsize=8)
+    kurt.axhline(fp8watch.KURTOSIS_RISK, color=_BAD, lw=1, ls="--",
+                 label=f"kurtosis {fp8watch.KURTOSIS_RISK:g}: at risk")
+    kurt.axhline(3, color=_BASE, lw=1, ls=":", label="3: Gaussian")
+    kurt.set_ylabel("input kurtosis", fontsize=8)
+    kurt.set_yscale("log")
+    # plain numbers: a log axis' default labels are mathtext, which figures here never parse
+    kurt.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    kurt.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    kurt.set_xlabel("step")
+    _legend(room, outside=True)
+    _legend(kurt, outside=True)
     return fig
 
 

@@ -90,6 +90,8 @@ def decision_rows(d: Any) -> list[tuple[str, str]]:
             ("this run", d.run_dtype + ("" if d.autocast or d.run_dtype == "float32"
                                         else " weights, no autocast")
              + (" + GradScaler" if d.scaler else "")),
+            *([("fp8 matmuls", {True: "yes", False: "no", None: "not known from this run"}[
+                d.fp8_matmuls])] if d.fp8 else []),
             ("recommendation", d.recommendation)]
 
 
@@ -119,9 +121,9 @@ def readiness_rows(r: Any) -> list[tuple[str, str, str, str]]:
     return out[:READINESS_ROWS]
 
 
-def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
-    """(recipe, decided by, the layers to keep in high precision, what the trial measured)
-    per recipe; [] without /fp8 rows."""
+def fp8_rows(f: Any) -> list[tuple[str, str, str, str, str]]:
+    """(recipe, decided by, the layers to keep in high precision, what the trial measured,
+    the layers that keep their precision in fp8) per recipe; [] without /fp8 rows."""
     out = []
     for name, recipe in (f.recipes.items() if f is not None else ()):
         if not recipe.layers and not recipe.trial:
@@ -139,9 +141,26 @@ def fp8_rows(f: Any) -> list[tuple[str, str, str, str]]:
         else:
             measured = "not tried: one step holds no amax history" if name == "delayed" \
                 else "no trial: ranked from the statistics"
+        fine = [n for n in recipe.layers if n not in keep]
+        in_fp8 = ", ".join(fine[:FP8_NAMES]) + (f" (+{len(fine) - FP8_NAMES})"
+                                                if len(fine) > FP8_NAMES else "")
         out.append((name, recipe.decided_by, f"{len(keep)}: {named}" if keep else "none",
-                    measured))
+                    measured, f"{len(fine)}: {in_fp8}" if fine else "none"))
     return out
+
+
+def fp8_warning(w: Any) -> str:
+    """The fp8 early warning in a sentence (``diagnosis.fp8watch``): each Linear at risk on
+    the latest sampled step, since when and why; "" when none is."""
+    risky = w.at_risk if w is not None else []
+    if not risky:
+        return ""
+    named = "; ".join(f"{x.name} from step {x.first_warned} ({x.why()})"
+                      for x in risky[:FP8_NAMES])
+    more = f" (+{len(risky) - FP8_NAMES})" if len(risky) > FP8_NAMES else ""
+    return (f"Early warning at step {w.step}: {count(len(risky), 'Linear')} at risk in fp8, "
+            f"{named}{more}. Their curves: figure fp8_headroom; per layer: `report --format "
+            "json`, key `fp8_watch`.")
 
 
 def _effect(e: Any) -> str:
@@ -180,7 +199,7 @@ FP8_NOTE = ("Layers to keep in high precision: where the fp8 trial ran, those wh
             "(the last sampled step re-run with each Linear in emulated fp8); elsewhere ranked "
             "from the sampled statistics (values flushed, saturated, SQNR). Per layer and "
             "tensor: `report --format json`, key `fp8`.")
-FP8_HEAD = ("recipe", "decided by", "keep in high precision", "measured")
+FP8_HEAD = ("recipe", "decided by", "keep in high precision", "measured", "keep precision in fp8")
 FP8_PASTE = (("torchao", "torchao", "python"), ("TransformerEngine", "transformer_engine",
                                                  "python"), ("ampdoctor record", "apply", "sh"))
 
@@ -328,6 +347,9 @@ def release_markdown(r: Any, images: Optional[dict[str, str]] = None) -> str:
     if fp8:
         out += ["## fp8 readiness", "", FP8_NOTE, ""]
         out += _md_table(FP8_HEAD, fp8) + [""]
+        warned = fp8_warning(r.fp8_watch)
+        if warned:
+            out += [md(warned), ""]
         paste = fp8_paste(r.fp8)
         if paste is not None:
             out += [md(paste[1]), ""]
@@ -402,7 +424,7 @@ def release_html(r: Any) -> str:
              _diagnosis_html(r.diagnosis),
              "<h2>Summary</h2>", _kv_table(summary_rows(r.summary)),
              _decision_html(r.decision), "<h2>Curves</h2>"]
-    for name in ("loss", "scale", "grad_norm", "lr", "activations"):
+    for name in ("loss", "scale", "grad_norm", "lr", "activations", "fp8_headroom"):
         if name in images:
             parts.append(_figure(name, images[name], plots.CAPTIONS[name]))
     parts.append(_readiness_html(r.readiness, images))
@@ -410,6 +432,9 @@ def release_html(r: Any) -> str:
     if fp8:
         parts += ["<h2>fp8 readiness</h2>", f'<p class="muted">{_esc(FP8_NOTE)}</p>',
                   _table(FP8_HEAD, fp8)]
+        warned = fp8_warning(r.fp8_watch)
+        if warned:
+            parts.append(f"<p>{_esc(warned)}</p>")
         paste = fp8_paste(r.fp8)
         if paste is not None:
             parts.append(f"<p>{_esc(paste[1])}</p>")

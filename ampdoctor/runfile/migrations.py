@@ -13,9 +13,10 @@ column"): the column in ``schema.py``, ``FORMAT_VERSION`` raised, and here::
     Migration("steps", versions=(1, 2), dtype=OLD_STEPS, defaults={"new_column": 0})
 
 where ``OLD_STEPS`` is the table's dtype as those versions wrote it (copy it from the
-schema before editing). Formats 1 to 4 share every table's dtype, so none is declared yet: a
-format that added a whole table (3: /losses and /optimizers, 4: /fp8) declares it in
-``schema.SINCE`` instead, and a file older than that reads the table as empty.
+schema before editing). Formats 1 to 4 share every table's dtype; format 5 added /fp8's
+``kurtosis`` (``FP8_V4``). A format that added a whole table (3: /losses and /optimizers,
+4: /fp8) declares it in ``schema.SINCE`` instead, and a file older than that reads the table
+as empty.
 This module imports numpy only, as the schema does.
 """
 
@@ -51,8 +52,16 @@ class Migration:
         return out
 
 
+# /fp8 as format 4 wrote it: no kurtosis (read as NaN: not measured).
+FP8_V4 = np.dtype([("step", "<i8"), ("tensor", "<i4"), ("call", "<i2"), ("role", "i1"),
+                   ("recipe", "i1"), ("format", "i1"), ("numel", "<i8"), ("sample_n", "<i8"),
+                   ("zeros", "<i8"), ("flushed", "<i8"), ("subnormal", "<i8"),
+                   ("saturated", "<i8"), ("sqnr_db", "<f4"), ("amax", "<f4"), ("scale", "<f4")])
+
 # Every migration, oldest first. One per (table, older dtype).
-MIGRATIONS: tuple[Migration, ...] = ()
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration("fp8", versions=(4,), dtype=FP8_V4, defaults={"kurtosis": np.nan}),
+)
 
 
 def find(table: str, version: int, dtype: np.dtype) -> Migration | None:

@@ -5,9 +5,9 @@ their numpy dtypes, and the small integer codes stored in them. The recorder wri
 tables (through ``store.Writer``); ``store.load`` reads them back into a ``Run``. This module
 imports numpy only, so the analysis side never pulls in torch.
 
-Layout of format version 4 (one HDF5 file per process; version 3 is the same without
-``/fp8``, version 2 without ``/losses`` and ``/optimizers`` too, version 1 without
-``/summary`` too)::
+Layout of format version 5 (one HDF5 file per process; version 4 is the same without /fp8's
+``kurtosis`` column, version 3 without ``/fp8``, version 2 without ``/losses`` and
+``/optimizers`` too, version 1 without ``/summary`` too)::
 
     /            attrs: format, format_version, ampdoctor_version, created, pid, host,
                         rank, world_size, argv
@@ -42,7 +42,7 @@ import enum
 import numpy as np
 
 FORMAT_NAME = "ampdoctor-run"
-FORMAT_VERSION = 4  # 2: /summary; 3: /losses and /optimizers; 4: /fp8
+FORMAT_VERSION = 5  # 2: /summary; 3: /losses and /optimizers; 4: /fp8; 5: /fp8 kurtosis
 
 # fp16 range: max finite 65504, min normal 2**-14, min subnormal 2**-24. A value whose
 # magnitude is above 65504 overflows to inf once rounded; one below half the smallest
@@ -414,6 +414,11 @@ FP8 = np.dtype(
         ("sqnr_db", "<f4"),  # 10 log10(sum x^2 / sum (x - dequantised)^2); inf: no error
         ("amax", "<f4"),  # abs max of the whole tensor (exact)
         ("scale", "<f4"),  # TENSOR, DELAYED: the scale applied; ROWWISE, MX: the smallest
+        # The operand's kurtosis over the sampled values, E[(x - mean)^4] / E[(x - mean)^2]^2
+        # (3 for a Gaussian; one channel in C holding the energy: C to 3C): an outlier
+        # emerging, whatever the recipe (the same on its four rows). NaN: constant, not
+        # finite, or a file before format 5 (runfile/migrations.py).
+        ("kurtosis", "<f4"),
     ]
 )
 

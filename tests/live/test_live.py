@@ -535,3 +535,20 @@ def test_a_month_long_read_is_thinned_to_its_extremes_and_every_bad_step():
     assert len(tensorboard._thinned(short)) == len(short)
     lr = tensorboard._thinned_steps(np.arange(n))
     assert len(lr) == tensorboard.MAX_STEPS and lr[0] == 0 and lr[-1] == n - 1
+
+
+def test_the_follower_keeps_the_delayed_fp8_rows_of_the_last_sampled_steps_only():
+    """The fp8 early warning's window (``follow.FP8_STEPS``): each poll's /fp8 rows are kept
+    for the delayed recipe alone, and for the last FP8_STEPS sampled steps."""
+    from ampdoctor.runfile import schema
+
+    state = follow.RankState("run.h5")
+    for step in range(follow.FP8_STEPS + 8):
+        rows = schema.empty("fp8", 4)
+        rows["step"], rows["recipe"] = step, [int(r) for r in schema.Recipe]
+        state._keep_fp8(rows)
+    kept = state.fp8_rows
+    assert set(kept["recipe"]) == {int(schema.Recipe.DELAYED)}
+    assert list(kept["step"]) == list(range(8, follow.FP8_STEPS + 8))
+    state._keep_fp8(None)
+    assert len(state.fp8_rows) == follow.FP8_STEPS

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 import ampdoctor
@@ -94,6 +95,17 @@ def test_fp8_cost_times_the_sampled_step_with_and_without_the_fp8_counts():
     assert "fp8 counts on a sampled step:" in out and "always-on step" in out
     operands = int(out.split(" operands x 4 recipes")[0].rsplit(" ", 1)[1])
     assert operands > 10  # the tiny GPT's Linear layers: input, weight, output gradient
+    assert "of which the kurtosis" in out
+
+
+def test_fp8_gpu_says_in_one_sentence_why_it_skips_where_it_cannot_run():
+    """gpu_check.sh's fp8 part on a machine without fp8 matmuls: one sentence, exit 0."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has fp8 matmuls: gpu_check.sh runs the path itself")
+    out = bench("fp8_gpu.py", "--device", "cuda")
+    assert out.startswith("fp8 path skipped: ") and len(out.strip().splitlines()) == 1
 
 
 def test_scale_diagnose_gives_the_full_reads_answer():

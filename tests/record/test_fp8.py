@@ -237,3 +237,23 @@ def test_a_failure_inside_the_fp8_counts_never_reaches_the_loop(tmp_path, monkey
         assert len(run.fp8) == 0 and len(run.stats) > 0  # the sampled tier went on
     with pytest.raises(RecorderFault, match="fp8 bug"):
         _recorded(path)
+
+
+@pytest.mark.parametrize("name", list(tensors()))
+def test_the_kurtosis_is_the_sampled_values_own(name):
+    """The /fp8 ``kurtosis`` (the early warning's outlier figure) against numpy's, over every
+    element (exact mode) and over the 1024 sampled positions; the same on a recipe's 4 rows."""
+    x = tensors()[name]
+    for sample in (None, 1024):
+        op = fp8.measure(x, Role.INPUT, sample=sample)
+        rows = rows_of([op])
+        v = op.values[:op.length].double().numpy()
+        d = v - v.mean()
+        expected = (d ** 4).mean() / (d ** 2).mean() ** 2
+        assert len(set(rows["kurtosis"].tolist())) == 1
+        assert rows["kurtosis"][0] == pytest.approx(expected, rel=1e-3)
+    # one Gaussian channel in 96 holding the energy: about 3 x 96; a Gaussian alone: about 3
+    assert rows_of([fp8.measure(tensors()["outlier"], Role.INPUT, sample=None)])["kurtosis"][0] \
+        == pytest.approx(3 * 96, rel=0.25)
+    gauss = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    assert rows_of([fp8.measure(gauss, Role.INPUT)])["kurtosis"][0] == pytest.approx(3, abs=0.3)

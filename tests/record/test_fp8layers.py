@@ -292,3 +292,14 @@ def test_an_fp8_run_that_drifts_from_its_baseline_names_the_layer(tmp_path):
                          env=python_env(), cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["verdict"] == "fp8_drift"
+
+
+def test_export_writes_each_layers_input_kurtosis(tmp_path):
+    """``ampdoctor-fp8-kurtosis/{layer}``: the Linear fed the 30x channel (one in 64) reads far
+    past the early warning's 50; the first Linear, fed Gaussian inputs, about 3."""
+    pytest.importorskip("tensorboard")
+    found = _headroom(tmp_path, 1.0)
+    outlier, gauss = found["ampdoctor-fp8-kurtosis/2"], found["ampdoctor-fp8-kurtosis/0"]
+    assert sorted(outlier) == sorted(gauss) == [0, 1, 2, 3]
+    assert all(v > 50 for v in outlier.values()), outlier
+    assert all(2 < v < 4.5 for v in gauss.values()), gauss

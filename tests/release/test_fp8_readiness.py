@@ -227,3 +227,39 @@ def test_a_damaged_trial_reads_as_far_as_it_goes(text):
     from ampdoctor.render.release import fp8_paste, fp8_rows
     fp8_rows(r), fp8_paste(r)
     assert r.recipes["rowwise"].decided_by == "statistics"
+
+
+# -- when fp8 pays: the precision decision's fp8 line (release/fp8pays.py) ---------------------
+
+
+def test_the_decision_says_which_cards_have_fp8_matmuls_and_which_layers_can_use_them():
+    from ampdoctor.release import fp8 as release_fp8
+    from ampdoctor.release.fp8pays import fp8_matmuls, fp8_pays
+    from ampdoctor.release.report import Decision
+
+    def card(name, cap, generation):
+        return Decision(device=name, device_type="cuda", run_dtype="bfloat16", scaler=False,
+                        recommendation="bf16 autocast", capability=cap, generation=generation)
+
+    h100, a100 = card("H100", "9.0", "Hopper"), card("A100", "8.0", "Ampere")
+    cpu = Decision(device="CPU", device_type="cpu", run_dtype="float32", scaler=False,
+                   recommendation="")
+    assert fp8_matmuls(h100) is True and fp8_matmuls(a100) is False and fp8_matmuls(cpu) is None
+    assert fp8_matmuls(card("L4", "8.9", "Ada Lovelace")) is True
+    assert fp8_matmuls(h100, "mxfp8") is False  # MX blocks in hardware: Blackwell
+    assert fp8_matmuls(card("B200", "10.0", "Blackwell"), "mxfp8") is True
+    ok, bad = release_fp8.TensorFp8(0, 0, 0, 30.0, False, 2), \
+        release_fp8.TensorFp8(0.2, 0, 0, 30.0, False, 2)
+    recipe = release_fp8.RecipeFp8(name="tensorwise", layers={
+        "fc1": release_fp8.LayerFp8("fc1", {"input": ok}),
+        "fc2": release_fp8.LayerFp8("fc2", {"input": bad})})
+    readiness = release_fp8.Fp8Readiness(recipes={"tensorwise": recipe})
+    has, text = fp8_pays(h100, readiness)
+    assert has is True and "H100 has them" in text
+    assert "under tensorwise, 1 of 2 Linears in fp8, fc2 kept in bf16" in text
+    assert "ranked from the sampled statistics" in text
+    has, text = fp8_pays(a100, readiness)
+    assert has is False and "emulated" in text
+    # no fp8 figures (the counts off, an older file): nothing said
+    empty = release_fp8.Fp8Readiness(recipes={"tensorwise": release_fp8.RecipeFp8()})
+    assert fp8_pays(h100, empty) == (None, "")

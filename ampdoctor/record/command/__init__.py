@@ -6,6 +6,8 @@ Importing this package imports nothing (``launch`` is torch-free: the CLI import
 
 - ``launch``: the parent side: check the output, start the command with the bootstrap on its
   ``PYTHONPATH`` and the settings in ``AMPDOCTOR_*``, forward signals, say what was recorded
+- ``settings``: what ``launch`` tells each process of the command, in ``AMPDOCTOR_*``
+  variables (``launch`` re-exports it)
 - ``child``: inside each Python process of the command: one recording per process
 - ``lifeline``: the command dies with ``record`` (a SIGKILL to it stops the training): the
   parent-death signal for the command, a watch on ``record``'s pid below it

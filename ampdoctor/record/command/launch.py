@@ -22,7 +22,8 @@ the file it writes into site-packages)::
    ``record`` stops the command too (``lifeline.py``).
 
 The same settings can come from the environment, for a launcher that runs ``ampdoctor record``
-itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FORCE``, ``AMPDOCTOR_QUIET``.
+itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FP8_TRIAL``, ``AMPDOCTOR_FORCE``,
+``AMPDOCTOR_QUIET``.
 
 ``--apply FIX[=VALUE]`` (repeatable) treats the command as well: the fixes, checked here before
 anything starts (``record/prescription.py``), travel to the children in ``AMPDOCTOR_APPLY``, where
@@ -40,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from ... import outputs, safe
@@ -48,71 +48,26 @@ from ...diagnosis import ranks
 from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import nodes, paths, store
 from .. import prescription
-from ..prescription import Prescription
 from . import keeper, lifeline, written
-
-ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
-ENV_EVERY = "AMPDOCTOR_EVERY"
-ENV_FORCE = "AMPDOCTOR_FORCE"
-ENV_QUIET = "AMPDOCTOR_QUIET"
-# The --apply arguments, as JSON (set by `record` only, with ENV_ACTIVE).
-ENV_APPLY = "AMPDOCTOR_APPLY"
-# Set by `record` only: the child side starts when it sees this (and its sitecustomize runs).
-ENV_ACTIVE = "AMPDOCTOR_RECORD"
-# Taken (removed from the environment) by the first Python of the command that imports torch:
-# that process leaves a file even if it never trains; the processes it starts do not.
-ENV_TOP = "AMPDOCTOR_TOP"
-# Set by `record`: its own pid, which the command's torch processes watch (lifeline.py).
-ENV_LAUNCHER = "AMPDOCTOR_LAUNCHER"
-# Set by `record`: the list file (record/command/written.py) where each child notes the run file it
-# created, so that `record` speaks of its own node's files only.
-ENV_SESSION = "AMPDOCTOR_SESSION"
+from .settings import (  # noqa: F401 (launch.ENV_*)
+    ENV_ACTIVE,
+    ENV_APPLY,
+    ENV_EVERY,
+    ENV_FORCE,
+    ENV_FP8_TRIAL,
+    ENV_LAUNCHER,
+    ENV_OUTPUT,
+    ENV_QUIET,
+    ENV_SESSION,
+    ENV_TOP,
+    Settings,
+)
 
 # The recorder's default sampled-tier interval, repeated so that the parent never imports torch
 # (tests/record/command/test_launch.py checks that the two agree).
 DEFAULT_EVERY = 100
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a recording needs to know, carried from ``record`` to the child processes."""
-
-    output: str  # absolute path of the run file
-    every: Optional[int] = None  # sampled-tier interval; None: the recorder's default
-    quiet: bool = False  # the parent's two lines (children print nothing anyway)
-    shown: str = ""  # the output as the user typed it, for messages
-    apply: tuple[Prescription, ...] = ()  # --apply: the fixes the children apply
-    session: Optional[str] = None  # the list of files this record's children wrote (written.py)
-
-    def to_env(self) -> dict[str, str]:
-        """What the children need: where to write, how often to sample, the fixes to apply,
-        the switch, and where to note the files they write."""
-        env = {ENV_ACTIVE: "1", ENV_OUTPUT: self.output}
-        if self.every is not None:
-            env[ENV_EVERY] = str(self.every)
-        if self.apply:
-            env[ENV_APPLY] = prescription.to_env(self.apply)
-        if self.session:
-            env[ENV_SESSION] = self.session
-        return env
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> Optional["Settings"]:
-        """The settings of a recorded child process, or None outside ``ampdoctor record``."""
-        if environ.get(ENV_ACTIVE) != "1" or not environ.get(ENV_OUTPUT):
-            return None
-        every = environ.get(ENV_EVERY)
-        try:
-            apply = tuple(prescription.from_env(environ.get(ENV_APPLY)))
-        except RecordError as exc:  # `record` checked them: only a hand-set variable gets here
-            sys.stderr.write(f"ampdoctor: nothing applied: {exc}\n")
-            apply = ()
-        return cls(output=environ[ENV_OUTPUT],
-                   every=int(every) if every and every.strip().isdigit() else None,
-                   shown=environ[ENV_OUTPUT], apply=apply,
-                   session=environ.get(ENV_SESSION) or None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,11 +151,12 @@ def child_env(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
 
 def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[int] = None,
            force: bool = False, quiet: bool = False, apply: Sequence[str] = (),
-           environ: Optional[Mapping[str, str]] = None) -> int:
+           environ: Optional[Mapping[str, str]] = None, fp8_trial: Optional[float] = None
+           ) -> int:
     """Run ``command`` so that it records into ``output``; return its exit code.
 
     ``apply``: ``--apply`` arguments (``"use_bf16"``, ``"lr_factor=0.1"``): the command runs
-    with those fixes applied (``treatment.py``).
+    with those fixes applied (``treatment.py``). ``fp8_trial``: ``watch(fp8_trial=)``.
 
     A command killed by a signal returns the negative signal number (as ``subprocess`` does).
     Raises ``RecordError`` before starting anything when the output, the command or a fix to
@@ -222,7 +178,7 @@ def record(command: Sequence[str], output: str = "run.h5", *, every: Optional[in
         if force:
             clear_output(path)
         settings = Settings(output=path, every=every, quiet=quiet, shown=output, apply=fixes,
-                            session=written.create())
+                            session=written.create(), fp8_trial=fp8_trial)
         try:
             if not quiet:
                 _say(start_line(settings))

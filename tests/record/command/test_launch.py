@@ -21,8 +21,8 @@ def test_bootstrap_and_launcher_agree():
     assert launch.DEFAULT_EVERY == recorder.DEFAULT_EVERY
     envvars = {p.name: p.envvar for p in cli.cli.commands["record"].params}
     assert envvars == {"output": launch.ENV_OUTPUT, "every": launch.ENV_EVERY,
-                       "force": launch.ENV_FORCE, "quiet": launch.ENV_QUIET, "apply": None,
-                       "command": None}
+                       "fp8_trial": launch.ENV_FP8_TRIAL, "force": launch.ENV_FORCE,
+                       "quiet": launch.ENV_QUIET, "apply": None, "command": None}
 
 
 def test_settings_round_trip_through_the_environment():
@@ -33,6 +33,13 @@ def test_settings_round_trip_through_the_environment():
                         apply=fixes)
     back = launch.Settings.from_env(s.to_env())
     assert (back.output, back.every, back.apply) == ("/tmp/x/run.h5", 7, fixes)
+    assert back.fp8_trial is None and launch.ENV_FP8_TRIAL not in s.to_env()
+    for budget in (0.0, 2.5):
+        budgeted = launch.Settings(output="r.h5", fp8_trial=budget)
+        assert launch.Settings.from_env(budgeted.to_env()).fp8_trial == budget
+    # a hand-set variable that is no budget: the recorder's default, no failure
+    env = dict(launch.Settings(output="r.h5").to_env(), **{launch.ENV_FP8_TRIAL: "soon"})
+    assert launch.Settings.from_env(env).fp8_trial is None
     assert launch.start_line(s).endswith(", treated with --apply use_bf16 --apply lr_factor=0.1")
     assert launch.Settings.from_env(launch.Settings(output="r.h5").to_env()).apply == ()
     # a variable left in the user's environment is not this recording's --apply

@@ -35,7 +35,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..runfile.schema import E4M3_MAX, E5M2_MAX, Fp8Format, Recipe, Role, columns
+from ..runfile.payloads import Fp8Trial
+from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
+from .thresholds import FP8_MOSTLY_FLUSHED
 
 # torchao's floor under an amax (float8_utils.EPS): an amax below it gives the scale
 # fmt max / 1e-12, finite, and the cast goes on without a word.
@@ -92,6 +94,13 @@ class Cast:
             return "flushed"
         return None
 
+    @property
+    def mostly(self) -> bool:
+        """Most of the non-zero values cast to 0 (``FP8_MOSTLY_FLUSHED``) but not all: a few
+        large values (a massive activation) took the scale and squeezed the rest below the
+        format's smallest subnormal."""
+        return self.whole is None and self.flushed_share > FP8_MOSTLY_FLUSHED
+
 
 @dataclass
 class Baseline:
@@ -114,6 +123,27 @@ class Baseline:
 def fp8_layers(run: Any) -> dict[str, dict]:
     """/meta ``fp8_layers``: the layers the run trains in fp8 (``Run.fp8_layers``)."""
     return run.fp8_layers if hasattr(run, "fp8_layers") else {}
+
+
+def fp8_trial(run: Any) -> Fp8Trial:
+    """The run's fp8 trial (its last ``Event.FP8_TRIAL`` text); empty where none ran."""
+    ev = getattr(run, "events", None)
+    if ev is None or not len(ev):
+        return Fp8Trial()
+    rows = ev[ev["kind"] == int(Event.FP8_TRIAL)]
+    return Fp8Trial.from_json(rows["text"][-1] if len(rows) else "")
+
+
+def own_trial(run: Any) -> dict:
+    """The fp8 trial's re-run of a run already in fp8 with its fp8 layers in high precision
+    (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
+    precision or cast row-wise, measured against it, with the trial's ``step``); {} where
+    none ran."""
+    trial = fp8_trial(run)
+    own = trial["own"]
+    if not isinstance(own, dict) or "as_recorded" not in own:
+        return {}
+    return dict(own, step=trial["step"])
 
 
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:

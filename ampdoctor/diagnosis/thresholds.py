@@ -31,6 +31,10 @@ SHORT_RUN = 50
 # run in fp8 made; release/fp8.py: the readiness of every Linear)
 FP8_FLUSHED = 1e-2
 FP8_SUBNORMAL = 0.1
+# ... and a tensor mostly flushed: more than half of its non-zero values cast to 0, as when one
+# massive activation takes a per-tensor scale (blind7's sink token: 96 % of the input). The
+# same model under row-wise scaling flushes 6 % (the sink token's own row), healthy.
+FP8_MOSTLY_FLUSHED = 0.5
 # Parity of two loss curves (diagnosis/parity.py): their trailing means agree within 2 %
 # ("match"), or one goes beyond 10 % and never comes back within 2 % ("diverged"). (release/
 # comparison.py: fp32 parity; rules/fp8.py: an fp8 run's drift from its baseline)

@@ -72,3 +72,15 @@ def fp8_tensorwise(c: Context) -> Advice:
             "gradient to e5m2 with one scale per tensor, and e5m2 keeps values down to 2^-16, "
             "2^32 below its top of 57344 (e4m3: 2^-9, 2^18 below 448), so a gradient whose "
             "values span many binades is no longer flushed.", snippet)
+
+
+@fix("fp8_rowwise", "cast row-wise (torchao's rowwise recipe): one scale per row, so one "
+     "outlier sets only its own row's scale", apply="fp8=rowwise", replay=_REPLAY)
+def fp8_rowwise(c: Context) -> Advice:
+    was = _recipe(c) or "the run's"
+    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+               "config = Float8LinearConfig.from_recipe_name('rowwise')  # one scale per row\n"
+               "convert_to_float8_training(model, config=config)")
+    return (f"Train with torchao's rowwise recipe instead of {was}: each row (token) gets its "
+            "own power-of-two scale, so a massive activation in one token no longer pushes "
+            "the other tokens' values below e4m3's smallest subnormal.", snippet)

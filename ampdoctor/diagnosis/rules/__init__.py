@@ -18,6 +18,9 @@ holds it):
 * ``fp8.py``: a run already in fp8 (torchao's Float8Linear) whose casts lose a layer's values:
   an operand flushed whole, a gradient that underflows its format, a loss that drifts from
   the baseline's (``diagnose --baseline``);
+* ``fp8own.py``: the same run measured against itself: an operand mostly flushed (one outlier
+  took a per-tensor scale), and without a baseline the drift the fp8 trial measures by
+  re-running the fp8 layers in high precision on the saved step;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 from . import (
                fallbacks,
                fp8,
+               fp8own,
                hidden,
                learning,
                located,
@@ -80,6 +84,8 @@ RULES = [
     fp8.rule_fp8_grad_underflow,
     fp8.rule_fp8_flushed,
     fp8.rule_fp8_drift,
+    fp8own.rule_fp8_mostly_flushed,
+    fp8own.rule_fp8_self_drift,
     progress.rule_diverged,
     progress.rule_dead_units,
     learning.rule_not_learning,

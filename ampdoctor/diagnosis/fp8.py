@@ -95,6 +95,11 @@ class Cast:
         return None
 
     @property
+    def saturated_share(self) -> float:
+        """Of the sampled values, the share the cast clamped at the format's max."""
+        return self.saturated / self.counted if self.counted else 0.0
+
+    @property
     def mostly(self) -> bool:
         """Most of the non-zero values cast to 0 (``FP8_MOSTLY_FLUSHED``) but not all: a few
         large values (a massive activation) took the scale and squeezed the rest below the
@@ -148,9 +153,15 @@ def own_trial(run: Any) -> dict:
 
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:
     """The /fp8 recipe whose scales are the ones ``layer`` casts ``role`` with; None where it
-    keeps the operand in high precision, or casts it in a way no /fp8 recipe computes."""
+    keeps the operand in high precision, or casts it in a way no /fp8 recipe computes. A
+    ``delayed`` scale (torchao before 0.10, ``ScalingType.DELAYED``: the scale from an amax
+    history) is the /fp8 ``delayed`` recipe's, whose history is of the sampled steps."""
     cast = layer.get(role)
-    if not isinstance(cast, dict) or cast.get("scaling") != "dynamic":
+    if not isinstance(cast, dict):
+        return None
+    if cast.get("scaling") == "delayed" and cast.get("granularity") in (None, "tensorwise"):
+        return Recipe.DELAYED
+    if cast.get("scaling") != "dynamic":
         return None
     return GRANULARITY.get(str(cast.get("granularity")))
 

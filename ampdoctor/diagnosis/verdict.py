@@ -96,6 +96,10 @@ TABLE = (
             "sampled steps: a zero amax (torchao clamps it, silently), a clamped one, or "
             "every value cast to 0", 52, "fp8", "neither",
             (_FP8 + "test_a_layer_fed_zeros_on_some_steps_is_flushed_whole",)),
+    Verdict("fp8_saturated", "a layer trained in fp8 clamps an operand at the format's max on "
+            "some sampled steps: a delayed (or static) scale that an amax jump outgrew",
+            56, "fp8", "neither", ("tests/diagnosis/rules/test_fp8verdicts.py::"
+                                   "test_a_delayed_scale_behind_an_amax_jump_saturates",)),
     Verdict("fp8_drift", "a run in fp8 whose loss drifts from its bf16 baseline's (diagnose "
             "--baseline) with no NaN: the layer whose casts lose the most named",
             51, "fp8", "neither", (_FP8 + "test_an_fp8_run_that_drifts_from_its_baseline_"

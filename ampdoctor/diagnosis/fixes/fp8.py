@@ -84,3 +84,17 @@ def fp8_rowwise(c: Context) -> Advice:
     return (f"Train with torchao's rowwise recipe instead of {was}: each row (token) gets its "
             "own power-of-two scale, so a massive activation in one token no longer pushes "
             "the other tokens' values below e4m3's smallest subnormal.", snippet)
+
+
+@fix("fp8_current_scaling", "scale each cast by the tensor's current amax (torchao's dynamic "
+     "tensorwise recipe) instead of a delayed or static scale: the scale follows an amax jump "
+     "on the step it happens", apply="fp8=tensorwise", replay=_REPLAY)
+def fp8_current_scaling(c: Context) -> Advice:
+    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+               "config = Float8LinearConfig.from_recipe_name('tensorwise')  # dynamic scaling\n"
+               "convert_to_float8_training(model, config=config)")
+    return ("Scale by the current amax: torchao's dynamic scaling (every recipe of torchao "
+            "0.10 and later) computes each cast's scale from the tensor it casts, so the "
+            "largest value maps to the format's max and none is clamped. Where a delayed scale "
+            "must stay (TransformerEngine's DelayedScaling), give it a margin (margin=1 halves "
+            "the scale) or a shorter amax history.", snippet)

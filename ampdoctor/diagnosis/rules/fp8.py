@@ -34,11 +34,12 @@ from ...runfile.schema import Recipe
 from .. import fixes, parity
 from ..facts import Facts
 from ..fp8 import Cast, Casts, casts, fp8_layers
-from ..thresholds import FP8_FLUSHED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
+from ..thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # What each cast is called in a sentence: torchao's granularity and the element format.
-_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise"}
+_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise",
+         Recipe.DELAYED: "per tensor, delayed scale"}
 # The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
 # below it loses twice the error rounding does.
 ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}
@@ -144,6 +145,55 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
                               f"per tensor in e5m2, the same gradient: {_lost_text(wide)}"
                               if wide is not None else "the per-tensor e5m2 cast was not "
                               "measured on that step")]
+    return found
+
+
+def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
+    """An fp8 layer's cast clamps its operand at the format's max: a scale not taken from the
+    tensor itself (delayed: from earlier amaxes) that an amax jump outgrew."""
+    made, every = _casts(f)
+    hits = [c for c in made if c.saturated_share > FP8_SATURATED and math.isfinite(c.amax)]
+    if not hits:
+        return None  # (current scaling maps the amax to the top: it never clamps)
+    first = min(hits, key=lambda c: (c.step, c.role == "grad_output", -c.saturated_share))
+    mine = [c for c in made if (c.layer, c.role) == (first.layer, first.role)]
+    steps = sorted({c.step for c in mine if c.saturated_share > FP8_SATURATED})
+    before = [c.amax for c in mine if c.step < first.step]
+    jump = first.amax / max(before) if before and max(before) > 0 else None
+    now = every.other(first, Recipe.TENSOR)  # the same tensor under its current amax
+    role = _role(first.role)
+    ev = [Evidence(f"{first.layer}'s {role} ({_cast(f, first)}) on sampled step {first.step}: "
+                   f"{first.saturated_share:.2%} of its values clamped at {first.format}'s max"
+                   f" (scale {fmt(first.scale)}, amax {fmt(first.amax)}); so on "
+                   f"{_steps(steps)} of {len(mine)} sampled steps", "fp8_saturated",
+                   first.saturated_share, first.step, first.layer)]
+    if jump is not None:
+        ev.append(Evidence(f"its amax grew {jump:.3g}x over the earlier sampled steps' largest "
+                           f"({fmt(max(before))} -> {fmt(first.amax)})", "fp8_amax_jump",
+                           jump, first.step, first.layer))
+    if now is not None:
+        ev.append(Evidence(f"scaled by its current amax, the same {role}: "
+                           f"{now.saturated_share:.2%} clamped", "fp8_current_saturated",
+                           now.saturated_share, first.step, first.layer))
+    found = Finding("fp8_saturated", 0.8 if len(steps) >= 2 or (jump or 0) > 1.05 else 0.65,
+                    f"{first.layer}'s {role} in fp8 saturates: on {_steps(steps)} "
+                    f"{first.saturated_share:.2%} of its values were clamped at the format's "
+                    f"max, with no inf and no NaN (the cast clamps; the largest values, those "
+                    f"that carry the tensor, lose what is above the max). Its scale does not "
+                    f"come from the tensor it casts"
+                    + (f", and its amax jumped {jump:.3g}x" if jump else "") + ".", ev,
+                    fixes.make(["fp8_current_scaling", "fp8_keep_layer"], _context(f, first)),
+                    first_bad(first.step, first.layer, _phase(first.role)),
+                    priority=PRIORITY["fp8_saturated"],
+                    kind="amax_jump" if jump is not None and jump > 1.0 else "scale")
+    clamps_now = now is not None and now.saturated_share > FP8_SATURATED
+    found.premises = [_in_fp8(f, first),
+                      Premise("current_scale_keeps_it", FAILED if clamps_now else HELD,
+                              "scaled by its current amax, the same tensor is not clamped"
+                              if now is not None and not clamps_now else
+                              f"scaled by its current amax, {now.saturated_share:.2%} is "
+                              "clamped too: not a scale that lags" if now is not None else
+                              "the current-amax cast was not measured on that step")]
     return found
 
 

@@ -181,6 +181,11 @@ class _Run:
         self.layers = owner.layers(self.root)
         self.runs = 0
         self.reference: tuple = (None, [])
+        # rerun's sum <g, y> where no loss was recomputed: the last re-run's, the reference's
+        # and the high-precision one's
+        self.linear: Optional[float] = None
+        self.recorded_linear: Optional[float] = None
+        self.linear_high: Optional[float] = None
 
     def all(self) -> None:
         loss, grads, note = self.rerun([], Recipe.TENSOR)
@@ -191,6 +196,7 @@ class _Run:
             self.out["note"] = "the step re-run as recorded was not finite: nothing to compare"
             return
         self.reference = (loss, grads)
+        self.recorded_linear = self.linear
         self.out["loss"] = loss
         own = self.owner.own_layers(self.root)
         if own:
@@ -227,8 +233,11 @@ class _Run:
         if not grads or not _finite(loss, grads):
             return {"note": note or "the step re-run in high precision was not finite"}
         ref_loss, ref = self.reference
-        out: dict = {"loss": loss, "as_recorded": measured(ref_loss, ref, loss, grads,
-                                                           self.pnames), "layers": {},
+        self.linear_high = high = self.linear
+        as_recorded = measured(ref_loss, ref, loss, grads, self.pnames)
+        if high is not None and self.recorded_linear is not None:
+            as_recorded["output_term"] = self.recorded_linear - high
+        out: dict = {"loss": loss, "as_recorded": as_recorded, "layers": {},
                      "thresholds": {"grad_error": GRAD_ERROR, "loss_change": LOSS_CHANGE}}
         for name, module in own.items():
             if self.spent(reserve=len(RECIPES)):
@@ -246,7 +255,10 @@ class _Run:
         """A re-run (``cast`` in emulated fp8 under ``recipe``, ``high`` in high precision,
         the rest as recorded) measured against the high-precision one."""
         got_loss, got, note = self.rerun(cast, recipe, high=high)
-        return measured(got_loss, got, loss, grads, self.pnames, note)
+        effect = measured(got_loss, got, loss, grads, self.pnames, note)
+        if self.linear is not None and self.linear_high is not None:
+            effect["output_term"] = self.linear - self.linear_high
+        return effect
 
     def decide(self, recipe: dict, which: Recipe, everything: list) -> None:
         tried = recipe["layers"]
@@ -276,15 +288,18 @@ class _Run:
               ) -> tuple[Optional[float], list, str]:
         """The kept step's loss (summed over micro-batches) and gradients (summed), with
         ``modules`` in emulated fp8 under ``recipe`` (and the fp8 layers ``high`` in high
-        precision)."""
+        precision). Where no loss was recomputed (the backward ran from the recorded output
+        gradient g), ``self.linear`` is sum <g, y> over the outputs y: the difference of two
+        re-runs' is their loss difference to first order."""
         self.runs += 1
         total: list = [None] * len(self.params)
         losses, note = [], ""
+        pairs: list = []
         names = self.owner.forensics.watched.names
         with self.owner.forensics.guarded(self.captures), in_fp8(modules, recipe), \
                 in_high_precision(high or []):
             for cap in self.captures:
-                outcome, grads = rerun_grads(cap, AS_RECORDED, names)
+                outcome, grads = rerun_grads(cap, AS_RECORDED, names, pairs)
                 note = note or outcome.note
                 if outcome.loss is not None:
                     losses.append(outcome.loss)
@@ -293,6 +308,8 @@ class _Run:
                         g = g.detach().float()
                         g = g.to_dense() if g.is_sparse else g  # (an embedding's, sparse=True)
                         total[i] = g if total[i] is None else total[i] + g
+        self.linear = None if losses or not pairs else float(
+            sum((x.float() * g.float()).sum() for x, g in pairs))
         if all(g is None for g in total):
             return None, [], note
         grads = [g if g is not None else torch.zeros(p.shape, device=p.device)

@@ -1,7 +1,10 @@
 """Fixes for a run that already trains in fp8 (torchao's ``Float8Linear``): keep one layer in
-high precision, or cast per tensor (the output gradient in e5m2). Each is tried on the whole
-run by ``record --apply fp8=RECIPE[:keep=...]`` (``record/treatment.py``); the replay of one
-saved step does not convert layers to fp8, so none is tried there.
+high precision, cast per tensor (the output gradient in e5m2), cast row-wise (one scale per
+row), or scale by the current amax (not a delayed scale). Each is tried on the whole run by
+``record --apply fp8=RECIPE[:keep=...]`` (``record/treatment.py``); the forensic replay of a
+failing step does not convert layers, but the fp8 trial at close re-runs the saved step with
+each fp8 layer kept in high precision or cast row-wise (``rules/fp8own.py`` reads it as the
+outcome of ``fp8_keep_layer`` and ``fp8_rowwise``).
 """
 
 from __future__ import annotations

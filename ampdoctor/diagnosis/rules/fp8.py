@@ -6,20 +6,25 @@ casts its fp8 layers made on the sampled steps (``diagnosis/fp8.py``):
   below torchao's floor of 1e-12 (the scale clamped), or every non-zero value cast to 0;
 * ``fp8_grad_underflow``: the output gradient loses more than ``thresholds.FP8_FLUSHED`` of
   its non-zero values (or ``FP8_SUBNORMAL`` go subnormal) in the format the layer casts it
-  to; the discriminator is the same gradient under per-tensor e5m2 scaling (the /fp8
+  to, and a tenth of them lie at the bottom (flushed or subnormal together: a tail of a few
+  percent is a gradient that spans many binades by nature, a softmax's); the discriminator is
+  the same gradient under per-tensor e5m2 scaling (the /fp8
   ``tensorwise`` row): where that keeps it, the e4m3 format is the cause and per-tensor
   scaling the fix, else the layer stays in bf16;
 * ``fp8_drift``: the loss drifts from a bf16 (or fp32) baseline's, beyond the parity
   tolerance ``ampdoctor compare`` uses (``diagnosis/parity.py``), with no NaN; given only
   with the baseline (``diagnose fp8.h5 --baseline bf16.h5``). The layer named is the one whose
-  own casts lose the most (lowest SQNR): a ranking, not a proof.
+  own casts lose the most (lowest SQNR): a ranking, not a proof;
+* ``fp8_saturated``: an operand clamped at the format's max on a sampled step (more than
+  ``thresholds.FP8_SATURATED``): a scale not taken from the tensor itself (torchao before
+  0.10's ``delayed`` scaling, read from the /fp8 ``delayed`` rows) that an amax jump outgrew;
+  the discriminator is the same tensor under its current amax, which must not clamp.
 
 No NaN is needed, and none is made: torchao's casts saturate and clamp, so these failures
-show only as lost values. Not decided here: saturation (current scaling maps the amax to the
-top of the format on every step, so torchao 0.18's recipes never clamp; the delayed recipe
-that could was removed from torchao), a delayed scale behind an amax jump (only the /fp8
-``delayed`` emulation shows it, as the readiness's ``saturates``), and amaxes that differ
-across ranks (each rank's file holds its own casts; the rank merge does not compare them).
+show only as lost values. ``rules/fp8own.py`` holds the classes measured against the run
+itself (a tensor mostly flushed, a drift without a baseline). Not decided here: amaxes that
+differ across ranks (each rank's file holds its own casts; the rank merge does not compare
+them).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def own_trial(run: Any) -> dict:
     (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
     precision or cast row-wise, measured against it, with the trial's ``step``); {} where
     none ran."""
-    trial = fp8_trial(run)
+    trial = Fp8Trial.of(fp8_trial(run))
     own = trial["own"]
     if not isinstance(own, dict) or "as_recorded" not in own:
         return {}

@@ -98,7 +98,7 @@ TABLE = (
             (_FP8 + "test_a_layer_fed_zeros_on_some_steps_is_flushed_whole",)),
     Verdict("fp8_saturated", "a layer trained in fp8 clamps an operand at the format's max on "
             "some sampled steps: a delayed scale that an amax jump outgrew",
-            56, "fp8", "neither", ("tests/diagnosis/rules/test_fp8verdicts.py::"
+            56, "fp8", "neither", ("tests/diagnosis/rules/test_fp8self.py::"
                                    "test_a_delayed_scale_behind_an_amax_jump_saturates",)),
     Verdict("fp8_drift", "a run in fp8 whose loss drifts from its bf16 baseline's (diagnose "
             "--baseline) with no NaN: the layer whose casts lose the most named",

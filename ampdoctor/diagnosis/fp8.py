@@ -17,6 +17,10 @@ log2(fmt max / (amax * scale))). Current scaling maps the amax to the top on eve
 it never saturates; a delayed scale lags, and an amax that grows eats this headroom until the
 cast clamps (at about -0.05: 464/448). A tensor with falling headroom is an outlier growing.
 
+``own_trial`` reads the fp8 trial's re-run of such a run with its fp8 layers in high
+precision (``record/forensic/fp8trial.py``): the run measured against itself on the saved
+step, which ``rules/fp8own.py`` reads.
+
 Read by the rules of ``rules/fp8.py``; the thresholds are those of the readiness
 (``thresholds.FP8_FLUSHED``).
 

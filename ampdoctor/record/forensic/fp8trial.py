@@ -30,6 +30,13 @@ the all-but-kept re-runs; once the budget is spent the layers not tried are list
 (``untried``) and ``stopped`` says so. The result is one ``Event.FP8_TRIAL`` row whose text is
 ``payloads.Fp8Trial``; ``release/fp8.py`` reads it.
 
+**A run already in fp8** (torchao's ``Float8Linear``) is re-run the other way round too
+(``own``): its fp8 layers as the Linears they were (``fp8matmul.in_high_precision``) give the
+reference, against which the step as recorded, and each fp8 layer alone kept in high precision
+(or, cast per tensor, alone cast row-wise) are measured; where no loss was recomputed, the
+change of sum <g, y> over the outputs and their recorded gradient g (``output_term``) gives
+the loss change to first order. ``diagnosis/rules/fp8own.py`` reads it.
+
 Not tried: ``delayed`` (its scale is an amax history of every step, which one step does not
 hold); a step of several models, a sharded one, one whose loss was not captured and whose
 output gradient was not kept (each said in ``note``).

@@ -391,6 +391,9 @@ class Fp8Trial(Payload):
         "weights_step": Key(int, "the last step: the weights re-run are those after it", -1),
         "loss": Key(float, "the loss of the step re-run as recorded (the reference)"),
         "recipes": Key(dict, "recipe name -> what each re-run did (see the class doc)", {}),
+        "own": Key(dict, "a run already in fp8: its fp8 layers re-run in high precision (the "
+                   "reference then), {'loss', 'as_recorded': effect, 'layers': {NAME: "
+                   "{'high_precision': effect, 'rowwise': effect}}, 'untried', 'note'}", {}),
         "suits": Key(str, "the recipe whose all-but-kept re-run stays within the thresholds "
                      "with the fewest layers kept ('' none)", ""),
         "thresholds": Key(dict, "grad_error, loss_change: above either a layer is kept", {}),

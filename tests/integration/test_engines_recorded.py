@@ -1,7 +1,8 @@
 """Engines that take the optimizer step themselves, under ``ampdoctor record`` with no change
 to the script: DeepSpeed's engine (fixtures/stacks/deepspeed_train.py, fp16 ZeRO-1 on
 DeepSpeed's CPU accelerator, two ranks over gloo; bf16 ZeRO-2 in one process) and Megatron-core's
-grad scaler and found_inf check (fixtures/stacks/megatron_scaler.py, driven on CPU).
+grad scalers under its mixed-precision optimizer's own step, found_inf all-reduce and skip
+(fixtures/stacks/megatron_scaler.py, driven on CPU over gloo).
 
 Each run's /steps columns are checked against what the engine itself said at every step (the
 script's ``--history``: loss, loss scale, overflow, grad norm, LR), then the diagnosis: healthy

@@ -190,3 +190,17 @@ def test_deepspeed_fp16_on_a_gpu_is_recorded_as_it_ran(tmp_path_factory):
     assert_engine_columns(job, 0)
     s = job.steps(0)
     assert np.all(np.isfinite(s["scale"])) and s["skipped"].any()
+
+
+@pytest.mark.gpu
+def test_megatron_fp16_optimizer_on_a_gpu_is_recorded_as_it_ran(tmp_path_factory):
+    """Megatron-core's own Float16OptimizerWithFloat16Params on CUDA (fp16 parameters, fp32
+    main copies, its DynamicGradScaler's tensors on the GPU as written), one process over
+    nccl: the path the CPU runs reach through the fixture's CPU subclass."""
+    job = run(tmp_path_factory, "megatron_gpu", "megatron_scaler.py",
+              ["--device", "cuda", "--bad-rank", "0", "--bad-step", "5"], nproc=0)
+    logged, s = job.history(0), job.steps(0)
+    assert len(s) == len(logged)
+    np.testing.assert_array_equal(s["scale"], [h["scale"] for h in logged])
+    np.testing.assert_array_equal(s["scale_after"], [h["scale_after"] for h in logged])
+    assert np.flatnonzero(s["skipped"]).tolist() == [5] and s["flags"][5] & OWN

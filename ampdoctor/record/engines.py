@@ -49,7 +49,7 @@ import torch
 import torch.optim.optimizer as optimizer_hooks
 
 from . import stats
-from .patches import Patch, PatchSet
+from .patches import Patch, PatchSet, subclasses
 from .steps import Step
 
 DEEPSPEED = "deepspeed.runtime.engine"
@@ -237,7 +237,7 @@ class Engines:
                 return out
             return wrapper
 
-        for cls in _subclasses(base):
+        for cls in subclasses(base):
             if "update" in cls.__dict__:
                 patch_set.add(Patch(cls, "update", update))
 
@@ -345,16 +345,6 @@ def _scale_of(scaler: Any) -> Optional[torch.Tensor]:
     scale = getattr(scaler, "_scale", None)
     return scale.detach().reshape(-1)[0].float().clone() if isinstance(
         scale, torch.Tensor) else None
-
-
-def _subclasses(base: type) -> list[type]:
-    classes, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    return classes
 
 
 __all__ = ["Engines"]

@@ -72,6 +72,7 @@ class Engines:
         self._ended = False  # the engine's step has ended already (its inner optimizer step)
         self._grad_norm: Optional[torch.Tensor] = None  # of a plain torch optimizer's gradients
         self._own: Optional[torch.Tensor] = None  # this rank's own found_inf, this step
+        self._applying = False  # a Megatron scaler's update found no inf: the step applies
 
     @property
     def stepping(self) -> bool:
@@ -255,6 +256,7 @@ class Engines:
             self.hooks.end_engine_step(fill)
         else:
             fill(self.hooks.log.step)
+            self._applying = True
 
     def _patch_megatron_optimizer(self, patch_set: PatchSet, module: Any) -> None:
         mixed = getattr(module, "MixedPrecisionOptimizer", None)
@@ -289,11 +291,47 @@ class Engines:
                 return out
             return wrapper
 
+        def ready(orig):
+            @functools.wraps(orig)
+            def wrapper(optimizer, *args, **kwargs):
+                if not tap._applying or tap._stepping:
+                    return orig(optimizer, *args, **kwargs)
+                tap._safely("megatron_step", tap._begin_megatron, optimizer)
+                try:
+                    return orig(optimizer, *args, **kwargs)
+                finally:
+                    tap._stepping = False
+                    tap._safely("megatron_step", tap._end_megatron)
+            return wrapper
+
         method = "_unscale_main_grads_and_check_for_nan"
         if mixed is not None and method in mixed.__dict__:
             patch_set.add(Patch(mixed, method, check))
+        if mixed is not None and "step_with_ready_grads" in mixed.__dict__:
+            patch_set.add(Patch(mixed, "step_with_ready_grads", ready))
         if base is not None and "scale_loss" in base.__dict__:
             patch_set.add(Patch(base, "scale_loss", scale_loss))
+
+    def _begin_megatron(self, optimizer: Any) -> None:
+        """A Megatron optimizer's applied step begins (``step_with_ready_grads``): its inner
+        torch optimizer steps the fp32 main parameters (copies of fp16 ones), not the model's,
+        so the step is the engine's, ended as it returns; the norm of the main gradients,
+        unscaled by now."""
+        self._stepping, self._applying = True, False
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            self.hooks.watched.adopt_optimizer(inner)
+        self.hooks.begin_engine_step(_megatron_model_params(optimizer))
+        grads = [p.grad for g in getattr(inner, "param_groups", []) for p in g["params"]
+                 if p.grad is not None and stats.measurable(p.grad)]
+        self._grad_norm = stats.global_norm(grads) if grads else None
+
+    def _end_megatron(self) -> None:
+        def fill(st: Step) -> None:
+            if self._grad_norm is not None:
+                st.grad_norm = self._grad_norm.float()
+            st.stepped = True
+        self.hooks.end_engine_step(fill)
 
     def _scaled_loss(self, loss: Any, out: Any) -> None:
         if isinstance(loss, torch.Tensor) and isinstance(out, torch.Tensor):
@@ -338,6 +376,16 @@ def _loss_scale(engine: Any) -> Optional[float]:
     if scale is None:
         scale = getattr(optimizer, "loss_scale", getattr(optimizer, "cur_scale", None))
     return None if scale is None else float(scale)
+
+
+def _megatron_model_params(optimizer: Any) -> list:
+    """The model's parameters a Megatron optimizer updates: its fp16 groups and fp32 groups
+    where it keeps main copies (``Float16OptimizerWithFloat16Params``), else its own."""
+    groups = getattr(optimizer, "float16_groups", None)
+    if isinstance(groups, list):
+        groups = groups + list(getattr(optimizer, "fp32_from_fp32_groups", []))
+        return [p for g in groups for p in g]
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _scale_of(scaler: Any) -> Optional[torch.Tensor]:

@@ -173,6 +173,9 @@ def test_megatron_scalers_found_inf_and_skips_are_recorded_per_rank(tmp_path_fac
         np.testing.assert_array_equal(s["scale_after"], [h["scale_after"] for h in logged])
         assert s["skipped"].tolist() == [int(h["found_inf"]) for h in logged]
         assert np.flatnonzero(s["skipped"]).tolist() == [5]
+        # an applied step ends at its optimizer's step, whose inner optimizer steps fp32 main
+        # copies: the norm of their (unscaled) gradients
+        assert np.all(np.isfinite(s["grad_norm"][s["skipped"] == 0]))
         # this rank's own found_inf, copied before the check's all-reduce
         assert bool(s["flags"][5] & OWN) == (rank == 1)
     if kind == "constant":

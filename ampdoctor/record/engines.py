@@ -30,10 +30,14 @@ Megatron-core (``megatron.core.optimizer``):
 
 * ``MegatronGradScaler.update(found_inf)`` of every subclass (``DynamicGradScaler``,
   ``ConstantGradScaler``): the scale before and after, found_inf. A step it skips (no
-  optimizer step follows) ends there; an applied one ends at its optimizer's step.
+  optimizer step follows) ends there; an applied one ends at its optimizer's step (below, or
+  a torch optimizer's step over the model's parameters where no Megatron optimizer steps).
 * ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``: this rank's found_inf,
   copied as the method hands it to ``torch.distributed.all_reduce`` (put back on return).
 * ``MegatronOptimizer.scale_loss``: the loss before it was scaled is the step's loss.
+* ``MixedPrecisionOptimizer.step_with_ready_grads`` after an update that found no inf: the
+  applied step, the engine's own (its inner torch optimizer steps fp32 main copies of the
+  parameters, not the model's), ended as it returns; the grad norm is the main gradients'.
 
 Every callback runs through ``_safely``: a failure of ours goes to the recorder's ``fault``
 (which steps aside), never to the training loop.

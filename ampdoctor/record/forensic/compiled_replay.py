@@ -51,9 +51,8 @@ from .. import compiled, stats
 from ..sampler import tensors_in
 from .culprit import Culprit
 from .isolated import writes_allowed
-from .reproduced import recorded_scale
 from .trace import unwrap
-from .trial import AS_RECORDED, Outcome, Trial, rerun_step
+from .trial import AS_RECORDED, Outcome, Trial, recorded_scale, rerun_step
 
 MAX_REPLAYS = 2  # compiled replays per run: each compiles every region up to three times
 MAX_REGIONS = 4  # regions compiled one at a time to name the one

@@ -100,18 +100,13 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
         f.detail["reproduced"] = True
 
 
-def recorded_scale(cap: Capture) -> Optional[float]:
-    """The loss scale the step's backward ran at (None: unscaled)."""
-    return next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
-
-
 def _at_scale_one(cap: Capture, names: dict, again: trial.Outcome) -> Optional[trial.Outcome]:
     """The re-run at loss scale 1 where the one as recorded was finite up to its gradients,
     which overflowed at the recorded scale (GradScaler's own calibration: at step 0's 65536 a
     finite step's gradients overflow fp16 too, and the scale falls by itself). Finite there,
     the real step's non-finite forward or loss did not reproduce; None where it is still not
     finite (the backward itself fails: the replay's finding stands)."""
-    scale = recorded_scale(cap)
+    scale = trial.recorded_scale(cap)
     if again.first != "backward" or scale is None or scale <= 1.0:
         return None
     low = trial.rerun(cap, replace(trial.AS_RECORDED, scale=1.0), names)

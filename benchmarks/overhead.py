@@ -7,6 +7,7 @@
     python benchmarks/overhead.py --device cuda --workload gpt2   # on a GPU
     python benchmarks/overhead.py --json out.json        # also machine-readable
     python benchmarks/overhead.py --compile --config clip    # the model under torch.compile
+    python benchmarks/compiled_overhead.py   # the same, by process CPU time: a loaded machine
 
 **Configurations** (``--config``, default all), the loops users run:
 

@@ -132,13 +132,15 @@ def guard(listener: Faults, method: Callback, *args: Any) -> Any:
         return None
 
 
-def _scaler_classes() -> list[type]:
-    classes = [torch.amp.GradScaler]
-    todo = list(torch.amp.GradScaler.__subclasses__())
+def subclasses(base: type) -> list[type]:
+    """``base`` and every subclass of it defined so far, at any depth (the user's included),
+    each once: the classes whose own methods a patch on ``base`` must wrap too."""
+    classes, todo = [], [base]
     while todo:
         cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
     return classes
 
 
@@ -191,7 +193,7 @@ def patch_scaler(patches: PatchSet, listener: TrainingListener) -> None:
 
     makers = {"scale": scale, "unscale_": unscale_, "step": step, "update": update,
               "__init__": init}
-    for cls in _scaler_classes():
+    for cls in subclasses(torch.amp.GradScaler):
         for name, make in makers.items():
             # Called again once a sharded model is seen: ShardedGradScaler, imported after
             # recording began, gets its overrides patched then (what this listener already
@@ -215,7 +217,7 @@ def patch_own_found_inf(patches: PatchSet, listener: Listener) -> None:
             return out
         return wrapper
 
-    for cls in _scaler_classes():
+    for cls in subclasses(torch.amp.GradScaler):
         method = cls.__dict__.get("_unscale_grads_")
         if method is not None and not _wrapped_for(method, listener):
             patches.add(Patch(cls, "_unscale_grads_", make, listener))
@@ -303,7 +305,7 @@ def patch_autograd_grad(patches: PatchSet, listener: Listener) -> None:
         return wrapper
 
     patches.add(Patch(torch.autograd, "grad", grad))
-    for cls in _scaler_classes():
+    for cls in subclasses(torch.amp.GradScaler):
         if "get_scale" in cls.__dict__ and not _wrapped_for(cls.__dict__["get_scale"], listener):
             patches.add(Patch(cls, "get_scale", get_scale, listener))
 
@@ -454,13 +456,7 @@ def patch_zero_grad(patches: PatchSet, listener: Listener) -> None:
             return orig(self, *args, **kwargs)
         return wrapper
 
-    todo, seen = [torch.optim.Optimizer], []
-    while todo:
-        cls = todo.pop()
-        if cls in seen:
-            continue
-        seen.append(cls)
-        todo.extend(cls.__subclasses__())
+    for cls in subclasses(torch.optim.Optimizer):
         if "zero_grad" in cls.__dict__:
             patches.add(Patch(cls, "zero_grad", make))
 
@@ -635,14 +631,7 @@ def original(fn: Any) -> Any:
 
 def scheduler_classes() -> list[type]:
     """torch's LRScheduler and every subclass of it defined so far (the user's included)."""
-    base = torch.optim.lr_scheduler.LRScheduler
-    classes, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    return classes
+    return subclasses(torch.optim.lr_scheduler.LRScheduler)
 
 
 def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:

@@ -285,7 +285,7 @@ class SnapshotDetail(Payload):
     culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/)."""
 
     NAME = "a snapshot's detail"
-    VERSION = 3
+    VERSION = 4
     KEYS = {
         # the replay (findings.py, forensics.py)
         "summary": Key(str, "the finding in one sentence"),
@@ -326,6 +326,9 @@ class SnapshotDetail(Payload):
         # reproduced (reproduced.py)
         "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
         "rerun": Key(TrialOutcome, "the step re-run as recorded"),
+        "rerun_scale": Key(float, "the loss scale ``rerun`` ran its backward at, where not the "
+                           "recorded one (1: at the recorded one a finite forward's gradients "
+                           "overflowed)", since=4),
         "loss_recomputed": Key(bool, "the replay recomputed the loss"),
         "loss_not_recomputed": Key(str, "why the loss was not recomputed"),
         "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),

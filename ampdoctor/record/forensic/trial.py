@@ -429,9 +429,14 @@ def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outco
     return pairs
 
 
+def recorded_scale(cap: Capture) -> Optional[float]:
+    """The loss scale the step's backward ran at (None: unscaled)."""
+    return next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+
+
 def _factor(cap: Capture, t: Trial) -> tuple[Optional[float], float]:
     """(the recorded loss scale, the factor ``t.scale`` changes it by)."""
-    recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+    recorded = recorded_scale(cap)
     return recorded, (t.scale / recorded if t.scale is not None and recorded else 1.0)
 
 

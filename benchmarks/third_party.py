@@ -47,6 +47,23 @@ ampdoctor's, which the side python imports from this checkout through PYTHONPATH
 Face and Lightning rows, nanoGPT and ``ampdoctor diagnose`` run with the python that runs this
 script (``pip install torch==2.13.0 -e '.[test]'``).
 
+The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds what they need):
+``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
+bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
+``JSON`` instruction data) and diffusers' ``train_unconditional.py`` (``--diffusers-repo``;
+bf16, a tiny UNet config, a folder of 16 px images). A failing row with ``dose`` is recorded
+again with the ``--apply`` its diagnosis prescribes (``RUN.treated.h5``): the table's "dosed"
+lines give the treated run's verdict, its loss over its last five steps beside the failing and
+the healthy row's, and what ``ampdoctor compare`` calls failing -> treated and healthy ->
+treated. They run in a venv of their own (``--tp-python``; Python 3.11, the CPU torch of the
+local wheel index, which the pin selects; torchvision, which diffusers' script imports, does
+not import beside it, so that venv has PyPI's torch build and torchvision):
+
+    python3.11 -m venv /work/venv-tp
+    /work/venv-tp/bin/pip install torch==2.13.0 litgpt diffusers torchtune torchao \
+        'jsonargparse[signatures]' transformers accelerate==1.16.0 datasets tensorboard \
+        h5py matplotlib click numpy
+
 Training processes run one at a time with ``OMP_NUM_THREADS=1`` (``--threads``). Run from the
 repository root so that its ``ampdoctor`` is the one imported.
 """
@@ -69,12 +86,16 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import blind_score  # noqa: E402 - the scoring both corpora share
+import third_party_trainers as trainers  # noqa: E402 - what the LLM and diffusion rows need
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks", "third_party")
 TIMM_REPO = "/work/.mirror/huggingface+pytorch-image-models/repo"
 NANOGPT_REPO = "/work/.mirror/karpathy+nanoGPT/repo"
 SIDE_PYTHON = "/tmp/tv/bin/python"
+TP_PYTHON = "/work/venv-tp/bin/python"
+TV_PYTHON = "/work/venv-tv/bin/python"
+DIFFUSERS_REPO = "/work/.mirror/huggingface+diffusers/repo"
 
 TIMM = ["--data-dir", "{images}", "--model", "test_resnet", "--img-size", "32",
         "--num-classes", "4", "--device", "cpu", "--workers", "0", "--no-prefetcher",
@@ -91,9 +112,12 @@ NANO = ["--dataset=tiny", "--device=cpu", "--dtype=float32", "--compile=False", 
 
 
 def row(name: str, stack: str, args: list[str], expected: str, accept: list[str],
-        why: str, record: Optional[list[str]] = None) -> dict[str, Any]:
+        why: str, record: Optional[list[str]] = None,
+        dose: Optional[str] = None) -> dict[str, Any]:
+    """One row; ``dose`` names the healthy row that the prescribed fix, recorded again on this
+    row's command with ``--apply``, is compared with (``third_party_trainers.dose``)."""
     return {"name": name, "stack": stack, "args": args, "expected": expected,
-            "accept": accept, "why": why, "record": record or []}
+            "accept": accept, "why": why, "record": record or [], "dose": dose}
 
 
 # The expert's verdict, and why, for each row. On CPU timm and nanoGPT use no GradScaler (timm
@@ -152,7 +176,56 @@ ROWS = [
     row("lightning_bf16", "lightning", ["--precision", "bf16-mixed", "--epochs", "3"],
         "healthy", ["healthy"], "Trainer(precision='bf16-mixed'), an MLP classifier"),
 ]
-STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning"]
+
+# The LLM and diffusion trainers (issue 40), each configured only by its own flags and config
+# files (built by third_party_trainers.py). litgpt's LR schedule warms up over 4 steps to the
+# LR given, then decays (cosine) to 1e-4; it clips at max_norm 1 (its pretrain default).
+LITGPT = ["pretrain", "--config", "{work}/pretrain.yaml", "--out_dir", "{work}/out/{row}"]
+LITGPT_FT = ["finetune_full", "{work}/checkpoint", "--data", "JSON", "--data.json_path",
+             "{data}", "--data.val_split_fraction", "0.05", "--out_dir", "{work}/out/{row}",
+             "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
+             "--train.max_steps", "30", "--train.save_interval", "100000",
+             "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
+             "--train.max_seq_length", "48", "--eval.interval", "100000",
+             "--eval.initial_validation", "false", "--eval.final_validation", "false",
+             "--logger_name", "csv", "--devices", "1"]
+UNCOND = ["--train_data_dir", "{work}/images/train", "--model_config_name_or_path",
+          "{work}/unet", "--resolution", "16", "--train_batch_size", "8", "--num_epochs", "4",
+          "--lr_warmup_steps", "4", "--output_dir", "{work}/out/{row}", "--logging_dir",
+          "{work}/logs", "--save_images_epochs", "1000", "--save_model_epochs", "1000",
+          "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2",
+          "--checkpointing_steps", "100000", "--dataloader_num_workers", "0"]
+ROWS += [
+    row("litgpt_pretrain", "litgpt", LITGPT + ["--precision", "bf16-mixed",
+                                              "--optimizer.init_args.lr", "3e-3"],
+        "healthy", ["healthy"], "litgpt pretrain, a 2-layer GPT-NeoX from a config file, "
+        "TextFiles data, bf16-mixed, AdamW at 3e-3 clipped at 1: the loss falls"),
+    row("litgpt_pretrain_lr10", "litgpt", LITGPT + ["--precision", "bf16-mixed",
+                                                   "--optimizer.init_args.lr", "10"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 after a 4-step warm-up: every step moves each weight by up to 10 "
+        "whatever the clip; the loss blows up, to an overflow or not", dose="litgpt_pretrain"),
+    row("litgpt_pretrain_bf16_true", "litgpt", LITGPT + ["--precision", "bf16-true",
+                                                        "--optimizer.init_args.lr", "3e-5"],
+        "lost_updates", ["lost_updates"],
+        "bf16-true: bf16 weights and no fp32 master copy; AdamW steps of about 3e-5 are under "
+        "half an ulp of every weight above 0.008 in magnitude (the LayerNorm gains at 1 need "
+        "4e-3): most updates round away"),
+]
+ROWS += [
+    row("diffusers_uncond", "diffusers", UNCOND + ["--mixed_precision", "bf16",
+                                                  "--learning_rate", "1e-3"],
+        "healthy", ["healthy"], "train_unconditional.py with bf16 (accelerate's autocast, "
+        "the batch in bf16), a 2-resolution UNet2DModel, AdamW at 1e-3, clipped at 1: the "
+        "noise-prediction loss falls from about 1"),
+    row("diffusers_uncond_lr10", "diffusers", UNCOND + ["--mixed_precision", "bf16",
+                                                       "--learning_rate", "10"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 (after 4 warm-up steps): the clip bounds the gradient, not Adam's "
+        "step; the weights and activations blow up", dose="diffusers_uncond"),
+]
+STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning", "litgpt", "litgpt_ft",
+          "diffusers", "torchtune", "accelerate"]
 COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 200)),
           ("gray", (128, 128, 128))]
 
@@ -161,8 +234,7 @@ COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 20
 # building what the rows need
 
 
-class NotRun(Exception):
-    """A row cannot run here; the message says why in one sentence."""
+NotRun = trainers.NotRun
 
 
 def png(path: str, size: int, rgb: bytes) -> None:
@@ -333,6 +405,53 @@ class Setup:
                 "fill": {}}
 
 
+    def venv(self, key: str, python: str, modules: list[str], flag: str) -> str:
+        """``python`` if it imports ``modules`` (checked once), else NotRun."""
+        if key not in self.info:
+            try:
+                self.info[key] = check_python(
+                    python, modules + ["h5py", "click", "matplotlib"],
+                    "make its venv as benchmarks/third_party.py's docstring says, or pass "
+                    + flag)
+            except NotRun as e:
+                self.info[key] = e
+        if isinstance(self.info[key], NotRun):
+            raise self.info[key]
+        return python
+
+    def tp(self) -> str:
+        """The python of litgpt and torchtune (``--tp-python``)."""
+        return self.venv("tp", self.args.tp_python, ["litgpt", "torchtune", "tokenizers"],
+                         "--tp-python")
+
+    def tv(self) -> str:
+        """The python of diffusers and the accelerate script (``--tv-python``)."""
+        return self.venv("tv", self.args.tv_python, ["torchvision", "diffusers", "accelerate",
+                                                     "datasets", "tensorboard"],
+                         "--tv-python")
+
+    def litgpt(self) -> dict[str, Any]:
+        python = self.tp()
+        work = trainers.litgpt(os.path.join(self.workdir, "litgpt"), python, child_env(1))
+        return {"python": python, "cwd": work, "command": [python, "-m", "litgpt"],
+                "fill": {"work": work}}
+
+    def litgpt_ft(self) -> dict[str, Any]:
+        stack = self.litgpt()
+        data = trainers.finetune_data(os.path.join(self.workdir, "litgpt_ft"))
+        return {**stack, "fill": {**stack["fill"], "data": os.path.join(data, "train.json")}}
+
+    def diffusers(self) -> dict[str, Any]:
+        python = self.tv()
+        work = trainers.diffusers(os.path.join(self.workdir, "diffusers"), make_images)
+        repo_file(self.args.diffusers_repo,
+                  "examples/unconditional_image_generation/train_unconditional.py",
+                  os.path.join(work, "train_unconditional.py"))
+        self.info["diffusers_commit"] = repo_commit(self.args.diffusers_repo)
+        return {"python": python, "cwd": work, "command": [python, "train_unconditional.py"],
+                "fill": {"work": work}}
+
+
 def main_versions() -> str:
     try:
         return check_python(sys.executable, ["numpy", "transformers", "lightning"], "")
@@ -446,7 +565,32 @@ def score_one(entry: dict[str, Any], setup: Setup, runs: str, timeout: float,
                        for c in result.get("rejected") or []]
     out["notes"] = [str(n)[:300] for n in result.get("notes") or []]
     out["right"] = result["verdict"] in entry["accept"]
+    if entry.get("dose"):
+        out["dose"] = treat(entry, result, command, run, stack, timeout, threads)
     return out
+
+
+def treat(entry: dict[str, Any], result: dict[str, Any], command: list[str], run: str,
+          stack: dict[str, Any], timeout: float, threads: int) -> dict[str, Any]:
+    """The dose check of a failing row: its prescribed fix recorded and compared
+    (``third_party_trainers.dose``), against the healthy row ``entry["dose"]`` of this
+    workdir (run it first, or in the same call)."""
+    def record(cmd: list[str], log: str) -> int:
+        with open(log, "w") as f:
+            return subprocess.run(cmd, cwd=stack["cwd"], env=child_env(threads), stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+    def cli(args: list[str]) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, "-m", "ampdoctor", *args], cwd=ROOT,
+                              env=child_env(threads), capture_output=True, text=True,
+                              timeout=timeout)
+        return done.returncode, done.stdout if done.returncode == 0 else done.stderr
+
+    healthy = os.path.join(os.path.dirname(run), entry["dose"] + ".h5")
+    try:
+        return trainers.dose(result, command, run, healthy, record, cli)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {exc.timeout:.0f} s"}
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -483,12 +627,31 @@ def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['name']}: {' / '.join(r['error'])[:400]}")
+    for r in rows:
+        if r.get("dose"):
+            lines.append(f"{r['name']} dosed: {dose_line(r['dose'])}")
     lines.append(f"failures right: {score['failures_right']}/{score['failures']}; "
                  f"healthy with no false alarm: {score['healthy_right']}/{score['healthy']}"
                  + (f"; not run: {score['not_run']}" if score["not_run"] else ""))
     lines.append(f"calibration: of {score['confident']} verdicts at confidence >= {blind_score.CONFIDENT}, "
                  f"{score['confident_right']} right")
     return "\n".join(lines)
+
+
+def dose_line(d: dict[str, Any]) -> str:
+    """What the prescribed fix did: ``--apply``, the treated run's verdict, its last losses
+    beside the failing and the healthy run's, and what ``compare`` calls it."""
+    if not d.get("apply"):
+        return d.get("why") or d.get("error") or "no --apply"
+    loss = d.get("losses") or {}
+    text = f"{d['apply']} -> {d.get('verdict')}"
+    parts = [f"{k} {v.get('last5_mean')}" for k, v in loss.items() if v.get("finite")]
+    if parts:
+        text += "; loss over the last 5 steps: " + ", ".join(parts)
+    for key in ("compare_failing", "compare_healthy"):
+        if d.get(key):
+            text += f"; {key.replace('_', ' ')}: {d[key].get('kind')} {d[key].get('verdict')}"
+    return text
 
 
 def selected(only: Optional[str]) -> list[dict[str, Any]]:
@@ -514,6 +677,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--side-python", default=SIDE_PYTHON,
                         help="the python with torchvision, timm and open_clip (see the top of "
                              "this file)")
+    parser.add_argument("--tp-python", default=TP_PYTHON,
+                        help="the python with litgpt and torchtune (see the top of this file)")
+    parser.add_argument("--tv-python", default=TV_PYTHON,
+                        help="the python with torchvision, diffusers and accelerate (see the "
+                             "top of this file)")
+    parser.add_argument("--diffusers-repo", default=DIFFUSERS_REPO,
+                        help="a checkout or git directory of huggingface/diffusers")
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of the training processes (1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")

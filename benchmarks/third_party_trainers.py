@@ -113,7 +113,7 @@ def litgpt(folder: str, python: str, env: dict[str, str]) -> str:
                 "data": {"class_path": "litgpt.data.TextFiles",
                          "init_args": {"train_data_path": os.path.join(folder, "text", "train"),
                                        "val_data_path": os.path.join(folder, "text", "val"),
-                                       "num_workers": 1}},
+                                       "num_workers": 0}},
                 "train": {"save_interval": 100000, "log_interval": 1, "global_batch_size": 8,
                           "micro_batch_size": 8, "max_tokens": 8 * 64 * 40,
                           "max_seq_length": 64, "lr_warmup_steps": 4, "max_norm": 1.0,

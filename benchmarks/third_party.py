@@ -19,6 +19,7 @@ verdicts given with confidence >= 0.9, how many were right.
     python benchmarks/third_party.py --only litgpt,diffusers_uncond  # stacks and rows
     python benchmarks/third_party.py --workdir /tmp/tp           # keep data, runs and logs
     python benchmarks/third_party.py --show benchmarks/results/third_party.json
+    python benchmarks/third_party.py --merge a.json b.json --out all.json  # rows of both
 
 Everything a row needs is built in ``--workdir``, offline: a folder of random 32x32 PNG images
 in 4 classes (timm's ImageFolder; open_clip's CSV points at the same files, one caption per
@@ -51,19 +52,31 @@ script (``pip install torch==2.13.0 -e '.[test]'``).
 The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds what they need):
 ``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
 bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
-``JSON`` instruction data) and diffusers' ``train_unconditional.py`` (``--diffusers-repo``;
-bf16, a tiny UNet config, a folder of 16 px images). A failing row with ``dose`` is recorded
+``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
+a tiny UNet config, a folder of 16 px images) and torchtune's ``tune run
+full_finetune_single_device`` (a tiny random Llama-2 saved from torchtune's own builder, a
+SentencePiece tokenizer, ``text_completion_dataset``, on CPU). A failing row with ``dose`` is recorded
 again with the ``--apply`` its diagnosis prescribes (``RUN.treated.h5``): the table's "dosed"
 lines give the treated run's verdict, its loss over its last five steps beside the failing and
 the healthy row's, and what ``ampdoctor compare`` calls failing -> treated and healthy ->
-treated. They run in a venv of their own (``--tp-python``; Python 3.11, the CPU torch of the
-local wheel index, which the pin selects; torchvision, which diffusers' script imports, does
-not import beside it, so that venv has PyPI's torch build and torchvision):
+treated. litgpt and torchtune run in a venv of their own (``--tp-python``: Python 3.11, the
+CPU torch of the local wheel index, which the pin selects; torchtune 0.6.1, the last release,
+imports ``torchao.dtypes.nf4tensor``, which torchao 0.18 no longer has, and torchao 0.12
+does not import beside torch 2.13, hence 0.15.0):
 
     python3.11 -m venv /work/venv-tp
-    /work/venv-tp/bin/pip install torch==2.13.0 litgpt litdata torchtune torchao \
-        'jsonargparse[signatures]' transformers accelerate==1.16.0 datasets tensorboard \
-        h5py matplotlib click numpy
+    /work/venv-tp/bin/pip install torch==2.13.0 litgpt litdata torchtune torchao==0.15.0 \\
+        'jsonargparse[signatures]' h5py matplotlib click numpy
+
+diffusers' script imports torchvision, which does not import beside that CPU torch, so it runs
+in a third venv (``--tv-python``) with PyPI's torch build (``--isolated``: past this machine's
+wheel index and constraints):
+
+    python3.11 -m venv /work/venv-tv
+    /work/venv-tv/bin/pip install --isolated torch==2.13.0 torchvision diffusers datasets \\
+        accelerate==1.16.0 tensorboard transformers h5py matplotlib click numpy
+
+Every row runs with ``HF_HUB_OFFLINE=1``: its data and models are in the workdir.
 
 Training processes run one at a time with ``OMP_NUM_THREADS=1`` (``--threads``). Run from the
 repository root so that its ``ampdoctor`` is the one imported.
@@ -183,7 +196,13 @@ ROWS = [
 # The LLM and diffusion trainers (issue 40), each configured only by its own flags and config
 # files (built by third_party_trainers.py). litgpt's LR schedule warms up over 4 steps to the
 # LR given, then decays (cosine) to 1e-4; it clips at max_norm 1 (its pretrain default).
-LITGPT = ["pretrain", "--config", "{work}/pretrain.yaml", "--out_dir", "{work}/out/{row}"]
+def pretrain(lr: float) -> list[str]:
+    """``litgpt pretrain`` with the config file of AdamW at ``lr``
+    (``third_party_trainers.pretrain_config``)."""
+    return ["pretrain", "--config", f"{{work}}/pretrain_lr{lr:g}.yaml", "--out_dir",
+            "{work}/out/{row}"]
+
+
 # litgpt pretrain always wraps the model in torch.compile; inductor's C++ build of a model's
 # forward and backward takes minutes on a CPU, so its rows run with dynamo off (an environment
 # variable, as a user on a CPU would set it; no line of litgpt changed)
@@ -191,10 +210,11 @@ EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def adamw(lr: float) -> str:
-    """litgpt's ``--optimizer`` as a whole (its ``--optimizer.init_args.lr`` adds a key that
-    the optimizer never reads): pretrain.yaml's AdamW at ``lr``."""
-    return json.dumps({"class_path": "torch.optim.AdamW",
+    """litgpt finetune_full's ``--optimizer`` as a whole (its ``--optimizer.lr`` adds a key
+    that the optimizer never reads): AdamW at ``lr``."""
+    text = json.dumps({"class_path": "torch.optim.AdamW",
                        "init_args": {"lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95]}})
+    return text.replace("{", "{{").replace("}", "}}")  # a row's args are format strings
 LITGPT_FT = ["finetune_full", "{work}/checkpoint", "--data", "JSON", "--data.json_path",
              "{data}", "--data.val_split_fraction", "0.05", "--out_dir", "{work}/out/{row}",
              "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
@@ -210,18 +230,16 @@ UNCOND = ["--train_data_dir", "{work}/images/train", "--model_config_name_or_pat
           "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2",
           "--checkpointing_steps", "100000", "--dataloader_num_workers", "0"]
 ROWS += [
-    row("litgpt_pretrain", "litgpt", LITGPT + ["--precision", "bf16-mixed"],
+    row("litgpt_pretrain", "litgpt", pretrain(3e-3) + ["--precision", "bf16-mixed"],
         "healthy", ["healthy"], "litgpt pretrain, a 2-layer GPT-NeoX from a config file, "
         "TextFiles data, bf16-mixed, the config's AdamW at 3e-3 clipped at 1: the loss falls "
         "(6.19 to 3.5 in 40 steps, litgpt's own log)", env=EAGER),
-    row("litgpt_pretrain_lr10", "litgpt", LITGPT + ["--precision", "bf16-mixed",
-                                                   "--optimizer", adamw(10)],
+    row("litgpt_pretrain_lr10", "litgpt", pretrain(10) + ["--precision", "bf16-mixed"],
         "lr_overflow", ["lr_overflow", "diverged"],
         "AdamW at LR 10 after a 4-step warm-up: every step moves each weight by up to 10 "
         "whatever the clip; the loss blows up, to an overflow or not", dose="litgpt_pretrain",
         env=EAGER),
-    row("litgpt_pretrain_bf16_true", "litgpt", LITGPT + ["--precision", "bf16-true",
-                                                        "--optimizer", adamw(3e-5)],
+    row("litgpt_pretrain_bf16_true", "litgpt", pretrain(3e-5) + ["--precision", "bf16-true"],
         "lost_updates", ["lost_updates"],
         "bf16-true: bf16 weights and no fp32 master copy; AdamW steps of about 3e-5 are under "
         "half an ulp of every weight above 0.008 in magnitude (the LayerNorm gains at 1 need "
@@ -509,9 +527,13 @@ class Setup:
 
     def torchtune(self) -> dict[str, Any]:
         python = self.tp()
-        check_python(python, ["torchtune", "torchtune.training"], "pip install torchtune")
-        raise NotRun("torchtune imports, but this corpus has no builder yet for its tiny Llama "
-                     "checkpoint and tokenizer")
+        check_python(python, ["torchtune", "torchtune.training", "sentencepiece"],
+                     "pip install torchtune 'torchao==0.15.0' (torchtune 0.6.1 imports "
+                     "torchao.dtypes.nf4tensor, which later torchao removed)")
+        work = trainers.torchtune(os.path.join(self.workdir, "torchtune"), python, child_env(1))
+        return {"python": python, "cwd": work,
+                "command": [os.path.join(os.path.dirname(python), "tune"), "run"],
+                "fill": {"work": work}}
 
     def accelerate(self) -> dict[str, Any]:
         raise NotRun("transformers' examples/pytorch/language-modeling/run_clm_no_trainer.py is "
@@ -734,6 +756,28 @@ def selected(only: Optional[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def merge(paths: list[str], out: Optional[str]) -> int:
+    """The rows of several ``--out`` files, in ``ROWS`` order, scored again; the environment
+    of each file kept under its path."""
+    found: dict[str, dict[str, Any]] = {}
+    envs = {}
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        found.update({r["name"]: r for r in saved["rows"]})
+        envs[path] = saved.get("env")
+    order = [e["name"] for e in ROWS]
+    rows = sorted(found.values(), key=lambda r: order.index(r["name"]) if r["name"] in order
+                  else len(order))
+    score = summary(rows)
+    print(table(rows, score))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "score": score, "env": envs}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="rows and stacks' rows, comma-separated (stacks: "
@@ -759,7 +803,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="OMP_NUM_THREADS of the training processes (1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     parser.add_argument("--show", help="print the table of a result file written by --out")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge result files written by --out (a row in a later file "
+                             "replaces the same row in an earlier one) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.show:
         with open(args.show) as f:
             saved = json.load(f)
@@ -789,6 +838,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "timm_repo": args.timm_repo, "timm_commit": setup.info.get("timm_commit"),
             "nanogpt_repo": args.nanogpt_repo,
             "nanogpt_commit": setup.info.get("nanogpt_commit"),
+            "tp_python": args.tp_python, "tp": str(setup.info.get("tp")),
+            "tv_python": args.tv_python, "tv": str(setup.info.get("tv")),
+            "diffusers_repo": args.diffusers_repo,
+            "diffusers_commit": setup.info.get("diffusers_commit"),
             "main": main_versions(), "threads": args.threads, "wall_s": round(time.monotonic() - started, 1)}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -90,9 +90,8 @@ LITGPT_MODEL = {"name": "tiny-neox", "hf_config": {"org": "local", "name": "tiny
 
 
 def litgpt(folder: str, python: str, env: dict[str, str]) -> str:
-    """``tokenizer/``, ``text/train`` and ``text/val`` (litgpt's ``TextFiles``), ``pretrain.yaml``
-    (the model, data and training flags, as litgpt's own ``config_hub/pretrain`` files are
-    written) and ``checkpoint/`` (the model's random weights saved by litgpt's ``GPT``, with
+    """``tokenizer/``, ``text/train`` and ``text/val`` (litgpt's ``TextFiles``),
+    ``pretrain_lrLR.yaml`` (``pretrain_config``) and ``checkpoint/`` (the model's random weights saved by litgpt's ``GPT``, with
     ``model_config.yaml`` and the tokenizer: what ``finetune_full`` loads)."""
     def build(folder: str) -> None:
         lines = corpus()
@@ -106,24 +105,6 @@ def litgpt(folder: str, python: str, env: dict[str, str]) -> str:
             for i in range(0, len(part), step):
                 with open(os.path.join(d, f"{i // step}.txt"), "w") as f:
                     f.write("\n".join(part[i:i + step]) + "\n")
-        with open(os.path.join(folder, "pretrain.yaml"), "w") as f:
-            json.dump({
-                "model_name": "tiny-neox", "model_config": LITGPT_MODEL,
-                "out_dir": os.path.join(folder, "out"), "tokenizer_dir": tok,
-                "data": {"class_path": "litgpt.data.TextFiles",
-                         "init_args": {"train_data_path": os.path.join(folder, "text", "train"),
-                                       "val_data_path": os.path.join(folder, "text", "val"),
-                                       "num_workers": 0}},
-                "train": {"save_interval": 100000, "log_interval": 1, "global_batch_size": 8,
-                          "micro_batch_size": 8, "max_tokens": 8 * 64 * 40,
-                          "max_seq_length": 64, "lr_warmup_steps": 4, "max_norm": 1.0,
-                          "min_lr": 1e-4, "tie_embeddings": False},
-                "eval": {"interval": 100000, "max_iters": 1, "initial_validation": False,
-                         "final_validation": False},
-                "optimizer": {"class_path": "torch.optim.AdamW",
-                              "init_args": {"lr": 3e-3, "weight_decay": 0.1,
-                                            "betas": [0.9, 0.95]}},
-                "devices": 1, "logger_name": "csv", "seed": 42}, f, indent=1)
         checkpoint = os.path.join(folder, "checkpoint")
         os.makedirs(checkpoint, exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -132,7 +113,39 @@ def litgpt(folder: str, python: str, env: dict[str, str]) -> str:
                 dst.write(src.read())
         side_run(python, LITGPT_CHECKPOINT.format(config=LITGPT_MODEL, out=checkpoint), env,
                  "the litgpt checkpoint")
-    return once(folder, build)
+    once(folder, build)
+    for lr in PRETRAIN_LRS:
+        with open(os.path.join(folder, f"pretrain_lr{lr:g}.yaml"), "w") as f:
+            json.dump(pretrain_config(folder, lr), f, indent=1)
+    return folder
+
+
+# one config file per LR: jsonargparse cannot override a config's optimizer from the command
+# line (a whole --optimizer raises AttributeError in litgpt 0.5.13; --optimizer.init_args.lr
+# adds a top-level key that AdamW never reads)
+PRETRAIN_LRS = (3e-3, 10.0, 3e-5)
+
+
+def pretrain_config(folder: str, lr: float) -> dict[str, Any]:
+    """``litgpt pretrain --config``: the model, the data and the training flags, as litgpt's
+    own ``config_hub/pretrain`` files are written, with AdamW at ``lr``."""
+    return {
+        "model_name": "tiny-neox", "model_config": LITGPT_MODEL,
+        "out_dir": os.path.join(folder, "out"),
+        "tokenizer_dir": os.path.join(folder, "tokenizer"),
+        "data": {"class_path": "litgpt.data.TextFiles",
+                 "init_args": {"train_data_path": os.path.join(folder, "text", "train"),
+                               "val_data_path": os.path.join(folder, "text", "val"),
+                               "num_workers": 0}},
+        "train": {"save_interval": 100000, "log_interval": 1, "global_batch_size": 8,
+                  "micro_batch_size": 8, "max_tokens": 8 * 64 * 40, "max_seq_length": 64,
+                  "lr_warmup_steps": 4, "max_norm": 1.0, "min_lr": min(lr, 1e-4),
+                  "tie_embeddings": False},
+        "eval": {"interval": 100000, "max_iters": 1, "initial_validation": False,
+                 "final_validation": False},
+        "optimizer": {"class_path": "torch.optim.AdamW",
+                      "init_args": {"lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "devices": 1, "logger_name": "csv", "seed": 42}
 
 
 LITGPT_CHECKPOINT = """
@@ -248,3 +261,65 @@ def dose(result: dict[str, Any], command: list[str], run: str, healthy: Optional
             else:
                 info[key] = {"error": text.strip().splitlines()[-1:]}
     return info
+
+
+# torchtune: a Llama-2 architecture of 2 layers, 64 wide, in torchtune's own checkpoint format
+TUNE_MODEL = {"_component_": "torchtune.models.llama2.llama2", "vocab_size": 384,
+              "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "embed_dim": 64,
+              "max_seq_len": 64, "intermediate_dim": 128}
+
+
+def torchtune(folder: str, python: str, env: dict[str, str]) -> str:
+    """``tokenizer.model`` (a SentencePiece BPE, as torchtune's ``llama2_tokenizer`` loads),
+    ``train.txt`` (``text_completion_dataset``), ``ckpt/model.pt`` (the random model's state,
+    saved from torchtune's own builder) and ``tune.yaml``: the keys of the recipe's shipped
+    ``llama2/7B_full_low_memory.yaml``, on CPU, with AdamW and no activation offloading."""
+    def build(folder: str) -> None:
+        lines = corpus()
+        with open(os.path.join(folder, "train.txt"), "w") as f:
+            f.write("\n".join(lines[:1200]) + "\n")
+        os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
+        side_run(python, TUNE_BUILD.format(folder=folder, model=TUNE_MODEL), env,
+                 "the torchtune checkpoint and tokenizer")
+        out = os.path.join(folder, "out")
+        config = {
+            "output_dir": out,
+            "tokenizer": {"_component_": "torchtune.models.llama2.llama2_tokenizer",
+                          "path": os.path.join(folder, "tokenizer.model"), "max_seq_len": 64},
+            "dataset": {"_component_": "torchtune.datasets.text_completion_dataset",
+                        "source": "text", "data_files": os.path.join(folder, "train.txt"),
+                        "split": "train", "column": "text"},
+            "seed": 0, "shuffle": True, "model": TUNE_MODEL,
+            "checkpointer": {"_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
+                             "checkpoint_dir": os.path.join(folder, "ckpt"),
+                             "checkpoint_files": ["model.pt"], "recipe_checkpoint": None,
+                             "output_dir": out, "model_type": "LLAMA2"},
+            "resume_from_checkpoint": False, "batch_size": 8, "epochs": 1,
+            "max_steps_per_epoch": 30,
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+            "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+            "gradient_accumulation_steps": 1, "optimizer_in_bwd": False,
+            "clip_grad_norm": None, "compile": False, "device": "cpu",
+            "enable_activation_checkpointing": False, "enable_activation_offloading": False,
+            "dtype": "fp32",
+            "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger",
+                              "log_dir": os.path.join(out, "logs")},
+            "log_every_n_steps": 1, "log_peak_memory_stats": False,
+            "profiler": {"_component_": "torchtune.training.setup_torch_profiler",
+                         "enabled": False}}
+        with open(os.path.join(folder, "tune.yaml"), "w") as f:
+            json.dump(config, f, indent=1)
+    return once(folder, build)
+
+
+TUNE_BUILD = """
+import torch, sentencepiece
+from torchtune.config import instantiate
+from omegaconf import OmegaConf
+sentencepiece.SentencePieceTrainer.train(
+    input={folder!r} + "/train.txt", model_prefix={folder!r} + "/tokenizer", vocab_size=384,
+    model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+torch.manual_seed(0)
+model = instantiate(OmegaConf.create({model!r}))
+torch.save(model.state_dict(), {folder!r} + "/ckpt/model.pt")
+"""

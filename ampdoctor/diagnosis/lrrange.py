@@ -17,7 +17,9 @@ No LR is read from the trial (``Tried.lr`` None, ``Tried.why`` says why) when no
 state kept, a loss written by hand, no non-finite loss), when no rung trained, or when the
 failing LR itself trained over the trial's steps: weights that grow over hundreds of steps
 fail later than a trial looks. ``dose.py`` then falls back on the update ratios and the LR
-history, and says that its LR is a bound, not a trial, and why.
+history, and says that its LR is a bound, not a trial, and why; where no rung trained, that
+bound is kept a decade below the lowest LR the test tried (``Tried.failed_at``: a ladder
+stopped by its time budget, as a bf16 UNet's on a CPU is, proved every LR down to it fails).
 
 Example::
 
@@ -45,6 +47,9 @@ class Tried:
     lr: Optional[float]
     source: str = ""
     why: str = ""
+    # the lowest LR the test tried where no rung trained: a bound from elsewhere must lie
+    # below it (None: the test proved no LR fails)
+    failed_at: Optional[float] = None
 
 
 def read(f: Any) -> Optional[LrRange]:
@@ -81,7 +86,7 @@ def tried(f: Any) -> Tried:
     if not any(good):
         stopped = f", stopped by {test['stopped']}" if test.get("stopped") else ""
         return Tried(None, why=f"the LR range test found no LR that trained, down to LR "
-                     f"{fmt(rungs[-1]['lr'])}{stopped}")
+                     f"{fmt(rungs[-1]['lr'])}{stopped}", failed_at=float(rungs[-1]["lr"]))
     i = good.index(True)
     high = rungs[i]
     failed = f"; LR {fmt(rungs[i - 1]['lr'])} above it did not ({_failure(rungs[i - 1])})"

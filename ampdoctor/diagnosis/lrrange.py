@@ -7,7 +7,8 @@ factor. A rung *trains* when every loss stayed finite and the last fell below th
 (``LrRange.trains``), and it *stays in range* when the last third of its losses (where it
 ended, not the transient of Adam's first, sign-sized steps) lie below the top of the run's own
 healthy range (``proofs.healthy_range``, widened as a trial's loss is judged there:
-``proofs.judged``). The rungs are read from the highest LR down, whatever order they ran in.
+``proofs.judged``), and not above the rung's own start (the kept state's loss) by more than
+that band. The rungs are read from the highest LR down, whatever order they ran in.
 The prescribed LR is the rung below the highest that trains, the margin:
 that rung's own trial is then quoted ("tried: LR 0.016 kept the loss at 2.72 over 12 steps").
 Where that rung was not run (the time budget) or rose, the highest that trained, one rung
@@ -115,7 +116,10 @@ def _ceiling(f: Any, step: Any, top: dict) -> Optional[float]:
     first = _first(top)
     if first is None or not lo - margin <= first <= hi + margin:
         return None
-    return hi + margin
+    # nor above the trial's own start (a loss of the kept, healthy state) by more than the
+    # band: a range read from steps that had begun to blow up (diffusers' UNet at LR 10: 1.1,
+    # 1.1, 700 before the NaN) would let a rung that swung to 34x and back count as trained
+    return min(hi + margin, first + BAND * abs(first)) if first > 0 else hi + margin
 
 
 def _in_range(rung: dict, ceiling: Optional[float]) -> bool:

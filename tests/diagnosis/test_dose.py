@@ -336,6 +336,17 @@ def test_a_rung_that_ends_above_the_runs_healthy_range_did_not_train():
     assert fix(engine.diagnose(s.run()), "lower_lr").values["lr"] == 0.01
 
 
+def test_a_rung_that_ends_above_its_own_start_by_more_than_the_band_did_not_train():
+    """The run's range may hold the first steps of the blow-up (diffusers' UNet at LR 10:
+    1.1, 1.1, 700 before the NaN): a rung is also held to its own start, a loss of the kept
+    healthy state, plus the band (1.9 * 1.5 = 2.85 here, under the run's 3.0)."""
+    swung = [1.9, 30.0, 40.0, 2.9, 2.95, 1.2]
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, swung), _rung(0.1, FELL))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == 0.0032 and "LR 0.01 is the highest that trained" \
+        in lower.source, lower.source
+
+
 def test_the_rungs_are_read_from_the_highest_lr_down_whatever_order_they_ran_in():
     """The recorder goes down a decade at a time, then tries the half-decade above the first
     that trained: the rungs come in that order."""

@@ -25,7 +25,7 @@ done by its parts, one module each:
 ``journal.Journal``       the run file and the rows every part adds (/events, /tensors, /meta);
                           the warnings, each once
 ``watched.Watched``       the model (given or discovered), optimizers, scaler, autocast state
-``hooks.Hooks``           the hook callbacks (a ``listener.Listener``), the step boundaries
+``hooks.Hooks``           the hook callbacks, in groups (``stepflow``: the step boundaries)
 ``steplog.StepLog``       the step being recorded; finished steps' rows until the drain
 ``skips.Skips``           the skip decision and its syncs; the forensic tier's trigger
 ``forensics.Forensics``   tier 3: capture, replay, snapshot

@@ -50,7 +50,7 @@ from ..diagnosis.facts import Facts
 from ..diagnosis.rules import misuse
 from ..record import patches
 from ..record.listener import ScalerDoor
-from ..record.recorder import Recorder
+from ..record.recorder import Recorder, RecorderConfig
 from ..runfile import schema, store
 from ..runfile.schema import DType, Event
 from .snapshot import Snapshot
@@ -170,7 +170,7 @@ def _run(train_step: Callable[..., Any], args: tuple, path: str,
     model, optimizer = args[:2]
     # The scaler is found as it scales (as under `ampdoctor record`): a step that ignores the
     # one it is given and makes its own is then watched on the one it uses.
-    rec = Recorder(model, optimizer, None, path=path, every=0, forensics=False)
+    rec = Recorder(model, optimizer, None, RecorderConfig(path=path, every=0, forensics=False))
     rec.start()
     error: Optional[Exception] = None
     status = schema.STATUS_FINISHED

@@ -20,9 +20,9 @@ The listeners: ``hooks.Hooks`` (the recorder's) and ``check_amp_step``'s
 
 Example::
 
-    seen = []
+    seen, faults = [], []
     with patches.PatchSet() as ps:
-        patches.patch_backward(ps, print, seen.append)   # fault, then before_backward
+        patches.patch_backward(ps, lambda exc, where: faults.append(where), seen.append)
         loss.backward()                                  # seen == [loss]
 """
 

@@ -65,10 +65,10 @@ MEGATRON_OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
 class Engines:
-    """The engines' doors of one recorder's hooks (``hooks.Hooks``, which ends their steps:
-    ``end_engine_step``)."""
+    """The engines' doors of one recorder's step log (``stepflow.StepFlow``, which ends their
+    steps: ``end_engine_step``)."""
 
-    def __init__(self, hooks: Any):
+    def __init__(self, hooks: Any):  # a stepflow.StepFlow (which imports this module)
         self.hooks = hooks
         self._stepping = False  # inside a DeepSpeed engine's optimizer step
         self._patched: set[str] = set()

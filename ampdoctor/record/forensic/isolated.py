@@ -136,6 +136,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def rng_devices() -> list:
+    """CUDA devices whose RNG a replay may draw from: all of them, once CUDA is initialised
+    (never initialise it here: a CPU run must not get a CUDA context)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
+    return []
+
+
 def rng_state(devices: list) -> dict:
     """The CPU generator's state and that of each listed CUDA device (host copies, no sync):
     torch's RNGs saved once for the replay and for preflight (``set_rng`` puts them back)."""

@@ -22,7 +22,7 @@ loss function the step called after the model, backward from it) and compares:
 
 Only on the event: host reads and one more forward and backward per re-run.
 
-Example (what ``Forensics._search`` does with a micro-batch's finding)::
+Example (what ``replay.search`` does with a micro-batch's finding)::
 
     if finding.phase == Phase.LOSS:
         reproduced.examine(cap, trace, finding, names)

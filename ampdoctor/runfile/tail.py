@@ -2,8 +2,10 @@
 
 ``ampdoctor top`` and ``ampdoctor export --follow`` (``live.follow``) read through it. It opens
 the file as ``reader`` does and decodes rows as ``run`` does, so a followed run and a loaded one
-read alike; what it adds is a cursor per table, a ``/blob`` read by range only (``_Ranged``),
-and the questions a follower asks of the writer: still alive, or replaced by a new recording.
+read alike (``/steps`` column by column, as ``columns.Columns``, read a block at a time: the
+first read of a month-long run never holds its rows whole); what it adds is a cursor per
+table, a ``/blob`` read by range only (``_Ranged``), and the questions a follower asks of the
+writer: still alive, or replaced by a new recording.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
+from .columns import Columns
 from .hdf5 import H5_ERRORS, reason
 from .reader import (
     READ_ORDER,
@@ -113,9 +116,20 @@ class Tail:
                                   lift=migrations.find(name, self.version, ds.dtype))
                 continue
             start = self.done[name]
+            if name == "steps":
+                rows[name] = self._steps_from(ds, start)
+                continue
             rows[name] = migrations.lift(name, self.version, without_unwritten_tail(
                 name, ds[start:])) if ds.shape[0] > start else schema.empty(name)
         return rows, stats
+
+    def _steps_from(self, ds: Any, start: int) -> Columns:
+        """/steps from row ``start`` to its written end, column by column, read a block at a
+        time (``columns``): never the rows whole."""
+        def rows_of(a: int, b: int) -> np.ndarray:
+            return migrations.lift("steps", self.version, ds[start + a:start + b])
+
+        return Columns.read(rows_of, max(0, written_rows(ds) - start), schema.STEPS)
 
     def _blob(self) -> "_Ranged":
         return _Ranged(self._table(schema.BLOB), self.path)

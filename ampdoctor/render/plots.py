@@ -393,9 +393,12 @@ def thin(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS
 
 def _line(ax: Any, x: np.ndarray, y: np.ndarray, **kw: Any) -> None:
     """A line that breaks where the value is NaN or inf (those steps get a ``_rug``)."""
+    x = np.asarray(x)
+    if len(x) > MAX_POINTS:  # thinned first: a long curve is never copied whole
+        idx = extremes(y, MAX_POINTS, finite_only=True)
+        x, y = x[idx], y[idx]
     y = np.asarray(y, np.float64)
-    x, y = thin(np.asarray(x), np.where(np.isfinite(y), y, np.nan))
-    ax.plot(x, y, lw=kw.pop("lw", 1.2), **kw)
+    ax.plot(x, np.where(np.isfinite(y), y, np.nan), lw=kw.pop("lw", 1.2), **kw)
 
 
 def _rug(ax: Any, steps: np.ndarray, label: str) -> None:

@@ -61,7 +61,8 @@ class Delta:
 
     path: str
     rank: int
-    rows: dict  # table -> new rows (decoded like ``store.load``); "meta": new keys
+    rows: dict  # table -> new rows (decoded like ``store.load``: "steps" a ``Columns``,
+    # "groups" a ``Table`` read by range); "meta": new keys
     stats: Any  # store.Table over /stats as written so far
     stats_start: int  # first new /stats row
     reset: bool = False  # the file was replaced (a new recording): earlier rows are void
@@ -170,8 +171,10 @@ class RankState:
         self._steps.extend(rows["steps"])
         self._losses.extend(rows["losses"])
         self.meta.update(rows["meta"])
-        for g, lr in zip(rows["groups"]["group"], rows["groups"]["lr"]):
-            self.lr[int(g)] = float(lr)
+        for part in rows["groups"].chunks(names=("group", "lr")):  # a block at a time
+            groups, last = np.unique(part["group"][::-1], return_index=True)
+            for g, i in zip(groups, len(part) - 1 - last):  # each group's last row
+                self.lr[int(g)] = float(part["lr"][i])
         for name in ("tensors", "events", "snapshots"):
             if len(rows[name]):
                 setattr(self, name, np.concatenate([getattr(self, name), rows[name]]))

@@ -166,12 +166,16 @@ class _RunWriter:
                            ("ampdoctor/skipped", float(r["skipped"] == 1))]
             self.scalars_at(r["step"], float(r["time"]), values)
 
-    def _groups(self, rows: np.ndarray, state: Any) -> None:
-        if not len(rows):
+    def _groups(self, table: Any, state: Any) -> None:
+        """Each param group's LR at the read's steps (thinned: ``_thinned_steps``), /groups
+        read a block at a time (a month-long run's is 20 M rows)."""
+        if not len(table):
             return
-        steps = np.unique(rows["step"])
+        steps = np.unique(np.concatenate([np.unique(part["step"]) for part in
+                                          table.chunks(names=("step",))]))
         shown = steps[_thinned_steps(steps)]
-        rows = rows[np.isin(rows["step"], shown)]
+        rows = np.concatenate([part[np.isin(part["step"], shown)] for part in
+                               table.chunks(names=("step", "group", "lr"))])
         order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
         rows = rows[order]
         walls = _walls(state, rows["step"])
@@ -198,7 +202,6 @@ class _RunWriter:
         step, curve, value = (np.concatenate([f[i] for f in found]) for i in range(3))
         step, curve, value = _largest(step, curve, value)  # a curve's step across blocks
         keep = _thinned_layers(step, curve, value)
-        self.thinned += len(np.unique(step)) - len(np.unique(step[keep]))
         step, curve, value = step[keep], curve[keep], value[keep]
         starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
         walls = _walls(state, step[starts])

@@ -71,7 +71,9 @@ class Tail:
         self._last_step: int | None = None  # the step of the last /steps row handed out
 
     def read(self) -> dict[str, Any]:
-        """New rows of every table but ``/stats`` (``meta``: the keys written since, decoded)."""
+        """New rows of every table but ``/stats`` (``meta``: the keys written since, decoded;
+        ``steps``: a ``columns.Columns``; ``groups``: a ``run.Table`` of its new rows, read by
+        range)."""
         if self._file is None:
             raise RunFileError(f"{self.path} is no longer open")
         try:
@@ -100,8 +102,8 @@ class Tail:
         self._stats_shape = len(stats) if len(stats) == len(stats._data) else -1
         return out
 
-    def _new_rows(self) -> tuple[dict[str, np.ndarray], Table]:
-        rows: dict[str, np.ndarray] = {}
+    def _new_rows(self) -> tuple[dict[str, Any], Table]:
+        rows: dict[str, Any] = {}
         stats = self.stats
         for name in READ_ORDER:  # referring tables first, as ``load`` reads them
             if name == schema.BLOB:
@@ -118,6 +120,11 @@ class Tail:
             start = self.done[name]
             if name == "steps":
                 rows[name] = self._steps_from(ds, start)
+                continue
+            if name == "groups":  # a month-long run's first read: 20 M rows, read by range
+                rows[name] = Table(ds, nrows=max(start, written_rows(ds)), path=self.path,
+                                   name=name, lift=migrations.find(name, self.version, ds.dtype),
+                                   first=start)
                 continue
             rows[name] = migrations.lift(name, self.version, without_unwritten_tail(
                 name, ds[start:])) if ds.shape[0] > start else schema.empty(name)

@@ -171,7 +171,7 @@ class _RunWriter:
         read a block at a time (a month-long run's is 20 M rows)."""
         if not len(table):
             return
-        steps = np.unique(np.concatenate([np.unique(part["step"]) for part in
+        steps = _distinct(np.concatenate([_distinct(part["step"]) for part in
                                           table.chunks(names=("step",))]))
         shown = steps[_thinned_steps(steps)]
         rows = np.concatenate([part[np.isin(part["step"], shown)] for part in
@@ -295,6 +295,15 @@ def _thinned(rows: np.ndarray) -> np.ndarray:
     if len(special) > MAX_STEPS:
         special = special[::int(np.ceil(len(special) / MAX_STEPS))]
     return np.unique(np.concatenate(keep + [special]))
+
+
+def _distinct(steps: np.ndarray) -> np.ndarray:
+    """``np.unique(steps)``, without sorting or hashing them where they are in order already
+    (a writer appends a step's rows together, step after step)."""
+    if not len(steps):
+        return steps
+    firsts = steps[np.r_[True, steps[1:] != steps[:-1]]]
+    return firsts if bool(np.all(firsts[1:] > firsts[:-1])) else np.unique(steps)
 
 
 def _thinned_steps(steps: np.ndarray) -> np.ndarray:

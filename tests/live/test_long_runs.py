@@ -88,3 +88,9 @@ def test_export_of_a_long_run_thins_every_curve_but_keeps_the_overflow(long_run,
     assert any(4000 in points[t] and not math.isfinite(points[t][4000]) for t in absmax)
     assert len(points["ampdoctor/loss"]) < 6000
     assert "ampdoctor/diagnosis" not in points  # the text is at the last step written
+
+
+@pytest.mark.parametrize("steps", [[], [3, 3, 4, 4, 9], [5, 1, 5, 2], [1, 1, 1]])
+def test_distinct_steps_are_np_unique_whether_in_order_or_not(steps):
+    steps = np.array(steps, np.int64)
+    assert np.array_equal(tensorboard._distinct(steps), np.unique(steps))

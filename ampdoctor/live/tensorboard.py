@@ -205,9 +205,10 @@ class _RunWriter:
         step, curve, value = step[keep], curve[keep], value[keep]
         starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
         walls = _walls(state, step[starts])
+        tags = self.tags
         for a, b, wall in zip(starts, np.r_[starts[1:], len(step)], walls):
-            self.scalars_at(int(step[a]), float(wall),
-                            [(self.tags[c], v) for c, v in zip(curve[a:b], value[a:b])])
+            here = zip(curve[a:b].tolist(), value[a:b].tolist())  # Python numbers, once
+            self.scalars_at(int(step[a]), float(wall), [(tags[c], v) for c, v in here])
 
     def _name_tensors(self, tensors: np.ndarray) -> None:
         """Each new tensor's curves: the index in ``tags`` of its abs max curve and of its

@@ -30,6 +30,7 @@ from consistency import contradictions
 from recording import command, start
 
 import ampdoctor
+from ampdoctor.diagnosis.engine import unmet_premises
 from ampdoctor.diagnosis.facts import Facts, flat_probes
 from ampdoctor.diagnosis.rules.trends import computed_in_fp32
 from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
@@ -119,6 +120,8 @@ def test_fixture_verdict(recorded, name):
         assert d.first_bad["step"] in flat_probes(ampdoctor.load(path)), str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
+    # issue 40: every fix offered has its declared premise hold on the run (fixes/premises.py)
+    assert not unmet_premises(path, d), (unmet_premises(path, d), str(d))
     if d.healthy:  # issue 16: a healthy run gets no warning of failure
         assert d.forecast is not None and not d.forecast.warns, str(d)
     if os.path.exists(path):  # issue 28: no sentence contradicts its own evidence (a rank
@@ -132,6 +135,7 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert rc == 0, stderr[-3000:]
     d = ampdoctor.diagnose(path)
     assert d.verdict == canonical(EXPECTED[name]["fixed"]), str(d)
+    assert not unmet_premises(path, d), (unmet_premises(path, d), str(d))
     if d.healthy:
         assert d.forecast is not None and not d.forecast.warns, str(d)
     if os.path.exists(path):

@@ -34,6 +34,8 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
     if where is None:
         where, conf, data = sampled_where, sampled_conf, sampled_data
     if where is None:
+        where, conf, ev, data = _inputs_off_scale(f)
+    if where is None:
         return None
     where["step"] = _run_start(f, where["step"])
     bad_losses = int(f.loss_bad.sum())
@@ -46,9 +48,14 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
             "No GradScaler skipped those steps: what they did reached the weights.")
     ctx = f.fix_context(step=where["step"])
     ctx.data = data  # the step the check measured, which may be after the run of bad steps began
-    return Finding("bad_input", conf, "The data is the cause: a batch held NaN/inf (or values "
-                   f"beyond fp16's range) before the model touched it. {what}", ev,
-                   fixes.make(["check_data"], ctx), where, priority=PRIORITY["bad_input"])
+    held = ("values thousands of times those of the batches before it" if data and
+            data.get("kind") == "off_scale" else "NaN/inf (or values beyond fp16's range)")
+    found = Finding("bad_input", conf, f"The data is the cause: a batch held {held} before the "
+                    f"model touched it. {what}", ev, fixes.make(["check_data"], ctx), where,
+                    priority=PRIORITY["bad_input"])
+    if data and data.get("kind") == "off_scale":  # what the model did with it follows from it
+        found.explains = frozenset(int(t) for t in f.steps["step"][f.failure_index:])
+    return found
 
 
 def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
@@ -105,6 +112,36 @@ def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float,
             data = {"kind": "range", "step": f.step_at(i),
                     "absmax": float(st.input_absmax[i])}
     return where, conf, ev, data
+
+
+# A batch this many times larger than those of the steps before the failure is off-scale
+# (raw 16-bit readings where the rest were scaled, a shard left unnormalised).
+OFF_SCALE = 1024.0
+
+
+def _inputs_off_scale(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
+                                         Optional[dict]]:
+    """The first batch from the failure on (the replay's saved one, else a sampled step's) is
+    OFF_SCALE times or more the largest input of the sampled steps before the failure: finite
+    and inside fp16's range, but off-scale, and the model overflowed on it."""
+    i, a = f.failure_index, f.reduced.input_absmax
+    before = a[:i][np.isfinite(a[:i]) & (a[:i] > 0)] if i is not None else a[:0]
+    if i is None or not len(before):
+        return None, 0.0, [], None
+    typical = float(np.median(before))
+    found = [(s["step"], f.batch_absmax(s["id"])[0]) for s in f.snapshots
+             if s["step"] >= f.failure_step][:1]
+    found += [(f.step_at(j), float(a[j])) for j in range(i, len(a)) if np.isfinite(a[j])][:1]
+    step, big = next(((t, m) for t, m in found if m >= OFF_SCALE * typical), (None, 0.0))
+    if step is None:
+        return None, 0.0, [], None
+    ev = [Evidence(f"the batch at step {step} holds values up to {fmt(big)}, {big / typical:.0f}x "
+                   f"the {fmt(typical)} of the batches on the sampled steps before the failure: "
+                   "finite and inside fp16's range, but off-scale", "input_off_scale",
+                   big / typical, step)]
+    data = {"kind": "off_scale", "step": step, "absmax": big, "typical": typical,
+            "ratio": big / typical}
+    return first_bad(step, None, "input"), 0.8, ev, data
 
 
 def _run_start(f: Facts, step: int) -> int:

@@ -245,3 +245,15 @@ def test_cli_json_and_exit_codes(recorded, name):
     assert run(good, "--fail-on", "unhealthy").returncode == 0
     md = run(bad, "--format", "markdown").stdout
     assert md.startswith(f"## ampdoctor: `{EXPECTED[name]['verdict']}`")
+
+
+def test_the_summary_says_what_was_measured_not_what_is_typical(recorded):
+    """Issue 40: a loss computed after the autocast block is not said to run under autocast;
+    an op in a hand-written backward is not told as a singularity, and the island's trial read
+    is the one around the verdict's own module (which makes the step finite)."""
+    after = ampdoctor.diagnose(recorded[("loss_after_autocast", False)][0])
+    assert "under fp16 autocast" not in after.summary and "after it" in after.summary, str(after)
+    exp = ampdoctor.diagnose(recorded[("exp_backward", False)][0])
+    assert "not the precision" not in exp.summary and "alone does not fix" not in exp.summary
+    island = next(fx for fx in exp.fixes if fx.id == "fp32_island")
+    assert island.tried and island.finite, str(exp)

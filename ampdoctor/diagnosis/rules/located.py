@@ -467,8 +467,9 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
                 "is finite: the loss's own computation fails in low precision.")
     else:
         text = ("The loss is non-finite while every module output is finite: the training "
-                "code's own ops between the model's outputs and the loss, run under fp16 "
-                "autocast, made the NaN/inf. The loss is written by hand, so the replay could "
+                "code's own ops between the model's outputs and the loss, run in fp16 on the "
+                "model's fp16 outputs (inside the autocast block or after it), made the "
+                "NaN/inf. The loss is written by hand, so the replay could "
                 "not recompute it to name the op or to say whether fp32 is finite.")
     return Finding("fp16_loss", 0.75 if recomputed else 0.6, text, ev,
                    fixes.make(["loss_in_fp32"], f.fix_context(step=x["step"])),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .premises import island_applies, use_bf16_applies
+from .premises import fp32_cannot_fix, island_applies, use_bf16_applies
 from .registry import (
     Advice,
     Context,
@@ -163,7 +163,7 @@ def _norm_lines(c: Context) -> str:
 
 
 @fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention",
-     manual="the attention's forward must change")
+     manual="the attention's forward must change", premise=fp32_cannot_fix)
 def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
     snippet = (f"# in {cls}.forward: scale q before the product (identical in fp32, and q @ k^T\n"

@@ -43,6 +43,7 @@ from .registry import (
                        FIX_IDS,
                        MAKERS,
                        NOT_REPLAYABLE,
+                       PREMISES,
                        Advice,
                        Applier,
                        Context,
@@ -53,7 +54,7 @@ from .registry import (
                        is_attention,
                        make,
                        module_expr,
-    unmet,
+                       unmet,
 )
 
 __all__ = ["DEFAULTS", "FIX_IDS", "MAKERS", "NOT_REPLAYABLE", "PREMISES", "Advice", "Applier",

@@ -229,8 +229,12 @@ def clip_step(scaler: bool, max_norm: str = "1.0") -> str:
 
 
 def max_norm(c: Context) -> tuple[str, Optional[Dose]]:
-    """The clip threshold for a snippet (the run's healthy grad norms), and its dose."""
+    """The clip threshold for a snippet, and its dose: the script's own max_norm where it
+    clips, else the run's healthy grad norms (else the default)."""
     dose = c.dose("max_norm")
+    if c.clip_max_norm and (dose is None or dose.values.get("max_norm") != c.clip_max_norm):
+        dose = Dose({"max_norm": float(c.clip_max_norm)}, "the script's own clip, "
+                    f"max_norm={c.clip_max_norm:g}")
     value = dose.values.get("max_norm") if dose else None
     return (literal(value, "1.0") if value else "1.0"), dose
 

@@ -39,6 +39,7 @@ from ...numfmt import fmt
 from ...runfile.schema import Kind
 from .. import curve, fixes, schedules
 from ..facts import Facts
+from ..fixes.premises import SMOOTH, relu_free
 from ..thresholds import UNCHANGED_HIGH
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
@@ -389,8 +390,7 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"
                    + schedules.summary(f), _scheduled(f, ev + [answer]),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
-                       ["revive_units"] if kind == "dead_units" and not _relu_free(f)
-                       else [])), ctx),
+                       ["revive_units"] if kind == "dead_units" else [])), ctx),
                    first_bad(schedules.moving(f, onset), module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
@@ -458,8 +458,6 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
     conf = 0.85 if len(dead.steps) >= 2 else 0.7
     # units that lived and died: the LR pushed them off; never alive: the init
     ids = (["lower_lr", "revive_units"] if lived else ["revive_units", "lower_lr"])
-    if _relu_free(f):  # no ReLU to swap for one that cannot die
-        ids = ["lower_lr"]
     exploded = _exploded(f)
     if exploded is not None:  # ... and the activations' size is the cause
         ev.insert(0, exploded)
@@ -522,25 +520,14 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
                     "loss_flat", c.end / c.start, f.step_at(s.index))
 
 
-# Units that can die by going negative (revive_units swaps them), and activations that cannot.
-RELU_FAMILY = ("relu", "relu6", "threshold", "hardtanh", "leakyrelu", "prelu", "rrelu")
-SMOOTH = ("silu", "gelu", "mish", "tanh", "sigmoid", "softplus", "elu", "selu", "celu",
-          "hardswish", "hardsigmoid", "logsigmoid", "swish")
 # An activation this large is no healthy one: it exploded (a UNet's at 6e18).
 EXPLODED = 1e8
-
-
-def _relu_free(f: Facts) -> bool:
-    """The recorded activation modules are all smooth ones (SiLU, GELU, ...), none of the
-    ReLU family. False where none is recorded: activations called as functions (F.relu)."""
-    types = {t.lower() for t in f.tensor_types if t}
-    return not types & set(RELU_FAMILY) and bool(types & set(SMOOTH))
 
 
 def _exploded(f: Facts) -> Optional[Evidence]:
     """Evidence that the units died of exploded activations in a model with no ReLU-family
     unit to swap, else None."""
-    if not _relu_free(f):
+    if not relu_free(f.tensor_types):
         return None  # a ReLU could be to blame, or the activations are functional calls
     types = {t.lower() for t in f.tensor_types if t}
     out = f.reduced.out_absmax

@@ -299,8 +299,9 @@ def _kurtosis(rows: np.ndarray, names: dict[int, str]) -> dict[int, list]:
     best: dict[tuple[int, str], float] = {}
     for step, tid, k in zip(mine["step"], mine["tensor"], mine["kurtosis"]):
         name = names.get(int(tid))
-        if name is not None:
-            _keep_max(best, (int(step), f"ampdoctor-fp8-kurtosis/{name}"), float(k))
+        key = (int(step), f"ampdoctor-fp8-kurtosis/{name}")
+        if name is not None and float(k) > best.get(key, -np.inf):  # (finite: filtered above)
+            best[key] = float(k)
     out: dict[int, list] = {}
     for (step, tag), k in best.items():
         out.setdefault(step, []).append((tag, k))

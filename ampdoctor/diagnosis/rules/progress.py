@@ -227,7 +227,9 @@ def _precision_facts(f: Facts, low: str, dead: Optional[Dead]) -> tuple[list, li
     if low_params and measured.any() and np.max(lay[measured]) >= UNCHANGED_HIGH:
         doubt.append(f"the {low} weights lose some updates to rounding (up to "
                      f"{np.max(lay[measured]):.0%} of a tensor's sampled elements unchanged)")
-    elif measured.any() and dead is None:  # (with no gradient, nothing was there to apply)
+    elif measured.any() and dead is None and np.median(lay[measured]) < UNCHANGED_HIGH:
+        # (with no gradient, nothing was there to apply; most weights unchanged in fp32 weights
+        # is a step that moved nothing, at an LR of 0 in warm-up: it says nothing of rounding)
         why.append(f"every update was applied ({np.median(lay[measured]):.0%} of the sampled "
                    "weights left unchanged by a step)")
     if not low_params:
@@ -379,12 +381,19 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
         ev = _spike_evidence(f, spike) + [_end_evidence(f)]
     elif c.climbed:
         return _climbed(f)
+    elif c.excursion is not None:
+        spike, kind, module = c.excursion, "excursion", None
+        how = (f"stood {curve.STUCK:g}x or more above its level before the jump on "
+               f"{c.excursion_steps} of the {c.excursion_after} steps from there: it came back "
+               f"only late, to {fmt(c.end)} at the end, {c.end / c.start:.2g}x where it began")
+        ev = _spike_evidence(f, spike) + [_end_evidence(f)]
     else:
         return None
     onset = f.step_at(spike.onset)
     answer = precision_answer(f, dead)
     ctx = _blowup_context(f, module, spike.onset)
-    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else 0.75
+    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else \
+        0.7 if kind == "excursion" else 0.75
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"

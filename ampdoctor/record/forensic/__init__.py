@@ -12,6 +12,7 @@ its own parts. Importing this package imports nothing.
 - ``kept``: CPU copies of a replayed event's micro-batches, for ``rec.replay(step)`` later
 - ``isolated``: a replay leaves no trace: RNG forked, module buffers and Python state put
   back, the user's hooks set aside and their output held back
+- ``sideeffects``: what a replay cannot put back, refused while it runs (``SideEffect``)
 - ``trace``: the instrumented pass: a captured root call re-run with every module measured
 - ``culprit``: who went non-finite first, decided over a ``Trace`` (the ``Culprit``)
 - ``replay``: the replay: one captured root call re-run instrumented, its culprit named

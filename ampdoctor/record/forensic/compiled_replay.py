@@ -26,7 +26,7 @@ object, so the user's entries and recompile counts are untouched), with ``fullgr
 compiled, not replayed) and ``dynamic=False``; only for the trial are the region's modules
 given that entry point as their ``forward`` (their ``__dict__`` put back exactly after). The
 replay's guarantees (``isolated.preserved``) hold around it; inductor writes its cache and runs
-the C++ compiler only inside the backend call (``isolated.writes_allowed``), its backward
+the C++ compiler only inside the backend call (``sideeffects.writes_allowed``), its backward
 compiled there too. Event only, and at most ``MAX_REPLAYS`` per run (each compiles).
 
 Example (what ``Forensics._run`` does after a finite replay)::
@@ -50,7 +50,7 @@ from ...runfile.payloads import CompiledReplay, TrialOutcome
 from .. import compiled, stats
 from ..sampler import tensors_in
 from .culprit import Culprit
-from .isolated import writes_allowed
+from .sideeffects import writes_allowed
 from .trace import unwrap
 from .trial import AS_RECORDED, Outcome, Trial, recorded_scale, rerun_step
 

@@ -33,7 +33,7 @@ replay.
 
 What cannot be put back is refused: while a replay runs, its thread may not open a file for
 writing, remove or rename one, start a process or open a connection (a Python audit hook,
-installed at the first replay). The user's code gets ``SideEffect`` where it tried, so the
+installed at the first replay: ``sideeffects.py``). The user's code gets ``SideEffect`` where it tried, so the
 replay stops there, the step is not replayed, and its snapshot says why
 (``replay_error``). Other threads (a logger, a TensorBoard writer) are not affected.
 
@@ -61,7 +61,6 @@ import inspect
 import logging
 import os
 import sys
-import threading
 import types
 import warnings
 from dataclasses import asdict, dataclass
@@ -70,6 +69,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
+
+from .sideeffects import no_writes
 
 
 @dataclass
@@ -98,7 +99,7 @@ def preserved(roots: list, devices: list) -> Iterator[Isolation]:
         stack.enter_context(_hooks_aside(modules, isolation))
         stack.enter_context(_no_user_tensor_hooks(isolation))
         stack.enter_context(_quiet(isolation))
-        stack.enter_context(_no_writes())
+        stack.enter_context(no_writes())
         yield isolation
 
 
@@ -538,72 +539,3 @@ def _restore_registries(saved: dict) -> None:
         if isinstance(namespace, dict) and name not in saved and \
                 "__warningregistry__" in namespace:
             del namespace["__warningregistry__"]  # made by a warning in the replay
-
-
-# -- what cannot be put back --------------------------------------------------------------------
-
-
-class SideEffect(RuntimeError):
-    """The user's code tried, during a replay, what a replay cannot put back."""
-
-
-_REFUSED = {
-    "os.remove": "remove a file", "os.rename": "rename a file", "os.rmdir": "remove a folder",
-    "os.mkdir": "make a folder", "os.truncate": "truncate a file", "os.symlink": "make a link",
-    "os.link": "make a link", "shutil.rmtree": "remove a folder", "os.system": "run a command",
-    "subprocess.Popen": "start a process", "os.posix_spawn": "start a process",
-    "os.exec": "replace the process", "os.fork": "fork the process",
-    "socket.connect": "open a connection", "socket.sendto": "send over the network",
-    "socket.sendmsg": "send over the network", "socket.bind": "listen on the network",
-}
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_replaying: dict = {"thread": None}  # the thread a replay runs on, while it runs
-
-
-@contextlib.contextmanager
-def _no_writes() -> Iterator[None]:
-    _install_audit()
-    outer = _replaying["thread"]
-    _replaying["thread"] = threading.get_ident()
-    try:
-        yield
-    finally:
-        _replaying["thread"] = outer
-
-
-@contextlib.contextmanager
-def writes_allowed() -> Iterator[None]:
-    """Inside a replay, ampdoctor's own work that writes (the compiler's cache and its C++
-    compiler, in a compiled replay's backend): the user's code never runs in it."""
-    outer = _replaying["thread"]
-    _replaying["thread"] = None
-    try:
-        yield
-    finally:
-        _replaying["thread"] = outer
-
-
-@functools.lru_cache(maxsize=None)
-def _install_audit() -> None:
-    """Once per process: an audit hook that costs one dict lookup when no replay runs (audit
-    hooks cannot be removed)."""
-    sys.addaudithook(_audit)
-
-
-def _audit(event: str, args: tuple) -> None:
-    if _replaying["thread"] is None or _replaying["thread"] != threading.get_ident():
-        return
-    what = _REFUSED.get(event)
-    if event == "open" and _writes(args):
-        what = f"open {args[0]!r} for writing"
-    if what is not None:
-        raise SideEffect(f"the model's code tried to {what} while ampdoctor replayed its step; "
-                         "a replay never changes anything outside the run, so this step was "
-                         "not replayed")
-
-
-def _writes(args: tuple) -> bool:
-    mode, flags = (args[1], args[2]) if len(args) >= 3 else (None, 0)
-    if isinstance(mode, str) and any(c in mode for c in "wax+"):
-        return True
-    return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)

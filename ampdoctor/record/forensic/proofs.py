@@ -159,6 +159,10 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
         "the weights are half (made so by the code): bf16 autocast would run on them as they "
         "are, which is not the fix")
     out: dict[str, Any] = {}
+    if f.detail.get("computed"):  # (computed.py) made by the code between two model calls
+        why = ("the op ran between two calls of the model, outside any module: a trial re-runs "
+               "the calls on the inputs they were given, not the code between them")
+        return {"fp32_island": why, **({"use_bf16": why} if fp16 else {})}
     if f.phase in (Phase.FORWARD, Phase.BACKWARD) and f.module:
         if f.call is not None and f.call.module is unwrap(cap.root) and \
                 not _one_of_a_chain(captures, cap.root):

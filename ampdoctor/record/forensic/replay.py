@@ -13,7 +13,9 @@
 3. names the culprit (``culprit.decide``): the first module, in execution order, whose output is
    non-finite while its inputs are finite, preferring the innermost one that explains it;
    else the first module in backward order whose grad_input (or own parameter gradient) is
-   non-finite while its grad_output is finite; else the batch or the loss;
+   non-finite while its grad_output is finite; else the batch or the loss (a batch that
+   autograd computed in this step, from an earlier root's output, is the op's that made it:
+   ``computed``);
 4. re-runs the culprit alone (``culprit_rerun.check_culprit``), once as it ran (exact
    statistics in the run's precision) and once in fp32: autocast off, inputs ``.float()``, an
    fp32 copy of the module if its parameters are half; for a backward culprit, its backward
@@ -35,6 +37,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...runfile.schema import Phase
+from .computed import computed_input
 from .culprit import Culprit, bad_batch, decide, describe
 from .culprit_rerun import check_culprit
 from .trace import HARD, Capture, Trace
@@ -54,7 +57,7 @@ def explain(cap: Capture, names: dict, root_name: str, devices: list,
     trace.strict = strict
     bad_inputs = trace.measure_batch()
     if any(level == HARD for _, _, level in bad_inputs):
-        return trace, bad_batch(trace, bad_inputs)
+        return trace, computed_input(trace, bad_inputs) or bad_batch(trace, bad_inputs)
     trace.run()
     finding = decide(trace, bad_inputs)
     if finding.call is not None and finding.phase in (Phase.FORWARD, Phase.BACKWARD):
@@ -69,4 +72,4 @@ def check_batch(cap: Capture, names: dict, root_name: str) -> tuple["Trace", Opt
     replay."""
     trace = Trace(cap, names, root_name, [], {})
     bad = [b for b in trace.measure_batch() if b[2] == HARD]
-    return trace, (bad_batch(trace, bad) if bad else None)
+    return trace, (computed_input(trace, bad) or bad_batch(trace, bad) if bad else None)

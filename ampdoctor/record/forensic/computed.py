@@ -4,9 +4,10 @@ A step may call several root modules, the second on a value the code between the
 from the first's output (``h = model.enc(x); model.head(pool(h))``). Such an input has a
 ``grad_fn``: whatever made it non-finite ran between the modules, outside any of them (a
 custom ``autograd.Function`` that autocast does not look inside, an op in the training loop),
-and no module's hook saw it. ``computed_input`` names that op from the graph (the input's
-node, past views and casts) and makes it the culprit, in phase forward, instead of blaming
-the batch.
+and no module's hook saw it. A built-in op counts only where the value was computed from a
+recorded module's weights: data scaled by a trained tensor of its own is still the data.
+``computed_input`` names that op from the graph (the input's node, past views and casts) and
+makes it the culprit, in phase forward, instead of blaming the batch.
 
 Example::
 
@@ -23,7 +24,7 @@ import torch
 
 from ...runfile.schema import Phase
 from .culprit import Culprit
-from .trace import HARD, Trace, labeled
+from .trace import FEED_NODES, HARD, Trace, labeled
 
 # Nodes that only move or cast values: the op that made a non-finite value sits behind them.
 PASSING = ("View", "Reshape", "UnsafeView", "ToCopy", "Clone", "Expand", "Squeeze",
@@ -37,10 +38,12 @@ def computed_input(trace: Trace, bad: list) -> Optional[Culprit]:
     tensors = dict(labeled(trace.cap.args, trace.cap.kwargs))
     for label, slot, level in bad:
         t = tensors.get(label)
-        node = t.grad_fn if level == HARD and isinstance(t, torch.Tensor) else None
-        if node is None:
+        if level != HARD or t is None or t.grad_fn is None:
             continue
+        node = t.grad_fn
         op, function = _maker(node)
+        if not function and not _from_weights(node, trace):
+            continue  # data through a trained tensor of its own (a learnt input scale): data
         device, enabled, dtype = trace.cap.autocast[:3]
         under = f"in {dtype} under autocast" if enabled else f"in {str(t.dtype)[6:]}"
         what = "a custom autograd.Function" if function else "an op"
@@ -59,6 +62,23 @@ def computed_input(trace: Trace, bad: list) -> Optional[Culprit]:
                      "holds NaN/inf, the op's doing, not the data's")
         return f
     return None
+
+
+def _from_weights(node: Any, trace: Trace) -> bool:
+    """Was the value computed from a recorded module's parameters (an earlier root's
+    output)? Read from the graph: ``node`` walked back, at most ``FEED_NODES`` nodes, for the
+    AccumulateGrad of one of them."""
+    params = {id(p) for m in trace.names for p in m.parameters(recurse=False)}
+    todo, seen = [node], set[int]()
+    while todo and len(seen) < FEED_NODES:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if id(getattr(n, "variable", None)) in params:
+            return True
+        todo += [m for m, _ in getattr(n, "next_functions", ()) if m is not None]
+    return False
 
 
 def _maker(node: Any, depth: int = 0) -> tuple[str, bool]:

@@ -19,7 +19,9 @@ fix id                    trial
 Which apply: a forward or backward culprit gets the island (unless it is the model itself,
 whose island goes around an op in its code) and bf16 (in an fp16 autocast run); a loss that is
 non-finite, or whose backward is, gets the loss in fp32 and bf16, and the logits form where
-its backward is. A loss written by hand cannot be recomputed: a trial's backward would start
+its backward is. An op that ran between two calls of the model (``computed.py``) gets none:
+the trials re-run the calls on the inputs they were given, the op's bad output among them. A
+loss written by hand cannot be recomputed: a trial's backward would start
 from the gradient the real step recorded at the model's output, already non-finite, so those
 trials are not run and say why (``singular.py`` measures what can be measured there). A trial
 that is not run is ``{"tried": False, "note": why}``.

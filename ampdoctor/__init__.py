@@ -87,11 +87,12 @@ def watch(model: Any = None, optimizer: Any = None, scaler: Any = None, path: st
                 scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
         rec.diagnose()
 
-    See ``ampdoctor.record.recorder.Recorder`` for every option.
+    See ``ampdoctor.record.recorder.RecorderConfig`` for every option.
     """
-    from .record.recorder import Recorder
+    from .record.recorder import Recorder, RecorderConfig
 
-    return Recorder(model, optimizer, scaler, path=path, every=every, **options).start()
+    config = RecorderConfig(path=path, every=every, **options)
+    return Recorder(model, optimizer, scaler, config).start()
 
 
 def load(path: Any) -> "Run":

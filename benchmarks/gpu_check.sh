@@ -8,7 +8,9 @@
 #   3. memory between steps and at peak (the CUDA allocator's), large-vocabulary LM
 #   4. the GPU-marked tests: syncs per steady step under torch.cuda.set_sync_debug_mode,
 #      output gradients released, step time from CUDA events, the deferred skip decision,
-#      DeepSpeed's fp16 engine on CUDA (where deepspeed is installed)...
+#      DeepSpeed's fp16 engine and Megatron-core's Float16OptimizerWithFloat16Params with its
+#      DynamicGradScaler on CUDA (tests/integration/test_engines_recorded.py, where the
+#      engines extra is installed: pip install -e '.[engines]'; skipped, saying so, if not)...
 #   5. the fp8 path, on a GPU with fp8 matmuls (compute capability 8.9 and up: an H100): a tiny
 #      run recorded in bf16 and with torchao's real fp8 matmuls (record --apply fp8), diagnosed
 #      against each other, the readiness and the early warning printed (benchmarks/fp8_gpu.py;
@@ -80,7 +82,7 @@ part gpt2 95 "${bench[@]}" --workload gpt2 "${big[@]}" --json "$out/gpt2.json"
 part tiny 45 "${bench[@]}" --workload gpt "${small[@]}" --json "$out/tiny.json"
 part memory 60 "${bench[@]}" --memory --workload lm --config fused,bf16 "${memory[@]}" \
     --json "$out/memory.json"
-part tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests  # one GPU: serial
+part tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests  # one GPU: serial
 part fp8 150 python3 benchmarks/fp8_gpu.py --device "$device" --out "$out/fp8" "${fp8[@]}"
 part fp8_cost 90 python3 benchmarks/fp8_cost.py --device "$device" "${fp8cost[@]}"
 

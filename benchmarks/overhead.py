@@ -7,6 +7,7 @@
     python benchmarks/overhead.py --device cuda --workload gpt2   # on a GPU
     python benchmarks/overhead.py --json out.json        # also machine-readable
     python benchmarks/overhead.py --compile --config clip    # the model under torch.compile
+    python benchmarks/compiled_overhead.py   # the same, by process CPU time: a loaded machine
 
 **Configurations** (``--config``, default all), the loops users run:
 
@@ -345,7 +346,8 @@ def mode_contexts(w: Workload, tmp: str, modes: str, curve: Optional[list],
         path = os.path.join(tmp, f"every{n}.h5")
 
         def ctx():
-            return recorder.Recorder(w.model, w.opt, w.scaler, path=path, every=n).start()
+            return recorder.Recorder(w.model, w.opt, w.scaler,
+                                     recorder.RecorderConfig(path=path, every=n)).start()
         return ctx, amortized or n, path
 
     out = {"plain": (plain, None, None), "plain-again": (plain, None, None)}
@@ -435,16 +437,17 @@ def own_time(w: Workload, steps: int) -> float:
     spent = [0.0]
     original = patches.guard
 
-    def timed(listener, method, *args):
+    def timed(fault, fn, *args):
         t = time.perf_counter()
         try:
-            return original(listener, method, *args)
+            return original(fault, fn, *args)
         finally:
             spent[0] += time.perf_counter() - t
 
     per_step = []
     with tempfile.TemporaryDirectory() as tmp:
-        rec = recorder.Recorder(w.model, w.opt, w.scaler, path=os.path.join(tmp, "own.h5"))
+        rec = recorder.Recorder(w.model, w.opt, w.scaler,
+                                recorder.RecorderConfig(path=os.path.join(tmp, "own.h5")))
         with rec.start():
             w.step(0)  # step 0: sampled, metadata; not counted
             patches.guard = timed
@@ -534,7 +537,7 @@ def _memory_child(mode: str, workload: str, cname: str, native: dict, steps: int
                   path: str) -> None:
     w = make_workload(workload, CONFIGS[cname], native)
     ctx = contextlib.nullcontext() if mode == "plain" else recorder.Recorder(
-        w.model, w.opt, w.scaler, path=path).start()
+        w.model, w.opt, w.scaler, recorder.RecorderConfig(path=path)).start()
     between = []
     with ctx:
         _sync()

@@ -16,8 +16,10 @@ verdicts given with confidence >= 0.9, how many were right.
     python benchmarks/third_party.py --out benchmarks/results/third_party.json
     python benchmarks/third_party.py --only timm                 # one stack's rows
     python benchmarks/third_party.py --only timm_sgd_lr1000      # one row
+    python benchmarks/third_party.py --only litgpt,diffusers_uncond  # stacks and rows
     python benchmarks/third_party.py --workdir /tmp/tp           # keep data, runs and logs
     python benchmarks/third_party.py --show benchmarks/results/third_party.json
+    python benchmarks/third_party.py --merge a.json b.json --out all.json  # rows of both
 
 Everything a row needs is built in ``--workdir``, offline: a folder of random 32x32 PNG images
 in 4 classes (timm's ImageFolder; open_clip's CSV points at the same files, one caption per
@@ -47,6 +49,35 @@ ampdoctor's, which the side python imports from this checkout through PYTHONPATH
 Face and Lightning rows, nanoGPT and ``ampdoctor diagnose`` run with the python that runs this
 script (``pip install torch==2.13.0 -e '.[test]'``).
 
+The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds what they need):
+``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
+bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
+``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
+a tiny UNet config, a folder of 16 px images) and torchtune's ``tune run
+full_finetune_single_device`` (a tiny random Llama-2 saved from torchtune's own builder, a
+SentencePiece tokenizer, ``text_completion_dataset``, on CPU). A failing row with ``dose`` is recorded
+again with the ``--apply`` its diagnosis prescribes (``RUN.treated.h5``): the table's "dosed"
+lines give the treated run's verdict, its loss over its last five steps beside the failing and
+the healthy row's, and what ``ampdoctor compare`` calls failing -> treated and healthy ->
+treated. litgpt and torchtune run in a venv of their own (``--tp-python``: Python 3.11, the
+CPU torch of the local wheel index, which the pin selects; torchtune 0.6.1, the last release,
+imports ``torchao.dtypes.nf4tensor``, which torchao 0.18 no longer has, and torchao 0.12
+does not import beside torch 2.13, hence 0.15.0):
+
+    python3.11 -m venv /work/venv-tp
+    /work/venv-tp/bin/pip install torch==2.13.0 litgpt litdata torchtune torchao==0.15.0 \\
+        'jsonargparse[signatures]' h5py matplotlib click numpy
+
+diffusers' script imports torchvision, which does not import beside that CPU torch, so it runs
+in a third venv (``--tv-python``) with PyPI's torch build (``--isolated``: past this machine's
+wheel index and constraints):
+
+    python3.11 -m venv /work/venv-tv
+    /work/venv-tv/bin/pip install --isolated torch==2.13.0 torchvision diffusers datasets \\
+        accelerate==1.16.0 tensorboard transformers h5py matplotlib click numpy
+
+Every row runs with ``HF_HUB_OFFLINE=1``: its data and models are in the workdir.
+
 Training processes run one at a time with ``OMP_NUM_THREADS=1`` (``--threads``). Run from the
 repository root so that its ``ampdoctor`` is the one imported.
 """
@@ -69,12 +100,16 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import blind_score  # noqa: E402 - the scoring both corpora share
+import third_party_trainers as trainers  # noqa: E402 - what the LLM and diffusion rows need
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks", "third_party")
 TIMM_REPO = "/work/.mirror/huggingface+pytorch-image-models/repo"
 NANOGPT_REPO = "/work/.mirror/karpathy+nanoGPT/repo"
 SIDE_PYTHON = "/tmp/tv/bin/python"
+TP_PYTHON = "/work/venv-tp/bin/python"
+TV_PYTHON = "/work/venv-tv/bin/python"
+DIFFUSERS_REPO = "/work/.mirror/huggingface+diffusers/repo"
 
 TIMM = ["--data-dir", "{images}", "--model", "test_resnet", "--img-size", "32",
         "--num-classes", "4", "--device", "cpu", "--workers", "0", "--no-prefetcher",
@@ -91,9 +126,14 @@ NANO = ["--dataset=tiny", "--device=cpu", "--dtype=float32", "--compile=False", 
 
 
 def row(name: str, stack: str, args: list[str], expected: str, accept: list[str],
-        why: str, record: Optional[list[str]] = None) -> dict[str, Any]:
+        why: str, record: Optional[list[str]] = None, dose: Optional[str] = None,
+        env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """One row; ``dose`` names the healthy row that the prescribed fix, recorded again on this
+    row's command with ``--apply``, is compared with (``third_party_trainers.dose``); ``env``
+    is set in the training's environment."""
     return {"name": name, "stack": stack, "args": args, "expected": expected,
-            "accept": accept, "why": why, "record": record or []}
+            "accept": accept, "why": why, "record": record or [], "dose": dose,
+            "env": env or {}}
 
 
 # The expert's verdict, and why, for each row. On CPU timm and nanoGPT use no GradScaler (timm
@@ -152,7 +192,113 @@ ROWS = [
     row("lightning_bf16", "lightning", ["--precision", "bf16-mixed", "--epochs", "3"],
         "healthy", ["healthy"], "Trainer(precision='bf16-mixed'), an MLP classifier"),
 ]
-STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning"]
+
+# The LLM and diffusion trainers (issue 40), each configured only by its own flags and config
+# files (built by third_party_trainers.py). litgpt's LR schedule warms up over 4 steps to the
+# LR given, then decays (cosine) to 1e-4; it clips at max_norm 1 (its pretrain default).
+def pretrain(lr: float) -> list[str]:
+    """``litgpt pretrain`` with the config file of AdamW at ``lr``
+    (``third_party_trainers.pretrain_config``)."""
+    return ["pretrain", "--config", f"{{work}}/pretrain_lr{lr:g}.yaml", "--out_dir",
+            "{work}/out/{row}"]
+
+
+# litgpt pretrain always wraps the model in torch.compile; inductor's C++ build of a model's
+# forward and backward takes minutes on a CPU, so its rows run with dynamo off (an environment
+# variable, as a user on a CPU would set it; no line of litgpt changed)
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+
+
+def adamw(lr: float) -> str:
+    """litgpt finetune_full's ``--optimizer`` as a whole (its ``--optimizer.lr`` adds a key
+    that the optimizer never reads): AdamW at ``lr``."""
+    text = json.dumps({"class_path": "torch.optim.AdamW",
+                       "init_args": {"lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95]}})
+    return text.replace("{", "{{").replace("}", "}}")  # a row's args are format strings
+LITGPT_FT = ["finetune_full", "{work}/checkpoint", "--data", "JSON", "--data.json_path",
+             "{data}", "--data.val_split_fraction", "0.05", "--out_dir", "{work}/out/{row}",
+             "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
+             "--train.max_steps", "30", "--train.save_interval", "100000",
+             "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
+             "--train.max_seq_length", "48", "--eval.interval", "100000",
+             "--eval.initial_validation", "false", "--eval.final_validation", "false",
+             "--logger_name", "csv", "--devices", "1"]
+UNCOND = ["--train_data_dir", "{work}/images/train", "--model_config_name_or_path",
+          "{work}/unet", "--resolution", "16", "--train_batch_size", "8", "--num_epochs", "4",
+          "--lr_warmup_steps", "4", "--output_dir", "{work}/out/{row}", "--logging_dir",
+          "{work}/logs", "--save_images_epochs", "1000", "--save_model_epochs", "1000",
+          "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2",
+          "--checkpointing_steps", "100000", "--dataloader_num_workers", "0"]
+ROWS += [
+    row("litgpt_pretrain", "litgpt", pretrain(3e-3) + ["--precision", "bf16-mixed"],
+        "healthy", ["healthy"], "litgpt pretrain, a 2-layer GPT-NeoX from a config file, "
+        "TextFiles data, bf16-mixed, the config's AdamW at 3e-3 clipped at 1: the loss falls "
+        "(6.19 to 3.5 in 40 steps, litgpt's own log)", env=EAGER),
+    row("litgpt_pretrain_lr10", "litgpt", pretrain(10) + ["--precision", "bf16-mixed"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 after a 4-step warm-up: every step moves each weight by up to 10 "
+        "whatever the clip; the loss blows up, to an overflow or not", dose="litgpt_pretrain",
+        env=EAGER),
+    row("litgpt_pretrain_bf16_true", "litgpt", pretrain(3e-5) + ["--precision", "bf16-true"],
+        "lost_updates", ["lost_updates"],
+        "bf16-true: bf16 weights and no fp32 master copy; AdamW steps of about 3e-5 are under "
+        "half an ulp of every weight above 0.008 in magnitude (the LayerNorm gains at 1 need "
+        "4e-3): most updates round away", env=EAGER),
+]
+ROWS += [
+    row("litgpt_finetune", "litgpt_ft", LITGPT_FT + ["--precision", "bf16-mixed",
+                                                    "--optimizer", adamw(1e-3)],
+        "healthy", ["healthy"], "litgpt finetune_full from a tiny random checkpoint saved with "
+        "litgpt's GPT, JSON instruction data, bf16-mixed, AdamW at 1e-3", env=EAGER),
+    row("litgpt_finetune_lr10", "litgpt_ft", LITGPT_FT + ["--precision", "bf16-mixed",
+                                                         "--optimizer", adamw(10)],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 after a 2-step warm-up: the loss blows up", dose="litgpt_finetune",
+        env=EAGER),
+    row("litgpt_finetune_bf16_true", "litgpt_ft", LITGPT_FT + ["--precision", "bf16-true",
+                                                              "--optimizer", adamw(3e-5)],
+        "lost_updates", ["lost_updates"],
+        "bf16-true at AdamW 3e-5: as litgpt_pretrain_bf16_true, most updates round away",
+        env=EAGER),
+]
+ROWS += [
+    row("diffusers_uncond", "diffusers", UNCOND + ["--mixed_precision", "bf16",
+                                                  "--learning_rate", "1e-3"],
+        "healthy", ["healthy"], "train_unconditional.py with bf16 (accelerate's autocast, "
+        "the batch in bf16), a 2-resolution UNet2DModel, AdamW at 1e-3, clipped at 1: the "
+        "noise-prediction loss falls from about 1"),
+    row("diffusers_uncond_lr10", "diffusers", UNCOND + ["--mixed_precision", "bf16",
+                                                       "--learning_rate", "10"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 (after 4 warm-up steps): the clip bounds the gradient, not Adam's "
+        "step; the weights and activations blow up", dose="diffusers_uncond"),
+]
+# torchtune's full finetune recipe on a tiny random Llama (fp32 and its default bf16, which
+# keeps bf16 weights), and transformers' run_clm_no_trainer.py (an accelerate loop, a GPT-2 from
+# a config): their rows say why they do not run here (Setup.torchtune, Setup.accelerate)
+TUNE = ["full_finetune_single_device", "--config", "{work}/tune.yaml"]
+CLM = ["--train_file", "{work}/train.txt", "--config_name", "{work}/gpt2",
+       "--tokenizer_name", "{work}/gpt2", "--block_size", "32",
+       "--per_device_train_batch_size", "8", "--max_train_steps", "40",
+       "--output_dir", "{work}/out/{row}"]
+ROWS += [
+    row("torchtune_full_fp32", "torchtune", TUNE + ["dtype=fp32", "optimizer.lr=1e-3"],
+        "healthy", ["healthy"], "the full finetune recipe in fp32, AdamW at 1e-3"),
+    row("torchtune_full_lr10", "torchtune", TUNE + ["dtype=fp32", "optimizer.lr=10"],
+        "diverged", ["diverged", "lr_overflow"], "AdamW at LR 10: the loss blows up"),
+    row("torchtune_full_bf16_lr3e-5", "torchtune", TUNE + ["dtype=bf16", "optimizer.lr=3e-5"],
+        "lost_updates", ["lost_updates"],
+        "the recipe's dtype=bf16 keeps bf16 weights with no fp32 copy: AdamW steps of 3e-5 "
+        "round away"),
+    row("accelerate_clm", "accelerate", CLM + ["--learning_rate", "1e-3"],
+        "healthy", ["healthy"], "run_clm_no_trainer.py with ACCELERATE_MIXED_PRECISION=bf16",
+        env={"ACCELERATE_MIXED_PRECISION": "bf16"}),
+    row("accelerate_clm_lr10", "accelerate", CLM + ["--learning_rate", "10"],
+        "diverged", ["diverged", "lr_overflow"], "AdamW at LR 10, unclipped: the loss blows up",
+        env={"ACCELERATE_MIXED_PRECISION": "bf16"}),
+]
+STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning", "litgpt", "litgpt_ft",
+          "diffusers", "torchtune", "accelerate"]
 COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 200)),
           ("gray", (128, 128, 128))]
 
@@ -161,8 +307,7 @@ COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 20
 # building what the rows need
 
 
-class NotRun(Exception):
-    """A row cannot run here; the message says why in one sentence."""
+NotRun = trainers.NotRun
 
 
 def png(path: str, size: int, rgb: bytes) -> None:
@@ -333,6 +478,69 @@ class Setup:
                 "fill": {}}
 
 
+    def venv(self, key: str, python: str, modules: list[str], flag: str) -> str:
+        """``python`` if it imports ``modules`` (checked once), else NotRun."""
+        if key not in self.info:
+            try:
+                self.info[key] = check_python(
+                    python, modules + ["h5py", "click", "matplotlib"],
+                    "make its venv as benchmarks/third_party.py's docstring says, or pass "
+                    + flag)
+            except NotRun as e:
+                self.info[key] = e
+        if isinstance(self.info[key], NotRun):
+            raise self.info[key]
+        return python
+
+    def tp(self) -> str:
+        """The python of litgpt and torchtune (``--tp-python``)."""
+        return self.venv("tp", self.args.tp_python, ["litgpt", "litdata", "tokenizers"],
+                         "--tp-python")
+
+    def tv(self) -> str:
+        """The python of diffusers and the accelerate script (``--tv-python``)."""
+        return self.venv("tv", self.args.tv_python, ["torchvision", "diffusers", "accelerate",
+                                                     "datasets", "tensorboard"],
+                         "--tv-python")
+
+    def litgpt(self) -> dict[str, Any]:
+        python = self.tp()
+        work = trainers.litgpt(os.path.join(self.workdir, "litgpt"), python, child_env(1))
+        return {"python": python, "cwd": work, "command": [python, "-m", "litgpt"],
+                "fill": {"work": work}}
+
+    def litgpt_ft(self) -> dict[str, Any]:
+        stack = self.litgpt()
+        data = trainers.finetune_data(os.path.join(self.workdir, "litgpt_ft"))
+        return {**stack, "fill": {**stack["fill"], "data": os.path.join(data, "train.json")}}
+
+    def diffusers(self) -> dict[str, Any]:
+        python = self.tv()
+        work = trainers.diffusers(os.path.join(self.workdir, "diffusers"), make_images)
+        repo_file(self.args.diffusers_repo,
+                  "examples/unconditional_image_generation/train_unconditional.py",
+                  os.path.join(work, "train_unconditional.py"))
+        self.info["diffusers_commit"] = repo_commit(self.args.diffusers_repo)
+        return {"python": python, "cwd": work, "command": [python, "train_unconditional.py"],
+                "fill": {"work": work}}
+
+
+    def torchtune(self) -> dict[str, Any]:
+        python = self.tp()
+        check_python(python, ["torchtune", "torchtune.training", "sentencepiece"],
+                     "pip install torchtune 'torchao==0.15.0' (torchtune 0.6.1 imports "
+                     "torchao.dtypes.nf4tensor, which later torchao removed)")
+        work = trainers.torchtune(os.path.join(self.workdir, "torchtune"), python, child_env(1))
+        return {"python": python, "cwd": work,
+                "command": [os.path.join(os.path.dirname(python), "tune"), "run"],
+                "fill": {"work": work}}
+
+    def accelerate(self) -> dict[str, Any]:
+        raise NotRun("transformers' examples/pytorch/language-modeling/run_clm_no_trainer.py is "
+                     "in no package (transformers' wheel and sdist hold src/ only) and no "
+                     "transformers checkout is here")
+
+
 def main_versions() -> str:
     try:
         return check_python(sys.executable, ["numpy", "transformers", "lightning"], "")
@@ -377,6 +585,7 @@ def child_env(threads: int) -> dict[str, str]:
     out = dict(os.environ)
     out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
     out["OMP_NUM_THREADS"] = str(threads)
+    out.setdefault("HF_HUB_OFFLINE", "1")  # every row's data and model are in the workdir
     return out
 
 
@@ -416,7 +625,8 @@ def score_one(entry: dict[str, Any], setup: Setup, runs: str, timeout: float,
     started = time.monotonic()
     try:
         with open(log, "w") as f:
-            done = subprocess.run(command, cwd=stack["cwd"], env=child_env(threads), stdout=f,
+            done = subprocess.run(command, cwd=stack["cwd"],
+                                  env={**child_env(threads), **entry["env"]}, stdout=f,
                                   stderr=subprocess.STDOUT, timeout=timeout)
         out["record_rc"] = done.returncode
         out["seconds"] = round(time.monotonic() - started, 1)
@@ -446,7 +656,33 @@ def score_one(entry: dict[str, Any], setup: Setup, runs: str, timeout: float,
                        for c in result.get("rejected") or []]
     out["notes"] = [str(n)[:300] for n in result.get("notes") or []]
     out["right"] = result["verdict"] in entry["accept"]
+    if entry.get("dose"):
+        out["dose"] = treat(entry, result, command, run, stack, timeout, threads)
     return out
+
+
+def treat(entry: dict[str, Any], result: dict[str, Any], command: list[str], run: str,
+          stack: dict[str, Any], timeout: float, threads: int) -> dict[str, Any]:
+    """The dose check of a failing row: its prescribed fix recorded and compared
+    (``third_party_trainers.dose``), against the healthy row ``entry["dose"]`` of this
+    workdir (run it first, or in the same call)."""
+    def record(cmd: list[str], log: str) -> int:
+        with open(log, "w") as f:
+            return subprocess.run(cmd, cwd=stack["cwd"],
+                                  env={**child_env(threads), **entry["env"]}, stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+
+    def cli(args: list[str]) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, "-m", "ampdoctor", *args], cwd=ROOT,
+                              env=child_env(threads), capture_output=True, text=True,
+                              timeout=timeout)
+        return done.returncode, done.stdout if done.returncode == 0 else done.stderr
+
+    healthy = os.path.join(os.path.dirname(run), entry["dose"] + ".h5")
+    try:
+        return trainers.dose(result, command, run, healthy, record, cli)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {exc.timeout:.0f} s"}
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -483,6 +719,9 @@ def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
     for r in rows:
         if r.get("error"):
             lines.append(f"{r['name']}: {' / '.join(r['error'])[:400]}")
+    for r in rows:
+        if r.get("dose"):
+            lines.append(f"{r['name']} dosed: {dose_line(r['dose'])}")
     lines.append(f"failures right: {score['failures_right']}/{score['failures']}; "
                  f"healthy with no false alarm: {score['healthy_right']}/{score['healthy']}"
                  + (f"; not run: {score['not_run']}" if score["not_run"] else ""))
@@ -491,19 +730,58 @@ def table(rows: list[dict[str, Any]], score: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def dose_line(d: dict[str, Any]) -> str:
+    """What the prescribed fix did: ``--apply``, the treated run's verdict, its last losses
+    beside the failing and the healthy run's, and what ``compare`` calls it."""
+    if not d.get("apply"):
+        return d.get("why") or d.get("error") or "no --apply"
+    loss = d.get("losses") or {}
+    text = f"{d['apply']} -> {d.get('verdict')}"
+    parts = [f"{k} {v.get('last5_mean')}" for k, v in loss.items() if v.get("finite")]
+    if parts:
+        text += "; loss over the last 5 steps: " + ", ".join(parts)
+    for key in ("compare_failing", "compare_healthy"):
+        if d.get(key):
+            text += f"; {key.replace('_', ' ')}: {d[key].get('kind')} {d[key].get('verdict')}"
+    return text
+
+
 def selected(only: Optional[str]) -> list[dict[str, Any]]:
     if only is None:
         return ROWS
-    rows = [r for r in ROWS if only in (r["name"], r["stack"])]
+    names = only.split(",")
+    rows = [r for r in ROWS if r["name"] in names or r["stack"] in names]
     if not rows:
         sys.exit(f"third_party: no row or stack named {only!r} (stacks: {', '.join(STACKS)})")
     return rows
 
 
+def merge(paths: list[str], out: Optional[str]) -> int:
+    """The rows of several ``--out`` files, in ``ROWS`` order, scored again; the environment
+    of each file kept under its path."""
+    found: dict[str, dict[str, Any]] = {}
+    envs = {}
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        found.update({r["name"]: r for r in saved["rows"]})
+        envs[path] = saved.get("env")
+    order = [e["name"] for e in ROWS]
+    rows = sorted(found.values(), key=lambda r: order.index(r["name"]) if r["name"] in order
+                  else len(order))
+    score = summary(rows)
+    print(table(rows, score))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "score": score, "env": envs}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="one row, or one stack's rows (" + ", ".join(STACKS)
-                        + ")")
+    parser.add_argument("--only", help="rows and stacks' rows, comma-separated (stacks: "
+                        + ", ".join(STACKS) + ")")
     parser.add_argument("--out", help="write the table and the score to this JSON file")
     parser.add_argument("--workdir", help="build the data and keep the runs here (default: a "
                                           "temp folder)")
@@ -514,11 +792,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--side-python", default=SIDE_PYTHON,
                         help="the python with torchvision, timm and open_clip (see the top of "
                              "this file)")
+    parser.add_argument("--tp-python", default=TP_PYTHON,
+                        help="the python with litgpt and torchtune (see the top of this file)")
+    parser.add_argument("--tv-python", default=TV_PYTHON,
+                        help="the python with torchvision, diffusers and accelerate (see the "
+                             "top of this file)")
+    parser.add_argument("--diffusers-repo", default=DIFFUSERS_REPO,
+                        help="a checkout or git directory of huggingface/diffusers")
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of the training processes (1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
     parser.add_argument("--show", help="print the table of a result file written by --out")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge result files written by --out (a row in a later file "
+                             "replaces the same row in an earlier one) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.show:
         with open(args.show) as f:
             saved = json.load(f)
@@ -548,6 +838,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "timm_repo": args.timm_repo, "timm_commit": setup.info.get("timm_commit"),
             "nanogpt_repo": args.nanogpt_repo,
             "nanogpt_commit": setup.info.get("nanogpt_commit"),
+            "tp_python": args.tp_python, "tp": str(setup.info.get("tp")),
+            "tv_python": args.tv_python, "tv": str(setup.info.get("tv")),
+            "diffusers_repo": args.diffusers_repo,
+            "diffusers_commit": setup.info.get("diffusers_commit"),
             "main": main_versions(), "threads": args.threads, "wall_s": round(time.monotonic() - started, 1)}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

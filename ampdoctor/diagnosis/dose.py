@@ -138,6 +138,11 @@ class Doses:
         if trial.lr is not None:
             return self._against_command(_round(trial.lr), peak, trial.source)
         value, source = self._bounded_lr(lr, known, peak)
+        if trial.failed_at is not None and value >= trial.failed_at:
+            value = _round(trial.failed_at / 10)
+            source = (f"a decade below LR {fmt(trial.failed_at)}, the lowest the LR range test "
+                      f"tried, where no rung trained ({source[0].lower() + source[1:]}, was "
+                      "higher)")
         return self._against_command(value, peak, f"a bound, not a trial ({trial.why}): "
                                      f"{source}")
 

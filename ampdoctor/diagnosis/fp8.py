@@ -17,6 +17,10 @@ log2(fmt max / (amax * scale))). Current scaling maps the amax to the top on eve
 it never saturates; a delayed scale lags, and an amax that grows eats this headroom until the
 cast clamps (at about -0.05: 464/448). A tensor with falling headroom is an outlier growing.
 
+``own_trial`` reads the fp8 trial's re-run of such a run with its fp8 layers in high
+precision (``record/forensic/fp8trial.py``): the run measured against itself on the saved
+step, which ``rules/fp8own.py`` reads.
+
 Read by the rules of ``rules/fp8.py``; the thresholds are those of the readiness
 (``thresholds.FP8_FLUSHED``).
 
@@ -35,7 +39,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..runfile.schema import E4M3_MAX, E5M2_MAX, Fp8Format, Recipe, Role, columns
+from ..runfile.payloads import Fp8Trial
+from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
+from .thresholds import FP8_MOSTLY_FLUSHED
 
 # torchao's floor under an amax (float8_utils.EPS): an amax below it gives the scale
 # fmt max / 1e-12, finite, and the cast goes on without a word.
@@ -92,6 +98,18 @@ class Cast:
             return "flushed"
         return None
 
+    @property
+    def saturated_share(self) -> float:
+        """Of the sampled values, the share the cast clamped at the format's max."""
+        return self.saturated / self.counted if self.counted else 0.0
+
+    @property
+    def mostly(self) -> bool:
+        """Most of the non-zero values cast to 0 (``FP8_MOSTLY_FLUSHED``) but not all: a few
+        large values (a massive activation) took the scale and squeezed the rest below the
+        format's smallest subnormal."""
+        return self.whole is None and self.flushed_share > FP8_MOSTLY_FLUSHED
+
 
 @dataclass
 class Baseline:
@@ -116,11 +134,38 @@ def fp8_layers(run: Any) -> dict[str, dict]:
     return run.fp8_layers if hasattr(run, "fp8_layers") else {}
 
 
+def fp8_trial(run: Any) -> Fp8Trial:
+    """The run's fp8 trial (its last ``Event.FP8_TRIAL`` text); empty where none ran."""
+    ev = getattr(run, "events", None)
+    if ev is None or not len(ev):
+        return Fp8Trial()
+    rows = ev[ev["kind"] == int(Event.FP8_TRIAL)]
+    return Fp8Trial.from_json(rows["text"][-1] if len(rows) else "")
+
+
+def own_trial(run: Any) -> dict:
+    """The fp8 trial's re-run of a run already in fp8 with its fp8 layers in high precision
+    (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
+    precision or cast row-wise, measured against it, with the trial's ``step``); {} where
+    none ran."""
+    trial = Fp8Trial.of(fp8_trial(run))
+    own = trial["own"]
+    if not isinstance(own, dict) or "as_recorded" not in own:
+        return {}
+    return dict(own, step=trial["step"])
+
+
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:
     """The /fp8 recipe whose scales are the ones ``layer`` casts ``role`` with; None where it
-    keeps the operand in high precision, or casts it in a way no /fp8 recipe computes."""
+    keeps the operand in high precision, or casts it in a way no /fp8 recipe computes. A
+    ``delayed`` scale (torchao before 0.10, ``ScalingType.DELAYED``: the scale from an amax
+    history) is the /fp8 ``delayed`` recipe's, whose history is of the sampled steps."""
     cast = layer.get(role)
-    if not isinstance(cast, dict) or cast.get("scaling") != "dynamic":
+    if not isinstance(cast, dict):
+        return None
+    if cast.get("scaling") == "delayed" and cast.get("granularity") in (None, "tensorwise"):
+        return Recipe.DELAYED
+    if cast.get("scaling") != "dynamic":
         return None
     return GRANULARITY.get(str(cast.get("granularity")))
 

@@ -7,7 +7,8 @@ factor. A rung *trains* when every loss stayed finite and the last fell below th
 (``LrRange.trains``), and it *stays in range* when the last third of its losses (where it
 ended, not the transient of Adam's first, sign-sized steps) lie below the top of the run's own
 healthy range (``proofs.healthy_range``, widened as a trial's loss is judged there:
-``proofs.judged``). The rungs are read from the highest LR down, whatever order they ran in.
+``proofs.judged``), and not above the rung's own start (the kept state's loss) by more than
+that band. The rungs are read from the highest LR down, whatever order they ran in.
 The prescribed LR is the rung below the highest that trains, the margin:
 that rung's own trial is then quoted ("tried: LR 0.016 kept the loss at 2.72 over 12 steps").
 Where that rung was not run (the time budget) or rose, the highest that trained, one rung
@@ -17,7 +18,9 @@ No LR is read from the trial (``Tried.lr`` None, ``Tried.why`` says why) when no
 state kept, a loss written by hand, no non-finite loss), when no rung trained, or when the
 failing LR itself trained over the trial's steps: weights that grow over hundreds of steps
 fail later than a trial looks. ``dose.py`` then falls back on the update ratios and the LR
-history, and says that its LR is a bound, not a trial, and why.
+history, and says that its LR is a bound, not a trial, and why; where no rung trained, that
+bound is kept a decade below the lowest LR the test tried (``Tried.failed_at``: a ladder
+stopped by its time budget, as a bf16 UNet's on a CPU is, proved every LR down to it fails).
 
 Example::
 
@@ -45,6 +48,9 @@ class Tried:
     lr: Optional[float]
     source: str = ""
     why: str = ""
+    # the lowest LR the test tried where no rung trained: a bound from elsewhere must lie
+    # below it (None: the test proved no LR fails)
+    failed_at: Optional[float] = None
 
 
 def read(f: Any) -> Optional[LrRange]:
@@ -81,7 +87,7 @@ def tried(f: Any) -> Tried:
     if not any(good):
         stopped = f", stopped by {test['stopped']}" if test.get("stopped") else ""
         return Tried(None, why=f"the LR range test found no LR that trained, down to LR "
-                     f"{fmt(rungs[-1]['lr'])}{stopped}")
+                     f"{fmt(rungs[-1]['lr'])}{stopped}", failed_at=float(rungs[-1]["lr"]))
     i = good.index(True)
     high = rungs[i]
     failed = f"; LR {fmt(rungs[i - 1]['lr'])} above it did not ({_failure(rungs[i - 1])})"
@@ -110,7 +116,10 @@ def _ceiling(f: Any, step: Any, top: dict) -> Optional[float]:
     first = _first(top)
     if first is None or not lo - margin <= first <= hi + margin:
         return None
-    return hi + margin
+    # nor above the trial's own start (a loss of the kept, healthy state) by more than the
+    # band: a range read from steps that had begun to blow up (diffusers' UNet at LR 10: 1.1,
+    # 1.1, 700 before the NaN) would let a rung that swung to 34x and back count as trained
+    return min(hi + margin, first + BAND * abs(first)) if first > 0 else hi + margin
 
 
 def _in_range(rung: dict, ceiling: Optional[float]) -> bool:

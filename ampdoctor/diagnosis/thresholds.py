@@ -31,6 +31,23 @@ SHORT_RUN = 50
 # run in fp8 made; release/fp8.py: the readiness of every Linear)
 FP8_FLUSHED = 1e-2
 FP8_SUBNORMAL = 0.1
+# ... and a tensor mostly flushed: more than half of its non-zero values cast to 0, as when one
+# massive activation takes a per-tensor scale (blind7's sink token: 96 % of the input). The
+# same model under row-wise scaling flushes 6 % (the sink token's own row), healthy.
+FP8_MOSTLY_FLUSHED = 0.5
+# ... and saturated: more than one value in a thousand clamped at the format's max (the
+# readiness's ``saturates``, release/fp8.py): a clamped value's error grows with it, and the
+# values clamped are the largest, those that carry the tensor.
+FP8_SATURATED = 1e-3
+# A run in fp8 measured against itself (rules/fp8own.py): the saved step re-run with its fp8
+# layers in high precision. Every cast rounds, and a healthy run's step moves too: on blind7's
+# healthy fp8 runs, up to 34 % of the gradient (the sink-token head under row-wise scaling) and
+# 3.5 % of the loss; 18 % and -1.1 % on its two-branch classifier (three tensorwise layers).
+# A drift is a step whose gradient is as much the casts' error as its own (half of its norm:
+# a cosine under about 0.87), or whose loss moves by PARITY_DIVERGE (below), the tolerance
+# past which `compare` calls two runs diverged. (blind7's small-model drift: 5.7 % of the
+# gradient, +143 % of the loss to first order; with F.mse_loss for its loss, 112 % and +137 %.)
+FP8_SELF_GRAD_ERROR = 0.5
 # Parity of two loss curves (diagnosis/parity.py): their trailing means agree within 2 %
 # ("match"), or one goes beyond 10 % and never comes back within 2 % ("diverged"). (release/
 # comparison.py: fp32 parity; rules/fp8.py: an fp8 run's drift from its baseline)

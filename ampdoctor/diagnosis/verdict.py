@@ -94,10 +94,16 @@ TABLE = (
                                    "diagnosed_with_its_layer",)),
     Verdict("fp8_flushed", "a layer trained in fp8 had an operand flushed whole on some "
             "sampled steps: a zero amax (torchao clamps it, silently), a clamped one, or "
-            "every value cast to 0", 52, "fp8", "neither",
+            "every value cast to 0; or mostly (kind mostly: one outlier took the per-tensor "
+            "scale)", 52, "fp8", "neither",
             (_FP8 + "test_a_layer_fed_zeros_on_some_steps_is_flushed_whole",)),
+    Verdict("fp8_saturated", "a layer trained in fp8 clamps an operand at the format's max on "
+            "some sampled steps: a delayed scale that an amax jump outgrew",
+            56, "fp8", "neither", ("tests/diagnosis/rules/test_fp8self.py::"
+                                   "test_a_delayed_scale_behind_an_amax_jump_saturates",)),
     Verdict("fp8_drift", "a run in fp8 whose loss drifts from its bf16 baseline's (diagnose "
-            "--baseline) with no NaN: the layer whose casts lose the most named",
+            "--baseline) with no NaN: the layer whose casts lose the most named; without a "
+            "baseline (kind self), the saved step re-run in high precision",
             51, "fp8", "neither", (_FP8 + "test_an_fp8_run_that_drifts_from_its_baseline_"
                                    "names_the_layer",)),
     Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "

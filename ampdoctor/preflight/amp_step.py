@@ -49,7 +49,8 @@ from ..diagnosis import fixes
 from ..diagnosis.facts import Facts
 from ..diagnosis.rules import misuse
 from ..record import patches
-from ..record.recorder import Recorder
+from ..record.listener import ScalerDoor
+from ..record.recorder import Recorder, RecorderConfig
 from ..runfile import schema, store
 from ..runfile.schema import DType, Event
 from .snapshot import Snapshot
@@ -169,7 +170,7 @@ def _run(train_step: Callable[..., Any], args: tuple, path: str,
     model, optimizer = args[:2]
     # The scaler is found as it scales (as under `ampdoctor record`): a step that ignores the
     # one it is given and makes its own is then watched on the one it uses.
-    rec = Recorder(model, optimizer, None, path=path, every=0, forensics=False)
+    rec = Recorder(model, optimizer, None, RecorderConfig(path=path, every=0, forensics=False))
     rec.start()
     error: Optional[Exception] = None
     status = schema.STATUS_FINISHED
@@ -256,10 +257,14 @@ class _StepWatch:
         self._skipped_before = False  # an earlier call was a skipped step
 
     def attach(self) -> None:
-        patches.patch_scaler(self._patches, self)
-        patches.patch_backward(self._patches, self)
-        patches.hook_optimizers(self._patches, self)
-        patches.patch_schedulers(self._patches, self)
+        door = ScalerDoor(fault=self.fault, on_scale=self.on_scale,
+                          before_unscale=self.before_unscale,
+                          enter_scaler_step=self.enter_scaler_step,
+                          exit_scaler_step=self.exit_scaler_step, after_update=self.after_update)
+        patches.patch_scaler(self._patches, door)
+        patches.patch_backward(self._patches, self.fault, self.before_backward)
+        patches.hook_optimizers(self._patches, self.fault, self.before_optimizer_step, None)
+        patches.patch_schedulers(self._patches, self.fault, self.before_scheduler_step)
 
     def detach(self) -> None:
         self._patches.remove()
@@ -354,7 +359,3 @@ class _StepWatch:
                 self.forced = True
                 return
 
-    def on_scaler_init(self, scaler: Any) -> None: ...
-    def after_unscale(self, scaler: Any, optimizer: Any) -> None: ...
-    def before_update(self, scaler: Any) -> None: ...
-    def after_optimizer_step(self, optimizer: Any) -> None: ...

@@ -3,7 +3,10 @@
 ``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts:
 
 - ``journal``: the run file's rows; ``watched``: model, optimizers, scaler
-- ``hooks``: the hook callbacks, declared in ``listener``, reached through ``patches``
+- ``hooks``: the hook groups, attached together: ``scalerhooks``, ``modulehooks``,
+  ``losshooks``, ``optimizerhooks``, over ``stepflow`` (the step log they share, the step
+  boundaries), ``sampledstep`` (the sampled step's hooks and drain) and ``gradnorm``; each
+  callback handed to its door in ``patches`` as a callable (its type in ``listener``)
 - ``steplog`` and ``steps``: the step buffer and its rows; ``skips``: the skip decision, its syncs
 - ``exits``: SIGTERM, atexit, fork
 - what the hooks use: ``stats``, ``sampler`` (the sampled tier), ``readback``, ``amp_state``,

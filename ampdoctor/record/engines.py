@@ -30,10 +30,14 @@ Megatron-core (``megatron.core.optimizer``):
 
 * ``MegatronGradScaler.update(found_inf)`` of every subclass (``DynamicGradScaler``,
   ``ConstantGradScaler``): the scale before and after, found_inf. A step it skips (no
-  optimizer step follows) ends there; an applied one ends at its optimizer's step.
+  optimizer step follows) ends there; an applied one ends at its optimizer's step (below, or
+  a torch optimizer's step over the model's parameters where no Megatron optimizer steps).
 * ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan``: this rank's found_inf,
   copied as the method hands it to ``torch.distributed.all_reduce`` (put back on return).
 * ``MegatronOptimizer.scale_loss``: the loss before it was scaled is the step's loss.
+* ``MixedPrecisionOptimizer.step_with_ready_grads`` after an update that found no inf: the
+  applied step, the engine's own (its inner torch optimizer steps fp32 main copies of the
+  parameters, not the model's), ended as it returns; the grad norm is the main gradients'.
 
 Every callback runs through ``_safely``: a failure of ours goes to the recorder's ``fault``
 (which steps aside), never to the training loop.
@@ -49,7 +53,7 @@ import torch
 import torch.optim.optimizer as optimizer_hooks
 
 from . import stats
-from .patches import Patch, PatchSet
+from .patches import Patch, PatchSet, subclasses
 from .steps import Step
 
 DEEPSPEED = "deepspeed.runtime.engine"
@@ -61,10 +65,10 @@ MEGATRON_OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
 class Engines:
-    """The engines' doors of one recorder's hooks (``hooks.Hooks``, which ends their steps:
-    ``end_engine_step``)."""
+    """The engines' doors of one recorder's step log (``stepflow.StepFlow``, which ends their
+    steps: ``end_engine_step``)."""
 
-    def __init__(self, hooks: Any):
+    def __init__(self, hooks: Any):  # a stepflow.StepFlow (which imports this module)
         self.hooks = hooks
         self._stepping = False  # inside a DeepSpeed engine's optimizer step
         self._patched: set[str] = set()
@@ -72,6 +76,7 @@ class Engines:
         self._ended = False  # the engine's step has ended already (its inner optimizer step)
         self._grad_norm: Optional[torch.Tensor] = None  # of a plain torch optimizer's gradients
         self._own: Optional[torch.Tensor] = None  # this rank's own found_inf, this step
+        self._applying = False  # a Megatron scaler's update found no inf: the step applies
 
     @property
     def stepping(self) -> bool:
@@ -237,7 +242,7 @@ class Engines:
                 return out
             return wrapper
 
-        for cls in _subclasses(base):
+        for cls in subclasses(base):
             if "update" in cls.__dict__:
                 patch_set.add(Patch(cls, "update", update))
 
@@ -255,6 +260,7 @@ class Engines:
             self.hooks.end_engine_step(fill)
         else:
             fill(self.hooks.log.step)
+            self._applying = True
 
     def _patch_megatron_optimizer(self, patch_set: PatchSet, module: Any) -> None:
         mixed = getattr(module, "MixedPrecisionOptimizer", None)
@@ -289,11 +295,47 @@ class Engines:
                 return out
             return wrapper
 
+        def ready(orig):
+            @functools.wraps(orig)
+            def wrapper(optimizer, *args, **kwargs):
+                if not tap._applying or tap._stepping:
+                    return orig(optimizer, *args, **kwargs)
+                tap._safely("megatron_step", tap._begin_megatron, optimizer)
+                try:
+                    return orig(optimizer, *args, **kwargs)
+                finally:
+                    tap._stepping = False
+                    tap._safely("megatron_step", tap._end_megatron)
+            return wrapper
+
         method = "_unscale_main_grads_and_check_for_nan"
         if mixed is not None and method in mixed.__dict__:
             patch_set.add(Patch(mixed, method, check))
+        if mixed is not None and "step_with_ready_grads" in mixed.__dict__:
+            patch_set.add(Patch(mixed, "step_with_ready_grads", ready))
         if base is not None and "scale_loss" in base.__dict__:
             patch_set.add(Patch(base, "scale_loss", scale_loss))
+
+    def _begin_megatron(self, optimizer: Any) -> None:
+        """A Megatron optimizer's applied step begins (``step_with_ready_grads``): its inner
+        torch optimizer steps the fp32 main parameters (copies of fp16 ones), not the model's,
+        so the step is the engine's, ended as it returns; the norm of the main gradients,
+        unscaled by now."""
+        self._stepping, self._applying = True, False
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            self.hooks.watched.adopt_optimizer(inner)
+        self.hooks.begin_engine_step(_megatron_model_params(optimizer))
+        grads = [p.grad for g in getattr(inner, "param_groups", []) for p in g["params"]
+                 if p.grad is not None and stats.measurable(p.grad)]
+        self._grad_norm = stats.global_norm(grads) if grads else None
+
+    def _end_megatron(self) -> None:
+        def fill(st: Step) -> None:
+            if self._grad_norm is not None:
+                st.grad_norm = self._grad_norm.float()
+            st.stepped = True
+        self.hooks.end_engine_step(fill)
 
     def _scaled_loss(self, loss: Any, out: Any) -> None:
         if isinstance(loss, torch.Tensor) and isinstance(out, torch.Tensor):
@@ -340,21 +382,21 @@ def _loss_scale(engine: Any) -> Optional[float]:
     return None if scale is None else float(scale)
 
 
+def _megatron_model_params(optimizer: Any) -> list:
+    """The model's parameters a Megatron optimizer updates: its fp16 groups and fp32 groups
+    where it keeps main copies (``Float16OptimizerWithFloat16Params``), else its own."""
+    groups = getattr(optimizer, "float16_groups", None)
+    if isinstance(groups, list):
+        groups = groups + list(getattr(optimizer, "fp32_from_fp32_groups", []))
+        return [p for g in groups for p in g]
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def _scale_of(scaler: Any) -> Optional[torch.Tensor]:
     """A Megatron scaler's scale (a 1-element tensor), copied as a 0-dim float: no read."""
     scale = getattr(scaler, "_scale", None)
     return scale.detach().reshape(-1)[0].float().clone() if isinstance(
         scale, torch.Tensor) else None
-
-
-def _subclasses(base: type) -> list[type]:
-    classes, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    return classes
 
 
 __all__ = ["Engines"]

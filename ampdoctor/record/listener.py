@@ -1,127 +1,81 @@
-"""The hook callbacks, declared once: what ``patches`` may call on a listener.
+"""The doors' callback types: what ``patches`` calls when torch runs one of its doors.
 
-``patches`` calls a listener through ``guard(listener, "before_backward", tensors)``: by name,
-looked up at each call (a test may replace one callback on the instance), with any exception
-handed to ``listener.fault(exc, name)``. A name is checked three ways, so that a misspelt one
-fails a check rather than a hook that silently never runs:
+A door is registered as torch registers a hook: by handing over the callable it calls (a
+bound method of one of the hook groups, ``hooks.py``), as ``register_forward_hook(fn)``
+does. ``patches`` never looks a callback up by name, so mypy checks each one's signature
+where it is handed over, and a code walk follows ``GradScaler.update`` from its wrapper in
+``patches.patch_scaler`` to ``ScalerDoor.before_update``, and from there to the method the
+recorder handed over (``scalerhooks.ScalerHooks.before_update``).
 
-* ``guard`` takes a ``Callback``, the literal of every name below, so mypy rejects one that is
-  not declared here;
-* each ``patches`` function declares the door it opens (``TrainingListener``, ``Listener``,
-  ``SchedulerListener``) and calls ``require`` when it patches: a listener that lacks a
-  callback of that door raises ``TypeError`` then, not at the hook;
-* tests/record/test_recorder.py checks that every name dispatched in record/ is a ``Callback``, that
-  ``Callback`` is exactly the protocols' methods, and that the listeners define them all.
+Each wrapper calls its callback through ``patches.guard(fault, fn, ...)``: an exception goes
+to ``fault(exc, fn.__name__)`` (the recorder steps aside), never to the training loop.
 
-The listeners: ``hooks.Hooks`` (the recorder's, a ``Listener``) and ``check_amp_step``'s
-``preflight.amp_step._StepWatch`` (a ``TrainingListener`` and a ``SchedulerListener``).
+The doors that take several callbacks at once (GradScaler's methods; the model's, which
+``watched.Watched`` hooks as roots are found) are declared here as frozen dataclasses of
+callables; the others take their one or two callables as arguments (``patch_backward``,
+``patch_clip``, ``hook_optimizers``...). A callback left ``None`` is not called.
+
+The listeners: ``hooks.Hooks`` (the recorder's) and ``check_amp_step``'s
+``preflight.amp_step._StepWatch``.
 
 Example::
 
-    class Counter:                     # a TrainingListener: every method below, fault too
-        def before_backward(self, tensors): self.backward += 1
-        ...
+    seen, faults = [], []
     with patches.PatchSet() as ps:
-        patches.patch_backward(ps, Counter())   # TypeError here if a callback is missing
-        loss.backward()
+        patches.patch_backward(ps, lambda exc, where: faults.append(where), seen.append)
+        loss.backward()                                  # seen == [loss]
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Protocol, get_args
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
+Fault = Callable[[BaseException, str], None]
+"""Where ``patches.guard`` sends a callback's exception (``where``: the callback's name)."""
 
-class Faults(Protocol):
-    """Where ``guard`` sends a callback's exception (``where``: the callback's name)."""
-
-    def fault(self, exc: BaseException, where: str) -> None: ...
-
-
-class TrainingListener(Faults, Protocol):
-    """The doors of every training loop: GradScaler's methods, backward, the optimizer step
-    (``patches.patch_scaler``, ``patch_backward``, ``hook_optimizers``)."""
-
-    def on_scale(self, scaler: Any, outputs: Any, out: Any) -> None: ...
-    def before_unscale(self, scaler: Any, optimizer: Any) -> None: ...
-    def after_unscale(self, scaler: Any, optimizer: Any) -> None: ...
-    def enter_scaler_step(self, scaler: Any, optimizer: Any) -> None: ...
-    def exit_scaler_step(self, scaler: Any, optimizer: Any) -> None: ...
-    def before_update(self, scaler: Any) -> None: ...
-    def after_update(self, scaler: Any) -> None: ...
-    def on_scaler_init(self, scaler: Any) -> None: ...
-    def before_backward(self, tensors: Any) -> None: ...
-    def before_optimizer_step(self, optimizer: Any) -> None: ...
-    def after_optimizer_step(self, optimizer: Any) -> None: ...
+ModulePre = Callable[[torch.nn.Module, tuple], None]
+ModulePost = Callable[[torch.nn.Module, tuple, Any], None]
+ScalerCall = Callable[[Any], None]  # (scaler)
+ScalerOptimizerCall = Callable[[Any, Any], None]  # (scaler, optimizer)
+OptimizerCall = Callable[[Any], None]  # (optimizer)
+BeforeClip = Callable[[Any, Optional[dict]], None]  # (parameters, the call's config)
+AfterClip = Callable[[Any, bool], None]  # (the pre-clip norm, combined: a global one)
 
 
-class SchedulerListener(Faults, Protocol):
-    """``LRScheduler.step`` (``patches.patch_schedulers``: ``check_amp_step``, and the
-    recorder, which counts a scheduler's steps per optimizer step)."""
+@dataclass(frozen=True, eq=False)
+class ScalerDoor:
+    """GradScaler's public methods (``patches.patch_scaler``): each callback is told before
+    or after the method of its name (``on_init``: after ``__init__``)."""
 
-    def before_scheduler_step(self, scheduler: Any) -> None: ...
-
-
-class Listener(TrainingListener, SchedulerListener, Protocol):
-    """The recorder's doors besides: the clips of ``torch.nn.utils`` (``patch_clip``,
-    ``patch_clip_method``), module calls (the root's own hooks, ``hook_modules`` while
-    discovering or sampling, ``hook_module_calls`` for the sampled step's op probe),
-    ``module.compile()`` (``patch_module_compile``, ``shim_compiled_call``), the torch loss
-    functions (``patch_losses``), ``Optimizer.zero_grad`` and ``Module.zero_grad``
-    (``patch_zero_grad``: a step taken inside a compiled region is told there at the latest;
-    gradients zeroed between a loss's backward and an optimizer's step), ``LRScheduler.step``
-    (``patch_schedulers``) and GradScaler's ``_unscale_grads_`` (``patch_own_found_inf``: a
-    rank's own found_inf, before ShardedGradScaler all-reduces it)."""
-
-    def before_clip(self, parameters: Any, config: Optional[dict] = None) -> None: ...
-    def after_clip(self, total_norm: Any, combined: bool = False) -> None: ...
-    def root_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
-    def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
-                  kwargs: Optional[dict] = None) -> None: ...
-    def discover_pre(self, module: torch.nn.Module, args: tuple) -> None: ...
-    def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None: ...
-    def sample_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
-    def probe_pre(self, module: torch.nn.Module, args: tuple) -> None: ...
-    def probe_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
-    def on_module_compile(self, module: torch.nn.Module) -> None: ...
-    def compiled_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None: ...
-    def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None: ...
-    def after_loss(self, name: str, fn: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
-    def before_zero_grad(self, optimizer: Any) -> None: ...
-    def before_module_zero_grad(self, module: torch.nn.Module) -> None: ...
-    def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None: ...
-    def on_get_scale(self, scaler: Any) -> None: ...
-    def after_unscale_grads(self, scaler: Any, optimizer: Any, found: Any) -> None: ...
+    fault: Fault
+    on_scale: Optional[Callable[[Any, Any, Any], None]] = None  # (scaler, outputs, out)
+    before_unscale: Optional[ScalerOptimizerCall] = None
+    after_unscale: Optional[ScalerOptimizerCall] = None
+    enter_scaler_step: Optional[ScalerOptimizerCall] = None
+    exit_scaler_step: Optional[ScalerOptimizerCall] = None
+    before_update: Optional[ScalerCall] = None
+    after_update: Optional[ScalerCall] = None
+    on_scaler_init: Optional[ScalerCall] = None
 
 
-Callback = Literal[
-    "on_scale", "before_unscale", "after_unscale", "enter_scaler_step", "exit_scaler_step",
-    "before_update", "after_update", "on_scaler_init", "before_backward",
-    "before_optimizer_step", "after_optimizer_step",
-    "before_clip", "after_clip", "root_pre", "root_post", "discover_pre", "discover_post",
-    "sample_post", "probe_pre", "probe_post", "on_module_compile", "compiled_pre",
-    "compiled_post", "after_loss", "before_zero_grad", "before_module_zero_grad",
-    "after_autograd_grad", "on_get_scale", "after_unscale_grads", "before_scheduler_step"]
-CALLBACKS: tuple[str, ...] = get_args(Callback)
+@dataclass(frozen=True, eq=False)
+class ModelDoor:
+    """What ``watched.Watched`` hooks as it finds the model: the global discovery hooks
+    (``patches.hook_modules``), each root's own (``patches.hook_root``) or a compiled root's
+    eager shim (``patches.shim_compiled_call``); and, once a sharded model is seen, the
+    scaler's doors again (ShardedGradScaler), its own found_inf and FSDP1's clip method."""
 
-
-def callbacks(door: type) -> list[str]:
-    """The methods a protocol declares, its bases' included (``fault`` too)."""
-    names: list[str] = []
-    for cls in reversed(door.__mro__):
-        if cls in (object, Protocol) or not getattr(cls, "_is_protocol", False):
-            continue
-        names += [n for n, v in vars(cls).items()
-                  if callable(v) and not n.startswith("_") and n not in names]
-    return names
-
-
-def require(listener: Any, door: type) -> None:
-    """Raise ``TypeError`` unless ``listener`` has every callback of ``door`` (at patch time:
-    a misspelt or missing callback fails here, not silently at the hook)."""
-    missing = [n for n in callbacks(door) if not callable(getattr(listener, n, None))]
-    if missing:
-        raise TypeError(f"{type(listener).__name__} is not a {door.__name__}: it has no "
-                        f"{', '.join(missing)}")
+    fault: Fault
+    discover_pre: ModulePre
+    discover_post: Callable[[torch.nn.Module, tuple, dict, Any], None]
+    root_pre: Callable[[torch.nn.Module, tuple, dict], None]
+    root_post: Callable[[torch.nn.Module, tuple, Any, Optional[dict]], None]
+    compiled_pre: Callable[[torch.nn.Module, tuple, dict], None]
+    compiled_post: ModulePost
+    scaler: ScalerDoor
+    after_unscale_grads: Callable[[Any, Any, Any], None]  # (scaler, optimizer, found)
+    before_clip: BeforeClip
+    after_clip: AfterClip

@@ -31,8 +31,8 @@ purpose and only when asked, with the same ``Patch`` handles.)
 Each wrapper calls the original unconditionally and hands the listener's work to ``guard``,
 which never lets an ampdoctor failure reach the training loop, and does nothing while dynamo
 traces it (a hook reached inside a ``torch.compile`` region adds nothing to the graph). The
-callbacks a listener has are declared once, in ``listener.py``: each function here names the
-door it opens (a protocol there) and checks its listener against it when it patches.
+callbacks are handed over as callables, as torch's ``register_*_hook(fn)`` takes them (their
+types: ``listener.py``), never looked up by name.
 ``PatchSet.remove`` restores every original, is safe to call twice, and leaves alone an
 attribute someone else re-patched after us.
 
@@ -56,7 +56,16 @@ import torch.nn.modules.module as module_hooks
 import torch.nn.utils.clip_grad as clip_grad
 import torch.optim.optimizer as optimizer_hooks
 
-from .listener import Callback, Faults, Listener, SchedulerListener, TrainingListener, require
+from .listener import (
+    AfterClip,
+    BeforeClip,
+    Fault,
+    ModelDoor,
+    ModulePost,
+    ModulePre,
+    OptimizerCall,
+    ScalerDoor,
+)
 
 _MARK = "__ampdoctor_original__"
 _LISTENER = "__ampdoctor_listener__"
@@ -116,69 +125,71 @@ class PatchSet:
         self.remove()
 
 
-def guard(listener: Faults, method: Callback, *args: Any) -> Any:
-    """Call ``listener.<method>(*args)``; an exception goes to ``listener.fault``, not the caller.
+def guard(fault: Fault, fn: Optional[Callable[..., Any]], *args: Any) -> Any:
+    """Call ``fn(*args)`` (nothing when ``fn`` is None); an exception goes to ``fault(exc,
+    fn.__name__)``, not the caller.
 
-    ``method`` is looked up at each call, so that replacing a callback on the instance takes
-    effect at once. Under dynamo's tracing ``is_compiling()`` is a constant True: the call is
-    left out of the graph (no graph break, nothing traced of the recorder's state).
+    Under dynamo's tracing ``is_compiling()`` is a constant True: the call is left out of the
+    graph (no graph break, nothing traced of the recorder's state).
     """
-    if _compiling():
+    if fn is None or _compiling():
         return None
     try:
-        return getattr(listener, method)(*args)
+        return fn(*args)
     except Exception as exc:  # noqa: BLE001 - a debugger must never break the run it watches
-        listener.fault(exc, method)
+        fault(exc, getattr(fn, "__name__", type(fn).__name__))
         return None
 
 
-def _scaler_classes() -> list[type]:
-    classes = [torch.amp.GradScaler]
-    todo = list(torch.amp.GradScaler.__subclasses__())
+def subclasses(base: type) -> list[type]:
+    """``base`` and every subclass of it defined so far, at any depth (the user's included),
+    each once: the classes whose own methods a patch on ``base`` must wrap too."""
+    classes, todo = [], [base]
     while todo:
         cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
     return classes
 
 
-def patch_scaler(patches: PatchSet, listener: TrainingListener) -> None:
+def patch_scaler(patches: PatchSet, door: ScalerDoor) -> None:
     """Wrap GradScaler's public methods on the class and on subclasses that override them."""
-    require(listener, TrainingListener)
+    fault = door.fault
 
     def scale(orig):
         @functools.wraps(orig)
         def wrapper(self, outputs):
             out = orig(self, outputs)
-            guard(listener, "on_scale", self, outputs, out)
+            guard(fault, door.on_scale, self, outputs, out)
             return out
         return wrapper
 
     def unscale_(orig):
         @functools.wraps(orig)
         def wrapper(self, optimizer):
-            guard(listener, "before_unscale", self, optimizer)
+            guard(fault, door.before_unscale, self, optimizer)
             out = orig(self, optimizer)
-            guard(listener, "after_unscale", self, optimizer)
+            guard(fault, door.after_unscale, self, optimizer)
             return out
         return wrapper
 
     def step(orig):
         @functools.wraps(orig)
         def wrapper(self, optimizer, *args, **kwargs):
-            guard(listener, "enter_scaler_step", self, optimizer)
+            guard(fault, door.enter_scaler_step, self, optimizer)
             try:
                 return orig(self, optimizer, *args, **kwargs)
             finally:
-                guard(listener, "exit_scaler_step", self, optimizer)
+                guard(fault, door.exit_scaler_step, self, optimizer)
         return wrapper
 
     def update(orig):
         @functools.wraps(orig)
         def wrapper(self, new_scale=None):
-            guard(listener, "before_update", self)
+            guard(fault, door.before_update, self)
             out = orig(self, new_scale)
-            guard(listener, "after_update", self)
+            guard(fault, door.after_update, self)
             return out
         return wrapper
 
@@ -186,49 +197,49 @@ def patch_scaler(patches: PatchSet, listener: TrainingListener) -> None:
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
             orig(self, *args, **kwargs)
-            guard(listener, "on_scaler_init", self)
+            guard(fault, door.on_scaler_init, self)
         return wrapper
 
     makers = {"scale": scale, "unscale_": unscale_, "step": step, "update": update,
               "__init__": init}
-    for cls in _scaler_classes():
+    for cls in subclasses(torch.amp.GradScaler):
         for name, make in makers.items():
             # Called again once a sharded model is seen: ShardedGradScaler, imported after
             # recording began, gets its overrides patched then (what this listener already
             # wraps is left as it is; another listener's wrapper is wrapped again).
-            if name in cls.__dict__ and not _wrapped_for(cls.__dict__[name], listener):
-                patches.add(Patch(cls, name, make, listener))
+            if name in cls.__dict__ and not _wrapped_for(cls.__dict__[name], door):
+                patches.add(Patch(cls, name, make, door))
 
 
-def patch_own_found_inf(patches: PatchSet, listener: Listener) -> None:
-    """See the found_inf that ``_unscale_grads_`` returns (``listener.after_unscale_grads``),
+def patch_own_found_inf(patches: PatchSet, fault: Fault,
+                        after_unscale_grads: Callable[[Any, Any, Any], None]) -> None:
+    """See the found_inf that ``_unscale_grads_`` returns (``after_unscale_grads``),
     on every scaler class that defines it: ShardedGradScaler's ``unscale_`` all-reduces that
     tensor in place right after, so this is the one moment it is still this rank's own.
     Called again, as ``patch_scaler``, once a sharded model is seen."""
-    require(listener, Listener)
 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, optimizer, *args, **kwargs):
             out = orig(self, optimizer, *args, **kwargs)
-            guard(listener, "after_unscale_grads", self, optimizer, out)
+            guard(fault, after_unscale_grads, self, optimizer, out)
             return out
         return wrapper
 
-    for cls in _scaler_classes():
+    for cls in subclasses(torch.amp.GradScaler):
         method = cls.__dict__.get("_unscale_grads_")
-        if method is not None and not _wrapped_for(method, listener):
-            patches.add(Patch(cls, "_unscale_grads_", make, listener))
+        if method is not None and not _wrapped_for(method, after_unscale_grads):
+            patches.add(Patch(cls, "_unscale_grads_", make, after_unscale_grads))
 
 
-def patch_backward(patches: PatchSet, listener: TrainingListener) -> None:
-    """See every backward pass: ``Tensor.backward`` goes through ``torch.autograd.backward``."""
-    require(listener, TrainingListener)
+def patch_backward(patches: PatchSet, fault: Fault, before_backward: Callable[[Any], None]) -> None:
+    """See every backward pass: ``Tensor.backward`` goes through ``torch.autograd.backward``
+    (``before_backward(tensors)``)."""
 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(tensors, *args, **kwargs):
-            guard(listener, "before_backward", tensors)
+            guard(fault, before_backward, tensors)
             return orig(tensors, *args, **kwargs)
         return wrapper
 
@@ -251,7 +262,8 @@ CLIPS = {
 LIBRARY_CLIPS = {"adaptive_clip_grad": ("timm.utils.agc", "timm.utils.clip_grad", "timm.utils")}
 
 
-def _clip_maker(listener: Listener) -> Callable[[Callable, str], Callable]:
+def _clip_maker(fault: Fault, before_clip: BeforeClip,
+                after_clip: AfterClip) -> Callable[[Callable, str], Callable]:
     """``make(orig, name)``: a clip's wrapper, telling ``listener`` the parameters and the
     call's settings before it (``before_clip``), the pre-clip norm after it (``after_clip``:
     ``clip_grad_norm_``'s result, the ``total_norm`` handed to ``clip_grads_with_norm_``). A
@@ -267,23 +279,25 @@ def _clip_maker(listener: Listener) -> Callable[[Callable, str], Callable]:
             if not isinstance(parameters, torch.Tensor):
                 parameters = list(parameters)  # a generator can be read only once
             given = clip_args(name, args, kwargs)
-            guard(listener, "before_clip", parameters, clip_config(name, given))
+            guard(fault, before_clip, parameters, clip_config(name, given))
             depth[0] += 1
             try:
                 out = orig(parameters, *args, **kwargs)
             finally:
                 depth[0] -= 1
             total = {"clip_grad_norm_": out, "clip_grads_with_norm_": given.get("total_norm")}
-            guard(listener, "after_clip", total.get(name))  # (the others: no norm)
+            guard(fault, after_clip, total.get(name), False)  # (the others: no norm)
             return out
         return wrapper
     return make
 
 
-def patch_autograd_grad(patches: PatchSet, listener: Listener) -> None:
-    """See ``torch.autograd.grad`` (a gradient penalty takes it of the scaled loss) and
-    ``GradScaler.get_scale`` (what the AMP docs unscale that penalty's gradients with)."""
-    require(listener, Listener)
+def patch_autograd_grad(patches: PatchSet, fault: Fault,
+                        after_autograd_grad: Callable[[Any, bool], None],
+                        on_get_scale: Callable[[Any], None]) -> None:
+    """See ``torch.autograd.grad`` (``after_autograd_grad(outputs, create_graph)``: a
+    gradient penalty takes it of the scaled loss) and ``GradScaler.get_scale``
+    (``on_get_scale(scaler)``: what the AMP docs unscale that penalty's gradients with)."""
 
     def grad(orig):
         @functools.wraps(orig)
@@ -291,29 +305,30 @@ def patch_autograd_grad(patches: PatchSet, listener: Listener) -> None:
             out = orig(outputs, *args, **kwargs)
             # grad(outputs, inputs, grad_outputs, retain_graph, create_graph, ...)
             create_graph = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
-            guard(listener, "after_autograd_grad", outputs, bool(create_graph))
+            guard(fault, after_autograd_grad, outputs, bool(create_graph))
             return out
         return wrapper
 
     def get_scale(orig):
         @functools.wraps(orig)
         def wrapper(self):
-            guard(listener, "on_get_scale", self)
+            guard(fault, on_get_scale, self)
             return orig(self)
         return wrapper
 
     patches.add(Patch(torch.autograd, "grad", grad))
-    for cls in _scaler_classes():
-        if "get_scale" in cls.__dict__ and not _wrapped_for(cls.__dict__["get_scale"], listener):
-            patches.add(Patch(cls, "get_scale", get_scale, listener))
+    for cls in subclasses(torch.amp.GradScaler):
+        if "get_scale" in cls.__dict__ and \
+                not _wrapped_for(cls.__dict__["get_scale"], on_get_scale):
+            patches.add(Patch(cls, "get_scale", get_scale, on_get_scale))
 
 
-def patch_clip(patches: PatchSet, listener: Listener) -> Callable[[Callable, str], Callable]:
+def patch_clip(patches: PatchSet, fault: Fault, before_clip: BeforeClip,
+               after_clip: AfterClip) -> Callable[[Callable, str], Callable]:
     """See every clip of ``torch.nn.utils`` (``CLIPS``), patched in
     ``torch.nn.utils.clip_grad`` and under the same name in ``torch.nn.utils``. Returns the
     wrapper maker, for ``patch_library_clips``."""
-    require(listener, Listener)
-    make = _clip_maker(listener)
+    make = _clip_maker(fault, before_clip, after_clip)
     for name in CLIPS:
         public = getattr(torch.nn.utils, name, None)
         if public is None:  # (the split API is torch >= 2.6; adaptive_clip_grad is timm's)
@@ -328,24 +343,24 @@ def patch_clip(patches: PatchSet, listener: Listener) -> Callable[[Callable, str
     return make
 
 
-def patch_library_clips(patches: PatchSet, listener: Listener,
-                        make: Callable[[Callable, str], Callable]) -> None:
+def patch_library_clips(patches: PatchSet, make: Callable[[Callable, str], Callable]) -> None:
     """See the clips of ``LIBRARY_CLIPS`` in the modules already imported (called again
     when a run's first loss is seen: a training script imports its libraries first). A
-    function held under several names is wrapped once, and each name gets that wrapper."""
+    function held under several names is wrapped once, and each name gets that wrapper.
+    ``make``: ``patch_clip``'s wrapper maker (what marks a function wrapped already)."""
     for name, modules in LIBRARY_CLIPS.items():
         made: dict[int, Callable] = {}
         for module_name in modules:
             module = sys.modules.get(module_name)
             fn = getattr(module, name, None) if module is not None else None
-            if not callable(fn) or _wrapped_for(fn, listener):
+            if not callable(fn) or _wrapped_for(fn, make):
                 continue
             wrapper = made.get(id(fn))
             if wrapper is None:
-                patch = patches.add(Patch(module, name, _named(make, name), listener))
+                patch = patches.add(Patch(module, name, _named(make, name), make))
                 made[id(fn)] = patch.wrapper
             else:
-                patches.add(Patch(module, name, _same(wrapper), listener))
+                patches.add(Patch(module, name, _same(wrapper), make))
 
 
 def _named(make: Callable[[Callable, str], Callable], name: str) -> Callable[[Callable], Callable]:
@@ -388,7 +403,8 @@ def clip_config(name: str, given: dict) -> dict:
     return config
 
 
-def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]) -> None:
+def patch_clip_method(patches: PatchSet, fault: Fault, before_clip: BeforeClip,
+                      after_clip: AfterClip, cls: Optional[type]) -> None:
     """See a wrapper's own ``clip_grad_norm_`` method (FSDP1's, which combines the shards
     with a collective): ``after_clip`` is told the norm it returns is global."""
     if cls is None or "clip_grad_norm_" not in cls.__dict__:
@@ -398,18 +414,20 @@ def patch_clip_method(patches: PatchSet, listener: Listener, cls: Optional[type]
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
             config = clip_config("clip_grad_norm_", clip_args("clip_grad_norm_", args, kwargs))
-            guard(listener, "before_clip", list(self.parameters()), config)
+            guard(fault, before_clip, list(self.parameters()), config)
             out = orig(self, *args, **kwargs)
-            guard(listener, "after_clip", out, True)
+            guard(fault, after_clip, out, True)
             return out
         return wrapper
 
     patches.add(Patch(cls, "clip_grad_norm_", make))
 
 
-def hook_optimizers(patches: PatchSet, listener: TrainingListener,
+def hook_optimizers(patches: PatchSet, fault: Fault, before_optimizer_step: OptimizerCall,
+                    after_optimizer_step: Optional[OptimizerCall],
                     compiled_steps: Optional[list] = None) -> None:
-    """Global optimizer step pre/post hooks (every optimizer, including ones made later).
+    """Global optimizer step pre/post hooks (every optimizer, including ones made later):
+    ``before_optimizer_step(optimizer)``, ``after_optimizer_step(optimizer)``.
 
     ``optimizer.step(closure)`` computes the gradients inside the step: the pre-step work then
     runs when the closure returns (once, however often the optimizer calls it), not before.
@@ -418,14 +436,13 @@ def hook_optimizers(patches: PatchSet, listener: TrainingListener,
     then only appends the optimizer to ``compiled_steps``, a list mutation dynamo replays
     after the compiled call, for the listener to take up at its next eager hook.
     """
-    require(listener, TrainingListener)
 
     def pre(optimizer, args, kwargs):
         closure = kwargs.get("closure", args[0] if args else None)
         if not callable(closure) or _compiling():
-            guard(listener, "before_optimizer_step", optimizer)
+            guard(fault, before_optimizer_step, optimizer)
             return None
-        wrapped = _after_closure(closure, listener, optimizer)
+        wrapped = _after_closure(closure, fault, before_optimizer_step, optimizer)
         if "closure" in kwargs:
             return args, dict(kwargs, closure=wrapped)
         return (wrapped,) + tuple(args[1:]), kwargs
@@ -435,47 +452,42 @@ def hook_optimizers(patches: PatchSet, listener: TrainingListener,
             if compiled_steps is not None:
                 compiled_steps.append(optimizer)
             return
-        guard(listener, "after_optimizer_step", optimizer)
+        guard(fault, after_optimizer_step, optimizer)
 
     patches.add(optimizer_hooks.register_optimizer_step_pre_hook(pre))
     patches.add(optimizer_hooks.register_optimizer_step_post_hook(post))
 
 
-def patch_zero_grad(patches: PatchSet, listener: Listener) -> None:
-    """See ``Optimizer.zero_grad`` (``listener.before_zero_grad(optimizer)``), on the base class
-    and on subclasses that override it, and ``Module.zero_grad``
-    (``listener.before_module_zero_grad(module)``)."""
-    require(listener, Listener)
+def patch_zero_grad(patches: PatchSet, fault: Fault, before_zero_grad: OptimizerCall,
+                    before_module_zero_grad: Callable[[torch.nn.Module], None]) -> None:
+    """See ``Optimizer.zero_grad`` (``before_zero_grad(optimizer)``), on the base class and on
+    subclasses that override it, and ``Module.zero_grad`` (``before_module_zero_grad(module)``)."""
 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
-            guard(listener, "before_zero_grad", self)
+            guard(fault, before_zero_grad, self)
             return orig(self, *args, **kwargs)
         return wrapper
 
-    todo, seen = [torch.optim.Optimizer], []
-    while todo:
-        cls = todo.pop()
-        if cls in seen:
-            continue
-        seen.append(cls)
-        todo.extend(cls.__subclasses__())
+    for cls in subclasses(torch.optim.Optimizer):
         if "zero_grad" in cls.__dict__:
             patches.add(Patch(cls, "zero_grad", make))
 
     def make_module(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
-            guard(listener, "before_module_zero_grad", self)
+            guard(fault, before_module_zero_grad, self)
             return orig(self, *args, **kwargs)
         return wrapper
 
     patches.add(Patch(torch.nn.Module, "zero_grad", make_module))
 
 
-def _after_closure(closure: Callable, listener: TrainingListener, optimizer: Any) -> Callable:
-    """``closure`` that tells the listener, after its first call, that the step begins."""
+def _after_closure(closure: Callable, fault: Fault, before_optimizer_step: OptimizerCall,
+                   optimizer: Any) -> Callable:
+    """``closure`` that tells ``before_optimizer_step``, after its first call, that the step
+    begins."""
     done = []
 
     @functools.wraps(closure)
@@ -483,13 +495,13 @@ def _after_closure(closure: Callable, listener: TrainingListener, optimizer: Any
         out = closure(*args, **kwargs)
         if not done:
             done.append(True)
-            guard(listener, "before_optimizer_step", optimizer)
+            guard(fault, before_optimizer_step, optimizer)
         return out
     return wrapper
 
 
-def hook_modules(patches: PatchSet, listener: Listener, pre: Optional[Callback],
-                 post: Optional[Callback], post_kwargs: bool = False) -> None:
+def hook_modules(patches: PatchSet, fault: Fault, pre: Optional[ModulePre],
+                 post: Optional[Callable[..., None]], post_kwargs: bool = False) -> None:
     """Global forward (pre-)hooks on every module; used only while discovering or sampling.
 
     ``post_kwargs``: the post-hook also gets the call's kwargs (``post(module, args, kwargs,
@@ -497,11 +509,11 @@ def hook_modules(patches: PatchSet, listener: Listener, pre: Optional[Callback],
     """
     if pre is not None:
         def pre_hook(module, args):
-            guard(listener, pre, module, args)
+            guard(fault, pre, module, args)
         patches.add(module_hooks.register_module_forward_pre_hook(pre_hook))
     if post is not None and post_kwargs:
         def post_kw_hook(module, args, kwargs, output):
-            guard(listener, post, module, args, kwargs, output)
+            guard(fault, post, module, args, kwargs, output)
         handle = patches.add(module_hooks.register_module_forward_hook(
             post_kw_hook, with_kwargs=True, always_call=True))
         # torch's handle forgets its with_kwargs mark, which would leave torch believing a
@@ -509,57 +521,59 @@ def hook_modules(patches: PatchSet, listener: Listener, pre: Optional[Callback],
         patches.add(_Entry(module_hooks._global_forward_hooks_with_kwargs, handle.id))
     elif post is not None:
         def post_hook(module, args, output):
-            guard(listener, post, module, args, output)
+            guard(fault, post, module, args, output)
         patches.add(module_hooks.register_module_forward_hook(post_hook))
 
 
-def hook_module_calls(patches: PatchSet, listener: Listener, pre: Callback,
-                      post: Callback) -> None:
+def hook_module_calls(patches: PatchSet, fault: Fault, pre: ModulePre,
+                      post: ModulePost) -> None:
     """Global forward pre-hook and hook on every module, the hook run even when the forward
     raises (``always_call``): a call opened by ``pre`` is always closed by ``post`` (the
     sampled step's op probe, ``opprobe.StepProbe``, keeps the calls open on a stack)."""
     def pre_hook(module, args):
-        guard(listener, pre, module, args)
+        guard(fault, pre, module, args)
 
     def post_hook(module, args, output):
-        guard(listener, post, module, args, output)
+        guard(fault, post, module, args, output)
     patches.add(module_hooks.register_module_forward_pre_hook(pre_hook))
     patches.add(module_hooks.register_module_forward_hook(post_hook, always_call=True))
 
 
-def _wrapped_for(fn: Any, listener: Any) -> bool:
-    """Is ``listener`` already behind ``fn`` (a chain of wrappers made here)?"""
+def _wrapped_for(fn: Any, key: Any) -> bool:
+    """Is ``key`` (the door or callback a wrapper was made for) already behind ``fn`` (a chain
+    of wrappers made here)? A bound method is made anew at each access: compared by ``==``."""
     while hasattr(fn, _MARK):
-        if getattr(fn, _LISTENER, None) is listener:
+        mark = getattr(fn, _LISTENER, None)
+        if mark is not None and mark == key:
             return True
         fn = getattr(fn, _MARK)
     return False
 
 
-def patch_module_compile(patches: PatchSet, listener: Listener) -> None:
+def patch_module_compile(patches: PatchSet, fault: Fault,
+                         on_module_compile: Callable[[torch.nn.Module], None]) -> None:
     """See modules compiled in place (``module.compile()``): their calls go through
-    ``shim_compiled_call``, made by ``listener.on_module_compile(module)``."""
-    require(listener, Listener)
+    ``shim_compiled_call``, made by ``on_module_compile(module)``."""
 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
             out = orig(self, *args, **kwargs)
-            guard(listener, "on_module_compile", self)
+            guard(fault, on_module_compile, self)
             return out
         return wrapper
 
     patches.add(Patch(torch.nn.Module, "compile", make))
 
 
-def hook_root(patches: PatchSet, listener: Listener, root: torch.nn.Module) -> None:
+def hook_root(patches: PatchSet, door: ModelDoor, root: torch.nn.Module) -> None:
     """The root's forward pre-hook and hook (``root_pre``, ``root_post``, kwargs included),
     marked as ours: a copy or a pickle of the root leaves them behind (``patch_module_state``)."""
     def pre(module, args, kwargs):
-        return guard(listener, "root_pre", module, args, kwargs)
+        return guard(door.fault, door.root_pre, module, args, kwargs)
 
     def post(module, args, kwargs, output):
-        return guard(listener, "root_post", module, args, output, kwargs)
+        return guard(door.fault, door.root_post, module, args, output, kwargs)
 
     for fn in (pre, post):
         setattr(fn, _OURS, True)
@@ -608,18 +622,17 @@ def _without_our_hooks(state: Any) -> Any:
     return state
 
 
-def shim_compiled_call(patches: PatchSet, listener: Listener,
-                       module: torch.nn.Module) -> None:
+def shim_compiled_call(patches: PatchSet, door: ModelDoor, module: torch.nn.Module) -> None:
     """Call ``module``'s compiled ``__call__`` (``module.compile()``) through an eager shim that
-    tells the listener before and after (``compiled_pre``/``compiled_post``), as a forward
+    tells ``door`` before and after (``compiled_pre``/``compiled_post``), as a forward
     pre-hook and hook would, outside the compiled region. Undone with ``patches``."""
 
     def make(compiled):
         @functools.wraps(compiled)
         def shim(*args, **kwargs):
-            guard(listener, "compiled_pre", module, args, kwargs)
+            guard(door.fault, door.compiled_pre, module, args, kwargs)
             out = compiled(*args, **kwargs)
-            guard(listener, "compiled_post", module, args, out)
+            guard(door.fault, door.compiled_post, module, args, out)
             return out
         return shim
 
@@ -635,26 +648,19 @@ def original(fn: Any) -> Any:
 
 def scheduler_classes() -> list[type]:
     """torch's LRScheduler and every subclass of it defined so far (the user's included)."""
-    base = torch.optim.lr_scheduler.LRScheduler
-    classes, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    return classes
+    return subclasses(torch.optim.lr_scheduler.LRScheduler)
 
 
-def patch_schedulers(patches: PatchSet, listener: SchedulerListener) -> None:
-    """See every ``LRScheduler.step`` (``listener.before_scheduler_step(scheduler)``), on the
+def patch_schedulers(patches: PatchSet, fault: Fault,
+                     before_scheduler_step: Callable[[Any], None]) -> None:
+    """See every ``LRScheduler.step`` (``before_scheduler_step(scheduler)``), on the
     base class and on subclasses that override ``step`` (ReduceLROnPlateau, SequentialLR...).
     Used by ``ampdoctor.testing.check_amp_step`` and by the recorder (``schedules.py``)."""
-    require(listener, SchedulerListener)
 
     def make(orig):
         @functools.wraps(orig)
         def wrapper(self, *args, **kwargs):
-            guard(listener, "before_scheduler_step", self)
+            guard(fault, before_scheduler_step, self)
             return orig(self, *args, **kwargs)
         return wrapper
 
@@ -675,12 +681,12 @@ class _Switch:
         self.on = False
 
 
-def patch_losses(patches: PatchSet, listener: Listener, names: tuple) -> None:
-    """See the loss functions ``names`` of ``torch.nn.functional`` (``listener.after_loss(name,
+def patch_losses(patches: PatchSet, fault: Fault, after_loss: Callable[..., None],
+                 names: tuple) -> None:
+    """See the loss functions ``names`` of ``torch.nn.functional`` (``after_loss(name,
     original, args, kwargs, result)``, after the call; a loss computed inside another one is
     not told again). TorchScript still compiles the original: the wrapper carries the
     original's globals, and its source is found through ``__wrapped__``."""
-    require(listener, Listener)
     switch = patches.add(_Switch())
     depth = [0]
 
@@ -689,7 +695,7 @@ def patch_losses(patches: PatchSet, listener: Listener, names: tuple) -> None:
         # (torch.jit.script compiles the original's source, found through __wrapped__, and
         # resolves its names there). Their names start with _loss_ so as never to shadow one
         # of that source's.
-        _loss_switch, _loss_depth, _loss_listener = switch, depth, listener
+        _loss_switch, _loss_depth, _loss_fault, _loss_call = switch, depth, fault, after_loss
         _loss_guard, _loss_compiling = guard, _compiling
 
         def _wrapper(*args, **kwargs):
@@ -700,7 +706,7 @@ def patch_losses(patches: PatchSet, listener: Listener, names: tuple) -> None:
                 out = _orig(*args, **kwargs)
             finally:
                 _loss_depth[0] -= 1
-            _loss_guard(_loss_listener, "after_loss", _name, _orig, args, kwargs, out)
+            _loss_guard(_loss_fault, _loss_call, _name, _orig, args, kwargs, out)
             return out
 
         wrapper = types.FunctionType(_wrapper.__code__, _orig.__globals__, _orig.__name__,
@@ -709,6 +715,6 @@ def patch_losses(patches: PatchSet, listener: Listener, names: tuple) -> None:
 
     for name in names:
         orig = getattr(functional, name, None)
-        if callable(orig) and not _wrapped_for(orig, listener):
+        if callable(orig) and not _wrapped_for(orig, after_loss):
             patches.add(Patch(functional, name, functools.partial(make, _name=name),
-                              listener))
+                              after_loss))

@@ -63,8 +63,8 @@ FP32_TINY = 2.0 ** -126
 
 
 # The one declaration of the --apply forms: parse() accepts these, the CLI's help lists them
-# (help_text), treatment.INSTALL has one installer each and docs/commands.md a row each
-# (tests/record/test_treatment.py checks both).
+# (help_text), treatment.INSTALL is derived from them (one ``_install_<form>`` each, or its
+# import fails) and docs/commands.md has a row each (tests/record/test_treatment.py checks it).
 FORMS: dict[str, Form] = {
     "fp32_island": Form("NAME[,NAME...]",
                         "the named modules run with autocast off, on fp32 inputs"),

@@ -25,7 +25,7 @@ done by its parts, one module each:
 ``journal.Journal``       the run file and the rows every part adds (/events, /tensors, /meta);
                           the warnings, each once
 ``watched.Watched``       the model (given or discovered), optimizers, scaler, autocast state
-``hooks.Hooks``           the hook callbacks (a ``listener.Listener``), the step boundaries
+``hooks.Hooks``           the hook callbacks, in groups (``stepflow``: the step boundaries)
 ``steplog.StepLog``       the step being recorded; finished steps' rows until the drain
 ``skips.Skips``           the skip decision and its syncs; the forensic tier's trigger
 ``forensics.Forensics``   tier 3: capture, replay, snapshot
@@ -34,7 +34,7 @@ done by its parts, one module each:
 
 Example::
 
-    rec = Recorder(model, optimizer, scaler, path="run.h5").start()   # what watch() does
+    rec = Recorder(model, optimizer, scaler, RecorderConfig(path="run.h5")).start()  # watch()
     ...train...
     rec.close()
     rec.diagnose()
@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -65,7 +66,70 @@ from .watched import Watched
 DEFAULT_EVERY = 100  # sampled-tier interval; see benchmarks/overhead.py and docs/performance.md
 FLUSH_SECONDS = 1.0  # at most this much recorded time is lost to a SIGKILL
 
-__all__ = ["DEFAULT_EVERY", "FLUSH_SECONDS", "Recorder", "active"]
+__all__ = ["DEFAULT_EVERY", "FLUSH_SECONDS", "Recorder", "RecorderConfig", "active"]
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    """How a ``Recorder`` records: ``watch()``'s options, one field each.
+
+    path: the run file to write (overwritten), or a function of (rank, world_size) that
+        names it, called when the file is created.
+    lazy: create the file only once training begins (the first backward, scaled loss or
+        optimizer step); until then rows wait in memory, and ``close()`` of a recorder that
+        never saw training writes nothing unless ``keep_empty=True``. This is what
+        ``ampdoctor record`` uses, so that DataLoader workers leave no files, and so that
+        the rank is read from ``torch.distributed`` once the process group exists.
+    every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
+    forensics: replay a failing step to find the culprit (tier 3).
+    max_replays: forensic replays per run. Events in one episode (a run of close bad
+        steps) are replayed at the 1st, 2nd, 4th, 8th... event only, so a run that skips
+        every step does not crawl; after the last replay the tier costs nothing.
+    flush_seconds: the longest time between two flushes to the file.
+    sample: elements gathered per tensor for range counts in the sampled tier.
+    op_probe: on sampled steps, look at every op inside the model's forward for inf/NaN
+        that never reaches a module's output (``opprobe.StepProbe``; not inside
+        ``torch.compile`` regions nor on sharded models). Off: the sampled step costs
+        what it did before (``benchmarks/probe_cost.py`` measures the difference).
+    fp8: on sampled steps, what each fp8 recipe would do to every Linear's input, weight
+        and output gradient (``fp8.Fp8Probe``, the /fp8 table; docs/fp8.md). Off: the
+        sampled step costs what it did before (``benchmarks/fp8_cost.py``).
+    fp8_trial: seconds for the fp8 trial at close (``forensic/fp8trial.py``): the last
+        sampled step re-run with each Linear in emulated fp8, alone and together, to say
+        which to keep in bf16 (needs ``fp8`` and ``forensics``; 0: off).
+    strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
+    rank, world_size: for distributed runs (read from the environment when None).
+    replaceable: a recorder started later closes this one instead of failing (what
+        ``ampdoctor record`` uses, so that a script calling ``watch()`` itself still works).
+    """
+
+    path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5"
+    every: Optional[int] = None
+    forensics: bool = True
+    lazy: bool = False
+    max_replays: int = 8
+    flush_seconds: float = FLUSH_SECONDS
+    sample: int = stats.SAMPLE
+    strict: bool = False
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    argv: Optional[list[str]] = None
+    replaceable: bool = False
+    op_probe: bool = True
+    fp8: bool = True
+    fp8_trial: float = BUDGET_SECONDS
+
+    def interval(self) -> int:
+        """``every``, checked: the sampled tier's interval (``DEFAULT_EVERY`` when None)."""
+        try:
+            every = DEFAULT_EVERY if self.every is None else int(self.every)
+        except (TypeError, ValueError):
+            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not "
+                                 f"{self.every!r}") from None
+        if every < 0:
+            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not "
+                                 f"{self.every}")
+        return every
 
 
 class Recorder:
@@ -77,85 +141,43 @@ class Recorder:
         optimizer: an optimizer or a list. None: every optimizer that steps the model's
             parameters (or any optimizer, when the model is discovered too).
         scaler: the ``GradScaler``. None: the first enabled scaler that scales a loss.
-        path: the run file to write (overwritten), or a function of (rank, world_size) that
-            names it, called when the file is created.
-        lazy: create the file only once training begins (the first backward, scaled loss or
-            optimizer step); until then rows wait in memory, and ``close()`` of a recorder that
-            never saw training writes nothing unless ``keep_empty=True``. This is what
-            ``ampdoctor record`` uses, so that DataLoader workers leave no files, and so that
-            the rank is read from ``torch.distributed`` once the process group exists.
-        every: the sampled tier's interval in steps (default ``DEFAULT_EVERY``; 0 = never).
-        forensics: replay a failing step to find the culprit (tier 3).
-        max_replays: forensic replays per run. Events in one episode (a run of close bad
-            steps) are replayed at the 1st, 2nd, 4th, 8th... event only, so a run that skips
-            every step does not crawl; after the last replay the tier costs nothing.
-        flush_seconds: the longest time between two flushes to the file.
-        sample: elements gathered per tensor for range counts in the sampled tier.
-        op_probe: on sampled steps, look at every op inside the model's forward for inf/NaN
-            that never reaches a module's output (``opprobe.StepProbe``; not inside
-            ``torch.compile`` regions nor on sharded models). Off: the sampled step costs
-            what it did before (``benchmarks/probe_cost.py`` measures the difference).
-        fp8: on sampled steps, what each fp8 recipe would do to every Linear's input, weight
-            and output gradient (``fp8.Fp8Probe``, the /fp8 table; docs/fp8.md). Off: the
-            sampled step costs what it did before (``benchmarks/fp8_cost.py``).
-        fp8_trial: seconds for the fp8 trial at close (``forensic/fp8trial.py``): the last
-            sampled step re-run with each Linear in emulated fp8, alone and together, to say
-            which to keep in bf16 (needs ``fp8`` and ``forensics``; 0: off).
-        strict: raise ``RecorderFault`` on an internal failure instead of stepping aside.
-        rank, world_size: for distributed runs (read from the environment when None).
-        replaceable: a recorder started later closes this one instead of failing (what
-            ``ampdoctor record`` uses, so that a script calling ``watch()`` itself still works).
+        config: how it records (``RecorderConfig``: the file, the tiers, strict mode...).
     """
 
-    def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None, *,
-                 path: Union[str, os.PathLike, Callable[[int, int], str]] = "run.h5",
-                 every: Optional[int] = None, forensics: bool = True, lazy: bool = False,
-                 max_replays: int = 8, flush_seconds: float = FLUSH_SECONDS,
-                 sample: int = stats.SAMPLE, strict: bool = False, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, argv: Optional[list[str]] = None,
-                 replaceable: bool = False, op_probe: bool = True, fp8: bool = True,
-                 fp8_trial: float = BUDGET_SECONDS):
-        try:
-            self.every = DEFAULT_EVERY if every is None else int(every)
-        except (TypeError, ValueError):
-            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not "
-                                 f"{every!r}") from None
-        if self.every < 0:
-            raise AmpDoctorError(f"every must be 0 (never) or a positive step count, not {every}")
-        self.forensics_on = forensics
-        self.max_replays = max_replays
-        self.flush_seconds = flush_seconds
-        self.sample = sample
-        self.op_probe = op_probe
-        self.fp8 = fp8
-        self.strict = strict
-        self.lazy = lazy
-        self.replaceable = replaceable
+    def __init__(self, model: Any = None, optimizer: Any = None, scaler: Any = None,
+                 config: RecorderConfig = RecorderConfig()):
+        self.config = config
+        self.every = config.interval()
+        self.strict = config.strict
+        self.replaceable = config.replaceable
         self.active = False
         self.closed = False
         self.faulted = False
         # told (why, steps kept) when a fault stops the recording: ``record`` hears of a full
         # disk this way, which the file itself cannot hold (child.py)
         self.on_stop: Optional[Callable[[str, int], None]] = None
+        rank, world = config.rank, config.world_size
         self._journal = Journal(
-            path, rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
-            world_size=int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size,
-            argv=argv, strict=strict)
+            config.path, rank=int(os.environ.get("RANK", 0)) if rank is None else rank,
+            world_size=int(os.environ.get("WORLD_SIZE", 1)) if world is None else world,
+            argv=config.argv, strict=config.strict)
         self._watched = Watched(model, optimizer, scaler, journal=self._journal,
-                                forensics=forensics)
-        self._log = StepLog(self._journal, self._watched, flush_seconds)
+                                forensics=config.forensics)
+        self._log = StepLog(self._journal, self._watched, config.flush_seconds)
         self.forensics = Forensics(self._watched, self._journal, self._log,
-                                   max_replays=max_replays, strict=strict) if forensics else None
+                                   max_replays=config.max_replays, strict=config.strict) \
+            if config.forensics else None
         self._sampler = Sampler(self._watched.names, self._journal.tensor_id,
-                                self._journal.warn_tensor, sample=sample,
-                                fp8=fp8) if self.every else None
+                                self._journal.warn_tensor, sample=config.sample,
+                                fp8=config.fp8) if self.every else None
         self._skips = Skips(self._journal, self._watched, self._log, self.forensics)
         self._hooks = Hooks(self._journal, self._watched, self._log, self._skips,
                             sampler=self._sampler, forensics=self.forensics, every=self.every,
-                            fault=self.fault, op_probe=op_probe)
+                            fault=self.fault, op_probe=config.op_probe)
         self._exits = exits.ExitGuard(self)
-        self._fp8_trial = TrialAtClose(self.forensics, self._journal.tensor_id, fp8_trial) \
-            if fp8 and fp8_trial > 0 and self._sampler is not None and self.forensics else None
+        trial = config.fp8_trial
+        self._fp8_trial = TrialAtClose(self.forensics, self._journal.tensor_id, trial) \
+            if config.fp8 and trial > 0 and self._sampler is not None and self.forensics else None
         self._hooks.fp8_trial = self._fp8_trial
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -168,7 +190,7 @@ class Recorder:
             raise AmpDoctorError(
                 f"ampdoctor is already recording into {current.path}; close that recorder first")
         try:
-            self._journal.open(self.lazy)
+            self._journal.open(self.config.lazy)
             exits.hold(self)
             self.active = True
             self._exits.catch()
@@ -376,10 +398,11 @@ class Recorder:
     def _write_start_meta(self) -> None:
         meta = self._journal.meta
         meta("status", schema.STATUS_RUNNING)
-        meta("recorder", {"every": self.every, "sample": self.sample, "op_probe": self.op_probe,
-                          "fp8": self.fp8,
-                          "forensics": self.forensics_on, "max_replays": self.max_replays,
-                          "flush_seconds": self.flush_seconds, "version": __version__,
+        c = self.config
+        meta("recorder", {"every": self.every, "sample": c.sample, "op_probe": c.op_probe,
+                          "fp8": c.fp8,
+                          "forensics": c.forensics, "max_replays": c.max_replays,
+                          "flush_seconds": c.flush_seconds, "version": __version__,
                           "given": self._watched.given})
         meta("torch", {"version": torch.__version__,
                        "cuda": getattr(torch.version, "cuda", None),

@@ -66,7 +66,7 @@ import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
 from . import lrfactors, patches
-from .prescription import Prescription
+from .prescription import FORMS, Prescription
 
 # torch.nn.functional's losses: the ones ``loss_in_fp32`` casts.
 LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
@@ -174,20 +174,14 @@ def _install_scheduler_gate(t: Treatment, p: Prescription, by_name: dict) -> dic
     return {}
 
 
-# One installer per form of prescription.FORMS (tests/record/test_treatment.py checks that
-# they match): it patches and returns what /meta ``applied`` adds for the form.
-INSTALL: dict[str, Callable[[Treatment, Prescription, dict], dict]] = {
-    "fp32_island": Treatment._install_islands,
-    "use_bf16": _install_bf16,
-    "adam_eps": _install_eps,
-    "init_scale": _install_scaler,
-    "growth_interval": _install_scaler,
-    "lr_factor": _install_lr,
-    "lr": _install_lr,
-    "loss_in_fp32": _install_losses,
-    "scheduler_per_step": _install_scheduler_gate,
-    "fp8": lambda t, p, by_name: _install_fp8(t, p, by_name),  # (defined below)
-}
+# Forms installed together with another form, by that form's installer.
+_install_fp32_island = Treatment._install_islands
+_install_use_bf16 = _install_bf16
+_install_adam_eps = _install_eps
+_install_init_scale = _install_growth_interval = _install_scaler
+_install_lr_factor = _install_lr
+_install_loss_in_fp32 = _install_losses
+_install_scheduler_per_step = _install_scheduler_gate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,3 +551,20 @@ def _fp8_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         _opened().append(contextlib.ExitStack())  # _island_post closes one per call
         return args, kwargs
     return _island_pre(module, args, kwargs)
+
+
+Installer = Callable[[Treatment, Prescription, dict], dict]
+
+
+def _installers() -> dict[str, Installer]:
+    """One installer per form of ``prescription.FORMS``, derived from that one declaration:
+    the function ``_install_<form>`` of this module, which patches and returns what /meta
+    ``applied`` adds for the form. A form without one fails this module's import."""
+    found = {name: globals().get(f"_install_{name}") for name in FORMS}
+    missing = sorted(name for name, fn in found.items() if not callable(fn))
+    if missing:
+        raise ImportError(f"treatment.py has no _install_<form> for {', '.join(missing)}")
+    return {name: fn for name, fn in found.items() if fn is not None}
+
+
+INSTALL: dict[str, Installer] = _installers()

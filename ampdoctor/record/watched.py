@@ -24,7 +24,7 @@ sharding, autocast_seen, trained_params).
 Example::
 
     watched = Watched(model, opt, None, journal=journal, forensics=True)
-    watched.attach(listener, patches, log.follow)  # root hooks (discovery's if no model)
+    watched.attach(hooks.model_door(), patches, log.follow)  # root hooks (or discovery's)
     watched.owns(opt), watched.trained_params()
 """
 
@@ -42,7 +42,7 @@ from ..runfile.schema import Event
 from . import amp_state, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
-from .listener import Listener
+from .listener import ModelDoor
 from .sampler import tensors_in
 from .steps import Step
 from .torchcompat import is_wrapper, placeholder_call, scaler_enabled, unwrap
@@ -87,7 +87,7 @@ class Watched:
         self._optimizer_meta_done: set[int] = set()
         self._params_key: Optional[tuple] = None  # param_groups the cached list was made from
         self._params: list[torch.Tensor] = []
-        self._listener: Optional[Listener] = None
+        self._door: Optional[ModelDoor] = None
         self._moved: Callable[[torch.device], None] = lambda device: None
         self._patches = patches.PatchSet()  # replaced in attach by the recorder's own set
         self._root_hooks = patches.PatchSet()
@@ -97,18 +97,18 @@ class Watched:
         self.left_out: weakref.WeakSet = weakref.WeakSet()
         self.left_out_why: list[dict] = []  # ... what each was and why (/meta skipped_modules)
 
-    def attach(self, listener: Listener, patch_set: patches.PatchSet,
+    def attach(self, door: ModelDoor, patch_set: patches.PatchSet,
                moved: Callable[[torch.device], None]) -> None:
         """Hook the given roots (or the global discovery hooks) and adopt the given scaler.
         ``patch_set``: the recorder's patches, which sharding and ``module.compile()`` add to;
         ``moved(device)``: told the model's device whenever roots are adopted."""
-        self._listener, self._patches, self._moved = listener, patch_set, moved
+        self._door, self._patches, self._moved = door, patch_set, moved
         if self.roots:
             self.adopt_roots(self.roots)
         else:
             self._discovery.add(compiled.QuietGlobalHookWarning())
-            patches.hook_modules(self._discovery, listener, "discover_pre", "discover_post",
-                                 post_kwargs=True)
+            patches.hook_modules(self._discovery, door.fault, door.discover_pre,
+                                 door.discover_post, post_kwargs=True)
             self.discovery_open = self._discovery_hooked = True
         if self.scaler is not None:
             self.adopt_scaler(self.scaler)
@@ -309,11 +309,11 @@ class Watched:
     def _hook_root(self, root: torch.nn.Module) -> None:
         """The root's forward pre-hook and hook, or, for a ``module.compile()``'d root whose
         hooks would be compiled, the eager shim around its call."""
-        listener = self._listening()
+        door = self._listening()
         if compiled.kind(root) == compiled.CALL:
-            patches.shim_compiled_call(self._root_hooks, listener, root)
+            patches.shim_compiled_call(self._root_hooks, door, root)
             return
-        patches.hook_root(self._root_hooks, listener, root)
+        patches.hook_root(self._root_hooks, door, root)
 
     def _note_compiled(self, eager: list[torch.nn.Module]) -> None:
         """What a compiled model leaves out of the recording (module outputs inside its
@@ -330,18 +330,19 @@ class Watched:
         if found is None:
             return
         if self.sharding is None:
-            listener = self._listening()
-            patches.patch_scaler(self._patches, listener)  # ShardedGradScaler, loaded since
-            patches.patch_own_found_inf(self._patches, listener)
+            door = self._listening()
+            patches.patch_scaler(self._patches, door.scaler)  # ShardedGradScaler, loaded since
+            patches.patch_own_found_inf(self._patches, door.fault, door.after_unscale_grads)
             if found.kind == "fsdp1":
-                patches.patch_clip_method(self._patches, listener, sharding.fsdp1_class())
+                patches.patch_clip_method(self._patches, door.fault, door.before_clip,
+                                          door.after_clip, sharding.fsdp1_class())
         self.sharding = found
         self.journal.meta("sharding", found.meta(self.forensics_on))
 
-    def _listening(self) -> Listener:
-        if self._listener is None:
+    def _listening(self) -> ModelDoor:
+        if self._door is None:
             raise RuntimeError("Watched.attach has not been called")
-        return self._listener
+        return self._door
 
     def adopt_scaler(self, scaler: Any) -> None:
         self.scaler = scaler

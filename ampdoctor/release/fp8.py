@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnosis.thresholds import FP8_FLUSHED, FP8_SUBNORMAL
+from ..diagnosis.thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL
 from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import Recipe, Role, columns
 from . import fp8trial
@@ -59,7 +59,7 @@ SUBNORMAL = FP8_SUBNORMAL
 # thousand clamped (the sample's resolution is 1 in 1024) means the scale no longer covers the
 # tensor: delayed scaling behind a growing amax. MX is left out: its FLOOR rule clamps only a
 # block's largest value, by at most 512/448, and SQNR counts that.
-SATURATED = 1e-3
+SATURATED = FP8_SATURATED  # (diagnosis/thresholds.py: a run in fp8 that saturates reads it)
 SATURATION_RECIPES = (Recipe.TENSOR, Recipe.DELAYED, Recipe.ROWWISE)
 # SQNR: rounding to e4m3 alone gives about 30 dB and to e5m2 about 25 dB (4 and 3 significant
 # bits); below 20 dB the tensor lost much more than its format's rounding.

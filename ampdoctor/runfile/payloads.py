@@ -328,6 +328,9 @@ class SnapshotDetail(Payload):
         # reproduced (reproduced.py)
         "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
         "rerun": Key(TrialOutcome, "the step re-run as recorded"),
+        "rerun_scale": Key(float, "the loss scale ``rerun`` ran its backward at, where not the "
+                           "recorded one (1: at the recorded one a finite forward's gradients "
+                           "overflowed)", since=4),
         "loss_recomputed": Key(bool, "the replay recomputed the loss"),
         "loss_not_recomputed": Key(str, "why the loss was not recomputed"),
         "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
@@ -393,6 +396,9 @@ class Fp8Trial(Payload):
         "weights_step": Key(int, "the last step: the weights re-run are those after it", -1),
         "loss": Key(float, "the loss of the step re-run as recorded (the reference)"),
         "recipes": Key(dict, "recipe name -> what each re-run did (see the class doc)", {}),
+        "own": Key(dict, "a run already in fp8: its fp8 layers re-run in high precision (the "
+                   "reference then), {'loss', 'as_recorded': effect, 'layers': {NAME: "
+                   "{'high_precision': effect, 'rowwise': effect}}, 'untried', 'note'}", {}),
         "suits": Key(str, "the recipe whose all-but-kept re-run stays within the thresholds "
                      "with the fewest layers kept ('' none)", ""),
         "thresholds": Key(dict, "grad_error, loss_change: above either a layer is kept", {}),

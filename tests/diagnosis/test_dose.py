@@ -6,11 +6,13 @@ scheduler stepped per micro-batch (the cause behind the LR) and the LR evidence 
 in memory (no torch)."""
 
 import numpy as np
+import pytest
 from synthetic import Synth
 
 from ampdoctor.diagnosis import engine, fixes
 from ampdoctor.diagnosis.dose import Doses
 from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.numfmt import fmt
 from ampdoctor.runfile.schema import DType, Event, Kind
 
 
@@ -334,6 +336,17 @@ def test_a_rung_that_ends_above_the_runs_healthy_range_did_not_train():
     assert fix(engine.diagnose(s.run()), "lower_lr").values["lr"] == 0.01
 
 
+def test_a_rung_that_ends_above_its_own_start_by_more_than_the_band_did_not_train():
+    """The run's range may hold the first steps of the blow-up (diffusers' UNet at LR 10:
+    1.1, 1.1, 700 before the NaN): a rung is also held to its own start, a loss of the kept
+    healthy state, plus the band (1.9 * 1.5 = 2.85 here, under the run's 3.0)."""
+    swung = [1.9, 30.0, 40.0, 2.9, 2.95, 1.2]
+    s = _tried(_rung(1.0, BLEW), _rung(0.316, swung), _rung(0.1, FELL))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == 0.0032 and "LR 0.01 is the highest that trained" \
+        in lower.source, lower.source
+
+
 def test_the_rungs_are_read_from_the_highest_lr_down_whatever_order_they_ran_in():
     """The recorder goes down a decade at a time, then tries the half-decade above the first
     that trained: the rungs come in that order."""
@@ -364,6 +377,20 @@ def test_without_a_trial_the_lr_is_a_bound_and_says_why():
     assert "the failing LR 0.1 itself trained over 4 steps" in itself.source
     none = fix(engine.diagnose(_tried(_rung(1.0, BLEW), _rung(0.316, BLEW)).run()), "lower_lr")
     assert "the LR range test found no LR that trained, down to LR 0.0316" in none.source
+
+
+def test_where_no_rung_trained_the_bound_lies_a_decade_below_the_lowest_tried():
+    """diffusers' train_unconditional.py at LR 10 on a CPU: the ladder stopped at LR 0.01 by
+    its time budget with no rung that trained, and the bound from the LR history (0.5) was
+    above every LR the trial had proven to fail; applied, it did not train."""
+    plain = fix(engine.diagnose(_warmup_overflow(False).run()), "lower_lr").values["lr"]
+    low = plain * 0.3
+    s = _tried(_rung(1.0, BLEW, lr_top=low * 10), _rung(0.1, BLEW, lr_top=low * 10))
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert lower.values["lr"] == pytest.approx(low / 10, rel=0.05), lower.values
+    assert f"a decade below LR {fmt(low)}, the lowest the LR range test tried" in lower.source
+    higher = _tried(_rung(1.0, BLEW, lr_top=plain * 1000), _rung(0.1, BLEW, lr_top=plain * 1000))
+    assert fix(engine.diagnose(higher.run()), "lower_lr").values["lr"] == plain
 
 
 def test_a_treated_runs_next_dose_is_against_the_users_own_command():

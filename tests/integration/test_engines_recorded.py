@@ -1,7 +1,8 @@
 """Engines that take the optimizer step themselves, under ``ampdoctor record`` with no change
 to the script: DeepSpeed's engine (fixtures/stacks/deepspeed_train.py, fp16 ZeRO-1 on
 DeepSpeed's CPU accelerator, two ranks over gloo; bf16 ZeRO-2 in one process) and Megatron-core's
-grad scaler and found_inf check (fixtures/stacks/megatron_scaler.py, driven on CPU).
+grad scalers under its mixed-precision optimizer's own step, found_inf all-reduce and skip
+(fixtures/stacks/megatron_scaler.py, driven on CPU over gloo).
 
 Each run's /steps columns are checked against what the engine itself said at every step (the
 script's ``--history``: loss, loss scale, overflow, grad norm, LR), then the diagnosis: healthy
@@ -160,11 +161,15 @@ def test_deepspeed_bf16_zero2_records_no_loss_scale(tmp_path_factory):
     assert job.diagnose().verdict == "healthy"
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "constant"])
-def test_megatron_scalers_found_inf_and_skips_are_recorded_per_rank(tmp_path_factory, kind):
+@pytest.mark.parametrize("kind,nproc", [("dynamic", 2), ("constant", 0)])
+def test_megatron_scalers_found_inf_and_skips_are_recorded_per_rank(tmp_path_factory, kind,
+                                                                    nproc):
+    """Two ranks under torchrun for the dynamic scaler (whose rank went inf named, its own
+    flag only on it); the constant one in one process (its own flag, its scale held)."""
+    bad = 1 if nproc else 0
     job = run(tmp_path_factory, f"megatron_{kind}", "megatron_scaler.py",
-              ["--scaler", kind, "--bad-rank", "1", "--bad-step", "5"])
-    for rank in (0, 1):
+              ["--scaler", kind, "--bad-rank", str(bad), "--bad-step", "5"], nproc=nproc)
+    for rank in range(max(nproc, 1)):
         logged, s = job.history(rank), job.steps(rank)
         assert len(s) == len(logged)
         np.testing.assert_array_equal(s["loss"], np.float32([h["loss"] for h in logged]))
@@ -172,12 +177,16 @@ def test_megatron_scalers_found_inf_and_skips_are_recorded_per_rank(tmp_path_fac
         np.testing.assert_array_equal(s["scale_after"], [h["scale_after"] for h in logged])
         assert s["skipped"].tolist() == [int(h["found_inf"]) for h in logged]
         assert np.flatnonzero(s["skipped"]).tolist() == [5]
+        # an applied step ends at its optimizer's step, whose inner optimizer steps fp32 main
+        # copies: the norm of their (unscaled) gradients
+        assert np.all(np.isfinite(s["grad_norm"][s["skipped"] == 0]))
         # this rank's own found_inf, copied before the check's all-reduce
-        assert bool(s["flags"][5] & OWN) == (rank == 1)
+        assert bool(s["flags"][5] & OWN) == (rank == bad)
     if kind == "constant":
         assert np.all(job.steps(0)["scale"] == 1024.0)
-    d = job.diagnose()
-    assert d.run["origin_rank"] == 1, str(d)
+    else:
+        d = job.diagnose()
+        assert d.run["origin_rank"] == 1, str(d)
 
 
 @pytest.mark.gpu
@@ -189,3 +198,17 @@ def test_deepspeed_fp16_on_a_gpu_is_recorded_as_it_ran(tmp_path_factory):
     assert_engine_columns(job, 0)
     s = job.steps(0)
     assert np.all(np.isfinite(s["scale"])) and s["skipped"].any()
+
+
+@pytest.mark.gpu
+def test_megatron_fp16_optimizer_on_a_gpu_is_recorded_as_it_ran(tmp_path_factory):
+    """Megatron-core's own Float16OptimizerWithFloat16Params on CUDA (fp16 parameters, fp32
+    main copies, its DynamicGradScaler's tensors on the GPU as written), one process over
+    nccl: the path the CPU runs reach through the fixture's CPU subclass."""
+    job = run(tmp_path_factory, "megatron_gpu", "megatron_scaler.py",
+              ["--device", "cuda", "--bad-rank", "0", "--bad-step", "5"], nproc=0)
+    logged, s = job.history(0), job.steps(0)
+    assert len(s) == len(logged)
+    np.testing.assert_array_equal(s["scale"], [h["scale"] for h in logged])
+    np.testing.assert_array_equal(s["scale_after"], [h["scale_after"] for h in logged])
+    assert np.flatnonzero(s["skipped"]).tolist() == [5] and s["flags"][5] & OWN

@@ -464,7 +464,7 @@ FAULT = textwrap.dedent("""
         if step == at:  # from here on, the recorder fails inside clip_grad_norm_'s hook
             def fail(*args):
                 raise RuntimeError("injected fault")
-            recorder.active()._hooks.before_clip = fail
+            recorder.active()._hooks.flow.objectives.norms_before_clip = fail
         loss = F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1]))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

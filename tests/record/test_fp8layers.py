@@ -270,7 +270,8 @@ def _regression(path, fp8: bool):
 def test_an_fp8_run_that_drifts_from_its_baseline_names_the_layer(tmp_path):
     """The fp8 run's loss leaves the fp32 baseline's (compare: diverged) with no NaN;
     diagnose --baseline names the drift, from the step compare names, and the layer whose
-    casts lose the most; without the baseline, nothing about a drift is said."""
+    casts lose the most; without the baseline, the fp8 trial's high-precision re-run of the
+    saved step says it, kind ``self``, with less confidence."""
     base, fp8 = str(tmp_path / "base.h5"), str(tmp_path / "fp8.h5")
     _regression(base, False)
     _regression(fp8, True)
@@ -283,7 +284,9 @@ def test_an_fp8_run_that_drifts_from_its_baseline_names_the_layer(tmp_path):
     assert d.fixes[0].id == "fp8_keep_layer" and d.fixes[0].apply == "fp8=tensorwise:keep=0"
     assert {p.name: p.status for p in d.premises} == {"baseline_not_fp8": "held",
                                                        "same_training": "held"}
-    assert ampdoctor.diagnose(fp8).verdict != "fp8_drift"
+    alone = ampdoctor.diagnose(fp8)
+    assert alone.verdict == "fp8_drift" and alone.causes[0]["kind"] == "self", alone.summary
+    assert alone.confidence < d.confidence
     # a baseline that is itself in fp8 is none: the premise fails
     again = ampdoctor.diagnose(fp8, baseline=fp8)
     assert again.verdict != "fp8_drift"

@@ -240,7 +240,7 @@ def test_a_sampled_step_reads_its_device_values_in_one_copy_per_device(path, tmp
     every op's min and max cross to the host in one copy, from one place, at the step's end,
     never inside a hook."""
     reads, rec = count_reads(path, tmp_path, monkeypatch, every=1)
-    assert rec._hooks._probe is not None  # the op probe ran and was read in that copy
+    assert rec._hooks.sampled.probe is not None  # the op probe ran and was read in that copy
     drain = [w for w in reads.device if "readback.py" in w]
     assert len(drain) == SAMPLED_READS * STEADY and len(set(drain)) == 1, reads.device
     assert drain[0].startswith("numpy at"), drain  # numpy(force=True): the copy itself

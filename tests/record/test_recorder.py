@@ -553,7 +553,8 @@ def test_a_start_that_fails_inside_is_undone(run_path, tmp_path, monkeypatch):
     from ampdoctor.record import hooks as hooks_module
 
     def broken(self):
-        hooks_module.patches.patch_backward(self.patches, self)  # half attached
+        hooks_module.patches.patch_backward(self.flow.patches, self.fault,
+                                            self.loss.before_backward)  # half attached
         raise RuntimeError("injected")
 
     before = torch.autograd.backward
@@ -595,12 +596,12 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
     ref_model, ref_opt = fresh()
     ref_losses = train(ref_model, ref_opt, None, steps=4, dtype=torch.bfloat16)
 
-    from ampdoctor.record import hooks
+    from ampdoctor.record import stepflow
 
     def broken(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(hooks.Hooks, "_end_step", broken)
+    monkeypatch.setattr(stepflow.StepFlow, "end_step", broken)
     with pytest.warns(RuntimeWarning, match="recording stopped"):
         with ampdoctor.watch(model, opt, path=run_path):
             losses = train(model, opt, None, steps=4, dtype=torch.bfloat16)
@@ -612,9 +613,9 @@ def test_internal_fault_steps_aside_and_training_continues(run_path, monkeypatch
 
 def test_strict_mode_raises(run_path, monkeypatch):
     from ampdoctor.errors import RecorderFault
-    from ampdoctor.record import hooks
+    from ampdoctor.record import stepflow
 
-    monkeypatch.setattr(hooks.Hooks, "_end_step", lambda self: 1 / 0)
+    monkeypatch.setattr(stepflow.StepFlow, "end_step", lambda self: 1 / 0)
     model, opt = fresh()
     with pytest.raises(RecorderFault):
         with ampdoctor.watch(model, opt, path=run_path, strict=True):
@@ -732,12 +733,12 @@ def test_scaled_steps_without_update_still_end(run_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The hook callbacks: declared once (record/listener.py), so that a misspelt one fails a check
+# The hook callbacks: handed to their doors as callables (record/listener.py), never by name
 
 
-def _dispatched(source: str) -> list[str]:
-    """The callback names a module's source hands to ``patches``: the second argument of each
-    ``guard(...)`` call and the names given to ``hook_modules``."""
+def _named_dispatch(source: str) -> list[str]:
+    """The string constants a module's source hands to ``guard(...)`` or ``hook_modules`` as
+    the callback (what a dispatch by name would look like)."""
     import ast
 
     names = []
@@ -746,55 +747,53 @@ def _dispatched(source: str) -> list[str]:
             continue
         func = node.func.attr if isinstance(node.func, ast.Attribute) else \
             getattr(node.func, "id", "")
-        args = {"guard": node.args[1:2], "hook_modules": node.args[2:4]}.get(func, [])
+        args = {"guard": node.args[1:2], "hook_modules": node.args[2:4],
+                "hook_module_calls": node.args[2:4]}.get(func, [])
         names += [a.value for a in args if isinstance(a, ast.Constant) and a.value is not None]
     return names
 
 
-def test_every_dispatched_callback_is_declared_and_implemented():
-    import inspect
+def test_no_callback_is_dispatched_by_name():
+    """Each door calls the callable it was handed, so that mypy and a code walk follow it."""
     import pathlib
 
-    from ampdoctor.preflight.amp_step import _StepWatch
-    from ampdoctor.record import hooks, listener
+    from ampdoctor.record import listener
 
-    declared = set(listener.callbacks(listener.Listener)) | \
-        set(listener.callbacks(listener.SchedulerListener))
-    assert set(listener.CALLBACKS) == declared - {"fault"}
     record = pathlib.Path(listener.__file__).parent
-    dispatched = {name for path in record.glob("*.py") for name in _dispatched(path.read_text())}
-    assert {"on_scale", "root_pre", "sample_post", "discover_post"} <= dispatched
-    assert dispatched <= set(listener.CALLBACKS), dispatched - set(listener.CALLBACKS)
-    for owner, door in ((hooks.Hooks, listener.Listener),
-                        (_StepWatch, listener.TrainingListener),
-                        (_StepWatch, listener.SchedulerListener)):
-        for name in listener.callbacks(door):
-            assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
-            expected = list(inspect.signature(getattr(door, name)).parameters)
-            assert list(inspect.signature(getattr(owner, name)).parameters) == expected, name
+    sources = list(record.glob("*.py")) + list((record.parent / "preflight").glob("*.py"))
+    assert [n for path in sources for n in _named_dispatch(path.read_text())] == []
+    assert _named_dispatch("patches.guard(fault, 'before_clip', parameters)") == ["before_clip"]
 
 
-def test_a_misspelt_callback_is_caught():
-    from ampdoctor.record import listener, patches
+def test_a_door_calls_what_it_was_handed_and_names_it_in_a_fault():
+    """``patch_backward`` calls the function given (a bound method, as torch's hooks take
+    one); its failure goes to ``fault`` under its own name, never to the training loop."""
+    from ampdoctor.record import patches
 
-    typo = "patches.guard(listener, 'befor_clip', parameters)"
-    assert _dispatched(typo) == ["befor_clip"]
-    assert "befor_clip" not in listener.CALLBACKS  # what the test above then reports
+    faults, seen = [], []
 
-    class Misspelt:  # a listener whose before_backward is misspelt
-        def fault(self, exc, where):
-            raise AssertionError(where)
+    def before_backward(tensors):
+        seen.append(tensors)
+        raise ValueError("inside")
 
-        def befor_backward(self, tensors):
-            raise AssertionError("never called")
-
-    for name in listener.callbacks(listener.TrainingListener):
-        if name != "before_backward":
-            setattr(Misspelt, name, lambda self, *args: None)
     original = torch.autograd.backward
-    with patches.PatchSet() as ps, pytest.raises(TypeError, match="no before_backward"):
-        patches.patch_backward(ps, Misspelt())  # at patch time, not silently at the hook
-    assert torch.autograd.backward is original  # nothing was patched
+    x = torch.ones(2, requires_grad=True)
+    with patches.PatchSet() as ps:
+        patches.patch_backward(ps, lambda exc, where: faults.append((where, str(exc))),
+                               before_backward)
+        x.sum().backward()  # the hook's failure does not reach the caller
+    assert len(seen) == 1 and faults == [("before_backward", "inside")]
+    assert torch.autograd.backward is original and x.grad.tolist() == [1.0, 1.0]
+
+
+def test_a_misspelt_callback_is_caught_where_it_is_handed_over():
+    from ampdoctor.record.listener import ScalerDoor
+
+    def fault(exc, where):
+        raise AssertionError(where)
+
+    with pytest.raises(TypeError, match="befor_update"):
+        ScalerDoor(fault=fault, befor_update=lambda scaler: None)  # type: ignore[call-arg]
 
 
 # ---------------------------------------------------------------------------------------------

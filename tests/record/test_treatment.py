@@ -373,6 +373,7 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
 
     forms = set(prescription.FORMS)
     assert set(treatment.INSTALL) == forms, "an --apply form without its installer, or the reverse"
+    assert treatment.INSTALL["init_scale"] is treatment.INSTALL["growth_interval"]
     option = next(o for o in cli.record.params if o.name == "apply")
     assert option.help == prescription.help_text()
     assert prescription.usage() in option.help
@@ -386,6 +387,16 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
     for name, form in prescription.FORMS.items():
         if form.placeholder:
             assert f"`{name}={form.placeholder}`" in table, name
+
+
+def test_a_form_without_its_installer_fails_the_import(monkeypatch):
+    """INSTALL is derived from FORMS: a form declared with no ``_install_<form>`` is named
+    when treatment.py is imported, not when someone first applies it."""
+    from ampdoctor.record import treatment
+
+    monkeypatch.setitem(treatment.FORMS, "new_fix", prescription.Form("", "does it"))
+    with pytest.raises(ImportError, match="no _install_<form> for new_fix"):
+        treatment._installers()
 
 
 # ---------------------------------------------------------------------------------------------

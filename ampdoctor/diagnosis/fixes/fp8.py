@@ -1,7 +1,10 @@
 """Fixes for a run that already trains in fp8 (torchao's ``Float8Linear``): keep one layer in
-high precision, or cast per tensor (the output gradient in e5m2). Each is tried on the whole
-run by ``record --apply fp8=RECIPE[:keep=...]`` (``record/treatment.py``); the replay of one
-saved step does not convert layers to fp8, so none is tried there.
+high precision, cast per tensor (the output gradient in e5m2), cast row-wise (one scale per
+row), or scale by the current amax (not a delayed scale). Each is tried on the whole run by
+``record --apply fp8=RECIPE[:keep=...]`` (``record/treatment.py``); the forensic replay of a
+failing step does not convert layers, but the fp8 trial at close re-runs the saved step with
+each fp8 layer kept in high precision or cast row-wise (``rules/fp8own.py`` reads it as the
+outcome of ``fp8_keep_layer`` and ``fp8_rowwise``).
 """
 
 from __future__ import annotations
@@ -72,3 +75,29 @@ def fp8_tensorwise(c: Context) -> Advice:
             "gradient to e5m2 with one scale per tensor, and e5m2 keeps values down to 2^-16, "
             "2^32 below its top of 57344 (e4m3: 2^-9, 2^18 below 448), so a gradient whose "
             "values span many binades is no longer flushed.", snippet)
+
+
+@fix("fp8_rowwise", "cast row-wise (torchao's rowwise recipe): one scale per row, so one "
+     "outlier sets only its own row's scale", apply="fp8=rowwise", replay=_REPLAY)
+def fp8_rowwise(c: Context) -> Advice:
+    was = _recipe(c) or "the run's"
+    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+               "config = Float8LinearConfig.from_recipe_name('rowwise')  # one scale per row\n"
+               "convert_to_float8_training(model, config=config)")
+    return (f"Train with torchao's rowwise recipe instead of {was}: each row (token) gets its "
+            "own power-of-two scale, so a massive activation in one token no longer pushes "
+            "the other tokens' values below e4m3's smallest subnormal.", snippet)
+
+
+@fix("fp8_current_scaling", "scale each cast by the tensor's current amax (torchao's dynamic "
+     "tensorwise recipe) instead of a delayed or static scale: the scale follows an amax jump "
+     "on the step it happens", apply="fp8=tensorwise", replay=_REPLAY)
+def fp8_current_scaling(c: Context) -> Advice:
+    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+               "config = Float8LinearConfig.from_recipe_name('tensorwise')  # dynamic scaling\n"
+               "convert_to_float8_training(model, config=config)")
+    return ("Scale by the current amax: torchao's dynamic scaling (every recipe of torchao "
+            "0.10 and later) computes each cast's scale from the tensor it casts, so the "
+            "largest value maps to the format's max and none is clamped. Where a delayed scale "
+            "must stay (TransformerEngine's DelayedScaling), give it a margin (margin=1 halves "
+            "the scale) or a shorter amax history.", snippet)

@@ -18,8 +18,12 @@ holds it):
 * ``hidden.py``: an overflow hidden inside a module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``fp8.py``: a run already in fp8 (torchao's Float8Linear) whose casts lose a layer's values:
-  an operand flushed whole, a gradient that underflows its format, a loss that drifts from
+  an operand flushed whole, saturated under a delayed scale, a gradient that underflows its
+  format, a loss that drifts from
   the baseline's (``diagnose --baseline``);
+* ``fp8own.py``: the same run measured against itself: an operand mostly flushed (one outlier
+  took a per-tensor scale), and without a baseline the drift the fp8 trial measures by
+  re-running the fp8 layers in high precision on the saved step;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -41,6 +45,7 @@ from . import (
                amplified,
                fallbacks,
                fp8,
+               fp8own,
                hidden,
                learning,
                located,
@@ -83,7 +88,10 @@ RULES = [
     fallbacks.rule_nonfinite,
     fp8.rule_fp8_grad_underflow,
     fp8.rule_fp8_flushed,
+    fp8.rule_fp8_saturated,
     fp8.rule_fp8_drift,
+    fp8own.rule_fp8_mostly_flushed,
+    fp8own.rule_fp8_self_drift,
     progress.rule_diverged,
     progress.rule_dead_units,
     learning.rule_not_learning,

@@ -6,20 +6,25 @@ casts its fp8 layers made on the sampled steps (``diagnosis/fp8.py``):
   below torchao's floor of 1e-12 (the scale clamped), or every non-zero value cast to 0;
 * ``fp8_grad_underflow``: the output gradient loses more than ``thresholds.FP8_FLUSHED`` of
   its non-zero values (or ``FP8_SUBNORMAL`` go subnormal) in the format the layer casts it
-  to; the discriminator is the same gradient under per-tensor e5m2 scaling (the /fp8
+  to, and a tenth of them lie at the bottom (flushed or subnormal together: a tail of a few
+  percent is a gradient that spans many binades by nature, a softmax's); the discriminator is
+  the same gradient under per-tensor e5m2 scaling (the /fp8
   ``tensorwise`` row): where that keeps it, the e4m3 format is the cause and per-tensor
   scaling the fix, else the layer stays in bf16;
 * ``fp8_drift``: the loss drifts from a bf16 (or fp32) baseline's, beyond the parity
   tolerance ``ampdoctor compare`` uses (``diagnosis/parity.py``), with no NaN; given only
   with the baseline (``diagnose fp8.h5 --baseline bf16.h5``). The layer named is the one whose
-  own casts lose the most (lowest SQNR): a ranking, not a proof.
+  own casts lose the most (lowest SQNR): a ranking, not a proof;
+* ``fp8_saturated``: an operand clamped at the format's max on a sampled step (more than
+  ``thresholds.FP8_SATURATED``): a scale not taken from the tensor itself (torchao before
+  0.10's ``delayed`` scaling, read from the /fp8 ``delayed`` rows) that an amax jump outgrew;
+  the discriminator is the same tensor under its current amax, which must not clamp.
 
 No NaN is needed, and none is made: torchao's casts saturate and clamp, so these failures
-show only as lost values. Not decided here: saturation (current scaling maps the amax to the
-top of the format on every step, so torchao 0.18's recipes never clamp; the delayed recipe
-that could was removed from torchao), a delayed scale behind an amax jump (only the /fp8
-``delayed`` emulation shows it, as the readiness's ``saturates``), and amaxes that differ
-across ranks (each rank's file holds its own casts; the rank merge does not compare them).
+show only as lost values. ``rules/fp8own.py`` holds the classes measured against the run
+itself (a tensor mostly flushed, a drift without a baseline). Not decided here: amaxes that
+differ across ranks (each rank's file holds its own casts; the rank merge does not compare
+them).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ from ...runfile.schema import Recipe
 from .. import fixes, parity
 from ..facts import Facts
 from ..fp8 import Cast, Casts, casts, fp8_layers
-from ..thresholds import FP8_FLUSHED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
+from ..thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # What each cast is called in a sentence: torchao's granularity and the element format.
-_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise"}
+_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise",
+         Recipe.DELAYED: "per tensor, delayed scale"}
 # The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
 # below it loses twice the error rounding does.
 ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}
@@ -108,13 +114,13 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
     """An fp8 layer's output gradient underflows the format it is cast to."""
     made, every = _casts(f)
     hits = [c for c in made if c.role == "grad_output" and math.isfinite(c.amax)
-            and not c.whole and _lost(c)]
+            and not c.whole and _underflows(c)]
     if not hits:
         return None
     first = hits[0]
     mine = [c for c in hits if c.layer == first.layer]
     wide = every.other(first, Recipe.TENSOR)  # per tensor, e5m2: the /fp8 tensorwise row
-    held = wide is not None and wide.format == "e5m2" and not _lost(wide) and \
+    held = wide is not None and wide.format == "e5m2" and not _underflows(wide) and \
         first.format == "e4m3"
     ev = [Evidence(f"on sampled step {first.step}, {first.layer}'s output gradient under its "
                    f"cast ({_cast(f, first)}): {_lost_text(first)}; lost so on {len(mine)} of "
@@ -147,12 +153,61 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
     return found
 
 
+def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
+    """An fp8 layer's cast clamps its operand at the format's max: a scale not taken from the
+    tensor itself (delayed: from earlier amaxes) that an amax jump outgrew."""
+    made, every = _casts(f)
+    hits = [c for c in made if c.saturated_share > FP8_SATURATED and math.isfinite(c.amax)]
+    if not hits:
+        return None  # (current scaling maps the amax to the top: it never clamps)
+    first = min(hits, key=lambda c: (c.step, c.role == "grad_output", -c.saturated_share))
+    mine = [c for c in made if (c.layer, c.role) == (first.layer, first.role)]
+    steps = sorted({c.step for c in mine if c.saturated_share > FP8_SATURATED})
+    before = [c.amax for c in mine if c.step < first.step]
+    jump = first.amax / max(before) if before and max(before) > 0 else None
+    now = every.other(first, Recipe.TENSOR)  # the same tensor under its current amax
+    role = _role(first.role)
+    ev = [Evidence(f"{first.layer}'s {role} ({_cast(f, first)}) on sampled step {first.step}: "
+                   f"{first.saturated_share:.2%} of its values clamped at {first.format}'s max"
+                   f" (scale {fmt(first.scale)}, amax {fmt(first.amax)}); so on "
+                   f"{_steps(steps)} of {len(mine)} sampled steps", "fp8_saturated",
+                   first.saturated_share, first.step, first.layer)]
+    if jump is not None:
+        ev.append(Evidence(f"its amax grew {jump:.3g}x over the earlier sampled steps' largest "
+                           f"({fmt(max(before))} -> {fmt(first.amax)})", "fp8_amax_jump",
+                           jump, first.step, first.layer))
+    if now is not None:
+        ev.append(Evidence(f"scaled by its current amax, the same {role}: "
+                           f"{now.saturated_share:.2%} clamped", "fp8_current_saturated",
+                           now.saturated_share, first.step, first.layer))
+    found = Finding("fp8_saturated", 0.8 if len(steps) >= 2 or (jump or 0) > 1.05 else 0.65,
+                    f"{first.layer}'s {role} in fp8 saturates: on {_steps(steps)} "
+                    f"{first.saturated_share:.2%} of its values were clamped at the format's "
+                    f"max, with no inf and no NaN (the cast clamps; the largest values, those "
+                    f"that carry the tensor, lose what is above the max). Its scale does not "
+                    f"come from the tensor it casts"
+                    + (f", and its amax jumped {jump:.3g}x" if jump else "") + ".", ev,
+                    fixes.make(["fp8_current_scaling", "fp8_keep_layer"], _context(f, first)),
+                    first_bad(first.step, first.layer, _phase(first.role)),
+                    priority=PRIORITY["fp8_saturated"],
+                    kind="amax_jump" if jump is not None and jump > 1.0 else "scale")
+    clamps_now = now is not None and now.saturated_share > FP8_SATURATED
+    found.premises = [_in_fp8(f, first),
+                      Premise("current_scale_keeps_it", FAILED if clamps_now else HELD,
+                              "scaled by its current amax, the same tensor is not clamped"
+                              if now is not None and not clamps_now else
+                              f"scaled by its current amax, {now.saturated_share:.2%} is "
+                              "clamped too: not a scale that lags" if now is not None else
+                              "the current-amax cast was not measured on that step")]
+    return found
+
+
 def rule_fp8_drift(f: Facts) -> Optional[Finding]:
     """A run in fp8 whose loss drifts from its baseline's (``diagnose --baseline``) with no
     NaN: the layer whose own casts lose the most named first."""
     base, made = f.baseline, _casts(f)[0]
     if base is None or not made or f.failure_index is not None or f.loss_bad.any():
-        return None
+        return None  # (without a baseline: rules/fp8own.py measures the run's own drift)
     lined = parity.line_up(base.steps, f.steps)
     if lined is None or np.isinf(lined.raw).any():
         return None  # (a loss non-finite where the baseline's is not: not a drift)
@@ -221,6 +276,16 @@ def _stands_out(c: Cast) -> bool:
     """A cast that loses more than rounding: past the readiness thresholds, or 3 dB (half the
     signal's precision bits' worth of one) below the format's rounding SQNR."""
     return _lost(c) or _badness(c)[1] > DEFICIT_DB
+
+
+def _underflows(c: Cast) -> bool:
+    """A gradient lost at the bottom of the format: past the readiness thresholds, and a
+    tenth of its non-zero values flushed or subnormal together. A tail of a few percent
+    flushed with the rest normal is a gradient that spans many binades by nature (a
+    softmax's, where the improbable classes' terms are 2^-18 below their row's largest and
+    negligible in every sum: blind7's padded tagger, 3.3 % flushed, 5.5 % subnormal)."""
+    bottom = (c.flushed + c.subnormal) / c.nonzero if c.nonzero else 0.0
+    return _lost(c) and bottom > FP8_SUBNORMAL
 
 
 def _lost(c: Cast) -> bool:

@@ -279,6 +279,8 @@ def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
         grads = again.get("grads")
         if grads in ("finite", "zero"):
             text += f" and every gradient is {'exactly zero' if grads == 'zero' else 'finite'}"
+            if d.get("rerun_scale") is not None:  # the recorded scale overflowed them
+                text += f" at loss scale {fmt(d['rerun_scale'])}"
     elif d.get("loss_not_recomputed"):
         text += f" (the loss was not recomputed: {d['loss_not_recomputed']})"
     else:

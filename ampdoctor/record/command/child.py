@@ -37,14 +37,14 @@ class Session:
     """The recording of one process of the command."""
 
     def __init__(self, settings: launch.Settings):
-        from ..recorder import BUDGET_SECONDS, Recorder
+        from ..recorder import BUDGET_SECONDS, Recorder, RecorderConfig
 
         self.settings = settings
         self.pid = os.getpid()
         self.top = os.environ.pop(launch.ENV_TOP, None) == "1"
-        self.recorder = Recorder(path=self.file_name, every=settings.every, lazy=True,
-                                 replaceable=True, fp8_trial=BUDGET_SECONDS
-                                 if settings.fp8_trial is None else settings.fp8_trial)
+        self.recorder = Recorder(config=RecorderConfig(
+            path=self.file_name, every=settings.every, lazy=True, replaceable=True,
+            fp8_trial=BUDGET_SECONDS if settings.fp8_trial is None else settings.fp8_trial))
         self.recorder.on_stop = self.stopped
         self.path: Optional[str] = None
         self.applied: list[dict] = []

@@ -41,7 +41,7 @@ import contextlib
 import re
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -52,7 +52,7 @@ from ..sampler import tensors_in
 from .culprit import Culprit
 from .isolated import writes_allowed
 from .trace import unwrap
-from .trial import AS_RECORDED, Outcome, rerun_step
+from .trial import AS_RECORDED, Outcome, Trial, recorded_scale, rerun_step
 
 MAX_REPLAYS = 2  # compiled replays per run: each compiles every region up to three times
 MAX_REGIONS = 4  # regions compiled one at a time to name the one
@@ -116,11 +116,15 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
         return False
     began = time.perf_counter()
     out = CompiledReplay(regions=[r.name for r in regs], reproduced=False)
+    # The backward at the scale the eager replay was judged at (reproduced.py: 1 where the
+    # recorded one overflowed a finite step's gradients, as at GradScaler's first steps).
+    as_eager = replace(AS_RECORDED, scale=finding.detail.get("rerun_scale"))
     try:
-        _ladder(captures, names, regs, out)
+        _ladder(captures, names, regs, out, as_eager)
         if out["reproduced"]:
-            _locate(captures, names, regs, out)
-            finding.detail["trials"] = _trials(captures, names, regs, out, finding, step)
+            _locate(captures, names, regs, out, as_eager)
+            finding.detail["trials"] = _trials(captures, names, regs, out, finding, step,
+                                               as_eager)
             finding.summary = summary(out)
     except Exception as exc:  # noqa: BLE001 - the eager replay's finding stands without it
         if strict:
@@ -131,12 +135,12 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
     return True
 
 
-def _ladder(captures: list, names: dict, regs: list, out: CompiledReplay) -> None:
+def _ladder(captures: list, names: dict, regs: list, out: CompiledReplay, t: Trial) -> None:
     """The step with every region compiled by each rung: outcome and first non-finite op."""
     rungs = []
     for rung in RUNGS:
         probe: dict = {}
-        outcome, error = _run(captures, names, regs, rung, probe)
+        outcome, error = _run(captures, names, regs, rung, probe, t)
         one: dict[str, Any] = {
             "backend": rung, "finite": outcome.finite if outcome else None,
             "outcome": TrialOutcome(outcome.as_dict()) if outcome else None}
@@ -155,17 +159,17 @@ def _ladder(captures: list, names: dict, regs: list, out: CompiledReplay) -> Non
             out["op"] = op
 
 
-def _run(captures: list, names: dict, regs: list, rung: str,
-         probe: dict) -> tuple[Optional[Outcome], str]:
+def _run(captures: list, names: dict, regs: list, rung: str, probe: dict,
+         t: Trial) -> tuple[Optional[Outcome], str]:
     """The step with ``regs`` compiled by ``rung``; (outcome, "") or (None, why not)."""
     try:
         with _compiled(regs, rung, probe):
-            return rerun_step(captures, AS_RECORDED, names), ""
+            return rerun_step(captures, t, names), ""
     except torch._dynamo.exc.Unsupported as exc:  # fullgraph: a graph break
         return None, f"not one graph (a graph break): {str(exc).splitlines()[0][:200]}"
 
 
-def _locate(captures: list, names: dict, regs: list, out: CompiledReplay) -> None:
+def _locate(captures: list, names: dict, regs: list, out: CompiledReplay, t: Trial) -> None:
     """The region that reproduces: the only one, or each compiled alone on the lowest rung
     that reproduced."""
     if len(regs) == 1:
@@ -174,7 +178,7 @@ def _locate(captures: list, names: dict, regs: list, out: CompiledReplay) -> Non
         return
     rung, alone = out["backend"], []
     for r in regs[:MAX_REGIONS]:
-        outcome, _ = _run(captures, names, [r], rung, {})
+        outcome, _ = _run(captures, names, [r], rung, {}, t)
         if outcome is not None and not outcome.finite:
             alone.append(r.name)
     out["alone"] = alone
@@ -192,14 +196,14 @@ def _name_module(out: CompiledReplay, region: Region) -> None:
 
 
 def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, finding: Culprit,
-            step: Optional[int]) -> dict:
+            step: Optional[int], t: Trial) -> dict:
     """The fixes tried on the step, as ``proofs.prove`` writes them: the region run eagerly,
     the rest compiled by the default backend; a lower backend that kept it finite."""
     trials: dict = {}
     region = out.get("region")
     rest = [r for r in regs if r.name != region]
     if region is not None and rest:
-        outcome, error = _run(captures, names, rest, DEFAULT, {})
+        outcome, error = _run(captures, names, rest, DEFAULT, {}, t)
         trials["compiler_disable"] = _as_trial(outcome, error, step)
     elif region is not None:
         again = finding.detail.part("rerun")
@@ -212,6 +216,10 @@ def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, findin
         best = finite[-1]
         trials["compile_backend"] = {**_as_trial(_outcome(best), "", step),
                                      "backend": best["backend"]}
+    if t.scale is not None:  # as proofs.prove says a trial run at another loss scale
+        for one in trials.values():
+            if one.get("tried"):
+                one.update(at_scale=t.scale, recorded_scale=recorded_scale(captures[0]))
     return trials
 
 

@@ -25,7 +25,7 @@ as they were.
 failed: with a GradScaler from ``update`` once found_inf says the step is being skipped (or
 at the next step's first hook, when found_inf had not reached the host yet: ``held``), or
 without one just before ``optimizer.step`` when the loss or the grad norm is non-finite. The
-micro-batches of the step are replayed in order by ``replay.explain`` until one explains the
+micro-batches of the step are replayed in order by ``replay.search`` until one explains the
 event (forward culprit, backward culprit, bad batch or loss); if none does and ``.grad`` is
 non-finite anyway, it was left over from an earlier step (``zero_grad`` skipped). A loss-phase
 finding is checked against what the real step saw (``reproduced``): the loss recomputed, in
@@ -77,13 +77,11 @@ output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event:
 the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
 reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
 
-Why one module: capture, trigger policy and the replay search share one step's captures and
-the rate limit's state (the held step, the episodes, the replay budget), which nearly every
-method of ``Forensics`` reads; it is also the facade the recorder and its hooks enter the room
-through (``.importlinter`` holds them to that), so splitting it would widen that entrance.
-What stands alone lives beside it: ``accum``, ``isolated``, ``kept``, ``losscall``,
-``reproduced``, ``trial``, ``proofs``, ``singular``, ``lrrange`` (the LR range test at the
-first failure, from the state kept at the first step).
+Capture, the trigger policy and the rate limit live here, with the facade the recorder and its
+hooks enter the room through (``.importlinter`` holds them to that); the micro-batch search
+is ``replay.search``. What stands alone lives beside it: ``accum``, ``isolated``, ``kept``,
+``losscall``, ``reproduced``, ``trial``, ``proofs``, ``singular``, ``lrrange`` (the LR range
+test at the first failure, from the state kept at the first step).
 """
 
 from __future__ import annotations
@@ -99,20 +97,19 @@ import torch
 
 from ...errors import AmpDoctorError
 from ...runfile.schema import Event, Phase
-from .. import compiled, sharding, stats
+from .. import compiled, sharding
 from ..journal import Journal
 from ..sampler import tensors_in
 from ..steplog import StepLog
 from ..steps import columns, device_values, fetch
 from ..watched import Watched
-from . import compiled_replay, findings, losscall, proofs, replay, reproduced, snapshot
-from .accum import explain, overflow
+from . import compiled_replay, findings, losscall, proofs, replay, snapshot
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
-from .isolated import preserved, rng_state
+from .isolated import preserved, rng_devices, rng_state
 from .kept import Kept, offload, reload, versions
 from .lrrange import RangeTest
-from .trace import Capture, Gone, Trace, feeds, outputs_of, root_name, unwrap
+from .trace import Capture, Gone, Trace, outputs_of, root_name, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
@@ -151,13 +148,17 @@ class Forensics:
         self._overflows: tuple[int, int, Optional[str]] = (-2, 0, None)
         self._kept: dict[int, Kept] = {}
         self._too_big: set[int] = set()
-        self._devices: list = _cuda_devices()
+        self._devices: list = rng_devices()
         self._hooks: list = []  # handles of this step's output-gradient hooks
         self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
         self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
         self.prover = proofs.Prover(self)  # the fixes tried on a located failure's step
         self.recompiled = 0  # compiled replays run (compiled_replay.MAX_REPLAYS)
         self.lrrange = RangeTest(self)  # the LR range test from the first state, at the failure
+
+    def context(self) -> replay.ReplayContext:
+        """What a replay of this step needs of the recorder (``replay.ReplayContext``)."""
+        return replay.ReplayContext(self.watched, self._devices, self.strict)
 
     @property
     def armed(self) -> bool:
@@ -170,7 +171,7 @@ class Forensics:
         self._unhook()
         self.captures = []
         self.dropped = 0
-        self._devices = _cuda_devices()
+        self._devices = rng_devices()
         self._loss_budget = [losscall.HELD_BYTES]
 
     def end_step(self, step: Any, hold: bool = False) -> None:
@@ -460,9 +461,10 @@ class Forensics:
         self.replaying = True
         try:
             # Compiled code runs eagerly here: instrumented, and never recompiled.
-            with preserved(self._roots(captures), _cuda_devices()) as isolation, \
+            with preserved(self._roots(captures), rng_devices()) as isolation, \
                     compiled.eager():
-                trace, finding, micro = self._search(captures, scale, stale_check, earlier)
+                trace, finding, micro = replay.search(captures, self.context(), scale,
+                                                      stale_check, earlier)
                 if self.recompiled < compiled_replay.MAX_REPLAYS and compiled_replay.examine(
                         captures, finding, self.watched.names, step, self.strict):
                     self.recompiled += 1
@@ -479,78 +481,6 @@ class Forensics:
             return None, f, -1
         finally:
             self.replaying = False
-
-    def _search(self, captures: list, scale: Optional[float], stale_check: bool,
-                earlier: bool):
-        names = self.watched.names
-        last: Optional[tuple] = None
-        unreproduced: Optional[tuple] = None  # the first micro-batch the replay did not repeat
-        forward_only: list[int] = []  # micro-batches whose output gradient was not kept
-        through: Optional[tuple] = None  # a model whose output fed a later model: its finding
-        for micro, cap in enumerate(captures):
-            for _, holder in cap.losses:
-                holder["scale"] = scale if holder.get("scaled") else None
-            trace, finding = replay.explain(cap, names, root_name(names, cap.root), self._devices,
-                                            self.watched.param_names, self.strict)
-            modified = versions((cap.args, cap.kwargs)) != cap.versions
-            if modified:
-                finding.detail["input_modified"] = True
-            elif finding.phase == Phase.LOSS:
-                self._examine(cap, trace, finding)
-            if forward_only:
-                finding.detail["micro_batches_forward_only"] = list(forward_only)
-            if finding.phase == Phase.LOSS and feeds(cap, captures[micro + 1:]):
-                # The gradient at this model's output came through a model called after it
-                # (a generator's, through its discriminator): replay that one before blaming
-                # the loss.
-                through = through or (trace, finding, micro)
-                continue
-            if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
-                if through is not None and finding.phase != Phase.LOSS:
-                    finding.detail["fed_by"] = root_name(names, captures[through[2]].root)
-                return trace, finding, micro
-            if through is not None:
-                continue
-            if finding.detail.get("reproduced") is False and unreproduced is None:
-                unreproduced = (trace, finding, micro)
-            if cap.grads_dropped:
-                forward_only.append(micro)
-            last = (trace, finding, micro)
-        if through is not None:  # no model after it located the failure either
-            return through
-        if unreproduced is not None:  # its loss or output was non-finite: never stale grads
-            return unreproduced
-        if last is None:  # _run replays only a step with captures
-            raise RuntimeError("no micro-batch to replay")
-        trace, finding, micro = last
-        stale = self._stale_grads() if stale_check else []
-        accum = overflow(self.watched, captures, stale) if stale and len(captures) > 1 else None
-        if accum:
-            explain(finding, accum, len(captures), self.watched.names)
-            return trace, finding, accum["micro"]
-        if stale and earlier:
-            finding.detail["stale_grads"] = stale
-            finding.summary = (f"every micro-batch replays finite, yet .grad already holds "
-                               f"NaN/inf ({', '.join(stale[:3])}): left over from an earlier "
-                               "step whose gradients were not zeroed (zero_grad skipped)")
-        elif finding.phase == Phase.NONE and finding.detail.get("input_modified"):
-            finding.summary = ("the replay of every micro-batch stayed finite, but the batch "
-                               "was changed in place after the step: the replay is not "
-                               "faithful")
-        elif finding.phase == Phase.NONE:
-            finding.detail["recorded"] = reproduced.recorded(captures[micro])
-            reproduced.not_reproduced(finding, finding.detail["recorded"], None)
-        return trace, finding, micro
-
-    def _examine(self, cap: Capture, trace: Trace, finding: Culprit) -> None:
-        """``reproduced.examine``; a re-run that fails in the user's code leaves the finding
-        as the replay made it (and says why)."""
-        try:
-            reproduced.examine(cap, trace, finding, self.watched.names)
-        except Exception as exc:  # noqa: BLE001 - the replay's finding stands without it
-            if self.strict:
-                raise
-            finding.detail["rerun_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
     # -- trials: the saved step re-run with a change --- ------------------------------------
 
@@ -573,7 +503,7 @@ class Forensics:
         restored, the recorder told it is replaying, compiled code run eagerly."""
         self.replaying = True
         try:
-            with preserved(self._roots(captures), _cuda_devices()), compiled.eager():
+            with preserved(self._roots(captures), rng_devices()), compiled.eager():
                 yield
         finally:
             self.replaying = False
@@ -586,22 +516,6 @@ class Forensics:
         """
         kept = self._kept_event(step)
         return self.trial([reload(c) for c in kept.captures], t, kept.scale)
-
-    def _stale_grads(self) -> list[str]:
-        named = [(self.watched.param_names.get(id(p), "param"), p.grad)
-                 for p in self.watched.trained_params() if p.grad is not None
-                 and stats.measurable(p.grad)]
-        if not named:
-            return []
-        by_device: dict = {}
-        for i, (_, g) in enumerate(named):
-            by_device.setdefault(g.device, []).append(i)
-        ok = [True] * len(named)
-        for idx in by_device.values():  # event only: one sync per device
-            flags = torch.stack([torch.isfinite(named[i][1]).all() for i in idx]).cpu()
-            for i, flag in zip(idx, flags.tolist()):
-                ok[i] = flag
-        return [n for (n, _), good in zip(named, ok) if not good]
 
     def _roots(self, captures: Optional[list] = None) -> list:
         roots = [c.root for c in captures] if captures else list(self.watched.roots)
@@ -670,14 +584,6 @@ def _nbytes(tensors: Any) -> int:
 
 def _param_versions(roots: list) -> tuple:
     return tuple((p._version, p.data_ptr()) for r in roots for p in r.parameters())
-
-
-def _cuda_devices() -> list:
-    """CUDA devices whose RNG a replay may draw from: all of them, once CUDA is initialised
-    (never initialise it here: a CPU run must not get a CUDA context)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return list(range(torch.cuda.device_count()))
-    return []
 
 
 def _scalar(t: Any) -> Optional[float]:

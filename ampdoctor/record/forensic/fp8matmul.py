@@ -102,3 +102,34 @@ def in_fp8(modules: list, recipe: Recipe) -> Iterator[None]:
                 del m.forward
             else:
                 m.forward = had
+
+
+@contextlib.contextmanager
+def in_high_precision(modules: list) -> Iterator[None]:
+    """The reverse of ``in_fp8``: each of ``modules`` (a layer already in fp8, torchao's
+    ``Float8Linear``) runs as the ``nn.Linear`` it was converted from, ``linear(x, W, b)``
+    with no cast, while open (under autocast, in autocast's dtype, as a Linear would)."""
+    swapped = []
+    try:
+        for m in modules:
+            weight = matmul_weight(m)
+            if weight is None:
+                raise TypeError(f"{type(m).__name__} is not a Linear layer")
+            had = m.__dict__.get("forward")
+            m.forward = _linear(m)
+            swapped.append((m, had))
+        yield
+    finally:
+        for m, had in reversed(swapped):
+            if had is None:
+                del m.forward
+            else:
+                m.forward = had
+
+
+def _linear(module: torch.nn.Module) -> Any:
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        weight = matmul_weight(module)
+        assert weight is not None
+        return torch.nn.functional.linear(x, weight, getattr(module, "bias", None))
+    return forward

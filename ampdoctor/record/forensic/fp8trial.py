@@ -30,6 +30,13 @@ the all-but-kept re-runs; once the budget is spent the layers not tried are list
 (``untried``) and ``stopped`` says so. The result is one ``Event.FP8_TRIAL`` row whose text is
 ``payloads.Fp8Trial``; ``release/fp8.py`` reads it.
 
+**A run already in fp8** (torchao's ``Float8Linear``) is re-run the other way round too
+(``own``): its fp8 layers as the Linears they were (``fp8matmul.in_high_precision``) give the
+reference, against which the step as recorded, and each fp8 layer alone kept in high precision
+(or, cast per tensor, alone cast row-wise) are measured; where no loss was recomputed, the
+change of sum <g, y> over the outputs and their recorded gradient g (``output_term``) gives
+the loss change to first order. ``diagnosis/rules/fp8own.py`` reads it.
+
 Not tried: ``delayed`` (its scale is an amax history of every step, which one step does not
 hold); a step of several models, a sharded one, one whose loss was not captured and whose
 output gradient was not kept (each said in ``note``).
@@ -54,8 +61,9 @@ import torch
 from ...runfile.payloads import Fp8Trial
 from ...runfile.schema import Kind, Recipe
 from ..fp8 import matmul_weight
+from ..fp8layers import describe, is_float8
 from ..sampler import tensors_in
-from .fp8matmul import in_fp8
+from .fp8matmul import in_fp8, in_high_precision
 from .kept import offload, reload
 from .trace import unwrap
 from .trial import AS_RECORDED, rerun_grads
@@ -155,6 +163,11 @@ class TrialAtClose:
                 if m in names and matmul_weight(m) is not None and
                 not type(m).__module__.startswith(("torchao", "transformer_engine"))}
 
+    def own_layers(self, root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The layers the run already trains in fp8 (torchao's ``Float8Linear``), by name."""
+        names = self.forensics.watched.names
+        return {names[m]: m for m in root.modules() if m in names and is_float8(m)}
+
     def risk(self, name: str, module: torch.nn.Module, recipe: Recipe) -> tuple:
         """Sort key, the most at risk by the statistics first (unmeasured layers last)."""
         tid = self.tensor_id(Kind.OUTPUT, name, 0, None, type(module).__name__)
@@ -175,6 +188,11 @@ class _Run:
         self.layers = owner.layers(self.root)
         self.runs = 0
         self.reference: tuple = (None, [])
+        # rerun's sum <g, y> where no loss was recomputed: the last re-run's, the reference's
+        # and the high-precision one's
+        self.linear: Optional[float] = None
+        self.recorded_linear: Optional[float] = None
+        self.linear_high: Optional[float] = None
 
     def all(self) -> None:
         loss, grads, note = self.rerun([], Recipe.TENSOR)
@@ -185,7 +203,11 @@ class _Run:
             self.out["note"] = "the step re-run as recorded was not finite: nothing to compare"
             return
         self.reference = (loss, grads)
+        self.recorded_linear = self.linear
         self.out["loss"] = loss
+        own = self.owner.own_layers(self.root)
+        if own:
+            self.out["own"] = self.own(own)
         recipes: dict[str, dict] = {}
         everything = list(self.layers)
         for recipe, name in RECIPES.items():
@@ -207,6 +229,43 @@ class _Run:
         if any(r["untried"] for r in recipes.values()):
             self.out["stopped"] = (f"the budget of {self.owner.budget:g} s was spent after "
                                    f"{self.runs} re-runs")
+
+    def own(self, own: dict) -> dict:
+        """A run already in fp8, the other way round: the high-precision re-run (every fp8
+        layer as the Linear it was) is the reference; against it, the step as recorded
+        (``as_recorded``: what fp8 does to this step's gradient), then each fp8 layer alone
+        kept in high precision (``layers[NAME]["high_precision"]``: what is left with it
+        kept) and, for a layer cast per tensor, alone in row-wise scaling (``"rowwise"``)."""
+        loss, grads, note = self.rerun([], Recipe.TENSOR, high=list(own.values()))
+        if not grads or not _finite(loss, grads):
+            return {"note": note or "the step re-run in high precision was not finite"}
+        ref_loss, ref = self.reference
+        self.linear_high = high = self.linear
+        as_recorded = measured(ref_loss, ref, loss, grads, self.pnames)
+        if high is not None and self.recorded_linear is not None:
+            as_recorded["output_term"] = self.recorded_linear - high
+        out: dict = {"loss": loss, "as_recorded": as_recorded, "layers": {},
+                     "thresholds": {"grad_error": GRAD_ERROR, "loss_change": LOSS_CHANGE}}
+        for name, module in own.items():
+            if self.spent(reserve=len(RECIPES)):
+                out.setdefault("untried", []).append(name)
+                continue
+            rest = [m for n, m in own.items() if n != name]
+            tried = {"high_precision": self.against(loss, grads, [], rest)}
+            if (describe(module) or {}).get("recipe") == "tensorwise":
+                tried["rowwise"] = self.against(loss, grads, [module], rest, Recipe.ROWWISE)
+            out["layers"][name] = tried
+        return out
+
+    def against(self, loss: Optional[float], grads: list, cast: list, high: list,
+                recipe: Recipe = Recipe.TENSOR) -> dict:
+        """A re-run (``cast`` in emulated fp8 under ``recipe``, ``high`` in high precision,
+        the rest as recorded) measured against the high-precision one."""
+        got_loss, got, note = self.rerun(cast, recipe, high=high)
+        effect = measured(got_loss, got, loss, grads, self.pnames, note)
+        if self.linear is not None and self.linear_high is not None:
+            effect["output_term"] = self.linear - self.linear_high
+        return effect
 
     def decide(self, recipe: dict, which: Recipe, everything: list) -> None:
         tried = recipe["layers"]
@@ -232,16 +291,22 @@ class _Run:
         ref_loss, ref = self.reference
         return measured(loss, grads, ref_loss, ref, self.pnames, note)
 
-    def rerun(self, modules: list, recipe: Recipe) -> tuple[Optional[float], list, str]:
+    def rerun(self, modules: list, recipe: Recipe, high: Optional[list] = None
+              ) -> tuple[Optional[float], list, str]:
         """The kept step's loss (summed over micro-batches) and gradients (summed), with
-        ``modules`` in emulated fp8 under ``recipe``."""
+        ``modules`` in emulated fp8 under ``recipe`` (and the fp8 layers ``high`` in high
+        precision). Where no loss was recomputed (the backward ran from the recorded output
+        gradient g), ``self.linear`` is sum <g, y> over the outputs y: the difference of two
+        re-runs' is their loss difference to first order."""
         self.runs += 1
         total: list = [None] * len(self.params)
         losses, note = [], ""
+        pairs: list = []
         names = self.owner.forensics.watched.names
-        with self.owner.forensics.guarded(self.captures), in_fp8(modules, recipe):
+        with self.owner.forensics.guarded(self.captures), in_fp8(modules, recipe), \
+                in_high_precision(high or []):
             for cap in self.captures:
-                outcome, grads = rerun_grads(cap, AS_RECORDED, names)
+                outcome, grads = rerun_grads(cap, AS_RECORDED, names, pairs)
                 note = note or outcome.note
                 if outcome.loss is not None:
                     losses.append(outcome.loss)
@@ -250,6 +315,8 @@ class _Run:
                         g = g.detach().float()
                         g = g.to_dense() if g.is_sparse else g  # (an embedding's, sparse=True)
                         total[i] = g if total[i] is None else total[i] + g
+        self.linear = None if losses or not pairs else float(
+            sum((x.float() * g.float()).sum() for x, g in pairs))
         if all(g is None for g in total):
             return None, [], note
         grads = [g if g is not None else torch.zeros(p.shape, device=p.device)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dis
 import functools
 import inspect
@@ -135,6 +134,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     except RuntimeError:
         return False
+
+
+def rng_devices() -> list:
+    """CUDA devices whose RNG a replay may draw from: all of them, once CUDA is initialised
+    (never initialise it here: a CPU run must not get a CUDA context)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
+    return []
 
 
 def rng_state(devices: list) -> dict:
@@ -275,7 +282,10 @@ def _contents(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
         return value.detach().clone()
     if isinstance(value, _CONTAINERS):
-        return copy.copy(value)
+        # the items in a plain container of the base type: copying a subclass would rebuild
+        # it through its own methods (a mapping that refuses writes raises)
+        base: Any = next(t for t in _CONTAINERS if isinstance(value, t))
+        return base(value)
     return None
 
 
@@ -284,11 +294,28 @@ def _put_back(obj: Any, saved: Any) -> None:
         if not same_bits(obj, saved):
             with torch.no_grad():
                 obj.copy_(saved)
+    elif _unchanged(obj, saved):
+        # nothing to put back: a container that refuses writes (diffusers' FrozenDict
+        # config raises in update, after a clear would already have emptied it) is never
+        # written
+        return
     elif isinstance(obj, (dict, set, collections.deque)):
         obj.clear()
         obj.update(saved) if not isinstance(obj, collections.deque) else obj.extend(saved)
     else:  # list, bytearray
         obj[:] = saved
+
+
+def _unchanged(obj: Any, saved: Any) -> bool:
+    """The same items as when saved, each the same object (no value compared by ``==``)."""
+    if len(obj) != len(saved):
+        return False
+    if isinstance(obj, dict):
+        return all(k in obj and obj[k] is v for k, v in saved.items())
+    if isinstance(obj, set):
+        ids = {id(x) for x in obj}
+        return all(id(x) in ids for x in saved)
+    return all(a is b for a, b in zip(obj, saved))
 
 
 class _Cells:

@@ -13,7 +13,8 @@ loss function the step called after the model, backward from it) and compares:
   precision: the targets (every one ``ignore_index``, out of range, NaN) or the loss's
   formula. Phase loss, ``fp32_finite`` the fp32 verdict.
 * **the real step was non-finite, the re-run is finite everywhere** (outputs, the recomputed
-  loss, every gradient): it did not reproduce. ``reproduced`` False, phase none: a device
+  loss, every gradient; the gradients at loss scale 1 where at the recorded scale they
+  overflowed, ``rerun_scale``): it did not reproduce. ``reproduced`` False, phase none: a device
   fault or silent data corruption, a nondeterministic kernel, or code that the replay does not
   run (a loss written by hand, hooks, communication).
 * otherwise the replay's own finding stands (``reproduced`` True, or None where nothing could
@@ -21,7 +22,7 @@ loss function the step called after the model, backward from it) and compares:
 
 Only on the event: host reads and one more forward and backward per re-run.
 
-Example (what ``Forensics._search`` does with a micro-batch's finding)::
+Example (what ``replay.search`` does with a micro-batch's finding)::
 
     if finding.phase == Phase.LOSS:
         reproduced.examine(cap, trace, finding, names)
@@ -30,6 +31,7 @@ Example (what ``Forensics._search`` does with a micro-batch's finding)::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -86,10 +88,29 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
                      "replay does not run, and the replayed model output is finite")
     elif again.loss_finite is False:
         _loss_again(cap, trace, f, names, again)
-    elif again.finite and (seen["loss_nonfinite"] or seen["output_nonfinite"]):
-        not_reproduced(f, seen, again)
+    elif seen["loss_nonfinite"] or seen["output_nonfinite"]:
+        low = again if again.finite else _at_scale_one(cap, names, again)
+        if low is None:
+            f.detail["reproduced"] = True
+            return
+        if low is not again:
+            f.detail["rerun"], f.detail["rerun_scale"] = TrialOutcome(low.as_dict()), 1.0
+        not_reproduced(f, seen, low)
     else:
         f.detail["reproduced"] = True
+
+
+def _at_scale_one(cap: Capture, names: dict, again: trial.Outcome) -> Optional[trial.Outcome]:
+    """The re-run at loss scale 1 where the one as recorded was finite up to its gradients,
+    which overflowed at the recorded scale (GradScaler's own calibration: at step 0's 65536 a
+    finite step's gradients overflow fp16 too, and the scale falls by itself). Finite there,
+    the real step's non-finite forward or loss did not reproduce; None where it is still not
+    finite (the backward itself fails: the replay's finding stands)."""
+    scale = trial.recorded_scale(cap)
+    if again.first != "backward" or scale is None or scale <= 1.0:
+        return None
+    low = trial.rerun(cap, replace(trial.AS_RECORDED, scale=1.0), names)
+    return low if low.finite else None
 
 
 def not_reproduced(f: Culprit, seen: dict, again: Optional[trial.Outcome]) -> None:
@@ -111,6 +132,9 @@ def not_reproduced(f: Culprit, seen: dict, again: Optional[trial.Outcome]) -> No
     if again is not None and again.loss is not None:
         replay += (f", the loss recomputed by {', '.join(again.loss_fns)} is {fmt(again.loss)}"
                    f" and every gradient is {'zero' if again.grads == 'zero' else 'finite'}")
+        if f.detail.get("rerun_scale") is not None:
+            replay += (f" at loss scale {fmt(f.detail['rerun_scale'])} (at the recorded one a "
+                       "finite step's gradients overflow too, and GradScaler lowers it)")
     f.summary = (f"the real step was non-finite ({'; '.join(what)}), but its replay on the "
                  f"same batch, weights and RNG is finite ({replay}): it did not reproduce (a "
                  "device fault, a nondeterministic kernel, or code the replay does not run)")

@@ -93,16 +93,20 @@ def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:
     return rerun_grads(cap, t, names)[0]
 
 
-def rerun_grads(cap: Capture, t: Trial, names: dict) -> tuple[Outcome, list]:
+def rerun_grads(cap: Capture, t: Trial, names: dict, pairs_out: Optional[list] = None
+                ) -> tuple[Outcome, list]:
     """``rerun``, and the gradient of each of the root's parameters that require grad, in
     ``parameters()`` order (None: unused; [] where no backward ran): what a trial that
-    measures the change, not only its finiteness, compares (``fp8trial``)."""
+    measures the change, not only its finiteness, compares (``fp8trial``). ``pairs_out``,
+    where given, receives the (tensor, gradient) pairs the backward ran from (detached)."""
     root = unwrap(cap.root)
     out = Outcome(t.name)
     outs = forward(cap, t, names)
     out.output_finite = _finite(outs)
     losses = _losses(cap, outs, t, out)
     pairs = _backward_pairs(cap, outs, losses, t, out)
+    if pairs_out is not None:
+        pairs_out += [(x.detach(), g.detach()) for x, g in pairs]
     params = [p for p in root.parameters() if p.requires_grad]
     grads: Sequence = []
     if pairs and params:
@@ -425,9 +429,14 @@ def _backward_pairs(cap: Capture, outs: list, losses: list, t: Trial, out: Outco
     return pairs
 
 
+def recorded_scale(cap: Capture) -> Optional[float]:
+    """The loss scale the step's backward ran at (None: unscaled)."""
+    return next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+
+
 def _factor(cap: Capture, t: Trial) -> tuple[Optional[float], float]:
     """(the recorded loss scale, the factor ``t.scale`` changes it by)."""
-    recorded = next((h.get("scale") for _, h in cap.losses if h.get("scaled")), None)
+    recorded = recorded_scale(cap)
     return recorded, (t.scale / recorded if t.scale is not None and recorded else 1.0)
 
 

@@ -38,8 +38,11 @@ STEPS, AT, BATCH = 11, 8, 16
 
 def _train(path=None):
     """The fixture's run, compiled; every step after the first under fail_on_recompile (a
-    recompile of the user's code raises). Losses, final weights, the recorder."""
-    torch._dynamo.reset()
+    recompile of the user's code raises). Losses, final weights, the recorder. The recorded
+    run reuses the plain run's compiled graphs (the same code, the same guards): ampdoctor
+    must not make it compile again, even at the first step."""
+    if path is None:
+        torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), FX.LogCosh(), nn.LayerNorm(32), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -51,7 +54,7 @@ def _train(path=None):
         contextlib.nullcontext()
     with watch as rec:
         for step in range(STEPS):
-            stance = torch.compiler.set_stance("fail_on_recompile") if step else \
+            stance = torch.compiler.set_stance("fail_on_recompile") if step or path else \
                 contextlib.nullcontext()
             with stance:
                 sl = slice(step * BATCH, (step + 1) * BATCH)
@@ -139,8 +142,9 @@ class Net(nn.Module):
 
 
 class _Cap:
-    def __init__(self, root):
+    def __init__(self, root, scale=None):
         self.root = root
+        self.losses = [(torch.zeros(()), {"scaled": True, "scale": scale})] if scale else []
 
 
 def test_regions_are_the_outermost_compiled_modules_of_each_kind():
@@ -168,6 +172,30 @@ def test_no_compiled_replay_where_the_eager_replay_reproduced_or_nothing_is_comp
     g.detail["reproduced"] = True
     assert compiled_replay.examine([_Cap(torch.compile(net))], g, {}) is False
     assert "compiled" not in g.detail
+
+
+def test_the_compiled_replay_runs_the_backward_at_the_scale_the_eager_replay_was_judged_at(
+        monkeypatch):
+    # At GradScaler's first steps the recorded scale overflows a finite step's gradients: the
+    # eager replay was judged at scale 1 (reproduced.py's rerun_scale), and so is every rung.
+    from ampdoctor.record.forensic.trial import Outcome
+    scales = []
+
+    def run(captures, names, regs, rung, probe, t):
+        scales.append(t.scale)
+        finite = rung != "inductor"
+        return Outcome(t.name, finite=finite, first="" if finite else "forward",
+                       loss=1.5 if finite else float("nan")), ""
+
+    monkeypatch.setattr(compiled_replay, "_run", run)
+    f = Culprit(Phase.NONE)
+    f.detail["reproduced"], f.detail["rerun_scale"] = False, 1.0
+    assert compiled_replay.examine([_Cap(torch.compile(Net()), 65536.0)], f, {}, step=0)
+    got = f.detail["compiled"]
+    assert got["reproduced"] is True and got["backend"] == "inductor"
+    assert scales == [1.0, 1.0, 1.0]
+    for trial in f.detail["trials"].values():
+        assert (trial["at_scale"], trial["recorded_scale"]) == (1.0, 65536.0)
 
 
 def test_module_paths_from_dynamo_sources():

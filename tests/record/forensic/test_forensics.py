@@ -1221,3 +1221,20 @@ def test_a_trial_outcome_is_declared_field_for_field():
 
     fields = [f.name for f in dataclasses.fields(trial.Outcome)]
     assert list(payloads.TrialOutcome.KEYS) == fields
+
+
+def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducible(run_path):
+    # At this scale a finite step's gradients overflow fp16 too (GradScaler's own calibration):
+    # the replay's forward and loss are finite, so the real step's NaN loss did not reproduce,
+    # said of the backward at loss scale 1, not read as the loss's precision.
+    model, fault = faulty([1])
+    sc = scaler(2.0**22)
+    with record(run_path, model, sc) as rec:
+        train(model, batches(10), dtype=torch.float16, scaler=sc,
+              on_step=lambda i: setattr(fault, "step", i + 1))
+    ev = next(e for e in rec.events if e.step == 1)
+    d = ev.result.detail
+    assert d["recorded"]["loss_nonfinite"] and ev.phase == "none"
+    assert d["reproduced"] is False and d["rerun_scale"] == 1.0
+    assert d["rerun"]["finite"] and d["rerun"]["grads"] == "finite"
+    assert "at loss scale 1" in ev.result.summary

@@ -42,12 +42,12 @@ class WithLoss(nn.Module):
         return ((self.net(x) - y) ** 2).mean()
 
 
-def _train(lr, path=None, steps=30, loss_fn=None, inside=False):
+def _train(lr, path=None, steps=30, loss_fn=None, inside=False, make=None):
     """SGD with momentum under a GradScaler, so that the steps from the first inf loss on are
     skipped and the weights stay finite (what the range test must leave as they are)."""
     torch.manual_seed(0)
-    model = WithLoss() if inside else nn.Sequential(nn.Linear(8, 32), nn.ReLU(),
-                                                    nn.Linear(32, 1))
+    model = make() if make else WithLoss() if inside else nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu")
     watch = ampdoctor.watch(model, opt, scaler, path=str(path), strict=True) if path else \
@@ -155,3 +155,45 @@ def test_a_loss_the_model_returns_is_trained_on(tmp_path):
     test = _lr_range(tmp_path / "run.h5")
     assert not test.get("note"), test.get("note")
     assert not test["rungs"][0]["finite"] and any(LrRange.trains(r) for r in test["rungs"])
+
+
+class Frozen(dict):
+    """A mapping that refuses every write, as diffusers' ``FrozenDict`` (a model's
+    ``config``) does: its ``update`` raises, but ``clear`` is dict's own."""
+
+    def _refuse(self, *args, **kwargs):
+        raise Exception(f"You cannot use this on a {type(self).__name__} instance.")
+
+    update = __setitem__ = __delitem__ = pop = setdefault = _refuse
+
+
+class WithConfig(nn.Module):
+    """A model that reads a frozen config in its forward (diffusers' UNets read
+    ``self.config``), so that the replay and the trial save and put back its namespace."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.config = Frozen(scale=1.0)
+
+    def forward(self, x):
+        return self.net(x) * self.config["scale"]
+
+
+def test_a_frozen_config_is_left_as_it_is_and_the_trial_runs(tmp_path):
+    """diffusers' train_unconditional.py at LR 10: the trial failed ("You cannot use
+    ``update`` on a FrozenDict instance") after emptying the model's config; a container the
+    replay did not change is not written back."""
+    models = []
+
+    def make():
+        models.append(WithConfig())
+        return models[-1]
+
+    _, weights, _ = _train(FAILING_LR, tmp_path / "run.h5", make=make)
+    assert dict(models[0].config) == {"scale": 1.0}
+    test = _lr_range(tmp_path / "run.h5")
+    assert not test.get("note"), test.get("note")
+    assert any(LrRange.trains(r) for r in test["rungs"])
+    plain = _train(FAILING_LR, make=make)[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, weights))

@@ -23,6 +23,10 @@ from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.payloads import SnapshotDetail
 from .facts import Facts
+from .fixes.premises import DOMAIN as DOMAIN
+from .fixes.premises import OPERAND as OPERAND
+from .fixes.premises import OVERFLOW as OVERFLOW
+from .fixes.premises import nonfinite_kind as nonfinite_kind
 from .verdict import Evidence
 
 # -- which replay describes the failure ----------------------------------------------------
@@ -182,30 +186,8 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
 
 # -- the kind of non-finite value ------------------------------------------------------------
 
-# What the first non-finite op made, from the op probe (issue 28 item 3).
-OVERFLOW = "overflow"  # finite inputs, a result past the dtype's max: +-inf
-OPERAND = "nonfinite_operand"  # an inf among the inputs turned into NaN: 0 x inf, inf - inf
-DOMAIN = "domain"  # NaN from finite inputs: sqrt/log of a negative, 0/0, an empty reduction
-
-
-def nonfinite_kind(op: Optional[dict]) -> Optional[str]:
-    """OVERFLOW, OPERAND or DOMAIN for the op probe's finding ``op``; None where there is none
-    or it fits none (a mix of kinds).
-
-    Example::
-
-        nonfinite_kind({"created": ["nan"], "in_posinf": True, ...})   # "nonfinite_operand"
-    """
-    if not op:
-        return None
-    created = set(op.get("created") or ())
-    bad_in = bool(op.get("in_posinf") or op.get("in_neginf") or op.get("in_nan"))
-    if created == {"nan"}:
-        return OPERAND if op.get("in_posinf") or op.get("in_neginf") else \
-            (DOMAIN if not bad_in else None)
-    if created and created <= {"posinf", "neginf"} and not bad_in:
-        return OVERFLOW
-    return None
+# The kinds (OVERFLOW, OPERAND, DOMAIN) and nonfinite_kind live beside the fixes' premises,
+# which read them too (fixes/premises.py).
 
 
 def kind_text(op: dict, kind: str, fp32_finite: int) -> str:

@@ -97,6 +97,12 @@ STEADY_NOISE = 5.0
 STEADY_MIN = 0.005
 # The rise that led into a spike began where the loss first passed 2x the level before it.
 RISE = 2.0
+# A long excursion: after a spike it came back from, the loss stood STUCK x or more above its
+# level before the spike on half or more of the steps after it (and on MIN_AFTER steps at
+# least). A freak batch, or a blow-up the run shakes off, lasts a few steps; a run that spends
+# most of itself far above where it was trained nothing in that time (litgpt at LR 10: 20-300x
+# its start for 30 of 40 steps, back to 1.5x only as the cosine schedule brought the LR down).
+EXCURSION_SHARE = 0.5
 # 1.4826 * MAD estimates a normal standard deviation; diffs of iid noise have sqrt(2) of it.
 _MAD_TO_SIGMA = 1.4826 / math.sqrt(2.0)
 # A median of k noisy values has ~1.25/sqrt(k) of their spread (normal efficiency).
@@ -139,6 +145,9 @@ class Curve:
     best_after: float = math.nan  # lowest 5-step median after the spike
     start_steps: int = 0  # losses the start level is the median of
     recovered: Optional[Spike] = None  # the largest jump of RECOVERED x or more it came back from
+    excursion: Optional[Spike] = None  # a spike it came back from only after a long stretch up
+    excursion_steps: int = 0  # steps after it at STUCK x or more its level before
+    excursion_after: int = 0  # steps after it
 
     @property
     def flat(self) -> bool:
@@ -245,6 +254,8 @@ def read(loss: np.ndarray) -> Curve:
             if not _stuck(values, s, c.noise, c.tail_steps)]
     if back and not (c.stuck or c.climbed):
         c.recovered = _positions(max(back, key=lambda s: s.jump), where)
+    if not (c.stuck or c.climbed):
+        _excursion(c, values, spikes, where)
     if first is not None:
         c.spike = _positions(first, where)
         after = values[first.index + 1:]
@@ -284,6 +295,17 @@ def _spikes(v: np.ndarray, sigma: float, at_least: float = SPIKE,
         out.append(Spike(index=i, onset=onset, before=_level(v, onset), value=float(v[i]),
                          peak=float(window[peak]), peak_index=i + peak))
     return out
+
+
+def _excursion(c: Curve, v: np.ndarray, spikes: list[Spike], where: np.ndarray) -> None:
+    """The first spike after which the loss stood STUCK x its level before on
+    EXCURSION_SHARE of the steps that follow (``Curve.excursion``)."""
+    for s in spikes:
+        after = v[s.index:]
+        up = int(np.count_nonzero(after >= STUCK * s.before))
+        if up >= MIN_AFTER and up >= EXCURSION_SHARE * len(after):
+            c.excursion, c.excursion_steps, c.excursion_after = _positions(s, where), up, len(after)
+            return
 
 
 def _level(v: np.ndarray, i: int) -> float:

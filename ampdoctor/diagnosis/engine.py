@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import culprit, fixes, forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
+from . import fixes, forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .rules import RULES, overflow
@@ -87,6 +87,24 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
     elif step is not None:
         d.forecast = forecast.for_diagnosis(run, int(step))
     return d
+
+
+def unmet_premises(run: Any, d: Diagnosis) -> list[str]:
+    """The fixes ``d`` offers whose declared premise (``fixes/premises.py``) fails on ``run``
+    (a path or a ``Run``; of a job's rank files, the rank its failure began on), read at the
+    verdict's first bad step and module: ``["use_bf16: re-run in fp32, ..."]``; empty where
+    every premise holds."""
+    from ..runfile.store import load
+
+    if not isinstance(run, (str, os.PathLike)):
+        where = d.first_bad or {}
+        ctx = Facts(run).fix_context(where.get("module"), step=where.get("step"))
+        return [f"{fx.id}: {why}" for fx in d.fixes if (why := fixes.unmet(fx, ctx))]
+    paths = resolve(os.fspath(run))
+    rank = (d.first_bad or {}).get("rank")
+    path = next((p for p in paths if paths_rank(p) == rank), paths[0])
+    with load(path) as loaded:
+        return unmet_premises(loaded, d)
 
 
 def _baseline(baseline: Any) -> fp8.Baseline:
@@ -339,8 +357,6 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
             if fx.id not in seen:
                 seen.add(fx.id)
                 fixes.append(fx)
-    if _nonfinite_in_fp32(f, top):  # bf16 has fp32's range: it cannot fix what fp32 cannot
-        fixes = [fx for fx in fixes if fx.id != "use_bf16"]
     fixes = proofs.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
     summary = top.summary + (overflow.island_outcome(fixes) if top.verdict == "unstable_op"
                              else "")
@@ -363,18 +379,6 @@ def _rejected_note(x: Finding) -> str:
     """Why a verdict a rule found is not given: its failed premises, as measured."""
     why = "; ".join(p.fact for p in x.failed)
     return f"Not {x.verdict}: {why}."
-
-
-def _nonfinite_in_fp32(f: Any, top: Finding) -> bool:
-    """use_bf16's premise fails: the replay of the verdict's first bad step re-ran its culprit
-    in fp32 and it was non-finite there too (a softmax over a fully masked row, weights
-    already NaN)."""
-    where = top.first_bad or {}
-    if where.get("step") is None:
-        return False
-    snap = culprit.snapshot_at(f, where["step"])
-    return bool(snap and snap["module"] == (where.get("module") or snap["module"])
-                and snap["fp32_finite"] == 0)
 
 
 def _explained_by(top: Finding, x: Finding) -> bool:

@@ -23,6 +23,7 @@ from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve, objectives
 from .dose import Doses
 from .fixes import Context
+from .fixes.premises import relu_free
 from .scale import ScaleStory, scale_story
 from .streamed import Reduced, stream_stats
 
@@ -453,7 +454,18 @@ class Facts:
                        handles=self.run.handles,
                        clip_max_norm=_number(clip), clip_value=_number(value),
                        clip_call=str(clip_call.get("how") or "clip_grad_norm_"),
-                       replayed=self.failure_replayed, measure=self.doses)
+                       replayed=self.failure_replayed, measure=self.doses,
+                       culprit=self.culprit_at(module, step),
+                       relu_free=relu_free(self.tensor_types))
+
+    def culprit_at(self, module: Optional[str], step: Optional[int]) -> Optional[dict]:
+        """The first located replay at or after ``step`` (of ``module``, if named), as the
+        fixes' premises read it (None: none)."""
+        found = (s for s in self.snapshots if step is not None and s["step"] >= step and
+                 s["phase"] in ("forward", "backward") and module in (None, s["module"]))
+        snap = next(found, None)
+        return snap and {"module": snap["module"], "phase": snap["phase"],
+                         "fp32_finite": snap["fp32_finite"], "op": snap["detail"].get("op")}
 
     @property
     def doses(self) -> Doses:

@@ -130,17 +130,20 @@ def trials_error(f: Any, top: Finding) -> Any:
 
 
 def found(f: Any, top: Finding) -> dict[str, dict]:
-    """The trials of the replay of ``top``'s first bad step (or the first replay after it),
-    with the clamp of a singular loss's op."""
+    """The trials of the replay of ``top``'s first bad step (or the first replay after it; of
+    its module where one names it), with the clamp of a singular loss's op."""
     step = (top.first_bad or {}).get("step")
     if step is None:
         return {}
     out: dict[str, dict] = {}
-    for s in f.snapshots:
-        trials = s["detail"].get("trials")
-        if s["step"] >= step and isinstance(trials, dict) and trials:
-            out = {k: v for k, v in trials.items() if isinstance(v, dict)}
-            break
+    tried = [s for s in f.snapshots if s["step"] >= step and
+             isinstance(s["detail"].get("trials"), dict) and s["detail"].get("trials")]
+    # a trial is of its replay's module: the verdict's own module's replay where one tried
+    # (an island around another module says nothing of an island around the culprit)
+    module = (top.first_bad or {}).get("module")
+    own = [s for s in tried if module is not None and s["module"] == module]
+    for s in (own or tried)[:1]:
+        out = {k: v for k, v in s["detail"]["trials"].items() if isinstance(v, dict)}
     if top.kind == "loss_backward":
         sing = singular.measured(f, step)
         clamp = singular.clamp_trial(sing) if sing is not None else None

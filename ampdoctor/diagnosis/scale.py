@@ -90,21 +90,24 @@ class ScaleStory:
 def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray) -> ScaleStory:
     """Read GradScaler's history from /steps (``loss_bad``: per step, the loss was non-finite)."""
     n = len(steps)
-    scale = steps["scale"].astype(np.float64)
-    has = bool(n) and bool(np.any(np.isfinite(scale)))
+    # as stored (float32): every value taken below widens to float64 exactly, and a month-long
+    # run's scales are not copied
+    scale = steps["scale"]
+    finite = np.isfinite(scale)
+    has = bool(n) and bool(np.any(finite))
     story = ScaleStory(has_scaler=has, benign_mask=np.zeros(n, bool), bad_skip=np.zeros(n, bool))
     if not has:
         return story
     skipped = steps["skipped"] == 1
-    after = steps["scale_after"].astype(np.float64)
-    finite_scale = scale[np.isfinite(scale)]
+    after = steps["scale_after"]
+    first, last = int(np.argmax(finite)), n - 1 - int(np.argmax(finite[::-1]))
     info = scaler or {}
-    story.init_scale = float(info.get("init_scale") or finite_scale[0])
+    story.init_scale = float(info.get("init_scale") or scale[first])
     story.growth_interval = int(info.get("growth_interval") or 2000)
-    story.min_scale = float(finite_scale.min())
+    story.min_scale = float(np.min(scale, where=finite, initial=np.inf))
     with np.errstate(invalid="ignore"):
         story.grew = bool(np.any(after > scale))
-    story.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(finite_scale[-1])
+    story.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(scale[last])
     _calibration(story, skipped, scale, after, loss_bad)
     _probing(story, skipped, loss_bad)
     starts, lengths = runs_of(skipped)

@@ -83,7 +83,8 @@ TABLE = (
             "of a weight round away (was bf16_precision)",
             55, "trends", "neither", ("bf16_precision", "fp16_sgd")),
     Verdict("diverged",
-            "no inf/NaN, but the loss blew up and never recovered (LR, not precision)",
+            "no inf/NaN, but the loss blew up and never recovered, or only late (LR, not "
+            "precision)",
             54, "progress", "neither", ("diverged",)),
     Verdict("dead_units",
             "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",

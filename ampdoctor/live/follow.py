@@ -38,6 +38,7 @@ import numpy as np
 from ..diagnosis.forecast import NEEDED
 from ..errors import RunFileError, RunNotFoundError
 from ..runfile import paths, schema
+from ..runfile.columns import Columns
 from ..runfile.schema import Source
 
 # A file that does not change for this long, whose writer's host is not this one, is taken
@@ -64,7 +65,8 @@ class Delta:
 
     path: str
     rank: int
-    rows: dict  # table -> new rows (decoded like ``store.load``); "meta": new keys
+    rows: dict  # table -> new rows (decoded like ``store.load``: "steps" a ``Columns``,
+    # "groups" a ``Table`` read by range); "meta": new keys
     stats: Any  # store.Table over /stats as written so far
     stats_start: int  # first new /stats row
     reset: bool = False  # the file was replaced (a new recording): earlier rows are void
@@ -88,6 +90,39 @@ class _Grow:
     @property
     def view(self) -> np.ndarray:
         return self._buf[:self.n]
+
+
+class _GrowColumns:
+    """/steps as followed so far, column by column (``columns.Columns``, as a loaded run holds
+    it). The first read's columns are kept as read, not copied (a month-long run's first read
+    is its whole /steps); later reads are appended, the room growing by a quarter at a time."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+        self._cols = {name: np.zeros(0, dtype[name]) for name in dtype.names or ()}
+        self.n = 0
+
+    def extend(self, rows: Any) -> None:
+        if not len(rows):
+            return
+        room = len(next(iter(self._cols.values())))
+        if self.n == 0 and isinstance(rows, Columns):
+            self._cols = {name: rows[name] for name in self._cols}
+            self.n = len(rows)
+            return
+        if self.n + len(rows) > room:
+            room = max(self.n + len(rows), room + room // 4 + 64)
+            for name, col in self._cols.items():
+                bigger = np.zeros(room, col.dtype)
+                bigger[:self.n] = col[:self.n]
+                self._cols[name] = bigger
+        for name, col in self._cols.items():
+            col[self.n:self.n + len(rows)] = rows[name]
+        self.n += len(rows)
+
+    @property
+    def view(self) -> Columns:
+        return Columns({name: col[:self.n] for name, col in self._cols.items()}, self.dtype)
 
 
 @dataclass
@@ -116,7 +151,7 @@ class RankState:
     def __post_init__(self) -> None:
         from ..runfile.store import TENSOR_VIEW, decoded
 
-        self._steps = _Grow(schema.STEPS)
+        self._steps = _GrowColumns(schema.STEPS)
         self._losses = _Grow(schema.LOSSES)  # each loss of a run that backwards several
         self.tensors = np.zeros(0, TENSOR_VIEW)
         self.events = decoded(schema.empty("events"), ["text"])
@@ -124,7 +159,7 @@ class RankState:
                                                                "detail"])
 
     @property
-    def steps(self) -> np.ndarray:
+    def steps(self) -> Columns:
         return self._steps.view
 
     @property
@@ -142,8 +177,10 @@ class RankState:
         self._steps.extend(rows["steps"])
         self._losses.extend(rows["losses"])
         self.meta.update(rows["meta"])
-        for g, lr in zip(rows["groups"]["group"], rows["groups"]["lr"]):
-            self.lr[int(g)] = float(lr)
+        for part in rows["groups"].chunks(names=("group", "lr")):  # a block at a time
+            groups, last = np.unique(part["group"][::-1], return_index=True)
+            for g, i in zip(groups, len(part) - 1 - last):  # each group's last row
+                self.lr[int(g)] = float(part["lr"][i])
         for name in ("tensors", "events", "snapshots"):
             if len(rows[name]):
                 setattr(self, name, np.concatenate([getattr(self, name), rows[name]]))

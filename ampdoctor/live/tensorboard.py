@@ -120,7 +120,12 @@ class _RunWriter:
         self.logdir = logdir
         self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
                                  filename_suffix=f".{secrets.token_hex(8)}{SUFFIX}")
-        self.layer_of: dict[int, Optional[tuple[str, bool]]] = {}  # tensor id -> (tag, grad)
+        # per tensor id, the index in ``tags`` of its abs max and underflow curves (-1: none)
+        self.absmax_of = np.zeros(0, np.int64)
+        self.under_of = np.zeros(0, np.int64)
+        self.tags: list[str] = []
+        self.tag_index: dict[str, int] = {}
+        self.last: Optional[tuple[int, float]] = None  # the last step written, and its time
         self.scalars = self.texts = self.thinned = 0
 
     def scalars_at(self, step: int, wall: float, values: list[tuple[str, float]]) -> None:
@@ -151,6 +156,8 @@ class _RunWriter:
         self._layers(delta, state)
         self._fp8(delta.rows.get("fp8"), state)
         self._forensics(delta.rows["snapshots"], state)
+        if len(state.steps):
+            self.last = int(state.steps["step"][-1]), float(state.steps["time"][-1])
 
     def _steps(self, rows: np.ndarray) -> None:
         kept = _thinned(rows)
@@ -162,12 +169,16 @@ class _RunWriter:
                            ("ampdoctor/skipped", float(r["skipped"] == 1))]
             self.scalars_at(r["step"], float(r["time"]), values)
 
-    def _groups(self, rows: np.ndarray, state: Any) -> None:
-        if not len(rows):
+    def _groups(self, table: Any, state: Any) -> None:
+        """Each param group's LR at the read's steps (thinned: ``_thinned_steps``), /groups
+        read a block at a time (a month-long run's is 20 M rows)."""
+        if not len(table):
             return
-        steps = np.unique(rows["step"])
+        steps = _distinct(np.concatenate([_distinct(part["step"]) for part in
+                                          table.chunks(names=("step",))]))
         shown = steps[_thinned_steps(steps)]
-        rows = rows[np.isin(rows["step"], shown)]
+        rows = np.concatenate([part[np.isin(part["step"], shown)] for part in
+                               table.chunks(names=("step", "group", "lr"))])
         order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
         rows = rows[order]
         walls = _walls(state, rows["step"])
@@ -178,40 +189,70 @@ class _RunWriter:
                              for g, lr in zip(rows["group"][a:b], rows["lr"][a:b])])
 
     def _layers(self, delta: Any, state: Any) -> None:
+        """One value per sampled step and layer curve: each block of /stats rows reduced to
+        (step, curve, value) as it is read, then thinned like the steps' curves
+        (``_thinned_layers``), then written one event per step."""
         self._name_tensors(state.tensors)
         stop = len(delta.stats)
+        found = []
         for start in range(delta.stats_start, stop, CHUNK):
             rows = delta.stats.columns(_STATS_COLUMNS, start, min(stop, start + CHUNK))
             rows = rows[rows["source"] == int(Source.SAMPLED)]
-            known = np.array([self.layer_of.get(int(t)) is not None for t in rows["tensor"]],
-                             bool)
-            rows = rows[known] if len(rows) else rows
             if len(rows):
-                self._layer_rows(rows, state)
+                found.append(self._layer_values(rows))
+        if not found:
+            return
+        step, curve, value = (np.concatenate([f[i] for f in found]) for i in range(3))
+        step, curve, value = _largest(step, curve, value)  # a curve's step across blocks
+        keep = _thinned_layers(step, curve, value)
+        step, curve, value = step[keep], curve[keep], value[keep]
+        starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
+        walls = _walls(state, step[starts])
+        tags = self.tags
+        for a, b, wall in zip(starts, np.r_[starts[1:], len(step)], walls):
+            here = zip(curve[a:b].tolist(), value[a:b].tolist())  # Python numbers, once
+            self.scalars_at(int(step[a]), float(wall), [(tags[c], v) for c, v in here])
 
     def _name_tensors(self, tensors: np.ndarray) -> None:
-        for tid, kind, name in zip(tensors["id"], tensors["kind"], tensors["name"]):
-            if int(tid) in self.layer_of:
-                continue
+        """Each new tensor's curves: the index in ``tags`` of its abs max curve and of its
+        underflow curve (-1: none; not a layer's value, or not a gradient)."""
+        new = slice(len(self.absmax_of), None)
+        kinds, names = tensors["kind"][new], tensors["name"][new]
+        absmax = np.full(len(kinds), -1, np.int64)
+        under = np.full(len(kinds), -1, np.int64)
+        for i, (kind, name) in enumerate(zip(kinds, names)):
             kind = int(kind)
-            self.layer_of[int(tid)] = None if kind not in LAYER_KINDS else (
-                f"{KIND_LABELS[Kind(kind)].replace(' ', '_')}/{name}", kind in GRAD_KINDS)
+            if kind not in LAYER_KINDS:
+                continue
+            tag = f"{KIND_LABELS[Kind(kind)].replace(' ', '_')}/{name}"
+            absmax[i] = self._tag("ampdoctor-absmax/" + tag)
+            if kind in GRAD_KINDS:
+                under[i] = self._tag("ampdoctor-underflow/" + tag)
+        self.absmax_of = np.concatenate([self.absmax_of, absmax])
+        self.under_of = np.concatenate([self.under_of, under])
 
-    def _layer_rows(self, rows: np.ndarray, state: Any) -> None:
-        """One value per step and layer: the largest over the layer's tensors and calls (a
-        module called twice in a step, or with several outputs, has several rows)."""
+    def _tag(self, tag: str) -> int:
+        """The index of curve ``tag`` (one for the tensors a layer has of a kind)."""
+        if tag not in self.tag_index:
+            self.tag_index[tag] = len(self.tags)
+            self.tags.append(tag)
+        return self.tag_index[tag]
+
+    def _layer_values(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(step, curve, value) of a block of sampled rows: the largest over a layer's tensors
+        and calls in a step (a module called twice in a step, or with several outputs, has
+        several rows), NaN first (a non-finite value is the news)."""
+        tid = rows["tensor"].astype(np.int64)
+        known = (tid >= 0) & (tid < len(self.absmax_of))
+        rows, tid = rows[known], tid[known]
+        absmax, under = self.absmax_of[tid], self.under_of[tid]
         share = underflow_share(rows)
-        best: dict[tuple[int, str], float] = {}
-        for step, tid, absmax, sub in zip(rows["step"], rows["tensor"], rows["absmax"], share):
-            tag, grad = self.layer_of[int(tid)]
-            _keep_max(best, (int(step), "ampdoctor-absmax/" + tag), float(absmax))
-            if grad:
-                _keep_max(best, (int(step), "ampdoctor-underflow/" + tag), float(sub))
-        steps = sorted({step for step, _ in best})
-        walls = dict(zip(steps, _walls(state, np.array(steps, np.int64))))
-        for step in steps:
-            self.scalars_at(step, walls[step], [(tag, v) for (s, tag), v in best.items()
-                                                if s == step])
+        curve = np.concatenate([absmax, under])
+        step = np.concatenate([rows["step"], rows["step"]]).astype(np.int64)
+        value = np.concatenate([rows["absmax"].astype(np.float64),
+                                np.asarray(share, np.float64)])
+        mine = curve >= 0
+        return _largest(step[mine], curve[mine], value[mine])
 
     def _fp8(self, rows: Optional[np.ndarray], state: Any) -> None:
         """fp8 headroom and the share flushed per sampled step and layer (``diagnosis.fp8``)."""
@@ -258,8 +299,9 @@ def _kurtosis(rows: np.ndarray, names: dict[int, str]) -> dict[int, list]:
     best: dict[tuple[int, str], float] = {}
     for step, tid, k in zip(mine["step"], mine["tensor"], mine["kurtosis"]):
         name = names.get(int(tid))
-        if name is not None:
-            _keep_max(best, (int(step), f"ampdoctor-fp8-kurtosis/{name}"), float(k))
+        key = (int(step), f"ampdoctor-fp8-kurtosis/{name}")
+        if name is not None and float(k) > best.get(key, -np.inf):  # (finite: filtered above)
+            best[key] = float(k)
     out: dict[int, list] = {}
     for (step, tag), k in best.items():
         out.setdefault(step, []).append((tag, k))
@@ -280,6 +322,15 @@ def _thinned(rows: np.ndarray) -> np.ndarray:
     return np.unique(np.concatenate(keep + [special]))
 
 
+def _distinct(steps: np.ndarray) -> np.ndarray:
+    """``np.unique(steps)``, without sorting or hashing them where they are in order already
+    (a writer appends a step's rows together, step after step)."""
+    if not len(steps):
+        return steps
+    firsts = steps[np.r_[True, steps[1:] != steps[:-1]]]
+    return firsts if bool(np.all(firsts[1:] > firsts[:-1])) else np.unique(steps)
+
+
 def _thinned_steps(steps: np.ndarray) -> np.ndarray:
     """Which of a read's LR steps are written: all, up to ``MAX_STEPS``; else each group's
     LR at evenly spaced steps (an LR curve has no spikes to keep)."""
@@ -288,11 +339,34 @@ def _thinned_steps(steps: np.ndarray) -> np.ndarray:
     return np.unique(np.linspace(0, len(steps) - 1, MAX_STEPS).astype(np.int64))
 
 
-def _keep_max(best: dict, key: tuple, value: float) -> None:
-    """NaN wins: a non-finite value is the news."""
-    old = best.get(key)
-    if old is None or np.isnan(value) or (not np.isnan(old) and value > old):
-        best[key] = value
+def _largest(step: np.ndarray, curve: np.ndarray,
+             value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One value per (step, curve), the largest, NaN first (``np.maximum`` keeps a NaN),
+    ordered by step, then curve."""
+    if not len(step):
+        return step, curve, value
+    order = np.lexsort((curve, step))
+    step, curve, value = step[order], curve[order], value[order]
+    starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (curve[1:] != curve[:-1])])
+    return step[starts], curve[starts], np.maximum.reduceat(value, starts)
+
+
+def _thinned_layers(step: np.ndarray, curve: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Which (step, curve) values of one read are written: all, up to ``MAX_STEPS`` sampled
+    steps; else every value at the steps that hold a bin's smallest or largest value of some
+    curve (``MAX_STEPS`` points shared among the curves, at least a bin's two each) and at
+    every step with a non-finite value (at most ``MAX_STEPS`` of those)."""
+    steps = np.unique(step)
+    if len(steps) <= MAX_STEPS:
+        return np.arange(len(step))
+    order = np.lexsort((step, curve))  # each curve's values in step order
+    by_curve = np.split(order, np.flatnonzero(np.diff(curve[order])) + 1)
+    points = max(2, MAX_STEPS // len(by_curve))
+    keep = [step[rows[extremes(value[rows], points)]] for rows in by_curve]
+    special = np.unique(step[~np.isfinite(value)])
+    if len(special) > MAX_STEPS:
+        special = special[::int(np.ceil(len(special) / MAX_STEPS))]
+    return np.flatnonzero(np.isin(step, np.concatenate(keep + [special])))
 
 
 def _walls(state: Any, steps: np.ndarray) -> np.ndarray:
@@ -432,12 +506,9 @@ def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
         return
     from ..diagnosis import engine
     from ..render.diagnosis import render
-    from ..runfile.store import load
 
     d = engine.diagnose(paths if len(paths) > 1 else paths[0])
     text = render(d, "markdown")
-    for path, w in writers.items():
-        with load(path) as run:
-            if len(run.steps):
-                last = run.steps[-1]
-                w.text_at(int(last["step"]), float(last["time"]), "ampdoctor/diagnosis", text)
+    for w in writers.values():  # at the last step each wrote (the run is not read again)
+        if w.last is not None:
+            w.text_at(w.last[0], w.last[1], "ampdoctor/diagnosis", text)

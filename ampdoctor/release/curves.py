@@ -17,22 +17,32 @@ from typing import Optional
 
 import numpy as np
 
+BLOCK = 1 << 20  # values of a long series thinned at a time (``extremes``)
 
-def extremes(y: np.ndarray, max_points: int) -> np.ndarray:
+
+def extremes(y: np.ndarray, max_points: int, finite_only: bool = False) -> np.ndarray:
     """The positions that keep a long series' shape in about ``max_points`` points: each
     bin's smallest and largest value, so a one-step spike in a million steps survives; every
-    position of a series no longer than that. NaN counts as neither."""
+    position of a series no longer than that. NaN counts as neither (``finite_only``: nor
+    does an infinity). Read ``BLOCK`` values at a time, in the series' own dtype: a float64
+    copy of a month-long curve is never made."""
     n = len(y)
     if n <= max_points:
         return np.arange(n)
     k = int(np.ceil(n / max(1, max_points // 2)))
-    pad = (-n) % k
-    yy = np.concatenate([np.asarray(y, np.float64), np.full(pad, np.nan)]).reshape(-1, k)
-    base = np.arange(len(yy)) * k
-    nan = np.isnan(yy)
-    hi = base + np.argmax(np.where(nan, -np.inf, yy), axis=1)
-    lo = base + np.argmin(np.where(nan, np.inf, yy), axis=1)
-    idx = np.unique(np.concatenate([lo, hi]))
+    step = max(1, BLOCK // k) * k  # whole bins per block
+    found = []
+    for start in range(0, n, step):
+        part = np.asarray(y[start:start + step], np.float64)
+        if finite_only:
+            part = np.where(np.isfinite(part), part, np.nan)
+        pad = (-len(part)) % k
+        yy = np.concatenate([part, np.full(pad, np.nan)]).reshape(-1, k)
+        base = start + np.arange(len(yy)) * k
+        nan = np.isnan(yy)
+        found += [base + np.argmin(np.where(nan, np.inf, yy), axis=1),
+                  base + np.argmax(np.where(nan, -np.inf, yy), axis=1)]
+    idx = np.unique(np.concatenate(found))
     return idx[idx < n]
 
 

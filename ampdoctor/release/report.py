@@ -219,11 +219,11 @@ def summarize(run: Any) -> Summary:
     out.nonfinite_loss, out.first_nonfinite_loss = _count_first(steps, bad_loss)
     out.nonfinite_grad, out.first_nonfinite_grad = _count_first(steps, bad_grad)
     out.peak_grad_norm, out.peak_grad_norm_step = _peak(steps, s["grad_norm"])
-    loss = s["loss"].astype(np.float64)
+    loss = s["loss"]  # read as stored: no copy of a month-long curve
     finite = np.isfinite(loss)
     if finite.any():
-        out.final_loss = float(loss[finite][-1])
-        out.min_loss = float(loss[finite].min())
+        out.final_loss = float(loss[len(loss) - 1 - int(np.argmax(finite[::-1]))])
+        out.min_loss = float(np.min(loss, where=finite, initial=np.inf))
     _scales(out, run, s)
     out.peak_memory, out.memory_measure = peak_memory(run)
     out.median_step_time = median_step_time(run)
@@ -254,22 +254,22 @@ def _count_first(steps: np.ndarray, mask: np.ndarray) -> tuple[int, Optional[int
 
 
 def _peak(steps: np.ndarray, values: np.ndarray) -> tuple[Optional[float], Optional[int]]:
-    v = values.astype(np.float64)
-    ok = np.isfinite(v)
+    ok = np.isfinite(values)  # the values as stored: no float64 copy of a month-long curve
     if not ok.any():
         return None, None
-    i = int(np.argmax(np.where(ok, v, -np.inf)))
-    return float(v[i]), int(steps[i])
+    i = int(np.argmax(np.where(ok, values, -np.inf)))
+    return float(values[i]), int(steps[i])
 
 
 def _scales(out: Summary, run: Any, s: np.ndarray) -> None:
-    scale = s["scale"].astype(np.float64)
+    scale = s["scale"]  # as stored, like _peak's values
     ok = np.isfinite(scale)
     if not ok.any():
         return
-    after = s["scale_after"].astype(np.float64)
-    out.init_scale = float(scale[ok][0])
-    out.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(scale[ok][-1])
+    after = s["scale_after"]
+    first, last = int(np.argmax(ok)), len(ok) - 1 - int(np.argmax(ok[::-1]))
+    out.init_scale = float(scale[first])
+    out.final_scale = float(after[-1]) if np.isfinite(after[-1]) else float(scale[last])
     low = np.where(ok, scale, np.inf)
     i = int(np.argmin(low))
     out.min_scale, out.min_scale_step = float(low[i]), int(s["step"][i])

@@ -211,17 +211,14 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
 
 
 def lr_figure(run: Any) -> Optional[Any]:
-    g = run.groups
+    by_group = _finite_lrs(run.groups)
     series = []
-    if len(g):  # read once (/groups: a row per step and group)
-        g = g.columns(["step", "group", "lr"]) if hasattr(g, "columns") else g
-    if len(g) and len(np.unique(g["group"])) > 1:
-        for group in np.unique(g["group"]):
-            rows = g[g["group"] == group]
-            series.append((f"group {int(group)}", rows["step"], rows["lr"].astype(np.float64)))
+    if len(by_group) > 1:
+        series = [(f"group {group}", x, y) for group, (x, y) in by_group.items()]
     elif len(run.steps):
-        series.append(("lr", run.steps["step"], run.steps["lr"].astype(np.float64)))
-    series = [(n, x[np.isfinite(y)], y[np.isfinite(y)]) for n, x, y in series]
+        lr = run.steps["lr"]  # as stored: ``_line`` widens only the points it draws
+        ok = np.isfinite(lr)
+        series.append(("lr", run.steps["step"][ok], lr[ok]))
     series = [item for item in series if len(item[1])]
     if not series:
         return None
@@ -232,6 +229,23 @@ def lr_figure(run: Any) -> Optional[Any]:
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     _legend(ax)
     return fig
+
+
+def _finite_lrs(groups: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each param group's (steps, LRs) where its LR is finite, by group (every group seen,
+    finite or not), /groups read a block at a time: a month-long run's is 20 M rows."""
+    if not len(groups):
+        return {}
+    blocks = groups.chunks(names=("step", "group", "lr")) if hasattr(groups, "chunks") \
+        else [groups]
+    parts: dict[int, list] = {}
+    for part in blocks:
+        ok = np.isfinite(part["lr"])
+        for group in np.unique(part["group"]):
+            mine = ok & (part["group"] == group)
+            parts.setdefault(int(group), []).append((part["step"][mine], part["lr"][mine]))
+    return {group: (np.concatenate([x for x, _ in got]), np.concatenate([y for _, y in got]))
+            for group, got in sorted(parts.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,9 +456,12 @@ def thin(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS
 
 def _line(ax: Any, x: np.ndarray, y: np.ndarray, **kw: Any) -> None:
     """A line that breaks where the value is NaN or inf (those steps get a ``_rug``)."""
+    x = np.asarray(x)
+    if len(x) > MAX_POINTS:  # thinned first: a long curve is never copied whole
+        idx = extremes(y, MAX_POINTS, finite_only=True)
+        x, y = x[idx], y[idx]
     y = np.asarray(y, np.float64)
-    x, y = thin(np.asarray(x), np.where(np.isfinite(y), y, np.nan))
-    ax.plot(x, y, lw=kw.pop("lw", 1.2), **kw)
+    ax.plot(x, np.where(np.isfinite(y), y, np.nan), lw=kw.pop("lw", 1.2), **kw)
 
 
 def _rug(ax: Any, steps: np.ndarray, label: str) -> None:

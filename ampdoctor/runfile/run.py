@@ -43,9 +43,11 @@ class Table:
     """
 
     def __init__(self, data: Any, nrows: int | None = None, path: str | None = None,
-                 name: str = "stats", lift: Any = None):
+                 name: str = "stats", lift: Any = None, first: int = 0):
+        # rows ``first`` to ``nrows`` of ``data``, numbered from 0 here (a follower's new rows)
         self._data = data
-        self._n = len(data) if nrows is None else nrows
+        self._first = first
+        self._n = (len(data) if nrows is None else nrows) - first
         # A table an older format wrote: read whole rows, handed out lifted into the current
         # dtype (a ``migrations.Migration``; None: stored as the schema has it).
         self._lift = lift
@@ -61,6 +63,7 @@ class Table:
 
     def _read(self, what: Any, start: int, stop: int | None) -> np.ndarray:
         stop = self._n if stop is None else min(stop, self._n)
+        start, stop = start + self._first, stop + self._first
         if isinstance(self._data, np.ndarray):
             data = self._data if what is None else self._data[what]
             return data[start:stop]

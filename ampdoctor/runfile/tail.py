@@ -2,8 +2,10 @@
 
 ``ampdoctor top`` and ``ampdoctor export --follow`` (``live.follow``) read through it. It opens
 the file as ``reader`` does and decodes rows as ``run`` does, so a followed run and a loaded one
-read alike; what it adds is a cursor per table, a ``/blob`` read by range only (``_Ranged``),
-and the questions a follower asks of the writer: still alive, or replaced by a new recording.
+read alike (``/steps`` column by column, as ``columns.Columns``, read a block at a time: the
+first read of a month-long run never holds its rows whole); what it adds is a cursor per
+table, a ``/blob`` read by range only (``_Ranged``), and the questions a follower asks of the
+writer: still alive, or replaced by a new recording.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
+from .columns import Columns
 from .hdf5 import H5_ERRORS, reason
 from .reader import (
     READ_ORDER,
@@ -68,7 +71,9 @@ class Tail:
         self._last_step: int | None = None  # the step of the last /steps row handed out
 
     def read(self) -> dict[str, Any]:
-        """New rows of every table but ``/stats`` (``meta``: the keys written since, decoded)."""
+        """New rows of every table but ``/stats`` (``meta``: the keys written since, decoded;
+        ``steps``: a ``columns.Columns``; ``groups``: a ``run.Table`` of its new rows, read by
+        range)."""
         if self._file is None:
             raise RunFileError(f"{self.path} is no longer open")
         try:
@@ -97,8 +102,8 @@ class Tail:
         self._stats_shape = len(stats) if len(stats) == len(stats._data) else -1
         return out
 
-    def _new_rows(self) -> tuple[dict[str, np.ndarray], Table]:
-        rows: dict[str, np.ndarray] = {}
+    def _new_rows(self) -> tuple[dict[str, Any], Table]:
+        rows: dict[str, Any] = {}
         stats = self.stats
         for name in READ_ORDER:  # referring tables first, as ``load`` reads them
             if name == schema.BLOB:
@@ -113,9 +118,25 @@ class Tail:
                                   lift=migrations.find(name, self.version, ds.dtype))
                 continue
             start = self.done[name]
+            if name == "steps":
+                rows[name] = self._steps_from(ds, start)
+                continue
+            if name == "groups":  # a month-long run's first read: 20 M rows, read by range
+                rows[name] = Table(ds, nrows=max(start, written_rows(ds)), path=self.path,
+                                   name=name, lift=migrations.find(name, self.version, ds.dtype),
+                                   first=start)
+                continue
             rows[name] = migrations.lift(name, self.version, without_unwritten_tail(
                 name, ds[start:])) if ds.shape[0] > start else schema.empty(name)
         return rows, stats
+
+    def _steps_from(self, ds: Any, start: int) -> Columns:
+        """/steps from row ``start`` to its written end, column by column, read a block at a
+        time (``columns``): never the rows whole."""
+        def rows_of(a: int, b: int) -> np.ndarray:
+            return migrations.lift("steps", self.version, ds[start + a:start + b])
+
+        return Columns.read(rows_of, max(0, written_rows(ds) - start), schema.STEPS)
 
     def _blob(self) -> "_Ranged":
         return _Ranged(self._table(schema.BLOB), self.path)

@@ -30,6 +30,7 @@ from consistency import contradictions
 from recording import command, start
 
 import ampdoctor
+from ampdoctor.diagnosis.engine import unmet_premises
 from ampdoctor.diagnosis.facts import Facts, flat_probes
 from ampdoctor.diagnosis.rules.trends import computed_in_fp32
 from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
@@ -119,6 +120,8 @@ def test_fixture_verdict(recorded, name):
         assert d.first_bad["step"] in flat_probes(ampdoctor.load(path)), str(d)
     also = {c["verdict"] for c in d.causes if c["role"] == "also"}
     assert not also & set(e.get("no_also", ())), str(d)
+    # issue 40: every fix offered has its declared premise hold on the run (fixes/premises.py)
+    assert not unmet_premises(path, d), (unmet_premises(path, d), str(d))
     if d.healthy:  # issue 16: a healthy run gets no warning of failure
         assert d.forecast is not None and not d.forecast.warns, str(d)
     if os.path.exists(path):  # issue 28: no sentence contradicts its own evidence (a rank
@@ -132,6 +135,7 @@ def test_fixed_fixture_is_healthy(recorded, name):
     assert rc == 0, stderr[-3000:]
     d = ampdoctor.diagnose(path)
     assert d.verdict == canonical(EXPECTED[name]["fixed"]), str(d)
+    assert not unmet_premises(path, d), (unmet_premises(path, d), str(d))
     if d.healthy:
         assert d.forecast is not None and not d.forecast.warns, str(d)
     if os.path.exists(path):
@@ -241,3 +245,15 @@ def test_cli_json_and_exit_codes(recorded, name):
     assert run(good, "--fail-on", "unhealthy").returncode == 0
     md = run(bad, "--format", "markdown").stdout
     assert md.startswith(f"## ampdoctor: `{EXPECTED[name]['verdict']}`")
+
+
+def test_the_summary_says_what_was_measured_not_what_is_typical(recorded):
+    """Issue 40: a loss computed after the autocast block is not said to run under autocast;
+    an op in a hand-written backward is not told as a singularity, and the island's trial read
+    is the one around the verdict's own module (which makes the step finite)."""
+    after = ampdoctor.diagnose(recorded[("loss_after_autocast", False)][0])
+    assert "under fp16 autocast" not in after.summary and "after it" in after.summary, str(after)
+    exp = ampdoctor.diagnose(recorded[("exp_backward", False)][0])
+    assert "not the precision" not in exp.summary and "alone does not fix" not in exp.summary
+    island = next(fx for fx in exp.fixes if fx.id == "fp32_island")
+    assert island.tried and island.finite, str(exp)

@@ -32,7 +32,9 @@ bf16, the loss scale, eps, master weights), ``loss.py`` (the loss and its inputs
 ``script.py`` (the training script's calls), ``training.py`` (not the precision: the LR, dead
 units, the device), ``fp8.py`` (a run already in fp8: a layer kept in bf16, another
 recipe), ``compiler.py`` (a NaN only the compiled model makes). ``FIX_IDS`` lists every id
-with its meaning.
+with its meaning. ``premises.py`` holds what must hold for a fix to apply, each declared on
+its ``@fix(..., premise=...)``: ``make`` offers a fix only where it holds, and ``unmet`` checks
+a finished diagnosis's fixes against the same declarations.
 """
 
 from . import compiler, fp8, loss, precision, script, training  # noqa: F401 - each registers its fixes
@@ -41,6 +43,7 @@ from .registry import (
                        FIX_IDS,
                        MAKERS,
                        NOT_REPLAYABLE,
+                       PREMISES,
                        Advice,
                        Applier,
                        Context,
@@ -51,7 +54,9 @@ from .registry import (
                        is_attention,
                        make,
                        module_expr,
+                       unmet,
 )
 
-__all__ = ["DEFAULTS", "FIX_IDS", "MAKERS", "NOT_REPLAYABLE", "Advice", "Applier", "Context",
-           "Dose", "Fix", "assign_module", "fix", "is_attention", "make", "module_expr"]
+__all__ = ["DEFAULTS", "FIX_IDS", "MAKERS", "NOT_REPLAYABLE", "PREMISES", "Advice", "Applier",
+           "Context", "Dose", "Fix", "assign_module", "fix", "is_attention", "make",
+           "module_expr", "unmet"]

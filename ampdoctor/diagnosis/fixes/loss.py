@@ -96,6 +96,8 @@ def check_data(c: Context) -> Advice:
     d = c.data or {}
     if d.get("kind") == "targets":
         return _bad_targets(d)
+    if d.get("kind") == "off_scale":
+        return _off_scale(d)
     step, kind = d.get("step"), d.get("kind") if d.get("step") is not None else None
     held = f" ({', '.join(d['labels'][:3])})" if d.get("labels") else ""
     nan = f"  # step {step}'s batch held NaN/inf{held}" if kind == "nonfinite" else ""
@@ -110,6 +112,21 @@ def check_data(c: Context) -> Advice:
                f"  # and normalise features to O(1){big}")
     return (f"{lead} (or repair) the batches holding NaN/inf or values beyond fp16's range "
             "(65504); normalise inputs to order 1.", snippet)
+
+
+def _off_scale(d: dict) -> Advice:
+    """Batches whose values are inside fp16's range but thousands of times the other
+    batches': a shard left unnormalised (raw 16-bit readings), which the layers overflow on."""
+    snippet = ("for x, y in loader:\n"
+               f"    # step {d.get('step')}'s batch held values up to {fmt(d.get('absmax'))}, "
+               f"{fmt(d.get('ratio'))}x the batches before it ({fmt(d.get('typical'))})\n"
+               f"    assert x.abs().max() < 100 * {fmt(d.get('typical'))}, "
+               "'a batch off-scale: is every shard normalised the same way?'")
+    return ("Normalise every batch the same way: from step "
+            f"{d.get('step')} the batches are {fmt(d.get('ratio'))}x larger than before (a shard "
+            "or a source left unscaled), and the model overflows fp16 on them. Find where that "
+            "data is loaded and apply the same scaling; a check on each batch's magnitude "
+            "catches the next one.", snippet)
 
 
 def _bad_targets(d: dict) -> Advice:

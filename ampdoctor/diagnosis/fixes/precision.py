@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from .premises import fp32_cannot_fix, island_applies, use_bf16_applies
 from .registry import (
     Advice,
     Context,
@@ -125,7 +126,7 @@ def _class_apply(c: Context) -> Optional[str]:
 
 @fix("fp32_island", "run the named module with autocast off, on fp32 inputs",
      apply=_island_apply, manual="the overflow is in the model's own forward: the island goes "
-     "around the op in its code")
+     "around the op in its code", premise=island_applies)
 def fp32_island(c: Context) -> Advice:
     if c.root:
         return _op_island(c)
@@ -190,7 +191,7 @@ def _norm_lines(c: Context) -> str:
 
 
 @fix("scale_attention", "scale q before q @ k^T, or use scaled_dot_product_attention",
-     manual="the attention's forward must change")
+     manual="the attention's forward must change", premise=fp32_cannot_fix)
 def scale_attention(c: Context) -> Advice:
     cls = c.module_type or "the attention module"
     snippet = (f"# in {cls}.forward: scale q before the product (identical in fp32, and q @ k^T\n"
@@ -206,7 +207,7 @@ def scale_attention(c: Context) -> Advice:
 
 
 @fix("use_bf16", "autocast to bfloat16 (fp32's exponent range) instead of float16",
-     apply="use_bf16")
+     apply="use_bf16", premise=use_bf16_applies)
 def use_bf16(c: Context) -> Advice:
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.bfloat16):  # was torch.float16\n'
                "    loss = compute_loss(model, batch)\n"

@@ -88,6 +88,11 @@ class Context:
     # What the compiled replay of a compiled model's step found, for the compiler fixes:
     # {"region", "op", "op_module", "finite_backend", "backends"} (None: not compiled)
     compiled: Optional[dict] = None
+    # What the fixes' premises read (fixes/premises.py): the replay of the failure at ``step``
+    # (``module``'s where one is named: {"module", "phase", "fp32_finite", "op"}), and whether
+    # the model's recorded activations are all smooth ones (no ReLU to swap)
+    culprit: Optional[dict] = None
+    relu_free: bool = False
     # the run's measurer (diagnosis/dose.py): a dose by name ("lr", "init_scale", "eps",
     # "max_norm"); None: no run behind this context, the DEFAULTS serve
     measure: Optional[Callable[[str], Optional[Dose]]] = field(default=None, repr=False)
@@ -143,9 +148,15 @@ MAKERS: dict[str, Callable[[Context], Fix]] = {}
 NOT_REPLAYABLE: dict[str, str] = {}
 
 
+# What must hold for a fix to apply, by fix id (fixes/premises.py): the fact that rules it out
+# for a context, as a clause, or None where it holds.
+Premise = Callable[["Context", Optional["Fix"]], Optional[str]]
+PREMISES: dict[str, Premise] = {}
+
+
 def fix(fix_id: str, meaning: str, *, apply: Union[str, Applier, None] = None,
-        manual: str = "", replay: str = "") -> Callable[[Callable[[Context], Advice]],
-                                                        Callable[[Context], Fix]]:
+        manual: str = "", replay: str = "", premise: Optional[Premise] = None
+        ) -> Callable[[Callable[[Context], Advice]], Callable[[Context], Fix]]:
     """Register the decorated function as the writer of fix ``fix_id`` (``meaning``: one line
     for the README's table); the function returns ``(advice, snippet[, dose])`` and the
     registered one the ``Fix``.
@@ -173,6 +184,8 @@ def fix(fix_id: str, meaning: str, *, apply: Union[str, Applier, None] = None,
         MAKERS[fix_id] = made
         if replay:
             NOT_REPLAYABLE[fix_id] = replay
+        if premise is not None:
+            PREMISES[fix_id] = premise
         return made
 
     return register
@@ -216,8 +229,12 @@ def clip_step(scaler: bool, max_norm: str = "1.0") -> str:
 
 
 def max_norm(c: Context) -> tuple[str, Optional[Dose]]:
-    """The clip threshold for a snippet (the run's healthy grad norms), and its dose."""
+    """The clip threshold for a snippet, and its dose: the script's own max_norm where it
+    clips, else the run's healthy grad norms (else the default)."""
     dose = c.dose("max_norm")
+    if c.clip_max_norm and (dose is None or dose.values.get("max_norm") != c.clip_max_norm):
+        dose = Dose({"max_norm": float(c.clip_max_norm)}, "the script's own clip, "
+                    f"max_norm={c.clip_max_norm:g}")
     value = dose.values.get("max_norm") if dose else None
     return (literal(value, "1.0") if value else "1.0"), dose
 
@@ -286,9 +303,16 @@ def _handle(path: str, handles: dict, root: str) -> tuple[str, str]:
 
 
 def make(ids: list[str], context: Context) -> list[Fix]:
-    """The fixes ``ids``, in that order, written for ``context`` (bf16 is suggested only to a
-    run in fp16: a bf16 or fp32 run has its range already)."""
-    return [MAKERS[i](context) for i in ids if i != "use_bf16" or context.low == "fp16"]
+    """The fixes ``ids``, in that order, written for ``context``: those whose premise holds
+    there (bf16 only to a run in fp16, a lower LR only where the LR is above 0, ...)."""
+    made = (MAKERS[i](context) for i in ids)
+    return [fx for fx in made if unmet(fx, context) is None]
+
+
+def unmet(fx: Fix, context: Context) -> Optional[str]:
+    """Why ``fx`` does not apply to ``context``: its premise's failed fact, else None."""
+    premise = PREMISES.get(fx.id)
+    return premise(context, fx) if premise is not None else None
 
 
 def is_attention(module: Optional[str], module_type: Optional[str]) -> bool:

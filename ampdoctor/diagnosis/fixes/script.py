@@ -5,6 +5,7 @@ per real optimizer step, BatchNorm statistics guarded.
 
 from __future__ import annotations
 
+from .premises import own_clip
 from .registry import (
     Advice,
     Context,
@@ -153,7 +154,7 @@ def unscale_after_last_backward(c: Context) -> Advice:
 
 
 @fix("fix_scaler_calls", "one unscale_/step/update per optimizer step, in that order",
-     manual="the order of the calls in the loop must change")
+     manual="the order of the calls in the loop must change", premise=own_clip)
 def fix_scaler_calls(c: Context) -> Advice:
     clip, dose = max_norm(c)
     snippet = ("for i, batch in enumerate(loader):\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from .premises import lr_to_lower, units_can_die
 from .registry import (
     Advice,
     Context,
@@ -45,7 +46,8 @@ def _lr_apply(c: Context) -> Optional[str]:
      "first state kept training (else a bound from the update ratios), clip after unscale_",
      apply=_lr_apply, manual="the run recorded no learning rate to scale",
      replay="the replay of one step cannot try a lower LR, which needs many steps (the LR "
-     "range test, where one ran, tried it from the run's first state: see its numbers)")
+     "range test, where one ran, tried it from the run's first state: see its numbers)",
+     premise=lr_to_lower)
 def lower_lr(c: Context) -> Advice:
     lr_dose = c.dose("lr") or _tenth(c.lr)
     new = literal(lr_dose.values.get("lr") if lr_dose else None, "lr / 10")
@@ -64,7 +66,7 @@ def lower_lr(c: Context) -> Advice:
 
 @fix("revive_units", "an activation that cannot die (LeakyReLU/GELU), biases from 0, a restart",
      manual="the activations are in the model's code", replay="the replay of one step cannot "
-     "try a restart, which needs many steps")
+     "try a restart, which needs many steps", premise=units_can_die)
 def revive_units(c: Context) -> Advice:
     """Dead units (ReLU outputs 0 for every input) pass no gradient and never come back."""
     kind = (c.module_type or "").lower()

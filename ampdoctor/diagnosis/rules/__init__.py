@@ -8,6 +8,7 @@ holds it):
   cause told, non-finite values no class explains;
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
 * ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
+  ``batches.py``: what the replays and sampled steps say of the batch (for ``bad_input``);
 * ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), one
   only the compiled model makes (the compiler), and
   targets that make the loss non-finite in fp32 too;

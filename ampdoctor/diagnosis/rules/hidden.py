@@ -31,6 +31,10 @@ MASK_OPS = ("add", "radd", "iadd", "sub", "rsub", "isub", "where")
 # A module output whose sampled elements are at least half exactly 0 "comes out as zeros": with
 # a hidden overflow inside, the verdict needs no flat loss (a run too short to judge).
 ZEROED = 0.5
+# ... and a norm whose square overflows (x * x inf, x / sqrt(inf) exactly 0) at this share of
+# its output zeroed loses those rows, whether the loss still falls or not (a norm's output is
+# exactly 0 only where its whole input row is): a share that grows as the stream does.
+NORM_ZEROED = 0.05
 _KINDS = ((1, "NaN"), (2, "+inf"), (4, "-inf"))
 
 
@@ -45,7 +49,8 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
     module, c = first["module"], f.curve
     zeroed = _zeroed(f, first)
     flat = c.judged and not c.fell
-    if not flat and not zeroed >= ZEROED:
+    squared = _is_norm(module, first["type"]) and first["op"] in SQUARES
+    if not flat and not zeroed >= ZEROED and not (squared and zeroed >= NORM_ZEROED):
         return None  # the model learns anyway: a note on the healthy verdict (hidden_note)
     ev = _hidden_evidence(f, hits, zeroed)
     if c.judged:
@@ -69,7 +74,7 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
     low = "fp16" if first["dtype"] == "float16" else "bf16"
     limit = "65504" if low == "fp16" else "3.4e38"
     what = (f" (x * x passes {limit}; its mean is inf and x / sqrt(inf) is exactly 0)"
-            if norm and first["op"] in ("mul", "pow", "square") else "")
+            if norm and first["op"] in SQUARES else "")
     zeros = f", and {zeroed:.0%} of its output is exactly 0" if zeroed >= 0.01 else ""
     stalls = "; the loss does not fall" if flat else ""
     quiet = ("No NaN reaches the loss and no step was skipped" if not skipped else
@@ -159,6 +164,10 @@ def _zeroed(f: Facts, hit: dict) -> float:
     t = hit["tensor"]
     z = f.reduced.layer_out_zeros
     return float(z[t]) if 0 <= t < len(z) and np.isfinite(z[t]) else 0.0
+
+
+# The ops a norm squares with.
+SQUARES = ("mul", "pow", "square")
 
 
 def _is_norm(module: Optional[str], module_type: Optional[str]) -> bool:

@@ -3,7 +3,8 @@
 summed past 65504 in an fp16 ``.grad`` (``accum_overflow``), module buffers poisoned while the
 weights stay finite (``state_poisoning``, C10), an Adam eps that is 0 in fp16 (``adam_eps``,
 C4), and the loss or its backward (``fp16_loss``, C7b). Each reads the forensic replays and the
-sampled tier (``diagnosis/culprit.py``) for the signal its class is told by.
+sampled tier (``diagnosis/culprit.py``) for the signal its class is told by; what they say of
+the batch is read in ``batches.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import numpy as np
 from ...numfmt import fmt
 from ...runfile.schema import DType, Event, Kind
 from .. import fixes, singular
-from ..culprit import input_out_of_range, root_grad_output, snapshot_at
+from ..culprit import root_grad_output, snapshot_at
 from ..facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from . import batches
 
 # ---------------------------------------------------------------------------------------------
 # C5: the data
@@ -27,15 +29,17 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
     """C5: the batch itself holds NaN/inf, or values beyond fp16's range."""
     if not f.n:
         return None
-    where, conf, ev, data = _inputs_from_replays(f)
-    sampled_where, sampled_conf, sampled_ev, sampled_data = _inputs_from_samples(
+    where, conf, ev, data = batches.from_replays(f)
+    sampled_where, sampled_conf, sampled_ev, sampled_data = batches.from_samples(
         f, where is not None)
     ev += sampled_ev
     if where is None:
         where, conf, data = sampled_where, sampled_conf, sampled_data
     if where is None:
+        where, conf, ev, data = batches.off_scale(f)
+    if where is None:
         return None
-    where["step"] = _run_start(f, where["step"])
+    where["step"] = batches.run_start(f, where["step"])
     bad_losses = int(f.loss_bad.sum())
     if bad_losses:
         ev.append(Evidence(f"{bad_losses} of {f.n} steps had a non-finite loss"
@@ -46,75 +50,14 @@ def rule_bad_input(f: Facts) -> Optional[Finding]:
             "No GradScaler skipped those steps: what they did reached the weights.")
     ctx = f.fix_context(step=where["step"])
     ctx.data = data  # the step the check measured, which may be after the run of bad steps began
-    return Finding("bad_input", conf, "The data is the cause: a batch held NaN/inf (or values "
-                   f"beyond fp16's range) before the model touched it. {what}", ev,
-                   fixes.make(["check_data"], ctx), where, priority=PRIORITY["bad_input"])
-
-
-def _inputs_from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
-                                            Optional[dict]]:
-    """Replays that found the batch non-finite, or an fp16 culprit fed a batch beyond range;
-    with what check_data may say of it."""
-    inputs = [s for s in f.snapshots if s["phase"] == "input"]
-    if inputs:
-        s = inputs[0]
-        how = "batch check; no replay under FSDP" if str(
-            (s["detail"] or {}).get("replay", "")).startswith("off") else "forensic replay"
-        ev = [Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']} "
-                       f"held NaN/inf ({how})", "input_nonfinite_step", None,
-                       s["step"], s["module"])]
-        if len(inputs) > 1:
-            ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
-                               f"{', '.join(str(x['step']) for x in inputs[:8])})",
-                               "input_nonfinite_replays", float(len(inputs))))
-        labels = [b.get("label") for b in s["detail"].get("bad_inputs") or []
-                  if isinstance(b, dict) and b.get("label")]
-        data = {"kind": "nonfinite", "step": s["step"], "labels": labels}
-        return first_bad(s["step"], s["module"], "input"), 0.95, ev, data
-    for s in f.snapshots:
-        biggest = input_out_of_range(f, s)
-        if biggest is not None:
-            ev = [Evidence(f"the batch at step {s['step']} holds values up to {fmt(biggest)}, "
-                           f"beyond fp16's 65504; {s['module']} overflows on them",
-                           "input_absmax", biggest, s["step"], s["module"])]
-            data = {"kind": "range", "step": s["step"], "absmax": biggest}
-            return first_bad(s["step"], s["module"], "input"), 0.85, ev, data
-    return None, 0.0, [], None
-
-
-def _inputs_from_samples(f: Facts, known: bool) -> tuple[Optional[dict], float,
-                                                         list[Evidence], Optional[dict]]:
-    """The sampled tier's audit of the batch: non-finite, or beyond fp16's range (the latter
-    only counts beside a failure: a large input that fp32 layers take in stride is fine)."""
-    st, where, conf, ev, data = f.reduced, None, 0.0, [], None
-    bad_steps = np.flatnonzero(st.input_bad > 0)
-    if len(bad_steps):
-        i = int(bad_steps[0])
-        ev.append(Evidence(f"sampled step {f.step_at(i)}: the model's input held NaN/inf",
-                           "sampled_input_nonfinite", None, f.step_at(i)))
-        where, conf = first_bad(f.step_at(i), None, "input"), 0.8
-        data = {"kind": "nonfinite", "step": f.step_at(i)}
-    over = np.flatnonzero(st.input_over > 0) if f.low_precision == "fp16" else np.zeros(0, int)
-    if len(over) and (known or where is not None or f.failure_index is not None):
-        i = int(over[0])
-        ev.append(Evidence(f"sampled step {f.step_at(i)}: input values up to "
-                           f"{fmt(float(st.input_absmax[i]))}, beyond fp16's 65504",
-                           "sampled_input_absmax", float(st.input_absmax[i]), f.step_at(i)))
-        if where is None:
-            where, conf = first_bad(f.step_at(i), None, "input"), 0.7
-            data = {"kind": "range", "step": f.step_at(i),
-                    "absmax": float(st.input_absmax[i])}
-    return where, conf, ev, data
-
-
-def _run_start(f: Facts, step: int) -> int:
-    """The first step of the unbroken run of failing steps that ``step`` belongs to (the
-    first steps of a run are not replayed while the recorder discovers the model)."""
-    i = f.index_of(step)
-    bad = f.loss_bad | f.skipped
-    while i > 0 and bad[i - 1] and bad[i]:
-        i -= 1
-    return f.step_at(i)
+    held = ("values thousands of times those of the batches before it" if data and
+            data.get("kind") == "off_scale" else "NaN/inf (or values beyond fp16's range)")
+    found = Finding("bad_input", conf, f"The data is the cause: a batch held {held} before the "
+                    f"model touched it. {what}", ev, fixes.make(["check_data"], ctx), where,
+                    priority=PRIORITY["bad_input"])
+    if data and data.get("kind") == "off_scale":  # what the model did with it follows from it
+        found.explains = frozenset(int(t) for t in f.steps["step"][f.failure_index:])
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,8 +360,8 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
         return None
     snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
              and x["detail"].get("loss_nonfinite") and not _fp32_too(x)]
-    if not snaps:
-        return None
+    if not snaps or (_value_minority(f) and any(_loss_backward_only(x) for x in f.snapshots)):
+        return None  # the loss's backward failed on most steps: rule_loss_backward's
     x = snaps[0]
     d = x["detail"]
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
@@ -430,8 +373,9 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
                 "is finite: the loss's own computation fails in low precision.")
     else:
         text = ("The loss is non-finite while every module output is finite: the training "
-                "code's own ops between the model's outputs and the loss, run under fp16 "
-                "autocast, made the NaN/inf. The loss is written by hand, so the replay could "
+                "code's own ops between the model's outputs and the loss, run in fp16 on the "
+                "model's fp16 outputs (inside the autocast block or after it), made the "
+                "NaN/inf. The loss is written by hand, so the replay could "
                 "not recompute it to name the op or to say whether fp32 is finite.")
     return Finding("fp16_loss", 0.75 if recomputed else 0.6, text, ev,
                    fixes.make(["loss_in_fp32"], f.fix_context(step=x["step"])),
@@ -495,12 +439,27 @@ def losses_finite(f: Facts) -> Premise:
     if i is None:
         return Premise("losses_finite", NOT_MEASURED, "no failing step")
     bad = f.loss_bad[i:]
+    if bad.any() and _value_minority(f):
+        return Premise("losses_finite", HELD, f"the recorded loss was non-finite on only "
+                       f"{int(bad.sum())} of the {int(f.skipped[i:].sum())} skipped steps from "
+                       f"step {f.step_at(i)}: on the rest it was finite and its backward failed")
     if bad.any():
         return Premise("losses_finite", FAILED, f"the recorded loss was non-finite on "
                        f"{int(bad.sum())} of the {len(bad)} steps from step {f.step_at(i)}: the "
                        "loss itself failed, not only its backward")
     return Premise("losses_finite", HELD, f"the recorded loss was finite on all {len(bad)} "
                    f"steps from step {f.step_at(i)}")
+
+
+def _value_minority(f: Facts) -> bool:
+    """The recorded loss was non-finite on fewer than a quarter of the skipped steps from the
+    first failing one: on most of them the loss was finite and the step still failed (a focal
+    loss whose log saw a 0 on 5 of 141 skipped steps, its power's derivative on the rest)."""
+    i = f.failure_index
+    if i is None:
+        return False
+    skipped = int(f.skipped[i:].sum())
+    return skipped > 0 and int((f.loss_bad[i:] & f.skipped[i:]).sum()) * 4 < skipped
 
 
 def _calibration_artefact(f: Facts, snap: dict) -> bool:

@@ -131,10 +131,7 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     if isinstance(made, dict):  # (record/forensic/computed.py) an op between two model calls
         text = _between_text(made, low)
     elif snap["phase"] == "backward":
-        text = (f"{module}'s backward produces inf/NaN from finite incoming gradients (a "
-                "derivative that overflows, such as exp of a large argument, or one at a "
-                "singularity: log/sqrt/division near 0, a clamp that rounds to its bound in low "
-                "precision). Doing that op in fp32 avoids it.")
+        text = _backward_text(module, snap, op, low)
     elif kind in (culprit.DOMAIN, culprit.OPERAND):
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
@@ -177,6 +174,29 @@ def _between_text(made: dict, low: str) -> str:
     return (f"The op {op}, called between modules (outside any module), overflows {low}: it "
             f"ran {ran}, and the value it gave {into} held NaN/inf. The data is fine. Run "
             "that op in fp32.")
+
+
+def _backward_text(module: str, snap: dict, op: Optional[dict], low: str) -> str:
+    """What a backward culprit did, as far as the replay measured it: the op and its kind
+    where the probe named it, else both ways a derivative fails, none asserted; and what fp32
+    did, as the re-run found it (never "fp32 avoids it" where it was not finite there)."""
+    kind = culprit.nonfinite_kind(op)
+    name = (op or {}).get("op")
+    if kind == culprit.OVERFLOW:
+        how = (f"{name} in its backward overflows {low}: finite inputs and a result past its "
+               "largest value")
+    elif kind == culprit.DOMAIN:
+        how = (f"{name} in its backward makes NaN from finite inputs: a derivative at a "
+               "singularity (log/sqrt/division at a value rounded to 0)")
+    else:
+        how = ("its backward produces inf/NaN from finite incoming gradients: a derivative "
+               f"that passes {low}'s range (exp of a large argument, a product of large values) "
+               "or one at a singularity (log/sqrt/division at a value rounded to 0); the "
+               "replay did not name the op")
+    fp32 = {1: " Re-run in fp32, the module is finite: doing it in fp32 avoids it.",
+            0: " Re-run in fp32, it is non-finite too: not the precision."}.get(
+        snap["fp32_finite"], " Whether fp32 avoids it was not measured.")
+    return f"In {module}, {how}.{fp32}"
 
 
 def _in_fp32(module: str, snap: dict) -> str:

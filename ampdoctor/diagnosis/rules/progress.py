@@ -39,6 +39,7 @@ from ...numfmt import fmt
 from ...runfile.schema import Kind
 from .. import curve, fixes, schedules
 from ..facts import Facts
+from ..fixes.premises import SMOOTH, relu_free
 from ..thresholds import UNCHANGED_HIGH
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
@@ -226,7 +227,9 @@ def _precision_facts(f: Facts, low: str, dead: Optional[Dead]) -> tuple[list, li
     if low_params and measured.any() and np.max(lay[measured]) >= UNCHANGED_HIGH:
         doubt.append(f"the {low} weights lose some updates to rounding (up to "
                      f"{np.max(lay[measured]):.0%} of a tensor's sampled elements unchanged)")
-    elif measured.any() and dead is None:  # (with no gradient, nothing was there to apply)
+    elif measured.any() and dead is None and np.median(lay[measured]) < UNCHANGED_HIGH:
+        # (with no gradient, nothing was there to apply; most weights unchanged in fp32 weights
+        # is a step that moved nothing, at an LR of 0 in warm-up: it says nothing of rounding)
         why.append(f"every update was applied ({np.median(lay[measured]):.0%} of the sampled "
                    "weights left unchanged by a step)")
     if not low_params:
@@ -378,19 +381,25 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
         ev = _spike_evidence(f, spike) + [_end_evidence(f)]
     elif c.climbed:
         return _climbed(f)
+    elif c.excursion is not None:
+        spike, kind, module = c.excursion, "excursion", None
+        how = (f"stood {curve.STUCK:g}x or more above its level before the jump on "
+               f"{c.excursion_steps} of the {c.excursion_after} steps from there: it came back "
+               f"only late, to {fmt(c.end)} at the end, {c.end / c.start:.2g}x where it began")
+        ev = _spike_evidence(f, spike) + [_end_evidence(f)]
     else:
         return None
     onset = f.step_at(spike.onset)
     answer = precision_answer(f, dead)
     ctx = _blowup_context(f, module, spike.onset)
-    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else 0.75
+    conf = 0.85 if kind == "dead_units" and dead is not None and len(dead.steps) >= 2 else \
+        0.7 if kind == "excursion" else 0.75
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"
                    + schedules.summary(f), _scheduled(f, ev + [answer]),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
-                       ["revive_units"] if kind == "dead_units" and not _relu_free(f)
-                       else [])), ctx),
+                       ["revive_units"] if kind == "dead_units" else [])), ctx),
                    first_bad(schedules.moving(f, onset), module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
@@ -458,8 +467,6 @@ def rule_dead_units(f: Facts) -> Optional[Finding]:
     conf = 0.85 if len(dead.steps) >= 2 else 0.7
     # units that lived and died: the LR pushed them off; never alive: the init
     ids = (["lower_lr", "revive_units"] if lived else ["revive_units", "lower_lr"])
-    if _relu_free(f):  # no ReLU to swap for one that cannot die
-        ids = ["lower_lr"]
     exploded = _exploded(f)
     if exploded is not None:  # ... and the activations' size is the cause
         ev.insert(0, exploded)
@@ -522,25 +529,14 @@ def flat_warning(f: Facts) -> Optional[Evidence]:
                     "loss_flat", c.end / c.start, f.step_at(s.index))
 
 
-# Units that can die by going negative (revive_units swaps them), and activations that cannot.
-RELU_FAMILY = ("relu", "relu6", "threshold", "hardtanh", "leakyrelu", "prelu", "rrelu")
-SMOOTH = ("silu", "gelu", "mish", "tanh", "sigmoid", "softplus", "elu", "selu", "celu",
-          "hardswish", "hardsigmoid", "logsigmoid", "swish")
 # An activation this large is no healthy one: it exploded (a UNet's at 6e18).
 EXPLODED = 1e8
-
-
-def _relu_free(f: Facts) -> bool:
-    """The recorded activation modules are all smooth ones (SiLU, GELU, ...), none of the
-    ReLU family. False where none is recorded: activations called as functions (F.relu)."""
-    types = {t.lower() for t in f.tensor_types if t}
-    return not types & set(RELU_FAMILY) and bool(types & set(SMOOTH))
 
 
 def _exploded(f: Facts) -> Optional[Evidence]:
     """Evidence that the units died of exploded activations in a model with no ReLU-family
     unit to swap, else None."""
-    if not _relu_free(f):
+    if not relu_free(f.tensor_types):
         return None  # a ReLU could be to blame, or the activations are functional calls
     types = {t.lower() for t in f.tensor_types if t}
     out = f.reduced.out_absmax

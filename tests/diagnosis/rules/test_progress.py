@@ -225,6 +225,38 @@ def test_a_jump_that_stays_up_is_diverged_without_sampled_steps():
     assert d.first_bad["step"] == 50 and d.fixes[0].id == "lower_lr"
 
 
+def test_a_blow_up_the_loss_comes_back_from_only_late_is_diverged():
+    """litgpt at LR 10 (the cosine schedule's peak): the loss 20-300x its start for most of the
+    run, back to 1.6x only as the LR fell. Not a recovered spike, and not healthy."""
+    s = Synth(40, dtype="bfloat16", scaler=False, every=0)
+    loss = np.r_[[6.19, 6.17], noisy(np.full(30, 600.0), 0.5, 3), np.linspace(60, 10, 8)]
+    s.set("loss", loss)
+    d = verdict(s)
+    assert d.verdict == "diverged" and d.causes[0]["kind"] == "excursion", str(d)
+    assert d.first_bad["step"] == 2 and d.fixes[0].id == "lower_lr"
+    assert "came back only late" in d.summary and d.confidence < 0.9
+    short = loss.copy()  # the same jump for 3 steps: a spike the run survived
+    short[5:32] = noisy(np.full(27, 6.0), 0.05, 4)
+    short[32:] = np.linspace(5.5, 3.0, 8)
+    c = curve.read(short)
+    assert c.excursion is None and c.spikes and not c.stuck
+
+
+def test_no_update_claimed_applied_where_the_sampled_step_moved_no_weight():
+    """A sampled step at LR 0 (warm-up) leaves every weight unchanged: it tells nothing of
+    rounding, and 'every update was applied (100% ... unchanged)' contradicted itself."""
+    def run(unchanged):
+        s = Synth(200, dtype="bfloat16", scaler=False, every=0)
+        s.set("loss", np.r_[noisy(np.full(50, 0.7), 0.1, 7), noisy(np.full(150, 25.0), 0.3, 8)])
+        s.sampled([0, 100], Kind.PARAM, "fc.weight", norm=5.0, unchanged=unchanged)
+        d = verdict(s)
+        assert d.verdict == "diverged", str(d)
+        return " ".join(e.text for e in d.evidence)
+
+    assert "every update was applied" not in run(1.0)
+    assert "every update was applied (0% of the sampled weights" in run(0.0)
+
+
 def test_a_gradient_norm_jump_is_told_where_its_rise_began():
     """The norm rose on every step from its level at step 41 to its peak at step 51: the jump
     is told from step 41, not at the peak (it read "jumped from 4.899 to 307.7 at step 11" of

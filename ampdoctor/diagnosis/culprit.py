@@ -142,7 +142,12 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
     passed = snap["detail"].get("passed_on_by")
     poisoned = list(snap["detail"].get("weights_nonfinite") or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
-    if passed:
+    made = snap["detail"].get("computed")
+    if isinstance(made, dict):  # (record/forensic/computed.py)
+        text = (f"replay of step {snap['step']}: the input given to {made.get('into')} "
+                f"({made.get('label')}) held NaN/inf, but the step computed it: "
+                f"{snap['detail'].get('how')}")
+    elif passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "
                 f"went non-finite (-inf); {passed} then turned it into NaN")
     elif poisoned:

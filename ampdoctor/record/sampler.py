@@ -119,12 +119,14 @@ class Sampler:
         return None
 
     def on_inputs(self, root_name: str, args: tuple, kwargs: dict) -> None:
-        """The batch given to the root module (input audit)."""
+        """The batch given to the root module (input audit). A tensor autograd computed in
+        this step (a ``grad_fn``: another root's output, passed through the code between them)
+        is not the data, and is not audited as such."""
         items = [(f"args.{i}", a) for i, a in enumerate(args)]
         items += [(f"kwargs.{k}", v) for k, v in kwargs.items()]
         for label, value in items:
             for index, t in enumerate(tensors_in(value)):
-                if stats.measurable(t):
+                if stats.measurable(t) and t.grad_fn is None:
                     name = f"{root_name}:{label}" if root_name else label
                     self._measure(t.detach(), Kind.INPUT, name, index, 0, "input")
 

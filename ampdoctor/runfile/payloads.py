@@ -317,6 +317,8 @@ class SnapshotDetail(Payload):
         "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
         "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
         "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
+        "computed": Key(dict, "a root input made in this step outside any module (not the "
+                        "data): op, function, into, label, dtype, device, autocast", since=4),
         "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
         "fp32": Key(dict, "the culprit re-run in fp32: finite, absmax"),

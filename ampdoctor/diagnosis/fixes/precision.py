@@ -69,6 +69,15 @@ def _beyond(c: Context, targets: list[str]) -> list[str]:
 
 def _op_island(c: Context) -> Advice:
     """The culprit is the model itself: the island goes around the op in its forward."""
+    if c.module_type == "autograd.Function":
+        return _function_in_fp32(c)
+    if c.module_type == "op":  # an op the training code calls between the model's calls
+        op = c.op or "the op"
+        return (f"Run {op} in fp32 where the code calls it, between the model's calls: autocast "
+                "off around it and its inputs cast to float32.",
+                f'with torch.autocast("{c.device}", enabled=False):\n'
+                f"    y = {op.lower()}(x.float())  # fp32 in, fp32 out\n"
+                "y = y.to(x.dtype)  # back to the low precision only once it is in range")
     cls = c.module_type or c.module or "the model"
     op = c.op or "the op"
     snippet = (f"# in {cls}.forward, around {op} (and the ops that produce its input):\n"
@@ -78,6 +87,25 @@ def _op_island(c: Context) -> Advice:
     return (f"The overflow is in {cls}'s own forward ({op}), not in a "
             "submodule: run that op in fp32, with autocast off and its inputs cast to "
             "float32.", snippet)
+
+
+def _function_in_fp32(c: Context) -> Advice:
+    """The culprit is a custom autograd.Function: autocast does not reach inside it, so its
+    forward is declared to run in fp32 (and its backward in the forward's autocast state)."""
+    fn = c.op or c.module or "MyFunction"
+    snippet = (f"class {fn}(torch.autograd.Function):\n"
+               "    @staticmethod\n"
+               f'    @torch.amp.custom_fwd(device_type="{c.device}", cast_inputs=torch.float32)\n'
+               "    def forward(ctx, x):\n"
+               "        ...  # unchanged: now runs in fp32 on fp32 inputs\n\n"
+               "    @staticmethod\n"
+               f'    @torch.amp.custom_bwd(device_type="{c.device}")\n'
+               "    def backward(ctx, grad):\n"
+               "        ...  # unchanged")
+    return (f"Run the custom autograd.Function {fn} in fp32: decorate its forward with "
+            "torch.amp.custom_fwd(cast_inputs=torch.float32), which casts its inputs to "
+            "float32 and turns autocast off inside it, and its backward with "
+            "torch.amp.custom_bwd, so that it runs as the forward did.", snippet)
 
 
 def _island_apply(c: Context) -> Optional[str]:

@@ -14,6 +14,8 @@ holds it):
   targets that make the loss non-finite in fp32 too;
 * ``overflow.py``: one op's overflow or the LR's growth, located by the forensic replay
   (``culprit.py`` reads the replays) or by the sampled tier;
+* ``amplified.py``: one op's backward that amplifies its gradient past fp16 while GradScaler
+  keeps lowering the scale and the loss still falls;
 * ``hidden.py``: an overflow hidden inside a module (the sampled step's op probe);
 * ``trends.py``: underflow and updates lost to bf16/fp16 rounding, with no NaN at all;
 * ``fp8.py``: a run already in fp8 (torchao's Float8Linear) whose casts lose a layer's values:
@@ -41,6 +43,7 @@ returns ``root=False``.
 from __future__ import annotations
 
 from . import (
+               amplified,
                fallbacks,
                fp8,
                fp8own,
@@ -78,6 +81,7 @@ RULES = [
     overflow.rule_culprit,
     overflow.rule_sampled_culprit,
     hidden.rule_hidden_overflow,
+    amplified.rule_amplified_backward,
     trends.rule_grad_underflow,
     trends.rule_masked_underflow,
     trends.rule_lost_updates,

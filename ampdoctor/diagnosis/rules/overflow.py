@@ -127,7 +127,10 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         "(whether the weights were steady was not measured)"
     op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
     kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
-    if snap["phase"] == "backward":
+    made = snap["detail"].get("computed")
+    if isinstance(made, dict):  # (record/forensic/computed.py) an op between two model calls
+        text = _between_text(made, low)
+    elif snap["phase"] == "backward":
         text = _backward_text(module, snap, op, low)
     elif kind in (culprit.DOMAIN, culprit.OPERAND):
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
@@ -146,10 +149,31 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     ctx = f.fix_context(module, snap["module_type"], where["step"])
     ctx.op = op.get("op") if op else None
     ctx.root = f.is_the_model(module)
+    if isinstance(made, dict):  # no module to wrap: the island goes around the op itself
+        ctx.op, ctx.root = made.get("op"), True
+        ids = ["fp32_island", "use_bf16"]
     conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
                    ev, fixes.make(ids, ctx), where, priority=PRIORITY["unstable_op"],
                    premises=[steady])
+
+
+def _between_text(made: dict, low: str) -> str:
+    """unstable_op's sentence for an op that ran between two calls of the model, outside any
+    module: the value it gave the next call held NaN/inf, which the batch check would
+    otherwise have blamed on the data."""
+    op, into = made.get("op"), made.get("into")
+    ran = f"in {made['autocast']} under autocast" if made.get("autocast") else \
+        f"in {made.get('dtype')}"
+    if made.get("function"):
+        return (f"{op}, a custom autograd.Function called between modules (outside any "
+                f"module), overflows {low}: it ran {ran}, and the value it gave {into} held "
+                "NaN/inf. The data is fine. Autocast does not look inside a custom Function: "
+                "its forward runs on the low-precision tensors it is given unless it is "
+                "decorated with torch.amp.custom_fwd(cast_inputs=torch.float32).")
+    return (f"The op {op}, called between modules (outside any module), overflows {low}: it "
+            f"ran {ran}, and the value it gave {into} held NaN/inf. The data is fine. Run "
+            "that op in fp32.")
 
 
 def _backward_text(module: str, snap: dict, op: Optional[dict], low: str) -> str:

@@ -15,6 +15,8 @@ its own parts. Importing this package imports nothing.
 - ``sideeffects``: what a replay cannot put back, refused while it runs (``SideEffect``)
 - ``trace``: the instrumented pass: a captured root call re-run with every module measured
 - ``culprit``: who went non-finite first, decided over a ``Trace`` (the ``Culprit``)
+- ``computed``: a non-finite root input computed in this step (a custom Function between
+  two roots): the op that made it, not the data
 - ``replay``: the replay: one captured root call re-run instrumented, its culprit named
 - ``culprit_rerun``: the culprit alone, re-run in the run's precision and in fp32
 - ``reproduced``: the step re-run as recorded: did the replay repeat what the real step saw

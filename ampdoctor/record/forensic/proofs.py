@@ -19,7 +19,9 @@ fix id                    trial
 Which apply: a forward or backward culprit gets the island (unless it is the model itself,
 whose island goes around an op in its code) and bf16 (in an fp16 autocast run); a loss that is
 non-finite, or whose backward is, gets the loss in fp32 and bf16, and the logits form where
-its backward is. A loss written by hand cannot be recomputed: a trial's backward would start
+its backward is. An op that ran between two calls of the model (``computed.py``) gets none:
+the trials re-run the calls on the inputs they were given, the op's bad output among them. A
+loss written by hand cannot be recomputed: a trial's backward would start
 from the gradient the real step recorded at the model's output, already non-finite, so those
 trials are not run and say why (``singular.py`` measures what can be measured there). A trial
 that is not run is ``{"tried": False, "note": why}``.
@@ -159,6 +161,10 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
         "the weights are half (made so by the code): bf16 autocast would run on them as they "
         "are, which is not the fix")
     out: dict[str, Any] = {}
+    if f.detail.get("computed"):  # (computed.py) made by the code between two model calls
+        why = ("the op ran between two calls of the model, outside any module: a trial re-runs "
+               "the calls on the inputs they were given, not the code between them")
+        return {"fp32_island": why, **({"use_bf16": why} if fp16 else {})}
     if f.phase in (Phase.FORWARD, Phase.BACKWARD) and f.module:
         if f.call is not None and f.call.module is unwrap(cap.root) and \
                 not _one_of_a_chain(captures, cap.root):

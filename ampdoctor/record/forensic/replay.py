@@ -15,7 +15,9 @@ from an earlier step, or summed past fp16 across micro-batches: ``accum``). ``ex
 3. names the culprit (``culprit.decide``): the first module, in execution order, whose output is
    non-finite while its inputs are finite, preferring the innermost one that explains it;
    else the first module in backward order whose grad_input (or own parameter gradient) is
-   non-finite while its grad_output is finite; else the batch or the loss;
+   non-finite while its grad_output is finite; else the batch or the loss (a batch that
+   autograd computed in this step, from an earlier root's output, is the op's that made it:
+   ``computed``);
 4. re-runs the culprit alone (``culprit_rerun.check_culprit``), once as it ran (exact
    statistics in the run's precision) and once in fp32: autocast off, inputs ``.float()``, an
    fp32 copy of the module if its parameters are half; for a backward culprit, its backward
@@ -45,6 +47,7 @@ from ..watched import Watched
 from . import reproduced
 from .accum import explain as explain_accumulation
 from .accum import overflow
+from .computed import computed_input
 from .culprit import Culprit, bad_batch, decide, describe
 from .culprit_rerun import check_culprit
 from .kept import versions
@@ -82,7 +85,7 @@ def explain(cap: Capture, ctx: ReplayContext, root: str) -> tuple["Trace", Culpr
     trace.strict = ctx.strict
     bad_inputs = trace.measure_batch()
     if any(level == HARD for _, _, level in bad_inputs):
-        return trace, bad_batch(trace, bad_inputs)
+        return trace, computed_input(trace, bad_inputs) or bad_batch(trace, bad_inputs)
     trace.run()
     finding = decide(trace, bad_inputs)
     if finding.call is not None and finding.phase in (Phase.FORWARD, Phase.BACKWARD):
@@ -97,7 +100,7 @@ def check_batch(cap: Capture, names: dict, root_name: str) -> tuple["Trace", Opt
     replay."""
     trace = Trace(cap, names, root_name, [], {})
     bad = [b for b in trace.measure_batch() if b[2] == HARD]
-    return trace, (bad_batch(trace, bad) if bad else None)
+    return trace, (computed_input(trace, bad) or bad_batch(trace, bad) if bad else None)
 
 
 def search(captures: list, ctx: ReplayContext, scale: Optional[float], stale_check: bool,

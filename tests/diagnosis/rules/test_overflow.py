@@ -359,3 +359,22 @@ def test_the_early_warning_says_no_headroom_stable_for_a_module_that_overflowed_
     assert "inside blocks.0.norm, mul already overflowed float16 on sampled step 70" in fc.text
     before = forecast(s.run(), until=70)  # as if the run had stopped before the overflow
     assert before.status == "stable" and "headroom stable" in before.text
+
+
+@pytest.mark.parametrize("fp32_absmax, amplified", [(7.45e7, True), (2.0e5, False)])
+def test_a_backward_that_amplifies_its_gradient_while_the_scale_keeps_falling(fp32_absmax,
+                                                                              amplified):
+    """A LayerNorm with eps=1e-12 on zeroed padded rows: its backward multiplies the gradient
+    by ~1e6, so GradScaler skips one batch in ten and halves down to 16 while the loss stays
+    finite (``rules/amplified.py``). A backward that amplifies it ~700x is an ordinary
+    overflow at the scale, GradScaler's to answer: no unstable_op."""
+    s = Synth(120)
+    s.skip(range(2, 120, 10))  # twelve skips after calibration, each with a finite loss
+    s.snapshot(2, "backward", "enc.norm", "LayerNorm", fp32_finite=1, fp32_absmax=fp32_absmax,
+               in_absmax=271.5, out_absmax=math.inf)
+    d = verdict(s)
+    assert (d.verdict == "unstable_op") == amplified, d.verdict
+    if amplified:
+        assert d.confidence < 0.9 and d.first_bad == {"step": 2, "module": "enc.norm",
+                                                      "phase": "backward"}
+        assert "eps" in d.summary and any(e.key == "amplified_backward" for e in d.evidence)

@@ -218,3 +218,51 @@ def test_the_optimizer_of_a_trained_input_is_recorded_without_a_scaler(run_path)
             opt.step()
     run = ampdoctor.load(run_path)
     assert len(run.steps) == 4 and run.meta["roots"] == ["Linear", "Linear"]
+
+
+class Exp(torch.autograd.Function):
+    """A hand-written op with no custom_fwd: under autocast it runs on the fp16 it is given."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def test_a_nonfinite_input_computed_between_two_model_calls_is_the_op_not_the_data(run_path):
+    """Two roots a step (``enc(x)``, then ``head(Exp(h))``): the second root's input holds inf,
+    made by a custom Function between them in fp16, with a grad_fn: the op is the culprit
+    (forward, outside any module), never the batch, and the fix is custom_fwd in fp32."""
+    torch.manual_seed(0)
+    enc, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    with torch.no_grad():
+        enc.weight.fill_(3.0)  # h ~ 12 * |x|: exp passes 65504 past 11.1
+    params = list(enc.parameters()) + list(head.parameters())
+    opt = torch.optim.SGD(params, lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.ones(8, 4), torch.zeros(8, dtype=torch.long)
+    with ampdoctor.watch(path=run_path, every=0, strict=True) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = enc(x)
+                loss = F.cross_entropy(head(Exp.apply(h)).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    event = next(e for e in rec.events if e.phase is not None)
+    assert (event.phase, event.module) == ("forward", "Exp")
+    _, details = _details(run_path)
+    made = details[0]["computed"]
+    assert made["function"] and made["dtype"] == "float16" and made["autocast"] == "float16"
+    assert not details[0]["trials"]["fp32_island"]["tried"]  # the calls' input is the bad one
+    d = ampdoctor.diagnose(run_path)
+    assert d.verdict == "unstable_op", d.verdict
+    assert "custom_fwd(device_type=\"cpu\", cast_inputs=torch.float32)" in d.fixes[0].snippet
+    assert "check_data" not in [fx.id for fx in d.fixes]

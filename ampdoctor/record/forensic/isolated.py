@@ -33,8 +33,8 @@ replay.
 
 What cannot be put back is refused: while a replay runs, its thread may not open a file for
 writing, remove or rename one, start a process or open a connection (a Python audit hook,
-installed at the first replay: ``sideeffects.py``). The user's code gets ``SideEffect`` where it tried, so the
-replay stops there, the step is not replayed, and its snapshot says why
+installed at the first replay: ``sideeffects.py``). The user's code gets ``SideEffect`` where
+it tried, so the replay stops there, the step is not replayed, and its snapshot says why
 (``replay_error``). Other threads (a logger, a TensorBoard writer) are not affected.
 
 What it cannot see: a file object opened before the replay and written in it, C-level state

@@ -89,7 +89,8 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     elif again.loss_finite is False:
         _loss_again(cap, trace, f, names, again)
     elif seen["loss_nonfinite"] or seen["output_nonfinite"]:
-        low = again if again.finite else _at_scale_one(cap, names, again)
+        low = again if again.finite else None if _after_the_loss_calls(cap, seen) else \
+            _at_scale_one(cap, names, again)
         if low is None:
             f.detail["reproduced"] = True
             return
@@ -98,6 +99,15 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
         not_reproduced(f, seen, low)
     else:
         f.detail["reproduced"] = True
+
+
+def _after_the_loss_calls(cap: Capture, seen: dict) -> bool:
+    """The real step's loss was non-finite while its model output and every torch loss
+    function's result were finite: what made it non-finite is code after those calls (an
+    entropy term written by hand), which the re-run does not recompute. Its finite re-run at
+    loss scale 1 then says nothing of the real step's failure."""
+    return bool(seen["loss_nonfinite"]) and seen["output_nonfinite"] is not True and all(
+        bool(torch.isfinite(c.value).all()) for c in cap.loss_calls)
 
 
 def _at_scale_one(cap: Capture, names: dict, again: trial.Outcome) -> Optional[trial.Outcome]:

@@ -29,12 +29,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from ..runfile import schema
 
 STOP_SIGNALS = ("SIGTERM",)  # finish the file, then let the signal do what it did before
 SIGNAL_PATIENCE = 10.0  # seconds a stop signal may wait for a write in progress to end
+RESEND_SECONDS = 0.05  # a held signal is sent again this often while it waits (_wait_for_signal)
 
 
 class Recording(Protocol):
@@ -147,6 +148,8 @@ class ExitGuard:
         if mine and _inside_recorder(frame) and self._wait_for_signal(signum, frame):
             return  # half-way through a write, or through close: back when that is done
         self._pending = None
+        if sys.gettrace() is _untraced:  # a _Retake that never fired: tracing off again
+            sys.settrace(None)
         if mine and not self.rec.closed:
             if callable(previous):
                 self.rec.flush()
@@ -158,9 +161,10 @@ class ExitGuard:
         """Take ``signum`` again as soon as ampdoctor's code on the stack has returned.
 
         The outermost such frame gets a local trace function (``_Retake``) that re-sends the
-        signal once that frame has returned. Under a debugger or coverage,
-        which own the trace function, the signal is re-sent every 10 ms instead. Either way
-        it waits SIGNAL_PATIENCE seconds at most.
+        signal once that frame has returned (not under a debugger or coverage, which own the
+        trace function); a timer re-sends it every RESEND_SECONDS as well, while it is still
+        held (a frame the signal landed in at its call event, inside a profile function's
+        callback, gets no return event). Either way it waits SIGNAL_PATIENCE seconds at most.
         """
         self._pending = signum
         now = time.monotonic()
@@ -170,12 +174,20 @@ class ExitGuard:
             return False
         outer = _outermost_recorder_frame(frame)
         if sys.gettrace() is None and outer is not None:
-            _Retake(outer, self.pid, signum)
-        else:
-            timer = threading.Timer(0.01, _resend, (self.pid, signum))
-            timer.daemon = True
-            timer.start()
+            _Retake(outer, self.pid, signum, self._still_pending)
+        # and a timer beside it: a return event never comes to a frame the signal landed in
+        # at its call event, inside a profile function's callback (seen under sys.setprofile)
+        timer = threading.Timer(RESEND_SECONDS, self._resend_if_pending, (signum,))
+        timer.daemon = True
+        timer.start()
         return True
+
+    def _still_pending(self, signum: int) -> bool:
+        return self._pending == signum
+
+    def _resend_if_pending(self, signum: int) -> None:
+        if self._pending == signum:
+            _resend(self.pid, signum)
 
     def _at_exit(self) -> None:
         """The interpreter is exiting with the recorder still open (no ``with``, no close)."""
@@ -228,8 +240,8 @@ class _Retake:
     return: a local trace function on ``outer``, then one on its caller, whose first event
     comes after ``outer`` is off the stack. Tracing is on only until then."""
 
-    def __init__(self, outer: Any, pid: int, signum: int):
-        self.outer, self.pid, self.signum = outer, pid, signum
+    def __init__(self, outer: Any, pid: int, signum: int, pending: Callable[[int], bool]):
+        self.outer, self.pid, self.signum, self.pending = outer, pid, signum, pending
         outer.f_trace_lines = False
         outer.f_trace = self.on_outer
         sys.settrace(_untraced)
@@ -250,7 +262,8 @@ class _Retake:
 
     def fire(self) -> None:
         sys.settrace(None)
-        _resend(self.pid, self.signum)
+        if self.pending(self.signum):  # (not taken already, on the timer's resend)
+            _resend(self.pid, self.signum)
 
 
 def _untraced(frame: Any, event: str, arg: Any) -> None:

@@ -8,9 +8,16 @@
   the readers of what the forensic tier recorded, each named as its writer in
   ``record/forensic/`` or ``record/``: ``culprit`` (the replays), ``singular`` (the loss's
   fp32 check), ``schedules`` (LR scheduler steps per optimizer step), ``proofs`` (the fixes
-  tried on the saved step: outcome, proven, order)
+  tried on the saved step: outcome, proven, order), ``reproduced`` (did the replay repeat the
+  failure), ``opprobe`` (the sampled step's op probe: the overflows hidden inside a module);
+  the facts more than one rule family (or the engine) reads: ``progress`` (dead units, would
+  fp32 do the same, the loss's fall and the warnings of a healthy run), ``restarts`` (a
+  GradScaler that restarted mid-run), ``batches`` (what the replays and samples say of the
+  batch)
 - ``rules/``: the rules by family, one function per verdict, tried in the order of
-  ``rules.RULES`` (its own docstring lists its modules)
+  ``rules.RULES``, and nothing else: entered only through the package (``RULES``,
+  ``PREFLIGHT_CHECKS``), a family never importing another (its own docstring lists its
+  modules)
 - ``fixes/``: the fixes they propose; ``dose``: the numbers a fix prescribes, from the run
   (``lrrange``: the LR range test the recorder ran, read)
 - ``verdict``: ``Diagnosis``, ``Finding``, ``Evidence``, ``Premise``, the verdict table;

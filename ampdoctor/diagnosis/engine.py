@@ -30,8 +30,8 @@ from ..runfile.paths import resolve
 from . import fixes, forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
-from .rules import RULES, overflow
-from .rules.progress import flat_warning, recovered_spike
+from .progress import flat_warning, recovered_spike
+from .rules import RULES
 from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
@@ -358,7 +358,7 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
                 seen.add(fx.id)
                 fixes.append(fx)
     fixes = proofs.apply(f, top, fixes, evidence)  # the trials of the saved step, and the order
-    summary = top.summary + (overflow.island_outcome(fixes) if top.verdict == "unstable_op"
+    summary = top.summary + (proofs.island_outcome(fixes) if top.verdict == "unstable_op"
                              else "")
     history = f.window(top.first_bad["step"]) if top.first_bad and top.first_bad.get(
         "step") is not None and f.n else {}

@@ -51,7 +51,7 @@ from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
 from .facts import hidden_nonfinite
 from .layers import KIND_LABELS, sampled
-from .rules.hidden import precision_hits
+from .opprobe import precision_hits
 
 FP32_MAX = 3.4028234663852886e38
 LIMITS = {int(DType.FLOAT16): FP16_MAX, int(DType.BFLOAT16): BF16_MAX,

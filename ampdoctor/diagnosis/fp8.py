@@ -41,7 +41,10 @@ import numpy as np
 
 from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
+from . import fixes
+from .facts import Facts
 from .thresholds import FP8_MOSTLY_FLUSHED
+from .verdict import HELD, Premise
 
 # torchao's floor under an amax (float8_utils.EPS): an amax below it gives the scale
 # fmt max / 1e-12, finite, and the cast goes on without a word.
@@ -269,3 +272,48 @@ def layer_headroom(rows: np.ndarray, names: dict[int, str], layers: Any
         least, lost = out.get(key, (math.nan, math.nan))
         out[key] = (least, share if math.isnan(lost) else max(lost, share))
     return out
+
+
+# -- a cast told in a sentence, and the fix context of its layer: both fp8 rule families --------
+
+# What each cast is called in a sentence: torchao's granularity and the element format.
+_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise",
+         Recipe.DELAYED: "per tensor, delayed scale"}
+
+
+def _casts(f: Facts) -> tuple[list[Cast], Casts]:
+    return f.memo("fp8_casts", lambda: casts(f.run))
+
+
+def _in_fp8(f: Facts, c: Cast) -> Premise:
+    return Premise("layer_in_fp8", HELD, f"{c.layer} trains in fp8: {_cast(f, c)} "
+                   "(/meta fp8_layers)")
+
+
+def _cast(f: Facts, c: Cast) -> str:
+    layer = fp8_layers(f.run).get(c.layer, {})
+    return (f"torchao {layer.get('recipe') or 'fp8'}, {_role(c.role)} {_CAST.get(c.recipe, '')}"
+            f" in {c.format}")
+
+
+def _context(f: Facts, c: Cast) -> fixes.Context:
+    ctx = f.fix_context(c.layer, step=c.step)
+    recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
+    kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
+    ctx.fp8 = {"recipe": recipes.pop() if len(recipes) == 1 else None, "keep": kept}
+    return ctx
+
+
+def _role(role: str) -> str:
+    return {"grad_output": "output gradient"}.get(role, role)
+
+
+def _phase(role: str) -> str:
+    return "backward" if role == "grad_output" else "forward"
+
+
+def _steps(steps: list[int]) -> str:
+    if not steps:
+        return "no sampled step"
+    shown = ", ".join(str(s) for s in steps[:6]) + (" ..." if len(steps) > 6 else "")
+    return f"sampled step {shown}" if len(steps) == 1 else f"sampled steps {shown}"

@@ -19,9 +19,9 @@ from ..numfmt import count, fmt
 from ..runfile import schema
 from ..runfile.run import one_line
 from ..runfile.schema import Event
-from . import ranks
-from .rules import misuse, reproduced
-from .rules.hidden import hidden_note
+from . import ranks, reproduced
+from .opprobe import hidden_note
+from .restarts import resumed_note
 from .thresholds import RUNAWAY_SCALE, SHORT_RUN
 from .verdict import EMPTY, Finding
 
@@ -48,7 +48,7 @@ def notes(f: Any, top: Finding) -> list[str]:
     if top.verdict == "healthy":
         out += reproduced.notes(f) + _risks(f) + _flat_notes(f, top) + hidden_note(f)
         out += _spike_notes(top)
-    return out + misuse.resumed_note(f)
+    return out + resumed_note(f)
 
 
 def _spike_notes(top: Finding) -> list[str]:

@@ -197,3 +197,15 @@ def _rank(fx: Fix) -> int:
         return 2
     return 0 if fx.tried and fx.finite else 1
 
+
+def island_outcome(fixes: list) -> str:
+    """The sentence an unstable_op's summary ends with once the island was tried on the saved
+    step: it fixed the step, or it did not (measured, not promised)."""
+    island = next((fx for fx in fixes if fx.id == "fp32_island" and fx.tried), None)
+    if island is None:
+        return ""
+    if island.proven:
+        return " Tried on the saved step, an fp32 island around it fixes the step."
+    if island.finite and island.proven is None:
+        return " Tried on the saved step, an fp32 island around it makes the step finite."
+    return " Tried on the saved step, an fp32 island around it alone does not fix the step."

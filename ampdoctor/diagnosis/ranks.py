@@ -275,7 +275,7 @@ def unreproduced_steps(run: Any) -> list[int]:
     """Steps whose non-finite value began on this rank (its own loss or model output was
     non-finite) and whose replay on this rank was finite: a device fault's fingerprint when
     they pile up on one rank (``rules/reproduced.py``)."""
-    from .rules.reproduced import began_here, unreproduced
+    from .reproduced import began_here, unreproduced
 
     out = []
     for s in run.snapshots:

@@ -1,14 +1,16 @@
 """The diagnosis rules, in the order ``engine.diagnose`` tries them (``RULES``): small functions
 from ``Facts`` to a ``Finding`` (or None), one family per module. They read the facts and the
 readers of the forensic facts beside ``engine`` (``facts``, ``culprit``, ``singular``,
-``schedules``, ``verdict``, ``fixes``), never the engine or what it assembles (``.importlinter``
-holds it):
+``schedules``, ``reproduced``, ``progress``, ``verdict``, ``fixes``), never the engine or what
+it assembles. This package is the one door: the rest of ampdoctor imports ``RULES`` and
+``PREFLIGHT_CHECKS`` from here and no rule module, and a family never imports another; a fact
+two readers share lives beside ``facts.py`` (``.importlinter`` holds all three):
 
 * ``fallbacks.py``: the script never trained (``no_training``), a scale that collapsed with no
   cause told, non-finite values no class explains;
 * ``misuse.py``: the script's own AMP errors and GradScaler API misuse (exact fingerprints);
-* ``located.py``: the batch, an fp16 accumulation buffer, module buffers, Adam's eps, the loss;
-  ``batches.py``: what the replays and sampled steps say of the batch (for ``bad_input``);
+* ``located.py``: the batch (``diagnosis/batches.py`` reads it), an fp16 accumulation buffer,
+  module buffers, Adam's eps, the loss;
 * ``reproduced.py``: a failure the replay did not reproduce (the machine, not the numbers), one
   only the compiled model makes (the compiler), and
   targets that make the loss non-finite in fp32 too;
@@ -97,3 +99,14 @@ RULES = [
     progress.rule_dead_units,
     learning.rule_not_learning,
 ]
+
+# What ``preflight.check_amp_step`` asks of the step it records, beside its own listener: the
+# rules that read one of the recorder's misuse events (not a trend), reused as they are, and
+# the step's exception when it is one of GradScaler's or autocast's own
+# (``misuse.EXCEPTIONS``).
+PREFLIGHT_CHECKS = (misuse.rule_clip_before_unscale, misuse.rule_scaler_bypass,
+                    misuse.rule_unscale_twice, misuse.rule_backward_unscaled,
+                    misuse.rule_backward_after_unscale, misuse.rule_scaled_grads_in_loss)
+PREFLIGHT_EXCEPTION = misuse.rule_exception
+
+__all__ = ["RULES", "PREFLIGHT_CHECKS", "PREFLIGHT_EXCEPTION"]

@@ -9,11 +9,10 @@ from typing import Optional
 
 from ...numfmt import fmt
 from ...runfile.payloads import SnapshotDetail
-from .. import fixes
+from .. import fixes, reproduced
 from ..culprit import snapshot_at
 from ..facts import Facts
 from ..verdict import FAILED, PRIORITY, Evidence, Finding, Premise, first_bad
-from . import reproduced
 
 # ---------------------------------------------------------------------------------------------
 # The training script stopped before its first step

@@ -38,13 +38,10 @@ from ...numfmt import fmt
 from ...runfile.schema import Recipe
 from .. import fixes, parity
 from ..facts import Facts
-from ..fp8 import Cast, Casts, casts, fp8_layers
+from ..fp8 import Cast, _cast, _casts, _context, _in_fp8, _phase, _role, _steps
 from ..thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
-# What each cast is called in a sentence: torchao's granularity and the element format.
-_CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise",
-         Recipe.DELAYED: "per tensor, delayed scale"}
 # The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
 # below it loses twice the error rounding does.
 ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}
@@ -52,10 +49,6 @@ DEFICIT_DB = 3.0
 _WHOLE = {"zero": "was entirely zero (amax 0; torchao clamps it at 1e-12 and casts zeros)",
           "clamped": "had an amax below torchao's floor of 1e-12: its scale was clamped",
           "flushed": "had every non-zero value cast to 0"}
-
-
-def _casts(f: Facts) -> tuple[list[Cast], Casts]:
-    return f.memo("fp8_casts", lambda: casts(f.run))
 
 
 def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
@@ -301,37 +294,3 @@ def _lost_text(c: Optional[Cast]) -> str:
     return f"{c.flushed_share:.1%} of its non-zero values flushed to 0" + (
         f" and {sub:.1%} subnormal (1 to 3 significant bits left)" if sub > FP8_SUBNORMAL
         else "")
-
-
-def _in_fp8(f: Facts, c: Cast) -> Premise:
-    return Premise("layer_in_fp8", HELD, f"{c.layer} trains in fp8: {_cast(f, c)} "
-                   "(/meta fp8_layers)")
-
-
-def _cast(f: Facts, c: Cast) -> str:
-    layer = fp8_layers(f.run).get(c.layer, {})
-    return (f"torchao {layer.get('recipe') or 'fp8'}, {_role(c.role)} {_CAST.get(c.recipe, '')}"
-            f" in {c.format}")
-
-
-def _context(f: Facts, c: Cast) -> fixes.Context:
-    ctx = f.fix_context(c.layer, step=c.step)
-    recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
-    kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
-    ctx.fp8 = {"recipe": recipes.pop() if len(recipes) == 1 else None, "keep": kept}
-    return ctx
-
-
-def _role(role: str) -> str:
-    return {"grad_output": "output gradient"}.get(role, role)
-
-
-def _phase(role: str) -> str:
-    return "backward" if role == "grad_output" else "forward"
-
-
-def _steps(steps: list[int]) -> str:
-    if not steps:
-        return "no sampled step"
-    shown = ", ".join(str(s) for s in steps[:6]) + (" ..." if len(steps) > 6 else "")
-    return f"sampled step {shown}" if len(steps) == 1 else f"sampled steps {shown}"

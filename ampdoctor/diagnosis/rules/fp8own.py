@@ -25,10 +25,9 @@ from ...numfmt import fmt
 from ...runfile.schema import Recipe
 from .. import fixes
 from ..facts import Facts
-from ..fp8 import own_trial
+from ..fp8 import _cast, _casts, _context, _in_fp8, _phase, _role, _steps, own_trial
 from ..thresholds import FP8_SELF_GRAD_ERROR, PARITY_DIVERGE
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
-from .fp8 import _cast, _casts, _context, _in_fp8, _phase, _role, _steps
 
 # What each trial re-run is called, and the fix it tries.
 _TRIED = {"fp8_keep_layer": ("high_precision", "kept in high precision"),
@@ -245,4 +244,3 @@ def _loss_text(effect: dict, short: bool = False) -> str:
     return f" and the loss by {change:+.1%}" + (
         " (to first order, from the recorded output gradient: the loss is computed by the "
         "training code)" if effect.get("loss_first_order") and not short else "")
-

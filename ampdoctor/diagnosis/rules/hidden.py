@@ -5,8 +5,9 @@ made inf/NaN on sampled steps while the module's output stayed finite (the sampl
 probe, ``record/opprobe.StepProbe``), in a run that has no NaN anywhere and does not learn, or
 whose module output comes back mostly zeros (a hand-written fp16 RMSNorm: ``x * x`` inf,
 ``x / sqrt(inf)`` exactly 0). Where the loss still falls it is only a note (``hidden_note``).
-Read from ``record/opprobe.StepProbe``'s events by ``facts.hidden_nonfinite``; the note goes to
-``notes.py`` and the precision hits to ``forecast.py``.
+Read from ``record/opprobe.StepProbe``'s events by ``facts.hidden_nonfinite``; the findings
+that speak of the precision, which ``notes.py`` and ``forecast.py`` read too, and the note are
+in ``diagnosis/opprobe.py``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,10 @@ import numpy as np
 from ...numfmt import count, fmt
 from .. import fixes
 from ..facts import Facts
+from ..opprobe import _kinds, hidden_overflows
+from ..progress import loss_evidence
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
-from .learning import loss_evidence
 
-# What the op probe saw counts only in the low precisions (an fp32 log(0) that a mask wants is
-# no precision problem).
-LOW_DTYPES = ("float16", "bfloat16")
-# ... and not an addition that made only -inf: two large negative mask constants summed (a
-# causal mask plus a padding mask at torch.finfo(fp16).min each) give -inf by design, which
-# softmax takes. A product, a power, a cast or an exp that overflows is not a mask.
-MASK_OPS = ("add", "radd", "iadd", "sub", "rsub", "isub", "where")
 # A module output whose sampled elements are at least half exactly 0 "comes out as zeros": with
 # a hidden overflow inside, the verdict needs no flat loss (a run too short to judge).
 ZEROED = 0.5
@@ -35,7 +30,6 @@ ZEROED = 0.5
 # its output zeroed loses those rows, whether the loss still falls or not (a norm's output is
 # exactly 0 only where its whole input row is): a share that grows as the stream does.
 NORM_ZEROED = 0.05
-_KINDS = ((1, "NaN"), (2, "+inf"), (4, "-inf"))
 
 
 def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
@@ -90,32 +84,6 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
                    fixes.make(ids, ctx), first_bad(first["step"], module, "forward"),
                    priority=PRIORITY["sampled"], kind="hidden_overflow",
                    explains_modules=frozenset(seen))
-
-
-def hidden_overflows(f: Facts) -> list[dict]:
-    """The op probe's findings that speak of the precision (``precision_hits``)."""
-    return precision_hits(f.hidden_nonfinite)
-
-
-def precision_hits(hits: list[dict]) -> list[dict]:
-    """Of ``facts.hidden_nonfinite``'s findings, those in fp16/bf16 that are not a mask sum."""
-    return [h for h in hits if h["dtype"] in LOW_DTYPES and h["module"]
-            and not (h["created"] == 4 and h["op"] in MASK_OPS)]
-
-
-def hidden_note(f: Facts) -> list[str]:
-    """For a healthy verdict: a hidden overflow that did no visible harm."""
-    hits = hidden_overflows(f)
-    if not hits:
-        return []
-    h = hits[0]
-    steps = sorted({x["step"] for x in hits if x["module"] == h["module"]})
-    harm = ("the loss still fell, so it did no harm this run shows" if f.curve.fell else
-            f"whether it did harm was not judged ({f.curve.why or 'the run is short'})")
-    return [f"Inside {h['module']}, {h['op']} made {_kinds(h['created'])} in {h['dtype']} on "
-            f"{count(len(steps), 'sampled step')} (first {steps[0]}) although {h['module']}'s "
-            f"output stayed finite; {harm}. Computing that op in fp32 (an fp32 island around "
-            f"{h['module']}) keeps it out."]
 
 
 def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence]:
@@ -178,7 +146,3 @@ def _is_norm(module: Optional[str], module_type: Optional[str]) -> bool:
 def _verb(bits: int) -> str:
     """An op that made only NaN did not overflow (a domain error: 0/0, sqrt of a negative)."""
     return "makes NaN without overflowing in" if bits == 1 else "overflows"
-
-
-def _kinds(bits: int) -> str:
-    return " and ".join(name for bit, name in _KINDS if bits & bit) or "inf/NaN"

@@ -36,9 +36,9 @@ from ...numfmt import count, fmt
 from ...runfile.schema import Kind
 from .. import curve, fixes, objectives, schedules
 from ..facts import Facts
+from ..progress import loss_evidence, precision_answer, untroubled
 from ..thresholds import SHORT_RUN, UNCHANGED_HIGH
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
-from .progress import precision_answer, untroubled
 
 # Sure of little: the numbers say the loss is flat and that nothing recorded explains it.
 CONFIDENCE = 0.4
@@ -174,20 +174,6 @@ def _flat_text(f: Facts, c: curve.Curve, checked: str, why: str, ev: list) -> tu
             "to fall (a fine-tune at its optimum, a GAN) looks the same.", ev,
             fixes.make(["overfit_one_batch"], f.fix_context(step=f.step_at(0))),
             first_bad(f.step_at(0), None, None))
-
-
-def loss_evidence(f: Facts, c: curve.Curve) -> Evidence:
-    """Evidence "loss_not_falling": where the loss began and ended, against its own noise."""
-    noise = math.exp(c.noise) - 1.0
-    needed = max(1.0 - curve.FLAT_END, 1.0 - math.exp(-curve.FALL_SIGMAS * c.fall_se))
-    steady = 1.0 - math.exp(-max(curve.STEADY_NOISE * c.noise,
-                                 -math.log(1.0 - curve.STEADY_MIN)))
-    return Evidence(f"the loss began at {fmt(c.start)} (median of the first {c.start_steps} "
-                    f"steps) and ended at {fmt(c.end)} (median of the last {c.tail_steps} of "
-                    f"{c.n}), {c.end / c.start:.0%} of its start; with this run's step-to-step "
-                    f"noise (~{noise:.1%}) a fall of {needed:.0%} or more would have shown, or "
-                    f"a steady one (third after third) of {steady:.1%}",
-                    "loss_not_falling", c.end / c.start, f.step_at(f.n - 1))
 
 
 def _spike_evidence(f: Facts, c: curve.Curve) -> list[Evidence]:

@@ -15,11 +15,10 @@ import numpy as np
 
 from ...numfmt import fmt
 from ...runfile.schema import DType, Event, Kind
-from .. import fixes, singular
+from .. import batches, fixes, singular
 from ..culprit import root_grad_output, snapshot_at
 from ..facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
-from . import batches
 
 # ---------------------------------------------------------------------------------------------
 # C5: the data

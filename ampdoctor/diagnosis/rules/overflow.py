@@ -201,23 +201,10 @@ def _backward_text(module: str, snap: dict, op: Optional[dict], low: str) -> str
 
 def _in_fp32(module: str, snap: dict) -> str:
     """What the replay measured of the module in fp32; whether an island fixes the whole step
-    is the trial's to say (``engine``: ``island_outcome``)."""
+    is the trial's to say (``engine``: ``proofs.island_outcome``)."""
     if snap["fp32_finite"] == 1:
         return f"Re-run in fp32, {module} is finite."
     return "Whether it is finite in fp32 was not measured."
-
-
-def island_outcome(fixes: list) -> str:
-    """The sentence an unstable_op's summary ends with once the island was tried on the saved
-    step: it fixed the step, or it did not (measured, not promised)."""
-    island = next((fx for fx in fixes if fx.id == "fp32_island" and fx.tried), None)
-    if island is None:
-        return ""
-    if island.proven:
-        return " Tried on the saved step, an fp32 island around it fixes the step."
-    if island.finite and island.proven is None:
-        return " Tried on the saved step, an fp32 island around it makes the step finite."
-    return " Tried on the saved step, an fp32 island around it alone does not fix the step."
 
 
 def rests_on_lr(growth: list[Evidence]) -> bool:

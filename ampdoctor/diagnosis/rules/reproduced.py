@@ -22,13 +22,8 @@ with what the real step saw (``record/forensic/reproduced.py`` writes the snapsh
   loss function on a finite model output, is non-finite in fp32 too and its targets say why
   (every one ``ignore_index``: the mean over nothing is 0/0): not the precision, the data.
 
-``first_replay`` and ``unreproduced`` are what ``rules.rule_nonfinite`` asks before it speaks:
-``nonfinite`` is never the verdict where the replay of the failure was finite.
-
-Example::
-
-    snap = first_replay(f)              # the replay of the first failing step, or None
-    unreproduced(snap)                  # True: the machine, not the numbers
+What the replays say, read once for these rules, ``fallbacks``, the notes and the rank
+merge, is in ``diagnosis/reproduced.py`` (``first_replay``, ``unreproduced``, ``premises``).
 """
 
 from __future__ import annotations
@@ -41,146 +36,20 @@ from ...numfmt import fmt
 from ...runfile.payloads import SnapshotDetail
 from .. import fixes
 from ..facts import Facts
-from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
+from ..reproduced import (
+    _num,
+    _on_failing,
+    began_here,
+    compiled_reproduced,
+    failing,
+    first_replay,
+    lone_skip,
+    premises,
+    unreproduced,
+)
+from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
 STEPS_LISTED = 8  # steps named in a count's evidence
-
-
-def unreproduced(snap: dict) -> bool:
-    """Did this replay find the step finite where the real step was not? (Files written
-    before the comparison existed: a replay whose every micro-batch stayed finite.)"""
-    d = SnapshotDetail.of(snap["detail"])
-    if compiled_reproduced(snap):
-        return False
-    if "reproduced" in d:
-        return d["reproduced"] is False
-    return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
-
-
-def compiled_reproduced(snap: dict) -> bool:
-    """Did the compiled replay repeat the failure the eager replay did not?"""
-    return SnapshotDetail.of(snap["detail"]).part("compiled").get("reproduced") is True
-
-
-def began_here(snap: dict) -> bool:
-    """The real step's own loss or model output was non-finite (not only the gradients, which
-    an all-reduce brings from another rank)."""
-    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
-    return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
-
-
-def failing(f: Facts) -> np.ndarray:
-    """Per step: a recorded failure (a non-finite loss, non-finite gradients with no
-    GradScaler to skip them, or a skip that GradScaler's calibration and probing do not
-    explain)."""
-    if not f.n:
-        return np.zeros(0, bool)
-    applied = f.grad_bad if not f.has_scaler else np.zeros(f.n, bool)
-    return f.loss_bad | applied | f.story.bad_skip
-
-
-def _on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
-    if not f.n:
-        return []
-    out = []
-    for s in f.snapshots:
-        i = f.index_of(s["step"])
-        if f.step_at(i) == s["step"] and bad[i] and s["phase"] != "unknown":
-            out.append(s)
-    return out
-
-
-def first_replay(f: Facts) -> Optional[dict]:
-    """The replay of the first failing step that was replayed (snapshots are in step order)."""
-    found = _on_failing(f, failing(f))
-    return found[0] if found else None
-
-
-def first_unreproduced(f: Facts) -> Optional[dict]:
-    """The replay of the first failing step, when it did not reproduce and the premises of
-    "it did not reproduce" hold (``premises``)."""
-    snap = first_replay(f)
-    if snap is None or not unreproduced(snap):
-        return None
-    return None if any(p.status == FAILED for p in premises(f, snap)) else snap
-
-
-# ---------------------------------------------------------------------------------------------
-# not_reproducible's premises
-
-
-def premises(f: Facts, snap: dict) -> list[Premise]:
-    """What "the replay is finite where the step was not" needs: that the replay recomputed
-    the quantity the step found non-finite (``same_quantity``), and that the run's later
-    failures do not reproduce (``later_unreproduced``)."""
-    return [_same_quantity(f, snap), _later_failures(f, snap)]
-
-
-def _same_quantity(f: Facts, snap: dict) -> Premise:
-    """The loss or the model's output: the replay recomputes them. A gradient norm of +inf
-    over a finite loss: the replay checks each gradient, never their norm, and the norm of
-    large finite gradients overflows to +inf (a NaN norm needs a NaN gradient)."""
-    step = snap["step"]
-    i = f.index_of(step)
-    d = SnapshotDetail.of(snap["detail"])
-    seen = d.part("recorded")
-    loss = float(f.steps["loss"][i])
-    norm = float(f.steps["grad_norm"][i])
-    if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
-        again = d.part("rerun")
-        if again.get("loss_finite") is not None:
-            return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
-                           f"replay recomputed it: {fmt(_num(again.get('loss')))}")
-        if seen.get("output_nonfinite"):
-            return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
-                           "the replay recomputed it finite")
-        if d.get("loss_not_recomputed"):
-            return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss was non-finite "
-                           f"and the replay did not recompute it ({d['loss_not_recomputed']})")
-        return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
-                       "recomputed the forward and the backward finite")
-    if seen.get("output_nonfinite"):
-        return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; the "
-                       "replay recomputed it finite")
-    if norm == np.inf:
-        before = _last_finite_norm(f, i)
-        return Premise("same_quantity", FAILED, f"step {step}'s loss was finite "
-                       f"({fmt(loss)}) and only its gradient norm was non-finite (+inf"
-                       + (f"; {fmt(before[1])} at step {before[0]}" if before else "")
-                       + "); the replay found every gradient finite but does not recompute "
-                       "their norm: the norm of large finite gradients overflowing is an "
-                       "overflow of the norm, not a device fault")
-    if np.isnan(norm):
-        return Premise("same_quantity", HELD, f"step {step}'s gradient norm was NaN (a NaN "
-                       "gradient: no norm of finite values is NaN); the replay found every "
-                       "gradient finite")
-    return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss and gradient norm were "
-                   "finite; what GradScaler found non-finite was not recorded")
-
-
-def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
-    norms = f.steps["grad_norm"][:i].astype(float)
-    fin = np.flatnonzero(np.isfinite(norms))
-    return (f.step_at(int(fin[-1])), float(norms[fin[-1]])) if len(fin) else None
-
-
-def _later_failures(f: Facts, snap: dict) -> Premise:
-    """Never "the machine" over a run whose later failures reproduce on finite weights."""
-    later = [s for s in _on_failing(f, failing(f)) if s["step"] > snap["step"]
-             and not SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
-    again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
-    if again:
-        first = again[0]
-        where = f"in the {first['phase']} of {first['module']}" if first["module"] else \
-            f"in its {first['phase']}"
-        return Premise("later_unreproduced", FAILED, f"the replays of {len(again)} later "
-                       f"failing steps reproduce the failure (step {first['step']}: "
-                       f"non-finite {where}): the numbers make it")
-    if later:
-        return Premise("later_unreproduced", HELD, f"none of the {len(later)} later failing "
-                       "steps replayed on finite weights reproduced")
-    return Premise("later_unreproduced", HELD, "no later failing step was replayed on finite "
-                   "weights")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,11 +109,6 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
                    premises=premises(f, first))
 
 
-def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:
-    """One non-reproducible failure, skipped by GradScaler, and no other failure in the run."""
-    return f.has_scaler and len(unrep) == 1 and skipped[0] and int(bad.sum()) == 1
-
-
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
     seen = SnapshotDetail.of(snap["detail"]).part("recorded")
@@ -288,13 +152,6 @@ def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
     return text + end
 
 
-def _num(x: object) -> Optional[float]:
-    try:
-        return float(x)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
 def _count(f: Facts, bad: np.ndarray, unrep: list, world: int, rank: int) -> Evidence:
     steps = [s["step"] for s in unrep]
     replayed = len(_on_failing(f, bad))
@@ -304,22 +161,6 @@ def _count(f: Facts, bad: np.ndarray, unrep: list, world: int, rank: int) -> Evi
     return Evidence(f"{len(steps)} of the {replayed} replayed non-finite steps{where} did not "
                     f"reproduce (steps {listed}); the run had {int(bad.sum())} non-finite "
                     "steps", "unreproduced_steps", float(len(steps)), steps[0])
-
-
-def notes(f: Facts) -> list[str]:
-    """The note a healthy verdict carries for one non-reproducible skip."""
-    first = first_unreproduced(f)
-    if first is None:
-        return []
-    bad = failing(f)
-    unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
-    skipped = [bool(f.skipped[f.index_of(s["step"])]) for s in unrep]
-    if not lone_skip(f, bad, unrep, skipped):
-        return []
-    return [f"Step {first['step']} was non-finite and GradScaler skipped it, but its replay on "
-            "the same batch and weights is finite: it did not reproduce. One transient fault "
-            "(a device error, a nondeterministic kernel) that GradScaler absorbed; if it "
-            "recurs, test the device (`test_device`)."]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from typing import Optional
 
 import numpy as np
 
-from ...numfmt import fmt
-from ..culprit import input_out_of_range
-from ..facts import Facts
-from ..verdict import Evidence, first_bad
+from ..numfmt import fmt
+from .culprit import input_out_of_range
+from .facts import Facts
+from .verdict import Evidence, first_bad
 
 
 def from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],

@@ -47,7 +47,7 @@ import torch
 
 from ..diagnosis import fixes
 from ..diagnosis.facts import Facts
-from ..diagnosis.rules import misuse
+from ..diagnosis.rules import PREFLIGHT_CHECKS, PREFLIGHT_EXCEPTION
 from ..record import patches
 from ..record.listener import ScalerDoor
 from ..record.recorder import Recorder, RecorderConfig
@@ -78,12 +78,6 @@ VIOLATIONS = {
     "constant": "a constant fp16 cannot hold (a -1e9 mask) written into an fp16 tensor",
     "bce": "BCELoss on probabilities under autocast",
 }
-
-# The recorder's rules that read one of its misuse events (not a trend): reused as they are.
-_EVENT_RULES = (misuse.rule_clip_before_unscale, misuse.rule_scaler_bypass,
-                 misuse.rule_unscale_twice, misuse.rule_backward_unscaled,
-                 misuse.rule_backward_after_unscale, misuse.rule_scaled_grads_in_loss)
-
 
 @dataclass
 class Violation:
@@ -198,7 +192,7 @@ def _violations(f: Facts, watch: "_StepWatch", error: Optional[Exception]) -> li
     when it is one of AMP's own."""
     ctx = f.fix_context()
     out = [Violation(vid, text, fixes.make(ids, ctx)) for vid, text, ids in watch.found]
-    for rule in _EVENT_RULES:
+    for rule in PREFLIGHT_CHECKS:
         finding = rule(f)
         if finding is not None:
             out.append(Violation(finding.kind, finding.summary, finding.fixes))
@@ -224,9 +218,10 @@ def _violations(f: Facts, watch: "_StepWatch", error: Optional[Exception]) -> li
 
 
 def _exception(f: Facts, error: Exception, found: list[Violation]) -> list[Violation]:
-    """The step raised: one of GradScaler's or autocast's own errors (``misuse.EXCEPTIONS``)?
-    A call-order error that a violation above explains is told in that violation."""
-    finding = misuse.rule_exception(f)
+    """The step raised: one of GradScaler's or autocast's own errors
+    (``rules.PREFLIGHT_EXCEPTION``)? A call-order error that a violation above explains is told
+    in that violation."""
+    finding = PREFLIGHT_EXCEPTION(f)
     if finding is None:
         return []
     raised = f"The step raised {type(error).__name__}: {error}"
@@ -358,4 +353,3 @@ class _StepWatch:
                     g[(0,) * g.dim()] = math.inf
                 self.forced = True
                 return
-

@@ -25,6 +25,11 @@ from .. import culprit, fixes
 from ..facts import Facts
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("scale",),
+         "stats": ()}
+
 AMPLIFIED = 1e4  # a backward's fp32 grad_input abs max over its grad_output's
 FALL = 1024.0  # the scale's fall from its first value (ten halvings)
 CONFIDENCE = 0.6

@@ -14,6 +14,11 @@ from ..culprit import snapshot_at
 from ..facts import Facts
 from ..verdict import FAILED, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("step",),
+         "stats": ("first_nonfinite",)}
+
 # ---------------------------------------------------------------------------------------------
 # The training script stopped before its first step
 

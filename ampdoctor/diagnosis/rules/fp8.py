@@ -42,6 +42,11 @@ from ..fp8 import Cast, _cast, _casts, _context, _in_fp8, _phase, _role, _steps
 from ..thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": (),
+         "stats": ()}
+
 # The SQNR of rounding alone: 4 significant bits in e4m3, 3 in e5m2 (docs/fp8.md); a cast 3 dB
 # below it loses twice the error rounding does.
 ROUNDING_DB = {"e4m3": 30.0, "e5m2": 25.0}

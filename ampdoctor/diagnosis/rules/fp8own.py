@@ -29,6 +29,11 @@ from ..fp8 import _cast, _casts, _context, _in_fp8, _phase, _role, _steps, own_t
 from ..thresholds import FP8_SELF_GRAD_ERROR, PARITY_DIVERGE
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("loss", "step"),
+         "stats": ()}
+
 # What each trial re-run is called, and the fix it tries.
 _TRIED = {"fp8_keep_layer": ("high_precision", "kept in high precision"),
           "fp8_rowwise": ("rowwise", "cast row-wise")}

@@ -23,6 +23,11 @@ from ..opprobe import _kinds, hidden_overflows
 from ..progress import loss_evidence
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": (),
+         "stats": ("layer_out_zeros", "sampled")}
+
 # A module output whose sampled elements are at least half exactly 0 "comes out as zeros": with
 # a hidden overflow inside, the verdict needs no flat loss (a run too short to judge).
 ZEROED = 0.5

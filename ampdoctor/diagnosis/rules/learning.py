@@ -40,6 +40,11 @@ from ..progress import loss_evidence, precision_answer, untroubled
 from ..thresholds import SHORT_RUN, UNCHANGED_HIGH
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("lr",),
+         "stats": ("grad_zero_share", "layer_unchanged", "upd_log")}
+
 # Sure of little: the numbers say the loss is flat and that nothing recorded explains it.
 CONFIDENCE = 0.4
 # ... and less when no sampled step looked at the gradients and updates.

@@ -20,6 +20,12 @@ from ..culprit import root_grad_output, snapshot_at
 from ..facts import ADAM_FAMILY, Facts, fp16_rounds_to_zero, module_of
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("grad_norm", "loss", "loss_dtype", "micro", "step"),
+         "stats": ("buf_changed", "buf_finite_step", "buf_first_step", "first_bad_step",
+                   "last_bad", "last_step", "param_bad")}
+
 # ---------------------------------------------------------------------------------------------
 # C5: the data
 

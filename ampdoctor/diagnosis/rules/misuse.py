@@ -21,6 +21,11 @@ from ..facts import Facts
 from ..restarts import _recalibration_skips, _resets
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("clip_norm", "grad_norm", "scale", "scale_after", "step"),
+         "stats": ()}
+
 # -- thresholds --------------------------------------------------------------------------------
 
 # C6a: clip_grad_norm_'s returned norm over the unscaled norm equals the loss scale S when the

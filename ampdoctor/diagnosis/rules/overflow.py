@@ -22,6 +22,12 @@ from .. import culprit, fixes, schedules
 from ..facts import Facts
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("grad_norm", "loss", "lr"),
+         "stats": ("first_backward", "first_forward", "out_absmax", "sampled", "upd_log", "wcount",
+                   "wnorm2")}
+
 # -- the growth signals' thresholds (taxonomy C2) ---------------------------------------------
 
 # taxonomy §1 / §3: an update ratio |dW|/|W| above 1e-2 per step, sustained, is too large

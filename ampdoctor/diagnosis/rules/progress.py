@@ -41,6 +41,11 @@ from ..fixes.premises import SMOOTH, relu_free
 from ..progress import DEAD_SHARE, Dead, dead_units, precision_answer, untroubled
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("grad_norm", "loss", "lr", "step"),
+         "stats": ("out_absmax", "sampled", "upd_log")}
+
 # -- thresholds ------------------------------------------------------------------------------
 # (the loss curve's own thresholds, spike and recovery, are in curve.py)
 

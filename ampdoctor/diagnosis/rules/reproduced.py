@@ -49,6 +49,11 @@ from ..reproduced import (
 )
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": (),
+         "stats": ()}
+
 STEPS_LISTED = 8  # steps named in a count's evidence
 
 

@@ -19,6 +19,14 @@ from ..facts import Facts, module_of
 from ..thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
+# The run's columns these rules read: /steps by name, /stats through the views of
+# ``Facts.reduced`` (tests/diagnosis/rules/test_reads.py holds both to the run file's schema).
+READS = {"steps": ("grad_norm", "lr", "scale"),
+         "stats": ("always_zero", "grad_n", "grad_rows", "grad_under", "last_step",
+                   "layer_grad_rms", "layer_unchanged", "layer_under", "layer_update",
+                   "layer_zeros", "moving_last", "norm_first", "norm_first_step", "norm_last",
+                   "out_zero_last", "sampled", "stuck_first", "unchanged", "wcount", "wnorm2")}
+
 # -- thresholds ------------------------------------------------------------------------------
 
 # LAYER_UNDERFLOW, LOW_SCALE and UNCHANGED_HIGH are shared: see thresholds.py.

@@ -281,22 +281,22 @@ _CAST = {Recipe.TENSOR: "per tensor", Recipe.ROWWISE: "row-wise",
          Recipe.DELAYED: "per tensor, delayed scale"}
 
 
-def _casts(f: Facts) -> tuple[list[Cast], Casts]:
+def layer_casts(f: Facts) -> tuple[list[Cast], Casts]:
     return f.memo("fp8_casts", lambda: casts(f.run))
 
 
-def _in_fp8(f: Facts, c: Cast) -> Premise:
-    return Premise("layer_in_fp8", HELD, f"{c.layer} trains in fp8: {_cast(f, c)} "
+def in_fp8(f: Facts, c: Cast) -> Premise:
+    return Premise("layer_in_fp8", HELD, f"{c.layer} trains in fp8: {cast_text(f, c)} "
                    "(/meta fp8_layers)")
 
 
-def _cast(f: Facts, c: Cast) -> str:
+def cast_text(f: Facts, c: Cast) -> str:
     layer = fp8_layers(f.run).get(c.layer, {})
-    return (f"torchao {layer.get('recipe') or 'fp8'}, {_role(c.role)} {_CAST.get(c.recipe, '')}"
+    return (f"torchao {layer.get('recipe') or 'fp8'}, {role_text(c.role)} {_CAST.get(c.recipe, '')}"
             f" in {c.format}")
 
 
-def _context(f: Facts, c: Cast) -> fixes.Context:
+def layer_context(f: Facts, c: Cast) -> fixes.Context:
     ctx = f.fix_context(c.layer, step=c.step)
     recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
     kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
@@ -304,15 +304,15 @@ def _context(f: Facts, c: Cast) -> fixes.Context:
     return ctx
 
 
-def _role(role: str) -> str:
+def role_text(role: str) -> str:
     return {"grad_output": "output gradient"}.get(role, role)
 
 
-def _phase(role: str) -> str:
+def phase_of(role: str) -> str:
     return "backward" if role == "grad_output" else "forward"
 
 
-def _steps(steps: list[int]) -> str:
+def steps_text(steps: list[int]) -> str:
     if not steps:
         return "no sampled step"
     shown = ", ".join(str(s) for s in steps[:6]) + (" ..." if len(steps) > 6 else "")

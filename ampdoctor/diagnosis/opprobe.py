@@ -1,5 +1,5 @@
 """The sampled steps' op probe read (``record/opprobe.StepProbe`` writes it; its events are
-read whole by ``facts.hidden_nonfinite``): the findings that speak of the precision
+read whole by ``events.hidden_nonfinite``): the findings that speak of the precision
 (``precision_hits``: an op that made inf/NaN in fp16/bf16 inside a module whose output stayed
 finite, a mask's sum left out), and the note a healthy verdict carries for one
 (``hidden_note``). Read by ``rules/hidden.py`` (``hidden_overflow``), ``notes.py`` and
@@ -31,7 +31,7 @@ def hidden_overflows(f: Facts) -> list[dict]:
 
 
 def precision_hits(hits: list[dict]) -> list[dict]:
-    """Of ``facts.hidden_nonfinite``'s findings, those in fp16/bf16 that are not a mask sum."""
+    """Of ``events.hidden_nonfinite``'s findings, those in fp16/bf16 that are not a mask sum."""
     return [h for h in hits if h["dtype"] in LOW_DTYPES and h["module"]
             and not (h["created"] == 4 and h["op"] in MASK_OPS)]
 
@@ -45,11 +45,11 @@ def hidden_note(f: Facts) -> list[str]:
     steps = sorted({x["step"] for x in hits if x["module"] == h["module"]})
     harm = ("the loss still fell, so it did no harm this run shows" if f.curve.fell else
             f"whether it did harm was not judged ({f.curve.why or 'the run is short'})")
-    return [f"Inside {h['module']}, {h['op']} made {_kinds(h['created'])} in {h['dtype']} on "
+    return [f"Inside {h['module']}, {h['op']} made {kinds_made(h['created'])} in {h['dtype']} on "
             f"{count(len(steps), 'sampled step')} (first {steps[0]}) although {h['module']}'s "
             f"output stayed finite; {harm}. Computing that op in fp32 (an fp32 island around "
             f"{h['module']}) keeps it out."]
 
 
-def _kinds(bits: int) -> str:
+def kinds_made(bits: int) -> str:
     return " and ".join(name for bit, name in _KINDS if bits & bit) or "inf/NaN"

@@ -60,7 +60,7 @@ def failing(f: Facts) -> np.ndarray:
     return f.loss_bad | applied | f.story.bad_skip
 
 
-def _on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
+def on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
     if not f.n:
         return []
     out = []
@@ -73,7 +73,7 @@ def _on_failing(f: Facts, bad: np.ndarray) -> list[dict]:
 
 def first_replay(f: Facts) -> Optional[dict]:
     """The replay of the first failing step that was replayed (snapshots are in step order)."""
-    found = _on_failing(f, failing(f))
+    found = on_failing(f, failing(f))
     return found[0] if found else None
 
 
@@ -147,7 +147,7 @@ def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
 
 def _later_failures(f: Facts, snap: dict) -> Premise:
     """Never "the machine" over a run whose later failures reproduce on finite weights."""
-    later = [s for s in _on_failing(f, failing(f)) if s["step"] > snap["step"]
+    later = [s for s in on_failing(f, failing(f)) if s["step"] > snap["step"]
              and not SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
     again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
     if again:
@@ -182,7 +182,7 @@ def notes(f: Facts) -> list[str]:
     if first is None:
         return []
     bad = failing(f)
-    unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
+    unrep = [s for s in on_failing(f, bad) if unreproduced(s)]
     skipped = [bool(f.skipped[f.index_of(s["step"])]) for s in unrep]
     if not lone_skip(f, bad, unrep, skipped):
         return []

@@ -1,6 +1,6 @@
 """Where the loss scale restarted mid-run: it jumped back up outside ``update()``, or a
-GradScaler was created again (``_resets``); the skips that recalibrated each new scale
-(``_recalibration_skips``); and the note a run carries for one restart (a resume that
+GradScaler was created again (``scale_resets``); the skips that recalibrated each new scale
+(``recalibration_skips``); and the note a run carries for one restart (a resume that
 re-created the scaler without ``load_state_dict``: ``resumed_note``). Read by
 ``rules/misuse.py`` (``scaler_recreated``) and ``notes.py``.
 """
@@ -14,7 +14,7 @@ from ..runfile.schema import Event
 from .facts import Facts
 
 
-def _resets(f: Facts) -> list[int]:
+def scale_resets(f: Facts) -> list[int]:
     """Step numbers where the scale restarted after the first step: it jumped back up
     outside update(), or a GradScaler was created again."""
     s = f.steps
@@ -31,11 +31,11 @@ def resumed_note(f: Facts) -> list[str]:
     ``load_state_dict``): not a misuse, but its recalibration cost steps."""
     if not f.n or not f.has_scaler:
         return []
-    resets = _resets(f)
+    resets = scale_resets(f)
     if len(resets) != 1:
         return []
     at = f.index_of(resets[0])
-    skips = len(_recalibration_skips(f, [at]))
+    skips = len(recalibration_skips(f, [at]))
     init = float(f.steps["scale"][at])
     return [f"The loss scale restarted at {fmt(init)} at step {resets[0]} (a GradScaler "
             "created again, as a resume does, without its state restored): it skipped "
@@ -43,7 +43,7 @@ def resumed_note(f: Facts) -> list[str]:
             "checkpoint and load it at the resume to keep its scale."]
 
 
-def _recalibration_skips(f: Facts, resets: list[int]) -> frozenset:
+def recalibration_skips(f: Facts, resets: list[int]) -> frozenset:
     """Step numbers of the skips that follow each reset of the scale (a new scaler's
     calibration from init_scale): the run of skipped steps starting at each reset index."""
     skipped, out = f.skipped, set()

@@ -38,7 +38,16 @@ from ...numfmt import fmt
 from ...runfile.schema import Recipe
 from .. import fixes, parity
 from ..facts import Facts
-from ..fp8 import Cast, _cast, _casts, _context, _in_fp8, _phase, _role, _steps
+from ..fp8 import (
+    Cast,
+    cast_text,
+    in_fp8,
+    layer_casts,
+    layer_context,
+    phase_of,
+    role_text,
+    steps_text,
+)
 from ..thresholds import FP8_FLUSHED, FP8_SATURATED, FP8_SUBNORMAL, PARITY_DIVERGE, PARITY_RTOL
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
@@ -58,7 +67,7 @@ _WHOLE = {"zero": "was entirely zero (amax 0; torchao clamps it at 1e-12 and cas
 
 def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
     """An fp8 layer's input or output gradient flushed whole on some sampled steps."""
-    made, _ = _casts(f)
+    made, _ = layer_casts(f)
     hits = [c for c in made if c.whole and c.role != "weight" and math.isfinite(c.amax)]
     if not hits:
         return None  # (a weight at exactly 0 is an initialisation, cast exactly)
@@ -67,18 +76,18 @@ def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
     mine = [c for c in made if (c.layer, c.role) == (first.layer, first.role)]
     flushed = sorted({c.step for c in mine if c.whole})
     live = sorted({c.step for c in mine if not c.whole and c.amax > 0})
-    role = _role(first.role)
+    role = role_text(first.role)
     ev = [Evidence(f"{first.layer}'s {role} {_WHOLE[first.whole or 'zero']} on "
-                   f"{_steps(flushed)} of {len(mine)} sampled steps", "fp8_flushed",
+                   f"{steps_text(flushed)} of {len(mine)} sampled steps", "fp8_flushed",
                    float(len(flushed)), first.step, first.layer),
-          Evidence(f"the cast: {_cast(f, first)}, scale {fmt(first.scale)}, amax "
+          Evidence(f"the cast: {cast_text(f, first)}, scale {fmt(first.scale)}, amax "
                    f"{fmt(first.amax)}; no NaN, no inf: nothing in the run says so",
                    "fp8_scale", first.scale, first.step, first.layer)]
     if live:
-        ev.append(Evidence(f"on {_steps(live)} the same {role} was non-zero (amax up to "
+        ev.append(Evidence(f"on {steps_text(live)} the same {role} was non-zero (amax up to "
                            f"{fmt(max(c.amax for c in mine))})", "fp8_live", float(len(live)),
                            live[0], first.layer))
-    others = list(dict.fromkeys(f"{c.layer} ({_role(c.role)})" for c in hits
+    others = list(dict.fromkeys(f"{c.layer} ({role_text(c.role)})" for c in hits
                                 if (c.layer, c.role) != (first.layer, first.role)))
     if others:
         ev.append(Evidence("the same in " + ", ".join(others[:4]) +
@@ -86,7 +95,7 @@ def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
                            float(len(others))))
     zero = first.whole == "zero"
     premise = Premise("not_always_zero", HELD if live or not zero else FAILED,
-                      f"{first.layer}'s {role} was non-zero on {_steps(live)}" if live else
+                      f"{first.layer}'s {role} was non-zero on {steps_text(live)}" if live else
                       f"{first.layer}'s {role} was zero on every sampled step: a layer that is "
                       "never fed, not a cast that flushed" if zero else
                       f"{first.layer}'s {role} is non-zero: its values were lost in the cast")
@@ -100,17 +109,17 @@ def rule_fp8_flushed(f: Facts) -> Optional[Finding]:
     found = Finding("fp8_flushed", 0.8 if len(flushed) >= 2 else 0.65,
                     f"{first.layer}'s {role} in fp8 "
                     f"{'was entirely zero' if zero else _WHOLE[first.whole or 'zero']} on "
-                    f"{_steps(flushed)}: {what}.", ev,
-                    fixes.make(["fp8_keep_layer"], _context(f, first)),
-                    first_bad(first.step, first.layer, _phase(first.role)),
+                    f"{steps_text(flushed)}: {what}.", ev,
+                    fixes.make(["fp8_keep_layer"], layer_context(f, first)),
+                    first_bad(first.step, first.layer, phase_of(first.role)),
                     priority=PRIORITY["fp8_flushed"], kind=first.whole or "")
-    found.premises = [_in_fp8(f, first), premise]
+    found.premises = [in_fp8(f, first), premise]
     return found
 
 
 def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
     """An fp8 layer's output gradient underflows the format it is cast to."""
-    made, every = _casts(f)
+    made, every = layer_casts(f)
     hits = [c for c in made if c.role == "grad_output" and math.isfinite(c.amax)
             and not c.whole and _underflows(c)]
     if not hits:
@@ -121,7 +130,7 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
     held = wide is not None and wide.format == "e5m2" and not _underflows(wide) and \
         first.format == "e4m3"
     ev = [Evidence(f"on sampled step {first.step}, {first.layer}'s output gradient under its "
-                   f"cast ({_cast(f, first)}): {_lost_text(first)}; lost so on {len(mine)} of "
+                   f"cast ({cast_text(f, first)}): {_lost_text(first)}; lost so on {len(mine)} of "
                    f"{len({c.step for c in made if c.layer == first.layer})} sampled steps",
                    "fp8_grad_flushed", first.flushed_share, first.step, first.layer)]
     if wide is not None:
@@ -138,12 +147,13 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
              "the wider e5m2 per-tensor cast loses them too: the gradient's values span more "
              "binades than any fp8 format holds")
     found = Finding("fp8_grad_underflow", 0.85 if len(mine) >= 2 else 0.7,
-                    f"{first.layer}'s output gradient underflows its fp8 cast ({_cast(f, first)})"
-                    f" with no NaN: on sampled step {first.step}, {_lost_text(first)}. "
-                    f"Here {cause}.", ev, fixes.make(ids, _context(f, first)),
+                    f"{first.layer}'s output gradient underflows its fp8 cast "
+                    f"({cast_text(f, first)}) with no NaN: on sampled step {first.step}, "
+                    f"{_lost_text(first)}. "
+                    f"Here {cause}.", ev, fixes.make(ids, layer_context(f, first)),
                     first_bad(first.step, first.layer, "backward"),
                     priority=PRIORITY["fp8_grad_underflow"], kind=first.format)
-    found.premises = [_in_fp8(f, first),
+    found.premises = [in_fp8(f, first),
                       Premise("wider_format_keeps_it", HELD,
                               f"per tensor in e5m2, the same gradient: {_lost_text(wide)}"
                               if wide is not None else "the per-tensor e5m2 cast was not "
@@ -154,7 +164,7 @@ def rule_fp8_grad_underflow(f: Facts) -> Optional[Finding]:
 def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
     """An fp8 layer's cast clamps its operand at the format's max: a scale not taken from the
     tensor itself (delayed: from earlier amaxes) that an amax jump outgrew."""
-    made, every = _casts(f)
+    made, every = layer_casts(f)
     hits = [c for c in made if c.saturated_share > FP8_SATURATED and math.isfinite(c.amax)]
     if not hits:
         return None  # (current scaling maps the amax to the top: it never clamps)
@@ -164,11 +174,11 @@ def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
     before = [c.amax for c in mine if c.step < first.step]
     jump = first.amax / max(before) if before and max(before) > 0 else None
     now = every.other(first, Recipe.TENSOR)  # the same tensor under its current amax
-    role = _role(first.role)
-    ev = [Evidence(f"{first.layer}'s {role} ({_cast(f, first)}) on sampled step {first.step}: "
+    role = role_text(first.role)
+    ev = [Evidence(f"{first.layer}'s {role} ({cast_text(f, first)}) on sampled step {first.step}: "
                    f"{first.saturated_share:.2%} of its values clamped at {first.format}'s max"
                    f" (scale {fmt(first.scale)}, amax {fmt(first.amax)}); so on "
-                   f"{_steps(steps)} of {len(mine)} sampled steps", "fp8_saturated",
+                   f"{steps_text(steps)} of {len(mine)} sampled steps", "fp8_saturated",
                    first.saturated_share, first.step, first.layer)]
     if jump is not None:
         ev.append(Evidence(f"its amax grew {jump:.3g}x over the earlier sampled steps' largest "
@@ -179,18 +189,18 @@ def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
                            f"{now.saturated_share:.2%} clamped", "fp8_current_saturated",
                            now.saturated_share, first.step, first.layer))
     found = Finding("fp8_saturated", 0.8 if len(steps) >= 2 or (jump or 0) > 1.05 else 0.65,
-                    f"{first.layer}'s {role} in fp8 saturates: on {_steps(steps)} "
+                    f"{first.layer}'s {role} in fp8 saturates: on {steps_text(steps)} "
                     f"{first.saturated_share:.2%} of its values were clamped at the format's "
                     f"max, with no inf and no NaN (the cast clamps; the largest values, those "
                     f"that carry the tensor, lose what is above the max). Its scale does not "
                     f"come from the tensor it casts"
                     + (f", and its amax jumped {jump:.3g}x" if jump else "") + ".", ev,
-                    fixes.make(["fp8_current_scaling", "fp8_keep_layer"], _context(f, first)),
-                    first_bad(first.step, first.layer, _phase(first.role)),
+                    fixes.make(["fp8_current_scaling", "fp8_keep_layer"], layer_context(f, first)),
+                    first_bad(first.step, first.layer, phase_of(first.role)),
                     priority=PRIORITY["fp8_saturated"],
                     kind="amax_jump" if jump is not None and jump > 1.0 else "scale")
     clamps_now = now is not None and now.saturated_share > FP8_SATURATED
-    found.premises = [_in_fp8(f, first),
+    found.premises = [in_fp8(f, first),
                       Premise("current_scale_keeps_it", FAILED if clamps_now else HELD,
                               "scaled by its current amax, the same tensor is not clamped"
                               if now is not None and not clamps_now else
@@ -203,7 +213,7 @@ def rule_fp8_saturated(f: Facts) -> Optional[Finding]:
 def rule_fp8_drift(f: Facts) -> Optional[Finding]:
     """A run in fp8 whose loss drifts from its baseline's (``diagnose --baseline``) with no
     NaN: the layer whose own casts lose the most named first."""
-    base, made = f.baseline, _casts(f)[0]
+    base, made = f.baseline, layer_casts(f)[0]
     if base is None or not made or f.failure_index is not None or f.loss_bad.any():
         return None  # (without a baseline: rules/fp8own.py measures the run's own drift)
     lined = parity.line_up(base.steps, f.steps)
@@ -224,11 +234,11 @@ def rule_fp8_drift(f: Facts) -> Optional[Finding]:
                    f"{began}: {lined.smooth[last]:.1%} apart at step {lined.steps[last]} "
                    f"(trailing mean of {lined.w} steps; {PARITY_RTOL:.0%} is within), no "
                    "NaN, no inf", "fp8_drift", float(lined.smooth[last]), began)]
-    ev += [Evidence(f"{c.layer}'s {_role(c.role)} ({_cast(f, c)}) on sampled step {c.step}: "
-                    f"{_lost_text(c)}, SQNR {c.sqnr_db:.1f} dB (rounding alone: about "
+    ev += [Evidence(f"{c.layer}'s {role_text(c.role)} ({cast_text(f, c)}) on sampled step "
+                    f"{c.step}: {_lost_text(c)}, SQNR {c.sqnr_db:.1f} dB (rounding alone: about "
                     f"{ROUNDING_DB[c.format]:.0f})", "fp8_cast_loss", _badness(c)[0], c.step,
                     c.layer) for c in worst[:3]]
-    which = (f"Of its fp8 layers, {first.layer}'s casts lose the most ({_role(first.role)}: "
+    which = (f"Of its fp8 layers, {first.layer}'s casts lose the most ({role_text(first.role)}: "
              f"{_lost_text(first)}, SQNR {first.sqnr_db:.1f} dB): keep it in bf16 first. A "
              "ranking from the casts, not a proof" if out else
              "No fp8 layer's cast loses more than its format's rounding: the drift is that "
@@ -238,8 +248,8 @@ def rule_fp8_drift(f: Facts) -> Optional[Finding]:
                     f"The fp8 run's loss {how} its {base.precision} baseline from step {began} "
                     f"({lined.smooth[last]:.1%} apart at step {lined.steps[last]}) with no NaN. "
                     f"{which}: `record --apply` with it kept, then `compare`, says whether it "
-                    "was the one.", ev, fixes.make(["fp8_keep_layer"], _context(f, first)),
-                    first_bad(began, first.layer, _phase(first.role)),
+                    "was the one.", ev, fixes.make(["fp8_keep_layer"], layer_context(f, first)),
+                    first_bad(began, first.layer, phase_of(first.role)),
                     priority=PRIORITY["fp8_drift"], kind="diverged" if start is not None
                     else "drift")
     ok = not base.fp8_layers

@@ -25,7 +25,16 @@ from ...numfmt import fmt
 from ...runfile.schema import Recipe
 from .. import fixes
 from ..facts import Facts
-from ..fp8 import _cast, _casts, _context, _in_fp8, _phase, _role, _steps, own_trial
+from ..fp8 import (
+    cast_text,
+    in_fp8,
+    layer_casts,
+    layer_context,
+    own_trial,
+    phase_of,
+    role_text,
+    steps_text,
+)
 from ..thresholds import FP8_SELF_GRAD_ERROR, PARITY_DIVERGE
 from ..verdict import FAILED, HELD, PRIORITY, Evidence, Finding, Premise, first_bad
 
@@ -41,24 +50,24 @@ _TRIED = {"fp8_keep_layer": ("high_precision", "kept in high precision"),
 
 def rule_fp8_mostly_flushed(f: Facts) -> Optional[Finding]:
     """An fp8 layer's operand mostly (not wholly) flushed to 0 on some sampled steps."""
-    made, every = _casts(f)
+    made, every = layer_casts(f)
     hits = [c for c in made if c.mostly and math.isfinite(c.amax)]
     if not hits:
         return None
     first = min(hits, key=lambda c: (c.step, c.role == "grad_output", -c.flushed_share))
     mine = [c for c in made if (c.layer, c.role) == (first.layer, first.role)]
     flushed = sorted({c.step for c in mine if c.mostly})
-    role = _role(first.role)
+    role = role_text(first.role)
     row = every.other(first, Recipe.ROWWISE)
     per_tensor = first.recipe in (Recipe.TENSOR, Recipe.DELAYED)
     # row-wise keeps what one scale lost: it flushes less than half as much (the outlier's own
     # rows only: 6 % of blind7's sink-token input, 11 % of fixtures/fp8/sink_token.py's)
     row_keeps = per_tensor and row is not None and not row.mostly and \
         row.flushed_share < first.flushed_share / 2
-    ev = [Evidence(f"{first.layer}'s {role} ({_cast(f, first)}) on sampled step {first.step}: "
+    ev = [Evidence(f"{first.layer}'s {role} ({cast_text(f, first)}) on sampled step {first.step}: "
                    f"{first.flushed_share:.1%} of its non-zero values cast to 0, its amax "
                    f"{fmt(first.amax)} under the scale {fmt(first.scale)}; so on "
-                   f"{_steps(flushed)} of {len(mine)} sampled steps", "fp8_flushed_share",
+                   f"{steps_text(flushed)} of {len(mine)} sampled steps", "fp8_flushed_share",
                    first.flushed_share, first.step, first.layer)]
     if row is not None and per_tensor:
         ev.append(Evidence(f"row-wise, the same {role} on the same step: {row.flushed_share:.1%}"
@@ -66,7 +75,7 @@ def rule_fp8_mostly_flushed(f: Facts) -> Optional[Finding]:
                            first.layer))
     own = own_trial(f.run)
     ids = ["fp8_rowwise", "fp8_keep_layer"] if row_keeps else ["fp8_keep_layer"]
-    made_fixes = fixes.make(ids, _context(f, first))
+    made_fixes = fixes.make(ids, layer_context(f, first))
     ev += _trial_evidence(own, first.layer)
     for fix in made_fixes:
         _tried(fix, own, first.layer)
@@ -78,12 +87,12 @@ def rule_fp8_mostly_flushed(f: Facts) -> Optional[Finding]:
              "measured")
     found = Finding("fp8_flushed", (0.8 if len(flushed) >= 2 else 0.65) +
                     (0.05 if _over(own, own.get("as_recorded")) else 0.0),
-                    f"{first.layer}'s {role} in fp8 is mostly flushed: on {_steps(flushed)}, "
+                    f"{first.layer}'s {role} in fp8 is mostly flushed: on {steps_text(flushed)}, "
                     f"{first.flushed_share:.0%} of its non-zero values cast to 0, with no NaN "
                     f"and no inf. The cause: {cause}.", ev, made_fixes,
-                    first_bad(first.step, first.layer, _phase(first.role)),
+                    first_bad(first.step, first.layer, phase_of(first.role)),
                     priority=PRIORITY["fp8_flushed"], kind="mostly")
-    found.premises = [_in_fp8(f, first), _matters(own, first.layer)]
+    found.premises = [in_fp8(f, first), _matters(own, first.layer)]
     return found
 
 
@@ -92,7 +101,7 @@ def rule_fp8_self_drift(f: Facts) -> Optional[Finding]:
     the saved step's gradient or loss beyond its thresholds."""
     if f.baseline is not None or f.failure_index is not None or f.loss_bad.any():
         return None
-    made = _casts(f)[0]
+    made = layer_casts(f)[0]
     own = _with_loss(f, own_trial(f.run))
     fp8 = own.get("as_recorded") or {}
     if not made or not _drifts(fp8):
@@ -111,7 +120,7 @@ def rule_fp8_self_drift(f: Facts) -> Optional[Finding]:
     layer = best or next(iter(layers), None)
     ctx = f.fix_context(layer, step=step)
     first = next((c for c in made if c.layer == layer), made[0])
-    ctx = _context(f, first) if layer == first.layer else ctx
+    ctx = layer_context(f, first) if layer == first.layer else ctx
     made_fixes = fixes.make(["fp8_keep_layer"], ctx)
     for fix in made_fixes:
         _tried(fix, own, layer)
@@ -129,7 +138,7 @@ def rule_fp8_self_drift(f: Facts) -> Optional[Finding]:
     found.premises = [Premise("measured_in_high_precision", HELD,
                               f"the fp8 trial re-ran step {step} with "
                               f"{len(layers) or 'the'} fp8 layers in high precision"),
-                      _in_fp8(f, first)]
+                      in_fp8(f, first)]
     return found
 
 

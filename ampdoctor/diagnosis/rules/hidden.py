@@ -5,7 +5,7 @@ made inf/NaN on sampled steps while the module's output stayed finite (the sampl
 probe, ``record/opprobe.StepProbe``), in a run that has no NaN anywhere and does not learn, or
 whose module output comes back mostly zeros (a hand-written fp16 RMSNorm: ``x * x`` inf,
 ``x / sqrt(inf)`` exactly 0). Where the loss still falls it is only a note (``hidden_note``).
-Read from ``record/opprobe.StepProbe``'s events by ``facts.hidden_nonfinite``; the findings
+Read from ``record/opprobe.StepProbe``'s events by ``events.hidden_nonfinite``; the findings
 that speak of the precision, which ``notes.py`` and ``forecast.py`` read too, and the note are
 in ``diagnosis/opprobe.py``.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from ...numfmt import count, fmt
 from .. import fixes
 from ..facts import Facts
-from ..opprobe import _kinds, hidden_overflows
+from ..opprobe import hidden_overflows, kinds_made
 from ..progress import loss_evidence
 from ..verdict import PRIORITY, Evidence, Finding, first_bad
 
@@ -82,7 +82,7 @@ def rule_hidden_overflow(f: Facts) -> Optional[Finding]:
     return Finding("unstable_op", 0.85 if flat and len({h["step"] for h in hits}) >= 2 else 0.7,
                    f"An op inside {module} {_verb(first['created'])} {low} although the "
                    "module's output stays "
-                   f"finite: {first['op']} makes {_kinds(first['created'])} from finite inputs"
+                   f"finite: {first['op']} makes {kinds_made(first['created'])} from finite inputs"
                    f"{what}{zeros}. {quiet}: the "
                    f"{'NaN' if first['created'] == 1 else 'overflow'} is hidden inside the "
                    f"module{stalls}. Computing it in fp32 fixes it.", ev,
@@ -99,7 +99,7 @@ def _hidden_evidence(f: Facts, hits: list[dict], zeroed: float) -> list[Evidence
     inner = f" (in {first['inner']})" if first["inner"] and first["inner"] != module else ""
     kind = f" ({first['type']})" if first["type"] else ""
     ev = [Evidence(f"on sampled step {first['step']}, {first['op']}{inner} inside {module}{kind} "
-                   f"made {_kinds(first['created'])} in {first['dtype']} from finite inputs, "
+                   f"made {kinds_made(first['created'])} in {first['dtype']} from finite inputs, "
                    f"and {module}'s output stayed finite; seen on {len(steps)} of {sampled} "
                    f"sampled steps ({_span(steps)}){_flat_probed(f, steps)}",
                    "hidden_overflow", float(len(steps)), first["step"], module)]

@@ -18,7 +18,7 @@ from ...numfmt import count, fmt
 from ...runfile.schema import Event
 from .. import fixes
 from ..facts import Facts
-from ..restarts import _recalibration_skips, _resets
+from ..restarts import recalibration_skips, scale_resets
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # The run's columns these rules read: /steps by name, /stats through the views of
@@ -180,7 +180,7 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
         return None
     if not len(jumps) and len(later) and not f.story.post_skips:
         return None  # a second scaler made mid-run that changed nothing measurable
-    if len(_resets(f)) == 1:
+    if len(scale_resets(f)) == 1:
         return None  # one resume whose scaler state was not restored: a note (resumed_note)
     first = f.step_at(int(jumps[0]) + 1) if len(jumps) else int(later["step"][0])
     ev = []
@@ -199,7 +199,7 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
                     "reset) during training: each new scaler starts again at init_scale and "
                     "skips steps to recalibrate, and its growth never accumulates.", ev,
                     "create_scaler_once", first, None, priority=PRIORITY["misuse"] - 2)
-    found.explains = _recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
+    found.explains = recalibration_skips(f, [0] + [int(i) + 1 for i in jumps] + [
         f.index_of(int(x)) for x in created["step"]])
     return found
 

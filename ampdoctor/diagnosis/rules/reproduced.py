@@ -38,12 +38,12 @@ from .. import fixes
 from ..facts import Facts
 from ..reproduced import (
     _num,
-    _on_failing,
     began_here,
     compiled_reproduced,
     failing,
     first_replay,
     lone_skip,
+    on_failing,
     premises,
     unreproduced,
 )
@@ -68,7 +68,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     if first is None or not unreproduced(first):
         return None
     bad = failing(f)
-    unrep = [s for s in _on_failing(f, bad) if unreproduced(s)]
+    unrep = [s for s in on_failing(f, bad) if unreproduced(s)]
     skipped = [bool(f.skipped[f.index_of(s["step"])]) for s in unrep]
     if lone_skip(f, bad, unrep, skipped):
         return None  # GradScaler threw the one bad step away: healthy, with a note
@@ -159,7 +159,7 @@ def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
 
 def _count(f: Facts, bad: np.ndarray, unrep: list, world: int, rank: int) -> Evidence:
     steps = [s["step"] for s in unrep]
-    replayed = len(_on_failing(f, bad))
+    replayed = len(on_failing(f, bad))
     listed = ", ".join(str(s) for s in steps[:STEPS_LISTED]) + (", ..." if len(steps) >
                                                                  STEPS_LISTED else "")
     where = f" on rank {rank}" if world > 1 else ""

@@ -2,8 +2,9 @@
 
 ``engine.diagnose`` is the facade, over:
 
-- the facts, what the rules read: ``facts`` (a run reduced to what the rules need, with
-  ``scale``: the loss scale's story, ``streamed``: /stats in one pass, its per-step arrays
+- the facts, what the rules read: ``facts`` (a run reduced to what the rules need, over
+  ``tensors``: the /tensors table by id, and ``events``: the /events and /snapshots tables;
+  with ``scale``: the loss scale's story, ``streamed``: /stats in one pass, its per-step arrays
   held over the sampled steps only in ``sampled``), ``layers``, ``curve``;
   the readers of what the forensic tier recorded, each named as its writer in
   ``record/forensic/`` or ``record/``: ``culprit`` (the replays), ``singular`` (the loss's

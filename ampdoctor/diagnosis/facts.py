@@ -3,7 +3,10 @@
 numpy only (no torch). ``Facts`` wraps a ``store.Run``: the small tables are read whole, the
 big ``/stats`` table is streamed once in chunks (``Reduced``), reduced on the fly to arrays per
 step and per tensor, so memory stays bounded however long the run. ``ScaleStory`` reads the
-GradScaler's history from ``/steps`` and tells normal calibration apart from trouble.
+GradScaler's history from ``/steps`` and tells normal calibration apart from trouble. The
+views of the /tensors table (names, kinds, a module's siblings) are ``tensors.TensorViews``',
+those of /events and /snapshots (the exception, the replays, the probes) ``events.EventViews``':
+``Facts`` builds on both.
 
 Thresholds live next to the rules that read them (``thresholds.py`` for the shared ones); the
 few here describe GradScaler itself and are commented where they are defined.
@@ -11,25 +14,18 @@ few here describe GradScaler itself and are commented where they are defined.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from ..runfile import schema
-from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
-from ..runfile.run import one_line
-from ..runfile.schema import DType, Event, Kind, Phase, flag
+from ..runfile.schema import DType, Event, flag
 from . import curve, objectives
 from .dose import Doses
+from .events import EventViews
 from .fixes import Context
 from .fixes.premises import relu_free
 from .scale import ScaleStory, scale_story
 from .streamed import Reduced, stream_stats
-
-PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.INPUT: "input",
-          Phase.LOSS: "loss", Phase.OPTIMIZER: "optimizer", Phase.NONE: "none",
-          Phase.UNKNOWN: "unknown"}
 
 ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam", "Adagrad", "Adadelta",
                "RMSprop", "Adafactor", "LAMB", "Lamb", "FusedAdam", "FusedLAMB", "AdamW8bit",
@@ -90,8 +86,10 @@ def low_precision(run: Any) -> Optional[str]:
     return None
 
 
-class Facts:
-    """Derived views of a ``Run`` for the rules. Properties are computed on first use.
+class Facts(EventViews):
+    """Derived views of a ``Run`` for the rules. Properties are computed on first use; the
+    views of the /tensors table are ``tensors.TensorViews``', those of /events and /snapshots
+    ``events.EventViews``'.
 
     Example::
 
@@ -100,20 +98,12 @@ class Facts:
     """
 
     def __init__(self, run: Any, chunk: int = 1 << 16):
-        self.run = run
+        super().__init__(run)
         self.steps = run.steps
         self.meta = run.meta
         self.chunk = chunk
-        self._cache: dict[str, Any] = {}
         # the run this one is measured against (``diagnose(..., baseline=)``: fp8.Baseline)
         self.baseline: Any = None
-
-    def memo(self, key: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, computed on the first call with ``key`` and kept (a view other modules
-        derive once per run, like ``progress.dead_units``)."""
-        if key not in self._cache:
-            self._cache[key] = fn()
-        return self._cache[key]
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -132,22 +122,6 @@ class Facts:
             return str(ac["device_type"])
         dev = self.run.device
         return str(dev.get("type", "cuda")) if dev is not None else "cuda"
-
-    @property
-    def root_names(self) -> set[str]:
-        """Names the recorder gives the root module(s): its class name, for a single root."""
-        return set(self.run.roots)
-
-    def is_the_model(self, module: str) -> bool:
-        """Is ``module`` the model itself, so that an island around it would be the whole
-        model in fp32? A root is, unless it is one of several models and has no submodule of
-        its own (a Gram matrix after a frozen extractor: the island is around its op)."""
-        roots = self.root_names
-        if module not in roots:
-            return False
-        if len(roots) == 1:
-            return True
-        return any(n.startswith(module + ".") for n in self.tensor_names)
 
     @property
     def optimizers(self) -> list[dict]:
@@ -280,134 +254,9 @@ class Facts:
         s = self.failure_step
         return int(s) if s is not None else (int(self.steps["step"][-1]) + 1 if self.n else 0)
 
-    # -- events and snapshots --------------------------------------------------------------
 
-    def events(self, kind: Event) -> np.ndarray:
-        ev = self.run.events
-        return ev[ev["kind"] == int(kind)]
+    # -- statistics --------------------------------------------------------------------------
 
-    @property
-    def stopped(self) -> Optional[dict]:
-        """Where and why ampdoctor stopped recording (an internal fault), or None."""
-        return recording_stopped(self.run)
-
-    @property
-    def exception(self) -> Optional[tuple[str, str]]:
-        """(type, message) of the exception the training script raised, if any."""
-        rows = self.events(Event.EXCEPTION)
-        status = self.run.status
-        if len(rows):
-            # one line: a message is quoted inside a sentence (a traceback's lines would start
-            # lines of their own in a diagnosis)
-            text = one_line(str(rows["text"][-1]))
-            typ, _, msg = text.partition(": ")
-            return typ, msg
-        if status.startswith(schema.STATUS_EXCEPTION):
-            return status.split(":", 1)[1], ""
-        return None
-
-    @property
-    def snapshots(self) -> list[dict]:
-        """Forensic replays, oldest first, as dicts (detail JSON parsed)."""
-        def build():
-            out = []
-            for s in self.run.snapshots:
-                detail = SnapshotDetail.from_json(s["detail"])
-                out.append({"id": int(s["id"]), "step": int(s["step"]),
-                            "phase": _phase_name(int(s["phase"])),
-                            "module": str(s["module"]) or None,
-                            "module_type": str(s["module_type"]) or None,
-                            "fp32_finite": int(s["fp32_finite"]),
-                            "fp32_absmax": float(s["fp32_absmax"]),
-                            "in_absmax": float(s["in_absmax"]),
-                            "out_absmax": float(s["out_absmax"]),
-                            "scale": float(s["scale"]), "lr": float(s["lr"]),
-                            "trigger": int(s["trigger"]), "detail": detail})
-            return out
-        return self.memo("snapshots", build)
-
-    @property
-    def hidden_nonfinite(self) -> list[dict]:
-        """The sampled steps' op probe findings (``hidden_nonfinite``)."""
-        return self.memo("hidden", lambda: hidden_nonfinite(self.run))
-
-    @property
-    def flat_probes(self) -> dict[int, dict]:
-        """Steps sampled because the loss had not fallen (``flat_probes``)."""
-        return self.memo("flat_probes", lambda: flat_probes(self.run))
-
-    def batch_absmax(self, snapshot_id: int) -> tuple[float, bool]:
-        """Largest finite magnitude in a snapshot's saved float batch, and whether it held
-        NaN/inf. Only the batch ("args.*", "kwargs.*"): not the culprit's own inputs, the
-        output gradient or the RNG state saved beside it."""
-        arrays = self.run.arrays
-        rows = np.flatnonzero(arrays["snapshot"] == snapshot_id)
-        biggest, bad = math.nan, False
-        for r in rows:
-            name = str(arrays["name"][r])
-            if not name.startswith(("args.", "kwargs.")):
-                continue
-            try:
-                a = self.run.array(int(r))
-            except Exception:  # noqa: BLE001 - a damaged array must not stop the diagnosis
-                continue
-            if a.dtype.kind != "f" or not a.size:
-                continue
-            fin = np.isfinite(a)
-            bad = bad or not bool(fin.all())
-            if fin.any():
-                m = float(np.abs(a[fin]).max())
-                biggest = m if math.isnan(biggest) else max(biggest, m)
-        return biggest, bad
-
-    # -- tensors and statistics ------------------------------------------------------------
-
-    @property
-    def tensor_kinds(self) -> np.ndarray:
-        """Each tensor id's ``Kind`` (-1 for an id the /tensors table does not hold)."""
-        def build() -> np.ndarray:
-            kinds = np.full(self._id_count(), -1, np.int64)
-            kinds[self.run.tensors["id"]] = self.run.tensors["kind"]
-            return kinds
-        return self.memo("kinds", build)
-
-    @property
-    def tensor_names(self) -> list[str]:
-        """Each tensor id's name ("blocks.0.attn", "fc.weight"; "" when unknown)."""
-        return self.memo("names", lambda: self._by_id("name"))
-
-    @property
-    def tensor_types(self) -> list[str]:
-        """Each tensor id's module class ("Attention"; "" when unknown or not a module)."""
-        return self.memo("types", lambda: self._by_id("type"))
-
-    @property
-    def tensor_numel(self) -> np.ndarray:
-        """Each tensor id's element count when first seen (0 when unknown)."""
-        def build() -> np.ndarray:
-            out = np.zeros(self._id_count(), np.int64)
-            out[self.run.tensors["id"]] = self.run.tensors["numel"]
-            return out
-        return self.memo("numel", build)
-
-    def _id_count(self) -> int:
-        t = self.run.tensors
-        return int(t["id"].max()) + 1 if len(t) else 0
-
-    def _by_id(self, column: str) -> list[str]:
-        """A /tensors text column as a list indexed by tensor id."""
-        out = [""] * self._id_count()
-        for i, value in zip(self.run.tensors["id"], self.run.tensors[column]):
-            out[int(i)] = str(value)
-        return out
-
-    def module_type(self, name: str) -> Optional[str]:
-        """Class of the module called ``name`` (from its OUTPUT row), if recorded."""
-        kinds, names, types = self.tensor_kinds, self.tensor_names, self.tensor_types
-        for i, n in enumerate(names):
-            if n == name and kinds[i] == Kind.OUTPUT:
-                return types[i] or None
-        return None
 
     @property
     def reduced(self) -> Reduced:
@@ -479,36 +328,6 @@ class Facts:
         later = [s["step"] for s in self.snapshots if step is not None and s["step"] >= step]
         return min(later) if later else None
 
-    def siblings(self, module: str) -> list[str]:
-        """``module`` and the same module in every block of its ModuleList, as recorded
-        (``blocks.0.attn`` -> ``blocks.0.attn``, ``blocks.1.attn``, ...)."""
-        parts = module.split(".")
-        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if idx is None or not 0 < idx < len(parts) - 1:
-            return [module]
-        head, tail = ".".join(parts[:idx]) + ".", "." + ".".join(parts[idx + 1:])
-        found = {n for n, k in zip(self.tensor_names, self.tensor_kinds)
-                 if k == Kind.OUTPUT and n.startswith(head) and n.endswith(tail)
-                 and n[len(head):len(n) - len(tail)].isdigit()}
-        found.add(module)
-        return sorted(found, key=lambda n: int(n[len(head):len(n) - len(tail)]))
-
-    def modules_of_class(self, module_type: str) -> list[str]:
-        """Every recorded module of class ``module_type`` (its OUTPUT rows), in the order the
-        first forward met them: ``modules_of_class("RMSNorm")`` -> ``["blocks.0.norm", ...,
-        "norm"]``. The root module is left out (an island around it is no island)."""
-        roots = self.root_names
-        return list(dict.fromkeys(
-            n for n, k, t in zip(self.tensor_names, self.tensor_kinds, self.tensor_types)
-            if k == Kind.OUTPUT and t == module_type and n and n not in roots))
-
-    def own_params(self, module: str) -> list[str]:
-        """The attribute names of ``module``'s own parameters, as recorded: ``["g"]`` for a
-        norm whose gain is ``norm.g`` (those of its submodules left out)."""
-        head = module + "."
-        return list(dict.fromkeys(
-            n[len(head):] for n, k in zip(self.tensor_names, self.tensor_kinds)
-            if k == Kind.PARAM and n.startswith(head) and "." not in n[len(head):]))
 
     def window(self, step: int, before: int = 5, after: int = 2) -> dict:
         """Scale, LR, loss and grad norm around ``step`` (for the report)."""
@@ -517,76 +336,6 @@ class Facts:
         sel = slice(max(0, i - before), min(self.n, i + after + 1))
         return {k: [_num(v) for v in s[k][sel]] for k in ("step", "loss", "scale", "lr",
                                                           "grad_norm", "skipped")}
-
-
-def recording_stopped(run: Any) -> Optional[dict]:
-    """``{"step", "why"}`` when ampdoctor stepped aside after an internal fault (its
-    RECORDER_ERROR event): the file holds the steps before ``step`` and nothing after.
-
-    Example::
-
-        recording_stopped(ampdoctor.load("run.h5"))
-        # {'step': 0, 'why': "before_clip: RuntimeError: aten.take.default got mixed ..."}
-    """
-    ev = run.events
-    rows = ev[ev["kind"] == int(Event.RECORDER_ERROR)]
-    if not len(rows):
-        return None
-    return {"step": int(rows["step"][0]), "why": one_line(str(rows["text"][0]))}
-
-
-def hidden_nonfinite(run: Any) -> list[dict]:
-    """The sampled steps' op probe findings (``Event.HIDDEN_NONFINITE``: a module whose output
-    stayed finite although an op inside it made inf/NaN), in step and execution order:
-    {"step", "module", "type", "tensor", "created" (bits 1 NaN, 2 +inf, 4 -inf), "op",
-    "dtype", "inner", "index", "ops"}.
-
-    Example::
-
-        hidden_nonfinite(ampdoctor.load("run.h5"))[0]["op"]     # 'mul'
-    """
-    ev, t = run.events, run.tensors
-    names = {int(i): str(n) for i, n in zip(t["id"], t["name"])}
-    types = {int(i): str(c) for i, c in zip(t["id"], t["type"])}
-    out = []
-    for row in ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]:
-        detail = HiddenNonfinite.from_json(str(row["text"]))
-        tid = int(row["tensor"])
-        value = float(row["value"])
-        out.append({"step": int(row["step"]), "module": names.get(tid) or None,
-                    "type": types.get(tid) or None, "tensor": tid,
-                    "created": int(value) if math.isfinite(value) else 0,
-                    "op": str(detail.get("op")), "dtype": str(detail.get("dtype")),
-                    "inner": detail.get("inner") or names.get(tid),
-                    "index": int(detail.get("index")), "ops": int(detail.get("ops"))})
-    return sorted(out, key=lambda h: (h["step"], h["index"]))
-
-
-def flat_probes(run: Any) -> dict[int, dict]:
-    """The steps the recorder sampled (op probe included) because the loss had not fallen for
-    a while (``Event.FLAT_LOSS_PROBE``, ``record/flatloss.py``), by step: {"start", "recent"
-    (the loss's median at the start and over the last ten steps), "flat_steps", "probe"}.
-
-    Example::
-
-        flat_probes(ampdoctor.load("run.h5"))   # {29: {'start': 1.43, 'recent': 2.08, ...}}
-    """
-    ev = run.events
-    out = {}
-    for row in ev[ev["kind"] == int(Event.FLAT_LOSS_PROBE)]:
-        detail = FlatLossProbe.from_json(str(row["text"]))
-        out[int(row["step"])] = {"start": float(detail.get("start")),
-                                 "recent": float(detail.get("recent")),
-                                 "flat_steps": int(detail.get("flat_steps")),
-                                 "probe": int(detail.get("probe"))}
-    return out
-
-
-def _phase_name(code: int) -> str:
-    try:
-        return PHASES[Phase(code)]
-    except ValueError:
-        return "unknown"
 
 
 def _num(v: Any) -> Any:

@@ -49,7 +49,7 @@ import numpy as np
 from ..numfmt import fmt
 from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
-from .facts import hidden_nonfinite
+from .events import hidden_nonfinite
 from .layers import KIND_LABELS, sampled
 from .opprobe import precision_hits
 

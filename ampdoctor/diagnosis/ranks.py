@@ -54,7 +54,8 @@ def outline(run: Any) -> dict:
         with ampdoctor.load("run.h5") as run:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
-    from .facts import Facts, recording_stopped
+    from .events import recording_stopped
+    from .facts import Facts
 
     steps = run.steps
     flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)

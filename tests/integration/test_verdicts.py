@@ -31,7 +31,8 @@ from recording import command, start
 
 import ampdoctor
 from ampdoctor.diagnosis.engine import unmet_premises
-from ampdoctor.diagnosis.facts import Facts, flat_probes
+from ampdoctor.diagnosis.events import flat_probes
+from ampdoctor.diagnosis.facts import Facts
 from ampdoctor.diagnosis.rules.trends import computed_in_fp32
 from ampdoctor.diagnosis.thresholds import LAYER_UNDERFLOW
 from ampdoctor.diagnosis.verdict import canonical

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from helpers import TinyNet
 
 import ampdoctor
-from ampdoctor.diagnosis.facts import flat_probes
+from ampdoctor.diagnosis.events import flat_probes
 from ampdoctor.record import flatloss
 from ampdoctor.record.flatloss import DRAINS, FIRST, MAX_PROBES, FlatLoss
 from ampdoctor.runfile.schema import Event

@@ -864,7 +864,7 @@ def _probe_train(run_path, model, steps=3, every=1, **options):
 
 
 def _hidden(run_path):
-    from ampdoctor.diagnosis.facts import hidden_nonfinite
+    from ampdoctor.diagnosis.events import hidden_nonfinite
 
     with ampdoctor.load(run_path) as run:
         return hidden_nonfinite(run)

@@ -1,7 +1,8 @@
 """The /tensors table by tensor id, for the rules: the root modules (and whether a module is
 the model itself), each id's kind, name, module class and size, a module's class, its siblings
-in the other blocks, the modules of one class, a module's own parameters. ``TensorViews`` is the first base of ``facts.Facts`` (with ``events.EventViews``
-over it); each view is computed once per run (``memo``).
+in the other blocks, the modules of one class, a module's own parameters. ``TensorViews`` is
+the first base of ``facts.Facts`` (with ``events.EventViews`` over it); each view is computed
+once per run (``memo``).
 
 Example::
 

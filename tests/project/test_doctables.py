@@ -1,0 +1,49 @@
+"""The doc tables written from the code's tables (``docs/doctables.py``) are what it writes: the
+README's verdict table and docs/verdicts.md's, from ``diagnosis/verdict.py``'s ``TABLE``. A
+verdict added, dropped or reworded in the code, or a row edited by hand, fails here with the
+command that rewrites them."""
+
+import importlib.util
+import os
+import shutil
+
+from conftest import ROOT
+
+
+def doctables():
+    spec = importlib.util.spec_from_file_location("doctables", os.path.join(ROOT, "docs",
+                                                                          "doctables.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_doc_tables_are_what_the_generator_writes():
+    tables = doctables()
+    stale = tables.stale()
+    assert not stale, f"{', '.join(stale)}: run `{tables.COMMAND}` and commit what it writes"
+
+
+def test_every_verdict_has_its_row_in_both_tables():
+    tables = doctables()
+    readme, rules = tables.verdicts(), tables.verdict_rules()
+    for v in tables.TABLE:
+        assert f"\n| `{v.id}` | {v.doc} |" in readme and v.doc.strip(), v.id
+        assert f"\n| `{v.id}` | `{v.family}.py`" in rules or v.family == "engine", v.id
+
+
+def test_a_row_edited_by_hand_or_left_out_is_named(tmp_path):
+    tables = doctables()
+    for doc, _, _ in tables.TABLES:
+        os.makedirs(tmp_path / os.path.dirname(doc), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, doc), tmp_path / doc)
+    assert tables.stale(str(tmp_path)) == []
+    readme = (tmp_path / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `compiler` |"))
+    (tmp_path / "README.md").write_text(readme.replace(row + "\n", ""))
+    verdicts = tmp_path / "docs" / "verdicts.md"
+    verdicts.write_text(verdicts.read_text().replace("| `diverged` | `progress.py`",
+                                                     "| `diverged` | `trends.py`"))
+    assert tables.stale(str(tmp_path)) == ["README.md (verdicts)",
+                                           os.path.join("docs", "verdicts.md")
+                                           + " (verdict-rules)"]

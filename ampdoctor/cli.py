@@ -17,7 +17,7 @@ import click
 
 from . import safe
 from .errors import AmpDoctorError, EmptyRunError
-from .record import prescription  # torch-free: the --apply forms
+from .record.apply import prescription  # torch-free: the --apply forms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

@@ -23,9 +23,9 @@
   fixes tried on it (its own docstring lists its modules)
 - ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own
   docstring lists its modules)
-- ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them applied in
-  each process of the command), ``lrfactors`` (the LR factor a treatment set, which
-  ``steplog`` reads)
+- ``apply/``: ``record --apply``: ``prescription`` (its forms, no torch), ``treatment`` (them
+  applied in each process of the command), ``lrfactors`` (the LR factor a treatment set, which
+  ``steplog`` reads); its own docstring lists its modules
 
 Importing this package imports nothing (``command.launch`` is imported by the CLI without
 torch).

@@ -43,7 +43,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import lrfactors, stats
+from . import stats
+from .apply import lrfactors
 from .journal import Journal
 from .steps import Constants, Step
 from .torchcompat import found_inf, scaler_enabled

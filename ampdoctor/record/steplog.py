@@ -29,7 +29,8 @@ import torch
 
 from ..runfile import schema
 from ..runfile.schema import Event, flag
-from . import lrfactors, readback
+from . import readback
+from .apply import lrfactors
 from .environment import peak_memory
 from .flatloss import FlatLoss
 from .journal import Journal

@@ -14,8 +14,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import ampdoctor
 from ampdoctor.errors import RecordError
-from ampdoctor.record import prescription
-from ampdoctor.record.treatment import Treatment
+from ampdoctor.record.apply import prescription
+from ampdoctor.record.apply.treatment import Treatment
 
 
 def treated(*args):
@@ -369,7 +369,7 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
     from conftest import ROOT
 
     from ampdoctor import cli
-    from ampdoctor.record import treatment
+    from ampdoctor.record.apply import treatment
 
     forms = set(prescription.FORMS)
     assert set(treatment.INSTALL) == forms, "an --apply form without its installer, or the reverse"
@@ -392,7 +392,7 @@ def test_each_form_is_declared_once_and_every_list_of_forms_follows_it():
 def test_a_form_without_its_installer_fails_the_import(monkeypatch):
     """INSTALL is derived from FORMS: a form declared with no ``_install_<form>`` is named
     when treatment.py is imported, not when someone first applies it."""
-    from ampdoctor.record import treatment
+    from ampdoctor.record.apply import treatment
 
     monkeypatch.setitem(treatment.FORMS, "new_fix", prescription.Form("", "does it"))
     with pytest.raises(ImportError, match="no _install_<form> for new_fix"):

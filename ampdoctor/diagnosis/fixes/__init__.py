@@ -16,7 +16,7 @@ gradients, Adam's eps from the optimizer state, ``max_norm`` from the healthy st
 context with no run behind it gets the documented defaults of ``DEFAULTS``, each saying why.
 
 Each fix also says how to try it on the whole run with no code change (``apply``: the
-argument of ``ampdoctor record --apply``, see ``record/prescription.py``), or why it cannot be
+argument of ``ampdoctor record --apply``, see ``record/apply/prescription.py``), or why it cannot be
 applied from outside the code (``apply_note``); and whether it was tried on the saved failing
 step (``tried``, ``outcome``, ``finite``: filled by the forensic replay where it can try it).
 

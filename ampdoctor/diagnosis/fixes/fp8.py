@@ -1,7 +1,7 @@
 """Fixes for a run that already trains in fp8 (torchao's ``Float8Linear``): keep one layer in
 high precision, cast per tensor (the output gradient in e5m2), cast row-wise (one scale per
 row), or scale by the current amax (not a delayed scale). Each is tried on the whole run by
-``record --apply fp8=RECIPE[:keep=...]`` (``record/treatment.py``); the forensic replay of a
+``record --apply fp8=RECIPE[:keep=...]`` (``record/apply/treatment.py``); the forensic replay of a
 failing step does not convert layers, but the fp8 trial at close re-runs the saved step with
 each fp8 layer kept in high precision or cast row-wise (``rules/fp8own.py`` reads it as the
 outcome of ``fp8_keep_layer`` and ``fp8_rowwise``).
@@ -13,7 +13,7 @@ from typing import Optional
 
 from .registry import Advice, Context, fix, one_line
 
-# torchao's recipe names that `record --apply fp8=` takes (record/prescription.FP8_RECIPES;
+# torchao's recipe names that `record --apply fp8=` takes (record/apply/prescription.FP8_RECIPES;
 # the analysis side does not import record/, tests/record/test_treatment.py holds them together)
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 _REPLAY = "the replay of the saved step does not convert layers to fp8"

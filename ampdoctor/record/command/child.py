@@ -56,7 +56,7 @@ class Session:
         if not self.settings.apply:
             return self
         try:
-            from ..treatment import Treatment
+            from ..apply.treatment import Treatment
 
             self.treatment = Treatment(list(self.settings.apply), note=self.note_applied)
             self.treatment.install()

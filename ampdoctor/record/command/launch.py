@@ -26,8 +26,9 @@ itself: ``AMPDOCTOR_OUTPUT``, ``AMPDOCTOR_EVERY``, ``AMPDOCTOR_FP8_TRIAL``, ``AM
 ``AMPDOCTOR_QUIET``.
 
 ``--apply FIX[=VALUE]`` (repeatable) treats the command as well: the fixes, checked here before
-anything starts (``record/prescription.py``), travel to the children in ``AMPDOCTOR_APPLY``, where
-``record/treatment.py`` applies them from the bootstrap, before the recorder starts.
+anything starts (``record/apply/prescription.py``), travel to the children in
+``AMPDOCTOR_APPLY``, where ``record/apply/treatment.py`` applies them from the bootstrap, before
+the recorder starts.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ... import outputs, safe
 from ...diagnosis import ranks
 from ...errors import OutputError, RecordError, RunFileError
 from ...runfile import nodes, paths, store
-from .. import prescription
+from ..apply import prescription
 from . import keeper, lifeline, written
 from .settings import (  # noqa: F401 (launch.ENV_*)
     ENV_ACTIVE,

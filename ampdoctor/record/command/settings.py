@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from ...errors import RecordError
-from .. import prescription
-from ..prescription import Prescription
+from ..apply import prescription
+from ..apply.prescription import Prescription
 
 ENV_OUTPUT = "AMPDOCTOR_OUTPUT"
 ENV_EVERY = "AMPDOCTOR_EVERY"

@@ -53,7 +53,7 @@ from torch.optim import optimizer as optimizer_hooks
 
 from ...runfile.payloads import LrRange
 from ...runfile.schema import Event, Phase
-from .. import lrfactors
+from ..apply import lrfactors
 from ..sampler import tensors_in
 from .isolated import set_rng
 from .trace import Capture, autocast, unwrap

@@ -26,7 +26,7 @@ def test_bootstrap_and_launcher_agree():
 
 
 def test_settings_round_trip_through_the_environment():
-    from ampdoctor.record import prescription
+    from ampdoctor.record.apply import prescription
 
     fixes = tuple(prescription.parse_all(["use_bf16", "lr_factor=0.1"]))
     s = launch.Settings(output="/tmp/x/run.h5", every=7, quiet=True, shown="run.h5",

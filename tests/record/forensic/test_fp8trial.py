@@ -16,7 +16,7 @@ from helpers import batches, fresh, train
 
 import ampdoctor
 from ampdoctor.errors import RecordError
-from ampdoctor.record import prescription
+from ampdoctor.record.apply import prescription
 from ampdoctor.record.forensic import fp8trial
 from ampdoctor.record.forensic.fp8matmul import in_fp8, in_high_precision
 from ampdoctor.runfile import store

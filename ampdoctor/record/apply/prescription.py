@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
-from ..errors import RecordError
+from ...errors import RecordError
 
 Value = Union[None, float, int, tuple[str, ...]]
 
@@ -222,10 +222,10 @@ def measured(path: str, recipe: str, text: str) -> tuple[str, ...]:
     ``record/forensic/fp8trial.py``): the layers it kept under ``recipe``; ``recipe`` "": the
     one it found to suit the model where record can train it (tensorwise or rowwise), else
     tensorwise. rowwise_with_gw_hp takes rowwise's."""
-    from ..errors import AmpDoctorError
-    from ..runfile.payloads import Fp8Trial
-    from ..runfile.schema import Event
-    from ..runfile.store import opened
+    from ...errors import AmpDoctorError
+    from ...runfile.payloads import Fp8Trial
+    from ...runfile.schema import Event
+    from ...runfile.store import opened
 
     if not path.strip():
         raise RecordError(f"--apply {text}: name the run to read, as in "

@@ -65,7 +65,8 @@ import torch.nn.functional as F
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
-from . import lrfactors, patches
+from .. import patches
+from . import lrfactors
 from .prescription import FORMS, Prescription
 
 # torch.nn.functional's losses: the ones ``loss_in_fp32`` casts.

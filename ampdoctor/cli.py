@@ -21,6 +21,51 @@ from .record.apply import prescription  # torch-free: the --apply forms
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
+# The README's command table, a row per command (``python docs/doctables.py`` writes it from
+# here, and stops on a command without its row): how it is called, what it does, where the docs
+# say more. The last row is the testing API's.
+COMMAND_TABLE = (
+    ("`ampdoctor record -o run.h5 -- CMD`",
+     "records any training command (torchrun, accelerate, Lightning included), no code change; "
+     "`--apply FIX` treats it with a fix, still no code change; `--fp8-trial SECONDS` bounds the "
+     "[fp8 trial](docs/fp8.md#which-layers-to-keep-the-fp8-trial) at close",
+     "[commands](docs/commands.md#ampdoctor-record-any-training-script-no-code-change), "
+     "[stacks](docs/stacks.md)"),
+    ("`ampdoctor diagnose run.h5`",
+     "verdict, evidence and fixes; text, JSON or Markdown",
+     "[commands](docs/commands.md#ampdoctor-diagnose-what-went-wrong), "
+     "[verdicts](docs/verdicts.md)"),
+    ("`ampdoctor report run.h5`",
+     "one self-contained HTML page of release material (Markdown, JSON)",
+     "[reports](docs/reports.md#ampdoctor-report-one-self-contained-html-file)"),
+    ("`ampdoctor compare fp32.h5 amp.h5`",
+     "fp32 parity of a mixed-precision run: `match`, `drift` or `diverged`; a run against its "
+     "fix: `fixed`, `not_trained`, `still_failing`, `worse`",
+     "[reports](docs/reports.md#ampdoctor-compare-fp32-parity)"),
+    ("`ampdoctor parity check.py:make`",
+     "before a run: which modules lose precision in bf16 or fp16",
+     "[before a long run](docs/before-a-long-run.md#ampdoctor-parity-which-layers-lose-precision)"),
+    ("`ampdoctor top run.h5`",
+     "watches a run while it trains (a line per Linear at risk in fp8, while some are); the "
+     "diagnosis when it ends",
+     "[commands](docs/commands.md#ampdoctor-top-watch-a-run-while-it-trains)"),
+    ("`ampdoctor export run.h5 --tensorboard DIR`",
+     "the recorded curves as TensorBoard events, beside yours",
+     "[commands](docs/commands.md#ampdoctor-export---tensorboard-the-curves-beside-yours)"),
+    ("`ampdoctor dump run.h5`",
+     "what a run file holds, table by table",
+     "[commands](docs/commands.md#ampdoctor-dump-what-a-run-file-holds)"),
+    ("`ampdoctor index run.h5`",
+     "node summaries for a job's rank files that have none (a node that died first, an older "
+     "ampdoctor), so `diagnose` reads thousands of ranks in seconds",
+     "[commands](docs/commands.md#ampdoctor-index-node-summaries-for-a-fast-diagnose)"),
+    ("`check_amp_step`, `amp_contract`",
+     "in your tests: the training step keeps GradScaler's contract; each broken rule names its "
+     "fix (`clip_order`'s, `add_grad_scaler`, `loss_in_fp32`, and `scheduler_after_real_step` for "
+     "an LR scheduler stepped on a skipped step)",
+     "[before a long run](docs/before-a-long-run.md#keep-the-amp-contract-in-ci)"),
+)
+
 
 @click.group(context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="ampdoctor", prog_name="ampdoctor")

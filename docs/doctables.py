@@ -3,6 +3,9 @@
     python docs/doctables.py           # rewrite every table that differs
     python docs/doctables.py --check   # exit 1 naming each table that differs; write nothing
 
+- README.md, between ``<!-- begin: commands -->`` and ``<!-- end: commands -->``: a row per
+  command of ``ampdoctor/cli.py``'s ``COMMAND_TABLE`` (a command of the CLI without its row
+  stops the generator, naming it);
 - README.md, between ``<!-- begin: verdicts -->`` and ``<!-- end: verdicts -->``: each verdict
   of ``ampdoctor/diagnosis/verdict.py``'s ``TABLE``, in its order, with its ``doc`` and
   ``doc_fixes``;
@@ -11,7 +14,8 @@
   that returns a ``Finding`` with its id) and what the release report reads into it
   (``report``).
 
-A verdict is declared once, in ``TABLE``; these tables are never edited by hand.
+A verdict is declared once, in ``TABLE``, and a command's row beside the CLI; these tables are
+never edited by hand.
 ``tests/project/test_doctables.py`` (CI) fails while a table differs from what this writes.
 Standard library and ampdoctor only.
 """
@@ -27,7 +31,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ampdoctor.diagnosis.verdict import TABLE  # noqa: E402 - the checkout's own package
+from ampdoctor import cli  # noqa: E402 - the checkout's own package
+from ampdoctor.diagnosis.verdict import TABLE  # noqa: E402
 
 RULES_DIR = os.path.join(ROOT, "ampdoctor", "diagnosis", "rules")
 # What the release report's precision decision reads into a verdict (``Verdict.report``).
@@ -35,6 +40,18 @@ REPORT = {"range": "fp16's range failed: another dtype or fp32 islands",
           "bug": "a bug in the script or its data: fix it first, no dtype does",
           "neither": "—"}
 COMMAND = "python docs/doctables.py"
+
+
+def commands() -> str:
+    """README.md's command table."""
+    named = {m.group(1) for m in (re.match(r"`ampdoctor (\w+)", row[0])
+                                  for row in cli.COMMAND_TABLE) if m}
+    missing = sorted(set(cli.cli.commands) - named)
+    if missing:
+        raise SystemExit(f"ampdoctor/cli.py's COMMAND_TABLE has no row for {', '.join(missing)}")
+    rows = ["| command | what it does | reference |", "|---|---|---|"]
+    rows += [f"| {call} | {does} | {see} |" for call, does, see in cli.COMMAND_TABLE]
+    return "\n".join(rows)
 
 
 def verdicts() -> str:
@@ -66,7 +83,8 @@ def verdict_rules() -> str:
 
 
 # (document, marker name, writer)
-TABLES = [("README.md", "verdicts", verdicts),
+TABLES = [("README.md", "commands", commands),
+          ("README.md", "verdicts", verdicts),
           (os.path.join("docs", "verdicts.md"), "verdict-rules", verdict_rules)]
 
 

@@ -1,12 +1,14 @@
 """The doc tables written from the code's tables (``docs/doctables.py``) are what it writes: the
-README's verdict table and docs/verdicts.md's, from ``diagnosis/verdict.py``'s ``TABLE``. A
-verdict added, dropped or reworded in the code, or a row edited by hand, fails here with the
-command that rewrites them."""
+README's command table, from ``cli.py``'s ``COMMAND_TABLE``, and the verdict tables of the
+README and docs/verdicts.md, from ``diagnosis/verdict.py``'s ``TABLE``. A verdict added,
+dropped or reworded in the code, a command without its row, or a row edited by hand, fails
+here with the command that rewrites them."""
 
 import importlib.util
 import os
 import shutil
 
+import pytest
 from conftest import ROOT
 
 
@@ -47,3 +49,12 @@ def test_a_row_edited_by_hand_or_left_out_is_named(tmp_path):
     assert tables.stale(str(tmp_path)) == ["README.md (verdicts)",
                                            os.path.join("docs", "verdicts.md")
                                            + " (verdict-rules)"]
+
+
+def test_a_command_without_its_row_stops_the_generator(monkeypatch):
+    tables = doctables()
+    rows = [r for r in tables.cli.COMMAND_TABLE if not r[0].startswith("`ampdoctor dump")]
+    assert len(rows) == len(tables.cli.COMMAND_TABLE) - 1
+    monkeypatch.setattr(tables.cli, "COMMAND_TABLE", tuple(rows))
+    with pytest.raises(SystemExit, match="COMMAND_TABLE has no row for dump"):
+        tables.commands()

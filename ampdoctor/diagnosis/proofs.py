@@ -22,6 +22,9 @@ says so. A trial that failed inside ampdoctor says why in the evidence.
 2. then the fixes a trial made finite, then those not tried, then those a trial found not
    enough (or not proven), each group in the verdict's order.
 
+``island_outcome`` is the sentence an ``unstable_op`` summary ends with once the fp32 island
+was tried on the saved step (the engine adds it).
+
 Example::
 
     d = ampdoctor.diagnose("run.h5")

@@ -14,17 +14,19 @@ numpy only (no torch). Two verdicts, two failures with different fixes:
   consequence in ``diverged``'s chain. Without exact zeros, update ratios that fell >= 1000x at
   an unchanged LR while the loss stays flat (saturated units) are the same verdict.
 
-Each finding answers the precision question (``precision_answer``): would fp32 have done the
+Each finding answers the precision question (``progress.precision_answer``, beside ``facts.py``
+with the dead units it reads, as the learning rules read it too): would fp32 have done the
 same? It would when nothing came near the low precision's limits and the updates were applied;
 a bf16/fp16 stall where updates round away is ``lost_updates``' (``trends.rule_lost_updates``),
 told apart by its own signal: gradients that are *not* zero but move nothing. Exact zeros in a
 gradient are the opposite signal and never count there.
 
 What cannot be told: with no sampled step (``--every 0``, or a run shorter than the interval)
-dead units are invisible, and a spike after which the loss came back to where it began is
-not a failure of its own: a loss that then did not fall is ``not_learning`` (``learning.py``),
-one that fell but stayed above half its start a warning on a healthy verdict
-(``flat_warning``); with fewer than ``curve.MIN_STEPS`` losses the curve is not judged at all.
+dead units are invisible, and a spike after which the loss came back to where it began is not a
+failure of its own: a loss that then did not fall is ``not_learning`` (``learning.py``), one
+that fell but stayed above half its start a warning on a healthy verdict
+(``progress.flat_warning``, the engine's); with fewer than ``curve.MIN_STEPS`` losses the curve
+is not judged at all.
 """
 
 from __future__ import annotations

@@ -107,6 +107,9 @@ class Facts:
         self._cache: dict[str, Any] = {}
         # the run this one is measured against (``diagnose(..., baseline=)``: fp8.Baseline)
         self.baseline: Any = None
+        # a job's fp8 operands that several ranks hold whole, compared across its rank files
+        # (``diagnose`` of a job: fp8ranks.Agreement); None for one file
+        self.fp8_ranks: Any = None
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, computed on the first call with ``key`` and kept (a view other modules

@@ -107,6 +107,11 @@ TABLE = (
             "baseline (kind self), the saved step re-run in high precision",
             51, "fp8", "neither", (_FP8 + "test_an_fp8_run_that_drifts_from_its_baseline_"
                                    "names_the_layer",)),
+    Verdict("fp8_amax_mismatch", "an fp8 operand that several ranks hold whole (a DDP "
+            "weight, a replicated DTensor) has a different amax and scale on some of them: "
+            "replicas that drifted apart, or a scale from a rank-local amax",
+            79, "fp8ranks", "bug", ("tests/integration/test_fp8_ranks.py::"
+                                    "test_ddp_replicas_that_drift_apart_are_named",)),
     Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "
             "says what was checked)", 15, "learning", "neither", ("not_learning",)),
     Verdict("state_poisoning", "BatchNorm/buffers non-finite while the weights are finite",

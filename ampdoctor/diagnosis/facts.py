@@ -27,9 +27,8 @@ from .fixes.premises import relu_free
 from .scale import ScaleStory, scale_story
 from .streamed import Reduced, stream_stats
 
-PHASES = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.INPUT: "input",
-          Phase.LOSS: "loss", Phase.OPTIMIZER: "optimizer", Phase.NONE: "none",
-          Phase.UNKNOWN: "unknown"}
+PHASES = {p: p.name.lower() for p in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT, Phase.LOSS,
+                                      Phase.OPTIMIZER, Phase.NONE, Phase.UNKNOWN)}
 
 ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam", "Adagrad", "Adadelta",
                "RMSprop", "Adafactor", "LAMB", "Lamb", "FusedAdam", "FusedLAMB", "AdamW8bit",
@@ -107,9 +106,7 @@ class Facts:
         self._cache: dict[str, Any] = {}
         # the run this one is measured against (``diagnose(..., baseline=)``: fp8.Baseline)
         self.baseline: Any = None
-        # a job's fp8 operands that several ranks hold whole, compared across its rank files
-        # (``diagnose`` of a job: fp8ranks.Agreement); None for one file
-        self.fp8_ranks: Any = None
+        self.fp8_ranks: Any = None  # a job's rank files side by side: fp8ranks.Agreement
 
     def memo(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, computed on the first call with ``key`` and kept (a view other modules

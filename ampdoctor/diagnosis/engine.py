@@ -176,12 +176,13 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     ranks.read_own_flags([f.outline for f in facts], ranks.own_flag_in_file)
     chosen = job.chosen(facts, job.base_rank(facts))
     shares = _norm_shares(facts)
-    agreement = fp8ranks.compare(f.path for f in facts)
+    agreed: dict = {}  # the fp8 operands compared across the ranks, once (``_agreement``)
     diagnoses: dict[str, Diagnosis] = {}
     for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
         if any(c is f for c in chosen):
             try:
-                diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares, agreement)
+                diagnoses[f.path], facts[i] = _diagnose_rank(
+                    f.path, rules, shares, lambda run: _agreement(run, facts, agreed))
             except RunFileError as exc:  # its summary stands for it, as for a rank not chosen
                 left_out.append(str(exc))
                 continue
@@ -191,7 +192,7 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
     d = ranks.merge(per_rank, divergence=scales, scaled=any(f.scaled for f in facts))
     _job_notes(d, facts, read, shares)
-    d.notes += _agreement_notes(agreement)
+    d.notes += _agreement_notes(agreed.get("found"))
     d.notes += jobfiles.notes(found, left_out, len(paths))
     d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales, full=read)
     return d
@@ -233,14 +234,24 @@ def _facts(path: str, known: Any = None) -> job.RankFacts:
 
 
 def _diagnose_rank(path: str, rules: Optional[Iterable[Callable]],
-                   shares: Optional[ranks.NormShares], agreement: Any = None
+                   shares: Optional[ranks.NormShares], agreement: Callable[[Any], Any]
                    ) -> tuple[Diagnosis, job.RankFacts]:
     from ..runfile.store import load
 
     with load(path) as run:
         if shares is not None:
             shares.apply(run.steps)
-        return _with_ranks(run, rules, agreement), job.from_run(run)
+        return _with_ranks(run, rules, agreement(run)), job.from_run(run)
+
+
+def _agreement(run: Any, facts: list[job.RankFacts], agreed: dict) -> Any:
+    """The job's fp8 operands compared across its rank files (``fp8ranks.compare``), computed
+    once, when the first rank read in full declares some (a job without fp8 layers opens no
+    other file for it; one with them, each other file once, beside this one)."""
+    if "found" not in agreed:
+        agreed["found"] = fp8ranks.compare([f.path for f in facts], loaded=run) \
+            if fp8ranks.declares(run) else None
+    return agreed["found"]
 
 
 def _with_ranks(run: Any, rules: Optional[Iterable[Callable]], agreement: Any) -> Diagnosis:

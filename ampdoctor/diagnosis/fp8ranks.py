@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -78,17 +79,29 @@ class Agreement:
         return len({s for op in self.operands for s in op.compared})
 
 
-def compare(paths: Iterable[str]) -> Optional[Agreement]:
+def compare(paths: Iterable[str], loaded: Any = None) -> Optional[Agreement]:
     """The fp8 operands the rank files ``paths`` declare held whole by several ranks, with
     each rank's amax and scale per sampled step; None where the first file declares none (a
-    job's ranks share one model and layout: a job without fp8 layers costs one /meta read)."""
+    job's ranks share one model and layout). ``loaded``: one of them, already loaded (the
+    rank a job's diagnosis reads in full), read in place of its path."""
     from ..runfile.store import load
+
+    mine = os.path.abspath(str(loaded.path)) if loaded is not None else None
 
     def runs() -> Iterable[Any]:
         for path in paths:
+            if os.path.abspath(path) == mine:
+                yield loaded
+                continue
             with load(path) as run:
                 yield run
     return compare_runs(runs())
+
+
+def declares(run: Any) -> bool:
+    """Does ``run`` declare an fp8 operand that several ranks hold whole? (A job's ranks
+    share one layout: where the rank read in full declares none, no file is compared.)"""
+    return bool(_declared(run))
 
 
 def compare_runs(runs: Iterable[Any]) -> Optional[Agreement]:

@@ -119,7 +119,8 @@ _RANKS = "one step on one rank cannot show ranks that disagree"
 def fp8_sync_replicas(c: Context) -> Advice:
     layout = c.fp8 or {}
     if layout.get("by") == "ddp":
-        snippet = ("# every rank must step on the all-reduced gradient: let the last micro-"
+        snippet = ("import contextlib\n"
+                   "# every rank must step on the all-reduced gradient: let the last micro-"
                    "batch sync\n"
                    "for i, batch in enumerate(micro_batches):\n"
                    "    last = i == len(micro_batches) - 1\n"

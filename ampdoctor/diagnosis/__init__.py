@@ -28,7 +28,8 @@
 - ``ranks`` (the files of a multi-process run, merged), ``job`` (a job's ranks from their
   summaries), ``rankview`` (the rank view), ``jobfiles`` (what a job's diagnosis says of its
   files: node summaries used or passed over, rank files unreadable)
-- ``fp8``: the facts of an fp8 run (its layers' own casts, headroom); ``parity``: a run against
-  its baseline, step by step (what ``compare`` and ``fp8_drift`` both decide on)
+- ``fp8``: the facts of an fp8 run (its layers' own casts, headroom); ``fp8ranks``: a job's
+  fp8 operands that several ranks hold whole, compared across its rank files; ``parity``: a
+  run against its baseline, step by step (what ``compare`` and ``fp8_drift`` both decide on)
 - ``objectives``: each loss of a run that backwards several, and which pull against each other
 """

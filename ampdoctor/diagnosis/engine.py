@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
-from . import fixes, forecast, fp8, job, jobfiles, objectives, proofs, ranks, rankview
+from . import fixes, forecast, fp8, fp8ranks, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
 from .progress import flat_warning, recovered_spike
@@ -76,6 +76,12 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
     facts = Facts(run)
     if baseline is not None:
         facts.baseline = _baseline(baseline)
+    return _diagnosed(facts, rules)
+
+
+def _diagnosed(facts: Facts, rules: Optional[Iterable[Callable]]) -> Diagnosis:
+    """The rules over one run's facts (``baseline`` or ``fp8_ranks`` already set), concluded."""
+    run = facts.run
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
     d = ranks.per_shard(_conclude(facts, findings), run.meta)
@@ -170,11 +176,13 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     ranks.read_own_flags([f.outline for f in facts], ranks.own_flag_in_file)
     chosen = job.chosen(facts, job.base_rank(facts))
     shares = _norm_shares(facts)
+    agreed: dict = {}  # the fp8 operands compared across the ranks, once (``_agreement``)
     diagnoses: dict[str, Diagnosis] = {}
     for i, f in enumerate(facts):  # one at a time, each closed before the next: flat memory
         if any(c is f for c in chosen):
             try:
-                diagnoses[f.path], facts[i] = _diagnose_rank(f.path, rules, shares)
+                diagnoses[f.path], facts[i] = _diagnose_rank(
+                    f.path, rules, shares, lambda run: _agreement(run, facts, agreed))
             except RunFileError as exc:  # its summary stands for it, as for a rank not chosen
                 left_out.append(str(exc))
                 continue
@@ -184,6 +192,7 @@ def diagnose_files(paths: Iterable[str], *, rules: Optional[Iterable[Callable]] 
     per_rank = [(f.outline, diagnoses.get(f.path), None) for f in facts]
     d = ranks.merge(per_rank, divergence=scales, scaled=any(f.scaled for f in facts))
     _job_notes(d, facts, read, shares)
+    d.notes += _agreement_notes(agreed.get("found"))
     d.notes += jobfiles.notes(found, left_out, len(paths))
     d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales, full=read)
     return d
@@ -225,13 +234,44 @@ def _facts(path: str, known: Any = None) -> job.RankFacts:
 
 
 def _diagnose_rank(path: str, rules: Optional[Iterable[Callable]],
-                   shares: Optional[ranks.NormShares]) -> tuple[Diagnosis, job.RankFacts]:
+                   shares: Optional[ranks.NormShares], agreement: Callable[[Any], Any]
+                   ) -> tuple[Diagnosis, job.RankFacts]:
     from ..runfile.store import load
 
     with load(path) as run:
         if shares is not None:
             shares.apply(run.steps)
-        return diagnose(run, rules=rules), job.from_run(run)
+        return _with_ranks(run, rules, agreement(run)), job.from_run(run)
+
+
+def _agreement(run: Any, facts: list[job.RankFacts], agreed: dict) -> Any:
+    """The job's fp8 operands compared across its rank files (``fp8ranks.compare``), computed
+    once, when the first rank read in full declares some (a job without fp8 layers opens no
+    other file for it; one with them, each other file once, beside this one)."""
+    if "found" not in agreed:
+        agreed["found"] = fp8ranks.compare([f.path for f in facts], loaded=run) \
+            if fp8ranks.declares(run) else None
+    return agreed["found"]
+
+
+def _with_ranks(run: Any, rules: Optional[Iterable[Callable]], agreement: Any) -> Diagnosis:
+    """One rank file diagnosed with what the job's rank files say together (the fp8 operands
+    several ranks hold, compared: ``fp8ranks.Agreement``)."""
+    facts = Facts(run)
+    facts.fp8_ranks = agreement
+    return _diagnosed(facts, rules)
+
+
+def _agreement_notes(agreement: Any) -> list[str]:
+    """What the comparison of the fp8 operands across ranks found, where they all agreed
+    (a disagreement is ``fp8_amax_mismatch``'s)."""
+    if agreement is None or agreement.mismatched or not agreement.steps:
+        return []
+    n = len(agreement.operands)
+    return [f"{n} fp8 operand{'s' if n > 1 else ''} that several ranks hold whole (by the "
+            "recorded layout: a DDP weight, a replicated DTensor) compared across the "
+            f"{agreement.files} rank files on {agreement.steps} sampled steps: amaxes and "
+            "scales bit-equal."]
 
 
 def _norm_shares(facts: list[job.RankFacts]) -> Optional[ranks.NormShares]:
@@ -292,12 +332,13 @@ def _diagnose_all(paths: list[str], rules: Optional[Iterable[Callable]]) -> Diag
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(load(path)) for path in paths]
         combined = ranks.combine_grad_norms(runs)
+        agreement = fp8ranks.compare_runs(runs)
         outlines = [ranks.outline(run) for run in runs]
         by_path = {r.path: r for r in runs}
         ranks.read_own_flags(outlines, lambda o, step: ranks.own_flag(by_path[o["path"]].steps,
                                                                        step))
         for run, outline in zip(runs, outlines):
-            per_rank.append((outline, diagnose(run, rules=rules), ranks.scales(run)))
+            per_rank.append((outline, _with_ranks(run, rules, agreement), ranks.scales(run)))
             facts.append(job.from_run(run, outline))
         scales = job.compare_scales(sorted(facts, key=lambda f: f.rank),
                                     lambda p: job.history_of(by_path[p]))
@@ -306,6 +347,7 @@ def _diagnose_all(paths: list[str], rules: Optional[Iterable[Callable]]) -> Diag
     d = ranks.merge(per_rank)
     if combined:
         d.notes.append(_combined_note(combined, len(runs)))
+    d.notes += _agreement_notes(agreement)
     d.rank_view = rankview.build(facts, origin=d.run["origin_rank"], scales=scales,
                                  full=[f.rank for f in facts])
     return d

@@ -104,6 +104,7 @@ class Facts(EventViews):
         self.chunk = chunk
         # the run this one is measured against (``diagnose(..., baseline=)``: fp8.Baseline)
         self.baseline: Any = None
+        self.fp8_ranks: Any = None  # a job's rank files side by side: fp8ranks.Agreement
 
     # -- configuration ---------------------------------------------------------------------
 

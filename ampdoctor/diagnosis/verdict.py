@@ -212,6 +212,20 @@ TABLE = (
                 "high precision and the step as recorded is > 50 % of the gradient or > 10 % of "
                 "the loss off it",
             doc_fixes="`fp8_keep_layer`"),
+    Verdict("fp8_amax_mismatch", "an fp8 operand that several ranks hold whole (a DDP "
+            "weight, a replicated DTensor) has a different amax and scale on some of them: "
+            "replicas that drifted apart, or a scale from a rank-local amax",
+            79, "fp8ranks", "bug", ("tests/integration/test_fp8_ranks.py::"
+                                    "test_ddp_replicas_that_drift_apart_are_named",),
+            doc="an fp8 layer's operand that several ranks hold whole, by the recorded layout (a "
+                "weight under DDP, a DTensor replicated over a tensor-parallel group), has a "
+                "different amax and so a different fp8 scale on some of them on a sampled step: "
+                "the replicas drifted apart (kind `ddp`: gradients not all-reduced, weights "
+                "changed on one rank after `DDP(model)`), or a replicated tensor differs across "
+                "its group or took its scale from a rank-local amax (kind `dtensor`); from the "
+                "job's rank files side by side, with the layer, the step and each rank's amax and"
+                " scale. Activations under plain data parallel are never compared",
+            doc_fixes="`fp8_sync_replicas`, `fp8_reduce_amax` (kind `dtensor`)"),
     Verdict("not_learning", "no failure found, but the loss did not fall (low confidence; "
             "says what was checked)", 15, "learning", "neither", ("not_learning",),
             doc="no failure found, but over 50 steps or more the loss did not fall (less than 10 "

@@ -14,7 +14,8 @@
   for its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss
   stops falling), ``schedules`` (LR scheduler steps per optimizer step), ``fp8`` (what fp8
   would do to each matmul's operands, on sampled steps; ``fp8layers``: the layers already in
-  fp8 and their recipes), ``objectives`` (each loss's and each
+  fp8 and their recipes; ``replicas``: which ranks hold an fp8 layer's operand whole, from
+  the layout), ``objectives`` (each loss's and each
   optimizer's own curve), ``engines`` (DeepSpeed's engine and Megatron-core's grad scalers,
   into the GradScaler's columns), ``scaledloss`` (which scaled loss a backward is),
   ``callorder`` (a step's backward calls against GradScaler's: a scaled loss backwarded

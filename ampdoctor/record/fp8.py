@@ -42,6 +42,7 @@ from ..runfile import schema
 from ..runfile.schema import Fp8Format, Kind, Recipe, Role
 from . import fp8layers, stats
 from .readback import HostRead
+from .replicas import Replicas
 from .sharding import local
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
@@ -374,6 +375,9 @@ class Fp8Probe:
         # the recorder writes at the drain after ``layers_changed``.
         self.layers: dict[str, dict] = {}
         self.layers_changed = False
+        # Which ranks hold an fp8 layer's operand whole (DDP, a replicated DTensor): the
+        # recorder's ``replicas.Replicas``, kept in its /meta fp8_layers entry as ``replicas``.
+        self.replicas: Optional[Replicas] = None
 
     def on_module(self, module: torch.nn.Module, name: str, call: int, args: tuple,
                   output: Any) -> None:
@@ -384,24 +388,41 @@ class Fp8Probe:
         if weight is None or out is None:
             return
         try:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if name not in self.layers and fp8layers.is_float8(module):
-                self.layers[name] = fp8layers.describe(module) or {}
+                self.layers[name] = self._describe(module, x)
                 self.layers_changed = True
             tid = self.tensor_id(Kind.OUTPUT, name, 0, out, type(module).__name__)
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if x is not None and stats.measurable(x):
                 self._add(local(x), Role.INPUT, tid, call)
             if call == 0 and stats.measurable(weight):  # (the same weights on every call)
                 self._add(local(weight), Role.WEIGHT, tid, call)
             if out.requires_grad and out.grad_fn is not None:
-                out.register_hook(lambda g, tid=tid, call=call: self._on_grad(tid, call, g))
+                out.register_hook(lambda g, tid=tid, call=call, name=name:
+                                  self._on_grad(tid, call, g, name))
         except Exception as exc:  # noqa: BLE001 - one odd module must not stop the rest
             self.warn(f"fp8 counts of {name}", exc)
 
-    def _on_grad(self, tid: int, call: int, grad: torch.Tensor) -> None:
+    def _describe(self, module: torch.nn.Module, x: Optional[torch.Tensor]) -> dict:
+        """/meta fp8_layers' entry of a layer in fp8: its casts, and the operands several
+        ranks hold whole (``replicas``)."""
+        out = fp8layers.describe(module) or {}
+        found = self.replicas.describe(module, x) if self.replicas is not None else {}
+        if found:
+            out["replicas"] = found
+        return out
+
+    def _on_grad(self, tid: int, call: int, grad: torch.Tensor, name: str = "") -> None:
         if grad is None or not self.active():
             return None
         try:
+            layer = self.layers.get(name)
+            if layer is not None and self.replicas is not None and \
+                    "grad_output" not in layer.get("replicas", {}):
+                found = self.replicas.of("grad_output", grad)
+                if found is not None:  # (a DTensor gradient: the output gradient is declared
+                    layer.setdefault("replicas", {})["grad_output"] = found  # where it arrives)
+                    self.layers_changed = True
             if stats.measurable(grad):
                 self._add(local(grad), Role.GRAD_OUTPUT, tid, call)
         except Exception as exc:  # noqa: BLE001

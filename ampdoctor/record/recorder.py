@@ -170,6 +170,8 @@ class Recorder:
         self._sampler = Sampler(self._watched.names, self._journal.tensor_id,
                                 self._journal.warn_tensor, sample=config.sample,
                                 fp8=config.fp8) if self.every else None
+        if self._sampler is not None and self._sampler.fp8 is not None:
+            self._sampler.fp8.replicas = self._watched.replicas
         self._skips = Skips(self._journal, self._watched, self._log, self.forensics)
         self._hooks = Hooks(self._journal, self._watched, self._log, self._skips,
                             sampler=self._sampler, forensics=self.forensics, every=self.every,

@@ -43,6 +43,7 @@ from . import amp_state, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
 from .listener import ModelDoor
+from .replicas import Replicas
 from .sampler import tensors_in
 from .steps import Step
 from .torchcompat import is_wrapper, placeholder_call, scaler_enabled, unwrap
@@ -70,6 +71,7 @@ class Watched:
         self.param_names: dict[int, str] = {}
         self.device: Optional[torch.device] = None
         self.sharding: Optional[sharding.Sharding] = None
+        self.replicas = Replicas()  # which ranks hold a weight whole (DDP): fp8 layers' meta
         self.autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
         self.root_ids: set[int] = set()
         self.depth = 0  # module calls open, while discovering
@@ -126,6 +128,7 @@ class Watched:
         DDP/DataParallel wrappers are looked through: the module they wrap is the root, so
         that a forensic replay never runs the wrapper's collectives on one rank alone."""
         if is_wrapper(module):
+            self.replicas.saw(module)  # a DDP wrapper: which ranks hold its weights whole
             return False
         self.depth += 1
         if self.depth > 1:
@@ -284,6 +287,7 @@ class Watched:
             self._amp = amp_state.Tracker(device.type)
         self._compiled = []
         for root, prefix in zip(roots, prefixes):
+            self.replicas.saw(root)
             inner = unwrap(root)
             self.names[root] = prefix.rstrip(".") or type(inner).__name__
             for name, m in inner.named_modules():

@@ -556,8 +556,9 @@ BLOB_CHUNK = 1 << 16
 #   why (the error); rewritten when one is added (Run.skipped_modules)
 # - fp8_layers: the layers the run trains in fp8 (torchao's Float8Linear), by module name: the
 #   library, torchao's recipe name, emulate, and per operand (input, weight, grad_output) the
-#   cast: scaling, granularity, dtype (record/fp8layers.py); rewritten when one is first seen
-#   on a sampled step (Run.fp8_layers)
+#   cast: scaling, granularity, dtype (record/fp8layers.py); ``replicas``: per operand several
+#   ranks hold whole, {ranks, by: "ddp" | "dtensor"[, placements]} (record/replicas.py);
+#   rewritten when one is first seen on a sampled step (Run.fp8_layers)
 
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"

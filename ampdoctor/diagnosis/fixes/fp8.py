@@ -4,7 +4,10 @@ row), or scale by the current amax (not a delayed scale). Each is tried on the w
 ``record --apply fp8=RECIPE[:keep=...]`` (``record/apply/treatment.py``); the forensic replay of a
 failing step does not convert layers, but the fp8 trial at close re-runs the saved step with
 each fp8 layer kept in high precision or cast row-wise (``rules/fp8own.py`` reads it as the
-outcome of ``fp8_keep_layer`` and ``fp8_rowwise``).
+outcome of ``fp8_keep_layer`` and ``fp8_rowwise``). Across ranks (``rules/fp8ranks.py``): make
+the replicas of a tensor hold the same one (``fp8_sync_replicas``), or take one scale from the
+amax reduced over the group that shares it (``fp8_reduce_amax``); neither can be applied from
+outside the code.
 """
 
 from __future__ import annotations
@@ -101,3 +104,77 @@ def fp8_current_scaling(c: Context) -> Advice:
             "largest value maps to the format's max and none is clamped. Where a delayed scale "
             "must stay (TransformerEngine's DelayedScaling), give it a margin (margin=1 halves "
             "the scale) or a shorter amax history.", snippet)
+
+
+# Across ranks (rules/fp8ranks.py): ``c.fp8`` holds the operand's layout, {"by": "ddp" or
+# "dtensor", "role": "weight", "group": [ranks]}.
+_NOT_APPLIED = "it changes how the ranks share a tensor, in the training code"
+_RANKS = "one step on one rank cannot show ranks that disagree"
+
+
+@fix("fp8_sync_replicas", "make every rank that holds a replicated tensor hold the same one: "
+     "DDP's gradients all-reduced on every step, weights loaded or changed before DDP is "
+     "built (or broadcast after), one batch and one RNG per tensor-parallel group",
+     manual=_NOT_APPLIED, replay=_RANKS)
+def fp8_sync_replicas(c: Context) -> Advice:
+    layout = c.fp8 or {}
+    if layout.get("by") == "ddp":
+        snippet = ("import contextlib\n"
+                   "# every rank must step on the all-reduced gradient: let the last micro-"
+                   "batch sync\n"
+                   "for i, batch in enumerate(micro_batches):\n"
+                   "    last = i == len(micro_batches) - 1\n"
+                   "    with contextlib.nullcontext() if last else model.no_sync():\n"
+                   "        loss = loss_fn(model(batch)) / len(micro_batches)\n"
+                   "        loss.backward()\n"
+                   "# weights set on one rank after DDP(model): load on every rank first, or\n"
+                   "for p in model.module.parameters():\n"
+                   "    torch.distributed.broadcast(p.data, src=0)")
+        return ("Make the DDP replicas hold the same weights again, then keep them so: DDP "
+                "broadcasts the weights once, when it is built, and afterwards only "
+                "all-reduces gradients. So a step whose gradients were not all-reduced "
+                "(no_sync() on every micro-batch, the last one included), a checkpoint or "
+                "weight change applied on one rank after DDP(model), or an update only some "
+                "ranks make leaves each rank its own model, and its own fp8 scale. Reducing "
+                "the amax across the ranks would make the scales agree, not the weights.",
+                snippet)
+    snippet = ("# every rank of a tensor-parallel group must see the same replicated input:\n"
+               "# shard the data by the data-parallel rank, not the global rank\n"
+               "sampler = DistributedSampler(dataset, num_replicas=dp_mesh.size(),\n"
+               "                             rank=dp_mesh.get_local_rank())\n"
+               "# and draw dropout masks of a replicated tensor from one seed per TP group\n"
+               "torch.manual_seed(seed + dp_mesh.get_local_rank())")
+    return ("Give every rank of the group the same replicated tensor: a batch sharded by the "
+            "global rank instead of the data-parallel rank, or a dropout mask drawn from each "
+            "rank's own seed, makes a tensor the layout says is replicated differ across the "
+            "group, and its fp8 scale with it.", snippet)
+
+
+@fix("fp8_reduce_amax", "take the scale of a tensor several ranks share from its amax reduced "
+     "across the group that shares it: torchao's FSDP float8 all-gather with "
+     "precompute_float8_dynamic_scale_for_fsdp, its Float8ColwiseParallel on a DTensor, "
+     "TransformerEngine's fp8_group set to the amax reduction group",
+     manual=_NOT_APPLIED, replay=_RANKS)
+def fp8_reduce_amax(c: Context) -> Advice:
+    snippet = ("# torchao + FSDP2: one scale per weight, from the amax all-reduced over the "
+               "mesh\n"
+               "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+               "from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp\n"
+               "config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)\n"
+               "convert_to_float8_training(model, config=config)  # then fully_shard(...)\n"
+               "optimizer.step()\n"
+               "precompute_float8_dynamic_scale_for_fsdp(model)  # after every step\n"
+               "# torchao + TP: Float8ColwiseParallel / Float8RowwiseParallel, and keep the\n"
+               "# layer's input a DTensor whose amax is the whole tensor's (torchtitan#3109)\n"
+               "# TransformerEngine: reduce the amax over the tensor-parallel group too\n"
+               "with te.fp8_autocast(enabled=True, fp8_recipe=recipe,\n"
+               "                     fp8_group=parallel_state.get_amax_reduction_group()):\n"
+               "    out = model(batch)")
+    return ("Reduce the amax across the group of ranks that shares the tensor before taking "
+            "its scale, so that every rank casts it with one scale: with torchao and FSDP2, "
+            "enable_fsdp_float8_all_gather and precompute_float8_dynamic_scale_for_fsdp "
+            "(one all-reduce for every weight after the optimizer step); with tensor "
+            "parallel, torchao's Float8ColwiseParallel/Float8RowwiseParallel on DTensors; "
+            "with TransformerEngine, fp8_group set to the amax reduction group (the "
+            "tensor-parallel ranks with the data-parallel ones: Megatron-LM PR 442, whose "
+            "fp8 runs at TP 8 diverged with the data-parallel group alone).", snippet)

@@ -83,7 +83,8 @@ class Context:
     # clamp_loss_input: {"op", "exponent", "eps", "step", "dtype", "points", "source"}
     singular: Optional[dict] = None
     # a run that trains layers in fp8: {"recipe": torchao's recipe name, "keep": the layers
-    # `record --apply fp8` already left in high precision} (None: no fp8 layer)
+    # `record --apply fp8` already left in high precision}, and for an operand several ranks
+    # share, its layout: "by" ("ddp", "dtensor"), "role", "group" (None: no fp8 layer)
     fp8: Optional[dict] = None
     # What the compiled replay of a compiled model's step found, for the compiler fixes:
     # {"region", "op", "op_module", "finite_backend", "backends"} (None: not compiled)

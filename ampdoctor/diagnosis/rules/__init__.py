@@ -27,6 +27,8 @@ two readers share lives beside ``facts.py`` (``.importlinter`` holds all three):
 * ``fp8own.py``: the same run measured against itself: an operand mostly flushed (one outlier
   took a per-tensor scale), and without a baseline the drift the fp8 trial measures by
   re-running the fp8 layers in high precision on the saved step;
+* ``fp8ranks.py``: an fp8 operand that several ranks hold whole (a DDP weight, a replicated
+  DTensor) with a different amax or scale on some of them, from the job's rank files compared;
 * ``progress.py``: a loss that diverged or units that died, with no NaN at all;
 * ``learning.py``: a loss that did not fall, with no cause found (below every other cause).
 
@@ -49,6 +51,7 @@ from . import (
                fallbacks,
                fp8,
                fp8own,
+               fp8ranks,
                hidden,
                learning,
                located,
@@ -89,6 +92,7 @@ RULES = [
     trends.rule_lost_updates,
     fallbacks.rule_scale_collapse,
     fallbacks.rule_nonfinite,
+    fp8ranks.rule_fp8_amax_mismatch,
     fp8.rule_fp8_grad_underflow,
     fp8.rule_fp8_flushed,
     fp8.rule_fp8_saturated,

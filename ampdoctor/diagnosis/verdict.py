@@ -235,7 +235,7 @@ TABLE = (
     Verdict("state_poisoning", "BatchNorm/buffers non-finite while the weights are finite",
             88, "located", "bug", ("state_poisoning",),
             doc="BatchNorm running statistics (buffers) non-finite while the weights are finite",
-            doc_fixes="`guard_buffers`, `check_data`"),
+            doc_fixes="`guard_buffers`, `fp32_buffers`, `check_data`"),
     Verdict("not_reproducible", "a non-finite step whose replay on the same batch and weights "
             "is finite: the machine (a faulty device, nondeterminism), not the numbers",
             83, "reproduced", "neither", ("faulty_device", "faulty_rank"),

@@ -10,16 +10,16 @@
 - ``steplog`` and ``steps``: the step buffer and its rows; ``skips``: the skip decision, its syncs
 - ``exits``: SIGTERM, atexit, fork
 - what the hooks use: ``stats``, ``sampler`` (the sampled tier), ``readback``, ``amp_state``,
-  ``compiled``, ``sharding``, ``torchcompat``, ``environment``, ``handles`` (the script's names
-  for its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss
-  stops falling), ``schedules`` (LR scheduler steps per optimizer step), ``fp8`` (what fp8
-  would do to each matmul's operands, on sampled steps; ``fp8layers``: the layers already in
-  fp8 and their recipes; ``replicas``: which ranks hold an fp8 layer's operand whole, from
-  the layout), ``objectives`` (each loss's and each
-  optimizer's own curve), ``engines`` (DeepSpeed's engine and Megatron-core's grad scalers,
-  into the GradScaler's columns), ``scaledloss`` (which scaled loss a backward is),
-  ``callorder`` (a step's backward calls against GradScaler's: a scaled loss backwarded
-  after ``unscale_``)
+  ``compiled``, ``sharding``, ``torchcompat``, ``environment``, ``buffers`` (buffers non-finite
+  at the start; frozen models' buffers beside the roots), ``handles`` (the script's names for
+  its modules), ``opprobe`` (the op probe), ``flatloss`` (a sampled step when the loss stops
+  falling), ``schedules`` (LR scheduler steps per optimizer step), ``fp8`` (what fp8 would do to
+  each matmul's operands, on sampled steps; ``fp8layers``: the layers already in fp8 and their
+  recipes; ``replicas``: which ranks hold an fp8 layer's operand whole, from the layout),
+  ``objectives`` (each loss's and each optimizer's own curve), ``engines`` (DeepSpeed's engine
+  and Megatron-core's grad scalers, into the GradScaler's columns), ``scaledloss`` (which scaled
+  loss a backward is), ``callorder`` (a step's backward calls against GradScaler's: a scaled
+  loss backwarded after ``unscale_``)
 - ``forensic/``: the forensic tier (tier 3): the failing step replayed, its culprit named, the
   fixes tried on it (its own docstring lists its modules)
 - ``command/``: ``ampdoctor record -- COMMAND``, the command recorded from outside (its own

@@ -47,14 +47,17 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.optim.optimizer as optimizer_hooks
 
 from . import stats
+from .listener import Fault
 from .patches import Patch, PatchSet, subclasses
+from .steplog import StepLog
 from .steps import Step
+from .watched import Watched
 
 DEEPSPEED = "deepspeed.runtime.engine"
 DEEPSPEED_OVERFLOW = (("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer",
@@ -64,11 +67,23 @@ MEGATRON_SCALERS = "megatron.core.optimizer.grad_scaler"
 MEGATRON_OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
+class StepEnds(Protocol):
+    """What the engines' doors need of the step log they fill (``stepflow.StepFlow``)."""
+
+    log: StepLog
+    watched: Watched
+    fault: Fault
+
+    def begin_engine_step(self, params: list) -> None: ...
+
+    def end_engine_step(self, fill: Callable[[Step], None]) -> None: ...
+
+
 class Engines:
     """The engines' doors of one recorder's step log (``stepflow.StepFlow``, which ends their
     steps: ``end_engine_step``)."""
 
-    def __init__(self, hooks: Any):  # a stepflow.StepFlow (which imports this module)
+    def __init__(self, hooks: StepEnds):
         self.hooks = hooks
         self._stepping = False  # inside a DeepSpeed engine's optimizer step
         self._patched: set[str] = set()

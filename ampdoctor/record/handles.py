@@ -61,6 +61,16 @@ def find(roots: list[torch.nn.Module], prefixes: list[str],
     return found
 
 
+def held(modules: list[torch.nn.Module], frame: Optional[types.FrameType]) -> dict[int, str]:
+    """{id(module): the variable the script holds it in} for ``modules`` (innermost first)."""
+    wanted = {id(m) for m in modules}
+    found: dict[int, str] = {}
+    for var, value in _user_names(frame):
+        if id(value) in wanted and "." not in var:
+            found.setdefault(id(value), var)
+    return found
+
+
 def stray_names(wanted: set[int], skip: set[int],
                 frame: Optional[types.FrameType]) -> dict[int, str]:
     """{id(parameter): "<variable>.<parameter path>"} for the parameters in ``wanted`` owned

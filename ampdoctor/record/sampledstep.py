@@ -17,6 +17,7 @@ import torch
 from ..runfile.payloads import FlatLossProbe, HiddenNonfinite
 from ..runfile.schema import Event, Kind
 from . import flatloss, patches
+from .buffers import module_buffers
 from .journal import Journal
 from .listener import Fault
 from .opprobe import StepProbe
@@ -155,8 +156,7 @@ class SampledStep:
         /stats rows, and one /events row per module whose output stayed finite although an op
         inside it made inf/NaN."""
         names = self.watched.names
-        sampler.on_buffers([(f"{names[m]}.{n}", b) for m in list(names)
-                            for n, b in m.named_buffers(recurse=False)])
+        sampler.on_buffers(module_buffers(names, list(names)) + self.watched.side.buffers())
         read = HostRead()
         fp8 = self._stage_fp8(sampler, st.index, read)
         rows = sampler.stage(st.index, read)

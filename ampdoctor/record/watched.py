@@ -39,7 +39,7 @@ import torch
 
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event
-from . import amp_state, compiled, handles, patches, sharding
+from . import amp_state, buffers, compiled, handles, patches, sharding
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
 from .listener import ModelDoor
@@ -98,6 +98,9 @@ class Watched:
         # modules whose recording failed while discovered: left out, the rest recorded
         self.left_out: weakref.WeakSet = weakref.WeakSet()
         self.left_out_why: list[dict] = []  # ... what each was and why (/meta skipped_modules)
+        self.side = buffers.SideModels()  # frozen models the step runs beside the roots
+        self.buffer_start = buffers.BufferStart()  # buffers non-finite when first seen
+        self._checked: set[int] = set()  # roots whose buffers were checked at the start
 
     def attach(self, door: ModelDoor, patch_set: patches.PatchSet,
                moved: Callable[[torch.device], None]) -> None:
@@ -133,14 +136,28 @@ class Watched:
         self.depth += 1
         if self.depth > 1:
             self.note_inner_autocast(step)
-        if self.depth != 1 or not torch.is_grad_enabled():
+        if self.depth != 1:
             return False
         if module in self.names:
-            self.called.add(id(module))
+            if torch.is_grad_enabled():
+                self.called.add(id(module))
             return False
-        if module in self.left_out or placeholder_call(module, tensors_in(args)):
+        if not torch.is_grad_enabled() or module in self.left_out or \
+                placeholder_call(module, tensors_in(args)):
+            self._note_side(module, args)
             return False  # a copy on meta or fake tensors is measured, not trained
-        return self.adopt_discovered(module, args)
+        adopted = self.adopt_discovered(module, args)
+        if not adopted:
+            self._note_side(module, args)
+        return adopted
+
+    def _note_side(self, module: torch.nn.Module, args: tuple) -> None:
+        """A top-level call that adopts no root: a frozen model beside the trained one?
+        (``buffers.SideModels``; a failure here only loses the side model)."""
+        try:
+            self.side.note(module, args)
+        except Exception:
+            pass
 
     def leave(self, module: torch.nn.Module) -> None:
         if not is_wrapper(module):
@@ -237,6 +254,7 @@ class Watched:
         owned = {id(p) for m in keep for p in m.parameters()}
         if trained - owned:  # an optimizer trains a tensor outside every model: an input
             keep = [m for m in self.roots if m in keep or id(m) in self._by_input]
+        self.side.settle(keep or self.roots)
         if not (trained and keep):
             return frozenset()
         dropped = frozenset(id(m) for m in self.roots if m not in keep)
@@ -265,6 +283,11 @@ class Watched:
             found = handles.find(self.roots, _root_prefixes(self.roots), self.names, frame)
             if found:
                 self.journal.meta("handles", found)
+        if self.side.models:
+            held = handles.held(self.side.models, frame)
+            self.side.name(held, {n.split(".")[0] for n in self.names.values()},
+                           self.buffer_start)
+        self.journal.meta("buffers", self.buffer_start.meta())
 
     def on_module_compile(self, module: torch.nn.Module) -> None:
         """``module.compile()``: its calls (hooks included) are compiled from now on, so they
@@ -304,11 +327,20 @@ class Watched:
             if self._compiled else None
         self._adopt_sharding(roots)
         self._moved(device)  # discovered: the device is known from now on
+        self._check_buffers(roots)
         self.journal.meta("roots", [type(unwrap(r)).__name__ for r in roots])
         self.journal.meta("model", model_summary(roots))
         self.journal.meta("device", device_info(device))
         if self.eager is not None:
             self._note_compiled(self.eager)
+
+    def _check_buffers(self, roots: list[torch.nn.Module]) -> None:
+        """Each root's buffers, once, when it is first adopted (before its forward)."""
+        for root in roots:
+            if id(root) not in self._checked:
+                self._checked.add(id(root))
+                self.buffer_start.check(self.names[root], buffers.module_buffers(
+                    self.names, unwrap(root).modules()))
 
     def _hook_root(self, root: torch.nn.Module) -> None:
         """The root's forward pre-hook and hook, or, for a ``module.compile()``'d root whose

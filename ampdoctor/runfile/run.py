@@ -225,6 +225,12 @@ class Run:
         return self._meta_dict("model")
 
     @property
+    def buffers(self) -> dict[str, Any] | None:
+        """The buffers non-finite when the recording first saw them (``record/buffers.py``);
+        None in a file recorded before it was kept."""
+        return self._meta_dict("buffers")
+
+    @property
     def sharding(self) -> dict[str, Any] | None:
         return self._meta_dict("sharding")
 

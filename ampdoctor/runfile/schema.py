@@ -554,6 +554,10 @@ BLOB_CHUNK = 1 << 16
 # - skipped_modules: modules the recorder left out because recording them failed while the
 #   model was discovered (the rest recorded): one dict each, module (class), where (the hook),
 #   why (the error); rewritten when one is added (Run.skipped_modules)
+# - buffers: the floating-point buffers already non-finite when the recorder first saw their
+#   model, before its forward (nonfinite_at_start, more_nonfinite), and the models whose
+#   buffers could not be read (unchecked); written at the end of the first step
+#   (record/buffers.py, Run.buffers)
 # - fp8_layers: the layers the run trains in fp8 (torchao's Float8Linear), by module name: the
 #   library, torchao's recipe name, emulate, and per operand (input, weight, grad_output) the
 #   cast: scaling, granularity, dtype (record/fp8layers.py); ``replicas``: per operand several

@@ -45,6 +45,13 @@ def _plain(name: str) -> bool:
     return bool(name) and not any(ch in name for ch in ",:= \n\t")
 
 
+def _converted(recipe: str, note: str) -> str:
+    """The lines that convert ``model`` with torchao's ``recipe`` (``note``: why it)."""
+    return ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+            f"config = Float8LinearConfig.from_recipe_name({recipe!r})  # {note}\n"
+            "convert_to_float8_training(model, config=config)")
+
+
 def _filter(kept: list[str]) -> str:
     return "{" + ", ".join(repr(k) for k in kept) + "}"
 
@@ -71,9 +78,7 @@ def fp8_keep_layer(c: Context) -> Advice:
      apply="fp8=tensorwise", replay=_REPLAY)
 def fp8_tensorwise(c: Context) -> Advice:
     was = _recipe(c) or "the run's"
-    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
-               "config = Float8LinearConfig.from_recipe_name('tensorwise')  # grad_output: "
-               "e5m2\nconvert_to_float8_training(model, config=config)")
+    snippet = _converted("tensorwise", "grad_output: e5m2")
     return (f"Train with torchao's tensorwise recipe instead of {was}: it casts the output "
             "gradient to e5m2 with one scale per tensor, and e5m2 keeps values down to 2^-16, "
             "2^32 below its top of 57344 (e4m3: 2^-9, 2^18 below 448), so a gradient whose "
@@ -84,9 +89,7 @@ def fp8_tensorwise(c: Context) -> Advice:
      "outlier sets only its own row's scale", apply="fp8=rowwise", replay=_REPLAY)
 def fp8_rowwise(c: Context) -> Advice:
     was = _recipe(c) or "the run's"
-    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
-               "config = Float8LinearConfig.from_recipe_name('rowwise')  # one scale per row\n"
-               "convert_to_float8_training(model, config=config)")
+    snippet = _converted("rowwise", "one scale per row")
     return (f"Train with torchao's rowwise recipe instead of {was}: each row (token) gets its "
             "own power-of-two scale, so a massive activation in one token no longer pushes "
             "the other tokens' values below e4m3's smallest subnormal.", snippet)
@@ -96,9 +99,7 @@ def fp8_rowwise(c: Context) -> Advice:
      "tensorwise recipe) instead of a delayed or static scale: the scale follows an amax jump "
      "on the step it happens", apply="fp8=tensorwise", replay=_REPLAY)
 def fp8_current_scaling(c: Context) -> Advice:
-    snippet = ("from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
-               "config = Float8LinearConfig.from_recipe_name('tensorwise')  # dynamic scaling\n"
-               "convert_to_float8_training(model, config=config)")
+    snippet = _converted("tensorwise", "dynamic scaling")
     return ("Scale by the current amax: torchao's dynamic scaling (every recipe of torchao "
             "0.10 and later) computes each cast's scale from the tensor it casts, so the "
             "largest value maps to the format's max and none is clamped. Where a delayed scale "

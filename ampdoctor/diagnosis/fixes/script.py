@@ -1,6 +1,6 @@
 """Fixes for the training script's calls: the order of unscale_, clip, step and update, the
 scaler created once, gradients zeroed, micro-batches averaged, the LR scheduler stepped once
-per real optimizer step, BatchNorm statistics guarded.
+per real optimizer step, BatchNorm statistics guarded or kept in fp32.
 """
 
 from __future__ import annotations
@@ -259,3 +259,18 @@ def guard_buffers(c: Context) -> Advice:
             f"{step} and every eval is now NaN. Keep non-finite batches away from the "
             "model, or restore the statistics when a step is skipped; recompute them "
             "(a pass in train mode over clean data) to recover this run.", snippet)
+
+
+@fix("fp32_buffers", "keep normalization layers, and their running statistics, in fp32",
+     manual="the model's BatchNorm layers must be cast back to fp32 where it is built")
+def fp32_buffers(c: Context) -> Advice:
+    mod = f" {c.module}" if c.module else ""
+    snippet = ("model.half()  # or a frozen backbone loaded in fp16\n"
+               "for m in model.modules():  # the statistics overflow fp16 (max 65504)\n"
+               "    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):\n"
+               "        m.float()\n"
+               "# a frozen model needs no statistics at all: model.eval()")
+    return (f"Keep the normalization layers{mod} in fp32: a BatchNorm's running_var is a "
+            "mean of squared activations, and held in fp16 it turns inf once the activations "
+            "pass about 256; every evaluation then divides by an infinite variance. A frozen "
+            "model can stay in eval() so that its statistics never change.", snippet)

@@ -165,18 +165,38 @@ def _poisoning(f: Facts, bad: dict[str, tuple[int, int]]) -> Optional[Finding]:
                            + (", whose optimizer step GradScaler skipped" if skipped_at else ""),
                            "trigger_step", float(trigger), trigger))
     bad_batch = next((s for s in f.snapshots if s["phase"] == "input"), None)
-    ids = ["guard_buffers"] + (["check_data"] if bad_batch is not None else [])
+    outgrown = _outgrown(f, buffers[0], trigger)
+    if outgrown:
+        ev.append(Evidence(f"{buffers[0]} is held in {outgrown}, and no step before it had a "
+                           "non-finite loss or batch: the statistic itself outgrew its "
+                           "buffer's range", "buffer_dtype", None, first_seen, module))
+    ids = (["fp32_buffers"] if outgrown else ["guard_buffers"]) + \
+        (["check_data"] if bad_batch is not None else [])
     ctx = f.fix_context(module, step=trigger)
     if bad_batch is not None:
         ctx.data = {"kind": "nonfinite", "step": bad_batch["step"]}
     skipped = f.has_scaler and bool(f.skipped[f.index_of(trigger)])
-    how = ("GradScaler skipped the bad step but the forward pass had already updated the "
-           "statistics" if skipped else "the forward pass of a bad step updated the statistics")
+    how = (f"a running statistic outgrew its {outgrown} buffer (no bad batch reached it)"
+           if outgrown else "GradScaler skipped the bad step but the forward pass had already "
+           "updated the statistics" if skipped else "the forward pass of a bad step updated "
+           "the statistics")
     return Finding("state_poisoning", 0.85, "Module buffers (BatchNorm running statistics) hold "
                    f"inf/NaN while the weights are finite: {how}. Training loss looks "
-                   "fine (train mode uses batch statistics); every evaluation is NaN.", ev,
-                   fixes.make(ids, ctx),
+                   "fine (train mode uses batch statistics); every evaluation is NaN or "
+                   "constant.", ev, fixes.make(ids, ctx),
                    first_bad(trigger, module, "forward"), priority=PRIORITY["state_poisoning"])
+
+
+def _outgrown(f: Facts, name: str, first_seen: int) -> Optional[str]:
+    """The buffer's low-precision dtype ("float16") where it went non-finite with no failing
+    step before it (its own statistic overflowed the format), else None."""
+    failure = f.failure_step
+    if failure is not None and failure < first_seen:
+        return None
+    t = f.run.tensors
+    rows = t["dtype"][(t["kind"] == Kind.BUFFER) &
+                      np.isin(t["id"], [i for i, n in enumerate(f.tensor_names) if n == name])]
+    return "float16" if len(rows) and int(rows[0]) == DType.FLOAT16 else None
 
 
 def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
@@ -190,6 +210,9 @@ def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
     if finite >= 0:
         return Premise("buffer_was_finite", HELD, f"{name} was finite at step {finite} and "
                        f"non-finite from step {first_bad_step}")
+    start = _at_start(f, name)
+    if start is not None:
+        return start
     if t is not None and st.buf_changed[t]:
         return Premise("buffer_was_finite", HELD, f"{name} was non-finite from its first "
                        f"sample (step {seen}) but its statistics changed between samples: a "
@@ -204,6 +227,23 @@ def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
                    f"(step {seen}) and never changed up to step {int(st.last_step[t])}: a "
                    "constant (such as an attention mask filled with -inf), not a poisoned "
                    "statistic")
+
+
+def _at_start(f: Facts, name: str) -> Optional[Premise]:
+    """What the recorder saw of ``name`` before the model's first forward (/meta
+    ``buffers``), where it saw every buffer: None where it did not."""
+    start = f.run.buffers
+    if not start or start.get("unchecked"):
+        return None
+    bad = [str(n) for n in start.get("nonfinite_at_start") or []]
+    if name in bad:
+        return Premise("buffer_was_finite", FAILED, f"{name} was already non-finite before "
+                       "the first forward the recorder saw: a constant (such as an attention "
+                       "mask filled with -inf), not a poisoned statistic")
+    if start.get("more_nonfinite"):
+        return None
+    return Premise("buffer_was_finite", HELD, f"{name} was finite before the first forward "
+                   "the recorder saw, and became non-finite in the run")
 
 
 def _constants(checks: dict[str, Premise]) -> Premise:

@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -83,40 +83,30 @@ def linear_fp8(module: torch.nn.Module, recipe: Recipe) -> Any:
     return forward
 
 
-@contextlib.contextmanager
-def in_fp8(modules: list, recipe: Recipe) -> Iterator[None]:
+def in_fp8(modules: list, recipe: Recipe) -> contextlib.AbstractContextManager[None]:
     """Each of ``modules`` runs its matmuls in emulated fp8 under ``recipe`` while open; its
     own forward is put back after (an instance attribute, removed)."""
+    return _forwards_swapped(modules, lambda m: linear_fp8(m, recipe))
+
+
+def in_high_precision(modules: list) -> contextlib.AbstractContextManager[None]:
+    """The reverse of ``in_fp8``: each of ``modules`` (a layer already in fp8, torchao's
+    ``Float8Linear``) runs as the ``nn.Linear`` it was converted from, ``linear(x, W, b)``
+    with no cast, while open (under autocast, in autocast's dtype, as a Linear would)."""
+    return _forwards_swapped(modules, _linear)
+
+
+@contextlib.contextmanager
+def _forwards_swapped(modules: list, make: Callable[[torch.nn.Module], Any]) -> Iterator[None]:
+    """Each of ``modules`` (a matmul module) has ``make(module)`` as its forward while open;
+    its own forward (an instance attribute, or none) is put back after."""
     swapped = []
     try:
         for m in modules:
             if matmul_weight(m) is None:
                 raise TypeError(f"{type(m).__name__} is not a Linear layer")
             had = m.__dict__.get("forward")
-            m.forward = linear_fp8(m, recipe)
-            swapped.append((m, had))
-        yield
-    finally:
-        for m, had in reversed(swapped):
-            if had is None:
-                del m.forward
-            else:
-                m.forward = had
-
-
-@contextlib.contextmanager
-def in_high_precision(modules: list) -> Iterator[None]:
-    """The reverse of ``in_fp8``: each of ``modules`` (a layer already in fp8, torchao's
-    ``Float8Linear``) runs as the ``nn.Linear`` it was converted from, ``linear(x, W, b)``
-    with no cast, while open (under autocast, in autocast's dtype, as a Linear would)."""
-    swapped = []
-    try:
-        for m in modules:
-            weight = matmul_weight(m)
-            if weight is None:
-                raise TypeError(f"{type(m).__name__} is not a Linear layer")
-            had = m.__dict__.get("forward")
-            m.forward = _linear(m)
+            m.forward = make(m)
             swapped.append((m, had))
         yield
     finally:

@@ -323,7 +323,7 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
     """One micro-batch at the copies: its recomputed loss, and the copies' gradients at
     ``scale`` (the gradient the real step sent into the loss, rescaled to it)."""
     set_rng(cap.rng)
-    with torch.enable_grad(), autocast(cap.autocast):
+    with torch.enable_grad(), autocast(cap.autocast), _slots_kept(root):
         output = torch.func.functional_call(root, weights, cap.args, cap.kwargs)
     out = Outcome("lr_range")
     outs = list(tensors_in(output))
@@ -380,6 +380,26 @@ def _new_optimizer(optimizer: Any, copies: list, state: dict) -> Any:
         made = cls(groups)
     made.load_state_dict(copy.deepcopy(state))
     return made
+
+
+@contextlib.contextmanager
+def _slots_kept(root: torch.nn.Module) -> Iterator[None]:
+    """Every module's parameter and buffer slots put back as they were. ``functional_call``
+    swaps the copies in by name and back out name by name; a module reached by two names
+    (Lightning Fabric's ``_FabricModule`` holds the model as ``_forward_module`` and
+    ``_original_module``) is swapped twice on the way in, so the second swap's "original" is
+    the copy, and the way out left the copies in the model: litgpt at LR 10 then trained
+    tensors its optimizer never stepped. Written back into the slots' dicts (no
+    ``__setattr__``, which such wrappers forward)."""
+    slots = [(m._parameters, dict(m._parameters)) for m in root.modules()] + \
+        [(m._buffers, dict(m._buffers)) for m in root.modules()]
+    try:
+        yield
+    finally:
+        for table, before in slots:
+            for key, value in before.items():
+                if table.get(key) is not value:
+                    table[key] = value
 
 
 @contextlib.contextmanager

@@ -204,11 +204,25 @@ def test_a_frozen_config_is_left_as_it_is_and_the_trial_runs(tmp_path):
 RISING_LR = 1.0  # Adam, no scaler: the loss 10.6, then 101 at step 1, 1669 at step 2, finite
 
 
-def _train_rising(lr, path=None, steps=30):
+class TwoNames(nn.Module):
+    """The model held under two names, as Lightning Fabric's ``_FabricModule`` holds it
+    (``_forward_module`` and ``_original_module``): litgpt's model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.forward_module = inner
+        self.original_module = inner
+
+    def forward(self, x):
+        return self.forward_module(x)
+
+
+def _train_rising(lr, path=None, steps=30, wrap=False):
     """Adam in fp32 with no scaler: at ``RISING_LR`` the loss blows up and never goes inf or
     NaN (litgpt's finetune_full at LR 10 does the same)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = TwoNames(model) if wrap else model
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     watch = ampdoctor.watch(model, opt, path=str(path), strict=True) if path else \
         contextlib.nullcontext()
@@ -261,3 +275,15 @@ def test_a_healthy_loss_runs_no_trial(tmp_path):
     assert max(losses) < lrrange.RISE * losses[0]
     with ampdoctor.load(str(tmp_path / "run.h5")) as run:
         assert run.lr_range is None
+
+
+def test_a_model_held_under_two_names_keeps_its_own_tensors_after_the_trial(tmp_path):
+    """``functional_call`` swapped the copies of a module reached by two names in twice and
+    left them in the model: litgpt at LR 10 (Fabric's wrapper) then trained tensors its
+    optimizer never stepped, its loss stuck at the untrained level from the trial on."""
+    losses, weights, _ = _train_rising(RISING_LR, tmp_path / "run.h5", steps=12, wrap=True)
+    plain_losses, plain_weights, _ = _train_rising(RISING_LR, steps=12, wrap=True)
+    with ampdoctor.load(str(tmp_path / "run.h5")) as run:
+        assert run.lr_range and not run.lr_range.get("note")
+    assert plain_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights))

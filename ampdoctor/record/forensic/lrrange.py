@@ -391,7 +391,8 @@ def _slots_kept(root: torch.nn.Module) -> Iterator[None]:
     the copy, and the way out left the copies in the model: litgpt at LR 10 then trained
     tensors its optimizer never stepped. Written back into the slots' dicts (no
     ``__setattr__``, which such wrappers forward)."""
-    slots = [(m._parameters, dict(m._parameters)) for m in root.modules()] + \
+    slots: list[tuple[dict[str, Any], dict[str, Any]]] = \
+        [(m._parameters, dict(m._parameters)) for m in root.modules()] + \
         [(m._buffers, dict(m._buffers)) for m in root.modules()]
     try:
         yield

@@ -79,6 +79,9 @@ def tried(f: Any) -> Tried:
                     isinstance(r.get("lr"), (int, float))), key=lambda r: -float(r["lr"]))
     if not rungs:
         return Tried(None, why="the LR range test ran no rung")
+    if all(_first(r) is None for r in rungs):  # nothing measured: no LR is shown to fail
+        return Tried(None, why=f"the LR range test measured nothing: "
+                     f"{test.get('stopped') or 'its loss at the kept state was non-finite'}")
     band = _ceiling(f, test.get("event_step"), rungs[0])
     good = [LrRange.trains(r) and _in_range(r, band) for r in rungs]
     n = int(test.get("steps") or 0)

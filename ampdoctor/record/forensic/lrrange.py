@@ -84,6 +84,11 @@ RISE = 3.0
 NOT_KEPT_TOO_BIG = "the weights and optimizer state were over {mib} MiB ({have} MiB)"
 
 
+class NotRecomputed(Exception):
+    """The step's loss call could not be rebuilt on the copies' output (an argument taken
+    from the output in a way the trial cannot follow): no rung can be measured."""
+
+
 class Start:
     """The weights and optimizer state before the run's first update, on the CPU."""
 
@@ -211,6 +216,16 @@ class RangeTest:
                 return None
             return LrRange.trains(rung)
 
+        try:
+            return self._ladder(out, tried)
+        except NotRecomputed as exc:
+            return LrRange(note=f"the loss could not be recomputed from the copies' output "
+                           f"({exc})"[:300])
+
+    @staticmethod
+    def _ladder(out: LrRange, tried: Any) -> LrRange:
+        """The rungs, a decade at a time down to the first that trains, then the half-decade
+        above it and, where that one does not train, the half-decade below it."""
         for k in range(DECADES):  # a decade at a time, down to the first that trains
             done = tried(k)
             if done is None or (done and k == 0):
@@ -329,7 +344,9 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
     outs = list(tensors_in(output))
     if cap.loss_calls:
         losses = _losses(cap, outs, AS_RECORDED, out)
-        value = out.loss if out.loss is not None else math.nan
+        if out.loss is None:  # (not a non-finite loss: none was computed)
+            raise NotRecomputed(out.note or "no loss call could be rebuilt")
+        value = out.loss
         pairs = _loss_pairs(cap, losses, Trial(scale=scale), out) if losses else []
     else:  # the model returns its loss (a Hugging Face model given labels)
         factor = _factor(cap, Trial(scale=scale))[1]

@@ -195,7 +195,7 @@ class RangeTest:
         if not top > 0:
             return LrRange(note="the failing step's LR was not known (an LR held on the device)")
         clip = self.clip.get("max_norm") if self.clip and self.clip.get("how") in (
-            None, "clip_grad_norm_") else None
+            None, "clip_grad_norm_", "clip_grads_with_norm_") else None
         out = LrRange(state="start", state_step=self.start.step, event_step=step, lr=top,
                      batch="the failing step's batch, repeated", steps=STEPS, rungs=[],
                      optimizer=type(optimizer).__name__,

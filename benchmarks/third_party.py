@@ -55,7 +55,10 @@ bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt
 ``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
 a tiny UNet config, a folder of 16 px images) and torchtune's ``tune run
 full_finetune_single_device`` (a tiny random Llama-2 saved from torchtune's own builder, a
-SentencePiece tokenizer, ``text_completion_dataset``, on CPU). A failing row with ``dose`` is recorded
+SentencePiece tokenizer, ``text_completion_dataset``, on CPU) and transformers'
+``examples/pytorch/language-modeling/run_clm_no_trainer.py`` (``--transformers-repo``; an
+accelerate loop run with ``accelerate launch --mixed_precision bf16``, a 2-layer GPT-2 trained
+from a config and a byte-level BPE tokenizer, both local, and a text file). A failing row with ``dose`` is recorded
 again with the ``--apply`` its diagnosis prescribes (``RUN.treated.h5``): the table's "dosed"
 lines give the treated run's verdict, its loss over its last five steps beside the failing and
 the healthy row's, and what ``ampdoctor compare`` calls failing -> treated and healthy ->
@@ -68,13 +71,20 @@ does not import beside torch 2.13, hence 0.15.0):
     /work/venv-tp/bin/pip install torch==2.13.0 litgpt litdata torchtune torchao==0.15.0 \\
         'jsonargparse[signatures]' h5py matplotlib click numpy
 
-diffusers' script imports torchvision, which does not import beside that CPU torch, so it runs
-in a third venv (``--tv-python``) with PyPI's torch build (``--isolated``: past this machine's
-wheel index and constraints):
+diffusers' script and ``run_clm_no_trainer.py`` import torchvision and transformers, which do
+not import beside that CPU torch, so they run in a third venv (``--tv-python``) with PyPI's
+torch build (``--isolated``: past this machine's wheel index and constraints):
 
     python3.11 -m venv /work/venv-tv
     /work/venv-tv/bin/pip install --isolated torch==2.13.0 torchvision diffusers datasets \\
         accelerate==1.16.0 tensorboard transformers h5py matplotlib click numpy
+
+``run_clm_no_trainer.py`` is in no package (transformers' wheel and sdist hold ``src/`` only)
+and transformers' repository is over the size a snapshot may have here: ``--transformers-repo``
+is a checkout, or a folder that holds the file at its repository path with a ``SOURCE`` file
+naming where it was taken from (the default, ``/work/third_party/transformers``, holds the
+script as upstream has it at ``check_min_version("4.57.0.dev0")``, unmodified; results name
+that line).
 
 Every row runs with ``HF_HUB_OFFLINE=1``: its data and models are in the workdir.
 
@@ -110,6 +120,10 @@ SIDE_PYTHON = "/tmp/tv/bin/python"
 TP_PYTHON = "/work/venv-tp/bin/python"
 TV_PYTHON = "/work/venv-tv/bin/python"
 DIFFUSERS_REPO = "/work/.mirror/huggingface+diffusers/repo"
+# run_clm_no_trainer.py is in no package: a checkout of huggingface/transformers, or a folder
+# holding the file at its repository path (with a SOURCE file naming where it came from)
+TRANSFORMERS_REPO = "/work/third_party/transformers"
+CLM_SCRIPT = "examples/pytorch/language-modeling/run_clm_no_trainer.py"
 
 TIMM = ["--data-dir", "{images}", "--model", "test_resnet", "--img-size", "32",
         "--num-classes", "4", "--device", "cpu", "--workers", "0", "--no-prefetcher",
@@ -274,13 +288,23 @@ ROWS += [
         "step; the weights and activations blow up", dose="diffusers_uncond"),
 ]
 # torchtune's full finetune recipe on a tiny random Llama (fp32 and its default bf16, which
-# keeps bf16 weights), and transformers' run_clm_no_trainer.py (an accelerate loop, a GPT-2 from
-# a config): their rows say why they do not run here (Setup.torchtune, Setup.accelerate)
+# keeps bf16 weights), and transformers' run_clm_no_trainer.py (an accelerate loop, a GPT-2
+# trained from a config), launched as its README says (``accelerate launch``) with accelerate's
+# own --mixed_precision; it clips nothing and steps a linear schedule with no warm-up
 TUNE = ["full_finetune_single_device", "--config", "{work}/tune.yaml"]
-CLM = ["--train_file", "{work}/train.txt", "--config_name", "{work}/gpt2",
-       "--tokenizer_name", "{work}/gpt2", "--block_size", "32",
-       "--per_device_train_batch_size", "8", "--max_train_steps", "40",
-       "--output_dir", "{work}/out/{row}"]
+
+
+def clm(precision: str, config: str = "gpt2") -> list[str]:
+    """``accelerate launch --mixed_precision PRECISION run_clm_no_trainer.py`` on the local
+    text file, the GPT-2 config and tokenizer ``{work}/CONFIG`` (built by
+    ``third_party_trainers.clm``), 40 steps of 8 x 32 tokens."""
+    return ["--mixed_precision", precision, "run_clm_no_trainer.py",
+            "--train_file", "{work}/train.txt", "--config_name", f"{{work}}/{config}",
+            "--tokenizer_name", f"{{work}}/{config}", "--block_size", "32",
+            "--per_device_train_batch_size", "8", "--max_train_steps", "40", "--seed", "0",
+            "--output_dir", "{work}/out/{row}"]
+
+
 ROWS += [
     row("torchtune_full_fp32", "torchtune", TUNE + ["dtype=fp32", "optimizer.lr=1e-3"],
         "healthy", ["healthy"], "the full finetune recipe in fp32, AdamW at 1e-3"),
@@ -290,12 +314,20 @@ ROWS += [
         "lost_updates", ["lost_updates"],
         "the recipe's dtype=bf16 keeps bf16 weights with no fp32 copy: AdamW steps of 3e-5 "
         "round away"),
-    row("accelerate_clm", "accelerate", CLM + ["--learning_rate", "1e-3"],
-        "healthy", ["healthy"], "run_clm_no_trainer.py with ACCELERATE_MIXED_PRECISION=bf16",
-        env={"ACCELERATE_MIXED_PRECISION": "bf16"}),
-    row("accelerate_clm_lr10", "accelerate", CLM + ["--learning_rate", "10"],
-        "diverged", ["diverged", "lr_overflow"], "AdamW at LR 10, unclipped: the loss blows up",
-        env={"ACCELERATE_MIXED_PRECISION": "bf16"}),
+    row("accelerate_clm", "accelerate", clm("bf16") + ["--learning_rate", "1e-3"],
+        "healthy", ["healthy"], "run_clm_no_trainer.py under accelerate launch --mixed_precision "
+        "bf16 (accelerate's autocast), a 2-layer GPT-2 from a config, AdamW at 1e-3 decaying "
+        "linearly: the loss falls from ln 384 = 5.95"),
+    row("accelerate_clm_lr10", "accelerate", clm("bf16") + ["--learning_rate", "10"],
+        "diverged", ["diverged", "lr_overflow"],
+        "AdamW at LR 10 from the first step (no warm-up), unclipped: every weight moves by up "
+        "to 10 on step 0; the loss blows up, to an overflow or not", dose="accelerate_clm"),
+    row("accelerate_clm_bf16_weights", "accelerate", clm("bf16", "gpt2_bf16"),
+        "lost_updates", ["lost_updates"],
+        "the config's \"dtype\": \"bfloat16\" builds bf16 weights, which the script's torch "
+        "AdamW steps with no fp32 copy, at the script's default LR 5e-5: under half an ulp of "
+        "every weight above 0.013 in magnitude (the LayerNorm gains at 1 need 4e-3); most "
+        "updates round away"),
 ]
 STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning", "litgpt", "litgpt_ft",
           "diffusers", "torchtune", "accelerate"]
@@ -536,9 +568,26 @@ class Setup:
                 "fill": {"work": work}}
 
     def accelerate(self) -> dict[str, Any]:
-        raise NotRun("transformers' examples/pytorch/language-modeling/run_clm_no_trainer.py is "
-                     "in no package (transformers' wheel and sdist hold src/ only) and no "
-                     "transformers checkout is here")
+        python = self.tv()
+        check_python(python, ["transformers", "tokenizers"], "pip install transformers")
+        work = trainers.clm(os.path.join(self.workdir, "accelerate"))
+        repo_file(self.args.transformers_repo, CLM_SCRIPT,
+                  os.path.join(work, "run_clm_no_trainer.py"))
+        self.info["transformers_commit"] = repo_commit(self.args.transformers_repo) or \
+            source_note(self.args.transformers_repo)
+        launch = [os.path.join(os.path.dirname(python), "accelerate"), "launch",
+                  "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+        return {"python": python, "cwd": work, "command": launch, "fill": {"work": work}}
+
+
+def source_note(folder: str) -> Optional[str]:
+    """The first line of ``folder``'s ``SOURCE`` file that names a commit: where a copy that
+    is not a git checkout was taken from."""
+    try:
+        with open(os.path.join(folder, "SOURCE")) as f:
+            return next((line.strip() for line in f if "commit" in line), None)
+    except OSError:
+        return None
 
 
 def main_versions() -> str:
@@ -799,6 +848,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "top of this file)")
     parser.add_argument("--diffusers-repo", default=DIFFUSERS_REPO,
                         help="a checkout or git directory of huggingface/diffusers")
+    parser.add_argument("--transformers-repo", default=TRANSFORMERS_REPO,
+                        help="a checkout or git directory of huggingface/transformers, or a "
+                             "folder with " + CLM_SCRIPT)
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of the training processes (1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command")
@@ -842,6 +894,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "tv_python": args.tv_python, "tv": str(setup.info.get("tv")),
             "diffusers_repo": args.diffusers_repo,
             "diffusers_commit": setup.info.get("diffusers_commit"),
+            "transformers_repo": args.transformers_repo,
+            "transformers_commit": setup.info.get("transformers_commit"),
             "main": main_versions(), "threads": args.threads, "wall_s": round(time.monotonic() - started, 1)}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

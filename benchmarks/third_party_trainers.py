@@ -194,6 +194,32 @@ def diffusers(folder: str, make_images: Callable[..., str]) -> str:
     return once(folder, build)
 
 
+# transformers' run_clm_no_trainer.py: a GPT-2 of 2 layers, 64 wide, from a config (the script
+# trains it from scratch: no --model_name_or_path); "dtype" is the config key the script's
+# AutoModelForCausalLM.from_config builds the weights in
+CLM_MODEL = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 384,
+             "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 2, "bos_token_id": 1,
+             "eos_token_id": 2, "tie_word_embeddings": True}
+
+
+def clm(folder: str) -> str:
+    """``train.txt`` (the script's ``--train_file``: it holds back 5 % for validation), and
+    ``gpt2/`` and ``gpt2_bf16/`` (``--config_name`` and ``--tokenizer_name``: a GPT-2
+    ``config.json``, fp32 and with ``"dtype": "bfloat16"``, beside the byte-level BPE
+    tokenizer)."""
+    def build(folder: str) -> None:
+        lines = corpus()
+        with open(os.path.join(folder, "train.txt"), "w") as f:
+            f.write("\n".join(lines[:1500]) + "\n")
+        for name, extra in (("gpt2", {}), ("gpt2_bf16", {"dtype": "bfloat16"})):
+            d = os.path.join(folder, name)
+            os.makedirs(d, exist_ok=True)
+            tokenizer(d, lines)
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump({**CLM_MODEL, **extra}, f, indent=1)
+    return once(folder, build)
+
+
 # ---------------------------------------------------------------------------------------------
 # the dose check
 

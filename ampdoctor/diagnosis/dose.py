@@ -33,8 +33,9 @@ name through ``fixes.Context.dose`` (``Facts.fix_context`` hands it over):
   at or below it) keeps those updates near the LR; at least fp16's smallest subnormal, and
   enough that m / eps stays below 65504 for the largest recorded gradient.
 * ``max_norm``: the script's own ``clip_grad_norm_`` max_norm where it clips (/meta
-  ``clip``); else the ``CLIP_PERCENTILE`` th percentile of the gradient norm over the steady
-  steps (before the failure or the first jump).
+  ``clip``; accelerate's split ``clip_grads_with_norm_`` too); else the ``CLIP_PERCENTILE``
+  th percentile of the gradient norm over the steady steps (before the failure or the first
+  jump).
 
 Where the run holds too little, a dose is None and the fix falls back to ``fixes.DEFAULTS``
 (or, for the LR, a tenth of the peak), whose source says which default and why.
@@ -90,6 +91,9 @@ STABLE_RATIO = 1e-2
 # max_norm: this percentile of the steady steps' gradient norms, from this many steps.
 CLIP_PERCENTILE = 90
 CLIP_MIN_STEPS = 5
+# The clips whose max_norm bounds the gradient's total norm: torch's, and the split API of
+# torch >= 2.6 that accelerate >= 1.16 calls (get_total_norm, then clip_grads_with_norm_)
+NORM_CLIPS = ("clip_grad_norm_", "clip_grads_with_norm_")
 # The largest initial loss scale prescribed (GradScaler grows it further by itself).
 MAX_SCALE_EXP = 24
 
@@ -344,10 +348,11 @@ class Doses:
         f = self.f
         own = (f.run.clip or {})
         value = own.get("max_norm")
-        if own.get("how") in (None, "clip_grad_norm_") and isinstance(value, (int, float)) and \
+        how = own.get("how") or "clip_grad_norm_"
+        if how in NORM_CLIPS and isinstance(value, (int, float)) and \
                 not isinstance(value, bool) and math.isfinite(value) and value > 0:
             return Dose({"max_norm": float(value)}, f"the script's own clip, "
-                        f"clip_grad_norm_(max_norm={float(value):g}), as the run called it")
+                        f"{how}(max_norm={float(value):g}), as the run called it")
         if not f.n:
             return None
         jump = self.jump()

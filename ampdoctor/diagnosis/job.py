@@ -42,6 +42,11 @@ EXTRA_FULL = 3
 # steps did not reproduce is in their snapshots' detail, which only a full read sees. A rank
 # that only received a NaN through the all-reduce has finite losses and is not one of them.
 UNREPRODUCED_FULL = 8
+# ... and ranks tied with the base rank at its first bad step where no rank's value was born
+# (GradScaler's first skips at its initial scale, alike on every rank), with replays of their
+# own: a later one may have found that rank's own batch or forward failing (``ranks.first_rank``
+# reads ``born`` from the full read)
+TIED_FULL = 4
 
 
 @dataclass
@@ -79,7 +84,8 @@ def from_summary(s: summaries.RankSummary) -> RankFacts:
     outline = {"path": s.path, "rank": s.rank, "world_size": s.world_size, "status": s.status,
                "steps": s.steps, "skipped": s.skipped, "first_bad": s.first_bad,
                "first_loss_bad": s.first_loss_bad, "module": None, "phase": None,
-               "local": False, "own_bad": None, "stopped": s.stopped,
+               "local": False, "own_bad": None, "born": s.first_loss_bad,
+               "stopped": s.stopped,
                "nonfinite_steps": s.bad_steps,
                # none: a rank whose replays may hold one is read in full (``chosen``)
                "unreproduced": []}
@@ -159,7 +165,12 @@ def chosen(facts: list[RankFacts], base: int) -> list[RankFacts]:
         out.append(f)
     suspects = [f for f in order if f.replays_finite and f.loss_bad_steps and
                 all(f is not o for o in out)]
-    return out + suspects[:UNREPRODUCED_FULL]
+    # tied with the base rank at its first bad step with nothing born there (GradScaler's first
+    # skips, alike on every rank): a replay read in full may place a later failure in one
+    tied = [f for f in order if not mine.outline["local"] and f.replays and
+            f.outline["first_bad"] == mine.outline["first_bad"] and
+            all(f is not o for o in out + suspects)]
+    return out + suspects[:UNREPRODUCED_FULL] + tied[:TIED_FULL]
 
 
 def unreproduced_unread(facts: list[RankFacts], read: list[int]) -> int:

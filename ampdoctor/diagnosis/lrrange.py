@@ -1,6 +1,7 @@
 """The learning rate a trial measured: the LR range test the recorder ran from the run's first
-state at its first failure (``record/forensic/lrrange.py``: ``detail["lr_range"]``), read
-for ``dose.py``.
+state at its first failure (``record/forensic/lrrange.py``: ``detail["lr_range"]``), or at
+the first step whose loss rose to 3x the first step's with no non-finite value (/meta
+``lr_range``), read for ``dose.py``.
 
 Each rung trained the failing step's batch again for a few steps at the failing LR times a
 factor. A rung *trains* when every loss stayed finite and the last fell below the first
@@ -54,12 +55,14 @@ class Tried:
 
 
 def read(f: Any) -> Optional[LrRange]:
-    """The run's LR range test (the first snapshot that holds one), or None."""
+    """The run's LR range test (the first snapshot that holds one, else the one run where the
+    loss rose with no non-finite value: /meta ``lr_range``), or None."""
     for s in f.snapshots:
         found = s["detail"].part("lr_range")
         if found:
             return found
-    return None
+    rose = getattr(f.run, "lr_range", None)
+    return LrRange.of(rose) if rose else None
 
 
 def tried(f: Any) -> Tried:
@@ -67,7 +70,8 @@ def tried(f: Any) -> Tried:
     found = read(f)
     if found is None:
         return Tried(None, why="the recorder ran no LR range test on this run (it runs one at "
-                     "the first non-finite loss at an LR above 0)")
+                     "the first non-finite loss at an LR above 0, or where the loss rose to "
+                     "3x the first step's)")
     test = LrRange.of(found)
     if test.get("note"):
         return Tried(None, why=f"no LR range test ran: {test['note']}")
@@ -75,6 +79,9 @@ def tried(f: Any) -> Tried:
                     isinstance(r.get("lr"), (int, float))), key=lambda r: -float(r["lr"]))
     if not rungs:
         return Tried(None, why="the LR range test ran no rung")
+    if all(_first(r) is None for r in rungs):  # nothing measured: no LR is shown to fail
+        return Tried(None, why=f"the LR range test measured nothing: "
+                     f"{test.get('stopped') or 'its loss at the kept state was non-finite'}")
     band = _ceiling(f, test.get("event_step"), rungs[0])
     good = [LrRange.trains(r) and _in_range(r, band) for r in rungs]
     n = int(test.get("steps") or 0)

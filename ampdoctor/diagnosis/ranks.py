@@ -73,6 +73,10 @@ def outline(run: Any) -> dict:
         "module": None,
         "phase": None,
         "local": False,  # the first non-finite value was born in this rank
+        # the first step where a replay placed a failure inside this rank (its batch, its
+        # forward, its loss) or its loss went non-finite, whatever came before (GradScaler's
+        # first skips): None where neither happened (``first_rank``'s tie-break)
+        "born": None,
         # this rank's own found_inf at first_bad (before ShardedGradScaler combined it): read
         # only where it tells the ranks apart (``read_own_flags``), else None
         "own_bad": None,
@@ -99,6 +103,10 @@ def outline(run: Any) -> dict:
                 out["first_bad"]
     if out["first_loss_bad"] == out["first_bad"]:
         out["local"] = True
+    born = [int(s["step"]) for s in snaps if int(s["phase"]) in LOCAL_PHASES]
+    if out["first_loss_bad"] is not None:
+        born.append(out["first_loss_bad"])
+    out["born"] = min(born) if born else None
     return out
 
 
@@ -396,14 +404,17 @@ def files_text(paths: list[str], limit: int = 8) -> str:
 
 def first_rank(outlines: list[dict]) -> Optional[int]:
     """The rank that went non-finite first: earliest bad step; at the same step, a rank where
-    the value was born (non-finite loss, forward culprit) before one that only received it,
-    and where none was, a rank whose own gradients were non-finite (``own_flag``) before one
-    that only skipped with the others."""
+    the value was born (non-finite loss, forward culprit) before one that only received it;
+    where none was, one where a later step's was (``born``: the ranks' first bad step was
+    GradScaler's first skips, which every rank makes alike, and one rank's own batch
+    overflowed later), and then a rank whose own gradients were non-finite (``own_flag``)
+    before one that only skipped with the others."""
     bad = [o for o in outlines if o["first_bad"] is not None]
     if not bad:
         return None
-    best = min(bad, key=lambda o: (o["first_bad"], not o["local"],
-                                   o["local"] or not o.get("own_bad"), o["rank"]))
+    best = min(bad, key=lambda o: (o["first_bad"], not o["local"], o.get("born") is None,
+                                   o.get("born") or 0, o["local"] or not o.get("own_bad"),
+                                   o["rank"]))
     return int(best["rank"])
 
 
@@ -434,6 +445,11 @@ def _origin_text(outlines: list[dict], origin: int) -> str:
     place = where(o)
     text = f"rank {origin} went non-finite first, at step {o['first_bad']}: {what}" + \
         (f", first seen {place}" if place else "")
+    if not o["local"] and o.get("born") is not None and o["born"] > o["first_bad"] and \
+            any(x["rank"] != origin and x["first_bad"] == o["first_bad"] for x in outlines):
+        text = (f"rank {origin}'s own step failed first, at step {o['born']} (its replay placed "
+                f"the failure in its own batch, forward or loss); every rank skipped from step "
+                f"{o['first_bad']} alike")
     others = [x for x in outlines if x["rank"] != origin]
     same = [x["rank"] for x in others if x["first_bad"] == o["first_bad"] and not x["local"]]
     if own:

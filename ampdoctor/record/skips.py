@@ -186,6 +186,15 @@ class Skips:
         loss_ok = st.loss_sum is None or math.isfinite(read[0])
         if not loss_ok or (st.grad_norm is not None and not math.isfinite(read[-1])):
             self.trigger(Event.NONFINITE_GRAD if loss_ok else Event.NONFINITE_LOSS)
+        elif st.loss_sum is not None:
+            self._rising(st, read[0])
+
+    def _rising(self, st: Step, loss_sum: float) -> None:
+        """A finite loss already read, handed to the LR range test's divergence watch
+        (``lrrange.RangeTest.on_loss``): the step's mean over its micro-batches."""
+        if self.forensics is not None and self.forensics.captures:
+            self.forensics.lrrange.on_loss(st.index, loss_sum / max(1, st.loss_n),
+                                           self.forensics.captures)
 
     def trigger(self, why: Event, st: Optional[Step] = None) -> None:
         """Parameters are still those that failed: hand the step to the forensic tier.

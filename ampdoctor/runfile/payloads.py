@@ -244,7 +244,8 @@ class CompiledReplay(Payload):
 
 class LrRange(Payload):
     """``detail["lr_range"]``: the LR range test run from the run's first state at the first
-    failure (record/forensic/lrrange.py; diagnosis/lrrange.py). ``trains`` is the one test of
+    failure, or /meta ``lr_range`` where the loss rose with no non-finite value
+    (record/forensic/lrrange.py; diagnosis/lrrange.py). ``trains`` is the one test of
     a rung both sides use: the recorder stops one rung below the first that trains."""
 
     NAME = "a snapshot's lr_range"
@@ -264,6 +265,8 @@ class LrRange(Payload):
                      "finite, skipped, seconds", []),
         "stopped": Key(str, "why the ladder stopped before a rung trained"),
         "note": Key(str, "why no trial ran"),
+        "trigger": Key(str, "a divergence with no non-finite value: what rose (then the test "
+                       "is /meta lr_range, not a snapshot's)"),
         "seconds": Key(float, "time the whole test took"),
     }
 

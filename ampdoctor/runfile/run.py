@@ -278,6 +278,12 @@ class Run:
         return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, dict)}
 
     @property
+    def lr_range(self) -> dict[str, Any] | None:
+        """The LR range test run at a divergence with no non-finite value (its keys:
+        ``payloads.LrRange``); None where none ran there."""
+        return self._meta_dict("lr_range")
+
+    @property
     def optimizers(self) -> list[dict[str, Any]]:
         opt = self.meta.get("optimizer")
         return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []

@@ -563,6 +563,9 @@ BLOB_CHUNK = 1 << 16
 #   cast: scaling, granularity, dtype (record/fp8layers.py); ``replicas``: per operand several
 #   ranks hold whole, {ranks, by: "ddp" | "dtensor"[, placements]} (record/replicas.py);
 #   rewritten when one is first seen on a sampled step (Run.fp8_layers)
+# - lr_range: the LR range test run where the loss rose to RISE times the first step's with no
+#   non-finite value (record/forensic/lrrange.py; payloads.LrRange with its trigger): written
+#   once (Run.lr_range). One run at a non-finite loss is in that snapshot's detail instead
 
 STATUS_RUNNING = "running"
 STATUS_FINISHED = "finished"

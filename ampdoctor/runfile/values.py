@@ -27,7 +27,8 @@ META_TYPES: dict[str, type] = {
     "status": str, "recorder": dict, "torch": dict, "roots": list, "model": dict,
     "device": dict, "compiled": dict, "sharding": dict, "scaler": dict, "optimizer": list,
     "autocast": dict, "clip": dict, "handles": dict, "applied": list,
-    "losses": list, "skipped_modules": list, "fp8_layers": dict, "buffers": dict}
+    "losses": list, "skipped_modules": list, "fp8_layers": dict, "buffers": dict,
+    "lr_range": dict}
 _TYPE_WORDS: dict[type, str] = {str: "a text", dict: "an object", list: "a list"}
 
 

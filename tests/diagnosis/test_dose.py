@@ -414,3 +414,8 @@ def test_max_norm_is_the_scripts_own_clip_where_it_clips():
     assert "keep clipping gradients at 0.5 (after unscale_), as the script does" in lower.text
     assert "max_norm 0.5: the script's own clip, clip_grad_norm_(max_norm=0.5)" in lower.source
     assert "common default" not in lower.source
+    # accelerate >= 1.16 clips with torch's split API (diffusers' train_unconditional.py)
+    s.meta["clip"] = {"how": "clip_grads_with_norm_", "max_norm": 1.0, "norm_type": None}
+    lower = fix(engine.diagnose(s.run()), "lower_lr")
+    assert "max_norm 1: the script's own clip, clip_grads_with_norm_(max_norm=1)" in lower.source
+    assert "keep clipping gradients at 1 (after unscale_), as the script does" in lower.text

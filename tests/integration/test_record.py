@@ -562,6 +562,34 @@ def test_user_sitecustomize_still_runs(tmp_path):
         assert len(run.steps) == 2
 
 
+def test_asking_whether_torch_is_installed_before_importing_it_still_records(tmp_path):
+    # datasets, transformers and accelerate call importlib.util.find_spec("torch") before any of
+    # them imports torch (transformers' run_clm_no_trainer.py imports datasets first): the
+    # lookup once took the bootstrap's one-shot hook, and the run was "nothing recorded"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import importlib.util
+        assert importlib.util.find_spec("torch") is not None
+        assert importlib.util.find_spec("torch") is not None
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.ones(8, 4)).pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            print(f"loss {loss.item():.6f}")
+    """))
+    proc = record(["-o", "run.h5", "--", PYTHON, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing recorded" not in proc.stderr
+    printed = [float(line.split()[1]) for line in proc.stdout.splitlines()
+               if line.startswith("loss ")]
+    with ampdoctor.load(tmp_path / "run.h5") as run:
+        assert len(run.steps) == 3
+        np.testing.assert_allclose(run.steps["loss"], printed, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_forked_child_never_writes_into_the_parents_file(tmp_path):
     """A child forked after training began (and leaving through sys.exit, which closes what

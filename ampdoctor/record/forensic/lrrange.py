@@ -1,5 +1,6 @@
 """The learning rate measured by a trial: an LR range test on the run's own first state, run
-at the first failure whose loss went non-finite (issue 40).
+at the first failure whose loss went non-finite, or at the first step whose loss rose to
+``RISE`` times the first step's without one (issue 40).
 
 **Kept at the start.** At the run's first optimizer step, before it updates anything,
 ``RangeTest.before_step`` copies the weights and the optimizer's state to the CPU: once per
@@ -19,6 +20,17 @@ is the margin the diagnosis prescribes. A rung ends at its first non-finite loss
 the ladder ends at ``SECONDS``. Each rung's losses (the loss at the kept state first, then
 after each step) go into the snapshot (``detail["lr_range"]``), in the order they ran; the
 diagnosis's ``lrrange.py`` picks the LR.
+
+**On a divergence with no non-finite value.** A run whose loss blows up without ever going
+inf or NaN (litgpt at LR 10: 6.2 to 1700 and back) has no failing step to replay. Without a
+scaler the recorder reads each step's loss before ``optimizer.step`` while the tier is armed
+(``skips.check_before_step``): ``on_loss`` is handed that value (no read of its own), and the
+first step whose loss is ``RISE`` times the first step's runs the same ladder, from the same
+kept state, on that step's batch (its captures: the backward is done, the weights not yet
+stepped). Under a GradScaler no loss is read on the host before the step; a blow-up there
+overflows fp16 and takes the path above. The result goes into /meta ``lr_range``, with
+``trigger`` saying what rose, as no replay ran and no snapshot holds it. One test per run
+either way: the first of the two.
 
 **On copies, never on the run.** The trial trains leaf copies of the weights through
 ``torch.func.functional_call`` with a new optimizer of the run's class loaded from the kept
@@ -65,8 +77,16 @@ DECADES = 10  # decade rungs at most: down to 1e-9 of the failing LR
 SECONDS = 20.0  # the whole ladder's time budget
 BACKOFF = 2.0 ** -4  # a scaled step whose gradients overflow is tried again at this x scale
 RETRIES = 3
+# A finite loss this many times the first step's is a divergence (diagnosis/curve.py's
+# ``stuck`` is 3x its level before the jump too): the test runs there, once
+RISE = 3.0
 
 NOT_KEPT_TOO_BIG = "the weights and optimizer state were over {mib} MiB ({have} MiB)"
+
+
+class NotRecomputed(Exception):
+    """The step's loss call could not be rebuilt on the copies' output (an argument taken
+    from the output in a way the trial cannot follow): no rung can be measured."""
 
 
 class Start:
@@ -88,6 +108,7 @@ class RangeTest:
         self.not_kept: Optional[str] = None  # why no state was kept
         self.clip: Optional[dict] = None  # the user's clip call, as last seen
         self.done = False
+        self.first: Optional[float] = None  # the first step's loss (on_loss)
 
     def before_step(self, optimizer: Any, step: int, clip: Optional[dict]) -> None:
         """The primary optimizer is about to step: the user's clip noted; the state kept once,
@@ -109,6 +130,35 @@ class RangeTest:
             if self.forensics.strict:
                 raise
             self.not_kept = f"copying them failed: {type(exc).__name__}: {exc}"[:300]
+
+    def on_loss(self, step: int, loss: float, captures: list) -> None:
+        """A finite loss the recorder read before the step is applied (no read here): the
+        first step's kept as the reference; the first one at ``RISE`` times it runs the test
+        on this step's ``captures`` into /meta ``lr_range`` (see the module docstring)."""
+        if self.done or not math.isfinite(loss):
+            return
+        if self.first is None:
+            self.first = loss
+            return
+        if not (self.first > 0 and loss >= RISE * self.first) or not captures or \
+                self.forensics.unsafe(captures):
+            return
+        optimizer = self._optimizer()
+        if optimizer is not None and not any(x != 0 for x in lrfactors.ran_with(optimizer)):
+            return  # a warm-up step at LR 0: its LR is not the one to try
+        self.done = True
+        began = time.perf_counter()
+        try:
+            result = self.run(step, list(captures), None)
+        except Exception as exc:  # noqa: BLE001 - a trial must never stop the training run
+            if self.forensics.strict:
+                raise
+            result = LrRange(note=f"the trial failed: {type(exc).__name__}: {exc}"[:300])
+        result["trigger"] = (f"the loss rose to {loss:.4g}, {loss / self.first:.3g}x the first "
+                             f"step's {self.first:.4g}, with no non-finite value")
+        result["event_step"] = step
+        result["seconds"] = round(time.perf_counter() - began, 4)
+        self.forensics.journal.meta("lr_range", dict(result), step)
 
     def after_replay(self, step: int, captures: list, finding: Any, scale: Optional[float],
                      why: Event, loss_nonfinite: Optional[bool]) -> None:
@@ -145,7 +195,7 @@ class RangeTest:
         if not top > 0:
             return LrRange(note="the failing step's LR was not known (an LR held on the device)")
         clip = self.clip.get("max_norm") if self.clip and self.clip.get("how") in (
-            None, "clip_grad_norm_") else None
+            None, "clip_grad_norm_", "clip_grads_with_norm_") else None
         out = LrRange(state="start", state_step=self.start.step, event_step=step, lr=top,
                      batch="the failing step's batch, repeated", steps=STEPS, rungs=[],
                      optimizer=type(optimizer).__name__,
@@ -166,6 +216,16 @@ class RangeTest:
                 return None
             return LrRange.trains(rung)
 
+        try:
+            return self._ladder(out, tried)
+        except NotRecomputed as exc:
+            return LrRange(note=f"the loss could not be recomputed from the copies' output "
+                           f"({exc})"[:300])
+
+    @staticmethod
+    def _ladder(out: LrRange, tried: Any) -> LrRange:
+        """The rungs, a decade at a time down to the first that trains, then the half-decade
+        above it and, where that one does not train, the half-decade below it."""
         for k in range(DECADES):  # a decade at a time, down to the first that trains
             done = tried(k)
             if done is None or (done and k == 0):
@@ -278,13 +338,15 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
     """One micro-batch at the copies: its recomputed loss, and the copies' gradients at
     ``scale`` (the gradient the real step sent into the loss, rescaled to it)."""
     set_rng(cap.rng)
-    with torch.enable_grad(), autocast(cap.autocast):
+    with torch.enable_grad(), autocast(cap.autocast), _slots_kept(root):
         output = torch.func.functional_call(root, weights, cap.args, cap.kwargs)
     out = Outcome("lr_range")
     outs = list(tensors_in(output))
     if cap.loss_calls:
         losses = _losses(cap, outs, AS_RECORDED, out)
-        value = out.loss if out.loss is not None else math.nan
+        if out.loss is None:  # (not a non-finite loss: none was computed)
+            raise NotRecomputed(out.note or "no loss call could be rebuilt")
+        value = out.loss
         pairs = _loss_pairs(cap, losses, Trial(scale=scale), out) if losses else []
     else:  # the model returns its loss (a Hugging Face model given labels)
         factor = _factor(cap, Trial(scale=scale))[1]
@@ -335,6 +397,27 @@ def _new_optimizer(optimizer: Any, copies: list, state: dict) -> Any:
         made = cls(groups)
     made.load_state_dict(copy.deepcopy(state))
     return made
+
+
+@contextlib.contextmanager
+def _slots_kept(root: torch.nn.Module) -> Iterator[None]:
+    """Every module's parameter and buffer slots put back as they were. ``functional_call``
+    swaps the copies in by name and back out name by name; a module reached by two names
+    (Lightning Fabric's ``_FabricModule`` holds the model as ``_forward_module`` and
+    ``_original_module``) is swapped twice on the way in, so the second swap's "original" is
+    the copy, and the way out left the copies in the model: litgpt at LR 10 then trained
+    tensors its optimizer never stepped. Written back into the slots' dicts (no
+    ``__setattr__``, which such wrappers forward)."""
+    slots: list[tuple[dict[str, Any], dict[str, Any]]] = \
+        [(m._parameters, dict(m._parameters)) for m in root.modules()] + \
+        [(m._buffers, dict(m._buffers)) for m in root.modules()]
+    try:
+        yield
+    finally:
+        for table, before in slots:
+            for key, value in before.items():
+                if table.get(key) is not value:
+                    table[key] = value
 
 
 @contextlib.contextmanager

@@ -197,3 +197,93 @@ def test_a_frozen_config_is_left_as_it_is_and_the_trial_runs(tmp_path):
     assert any(LrRange.trains(r) for r in test["rungs"])
     plain = _train(FAILING_LR, make=make)[1]
     assert all(torch.equal(a, b) for a, b in zip(plain, weights))
+
+
+# -- a divergence with no non-finite value ---------------------------------------------------
+
+RISING_LR = 1.0  # Adam, no scaler: the loss 10.6, then 101 at step 1, 1669 at step 2, finite
+
+
+class TwoNames(nn.Module):
+    """The model held under two names, as Lightning Fabric's ``_FabricModule`` holds it
+    (``_forward_module`` and ``_original_module``): litgpt's model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.forward_module = inner
+        self.original_module = inner
+
+    def forward(self, x):
+        return self.forward_module(x)
+
+
+def _train_rising(lr, path=None, steps=30, wrap=False):
+    """Adam in fp32 with no scaler: at ``RISING_LR`` the loss blows up and never goes inf or
+    NaN (litgpt's finetune_full at LR 10 does the same)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = TwoNames(model) if wrap else model
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    watch = ampdoctor.watch(model, opt, path=str(path), strict=True) if path else \
+        contextlib.nullcontext()
+    losses = []
+    with watch:
+        for x, y in _data(steps):
+            loss = F.mse_loss(model(x), y)
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return losses, [p.detach().clone() for p in model.parameters()], opt
+
+
+@pytest.fixture(scope="module")
+def rising(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rising") / "run.h5"
+    return path, _train_rising(RISING_LR, path)
+
+
+def test_a_loss_that_rises_with_no_nan_is_tried_and_the_run_stays_bit_identical(rising):
+    path, (losses, weights, opt) = rising
+    plain_losses, plain_weights, plain_opt = _train_rising(RISING_LR)
+    assert np.isfinite(plain_losses).all() and max(plain_losses) > 100 * plain_losses[0]
+    assert plain_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights))
+    for a, b in zip(plain_opt.state.values(), opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+    with ampdoctor.load(str(path)) as run:
+        assert not [s for s in run.snapshots if s["detail"].part("lr_range")]
+        test = LrRange.of(run.lr_range)
+    first = next(i for i, x in enumerate(losses) if x >= lrrange.RISE * losses[0])
+    assert test["event_step"] == first and test["state"] == "start"
+    assert test["trigger"].startswith(f"the loss rose to {losses[first]:.4g}")
+    assert test["lr"] == pytest.approx(RISING_LR) and not test.get("note")
+    assert any(LrRange.trains(r) for r in test["rungs"])
+
+
+def test_the_lr_tried_at_a_rise_is_quoted_and_trains_when_applied(rising):
+    path, (losses, _, _) = rising
+    fx = next(fx for fx in ampdoctor.diagnose(str(path)).fixes if fx.id == "lower_lr")
+    assert "tried: LR " in fx.source and "over 12 steps" in fx.source, fx.source
+    treated, _, _ = _train_rising(RISING_LR * fx.values["lr_factor"])
+    assert np.isfinite(treated).all() and max(treated) < lrrange.RISE * treated[0]
+    assert np.median(treated[-5:]) < treated[0] / 4, treated
+
+
+def test_a_healthy_loss_runs_no_trial(tmp_path):
+    losses, _, _ = _train_rising(0.01, tmp_path / "run.h5", steps=12)
+    assert max(losses) < lrrange.RISE * losses[0]
+    with ampdoctor.load(str(tmp_path / "run.h5")) as run:
+        assert run.lr_range is None
+
+
+def test_a_model_held_under_two_names_keeps_its_own_tensors_after_the_trial(tmp_path):
+    """``functional_call`` swapped the copies of a module reached by two names in twice and
+    left them in the model: litgpt at LR 10 (Fabric's wrapper) then trained tensors its
+    optimizer never stepped, its loss stuck at the untrained level from the trial on."""
+    losses, weights, _ = _train_rising(RISING_LR, tmp_path / "run.h5", steps=12, wrap=True)
+    plain_losses, plain_weights, _ = _train_rising(RISING_LR, steps=12, wrap=True)
+    with ampdoctor.load(str(tmp_path / "run.h5")) as run:
+        assert run.lr_range and not run.lr_range.get("note")
+    assert plain_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights))

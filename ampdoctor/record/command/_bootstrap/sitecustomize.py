@@ -56,8 +56,9 @@ def _ampdoctor():
 class _TorchLoader:
     """Wraps torch's own loader for one call: run torch's ``__init__``, then start recording."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, hook):
         self._loader = loader
+        self._hook = hook
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -68,27 +69,43 @@ class _TorchLoader:
     def exec_module(self, module):
         # torch sees its real loader (resources, reloads); this wrapper never outlives the call.
         module.__spec__.loader = module.__loader__ = self._loader
+        first = self._hook.take()
         self._loader.exec_module(module)
-        _start_recording()
+        if first:
+            _start_recording()
 
 
 class _TorchImportHook:
-    """A meta path finder that answers nothing but ``import torch``, and only once."""
+    """A meta path finder that answers nothing but ``import torch``, until torch is imported.
 
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
+    A lookup is not an import: ``importlib.util.find_spec("torch")``, which datasets,
+    transformers and accelerate call to ask whether torch is installed before any of them
+    imports it, gets torch's spec with the loader wrapped and leaves the hook in place; the
+    hook goes, and the recording starts, only when a loader it handed out runs torch's
+    ``__init__``."""
+
+    def __init__(self):
+        self._taken = False
+
+    def take(self):
+        """Torch is being imported: the hook leaves ``sys.meta_path``; True the first time."""
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+        first, self._taken = not self._taken, True
+        return first
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch" or self._taken:
+            return None
         for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
+            find = getattr(finder, "find_spec", None) if finder is not self else None
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
                 break
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _TorchLoader(spec.loader)
+            spec.loader = _TorchLoader(spec.loader, self)
         return spec
 
 

@@ -1,4 +1,5 @@
-"""pytest's hooks and fixtures for every folder of tests/ (the ``gpu`` skip, ``run_path``).
+"""pytest's hooks and fixtures for every folder of tests/ (the ``gpu`` skip, ``run_path``,
+one thread per xdist worker).
 
 The shared non-test modules live in tests/support/ (helpers, synthetic, recording, testenv,
 the reliability and live-view scripts). They are imported by their bare names (``from helpers

@@ -1,4 +1,5 @@
-"""pytest's hooks and fixtures for every folder of tests/ (the ``gpu`` skip, ``run_path``).
+"""pytest's hooks and fixtures for every folder of tests/ (the ``gpu`` skip, ``run_path``,
+one thread per xdist worker).
 
 The shared non-test modules live in tests/support/ (helpers, synthetic, recording, testenv,
 the reliability and live-view scripts). They are imported by their bare names (``from helpers
@@ -28,6 +29,16 @@ pytest_plugins = ["pytester"]  # test_amp_step runs a user's pytest session with
 # Python installs in a terminal, the children get SIGINT's default again, as a user's do.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Under xdist (``-n auto``: a worker per core) each worker, and each process a test starts, gets
+# one thread unless OMP_NUM_THREADS says otherwise: torch's default, a thread per core in every
+# worker, makes the OpenMP threads wait on each other for a core (a fixture recording beside a
+# busy worker took three times the CPU and the wall time with two threads than with one).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0) > 1 and \
+        "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # imported already (a plugin): its pool is sized; resize it
+        sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

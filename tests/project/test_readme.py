@@ -20,6 +20,17 @@ def test_ci_runs_the_readme_test_command():
     assert "python -m pytest -q" in CI
 
 
+def test_the_test_processes_take_one_thread_each():
+    """Two workers on two cores, and the training processes their tests start: a thread per
+    core in each made OpenMP's threads wait on each other (three times the CPU time)."""
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"' in CI
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0) > 1:  # conftest.py's default
+        import torch
+
+        threads = os.environ.get("OMP_NUM_THREADS")
+        assert threads and torch.get_num_threads() == int(threads), threads
+
+
 def test_readme_example_command_pins_torch_and_records_then_diagnoses():
     line = next(l for l in README.splitlines() if "ampdoctor record" in l and "pip install" in l)
     assert "torch==2.13.0" in line

@@ -464,8 +464,8 @@ class Facts:
         found = (s for s in self.snapshots if step is not None and s["step"] >= step and
                  s["phase"] in ("forward", "backward") and module in (None, s["module"]))
         snap = next(found, None)
-        return snap and {"module": snap["module"], "phase": snap["phase"],
-                         "fp32_finite": snap["fp32_finite"], "op": snap["detail"].get("op")}
+        return snap and {"module": snap["module"], "phase": snap["phase"], "fp32_finite":
+                         snap["fp32_finite"], "op": SnapshotDetail.of(snap["detail"]).op}
 
     @property
     def doses(self) -> Doses:

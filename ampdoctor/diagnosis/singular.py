@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..numfmt import fmt
+from ..runfile.detail import TriedFix
 from ..runfile.payloads import LossSingular
 from ..runfile.schema import Event
 from .verdict import Evidence
@@ -148,7 +149,15 @@ def evidence(s: Singular) -> Evidence:
     return Evidence(text, "loss_singular_fp32", float(s.fp32_nonfinite), s.step)
 
 
-def clamp_trial(s: Singular) -> Optional[dict]:
+@dataclass(frozen=True)
+class Clamped(TriedFix):
+    """The clamp of a singular loss's op tried on its held values: a trial the diagnosis
+    makes itself (never written to the file), its outcome already in words."""
+
+    text: str = ""
+
+
+def clamp_trial(s: Singular) -> Optional[Clamped]:
     """The clamp at ``eps`` tried on the held values (a trial of ``clamp_loss_input``, in the
     form ``proofs`` reads), or None when it was not measured."""
     if s.source != "graph" or s.eps is None or s.clamped_nonfinite is None:
@@ -162,4 +171,4 @@ def clamp_trial(s: Singular) -> Optional[dict]:
     else:
         outcome = (f"still non-finite at step {s.step}: with {clamp}, its derivative is "
                    f"non-finite at {s.clamped_nonfinite} values: not enough on its own")
-    return {"tried": True, "finite": finite, "step": s.step, "outcome": outcome}
+    return Clamped(tried=True, finite=finite, step=s.step, text=outcome)

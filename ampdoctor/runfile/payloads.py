@@ -26,9 +26,15 @@ Example::
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, TypeVar
 
+from . import records
+from .detail import Fp32Rerun, OpRecord, Rows, RowSummary, TrialOutcome, TriedFix
+
+R = TypeVar("R", bound=records.Record)
+P = TypeVar("P", bound="Payload")
 _DECLARED: Any = object()  # get()'s "no default given": the declared one
 
 
@@ -105,10 +111,10 @@ class Payload(dict):
 
     def to_json(self) -> str:
         """The text written to the file: as ``json.dumps`` writes the same plain dict."""
-        return json.dumps(dict(self), default=str)
+        return json.dumps(dict(self), default=_written)
 
     @classmethod
-    def from_json(cls, text: Any) -> Any:
+    def from_json(cls: type[P], text: Any) -> P:
         """The payload in ``text``; empty where the text is empty, not JSON or not an object
         (a damaged or foreign file). Keys this reader does not declare are kept, unread."""
         try:
@@ -118,7 +124,7 @@ class Payload(dict):
         return cls.of(value)
 
     @classmethod
-    def of(cls, value: Any) -> Any:
+    def of(cls: type[P], value: Any) -> P:
         """``value`` (parsed JSON) as this payload; empty unless it is an object; ``value``
         itself if it is one already."""
         if isinstance(value, cls):
@@ -126,7 +132,22 @@ class Payload(dict):
         out = cls()
         if isinstance(value, dict):
             dict.update(out, value)  # (undeclared keys of a newer writer kept as they are)
+            for key, declared in cls.KEYS.items():
+                if key in value and _is_record(declared.type):
+                    dict.__setitem__(out, key, records.read(declared.type, value[key]))
         return out
+
+
+def _is_record(kind: Any) -> bool:
+    """A key whose value is a record (``records.Record``) or a list or map of them: read
+    into its type when the payload is, written back as its JSON object."""
+    if typing.get_origin(kind) in (list, dict):
+        kind = typing.get_args(kind)[-1]
+    return isinstance(kind, type) and issubclass(kind, records.Record)
+
+
+def _written(value: Any) -> Any:
+    return value.to_json() if isinstance(value, records.Record) else str(value)
 
 
 class Recorded(Payload):
@@ -139,29 +160,6 @@ class Recorded(Payload):
         "output_nonfinite": Key(bool, "the model's output"),
         "output_grad_nonfinite": Key(bool, "the gradient at the model's output"),
         "loss_fns": Key(list, "the torch loss functions the step called"),
-    }
-
-
-class TrialOutcome(Payload):
-    """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run under a trial, the fields of
-    ``record/forensic/trial.py``'s ``Outcome`` (a test holds them equal)."""
-
-    NAME = "a trial's outcome"
-    KEYS = {
-        "trial": Key(str, "the trial's name"),
-        "finite": Key(bool, "outputs, loss and every gradient finite"),
-        "first": Key(str, "where it first was not: forward, loss, backward"),
-        "output_finite": Key(bool, "the outputs"),
-        "loss": Key(float, "the recomputed loss (a string where not finite)"),
-        "loss_finite": Key(bool, "the recomputed loss; None: none recomputed"),
-        "loss_fns": Key(list, "the torch loss functions recomputed"),
-        "loss_dtype": Key(str, "the recomputed loss's dtype"),
-        "grads": Key(str, "finite, non-finite, zero or not run"),
-        "backward_from": Key(str, "loss (recomputed) or output (the recorded gradient)"),
-        "micro": Key(int, "the first micro-batch that was not finite"),
-        "note": Key(str, "why something was not run"),
-        "unjudged": Key(str, "why the re-run cannot judge the fix (a target held NaN/inf as "
-                        "the step had it)"),
     }
 
 
@@ -306,12 +304,12 @@ class SnapshotDetail(Payload):
         "isolation": Key(dict, "what the replay kept from the user's code: hooks_set_aside, "
                          "hooks_not_installed (they did not run in it), output_held_back", since=2),
         # the culprit (culprit.py, accum.py)
-        "bad_inputs": Key(list, "the batch's non-finite inputs: label, counts"),
+        "bad_inputs": Key(list[RowSummary], "the batch's non-finite inputs: label, counts"),
         "chain": Key(list, "the modules the non-finite value passed through"),
         "backward_not_replayed": Key(str, "why the backward was not replayed"),
         "how": Key(str, "how the culprit made its non-finite value"),
         "weights_nonfinite": Key(list, "parameters already non-finite: poisoned earlier"),
-        "run": Key(dict, "the culprit's inputs and outputs in the run's precision"),
+        "run": Key(Rows, "the culprit's inputs and outputs in the run's precision"),
         "output_grad_nonfinite": Key(bool, "the gradient at the model's output was"),
         "loss_nonfinite": Key(bool, "the loss itself was non-finite"),
         "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
@@ -321,9 +319,9 @@ class SnapshotDetail(Payload):
                         "data): op, function, into, label, dtype, device, autocast", since=4),
         "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
-        "fp32": Key(dict, "the culprit re-run in fp32: finite, absmax"),
+        "fp32": Key(Fp32Rerun, "the culprit re-run in fp32: inputs, outputs (detail.py)"),
         "fp32_error": Key(str, "the exception the fp32 re-run raised"),
-        "op": Key(dict, "the op inside the culprit that made the value"),
+        "op": Key(OpRecord, "the op inside the culprit that made the value (detail.py)"),
         "op_error": Key(str, "the exception the op probe raised"),
         # reproduced (reproduced.py)
         "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
@@ -341,13 +339,49 @@ class SnapshotDetail(Payload):
         "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
                         "compiled: reproduced, rungs, region, op", since=3),
         # proofs (proofs.py)
-        "trials": Key(dict, "the fixes tried on the step: fix id -> its outcome"),
+        "trials": Key(dict[str, TriedFix], "the fixes tried on the step: fix id -> what it "
+                      "did (detail.py)"),
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
         "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
         # the LR range test (lrrange.py)
         "lr_range": Key(LrRange, "the LR range test from the run's first state", since=3),
     }
+
+    # The keys that hold records (detail.py), read typed: None where the file holds none.
+    @property
+    def op(self) -> OpRecord | None:
+        return self._record("op", OpRecord)
+
+    @property
+    def bad_inputs(self) -> list[RowSummary]:
+        value = self.get("bad_inputs")
+        return value if isinstance(value, list) else []
+
+    @property
+    def trials(self) -> dict[str, TriedFix]:
+        value = self.get("trials")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def run(self) -> Rows | None:
+        return self._record("run", Rows)
+
+    @property
+    def fp32(self) -> Fp32Rerun | None:
+        return self._record("fp32", Fp32Rerun)
+
+    @property
+    def rerun(self) -> TrialOutcome | None:
+        return self._record("rerun", TrialOutcome)
+
+    @property
+    def loss_fp32(self) -> TrialOutcome | None:
+        return self._record("loss_fp32", TrialOutcome)
+
+    def _record(self, key: str, kind: type[R]) -> R | None:
+        value = self.get(key)
+        return value if isinstance(value, kind) else None
 
 
 class HiddenNonfinite(Payload):
@@ -413,5 +447,5 @@ class Fp8Trial(Payload):
 
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
+    SnapshotDetail, Recorded, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
     CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)

@@ -168,8 +168,7 @@ def _loss_replay_text(snap: dict) -> str:
     if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
         return text + (f"; the loss was non-finite in the real step and was not recomputed "
                        f"({d['loss_not_recomputed']})")
-    fp32 = d.part("loss_fp32")
-    if fp32.get("loss_finite") is False:
+    if d.loss_fp32 is not None and d.loss_fp32.loss_finite is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
         targets = d.get("targets")
         checked = [t for t in targets if isinstance(t, dict)] if isinstance(targets, list) \

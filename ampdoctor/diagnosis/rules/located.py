@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import DType, Event, Kind
 from .. import fixes, singular
 from ..culprit import root_grad_output, snapshot_at
@@ -363,9 +364,9 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
     if not snaps or (_value_minority(f) and any(_loss_backward_only(x) for x in f.snapshots)):
         return None  # the loss's backward failed on most steps: rule_loss_backward's
     x = snaps[0]
-    d = x["detail"]
+    d = SnapshotDetail.of(x["detail"])
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
-    recomputed = d.part("loss_fp32").get("loss_finite") is True
+    recomputed = d.loss_fp32 is not None and d.loss_fp32.loss_finite is True
     if recomputed:
         ev.append(Evidence(f"replay of step {x['step']}: the loss recomputed in fp32 is finite",
                            "loss_fp32_finite", None, x["step"]))
@@ -474,7 +475,8 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
 
 def _fp32_too(snap: dict) -> bool:
     """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
-    return snap["detail"].part("loss_fp32").get("loss_finite") is False
+    fp32 = SnapshotDetail.of(snap["detail"]).loss_fp32
+    return fp32 is not None and fp32.loss_finite is False
 
 
 def _loss_backward_only(snap: dict) -> bool:

@@ -23,6 +23,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from ...runfile.detail import Rows
 from ...runfile.payloads import LossInfo, OutputGrad, SnapshotDetail
 from ...runfile.schema import Phase
 from .. import stats
@@ -211,8 +212,8 @@ def describe(trace: Trace, f: Culprit) -> None:
     ins, outs = _culprit_slots(f.call, f.phase)
     f.in_absmax = _max_abs(trace.rows, ins)
     f.out_absmax = _max_abs(trace.rows, outs, finite_only=False)
-    f.detail["run"] = {"inputs": [trace.summary(s) for s in ins][:16],
-                       "outputs": [trace.summary(s) for s in outs][:16]}
+    f.detail["run"] = Rows(inputs=[trace.summary(s) for s in ins][:16],
+                           outputs=[trace.summary(s) for s in outs][:16])
 
 
 def _max_abs(rows: np.ndarray, slots: list, finite_only: bool = True) -> float:

@@ -381,8 +381,7 @@ class Forensics:
     def _note_input(self, finding: Culprit, step: Any) -> None:
         """NONFINITE_INPUT when the replay (or the batch check) found the batch itself bad."""
         if finding.phase == Phase.INPUT:
-            labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
-                      if isinstance(b, dict)]
+            labels = [b.label or "?" for b in finding.detail.bad_inputs]
             self.journal.event(Event.NONFINITE_INPUT, step, text=", ".join(labels[:4]))
 
     def _calibrating(self, step: Any, why: Event) -> bool:

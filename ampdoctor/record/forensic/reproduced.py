@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ...numfmt import fmt
-from ...runfile.payloads import Recorded, TrialOutcome
+from ...runfile.payloads import Recorded
 from ...runfile.schema import Phase
 from .. import stats
 from . import losscall, trial
@@ -70,7 +70,7 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     seen = f.detail["recorded"] = recorded(cap)
     again = trial.rerun(cap, trial.AS_RECORDED, names) if cap.loss_calls else None
     if again is not None:
-        f.detail["rerun"] = TrialOutcome(again.as_dict())
+        f.detail["rerun"] = replace(again)
     if again is None or again.loss_finite is None:
         f.detail["loss_recomputed"] = False
         f.detail["loss_not_recomputed"] = again.note if again is not None else NO_LOSS_CALL
@@ -95,7 +95,7 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
             f.detail["reproduced"] = True
             return
         if low is not again:
-            f.detail["rerun"], f.detail["rerun_scale"] = TrialOutcome(low.as_dict()), 1.0
+            f.detail["rerun"], f.detail["rerun_scale"] = replace(low), 1.0
         not_reproduced(f, seen, low)
     else:
         f.detail["reproduced"] = True
@@ -155,7 +155,7 @@ def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
     """The recomputed loss is non-finite again: is it the precision (fp32 re-run) or not (the
     targets, the loss's formula)?"""
     fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
-    f.detail["loss_fp32"] = TrialOutcome(fp32.as_dict())
+    f.detail["loss_fp32"] = replace(fp32)
     found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls) if t]
     f.detail["targets"] = found
     f.detail["reproduced"] = True

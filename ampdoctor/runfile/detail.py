@@ -1,0 +1,177 @@
+"""The records a forensic replay nests in a snapshot's ``detail`` (runfile/payloads.py's
+``SnapshotDetail``): the op that made the non-finite value (``op``), the culprit's tensors
+as replayed (``run``, ``bad_inputs``) and re-run in fp32 (``fp32``), and a re-run of the step
+under a trial (``rerun``, ``loss_fp32``; the outcome ``record/forensic/trial.py`` fills in).
+Each is declared once here (records.py) and used by both sides: the recorder builds it, the
+diagnosis reads its fields.
+
+Example::
+
+    op = OpRecord.from_json({"op": "mul", "created": ["posinf"], "dtype": "float16"})
+    op.created, op.mask_operand       # ['posinf'], True (a file older than mask_operand)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from .records import Record
+
+T = TypeVar("T", bound="TrialOutcome")
+
+
+@dataclass(frozen=True)
+class OpRecord(Record):
+    """``detail["op"]``: the first op inside a forward culprit whose result held NaN/inf its
+    inputs did not (record/opprobe.py), read by the diagnosis's culprit.py and the mask and
+    operand premises."""
+
+    op: str = ""  # torch's name of the op: "mul", "masked_fill"
+    created: list[str] = field(default_factory=list)  # what it made: "nan", "posinf", "neginf"
+    dtype: str = ""  # of its result: "float16"
+    counts: dict[str, int] = field(default_factory=dict)  # nan, posinf, neginf in its result
+    numel: int = 0  # elements of its result
+    in_absmax: float | None = None  # the largest finite input magnitude
+    big_scalar: float | None = None  # the largest finite scalar argument
+    in_nan: bool = False  # an input already held NaN
+    in_posinf: bool = False
+    in_neginf: bool = False
+    index: int = 0  # ops probed before it
+    # an input looks like an additive mask (one negative constant); a file older than this
+    # key reads True, the reading it was judged by then
+    mask_operand: bool = True
+
+
+@dataclass(frozen=True)
+class RowSummary(Record):
+    """One tensor of the fp32 re-run: its counts as a /stats row has them."""
+
+    label: str = ""
+    dtype: str = ""
+    numel: int = 0
+    absmax: float = math.nan
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    over16: int = 0
+    zeros: int = 0
+
+
+@dataclass(frozen=True)
+class Rows(Record):
+    """``detail["run"]``: the culprit's inputs and outputs as the replay measured them in the
+    run's precision (record/forensic/culprit.py), at most 16 each."""
+
+    inputs: list[RowSummary] = field(default_factory=list)
+    outputs: list[RowSummary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Fp32Rerun(Rows):
+    """``detail["fp32"]``: the culprit module re-run alone in fp32 (record/forensic/
+    culprit_rerun.py): what went in and came out, at most 16 each."""
+
+    copied_module: bool = False  # a half module was re-run as an fp32 copy
+
+
+@dataclass
+class TrialOutcome(Record):
+    """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run of the step under a trial
+    (record/forensic/trial.py's ``Outcome`` is this class). Not frozen: the re-run fills it
+    in as it goes. ``loss`` is written as a string where not finite (JSON has no NaN) and
+    read back as the float."""
+
+    trial: str = ""
+    finite: bool = False  # outputs, recomputed loss and every parameter gradient finite
+    first: str = ""  # where it first was not: "forward", "loss", "backward" ("": nowhere)
+    output_finite: bool | None = None
+    loss: float | None = None  # the recomputed loss (summed over the loss calls)
+    loss_finite: bool | None = None  # None: no loss was recomputed
+    loss_fns: list[str] = field(default_factory=list)  # the torch loss functions recomputed
+    loss_dtype: str | None = None
+    grads: str = "not run"  # "finite", "non-finite", "zero" (every one exactly 0), "not run"
+    backward_from: str = ""  # "loss" (recomputed) or "output" (the recorded output gradient)
+    micro: int = -1  # rerun_step: the first micro-batch that was not finite
+    note: str = ""  # why something was not run
+    unjudged: str = ""  # why the re-run cannot judge the change (a target held NaN/inf)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.loss is not None and not math.isfinite(self.loss):
+            out["loss"] = str(self.loss)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object written (``to_json``), for the trials that add keys to it."""
+        return self.to_json()
+
+    @classmethod
+    def from_json(cls: type[T], value: Any) -> T:
+        if isinstance(value, dict) and isinstance(value.get("loss"), str):
+            value = dict(value, loss=_number(value["loss"]))
+        return super().from_json(value)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class TriedFix(Record):
+    """``detail["trials"][fix id]``: a fix tried on the saved step (record/forensic/proofs.py,
+    compiled_replay.py; the diagnosis's proofs.py ranks the fixes by them). A trial re-run
+    whole (``ran``) writes its outcome's keys and then its own; one not tried, or a compiled
+    replay's, writes ``tried``, ``note`` and the few it measured."""
+
+    tried: bool = False
+    note: str | None = None  # why it was not tried (or what the trial was)
+    finite: bool | None = None  # the step under the fix: outputs, loss, gradients finite
+    loss: float | None = None
+    first: str | None = None  # where it first was not: "forward", "loss", "backward"
+    step: int | None = None  # the step tried
+    backend: str | None = None  # compile_backend: the backend that kept it finite
+    outcome: TrialOutcome | None = None  # the re-run's whole outcome, where it ran whole
+    at_scale: float | None = None  # run at this loss scale (the recorded one overflowed)
+    recorded_scale: float | None = None
+    seconds: float | None = None
+    modules: list[str] | None = None  # fp32_island: the modules the island went around
+
+    OMIT = frozenset({"note", "finite", "loss", "first", "step", "backend", "outcome",
+                      "at_scale", "recorded_scale", "seconds", "modules"})
+    # keys written after the outcome's own, in this order, by a trial re-run whole
+    AFTER = ("at_scale", "recorded_scale", "tried", "step", "seconds", "modules")
+
+    @classmethod
+    def ran(cls, outcome: TrialOutcome, step: int | None, seconds: float | None = None,
+            modules: list[str] | None = None, at_scale: float | None = None,
+            recorded_scale: float | None = None) -> TriedFix:
+        """A trial re-run whole: its outcome, with what the proofs add beside it."""
+        return cls(tried=True, note=outcome.note, finite=outcome.finite, loss=outcome.loss,
+                   first=outcome.first, step=step, outcome=outcome, at_scale=at_scale,
+                   recorded_scale=recorded_scale, seconds=seconds, modules=modules)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.outcome is None:
+            return super().to_json()
+        out = self.outcome.to_json()
+        for name in self.AFTER:
+            value = getattr(self, name)
+            if value is not None or name not in self.OMIT:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, value: Any) -> TriedFix:
+        if not isinstance(value, dict):
+            return cls()
+        if isinstance(value.get("loss"), str):
+            value = dict(value, loss=_number(value["loss"]))
+        read = super().from_json(value)
+        if "trial" not in value:  # not a whole outcome
+            return read
+        return replace(read, outcome=TrialOutcome.from_json(value))

@@ -258,15 +258,13 @@ def rule_adam_eps(f: Facts) -> Optional[Finding]:
 
 def _adam_eps_config(f: Facts) -> Optional[dict]:
     for o in f.optimizers:
-        cls = str(o.get("class") or "")
-        eps = (o.get("hyper") or {}).get("eps")
-        if not any(cls == a or cls.endswith(a) for a in ADAM_FAMILY) or not isinstance(
-                eps, (int, float)):
+        cls, eps = o.name, o.eps
+        if not any(cls == a or cls.endswith(a) for a in ADAM_FAMILY) or eps is None:
             continue
-        dtypes = o.get("param_dtypes") or {}
+        dtypes = o.param_dtypes
         total = sum(dtypes.values()) or 1
         fp16_params = dtypes.get("float16", 0) * 2 >= total
-        fp16_state = "float16" in (o.get("state_dtypes") or {}).values()
+        fp16_state = "float16" in o.state_dtypes.values()
         if (fp16_params or fp16_state) and fp16_rounds_to_zero(float(eps)):
             return {"class": cls, "eps": float(eps), "fp16_params": fp16_params,
                     "fp16_state": fp16_state}

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from .records import Record
-
-T = TypeVar("T", bound="TrialOutcome")
 
 
 @dataclass(frozen=True)
@@ -80,8 +78,7 @@ class Fp32Rerun(Rows):
 class TrialOutcome(Record):
     """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run of the step under a trial
     (record/forensic/trial.py's ``Outcome`` is this class). Not frozen: the re-run fills it
-    in as it goes. ``loss`` is written as a string where not finite (JSON has no NaN) and
-    read back as the float."""
+    in as it goes. ``loss`` is written as text where not finite (``AS_TEXT``)."""
 
     trial: str = ""
     finite: bool = False  # outputs, recomputed loss and every parameter gradient finite
@@ -97,28 +94,12 @@ class TrialOutcome(Record):
     note: str = ""  # why something was not run
     unjudged: str = ""  # why the re-run cannot judge the change (a target held NaN/inf)
 
-    def to_json(self) -> dict[str, Any]:
-        out = super().to_json()
-        if self.loss is not None and not math.isfinite(self.loss):
-            out["loss"] = str(self.loss)
-        return out
+    AS_TEXT = frozenset({"loss"})
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object written (``to_json``), for the trials that add keys to it."""
         return self.to_json()
 
-    @classmethod
-    def from_json(cls: type[T], value: Any) -> T:
-        if isinstance(value, dict) and isinstance(value.get("loss"), str):
-            value = dict(value, loss=_number(value["loss"]))
-        return super().from_json(value)
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -167,11 +148,62 @@ class TriedFix(Record):
 
     @classmethod
     def from_json(cls, value: Any) -> TriedFix:
-        if not isinstance(value, dict):
-            return cls()
-        if isinstance(value.get("loss"), str):
-            value = dict(value, loss=_number(value["loss"]))
         read = super().from_json(value)
-        if "trial" not in value:  # not a whole outcome
+        if not isinstance(value, dict) or "trial" not in value:  # not a whole outcome
             return read
         return replace(read, outcome=TrialOutcome.from_json(value))
+
+
+@dataclass(frozen=True)
+class Derivative(Record):
+    """An op's derivative at each held value, in one precision: how many were non-finite,
+    and the largest finite one (None: none was)."""
+
+    nonfinite: int = 0
+    largest: float | None = None
+
+
+@dataclass(frozen=True)
+class LossDerivative(Derivative):
+    """``detail["loss_singular_fp32"]``: the torch loss functions recomputed in fp32 on the
+    replayed outputs, differentiated with respect to them (record/forensic/singular.py)."""
+
+    numel: int = 0  # derivatives
+    loss_fns: list[str] = field(default_factory=list)  # the loss functions recomputed
+    loss: float | None = None  # the loss recomputed
+
+    AS_TEXT = frozenset({"loss"})
+
+
+@dataclass(frozen=True)
+class SingularOp(Record):
+    """One op of a hand-written loss whose derivative is infinite at a point (log at 0, pow
+    below 1 at 0), measured at its held input: an entry of the ``LOSS_SINGULAR`` event's
+    ``ops`` (record/forensic/singular.py; diagnosis/singular.py). One whose input was not
+    held has a ``note`` instead of the measures; a measurement that failed, ``error`` only."""
+
+    op: str = ""  # "pow", "log", "binary_cross_entropy"
+    node: str = ""  # its autograd node: "PowBackward0"
+    exponent: float | None = None  # pow's
+    points: list[float] = field(default_factory=lambda: [0.0])  # where it is singular
+    note: str | None = None  # why its input was not held
+    dtype: str | None = None  # of its input
+    numel: int | None = None
+    at_point: int | None = None  # values exactly at a singular point
+    run: Derivative | None = None  # in the run's precision
+    fp32: Derivative | None = None  # in fp32
+    nearest: float | None = None  # the smallest distance to a point, of those not at one
+    eps_nearest: float | None = None  # the smallest where the run's derivative is finite
+    eps: float | None = None  # that, rounded up to two digits: the clamp tried
+    clamped: Derivative | None = None  # the derivative with the input clamped at eps
+    error: str | None = None  # the measurement failed (nothing else is written)
+
+    OMIT = frozenset({"note", "dtype", "numel", "at_point", "run", "fp32", "nearest",
+                      "eps_nearest", "eps", "clamped", "error"})
+    MEASURED = frozenset({"nearest", "eps_nearest", "eps"})  # written, null or not, once measured
+
+    def omitted(self) -> frozenset[str]:
+        return self.OMIT - self.MEASURED if self.fp32 is not None else self.OMIT
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.error} if self.error is not None else super().to_json()

@@ -31,7 +31,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar
 
 from . import records
-from .detail import Fp32Rerun, OpRecord, Rows, RowSummary, TrialOutcome, TriedFix
+from .detail import (
+    Fp32Rerun,
+    LossDerivative,
+    OpRecord,
+    Rows,
+    RowSummary,
+    SingularOp,
+    TrialOutcome,
+    TriedFix,
+)
 
 R = TypeVar("R", bound=records.Record)
 P = TypeVar("P", bound="Payload")
@@ -207,20 +216,6 @@ class AccumOverflow(Payload):
     }
 
 
-class SingularFp32(Payload):
-    """``detail["loss_singular_fp32"]``: a torch loss's derivative recomputed in fp32
-    (record/forensic/singular.py)."""
-
-    NAME = "a snapshot's loss_singular_fp32"
-    KEYS = {
-        "nonfinite": Key(int, "derivatives non-finite in fp32 too"),
-        "largest": Key(float, "the largest finite one"),
-        "numel": Key(int, "derivatives"),
-        "loss_fns": Key(list, "the loss functions recomputed"),
-        "loss": Key(float, "the loss recomputed (a string where not finite)"),
-    }
-
-
 class CompiledReplay(Payload):
     """``detail["compiled"]``: a compiled model's finite replay run again compiled, each
     rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py)."""
@@ -343,7 +338,7 @@ class SnapshotDetail(Payload):
                       "did (detail.py)"),
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
-        "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
+        "loss_singular_fp32": Key(LossDerivative, "a torch loss's backward checked in fp32"),
         # the LR range test (lrrange.py)
         "lr_range": Key(LrRange, "the LR range test from the run's first state", since=3),
     }
@@ -379,6 +374,10 @@ class SnapshotDetail(Payload):
     def loss_fp32(self) -> TrialOutcome | None:
         return self._record("loss_fp32", TrialOutcome)
 
+    @property
+    def loss_singular_fp32(self) -> LossDerivative | None:
+        return self._record("loss_singular_fp32", LossDerivative)
+
     def _record(self, key: str, kind: type[R]) -> R | None:
         value = self.get(key)
         return value if isinstance(value, kind) else None
@@ -398,11 +397,17 @@ class HiddenNonfinite(Payload):
 
 
 class LossSingular(Payload):
-    """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): one
-    dict per op, the most singular first (``record/forensic/singular.py`` says its keys)."""
+    """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): a
+    ``SingularOp`` (detail.py) per op, the most singular first."""
 
     NAME = "a LOSS_SINGULAR event's text"
-    KEYS = {"ops": Key(list, "the ops measured, most singular first", [])}
+    KEYS = {"ops": Key(list[SingularOp], "the ops measured, most singular first (detail.py)",
+                       [])}
+
+    @property
+    def ops(self) -> list[SingularOp]:
+        value = self.get("ops")
+        return value if isinstance(value, list) else []
 
 
 class FlatLossProbe(Payload):
@@ -447,5 +452,5 @@ class Fp8Trial(Payload):
 
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail, Recorded, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
+    SnapshotDetail, Recorded, LossInfo, OutputGrad, AccumOverflow,
     CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)

@@ -10,7 +10,9 @@ file lacks, or a value not of the field's type, reads as the field's default (th
 older format gets); a key the record does not declare is not read. ``to_json`` writes each
 field under its name (``NAMES`` where a JSON key is a Python keyword), in declaration order,
 leaving out the fields named in ``OMIT`` while they are None (keys a writer adds only where
-they apply), so that a record writes the same JSON the plain dict it replaced wrote.
+they apply) and writing the floats named in ``AS_TEXT`` as text where not finite, so that a
+record writes the same JSON the plain dict it replaced wrote; a float read as that text is
+the number again.
 
 This module imports the standard library only, as the rest of ``runfile/`` imports no torch.
 
@@ -29,29 +31,40 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, ClassVar, Mapping, TypeVar, cast
 
 R = TypeVar("R", bound="Record")
 _BAD: Any = object()  # a value not of the field's type
+NOT_FINITE = ("nan", "inf", "-inf")  # a float as AS_TEXT writes it where not finite
 
 
 class Record:
     """The base of a frozen dataclass written to the run file as a JSON object."""
 
     OMIT: ClassVar[frozenset[str]] = frozenset()  # fields left out of the JSON while None
+    # float fields written as text where not finite ("inf", "nan": JSON has no NaN)
+    AS_TEXT: ClassVar[frozenset[str]] = frozenset()
     NAMES: ClassVar[Mapping[str, str]] = {}  # field -> its JSON key, where they differ
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written: each field under its key (see the module docstring)."""
         out: dict[str, Any] = {}
+        omit = self.omitted()
         for f in dataclasses.fields(cast(Any, self)):
             value = getattr(self, f.name)
-            if value is None and f.name in self.OMIT:
+            if value is None and f.name in omit:
                 continue
+            if f.name in self.AS_TEXT and isinstance(value, float) and not math.isfinite(value):
+                value = str(value)
             out[self.NAMES.get(f.name, f.name)] = plain(value)
         return out
+
+    def omitted(self) -> frozenset[str]:
+        """The fields left out while None: ``OMIT`` (a record of two shapes narrows it)."""
+        return self.OMIT
 
     @classmethod
     def from_json(cls: type[R], value: Any) -> R:
@@ -111,14 +124,16 @@ def coerce(hint: Any, value: Any) -> Any:
         return _dict(typing.get_args(hint)[1], value)
     if isinstance(hint, type) and issubclass(hint, Record):
         return hint.from_json(value) if isinstance(value, (dict, hint)) else _BAD
-    return value if _scalar(hint, value) else _BAD
+    if not _scalar(hint, value):
+        return _BAD
+    return float(value) if isinstance(value, str) and hint is float else value
 
 
 def _scalar(hint: Any, value: Any) -> bool:
     if hint is bool or isinstance(value, bool):
         return hint is bool and isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float))
+        return isinstance(value, (int, float)) or value in NOT_FINITE
     return isinstance(value, hint) if isinstance(hint, type) else False
 
 

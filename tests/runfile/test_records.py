@@ -5,8 +5,15 @@ reader of an older or damaged file gets each field's default."""
 import json
 import math
 
-from ampdoctor.runfile.detail import Fp32Rerun, OpRecord, RowSummary, TrialOutcome
-from ampdoctor.runfile.payloads import SnapshotDetail
+from ampdoctor.runfile.detail import (
+    Derivative,
+    Fp32Rerun,
+    OpRecord,
+    RowSummary,
+    SingularOp,
+    TrialOutcome,
+)
+from ampdoctor.runfile.payloads import LossSingular, SnapshotDetail
 
 # What record/opprobe.py wrote before the record (the same keys, in the same order).
 OP = {"op": "mul", "created": ["posinf"], "dtype": "float16",
@@ -45,3 +52,21 @@ def test_a_trial_s_non_finite_loss_is_written_as_text_and_read_as_the_number():
     assert out.to_json()["loss"] == "-inf"
     assert TrialOutcome.from_json(json.loads(json.dumps(out.to_json()))) == out
     assert TrialOutcome.from_json({"loss": "garbled"}).loss is None
+
+
+def test_a_singular_op_writes_the_keys_of_its_shape():
+    """Not held: its note and no measure; measured: nearest, eps_nearest and eps even where
+    None; failed: the error alone (record/forensic/singular.py wrote those three dicts)."""
+    head = {"op": "pow", "node": "PowBackward0", "exponent": 0.5, "points": [0.0]}
+    held = SingularOp(op="pow", node="PowBackward0", exponent=0.5, note="too large")
+    assert held.to_json() == {**head, "note": "too large"}
+    measured = SingularOp(op="pow", node="PowBackward0", exponent=0.5, dtype="float16",
+                          numel=4, at_point=2, run=Derivative(2, None),
+                          fp32=Derivative(2, 1.0))
+    assert json.dumps(measured.to_json()) == json.dumps({
+        **head, "dtype": "float16", "numel": 4, "at_point": 2,
+        "run": {"nonfinite": 2, "largest": None}, "fp32": {"nonfinite": 2, "largest": 1.0},
+        "nearest": None, "eps_nearest": None, "eps": None})
+    assert SingularOp(error="boom").to_json() == {"error": "boom"}
+    text = LossSingular(ops=[measured, held]).to_json()
+    assert LossSingular.from_json(text).ops == [measured, held]

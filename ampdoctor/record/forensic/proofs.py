@@ -53,7 +53,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...runfile.detail import TriedFix
+from ...runfile.detail import SingularOp, TriedFix
 from ...runfile.payloads import LossSingular
 from ...runfile.schema import Event, Phase
 from . import singular
@@ -144,10 +144,10 @@ class Prover:
         except Exception as exc:  # noqa: BLE001 - the event goes on without it
             if self.forensics.strict:
                 raise
-            measured = [{"error": f"{type(exc).__name__}: {exc}"[:300]}]
-        worst = measured[0].get("fp32") or {}
+            measured = [SingularOp(error=f"{type(exc).__name__}: {exc}"[:300])]
+        worst = measured[0].fp32
         self.forensics.journal.event(Event.LOSS_SINGULAR, step,
-                                     value=float(worst.get("nonfinite", 0)),
+                                     value=float(worst.nonfinite if worst else 0),
                                      text=LossSingular(ops=measured).to_json())
 
 

@@ -63,7 +63,7 @@ def failure_replay(f: Facts) -> Optional[dict]:
     forward = [s for s in after if s["phase"] == "forward"]
     if forward:
         return forward[0]
-    stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
+    stale = any(SnapshotDetail.of(s["detail"]).stale_grads for s in f.snapshots)  # C6h
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
         backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
@@ -146,10 +146,10 @@ def evidence(f: Facts, snap: dict, op: Optional[OpRecord]) -> list[Evidence]:
     passed = snap["detail"].get("passed_on_by")
     poisoned = list(snap["detail"].get("weights_nonfinite") or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
-    made = snap["detail"].get("computed")
-    if isinstance(made, dict):  # (record/forensic/computed.py)
-        text = (f"replay of step {snap['step']}: the input given to {made.get('into')} "
-                f"({made.get('label')}) held NaN/inf, but the step computed it: "
+    made = SnapshotDetail.of(snap["detail"]).computed
+    if made is not None:  # (record/forensic/computed.py)
+        text = (f"replay of step {snap['step']}: the input given to {made.into} "
+                f"({made.label}) held NaN/inf, but the step computed it: "
                 f"{snap['detail'].get('how')}")
     elif passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "

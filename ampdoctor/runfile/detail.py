@@ -154,6 +154,44 @@ class TriedFix(Record):
         return replace(read, outcome=TrialOutcome.from_json(value))
 
 
+@dataclass
+class Isolation(Record):
+    """``detail["isolation"]``: what a replay kept from the user's code (record/forensic/
+    isolated.py's ``preserved`` counts it, so not frozen): hooks that did not run, hooks its
+    forward registered that were not installed, characters of output held back."""
+
+    hooks_set_aside: int = 0
+    hooks_not_installed: int = 0
+    output_held_back: int = 0
+
+
+@dataclass(frozen=True)
+class History(Record):
+    """``detail["history"]``: the steps before the event, as the device had them
+    (record/forensic/forensics.py): one value per step in each list."""
+
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+    found_inf: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Computed(Record):
+    """``detail["computed"]``: a root input made in the step outside any module, not the data
+    (record/forensic/computed.py): the op or custom autograd.Function that made it."""
+
+    op: str = ""  # the op, or the Function's class name
+    function: bool = False  # a custom autograd.Function
+    into: str = ""  # the model it was given to
+    label: str = ""  # as which input: "args.0"
+    dtype: str = ""  # its dtype
+    device: str = ""  # the autocast device type
+    autocast: str | None = None  # the autocast dtype it ran under; None: autocast off
+
+
 @dataclass(frozen=True)
 class Derivative(Record):
     """An op's derivative at each held value, in one precision: how many were non-finite,

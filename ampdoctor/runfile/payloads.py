@@ -32,7 +32,10 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 from . import records
 from .detail import (
+    Computed,
     Fp32Rerun,
+    History,
+    Isolation,
     LossDerivative,
     OpRecord,
     Rows,
@@ -293,10 +296,10 @@ class SnapshotDetail(Payload):
         "micro_batches_forward_only": Key(list, "micro-batches with no backward"),
         "fed_by": Key(str, "the model replayed first, whose output this model's inputs were "
                       "computed from (its output gradient came through this one)"),
-        "stale_grads": Key(dict, ".grad non-finite before the step's backward"),
-        "history": Key(dict, "scale, LR and grad norm over the steps before the event"),
+        "stale_grads": Key(list, ".grad non-finite before the step's backward: the parameters"),
+        "history": Key(History, "scale, LR and grad norm over the steps before the event"),
         "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),
-        "isolation": Key(dict, "what the replay kept from the user's code: hooks_set_aside, "
+        "isolation": Key(Isolation, "what the replay kept from the user's code: hooks_set_aside, "
                          "hooks_not_installed (they did not run in it), output_held_back", since=2),
         # the culprit (culprit.py, accum.py)
         "bad_inputs": Key(list[RowSummary], "the batch's non-finite inputs: label, counts"),
@@ -310,7 +313,7 @@ class SnapshotDetail(Payload):
         "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
         "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
         "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
-        "computed": Key(dict, "a root input made in this step outside any module (not the "
+        "computed": Key(Computed, "a root input made in this step outside any module (not the "
                         "data): op, function, into, label, dtype, device, autocast", since=4),
         "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
@@ -352,6 +355,23 @@ class SnapshotDetail(Payload):
     def bad_inputs(self) -> list[RowSummary]:
         value = self.get("bad_inputs")
         return value if isinstance(value, list) else []
+
+    @property
+    def stale_grads(self) -> list[str]:
+        value = self.get("stale_grads")
+        return [str(p) for p in value] if isinstance(value, (list, dict)) else []
+
+    @property
+    def history(self) -> History | None:
+        return self._record("history", History)
+
+    @property
+    def isolation(self) -> Isolation | None:
+        return self._record("isolation", Isolation)
+
+    @property
+    def computed(self) -> Computed | None:
+        return self._record("computed", Computed)
 
     @property
     def trials(self) -> dict[str, TriedFix]:

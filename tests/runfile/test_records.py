@@ -6,8 +6,11 @@ import json
 import math
 
 from ampdoctor.runfile.detail import (
+    Computed,
     Derivative,
     Fp32Rerun,
+    History,
+    Isolation,
     OpRecord,
     RowSummary,
     SingularOp,
@@ -70,3 +73,16 @@ def test_a_singular_op_writes_the_keys_of_its_shape():
     assert SingularOp(error="boom").to_json() == {"error": "boom"}
     text = LossSingular(ops=[measured, held]).to_json()
     assert LossSingular.from_json(text).ops == [measured, held]
+
+
+def test_the_replay_s_own_records_read_back_as_written():
+    iso = Isolation(hooks_set_aside=2, output_held_back=10)
+    made = Computed(op="exp", into="Net", label="args.0", dtype="float16", device="cpu")
+    hist = History(step=[0, 1], loss=[2.0, math.nan], lr=[1e-3, 1e-3])
+    text = SnapshotDetail(isolation=iso, computed=made, history=hist,
+                          stale_grads=["fc.weight"]).to_json()
+    assert json.loads(text)["isolation"] == {"hooks_set_aside": 2, "hooks_not_installed": 0,
+                                             "output_held_back": 10}
+    d = SnapshotDetail.from_json(text)
+    assert (d.isolation, d.computed, d.stale_grads) == (iso, made, ["fc.weight"])
+    assert d.history.step == [0, 1] and math.isnan(d.history.loss[1])

@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import count, fmt
-from ...runfile.detail import OpRecord
+from ...runfile.detail import Computed, OpRecord
+from ...runfile.payloads import SnapshotDetail
 from .. import culprit, fixes, schedules
 from ..facts import Facts
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
@@ -128,8 +129,8 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         "(whether the weights were steady was not measured)"
     op = culprit.op_of(snap)
     kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
-    made = snap["detail"].get("computed")
-    if isinstance(made, dict):  # (record/forensic/computed.py) an op between two model calls
+    made = SnapshotDetail.of(snap["detail"]).computed
+    if made is not None:  # (record/forensic/computed.py) an op between two model calls
         text = _between_text(made, low)
     elif snap["phase"] == "backward":
         text = _backward_text(module, snap, op, low)
@@ -150,8 +151,8 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     ctx = f.fix_context(module, snap["module_type"], where["step"])
     ctx.op = op.op if op else None
     ctx.root = f.is_the_model(module)
-    if isinstance(made, dict):  # no module to wrap: the island goes around the op itself
-        ctx.op, ctx.root = made.get("op"), True
+    if made is not None:  # no module to wrap: the island goes around the op itself
+        ctx.op, ctx.root = made.op, True
         ids = ["fp32_island", "use_bf16"]
     conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
@@ -159,14 +160,13 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
                    premises=[steady])
 
 
-def _between_text(made: dict, low: str) -> str:
+def _between_text(made: Computed, low: str) -> str:
     """unstable_op's sentence for an op that ran between two calls of the model, outside any
     module: the value it gave the next call held NaN/inf, which the batch check would
     otherwise have blamed on the data."""
-    op, into = made.get("op"), made.get("into")
-    ran = f"in {made['autocast']} under autocast" if made.get("autocast") else \
-        f"in {made.get('dtype')}"
-    if made.get("function"):
+    op, into = made.op, made.into
+    ran = f"in {made.autocast} under autocast" if made.autocast else f"in {made.dtype}"
+    if made.function:
         return (f"{op}, a custom autograd.Function called between modules (outside any "
                 f"module), overflows {low}: it ran {ran}, and the value it gave {into} held "
                 "NaN/inf. The data is fine. Autocast does not look inside a custom Function: "

@@ -55,7 +55,7 @@ def unreproduced(snap: dict) -> bool:
         return False
     if "reproduced" in d:
         return d["reproduced"] is False
-    return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
+    return snap["phase"] == "none" and not d.stale_grads and not d.get("input_modified")
 
 
 def compiled_reproduced(snap: dict) -> bool:

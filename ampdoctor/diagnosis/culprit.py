@@ -97,16 +97,17 @@ def producer(f: Facts, snap: dict) -> dict:
     """A culprit that only turned an incoming -inf into NaN (the replay could not follow the
     -inf back, e.g. through a residual add in the parent's own code) is not where the overflow
     happened: the first module of the propagation chain is. Returns the snapshot as seen from
-    the producer (its fp32 verdict then unknown)."""
+    the producer (its fp32 verdict then unknown; ``passed_on_by``: the module that passed the
+    -inf on, a key of the diagnosis's own, not of the file's detail)."""
     if "turned -inf in its inputs" not in str(snap["detail"].get("how", "")):
         return snap
     origin = chain_origin(snap["detail"].get("chain"), f.root_names)
     if origin is None or origin == snap["module"]:
         return snap
     detail = SnapshotDetail.of(dict(snap["detail"]))
-    detail["op"], detail["passed_on_by"] = None, snap["module"]
+    detail.pop("op", None)  # the op was the passing module's
     return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
-                in_absmax=math.nan, detail=detail)
+                in_absmax=math.nan, detail=detail, passed_on_by=snap["module"])
 
 
 def op_of(snap: dict) -> Optional[OpRecord]:
@@ -143,7 +144,7 @@ def mask_pattern(op: Optional[OpRecord]) -> Optional[str]:
 def evidence(f: Facts, snap: dict, op: Optional[OpRecord]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
-    passed = snap["detail"].get("passed_on_by")
+    passed = snap.get("passed_on_by")  # (producer)
     poisoned = list(snap["detail"].get("weights_nonfinite") or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
     made = SnapshotDetail.of(snap["detail"]).computed

@@ -315,7 +315,6 @@ class SnapshotDetail(Payload):
         "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
         "computed": Key(Computed, "a root input made in this step outside any module (not the "
                         "data): op, function, into, label, dtype, device, autocast", since=4),
-        "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
         "fp32": Key(Fp32Rerun, "the culprit re-run in fp32: inputs, outputs (detail.py)"),
         "fp32_error": Key(str, "the exception the fp32 re-run raised"),

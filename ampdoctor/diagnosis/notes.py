@@ -42,7 +42,7 @@ def notes(f: Any, top: Finding) -> list[str]:
     out += _coverage_notes(f, top)
     # a sharded (FSDP) run: per-shard numbers, replay off
 
-    out += ranks.sharding_notes(f.meta, f.steps)
+    out += ranks.sharding_notes(f.run.sharding, f.steps)
     out += _compiled_notes(f) + _isolation_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "

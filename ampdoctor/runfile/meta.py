@@ -1,7 +1,7 @@
-"""The records of ``/meta`` (schema.py lists its keys): the optimizers, the GradScaler and the
-losses of a run, declared once as frozen dataclasses (records.py). The recorder builds them
-and writes ``to_json()``; ``Run``'s accessors (run.py) read them back, so that a reader names
-a field mypy knows, never a key.
+"""The records of ``/meta`` (schema.py lists its keys): the optimizers, the GradScaler, the
+losses and the sharding of a run, declared once as frozen dataclasses (records.py). The
+recorder builds them and ``Writer.meta`` writes their JSON; ``Run``'s accessors (run.py) read
+them back, so that a reader names a field mypy knows, never a key.
 
 Example::
 
@@ -78,3 +78,25 @@ class LossSlot(Record):
     optimizers: list[int] = field(default_factory=list)  # those it feeds
     reaches: list[int] | None = None  # those whose parameters its graph reaches (None: unknown)
     settled: bool = False
+
+
+@dataclass(frozen=True)
+class ShardingInfo(Record):
+    """``/meta`` ``sharding`` (record/sharding.py): how the watched model is sharded, and
+    why forensic replay is off. The layout's own fields are those of its kind: a DTensor's
+    mesh, placements and counts, FSDP1's strategies."""
+
+    kind: str = ""  # "fsdp2", "fsdp1", "dtensor", "deepspeed"
+    local_shards: bool = False  # per-parameter statistics are of each rank's own shard
+    world_size: int = 1
+    grad_norm: str = ""  # what /steps grad_norm is on such a run
+    replay: str = ""  # "off" (always, for a sharded model) or "disabled" (forensics off)
+    replay_reason: str | None = None
+    mesh: list[int] | None = None  # DTensor: the device mesh's shape
+    placements: list[str] | None = None
+    sharded_params: int | None = None
+    params: int | None = None
+    strategy: list[str] | None = None  # FSDP1: the sharding strategies
+
+    OMIT = frozenset({"replay_reason", "mesh", "placements", "sharded_params", "params",
+                      "strategy"})

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
-from .meta import LossSlot, OptimizerInfo, ScalerInfo
+from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
 
@@ -227,8 +227,9 @@ class Run:
         return self._meta_dict("model")
 
     @property
-    def sharding(self) -> dict[str, Any] | None:
-        return self._meta_dict("sharding")
+    def sharding(self) -> ShardingInfo | None:
+        value = self._meta_dict("sharding")
+        return None if value is None else ShardingInfo.from_json(value)
 
     @property
     def compiled(self) -> dict[str, Any] | None:

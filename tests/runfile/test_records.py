@@ -16,6 +16,7 @@ from ampdoctor.runfile.detail import (
     SingularOp,
     TrialOutcome,
 )
+from ampdoctor.runfile.meta import OptimizerInfo, ShardingInfo
 from ampdoctor.runfile.payloads import LossSingular, SnapshotDetail
 
 # What record/opprobe.py wrote before the record (the same keys, in the same order).
@@ -86,3 +87,15 @@ def test_the_replay_s_own_records_read_back_as_written():
     d = SnapshotDetail.from_json(text)
     assert (d.isolation, d.computed, d.stale_grads) == (iso, made, ["fc.weight"])
     assert d.history.step == [0, 1] and math.isnan(d.history.loss[1])
+
+
+def test_meta_records_write_the_dicts_the_recorder_wrote():
+    opt = {"class": "AdamW", "hyper": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-08},
+           "groups": 1, "param_dtypes": {"float32": 10}, "state_dtypes": {}}
+    assert json.dumps(OptimizerInfo.from_json(opt).to_json()) == json.dumps(opt)
+    assert OptimizerInfo.from_json(opt).eps == 1e-08 and OptimizerInfo().lr is None
+    shard = {"kind": "fsdp1", "local_shards": True, "world_size": 2, "grad_norm": "g",
+             "replay": "off", "replay_reason": "r", "strategy": ["FULL_SHARD"]}
+    assert json.dumps(ShardingInfo.from_json(shard).to_json()) == json.dumps(shard)
+    off = ShardingInfo(kind="deepspeed", world_size=2, grad_norm="g", replay="disabled")
+    assert "replay_reason" not in off.to_json() and "mesh" not in off.to_json()

@@ -43,6 +43,59 @@ class OpRecord(Record):
 
 
 @dataclass(frozen=True)
+class Recorded(Record):
+    """``detail["recorded"]``: what the real step saw, measured at the event; each True
+    (non-finite), False, or None (not seen) (record/forensic/reproduced.py)."""
+
+    loss_nonfinite: bool | None = None  # the loss
+    output_nonfinite: bool | None = None  # the model's output
+    output_grad_nonfinite: bool | None = None  # the gradient at the model's output
+    loss_fns: list[str] = field(default_factory=list)  # the torch loss functions it called
+
+
+@dataclass(frozen=True)
+class LossInfo(Record):
+    """``detail["loss"]``: the loss as replayed, and the gradient that reached it
+    (record/forensic/culprit.py); empty where the step had no loss."""
+
+    dtype: str | None = None  # the loss's dtype
+    value: float | None = None  # the loss, summed
+    grad_fp32: float | None = None  # the loss scale: the gradient reaching the loss, in fp32
+    grad: float | None = None  # that gradient cast to the loss's dtype
+    grad_nonfinite: bool | None = None  # the cast overflowed
+
+    OMIT = frozenset({"dtype", "value", "grad_fp32", "grad", "grad_nonfinite"})
+
+
+@dataclass(frozen=True)
+class OutputGrad(Record):
+    """``detail["output_grad"]``: the gradient the loss's backward sent into the model's first
+    bad output (record/forensic/culprit.py)."""
+
+    index: int = 0  # which output
+    nonfinite: int = 0  # elements NaN/inf
+    numel: int = 0
+    dtype: str = ""  # the gradient's dtype
+    finite_absmax: float | None = None  # the largest finite magnitude
+    output_values: list[float] | None = None  # the output's values where it is non-finite
+    output_values_n: int | None = None  # how many distinct such values
+
+    OMIT = frozenset({"output_values", "output_values_n"})
+
+
+@dataclass(frozen=True)
+class AccumOverflow(Record):
+    """``detail["accum_overflow"]``: where the micro-batch gradients summed in a half ``.grad``
+    overflowed (record/forensic/accum.py)."""
+
+    param: str = ""  # the parameter
+    micro: int = 0  # the micro-batch whose gradient made the sum overflow
+    micro_batches: int = 0  # micro-batches of the step
+    dtype: str = ""  # the .grad's dtype
+    fp32_absmax: float = 0.0  # the sum's magnitude in fp32
+
+
+@dataclass(frozen=True)
 class RowSummary(Record):
     """One tensor of the fp32 re-run: its counts as a /stats row has them."""
 

@@ -32,12 +32,16 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 from . import records
 from .detail import (
+    AccumOverflow,
     Computed,
     Fp32Rerun,
     History,
     Isolation,
     LossDerivative,
+    LossInfo,
     OpRecord,
+    OutputGrad,
+    Recorded,
     Rows,
     RowSummary,
     SingularOp,
@@ -160,63 +164,6 @@ def _is_record(kind: Any) -> bool:
 
 def _written(value: Any) -> Any:
     return value.to_json() if isinstance(value, records.Record) else str(value)
-
-
-class Recorded(Payload):
-    """``detail["recorded"]``: what the real step saw, measured at the event; each True
-    (non-finite), False, or None (not seen) (record/forensic/reproduced.py)."""
-
-    NAME = "a snapshot's recorded"
-    KEYS = {
-        "loss_nonfinite": Key(bool, "the loss"),
-        "output_nonfinite": Key(bool, "the model's output"),
-        "output_grad_nonfinite": Key(bool, "the gradient at the model's output"),
-        "loss_fns": Key(list, "the torch loss functions the step called"),
-    }
-
-
-class LossInfo(Payload):
-    """``detail["loss"]``: the loss as replayed, and the gradient that reached it
-    (record/forensic/culprit.py)."""
-
-    NAME = "a snapshot's loss"
-    KEYS = {
-        "dtype": Key(str, "the loss's dtype"),
-        "value": Key(float, "the loss, summed"),
-        "grad_fp32": Key(float, "the loss scale: the gradient reaching the loss, in fp32"),
-        "grad": Key(float, "that gradient cast to the loss's dtype"),
-        "grad_nonfinite": Key(bool, "the cast overflowed"),
-    }
-
-
-class OutputGrad(Payload):
-    """``detail["output_grad"]``: the gradient the loss's backward sent into the model's first
-    bad output (record/forensic/culprit.py)."""
-
-    NAME = "a snapshot's output_grad"
-    KEYS = {
-        "index": Key(int, "which output"),
-        "nonfinite": Key(int, "elements NaN/inf"),
-        "numel": Key(int, "elements"),
-        "dtype": Key(str, "the gradient's dtype"),
-        "finite_absmax": Key(float, "the largest finite magnitude"),
-        "output_values": Key(list, "the output's values where the gradient is non-finite"),
-        "output_values_n": Key(int, "how many distinct such values"),
-    }
-
-
-class AccumOverflow(Payload):
-    """``detail["accum_overflow"]``: where the micro-batch gradients summed in a half
-    ``.grad`` overflowed (record/forensic/accum.py)."""
-
-    NAME = "a snapshot's accum_overflow"
-    KEYS = {
-        "param": Key(str, "the parameter"),
-        "micro": Key(int, "the micro-batch whose gradient made the sum overflow"),
-        "micro_batches": Key(int, "micro-batches of the step"),
-        "dtype": Key(str, "the .grad's dtype"),
-        "fp32_absmax": Key(float, "the sum's magnitude in fp32"),
-    }
 
 
 class CompiledReplay(Payload):
@@ -347,6 +294,22 @@ class SnapshotDetail(Payload):
 
     # The keys that hold records (detail.py), read typed: None where the file holds none.
     @property
+    def recorded(self) -> Recorded | None:
+        return self._record("recorded", Recorded)
+
+    @property
+    def loss(self) -> LossInfo | None:
+        return self._record("loss", LossInfo)
+
+    @property
+    def output_grad(self) -> OutputGrad | None:
+        return self._record("output_grad", OutputGrad)
+
+    @property
+    def accum_overflow(self) -> AccumOverflow | None:
+        return self._record("accum_overflow", AccumOverflow)
+
+    @property
     def op(self) -> OpRecord | None:
         return self._record("op", OpRecord)
 
@@ -471,5 +434,5 @@ class Fp8Trial(Payload):
 
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail, Recorded, LossInfo, OutputGrad, AccumOverflow,
+    SnapshotDetail,
     CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)

@@ -139,7 +139,7 @@ def test_every_declared_key_is_used():
     'flat = FlatLossProbe(start=1.0, recnt=2.0)',
     'ok = "fp32_eror" in finding.detail',
     'e = HiddenNonfinite.from_json(text)\ne["opp"]',
-    'seen = SnapshotDetail.of(snap["detail"]).part("recorded")\nseen.get("loss_nonfinit")',
+    'got = SnapshotDetail.of(snap["detail"]).part("compiled")\ngot.get("reproducd")',
     'x = d.detail.part("recordd")',
 ])
 def test_a_typo_on_either_side_is_found(line):

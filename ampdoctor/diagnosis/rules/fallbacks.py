@@ -161,9 +161,9 @@ def _loss_replay_text(snap: dict) -> str:
     """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
     why not), the fp32 recomputation, the targets."""
     d = SnapshotDetail.of(snap["detail"])
-    seen = d.part("recorded")
+    seen = d.recorded
     text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
-    if seen.get("output_nonfinite") is False:
+    if seen is not None and seen.output_nonfinite is False:
         text += " (in the real step too)"
     if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
         return text + (f"; the loss was non-finite in the real step and was not recomputed "

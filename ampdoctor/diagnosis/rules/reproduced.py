@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
-from ...runfile.detail import TrialOutcome
+from ...runfile.detail import Recorded, TrialOutcome
 from ...runfile.payloads import SnapshotDetail
 from .. import fixes
 from ..facts import Facts
@@ -66,8 +66,8 @@ def compiled_reproduced(snap: dict) -> bool:
 def began_here(snap: dict) -> bool:
     """The real step's own loss or model output was non-finite (not only the gradients, which
     an all-reduce brings from another rank)."""
-    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
-    return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
+    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
+    return bool(seen.loss_nonfinite or seen.output_nonfinite)
 
 
 def failing(f: Facts) -> np.ndarray:
@@ -124,15 +124,15 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
     step = snap["step"]
     i = f.index_of(step)
     d = SnapshotDetail.of(snap["detail"])
-    seen = d.part("recorded")
+    seen = d.recorded or Recorded()
     loss = float(f.steps["loss"][i])
     norm = float(f.steps["grad_norm"][i])
-    if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
+    if bool(f.loss_bad[i]) or seen.loss_nonfinite:
         again = d.rerun or TrialOutcome()
         if again.loss_finite is not None:
             return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
                            f"replay recomputed it: {fmt(_num(again.loss))}")
-        if seen.get("output_nonfinite"):
+        if seen.output_nonfinite:
             return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
                            "the replay recomputed it finite")
         if d.get("loss_not_recomputed"):
@@ -140,7 +140,7 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
                            f"and the replay did not recompute it ({d['loss_not_recomputed']})")
         return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
                        "recomputed the forward and the backward finite")
-    if seen.get("output_nonfinite"):
+    if seen.output_nonfinite:
         return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; the "
                        "replay recomputed it finite")
     if norm == np.inf:
@@ -248,13 +248,13 @@ def lone_skip(f: Facts, bad: np.ndarray, unrep: list, skipped: list) -> bool:
 
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
-    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
+    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
     parts = []
-    if seen.get("loss_nonfinite"):
+    if seen.loss_nonfinite:
         parts.append("its loss was non-finite")
-    if seen.get("output_nonfinite"):
+    if seen.output_nonfinite:
         parts.append("the model's output held NaN/inf when the event fired")
-    elif seen.get("output_nonfinite") is False:
+    elif seen.output_nonfinite is False:
         parts.append("the model's output was finite when the event fired")
     elif parts:
         parts.append("the model's output was no longer held when the event fired (not "

@@ -227,9 +227,9 @@ def test_fp16_loss_overflowing_when_scaled_is_the_loss(run_path):
     ev = rec.events[0]
     assert (ev.step, ev.phase, ev.module) == (0, "loss", None)
     assert ev.fp32 == "finite" and ev.result.fp32_absmax == 65536.0
-    loss = ev.result.detail["loss"]
-    assert loss["dtype"] == "float16" and math.isfinite(loss["value"])
-    assert loss["grad_nonfinite"] is True
+    loss = ev.result.detail.loss
+    assert loss.dtype == "float16" and math.isfinite(loss.value)
+    assert loss.grad_nonfinite is True
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.LOSS and snap["module"] == "" and snap["fp32_finite"] == 1
 
@@ -270,8 +270,8 @@ def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_pa
     assert [e.step for e in rec.events if e.replayed] == [0, 9]
     detail = [e for e in rec.events if e.step == 9][0].result.detail
     assert detail["output_grad_nonfinite"] and not detail["loss_nonfinite"]
-    assert detail["output_grad"]["nonfinite"] == 8 and detail["output_grad"]["numel"] == 8
-    assert detail["output_grad"]["output_values"] == [1.0]
+    assert detail.output_grad.nonfinite == 8 and detail.output_grad.numel == 8
+    assert detail.output_grad.output_values == [1.0]
     d = ampdoctor.diagnose(run_path)
     assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
     assert d.first_bad == {"step": 9, "module": None, "phase": "loss"}
@@ -461,9 +461,9 @@ def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_p
             model.opt.zero_grad(set_to_none=True)
     ev = rec.events[0]
     assert ev.step == 0 and (ev.phase, ev.module) == ("backward", "1")
-    acc = ev.result.detail["accum_overflow"]
-    assert acc["param"] == "1.bias" and acc["micro"] == 8 and acc["micro_batches"] == 12
-    assert acc["dtype"] == "float16" and 65504 < acc["fp32_absmax"] <= 72000
+    acc = ev.result.detail.accum_overflow
+    assert acc.param == "1.bias" and acc.micro == 8 and acc.micro_batches == 12
+    assert acc.dtype == "float16" and 65504 < acc.fp32_absmax <= 72000
     assert "stale_grads" not in ev.result.detail
     run = ampdoctor.load(run_path)
     assert not (run.events["kind"] == Event.GRAD_NOT_ZEROED).any()
@@ -997,7 +997,7 @@ def test_a_fault_the_replay_does_not_repeat_is_not_reproducible(run_path, dtype,
     assert (ev.step, ev.phase, ev.module) == (2, "none", None)
     d = ev.result.detail
     assert d["reproduced"] is False and d["loss_recomputed"] is True
-    assert d["recorded"]["loss_nonfinite"] and d["recorded"]["output_nonfinite"]
+    assert d.recorded.loss_nonfinite and d.recorded.output_nonfinite
     assert d.rerun.finite and d.rerun.loss_fns == ["cross_entropy"]
     assert d.rerun.backward_from == "loss" and d.rerun.grads == "finite"
     assert "did not reproduce" in ev.result.summary
@@ -1238,7 +1238,7 @@ def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducib
               on_step=lambda i: setattr(fault, "step", i + 1))
     ev = next(e for e in rec.events if e.step == 1)
     d = ev.result.detail
-    assert d["recorded"]["loss_nonfinite"] and ev.phase == "none"
+    assert d.recorded.loss_nonfinite and ev.phase == "none"
     assert d["reproduced"] is False and d["rerun_scale"] == 1.0
     assert d.rerun.finite and d.rerun.grads == "finite"
     assert "at loss scale 1" in ev.result.summary

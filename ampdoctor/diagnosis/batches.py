@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.payloads import SnapshotDetail
 from .culprit import input_out_of_range
 from .facts import Facts
 from .verdict import Evidence, first_bad
@@ -32,8 +33,7 @@ def from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
                                f"{', '.join(str(x['step']) for x in inputs[:8])})",
                                "input_nonfinite_replays", float(len(inputs))))
-        labels = [b.get("label") for b in s["detail"].get("bad_inputs") or []
-                  if isinstance(b, dict) and b.get("label")]
+        labels = [b.label for b in SnapshotDetail.of(s["detail"]).bad_inputs if b.label]
         data = {"kind": "nonfinite", "step": s["step"], "labels": labels}
         return first_bad(s["step"], s["module"], "input"), 0.95, ev, data
     for s in f.snapshots:

@@ -11,7 +11,7 @@ A replay snapshot is the dict ``Facts.snapshots`` makes of one ``/snapshots`` ro
 Example::
 
     snap = snapshot_at(f, f.failure_step)   # the replay that located the failure, or None
-    evidence(f, snap, snap["detail"].get("op"))
+    evidence(f, snap, op_of(snap))
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..numfmt import fmt
 from ..runfile import schema
+from ..runfile.detail import OpRecord
 from ..runfile.payloads import SnapshotDetail
 from .facts import Facts
 from .fixes.premises import DOMAIN as DOMAIN
@@ -62,7 +63,7 @@ def failure_replay(f: Facts) -> Optional[dict]:
     forward = [s for s in after if s["phase"] == "forward"]
     if forward:
         return forward[0]
-    stale = any(s["detail"].get("stale_grads") for s in f.snapshots)  # C6h explains it
+    stale = any(SnapshotDetail.of(s["detail"]).stale_grads for s in f.snapshots)  # C6h
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
         backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
@@ -96,19 +97,25 @@ def producer(f: Facts, snap: dict) -> dict:
     """A culprit that only turned an incoming -inf into NaN (the replay could not follow the
     -inf back, e.g. through a residual add in the parent's own code) is not where the overflow
     happened: the first module of the propagation chain is. Returns the snapshot as seen from
-    the producer (its fp32 verdict then unknown)."""
+    the producer (its fp32 verdict then unknown; ``passed_on_by``: the module that passed the
+    -inf on, a key of the diagnosis's own, not of the file's detail)."""
     if "turned -inf in its inputs" not in str(snap["detail"].get("how", "")):
         return snap
     origin = chain_origin(snap["detail"].get("chain"), f.root_names)
     if origin is None or origin == snap["module"]:
         return snap
     detail = SnapshotDetail.of(dict(snap["detail"]))
-    detail["op"], detail["passed_on_by"] = None, snap["module"]
+    detail.pop("op", None)  # the op was the passing module's
     return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
-                in_absmax=math.nan, detail=detail)
+                in_absmax=math.nan, detail=detail, passed_on_by=snap["module"])
 
 
-def mask_pattern(op: Optional[dict]) -> Optional[str]:
+def op_of(snap: dict) -> Optional[OpRecord]:
+    """The op the replay found inside ``snap``'s culprit (``detail["op"]``), or None."""
+    return SnapshotDetail.of(snap["detail"]).op
+
+
+def mask_pattern(op: Optional[OpRecord]) -> Optional[str]:
     """Does the first op that went non-finite look like an attention mask (C7a)? Returns the
     reason, or None.
 
@@ -117,35 +124,33 @@ def mask_pattern(op: Optional[dict]) -> Optional[str]:
     it had. A mask overflows one-sidedly: a big negative constant becomes -inf (and only -inf);
     a row whose every entry is -inf then becomes NaN in softmax.
     """
-    if not op:
+    if op is None:
         return None
-    created = set(op.get("created") or ())
-    name = str(op.get("op", ""))
+    created, name = set(op.created), op.op
     # A large operand is a mask only when one input is mask-like (one negative constant where
     # not 0): a dense residual add of two large activations making -inf is an overflow. Files
     # written before the probe recorded mask_operand keep the old reading.
-    masky = op.get("mask_operand", True)
-    if created == {"neginf"} and (abs(op.get("big_scalar") or 0) > schema.FP16_MAX
-                                  or (masky and (op.get("in_absmax") or 0) >= schema.FP16_NEAR)):
+    if created == {"neginf"} and (abs(op.big_scalar or 0) > schema.FP16_MAX or (
+            op.mask_operand and (op.in_absmax or 0) >= schema.FP16_NEAR)):
         return (f"{name} turned a large negative constant "
-                f"({fmt(-abs(op.get('big_scalar') or op.get('in_absmax') or 0))}) into -inf "
-                f"in {op.get('dtype', 'fp16')}")
-    if created == {"nan"} and "softmax" in name and op.get("in_neginf") and \
-            not op.get("in_posinf") and not op.get("in_nan"):
+                f"({fmt(-abs(op.big_scalar or op.in_absmax or 0))}) into -inf "
+                f"in {op.dtype or 'fp16'}")
+    if created == {"nan"} and "softmax" in name and op.in_neginf and \
+            not op.in_posinf and not op.in_nan:
         return f"{name} of rows that are -inf everywhere (every key masked) gave NaN"
     return None
 
 
-def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
+def evidence(f: Facts, snap: dict, op: Optional[OpRecord]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
-    passed = snap["detail"].get("passed_on_by")
+    passed = snap.get("passed_on_by")  # (producer)
     poisoned = list(snap["detail"].get("weights_nonfinite") or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
-    made = snap["detail"].get("computed")
-    if isinstance(made, dict):  # (record/forensic/computed.py)
-        text = (f"replay of step {snap['step']}: the input given to {made.get('into')} "
-                f"({made.get('label')}) held NaN/inf, but the step computed it: "
+    made = SnapshotDetail.of(snap["detail"]).computed
+    if made is not None:  # (record/forensic/computed.py)
+        text = (f"replay of step {snap['step']}: the input given to {made.into} "
+                f"({made.label}) held NaN/inf, but the step computed it: "
                 f"{snap['detail'].get('how')}")
     elif passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "
@@ -164,8 +169,8 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
                 f"{phase} of {module} ({snap['module_type']}) while its inputs are finite")
     ev = [Evidence(text + (f"; {len(same)} replays agree" if len(same) > 1 else ""),
                    "culprit", None, snap["step"], module)]
-    if op:
-        ev.append(Evidence(_op_text(op, module), "first_nonfinite_op", op.get("in_absmax"),
+    if op is not None:
+        ev.append(Evidence(_op_text(op, module), "first_nonfinite_op", op.in_absmax,
                            snap["step"], module))
         kind = nonfinite_kind(op)
         if kind is not None:
@@ -190,11 +195,11 @@ def evidence(f: Facts, snap: dict, op: Optional[dict]) -> list[Evidence]:
 # which read them too (fixes/premises.py).
 
 
-def kind_text(op: dict, kind: str, fp32_finite: int) -> str:
+def kind_text(op: OpRecord, kind: str, fp32_finite: int) -> str:
     """The kind in one sentence, with what the same op did in fp32 (the culprit's re-run)."""
-    name, dtype = op.get("op"), op.get("dtype", "the run's precision")
+    name, dtype = op.op, op.dtype or "the run's precision"
     if kind == OVERFLOW:
-        text = (f"{name} overflowed: finite inputs (up to {fmt(float(op.get('in_absmax') or 0))})"
+        text = (f"{name} overflowed: finite inputs (up to {fmt(float(op.in_absmax or 0))})"
                 f" and a result past {dtype}'s largest value")
     elif kind == OPERAND:
         text = (f"{name} made NaN from an inf among its inputs (0 x inf, or inf - inf): the inf "
@@ -206,13 +211,13 @@ def kind_text(op: dict, kind: str, fp32_finite: int) -> str:
     return text + fp32.get(fp32_finite, "; fp32 was not tried")
 
 
-def _op_text(op: dict, module: str) -> str:
+def _op_text(op: OpRecord, module: str) -> str:
     created = ", ".join({"nan": "NaN", "posinf": "+inf", "neginf": "-inf"}.get(c, c)
-                        for c in op.get("created") or ())
+                        for c in op.created)
     text = (f"inside {module}, the first op to produce {created or 'non-finite values'} is "
-            f"{op.get('op')} ({op.get('dtype', '?')}")
-    if op.get("in_absmax") is not None:
-        text += f", inputs up to {fmt(float(op['in_absmax']))}"
+            f"{op.op} ({op.dtype or '?'}")
+    if op.in_absmax is not None:
+        text += f", inputs up to {fmt(float(op.in_absmax))}"
     return text + ")"
 
 

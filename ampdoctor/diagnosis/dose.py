@@ -57,6 +57,7 @@ import numpy as np
 
 from ..numfmt import fmt
 from ..runfile import schema
+from ..runfile.meta import OptimizerInfo
 from ..runfile.schema import Kind, Source
 from . import lrrange
 from .fixes import Dose
@@ -246,12 +247,12 @@ class Doses:
     def _first_target(self) -> tuple[float, str]:
         """The healthy ratio of an optimizer's first update, when that is all that was
         sampled: Adam's is sign-sized (``FIRST_ADAM``), SGD's has no momentum yet."""
-        opt = self.f.optimizers[0] if self.f.optimizers else {}
-        name = str(opt.get("class") or "")
+        opt = self.f.optimizers[0] if self.f.optimizers else OptimizerInfo()
+        name = opt.name
         if name in ADAM_FAMILY:
             return FIRST_ADAM, f"for {name}'s first, sign-sized step"
-        momentum = (opt.get("hyper") or {}).get("momentum") or 0.0
-        if isinstance(momentum, (int, float)) and 0 < momentum < 1:
+        momentum = opt.momentum or 0.0
+        if 0 < momentum < 1:
             return TARGET_RATIO * (1 - momentum), (f"for a first step, before momentum "
                                                    f"{momentum:g} builds it up")
         return TARGET_RATIO, "per step"
@@ -336,9 +337,8 @@ class Doses:
     def state_dtype(self) -> Optional[str]:
         """The dtype of the optimizer's second moment (exp_avg_sq), else of the weights."""
         for opt in self.f.optimizers:
-            state = opt.get("state_dtypes") or {}
-            if state.get("exp_avg_sq"):
-                return str(state["exp_avg_sq"])
+            if opt.state_dtypes.get("exp_avg_sq"):
+                return opt.state_dtypes["exp_avg_sq"]
         d = self.f.param_dtypes
         return max(d, key=lambda k: d[k]) if d else None
 

@@ -84,7 +84,7 @@ def _diagnosed(facts: Facts, rules: Optional[Iterable[Callable]]) -> Diagnosis:
     run = facts.run
     chosen = rules if rules is not None else RULES
     findings = [x for rule in chosen for x in [rule(facts)] if x is not None]
-    d = ranks.per_shard(_conclude(facts, findings), run.meta)
+    d = ranks.per_shard(_conclude(facts, findings), run.sharding)
     # The early warning never changes the verdict: healthy, it looks ahead from the last step;
     # failed, it says what it saw before the first bad step and from when it would have warned.
     step = (d.first_bad or {}).get("step")
@@ -549,8 +549,7 @@ def _missing(f: Any) -> str:
         elif f.snapshots:
             missing.append(f"the {len(f.snapshots)} forensic replays found every value finite "
                            "(the overflow is in a parameter's gradient, or did not reproduce)")
-        elif isinstance(f.meta.get("sharding"), dict) and \
-                f.meta["sharding"].get("replay") == "off":
+        elif f.run.sharding is not None and f.run.sharding.replay == "off":
             missing.append("forensic replay is off for a sharded model (a rank replaying "
                            "alone would hang the job), and each rank's batch was finite")
         else:

@@ -18,7 +18,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..runfile.schema import DType, Event, flag
+from ..runfile import schema
+from ..runfile.meta import OptimizerInfo, ScalerInfo
+from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
+from ..runfile.run import one_line
+from ..runfile.schema import DType, Event, Kind, Phase, flag
 from . import curve, objectives
 from .dose import Doses
 from .events import EventViews
@@ -55,7 +59,7 @@ def param_dtypes(run: Any) -> dict[str, int]:
     """Elements per dtype of the trained parameters (optimizer's view, else the model's)."""
     out: dict[str, int] = {}
     for o in run.optimizers:
-        for k, v in (o.get("param_dtypes") or {}).items():
+        for k, v in o.param_dtypes.items():
             out[k] = out.get(k, 0) + int(v)
     if not out and run.model is not None:
         out = {k: int(v) for k, v in (run.model.get("param_dtypes") or {}).items()}
@@ -125,7 +129,7 @@ class Facts(EventViews):
         return str(dev.get("type", "cuda")) if dev is not None else "cuda"
 
     @property
-    def optimizers(self) -> list[dict]:
+    def optimizers(self) -> list[OptimizerInfo]:
         return self.run.optimizers
 
     @property
@@ -142,7 +146,7 @@ class Facts(EventViews):
         return low_precision(self.run)
 
     @property
-    def scaler(self) -> Optional[dict]:
+    def scaler(self) -> Optional[ScalerInfo]:
         return self.run.scaler
 
     @property
@@ -280,19 +284,18 @@ class Facts(EventViews):
         """What fix snippets may name, from the run's recorded configuration: the optimizer,
         its peak LR and eps, the scaler's settings, the device, and the culprit ``module`` (its
         class looked up when not given) and first bad ``step`` a rule found."""
-        opt = self.optimizers[0] if self.optimizers else {}
-        hyper = opt.get("hyper") or {}
-        scaler = self.scaler or {}
+        opt = self.optimizers[0] if self.optimizers else OptimizerInfo()
+        scaler = self.scaler or ScalerInfo()
         lrs = self.steps["lr"][np.isfinite(self.steps["lr"])] if self.n else np.zeros(0)
-        lr = float(lrs.max()) if len(lrs) else hyper.get("lr")
+        lr = float(lrs.max()) if len(lrs) else opt.lr
         if module and not module_type:
             module_type = self.module_type(module)
         clip_call = self.run.clip or {}
         clip = clip_call.get("max_norm")
         value = clip_call.get("clip_value", clip_call.get("clip_factor"))
-        return Context(device=self.device_type, optimizer=opt.get("class") or "AdamW",
-                       lr=lr, eps=hyper.get("eps"), init_scale=scaler.get("init_scale"),
-                       growth_interval=scaler.get("growth_interval"), module=module,
+        return Context(device=self.device_type, optimizer=opt.name or "AdamW",
+                       lr=lr, eps=opt.eps, init_scale=scaler.init_scale,
+                       growth_interval=scaler.growth_interval, module=module,
                        module_type=module_type, autocast=self.autocast_dtype, step=step,
                        low=self.low_precision,
                        scaler=self.has_scaler if self.n else bool(self.scaler),
@@ -314,8 +317,8 @@ class Facts(EventViews):
         found = (s for s in self.snapshots if step is not None and s["step"] >= step and
                  s["phase"] in ("forward", "backward") and module in (None, s["module"]))
         snap = next(found, None)
-        return snap and {"module": snap["module"], "phase": snap["phase"],
-                         "fp32_finite": snap["fp32_finite"], "op": snap["detail"].get("op")}
+        return snap and {"module": snap["module"], "phase": snap["phase"], "fp32_finite":
+                         snap["fp32_finite"], "op": SnapshotDetail.of(snap["detail"]).op}
 
     @property
     def doses(self) -> Doses:

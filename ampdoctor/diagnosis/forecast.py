@@ -47,6 +47,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.meta import OptimizerInfo
 from ..runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 from . import fixes as _fixes
 from .events import hidden_nonfinite
@@ -349,11 +350,11 @@ def _context(run: Any) -> _fixes.Context:
     """What the fix snippets may name, from the run's configuration."""
     autocast = run.autocast or {}
     dtype = autocast.get("dtype") if autocast.get("enabled") else None
-    opt = run.optimizers[0] if run.optimizers else {}
+    opt = run.optimizers[0] if run.optimizers else OptimizerInfo()
     device = run.device or {}
     return _fixes.Context(
         device=str(autocast.get("device_type") or device.get("type") or "cuda"),
-        optimizer=str(opt.get("class") or "AdamW"), lr=(opt.get("hyper") or {}).get("lr"),
+        optimizer=opt.name or "AdamW", lr=opt.lr,
         autocast=dtype, low={"float16": "fp16", "bfloat16": "bf16"}.get(dtype),
         scaler=run.scaler is not None)
 

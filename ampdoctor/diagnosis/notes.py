@@ -17,6 +17,8 @@ import numpy as np
 
 from ..numfmt import count, fmt
 from ..runfile import schema
+from ..runfile.detail import Isolation
+from ..runfile.payloads import SnapshotDetail
 from ..runfile.run import one_line
 from ..runfile.schema import Event
 from . import ranks, reproduced
@@ -40,7 +42,7 @@ def notes(f: Any, top: Finding) -> list[str]:
     out += _coverage_notes(f, top)
     # a sharded (FSDP) run: per-shard numbers, replay off
 
-    out += ranks.sharding_notes(f.meta, f.steps)
+    out += ranks.sharding_notes(f.run.sharding, f.steps)
     out += _compiled_notes(f) + _isolation_notes(f)
     if not f.optimizers and np.all(f.skipped):
         out.append("The optimizer never stepped (every step was skipped), so its settings were "
@@ -190,9 +192,9 @@ def _isolation_notes(f: Any) -> list[str]:
         return [f"Step {refused[0]['step']} was not replayed: {why}. Move that write out of the "
                 "model's forward (or into a hook) to let ampdoctor locate the failure."]
     for s in f.snapshots:
-        iso = s["detail"].get("isolation") or {}
+        iso = SnapshotDetail.of(s["detail"]).isolation or Isolation()
         unlocated = s["phase"] in ("none", "unknown") or s["detail"].get("reproduced") is False
-        aside = int(iso.get("hooks_set_aside") or 0) + int(iso.get("hooks_not_installed") or 0)
+        aside = iso.hooks_set_aside + iso.hooks_not_installed
         if aside and unlocated:
             return [f"The replay of step {s['step']} ran without the user's "
                     f"{count(aside, 'hook')} (a replay never runs the user's hooks, so that "

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.meta import LossSlot
 from . import curve
 from .verdict import Evidence
 
@@ -54,7 +55,7 @@ def read(f: Any) -> list[Objective]:
     """The run's losses (``f``: its ``Facts``, or a ``Run``), each with its curve and its
     rivals; [] where /losses holds fewer than two (one loss, or a file of format 2)."""
     run = getattr(f, "run", f)
-    meta = getattr(run, "losses_meta", [])
+    meta: list[LossSlot] = getattr(run, "losses_meta", [])
     rows = getattr(run, "losses", None)
     if len(meta) < 2 or rows is None or not len(rows):
         return []
@@ -64,11 +65,9 @@ def read(f: Any) -> list[Objective]:
         mine = rows[rows["slot"] == slot]
         if not len(mine):
             continue
-        feeds = _indices(info.get("optimizers"))
-        reaches = _indices(info.get("reaches")) if isinstance(info.get("reaches"), list) \
-            else None
-        frames = tuple(str(x) for x in info.get("frames") or ()) \
-            if isinstance(info.get("frames"), list) else ()
+        feeds = _indices(info.optimizers)
+        reaches = _indices(info.reaches) if info.reaches is not None else None
+        frames = tuple(info.frames)
         earlier = _continued(out, frames, int(mine["step"].min()),
                              mine["loss"][np.argsort(mine["step"], kind="stable")])
         if earlier is not None:
@@ -78,7 +77,7 @@ def read(f: Any) -> list[Objective]:
             if earlier.reaches is not None and reaches is not None:
                 earlier.reaches = tuple(sorted(set(earlier.reaches) | set(reaches)))
             continue
-        out.append(Objective(slot=slot, site=str(info.get("site", f"loss {slot}")), feeds=feeds,
+        out.append(Objective(slot=slot, site=info.site or f"loss {slot}", feeds=feeds,
                              reaches=reaches, steps=mine["step"],
                              loss=mine["loss"].astype(np.float64), curve=curve.Curve(n=0),
                              frames=frames))
@@ -179,7 +178,7 @@ def _pair(objs: list[Objective]) -> None:
 def optimizer_names(f: Any, indices: tuple) -> str:
     """"Adam #0 and SGD #1": the optimizers by /meta optimizer's class and index."""
     opts = f.optimizers
-    names = [f"{opts[i].get('class', '?') if i < len(opts) else '?'} #{i}" for i in indices]
+    names = [f"{opts[i].name or '?' if i < len(opts) else '?'} #{i}" for i in indices]
     return " and ".join(names) if names else "no optimizer"
 
 

@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.detail import TriedFix
+from ..runfile.payloads import SnapshotDetail
 from . import singular
 from .fixes import Fix
 from .verdict import Evidence, Finding
@@ -62,20 +64,20 @@ def apply(f: Any, top: Finding, fixes: list[Fix], evidence: list[Evidence]) -> l
     band = healthy_range(f, (top.first_bad or {}).get("step"))
     for fx in fixes:
         t = trials.get(TRIAL_OF.get(fx.id, fx.id))
-        if not isinstance(t, dict):
+        if t is None:
             continue
-        if not t.get("tried"):
-            if t.get("note"):
-                fx.outcome = f"not tried: {t['note']}"
-                if "failed" in str(t["note"]):
+        if not t.tried:
+            if t.note:
+                fx.outcome = f"not tried: {t.note}"
+                if "failed" in t.note:
                     evidence.append(Evidence(f"{fx.id} {fx.outcome}", f"trial_{fx.id}", None,
-                                             t.get("step")))
+                                             t.step))
             continue
-        fx.tried, fx.finite = True, bool(t.get("finite"))
+        fx.tried, fx.finite = True, bool(t.finite)
         fx.proven = judged(t, band) if fx.finite else False
-        fx.outcome = t.get("outcome") or outcome(t, band)
+        fx.outcome = t.text if isinstance(t, singular.Clamped) else outcome(t, band)
         evidence.append(Evidence(f"tried {fx.id} on the saved step: {fx.outcome}",
-                                 f"trial_{fx.id}", 1.0 if fx.proven else 0.0, t.get("step")))
+                                 f"trial_{fx.id}", 1.0 if fx.proven else 0.0, t.step))
     return ranked(fixes)
 
 
@@ -109,11 +111,11 @@ def healthy_range(f: Any, step: Any) -> Any:
     return float(loss.min()), float(loss.max())
 
 
-def judged(t: dict, band: Any) -> Any:
+def judged(t: TriedFix, band: Any) -> Any:
     """A finite trial: proven (its loss in the band around the run's range), not (outside),
     or None (no range, or no loss kept)."""
-    loss = t.get("loss")
-    if band is None or not isinstance(loss, (int, float)) or not np.isfinite(loss):
+    loss = t.loss
+    if band is None or loss is None or not np.isfinite(loss):
         return None
     lo, hi = band
     margin = max(hi - lo, BAND * max(abs(lo), abs(hi)))
@@ -132,21 +134,21 @@ def trials_error(f: Any, top: Finding) -> Any:
     return None
 
 
-def found(f: Any, top: Finding) -> dict[str, dict]:
+def found(f: Any, top: Finding) -> dict[str, TriedFix]:
     """The trials of the replay of ``top``'s first bad step (or the first replay after it; of
     its module where one names it), with the clamp of a singular loss's op."""
     step = (top.first_bad or {}).get("step")
     if step is None:
         return {}
-    out: dict[str, dict] = {}
+    out: dict[str, TriedFix] = {}
     tried = [s for s in f.snapshots if s["step"] >= step and
-             isinstance(s["detail"].get("trials"), dict) and s["detail"].get("trials")]
+             SnapshotDetail.of(s["detail"]).trials]
     # a trial is of its replay's module: the verdict's own module's replay where one tried
     # (an island around another module says nothing of an island around the culprit)
     module = (top.first_bad or {}).get("module")
     own = [s for s in tried if module is not None and s["module"] == module]
     for s in (own or tried)[:1]:
-        out = {k: v for k, v in s["detail"]["trials"].items() if isinstance(v, dict)}
+        out = dict(SnapshotDetail.of(s["detail"]).trials)
     if top.kind == "loss_backward":
         sing = singular.measured(f, step)
         clamp = singular.clamp_trial(sing) if sing is not None else None
@@ -155,29 +157,28 @@ def found(f: Any, top: Finding) -> dict[str, dict]:
     return out
 
 
-def outcome(t: dict, band: Any = None) -> str:
+def outcome(t: TriedFix, band: Any = None) -> str:
     """A trial's result in one clause, for the fix and the evidence."""
-    step = t.get("step")
-    if t.get("finite"):
-        loss = t.get("loss")
+    step = t.step
+    if t.finite:
+        loss = t.loss
         proven = judged(t, band)
         if proven is False:
             return (f"step {step} is finite but the loss {fmt(loss)} is outside the run's "
                     f"range [{fmt(band[0])}, {fmt(band[1])}] (its losses before step {step}): "
                     "not proven")
-        shown = f" (loss {fmt(loss)}" if isinstance(loss, (int, float)) else " (its loss was " \
-            "not kept"
+        shown = f" (loss {fmt(loss)}" if loss is not None else " (its loss was not kept"
         if proven:
             shown += f"; the run's losses before it: {fmt(band[0])} to {fmt(band[1])})"
         else:
             shown += "; the run had no finite loss before it)" if band is None \
                 else ")"
-        if t.get("at_scale") is not None:
-            shown += (f" at loss scale {fmt(t['at_scale'])} (at the recorded "
-                      f"{fmt(t.get('recorded_scale'))} its gradients overflow fp16, and "
+        if t.at_scale is not None:
+            shown += (f" at loss scale {fmt(t.at_scale)} (at the recorded "
+                      f"{fmt(t.recorded_scale)} its gradients overflow fp16, and "
                       "GradScaler lowers the scale by itself)")
         return f"with this fix, step {step} is finite{shown}"
-    where = WHERE.get(str(t.get("first")), "")
+    where = WHERE.get(str(t.first), "")
     return f"still non-finite at step {step}{f' ({where})' if where else ''}: not enough on its own"
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.meta import ShardingInfo
 from ..runfile.paths import run_name
 from ..runfile.payloads import SnapshotDetail
 from ..runfile.schema import Event, Phase, flag
@@ -236,11 +237,10 @@ SHARD_EVIDENCE = ("update_ratio", "weight_norm_growth", "unchanged_fraction", "l
                   "worst_layer_underflow")
 
 
-def per_shard(d: Any, meta: dict) -> Any:
+def per_shard(d: Any, info: Optional[ShardingInfo]) -> Any:
     """Say "per shard" beside evidence taken on parameters of a sharded run (each rank
-    measured its own shard of every parameter); returns ``d``."""
-    info = meta.get("sharding")
-    if isinstance(info, dict) and info.get("local_shards"):
+    measured its own shard of every parameter; ``info``: /meta ``sharding``); returns ``d``."""
+    if info is not None and info.local_shards:
         for e in d.evidence:
             if e.key in SHARD_EVIDENCE and not e.text.endswith("(per shard)"):
                 e.text += " (per shard)"
@@ -256,21 +256,21 @@ def combine_into(run: Any, others: list[str]) -> int:
         return combine_grad_norms([run] + [stack.enter_context(load(p)) for p in others])
 
 
-def sharding_notes(meta: dict, steps: Any) -> list[str]:
-    """What a diagnosis of a sharded run (FSDP) must say: per-layer numbers are per shard,
-    forensic replay is off and why, and grad norms still per rank in this file."""
-    info = meta.get("sharding")
-    if not isinstance(info, dict):
+def sharding_notes(info: Optional[ShardingInfo], steps: Any) -> list[str]:
+    """What a diagnosis of a sharded run (FSDP; ``info``: /meta ``sharding``) must say:
+    per-layer numbers are per shard, forensic replay is off and why, and grad norms still per
+    rank in this file."""
+    if info is None:
         return []
-    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(str(info.get("kind")), str(info.get("kind")))
+    kind = {"fsdp2": "FSDP2", "fsdp1": "FSDP"}.get(info.kind, info.kind)
     out = []
-    if info.get("local_shards"):
-        out.append(f"Sharded training ({kind}, {info.get('world_size', '?')} ranks): "
+    if info.local_shards:
+        out.append(f"Sharded training ({kind}, {info.world_size} ranks): "
                    "per-parameter statistics (gradients, weight norms, update ratios) were "
                    "measured on each rank's own shard of every parameter, module outputs on "
                    "its own batch.")
-    if info.get("replay") == "off" and info.get("replay_reason"):
-        reason = str(info["replay_reason"])
+    if info.replay == "off" and info.replay_reason:
+        reason = info.replay_reason
         out.append(reason[0].upper() + reason[1:] + ".")
     local = int(np.sum((steps["flags"] & LOCAL_NORM) != 0)) if len(steps) else 0
     if local:

@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..numfmt import fmt
+from ..runfile.detail import Recorded, TrialOutcome
 from ..runfile.payloads import SnapshotDetail
 from .facts import Facts
 from .verdict import FAILED, HELD, NOT_MEASURED, Premise
@@ -35,7 +36,7 @@ def unreproduced(snap: dict) -> bool:
         return False
     if "reproduced" in d:
         return d["reproduced"] is False
-    return snap["phase"] == "none" and not d.get("stale_grads") and not d.get("input_modified")
+    return snap["phase"] == "none" and not d.stale_grads and not d.get("input_modified")
 
 
 def compiled_reproduced(snap: dict) -> bool:
@@ -46,8 +47,8 @@ def compiled_reproduced(snap: dict) -> bool:
 def began_here(snap: dict) -> bool:
     """The real step's own loss or model output was non-finite (not only the gradients, which
     an all-reduce brings from another rank)."""
-    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
-    return bool(seen.get("loss_nonfinite") or seen.get("output_nonfinite"))
+    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
+    return bool(seen.loss_nonfinite or seen.output_nonfinite)
 
 
 def failing(f: Facts) -> np.ndarray:
@@ -104,15 +105,15 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
     step = snap["step"]
     i = f.index_of(step)
     d = SnapshotDetail.of(snap["detail"])
-    seen = d.part("recorded")
+    seen = d.recorded or Recorded()
     loss = float(f.steps["loss"][i])
     norm = float(f.steps["grad_norm"][i])
-    if bool(f.loss_bad[i]) or seen.get("loss_nonfinite"):
-        again = d.part("rerun")
-        if again.get("loss_finite") is not None:
+    if bool(f.loss_bad[i]) or seen.loss_nonfinite:
+        again = d.rerun or TrialOutcome()
+        if again.loss_finite is not None:
             return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the "
-                           f"replay recomputed it: {fmt(_num(again.get('loss')))}")
-        if seen.get("output_nonfinite"):
+                           f"replay recomputed it: {fmt(_num(again.loss))}")
+        if seen.output_nonfinite:
             return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
                            "the replay recomputed it finite")
         if d.get("loss_not_recomputed"):
@@ -120,7 +121,7 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
                            f"and the replay did not recompute it ({d['loss_not_recomputed']})")
         return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
                        "recomputed the forward and the backward finite")
-    if seen.get("output_nonfinite"):
+    if seen.output_nonfinite:
         return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; the "
                        "replay recomputed it finite")
     if norm == np.inf:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..runfile.meta import ScalerInfo
 from .thresholds import LOW_SCALE
 
 # GradScaler's calibration: it starts above what the net needs and halves on each overflow, so
@@ -87,7 +88,8 @@ class ScaleStory:
             self.calib_len >= 3 and not self.calib_level >= MIN_CALIBRATED_SCALE))
 
 
-def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray) -> ScaleStory:
+def scale_story(steps: np.ndarray, scaler: Optional[ScalerInfo],
+                loss_bad: np.ndarray) -> ScaleStory:
     """Read GradScaler's history from /steps (``loss_bad``: per step, the loss was non-finite)."""
     n = len(steps)
     # as stored (float32): every value taken below widens to float64 exactly, and a month-long
@@ -101,9 +103,9 @@ def scale_story(steps: np.ndarray, scaler: Optional[dict], loss_bad: np.ndarray)
     skipped = steps["skipped"] == 1
     after = steps["scale_after"]
     first, last = int(np.argmax(finite)), n - 1 - int(np.argmax(finite[::-1]))
-    info = scaler or {}
-    story.init_scale = float(info.get("init_scale") or scale[first])
-    story.growth_interval = int(info.get("growth_interval") or 2000)
+    info = scaler or ScalerInfo()
+    story.init_scale = float(info.init_scale or scale[first])
+    story.growth_interval = int(info.growth_interval or 2000)
     story.min_scale = float(np.min(scale, where=finite, initial=np.inf))
     with np.errstate(invalid="ignore"):
         story.grew = bool(np.any(after > scale))

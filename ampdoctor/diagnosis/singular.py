@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..numfmt import fmt
-from ..runfile.payloads import LossSingular
+from ..runfile.detail import TriedFix
+from ..runfile.payloads import LossSingular, SnapshotDetail
 from ..runfile.schema import Event
 from .verdict import Evidence
 
@@ -88,32 +89,23 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
         if found is not None:
             return found
     for s in f.snapshots:
-        d = s["detail"].part("loss_singular_fp32")
-        if s["step"] >= start and isinstance(s["detail"].get("loss_singular_fp32"), dict):
-            fns = d.get("loss_fns") or ["the loss"]
-            return Singular(s["step"], "torch_loss", str(fns[0]), int(d.get("nonfinite", 0)),
-                            _num(d.get("largest")), int(d.get("numel", 0)))
+        d = SnapshotDetail.of(s["detail"]).loss_singular_fp32
+        if s["step"] >= start and d is not None:
+            fns = d.loss_fns or ["the loss"]
+            return Singular(s["step"], "torch_loss", fns[0], d.nonfinite, d.largest, d.numel)
     return None
 
 
 def _from_event(step: int, text: str) -> Optional[Singular]:
-    ops = LossSingular.from_json(text).get("ops") or []
-    for m in ops:
-        if not isinstance(m, dict) or "fp32" not in m:
+    for m in LossSingular.from_json(text).ops:
+        if m.fp32 is None:
             continue
-        fp32, clamped = m.get("fp32") or {}, m.get("clamped") or {}
-        return Singular(step, "graph", str(m.get("op")), int(fp32.get("nonfinite", 0)),
-                        _num(fp32.get("largest")), int(m.get("numel", 0)),
-                        _num(m.get("exponent")), tuple(m.get("points") or (0.0,)),
-                        str(m.get("dtype", "")), int(m.get("at_point", 0)),
-                        _num(m.get("nearest")), _num(m.get("eps")),
-                        int(clamped["nonfinite"]) if "nonfinite" in clamped else None,
-                        _num(clamped.get("largest")))
+        clamped = m.clamped
+        return Singular(step, "graph", m.op, m.fp32.nonfinite, m.fp32.largest, m.numel or 0,
+                        m.exponent, tuple(m.points) or (0.0,), m.dtype or "", m.at_point or 0,
+                        m.nearest, m.eps, clamped.nonfinite if clamped else None,
+                        clamped.largest if clamped else None)
     return None
-
-
-def _num(x: Any) -> Optional[float]:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _point(s: Singular) -> str:
@@ -148,7 +140,15 @@ def evidence(s: Singular) -> Evidence:
     return Evidence(text, "loss_singular_fp32", float(s.fp32_nonfinite), s.step)
 
 
-def clamp_trial(s: Singular) -> Optional[dict]:
+@dataclass(frozen=True)
+class Clamped(TriedFix):
+    """The clamp of a singular loss's op tried on its held values: a trial the diagnosis
+    makes itself (never written to the file), its outcome already in words."""
+
+    text: str = ""
+
+
+def clamp_trial(s: Singular) -> Optional[Clamped]:
     """The clamp at ``eps`` tried on the held values (a trial of ``clamp_loss_input``, in the
     form ``proofs`` reads), or None when it was not measured."""
     if s.source != "graph" or s.eps is None or s.clamped_nonfinite is None:
@@ -162,4 +162,4 @@ def clamp_trial(s: Singular) -> Optional[dict]:
     else:
         outcome = (f"still non-finite at step {s.step}: with {clamp}, its derivative is "
                    f"non-finite at {s.clamped_nonfinite} values: not enough on its own")
-    return {"tried": True, "finite": finite, "step": s.step, "outcome": outcome}
+    return Clamped(tried=True, finite=finite, step=s.step, text=outcome)

@@ -264,7 +264,7 @@ def _group_lrs(run: Any) -> dict[int, float]:
 def _precision(run: Any) -> str:
     dtype = precision(run)
     autocast = bool((run.autocast or {}).get("enabled"))
-    scaler = bool((run.scaler or {}).get("enabled"))
+    scaler = run.scaler is not None and run.scaler.enabled
     words = dtype + (" autocast" if autocast else "" if dtype == "float32" else " weights")
     return words + (" + GradScaler" if scaler else "")
 

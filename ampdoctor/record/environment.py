@@ -1,11 +1,11 @@
-"""Snapshots of the environment a run trains in, as plain JSON-able dicts for /meta: the
-device, the GradScaler's settings, the model's parameter dtypes, each optimizer's class,
-hyperparameters and state dtypes, and the process's peak memory.
+"""Snapshots of the environment a run trains in, for /meta: the device, the GradScaler's
+settings, the model's parameter dtypes, each optimizer's class, hyperparameters and state
+dtypes (the records of runfile/meta.py), and the process's peak memory.
 
 Example::
 
     device_info(torch.device("cpu"))      # {"type": "cpu", "name": "x86_64"}
-    optimizer_info([torch.optim.AdamW(model.parameters())])[0]["hyper"]["eps"]   # 1e-08
+    optimizer_info([torch.optim.AdamW(model.parameters())])[0].eps   # 1e-08
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..runfile.meta import OptimizerInfo, ScalerInfo
 from . import sharding
 from .torchcompat import scaler_enabled
 
@@ -39,15 +40,14 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-def scaler_info(scaler: Any) -> dict:
-    return {"class": type(scaler).__name__, "enabled": scaler_enabled(scaler),
-            "init_scale": getattr(scaler, "_init_scale", None),
-            "growth_factor": getattr(scaler, "_growth_factor", None),
-            "backoff_factor": getattr(scaler, "_backoff_factor", None),
-            "growth_interval": getattr(scaler, "_growth_interval", None),
-            "device": str(getattr(scaler, "_device", "")),
-            # each step's own found_inf is recorded (steps flagged OWN_NONFINITE_GRAD)
-            "own_found_inf": sharding.combines_found_inf(scaler)}
+def scaler_info(scaler: Any) -> ScalerInfo:
+    return ScalerInfo(name=type(scaler).__name__, enabled=scaler_enabled(scaler),
+                      init_scale=getattr(scaler, "_init_scale", None),
+                      growth_factor=getattr(scaler, "_growth_factor", None),
+                      backoff_factor=getattr(scaler, "_backoff_factor", None),
+                      growth_interval=getattr(scaler, "_growth_interval", None),
+                      device=str(getattr(scaler, "_device", "")),
+                      own_found_inf=sharding.combines_found_inf(scaler))
 
 
 def model_summary(roots: list[torch.nn.Module]) -> dict:
@@ -67,7 +67,7 @@ HYPER = ("lr", "eps", "betas", "weight_decay", "momentum", "amsgrad", "fused", "
           "capturable", "nesterov")
 
 
-def optimizer_info(optimizers: Iterable[Any]) -> list[dict]:
+def optimizer_info(optimizers: Iterable[Any]) -> list[OptimizerInfo]:
     out = []
     for opt in optimizers:
         hyper = {k: plain(opt.defaults[k]) for k in HYPER if k in opt.defaults}
@@ -80,8 +80,9 @@ def optimizer_info(optimizers: Iterable[Any]) -> list[dict]:
                 for name, value in opt.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1:
                         state_dtypes[name] = str(value.dtype).replace("torch.", "")
-        out.append({"class": type(opt).__name__, "hyper": hyper, "groups": len(opt.param_groups),
-                    "param_dtypes": param_dtypes, "state_dtypes": state_dtypes})
+        out.append(OptimizerInfo(name=type(opt).__name__, hyper=hyper,
+                                 groups=len(opt.param_groups), param_dtypes=param_dtypes,
+                                 state_dtypes=state_dtypes))
     return out
 
 

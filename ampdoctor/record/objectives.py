@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..runfile.meta import LossSlot
 from . import stats
 from .apply import lrfactors
 from .journal import Journal
@@ -341,9 +342,9 @@ class Objectives:
             if len(slot.key) > 1 and any(s.key[0] == slot.key[0] for s in self.slots
                                          if s is not slot):
                 site = f"{site} (from {_label(slot.key[1])})"  # a helper's: who called it
-            value.append({"site": site, "frames": [_label(k) for k in slot.key],
-                          "optimizers": sorted(slot.feeds),
-                          "reaches": reaches, "settled": slot.settled})
+            value.append(LossSlot(site=site, frames=[_label(k) for k in slot.key],
+                                  optimizers=sorted(slot.feeds), reaches=reaches,
+                                  settled=slot.settled))
         if value != self._written:
             self._written = value
             self.journal.meta("losses", value)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
+from ..runfile.detail import OpRecord
 from .readback import HostRead
 from .sampler import tensors_in
 
@@ -46,7 +47,7 @@ _KINDS = ("nan", "posinf", "neginf")
 
 
 def first_nonfinite_op(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None,
-                       context: Any = None) -> Optional[dict]:
+                       context: Any = None) -> Optional[OpRecord]:
     """Re-run ``module(*args, **kwargs)`` inside ``context`` (the step's autocast state, as a
     context manager) and describe the first op that created a kind of non-finite value its
     inputs did not hold.
@@ -67,7 +68,7 @@ def first_nonfinite_op(module: torch.nn.Module, args: tuple, kwargs: Optional[di
 class _Probe(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
-        self.found: Optional[dict] = None
+        self.found: Optional[OpRecord] = None
         self.ops = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -114,7 +115,8 @@ def _scalars(value: Any, depth: int = 0) -> list[float]:
     return []
 
 
-def _describe(func: Any, args: tuple, kwargs: dict, outs: list, index: int) -> Optional[dict]:
+def _describe(func: Any, args: tuple, kwargs: dict, outs: list,
+              index: int) -> Optional[OpRecord]:
     out_counts, _ = _presence(outs)
     if not any(out_counts):
         return None
@@ -130,14 +132,15 @@ def _describe(func: Any, args: tuple, kwargs: dict, outs: list, index: int) -> O
         return None  # the inputs (or an explicit inf constant) already held these values
     finite = [abs(c) for c in consts if math.isfinite(c)]
     name = getattr(func, "__name__", None) or str(func)
-    return {"op": name.strip("_") or name, "created": created,
-            "dtype": str(outs[0].dtype).replace("torch.", ""),
-            "counts": dict(zip(_KINDS, out_counts)), "numel": int(sum(t.numel() for t in outs)),
-            "in_absmax": None if math.isnan(in_absmax) else in_absmax,
-            "big_scalar": max(finite) if finite else None,
-            "in_nan": bool(in_counts[0]), "in_posinf": bool(in_counts[1]),
-            "in_neginf": bool(in_counts[2]), "index": index,
-            "mask_operand": any(_mask_like(t) for t in inputs)}
+    return OpRecord(op=name.strip("_") or name, created=created,
+                    dtype=str(outs[0].dtype).replace("torch.", ""),
+                    counts=dict(zip(_KINDS, out_counts)),
+                    numel=int(sum(t.numel() for t in outs)),
+                    in_absmax=None if math.isnan(in_absmax) else in_absmax,
+                    big_scalar=max(finite) if finite else None,
+                    in_nan=bool(in_counts[0]), in_posinf=bool(in_counts[1]),
+                    in_neginf=bool(in_counts[2]), index=index,
+                    mask_operand=any(_mask_like(t) for t in inputs))
 
 
 def _mask_like(t: torch.Tensor) -> bool:

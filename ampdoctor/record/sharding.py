@@ -34,7 +34,7 @@ only what a rank holds, with plain local ops, and never starts a collective of i
 Example::
 
     s = sharding.detect([model])          # None for a model that is not sharded
-    s.kind, s.meta()                      # 'fsdp2', {'kind': 'fsdp2', 'local_shards': True, ...}
+    s.kind, s.meta()                      # 'fsdp2', ShardingInfo(kind='fsdp2', ...)
     share = s.norm_share(params)          # this rank's share of the global grad norm
 """
 
@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 import torch
+
+from ..runfile.meta import ShardingInfo
 
 REPLAY_OFF = ("forensic replay is off under {what}: a replay re-runs the forward, which "
               "all-gathers the sharded parameters from every rank (a rank replaying alone "
@@ -126,7 +128,7 @@ class Sharding:
     kind: str  # "fsdp2", "fsdp1", "dtensor", "deepspeed"
     world_size: int = 1
     replicas: dict = field(default_factory=dict)  # id(param) -> ranks holding the same shard
-    detail: dict = field(default_factory=dict)  # what /meta says about the layout
+    layout: ShardingInfo = field(default_factory=ShardingInfo)  # /meta's fields of its kind
 
     @property
     def name(self) -> str:
@@ -137,18 +139,15 @@ class Sharding:
         """Why forensic replay is off (always, for a sharded model)."""
         return REPLAY_OFF.format(what=self.name)
 
-    def meta(self, forensics: bool = True) -> dict:
+    def meta(self, forensics: bool = True) -> ShardingInfo:
         """The /meta ``sharding`` entry: diagnose reads the layout and the replay note."""
-        out = {"kind": self.kind, "local_shards": self.kind != "deepspeed",
-               "world_size": self.world_size,
-               "grad_norm": "clip_grad_norm_'s global norm on steps that clip; otherwise "
-                            "this rank's share (steps flagged GRAD_NORM_LOCAL), combined "
-                            "across the rank files by diagnose",
-               "replay": "off" if forensics else "disabled"}
-        if forensics:
-            out["replay_reason"] = self.replay_off
-        out.update(self.detail)
-        return out
+        return replace(self.layout, kind=self.kind, local_shards=self.kind != "deepspeed",
+                       world_size=self.world_size,
+                       grad_norm="clip_grad_norm_'s global norm on steps that clip; otherwise "
+                                 "this rank's share (steps flagged GRAD_NORM_LOCAL), combined "
+                                 "across the rank files by diagnose",
+                       replay="off" if forensics else "disabled",
+                       replay_reason=self.replay_off if forensics else None)
 
     def norm_share(self, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
         """This rank's share of the global L2 gradient norm (fp32 scalar, on the device; no
@@ -239,9 +238,9 @@ def detect(roots: list[torch.nn.Module], world_size: int = 1) -> Optional[Shardi
         s.replicas_of(p)
     if dparams:
         p = dparams[0]
-        s.detail = {"mesh": list(p.device_mesh.shape),
-                    "placements": [str(pl) for pl in p.placements],
-                    "sharded_params": len(dparams), "params": len(params)}
+        s.layout = ShardingInfo(mesh=list(p.device_mesh.shape),
+                                placements=[str(pl) for pl in p.placements],
+                                sharded_params=len(dparams), params=len(params))
     return s
 
 
@@ -278,7 +277,7 @@ def _fsdp1(modules: list, fsdp1: type, world_size: int) -> Sharding:
         for p in [flat] + list(getattr(flat, "_params", None) or []):
             if p is not None:
                 s.replicas[id(p)] = reps
-    s.detail = {"strategy": sorted(strategies)}
+    s.layout = ShardingInfo(strategy=sorted(strategies))
     return s
 
 

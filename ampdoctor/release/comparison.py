@@ -167,11 +167,10 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
 
 def describe(run: Any) -> dict:
     """Path, precision, device and size of a run, as the comparison shows it."""
-    scaler = run.scaler or {}
     dev = run.device or {}
     model = run.model or {}
     return {"path": run.path, "dtype": fix_outcome.label(run),
-            "scaler": bool(scaler.get("enabled")), "device": dev.get("type"),
+            "scaler": run.scaler is not None and run.scaler.enabled, "device": dev.get("type"),
             "device_name": dev.get("name"), "steps": int(len(run.steps)),
             "params": model.get("trainable"), "status": run.status,
             "applied": fix_outcome.applied(run)}

@@ -170,7 +170,7 @@ def outcome(run: Any, diagnosis: Any) -> dict:
 def scale_story(run: Any) -> Optional[dict]:
     """GradScaler's scale at the first step, after the last update, and the lowest it went
     (with the first step it was reached); None for a run without an enabled GradScaler."""
-    if not (run.scaler or {}).get("enabled"):
+    if run.scaler is None or not run.scaler.enabled:
         return None
     s = run.steps
     before, after = s["scale"].astype(np.float64), s["scale_after"].astype(np.float64)

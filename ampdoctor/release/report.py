@@ -293,7 +293,7 @@ def decide(run: Any, verdict: str, readiness: Readiness) -> Decision:
     """Recommend a precision for this training on the hardware it ran on."""
     dev = run.device or {}
     ac = run.autocast or {}
-    scaler = bool((run.scaler or {}).get("enabled"))
+    scaler = run.scaler is not None and run.scaler.enabled
     d = Decision(device=_device_text(dev), device_type=dev.get("type") or "unknown",
                  run_dtype=precision(run), scaler=scaler, recommendation="",
                  autocast=bool(ac.get("enabled")))

@@ -156,7 +156,7 @@ def _optimizer_norms(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
         norm = mine["grad_norm"].astype(np.float64)
         keep = np.isfinite(norm)
         if keep.any():
-            name = opts[int(index)].get("class", "?") if int(index) < len(opts) else "?"
+            name = opts[int(index)].name or "?" if int(index) < len(opts) else "?"
             out.append((f"{one_line(str(name))} #{int(index)}", mine["step"][keep], norm[keep]))
     return out
 

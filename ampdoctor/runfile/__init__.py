@@ -4,7 +4,9 @@
   crash-safe) and ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by
   column in ``columns``; ``tail``: the rows added since the last read, for ``top``)
 - ``schema``: the tables and codes; ``migrations``: older versions' tables lifted into it;
-  ``payloads``: the JSON payloads, declared; ``values``: the values a row may hold
+  ``payloads``: the JSON payloads, declared; ``records``: the frozen dataclasses nested in
+  them, ``detail`` those of a snapshot's detail and ``meta`` those of /meta; ``values``: the
+  values a row may hold
 - what a file is: ``attributes`` (its root attributes), ``hdf5`` (the format beneath h5py),
   ``guard`` (nothing read from outside the file), ``liveness`` (is its writer alive)
 - many files: ``paths`` (rank, pid and node file names), ``summary`` (a run in a few numbers),

@@ -26,9 +26,31 @@ Example::
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, TypeVar
 
+from . import records
+from .detail import (
+    AccumOverflow,
+    Computed,
+    Fp32Rerun,
+    History,
+    Isolation,
+    LossDerivative,
+    LossInfo,
+    OpRecord,
+    OutputGrad,
+    Recorded,
+    Rows,
+    RowSummary,
+    SingularOp,
+    TrialOutcome,
+    TriedFix,
+)
+
+R = TypeVar("R", bound=records.Record)
+P = TypeVar("P", bound="Payload")
 _DECLARED: Any = object()  # get()'s "no default given": the declared one
 
 
@@ -105,10 +127,10 @@ class Payload(dict):
 
     def to_json(self) -> str:
         """The text written to the file: as ``json.dumps`` writes the same plain dict."""
-        return json.dumps(dict(self), default=str)
+        return json.dumps(dict(self), default=_written)
 
     @classmethod
-    def from_json(cls, text: Any) -> Any:
+    def from_json(cls: type[P], text: Any) -> P:
         """The payload in ``text``; empty where the text is empty, not JSON or not an object
         (a damaged or foreign file). Keys this reader does not declare are kept, unread."""
         try:
@@ -118,7 +140,7 @@ class Payload(dict):
         return cls.of(value)
 
     @classmethod
-    def of(cls, value: Any) -> Any:
+    def of(cls: type[P], value: Any) -> P:
         """``value`` (parsed JSON) as this payload; empty unless it is an object; ``value``
         itself if it is one already."""
         if isinstance(value, cls):
@@ -126,101 +148,22 @@ class Payload(dict):
         out = cls()
         if isinstance(value, dict):
             dict.update(out, value)  # (undeclared keys of a newer writer kept as they are)
+            for key, declared in cls.KEYS.items():
+                if key in value and _is_record(declared.type):
+                    dict.__setitem__(out, key, records.read(declared.type, value[key]))
         return out
 
 
-class Recorded(Payload):
-    """``detail["recorded"]``: what the real step saw, measured at the event; each True
-    (non-finite), False, or None (not seen) (record/forensic/reproduced.py)."""
-
-    NAME = "a snapshot's recorded"
-    KEYS = {
-        "loss_nonfinite": Key(bool, "the loss"),
-        "output_nonfinite": Key(bool, "the model's output"),
-        "output_grad_nonfinite": Key(bool, "the gradient at the model's output"),
-        "loss_fns": Key(list, "the torch loss functions the step called"),
-    }
+def _is_record(kind: Any) -> bool:
+    """A key whose value is a record (``records.Record``) or a list or map of them: read
+    into its type when the payload is, written back as its JSON object."""
+    if typing.get_origin(kind) in (list, dict):
+        kind = typing.get_args(kind)[-1]
+    return isinstance(kind, type) and issubclass(kind, records.Record)
 
 
-class TrialOutcome(Payload):
-    """``detail["rerun"]``, ``detail["loss_fp32"]``: one re-run under a trial, the fields of
-    ``record/forensic/trial.py``'s ``Outcome`` (a test holds them equal)."""
-
-    NAME = "a trial's outcome"
-    KEYS = {
-        "trial": Key(str, "the trial's name"),
-        "finite": Key(bool, "outputs, loss and every gradient finite"),
-        "first": Key(str, "where it first was not: forward, loss, backward"),
-        "output_finite": Key(bool, "the outputs"),
-        "loss": Key(float, "the recomputed loss (a string where not finite)"),
-        "loss_finite": Key(bool, "the recomputed loss; None: none recomputed"),
-        "loss_fns": Key(list, "the torch loss functions recomputed"),
-        "loss_dtype": Key(str, "the recomputed loss's dtype"),
-        "grads": Key(str, "finite, non-finite, zero or not run"),
-        "backward_from": Key(str, "loss (recomputed) or output (the recorded gradient)"),
-        "micro": Key(int, "the first micro-batch that was not finite"),
-        "note": Key(str, "why something was not run"),
-        "unjudged": Key(str, "why the re-run cannot judge the fix (a target held NaN/inf as "
-                        "the step had it)"),
-    }
-
-
-class LossInfo(Payload):
-    """``detail["loss"]``: the loss as replayed, and the gradient that reached it
-    (record/forensic/culprit.py)."""
-
-    NAME = "a snapshot's loss"
-    KEYS = {
-        "dtype": Key(str, "the loss's dtype"),
-        "value": Key(float, "the loss, summed"),
-        "grad_fp32": Key(float, "the loss scale: the gradient reaching the loss, in fp32"),
-        "grad": Key(float, "that gradient cast to the loss's dtype"),
-        "grad_nonfinite": Key(bool, "the cast overflowed"),
-    }
-
-
-class OutputGrad(Payload):
-    """``detail["output_grad"]``: the gradient the loss's backward sent into the model's first
-    bad output (record/forensic/culprit.py)."""
-
-    NAME = "a snapshot's output_grad"
-    KEYS = {
-        "index": Key(int, "which output"),
-        "nonfinite": Key(int, "elements NaN/inf"),
-        "numel": Key(int, "elements"),
-        "dtype": Key(str, "the gradient's dtype"),
-        "finite_absmax": Key(float, "the largest finite magnitude"),
-        "output_values": Key(list, "the output's values where the gradient is non-finite"),
-        "output_values_n": Key(int, "how many distinct such values"),
-    }
-
-
-class AccumOverflow(Payload):
-    """``detail["accum_overflow"]``: where the micro-batch gradients summed in a half
-    ``.grad`` overflowed (record/forensic/accum.py)."""
-
-    NAME = "a snapshot's accum_overflow"
-    KEYS = {
-        "param": Key(str, "the parameter"),
-        "micro": Key(int, "the micro-batch whose gradient made the sum overflow"),
-        "micro_batches": Key(int, "micro-batches of the step"),
-        "dtype": Key(str, "the .grad's dtype"),
-        "fp32_absmax": Key(float, "the sum's magnitude in fp32"),
-    }
-
-
-class SingularFp32(Payload):
-    """``detail["loss_singular_fp32"]``: a torch loss's derivative recomputed in fp32
-    (record/forensic/singular.py)."""
-
-    NAME = "a snapshot's loss_singular_fp32"
-    KEYS = {
-        "nonfinite": Key(int, "derivatives non-finite in fp32 too"),
-        "largest": Key(float, "the largest finite one"),
-        "numel": Key(int, "derivatives"),
-        "loss_fns": Key(list, "the loss functions recomputed"),
-        "loss": Key(float, "the loss recomputed (a string where not finite)"),
-    }
+def _written(value: Any) -> Any:
+    return value.to_json() if isinstance(value, records.Record) else str(value)
 
 
 class CompiledReplay(Payload):
@@ -303,30 +246,29 @@ class SnapshotDetail(Payload):
         "micro_batches_forward_only": Key(list, "micro-batches with no backward"),
         "fed_by": Key(str, "the model replayed first, whose output this model's inputs were "
                       "computed from (its output gradient came through this one)"),
-        "stale_grads": Key(dict, ".grad non-finite before the step's backward"),
-        "history": Key(dict, "scale, LR and grad norm over the steps before the event"),
+        "stale_grads": Key(list, ".grad non-finite before the step's backward: the parameters"),
+        "history": Key(History, "scale, LR and grad norm over the steps before the event"),
         "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),
-        "isolation": Key(dict, "what the replay kept from the user's code: hooks_set_aside, "
+        "isolation": Key(Isolation, "what the replay kept from the user's code: hooks_set_aside, "
                          "hooks_not_installed (they did not run in it), output_held_back", since=2),
         # the culprit (culprit.py, accum.py)
-        "bad_inputs": Key(list, "the batch's non-finite inputs: label, counts"),
+        "bad_inputs": Key(list[RowSummary], "the batch's non-finite inputs: label, counts"),
         "chain": Key(list, "the modules the non-finite value passed through"),
         "backward_not_replayed": Key(str, "why the backward was not replayed"),
         "how": Key(str, "how the culprit made its non-finite value"),
         "weights_nonfinite": Key(list, "parameters already non-finite: poisoned earlier"),
-        "run": Key(dict, "the culprit's inputs and outputs in the run's precision"),
+        "run": Key(Rows, "the culprit's inputs and outputs in the run's precision"),
         "output_grad_nonfinite": Key(bool, "the gradient at the model's output was"),
         "loss_nonfinite": Key(bool, "the loss itself was non-finite"),
         "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
         "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
         "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
-        "computed": Key(dict, "a root input made in this step outside any module (not the "
+        "computed": Key(Computed, "a root input made in this step outside any module (not the "
                         "data): op, function, into, label, dtype, device, autocast", since=4),
-        "passed_on_by": Key(str, "set by the diagnosis only: the module that passed a -inf on"),
         # the culprit re-run (culprit_rerun.py)
-        "fp32": Key(dict, "the culprit re-run in fp32: finite, absmax"),
+        "fp32": Key(Fp32Rerun, "the culprit re-run in fp32: inputs, outputs (detail.py)"),
         "fp32_error": Key(str, "the exception the fp32 re-run raised"),
-        "op": Key(dict, "the op inside the culprit that made the value"),
+        "op": Key(OpRecord, "the op inside the culprit that made the value (detail.py)"),
         "op_error": Key(str, "the exception the op probe raised"),
         # reproduced (reproduced.py)
         "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
@@ -344,13 +286,86 @@ class SnapshotDetail(Payload):
         "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
                         "compiled: reproduced, rungs, region, op", since=3),
         # proofs (proofs.py)
-        "trials": Key(dict, "the fixes tried on the step: fix id -> its outcome"),
+        "trials": Key(dict[str, TriedFix], "the fixes tried on the step: fix id -> what it "
+                      "did (detail.py)"),
         "trials_error": Key(str, "the exception the trials raised"),
         "trials_seconds": Key(float, "time the trials took"),
-        "loss_singular_fp32": Key(SingularFp32, "a torch loss's backward checked in fp32"),
+        "loss_singular_fp32": Key(LossDerivative, "a torch loss's backward checked in fp32"),
         # the LR range test (lrrange.py)
         "lr_range": Key(LrRange, "the LR range test from the run's first state", since=3),
     }
+
+    # The keys that hold records (detail.py), read typed: None where the file holds none.
+    @property
+    def recorded(self) -> Recorded | None:
+        return self._record("recorded", Recorded)
+
+    @property
+    def loss(self) -> LossInfo | None:
+        return self._record("loss", LossInfo)
+
+    @property
+    def output_grad(self) -> OutputGrad | None:
+        return self._record("output_grad", OutputGrad)
+
+    @property
+    def accum_overflow(self) -> AccumOverflow | None:
+        return self._record("accum_overflow", AccumOverflow)
+
+    @property
+    def op(self) -> OpRecord | None:
+        return self._record("op", OpRecord)
+
+    @property
+    def bad_inputs(self) -> list[RowSummary]:
+        value = self.get("bad_inputs")
+        return value if isinstance(value, list) else []
+
+    @property
+    def stale_grads(self) -> list[str]:
+        value = self.get("stale_grads")
+        return [str(p) for p in value] if isinstance(value, (list, dict)) else []
+
+    @property
+    def history(self) -> History | None:
+        return self._record("history", History)
+
+    @property
+    def isolation(self) -> Isolation | None:
+        return self._record("isolation", Isolation)
+
+    @property
+    def computed(self) -> Computed | None:
+        return self._record("computed", Computed)
+
+    @property
+    def trials(self) -> dict[str, TriedFix]:
+        value = self.get("trials")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def run(self) -> Rows | None:
+        return self._record("run", Rows)
+
+    @property
+    def fp32(self) -> Fp32Rerun | None:
+        return self._record("fp32", Fp32Rerun)
+
+    @property
+    def rerun(self) -> TrialOutcome | None:
+        return self._record("rerun", TrialOutcome)
+
+    @property
+    def loss_fp32(self) -> TrialOutcome | None:
+        return self._record("loss_fp32", TrialOutcome)
+
+    @property
+    def loss_singular_fp32(self) -> LossDerivative | None:
+        return self._record("loss_singular_fp32", LossDerivative)
+
+    def _record(self, key: str, kind: type[R]) -> R | None:
+        value = self.get(key)
+        return value if isinstance(value, kind) else None
 
 
 class HiddenNonfinite(Payload):
@@ -367,11 +382,17 @@ class HiddenNonfinite(Payload):
 
 
 class LossSingular(Payload):
-    """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): one
-    dict per op, the most singular first (``record/forensic/singular.py`` says its keys)."""
+    """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): a
+    ``SingularOp`` (detail.py) per op, the most singular first."""
 
     NAME = "a LOSS_SINGULAR event's text"
-    KEYS = {"ops": Key(list, "the ops measured, most singular first", [])}
+    KEYS = {"ops": Key(list[SingularOp], "the ops measured, most singular first (detail.py)",
+                       [])}
+
+    @property
+    def ops(self) -> list[SingularOp]:
+        value = self.get("ops")
+        return value if isinstance(value, list) else []
 
 
 class FlatLossProbe(Payload):
@@ -416,5 +437,5 @@ class Fp8Trial(Payload):
 
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail, Recorded, TrialOutcome, LossInfo, OutputGrad, AccumOverflow, SingularFp32,
+    SnapshotDetail,
     CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)

@@ -25,8 +25,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import RunFileError
-from . import schema, values
+from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
+from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
 
@@ -213,8 +214,9 @@ class Run:
         return self._meta_dict("autocast")
 
     @property
-    def scaler(self) -> dict[str, Any] | None:
-        return self._meta_dict("scaler")
+    def scaler(self) -> ScalerInfo | None:
+        value = self._meta_dict("scaler")
+        return None if value is None else ScalerInfo.from_json(value)
 
     @property
     def device(self) -> dict[str, Any] | None:
@@ -231,8 +233,9 @@ class Run:
         return self._meta_dict("buffers")
 
     @property
-    def sharding(self) -> dict[str, Any] | None:
-        return self._meta_dict("sharding")
+    def sharding(self) -> ShardingInfo | None:
+        value = self._meta_dict("sharding")
+        return None if value is None else ShardingInfo.from_json(value)
 
     @property
     def compiled(self) -> dict[str, Any] | None:
@@ -284,16 +287,14 @@ class Run:
         return self._meta_dict("lr_range")
 
     @property
-    def optimizers(self) -> list[dict[str, Any]]:
-        opt = self.meta.get("optimizer")
-        return [o for o in opt if isinstance(o, dict)] if isinstance(opt, list) else []
+    def optimizers(self) -> list[OptimizerInfo]:
+        return records.read(list[OptimizerInfo], self.meta.get("optimizer"), [])
 
     @property
-    def losses_meta(self) -> list[dict[str, Any]]:
-        """The losses of a run that backwarded several (/losses slot order): ``[{"site":
-        "train.py:41", "optimizers": [0], "reaches": [0]}, ...]``; [] for one loss."""
-        value = self.meta.get("losses")
-        return [s for s in value if isinstance(s, dict)] if isinstance(value, list) else []
+    def losses_meta(self) -> list[LossSlot]:
+        """The losses of a run that backwarded several (/losses slot order): ``[LossSlot(
+        site="train.py:41", optimizers=[0], reaches=[0]), ...]``; [] for one loss."""
+        return records.read(list[LossSlot], self.meta.get("losses"), [])
 
     @property
     def roots(self) -> list[str]:

@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 
 from ..version import __version__
-from . import hdf5, liveness, schema, summary
+from . import hdf5, liveness, records, schema, summary
 from .hdf5 import errno_in, reason
 
 _DISOWNED: list = []  # files inherited through fork: never closed in this process (Writer.disown)
@@ -199,11 +199,13 @@ class Writer:
         return self._placed[table] + sum(len(chunk) for chunk in self._pending[table])
 
     def meta(self, key: str, value: Any, step: int = -1) -> None:
-        """Record a configuration value (JSON). A later row for the same key wins."""
+        """Record a configuration value (JSON; records as theirs: meta.py). A later row for
+        the same key wins."""
         row = schema.empty("meta", 1)
         row["step"] = step
         row["key"] = key.encode()[:32]
-        row["value_off"], row["value_len"] = self.text(json.dumps(value, default=str))
+        row["value_off"], row["value_len"] = self.text(json.dumps(records.plain(value),
+                                                                    default=str))
         self.append("meta", row)
         if key == "status" and self._tally is not None:
             self._tally.set_status(value)

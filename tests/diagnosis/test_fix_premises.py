@@ -8,6 +8,7 @@ from conftest import ROOT
 
 from ampdoctor.diagnosis.fixes import PREMISES, Context, make, unmet
 from ampdoctor.diagnosis.fixes.premises import DOMAIN, OVERFLOW, nonfinite_kind, relu_free
+from ampdoctor.runfile.detail import OpRecord
 
 
 def ids(ctx):
@@ -16,7 +17,7 @@ def ids(ctx):
 
 
 def culprit(fp32_finite, op=None, created=("posinf",), dtype="float16"):
-    found = {"op": op, "created": list(created), "dtype": dtype} if op else None
+    found = OpRecord(op=op, created=list(created), dtype=dtype) if op else None
     return {"module": "blocks.0.attn", "phase": "forward", "fp32_finite": fp32_finite,
             "op": found}
 

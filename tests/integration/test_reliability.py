@@ -434,7 +434,7 @@ def test_every_format_version_has_a_fixture_that_still_loads_and_diagnoses():
             assert run.meta["autocast"]["dtype"] == expected["autocast_dtype"]
             assert run.meta["optimizer"][0]["class"] == expected["optimizer"]
             if version >= 3:  # each loss and each optimizer on its own
-                assert [s["site"] for s in run.losses_meta] == expected["losses"]
+                assert [s.site for s in run.losses_meta] == expected["losses"]
                 assert len(run.losses) == expected["loss_rows"] > 0
                 assert len(run.optimizer_steps) == expected["optimizer_rows"] > 0
             else:

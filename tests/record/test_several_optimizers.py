@@ -182,9 +182,9 @@ def test_each_loss_is_kept_with_the_optimizer_it_feeds(run_path, g_first):
     d_seen, g_seen, norms, _ = _gan(run_path, g_first=g_first)
     run = ampdoctor.load(run_path)
     sites = run.losses_meta
-    assert [s["optimizers"] for s in sites] == ([[1], [0]] if g_first else [[0], [1]])
-    assert [s["reaches"] for s in sites] == ([[0, 1], [0]] if g_first else [[0], [0, 1]])
-    assert all(s["site"].startswith("test_several_optimizers.py:") for s in sites)
+    assert [s.optimizers for s in sites] == ([[1], [0]] if g_first else [[0], [1]])
+    assert [s.reaches for s in sites] == ([[0, 1], [0]] if g_first else [[0], [0, 1]])
+    assert all(s.site.startswith("test_several_optimizers.py:") for s in sites)
     d_slot, g_slot = (1, 0) if g_first else (0, 1)
     rows = run.losses
     assert list(rows["step"][rows["slot"] == d_slot]) == list(range(6))
@@ -211,7 +211,7 @@ def test_the_docs_two_losses_feed_both_optimizers(run_path):
     each feeds both optimizers; each optimizer's norm is its own model's."""
     docs_recipe(run_path)
     run = ampdoctor.load(run_path)
-    assert [s["optimizers"] for s in run.losses_meta] == [[0, 1], [0, 1]]
+    assert [s.optimizers for s in run.losses_meta] == [[0, 1], [0, 1]]
     assert len(run.losses) == 10 and len(run.optimizer_steps) == 10
     total = np.sqrt(np.sum(run.optimizer_steps["grad_norm"].reshape(5, 2) ** 2, axis=1))
     np.testing.assert_allclose(total, run.steps["grad_norm"], rtol=1e-5)
@@ -284,8 +284,8 @@ def test_a_loss_is_its_line_wherever_the_loop_is_called_from(run_path):
     sites = run.losses_meta
     # (each call stack is a loss of its own; the diagnosis joins those of one line that follow
     # one another: the warm-up's and the main loop's)
-    assert len(sites) == 4 and len({s["frames"][0] for s in sites}) == 1, sites
-    assert "(from test_several_optimizers.py:" in sites[1]["site"]
+    assert len(sites) == 4 and len({s.frames[0] for s in sites}) == 1, sites
+    assert "(from test_several_optimizers.py:" in sites[1].site
     from ampdoctor.diagnosis import objectives
     from ampdoctor.diagnosis.facts import Facts
     objs = objectives.read(Facts(run))
@@ -316,7 +316,7 @@ def test_the_same_loop_from_two_lines_is_one_loss(run_path):
         for _ in range(3):
             step()
     run = ampdoctor.load(run_path)
-    lines = {s["frames"][0] for s in run.losses_meta}
+    lines = {s.frames[0] for s in run.losses_meta}
     assert len(run.losses_meta) == 2 and len(lines) == 1
     assert list(run.losses["step"]) == [1, 2, 3]  # from the step the second call stack came
     np.testing.assert_array_equal(run.losses["loss"], run.steps["loss"][1:])

@@ -41,20 +41,20 @@ def _qk(scale):
 
 def test_probe_names_the_overflowing_product():
     op = first_nonfinite_op(Scores(), _qk(60.0), context=_fp16())
-    assert op["op"] == "matmul" and set(op["created"]) == {"posinf", "neginf"}
-    assert op["dtype"] == "float16" and op["in_absmax"] > 100
+    assert op.op == "matmul" and set(op.created) == {"posinf", "neginf"}
+    assert op.dtype == "float16" and op.in_absmax > 100
 
 
 def test_probe_tells_a_mask_constant_from_a_product():
     op = first_nonfinite_op(Scores(mask_value=-1e9, prescale=True), _qk(1.0), context=_fp16())
-    assert op["op"] == "mul" and op["created"] == ["neginf"] and op["big_scalar"] == 1e9
+    assert op.op == "mul" and op.created == ["neginf"] and op.big_scalar == 1e9
 
 
 def test_probe_ignores_an_explicit_inf_mask_but_sees_the_nan_it_makes():
     op = first_nonfinite_op(Scores(mask_value=-math.inf, prescale=True), _qk(1.0), context=_fp16())
     # (1 - keep) * -inf gives NaN where keep is 1 (0 * -inf): an explicit inf constant,
     # so the first created kind is that NaN, from the mul, not a finite constant overflowing.
-    assert op is None or "neginf" not in op["created"]
+    assert op is None or "neginf" not in op.created
 
 
 def test_probe_is_quiet_when_everything_is_finite():

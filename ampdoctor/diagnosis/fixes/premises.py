@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from ...runfile.detail import OpRecord
 from .registry import Context, Fix
 
 # What the first non-finite op made, from the op probe (issue 28 item 3).
@@ -38,20 +39,20 @@ SMOOTH = ("silu", "gelu", "mish", "tanh", "sigmoid", "softplus", "elu", "selu", 
 NEGATIVE_ARGUMENT = ("sqrt", "rsqrt", "log", "log2", "log10", "pow", "acos", "asin")
 
 
-def nonfinite_kind(op: Optional[dict]) -> Optional[str]:
+def nonfinite_kind(op: Optional[OpRecord]) -> Optional[str]:
     """OVERFLOW, OPERAND or DOMAIN for the op probe's finding ``op``; None where there is none
     or it fits none (a mix of kinds).
 
     Example::
 
-        nonfinite_kind({"created": ["nan"], "in_posinf": True, ...})   # "nonfinite_operand"
+        nonfinite_kind(OpRecord(created=["nan"], in_posinf=True))   # "nonfinite_operand"
     """
-    if not op:
+    if op is None:
         return None
-    created = set(op.get("created") or ())
-    bad_in = bool(op.get("in_posinf") or op.get("in_neginf") or op.get("in_nan"))
+    created = set(op.created)
+    bad_in = op.in_posinf or op.in_neginf or op.in_nan
     if created == {"nan"}:
-        return OPERAND if op.get("in_posinf") or op.get("in_neginf") else \
+        return OPERAND if op.in_posinf or op.in_neginf else \
             (DOMAIN if not bad_in else None)
     if created and created <= {"posinf", "neginf"} and not bad_in:
         return OVERFLOW
@@ -88,11 +89,11 @@ def use_bf16_applies(c: Context, fx: Optional[Fix] = None) -> Optional[str]:
     if out:
         return out
     snap = c.culprit or {}
-    op = snap.get("op") or {}
-    name = str(op.get("op") or "").split(".")[-1].lower()
-    if nonfinite_kind(op) == DOMAIN and snap.get("fp32_finite") == 1 and \
+    op: Optional[OpRecord] = snap.get("op")
+    name = (op.op if op else "").split(".")[-1].lower()
+    if op is not None and nonfinite_kind(op) == DOMAIN and snap.get("fp32_finite") == 1 and \
             name.lstrip("_").rstrip("_") in NEGATIVE_ARGUMENT:
-        return (f"{op.get('op')} made NaN from finite inputs and is finite in fp32: a "
+        return (f"{op.op} made NaN from finite inputs and is finite in fp32: a "
                 "cancellation (a negative where none should be), a precision failure that "
                 "bf16's 8-bit mantissa makes worse, not a range one")
     return None
@@ -105,10 +106,10 @@ def island_applies(c: Context, fx: Optional[Fix] = None) -> Optional[str]:
     if out:
         return out
     snap = c.culprit or {}
-    op = snap.get("op") or {}
-    if str(op.get("dtype") or "") in ("float32", "torch.float32", "fp32") and \
+    op: Optional[OpRecord] = snap.get("op")
+    if op is not None and op.dtype in ("float32", "torch.float32", "fp32") and \
             nonfinite_kind(op) in (OVERFLOW, DOMAIN) and snap.get("fp32_finite") != 1:
-        return (f"{op.get('op')} in {snap.get('module')} already computed in fp32 when it made "
+        return (f"{op.op} in {snap.get('module')} already computed in fp32 when it made "
                 "the non-finite value")
     return None
 

@@ -165,15 +165,14 @@ def _loss_replay_text(snap: dict) -> str:
     """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
     why not), the fp32 recomputation, the targets."""
     d = SnapshotDetail.of(snap["detail"])
-    seen = d.part("recorded")
+    seen = d.recorded
     text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
-    if seen.get("output_nonfinite") is False:
+    if seen is not None and seen.output_nonfinite is False:
         text += " (in the real step too)"
     if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
         return text + (f"; the loss was non-finite in the real step and was not recomputed "
                        f"({d['loss_not_recomputed']})")
-    fp32 = d.part("loss_fp32")
-    if fp32.get("loss_finite") is False:
+    if d.loss_fp32 is not None and d.loss_fp32.loss_finite is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
         targets = d.get("targets")
         checked = [t for t in targets if isinstance(t, dict)] if isinstance(targets, list) \

@@ -156,10 +156,7 @@ def one_objective(f: Facts) -> Premise:
     pair keeps that mean level while both learn: the premise fails there. (A run that
     backwarded them from separate lines has each loss's curve: ``_per_loss`` judges those; this
     is a run whose losses came from one line, or a file of format 2.)"""
-    opts = f.meta.get("optimizer") or []
-    roots = f.meta.get("roots") or []
-    n_opt = len(opts) if isinstance(opts, list) else 0
-    n_roots = len(roots) if isinstance(roots, list) else 0
+    n_opt, n_roots = len(f.optimizers), len(f.run.roots)
     if n_opt >= 2 and n_roots >= 2:
         return Premise("one_objective", FAILED,
                        f"{n_roots} models stepped by {n_opt} optimizers: the loss recorded is "
@@ -230,10 +227,10 @@ def _scale_evidence(f: Facts) -> list[Evidence]:
 def _optimizers_evidence(f: Facts) -> list[Evidence]:
     """Several optimizers in /meta ``optimizer``: the one loss curve judged is their losses'
     mean, which a GAN's pair (each pulling against the other) keeps level while both learn."""
-    opts = f.meta.get("optimizer") or []
-    if not isinstance(opts, list) or len(opts) < 2:
+    opts = f.optimizers
+    if len(opts) < 2:
         return []
-    names = ", ".join(str(o.get("class", "?")) if isinstance(o, dict) else "?" for o in opts)
+    names = ", ".join(o.name or "?" for o in opts)
     return [Evidence(f"{len(opts)} optimizers stepped ({names}): the loss judged is the mean of "
                      "every loss backwarded in a step, not each optimizer's own; an adversarial "
                      "pair (a GAN's generator and discriminator) keeps that mean level while "

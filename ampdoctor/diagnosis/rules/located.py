@@ -14,6 +14,8 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
+from ...runfile.detail import LossInfo, OutputGrad
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import DType, Event, Kind
 from .. import batches, fixes, singular
 from ..culprit import root_grad_output, snapshot_at
@@ -73,19 +75,18 @@ def rule_accum_overflow(f: Facts) -> Optional[Finding]:
     """C6 (accumulation): every micro-batch's gradient is finite, but their sum in an fp16
     .grad passes 65504 (fp16 parameters, no fp32 master copy): the replay summed them in
     fp16, in order, and found where the running sum turned inf."""
-    snap = next((x for x in f.snapshots if isinstance(x["detail"].get("accum_overflow"), dict)),
-                None)
-    if snap is None:
+    found = ((x, SnapshotDetail.of(x["detail"]).accum_overflow) for x in f.snapshots)
+    snap, acc = next(((x, a) for x, a in found if a is not None), (None, None))
+    if snap is None or acc is None:
         return None
-    acc = snap["detail"].part("accum_overflow")
     where = first_bad(snap["step"], snap["module"], "backward")
-    ev = [Evidence(f"replay of step {snap['step']}: each of the {acc['micro_batches']} "
-                   f"micro-batches' gradients is finite, but their sum in {acc['dtype']} .grad "
-                   f"passes 65504 at micro-batch {acc['micro']} ({acc['param']}, "
-                   f"{fmt(acc['fp32_absmax'])} in fp32)", "accum_overflow",
-                   acc["fp32_absmax"], snap["step"], snap["module"]),
-          Evidence(f"the parameters are {acc['dtype']}: backward() adds every micro-batch into "
-                   f"a {acc['dtype']} .grad", "param_dtype", None)]
+    ev = [Evidence(f"replay of step {snap['step']}: each of the {acc.micro_batches} "
+                   f"micro-batches' gradients is finite, but their sum in {acc.dtype} .grad "
+                   f"passes 65504 at micro-batch {acc.micro} ({acc.param}, "
+                   f"{fmt(acc.fp32_absmax)} in fp32)", "accum_overflow",
+                   acc.fp32_absmax, snap["step"], snap["module"]),
+          Evidence(f"the parameters are {acc.dtype}: backward() adds every micro-batch into "
+                   f"a {acc.dtype} .grad", "param_dtype", None)]
     rise = _micro_rise(f, snap["step"])
     if rise:
         ev.append(rise)
@@ -302,15 +303,13 @@ def rule_adam_eps(f: Facts) -> Optional[Finding]:
 
 def _adam_eps_config(f: Facts) -> Optional[dict]:
     for o in f.optimizers:
-        cls = str(o.get("class") or "")
-        eps = (o.get("hyper") or {}).get("eps")
-        if not any(cls == a or cls.endswith(a) for a in ADAM_FAMILY) or not isinstance(
-                eps, (int, float)):
+        cls, eps = o.name, o.eps
+        if not any(cls == a or cls.endswith(a) for a in ADAM_FAMILY) or eps is None:
             continue
-        dtypes = o.get("param_dtypes") or {}
+        dtypes = o.param_dtypes
         total = sum(dtypes.values()) or 1
         fp16_params = dtypes.get("float16", 0) * 2 >= total
-        fp16_state = "float16" in (o.get("state_dtypes") or {}).values()
+        fp16_state = "float16" in o.state_dtypes.values()
         if (fp16_params or fp16_state) and fp16_rounds_to_zero(float(eps)):
             return {"class": cls, "eps": float(eps), "fp16_params": fp16_params,
                     "fp16_state": fp16_state}
@@ -408,9 +407,9 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
     if not snaps or (_value_minority(f) and any(_loss_backward_only(x) for x in f.snapshots)):
         return None  # the loss's backward failed on most steps: rule_loss_backward's
     x = snaps[0]
-    d = x["detail"]
+    d = SnapshotDetail.of(x["detail"])
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
-    recomputed = d.part("loss_fp32").get("loss_finite") is True
+    recomputed = d.loss_fp32 is not None and d.loss_fp32.loss_finite is True
     if recomputed:
         ev.append(Evidence(f"replay of step {x['step']}: the loss recomputed in fp32 is finite",
                            "loss_fp32_finite", None, x["step"]))
@@ -519,36 +518,37 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
 
 def _fp32_too(snap: dict) -> bool:
     """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
-    return snap["detail"].part("loss_fp32").get("loss_finite") is False
+    fp32 = SnapshotDetail.of(snap["detail"]).loss_fp32
+    return fp32 is not None and fp32.loss_finite is False
 
 
 def _loss_backward_only(snap: dict) -> bool:
     """A loss replay whose loss is finite, and whose loss scale fits the loss's dtype, but whose
     backward sent NaN/inf into the model's output: the loss's derivative, not its value."""
-    d = snap["detail"]
+    d = SnapshotDetail.of(snap["detail"])
     return bool(d.get("output_grad_nonfinite")) and not d.get("loss_nonfinite") and \
-        not d.part("loss").get("grad_nonfinite")
+        not (d.loss and d.loss.grad_nonfinite)
 
 
 def _loss_snapshot_text(snap: dict) -> str:
     """What a loss replay saw, from its detail (never more than it saw)."""
-    d = snap["detail"]
-    loss = d.part("loss")
-    dtype = loss.get("dtype", "?")
+    d = SnapshotDetail.of(snap["detail"])
+    loss = d.loss or LossInfo()
+    dtype = loss.dtype or "?"
     head = f"replay of step {snap['step']}: every module output is finite"
     if d.get("loss_nonfinite"):
         return f"{head}; the loss ({dtype}) is not"
-    if loss.get("grad_nonfinite"):
-        return (f"{head} and so is the loss ({fmt(loss.get('value'))}, {dtype}), but the loss "
-                f"scale {fmt(loss.get('grad_fp32'))} does not fit the {dtype} loss: the "
-                f"gradient reaching it is {fmt(loss.get('grad_fp32'))} cast to {dtype} = inf")
-    text = (f"{head} and so is the loss ({fmt(loss.get('value'))}, {dtype}), but the gradient "
+    if loss.grad_nonfinite:
+        return (f"{head} and so is the loss ({fmt(loss.value)}, {dtype}), but the loss "
+                f"scale {fmt(loss.grad_fp32)} does not fit the {dtype} loss: the "
+                f"gradient reaching it is {fmt(loss.grad_fp32)} cast to {dtype} = inf")
+    text = (f"{head} and so is the loss ({fmt(loss.value)}, {dtype}), but the gradient "
             "the loss's backward sends into the model's output is not")
-    grad = d.part("output_grad")
-    if grad.get("numel"):
-        text += (f" ({grad['nonfinite']} of {grad['numel']} elements NaN/inf, the largest "
-                 f"finite one {fmt(grad.get('finite_absmax'))})")
-    values = grad.get("output_values")
+    grad = d.output_grad or OutputGrad()
+    if grad.numel:
+        text += (f" ({grad.nonfinite} of {grad.numel} elements NaN/inf, the largest "
+                 f"finite one {fmt(grad.finite_absmax)})")
+    values = grad.output_values
     if values:
         shown = " or ".join(fmt(v) for v in values)
         saturated = all(v in (0.0, 1.0) for v in values)

@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ...numfmt import count, fmt
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Event
 from .. import fixes
 from ..facts import Facts
@@ -209,7 +210,7 @@ def rule_stale_grads(f: Facts) -> Optional[Finding]:
     if not f.n or not f.has_scaler:
         return None
     events = f.events(Event.GRAD_NOT_ZEROED)
-    stale = [s for s in f.snapshots if s["detail"].get("stale_grads")]
+    stale = [s for s in f.snapshots if SnapshotDetail.of(s["detail"]).stale_grads]
     run = f.story.terminal_run
     start = f.n - run
     forward_clean = run and not f.loss_bad[start:].any()

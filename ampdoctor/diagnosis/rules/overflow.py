@@ -18,6 +18,8 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import count, fmt
+from ...runfile.detail import Computed, OpRecord
+from ...runfile.payloads import SnapshotDetail
 from .. import culprit, fixes, schedules
 from ..facts import Facts
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
@@ -77,7 +79,7 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
     module, phase, fp32 = snap["module"], snap["phase"], snap["fp32_finite"]
     first = min(f.failure_step, snap["step"])
     where = first_bad(first, module, phase)
-    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    op = culprit.op_of(snap)
     ev = culprit.evidence(f, snap, op)
     mask = culprit.mask_pattern(op) if phase == "forward" else None
     if mask:
@@ -102,7 +104,7 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
 
 
 def _mask_finding(f: Facts, snap: dict, where: dict, ev: list[Evidence],
-                  op: Optional[dict]) -> Finding:
+                  op: Optional[OpRecord]) -> Finding:
     """mask_overflow: a mask constant turned -inf, or a softmax over rows every key of which is
     masked. Where fp32 gives NaN too, the mask (or the data that masks every key) is the cause:
     no precision fixes it, so no fp32 island is offered."""
@@ -131,17 +133,17 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     low = "bf16" if f.low_precision == "bf16" else "fp16"
     while_steady = "while the weights are steady" if steady.status == HELD else \
         "(whether the weights were steady was not measured)"
-    op = snap["detail"].get("op") if isinstance(snap["detail"].get("op"), dict) else None
+    op = culprit.op_of(snap)
     kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
-    made = snap["detail"].get("computed")
-    if isinstance(made, dict):  # (record/forensic/computed.py) an op between two model calls
+    made = SnapshotDetail.of(snap["detail"]).computed
+    if made is not None:  # (record/forensic/computed.py) an op between two model calls
         text = _between_text(made, low)
     elif snap["phase"] == "backward":
         text = _backward_text(module, snap, op, low)
     elif kind in (culprit.DOMAIN, culprit.OPERAND):
         what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
-        text = (f"One op in {module}, {(op or {}).get('op')}, {what} in {low} {while_steady}. "
+        text = (f"One op in {module}, {op.op if op else None}, {what} in {low} {while_steady}. "
                 + _in_fp32(module, snap))
     elif low == "fp16":
         text = (f"One op in {module} overflows fp16 {while_steady}: its output "
@@ -153,10 +155,10 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     ids = ["fp32_island"] + (["scale_attention"] if fixes.is_attention(
         module, snap["module_type"]) else []) + ["use_bf16"]
     ctx = f.fix_context(module, snap["module_type"], where["step"])
-    ctx.op = op.get("op") if op else None
+    ctx.op = op.op if op else None
     ctx.root = f.is_the_model(module)
-    if isinstance(made, dict):  # no module to wrap: the island goes around the op itself
-        ctx.op, ctx.root = made.get("op"), True
+    if made is not None:  # no module to wrap: the island goes around the op itself
+        ctx.op, ctx.root = made.op, True
         ids = ["fp32_island", "use_bf16"]
     conf = 0.9 if snap["fp32_finite"] == 1 else 0.65
     return Finding("unstable_op", conf if steady.status == HELD else min(conf, 0.7), text,
@@ -164,14 +166,13 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
                    premises=[steady])
 
 
-def _between_text(made: dict, low: str) -> str:
+def _between_text(made: Computed, low: str) -> str:
     """unstable_op's sentence for an op that ran between two calls of the model, outside any
     module: the value it gave the next call held NaN/inf, which the batch check would
     otherwise have blamed on the data."""
-    op, into = made.get("op"), made.get("into")
-    ran = f"in {made['autocast']} under autocast" if made.get("autocast") else \
-        f"in {made.get('dtype')}"
-    if made.get("function"):
+    op, into = made.op, made.into
+    ran = f"in {made.autocast} under autocast" if made.autocast else f"in {made.dtype}"
+    if made.function:
         return (f"{op}, a custom autograd.Function called between modules (outside any "
                 f"module), overflows {low}: it ran {ran}, and the value it gave {into} held "
                 "NaN/inf. The data is fine. Autocast does not look inside a custom Function: "
@@ -182,12 +183,12 @@ def _between_text(made: dict, low: str) -> str:
             "that op in fp32.")
 
 
-def _backward_text(module: str, snap: dict, op: Optional[dict], low: str) -> str:
+def _backward_text(module: str, snap: dict, op: Optional[OpRecord], low: str) -> str:
     """What a backward culprit did, as far as the replay measured it: the op and its kind
     where the probe named it, else both ways a derivative fails, none asserted; and what fp32
     did, as the re-run found it (never "fp32 avoids it" where it was not finite there)."""
     kind = culprit.nonfinite_kind(op)
-    name = (op or {}).get("op")
+    name = op.op if op else None
     if kind == culprit.OVERFLOW:
         how = (f"{name} in its backward overflows {low}: finite inputs and a result past its "
                "largest value")

@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
+from ...runfile.detail import Recorded, TrialOutcome
 from ...runfile.payloads import SnapshotDetail
 from .. import fixes
 from ..facts import Facts
@@ -55,6 +56,7 @@ READS = {"steps": (),
          "stats": ()}
 
 STEPS_LISTED = 8  # steps named in a count's evidence
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,13 +118,13 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
 
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
-    seen = SnapshotDetail.of(snap["detail"]).part("recorded")
+    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
     parts = []
-    if seen.get("loss_nonfinite"):
+    if seen.loss_nonfinite:
         parts.append("its loss was non-finite")
-    if seen.get("output_nonfinite"):
+    if seen.output_nonfinite:
         parts.append("the model's output held NaN/inf when the event fired")
-    elif seen.get("output_nonfinite") is False:
+    elif seen.output_nonfinite is False:
         parts.append("the model's output was finite when the event fired")
     elif parts:
         parts.append("the model's output was no longer held when the event fired (not "
@@ -137,15 +139,14 @@ def _seen_text(snap: dict, world: int) -> str:
 def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
     """What the replay gave, from its snapshot (never more than it measured)."""
     d = SnapshotDetail.of(snap["detail"])
-    again = d.part("rerun")
+    again = d.rerun or TrialOutcome()
     text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
             "finite (checked), the model's output is finite")
-    fns = again.get("loss_fns")
-    fns = fns if isinstance(fns, list) else []
-    if again.get("loss_finite") and fns:
+    fns = again.loss_fns
+    if again.loss_finite and fns:
         text += (f", the loss recomputed by {', '.join(map(str, fns))} is "
-                 f"{fmt(_num(again.get('loss')))}")
-        grads = again.get("grads")
+                 f"{fmt(_num(again.loss))}")
+        grads = again.grads
         if grads in ("finite", "zero"):
             text += f" and every gradient is {'exactly zero' if grads == 'zero' else 'finite'}"
             if d.get("rerun_scale") is not None:  # the recorded scale overflowed them
@@ -268,16 +269,16 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
         return None
     d = SnapshotDetail.of(snap["detail"])
     target = _target_problem(snap) or {}
-    fp32 = d.part("loss_fp32")
+    fp32 = d.loss_fp32 or TrialOutcome()
     step = snap["step"]
     ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
                    "(checked)", "output_finite", None, step),
           Evidence(f"the targets of {target.get('fn', 'the loss')} at step {step}: "
                    f"{target['problem']}",
                    "targets", None, step)]
-    if fp32.get("loss_finite") is False:
-        zero = fp32.get("grads") == "zero"
-        ev.append(Evidence(f"recomputed in fp32 the loss is still {fmt(_num(fp32.get('loss')))}"
+    if fp32.loss_finite is False:
+        zero = fp32.grads == "zero"
+        ev.append(Evidence(f"recomputed in fp32 the loss is still {fmt(_num(fp32.loss))}"
                            + (" and every gradient is exactly zero" if zero else "")
                            + ": not the precision (turning AMP off would not change it)",
                            "loss_fp32_nonfinite", None, step))
@@ -293,7 +294,7 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                f"{step} {target['problem']}. The model's output is finite, and the loss is "
                "non-finite in fp32 as well" + (", with every gradient exactly zero (nothing to "
                                                "skip, the weights unharmed)"
-                                               if fp32.get("grads") == "zero" else "")
+                                               if fp32.grads == "zero" else "")
                + ": leave AMP as it is and keep such batches out.")
     return Finding("bad_input", 0.9, summary, ev, fixes.make(["check_data"], ctx),
                    first_bad(step, None, "loss"), priority=PRIORITY["bad_input"],
@@ -304,7 +305,7 @@ def _target_problem(snap: dict) -> Optional[dict]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
     d = SnapshotDetail.of(snap["detail"])
-    if d.part("loss_fp32").get("loss_finite") is not False:
+    if d.loss_fp32 is None or d.loss_fp32.loss_finite is not False:
         return None
     targets = d.get("targets")
     return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \

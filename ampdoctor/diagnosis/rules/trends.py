@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
+from ...runfile.meta import OptimizerInfo
 from ...runfile.schema import DType, Kind
 from .. import fixes
 from ..facts import Facts, module_of
@@ -381,10 +382,10 @@ def rule_lost_updates(f: Facts) -> Optional[Finding]:
 def _intended_update(f: Facts, dtype: str) -> list[Evidence]:
     """What fp32 master weights would have applied, where the optimizer makes it plain: plain
     SGD moves the weights by LR x gradient (over 1 - momentum, once momentum has built up)."""
-    opt = f.optimizers[0] if f.optimizers else {}
-    if opt.get("class") != "SGD":
+    opt = f.optimizers[0] if f.optimizers else OptimizerInfo()
+    if opt.name != "SGD":
         return []
-    momentum = float((opt.get("hyper") or {}).get("momentum") or 0.0)
+    momentum = float(opt.momentum or 0.0)
     st = f.reduced
     idx = np.flatnonzero(st.sampled & (st.wcount > 0))
     gn, lr = f.steps["grad_norm"].astype(float), f.steps["lr"].astype(float)

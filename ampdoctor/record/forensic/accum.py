@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...runfile.payloads import AccumOverflow
+from ...runfile.detail import AccumOverflow
 from ...runfile.schema import Phase
 from ..sampler import tensors_in
 from .culprit import Culprit
@@ -29,7 +29,7 @@ from .isolated import set_rng
 from .trace import Capture, autocast, unwrap
 
 
-def overflow(watched: Any, captures: list, stale: list[str]) -> Optional[dict]:
+def overflow(watched: Any, captures: list, stale: list[str]) -> Optional[AccumOverflow]:
     """The first fp16 parameter (among ``stale``, those whose ``.grad`` is non-finite) and
     micro-batch whose running sum turns non-finite while every term is finite, else None (the
     ``.grad`` was stale: left over from an earlier step). ``watched``: the recorder's
@@ -56,19 +56,18 @@ def overflow(watched: Any, captures: list, stale: list[str]) -> Optional[dict]:
     return None
 
 
-def explain(finding: Culprit, accum: dict, n: int, names: dict) -> None:
+def explain(finding: Culprit, accum: AccumOverflow, n: int, names: dict) -> None:
     """The replay's finding when the accumulation in ``.grad`` overflowed (``names``: the
     recorder's module -> name map)."""
-    owner = accum["param"].rsplit(".", 1)[0] if "." in accum["param"] else accum["param"]
+    owner = accum.param.rsplit(".", 1)[0] if "." in accum.param else accum.param
     module = next((m for m, name in names.items() if name == owner), None)
     finding.phase, finding.module = Phase.BACKWARD, owner
     finding.module_type = type(module).__name__ if module is not None else ""
-    finding.fp32_absmax = accum["fp32_absmax"]  # the sum's (no module to re-run in fp32)
+    finding.fp32_absmax = accum.fp32_absmax  # the sum's (no module to re-run in fp32)
     finding.detail["accum_overflow"] = accum
     finding.summary = (f"each of the {n} micro-batches' gradients is finite, but their sum "
-                       f"in {accum['dtype']} .grad passes 65504 at micro-batch "
-                       f"{accum['micro']} ({accum['param']}, "
-                       f"{accum['fp32_absmax']:.3g} in fp32)")
+                       f"in {accum.dtype} .grad passes 65504 at micro-batch "
+                       f"{accum.micro} ({accum.param}, {accum.fp32_absmax:.3g} in fp32)")
     finding.detail["how"] = finding.summary
 
 

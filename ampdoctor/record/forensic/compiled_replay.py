@@ -46,7 +46,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ...runfile.payloads import CompiledReplay, TrialOutcome
+from ...runfile.detail import TriedFix
+from ...runfile.payloads import CompiledReplay
 from .. import compiled, stats
 from ..sampler import tensors_in
 from .culprit import Culprit
@@ -143,7 +144,7 @@ def _ladder(captures: list, names: dict, regs: list, out: CompiledReplay, t: Tri
         outcome, error = _run(captures, names, regs, rung, probe, t)
         one: dict[str, Any] = {
             "backend": rung, "finite": outcome.finite if outcome else None,
-            "outcome": TrialOutcome(outcome.as_dict()) if outcome else None}
+            "outcome": outcome.as_dict() if outcome else None}
         if probe:
             one["op"] = probe
         if error:
@@ -196,30 +197,29 @@ def _name_module(out: CompiledReplay, region: Region) -> None:
 
 
 def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, finding: Culprit,
-            step: Optional[int], t: Trial) -> dict:
+            step: Optional[int], t: Trial) -> dict[str, TriedFix]:
     """The fixes tried on the step, as ``proofs.prove`` writes them: the region run eagerly,
     the rest compiled by the default backend; a lower backend that kept it finite."""
-    trials: dict = {}
+    trials: dict[str, TriedFix] = {}
     region = out.get("region")
     rest = [r for r in regs if r.name != region]
     if region is not None and rest:
         outcome, error = _run(captures, names, rest, DEFAULT, {}, t)
         trials["compiler_disable"] = _as_trial(outcome, error, step)
     elif region is not None:
-        again = finding.detail.part("rerun")
-        trials["compiler_disable"] = {"tried": True, "finite": True, "step": step,
-                                      "loss": again.get("loss"), "first": "",
-                                      "note": "the eager replay: the only compiled region run "
-                                              "eagerly"}
+        again = finding.detail.rerun
+        trials["compiler_disable"] = TriedFix(
+            tried=True, finite=True, step=step, loss=again.loss if again else None, first="",
+            note="the eager replay: the only compiled region run eagerly")
     finite = [r for r in out["rungs"] if r["finite"]]
     if finite:
         best = finite[-1]
-        trials["compile_backend"] = {**_as_trial(_outcome(best), "", step),
-                                     "backend": best["backend"]}
+        trials["compile_backend"] = replace(_as_trial(_outcome(best), "", step),
+                                            backend=best["backend"])
     if t.scale is not None:  # as proofs.prove says a trial run at another loss scale
-        for one in trials.values():
-            if one.get("tried"):
-                one.update(at_scale=t.scale, recorded_scale=recorded_scale(captures[0]))
+        scaled = recorded_scale(captures[0])
+        trials = {k: replace(one, at_scale=t.scale, recorded_scale=scaled) if one.tried
+                  else one for k, one in trials.items()}
     return trials
 
 
@@ -229,11 +229,11 @@ def _outcome(rung: dict) -> Outcome:
                    first=str(o.get("first", "")), loss=o.get("loss"))
 
 
-def _as_trial(outcome: Optional[Outcome], error: str, step: Any) -> dict:
+def _as_trial(outcome: Optional[Outcome], error: str, step: Any) -> TriedFix:
     if outcome is None:
-        return {"tried": False, "note": error or "not run", "step": step}
-    return {"tried": True, "finite": outcome.finite, "loss": outcome.loss,
-            "first": outcome.first, "step": step}
+        return TriedFix(note=error or "not run", step=step)
+    return TriedFix(tried=True, finite=outcome.finite, loss=outcome.loss, first=outcome.first,
+                    step=step)
 
 
 def summary(out: CompiledReplay) -> str:

@@ -12,7 +12,7 @@ makes it the culprit, in phase forward, instead of blaming the batch.
 Example::
 
     finding = computed_input(trace, bad)   # bad: measure_batch's non-finite inputs
-    finding.module, finding.detail["computed"]["function"]   # "LSEPool", True
+    finding.module, finding.detail.computed.function   # "LSEPool", True
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...runfile.detail import Computed
 from ...runfile.schema import Phase
 from .culprit import Culprit
 from .trace import FEED_NODES, HARD, Trace, labeled
@@ -51,9 +52,9 @@ def computed_input(trace: Trace, bad: list) -> Optional[Culprit]:
                     module_type="autograd.Function" if function else "op", culprit_slot=slot)
         f.in_absmax = float(trace.rows["absmax"][slot])
         f.detail["bad_inputs"] = [trace.summary(slot)]
-        f.detail["computed"] = {"op": op, "function": function, "into": trace.root_name,
-                                "label": label, "dtype": str(t.dtype)[6:], "device": device,
-                                "autocast": dtype if enabled else None}
+        f.detail["computed"] = Computed(op=op, function=function, into=trace.root_name,
+                                        label=label, dtype=str(t.dtype)[6:], device=device,
+                                        autocast=dtype if enabled else None)
         f.detail["how"] = (f"{op} ({what}) ran between modules, outside any module, {under}, "
                            f"and its output, given to {trace.root_name} as {label}, holds "
                            "NaN/inf")

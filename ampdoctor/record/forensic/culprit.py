@@ -17,13 +17,14 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
-from ...runfile.payloads import LossInfo, OutputGrad, SnapshotDetail
+from ...runfile.detail import LossInfo, OutputGrad, Rows
+from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Phase
 from .. import stats
 from .trace import CLEAN, HARD, ROOT_INPUT, SOFT, UNKNOWN, Call, Capture, Trace
@@ -211,8 +212,8 @@ def describe(trace: Trace, f: Culprit) -> None:
     ins, outs = _culprit_slots(f.call, f.phase)
     f.in_absmax = _max_abs(trace.rows, ins)
     f.out_absmax = _max_abs(trace.rows, outs, finite_only=False)
-    f.detail["run"] = {"inputs": [trace.summary(s) for s in ins][:16],
-                       "outputs": [trace.summary(s) for s in outs][:16]}
+    f.detail["run"] = Rows(inputs=[trace.summary(s) for s in ins][:16],
+                           outputs=[trace.summary(s) for s in outs][:16])
 
 
 def _max_abs(rows: np.ndarray, slots: list, finite_only: bool = True) -> float:
@@ -248,12 +249,12 @@ def _loss_or_nothing(trace: Trace) -> Culprit:
     f.detail["loss"] = loss_info
     f.in_absmax = _max_abs(trace.rows, [s for _, s in trace.calls[0].outputs]) \
         if trace.calls else math.nan
-    dtype = loss_info.get("dtype")
-    scale = loss_info.get("grad_fp32")
+    dtype = loss_info.dtype
+    scale = loss_info.grad_fp32
     if loss_bad:
         f.summary = (f"the model output is finite but the loss ({dtype}) is not: the loss "
                      "computation outside the model (or its targets) made the NaN/inf")
-    elif loss_info.get("grad_nonfinite") and dtype in ("float16", "bfloat16") and scale:
+    elif loss_info.grad_nonfinite and dtype in ("float16", "bfloat16") and scale:
         f.summary = (f"the loss is finite but the gradient arriving at it, {scale:g} (the "
                      f"loss scale), overflows {dtype}: compute the loss in float32")
         f.fp32_finite = math.isfinite(scale)
@@ -269,7 +270,7 @@ def _loss_or_nothing(trace: Trace) -> Culprit:
 OUTPUT_VALUES_SHOWN = 4
 
 
-def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
+def _output_grad_detail(trace: Trace, bad: list[int]) -> OutputGrad:
     """The gradient the loss's backward sent into the model's first bad output: how many
     elements are non-finite, the largest finite magnitude (far below 65504 beside inf says a
     singularity, not a scale too high) and the output's values where it is non-finite.
@@ -277,19 +278,19 @@ def _output_grad_detail(trace: Trace, bad: list[int]) -> dict:
     i = bad[0]
     grad = trace.cap.grads[i]
     finite = torch.isfinite(grad)
-    out = OutputGrad(index=i, nonfinite=int((~finite).sum()), numel=int(grad.numel()),
-                     dtype=str(grad.dtype).replace("torch.", ""))
     kept = grad[finite]
-    out["finite_absmax"] = float(kept.abs().max().float()) if kept.numel() else 0.0
+    out = OutputGrad(index=i, nonfinite=int((~finite).sum()), numel=int(grad.numel()),
+                     dtype=str(grad.dtype).replace("torch.", ""),
+                     finite_absmax=float(kept.abs().max().float()) if kept.numel() else 0.0)
     value = trace.outputs[i] if i < len(trace.outputs) else None
     if isinstance(value, torch.Tensor) and value.shape == grad.shape:
         at = value.detach()[~finite].float().unique()
-        out["output_values"] = [float(v) for v in at[:OUTPUT_VALUES_SHOWN]]
-        out["output_values_n"] = int(at.numel())
+        out = replace(out, output_values=[float(v) for v in at[:OUTPUT_VALUES_SHOWN]],
+                      output_values_n=int(at.numel()))
     return out
 
 
-def _loss_info(cap: Capture) -> dict:
+def _loss_info(cap: Capture) -> LossInfo:
     """dtype and value of this micro-batch's loss, and the gradient that reached it."""
     if not cap.losses:
         return LossInfo()
@@ -299,10 +300,9 @@ def _loss_info(cap: Capture) -> dict:
     info = LossInfo(dtype=str(loss.dtype).replace("torch.", ""),
                     value=float(loss.float().sum()))
     scale = holder.get("scale")
-    if scale is not None:
-        # GradScaler multiplies the loss by S in fp32, so the gradient reaching the loss is S
-        # itself, cast to the loss's dtype: it overflows an fp16 loss once S > 65504.
-        info["grad_fp32"] = float(scale)
-        info["grad"] = float(torch.tensor(scale, dtype=torch.float32).to(loss.dtype))
-        info["grad_nonfinite"] = not math.isfinite(info["grad"])
-    return info
+    if scale is None:
+        return info
+    # GradScaler multiplies the loss by S in fp32, so the gradient reaching the loss is S
+    # itself, cast to the loss's dtype: it overflows an fp16 loss once S > 65504.
+    grad = float(torch.tensor(scale, dtype=torch.float32).to(loss.dtype))
+    return replace(info, grad_fp32=float(scale), grad=grad, grad_nonfinite=not math.isfinite(grad))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...runfile.detail import Fp32Rerun
 from ...runfile.schema import Kind, Phase
 from .. import patches, stats, torchcompat
 from ..sampler import tensors_in
@@ -133,11 +134,10 @@ def check_culprit(trace: Trace, f: Culprit) -> None:
         rows.append((Slot(kind, name, index, owner, call.nth, label, call.index), row))
     f.fp32_rows = rows
     into = (Kind.INPUT, Kind.GRAD_OUTPUT)
-    f.detail["fp32"] = {
-        "inputs": [row_summary(r, s.label) for s, r in rows if s.kind in into][:16],
-        "outputs": [row_summary(r, s.label) for s, r in rows if s.kind not in into][:16],
-        "copied_module": module is not call.module,
-    }
+    f.detail["fp32"] = Fp32Rerun(
+        inputs=[row_summary(r, s.label) for s, r in rows if s.kind in into][:16],
+        outputs=[row_summary(r, s.label) for s, r in rows if s.kind not in into][:16],
+        copied_module=module is not call.module)
 
 
 def _probe_ops(f: Culprit, module: torch.nn.Module, target: _Target) -> None:

@@ -90,12 +90,14 @@ import contextlib
 import math
 import weakref
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
 
 from ...errors import AmpDoctorError
+from ...runfile.detail import History
 from ...runfile.schema import Event, Phase
 from .. import compiled, sharding
 from ..journal import Journal
@@ -335,10 +337,10 @@ class Forensics:
         self._note_history(result, step)
         ev.replayed, ev.result = True, result
         explained = finding.phase not in (Phase.NONE, Phase.UNKNOWN) or \
-            bool(finding.detail.get("stale_grads"))
+            bool(finding.detail.stale_grads)
         self._episode = self._episode[:3] + (explained,)
         result.snapshot = self._write(step, why, result, trace, finding, captures)
-        stale = finding.detail.get("stale_grads")
+        stale = finding.detail.stale_grads
         if stale:  # not an accumulation overflow: _search checked that first
             self.journal.event(Event.GRAD_NOT_ZEROED, step, text=", ".join(stale[:4]))
         self._note_input(finding, step)
@@ -381,8 +383,7 @@ class Forensics:
     def _note_input(self, finding: Culprit, step: Any) -> None:
         """NONFINITE_INPUT when the replay (or the batch check) found the batch itself bad."""
         if finding.phase == Phase.INPUT:
-            labels = [b.get("label", "?") for b in finding.detail.get("bad_inputs", [])
-                      if isinstance(b, dict)]
+            labels = [b.label or "?" for b in finding.detail.bad_inputs]
             self.journal.event(Event.NONFINITE_INPUT, step, text=", ".join(labels[:4]))
 
     def _calibrating(self, step: Any, why: Event) -> bool:
@@ -469,7 +470,7 @@ class Forensics:
                         captures, finding, self.watched.names, step, self.strict):
                     self.recompiled += 1
             if isolation.hooks_set_aside or isolation.hooks_not_installed:
-                finding.detail["isolation"] = isolation.as_dict()
+                finding.detail["isolation"] = replace(isolation)
             return trace, finding, micro
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.strict:
@@ -547,10 +548,10 @@ class Forensics:
             rows.append((step.index, _max_lr(self.watched.optimizers),
                          device_values(step, self.log.constants)))
         values = columns(fetch([v for _, _, v in rows]))
-        result.detail["history"] = {
-            "step": [int(s) for s, _, _ in rows], "loss": values["loss_mean"].tolist(),
-            "scale": values["scale"].tolist(), "found_inf": values["found_inf"].tolist(),
-            "grad_norm": values["grad_norm"].tolist(), "lr": [float(x) for _, x, _ in rows]}
+        result.detail["history"] = History(
+            step=[int(s) for s, _, _ in rows], loss=values["loss_mean"].tolist(),
+            scale=values["scale"].tolist(), found_inf=values["found_inf"].tolist(),
+            grad_norm=values["grad_norm"].tolist(), lr=[float(x) for _, x, _ in rows])
 
     def _write(self, step: Any, why: Event, r: ReplayResult, trace: Optional[Trace],
                f: Culprit, captures: list) -> Optional[int]:
@@ -558,7 +559,7 @@ class Forensics:
         w = self.journal.writer
         if w is None or w.closed:
             return None
-        lrs = r.detail.get("history", {}).get("lr")  # at the event (a later decision: LR moved)
+        lrs = r.detail.history.lr if r.detail.history else None  # at the event (LR moves later)
         return snapshot.write(w, self.journal.tensor_id, step.index, why, r, trace, f, captures,
                               scale=_scalar(getattr(step, "scale", None)),
                               lr=lrs[-1] if lrs else _max_lr(self.watched.optimizers))

@@ -63,27 +63,14 @@ import os
 import sys
 import types
 import warnings
-from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from ...runfile.detail import Isolation
 from .sideeffects import no_writes
-
-
-@dataclass
-class Isolation:
-    """What a replay kept from the user's code: hooks that did not run, hooks its forward
-    registered that were not installed, characters of output held back."""
-
-    hooks_set_aside: int = 0
-    hooks_not_installed: int = 0
-    output_held_back: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @contextlib.contextmanager

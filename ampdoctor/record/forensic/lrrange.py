@@ -167,7 +167,7 @@ class RangeTest:
         and whose batch is not the cause."""
         failed = loss_nonfinite is True or why in (Event.NONFINITE_LOSS, Event.NONFINITE_GRAD)
         if self.done or not failed or finding.phase == Phase.INPUT or not captures or \
-                finding.detail.get("stale_grads") or finding.detail.get("input_modified"):
+                finding.detail.stale_grads or finding.detail.get("input_modified"):
             return
         optimizer = self._optimizer()
         if optimizer is not None and not any(x != 0 for x in lrfactors.ran_with(optimizer)):

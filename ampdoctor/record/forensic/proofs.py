@@ -53,12 +53,13 @@ from typing import Any, Optional
 
 import torch
 
+from ...runfile.detail import SingularOp, TriedFix
 from ...runfile.payloads import LossSingular
 from ...runfile.schema import Event, Phase
 from . import singular
 from .culprit import Culprit
 from .trace import Capture, unwrap
-from .trial import AS_RECORDED, LOSS_FP32, Trial, forward
+from .trial import AS_RECORDED, LOSS_FP32, Outcome, Trial, forward
 
 MAX_PROVED = 4  # events whose fixes are tried on the step, per run
 
@@ -143,10 +144,10 @@ class Prover:
         except Exception as exc:  # noqa: BLE001 - the event goes on without it
             if self.forensics.strict:
                 raise
-            measured = [{"error": f"{type(exc).__name__}: {exc}"[:300]}]
-        worst = measured[0].get("fp32") or {}
+            measured = [SingularOp(error=f"{type(exc).__name__}: {exc}"[:300])]
+        worst = measured[0].fp32
         self.forensics.journal.event(Event.LOSS_SINGULAR, step,
-                                     value=float(worst.get("nonfinite", 0)),
+                                     value=float(worst.nonfinite if worst else 0),
                                      text=LossSingular(ops=measured).to_json())
 
 
@@ -187,46 +188,44 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
 
 
 def prove(forensics: Any, captures: list, f: Culprit, micro: int, scale: Optional[float],
-          step: int) -> dict[str, dict]:
+          step: int) -> dict[str, TriedFix]:
     """Run the trials of ``plans`` through ``forensics.trial`` (its guarantees: RNG forked,
     buffers restored, ``.grad`` untouched); each outcome as a dict, ``tried`` and ``step``
     added. The loss's own fp32 re-run that the replay already made is reused. A trial whose
     forward and loss are finite but whose gradients overflow at the recorded loss scale is
     run again at scale 1 (``at_scale``): GradScaler lowers its scale by itself, and a fix is
     not refuted by a scale too high for the fixed step."""
-    out: dict[str, dict] = {}
+    out: dict[str, TriedFix] = {}
     for fix_id, plan in plans(captures, f, micro, forensics.watched.names).items():
         if isinstance(plan, str):
-            out[fix_id] = {"tried": False, "note": plan}
+            out[fix_id] = TriedFix(note=plan)
             continue
         began = time.perf_counter()
+        at: Optional[float] = None
         try:
-            reused = f.detail.get("loss_fp32") if fix_id == "loss_in_fp32" else None
-            done = dict(reused) if isinstance(reused, dict) else \
-                forensics.trial(captures, plan, scale).as_dict()
+            reused = f.detail.loss_fp32 if fix_id == "loss_in_fp32" else None
+            done = reused if reused is not None else forensics.trial(captures, plan, scale)
             if _scale_bound(done, plan, scale):
-                low = forensics.trial(captures, replace(plan, scale=1.0), scale).as_dict()
-                if low["finite"]:
-                    done = dict(low, at_scale=1.0, recorded_scale=scale)
+                low = forensics.trial(captures, replace(plan, scale=1.0), scale)
+                if low.finite:
+                    done, at = low, 1.0
         except Exception as exc:  # noqa: BLE001 - a trial must never stop the training run
             if forensics.strict:
                 raise
-            out[fix_id] = {"tried": False, "note": f"the trial failed: "
-                           f"{type(exc).__name__}: {exc}"[:300]}
+            out[fix_id] = TriedFix(note=f"the trial failed: {type(exc).__name__}: {exc}"[:300])
             continue
-        if done.get("unjudged"):
-            out[fix_id] = {"tried": False, "note": done["unjudged"]}
+        if done.unjudged:
+            out[fix_id] = TriedFix(note=done.unjudged)
             continue
-        done.update(tried=True, step=step, seconds=round(time.perf_counter() - began, 4))
-        if plan.fp32_modules:
-            done["modules"] = list(plan.fp32_modules)
-        out[fix_id] = done
+        out[fix_id] = TriedFix.ran(done, step, round(time.perf_counter() - began, 4),
+                                   list(plan.fp32_modules) or None, at,
+                                   scale if at is not None else None)
     return out
 
 
-def _scale_bound(done: dict, plan: Trial, scale: Optional[float]) -> bool:
+def _scale_bound(done: Outcome, plan: Trial, scale: Optional[float]) -> bool:
     """Finite up to the gradients, which overflowed at a loss scale above 1."""
-    return not done.get("finite") and done.get("first") == "backward" and \
+    return not done.finite and done.first == "backward" and \
         plan.scale is None and scale is not None and scale > 1.0
 
 

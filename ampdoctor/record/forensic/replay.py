@@ -153,7 +153,7 @@ def search(captures: list, ctx: ReplayContext, scale: Optional[float], stale_che
     accum = overflow(ctx.watched, captures, stale) if stale and len(captures) > 1 else None
     if accum:
         explain_accumulation(finding, accum, len(captures), names)
-        return trace, finding, accum["micro"]
+        return trace, finding, accum.micro
     if stale and earlier:
         finding.detail["stale_grads"] = stale
         finding.summary = (f"every micro-batch replays finite, yet .grad already holds "

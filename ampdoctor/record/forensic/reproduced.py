@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ...numfmt import fmt
-from ...runfile.payloads import Recorded, TrialOutcome
+from ...runfile.detail import Recorded
 from ...runfile.schema import Phase
 from .. import stats
 from . import losscall, trial
@@ -48,7 +48,7 @@ NO_LOSS_CALL = ("no torch loss function was called after the model (a loss writt
                 "or one computed inside the model)")
 
 
-def recorded(cap: Capture) -> dict:
+def recorded(cap: Capture) -> Recorded:
     """What the real step saw, measured now (event only): loss, model output, the gradient at
     the output; each True (non-finite), False, or None (not seen, or no longer held)."""
     alive = [t for t in (r() for r in cap.outputs) if stats.measurable(t)]
@@ -70,11 +70,11 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     seen = f.detail["recorded"] = recorded(cap)
     again = trial.rerun(cap, trial.AS_RECORDED, names) if cap.loss_calls else None
     if again is not None:
-        f.detail["rerun"] = TrialOutcome(again.as_dict())
+        f.detail["rerun"] = replace(again)
     if again is None or again.loss_finite is None:
         f.detail["loss_recomputed"] = False
         f.detail["loss_not_recomputed"] = again.note if again is not None else NO_LOSS_CALL
-        if seen["output_nonfinite"] and _finite(trace.outputs):
+        if seen.output_nonfinite and _finite(trace.outputs):
             not_reproduced(f, seen, None)
         return
     f.detail["loss_recomputed"] = True
@@ -88,25 +88,25 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
                      "replay does not run, and the replayed model output is finite")
     elif again.loss_finite is False:
         _loss_again(cap, trace, f, names, again)
-    elif seen["loss_nonfinite"] or seen["output_nonfinite"]:
+    elif seen.loss_nonfinite or seen.output_nonfinite:
         low = again if again.finite else None if _after_the_loss_calls(cap, seen) else \
             _at_scale_one(cap, names, again)
         if low is None:
             f.detail["reproduced"] = True
             return
         if low is not again:
-            f.detail["rerun"], f.detail["rerun_scale"] = TrialOutcome(low.as_dict()), 1.0
+            f.detail["rerun"], f.detail["rerun_scale"] = replace(low), 1.0
         not_reproduced(f, seen, low)
     else:
         f.detail["reproduced"] = True
 
 
-def _after_the_loss_calls(cap: Capture, seen: dict) -> bool:
+def _after_the_loss_calls(cap: Capture, seen: Recorded) -> bool:
     """The real step's loss was non-finite while its model output and every torch loss
     function's result were finite: what made it non-finite is code after those calls (an
     entropy term written by hand), which the re-run does not recompute. Its finite re-run at
     loss scale 1 then says nothing of the real step's failure."""
-    return bool(seen["loss_nonfinite"]) and seen["output_nonfinite"] is not True and all(
+    return bool(seen.loss_nonfinite) and seen.output_nonfinite is not True and all(
         bool(torch.isfinite(c.value).all()) for c in cap.loss_calls)
 
 
@@ -123,20 +123,20 @@ def _at_scale_one(cap: Capture, names: dict, again: trial.Outcome) -> Optional[t
     return low if low.finite else None
 
 
-def not_reproduced(f: Culprit, seen: dict, again: Optional[trial.Outcome]) -> None:
+def not_reproduced(f: Culprit, seen: Recorded, again: Optional[trial.Outcome]) -> None:
     """The real step was non-finite and its replay is not: phase none, ``reproduced`` False."""
     f.phase = Phase.NONE
     f.module, f.module_type, f.call = "", "", None
     f.fp32_finite = None
     f.detail["reproduced"] = False
     what = []
-    if seen.get("loss_nonfinite"):
+    if seen.loss_nonfinite:
         what.append("its loss was non-finite")
-    if seen.get("output_nonfinite"):
+    if seen.output_nonfinite:
         what.append("the model's output held NaN/inf")
     if not what:
         what.append("its gradients were non-finite")
-    if seen.get("output_nonfinite") is False:
+    if seen.output_nonfinite is False:
         what.append("the model's output was finite")
     replay = "the model's output is finite"
     if again is not None and again.loss is not None:
@@ -155,7 +155,7 @@ def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
     """The recomputed loss is non-finite again: is it the precision (fp32 re-run) or not (the
     targets, the loss's formula)?"""
     fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
-    f.detail["loss_fp32"] = TrialOutcome(fp32.as_dict())
+    f.detail["loss_fp32"] = replace(fp32)
     found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls) if t]
     f.detail["targets"] = found
     f.detail["reproduced"] = True

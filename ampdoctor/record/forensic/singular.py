@@ -37,12 +37,12 @@ Example (what ``Forensics`` does on a watched step and at its event)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
 
-from ...runfile.payloads import SingularFp32
+from ...runfile.detail import Derivative, LossDerivative, SingularOp
 
 WATCH_STEPS = 16  # steps after a hand-written loss's backward event whose losses are walked
 MAX_NODES = 256  # autograd nodes walked per loss (a hand-written loss has a handful)
@@ -161,38 +161,34 @@ def _number(x: Any) -> Optional[float]:
 # at the event: host reads
 
 
-def measure(reads: list[Read]) -> list[dict]:
+def measure(reads: list[Read]) -> list[SingularOp]:
     """What each held op input says (see the module docstring), most singular first."""
     out = [_measure(r) for r in reads]
-    return sorted(out, key=lambda m: (-(m.get("fp32") or {}).get("nonfinite", 0),
-                                      -(m.get("run") or {}).get("nonfinite", 0)))
+    return sorted(out, key=lambda m: (-(m.fp32.nonfinite if m.fp32 else 0),
+                                      -(m.run.nonfinite if m.run else 0)))
 
 
-def _measure(r: Read) -> dict:
-    m: dict[str, Any] = {"op": r.op.name, "node": r.node, "exponent": r.exponent,
-                         "points": list(r.op.points)}
+def _measure(r: Read) -> SingularOp:
+    op = SingularOp(op=r.op.name, node=r.node, exponent=r.exponent, points=list(r.op.points))
     if r.value is None:
-        m["note"] = r.note
-        return m
+        return replace(op, note=r.note)
     x = r.op.from_result(r.value) if r.op.from_result is not None else r.value
     dtype = r.value.dtype
-    m.update(dtype=str(dtype).replace("torch.", ""), numel=int(x.numel()))
     with torch.autocast(x.device.type, enabled=False), torch.enable_grad():
         xf = x.detach().float()
         dist = _distance(xf, r.op.points)
-        m["at_point"] = int((dist == 0).sum())
         run = _derivative(r.op, xf.to(dtype), r.exponent)
-        m["run"] = _summary(run)
-        m["fp32"] = _summary(_derivative(r.op, xf, r.exponent))
         fine = (dist > 0) & torch.isfinite(run.float())
-        m["nearest"] = float(dist[dist > 0].min()) if bool((dist > 0).any()) else None
-        m["eps_nearest"] = float(dist[fine].min()) if bool(fine.any()) else None
+        nearest = float(dist[fine].min()) if bool(fine.any()) else None
         # Rounded up to the two digits a fix's snippet shows: what is tried is what it prints.
-        eps = m["eps"] = _two_digits_up(m["eps_nearest"])
-        if eps is not None:
-            m["clamped"] = _summary(_derivative(r.op, _clamp(xf, r.op, eps).to(dtype),
-                                                r.exponent))
-    return m
+        eps = _two_digits_up(nearest)
+        clamped = _summary(_derivative(r.op, _clamp(xf, r.op, eps).to(dtype), r.exponent)) \
+            if eps is not None else None
+        return replace(op, dtype=str(dtype).replace("torch.", ""), numel=int(x.numel()),
+                       at_point=int((dist == 0).sum()), run=_summary(run),
+                       fp32=_summary(_derivative(r.op, xf, r.exponent)),
+                       nearest=float(dist[dist > 0].min()) if bool((dist > 0).any()) else None,
+                       eps_nearest=nearest, eps=eps, clamped=clamped)
 
 
 def _two_digits_up(x: Optional[float]) -> Optional[float]:
@@ -225,14 +221,14 @@ def _derivative(op: Op, x: torch.Tensor, exponent: Optional[float]) -> torch.Ten
     return grad.detach()
 
 
-def _summary(d: torch.Tensor) -> dict:
+def _summary(d: torch.Tensor) -> Derivative:
     finite = torch.isfinite(d)
     kept = d[finite].float().abs()
-    return {"nonfinite": int((~finite).sum()),
-            "largest": float(kept.max()) if kept.numel() else None}
+    return Derivative(nonfinite=int((~finite).sum()),
+                      largest=float(kept.max()) if kept.numel() else None)
 
 
-def torch_loss(cap: Any, outputs: list) -> Optional[dict]:
+def torch_loss(cap: Any, outputs: list) -> Optional[LossDerivative]:
     """The torch loss functions of a captured micro-batch recomputed in fp32 on ``outputs``
     (the replayed root outputs, detached), differentiated with respect to them in fp32: how
     many derivatives are non-finite there, and the largest finite one. None when no loss call
@@ -262,9 +258,7 @@ def torch_loss(cap: Any, outputs: list) -> Optional[dict]:
     if not got:
         return None
     flat = torch.cat([g.reshape(-1) for g in got])
-    out = SingularFp32(_summary(flat))
-    out.update(numel=int(flat.numel()), loss_fns=[c.name for c in cap.loss_calls],
-               loss=float(sum(float(v.detach().sum()) for v in values)))
-    if not math.isfinite(out["loss"]):
-        out["loss"] = str(out["loss"])
-    return out
+    found = _summary(flat)
+    return LossDerivative(nonfinite=found.nonfinite, largest=found.largest,
+                          numel=int(flat.numel()), loss_fns=[c.name for c in cap.loss_calls],
+                          loss=float(sum(float(v.detach().sum()) for v in values)))

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ...runfile import schema
+from ...runfile.detail import RowSummary
 from ...runfile.schema import Kind
 from .. import patches, stats, torchcompat
 from ..sampler import tensors_in
@@ -387,18 +388,18 @@ class Trace:
                 break
         return out
 
-    def summary(self, slot: int) -> dict:
-        """A JSON-able summary of one measured tensor."""
+    def summary(self, slot: int) -> RowSummary:
+        """A summary of one measured tensor, as the snapshot's detail keeps it."""
         row, meta = self.rows[slot], self.slots[slot]
         return row_summary(row, meta.label)
 
 
-def row_summary(row: np.ndarray, label: str) -> dict:
+def row_summary(row: np.ndarray, label: str) -> RowSummary:
     dtype = schema.DType(int(row["dtype"])).name.lower()
-    return {"label": label, "dtype": dtype, "numel": int(row["numel"]),
-            "absmax": float(row["absmax"]), "nan": int(row["nan"]),
-            "posinf": int(row["posinf"]), "neginf": int(row["neginf"]),
-            "over16": int(row["over16"]), "zeros": int(row["zeros"])}
+    return RowSummary(label=label, dtype=dtype, numel=int(row["numel"]),
+                      absmax=float(row["absmax"]), nan=int(row["nan"]),
+                      posinf=int(row["posinf"]), neginf=int(row["neginf"]),
+                      over16=int(row["over16"]), zeros=int(row["zeros"]))
 
 
 def tensor_level(row: np.ndarray) -> int:

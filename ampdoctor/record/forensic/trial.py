@@ -33,12 +33,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ...runfile.detail import TrialOutcome
 from .. import stats
 from ..sampler import tensors_in
 from ..torchcompat import autocast_state
@@ -62,29 +62,8 @@ AS_RECORDED = Trial()
 LOSS_FP32 = Trial("loss in fp32", loss_fp32=True)
 
 
-@dataclass
-class Outcome:
-    """What one re-run under a trial gave."""
-
-    trial: str
-    finite: bool = False  # outputs, recomputed loss and every parameter gradient finite
-    first: str = ""  # where it first was not: "forward", "loss", "backward" ("": nowhere)
-    output_finite: Optional[bool] = None
-    loss: Optional[float] = None  # the recomputed loss (summed over the loss calls)
-    loss_finite: Optional[bool] = None  # None: no loss was recomputed
-    loss_fns: list = field(default_factory=list)  # the torch loss functions recomputed
-    loss_dtype: Optional[str] = None
-    grads: str = "not run"  # "finite", "non-finite", "zero" (every one exactly 0), "not run"
-    backward_from: str = ""  # "loss" (recomputed) or "output" (the recorded output gradient)
-    micro: int = -1  # rerun_step: the first micro-batch that was not finite
-    note: str = ""
-    unjudged: str = ""  # why the re-run cannot judge the change (``_held_nonfinite``)
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        if out["loss"] is not None and not math.isfinite(out["loss"]):
-            out["loss"] = str(out["loss"])  # JSON has no NaN
-        return out
+# What one re-run under a trial gave: declared with the run file it goes into.
+Outcome = TrialOutcome
 
 
 def rerun(cap: Capture, t: Trial, names: dict) -> Outcome:

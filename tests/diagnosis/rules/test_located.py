@@ -10,6 +10,7 @@ from synthetic import Synth
 
 from ampdoctor.diagnosis import culprit
 from ampdoctor.diagnosis.engine import diagnose
+from ampdoctor.runfile.detail import OpRecord
 from ampdoctor.runfile.schema import DType, Event, Kind
 
 
@@ -144,7 +145,7 @@ def test_a_dense_add_making_minus_inf_is_not_a_mask(mask_operand, expected):
     op = {"op": "add", "created": ["neginf"], "in_absmax": 4.0e4, "big_scalar": None}
     if mask_operand is not None:
         op["mask_operand"] = mask_operand
-    found = culprit.mask_pattern(op)
+    found = culprit.mask_pattern(OpRecord.from_json(op))
     assert (found is not None) == (expected == "mask")
 
 

@@ -15,6 +15,7 @@ from synthetic import Synth, growing
 from ampdoctor.diagnosis import culprit
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.runfile.detail import OpRecord
 from ampdoctor.runfile.schema import DType, Event, Kind
 
 
@@ -85,13 +86,12 @@ def test_mask_constant_overflow_is_told_from_an_unstable_op():
 
 
 def test_fully_masked_softmax_rows_are_a_mask_problem():
-    op = {"op": "softmax", "created": ["nan"], "in_neginf": True, "in_posinf": False,
-          "in_nan": False}
+    op = OpRecord(op="softmax", created=["nan"], in_neginf=True, in_posinf=False, in_nan=False)
     assert culprit.mask_pattern(op)
-    assert culprit.mask_pattern({"op": "matmul", "created": ["posinf", "neginf"]}) is None
+    assert culprit.mask_pattern(OpRecord(op="matmul", created=["posinf", "neginf"])) is None
     # -inf alone but from a small constant: not a mask constant
-    assert culprit.mask_pattern({"op": "add", "created": ["neginf"], "big_scalar": 16.0,
-                               "in_absmax": 10.0}) is None
+    assert culprit.mask_pattern(OpRecord(op="add", created=["neginf"], big_scalar=16.0,
+                                         in_absmax=10.0)) is None
 
 
 def test_lr_overflow_when_weights_grew_before_the_overflow():

@@ -195,7 +195,7 @@ def test_the_compiled_replay_runs_the_backward_at_the_scale_the_eager_replay_was
     assert got["reproduced"] is True and got["backend"] == "inductor"
     assert scales == [1.0, 1.0, 1.0]
     for trial in f.detail["trials"].values():
-        assert (trial["at_scale"], trial["recorded_scale"]) == (1.0, 65536.0)
+        assert (trial.at_scale, trial.recorded_scale) == (1.0, 65536.0)
 
 
 def test_module_paths_from_dynamo_sources():

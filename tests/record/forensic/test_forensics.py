@@ -197,8 +197,8 @@ def test_nonfinite_input_is_a_bad_batch(run_path, dtype, use_scaler):
         train(model, data, dtype=dtype, scaler=sc)
     ev = rec.events[0]
     assert (ev.phase, ev.module, ev.fp32) == ("input", "ExpNet", "not run")
-    assert ev.result.detail["bad_inputs"][0]["label"] == "args.0"
-    assert ev.result.detail["bad_inputs"][0]["nan"] == 1
+    assert ev.result.detail.bad_inputs[0].label == "args.0"
+    assert ev.result.detail.bad_inputs[0].nan == 1
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.INPUT and snap["fp32_finite"] == -1
     assert list(run.events["step"][run.events["kind"] == Event.NONFINITE_INPUT]) == [2]
@@ -227,9 +227,9 @@ def test_fp16_loss_overflowing_when_scaled_is_the_loss(run_path):
     ev = rec.events[0]
     assert (ev.step, ev.phase, ev.module) == (0, "loss", None)
     assert ev.fp32 == "finite" and ev.result.fp32_absmax == 65536.0
-    loss = ev.result.detail["loss"]
-    assert loss["dtype"] == "float16" and math.isfinite(loss["value"])
-    assert loss["grad_nonfinite"] is True
+    loss = ev.result.detail.loss
+    assert loss.dtype == "float16" and math.isfinite(loss.value)
+    assert loss.grad_nonfinite is True
     run, snap, _ = first_snapshot(run_path)
     assert snap["phase"] == Phase.LOSS and snap["module"] == "" and snap["fp32_finite"] == 1
 
@@ -270,8 +270,8 @@ def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_pa
     assert [e.step for e in rec.events if e.replayed] == [0, 9]
     detail = [e for e in rec.events if e.step == 9][0].result.detail
     assert detail["output_grad_nonfinite"] and not detail["loss_nonfinite"]
-    assert detail["output_grad"]["nonfinite"] == 8 and detail["output_grad"]["numel"] == 8
-    assert detail["output_grad"]["output_values"] == [1.0]
+    assert detail.output_grad.nonfinite == 8 and detail.output_grad.numel == 8
+    assert detail.output_grad.output_values == [1.0]
     d = ampdoctor.diagnose(run_path)
     assert d.verdict == "fp16_loss" and d.causes[0]["kind"] == "loss_backward"
     assert d.first_bad == {"step": 9, "module": None, "phase": "loss"}
@@ -369,8 +369,8 @@ def test_minus_inf_made_by_a_parents_own_code_is_traced_to_the_parent(run_path):
     ev = rec.events[0]
     assert (ev.phase, ev.module, ev.fp32) == ("forward", "block", "finite")
     assert "its own code" in ev.result.detail["how"] and "block.ln2" in ev.result.detail["how"]
-    op = ev.result.detail["op"]
-    assert op["op"] == "add" and op["created"] == ["neginf"] and op["mask_operand"] is False
+    op = ev.result.detail.op
+    assert op.op == "add" and op.created == ["neginf"] and op.mask_operand is False
     d = ampdoctor.diagnose(run_path)
     assert d.verdict == "unstable_op" and d.first_bad["module"] == "block"
 
@@ -461,9 +461,9 @@ def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_p
             model.opt.zero_grad(set_to_none=True)
     ev = rec.events[0]
     assert ev.step == 0 and (ev.phase, ev.module) == ("backward", "1")
-    acc = ev.result.detail["accum_overflow"]
-    assert acc["param"] == "1.bias" and acc["micro"] == 8 and acc["micro_batches"] == 12
-    assert acc["dtype"] == "float16" and 65504 < acc["fp32_absmax"] <= 72000
+    acc = ev.result.detail.accum_overflow
+    assert acc.param == "1.bias" and acc.micro == 8 and acc.micro_batches == 12
+    assert acc.dtype == "float16" and 65504 < acc.fp32_absmax <= 72000
     assert "stale_grads" not in ev.result.detail
     run = ampdoctor.load(run_path)
     assert not (run.events["kind"] == Event.GRAD_NOT_ZEROED).any()
@@ -500,7 +500,7 @@ def test_pure_half_model_is_checked_on_an_fp32_copy(run_path):
         train(model, data, dtype=None)
     ev = rec.events[0]
     assert (ev.phase, ev.module, ev.fp32) == ("forward", "lin", "finite")
-    assert ev.result.detail["fp32"]["copied_module"] is True
+    assert ev.result.detail.fp32.copied_module is True
     assert model.lin.weight.dtype == torch.float16  # the model itself is left in half
 
 
@@ -997,9 +997,9 @@ def test_a_fault_the_replay_does_not_repeat_is_not_reproducible(run_path, dtype,
     assert (ev.step, ev.phase, ev.module) == (2, "none", None)
     d = ev.result.detail
     assert d["reproduced"] is False and d["loss_recomputed"] is True
-    assert d["recorded"]["loss_nonfinite"] and d["recorded"]["output_nonfinite"]
-    assert d["rerun"]["finite"] and d["rerun"]["loss_fns"] == ["cross_entropy"]
-    assert d["rerun"]["backward_from"] == "loss" and d["rerun"]["grads"] == "finite"
+    assert d.recorded.loss_nonfinite and d.recorded.output_nonfinite
+    assert d.rerun.finite and d.rerun.loss_fns == ["cross_entropy"]
+    assert d.rerun.backward_from == "loss" and d.rerun.grads == "finite"
     assert "did not reproduce" in ev.result.summary
     diag = ampdoctor.diagnose(run_path)
     assert diag.verdict == "not_reproducible" and diag.first_bad["step"] == 2
@@ -1021,8 +1021,8 @@ def test_targets_all_ignore_index_are_the_loss_not_the_precision(run_path):
     assert (ev.step, ev.trigger, ev.phase, ev.fp32) == (2, "nonfinite_loss", "loss",
                                                         "non-finite")
     d = ev.result.detail
-    assert d["reproduced"] is True and d["loss_fp32"]["loss_finite"] is False
-    assert d["loss_fp32"]["grads"] == "zero" and d["rerun"]["grads"] == "zero"
+    assert d["reproduced"] is True and d.loss_fp32.loss_finite is False
+    assert d.loss_fp32.grads == "zero" and d.rerun.grads == "zero"
     assert d["targets"][0]["all_ignored"] and d["targets"][0]["ignored"] == 8
     assert not ampdoctor.load(run_path).steps["skipped"].any()
     diag = ampdoctor.diagnose(run_path)
@@ -1178,7 +1178,7 @@ def test_the_comparison_and_its_rerun_leave_no_trace_on_the_run(run_path, dtype,
     (plain, _), (watched, rec) = run(False), run(True)
     ev = rec.events[0]
     assert ev.step == 4 and ev.result.detail["reproduced"] is False
-    assert ev.result.detail["rerun"]["finite"]
+    assert ev.result.detail.rerun.finite
     assert np.array_equal(np.array(plain[0]), np.array(watched[0]), equal_nan=True)
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
     for step_a, step_b in zip(plain[2], watched[2]):
@@ -1212,15 +1212,19 @@ def test_saved_buffers_come_back_bit_for_bit_the_same_objects():
         assert bn.extra is None
 
 
-def test_a_trial_outcome_is_declared_field_for_field():
-    """``Outcome.as_dict()`` goes into a snapshot's detail as ``payloads.TrialOutcome`` (the
-    replay's ``rerun`` and ``loss_fp32``): the declaration has each field, and no other."""
-    import dataclasses
+def test_a_trial_outcome_is_the_run_file_s_declaration():
+    """The re-run fills in the record the snapshot's detail holds (``rerun``, ``loss_fp32``):
+    one declaration, read back as written, a non-finite loss included."""
+    import json
 
-    from ampdoctor.runfile import payloads
+    from ampdoctor.runfile.detail import TrialOutcome
+    from ampdoctor.runfile.payloads import SnapshotDetail
 
-    fields = [f.name for f in dataclasses.fields(trial.Outcome)]
-    assert list(payloads.TrialOutcome.KEYS) == fields
+    assert trial.Outcome is TrialOutcome
+    out = trial.Outcome("bf16", loss=float("inf"), loss_fns=["cross_entropy"], micro=1)
+    text = SnapshotDetail(rerun=out).to_json()
+    assert json.loads(text)["rerun"]["loss"] == "inf"
+    assert SnapshotDetail.from_json(text).rerun == out
 
 
 def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducible(run_path):
@@ -1234,7 +1238,7 @@ def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducib
               on_step=lambda i: setattr(fault, "step", i + 1))
     ev = next(e for e in rec.events if e.step == 1)
     d = ev.result.detail
-    assert d["recorded"]["loss_nonfinite"] and ev.phase == "none"
+    assert d.recorded.loss_nonfinite and ev.phase == "none"
     assert d["reproduced"] is False and d["rerun_scale"] == 1.0
-    assert d["rerun"]["finite"] and d["rerun"]["grads"] == "finite"
+    assert d.rerun.finite and d.rerun.grads == "finite"
     assert "at loss scale 1" in ev.result.summary

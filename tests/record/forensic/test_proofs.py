@@ -243,26 +243,26 @@ def test_measure_says_where_an_ops_derivative_is_infinite():
     half = torch.tensor([0.0, 2.0 ** -11, 0.5, 0.0], dtype=torch.float16)
     pow_ = singular.measure([singular.Read("PowBackward0", singular.OPS["PowBackward0"], 0.5,
                                            half)])[0]
-    assert (pow_["at_point"], pow_["fp32"]["nonfinite"], pow_["run"]["nonfinite"]) == (2, 2, 2)
-    assert pow_["nearest"] == pow_["eps_nearest"] == 2.0 ** -11 and pow_["eps"] == 4.9e-4
-    assert pow_["clamped"]["nonfinite"] == 0 and 22 < pow_["clamped"]["largest"] < 23
+    assert (pow_.at_point, pow_.fp32.nonfinite, pow_.run.nonfinite) == (2, 2, 2)
+    assert pow_.nearest == pow_.eps_nearest == 2.0 ** -11 and pow_.eps == 4.9e-4
+    assert pow_.clamped.nonfinite == 0 and 22 < pow_.clamped.largest < 23
     # log(x + 1e-6) in fp16: 1e-6 is subnormal, 1 / 1e-6 overflows fp16 but not fp32
     tiny = torch.tensor([1e-6, 0.5], dtype=torch.float16)
     log = singular.measure([singular.Read("LogBackward0", singular.OPS["LogBackward0"], None,
                                           tiny)])[0]
-    assert log["at_point"] == 0 and log["fp32"]["nonfinite"] == 0
-    assert log["run"]["nonfinite"] == 1 and log["fp32"]["largest"] > 65504
+    assert log.at_point == 0 and log.fp32.nonfinite == 0
+    assert log.run.nonfinite == 1 and log.fp32.largest > 65504
     # acos at +-1: two singular points, a two-sided clamp
     edge = torch.tensor([1.0, -1.0, 0.999], dtype=torch.float32)
     acos = singular.measure([singular.Read("AcosBackward0", singular.OPS["AcosBackward0"], None,
                                            edge)])[0]
-    assert acos["at_point"] == 2 and acos["clamped"]["nonfinite"] == 0
+    assert acos.at_point == 2 and acos.clamped.nonfinite == 0
     # most singular first
     both = singular.measure([singular.Read("LogBackward0", singular.OPS["LogBackward0"], None,
                                            tiny),
                              singular.Read("PowBackward0", singular.OPS["PowBackward0"], 0.5,
                                            half)])
-    assert [m["op"] for m in both] == ["pow", "log"]
+    assert [m.op for m in both] == ["pow", "log"]
 
 
 def test_a_power_of_one_or_more_is_not_singular():

@@ -18,11 +18,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..runfile import schema
 from ..runfile.meta import OptimizerInfo, ScalerInfo
-from ..runfile.payloads import FlatLossProbe, HiddenNonfinite, SnapshotDetail
-from ..runfile.run import one_line
-from ..runfile.schema import DType, Event, Kind, Phase, flag
+from ..runfile.payloads import SnapshotDetail
+from ..runfile.schema import DType, Event, flag
 from . import curve, objectives
 from .dose import Doses
 from .events import EventViews

@@ -101,11 +101,13 @@ def step_scale(run: Any, steps: np.ndarray) -> np.ndarray:
     scale = np.ones(len(steps))
     if not len(s) or not len(steps):
         return scale
-    order = np.argsort(s["step"], kind="stable")
-    known = s["step"][order]
+    known, scales = s["step"], s["scale"]
+    if not np.all(known[1:] >= known[:-1]):  # /steps is in order: no 10^7-row sort
+        order = np.argsort(known, kind="stable")
+        known, scales = known[order], scales[order]
     pos = np.clip(np.searchsorted(known, steps), 0, len(known) - 1)
     found = known[pos] == steps
-    values = s["scale"][order][pos].astype(np.float64)
+    values = scales[pos].astype(np.float64)
     usable = found & np.isfinite(values) & (values > 0)
     scale[usable] = values[usable]
     return scale

@@ -16,11 +16,18 @@ before any table is read.
 ``benchmarks/make_large_run.py``, ``--modules`` modules, an overflow at 95% of the run), each
 with its wall seconds, CPU seconds (user + system: what it takes on an idle machine; on shared
 cores the wall time is higher) and peak MiB. ``--keep PATH``: write the run there, or reuse it.
+``--json PATH``: those figures as JSON too. ``--source DIR``: run the ampdoctor package found
+in DIR (a ``git worktree`` or ``git archive`` of an earlier commit) instead of this one, so a
+before and an after are measured side by side on one machine in one session:
+
+    python benchmarks/crafted_files.py --large 10000000 --keep /tmp/big.h5 --source /tmp/before \
+        --json before.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -38,9 +45,10 @@ def measure(args: list[str]) -> tuple[int, float, float]:
     return code, seconds, peak
 
 
-def measure_cpu(args: list[str]) -> tuple[int, float, float, float]:
-    """``python -m ampdoctor ARGS``: (exit code, seconds, CPU seconds, peak RSS in MiB)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def measure_cpu(args: list[str], source: str = ROOT) -> tuple[int, float, float, float]:
+    """``python -m ampdoctor ARGS`` (the package in ``source``): (exit code, seconds, CPU
+    seconds, peak RSS in MiB)."""
+    env = dict(os.environ, PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -87,7 +95,8 @@ def _parity_files(folder: str, out: str) -> tuple[float, float]:
     return worst
 
 
-def large(steps: int, modules: int, keep: str | None) -> None:
+def large(steps: int, modules: int, keep: str | None, source: str = ROOT,
+          json_path: str | None = None) -> None:
     """Every reading command on one large run (``--large``)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import make_large_run
@@ -100,15 +109,24 @@ def large(steps: int, modules: int, keep: str | None) -> None:
         out = os.path.join(folder, "out")
         print(f"{path}: {os.path.getsize(path) / 2**20:.0f} MiB, load {os.getloadavg()[0]:.1f}")
         print(f"{'command':34s} exit  seconds  cpu s  peak MiB")
+        rows = []
         for args in (["diagnose", path], ["dump", path], ["top", "--once", path],
                      ["report", path, "-o", out + ".html", "--force"],
                      ["report", path, "--format", "markdown", "-o", out + ".md", "--force"],
                      ["report", path, "--format", "json", "-o", out + ".json", "--force"],
                      ["export", path, "--tensorboard", out, "--force"],
                      ["compare", path, path]):
-            code, seconds, cpu, peak = measure_cpu(args)
+            code, seconds, cpu, peak = measure_cpu(args, source)
             shown = " ".join(a if a != path else "RUN" for a in args if not a.startswith(out))
             print(f"{shown[:34]:34s} {code:4d}  {seconds:7.2f}  {cpu:5.2f}  {peak:8.1f}")
+            rows.append({"command": shown, "exit": code, "seconds": round(seconds, 2),
+                         "cpu_seconds": round(cpu, 2), "peak_mib": round(peak, 1),
+                         "load": round(os.getloadavg()[0], 1)})
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"steps": steps, "modules": modules, "source": source,
+                           "file_mib": round(os.path.getsize(path) / 2**20, 1),
+                           "commands": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
@@ -117,8 +135,11 @@ if __name__ == "__main__":
                         help="every reading command on one large run of STEPS steps instead")
     parser.add_argument("--modules", type=int, default=4)
     parser.add_argument("--keep", metavar="PATH", help="with --large: the run's path (reused)")
+    parser.add_argument("--source", default=ROOT, metavar="DIR",
+                        help="with --large: run the ampdoctor package in DIR (an earlier commit)")
+    parser.add_argument("--json", metavar="PATH", help="with --large: the figures as JSON too")
     opts = parser.parse_args()
     if opts.large:
-        large(opts.large, opts.modules, opts.keep)
+        large(opts.large, opts.modules, opts.keep, os.path.abspath(opts.source), opts.json)
     else:
         main()

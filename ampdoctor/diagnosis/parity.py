@@ -63,13 +63,25 @@ def trailing(x: np.ndarray, w: int) -> np.ndarray:
     """Mean of the last ``w`` values at each position; non-finite if any of them is."""
     if w <= 1:
         return x.copy()
+    # (in place and by slices: on 10^7 steps each temporary is 80 MB)
+    n = len(x)
     finite = np.isfinite(x)
-    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, x, 0.0))])
-    cbad = np.concatenate([[0], np.cumsum(~finite)])
-    idx = np.arange(len(x))
-    lo = np.maximum(idx - w + 1, 0)
-    mean = (csum[idx + 1] - csum[lo]) / (idx + 1 - lo)
-    mean[(cbad[idx + 1] - cbad[lo]) > 0] = np.nan
+    csum = np.zeros(n + 1)
+    csum[1:] = x
+    csum[1:][~finite] = 0.0
+    np.cumsum(csum[1:], out=csum[1:])
+    cbad: np.ndarray = np.zeros(n + 1, np.int32 if n < 2**31 else np.int64)  # non-finite so far
+    np.cumsum(~finite, dtype=cbad.dtype, out=cbad[1:])
+    del finite
+    head = min(w - 1, n)  # positions whose window starts at 0: the mean of those so far
+    mean = np.empty(n)
+    mean[:head] = csum[1:head + 1] / np.arange(1, head + 1)
+    mean[:head][cbad[1:head + 1] > 0] = np.nan
+    if n >= w:
+        tail = mean[head:]
+        np.subtract(csum[w:], csum[:n - w + 1], out=tail)
+        tail /= w
+        tail[cbad[w:] != cbad[:n - w + 1]] = np.nan
     return mean
 
 
@@ -77,7 +89,12 @@ def relative(base: np.ndarray, amp: np.ndarray, floor: float) -> np.ndarray:
     """|amp - base| / max(|base|, floor); inf where only amp is non-finite, NaN where the
     baseline is (those steps decide nothing)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        rel = np.abs(amp - base) / np.maximum(np.abs(base), max(floor, 1e-30))
+        rel = np.subtract(amp, base)  # (in place: each temporary of 10^7 steps is 80 MB)
+        np.abs(rel, out=rel)
+        below = np.abs(base)
+        np.maximum(below, max(floor, 1e-30), out=below)
+        rel /= below
+        del below
     rel[~np.isfinite(amp)] = np.inf
     rel[~np.isfinite(base)] = np.nan
     return rel

@@ -48,9 +48,9 @@ from ..diagnosis.thresholds import PARITY_DIVERGE, PARITY_RTOL
 from ..display import Displayable
 from ..errors import AmpDoctorError
 from ..numfmt import count
-from ..runfile.store import opened
+from ..runfile.store import Run, opened
 from . import fix_outcome
-from .curves import percent
+from .curves import extremes, percent
 from .readiness import Readiness, fp16_readiness, plain
 
 VERDICTS = {
@@ -62,6 +62,14 @@ RTOL = PARITY_RTOL
 DIVERGE = PARITY_DIVERGE
 TOP_LAYERS = 10
 COMPARED_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
+# The /steps columns a comparison reads (lined-up losses, non-finite flags, the loss scale,
+# skips, step time, memory, precision): two month-long runs held whole were 2.4 GB.
+STEP_COLUMNS = ("step", "loss", "loss_dtype", "flags", "skipped", "sampled", "scale", "dt",
+                "peak_mem")
+# What the layers' part reads of /steps (the loss scale at sampled steps, skips, precision):
+# a run ``compare`` loaded itself holds only these once its losses are lined up.
+LAYER_COLUMNS = ("step", "scale", "skipped", "loss_dtype")
+CURVE_POINTS = 20_000  # about how many steps ``Comparison.curve`` keeps for the figures
 
 
 @dataclass
@@ -114,7 +122,9 @@ class Comparison(Displayable):
     # kind "fix": per run ("base": the first, "amp": the second) fix_outcome.outcome; "change",
     # "at_steps", "loss_difference". {} for parity
     treatment: dict = field(default_factory=dict)
-    curve: dict = field(default_factory=dict, repr=False)  # arrays for plots; not in to_dict
+    # arrays for plots, not in to_dict: a long run's thinned (``thinned``: each curve's bin
+    # extremes, every step where either loss is non-finite, the first and last)
+    curve: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -133,16 +143,17 @@ def compare(base: Any, amp: Any, *, rtol: float = RTOL, diverge: float = DIVERGE
     if not 0 < rtol <= diverge:
         raise AmpDoctorError(f"the tolerances must satisfy 0 < rtol <= diverge (got rtol={rtol}, "
                              f"diverge={diverge})")
-    with opened(base, "compare") as b, opened(amp, "compare") as a:
-        return _compare(b, a, rtol, diverge, window)
+    with opened(base, "compare", STEP_COLUMNS) as b, opened(amp, "compare", STEP_COLUMNS) as a:
+        return _compare(b, a, rtol, diverge, window,
+                        ours=tuple(run for run, given in ((b, base), (a, amp))
+                                   if not isinstance(given, Run)))
 
 
-def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int]) -> Comparison:
-    common, ib, ia = common_steps(b.steps["step"], a.steps["step"])
-    lb = b.steps["loss"][ib].astype(np.float64)
-    la = a.steps["loss"][ia].astype(np.float64)
+def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int],
+             ours: tuple = ()) -> Comparison:
+    common, ib, ia = _common(b.steps["step"], a.steps["step"])
     kind = fix_outcome.question(b, a, common) if len(common) else "parity"
-    usable = np.isfinite(lb)
+    usable = np.isfinite(b.steps["loss"][ib])
     if not len(common) or (kind == "parity" and not usable.any()):
         raise AmpDoctorError(_nothing_to_compare(b, a, len(common)))
     w = window or parity.window(len(common))
@@ -151,18 +162,39 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int])
                    common_steps=int(len(common)), kind=kind)
     c.step_time, c.speedup = _speed(b, a)
     c.memory, c.memory_ratio = _memory(b, a)
+    lb = b.steps["loss"][ib].astype(np.float64)
+    la = a.steps["loss"][ia].astype(np.float64)
+    del ib, ia
     if kind == "fix":
         return _fix(c, b, a, common, lb, la)
+    for run in ours:  # the columns read for the above are let go before the losses' arrays
+        run.steps = run.steps.narrowed(LAYER_COLUMNS)
     floor = LOSS_FLOOR * float(np.max(np.abs(lb[usable])))
     raw = relative(lb, la, floor)
     smooth = relative(trailing(lb, w), trailing(la, w), floor)
-    c.curve = {"step": common, "base": lb, "amp": la, "rel": smooth, "rel_raw": raw}
     _loss_verdict(c, common, raw, smooth, rtol, diverge, w)
+    c.curve = thinned({"step": common, "base": lb, "amp": la, "rel": smooth, "rel_raw": raw})
+    del lb, la, raw, smooth  # 80 MB each on 10^7 steps: gone before the layers
     c.layers, c.layer_steps = _layer_diffs(b, a, common)
     if c.amp["dtype"] != "float32":  # fp16 range: the question of a run in low precision
         c.amp_range = _range_summary(fp16_readiness(a))
     c.notes = _notes(b, a, c)
     return c
+
+
+def thinned(curve: dict[str, np.ndarray], points: int = CURVE_POINTS) -> dict[str, np.ndarray]:
+    """The curves of ``curve`` (one ``"step"`` array and values beside it) at the steps that
+    keep their shape in a figure: each curve's smallest and largest finite value in each of
+    about ``points / 2`` bins, every step where a value is not finite, the first and the last.
+    A curve no longer than ``points`` is kept whole."""
+    n = len(curve["step"])
+    if n <= points:
+        return curve
+    values = [v for k, v in curve.items() if k != "step"]
+    keep = [extremes(v, points, finite_only=True) for v in values]
+    keep += [np.flatnonzero(~np.isfinite(v)) for v in values]
+    idx = np.unique(np.concatenate([[0, n - 1], *keep]))
+    return {k: v[idx] for k, v in curve.items()}
 
 
 def describe(run: Any) -> dict:
@@ -243,7 +275,7 @@ def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
                    "at_steps": fix_outcome.at_steps(steps, lb, la),
                    "loss_difference": fix_outcome.loss_difference(steps, lb, la,
                                                                   c.tolerance["window"])}
-    c.curve = {"step": steps, "base": lb, "amp": la}
+    c.curve = thinned({"step": steps, "base": lb, "amp": la})
     c.verdict = fix_outcome.verdict(before.healthy, after.healthy,
                                     (c.treatment["amp"]["levels"] or {}).get("learned"))
     c.summary = fix_outcome.summary(c.verdict, c.treatment, c.common_steps, c.tolerance)
@@ -286,6 +318,21 @@ def common_steps(b: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     """``np.intersect1d(b, a, return_indices=True)`` (the values in both, sorted, and where each
     first is in ``b`` and in ``a``), found by bisection when both are in order, as /steps is:
     without the sorts and hashing of 10^7 steps that ``intersect1d`` does."""
+    common, ib, ia = _common(b, a)
+    return common, _positions(ib, len(b)), _positions(ia, len(a))
+
+
+def _positions(where: Any, n: int) -> np.ndarray:
+    return np.arange(n)[where] if isinstance(where, slice) else where
+
+
+def _common(b: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, Any, Any]:
+    """``common_steps``, where each first is as a slice when both count up by one (a run's
+    steps 0, 1, 2...): no index arrays of 10^7 steps."""
+    if _consecutive(b) and _consecutive(a):
+        lo, hi = max(b[0], a[0]), min(b[-1], a[-1]) + 1
+        hi = max(lo, hi)
+        return b[lo - b[0]:hi - b[0]], slice(lo - b[0], hi - b[0]), slice(lo - a[0], hi - a[0])
     if not (_ordered(b) and _ordered(a)):
         return np.intersect1d(b, a, return_indices=True)
     ub, fb = _firsts(b)
@@ -295,12 +342,20 @@ def common_steps(b: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return ub[both], fb[both], fa[pos[both]]
 
 
+def _consecutive(x: np.ndarray) -> bool:
+    """Values each one more than the one before."""
+    return bool(len(x)) and int(x[-1]) - int(x[0]) == len(x) - 1 and \
+        bool(np.all(x[1:] > x[:-1]))
+
+
 def _ordered(x: np.ndarray) -> bool:
     return bool(np.all(x[1:] >= x[:-1]))
 
 
 def _firsts(ordered: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct values of a sorted array and where each first is."""
+    if bool(np.all(ordered[1:] > ordered[:-1])):  # no repeats: every position a first
+        return ordered, np.arange(len(ordered))
     first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1]))
                            if len(ordered) else np.zeros(0, bool))
     return ordered[first], first
@@ -373,11 +428,20 @@ def median_step_time(run: Any) -> Optional[float]:
     s = run.steps
     if len(s) < 2:
         return None
-    dt = s["dt"][1:].astype(np.float64)
+    dt = s["dt"][1:]
     plain_steps = dt[s["sampled"][1:] == 0]
     pick = plain_steps if len(plain_steps) >= 3 else dt
     pick = pick[np.isfinite(pick) & (pick > 0)]
-    return float(np.median(pick)) if len(pick) else None
+    return _median(pick) if len(pick) else None
+
+
+def _median(x: np.ndarray) -> float:
+    """``np.median(x.astype(np.float64))`` for float32 ``x``, the same number, without a
+    float64 copy of 10^7 step times: the middle one or two found in ``x`` itself, widened."""
+    k = len(x) // 2
+    middle = [k - 1, k] if len(x) % 2 == 0 else [k]
+    part = np.partition(x, middle)[middle[0]:k + 1].astype(np.float64)
+    return float(np.mean(part))
 
 
 def peak_memory(run: Any) -> tuple[Optional[int], str]:

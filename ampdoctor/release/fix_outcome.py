@@ -84,8 +84,8 @@ def change(first: Any, second: Any) -> dict:
 def question(first: Any, second: Any, steps: np.ndarray) -> str:
     """``"fix"`` or ``"parity"`` (see the module doc); ``steps``: the step numbers both runs
     recorded."""
-    on_common = np.isin(first.steps["step"], steps)
-    if np.any(nonfinite_loss(first) & on_common):
+    bad = nonfinite_loss(first)
+    if np.isin(first.steps["step"][bad], steps).any():
         return "fix"
     moved = change(first, second)
     if (moved["added"] or moved["removed"]) and _rank(first) <= _rank(second):

@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -29,10 +29,22 @@ BLOCK_ROWS = 1 << 16  # rows read from the file at a time (4 MB of /steps)
 class Columns:
     """Rows of one table as one contiguous array per column (``dtype``'s fields)."""
 
-    def __init__(self, columns: dict[str, np.ndarray], dtype: np.dtype):
+    def __init__(self, columns: dict[str, np.ndarray], dtype: np.dtype, n: int | None = None):
         self.dtype = dtype
         self._cols = columns
-        self._n = len(next(iter(columns.values()))) if columns else 0
+        self._n = n if n is not None else len(next(iter(columns.values()))) if columns else 0
+        # (rows_of, block) while columns of ``dtype`` are left to read (``read``'s ``keep``)
+        self._rest: tuple[Callable[[int, int], np.ndarray], int] | None = None
+
+    def _whole(self) -> dict[str, np.ndarray]:
+        """Every column, the ones ``keep`` left out read now (one pass over the table)."""
+        if self._rest is not None:
+            rows_of, block = self._rest
+            missing = tuple(n for n in self.dtype.names or () if n not in self._cols)
+            self._cols.update(_read_columns(rows_of, self._n, self.dtype, missing, block))
+            self._cols = {n: self._cols[n] for n in self.dtype.names or ()}
+            self._rest = None
+        return self._cols
 
     @classmethod
     def of(cls, rows: np.ndarray) -> "Columns":
@@ -42,14 +54,31 @@ class Columns:
 
     @classmethod
     def read(cls, rows_of: Callable[[int, int], np.ndarray], n: int, dtype: np.dtype,
-             block: int = BLOCK_ROWS) -> "Columns":
-        """``n`` rows of ``dtype`` read ``block`` at a time by ``rows_of(start, stop)``."""
-        cols = {name: np.empty(n, dtype[name]) for name in dtype.names or ()}
-        for start in range(0, n, block):
-            part = rows_of(start, min(n, start + block))
-            for name, col in cols.items():
-                col[start:start + len(part)] = part[name]
-        return cls(cols, dtype)
+             block: int = BLOCK_ROWS, keep: Iterable[str] | None = None,
+             check: Callable[[np.ndarray, int], None] | None = None) -> "Columns":
+        """``n`` rows of ``dtype`` read ``block`` at a time by ``rows_of(start, stop)``.
+
+        ``keep``: hold only these columns; any other is read when first asked for (all the
+        others at once: one more pass over the table). ``check(rows, start)``: called on each
+        block read, whatever is kept (the values' checks see every column)."""
+        names = dtype.names or ()
+        held = names if keep is None else tuple(n for n in names if n in set(keep))
+        cols = _read_columns(rows_of, n, dtype, held, block, check)
+        out = cls(cols, dtype, n)
+        if len(held) < len(names):
+            out._rest = (rows_of, block)
+        return out
+
+    def narrowed(self, keep: Iterable[str]) -> "Columns":
+        """The same rows holding only the columns ``keep`` (the same arrays); any other is
+        read again when asked for. Columns read whole (not from a file) are returned as
+        they are: there is nothing to read them again from."""
+        if self._rest is None and len(self._cols) == len(self.dtype.names or ()):
+            return self
+        out = Columns({n: v for n, v in self._cols.items() if n in set(keep)}, self.dtype,
+                      self._n)
+        out._rest = self._rest
+        return out
 
     def __len__(self) -> int:
         return self._n
@@ -66,15 +95,15 @@ class Columns:
 
     def head(self, n: int) -> "Columns":
         """The first ``n`` rows (views of the same columns)."""
-        return Columns({k: v[:n] for k, v in self._cols.items()}, self.dtype)
+        return Columns({k: v[:n] for k, v in self._whole().items()}, self.dtype)
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):
-            return self._cols[key]
+            return self._cols[key] if key in self._cols else self._whole()[key]
         if isinstance(key, list) and key and all(isinstance(k, str) for k in key):
             out = np.empty(self._n, [(k, self.dtype[k]) for k in key])
             for k in key:
-                out[k] = self._cols[k]
+                out[k] = self[k]
             return out
         if isinstance(key, (int, np.integer)):
             i = int(key) + self._n if int(key) < 0 else int(key)
@@ -85,13 +114,13 @@ class Columns:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if isinstance(key, str):
-            self._cols[key][...] = value
+            self[key][...] = value
             return
-        for name, col in self._cols.items():
+        for name, col in self._whole().items():
             col[key] = value[name]
 
     def _rows(self, key: Any) -> np.ndarray:
-        picked = {k: v[key] for k, v in self._cols.items()}
+        picked = {k: v[key] for k, v in self._whole().items()}
         n = len(next(iter(picked.values()))) if picked else 0
         out = np.empty(n, self.dtype)
         for k, v in picked.items():
@@ -107,7 +136,21 @@ class Columns:
             yield from self._rows(slice(start, start + BLOCK_ROWS))
 
     def copy(self) -> "Columns":
-        return Columns({k: v.copy() for k, v in self._cols.items()}, self.dtype)
+        return Columns({k: v.copy() for k, v in self._whole().items()}, self.dtype)
 
     def __repr__(self) -> str:
         return f"Columns({self._n} rows: {', '.join(self.dtype.names or ())})"
+
+
+def _read_columns(rows_of: Callable[[int, int], np.ndarray], n: int, dtype: np.dtype,
+                  names: tuple[str, ...], block: int,
+                  check: Callable[[np.ndarray, int], None] | None = None
+                  ) -> dict[str, np.ndarray]:
+    cols = {name: np.empty(n, dtype[name]) for name in names}
+    for start in range(0, n, block):
+        part = rows_of(start, min(n, start + block))
+        if check is not None:
+            check(part, start)
+        for name, col in cols.items():
+            col[start:start + len(part)] = part[name]
+    return cols

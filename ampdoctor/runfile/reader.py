@@ -24,7 +24,7 @@ import contextlib
 import os
 import stat
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -45,8 +45,11 @@ READ_ORDER = ("stats", "fp8", "events", "snapshots", "arrays", "steps", "groups"
               "optimizers", "meta", "tensors", schema.BLOB)
 
 
-def load(path: str | os.PathLike) -> Run:
+def load(path: str | os.PathLike, columns: Iterable[str] | None = None) -> Run:
     """Open a run file and return its ``Run``.
+
+    ``columns``: the /steps columns to hold (``Columns.read``'s ``keep``): a reader that asks
+    for a few of a long run's columns holds those, and any other is read when first asked for.
 
     Raises ``RunFileError`` (one sentence naming the file) for anything that is not a readable
     ampdoctor run of a version this ampdoctor knows. Works on a file that is still being
@@ -58,11 +61,12 @@ def load(path: str | os.PathLike) -> Run:
             print(len(run.steps), run.status)
     """
     path = os.fspath(path)
-    return retrying(path, lambda: _load_once(path))
+    return retrying(path, lambda: _load_once(path, columns))
 
 
 @contextlib.contextmanager
-def opened(run: Any, caller: str = "this") -> Iterator[Run]:
+def opened(run: Any, caller: str = "this", columns: Iterable[str] | None = None
+           ) -> Iterator[Run]:
     """The one way a path or a ``Run`` becomes a loaded ``Run``: a ``Run`` is used as given (and
     left open), a path is resolved (``run.h5``, else its rank files: rank 0 stands for the
     training) and loaded, and closed at the end.
@@ -77,7 +81,7 @@ def opened(run: Any, caller: str = "this") -> Iterator[Run]:
         return
     if not isinstance(run, (str, os.PathLike)):
         raise TypeError(f"{caller}() takes a path or a Run, not {type(run).__name__}")
-    with load(resolve(os.fspath(run))[0]) as loaded:
+    with load(resolve(os.fspath(run))[0], columns) as loaded:
         yield loaded
 
 
@@ -235,10 +239,10 @@ def _check_path(path: str) -> None:
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _load_once(path: str) -> Run:
+def _load_once(path: str, columns: Iterable[str] | None = None) -> Run:
     f, live = open_file(path)
     try:
-        return _read(path, f, live)
+        return _read(path, f, live, columns)
     except RunFileError:
         f.close()
         raise
@@ -248,7 +252,7 @@ def _load_once(path: str) -> Run:
                            f"({reason(exc)})") from None
 
 
-def _read(path: str, f: h5py.File, live: bool) -> Run:
+def _read(path: str, f: h5py.File, live: bool, columns: Iterable[str] | None = None) -> Run:
     """Read a run; tables that point into others are read before what they point at.
 
     On a live file every table may grow between two reads. Reading the referring tables
@@ -263,7 +267,7 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
     damaged = []
     for name in READ_ORDER:  # each table's length is fixed here, in this order
         try:
-            raw[name] = _read_table(path, f, name, live, version)
+            raw[name] = _read_table(path, f, name, live, version, columns)
         except H5_ERRORS:
             if name == "steps":  # without its steps a run has nothing to tell
                 raise
@@ -271,7 +275,9 @@ def _read(path: str, f: h5py.File, live: bool) -> Run:
             raw[name] = Table(schema.empty(name), name=name) if name in ON_DEMAND else \
                 Blob() if name == schema.BLOB else schema.empty(name)
     stats, blob = raw["stats"], raw[schema.BLOB]
-    check_values(path, raw, blob.size if schema.BLOB not in damaged else None)
+    # (/steps was checked a block at a time as it was read: ``_read_table``)
+    check_values(path, {k: v for k, v in raw.items() if k != "steps"},
+                 blob.size if schema.BLOB not in damaged else None)
     if "tensors" not in damaged:
         stats.tensors = len(raw["tensors"])
     run = Run(path=path, attrs=attrs, _file=f, _blob=blob)
@@ -313,7 +319,8 @@ def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
     number of each table's first row here; ``last_step``: the step read before them (a Tail's).
     """
     start = start or {}
-    values.check_steps(path, rows["steps"], start.get("steps", 0), last_step)
+    if "steps" in rows:
+        values.check_steps(path, rows["steps"], start.get("steps", 0), last_step)
     if "tensors" in rows and "events" in rows:
         values.check_ids(path, "events", rows["events"]["tensor"],
                          start.get("tensors", 0) + len(rows["tensors"]),
@@ -326,7 +333,8 @@ def check_values(path: str, rows: dict[str, Any], blob_size: int | None,
 
 
 def _read_table(path: str, f: h5py.File, name: str, live: bool,
-                version: int = schema.FORMAT_VERSION) -> Any:
+                version: int = schema.FORMAT_VERSION, columns: Iterable[str] | None = None
+                ) -> Any:
     """One table: rows (small tables), a ``Table`` (stats, read on demand) or a ``Blob``;
     a table an older format wrote lifted into the current dtype (``migrations``), and one
     added since that format (``schema.SINCE``) empty."""
@@ -342,8 +350,21 @@ def _read_table(path: str, f: h5py.File, name: str, live: bool,
         return Blob(ds, path)
     if name == "steps":  # column by column, read a block at a time (``columns``)
         return Columns.read(lambda a, b: migrations.lift(name, version, ds[a:b]),
-                            written_rows(ds), schema.STEPS)
+                            written_rows(ds), schema.STEPS, keep=columns,
+                            check=_steps_checker(path))
     return migrations.lift(name, version, without_unwritten_tail(name, ds[:]))
+
+
+def _steps_checker(path: str) -> Any:
+    """``values.check_steps`` on each block of /steps as it is read, each against the step
+    before it: every column checked, whichever a reader keeps."""
+    last: list[int] = []
+
+    def check(rows: np.ndarray, start: int) -> None:
+        values.check_steps(path, rows, start, last[-1] if last else None)
+        if len(rows):
+            last[:] = [int(rows["step"][-1])]
+    return check
 
 
 def dataset(path: str, f: h5py.File, name: str, version: int = schema.FORMAT_VERSION) -> Any:

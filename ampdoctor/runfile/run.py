@@ -30,6 +30,7 @@ from .hdf5 import H5_ERRORS, reason
 from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
+TEXT_SPAN = 1 << 20  # bytes of a large /blob read at a time for many texts (``Blob.texts``)
 
 # The text columns of each table a Run holds decoded, in the order a Tail hands them out.
 TEXTS = {"events": ["text"], "arrays": ["name"],
@@ -159,6 +160,29 @@ class Blob:
         """Text at a reference; '' for a reference outside the heap (a damaged file)."""
         raw = self.read(off, length)
         return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def texts(self, offs: np.ndarray, lengths: np.ndarray) -> list[str]:
+        """``text`` at each reference, a heap read by range a ``TEXT_SPAN`` of bytes at a time
+        (the texts in order of offset): 10^5 modules' 466 664 tensor names were as many
+        reads of /blob, 2 minutes."""
+        offs, lengths = np.asarray(offs, np.int64), np.asarray(lengths, np.int64)
+        if self._ds is None:
+            return [self.text(o, n) for o, n in zip(offs.tolist(), lengths.tolist())]
+        out = [""] * len(offs)
+        ok = np.flatnonzero((lengths > 0) & (offs >= 0) & (offs + lengths <= self.size))
+        order = ok[np.argsort(offs[ok], kind="stable")].tolist()
+        at, n = offs.tolist(), lengths.tolist()
+        i = 0
+        while i < len(order):
+            start, stop, j = at[order[i]], 0, i
+            while j < len(order) and (j == i or at[order[j]] + n[order[j]] - start <= TEXT_SPAN):
+                stop = max(stop, at[order[j]] + n[order[j]])
+                j += 1
+            raw = self.read(start, stop - start) or b""
+            for k in order[i:j]:
+                out[k] = raw[at[k] - start:at[k] - start + n[k]].decode("utf-8", errors="replace")
+            i = j
+        return out
 
 
 TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype", "i1"),
@@ -420,10 +444,8 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out = np.zeros(len(rows), TENSOR_VIEW)
     for name in ("id", "kind", "index", "dtype", "numel"):
         out[name] = rows[name]
-    out["name"] = [one_line(blob.text(int(o), int(n)))
-                   for o, n in zip(rows["name_off"], rows["name_len"])]
-    out["type"] = [one_line(blob.text(int(o), int(n)))
-                   for o, n in zip(rows["type_off"], rows["type_len"])]
+    out["name"] = [one_line(t) for t in blob.texts(rows["name_off"], rows["name_len"])]
+    out["type"] = [one_line(t) for t in blob.texts(rows["type_off"], rows["type_len"])]
     return out
 
 

@@ -1,6 +1,9 @@
-"""Month-long runs read by ``top`` and ``export``: /steps followed column by column, the layer
-curves reduced as they are read and thinned to each curve's extremes (a spike and a non-finite
-step survive). The runs are small; ``MAX_STEPS`` is lowered so that they count as long."""
+"""Month-long runs read by ``top``, ``export`` and ``compare``: /steps followed column by column,
+the layer curves reduced as they are read and thinned to each curve's extremes (a spike and a
+non-finite step survive); a run loaded with only the columns a reader asks for, the others read
+when first used, /steps checked a block at a time; ``compare``'s trailing means by slices, its
+common steps, its figures' curve thinned (extremes, non-finite steps, first and last kept). The
+runs are small; ``MAX_STEPS`` and the points kept are lowered so that they count as long."""
 
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from ampdoctor.diagnosis import parity
+from ampdoctor.errors import RunFileError
 from ampdoctor.live import follow, tensorboard
+from ampdoctor.release import comparison
+from ampdoctor.runfile import schema, store, values
 from ampdoctor.runfile.columns import Columns
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -94,3 +101,99 @@ def test_export_of_a_long_run_thins_every_curve_but_keeps_the_overflow(long_run,
 def test_distinct_steps_are_np_unique_whether_in_order_or_not(steps):
     steps = np.array(steps, np.int64)
     assert np.array_equal(tensorboard._distinct(steps), np.unique(steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# compare on long runs: the columns it reads, its sums by slices, its thinned curves
+
+
+def test_a_run_loaded_with_a_few_columns_reads_the_others_when_asked(long_run):
+    whole = store.load(long_run)
+    few = store.load(long_run, columns=("step", "loss"))
+    try:
+        assert set(few.steps._cols) == {"step", "loss"}
+        assert np.array_equal(few.steps["step"], whole.steps["step"])
+        narrow = few.steps.narrowed(("step",))
+        assert set(narrow._cols) == {"step"}
+        for name in whole.steps.dtype.names:  # each left out is read on first use, the same
+            assert np.array_equal(narrow[name], whole.steps[name], equal_nan=True), name
+        assert set(narrow._cols) == set(whole.steps.dtype.names)
+        assert np.array_equal(few.steps[10:20]["dt"], whole.steps[10:20]["dt"])
+    finally:
+        whole.close()
+        few.close()
+
+
+def test_steps_are_checked_a_block_at_a_time_as_they_are_read():
+    rows = schema.empty("steps", 10)
+    rows["step"], rows["time"] = np.arange(10), 1.0
+    rows["step"][7] = 2  # goes back, in the third block of three rows
+    seen = []
+
+    def check(part, start):
+        seen.append(start)
+        before = None if start == 0 else int(rows["step"][start - 1])
+        values.check_steps("x.h5", part, start, before)
+
+    with pytest.raises(RunFileError, match="row 7 holds step 2 after step 6"):
+        Columns.read(lambda a, b: rows[a:b], 10, schema.STEPS, block=3, keep=("loss",),
+                     check=check)
+    assert seen == [0, 3, 6]
+
+
+def _windows(x, w):
+    out = np.empty(len(x))
+    for i in range(len(x)):
+        part = x[max(0, i - w + 1):i + 1]
+        out[i] = part.mean() if np.isfinite(part).all() else np.nan
+    return out
+
+
+@pytest.mark.parametrize("n, w", [(0, 5), (3, 5), (5, 5), (40, 1), (40, 7), (41, 40)])
+def test_trailing_is_the_mean_of_each_window_and_nan_where_one_is_not_finite(n, w):
+    x = np.random.default_rng(n + w).lognormal(size=n)
+    if n > 20:
+        x[[4, 11]] = [np.nan, np.inf]
+    got, want = parity.trailing(x, w), _windows(x, w)
+    assert np.array_equal(np.isfinite(got), np.isfinite(want))
+    assert np.allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-12)
+
+
+@pytest.mark.parametrize("b, a", [(range(10), range(10)), (range(3, 20), range(8)),
+                                  (range(5), range(7, 9)), (range(0), range(4)),
+                                  ([0, 1, 1, 2, 3], range(4)), ([0, 2, 4, 6], range(10)),
+                                  ([9, 3, 5], [5, 9])])
+def test_common_steps_are_intersect1d_in_order_by_slices_or_not(b, a):
+    b, a = np.array(b, np.int64), np.array(a, np.int64)
+    for got, want in zip(comparison.common_steps(b, a), np.intersect1d(b, a,
+                                                                       return_indices=True)):
+        assert np.array_equal(got, want)
+
+
+def test_a_long_comparisons_curve_keeps_extremes_nonfinite_steps_first_and_last():
+    n = 50_000
+    step = np.arange(n, dtype=np.int64)
+    base = np.cos(step / 300.0)
+    amp = base.copy()
+    amp[12_345], amp[30_001], base[44_444] = 9.0, np.inf, np.nan
+    rel = np.abs(amp - base)
+    curve = comparison.thinned({"step": step, "base": base, "amp": amp, "rel": rel},
+                               points=1000)
+    kept = curve["step"].tolist()
+    assert len(kept) < 2500 and kept == sorted(kept)
+    assert {0, n - 1, 12_345, 30_001, 44_444} <= set(kept)
+    assert int(np.argmin(base)) in kept
+    for name in ("base", "amp", "rel"):  # each kept step keeps every curve's value there
+        assert np.array_equal(curve[name], {"base": base, "amp": amp, "rel": rel}[name][kept],
+                              equal_nan=True)
+    short = {"step": step[:10], "base": base[:10]}
+    assert comparison.thinned(short, points=1000) is short
+
+
+def test_compare_of_paths_is_compare_of_runs_loaded_whole(long_run):
+    with store.load(long_run) as b, store.load(long_run) as a:
+        whole = comparison.compare(b, a)
+        assert len(b.steps._cols) == len(b.steps.dtype.names)  # a given run is left as it is
+    from_paths = comparison.compare(long_run, long_run)
+    assert from_paths.to_dict() == whole.to_dict()
+    assert from_paths.layers and from_paths.common_steps == 6000

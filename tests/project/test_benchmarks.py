@@ -123,3 +123,18 @@ def test_scale_diagnose_gives_the_full_reads_answer():
     assert four["fast"]["rank"] == 3 and four["fast"]["step"] == 900  # rank 3N/4, at 90 %
     assert four["fast"]["verdict"] != "healthy"
     assert all(r["fast"]["rss_mb"] > 0 and r["fast"]["s"] > 0 for r in results)
+
+
+def test_large_runs_are_read_by_every_command_and_written_as_json(tmp_path):
+    """``crafted_files.py --large``: every reading command on one honest run, each exit 0,
+    its CPU seconds and peak memory in the JSON (``--source``: the package measured)."""
+    path = tmp_path / "large.json"
+    bench("crafted_files.py", "--large", "3000", "--modules", "3", "--keep",
+          str(tmp_path / "large.h5"), "--source", ROOT, "--json", str(path))
+    result = json.loads(path.read_text())
+    assert result["steps"] == 3000 and result["source"] == ROOT
+    commands = [r["command"].split()[0] for r in result["commands"]]
+    assert commands == ["diagnose", "dump", "top", "report", "report", "report", "export",
+                        "compare"]
+    assert all(r["exit"] == 0 and r["cpu_seconds"] > 0 and r["peak_mib"] > 0
+               for r in result["commands"])

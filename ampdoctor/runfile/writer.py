@@ -126,7 +126,7 @@ class Writer:
         self._identity = liveness.identity(building)
         liveness.writing(self._identity)
         try:
-            self._tables = _create_tables(self._file, self._attrs)
+            self._create_tables()
             self._file.swmr_mode = True
             self._file.flush()
             if building != self.path:
@@ -138,6 +138,10 @@ class Writer:
                 raise WriteError(errno_in(exc), f"cannot create {self.path}: "
                                               f"{reason(exc)}") from exc
             raise
+
+    def _create_tables(self) -> None:
+        assert self._file is not None, "create() opens the file first"
+        self._tables = _new_tables(self._file, self._attrs)
 
     # -- buffering --------------------------------------------------------------------------
 
@@ -305,7 +309,7 @@ class Writer:
         self._fd = None
 
 
-def _create_tables(f: h5py.File, attrs: dict[str, Any]) -> dict[str, Any]:
+def _new_tables(f: h5py.File, attrs: dict[str, Any]) -> dict[str, Any]:
     """Write the root attributes and create every table up front (the SWMR recipe); return
     the tables by name."""
     tables: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 
 ``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts:
 
-- ``journal``: the run file's rows; ``watched``: model, optimizers, scaler
+- ``journal``: the run file's rows; ``watched``: model, optimizers, scaler (``discovery``:
+  the roots found in the first step; ``autocastnotes``: the autocast state they run in)
 - ``hooks``: the hook groups, attached together: ``scalerhooks``, ``modulehooks``,
   ``losshooks``, ``optimizerhooks``, over ``stepflow`` (the step log they share, the step
   boundaries), ``sampledstep`` (the sampled step's hooks and drain) and ``gradnorm``; each

@@ -47,7 +47,8 @@ class LossHooks:
         flow.training()
         st = flow.log.step
         st.micro += 1
-        micro = Micro(flow.watched.take_called()) if flow.watched.discovery_open else None
+        micro = Micro(flow.watched.discovery.take_called()) if flow.watched.discovery.open \
+            else None
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
                 origin = scaledloss.origin(t, st.keep)  # (scaler.scale(loss), or that / n)

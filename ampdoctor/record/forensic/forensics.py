@@ -208,7 +208,7 @@ class Forensics:
         if self.captures:  # a new micro-batch: the previous ones' backward is done
             self._bound_held_grads()
         device = self.watched.device.type if self.watched.device is not None else "cpu"
-        seen = self.watched.autocast_seen  # (enabled, dtype), just read by the recorder
+        seen = self.watched.autocast.seen  # (enabled, dtype), just read by the recorder
         enabled, dtype = seen if seen is not None else (False, None)
         st = self.log.step
         self.captures.append(Capture(root, args, dict(kwargs), rng_state(self._devices),

@@ -36,7 +36,7 @@ class LossHooks:
         end)."""
         forensics = self.flow.capturing()
         if forensics is not None:
-            forensics.capture_loss_call(name, fn, args, kwargs, out)
+            forensics.capture.loss_call(name, fn, args, kwargs, out)
 
     def before_backward(self, tensors: Any) -> None:
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -82,7 +82,7 @@ class LossHooks:
             micro.value, micro.dtype, micro.slot = value, stats.dtype_code(loss.dtype), slot
         forensics = self.flow.capturing()
         if forensics is not None:
-            forensics.capture_loss(loss, scaled)
+            forensics.capture.loss(loss, scaled)
 
     def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None:
         """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss

@@ -97,7 +97,7 @@ class ModuleHooks:
             sampler.on_inputs(flow.watched.names.get(module, ""), args, kwargs)
         forensics = flow.capturing()
         if forensics is not None:
-            forensics.capture_inputs(module, args, kwargs)
+            forensics.capture.inputs(module, args, kwargs)
         flow.sampled.enter_root(module)  # last: ours is done
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
@@ -106,7 +106,7 @@ class ModuleHooks:
         if id(module) not in flow.watched.root_ids:
             return
         if flow.watched.discovery.ends_call(module) and flow.forensics is not None and kwargs:
-            flow.forensics.capture_kwargs(module, kwargs)
+            flow.forensics.capture.kwargs(module, kwargs)
         forensics = flow.capturing()
         if forensics is not None:
-            forensics.capture_output(module, output)
+            forensics.capture.output(module, output)

@@ -97,7 +97,7 @@ class StepFlow:
         self.log.begin(index)
         self.watched.discovery.depth = 0
         if self.forensics is not None:
-            self.forensics.begin_step()
+            self.forensics.capture.begin_step()
         if self.watched.roots:
             self.sampled.maybe_sample()
 
@@ -115,7 +115,7 @@ class StepFlow:
             return
         self.objectives.rewind([(m.slot, m.value) for m in losses if m.value is not None])
         if self.forensics is not None:
-            self.forensics.keep_roots(self.watched.root_ids)
+            self.forensics.capture.keep_roots(self.watched.root_ids)
         if st.sampled and self.sampled.sampler is not None:
             self.sampled.unsample(st)
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import ampdoctor
+from ampdoctor.diagnosis import crossing
 from ampdoctor.diagnosis import forecast as F
 
 
@@ -248,7 +249,7 @@ def record_all(out_dir: str, every: int = 5, parallel: int = 2) -> list[str]:
 
 def sweep(paths: list[str]) -> None:
     """How sensitive the crossing forecast is to its knobs (one changed at a time)."""
-    g = vars(F)  # the module's knobs, read at each call
+    g = vars(crossing)  # the crossing forecast's knobs, read at each call
     base = {k: g[k] for k in ("WINDOW", "MIN_T", "MIN_RISE", "HORIZON", "FLATTENING")}
     trials = [{}] + [{"WINDOW": w} for w in (8, 16)] + [{"MIN_T": t} for t in (3.0, 4.0, 8.0)] \
         + [{"MIN_RISE": r} for r in (1.0, 3.0)] + [{"HORIZON": h} for h in (0.5, 2.0, 4.0)] \

@@ -23,8 +23,10 @@
   (``lrrange``: the LR range test the recorder ran, read)
 - ``verdict``: ``Diagnosis``, ``Finding``, ``Evidence``, ``Premise``, the verdict table;
   ``notes``: what a diagnosis could not tell; ``thresholds``: the shared thresholds
-- ``forecast``: the early warning; ``fp8watch``: the early warning in fp8 terms (each
-  Linear's headroom against the recipe's range, its growth, its input's kurtosis)
+- ``forecast``: the early warning (``crossing``: each layer's fit and where it passes its
+  dtype's limit; ``forecastrows``: the sampled rows it reads); ``fp8watch``: the early
+  warning in fp8 terms (each Linear's headroom against the recipe's range, its growth, its
+  input's kurtosis)
 - ``ranks`` (the files of a multi-process run, merged), ``job`` (a job's ranks from their
   summaries), ``rankview`` (the rank view), ``jobfiles`` (what a job's diagnosis says of its
   files: node summaries used or passed over, rank files unreadable)

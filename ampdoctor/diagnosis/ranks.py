@@ -56,7 +56,6 @@ def outline(run: Any) -> dict:
             ranks.outline(run)   # {'steps': 30, 'skipped': 30, 'first_bad': 0, ...}
     """
     from .events import recording_stopped
-    from .facts import Facts
 
     steps = run.steps
     flags = steps["flags"] if len(steps) else np.zeros(0, np.int32)
@@ -87,6 +86,15 @@ def outline(run: Any) -> dict:
     }
     if out["first_bad"] is None:
         return out
+    _place(run, out)
+    return out
+
+
+def _place(run: Any, out: dict) -> None:
+    """Fill ``out`` (``outline``'s, with a first bad step) with where the first non-finite
+    value appeared: its module and phase, whether it was born in this rank, and when."""
+    from .facts import Facts
+
     snaps = run.snapshots
     located = [s for s in snaps if int(s["phase"]) not in (Phase.NONE, Phase.UNKNOWN)]
     if located:
@@ -108,7 +116,6 @@ def outline(run: Any) -> dict:
     if out["first_loss_bad"] is not None:
         born.append(out["first_loss_bad"])
     out["born"] = min(born) if born else None
-    return out
 
 
 def own_flag(steps: Any, step: int) -> bool:

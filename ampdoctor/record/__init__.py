@@ -2,11 +2,14 @@
 
 ``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts:
 
-- ``journal``: the run file's rows; ``watched``: model, optimizers, scaler
+- ``journal``: the run file's rows; ``watched``: model, optimizers, scaler (``discovery``:
+  the roots found in the first step; ``autocastnotes``: the autocast state they run in)
 - ``hooks``: the hook groups, attached together: ``scalerhooks``, ``modulehooks``,
   ``losshooks``, ``optimizerhooks``, over ``stepflow`` (the step log they share, the step
   boundaries), ``sampledstep`` (the sampled step's hooks and drain) and ``gradnorm``; each
-  callback handed to its door in ``patches`` as a callable (its type in ``listener``)
+  callback handed to its door in ``patches`` as a callable (its type in ``listener``; beside
+  it ``patching``: the undoable handles and ``guard``, ``clipdoors``: the clips'
+  doors, ``moduledoors``: the module hooks' doors)
 - ``steplog`` and ``steps``: the step buffer and its rows; ``skips``: the skip decision, its syncs
 - ``exits``: SIGTERM, atexit, fork
 - what the hooks use: ``stats``, ``sampler`` (the sampled tier), ``readback``, ``amp_state``,

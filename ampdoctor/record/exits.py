@@ -216,9 +216,11 @@ _RECORDING_DIRS = (_PACKAGE, _HERE) + tuple(
 RECORDING_CODE = frozenset(
     os.path.join(folder, name) for folder in _RECORDING_DIRS for name in os.listdir(folder)
     if name.endswith(".py")
-    # patches.py only holds the wrappers that call into the recorder and then the original
-    # (user-facing) function; the launcher and the CLI never run around training code.
-    and name not in ("patches.py", "launch.py", "cli.py", "__init__.py", "__main__.py"))
+    # patches.py and the doors beside it only hold the wrappers that call into the recorder and
+    # then the original (user-facing) function; the launcher and the CLI never run around
+    # training code.
+    and name not in ("patches.py", "patching.py", "clipdoors.py", "moduledoors.py", "launch.py",
+                     "cli.py", "__init__.py", "__main__.py"))
 
 
 def _inside_recorder(frame: Any) -> bool:

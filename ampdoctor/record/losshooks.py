@@ -36,7 +36,7 @@ class LossHooks:
         end)."""
         forensics = self.flow.capturing()
         if forensics is not None:
-            forensics.capture_loss_call(name, fn, args, kwargs, out)
+            forensics.capture.loss_call(name, fn, args, kwargs, out)
 
     def before_backward(self, tensors: Any) -> None:
         items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -47,7 +47,8 @@ class LossHooks:
         flow.training()
         st = flow.log.step
         st.micro += 1
-        micro = Micro(flow.watched.take_called()) if flow.watched.discovery_open else None
+        micro = Micro(flow.watched.discovery.take_called()) if flow.watched.discovery.open \
+            else None
         for t in items:
             if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
                 origin = scaledloss.origin(t, st.keep)  # (scaler.scale(loss), or that / n)
@@ -81,7 +82,7 @@ class LossHooks:
             micro.value, micro.dtype, micro.slot = value, stats.dtype_code(loss.dtype), slot
         forensics = self.flow.capturing()
         if forensics is not None:
-            forensics.capture_loss(loss, scaled)
+            forensics.capture.loss(loss, scaled)
 
     def after_autograd_grad(self, outputs: Any, create_graph: bool) -> None:
         """``torch.autograd.grad`` returned: of a scaled loss, with a graph to build a loss

@@ -28,17 +28,17 @@ class ModuleHooks:
 
     def discover_pre(self, module: torch.nn.Module, args: tuple) -> None:
         """First step of a recorder given no model: the outermost module called with grad
-        enabled that owns trainable parameters becomes a root (``Watched.enter``). A module
+        enabled that owns trainable parameters becomes a root (``RootDiscovery.enter``). A module
         whose recording fails here is skipped, not the recording (``StepFlow.skip``)."""
         try:
-            if self.flow.watched.enter(module, self.flow.log.step, args):
+            if self.flow.watched.discovery.enter(module, self.flow.log.step, args):
                 self._discovered(module, args, {})
         except Exception as exc:  # noqa: BLE001 - one module's failure is not the run's
             self.flow.skip(module, "discover_pre", exc)
 
     def discover_post(self, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
-        self.flow.watched.leave(module)
+        self.flow.watched.discovery.leave(module)
 
     def _discovered(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A root adopted in its own call: this call is seen from here."""
@@ -60,7 +60,7 @@ class ModuleHooks:
             return
         if id(module) in watched.root_ids:
             self.root_pre(module, args, kwargs)
-        elif watched.may_adopt(module, args) and watched.adopt_discovered(module):
+        elif watched.discovery.may_adopt(module, args) and watched.discovery.adopt(module):
             self._discovered(module, args, kwargs)
 
     def compiled_post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -79,7 +79,7 @@ class ModuleHooks:
         try:
             self._root_pre(module, args, kwargs)
         except Exception as exc:
-            if not self.flow.watched.discovery_open:
+            if not self.flow.watched.discovery.open:
                 raise
             # a root no optimizer was seen training yet: skipped, the recording goes on
             self.flow.skip(module, "root_pre", exc)
@@ -91,13 +91,13 @@ class ModuleHooks:
         if flow.skips.undecided is not None and torch.is_grad_enabled():
             flow.skips.settle()  # before this forward allocates, or changes a BatchNorm buffer
         if torch.is_grad_enabled():  # an evaluation call says nothing of the training dtype
-            flow.watched.note_autocast(flow.log.step)
+            flow.watched.autocast.note(flow.log.step)
         sampler = flow.sampler_on(flow.log.step)
         if sampler is not None:
             sampler.on_inputs(flow.watched.names.get(module, ""), args, kwargs)
         forensics = flow.capturing()
         if forensics is not None:
-            forensics.capture_inputs(module, args, kwargs)
+            forensics.capture.inputs(module, args, kwargs)
         flow.sampled.enter_root(module)  # last: ours is done
 
     def root_post(self, module: torch.nn.Module, args: tuple, output: Any,
@@ -105,8 +105,8 @@ class ModuleHooks:
         flow = self.flow
         if id(module) not in flow.watched.root_ids:
             return
-        if flow.watched.ends_discovery_call(module) and flow.forensics is not None and kwargs:
-            flow.forensics.capture_kwargs(module, kwargs)
+        if flow.watched.discovery.ends_call(module) and flow.forensics is not None and kwargs:
+            flow.forensics.capture.kwargs(module, kwargs)
         forensics = flow.capturing()
         if forensics is not None:
-            forensics.capture_output(module, output)
+            forensics.capture.output(module, output)

@@ -277,7 +277,7 @@ class Recorder:
         self._hooks.detach()
         self._skips.undecided = None  # (close decides it first; a fault or a fork drops it)
         if self.forensics is not None:
-            self.forensics.release_held()
+            self.forensics.capture.release_held()
 
     def disown(self) -> None:
         """This is a forked child's copy (a DataLoader worker, see ``exits``): it records

@@ -107,7 +107,7 @@ class SampledStep:
             probe.busy += 1  # our own work inside a probed forward is not the model's
         try:
             if id(module) not in self.watched.root_ids and module in self.watched.names:
-                self.watched.note_inner_autocast(self.log.step)
+                self.watched.autocast.note_inner(self.log.step, bool(self.watched.roots))
             self.sampler.on_forward(module, output, args)
         finally:
             if probe is not None:

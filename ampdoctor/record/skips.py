@@ -145,7 +145,7 @@ class Skips:
                 self.trigger(Event.SKIPPED, st)
         finally:
             if self.forensics is not None:
-                self.forensics.release_held()
+                self.forensics.capture.release_held()
 
     def check_applied_loss(self) -> None:
         """GradScaler is applying this step (found_inf was 0), yet its loss may be non-finite:

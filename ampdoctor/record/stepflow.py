@@ -73,7 +73,7 @@ class StepFlow:
         recorded. Strict mode raises, as ``fault`` does."""
         if self.journal.strict:
             raise exc
-        self.watched.skip(module, where, exc)
+        self.watched.discovery.skip(module, where, exc)
         self.journal.warn_once("skipped", f"could not record {type(module).__name__} "
                                f"({where}: {type(exc).__name__}: {exc}); it is left out of "
                                "the recording, which goes on without it")
@@ -95,27 +95,27 @@ class StepFlow:
 
     def begin_step(self, index: int) -> None:
         self.log.begin(index)
-        self.watched.depth = 0
+        self.watched.discovery.depth = 0
         if self.forensics is not None:
-            self.forensics.begin_step()
+            self.forensics.capture.begin_step()
         if self.watched.roots:
             self.sampled.maybe_sample()
 
     def settle_discovery(self) -> None:
         """The first step's optimizers are known (its end, or the update or step that ends
         it, before the forensic tier looks at it): only the roots they train are kept
-        (``Watched.finish_discovery``). A root dropped takes its micro-batches out of the step
+        (``RootDiscovery.finish``). A root dropped takes its micro-batches out of the step
         (a model built, run and dropped before the real one): the step's loss is the real
         one's, and its sampled statistics, named while that root was there, are not kept."""
-        if not self.watched.discovery_open:
+        if not self.watched.discovery.open:
             return
         st = self.log.step
-        losses = drop_micro(st, self.watched.finish_discovery())
+        losses = drop_micro(st, self.watched.discovery.finish())
         if losses is None:
             return
         self.objectives.rewind([(m.slot, m.value) for m in losses if m.value is not None])
         if self.forensics is not None:
-            self.forensics.keep_roots(self.watched.root_ids)
+            self.forensics.capture.keep_roots(self.watched.root_ids)
         if st.sampled and self.sampled.sampler is not None:
             self.sampled.unsample(st)
 
@@ -140,7 +140,7 @@ class StepFlow:
         self.settle_discovery()
         if st.index == 0:
             self.watched.name_handles(sys._getframe())
-        self.watched.fp16_without_scaler(st)
+        self.watched.autocast.fp16_without_scaler(st, self.watched.scaler)
         callorder.step_events(self.journal, st)
         self.schedules.end_step(st)
         now = time.perf_counter()

@@ -8,18 +8,20 @@ Each is given to ``watch()`` or discovered in the first step:
   the first step only those whose parameters an optimizer trains are kept (with the
   micro-batches only they ran: a model run and dropped before the real one). Never adopted: a
   module run on meta or fake tensors (a FLOP count, ``FakeTensorMode``), a module already
-  left out because recording it failed (``skip``: the rest is recorded). A compiled model is
+  left out because recording it failed (``skip``: the rest is recorded). The search, where
+  no model was given, is ``discovery.RootDiscovery``'s. A compiled model is
   seen through an eager shim (``compiled.py``), a sharded one (FSDP2, FSDP1) is adopted with
   per-shard statistics and no replay (``sharding.py``).
 * **optimizers**: those that step the roots' parameters (any optimizer, while no root is
   known); the list of trained parameters is cached until the param groups change.
 * **scaler**: the first enabled GradScaler that scales a loss.
 * **autocast**: read at the root's pre-hook each training call, and inside the forward on the
-  steps that have module hooks anyway (``amp_state.Tracker``); /meta ``autocast`` on a change.
+  steps that have module hooks anyway (``autocastnotes.AutocastNotes``); /meta ``autocast`` on
+  a change.
 
 What is adopted is written to /meta (roots, model, device, compiled, sharding, optimizer,
 scaler). The forensic tier reads the model from here (roots, names, param_names, device,
-sharding, autocast_seen, trained_params).
+sharding, autocast.seen, trained_params).
 
 Example::
 
@@ -32,21 +34,21 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event
-from . import amp_state, buffers, compiled, handles, patches, sharding
+from . import buffers, compiled, handles, patches, sharding
+from .autocastnotes import AutocastNotes
+from .discovery import RootDiscovery
 from .environment import device_info, model_summary, optimizer_info, scaler_info
 from .journal import Journal
 from .listener import ModelDoor
 from .replicas import Replicas
-from .sampler import tensors_in
 from .steps import Step
-from .torchcompat import is_wrapper, placeholder_call, scaler_enabled, unwrap
+from .torchcompat import scaler_enabled, unwrap
 
 
 class Watched:
@@ -72,18 +74,10 @@ class Watched:
         self.device: Optional[torch.device] = None
         self.sharding: Optional[sharding.Sharding] = None
         self.replicas = Replicas()  # which ranks hold a weight whole (DDP): fp8 layers' meta
-        self.autocast_seen: Optional[tuple] = None  # at the root's pre-hook (forensics)
+        self.autocast = AutocastNotes(journal)  # where autocast really runs
         self.root_ids: set[int] = set()
-        self.depth = 0  # module calls open, while discovering
-        self.discovery_open = False  # global module hooks looking for roots (first step)
-        self._discovering: Optional[torch.nn.Module] = None  # root adopted in this very call
-        self._by_input: set[int] = set()  # frozen roots adopted for a trained input's gradient
         self._unfound: set[int] = set()  # parameters looked for in the script, not found
-        self._discovery_hooked = False  # the global discovery hooks are installed
-        self._amp: Optional[amp_state.Tracker] = None  # where autocast really runs
-        self._autocast_meta: Optional[dict] = None
-        self._fp16_noted = False  # FP16_WITHOUT_SCALER written (once per run)
-        self._compiled: list[tuple[str, str]] = []  # compiled regions in the roots
+        self.regions: list[tuple[str, str]] = []  # compiled regions in the roots
         self.eager: Optional[list[torch.nn.Module]] = None  # hookable modules, if compiled
         self._own_optimizer: dict[int, bool] = {}
         self._optimizer_meta_done: set[int] = set()
@@ -92,12 +86,8 @@ class Watched:
         self._door: Optional[ModelDoor] = None
         self._moved: Callable[[torch.device], None] = lambda device: None
         self._patches = patches.PatchSet()  # replaced in attach by the recorder's own set
-        self._root_hooks = patches.PatchSet()
-        self._discovery = patches.PatchSet()
-        self.called: set[int] = set()  # roots called since the last backward (discovery)
-        # modules whose recording failed while discovered: left out, the rest recorded
-        self.left_out: weakref.WeakSet = weakref.WeakSet()
-        self.left_out_why: list[dict] = []  # ... what each was and why (/meta skipped_modules)
+        self.root_hooks = patches.PatchSet()
+        self.discovery = RootDiscovery(self)  # the roots, where none were given
         self.side = buffers.SideModels()  # frozen models the step runs beside the roots
         self.buffer_start = buffers.BufferStart()  # buffers non-finite when first seen
         self._checked: set[int] = set()  # roots whose buffers were checked at the start
@@ -111,167 +101,23 @@ class Watched:
         if self.roots:
             self.adopt_roots(self.roots)
         else:
-            self._discovery.add(compiled.QuietGlobalHookWarning())
-            patches.hook_modules(self._discovery, door.fault, door.discover_pre,
-                                 door.discover_post, post_kwargs=True)
-            self.discovery_open = self._discovery_hooked = True
+            self.discovery.start(door)
         if self.scaler is not None:
             self.adopt_scaler(self.scaler)
 
     def detach(self) -> None:
-        self._root_hooks.remove()
-        self._discovery.remove()
+        self.root_hooks.remove()
+        self.discovery.remove()
 
-    # -- discovery ---------------------------------------------------------------------------
+    # -- the roots, adopted again ---------------------------------------------------------------
 
-    def enter(self, module: torch.nn.Module, step: Step, args: tuple = ()) -> bool:
-        """A module is called (discovery's global pre-hook): True when it is adopted as a root
-        by this call, the outermost one called with grad enabled that owns trainable
-        parameters (or carries the gradient of a trained input: ``adopt_discovered``).
-        DDP/DataParallel wrappers are looked through: the module they wrap is the root, so
-        that a forensic replay never runs the wrapper's collectives on one rank alone."""
-        if is_wrapper(module):
-            self.replicas.saw(module)  # a DDP wrapper: which ranks hold its weights whole
-            return False
-        self.depth += 1
-        if self.depth > 1:
-            self.note_inner_autocast(step)
-        if self.depth != 1:
-            return False
-        if module in self.names:
-            if torch.is_grad_enabled():
-                self.called.add(id(module))
-            return False
-        if not torch.is_grad_enabled() or module in self.left_out or \
-                placeholder_call(module, tensors_in(args)):
-            self._note_side(module, args)
-            return False  # a copy on meta or fake tensors is measured, not trained
-        adopted = self.adopt_discovered(module, args)
-        if not adopted:
-            self._note_side(module, args)
-        return adopted
-
-    def _note_side(self, module: torch.nn.Module, args: tuple) -> None:
-        """A top-level call that adopts no root: a frozen model beside the trained one?
-        (``buffers.SideModels``; a failure here only loses the side model)."""
-        try:
-            self.side.note(module, args)
-        except Exception:
-            pass
-
-    def leave(self, module: torch.nn.Module) -> None:
-        if not is_wrapper(module):
-            self.depth = max(0, self.depth - 1)
-
-    def may_adopt(self, module: torch.nn.Module, args: tuple = ()) -> bool:
-        """Is this top-level call of a ``module.compile()``'d module a root to discover?"""
-        return self.discovery_open and self.depth == 0 and module not in self.names and \
-            torch.is_grad_enabled() and module not in self.left_out and \
-            not placeholder_call(module, tensors_in(args))
-
-    def adopt_discovered(self, module: torch.nn.Module, args: tuple = ()) -> bool:
-        """A module called at the top with grad enabled becomes a root (unless it trains
-        nothing); this call is seen by the caller, the root's own hooks see the next ones.
-        A frozen or parameter-free module is adopted only when it carries the gradient of a
-        trained input (``_carries_input_grad``)."""
-        if not any(p.requires_grad for p in module.parameters()):
-            if not self._carries_input_grad(args):
-                return False  # a loss module, a frozen model, a parameter-free transform
-            self._by_input.add(id(module))
-        before = self.roots
-        self._root_hooks.remove()
-        try:
-            self.adopt_roots(before + [module])
-        except Exception:
-            self._readopt(before)  # as it was: the caller skips this module
-            raise
-        self.called.add(id(module))
-        # A global pre-hook gets no kwargs: the root's own post-hook fills them in.
-        self._discovering = module
-        if self._compiled and self._discovery_hooked:
-            # Global hooks must not exist while a compiled region is traced: discovery ends
-            # at this root (its own hooks run outside the compiled region).
-            self._discovery.remove()
-            self._discovery_hooked = False
-        return True
-
-    def _carries_input_grad(self, args: tuple) -> bool:
-        """Is a frozen module's call the model of the run? Where the trained tensor is an
-        input (neural style transfer's image, fed to a frozen extractor, then to a Gram
-        matrix), the modules it flows through are all there is to replay: an input that is a
-        leaf requiring grad and owned by no root, or one computed through a module adopted so
-        already. ``finish_discovery`` keeps them only if an optimizer trains such a tensor."""
-        grads = [t for t in tensors_in(args) if t.requires_grad]
-        if any(not t.is_leaf for t in grads) and self._by_input:
-            return True
-        leaves = {id(t) for t in grads if t.is_leaf}
-        return bool(leaves) and not leaves <= {id(p) for r in self.roots
-                                                for p in r.parameters()}
-
-    def ends_discovery_call(self, module: torch.nn.Module) -> bool:
-        """The root's post-hook: True when this was the call that discovered it (its kwargs
-        are known only now)."""
-        if module is not self._discovering:
-            return False
-        self._discovering = None
-        if not self._discovery_hooked:
-            self.depth = 0  # nothing counted the calls inside it
-        return True
-
-    def skip(self, module: torch.nn.Module, where: str, exc: BaseException) -> None:
-        """Recording ``module`` failed while it was being discovered: it is left out (and never
-        tried again), named in /meta ``skipped_modules``; the rest is recorded. A root adopted
-        from it is dropped, so a failure on a copy or a side model never stops the
-        recording."""
-        self.left_out.add(module)
-        self.left_out_why.append({"module": type(module).__name__, "where": where,
-                                  "why": f"{type(exc).__name__}: {exc}"[:300]})
-        self.journal.meta("skipped_modules", self.left_out_why)
-        if module is self._discovering:
-            self._discovering = None
-        if any(r is module for r in self.roots):
-            self._root_hooks.remove()
-            self._readopt([r for r in self.roots if r is not module])
-
-    def take_called(self) -> frozenset:
-        """ids of the roots called (at the top, grad enabled) since the last time asked: a
-        backward's, while discovering (``finish_discovery`` drops a root nothing trains, and
-        the micro-batches that only it ran)."""
-        called, self.called = frozenset(self.called), set()
-        return called
-
-    def finish_discovery(self) -> frozenset:
-        """End of the first step (once its optimizers are known): keep the roots whose
-        parameters an optimizer trains; the ids of those dropped (a model built, run and
-        dropped before the real one)."""
-        self._discovery.remove()
-        self.discovery_open = self._discovery_hooked = False
-        self._discovering = None
-        self.called = set()
-        trained = {id(p) for opt in self.optimizers for g in opt.param_groups
-                   for p in g["params"]}
-        keep = [m for m in self.roots if any(id(p) in trained for p in m.parameters())]
-        owned = {id(p) for m in keep for p in m.parameters()}
-        if trained - owned:  # an optimizer trains a tensor outside every model: an input
-            keep = [m for m in self.roots if m in keep or id(m) in self._by_input]
-        self.side.settle(keep or self.roots)
-        if not (trained and keep):
-            return frozenset()
-        dropped = frozenset(id(m) for m in self.roots if m not in keep)
-        # Named again when a root was dropped, or when a parameter it holds now is not the one
-        # named (adopted inside torch.func.functional_call, whose tensors stood in for them).
-        if dropped or any(id(p) not in self.param_names for m in keep for p in m.parameters()):
-            self._root_hooks.remove()
-            self.adopt_roots(keep)
-        return dropped
-
-    def _readopt(self, roots: list[torch.nn.Module]) -> None:
+    def readopt(self, roots: list[torch.nn.Module]) -> None:
         """Hooks and names for ``roots`` again (after a failed adoption, or a skip); none left:
         discovery goes on looking."""
         if roots:
             self.adopt_roots(roots)
             return
-        self.roots, self.root_ids, self.eager, self._compiled = [], set(), None, []
+        self.roots, self.root_ids, self.eager, self.regions = [], set(), None, []
         self.names.clear()
         self.param_names.clear()
 
@@ -294,7 +140,7 @@ class Watched:
         are seen through an eager shim."""
         patches.shim_compiled_call(self._patches, self._listening(), module)
         if id(module) in self.root_ids:
-            self._root_hooks.remove()
+            self.root_hooks.remove()
             self.adopt_roots(self.roots)
 
     # -- adoption ----------------------------------------------------------------------------
@@ -306,9 +152,8 @@ class Watched:
         self.param_names.clear()
         prefixes = _root_prefixes(roots)
         device = self.device = _first_device(roots)
-        if self._amp is None or self._amp.device_type != device.type:
-            self._amp = amp_state.Tracker(device.type)
-        self._compiled = []
+        amp = self.autocast.track(device.type)
+        self.regions = []
         for root, prefix in zip(roots, prefixes):
             self.replicas.saw(root)
             inner = unwrap(root)
@@ -319,12 +164,12 @@ class Watched:
                     self.names[m] = prefix + name
             for name, p in inner.named_parameters():
                 self.param_names[id(p)] = prefix + sharding.clean_name(name)
-            self._compiled += [(prefix + n if n else self.names[root], k)
+            self.regions += [(prefix + n if n else self.names[root], k)
                                for n, k in compiled.regions(root)]
-            self._amp.declare(root)
+            amp.declare(root)
             self._hook_root(root)
         self.eager = [m for r in roots for m in compiled.eager_modules(r)] \
-            if self._compiled else None
+            if self.regions else None
         self._adopt_sharding(roots)
         self._moved(device)  # discovered: the device is known from now on
         self._check_buffers(roots)
@@ -347,16 +192,16 @@ class Watched:
         hooks would be compiled, the eager shim around its call."""
         door = self._listening()
         if compiled.kind(root) == compiled.CALL:
-            patches.shim_compiled_call(self._root_hooks, door, root)
+            patches.shim_compiled_call(self.root_hooks, door, root)
             return
-        patches.hook_root(self._root_hooks, door, root)
+        patches.hook_root(self.root_hooks, door, root)
 
     def _note_compiled(self, eager: list[torch.nn.Module]) -> None:
         """What a compiled model leaves out of the recording (module outputs inside its
         compiled regions), kept in /meta for ``diagnose`` to say."""
         shimmed = [r for r in self.roots if compiled.kind(r) == compiled.CALL]
         self.journal.meta("compiled", {
-            "regions": [{"module": n, "kind": k} for n, k in self._compiled],
+            "regions": [{"module": n, "kind": k} for n, k in self.regions],
             "hooked": sorted(self.names.get(m, "?") for m in eager + shimmed)})
 
     def _adopt_sharding(self, roots: list[torch.nn.Module]) -> None:
@@ -413,7 +258,8 @@ class Watched:
                 known = any(id(p) in self.param_names for p in params) or (
                     # the roots are frozen models a trained input flows through (a style
                     # transfer's image): the optimizer of a tensor outside them trains it
-                    bool(self._by_input) and any(id(p) not in self.param_names for p in params))
+                    bool(self.discovery.by_input) and
+                    any(id(p) not in self.param_names for p in params))
             else:
                 known = True
             self._own_optimizer[id(optimizer)] = known
@@ -475,45 +321,6 @@ class Watched:
         found = handles.stray_names(wanted, {id(m) for m in self.names}, sys._getframe())
         self.param_names.update(found)
         self._unfound |= wanted - found.keys()
-
-    # -- autocast ----------------------------------------------------------------------------
-
-    def note_autocast(self, step: Step) -> None:
-        """At the root's pre-hook, every training call: one read, a /meta row on a change."""
-        amp = self._amp
-        if amp is None:
-            return
-        state = amp.outer()
-        if state != self.autocast_seen:
-            self.autocast_seen = state
-            self._write_autocast(amp, step)
-
-    def note_inner_autocast(self, step: Step) -> None:
-        """Inside the root's forward (steps with module hooks only): autocast entered there,
-        by accelerate's wrapped forward or a decorator, is what the model's ops ran in."""
-        amp = self._amp
-        if amp is not None and amp.entered != amp_state.INSIDE and self.roots and \
-                torch.is_grad_enabled():
-            amp.inner()
-            if amp.entered == amp_state.INSIDE:
-                self._write_autocast(amp, step)
-
-    def _write_autocast(self, amp: amp_state.Tracker, step: Step) -> None:
-        state = amp.effective()
-        if state != self._autocast_meta:
-            self._autocast_meta = state
-            self.journal.meta("autocast", state, step=step.index)
-
-    def fp16_without_scaler(self, st: Step) -> None:
-        """FP16_WITHOUT_SCALER, once, at the end of the first step whose model ran under fp16
-        autocast with no enabled GradScaler scaling the loss (host state only)."""
-        ac = self._autocast_meta
-        if self._fp16_noted or not ac or ac.get("dtype") != "float16" or st.scaled or \
-                scaler_enabled(self.scaler):
-            return
-        self._fp16_noted = True
-        self.journal.event(Event.FP16_WITHOUT_SCALER, st, text="fp16 autocast, no GradScaler")
-
 
 def _unique(groups: list) -> list[torch.Tensor]:
     """The tensors of several lists, each once, in order."""

@@ -1,8 +1,9 @@
 """The run file: its format (``schema``), writing and reading it (``store``). numpy + h5py only.
 
 - ``store``: the front door (``Writer``, ``load``), over ``writer`` (rows appended,
-  crash-safe) and ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by
-  column in ``columns``; ``tail``: the rows added since the last read, for ``top``)
+  crash-safe; ``descriptor``: the OS descriptor beneath its file, after a failed write) and
+  ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by column in ``columns``;
+  ``tail``: the rows added since the last read, for ``top``)
 - ``schema``: the tables and codes; ``migrations``: older versions' tables lifted into it;
   ``payloads``: the JSON payloads, declared; ``records``: the frozen dataclasses nested in
   them, ``detail`` those of a snapshot's detail and ``meta`` those of /meta; ``values``: the

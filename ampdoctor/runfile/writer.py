@@ -17,7 +17,6 @@ This module imports no torch: the recorder hands it numpy rows built from ``sche
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -29,7 +28,7 @@ import h5py
 import numpy as np
 
 from ..version import __version__
-from . import hdf5, liveness, records, schema, summary
+from . import descriptor, liveness, records, schema, summary
 from .hdf5 import errno_in, reason
 
 _DISOWNED: list = []  # files inherited through fork: never closed in this process (Writer.disown)
@@ -123,7 +122,7 @@ class Writer:
         except OSError as exc:
             raise OSError(getattr(exc, "errno", None),
                           f"cannot create {self.path}: {reason(exc)}") from None
-        self._fd = _file_descriptor(self._file)
+        self._fd = descriptor.of(self._file)
         self._identity = liveness.identity(building)
         liveness.writing(self._identity)
         try:
@@ -141,28 +140,8 @@ class Writer:
             raise
 
     def _create_tables(self) -> None:
-        f = self._file
-        assert f is not None, "create() opens the file first"
-        for key, value in self._attrs.items():
-            # Text as fixed-length bytes: a variable-length string lives in HDF5's global
-            # heap, which has no checksum, and a damaged one can send HDF5 into a loop.
-            f.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) \
-                else value
-        # The datasets stay open as long as the writer: closing one flushes its chunk cache,
-        # and a write that fails there (disk full) is swallowed by h5py and leaves HDF5 in a
-        # state that crashes the process at exit. Open, every failed write reaches flush().
-        for name, dtype in schema.TABLES.items():
-            self._tables[name] = f.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dtype,
-                chunks=(schema.CHUNK_ROWS[name],), compression="gzip", compression_opts=4,
-                shuffle=True)
-        self._tables[schema.BLOB] = f.create_dataset(
-            schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1", chunks=(schema.BLOB_CHUNK,),
-            compression="gzip", compression_opts=4)
-        # One row, rewritten in place at each flush (``summary``); until the first flush it
-        # says that there is no summary yet.
-        self._tables[schema.SUMMARY_TABLE] = f.create_dataset(
-            schema.SUMMARY_TABLE, data=summary.unwritten())
+        assert self._file is not None, "create() opens the file first"
+        self._tables = _new_tables(self._file, self._attrs)
 
     # -- buffering --------------------------------------------------------------------------
 
@@ -225,7 +204,7 @@ class Writer:
             raise WriteError(None, f"no longer written after an earlier failure "
                                    f"({reason(self.failed)})")
         try:
-            self._check_still_there()
+            descriptor.check_still_there(self._fd, self.path)
             self._write_queued()
             self._file.flush()
         except BaseException as exc:
@@ -233,7 +212,7 @@ class Writer:
             # are released, at close) must not reach the file: it stays as the last good
             # flush left it. Writes that keep failing inside HDF5 can also crash it later.
             self.failed = exc
-            self._fit_superblock()
+            descriptor.fit_superblock(self._fd)
             self._retire_descriptor()
             if isinstance(exc, Exception) and not isinstance(exc, OSError):
                 raise WriteError(errno_in(exc), reason(exc)) from exc
@@ -266,30 +245,6 @@ class Writer:
         except Exception:  # noqa: BLE001 - readers fall back to the tables
             self._tally = None
         return summary.unwritten()
-
-    def _check_still_there(self) -> None:
-        """A deleted file (its directory removed) still takes writes that nobody will read."""
-        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
-            raise FileNotFoundError(errno.ENOENT, f"{self.path} was deleted while being "
-                                                  "written (its directory removed?)")
-
-    def _fit_superblock(self) -> None:
-        """After a failed write, make the superblock's end-of-file match the file's size.
-
-        HDF5 writes the superblock (with the new end of file) before it extends the file; a
-        write that fails in between (disk full) leaves a file shorter than its header says,
-        which HDF5 refuses to open although everything up to the last good flush is there.
-        Rewriting the 48 bytes in place needs no new disk space.
-        """
-        if self._fd is None:
-            return
-        try:
-            head = os.pread(self._fd, hdf5.SUPERBLOCK_BYTES, 0)
-            fixed = hdf5.superblock_with_eof(head, os.fstat(self._fd).st_size)
-            if fixed is not None:
-                os.pwrite(self._fd, fixed, 0)
-        except OSError:
-            pass
 
     def close(self, status: str | None = None) -> None:
         """Record the final status, flush and close. Safe to call twice.
@@ -349,17 +304,36 @@ class Writer:
         """Point the file's descriptor at /dev/null: nothing this process's HDF5 still
         writes reaches the file (after a failed write, or in a forked child)."""
         liveness.done_writing(getattr(self, "_identity", None))
-        if self._fd is None:
-            return
-        try:
-            null = os.open(os.devnull, os.O_RDWR)
-            try:
-                os.dup2(null, self._fd)
-            finally:
-                os.close(null)
-        except OSError:
-            pass
+        if self._fd is not None:
+            descriptor.retire(self._fd)
         self._fd = None
+
+
+def _new_tables(f: h5py.File, attrs: dict[str, Any]) -> dict[str, Any]:
+    """Write the root attributes and create every table up front (the SWMR recipe); return
+    the tables by name."""
+    tables: dict[str, Any] = {}
+    for key, value in attrs.items():
+        # Text as fixed-length bytes: a variable-length string lives in HDF5's global
+        # heap, which has no checksum, and a damaged one can send HDF5 into a loop.
+        f.attrs[key] = np.bytes_(value.encode()) if isinstance(value, str) \
+            else value
+    # The datasets stay open as long as the writer: closing one flushes its chunk cache,
+    # and a write that fails there (disk full) is swallowed by h5py and leaves HDF5 in a
+    # state that crashes the process at exit. Open, every failed write reaches flush().
+    for name, dtype in schema.TABLES.items():
+        tables[name] = f.create_dataset(
+            name, shape=(0,), maxshape=(None,), dtype=dtype,
+            chunks=(schema.CHUNK_ROWS[name],), compression="gzip", compression_opts=4,
+            shuffle=True)
+    tables[schema.BLOB] = f.create_dataset(
+        schema.BLOB, shape=(0,), maxshape=(None,), dtype="u1", chunks=(schema.BLOB_CHUNK,),
+        compression="gzip", compression_opts=4)
+    # One row, rewritten in place at each flush (``summary``); until the first flush it
+    # says that there is no summary yet.
+    tables[schema.SUMMARY_TABLE] = f.create_dataset(
+        schema.SUMMARY_TABLE, data=summary.unwritten())
+    return tables
 
 
 def _append_rows(ds: Any, rows: np.ndarray) -> None:
@@ -388,15 +362,3 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
     except OSError:
         pass
-
-
-def _file_descriptor(f: h5py.File) -> int | None:
-    """The OS descriptor under an HDF5 file (default sec2 driver), or None."""
-    try:
-        fd = int(f.id.get_vfd_handle())
-        os.fstat(fd)
-        return fd
-    except Exception:  # noqa: BLE001 - another driver: no descriptor checks, nothing else
-        return None
-
-

@@ -19,6 +19,7 @@ from synthetic import Synth
 
 import ampdoctor
 from ampdoctor.diagnosis import forecast as F
+from ampdoctor.diagnosis import forecastrows
 from ampdoctor.render.diagnosis import render
 from ampdoctor.runfile.schema import BF16_MAX, FP16_MAX, DType, Kind
 
@@ -270,9 +271,9 @@ def test_a_long_table_is_read_near_the_cut_only(monkeypatch):
             s.stat(i, Kind.OUTPUT, f"layer{j}", absmax=2.0 ** (4 + 0.1 * (i % 120) + j / 10),
                    dtype=int(DType.FLOAT16))
     run = s.run()
-    monkeypatch.setattr(F, "BLOCK", 20)  # 800 rows: 40 blocks
-    monkeypatch.setattr(F, "WHOLE", 4)
-    window = F._rows_near(run, 240, F.NEEDED)
+    monkeypatch.setattr(forecastrows, "BLOCK", 20)  # 800 rows: 40 blocks
+    monkeypatch.setattr(forecastrows, "WHOLE", 4)
+    window = forecastrows.rows_near(run, 240, F.NEEDED)
     assert 0 < window.stats.start and window.stats.stop < len(run.stats)
     for cut in (None, 240, 300):
         whole, near = F.read(run).at(cut), F.forecast(run, until=cut)

@@ -3,8 +3,9 @@
 **Host reads.** ``HostReads`` is a ``TorchFunctionMode`` that sees every tensor method that
 reads a value on the host (``item``, ``tolist``, ``cpu``, ``numpy``, ``bool()``, ``float()``,
 ``.to("cpu")``...) and counts those made by ampdoctor's own code: the first Python frame
-outside torch that led to the call lies in the ampdoctor package (``patches.py`` excepted:
-its wrappers only call the user's own GradScaler or clip function, whose reads are theirs).
+outside torch that led to the call lies in the ampdoctor package (``patches.py`` and the doors
+beside it excepted: their wrappers only call the user's own GradScaler or clip function, whose
+reads are theirs).
 The recorder's host mirrors are told apart honestly: a mirror (``readback.HostMirror``) is a
 host buffer the recorder allocated and filled with a non-blocking copy; reading it once that
 copy has landed reads host memory and syncs nothing. The mode checks each such read is of a
@@ -46,7 +47,8 @@ import ampdoctor
 from ampdoctor.record import readback
 
 PACKAGE = os.path.dirname(os.path.abspath(ampdoctor.__file__))
-PASS_THROUGH = os.path.join(PACKAGE, "record", "patches.py")
+PASS_THROUGH = {os.path.join(PACKAGE, "record", name)
+                for name in ("patches.py", "patching.py", "clipdoors.py", "moduledoors.py")}
 TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 T = torch.Tensor
 READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__float__, T.__int__, T.__index__,
@@ -73,7 +75,7 @@ def _origin(frame):
 
 def _ours(frame) -> bool:
     name = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
-    return name.startswith(PACKAGE + os.sep) and name != PASS_THROUGH
+    return name.startswith(PACKAGE + os.sep) and name not in PASS_THROUGH
 
 
 class HostReads(TorchFunctionMode):

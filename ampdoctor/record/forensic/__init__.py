@@ -6,7 +6,9 @@ capture), ``isolated`` (``preflight`` reuses its guarantees: the RNG saved and p
 the buffers restored) and ``fp8trial`` (the recorder's fp8 trial at close); the others are
 its own parts. Importing this package imports nothing.
 
-- ``forensics``: the facade (``Forensics``): capture each step, trigger, replay, keep, write
+- ``forensics``: the facade (``Forensics``): capture each step, trigger, replay, keep, write;
+  ``capture``: each step's root calls, references only (``StepCapture``); ``policy``: which
+  events are replayed, the rate limit (``EventPolicy``)
 - ``findings``: what the tier reports: ``ForensicEvent``, ``ReplayResult``, ``TraceRow``
 - ``snapshot``: a replay's findings written to the run file (/snapshots, /stats, /arrays)
 - ``kept``: CPU copies of a replayed event's micro-batches, for ``rec.replay(step)`` later

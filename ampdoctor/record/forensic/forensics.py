@@ -6,7 +6,7 @@ states, no device sync), the autocast state, a tensor hook on each root output t
 a reference to the gradient arriving there in backward, weak references to the outputs, a
 reference to the loss, and each torch loss function called after the model (``losscall``).
 Nothing is copied. While micro-batches accumulate, earlier micro-batches' output gradients
-are held only up to ``GRAD_BYTES`` (the latest always is).
+are held only up to ``capture.GRAD_BYTES`` (the latest always is).
 
 **Nothing kept past the step.** When the step ends the tensor hooks are removed from the
 outputs (a user's ``logits`` variable, still bound until the next forward returns, no longer
@@ -42,10 +42,11 @@ Where the loss's backward failed, whether it is singular in fp32 too is checked
 within ``singular.WATCH_STEPS`` steps, its singular op's input held from the loss's graph
 before that step's backward (an ``Event.LOSS_SINGULAR`` row says what it measured).
 
-**Rate limit.** Events close together (at most ``EPISODE_GAP`` steps apart) form an episode.
-In an episode the 1st, 2nd, 4th, 8th... events are replayed (and the next one whenever a
-replay found nothing), and a run replays at most ``max_replays`` times. After that the tier
-disarms: no capture, no sync. A run that skips every step thus costs a handful of replays.
+**Rate limit** (``policy``). Events close together (at most ``EPISODE_GAP`` steps apart) form
+an episode. In an episode the 1st, 2nd, 4th, 8th... events are replayed (and the next one
+whenever a replay found nothing), and a run replays at most ``max_replays`` times. After that
+the tier disarms: no capture, no sync. A run that skips every step thus costs a handful of
+replays.
 
 **No observer effect.** A replay forks the RNG of the CPU and of every initialised CUDA
 device, restores every module buffer it changed bit for bit (BatchNorm running statistics),
@@ -77,21 +78,20 @@ output gradient kept from the event (CPU copies, up to ``KEEP_BYTES`` per event:
 the optimizer since, e.g. the event's step was skipped and was the last one). What the tier
 reports, ``ForensicEvent``, ``ReplayResult`` and its ``TraceRow``s, is in ``findings.py``.
 
-Capture, the trigger policy and the rate limit live here, with the facade the recorder and its
-hooks enter the room through (``.importlinter`` holds them to that); the micro-batch search
-is ``replay.search``. What stands alone lives beside it: ``accum``, ``isolated``, ``kept``,
-``losscall``, ``reproduced``, ``trial``, ``proofs``, ``singular``, ``lrrange`` (the LR range
-test at the first failure, from the state kept at the first step).
+The trigger policy lives here, with the facade the recorder and its hooks enter the room
+through (``.importlinter`` holds them to that); the capture each step is ``capture``'s
+(``StepCapture``, ``forensics.capture``), the rate limit ``policy``'s (``EventPolicy``), the
+micro-batch search ``replay.search``. What stands alone lives beside it: ``accum``,
+``isolated``, ``kept``, ``losscall``, ``reproduced``, ``trial``, ``proofs``, ``singular``,
+``lrrange`` (the LR range test at the first failure, from the state kept at the first step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections import deque
 from dataclasses import replace
-from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
@@ -105,26 +105,19 @@ from ..sampler import tensors_in
 from ..steplog import StepLog
 from ..steps import columns, device_values, fetch
 from ..watched import Watched
-from . import compiled_replay, findings, losscall, proofs, replay, snapshot
+from . import compiled_replay, findings, proofs, replay, snapshot
+from .capture import StepCapture, nbytes
 from .culprit import Culprit
 from .findings import TRIGGERS, ForensicEvent, ReplayResult
-from .isolated import preserved, rng_devices, rng_state
-from .kept import Kept, offload, reload, versions
+from .isolated import preserved, rng_devices
+from .kept import Kept, offload, reload
 from .lrrange import RangeTest
-from .trace import Capture, Gone, Trace, outputs_of, root_name, unwrap
+from .policy import GRAD_REPLAY_RUN, EventPolicy
+from .trace import Capture, Trace, root_name, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, rerun_step
 
 KEEP_BYTES = 64 << 20  # CPU copies kept per replayed event for rec.replay
-GRAD_BYTES = 256 << 20  # output gradients held for earlier micro-batches of one step
-MAX_CAPTURES = 64  # root calls held per step (oldest dropped beyond)
-MAX_LOSS_CALLS = 8  # torch loss function calls held per root call
 HISTORY = 64  # steps of scale/LR/grad-norm history in a snapshot's detail
-EPISODE_GAP = 16  # events at most this many steps apart belong to one episode
-# A skipped step whose loss is finite is GradScaler calibrating or probing (gradients overflow
-# at too high a scale) far more often than a failure: the first such step is replayed, then
-# only an overflow that has lasted this many steps in a row (deeper than a calibration from
-# 2**16 usually goes), so that the budget is left for the failures that follow.
-GRAD_REPLAY_RUN = 8
 MAX_EVENTS = 1024  # entries kept in rec.events
 
 
@@ -139,28 +132,20 @@ class Forensics:
         self.max_replays = max_replays
         self.strict = strict
         self.replays = 0  # replays that wrote a snapshot
-        self.captures: list[Capture] = []
         self.events: list[ForensicEvent] = []
         self.replaying = False
-        self.dropped = 0  # root calls dropped this step (MAX_CAPTURES)
+        self.capture = StepCapture(self)  # this step's root calls, references only
+        self.policy = EventPolicy()  # which events are replayed (the rate limit)
         self._history: deque = deque(maxlen=HISTORY)
-        self._episode = (-1, -EPISODE_GAP - 1, 0, True)  # start, last event, events, found
-        # finite-loss skips: last step, run length, and None / "calibrated" (the initial
-        # calibration was seen) / "replayed" (the first later one was replayed)
-        self._overflows: tuple[int, int, Optional[str]] = (-2, 0, None)
         self._kept: dict[int, Kept] = {}
         self._too_big: set[int] = set()
-        self._devices: list = rng_devices()
-        self._hooks: list = []  # handles of this step's output-gradient hooks
-        self.held: Optional[tuple] = None  # (captures, dropped) of a step not decided yet
-        self._loss_budget = [losscall.HELD_BYTES]  # loss arguments held by reference
         self.prover = proofs.Prover(self)  # the fixes tried on a located failure's step
         self.recompiled = 0  # compiled replays run (compiled_replay.MAX_REPLAYS)
         self.lrrange = RangeTest(self)  # the LR range test from the first state, at the failure
 
     def context(self) -> replay.ReplayContext:
         """What a replay of this step needs of the recorder (``replay.ReplayContext``)."""
-        return replay.ReplayContext(self.watched, self._devices, self.strict)
+        return replay.ReplayContext(self.watched, self.capture.devices, self.strict)
 
     @property
     def armed(self) -> bool:
@@ -169,123 +154,18 @@ class Forensics:
 
     # -- every step: references only --------------------------------------------------------
 
-    def begin_step(self) -> None:
-        self._unhook()
-        self.captures = []
-        self.dropped = 0
-        self._devices = rng_devices()
-        self._loss_budget = [losscall.HELD_BYTES]
+    @property
+    def captures(self) -> list[Capture]:
+        """This step's root calls (``capture.StepCapture``)."""
+        return self.capture.captures
 
     def end_step(self, step: Any, hold: bool = False) -> None:
-        """The step is over: its output-gradient hooks go, and its captures with them, unless
-        ``hold`` (its skip is decided at the next step's start; ``release_held`` then)."""
+        """The step is over: its row joins the history, its captures go (unless ``hold``:
+        ``StepCapture.end_step``)."""
         row = self.log.latest
         if row is not None and row.step == step.index:
             self._history.append(row)  # host fields and device values: no copy, no sync
-        self._unhook()
-        self.held = (self.captures, self.dropped) if hold and self.captures else None
-        self.begin_step()
-
-    def keep_roots(self, root_ids: set[int]) -> None:
-        """The first step's discovery dropped a root (no optimizer trains it): its calls are
-        not the step's, nor replayed with it."""
-        self.captures = [c for c in self.captures if id(c.root) in root_ids]
-
-    def release_held(self) -> None:
-        self.held = None
-
-    def _unhook(self) -> None:
-        hooks, self._hooks = self._hooks, []
-        for handle in hooks:
-            handle.remove()
-
-    def capture_inputs(self, root: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.replaying or not torch.is_grad_enabled():
-            return
-        if len(self.captures) >= MAX_CAPTURES:
-            self.captures.pop(0)
-            self.dropped += 1
-        if self.captures:  # a new micro-batch: the previous ones' backward is done
-            self._bound_held_grads()
-        device = self.watched.device.type if self.watched.device is not None else "cpu"
-        seen = self.watched.autocast_seen  # (enabled, dtype), just read by the recorder
-        enabled, dtype = seen if seen is not None else (False, None)
-        st = self.log.step
-        self.captures.append(Capture(root, args, dict(kwargs), rng_state(self._devices),
-                                     (device, enabled, dtype, torch.is_autocast_cache_enabled()),
-                                     micro=st.micro if st else 0,
-                                     versions=versions((args, kwargs)), open=True))
-
-    def capture_kwargs(self, root: torch.nn.Module, kwargs: dict) -> None:
-        """Keyword arguments of the latest root call, known only after it (discovery mode:
-        a global forward pre-hook gets no kwargs)."""
-        cap = self.captures[-1] if self.captures else None
-        if cap is not None and cap.root is root:
-            cap.kwargs = dict(kwargs)
-            cap.versions = versions((cap.args, cap.kwargs))
-
-    def capture_output(self, root: torch.nn.Module, output: Any) -> None:
-        if self.replaying or not self.captures or self.captures[-1].root is not root or \
-                not self.captures[-1].open:
-            return  # (a call under no_grad after it was not captured: it is not this one)
-        cap = self.captures[-1]
-        cap.open = False
-        outs = list(tensors_in(output))
-        cap.outputs = [weakref.ref(t) for t in outs]  # measured on the event only
-        if self.watched.sharding is not None:
-            return  # never replayed: its output gradients would be held for nothing
-        # Each output's node (the loss's graph's end, what a later model's input may be made
-        # from: trace.feeds), dropped with the capture at the end of the step.
-        cap.output_meta = [Gone(t.grad_fn, t.output_nr, t.shape) if t.grad_fn is not None
-                           else None for t in outs]
-        grads = cap.grads
-        for i, t in enumerate(outs):
-            # A leaf (a parameter handed back) would keep the hook after the step: skip it.
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                # The hook holds the dict and nothing else: a hook that reached the output
-                # tensor (through the capture, or this recorder and the step's loss) would
-                # make a cycle through autograd's C++ hook table that Python's collector
-                # cannot see, and leak each step's graph.
-                self._hooks.append(t.register_hook(partial(_keep_grad, grads, i)))
-
-    def capture_loss(self, loss: torch.Tensor, scaled: bool) -> None:
-        """The loss of the latest root call (a reference), and whether GradScaler scaled it:
-        the gradient reaching it is then the scale, in the loss's dtype."""
-        if self.replaying or not self.captures or loss.grad_fn is None:
-            return
-        cap = self.captures[-1]
-        cap.losses.append((loss.detach(), {"scaled": scaled}))
-        if self.prover.watching(self.log.step):
-            self.prover.read(cap, loss)
-
-    def capture_loss_call(self, name: str, fn: Any, args: tuple, kwargs: dict,
-                          out: Any) -> None:
-        """A torch loss function's call after the latest root call, held for a replay to
-        compute it again (``losscall.capture``: references only). One made while the root
-        call is still running is the model's own, replayed with it."""
-        if self.replaying or not self.captures or not torch.is_grad_enabled() or \
-                self.watched.sharding is not None:  # (never replayed)
-            return
-        cap = self.captures[-1]
-        if cap.open or len(cap.loss_calls) >= MAX_LOSS_CALLS:
-            return
-        calls = [outputs_of(c) for c in self.captures[::-1][:losscall.EARLIER_CALLS + 1]]
-        call = losscall.capture(name, fn, args, kwargs, out, calls, self._loss_budget,
-                                self._hooks)
-        if call is not None:
-            cap.loss_calls.append(call)
-
-    def _bound_held_grads(self) -> None:
-        """Earlier micro-batches' output gradients are what accumulation would have freed:
-        keep them within GRAD_BYTES, oldest dropped first (the step's last is always kept)."""
-        held = sum(_nbytes(c.grads.values()) for c in self.captures)
-        for old in self.captures:
-            if held <= GRAD_BYTES:
-                break
-            if old.grads:
-                held -= _nbytes(old.grads.values())
-                old.grads.clear()
-                old.grads_dropped = True
+        self.capture.end_step(hold)
 
     # -- on the event -----------------------------------------------------------------------
 
@@ -303,19 +183,20 @@ class Forensics:
         ev = ForensicEvent(step.index, TRIGGERS.get(why, why.name.lower()))
         if len(self.events) < MAX_EVENTS:
             self.events.append(ev)
-        captures, dropped = (self.held or ([], 0)) if held else (self.captures, self.dropped)
+        cap = self.capture
+        captures, dropped = (cap.held or ([], 0)) if held else (cap.captures, cap.dropped)
         self.prover.at_event(step, captures)
         if not captures:
             ev.note = ("not replayed: no call of the model with grad enabled was captured in "
                        "this step (in discovery mode the model is known after its first step)")
             return None
         unsafe = self.unsafe(captures)
-        if self._calibrating(step, why):
+        if self.policy.calibrating(step, why):
             ev.note = ("not replayed: gradients overflowed with a finite loss, as while "
                        "GradScaler calibrates (the first such step is replayed, then one that "
                        f"has lasted {GRAD_REPLAY_RUN} steps in a row)")
             return None
-        start, due = self._due(step.index)
+        start, due = self.policy.due(step.index)
         if not due:
             ev.note = f"not replayed: same episode as step {start} (rate limit)"
             return None
@@ -338,7 +219,7 @@ class Forensics:
         ev.replayed, ev.result = True, result
         explained = finding.phase not in (Phase.NONE, Phase.UNKNOWN) or \
             bool(finding.detail.stale_grads)
-        self._episode = self._episode[:3] + (explained,)
+        self.policy.found(explained)
         result.snapshot = self._write(step, why, result, trace, finding, captures)
         stale = finding.detail.stale_grads
         if stale:  # not an accumulation overflow: _search checked that first
@@ -371,11 +252,11 @@ class Forensics:
             result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
             self._note_history(result, step)
             ev.replayed, ev.result = True, result
-            self._episode = self._episode[:3] + (True,)
+            self.policy.found(True)
             result.snapshot = self._write(step, why, result, trace, finding, captures)
             self._note_input(finding, step)
             return result.snapshot
-        self._episode = self._episode[:3] + (False,)
+        self.policy.found(False)
         ev.note = (f"not replayed: {unsafe} runs collectives in its forward, and a replay on "
                    "one rank would wait for the others; the batch on this rank was finite")
         return None
@@ -385,36 +266,6 @@ class Forensics:
         if finding.phase == Phase.INPUT:
             labels = [b.label or "?" for b in finding.detail.bad_inputs]
             self.journal.event(Event.NONFINITE_INPUT, step, text=", ".join(labels[:4]))
-
-    def _calibrating(self, step: Any, why: Event) -> bool:
-        """A skip with a finite loss that is not the first one, nor the GRAD_REPLAY_RUN-th of a
-        run of them: GradScaler adjusting its scale, not worth a replay.
-
-        The skips from step 0 on (GradScaler's first calibration at its initial scale) do not
-        use up "the first one": their first is replayed, and so is the first later
-        finite-loss skip that comes after the scale held for GRAD_REPLAY_RUN applied steps,
-        where a failure begins (an overflow in the loss's backward skips at every scale and
-        would otherwise only be replayed after 8 in a row). Skips closer to the calibration
-        are the scale still settling."""
-        if why != Event.SKIPPED or getattr(step, "loss_nonfinite", None) is not False:
-            return False
-        last, run, seen = self._overflows
-        applied = step.index - last - 1  # steps since the last finite-loss skip
-        run = run + 1 if step.index == last + 1 else 1
-        if step.index == run - 1:  # every step so far was skipped: the initial calibration
-            self._overflows = (step.index, run, "calibrated")
-            return run != 1 and run != GRAD_REPLAY_RUN
-        first = seen is None or (seen == "calibrated" and applied >= GRAD_REPLAY_RUN)
-        self._overflows = (step.index, run, "replayed" if first else seen)
-        return not first and run != GRAD_REPLAY_RUN
-
-    def _due(self, index: int) -> tuple[int, bool]:
-        start, last, n, found = self._episode
-        if index - last > EPISODE_GAP:
-            start, n, found = index, 0, True
-        n += 1
-        self._episode = (start, index, n, found)
-        return start, (n & (n - 1)) == 0 or not found
 
     def replay(self, step: int) -> ReplayResult:
         """Re-run a replayed event's micro-batches now (see the module docstring)."""
@@ -530,8 +381,8 @@ class Forensics:
     def _keep_for_later(self, step: int, captures: list, scale: Optional[float]) -> None:
         """CPU copies of the step's micro-batches within KEEP_BYTES; the output gradients
         go first when over it (a later replay is then forward-only)."""
-        inputs = sum(_nbytes(tensors_in((c.args, c.kwargs))) for c in captures)
-        grads = sum(_nbytes(c.grads.values()) for c in captures)
+        inputs = sum(nbytes(tensors_in((c.args, c.kwargs))) for c in captures)
+        grads = sum(nbytes(c.grads.values()) for c in captures)
         if not captures or inputs > KEEP_BYTES:
             self._too_big.add(step)
             return
@@ -567,20 +418,6 @@ class Forensics:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _keep_grad(grads: dict, index: int, grad: torch.Tensor) -> None:
-    """Tensor hook on a root output: keep a reference to the gradient arriving there."""
-    if grad is None:  # an output of a compiled (AOT autograd) region that no loss reached
-        return
-    if grad.requires_grad:  # create_graph=True: keep the value, not its graph
-        grad = grad.detach()
-    prev = grads.get(index)
-    grads[index] = grad if prev is None else prev + grad
-
-
-def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _param_versions(roots: list) -> tuple:

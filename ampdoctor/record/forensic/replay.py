@@ -148,6 +148,15 @@ def search(captures: list, ctx: ReplayContext, scale: Optional[float], stale_che
         return unreproduced
     if last is None:  # _run replays only a step with captures
         raise RuntimeError("no micro-batch to replay")
+    return _none_located(last, captures, ctx, stale_check, earlier)
+
+
+def _none_located(last: tuple, captures: list, ctx: ReplayContext, stale_check: bool,
+                  earlier: bool) -> tuple[Optional[Trace], Culprit, int]:
+    """``search``'s answer where no micro-batch's replay located the failure, from the last
+    one replayed: an accumulation overflow, stale gradients, a batch changed in place, or a
+    failure the replay did not repeat."""
+    names = ctx.names
     trace, finding, micro = last
     stale = _stale_grads(ctx.watched) if stale_check else []
     accum = overflow(ctx.watched, captures, stale) if stale and len(captures) > 1 else None

@@ -1,7 +1,7 @@
 """Steps of several models, replayed as a chain (``record/forensic/forensics.py``,
 ``trial.rerun_chain``): a generator feeding a discriminator whose attention overflows fp16, and
 neural style transfer, whose only trained tensor is the image, fed to a frozen extractor and
-then to a parameter-free Gram matrix (``watched.Watched.adopt_discovered``). Tiny models under
+then to a parameter-free Gram matrix (``discovery.RootDiscovery.adopt``). Tiny models under
 ``ampdoctor.watch`` with no model given, as ``ampdoctor record`` discovers them."""
 
 import json

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from culprits import ExpNet, FastExp, batches, make, scaler, train
 
 import ampdoctor
-from ampdoctor.record.forensic import forensics, losscall, snapshot, trial
+from ampdoctor.record.forensic import capture, forensics, losscall, policy, snapshot, trial
 from ampdoctor.record.forensic.trial import Trial
 from ampdoctor.runfile.schema import Event, Kind, Phase, Source
 
@@ -474,7 +474,7 @@ def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_p
 
 
 def test_earlier_micro_batch_gradients_are_bounded(run_path, monkeypatch):
-    monkeypatch.setattr(forensics, "GRAD_BYTES", 0)  # only the latest micro-batch's is held
+    monkeypatch.setattr(capture, "GRAD_BYTES", 0)  # only the latest micro-batch's is held
     model = make(ClampNet)
     sc = scaler(2.0**8)
     with record(run_path, model, sc) as rec:
@@ -620,8 +620,8 @@ def test_replays_stop_at_max_replays_and_capture_stops_with_them(run_path):
 def test_separate_episodes_each_get_a_replay(run_path):
     model = make(ExpNet)
     sc = scaler(2.0**10)
-    data = batches(2 + forensics.EPISODE_GAP + 3)
-    bad = [1, 2 + forensics.EPISODE_GAP + 1]
+    data = batches(2 + policy.EPISODE_GAP + 3)
+    bad = [1, 2 + policy.EPISODE_GAP + 1]
     for i in bad:
         data[i] = (data[i][0] * 40, data[i][1])
     with record(run_path, model, sc) as rec:
@@ -1051,11 +1051,11 @@ def test_loss_calls_are_held_by_reference_and_dropped_at_the_step_end(run_path):
         assert made.cast[0] == torch.float32 and made.view is not None
         rebuilt = made.rebuild([out])
         assert torch.equal(rebuilt, out.float().view(-1, 4))
-        hooks = len(rec.forensics._hooks)
+        hooks = len(rec.forensics.capture._hooks)
         loss.backward()
         assert call.grads[0].shape == ()  # the gradient that reached the loss
         model.opt.step()
-        assert rec.forensics.captures == [] and len(rec.forensics._hooks) < hooks
+        assert rec.forensics.captures == [] and len(rec.forensics.capture._hooks) < hooks
 
 
 class LossInside(nn.Module):

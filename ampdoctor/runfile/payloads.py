@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar
@@ -368,17 +369,16 @@ class SnapshotDetail(Payload):
         return value if isinstance(value, kind) else None
 
 
-class HiddenNonfinite(Payload):
-    """``Event.HIDDEN_NONFINITE`` text (record/hooks.py; diagnosis/facts.py)."""
+@dataclass(frozen=True)
+class HiddenNonfinite(records.Record):
+    """``Event.HIDDEN_NONFINITE`` text (record/sampledstep.py; diagnosis/events.py): an op
+    inside a module whose output stayed finite made inf/NaN."""
 
-    NAME = "a HIDDEN_NONFINITE event's text"
-    KEYS = {
-        "op": Key(str, "the op that made inf/NaN", "?"),
-        "dtype": Key(str, "the dtype of the op's result", ""),
-        "inner": Key(str, "the module running the op: this one or one inside it"),
-        "index": Key(int, "ops probed before it in the step", 0),
-        "ops": Key(int, "ops of the step that made one in this module", 1),
-    }
+    op: str = "?"  # the op that made inf/NaN
+    dtype: str = ""  # the dtype of the op's result
+    inner: str | None = None  # the module running the op: this one or one inside it
+    index: int = 0  # ops probed before it in the step
+    ops: int = 1  # ops of the step that made one in this module
 
 
 class LossSingular(Payload):
@@ -395,17 +395,15 @@ class LossSingular(Payload):
         return value if isinstance(value, list) else []
 
 
-class FlatLossProbe(Payload):
-    """``Event.FLAT_LOSS_PROBE`` text (record/flatloss.py via record/hooks.py;
-    diagnosis/facts.py)."""
+@dataclass(frozen=True)
+class FlatLossProbe(records.Record):
+    """``Event.FLAT_LOSS_PROBE`` text (record/flatloss.py via record/sampledstep.py;
+    diagnosis/events.py): why a step was probed although not due."""
 
-    NAME = "a FLAT_LOSS_PROBE event's text"
-    KEYS = {
-        "start": Key(float, "median of the run's first losses", float("nan")),
-        "recent": Key(float, "median of the last ten losses", float("nan")),
-        "flat_steps": Key(int, "steps in a row the loss had not fallen, when armed", 0),
-        "probe": Key(int, "which probe of the run, from 1", 0),
-    }
+    start: float = math.nan  # median of the run's first losses
+    recent: float = math.nan  # median of the last ten losses
+    flat_steps: int = 0  # steps in a row the loss had not fallen, when armed
+    probe: int = 0  # which probe of the run, from 1
 
 
 class Fp8Trial(Payload):
@@ -438,4 +436,4 @@ class Fp8Trial(Payload):
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail,
-    CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)
+    CompiledReplay, LossSingular, Fp8Trial, LrRange)

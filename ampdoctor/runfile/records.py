@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -61,6 +62,20 @@ class Record:
                 value = str(value)
             out[self.NAMES.get(f.name, f.name)] = plain(value)
         return out
+
+    def to_text(self) -> str:
+        """The JSON text of ``to_json()``: an event's ``text`` (what ``json.dumps`` writes of
+        the same plain dict, a value JSON cannot hold as its ``str``)."""
+        return json.dumps(self.to_json(), default=str)
+
+    @classmethod
+    def from_text(cls: type[R], text: Any) -> R:
+        """The record in the JSON ``text``; all defaults where it is empty or not JSON."""
+        try:
+            value = json.loads(text) if text else {}
+        except (ValueError, TypeError):
+            value = {}
+        return cls.from_json(value)
 
     def omitted(self) -> frozenset[str]:
         """The fields left out while None: ``OMIT`` (a record of two shapes narrows it)."""

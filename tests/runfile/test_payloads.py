@@ -136,9 +136,7 @@ def test_every_declared_key_is_used():
     'f.detail["reproducd"] = True',                       # a writer's typo
     'x = s["detail"].get("stale_grad")',                  # a reader's
     'd = SnapshotDetail.of(snap["detail"])\nd.get("weight_nonfinite")',
-    'flat = FlatLossProbe(start=1.0, recnt=2.0)',
     'ok = "fp32_eror" in finding.detail',
-    'e = HiddenNonfinite.from_json(text)\ne["opp"]',
     'got = SnapshotDetail.of(snap["detail"]).part("compiled")\ngot.get("reproducd")',
     'x = d.detail.part("recordd")',
 ])
@@ -165,8 +163,9 @@ def test_missing_keys_read_as_their_default_and_newer_keys_are_kept():
     assert d.get("micro_batches") == 1 and d["micro_batches"] == 1 and d.get("how") is None
     assert d.get("how", "") == ""
     assert json.loads(d.to_json())["from_a_newer_writer"] == [1]
-    probe = payloads.FlatLossProbe.from_json("")
-    assert math.isnan(probe.get("start")) and probe.get("probe") == 0
+    probe = payloads.FlatLossProbe.from_text("")
+    assert math.isnan(probe.start) and probe.probe == 0
+    assert payloads.HiddenNonfinite.from_text("not json").op == "?"
     for damaged in ("[1, 2]", "not json", None, "3"):
         assert SnapshotDetail.from_json(damaged) == {}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar
 
 from . import records
@@ -167,24 +167,53 @@ def _written(value: Any) -> Any:
     return value.to_json() if isinstance(value, records.Record) else str(value)
 
 
-class CompiledReplay(Payload):
-    """``detail["compiled"]``: a compiled model's finite replay run again compiled, each
-    rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py)."""
+@dataclass(frozen=True)
+class CompiledOp(records.Record):
+    """A compiled replay's ``op``: the first graph node non-finite from finite inputs
+    (record/forensic/compiled_replay.py's probe), the keys that apply."""
 
-    NAME = "a snapshot's compiled"
-    KEYS = {
-        "regions": Key(list, "the compiled regions, by module name", []),
-        "reproduced": Key(bool, "the step compiled again is non-finite"),
-        "rungs": Key(list, "per backend (aot_eager, decomposed, inductor): backend, finite, "
-                     "outcome, op, error", []),
-        "backend": Key(str, "the lowest backend whose step is non-finite"),
-        "region": Key(str, "the region that reproduces (compiled alone, where several)"),
-        "alone": Key(list, "the regions that reproduce compiled alone"),
-        "op": Key(dict, "the first graph node non-finite from finite inputs: graph, node, op, "
-                  "decomposed_from, source, module"),
-        "error": Key(str, "the exception the compiled replay raised"),
-        "seconds": Key(float, "time the compiled replay took"),
-    }
+    graph: str = "forward"  # "forward" or "backward"
+    node: str = ""  # the FX node's name
+    op: str = ""  # its op
+    decomposed_from: str | None = None  # the op it was decomposed from, where another
+    source: str | None = None  # "file:line: code" of the user's source
+    module: str | None = None  # its module, by the recorder's name
+
+    OMIT = frozenset({"decomposed_from", "source", "module"})
+
+
+@dataclass(frozen=True)
+class CompiledRung(records.Record):
+    """One rung of a compiled replay: the step with every region compiled by one backend."""
+
+    backend: str = ""  # aot_eager, decomposed, inductor
+    finite: bool | None = None  # None: not run
+    outcome: TrialOutcome | None = None  # the re-run (detail.py); None: not run
+    op: CompiledOp | None = None  # the first non-finite node, where probed
+    error: str | None = None  # why it did not run
+
+    OMIT = frozenset({"op", "error"})
+
+
+@dataclass
+class CompiledReplay(records.Record):
+    """``detail["compiled"]``: a compiled model's finite replay run again compiled, each
+    rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py).
+    Not frozen: the replay fills it in as it goes. The keys that apply are written, in the
+    order they were found."""
+
+    regions: list[str] = field(default_factory=list)  # the compiled regions, by module name
+    reproduced: bool | None = None  # the step compiled again is non-finite
+    rungs: list[CompiledRung] | None = None  # per backend, lowest first (None: none ran)
+    backend: str | None = None  # the lowest backend whose step is non-finite
+    op: CompiledOp | None = None  # the first non-finite node of the lowest rung that found one
+    alone: list[str] | None = None  # the regions that reproduce compiled alone (of several)
+    region: str | None = None  # the region that reproduces (compiled alone, where several)
+    error: str | None = None  # the exception the compiled replay raised
+    seconds: float | None = None  # time the compiled replay took
+
+    OMIT = frozenset({"rungs", "backend", "op", "alone", "region", "error", "seconds"})
+
 
 class LrRange(Payload):
     """``detail["lr_range"]``: the LR range test run from the run's first state at the first
@@ -364,6 +393,10 @@ class SnapshotDetail(Payload):
     def loss_singular_fp32(self) -> LossDerivative | None:
         return self._record("loss_singular_fp32", LossDerivative)
 
+    @property
+    def compiled(self) -> CompiledReplay | None:
+        return self._record("compiled", CompiledReplay)
+
     def _record(self, key: str, kind: type[R]) -> R | None:
         value = self.get(key)
         return value if isinstance(value, kind) else None
@@ -436,4 +469,4 @@ class Fp8Trial(Payload):
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail,
-    CompiledReplay, LossSingular, Fp8Trial, LrRange)
+    LossSingular, Fp8Trial, LrRange)

@@ -215,40 +215,60 @@ class CompiledReplay(records.Record):
     OMIT = frozenset({"rungs", "backend", "op", "alone", "region", "error", "seconds"})
 
 
-class LrRange(Payload):
+@dataclass(frozen=True)
+class LrRung(records.Record):
+    """One rung of the LR range test: ``LrRange.STEPS`` steps from the kept state at the
+    failing LR times ``factor``."""
+
+    factor: float = 0.0
+    lr: float | None = None  # the largest group LR it ran
+    finite: bool = False  # every loss finite
+    losses: list[float] = field(default_factory=list)  # the first at the kept state
+    skipped: int = 0  # steps a GradScaler skipped
+    seconds: float = 0.0
+
+    AS_TEXT = frozenset({"losses"})
+
+
+@dataclass
+class LrRange(records.Record):
     """``detail["lr_range"]``: the LR range test run from the run's first state at the first
     failure, or /meta ``lr_range`` where the loss rose with no non-finite value
     (record/forensic/lrrange.py; diagnosis/lrrange.py). ``trains`` is the one test of
-    a rung both sides use: the recorder stops one rung below the first that trains."""
+    a rung both sides use: the recorder stops one rung below the first that trains. Not
+    frozen: the ladder fills it in as it goes. A test that ran writes ``state`` to
+    ``max_norm`` (null where no clip); one that did not, its ``note``."""
 
-    NAME = "a snapshot's lr_range"
     STEPS: ClassVar[int] = 12  # optimizer steps per rung
     # A rung trains when every loss is finite and its last is this fraction below its first.
     FALL: ClassVar[float] = 0.05
-    KEYS = {
-        "state": Key(str, "the state trained from: 'start' (before the first update)"),
-        "state_step": Key(int, "the step whose weights and optimizer state were kept"),
-        "event_step": Key(int, "the failing step"),
-        "lr": Key(float, "the largest group LR the failing step ran with"),
-        "batch": Key(str, "which batches the rungs train on"),
-        "steps": Key(int, "optimizer steps per rung"),
-        "optimizer": Key(str, "the optimizer's class"),
-        "max_norm": Key(float, "the user's own clip, applied in the trial"),
-        "rungs": Key(list, "each rung: factor, lr, losses (the first at the kept state), "
-                     "finite, skipped, seconds", []),
-        "stopped": Key(str, "why the ladder stopped before a rung trained"),
-        "note": Key(str, "why no trial ran"),
-        "trigger": Key(str, "a divergence with no non-finite value: what rose (then the test "
-                       "is /meta lr_range, not a snapshot's)"),
-        "seconds": Key(float, "time the whole test took"),
-    }
+
+    state: str | None = None  # the state trained from: "start" (before the first update)
+    state_step: int | None = None  # the step whose weights and optimizer state were kept
+    event_step: int | None = None  # the failing step
+    lr: float | None = None  # the largest group LR the failing step ran with
+    batch: str | None = None  # which batches the rungs train on
+    steps: int | None = None  # optimizer steps per rung
+    rungs: list[LrRung] | None = None  # in the order they ran
+    optimizer: str | None = None  # the optimizer's class
+    max_norm: float | None = None  # the user's own clip, applied in the trial
+    stopped: str | None = None  # why the ladder stopped before a rung trained
+    note: str | None = None  # why no trial ran
+    # a divergence with no non-finite value: what rose (then the test is /meta lr_range)
+    trigger: str | None = None
+    seconds: float | None = None  # time the whole test took
+
+    OMIT = frozenset({"state", "state_step", "event_step", "lr", "batch", "steps", "rungs",
+                      "optimizer", "max_norm", "stopped", "note", "trigger", "seconds"})
+
+    def omitted(self) -> frozenset[str]:
+        return self.OMIT - {"max_norm"} if self.state is not None else self.OMIT
 
     @classmethod
-    def trains(cls, rung: Any) -> bool:
+    def trains(cls, rung: LrRung) -> bool:
         """Every loss finite over the rung's steps, the last ``FALL`` below the first."""
-        losses = rung.get("losses") if isinstance(rung, dict) else None
-        if not isinstance(losses, list) or len(losses) < 2 or not rung.get("finite") or \
-                not all(isinstance(x, (int, float)) for x in losses):
+        losses = rung.losses
+        if len(losses) < 2 or not rung.finite or not all(math.isfinite(x) for x in losses):
             return False
         first, last = float(losses[0]), float(losses[-1])
         return last <= first - cls.FALL * abs(first)
@@ -394,6 +414,10 @@ class SnapshotDetail(Payload):
         return self._record("loss_singular_fp32", LossDerivative)
 
     @property
+    def lr_range(self) -> LrRange | None:
+        return self._record("lr_range", LrRange)
+
+    @property
     def compiled(self) -> CompiledReplay | None:
         return self._record("compiled", CompiledReplay)
 
@@ -469,4 +493,4 @@ class Fp8Trial(Payload):
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail,
-    LossSingular, Fp8Trial, LrRange)
+    LossSingular, Fp8Trial)

@@ -10,7 +10,8 @@ file lacks, or a value not of the field's type, reads as the field's default (th
 older format gets); a key the record does not declare is not read. ``to_json`` writes each
 field under its name (``NAMES`` where a JSON key is a Python keyword), in declaration order,
 leaving out the fields named in ``OMIT`` while they are None (keys a writer adds only where
-they apply) and writing the floats named in ``AS_TEXT`` as text where not finite, so that a
+they apply) and writing the floats named in ``AS_TEXT`` (or a list's floats) as text where not
+finite, so that a
 record writes the same JSON the plain dict it replaced wrote; a float read as that text is
 the number again.
 
@@ -58,8 +59,8 @@ class Record:
             value = getattr(self, f.name)
             if value is None and f.name in omit:
                 continue
-            if f.name in self.AS_TEXT and isinstance(value, float) and not math.isfinite(value):
-                value = str(value)
+            if f.name in self.AS_TEXT:
+                value = [_text(v) for v in value] if isinstance(value, list) else _text(value)
             out[self.NAMES.get(f.name, f.name)] = plain(value)
         return out
 
@@ -97,6 +98,10 @@ class Record:
                 if got is not _BAD:
                     found[f.name] = got
         return cast(Any, cls)(**found)
+
+
+def _text(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def plain(value: Any) -> Any:

@@ -28,6 +28,7 @@ from ..errors import RunFileError
 from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
 from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
+from .payloads import LrRange
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
 
@@ -281,10 +282,11 @@ class Run:
         return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, dict)}
 
     @property
-    def lr_range(self) -> dict[str, Any] | None:
-        """The LR range test run at a divergence with no non-finite value (its keys:
-        ``payloads.LrRange``); None where none ran there."""
-        return self._meta_dict("lr_range")
+    def lr_range(self) -> LrRange | None:
+        """The LR range test run at a divergence with no non-finite value (with its
+        ``trigger``); None where none ran there."""
+        value = self._meta_dict("lr_range")
+        return None if value is None else LrRange.from_json(value)
 
     @property
     def optimizers(self) -> list[OptimizerInfo]:

@@ -173,3 +173,21 @@ def test_the_json_written_is_what_a_plain_dict_writes():
     value = {"summary": "x", "trials": [{"fix": "a", "v": math.inf}], "history": {"lr": [1e-3]},
              "weights_nonfinite": ["w"], "op": object()}
     assert SnapshotDetail(value).to_json() == json.dumps(value, default=str)
+
+
+def test_a_record_writes_the_keys_its_writer_set_in_the_order_the_dict_it_replaced_did():
+    ran = payloads.LrRange(state="start", state_step=0, event_step=8, lr=0.1, batch="b",
+                           steps=12, rungs=[payloads.LrRung(factor=1.0, lr=0.1,
+                                                            losses=[2.0, math.inf])],
+                           optimizer="SGD", seconds=1.5)
+    assert list(json.loads(ran.to_text())) == ["state", "state_step", "event_step", "lr",
+                                               "batch", "steps", "rungs", "optimizer",
+                                               "max_norm", "seconds"]  # no clip: null
+    assert ran.to_json()["rungs"][0]["losses"] == [2.0, "inf"]  # as text where not finite
+    back = payloads.LrRange.from_text(ran.to_text())
+    assert back.rungs is not None and math.isinf(back.rungs[0].losses[1])
+    assert not payloads.LrRange.trains(back.rungs[0])
+    note = payloads.LrRange(note="why", seconds=0.1)
+    assert note.to_text() == json.dumps({"note": "why", "seconds": 0.1})
+    op = payloads.CompiledOp(graph="forward", node="cosh", op="aten.cosh", module="1")
+    assert list(op.to_json()) == ["graph", "node", "op", "module"]

@@ -143,7 +143,7 @@ def fp8_trial(run: Any) -> Fp8Trial:
     if ev is None or not len(ev):
         return Fp8Trial()
     rows = ev[ev["kind"] == int(Event.FP8_TRIAL)]
-    return Fp8Trial.from_json(rows["text"][-1] if len(rows) else "")
+    return Fp8Trial.from_text(rows["text"][-1] if len(rows) else "")
 
 
 def own_trial(run: Any) -> dict:
@@ -151,11 +151,11 @@ def own_trial(run: Any) -> dict:
     (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
     precision or cast row-wise, measured against it, with the trial's ``step``); {} where
     none ran."""
-    trial = Fp8Trial.of(fp8_trial(run))
-    own = trial["own"]
-    if not isinstance(own, dict) or "as_recorded" not in own:
+    trial = fp8_trial(run)
+    own = trial.own
+    if own is None or "as_recorded" not in own:
         return {}
-    return dict(own, step=trial["step"])
+    return dict(own, step=trial.step if trial.step is not None else -1)
 
 
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:

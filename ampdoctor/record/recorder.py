@@ -248,8 +248,8 @@ class Recorder:
         try:
             result = trial.run(self._log.steps - 1)
             if result is not None:
-                self._journal.event(Event.FP8_TRIAL, None, value=float(result["runs"]),
-                                    text=result.to_json())
+                self._journal.event(Event.FP8_TRIAL, None, value=float(result.runs or 0),
+                                    text=result.to_text())
         except Exception as exc:  # noqa: BLE001
             if self.strict:
                 raise

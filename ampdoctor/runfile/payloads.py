@@ -463,34 +463,60 @@ class FlatLossProbe(records.Record):
     probe: int = 0  # which probe of the run, from 1
 
 
-class Fp8Trial(Payload):
-    """``Event.FP8_TRIAL`` text (record/forensic/fp8trial.py; release/fp8.py). An effect is
-    {"loss", "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"}
-    against the step re-run as recorded ("inf"/"nan" as strings); a recipe is {"all",
-    "layers": {NAME: effect}, "keep": [NAME...], "all_but_keep", "untried": [NAME...]}."""
+@dataclass
+class Fp8Recipe(records.Record):
+    """One recipe of the fp8 trial (``Fp8Trial.recipes``). An effect is {"loss",
+    "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"} against
+    the step re-run as recorded ("inf"/"nan" as strings; {"loss", "note"} where no gradient
+    came back). Not frozen: the trial fills it in as it goes."""
 
-    NAME = "an FP8_TRIAL event's text"
-    KEYS = {
-        "step": Key(int, "the sampled step whose batch was re-run", -1),
-        "weights_step": Key(int, "the last step: the weights re-run are those after it", -1),
-        "loss": Key(float, "the loss of the step re-run as recorded (the reference)"),
-        "recipes": Key(dict, "recipe name -> what each re-run did (see the class doc)", {}),
-        "own": Key(dict, "a run already in fp8: its fp8 layers re-run in high precision (the "
-                   "reference then), {'loss', 'as_recorded': effect, 'layers': {NAME: "
-                   "{'high_precision': effect, 'rowwise': effect}}, 'untried', 'note'}", {}),
-        "suits": Key(str, "the recipe whose all-but-kept re-run stays within the thresholds "
-                     "with the fewest layers kept ('' none)", ""),
-        "thresholds": Key(dict, "grad_error, loss_change: above either a layer is kept", {}),
-        "runs": Key(int, "re-runs of the step", 0),
-        "seconds": Key(float, "time the trial took", 0.0),
-        "budget": Key(float, "the seconds it was given", 0.0),
-        "stopped": Key(str, "why layers were left untried ('' : every one was tried)", ""),
-        "note": Key(str, "why the trial did not run, or what it could not do", ""),
-        "error": Key(str, "the exception that stopped it", ""),
-    }
+    all: dict[str, Any] = field(default_factory=dict)  # every layer cast: its effect
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # NAME -> its effect alone
+    # the layers to keep in high precision (None: a file whose recipe holds no list of them)
+    keep: list[str] | None = None
+    untried: list[str] = field(default_factory=list)  # left untried when the budget ran out
+    all_but_keep: dict[str, Any] | None = None  # every layer cast but ``keep``: its effect
+
+    OMIT = frozenset({"all_but_keep"})
+
+
+@dataclass
+class Fp8Trial(records.Record):
+    """``Event.FP8_TRIAL`` text (record/forensic/fp8trial.py; release/fp8.py,
+    diagnosis/fp8.py, record/apply/prescription.py). A trial that ran writes its ``step``
+    to ``thresholds`` then what it measured; one that could not, its ``note``. Not frozen:
+    the trial fills it in as it goes."""
+
+    step: int | None = None  # the sampled step whose batch was re-run
+    weights_step: int | None = None  # the last step: the weights re-run are those after it
+    budget: float | None = None  # the seconds it was given
+    # grad_error, loss_change: above either a layer is kept
+    thresholds: dict[str, float] | None = None
+    note: str | None = None  # why the trial did not run, or what it could not do
+    loss: float | None = None  # the loss of the step re-run as recorded (the reference)
+    # a run already in fp8: its fp8 layers re-run in high precision (the reference then),
+    # {"loss", "as_recorded": effect, "layers": {NAME: {"high_precision": effect, "rowwise":
+    # effect}}, "thresholds", "untried"}, or {"note"}
+    own: dict[str, Any] | None = None
+    recipes: dict[str, Fp8Recipe] | None = None  # recipe name -> what each re-run did
+    # the recipe whose all-but-kept re-run stays within the thresholds with the fewest layers
+    # kept ("": none)
+    suits: str | None = None
+    runs: int | None = None  # re-runs of the step
+    stopped: str | None = None  # why layers were left untried
+    error: str | None = None  # the exception that stopped it
+    seconds: float | None = None  # time the trial took
+
+    OMIT = frozenset({"step", "weights_step", "budget", "thresholds", "note", "loss", "own",
+                      "recipes", "suits", "runs", "stopped", "error", "seconds"})
+
+    def omitted(self) -> frozenset[str]:
+        """The reference's ``loss`` is written (null where no loss was recomputed) once the
+        recipes ran; before, only where it is known."""
+        return self.OMIT - {"loss"} if self.recipes is not None else self.OMIT
 
 
 # Every declared payload: the contract test reads each writer and reader against these.
 PAYLOADS: tuple[type[Payload], ...] = (
     SnapshotDetail,
-    LossSingular, Fp8Trial)
+    LossSingular,)

@@ -1,7 +1,7 @@
 """The records of ``/meta`` (schema.py lists its keys): the optimizers, the GradScaler, the
-losses and the sharding of a run, declared once as frozen dataclasses (records.py). The
-recorder builds them and ``Writer.meta`` writes their JSON; ``Run``'s accessors (run.py) read
-them back, so that a reader names a field mypy knows, never a key.
+losses, the sharding and the buffers at start of a run, declared once as frozen dataclasses
+(records.py). The recorder builds them and ``Writer.meta`` writes their JSON; ``Run``'s
+accessors (run.py) read them back, so that a reader names a field mypy knows, never a key.
 
 Example::
 
@@ -100,3 +100,13 @@ class ShardingInfo(Record):
 
     OMIT = frozenset({"replay_reason", "mesh", "placements", "sharded_params", "params",
                       "strategy"})
+
+
+@dataclass(frozen=True)
+class BuffersInfo(Record):
+    """``/meta`` ``buffers`` (record/buffers.py): the buffers non-finite when the recording
+    first saw each model, before its first forward."""
+
+    nonfinite_at_start: list[str] = field(default_factory=list)  # the first MAX_NAMED
+    more_nonfinite: int = 0  # those past them
+    unchecked: list[str] = field(default_factory=list)  # models whose buffers were not read

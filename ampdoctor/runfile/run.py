@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
-from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
+from .meta import BuffersInfo, LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 from .payloads import LrRange
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
@@ -228,10 +228,11 @@ class Run:
         return self._meta_dict("model")
 
     @property
-    def buffers(self) -> dict[str, Any] | None:
+    def buffers(self) -> BuffersInfo | None:
         """The buffers non-finite when the recording first saw them (``record/buffers.py``);
-        None in a file recorded before it was kept."""
-        return self._meta_dict("buffers")
+        None in a file recorded before it was kept (or holding an empty object)."""
+        value = self._meta_dict("buffers")
+        return BuffersInfo.from_json(value) if value else None
 
     @property
     def sharding(self) -> ShardingInfo | None:

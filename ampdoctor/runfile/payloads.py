@@ -46,6 +46,7 @@ from .detail import (
     Rows,
     RowSummary,
     SingularOp,
+    TargetsCheck,
     TrialOutcome,
     TriedFix,
 )
@@ -331,7 +332,7 @@ class SnapshotDetail(Payload):
         "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
         "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
         "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
-        "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
+        "targets": Key(list[TargetsCheck], "each loss call's targets, checked (detail.py)"),
         # the compiled replay (compiled_replay.py)
         "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
                         "compiled: reproduced, rungs, region, op", since=3),
@@ -412,6 +413,11 @@ class SnapshotDetail(Payload):
     @property
     def loss_singular_fp32(self) -> LossDerivative | None:
         return self._record("loss_singular_fp32", LossDerivative)
+
+    @property
+    def targets(self) -> list[TargetsCheck]:
+        value = self.get("targets")
+        return value if isinstance(value, list) else []
 
     @property
     def lr_range(self) -> LrRange | None:

@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
-from ...runfile.detail import Recorded, TrialOutcome
+from ...runfile.detail import Recorded, TargetsCheck, TrialOutcome
 from ...runfile.payloads import CompiledOp, CompiledReplay, CompiledRung, SnapshotDetail
 from .. import fixes
 from ..facts import Facts
@@ -268,13 +268,13 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     if snap is None:
         return None
     d = SnapshotDetail.of(snap["detail"])
-    target = _target_problem(snap) or {}
+    target = _target_problem(snap) or TargetsCheck()
     fp32 = d.loss_fp32 or TrialOutcome()
     step = snap["step"]
     ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
                    "(checked)", "output_finite", None, step),
-          Evidence(f"the targets of {target.get('fn', 'the loss')} at step {step}: "
-                   f"{target['problem']}",
+          Evidence(f"the targets of {target.fn or 'the loss'} at step {step}: "
+                   f"{target.problem}",
                    "targets", None, step)]
     if fp32.loss_finite is False:
         zero = fp32.grads == "zero"
@@ -289,9 +289,9 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                            f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
                            float(len(steps)), steps[0]))
     ctx = f.fix_context(step=step)
-    ctx.data = {"kind": "targets", "step": step, **target}
+    ctx.data = {"kind": "targets", "step": step, **target.to_json()}
     summary = ("The targets are the cause, not the precision: at step "
-               f"{step} {target['problem']}. The model's output is finite, and the loss is "
+               f"{step} {target.problem}. The model's output is finite, and the loss is "
                "non-finite in fp32 as well" + (", with every gradient exactly zero (nothing to "
                                                "skip, the weights unharmed)"
                                                if fp32.grads == "zero" else "")
@@ -301,12 +301,10 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                    kind="targets", explains=frozenset(steps))
 
 
-def _target_problem(snap: dict) -> Optional[dict]:
+def _target_problem(snap: dict) -> Optional[TargetsCheck]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
     d = SnapshotDetail.of(snap["detail"])
     if d.loss_fp32 is None or d.loss_fp32.loss_finite is not False:
         return None
-    targets = d.get("targets")
-    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \
-        if isinstance(targets, list) else None
+    return next((t for t in d.targets if t.problem), None)

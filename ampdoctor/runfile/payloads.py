@@ -2,6 +2,12 @@
 the ``/events`` kinds that carry one. The recorder builds each payload as one of these types
 and the analysis side reads it back through the same type, so a key has one spelling.
 
+Most are records (records.py: frozen dataclasses, or filled in as a replay goes where
+their writer builds them step by step), which mypy checks on both sides: the
+``HIDDEN_NONFINITE``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts (``to_text`` /
+``from_text``), and the detail's ``compiled`` and ``lr_range``. What follows is of the two
+left as checked dicts, ``SnapshotDetail`` and ``LossSingular``.
+
 A payload is a ``dict`` whose keys are checked against its declaration (``KEYS``: name ->
 ``Key``, its type, its default, the payload version that added it): setting, reading or
 testing a key the declaration does not have raises ``UndeclaredKey`` (a bug on either side,
@@ -120,12 +126,6 @@ class Payload(dict):
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
-
-    def part(self, key: str) -> Any:
-        """The payload nested under ``key`` (its ``Key.type``, a ``Payload``), read through its
-        own declaration; empty where the file holds none, or not an object."""
-        kind = self.KEYS[self.check(key)].type
-        return kind.of(self.get(key))
 
     def to_json(self) -> str:
         """The text written to the file: as ``json.dumps`` writes the same plain dict."""

@@ -1,6 +1,7 @@
 """The declared JSON payloads (runfile/payloads.py): every key a writer in ``ampdoctor/`` sets
-and every key a reader reads, on a snapshot's ``detail`` or an event's JSON text, is declared
-(the nested records' fields, runfile/detail.py and meta.py, are mypy's to check);
+and every key a reader reads on the two left as checked dicts (a snapshot's ``detail``,
+``LOSS_SINGULAR``'s text) is declared (the records, in payloads.py, detail.py and meta.py,
+are mypy's to check: the event texts, compiled, lr_range, the fp8 trial);
 a payload checks its keys when used, reads a missing key as its default, keeps a newer
 writer's keys, and writes the bytes ``json.dumps`` of a plain dict writes."""
 
@@ -17,14 +18,13 @@ from ampdoctor.runfile.payloads import SnapshotDetail, UndeclaredKey
 
 PACKAGE = pathlib.Path(ROOT) / "ampdoctor"
 BY_NAME = {p.__name__: p for p in payloads.PAYLOADS}
-METHODS = ("get", "setdefault", "pop", "part")
+METHODS = ("get", "setdefault", "pop")
 
 
 class _Uses(ast.NodeVisitor):
     """Each (payload, key, line) a module names: ``x["key"]``, ``x.get("key")``, ``"key" in x``
     and ``Payload(key=...)``, where ``x`` is a snapshot's detail (``.detail``,
-    ``["detail"]``), a payload built or parsed by name, a nested one (``x.part("key")``), or
-    a local name bound to one."""
+    ``["detail"]``), a payload built or parsed by name, or a local name bound to one."""
 
     def __init__(self):
         self.uses = []
@@ -45,11 +45,6 @@ class _Uses(ast.NodeVisitor):
             f = node.func
             if isinstance(f, ast.Name) and f.id in BY_NAME:
                 return BY_NAME[f.id]
-            if isinstance(f, ast.Attribute) and f.attr == "part" and node.args:
-                outer, key = self.payload(f.value), _const(node.args[0])
-                nested = outer.KEYS[key].type if outer and key in outer.KEYS else None
-                return nested if isinstance(nested, type) and \
-                    issubclass(nested, payloads.Payload) else None
             if isinstance(f, ast.Attribute) and f.attr in ("from_json", "of") and \
                     isinstance(f.value, ast.Name) and f.value.id in BY_NAME:
                 return BY_NAME[f.value.id]
@@ -137,7 +132,6 @@ def test_every_declared_key_is_used():
     'x = s["detail"].get("stale_grad")',                  # a reader's
     'd = SnapshotDetail.of(snap["detail"])\nd.get("weight_nonfinite")',
     'ok = "fp32_eror" in finding.detail',
-    'x = d.detail.part("recordd")',
 ])
 def test_a_typo_on_either_side_is_found(line):
     found = uses_in(line)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...numfmt import fmt
 from ...runfile.detail import LossInfo, OutputGrad
+from ...runfile.meta import BuffersInfo
 from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import DType, Event, Kind
 from .. import batches, fixes, singular
@@ -233,7 +234,7 @@ def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
 def _at_start(f: Facts, name: str) -> Optional[Premise]:
     """What the recorder saw of ``name`` before the model's first forward (/meta
     ``buffers``), where it saw every buffer: None where it did not."""
-    start = f.run.buffers
+    start: BuffersInfo | None = f.run.buffers  # (Facts.run is untyped: the record is not)
     if start is None or start.unchecked:
         return None
     if name in start.nonfinite_at_start:

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..runfile.meta import AppliedFix
 from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
 from . import fixes
@@ -299,7 +300,8 @@ def cast_text(f: Facts, c: Cast) -> str:
 def layer_context(f: Facts, c: Cast) -> fixes.Context:
     ctx = f.fix_context(c.layer, step=c.step)
     recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
-    kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
+    applied: list[AppliedFix] = f.run.applied  # (Facts.run is untyped: the records are not)
+    kept = [k for a in applied if a.fix == "fp8" for k in a.keep or []]
     ctx.fp8 = {"recipe": recipes.pop() if len(recipes) == 1 else None, "keep": kept}
     return ctx
 

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import RunFileError
 from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
-from .meta import BuffersInfo, LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
+from .meta import AppliedFix, BuffersInfo, LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 from .payloads import LrRange
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
@@ -268,11 +268,12 @@ class Run:
         return [s for s in value if isinstance(s, dict)] if isinstance(value, list) else []
 
     @property
-    def applied(self) -> list[dict[str, Any]]:
-        """``record --apply``: ``[{"fix": "lr_factor", "arg": "lr_factor=0.028"}, ...]``; []
-        for a run that was not treated."""
+    def applied(self) -> list[AppliedFix]:
+        """``record --apply``: ``[AppliedFix(fix="lr_factor", arg="lr_factor=0.028"), ...]``;
+        [] for a run that was not treated."""
         value = self.meta.get("applied")
-        return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
+        return [AppliedFix.from_json(a) for a in value if isinstance(a, dict)] \
+            if isinstance(value, list) else []
 
     @property
     def fp8_layers(self) -> dict[str, dict[str, Any]]:

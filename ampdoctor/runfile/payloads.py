@@ -4,9 +4,9 @@ and the analysis side reads it back through the same type, so a key has one spel
 
 Most are records (records.py: frozen dataclasses, or filled in as a replay goes where
 their writer builds them step by step), which mypy checks on both sides: the
-``HIDDEN_NONFINITE``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts (``to_text`` /
-``from_text``), and the detail's ``compiled`` and ``lr_range``. What follows is of the two
-left as checked dicts, ``SnapshotDetail`` and ``LossSingular``.
+``HIDDEN_NONFINITE``, ``LOSS_SINGULAR``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts
+(``to_text`` / ``from_text``), and the detail's ``compiled`` and ``lr_range``. What follows
+is of the one left a checked dict, ``SnapshotDetail``, whose keys are its own.
 
 A payload is a ``dict`` whose keys are checked against its declaration (``KEYS``: name ->
 ``Key``, its type, its default, the payload version that added it): setting, reading or
@@ -444,18 +444,12 @@ class HiddenNonfinite(records.Record):
     ops: int = 1  # ops of the step that made one in this module
 
 
-class LossSingular(Payload):
+@dataclass(frozen=True)
+class LossSingular(records.Record):
     """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): a
     ``SingularOp`` (detail.py) per op, the most singular first."""
 
-    NAME = "a LOSS_SINGULAR event's text"
-    KEYS = {"ops": Key(list[SingularOp], "the ops measured, most singular first (detail.py)",
-                       [])}
-
-    @property
-    def ops(self) -> list[SingularOp]:
-        value = self.get("ops")
-        return value if isinstance(value, list) else []
+    ops: list[SingularOp] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -523,6 +517,4 @@ class Fp8Trial(records.Record):
 
 
 # Every declared payload: the contract test reads each writer and reader against these.
-PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail,
-    LossSingular,)
+PAYLOADS: tuple[type[Payload], ...] = (SnapshotDetail,)

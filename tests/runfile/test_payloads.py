@@ -1,7 +1,7 @@
 """The declared JSON payloads (runfile/payloads.py): every key a writer in ``ampdoctor/`` sets
-and every key a reader reads on the two left as checked dicts (a snapshot's ``detail``,
-``LOSS_SINGULAR``'s text) is declared (the records, in payloads.py, detail.py and meta.py,
-are mypy's to check: the event texts, compiled, lr_range, the fp8 trial);
+and every key a reader reads on the one payload left a checked dict (a snapshot's
+``detail``) is declared (the records, in payloads.py, detail.py and meta.py, are mypy's to
+check: the event texts, compiled, lr_range, targets, /meta);
 a payload checks its keys when used, reads a missing key as its default, keeps a newer
 writer's keys, and writes the bytes ``json.dumps`` of a plain dict writes."""
 

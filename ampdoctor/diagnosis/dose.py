@@ -57,7 +57,7 @@ import numpy as np
 
 from ..numfmt import fmt
 from ..runfile import schema
-from ..runfile.meta import OptimizerInfo
+from ..runfile.meta import AppliedFix, OptimizerInfo
 from ..runfile.schema import Kind, Source
 from . import lrrange
 from .fixes import Dose
@@ -370,9 +370,10 @@ class Doses:
 def applied_lr(f: Facts) -> Optional[tuple[str, float]]:
     """("lr_factor" or "lr", its value) of a run treated with ``record --apply`` on its LR,
     or None."""
-    for a in f.run.applied:
-        name, _, value = str(a.get("arg") or "").partition("=")
-        if name in ("lr_factor", "lr") and not a.get("error"):
+    applied: list[AppliedFix] = f.run.applied  # (Facts.run is untyped: the records are not)
+    for a in applied:
+        name, _, value = a.arg.partition("=")
+        if name in ("lr_factor", "lr") and not a.error:
             try:
                 return name, float(value)
             except ValueError:

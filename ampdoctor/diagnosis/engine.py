@@ -585,7 +585,7 @@ def run_summary(f: Any) -> dict:
         "device": f.meta.get("device"),
         "torch": (f.meta.get("torch") or {}).get("version"),
         "argv": run.attrs.get("argv"),
-        "applied": [a.get("arg") for a in run.applied],
+        "applied": [a.arg for a in run.applied],
     }
 
 

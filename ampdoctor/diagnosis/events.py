@@ -140,15 +140,15 @@ def hidden_nonfinite(run: Any) -> list[dict]:
     types = {int(i): str(c) for i, c in zip(t["id"], t["type"])}
     out = []
     for row in ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]:
-        detail = HiddenNonfinite.from_json(str(row["text"]))
+        detail = HiddenNonfinite.from_text(str(row["text"]))
         tid = int(row["tensor"])
         value = float(row["value"])
         out.append({"step": int(row["step"]), "module": names.get(tid) or None,
                     "type": types.get(tid) or None, "tensor": tid,
                     "created": int(value) if math.isfinite(value) else 0,
-                    "op": str(detail.get("op")), "dtype": str(detail.get("dtype")),
-                    "inner": detail.get("inner") or names.get(tid),
-                    "index": int(detail.get("index")), "ops": int(detail.get("ops"))})
+                    "op": detail.op, "dtype": detail.dtype,
+                    "inner": detail.inner or names.get(tid),
+                    "index": detail.index, "ops": detail.ops})
     return sorted(out, key=lambda h: (h["step"], h["index"]))
 
 
@@ -164,11 +164,9 @@ def flat_probes(run: Any) -> dict[int, dict]:
     ev = run.events
     out = {}
     for row in ev[ev["kind"] == int(Event.FLAT_LOSS_PROBE)]:
-        detail = FlatLossProbe.from_json(str(row["text"]))
-        out[int(row["step"])] = {"start": float(detail.get("start")),
-                                 "recent": float(detail.get("recent")),
-                                 "flat_steps": int(detail.get("flat_steps")),
-                                 "probe": int(detail.get("probe"))}
+        detail = FlatLossProbe.from_text(str(row["text"]))
+        out[int(row["step"])] = {"start": float(detail.start), "recent": float(detail.recent),
+                                 "flat_steps": detail.flat_steps, "probe": detail.probe}
     return out
 
 

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..runfile.meta import AppliedFix
 from ..runfile.payloads import Fp8Trial
 from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
 from . import fixes
@@ -143,7 +144,7 @@ def fp8_trial(run: Any) -> Fp8Trial:
     if ev is None or not len(ev):
         return Fp8Trial()
     rows = ev[ev["kind"] == int(Event.FP8_TRIAL)]
-    return Fp8Trial.from_json(rows["text"][-1] if len(rows) else "")
+    return Fp8Trial.from_text(rows["text"][-1] if len(rows) else "")
 
 
 def own_trial(run: Any) -> dict:
@@ -151,11 +152,11 @@ def own_trial(run: Any) -> dict:
     (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
     precision or cast row-wise, measured against it, with the trial's ``step``); {} where
     none ran."""
-    trial = Fp8Trial.of(fp8_trial(run))
-    own = trial["own"]
-    if not isinstance(own, dict) or "as_recorded" not in own:
+    trial = fp8_trial(run)
+    own = trial.own
+    if own is None or "as_recorded" not in own:
         return {}
-    return dict(own, step=trial["step"])
+    return dict(own, step=trial.step if trial.step is not None else -1)
 
 
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:
@@ -299,7 +300,8 @@ def cast_text(f: Facts, c: Cast) -> str:
 def layer_context(f: Facts, c: Cast) -> fixes.Context:
     ctx = f.fix_context(c.layer, step=c.step)
     recipes = {str(v.get("recipe")) for v in fp8_layers(f.run).values()}
-    kept = [k for a in f.run.applied if a.get("fix") == "fp8" for k in a.get("keep") or []]
+    applied: list[AppliedFix] = f.run.applied  # (Facts.run is untyped: the records are not)
+    kept = [k for a in applied if a.fix == "fp8" for k in a.keep or []]
     ctx.fp8 = {"recipe": recipes.pop() if len(recipes) == 1 else None, "keep": kept}
     return ctx
 

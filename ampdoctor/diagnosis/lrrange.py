@@ -30,11 +30,12 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..numfmt import fmt
-from ..runfile.payloads import LrRange
+from ..runfile.payloads import LrRange, LrRung, SnapshotDetail
 from .proofs import BAND, healthy_range
 
 # the margin below the highest rung that trained, where the rung below it was not run: the
@@ -58,11 +59,11 @@ def read(f: Any) -> Optional[LrRange]:
     """The run's LR range test (the first snapshot that holds one, else the one run where the
     loss rose with no non-finite value: /meta ``lr_range``), or None."""
     for s in f.snapshots:
-        found = s["detail"].part("lr_range")
-        if found:
+        found = SnapshotDetail.of(s["detail"]).lr_range
+        if found is not None:
             return found
     rose = getattr(f.run, "lr_range", None)
-    return LrRange.of(rose) if rose else None
+    return rose if isinstance(rose, LrRange) else None
 
 
 def tried(f: Any) -> Tried:
@@ -72,45 +73,45 @@ def tried(f: Any) -> Tried:
         return Tried(None, why="the recorder ran no LR range test on this run (it runs one at "
                      "the first non-finite loss at an LR above 0, or where the loss rose to "
                      "3x the first step's)")
-    test = LrRange.of(found)
-    if test.get("note"):
-        return Tried(None, why=f"no LR range test ran: {test['note']}")
-    rungs = sorted((r for r in test.get("rungs") or [] if isinstance(r, dict) and
-                    isinstance(r.get("lr"), (int, float))), key=lambda r: -float(r["lr"]))
+    test = found
+    if test.note:
+        return Tried(None, why=f"no LR range test ran: {test.note}")
+    rungs = sorted((r for r in test.rungs or [] if r.lr is not None),
+                   key=lambda r: -_lr(r))
     if not rungs:
         return Tried(None, why="the LR range test ran no rung")
     if all(_first(r) is None for r in rungs):  # nothing measured: no LR is shown to fail
         return Tried(None, why=f"the LR range test measured nothing: "
-                     f"{test.get('stopped') or 'its loss at the kept state was non-finite'}")
-    band = _ceiling(f, test.get("event_step"), rungs[0])
+                     f"{test.stopped or 'its loss at the kept state was non-finite'}")
+    band = _ceiling(f, test.event_step, rungs[0])
     good = [LrRange.trains(r) and _in_range(r, band) for r in rungs]
-    n = int(test.get("steps") or 0)
-    where = (f"on {test.get('batch') or 'the failing step, repeated'}, from the weights "
-             f"before step {test.get('state_step', 0)}")
+    n = test.steps or 0
+    where = (f"on {test.batch or 'the failing step, repeated'}, from the weights "
+             f"before step {test.state_step if test.state_step is not None else 0}")
     if good[0]:
-        return Tried(None, why=f"in the LR range test the failing LR {fmt(rungs[0]['lr'])} "
+        return Tried(None, why=f"in the LR range test the failing LR {fmt(_lr(rungs[0]))} "
                      f"itself trained over {n} steps ({_path(rungs[0])}): the failure takes "
                      "longer than a trial looks")
     if not any(good):
-        stopped = f", stopped by {test['stopped']}" if test.get("stopped") else ""
+        stopped = f", stopped by {test.stopped}" if test.stopped else ""
         return Tried(None, why=f"the LR range test found no LR that trained, down to LR "
-                     f"{fmt(rungs[-1]['lr'])}{stopped}", failed_at=float(rungs[-1]["lr"]))
+                     f"{fmt(_lr(rungs[-1]))}{stopped}", failed_at=_lr(rungs[-1]))
     i = good.index(True)
     high = rungs[i]
-    failed = f"; LR {fmt(rungs[i - 1]['lr'])} above it did not ({_failure(rungs[i - 1])})"
+    failed = f"; LR {fmt(_lr(rungs[i - 1]))} above it did not ({_failure(rungs[i - 1])})"
     below = rungs[i + 1] if i + 1 < len(rungs) else None
     if below is not None and _held(below) and _in_range(below, band):
-        return Tried(float(below["lr"]), (
-            f"tried: LR {fmt(below['lr'])} kept the loss at {fmt(_last(below))} over {n} steps "
-            f"({_path(below)}, {where}); LR {fmt(high['lr'])}, a rung above, is the highest "
+        return Tried(_lr(below), (
+            f"tried: LR {fmt(_lr(below))} kept the loss at {fmt(_last(below))} over {n} steps "
+            f"({_path(below)}, {where}); LR {fmt(_lr(high))}, a rung above, is the highest "
             f"that trained ({_path(high)}){failed}; the rung below it is the margin"))
-    return Tried(float(high["lr"]) * RUNG, (
-        f"LR {fmt(high['lr'])} is the highest that trained in the LR range test "
+    return Tried(_lr(high) * RUNG, (
+        f"LR {fmt(_lr(high))} is the highest that trained in the LR range test "
         f"({_path(high)} over {n} steps, {where}){failed}; set a rung below it for a margin "
         f"(not tried itself: {_why_not_below(below, test)})"))
 
 
-def _ceiling(f: Any, step: Any, top: dict) -> Optional[float]:
+def _ceiling(f: Any, step: Any, top: LrRung) -> Optional[float]:
     """The highest loss a rung may reach and stay in the run's range: the top of the range
     before the failing step, widened as a trial's loss is judged (``proofs.judged``); None
     where the run has no range, or where the trial's own first loss lies outside it (the run
@@ -129,41 +130,47 @@ def _ceiling(f: Any, step: Any, top: dict) -> Optional[float]:
     return min(hi + margin, first + BAND * abs(first)) if first > 0 else hi + margin
 
 
-def _in_range(rung: dict, ceiling: Optional[float]) -> bool:
+def _in_range(rung: LrRung, ceiling: Optional[float]) -> bool:
     """The rung's last third of losses within the run's range: where it ended, not the
     transient of its first steps (Adam's first, sign-sized update from an empty state)."""
     if ceiling is None:
         return True
-    losses = [x for x in rung.get("losses") or [] if isinstance(x, (int, float))]
+    losses = [x for x in rung.losses if math.isfinite(x)]
     tail = losses[-max(1, len(losses) // 3):]
     return bool(tail) and max(tail) <= ceiling
 
 
-def _held(rung: dict) -> bool:
+def _lr(rung: LrRung) -> float:
+    return float(rung.lr or 0.0)
+
+
+def _held(rung: LrRung) -> bool:
     """Finite to the end, the last loss not above the first."""
-    losses = rung.get("losses") or []
-    return bool(rung.get("finite")) and len(losses) >= 2 and all(
-        isinstance(x, (int, float)) for x in losses) and float(losses[-1]) <= float(losses[0])
+    losses = rung.losses
+    return rung.finite and len(losses) >= 2 and all(
+        math.isfinite(x) for x in losses) and float(losses[-1]) <= float(losses[0])
 
 
-def _first(rung: dict) -> Optional[float]:
-    losses = rung.get("losses") or []
-    return float(losses[0]) if losses and isinstance(losses[0], (int, float)) else None
+def _first(rung: LrRung) -> Optional[float]:
+    losses = rung.losses
+    return float(losses[0]) if losses and math.isfinite(losses[0]) else None
 
 
-def _last(rung: dict) -> Any:
-    losses = rung.get("losses") or []
-    return losses[-1] if losses else None
+def _last(rung: LrRung) -> Any:
+    losses = rung.losses
+    if not losses:
+        return None
+    return losses[-1] if math.isfinite(losses[-1]) else str(losses[-1])
 
 
-def _path(rung: dict) -> str:
+def _path(rung: LrRung) -> str:
     return f"the loss {fmt(_first(rung))} to {fmt(_last(rung))}"
 
 
-def _failure(rung: dict) -> str:
+def _failure(rung: LrRung) -> str:
     """How a rung failed, in a clause."""
-    losses = rung.get("losses") or []
-    bad = next((j for j, x in enumerate(losses) if not isinstance(x, (int, float))), None)
+    losses = rung.losses
+    bad = next((j for j, x in enumerate(losses) if not math.isfinite(x)), None)
     if bad is not None:
         return f"the loss was {losses[bad]} after {bad} steps"
     numbers = [float(x) for x in losses]
@@ -172,7 +179,7 @@ def _failure(rung: dict) -> str:
     return f"{_path(rung)}: not enough fall"
 
 
-def _why_not_below(below: Optional[dict], test: LrRange) -> str:
+def _why_not_below(below: Optional[LrRung], test: LrRange) -> str:
     if below is None:
-        return f"the ladder stopped: {test.get('stopped') or 'its last rung'}"
-    return f"at LR {fmt(below['lr'])} {_failure(below)}"
+        return f"the ladder stopped: {test.stopped or 'its last rung'}"
+    return f"at LR {fmt(_lr(below))} {_failure(below)}"

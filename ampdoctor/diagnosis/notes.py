@@ -18,6 +18,7 @@ import numpy as np
 from ..numfmt import count, fmt
 from ..runfile import schema
 from ..runfile.detail import Isolation
+from ..runfile.meta import AppliedFix
 from ..runfile.payloads import SnapshotDetail
 from ..runfile.run import one_line
 from ..runfile.schema import Event
@@ -160,22 +161,22 @@ def _unjudged_note(f: Any) -> list[str]:
 
 def _applied_notes(f: Any) -> list[str]:
     """A run treated with ``record --apply``: what was applied, and what could not be."""
-    applied = f.run.applied
+    applied: list[AppliedFix] = f.run.applied  # (Facts.run is untyped: the records are not)
     if not applied:
         return []
-    out = ["This run was treated with " + ", ".join(f"--apply {a.get('arg')}" for a in applied)
+    out = ["This run was treated with " + ", ".join(f"--apply {a.arg}" for a in applied)
            + " (ampdoctor record --apply): compare it with the untreated run, ampdoctor "
            "compare run.h5 fixed.h5."]
     for a in applied:
-        if a.get("error"):
-            out.append(f"--apply {a.get('arg')} could not be applied ({a['error']}): this run "
+        if a.error:
+            out.append(f"--apply {a.arg} could not be applied ({a.error}): this run "
                        "ran without it.")
-        if a.get("missing"):
-            out.append(f"--apply fp32_island: no module named {', '.join(a['missing'])} in the "
+        if a.missing:
+            out.append(f"--apply fp32_island: no module named {', '.join(a.missing)} in the "
                        "model (names as diagnose shows them, e.g. blocks.0.attn): "
-                       + ("those ran as before." if a.get("modules") else
+                       + ("those ran as before." if a.modules else
                           "no island was made."))
-        for name, why in (a.get("skipped") or {}).items():
+        for name, why in (a.skipped or {}).items():
             out.append(f"--apply fp32_island: {name} was left as it was: {why} (only "
                        "model.float() in the code makes it an island).")
     return out

@@ -41,7 +41,8 @@ def unreproduced(snap: dict) -> bool:
 
 def compiled_reproduced(snap: dict) -> bool:
     """Did the compiled replay repeat the failure the eager replay did not?"""
-    return SnapshotDetail.of(snap["detail"]).part("compiled").get("reproduced") is True
+    got = SnapshotDetail.of(snap["detail"]).compiled
+    return got is not None and got.reproduced is True
 
 
 def began_here(snap: dict) -> bool:

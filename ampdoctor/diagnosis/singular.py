@@ -97,7 +97,7 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
 
 
 def _from_event(step: int, text: str) -> Optional[Singular]:
-    for m in LossSingular.from_json(text).ops:
+    for m in LossSingular.from_text(text).ops:
         if m.fp32 is None:
             continue
         clamped = m.clamped

@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..runfile.meta import BuffersInfo
 from .sampler import tensors_in
 from .torchcompat import placeholder_call
 
@@ -72,10 +73,10 @@ class BufferStart:
         else:
             self.nonfinite += [n for n in bad if n not in self.nonfinite]
 
-    def meta(self) -> dict:
-        return {"nonfinite_at_start": self.nonfinite[:MAX_NAMED],
-                "more_nonfinite": max(0, len(self.nonfinite) - MAX_NAMED),
-                "unchecked": self.unchecked[:MAX_NAMED]}
+    def meta(self) -> BuffersInfo:
+        return BuffersInfo(nonfinite_at_start=self.nonfinite[:MAX_NAMED],
+                           more_nonfinite=max(0, len(self.nonfinite) - MAX_NAMED),
+                           unchecked=self.unchecked[:MAX_NAMED])
 
 
 class SideModels:

@@ -31,7 +31,7 @@ Example::
 
     flat = FlatLoss()
     flat.see(rows["loss"])     # at each drain: the losses just read
-    why = flat.take()          # at a step's start: None, or {"start", "recent", ...}
+    why = flat.take()          # at a step's start: None, or a payloads.FlatLossProbe
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class FlatLoss:
         self.recent = math.nan  # the last step's recent loss
         self.flat_steps = 0  # flat steps in a row, up to the last loss seen
         self.probes = 0  # probes armed so far
-        self.due: Optional[dict] = None  # armed, not taken yet
+        self.due: Optional[FlatLossProbe] = None  # armed, not taken yet
         self.seen = 0  # steps seen (with a loss or not)
         self.asked = 0  # drains asked for
         self._head: list[float] = []  # the first losses, until the start is known
@@ -136,7 +136,7 @@ class FlatLoss:
         self.due = FlatLossProbe(start=self.start, recent=self.recent,
                                  flat_steps=self.flat_steps, probe=self.probes)
 
-    def take(self) -> Optional[dict]:
+    def take(self) -> Optional[FlatLossProbe]:
         """At a step's start: why this step is to be probed (the loss's start and recent
         level, the flat steps so far, which probe of the run it is), or None."""
         due, self.due = self.due, None

@@ -50,6 +50,7 @@ import torch
 
 from ..errors import AmpDoctorError, RecorderFault
 from ..runfile import schema
+from ..runfile.meta import AppliedFix
 from ..runfile.schema import Event
 from ..version import __version__
 from . import exits, stats
@@ -248,8 +249,8 @@ class Recorder:
         try:
             result = trial.run(self._log.steps - 1)
             if result is not None:
-                self._journal.event(Event.FP8_TRIAL, None, value=float(result["runs"]),
-                                    text=result.to_json())
+                self._journal.event(Event.FP8_TRIAL, None, value=float(result.runs or 0),
+                                    text=result.to_text())
         except Exception as exc:  # noqa: BLE001
             if self.strict:
                 raise
@@ -328,7 +329,7 @@ class Recorder:
         """Forensic replays run so far (each wrote a snapshot)."""
         return self.forensics.replays if self.forensics is not None else 0
 
-    def note_applied(self, applied: list[dict]) -> None:
+    def note_applied(self, applied: list[AppliedFix]) -> None:
         """``record --apply``: the fixes the treatment applied, into /meta ``applied``."""
         if self._journal.open_for_rows:
             try:

@@ -71,8 +71,8 @@ class SampledStep:
             return
         st.sampled = True
         if flat is not None:  # (a step due at the interval anyway is probed for both reasons)
-            self.journal.event(Event.FLAT_LOSS_PROBE, st, value=flat["recent"] / flat["start"],
-                               text=FlatLossProbe(flat).to_json())
+            self.journal.event(Event.FLAT_LOSS_PROBE, st, value=flat.recent / flat.start,
+                               text=flat.to_text())
         sampler.active = True
         eager = self.watched.eager
         if eager is None:
@@ -87,7 +87,7 @@ class SampledStep:
             self.hooks.add(m.register_forward_hook(
                 lambda m, a, o: patches.guard(self.fault, self.sample_post, m, a, o)))
 
-    def _flat_due(self) -> Optional[dict]:
+    def _flat_due(self) -> Optional[FlatLossProbe]:
         """The flat-loss watch's probe, if one is armed and the op probe can run this step
         (not on a compiled model's regions nor on a DTensor's shards: there it is dropped)."""
         watch = self.log.flat
@@ -176,7 +176,7 @@ class SampledStep:
             tid = self.journal.tensor_id(Kind.OUTPUT, h.name, 0, None, type(h.module).__name__)
             self.journal.event(Event.HIDDEN_NONFINITE, st, tensor=tid, value=float(h.created),
                                text=HiddenNonfinite(op=h.op, dtype=h.dtype, inner=h.inner,
-                                                    index=h.index, ops=h.ops).to_json())
+                                                    index=h.index, ops=h.ops).to_text())
 
     def _write_fp8(self, sampler: Sampler, step: int, fp8_rows: Any) -> None:
         self.journal.file.append("fp8", fp8_rows)

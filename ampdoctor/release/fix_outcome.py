@@ -33,6 +33,7 @@ import numpy as np
 
 from ..diagnosis.parity import LOSS_FLOOR, relative, trailing
 from ..numfmt import count, fmt
+from ..runfile.meta import AppliedFix
 from ..runfile.schema import Event, flag
 from .curves import percent
 from .readiness import precision
@@ -64,14 +65,13 @@ def nonfinite_loss(run: Any) -> np.ndarray:
 
 def applied(run: Any) -> list[str]:
     """The ``--apply`` arguments a run was recorded with."""
-    return [str(x.get("arg")) for x in run.applied]
+    return [x.arg for x in _applied(run)]
 
 
 def incomplete(run: Any) -> list[str]:
     """The ``--apply`` arguments that were not applied in full: an error, a module not found,
     a module left as it was (the run's diagnosis notes say which and why)."""
-    return [str(x.get("arg")) for x in run.applied
-            if x.get("error") or x.get("missing") or x.get("skipped")]
+    return [x.arg for x in _applied(run) if x.error or x.missing or x.skipped]
 
 
 def change(first: Any, second: Any) -> dict:
@@ -99,16 +99,21 @@ def _rank(run: Any) -> int:
     return -1 if _fp8(run) else RANK[precision(run)]
 
 
-def _fp8(run: Any) -> Optional[dict]:
+def _applied(run: Any) -> list[AppliedFix]:
+    applied: list[AppliedFix] = run.applied  # (a run is untyped here: its entries are not)
+    return applied
+
+
+def _fp8(run: Any) -> Optional[AppliedFix]:
     """The ``--apply fp8`` entry of a run whose Linears were converted, or None."""
-    return next((a for a in run.applied if a.get("fix") == "fp8" and a.get("converted")), None)
+    return next((a for a in _applied(run) if a.fix == "fp8" and a.converted), None)
 
 
 def label(run: Any) -> str:
     """The precision a comparison names a run by: its autocast dtype, with the fp8 recipe
     its Linears were converted to (``float8 tensorwise + bfloat16``)."""
     fp8 = _fp8(run)
-    return f"float8 {fp8.get('recipe', '')} + {precision(run)}" if fp8 else precision(run)
+    return f"float8 {fp8.recipe or ''} + {precision(run)}" if fp8 else precision(run)
 
 
 # A treated run is fixed only where its loss fell: its end level at least this fraction below

@@ -213,24 +213,22 @@ def _read_trial(run: Any, out: Fp8Readiness) -> None:
     """The fp8 trial's result, where the run holds one, into ``out`` (a recipe it did not
     run, or one it ran with no layer, keeps the statistics' ranking). A value of the wrong
     type (a damaged or crafted file) reads as its default."""
-    t = Fp8Trial.of(fp8trial.trial(run))
-    if not t:
+    t = fp8trial.trial(run)
+    if t is None or t == Fp8Trial():
         return
     num, text = (int, float), str
-    out.trial = {"step": _as(t["step"], int, -1), "weights_step": _as(t["weights_step"], int, -1),
-                 "loss": _as(t["loss"], num, None), "suits": _as(t["suits"], text, ""),
-                 "thresholds": _as(t["thresholds"], dict, {}), "runs": _as(t["runs"], int, 0),
-                 "seconds": _as(t["seconds"], num, 0.0), "budget": _as(t["budget"], num, 0.0),
-                 "stopped": _as(t["stopped"], text, ""), "note": _as(t["note"], text, ""),
-                 "error": _as(t["error"], text, "")}
-    for name, part in _as(t["recipes"], dict, {}).items():
-        if name in out.recipes and isinstance(part, dict) and isinstance(part.get("keep"), list):
-            layers = _as(part.get("layers"), dict, {})
+    out.trial = {"step": _as(t.step, int, -1), "weights_step": _as(t.weights_step, int, -1),
+                 "loss": _as(t.loss, num, None), "suits": _as(t.suits, text, ""),
+                 "thresholds": _as(t.thresholds, dict, {}), "runs": _as(t.runs, int, 0),
+                 "seconds": _as(t.seconds, num, 0.0), "budget": _as(t.budget, num, 0.0),
+                 "stopped": _as(t.stopped, text, ""), "note": _as(t.note, text, ""),
+                 "error": _as(t.error, text, "")}
+    for name, part in (t.recipes or {}).items():
+        if name in out.recipes and part.keep is not None:
             out.recipes[name].trial = {
-                "all": _as(part.get("all"), dict, {}), "keep": [str(n) for n in part["keep"]],
-                "all_but_keep": _as(part.get("all_but_keep"), dict, {}),
-                "untried": [str(n) for n in _as(part.get("untried"), list, [])],
-                "layers": {str(k): v for k, v in layers.items() if isinstance(v, dict)}}
+                "all": part.all, "keep": list(part.keep),
+                "all_but_keep": part.all_but_keep or {}, "untried": list(part.untried),
+                "layers": dict(part.layers)}
 
 
 def _as(value: Any, kind: Any, default: Any) -> Any:

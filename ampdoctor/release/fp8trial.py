@@ -38,7 +38,7 @@ def trial(run: Any) -> Optional[Fp8Trial]:
     """The run's last ``Event.FP8_TRIAL`` text, parsed; None where it holds none."""
     ev = run.events
     rows = ev[ev["kind"] == int(Event.FP8_TRIAL)] if len(ev) else ev
-    return Fp8Trial.from_json(rows["text"][-1]) if len(rows) else None
+    return Fp8Trial.from_text(rows["text"][-1]) if len(rows) else None
 
 
 def torchao_lines(recipe: str, keep: list[str]) -> str:

@@ -298,3 +298,27 @@ class SingularOp(Record):
 
     def to_json(self) -> dict[str, Any]:
         return {"error": self.error} if self.error is not None else super().to_json()
+
+
+@dataclass(frozen=True)
+class TargetsCheck(Record):
+    """One ``detail["targets"]`` entry: what a loss call's targets hold (record/forensic/
+    losscall.py ``check_targets``; the diagnosis's rules/reproduced.py and fallbacks.py).
+    Floating targets write ``nonfinite`` (and ``outside`` for a probability); class
+    indices ``ignore_index`` to ``all_ignored``."""
+
+    fn: str = ""  # the loss function: "cross_entropy"
+    numel: int = 0
+    dtype: str = ""
+    problem: str | None = None  # what makes the loss non-finite whatever the precision
+    nonfinite: int | None = None
+    outside: int | None = None  # outside [0, 1] (below 0 for kl_div)
+    ignore_index: int | None = None
+    ignored: int | None = None
+    reduction: str | None = None
+    classes: int | None = None  # from the input's shape
+    out_of_range: int | None = None
+    all_ignored: bool | None = None
+
+    OMIT = frozenset({"nonfinite", "outside", "ignore_index", "ignored", "reduction",
+                      "classes", "out_of_range", "all_ignored"})

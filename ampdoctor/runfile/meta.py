@@ -1,7 +1,8 @@
 """The records of ``/meta`` (schema.py lists its keys): the optimizers, the GradScaler, the
-losses and the sharding of a run, declared once as frozen dataclasses (records.py). The
-recorder builds them and ``Writer.meta`` writes their JSON; ``Run``'s accessors (run.py) read
-them back, so that a reader names a field mypy knows, never a key.
+losses, the sharding, the buffers at start and the fixes applied (``record --apply``) of a
+run, declared once as frozen dataclasses (records.py). The recorder builds them and
+``Writer.meta`` writes their JSON; ``Run``'s accessors (run.py) read them back, so that a
+reader names a field mypy knows, never a key.
 
 Example::
 
@@ -100,3 +101,39 @@ class ShardingInfo(Record):
 
     OMIT = frozenset({"replay_reason", "mesh", "placements", "sharded_params", "params",
                       "strategy"})
+
+
+@dataclass(frozen=True)
+class BuffersInfo(Record):
+    """``/meta`` ``buffers`` (record/buffers.py): the buffers non-finite when the recording
+    first saw each model, before its first forward."""
+
+    nonfinite_at_start: list[str] = field(default_factory=list)  # the first MAX_NAMED
+    more_nonfinite: int = 0  # those past them
+    unchecked: list[str] = field(default_factory=list)  # models whose buffers were not read
+
+
+@dataclass(frozen=True)
+class AppliedFix(Record):
+    """One ``/meta`` ``applied`` entry (record/apply/treatment.py, record/command/child.py):
+    a ``record --apply`` form and what applying it did. The fields after ``error`` are each
+    form's own (``use_bf16``: scaler; ``losses_fp32``: functions; ``fp32_island``: modules,
+    missing, skipped; ``fp8``: recipe to model), written only where they apply."""
+
+    fix: str = ""  # the form's name: "lr_factor", "fp32_island"
+    arg: str = ""  # as given: "lr_factor=0.028"
+    error: str | None = None  # why it could not be applied (the run ran without it)
+    scaler: str | None = None  # "disabled": the GradScaler bf16 no longer needs
+    functions: int | None = None  # the torch loss functions run in fp32
+    modules: list[str] | None = None  # the islands found so far
+    missing: list[str] | None = None  # the islands named that no module matched (yet)
+    skipped: dict[str, str] | None = None  # island -> why it was left as it was
+    recipe: str | None = None  # the fp8 recipe
+    keep: list[str] | None = None  # the Linears named to keep in high precision
+    converted: list[str] | None = None  # the Linears converted to fp8
+    kept: dict[str, str] | None = None  # Linear -> why it was not converted
+    emulated: bool | None = None  # fp8 emulated (no fp8 matmul on the device)
+    model: str | None = None  # the class of the model converted
+
+    OMIT = frozenset({"error", "scaler", "functions", "modules", "missing", "skipped",
+                      "recipe", "keep", "converted", "kept", "emulated", "model"})

@@ -2,6 +2,12 @@
 the ``/events`` kinds that carry one. The recorder builds each payload as one of these types
 and the analysis side reads it back through the same type, so a key has one spelling.
 
+Most are records (records.py: frozen dataclasses, or filled in as a replay goes where
+their writer builds them step by step), which mypy checks on both sides: the
+``HIDDEN_NONFINITE``, ``LOSS_SINGULAR``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts
+(``to_text`` / ``from_text``), and the detail's ``compiled`` and ``lr_range``. What follows
+is of the one left a checked dict, ``SnapshotDetail``, whose keys are its own.
+
 A payload is a ``dict`` whose keys are checked against its declaration (``KEYS``: name ->
 ``Key``, its type, its default, the payload version that added it): setting, reading or
 testing a key the declaration does not have raises ``UndeclaredKey`` (a bug on either side,
@@ -26,8 +32,9 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar
 
 from . import records
@@ -45,6 +52,7 @@ from .detail import (
     Rows,
     RowSummary,
     SingularOp,
+    TargetsCheck,
     TrialOutcome,
     TriedFix,
 )
@@ -119,12 +127,6 @@ class Payload(dict):
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
-    def part(self, key: str) -> Any:
-        """The payload nested under ``key`` (its ``Key.type``, a ``Payload``), read through its
-        own declaration; empty where the file holds none, or not an object."""
-        kind = self.KEYS[self.check(key)].type
-        return kind.of(self.get(key))
-
     def to_json(self) -> str:
         """The text written to the file: as ``json.dumps`` writes the same plain dict."""
         return json.dumps(dict(self), default=_written)
@@ -166,59 +168,108 @@ def _written(value: Any) -> Any:
     return value.to_json() if isinstance(value, records.Record) else str(value)
 
 
-class CompiledReplay(Payload):
+@dataclass(frozen=True)
+class CompiledOp(records.Record):
+    """A compiled replay's ``op``: the first graph node non-finite from finite inputs
+    (record/forensic/compiled_replay.py's probe), the keys that apply."""
+
+    graph: str = "forward"  # "forward" or "backward"
+    node: str = ""  # the FX node's name
+    op: str = ""  # its op
+    decomposed_from: str | None = None  # the op it was decomposed from, where another
+    source: str | None = None  # "file:line: code" of the user's source
+    module: str | None = None  # its module, by the recorder's name
+
+    OMIT = frozenset({"decomposed_from", "source", "module"})
+
+
+@dataclass(frozen=True)
+class CompiledRung(records.Record):
+    """One rung of a compiled replay: the step with every region compiled by one backend."""
+
+    backend: str = ""  # aot_eager, decomposed, inductor
+    finite: bool | None = None  # None: not run
+    outcome: TrialOutcome | None = None  # the re-run (detail.py); None: not run
+    op: CompiledOp | None = None  # the first non-finite node, where probed
+    error: str | None = None  # why it did not run
+
+    OMIT = frozenset({"op", "error"})
+
+
+@dataclass
+class CompiledReplay(records.Record):
     """``detail["compiled"]``: a compiled model's finite replay run again compiled, each
-    rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py)."""
+    rung of backends (record/forensic/compiled_replay.py; diagnosis/rules/reproduced.py).
+    Not frozen: the replay fills it in as it goes. The keys that apply are written, in the
+    order they were found."""
 
-    NAME = "a snapshot's compiled"
-    KEYS = {
-        "regions": Key(list, "the compiled regions, by module name", []),
-        "reproduced": Key(bool, "the step compiled again is non-finite"),
-        "rungs": Key(list, "per backend (aot_eager, decomposed, inductor): backend, finite, "
-                     "outcome, op, error", []),
-        "backend": Key(str, "the lowest backend whose step is non-finite"),
-        "region": Key(str, "the region that reproduces (compiled alone, where several)"),
-        "alone": Key(list, "the regions that reproduce compiled alone"),
-        "op": Key(dict, "the first graph node non-finite from finite inputs: graph, node, op, "
-                  "decomposed_from, source, module"),
-        "error": Key(str, "the exception the compiled replay raised"),
-        "seconds": Key(float, "time the compiled replay took"),
-    }
+    regions: list[str] = field(default_factory=list)  # the compiled regions, by module name
+    reproduced: bool | None = None  # the step compiled again is non-finite
+    rungs: list[CompiledRung] | None = None  # per backend, lowest first (None: none ran)
+    backend: str | None = None  # the lowest backend whose step is non-finite
+    op: CompiledOp | None = None  # the first non-finite node of the lowest rung that found one
+    alone: list[str] | None = None  # the regions that reproduce compiled alone (of several)
+    region: str | None = None  # the region that reproduces (compiled alone, where several)
+    error: str | None = None  # the exception the compiled replay raised
+    seconds: float | None = None  # time the compiled replay took
 
-class LrRange(Payload):
+    OMIT = frozenset({"rungs", "backend", "op", "alone", "region", "error", "seconds"})
+
+
+@dataclass(frozen=True)
+class LrRung(records.Record):
+    """One rung of the LR range test: ``LrRange.STEPS`` steps from the kept state at the
+    failing LR times ``factor``."""
+
+    factor: float = 0.0
+    lr: float | None = None  # the largest group LR it ran
+    finite: bool = False  # every loss finite
+    losses: list[float] = field(default_factory=list)  # the first at the kept state
+    skipped: int = 0  # steps a GradScaler skipped
+    seconds: float = 0.0
+
+    AS_TEXT = frozenset({"losses"})
+
+
+@dataclass
+class LrRange(records.Record):
     """``detail["lr_range"]``: the LR range test run from the run's first state at the first
     failure, or /meta ``lr_range`` where the loss rose with no non-finite value
     (record/forensic/lrrange.py; diagnosis/lrrange.py). ``trains`` is the one test of
-    a rung both sides use: the recorder stops one rung below the first that trains."""
+    a rung both sides use: the recorder stops one rung below the first that trains. Not
+    frozen: the ladder fills it in as it goes. A test that ran writes ``state`` to
+    ``max_norm`` (null where no clip); one that did not, its ``note``."""
 
-    NAME = "a snapshot's lr_range"
     STEPS: ClassVar[int] = 12  # optimizer steps per rung
     # A rung trains when every loss is finite and its last is this fraction below its first.
     FALL: ClassVar[float] = 0.05
-    KEYS = {
-        "state": Key(str, "the state trained from: 'start' (before the first update)"),
-        "state_step": Key(int, "the step whose weights and optimizer state were kept"),
-        "event_step": Key(int, "the failing step"),
-        "lr": Key(float, "the largest group LR the failing step ran with"),
-        "batch": Key(str, "which batches the rungs train on"),
-        "steps": Key(int, "optimizer steps per rung"),
-        "optimizer": Key(str, "the optimizer's class"),
-        "max_norm": Key(float, "the user's own clip, applied in the trial"),
-        "rungs": Key(list, "each rung: factor, lr, losses (the first at the kept state), "
-                     "finite, skipped, seconds", []),
-        "stopped": Key(str, "why the ladder stopped before a rung trained"),
-        "note": Key(str, "why no trial ran"),
-        "trigger": Key(str, "a divergence with no non-finite value: what rose (then the test "
-                       "is /meta lr_range, not a snapshot's)"),
-        "seconds": Key(float, "time the whole test took"),
-    }
+
+    state: str | None = None  # the state trained from: "start" (before the first update)
+    state_step: int | None = None  # the step whose weights and optimizer state were kept
+    event_step: int | None = None  # the failing step
+    lr: float | None = None  # the largest group LR the failing step ran with
+    batch: str | None = None  # which batches the rungs train on
+    steps: int | None = None  # optimizer steps per rung
+    rungs: list[LrRung] | None = None  # in the order they ran
+    optimizer: str | None = None  # the optimizer's class
+    max_norm: float | None = None  # the user's own clip, applied in the trial
+    stopped: str | None = None  # why the ladder stopped before a rung trained
+    note: str | None = None  # why no trial ran
+    # a divergence with no non-finite value: what rose (then the test is /meta lr_range)
+    trigger: str | None = None
+    seconds: float | None = None  # time the whole test took
+
+    OMIT = frozenset({"state", "state_step", "event_step", "lr", "batch", "steps", "rungs",
+                      "optimizer", "max_norm", "stopped", "note", "trigger", "seconds"})
+
+    def omitted(self) -> frozenset[str]:
+        return self.OMIT - {"max_norm"} if self.state is not None else self.OMIT
 
     @classmethod
-    def trains(cls, rung: Any) -> bool:
+    def trains(cls, rung: LrRung) -> bool:
         """Every loss finite over the rung's steps, the last ``FALL`` below the first."""
-        losses = rung.get("losses") if isinstance(rung, dict) else None
-        if not isinstance(losses, list) or len(losses) < 2 or not rung.get("finite") or \
-                not all(isinstance(x, (int, float)) for x in losses):
+        losses = rung.losses
+        if len(losses) < 2 or not rung.finite or not all(math.isfinite(x) for x in losses):
             return False
         first, last = float(losses[0]), float(losses[-1])
         return last <= first - cls.FALL * abs(first)
@@ -281,7 +332,7 @@ class SnapshotDetail(Payload):
         "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
         "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
         "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
-        "targets": Key(dict, "the targets that make the loss NaN in fp32 too"),
+        "targets": Key(list[TargetsCheck], "each loss call's targets, checked (detail.py)"),
         # the compiled replay (compiled_replay.py)
         "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
                         "compiled: reproduced, rungs, region, op", since=3),
@@ -363,79 +414,107 @@ class SnapshotDetail(Payload):
     def loss_singular_fp32(self) -> LossDerivative | None:
         return self._record("loss_singular_fp32", LossDerivative)
 
+    @property
+    def targets(self) -> list[TargetsCheck]:
+        value = self.get("targets")
+        return value if isinstance(value, list) else []
+
+    @property
+    def lr_range(self) -> LrRange | None:
+        return self._record("lr_range", LrRange)
+
+    @property
+    def compiled(self) -> CompiledReplay | None:
+        return self._record("compiled", CompiledReplay)
+
     def _record(self, key: str, kind: type[R]) -> R | None:
         value = self.get(key)
         return value if isinstance(value, kind) else None
 
 
-class HiddenNonfinite(Payload):
-    """``Event.HIDDEN_NONFINITE`` text (record/hooks.py; diagnosis/facts.py)."""
+@dataclass(frozen=True)
+class HiddenNonfinite(records.Record):
+    """``Event.HIDDEN_NONFINITE`` text (record/sampledstep.py; diagnosis/events.py): an op
+    inside a module whose output stayed finite made inf/NaN."""
 
-    NAME = "a HIDDEN_NONFINITE event's text"
-    KEYS = {
-        "op": Key(str, "the op that made inf/NaN", "?"),
-        "dtype": Key(str, "the dtype of the op's result", ""),
-        "inner": Key(str, "the module running the op: this one or one inside it"),
-        "index": Key(int, "ops probed before it in the step", 0),
-        "ops": Key(int, "ops of the step that made one in this module", 1),
-    }
+    op: str = "?"  # the op that made inf/NaN
+    dtype: str = ""  # the dtype of the op's result
+    inner: str | None = None  # the module running the op: this one or one inside it
+    index: int = 0  # ops probed before it in the step
+    ops: int = 1  # ops of the step that made one in this module
 
 
-class LossSingular(Payload):
+@dataclass(frozen=True)
+class LossSingular(records.Record):
     """``Event.LOSS_SINGULAR`` text (record/forensic/proofs.py; diagnosis/singular.py): a
     ``SingularOp`` (detail.py) per op, the most singular first."""
 
-    NAME = "a LOSS_SINGULAR event's text"
-    KEYS = {"ops": Key(list[SingularOp], "the ops measured, most singular first (detail.py)",
-                       [])}
-
-    @property
-    def ops(self) -> list[SingularOp]:
-        value = self.get("ops")
-        return value if isinstance(value, list) else []
+    ops: list[SingularOp] = field(default_factory=list)
 
 
-class FlatLossProbe(Payload):
-    """``Event.FLAT_LOSS_PROBE`` text (record/flatloss.py via record/hooks.py;
-    diagnosis/facts.py)."""
+@dataclass(frozen=True)
+class FlatLossProbe(records.Record):
+    """``Event.FLAT_LOSS_PROBE`` text (record/flatloss.py via record/sampledstep.py;
+    diagnosis/events.py): why a step was probed although not due."""
 
-    NAME = "a FLAT_LOSS_PROBE event's text"
-    KEYS = {
-        "start": Key(float, "median of the run's first losses", float("nan")),
-        "recent": Key(float, "median of the last ten losses", float("nan")),
-        "flat_steps": Key(int, "steps in a row the loss had not fallen, when armed", 0),
-        "probe": Key(int, "which probe of the run, from 1", 0),
-    }
+    start: float = math.nan  # median of the run's first losses
+    recent: float = math.nan  # median of the last ten losses
+    flat_steps: int = 0  # steps in a row the loss had not fallen, when armed
+    probe: int = 0  # which probe of the run, from 1
 
 
-class Fp8Trial(Payload):
-    """``Event.FP8_TRIAL`` text (record/forensic/fp8trial.py; release/fp8.py). An effect is
-    {"loss", "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"}
-    against the step re-run as recorded ("inf"/"nan" as strings); a recipe is {"all",
-    "layers": {NAME: effect}, "keep": [NAME...], "all_but_keep", "untried": [NAME...]}."""
+@dataclass
+class Fp8Recipe(records.Record):
+    """One recipe of the fp8 trial (``Fp8Trial.recipes``). An effect is {"loss",
+    "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"} against
+    the step re-run as recorded ("inf"/"nan" as strings; {"loss", "note"} where no gradient
+    came back). Not frozen: the trial fills it in as it goes."""
 
-    NAME = "an FP8_TRIAL event's text"
-    KEYS = {
-        "step": Key(int, "the sampled step whose batch was re-run", -1),
-        "weights_step": Key(int, "the last step: the weights re-run are those after it", -1),
-        "loss": Key(float, "the loss of the step re-run as recorded (the reference)"),
-        "recipes": Key(dict, "recipe name -> what each re-run did (see the class doc)", {}),
-        "own": Key(dict, "a run already in fp8: its fp8 layers re-run in high precision (the "
-                   "reference then), {'loss', 'as_recorded': effect, 'layers': {NAME: "
-                   "{'high_precision': effect, 'rowwise': effect}}, 'untried', 'note'}", {}),
-        "suits": Key(str, "the recipe whose all-but-kept re-run stays within the thresholds "
-                     "with the fewest layers kept ('' none)", ""),
-        "thresholds": Key(dict, "grad_error, loss_change: above either a layer is kept", {}),
-        "runs": Key(int, "re-runs of the step", 0),
-        "seconds": Key(float, "time the trial took", 0.0),
-        "budget": Key(float, "the seconds it was given", 0.0),
-        "stopped": Key(str, "why layers were left untried ('' : every one was tried)", ""),
-        "note": Key(str, "why the trial did not run, or what it could not do", ""),
-        "error": Key(str, "the exception that stopped it", ""),
-    }
+    all: dict[str, Any] = field(default_factory=dict)  # every layer cast: its effect
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # NAME -> its effect alone
+    # the layers to keep in high precision (None: a file whose recipe holds no list of them)
+    keep: list[str] | None = None
+    untried: list[str] = field(default_factory=list)  # left untried when the budget ran out
+    all_but_keep: dict[str, Any] | None = None  # every layer cast but ``keep``: its effect
+
+    OMIT = frozenset({"all_but_keep"})
+
+
+@dataclass
+class Fp8Trial(records.Record):
+    """``Event.FP8_TRIAL`` text (record/forensic/fp8trial.py; release/fp8.py,
+    diagnosis/fp8.py, record/apply/prescription.py). A trial that ran writes its ``step``
+    to ``thresholds`` then what it measured; one that could not, its ``note``. Not frozen:
+    the trial fills it in as it goes."""
+
+    step: int | None = None  # the sampled step whose batch was re-run
+    weights_step: int | None = None  # the last step: the weights re-run are those after it
+    budget: float | None = None  # the seconds it was given
+    # grad_error, loss_change: above either a layer is kept
+    thresholds: dict[str, float] | None = None
+    note: str | None = None  # why the trial did not run, or what it could not do
+    loss: float | None = None  # the loss of the step re-run as recorded (the reference)
+    # a run already in fp8: its fp8 layers re-run in high precision (the reference then),
+    # {"loss", "as_recorded": effect, "layers": {NAME: {"high_precision": effect, "rowwise":
+    # effect}}, "thresholds", "untried"}, or {"note"}
+    own: dict[str, Any] | None = None
+    recipes: dict[str, Fp8Recipe] | None = None  # recipe name -> what each re-run did
+    # the recipe whose all-but-kept re-run stays within the thresholds with the fewest layers
+    # kept ("": none)
+    suits: str | None = None
+    runs: int | None = None  # re-runs of the step
+    stopped: str | None = None  # why layers were left untried
+    error: str | None = None  # the exception that stopped it
+    seconds: float | None = None  # time the trial took
+
+    OMIT = frozenset({"step", "weights_step", "budget", "thresholds", "note", "loss", "own",
+                      "recipes", "suits", "runs", "stopped", "error", "seconds"})
+
+    def omitted(self) -> frozenset[str]:
+        """The reference's ``loss`` is written (null where no loss was recomputed) once the
+        recipes ran; before, only where it is known."""
+        return self.OMIT - {"loss"} if self.recipes is not None else self.OMIT
 
 
 # Every declared payload: the contract test reads each writer and reader against these.
-PAYLOADS: tuple[type[Payload], ...] = (
-    SnapshotDetail,
-    CompiledReplay, HiddenNonfinite, LossSingular, FlatLossProbe, Fp8Trial, LrRange)
+PAYLOADS: tuple[type[Payload], ...] = (SnapshotDetail,)

@@ -10,7 +10,8 @@ file lacks, or a value not of the field's type, reads as the field's default (th
 older format gets); a key the record does not declare is not read. ``to_json`` writes each
 field under its name (``NAMES`` where a JSON key is a Python keyword), in declaration order,
 leaving out the fields named in ``OMIT`` while they are None (keys a writer adds only where
-they apply) and writing the floats named in ``AS_TEXT`` as text where not finite, so that a
+they apply) and writing the floats named in ``AS_TEXT`` (or a list's floats) as text where not
+finite, so that a
 record writes the same JSON the plain dict it replaced wrote; a float read as that text is
 the number again.
 
@@ -31,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -57,10 +59,24 @@ class Record:
             value = getattr(self, f.name)
             if value is None and f.name in omit:
                 continue
-            if f.name in self.AS_TEXT and isinstance(value, float) and not math.isfinite(value):
-                value = str(value)
+            if f.name in self.AS_TEXT:
+                value = [_text(v) for v in value] if isinstance(value, list) else _text(value)
             out[self.NAMES.get(f.name, f.name)] = plain(value)
         return out
+
+    def to_text(self) -> str:
+        """The JSON text of ``to_json()``: an event's ``text`` (what ``json.dumps`` writes of
+        the same plain dict, a value JSON cannot hold as its ``str``)."""
+        return json.dumps(self.to_json(), default=str)
+
+    @classmethod
+    def from_text(cls: type[R], text: Any) -> R:
+        """The record in the JSON ``text``; all defaults where it is empty or not JSON."""
+        try:
+            value = json.loads(text) if text else {}
+        except (ValueError, TypeError):
+            value = {}
+        return cls.from_json(value)
 
     def omitted(self) -> frozenset[str]:
         """The fields left out while None: ``OMIT`` (a record of two shapes narrows it)."""
@@ -82,6 +98,10 @@ class Record:
                 if got is not _BAD:
                     found[f.name] = got
         return cast(Any, cls)(**found)
+
+
+def _text(value: Any) -> Any:
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def plain(value: Any) -> Any:

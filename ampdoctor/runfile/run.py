@@ -27,7 +27,8 @@ import numpy as np
 from ..errors import RunFileError
 from . import records, schema, values
 from .hdf5 import H5_ERRORS, reason
-from .meta import LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
+from .meta import AppliedFix, BuffersInfo, LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
+from .payloads import LrRange
 
 BLOB_WHOLE = 8 << 20  # a /blob up to this size is read at once; a larger one by ranges
 TEXT_SPAN = 1 << 20  # bytes of a large /blob read at a time for many texts (``Blob.texts``)
@@ -251,10 +252,11 @@ class Run:
         return self._meta_dict("model")
 
     @property
-    def buffers(self) -> dict[str, Any] | None:
+    def buffers(self) -> BuffersInfo | None:
         """The buffers non-finite when the recording first saw them (``record/buffers.py``);
-        None in a file recorded before it was kept."""
-        return self._meta_dict("buffers")
+        None in a file recorded before it was kept (or holding an empty object)."""
+        value = self._meta_dict("buffers")
+        return BuffersInfo.from_json(value) if value else None
 
     @property
     def sharding(self) -> ShardingInfo | None:
@@ -290,11 +292,12 @@ class Run:
         return [s for s in value if isinstance(s, dict)] if isinstance(value, list) else []
 
     @property
-    def applied(self) -> list[dict[str, Any]]:
-        """``record --apply``: ``[{"fix": "lr_factor", "arg": "lr_factor=0.028"}, ...]``; []
-        for a run that was not treated."""
+    def applied(self) -> list[AppliedFix]:
+        """``record --apply``: ``[AppliedFix(fix="lr_factor", arg="lr_factor=0.028"), ...]``;
+        [] for a run that was not treated."""
         value = self.meta.get("applied")
-        return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
+        return [AppliedFix.from_json(a) for a in value if isinstance(a, dict)] \
+            if isinstance(value, list) else []
 
     @property
     def fp8_layers(self) -> dict[str, dict[str, Any]]:
@@ -305,10 +308,11 @@ class Run:
         return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, dict)}
 
     @property
-    def lr_range(self) -> dict[str, Any] | None:
-        """The LR range test run at a divergence with no non-finite value (its keys:
-        ``payloads.LrRange``); None where none ran there."""
-        return self._meta_dict("lr_range")
+    def lr_range(self) -> LrRange | None:
+        """The LR range test run at a divergence with no non-finite value (with its
+        ``trigger``); None where none ran there."""
+        value = self._meta_dict("lr_range")
+        return None if value is None else LrRange.from_json(value)
 
     @property
     def optimizers(self) -> list[OptimizerInfo]:

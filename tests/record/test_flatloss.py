@@ -47,12 +47,11 @@ def test_a_flat_loss_is_probed_with_a_back_off_and_a_budget():
     losses = 2.08 + 0.01 * rng.standard_normal(2000)
     taken = _feed(FlatLoss(), losses, chunk=1)
     assert len(taken) == MAX_PROBES
-    flat = [d["flat_steps"] for _, d in taken]
+    flat = [d.flat_steps for _, d in taken]
     assert flat[0] == FIRST and all(b >= 2 * a for a, b in zip(flat, flat[1:])), flat
-    assert [d["probe"] for _, d in taken] == list(range(1, MAX_PROBES + 1))
+    assert [d.probe for _, d in taken] == list(range(1, MAX_PROBES + 1))
     first = taken[0][1]
-    assert first["recent"] >= 0.9 * first["start"] and first["start"] == pytest.approx(2.08,
-                                                                                       abs=0.02)
+    assert first.recent >= 0.9 * first.start and first.start == pytest.approx(2.08, abs=0.02)
 
 
 def test_a_loss_that_falls_again_starts_the_back_off_again():
@@ -60,7 +59,7 @@ def test_a_loss_that_falls_again_starts_the_back_off_again():
     fall = list(np.linspace(2.0, 0.5, 30))  # it falls: the count resets
     rise = [2.0] * 30  # back to where it began: the first mark is 20 again
     taken = _feed(FlatLoss(), flat + fall + rise, chunk=1)
-    marks = [d["flat_steps"] for _, d in taken]
+    marks = [d.flat_steps for _, d in taken]
     assert marks[:2] == [FIRST, 2 * FIRST] and marks[2] == FIRST, marks
 
 

@@ -60,8 +60,9 @@ def test_a_frozen_backbone_beside_the_model_has_its_buffers_sampled_and_checked(
     names = [run.tensor_name(int(t)) for t, k in zip(run.tensors["id"], run.tensors["kind"])
              if k == Kind.BUFFER]
     assert "backbone.1.running_var" in names  # named as the script holds it
-    assert run.buffers["nonfinite_at_start"] == ["extra.causal"]  # before any forward
-    assert run.buffers["unchecked"] == []
+    assert run.buffers is not None
+    assert run.buffers.nonfinite_at_start == ["extra.causal"]  # before any forward
+    assert run.buffers.unchecked == []
     assert not torch.isfinite(backbone[1].running_var).all()  # the run did overflow it
 
 

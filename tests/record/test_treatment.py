@@ -138,7 +138,8 @@ def test_use_bf16_turns_fp16_autocast_into_bf16_and_disables_the_scaler():
             y = nn.Linear(4, 4)(torch.randn(2, 4))
         assert y.dtype == torch.bfloat16
         assert not torch.amp.GradScaler("cpu").is_enabled()
-        assert notes[-1] == [{"fix": "use_bf16", "arg": "use_bf16", "scaler": "disabled"}]
+        assert [e.to_json() for e in notes[-1]] == [
+            {"fix": "use_bf16", "arg": "use_bf16", "scaler": "disabled"}]
     finally:
         t.remove()
     with torch.autocast("cpu", dtype=torch.float16):
@@ -278,7 +279,7 @@ def test_fp32_island_runs_the_named_modules_in_fp32():
         opt.step()
         assert dtypes == {"blocks.0": torch.bfloat16, "blocks.1": torch.float32,
                           "head": torch.bfloat16}
-        assert notes[-1][0]["modules"] == ["blocks.1"] and notes[-1][0]["missing"] == []
+        assert notes[-1][0].modules == ["blocks.1"] and notes[-1][0].missing == []
         copy = __import__("copy").deepcopy(model)  # an EMA copy keeps working, on its own
         with torch.autocast("cpu", dtype=torch.bfloat16):
             copy(torch.randn(4, 8))
@@ -297,7 +298,7 @@ def test_an_island_that_is_not_in_the_model_is_warned_and_noted():
         model(torch.randn(4, 8)).sum().backward()
         with pytest.warns(RuntimeWarning, match="no module named blocks.7.attn"):
             opt.step()
-        assert notes[-1][0]["modules"] == ["head"] and notes[-1][0]["missing"] == \
+        assert notes[-1][0].modules == ["head"] and notes[-1][0].missing == \
             ["blocks.7.attn"]
     finally:
         t.remove()
@@ -329,7 +330,7 @@ def test_an_island_named_by_class_reaches_every_call_from_the_first():
                 gram(disc(torch.randn(4, 8))).float().sum().backward()
             opt.step()
         assert seen == [torch.float32] * 6
-        assert notes[-1][0]["modules"] == ["Gram", "Disc.0"] and notes[-1][0]["missing"] == []
+        assert notes[-1][0].modules == ["Gram", "Disc.0"] and notes[-1][0].missing == []
     finally:
         t.remove()
         extra.remove()
@@ -343,8 +344,8 @@ def test_an_island_with_half_weights_is_left_alone():
     try:
         with pytest.raises(RuntimeError):  # the script's own mismatch, untouched
             model(torch.randn(4, 8))
-        assert notes[-1][0]["skipped"] == {"head": "its weights are float16"}
-        assert notes[-1][0]["modules"] == []
+        assert notes[-1][0].skipped == {"head": "its weights are float16"}
+        assert notes[-1][0].modules == []
     finally:
         t.remove()
 
@@ -481,6 +482,6 @@ def test_fp8_converts_the_trained_model_and_trains_under_cpu_autocast(dtype):
     assert [id(p) for p in model.parameters()] == params
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
     applied = notes[-1][0]
-    assert applied["converted"] == ["up", "down"] and applied["emulated"] is True
-    assert applied["kept"] == {"out": "named with keep=",
+    assert applied.converted == ["up", "down"] and applied.emulated is True
+    assert applied.kept == {"out": "named with keep=",
                                "head": "its sizes are not multiples of 16"}

@@ -1,6 +1,7 @@
 """The declared JSON payloads (runfile/payloads.py): every key a writer in ``ampdoctor/`` sets
-and every key a reader reads, on a snapshot's ``detail`` or an event's JSON text, is declared
-(the nested records' fields, runfile/detail.py and meta.py, are mypy's to check);
+and every key a reader reads on the one payload left a checked dict (a snapshot's
+``detail``) is declared (the records, in payloads.py, detail.py and meta.py, are mypy's to
+check: the event texts, compiled, lr_range, targets, /meta);
 a payload checks its keys when used, reads a missing key as its default, keeps a newer
 writer's keys, and writes the bytes ``json.dumps`` of a plain dict writes."""
 
@@ -17,14 +18,13 @@ from ampdoctor.runfile.payloads import SnapshotDetail, UndeclaredKey
 
 PACKAGE = pathlib.Path(ROOT) / "ampdoctor"
 BY_NAME = {p.__name__: p for p in payloads.PAYLOADS}
-METHODS = ("get", "setdefault", "pop", "part")
+METHODS = ("get", "setdefault", "pop")
 
 
 class _Uses(ast.NodeVisitor):
     """Each (payload, key, line) a module names: ``x["key"]``, ``x.get("key")``, ``"key" in x``
     and ``Payload(key=...)``, where ``x`` is a snapshot's detail (``.detail``,
-    ``["detail"]``), a payload built or parsed by name, a nested one (``x.part("key")``), or
-    a local name bound to one."""
+    ``["detail"]``), a payload built or parsed by name, or a local name bound to one."""
 
     def __init__(self):
         self.uses = []
@@ -45,11 +45,6 @@ class _Uses(ast.NodeVisitor):
             f = node.func
             if isinstance(f, ast.Name) and f.id in BY_NAME:
                 return BY_NAME[f.id]
-            if isinstance(f, ast.Attribute) and f.attr == "part" and node.args:
-                outer, key = self.payload(f.value), _const(node.args[0])
-                nested = outer.KEYS[key].type if outer and key in outer.KEYS else None
-                return nested if isinstance(nested, type) and \
-                    issubclass(nested, payloads.Payload) else None
             if isinstance(f, ast.Attribute) and f.attr in ("from_json", "of") and \
                     isinstance(f.value, ast.Name) and f.value.id in BY_NAME:
                 return BY_NAME[f.value.id]
@@ -136,11 +131,7 @@ def test_every_declared_key_is_used():
     'f.detail["reproducd"] = True',                       # a writer's typo
     'x = s["detail"].get("stale_grad")',                  # a reader's
     'd = SnapshotDetail.of(snap["detail"])\nd.get("weight_nonfinite")',
-    'flat = FlatLossProbe(start=1.0, recnt=2.0)',
     'ok = "fp32_eror" in finding.detail',
-    'e = HiddenNonfinite.from_json(text)\ne["opp"]',
-    'got = SnapshotDetail.of(snap["detail"]).part("compiled")\ngot.get("reproducd")',
-    'x = d.detail.part("recordd")',
 ])
 def test_a_typo_on_either_side_is_found(line):
     found = uses_in(line)
@@ -165,8 +156,9 @@ def test_missing_keys_read_as_their_default_and_newer_keys_are_kept():
     assert d.get("micro_batches") == 1 and d["micro_batches"] == 1 and d.get("how") is None
     assert d.get("how", "") == ""
     assert json.loads(d.to_json())["from_a_newer_writer"] == [1]
-    probe = payloads.FlatLossProbe.from_json("")
-    assert math.isnan(probe.get("start")) and probe.get("probe") == 0
+    probe = payloads.FlatLossProbe.from_text("")
+    assert math.isnan(probe.start) and probe.probe == 0
+    assert payloads.HiddenNonfinite.from_text("not json").op == "?"
     for damaged in ("[1, 2]", "not json", None, "3"):
         assert SnapshotDetail.from_json(damaged) == {}
 
@@ -175,3 +167,21 @@ def test_the_json_written_is_what_a_plain_dict_writes():
     value = {"summary": "x", "trials": [{"fix": "a", "v": math.inf}], "history": {"lr": [1e-3]},
              "weights_nonfinite": ["w"], "op": object()}
     assert SnapshotDetail(value).to_json() == json.dumps(value, default=str)
+
+
+def test_a_record_writes_the_keys_its_writer_set_in_the_order_the_dict_it_replaced_did():
+    ran = payloads.LrRange(state="start", state_step=0, event_step=8, lr=0.1, batch="b",
+                           steps=12, rungs=[payloads.LrRung(factor=1.0, lr=0.1,
+                                                            losses=[2.0, math.inf])],
+                           optimizer="SGD", seconds=1.5)
+    assert list(json.loads(ran.to_text())) == ["state", "state_step", "event_step", "lr",
+                                               "batch", "steps", "rungs", "optimizer",
+                                               "max_norm", "seconds"]  # no clip: null
+    assert ran.to_json()["rungs"][0]["losses"] == [2.0, "inf"]  # as text where not finite
+    back = payloads.LrRange.from_text(ran.to_text())
+    assert back.rungs is not None and math.isinf(back.rungs[0].losses[1])
+    assert not payloads.LrRange.trains(back.rungs[0])
+    note = payloads.LrRange(note="why", seconds=0.1)
+    assert note.to_text() == json.dumps({"note": "why", "seconds": 0.1})
+    op = payloads.CompiledOp(graph="forward", node="cosh", op="aten.cosh", module="1")
+    assert list(op.to_json()) == ["graph", "node", "op", "module"]

@@ -72,8 +72,8 @@ def test_a_singular_op_writes_the_keys_of_its_shape():
         "run": {"nonfinite": 2, "largest": None}, "fp32": {"nonfinite": 2, "largest": 1.0},
         "nearest": None, "eps_nearest": None, "eps": None})
     assert SingularOp(error="boom").to_json() == {"error": "boom"}
-    text = LossSingular(ops=[measured, held]).to_json()
-    assert LossSingular.from_json(text).ops == [measured, held]
+    text = LossSingular(ops=[measured, held]).to_text()
+    assert LossSingular.from_text(text).ops == [measured, held]
 
 
 def test_the_replay_s_own_records_read_back_as_written():

@@ -174,9 +174,6 @@ def _loss_replay_text(snap: dict) -> str:
                        f"({d['loss_not_recomputed']})")
     if d.loss_fp32 is not None and d.loss_fp32.loss_finite is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
-        targets = d.get("targets")
-        checked = [t for t in targets if isinstance(t, dict)] if isinstance(targets, list) \
-            else []
-        return text + ("; its targets hold nothing invalid: the loss's formula" if checked
+        return text + ("; its targets hold nothing invalid: the loss's formula" if d.targets
                        else "")
     return text + "; the loss is not"

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...numfmt import fmt
 from ...runfile.detail import LossInfo, OutputGrad
+from ...runfile.meta import BuffersInfo
 from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import DType, Event, Kind
 from .. import batches, fixes, singular
@@ -233,15 +234,14 @@ def _buffer_premise(f: Facts, name: str, first_bad_step: int) -> Premise:
 def _at_start(f: Facts, name: str) -> Optional[Premise]:
     """What the recorder saw of ``name`` before the model's first forward (/meta
     ``buffers``), where it saw every buffer: None where it did not."""
-    start = f.run.buffers
-    if not start or start.get("unchecked"):
+    start: BuffersInfo | None = f.run.buffers  # (Facts.run is untyped: the record is not)
+    if start is None or start.unchecked:
         return None
-    bad = [str(n) for n in start.get("nonfinite_at_start") or []]
-    if name in bad:
+    if name in start.nonfinite_at_start:
         return Premise("buffer_was_finite", FAILED, f"{name} was already non-finite before "
                        "the first forward the recorder saw: a constant (such as an attention "
                        "mask filled with -inf), not a poisoned statistic")
-    if start.get("more_nonfinite"):
+    if start.more_nonfinite:
         return None
     return Premise("buffer_was_finite", HELD, f"{name} was finite before the first forward "
                    "the recorder saw, and became non-finite in the run")

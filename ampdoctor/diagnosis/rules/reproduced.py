@@ -33,8 +33,8 @@ from typing import Optional
 import numpy as np
 
 from ...numfmt import fmt
-from ...runfile.detail import Recorded, TrialOutcome
-from ...runfile.payloads import SnapshotDetail
+from ...runfile.detail import Recorded, TargetsCheck, TrialOutcome
+from ...runfile.payloads import CompiledOp, CompiledReplay, CompiledRung, SnapshotDetail
 from .. import fixes
 from ..facts import Facts
 from ..reproduced import (
@@ -80,8 +80,8 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     ev = [Evidence(_seen_text(first, world), "recorded_nonfinite", None, step),
           Evidence(_replay_text(first), "replay_finite", None, step),
           _count(f, bad, unrep, world, rank)]
-    again = SnapshotDetail.of(first["detail"]).part("compiled")
-    ran = [str(r.get("backend")) for r in again["rungs"] if isinstance(r, dict) and r.get("finite")]
+    again = SnapshotDetail.of(first["detail"]).compiled
+    ran = [r.backend for r in (again.rungs if again else None) or [] if r.finite]
     if ran:  # a compiled model: compiled again, the step is finite too (not the compiler)
         ev.append(Evidence(f"step {step} compiled again ({', '.join(ran)}) is finite too: not "
                            "the compiler", "compiled_finite", None, step))
@@ -187,73 +187,73 @@ def rule_compiler(f: Facts) -> Optional[Finding]:
     if first is None or not compiled_reproduced(first):
         return None
     step = first["step"]
-    got = SnapshotDetail.of(first["detail"]).part("compiled")
-    region = str(got.get("region") or ", ".join(map(str, got["regions"])))
-    op = got.get("op") if isinstance(got.get("op"), dict) else {}
+    got = SnapshotDetail.of(first["detail"]).compiled or CompiledReplay()
+    region = got.region or ", ".join(got.regions)
+    op = got.op or CompiledOp()
+    rungs = got.rungs or []
     ev = [Evidence(_seen_text(first, 1), "recorded_nonfinite", None, step),
           Evidence(_replay_text(first, end=": eager PyTorch computes this step finite"),
                    "replay_finite", None, step, region)]
-    ev += [_rung(r, step, region) for r in got["rungs"] if isinstance(r, dict)]
-    if op.get("op"):
-        ev.append(Evidence(_op_text(op), "compiled_op", None, step,
-                           str(op.get("module") or region)))
-    alone = got.get("alone")
-    if isinstance(alone, list) and len(got["regions"]) > 1:
-        ev.append(Evidence(f"compiled one at a time, {', '.join(map(str, alone)) or 'none'} of "
-                           f"the {len(got['regions'])} compiled regions reproduce alone",
+    ev += [_rung(r, step, region) for r in rungs]
+    if op.op:
+        ev.append(Evidence(_op_text(op), "compiled_op", None, step, op.module or region))
+    alone = got.alone
+    if alone is not None and len(got.regions) > 1:
+        ev.append(Evidence(f"compiled one at a time, {', '.join(alone) or 'none'} of "
+                           f"the {len(got.regions)} compiled regions reproduce alone",
                            "compiled_regions", float(len(alone)), step))
     bad = failing(f)
     later = [f.step_at(int(i)) for i in np.flatnonzero(bad) if f.step_at(int(i)) > step]
     skipped = f.has_scaler and bool(f.skipped[f.index_of(step)])
     explains = {step} | (set() if skipped else set(later))
-    rungs = {str(r.get("backend")): r.get("finite") for r in got["rungs"] if isinstance(r, dict)}
-    failed = [b for b, fin in rungs.items() if fin is False]
-    finite = [b for b, fin in rungs.items() if fin]
-    lowest = str(got.get("backend") or (failed[0] if failed else ""))
+    by_backend = {r.backend: r.finite for r in rungs}
+    failed = [b for b, fin in by_backend.items() if fin is False]
+    finite = [b for b, fin in by_backend.items() if fin]
+    lowest = got.backend or (failed[0] if failed else "")
     summary = (f"The compiler, not the numbers: step {step} was non-finite, its replay run "
                f"eagerly on the same batch, weights and RNG is finite, and compiled again it "
                f"is non-finite from {RUNG_NAME.get(lowest, lowest)} on "
                f"({', '.join(failed)}): torch.compile of {region} makes this "
-               "NaN" + (f", first at {op['op']}" if op.get("op") else "")
-               + (f" (decomposed from {op['decomposed_from']})" if op.get("decomposed_from")
-                  else "") + "." + (f" Compiled with {', '.join(finite)} the step is finite."
-                                    if finite else "")
+               "NaN" + (f", first at {op.op}" if op.op else "")
+               + (f" (decomposed from {op.decomposed_from})" if op.decomposed_from else "")
+               + "." + (f" Compiled with {', '.join(finite)} the step is finite."
+                        if finite else "")
                + " Not the device, not the precision.")
     ctx = f.fix_context(module=region, step=step)
-    ctx.compiled = {"region": region, "op": op.get("op"), "op_module": op.get("module"),
-                    "decomposed_from": op.get("decomposed_from"),
+    ctx.compiled = {"region": region, "op": op.op or None, "op_module": op.module,
+                    "decomposed_from": op.decomposed_from,
                     "finite_backend": finite[-1] if finite else None}
     ids = ["compiler_disable"] + (["compile_backend"] if finite else []) + ["report_compiler_bug"]
     return Finding("compiler", 0.85, summary, ev, fixes.make(ids, ctx),
-                   first_bad(step, region, str(op.get("graph") or "") or None),
+                   first_bad(step, region, got.op.graph if got.op else None),
                    priority=PRIORITY["compiler"], explains=frozenset(explains))
 
 
-def _rung(r: dict, step: int, region: str) -> Evidence:
-    backend = str(r.get("backend"))
-    outcome = r["outcome"] if isinstance(r.get("outcome"), dict) else {}
+def _rung(r: CompiledRung, step: int, region: str) -> Evidence:
+    backend = r.backend
+    outcome = r.outcome or TrialOutcome()
     text = f"step {step} compiled again with {RUNG_TEXT.get(backend, backend)}: "
-    if r.get("finite") is None:
-        text += f"not run ({r.get('error') or 'no outcome'})"
-    elif r.get("finite"):
-        loss = _num(outcome.get("loss"))
+    if r.finite is None:
+        text += f"not run ({r.error or 'no outcome'})"
+    elif r.finite:
+        loss = _num(outcome.loss)
         text += "finite" + (f" (loss {fmt(loss)})" if loss is not None else "")
     else:
-        where = FIRST_TEXT.get(str(outcome.get("first")), "")
+        where = FIRST_TEXT.get(outcome.first, "")
         text += "non-finite" + (f" {where}" if where else "")
-    return Evidence(text, f"compiled_{backend}", None if r.get("finite") is None else
-                    float(bool(r.get("finite"))), step, region)
+    return Evidence(text, f"compiled_{backend}", None if r.finite is None else
+                    float(bool(r.finite)), step, region)
 
 
-def _op_text(op: dict) -> str:
-    text = f"the first op of the compiled {op.get('graph', 'forward')} graph whose output is " \
-        f"non-finite from finite inputs: {op['op']}"
-    if op.get("decomposed_from"):
-        text += f", decomposed from {op['decomposed_from']}"
-    if op.get("module"):
-        text += f", in {op['module']}"
-    if op.get("source"):
-        text += f" ({op['source']})"
+def _op_text(op: CompiledOp) -> str:
+    text = f"the first op of the compiled {op.graph} graph whose output is " \
+        f"non-finite from finite inputs: {op.op}"
+    if op.decomposed_from:
+        text += f", decomposed from {op.decomposed_from}"
+    if op.module:
+        text += f", in {op.module}"
+    if op.source:
+        text += f" ({op.source})"
     return text
 
 
@@ -268,13 +268,13 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     if snap is None:
         return None
     d = SnapshotDetail.of(snap["detail"])
-    target = _target_problem(snap) or {}
+    target = _target_problem(snap) or TargetsCheck()
     fp32 = d.loss_fp32 or TrialOutcome()
     step = snap["step"]
     ev = [Evidence(f"replay of step {step}: the batch and the model's output are finite "
                    "(checked)", "output_finite", None, step),
-          Evidence(f"the targets of {target.get('fn', 'the loss')} at step {step}: "
-                   f"{target['problem']}",
+          Evidence(f"the targets of {target.fn or 'the loss'} at step {step}: "
+                   f"{target.problem}",
                    "targets", None, step)]
     if fp32.loss_finite is False:
         zero = fp32.grads == "zero"
@@ -289,9 +289,9 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                            f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
                            float(len(steps)), steps[0]))
     ctx = f.fix_context(step=step)
-    ctx.data = {"kind": "targets", "step": step, **target}
+    ctx.data = {"kind": "targets", "step": step, **target.to_json()}
     summary = ("The targets are the cause, not the precision: at step "
-               f"{step} {target['problem']}. The model's output is finite, and the loss is "
+               f"{step} {target.problem}. The model's output is finite, and the loss is "
                "non-finite in fp32 as well" + (", with every gradient exactly zero (nothing to "
                                                "skip, the weights unharmed)"
                                                if fp32.grads == "zero" else "")
@@ -301,12 +301,10 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                    kind="targets", explains=frozenset(steps))
 
 
-def _target_problem(snap: dict) -> Optional[dict]:
+def _target_problem(snap: dict) -> Optional[TargetsCheck]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
     d = SnapshotDetail.of(snap["detail"])
     if d.loss_fp32 is None or d.loss_fp32.loss_finite is not False:
         return None
-    targets = d.get("targets")
-    return next((t for t in targets if isinstance(t, dict) and t.get("problem")), None) \
-        if isinstance(targets, list) else None
+    return next((t for t in d.targets if t.problem), None)

@@ -233,19 +233,19 @@ def measured(path: str, recipe: str, text: str) -> tuple[str, ...]:
     try:
         with opened(path.strip(), "--apply fp8") as run:
             rows = run.events[run.events["kind"] == int(Event.FP8_TRIAL)]
-            trial = Fp8Trial.from_json(rows["text"][-1]) if len(rows) else Fp8Trial()
+            trial = Fp8Trial.from_text(rows["text"][-1]) if len(rows) else Fp8Trial()
     except AmpDoctorError as exc:
         raise RecordError(f"--apply {text}: {exc}") from None
-    recipes = trial["recipes"] if isinstance(trial["recipes"], dict) else {}
+    recipes = trial.recipes or {}
     if not recipe:
-        recipe = trial["suits"] if trial["suits"] in FP8_RECIPES else FP8_RECIPES[0]
+        recipe = trial.suits if trial.suits in FP8_RECIPES else FP8_RECIPES[0]
     part = recipes.get("rowwise" if recipe == "rowwise_with_gw_hp" else recipe)
-    if not isinstance(part, dict) or not isinstance(part.get("keep"), list):
-        why = trial["note"] or trial["error"] or "it was recorded without one"
+    if part is None or part.keep is None:
+        why = trial.note or trial.error or "it was recorded without one"
         raise RecordError(f"--apply {text}: {path.strip()} holds no fp8 trial of {recipe} "
                           f"({why}): name the layers to keep, as in "
                           f"--apply fp8={recipe}:keep=lm_head")
-    return (recipe, *(str(n) for n in part["keep"]))
+    return (recipe, *part.keep)
 
 
 def parse_all(texts: Sequence[str]) -> list[Prescription]:

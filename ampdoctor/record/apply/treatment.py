@@ -58,6 +58,7 @@ import functools
 import threading
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Any, Callable, Optional, cast
 
 import torch
@@ -65,6 +66,7 @@ import torch.nn.functional as F
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
+from ...runfile.meta import AppliedFix
 from .. import patches
 from . import lrfactors
 from .prescription import FORMS, Prescription
@@ -86,25 +88,22 @@ class Treatment:
     """
 
     def __init__(self, prescriptions: list[Prescription],
-                 note: Callable[[list[dict]], None] = lambda applied: None):
+                 note: Callable[[list[AppliedFix]], None] = lambda applied: None):
         self.prescriptions = prescriptions
         self.note = note
         self.patches = patches.PatchSet()
-        self.applied: list[dict] = []
+        self.applied: list[AppliedFix] = []
         self._islands: Optional[_Islands] = None
 
     def install(self) -> "Treatment":
         by_name = {p.name: p.value for p in self.prescriptions}
         for p in self.prescriptions:
-            entry = {"fix": p.name, "arg": p.arg}
             try:
-                extra = self._install(p, by_name)
+                entry = replace(self._install(p, by_name), fix=p.name, arg=p.arg)
             except Exception as exc:  # noqa: BLE001 - the command runs on, untreated by this
-                entry["error"] = f"{type(exc).__name__}: {exc}"
+                entry = AppliedFix(fix=p.name, arg=p.arg, error=f"{type(exc).__name__}: {exc}")
                 warnings.warn(f"ampdoctor: --apply {p.arg} could not be applied ({exc})",
                               RuntimeWarning, stacklevel=2)
-            else:
-                entry.update(extra)
             self.applied.append(entry)
         self._tell()
         return self
@@ -114,65 +113,64 @@ class Treatment:
 
     def _tell(self) -> None:
         try:
-            self.note([dict(e) for e in self.applied])
+            self.note(list(self.applied))
         except Exception:  # noqa: BLE001 - what is recorded never changes what is applied
             pass
 
-    def _install(self, p: Prescription, by_name: dict) -> dict:
+    def _install(self, p: Prescription, by_name: dict) -> AppliedFix:
         if p.name not in INSTALL:
             raise ValueError(f"no treatment for {p.name}")
         return INSTALL[p.name](self, p, by_name)
 
-    def _install_islands(self, p: Prescription, by_name: dict) -> dict:
+    def _install_islands(self, p: Prescription, by_name: dict) -> AppliedFix:
         assert isinstance(p.value, tuple)
         self._islands = _Islands(p.value, self._found)
         self._islands.install(self.patches)
-        return {"modules": [], "missing": list(p.value)}
+        return AppliedFix(modules=[], missing=list(p.value))
 
     def _found(self, found: list[str], missing: list[str], skipped: dict) -> None:
         """The islands' lookup progressed: /meta says which modules were wrapped."""
-        for e in self.applied:
-            if e["fix"] == "fp32_island":
-                e["modules"], e["missing"] = list(found), list(missing)
-                if skipped:
-                    e["skipped"] = dict(skipped)
+        self.applied = [
+            replace(e, modules=list(found), missing=list(missing),
+                    skipped=dict(skipped) if skipped else e.skipped)
+            if e.fix == "fp32_island" else e for e in self.applied]
         self._tell()
 
 
-def _install_bf16(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_bf16(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     _bf16_autocast(t.patches)
     if "init_scale" not in by_name and "growth_interval" not in by_name:
         _scaler_settings(t.patches, disable=True)
-    return {"scaler": "disabled"}
+    return AppliedFix(scaler="disabled")
 
 
-def _install_scaler(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_scaler(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     if p.name == "growth_interval" and "init_scale" in by_name:
-        return {}  # installed with init_scale
+        return AppliedFix()  # installed with init_scale
     _scaler_settings(t.patches, init_scale=by_name.get("init_scale"),
                      growth_interval=by_name.get("growth_interval"),
                      disable="use_bf16" in by_name)
-    return {}
+    return AppliedFix()
 
 
-def _install_eps(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_eps(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     _eps(t.patches, float(p.value))  # type: ignore[arg-type]
-    return {}
+    return AppliedFix()
 
 
-def _install_lr(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_lr(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     _lr(t.patches, float(p.value), relative=p.name == "lr_factor")  # type: ignore
-    return {}
+    return AppliedFix()
 
 
-def _install_losses(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_losses(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     _losses(t.patches)
-    return {"functions": len(LOSSES)}
+    return AppliedFix(functions=len(LOSSES))
 
 
-def _install_scheduler_gate(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_scheduler_gate(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     _scheduler_gate(t.patches)
-    return {}
+    return AppliedFix()
 
 
 # Forms installed together with another form, by that form's installer.
@@ -470,14 +468,14 @@ class _Fp8:
         self._search = patches.PatchSet()
         self._depth = 0
 
-    def install(self) -> dict:
+    def install(self) -> AppliedFix:
         import torchao.float8  # noqa: F401 - a missing torchao fails here, at install
 
         look = cast(Callable[..., None], self._look)
         self._search.add(module_hooks.register_module_forward_pre_hook(look))
         self._search.add(module_hooks.register_module_forward_hook(self._left, always_call=True))
         self.treatment.patches.add(self._search)
-        return {"recipe": self.recipe, "keep": list(self.keep), "converted": []}
+        return AppliedFix(recipe=self.recipe, keep=list(self.keep), converted=[])
 
     def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
@@ -490,9 +488,10 @@ class _Fp8:
         self._depth = 0
         self._tell(self.convert(module))
 
-    def convert(self, model: torch.nn.Module) -> dict:
+    def convert(self, model: torch.nn.Module) -> Callable[[AppliedFix], AppliedFix]:
         """Convert ``model``'s Linears in place (its parameters stay the optimizer's); what
-        /meta ``applied`` adds: converted, kept (name -> why), emulated, model."""
+        /meta ``applied`` adds (converted, kept: name -> why, emulated, model), as the change
+        it makes to the fp8 entry."""
         import dataclasses
 
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -522,17 +521,17 @@ class _Fp8:
                 target.register_forward_pre_hook(_fp8_pre, with_kwargs=True))
             self.treatment.patches.add(
                 target.register_forward_hook(_island_post, always_call=True))
-        return {"converted": converted, "kept": kept, "emulated": emulate,
-                "model": type(model).__name__}
+        model_name = type(model).__name__
+        return lambda e: replace(e, converted=converted, kept=kept, emulated=emulate,
+                                 model=model_name)
 
-    def _tell(self, done: dict) -> None:
-        for e in self.treatment.applied:
-            if e["fix"] == "fp8":
-                e.update(done)
-        self.treatment._tell()
+    def _tell(self, done: Callable[[AppliedFix], AppliedFix]) -> None:
+        t = self.treatment
+        t.applied = [done(e) if e.fix == "fp8" else e for e in t.applied]
+        t._tell()
 
 
-def _install_fp8(t: Treatment, p: Prescription, by_name: dict) -> dict:
+def _install_fp8(t: Treatment, p: Prescription, by_name: dict) -> AppliedFix:
     return _Fp8(p.value, t).install()
 
 
@@ -554,7 +553,7 @@ def _fp8_pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     return _island_pre(module, args, kwargs)
 
 
-Installer = Callable[[Treatment, Prescription, dict], dict]
+Installer = Callable[[Treatment, Prescription, dict], AppliedFix]
 
 
 def _installers() -> dict[str, Installer]:

@@ -28,6 +28,7 @@ import warnings
 from typing import Any, Optional
 
 from ...runfile import paths, schema
+from ...runfile.meta import AppliedFix
 from . import launch, lifeline, written
 
 _SESSION: Optional["Session"] = None
@@ -47,7 +48,7 @@ class Session:
             fp8_trial=BUDGET_SECONDS if settings.fp8_trial is None else settings.fp8_trial))
         self.recorder.on_stop = self.stopped
         self.path: Optional[str] = None
-        self.applied: list[dict] = []
+        self.applied: list[AppliedFix] = []
         self.treatment: Any = None
 
     def treat(self) -> "Session":
@@ -61,13 +62,13 @@ class Session:
             self.treatment = Treatment(list(self.settings.apply), note=self.note_applied)
             self.treatment.install()
         except Exception as exc:  # noqa: BLE001 - the run is recorded, untreated, and says so
-            self.applied = [{"fix": p.name, "arg": p.arg, "error": f"{type(exc).__name__}: "
-                             f"{exc}"} for p in self.settings.apply]
+            self.applied = [AppliedFix(fix=p.name, arg=p.arg, error=f"{type(exc).__name__}: "
+                                       f"{exc}") for p in self.settings.apply]
             warnings.warn(f"ampdoctor: --apply not applied ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
         return self
 
-    def note_applied(self, applied: list[dict]) -> None:
+    def note_applied(self, applied: list[AppliedFix]) -> None:
         """What the treatment applied, into /meta ``applied`` (once the recorder is on)."""
         self.applied = applied
         if self.recorder.active:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ...runfile.detail import TriedFix
-from ...runfile.payloads import CompiledReplay
+from ...runfile.payloads import CompiledOp, CompiledReplay, CompiledRung
 from .. import compiled, stats
 from ..sampler import tensors_in
 from .culprit import Culprit
@@ -122,7 +122,7 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
     as_eager = replace(AS_RECORDED, scale=finding.detail.get("rerun_scale"))
     try:
         _ladder(captures, names, regs, out, as_eager)
-        if out["reproduced"]:
+        if out.reproduced:
             _locate(captures, names, regs, out, as_eager)
             finding.detail["trials"] = _trials(captures, names, regs, out, finding, step,
                                                as_eager)
@@ -130,8 +130,8 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
     except Exception as exc:  # noqa: BLE001 - the eager replay's finding stands without it
         if strict:
             raise
-        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
-    out["seconds"] = round(time.perf_counter() - began, 3)
+        out.error = f"{type(exc).__name__}: {exc}"[:300]
+    out.seconds = round(time.perf_counter() - began, 3)
     finding.detail["compiled"] = out
     return True
 
@@ -140,27 +140,20 @@ def _ladder(captures: list, names: dict, regs: list, out: CompiledReplay, t: Tri
     """The step with every region compiled by each rung: outcome and first non-finite op."""
     rungs = []
     for rung in RUNGS:
-        probe: dict = {}
+        probe: list[CompiledOp] = []
         outcome, error = _run(captures, names, regs, rung, probe, t)
-        one: dict[str, Any] = {
-            "backend": rung, "finite": outcome.finite if outcome else None,
-            "outcome": outcome.as_dict() if outcome else None}
-        if probe:
-            one["op"] = probe
-        if error:
-            one["error"] = error
-        rungs.append(one)
-    out["rungs"] = rungs
-    failed = [r for r in rungs if r["finite"] is False]
-    out["reproduced"] = bool(failed)
+        rungs.append(CompiledRung(backend=rung, finite=outcome.finite if outcome else None,
+                                  outcome=outcome, op=probe[0] if probe else None,
+                                  error=error or None))
+    out.rungs = rungs
+    failed = [r for r in rungs if r.finite is False]
+    out.reproduced = bool(failed)
     if failed:
-        out["backend"] = failed[0]["backend"]
-        op = next((r["op"] for r in failed if r.get("op")), None)
-        if op is not None:
-            out["op"] = op
+        out.backend = failed[0].backend
+        out.op = next((r.op for r in failed if r.op), None)
 
 
-def _run(captures: list, names: dict, regs: list, rung: str, probe: dict,
+def _run(captures: list, names: dict, regs: list, rung: str, probe: list[CompiledOp],
          t: Trial) -> tuple[Optional[Outcome], str]:
     """The step with ``regs`` compiled by ``rung``; (outcome, "") or (None, why not)."""
     try:
@@ -174,26 +167,26 @@ def _locate(captures: list, names: dict, regs: list, out: CompiledReplay, t: Tri
     """The region that reproduces: the only one, or each compiled alone on the lowest rung
     that reproduced."""
     if len(regs) == 1:
-        out["region"] = regs[0].name
+        out.region = regs[0].name
         _name_module(out, regs[0])
         return
-    rung, alone = out["backend"], []
+    rung, alone = out.backend or DEFAULT, []
     for r in regs[:MAX_REGIONS]:
-        outcome, _ = _run(captures, names, [r], rung, {}, t)
+        outcome, _ = _run(captures, names, [r], rung, [], t)
         if outcome is not None and not outcome.finite:
             alone.append(r.name)
-    out["alone"] = alone
+    out.alone = alone
     if alone:
-        out["region"] = alone[0]
+        out.region = alone[0]
         _name_module(out, next(r for r in regs if r.name == alone[0]))
 
 
 def _name_module(out: CompiledReplay, region: Region) -> None:
     """The op's module by the recorder's name for it (dynamo's path is from the region)."""
-    op = out.get("op")
-    if isinstance(op, dict) and "module" in op:
-        rel = op["module"]
-        op["module"] = f"{region.prefix}{rel}" if rel else region.name
+    op = out.op
+    if op is not None and op.module is not None:
+        rel = op.module
+        out.op = replace(op, module=f"{region.prefix}{rel}" if rel else region.name)
 
 
 def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, finding: Culprit,
@@ -201,21 +194,21 @@ def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, findin
     """The fixes tried on the step, as ``proofs.prove`` writes them: the region run eagerly,
     the rest compiled by the default backend; a lower backend that kept it finite."""
     trials: dict[str, TriedFix] = {}
-    region = out.get("region")
+    region = out.region
     rest = [r for r in regs if r.name != region]
     if region is not None and rest:
-        outcome, error = _run(captures, names, rest, DEFAULT, {}, t)
+        outcome, error = _run(captures, names, rest, DEFAULT, [], t)
         trials["compiler_disable"] = _as_trial(outcome, error, step)
     elif region is not None:
         again = finding.detail.rerun
         trials["compiler_disable"] = TriedFix(
             tried=True, finite=True, step=step, loss=again.loss if again else None, first="",
             note="the eager replay: the only compiled region run eagerly")
-    finite = [r for r in out["rungs"] if r["finite"]]
+    finite = [r for r in out.rungs or [] if r.finite]
     if finite:
         best = finite[-1]
         trials["compile_backend"] = replace(_as_trial(_outcome(best), "", step),
-                                            backend=best["backend"])
+                                            backend=best.backend)
     if t.scale is not None:  # as proofs.prove says a trial run at another loss scale
         scaled = recorded_scale(captures[0])
         trials = {k: replace(one, at_scale=t.scale, recorded_scale=scaled) if one.tried
@@ -223,10 +216,9 @@ def _trials(captures: list, names: dict, regs: list, out: CompiledReplay, findin
     return trials
 
 
-def _outcome(rung: dict) -> Outcome:
-    o = rung["outcome"] or {}
-    return Outcome(str(o.get("trial", "")), finite=bool(o.get("finite")),
-                   first=str(o.get("first", "")), loss=o.get("loss"))
+def _outcome(rung: CompiledRung) -> Outcome:
+    o = rung.outcome or Outcome()
+    return Outcome(o.trial, finite=o.finite, first=o.first, loss=o.loss)
 
 
 def _as_trial(outcome: Optional[Outcome], error: str, step: Any) -> TriedFix:
@@ -238,20 +230,20 @@ def _as_trial(outcome: Optional[Outcome], error: str, step: Any) -> TriedFix:
 
 def summary(out: CompiledReplay) -> str:
     """The finding in one sentence, from what the compiled replay measured."""
-    failed = [r["backend"] for r in out["rungs"] if r["finite"] is False]
-    finite = [r["backend"] for r in out["rungs"] if r["finite"]]
-    region = out.get("region") or ", ".join(out["regions"])
+    failed = [r.backend for r in out.rungs or [] if r.finite is False]
+    finite = [r.backend for r in out.rungs or [] if r.finite]
+    region = out.region or ", ".join(out.regions)
     text = (f"the replay run eagerly is finite, but compiled again ({', '.join(failed)}) the "
             f"step is non-finite: torch.compile of {region} makes the NaN, not the numbers")
     if finite:
         text += f" ({', '.join(finite)}: finite)"
-    op = out.get("op")
-    if isinstance(op, dict) and op.get("op"):
-        text += f"; first non-finite op {op['op']}"
-        if op.get("decomposed_from"):
-            text += f" (decomposed from {op['decomposed_from']})"
-        if op.get("source"):
-            text += f" at {op['source']}"
+    op = out.op
+    if op is not None and op.op:
+        text += f"; first non-finite op {op.op}"
+        if op.decomposed_from:
+            text += f" (decomposed from {op.decomposed_from})"
+        if op.source:
+            text += f" at {op.source}"
     return text
 
 
@@ -271,7 +263,7 @@ def _fresh() -> Callable:
 
 
 @contextlib.contextmanager
-def _compiled(regs: list, rung: str, probe: dict) -> Iterator[None]:
+def _compiled(regs: list, rung: str, probe: list[CompiledOp]) -> Iterator[None]:
     """Inside the block, each region's module runs its forward compiled afresh by ``rung``'s
     backend (the modules' ``__dict__`` put back exactly after)."""
     made: list = []  # inductor's compiled graphs
@@ -309,7 +301,7 @@ def _entry(forward: Callable, backend: Any) -> Callable:
     return run
 
 
-def _backend(rung: str, probe: dict, made: list) -> Callable:
+def _backend(rung: str, probe: list[CompiledOp], made: list) -> Callable:
     """The rung's backend; inductor's with its backward compiled at once, inside the call
     (where writes are allowed: ``_entry``), its graphs into ``made``."""
     if rung == "inductor":
@@ -349,7 +341,7 @@ class _Probe(torch.fx.Interpreter):
     """A graph run node by node: the first node whose output is non-finite while its inputs
     are finite, into ``found`` (once: the forward's graph runs before the backward's)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, kind: str, found: dict):
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, found: list[CompiledOp]):
         super().__init__(gm)
         self.kind = kind
         self.found = found
@@ -358,7 +350,7 @@ class _Probe(torch.fx.Interpreter):
         out = super().run_node(n)
         if not self.found and n.op == "call_function" and not _finite(out) and \
                 all(_finite(self.env.get(i)) for i in n.all_input_nodes):
-            self.found.update(_node(n, self.kind))
+            self.found.append(_node(n, self.kind))
         return out
 
 
@@ -367,24 +359,26 @@ def _finite(value: Any) -> bool:
                if stats.measurable(t))
 
 
-def _node(n: torch.fx.Node, kind: str) -> dict:
+def _node(n: torch.fx.Node, kind: str) -> CompiledOp:
     """What a graph node says of where it came from: its op, the op it was decomposed from,
     the user's source line and module."""
     meta = n.meta
     frm = meta.get("original_aten")
-    out = {"graph": kind, "node": n.name, "op": _op_name(n.target)}
-    if frm is not None and _op_name(frm) != out["op"]:
-        out["decomposed_from"] = _op_name(frm)
+    op = _op_name(n.target)
     trace = [line.strip() for line in str(meta.get("stack_trace") or "").splitlines()
              if line.strip() and set(line.strip()) - set("^~ ")]  # (3.11's carets)
+    source = None
     if len(trace) >= 2:
         where = trace[-2].replace("File ", "")
-        out["source"] = f"{where}: {trace[-1]}"[:300]
+        source = f"{where}: {trace[-1]}"[:300]
     stack = meta.get("nn_module_stack")
+    module = None
     if isinstance(stack, dict) and stack:
         path = list(stack.values())[-1]
-        out["module"] = _module_path(str(path[0] if isinstance(path, tuple) else path))
-    return out
+        module = _module_path(str(path[0] if isinstance(path, tuple) else path))
+    return CompiledOp(graph=kind, node=n.name, op=op, source=source, module=module,
+                      decomposed_from=_op_name(frm) if frm is not None and
+                      _op_name(frm) != op else None)
 
 
 def _module_path(path: str) -> str:

@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...runfile.payloads import Fp8Trial
+from ...runfile.payloads import Fp8Recipe, Fp8Trial
 from ...runfile.schema import Kind, Recipe
 from ..fp8 import matmul_weight
 from ..fp8layers import describe, is_float8
@@ -150,8 +150,8 @@ class TrialAtClose:
         except Exception as exc:  # noqa: BLE001 - the trial must never stop the recording
             if self.forensics.strict:
                 raise
-            out["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out["seconds"] = round(time.perf_counter() - start, 3)
+            out.error = f"{type(exc).__name__}: {exc}"[:300]
+        out.seconds = round(time.perf_counter() - start, 3)
         self.captures = []
         return out
 
@@ -197,37 +197,36 @@ class _Run:
     def all(self) -> None:
         loss, grads, note = self.rerun([], Recipe.TENSOR)
         if not grads:
-            self.out["note"] = note or "no gradient reached the parameters"
+            self.out.note = note or "no gradient reached the parameters"
             return
         if not _finite(loss, grads):
-            self.out["note"] = "the step re-run as recorded was not finite: nothing to compare"
+            self.out.note = "the step re-run as recorded was not finite: nothing to compare"
             return
         self.reference = (loss, grads)
         self.recorded_linear = self.linear
-        self.out["loss"] = loss
+        self.out.loss = loss
         own = self.owner.own_layers(self.root)
         if own:
-            self.out["own"] = self.own(own)
-        recipes: dict[str, dict] = {}
+            self.out.own = self.own(own)
+        recipes: dict[str, Fp8Recipe] = {}
         everything = list(self.layers)
         for recipe, name in RECIPES.items():
-            recipes[name] = {"all": self.effect(everything, recipe), "layers": {},
-                             "keep": [], "untried": []}
+            recipes[name] = Fp8Recipe(all=self.effect(everything, recipe), keep=[])
         order = {r: self.ranked(everything, r) for r in RECIPES}
         for i in range(len(everything)):
             for recipe, name in RECIPES.items():
                 layer = order[recipe][i]
                 if self.spent(reserve=len(RECIPES)):
-                    recipes[name]["untried"].append(layer)
+                    recipes[name].untried.append(layer)
                     continue
-                recipes[name]["layers"][layer] = self.effect([layer], recipe)
+                recipes[name].layers[layer] = self.effect([layer], recipe)
         for recipe, name in RECIPES.items():
             self.decide(recipes[name], recipe, everything)
-        self.out["recipes"] = recipes
-        self.out["suits"] = suits(recipes)
-        self.out["runs"] = self.runs
-        if any(r["untried"] for r in recipes.values()):
-            self.out["stopped"] = (f"the budget of {self.owner.budget:g} s was spent after "
+        self.out.recipes = recipes
+        self.out.suits = suits(recipes)
+        self.out.runs = self.runs
+        if any(r.untried for r in recipes.values()):
+            self.out.stopped = (f"the budget of {self.owner.budget:g} s was spent after "
                                    f"{self.runs} re-runs")
 
     def own(self, own: dict) -> dict:
@@ -267,15 +266,15 @@ class _Run:
             effect["output_term"] = self.linear - self.linear_high
         return effect
 
-    def decide(self, recipe: dict, which: Recipe, everything: list) -> None:
-        tried = recipe["layers"]
+    def decide(self, recipe: Fp8Recipe, which: Recipe, everything: list) -> None:
+        tried = recipe.layers
         keep = [n for n, e in tried.items() if over(e)]
-        recipe["keep"] = sorted(keep, key=lambda n: -_num(tried[n]["grad_error"]))
+        recipe.keep = sorted(keep, key=lambda n: -_num(tried[n]["grad_error"]))
         rest = [n for n in everything if n not in keep]
         if keep and rest:
-            recipe["all_but_keep"] = self.effect(rest, which)
+            recipe.all_but_keep = self.effect(rest, which)
         elif not keep:
-            recipe["all_but_keep"] = recipe["all"]
+            recipe.all_but_keep = recipe.all
 
     def spent(self, reserve: int = 0) -> bool:
         """The budget is spent, keeping room for ``reserve`` more re-runs."""
@@ -355,12 +354,12 @@ def over(effect: dict) -> bool:
         (change is not None and not abs(_num(change)) <= LOSS_CHANGE)
 
 
-def suits(recipes: dict) -> str:
+def suits(recipes: dict[str, Fp8Recipe]) -> str:
     """The recipe whose all-but-kept re-run is within both thresholds with the fewest layers
     kept, then the smallest gradient error (``RECIPES``' order breaks ties); "" where none is."""
-    ok = [(len(r["keep"]), _num(r["all_but_keep"].get("grad_error", math.inf)), i, name)
+    ok = [(len(r.keep or []), _num(r.all_but_keep.get("grad_error", math.inf)), i, name)
           for i, (name, r) in enumerate(recipes.items())
-          if "all_but_keep" in r and not over(r["all_but_keep"]) and not r["untried"]]
+          if r.all_but_keep is not None and not over(r.all_but_keep) and not r.untried]
     return min(ok)[3] if ok else ""
 
 

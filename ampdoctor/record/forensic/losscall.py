@@ -31,7 +31,7 @@ Example (what ``forensics`` does after a root call)::
     call = losscall.capture("cross_entropy", F.cross_entropy, (logits, y), {}, loss,
                             [trace.outputs_of(cap)], budget, hooks)
     args, kwargs = call.arguments(replayed_outputs)      # logits rebuilt, y as held
-    check_targets(call, args, kwargs)   # {'fn': 'cross_entropy', 'all_ignored': True, ...}
+    check_targets(call, args, kwargs)   # TargetsCheck(fn='cross_entropy', all_ignored=True, ...)
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ...runfile.detail import TargetsCheck
 from ..torchcompat import autocast_state
 
 # The loss functions of torch.nn.functional seen through the door (``patches.patch_losses``).
@@ -255,7 +256,7 @@ def bound(call: LossCall, args: tuple, kwargs: dict) -> dict:
     return dict(b.arguments)
 
 
-def check_targets(call: LossCall, args: tuple, kwargs: dict) -> Optional[dict]:
+def check_targets(call: LossCall, args: tuple, kwargs: dict) -> Optional[TargetsCheck]:
     """What the targets of a loss call hold (event only: host reads), with ``problem``: one
     sentence on what makes the loss non-finite whatever the precision, or None."""
     a = bound(call, args, kwargs)
@@ -263,41 +264,42 @@ def check_targets(call: LossCall, args: tuple, kwargs: dict) -> Optional[dict]:
     if not isinstance(target, torch.Tensor) or not target.numel():
         return None
     t = target.detach()
-    out: dict[str, Any] = {"fn": call.name, "numel": int(t.numel()),
-                           "dtype": str(t.dtype).replace("torch.", ""), "problem": None}
+    out = TargetsCheck(fn=call.name, numel=int(t.numel()),
+                       dtype=str(t.dtype).replace("torch.", ""))
+    n = out.numel
     if call.name in CLASS_INDEX and not t.is_floating_point():
-        _class_targets(out, t, inp, a)
-    elif t.is_floating_point():
-        bad = int((~torch.isfinite(t)).sum())
-        out["nonfinite"] = bad
-        if bad:
-            out["problem"] = f"{bad} of the {out['numel']} targets are NaN/inf"
-        elif call.name in PROBABILITY or (call.name == "kl_div" and not a.get("log_target")):
-            low = 0.0
-            high = 1.0 if call.name in PROBABILITY else None
-            outside = int(((t < low) | (t > high)).sum()) if high is not None else \
-                int((t < low).sum())
-            out["outside"] = outside
-            if outside:
-                out["problem"] = (f"{outside} of the {out['numel']} targets of {call.name} lie "
-                                  + ("outside [0, 1]" if high is not None else "below 0"))
-    return out
+        return _class_targets(out, t, inp, a)
+    if not t.is_floating_point():
+        return out
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        return replace(out, nonfinite=bad, problem=f"{bad} of the {n} targets are NaN/inf")
+    if not (call.name in PROBABILITY or (call.name == "kl_div" and not a.get("log_target"))):
+        return replace(out, nonfinite=bad)
+    high = 1.0 if call.name in PROBABILITY else None
+    outside = int(((t < 0.0) | (t > high)).sum()) if high is not None else int((t < 0.0).sum())
+    problem = (f"{outside} of the {n} targets of {call.name} lie "
+               + ("outside [0, 1]" if high is not None else "below 0")) if outside else None
+    return replace(out, nonfinite=bad, outside=outside, problem=problem)
 
 
-def _class_targets(out: dict, t: torch.Tensor, inp: Any, a: dict) -> None:
+def _class_targets(out: TargetsCheck, t: torch.Tensor, inp: Any, a: dict) -> TargetsCheck:
     """Class-index targets: how many are ignore_index, how many out of range."""
     ignore = a.get("ignore_index", -100)
     ignore = int(ignore) if isinstance(ignore, int) else -100
     ignored = int((t == ignore).sum())
-    out.update(ignore_index=ignore, ignored=ignored, reduction=a.get("reduction", "mean"))
+    reduction = a.get("reduction", "mean")
+    n, problem = out.numel, None
+    classes = wrong = None
     if isinstance(inp, torch.Tensor) and inp.ndim:
         classes = int(inp.shape[0] if inp.ndim == 1 else inp.shape[1])
         wrong = int(((t != ignore) & ((t < 0) | (t >= classes))).sum())
-        out.update(classes=classes, out_of_range=wrong)
         if wrong:
-            out["problem"] = (f"{wrong} of the {out['numel']} targets are outside 0..{classes - 1} "
-                              "(the number of classes) and not ignore_index")
-    out["all_ignored"] = ignored == out["numel"]
-    if out["all_ignored"] and out["reduction"] == "mean":
-        out["problem"] = (f"every one of the {out['numel']} targets is ignore_index ({ignore}): "
-                          "the mean over no targets is 0/0 = NaN")
+            problem = (f"{wrong} of the {n} targets are outside 0..{classes - 1} "
+                       "(the number of classes) and not ignore_index")
+    if ignored == n and reduction == "mean":
+        problem = (f"every one of the {n} targets is ignore_index ({ignore}): "
+                   "the mean over no targets is 0/0 = NaN")
+    return replace(out, problem=problem, ignore_index=ignore, ignored=ignored,
+                   reduction=reduction, classes=classes, out_of_range=wrong,
+                   all_ignored=ignored == n)

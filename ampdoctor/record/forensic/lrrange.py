@@ -63,7 +63,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.optim import optimizer as optimizer_hooks
 
-from ...runfile.payloads import LrRange
+from ...runfile.payloads import LrRange, LrRung
 from ...runfile.schema import Event, Phase
 from ..apply import lrfactors
 from ..sampler import tensors_in
@@ -154,11 +154,11 @@ class RangeTest:
             if self.forensics.strict:
                 raise
             result = LrRange(note=f"the trial failed: {type(exc).__name__}: {exc}"[:300])
-        result["trigger"] = (f"the loss rose to {loss:.4g}, {loss / self.first:.3g}x the first "
-                             f"step's {self.first:.4g}, with no non-finite value")
-        result["event_step"] = step
-        result["seconds"] = round(time.perf_counter() - began, 4)
-        self.forensics.journal.meta("lr_range", dict(result), step)
+        result.trigger = (f"the loss rose to {loss:.4g}, {loss / self.first:.3g}x the first "
+                          f"step's {self.first:.4g}, with no non-finite value")
+        result.event_step = step
+        result.seconds = round(time.perf_counter() - began, 4)
+        self.forensics.journal.meta("lr_range", result, step)
 
     def after_replay(self, step: int, captures: list, finding: Any, scale: Optional[float],
                      why: Event, loss_nonfinite: Optional[bool]) -> None:
@@ -180,7 +180,7 @@ class RangeTest:
             if self.forensics.strict:
                 raise
             result = LrRange(note=f"the trial failed: {type(exc).__name__}: {exc}"[:300])
-        result["seconds"] = round(time.perf_counter() - began, 4)
+        result.seconds = round(time.perf_counter() - began, 4)
         finding.detail["lr_range"] = result
 
     def run(self, step: int, captures: list, scale: Optional[float]) -> LrRange:
@@ -205,13 +205,13 @@ class RangeTest:
         def tried(exponent: float) -> Optional[bool]:
             """The rung at 10**-exponent of the failing LR: trained or not (None: stopped)."""
             if time.perf_counter() - began > SECONDS:
-                out["stopped"] = f"the time budget of {SECONDS:g} s"
+                out.stopped = f"the time budget of {SECONDS:g} s"
                 return None
             rung = self._rung(optimizer, captures, event_lrs, 10.0 ** -exponent, scale,
-                              out["max_norm"])
-            out["rungs"].append(rung)
-            if not isinstance(rung["losses"][0], float):
-                out["stopped"] = ("the loss at the kept state is non-finite on this batch: no "
+                              out.max_norm)
+            out.rungs = (out.rungs or []) + [rung]
+            if not math.isfinite(rung.losses[0]):
+                out.stopped = ("the loss at the kept state is non-finite on this batch: no "
                                   "LR can be told from another")
                 return None
             return LrRange.trains(rung)
@@ -264,7 +264,7 @@ class RangeTest:
         return ""
 
     def _rung(self, optimizer: Any, captures: list, event_lrs: list, factor: float,
-              scale: Optional[float], max_norm: Optional[float]) -> dict:
+              scale: Optional[float], max_norm: Optional[float]) -> LrRung:
         """One rung: ``STEPS`` steps from the kept state at each group's failing LR times
         ``factor``; its losses (the kept state's first), finite, skipped steps, seconds."""
         began = time.perf_counter()
@@ -300,9 +300,8 @@ class RangeTest:
                 for c in trained:  # (not zero_grad: the recorder patches it)
                     c.grad = None
         lr = max(float(x) * factor for x in event_lrs if math.isfinite(x))
-        return {"factor": float(f"{factor:.4g}"), "lr": lr, "finite": finite,
-                "losses": [x if math.isfinite(x) else str(x) for x in losses],
-                "skipped": skipped, "seconds": round(time.perf_counter() - began, 4)}
+        return LrRung(factor=float(f"{factor:.4g}"), lr=lr, finite=finite, losses=losses,
+                      skipped=skipped, seconds=round(time.perf_counter() - began, 4))
 
 
 def _step(root: torch.nn.Module, weights: dict, captures: list, trained: list,

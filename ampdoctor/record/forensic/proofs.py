@@ -148,7 +148,7 @@ class Prover:
         worst = measured[0].fp32
         self.forensics.journal.event(Event.LOSS_SINGULAR, step,
                                      value=float(worst.nonfinite if worst else 0),
-                                     text=LossSingular(ops=measured).to_json())
+                                     text=LossSingular(ops=measured).to_text())
 
 
 def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]:

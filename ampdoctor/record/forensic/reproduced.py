@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ...numfmt import fmt
-from ...runfile.detail import Recorded
+from ...runfile.detail import Recorded, TargetsCheck
 from ...runfile.schema import Phase
 from .. import stats
 from . import losscall, trial
@@ -156,12 +156,13 @@ def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
     targets, the loss's formula)?"""
     fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
     f.detail["loss_fp32"] = replace(fp32)
-    found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls) if t]
+    found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls)
+             if t is not None]
     f.detail["targets"] = found
     f.detail["reproduced"] = True
     f.phase = Phase.LOSS
     f.fp32_finite = fp32.loss_finite
-    problem = next((t["problem"] for t in found if t.get("problem")), None)
+    problem = next((t.problem for t in found if t.problem), None)
     head = (f"the model's output is finite but the loss ({', '.join(again.loss_fns)}, "
             f"{again.loss_dtype}) is not, in the replay too")
     if fp32.loss_finite is False:
@@ -183,7 +184,7 @@ def _input_held_bad(call: losscall.LossCall) -> bool:
         not bool(torch.isfinite(t).all())
 
 
-def _targets(call: losscall.LossCall, outputs: list) -> Optional[dict]:
+def _targets(call: losscall.LossCall, outputs: list) -> Optional[TargetsCheck]:
     try:
         args, kwargs = call.arguments(outputs)
     except losscall.Missing:

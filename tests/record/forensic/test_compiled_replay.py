@@ -192,7 +192,7 @@ def test_the_compiled_replay_runs_the_backward_at_the_scale_the_eager_replay_was
     f.detail["reproduced"], f.detail["rerun_scale"] = False, 1.0
     assert compiled_replay.examine([_Cap(torch.compile(Net()), 65536.0)], f, {}, step=0)
     got = f.detail["compiled"]
-    assert got["reproduced"] is True and got["backend"] == "inductor"
+    assert got.reproduced is True and got.backend == "inductor"
     assert scales == [1.0, 1.0, 1.0]
     for trial in f.detail["trials"].values():
         assert (trial.at_scale, trial.recorded_scale) == (1.0, 65536.0)

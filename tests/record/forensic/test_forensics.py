@@ -1023,7 +1023,7 @@ def test_targets_all_ignore_index_are_the_loss_not_the_precision(run_path):
     d = ev.result.detail
     assert d["reproduced"] is True and d.loss_fp32.loss_finite is False
     assert d.loss_fp32.grads == "zero" and d.rerun.grads == "zero"
-    assert d["targets"][0]["all_ignored"] and d["targets"][0]["ignored"] == 8
+    assert d.targets[0].all_ignored and d.targets[0].ignored == 8
     assert not ampdoctor.load(run_path).steps["skipped"].any()
     diag = ampdoctor.diagnose(run_path)
     assert (diag.verdict, diag.causes[0]["kind"]) == ("bad_input", "targets")

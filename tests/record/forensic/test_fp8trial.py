@@ -97,34 +97,34 @@ def trial_of(path):
     run = store.load(path)
     rows = run.events[run.events["kind"] == int(Event.FP8_TRIAL)]
     assert len(rows) == 1
-    return Fp8Trial.from_json(rows["text"][0])
+    return Fp8Trial.from_text(rows["text"][0])
 
 
 def test_the_trial_keeps_the_layer_an_outlier_channel_ruins(tmp_path):
     path = str(tmp_path / "run.h5")
     trained(path)
     t = trial_of(path)
-    assert t["step"] == 3 and t["weights_step"] == 3 and not t["stopped"]
-    tw = t["recipes"]["tensorwise"]
+    assert t.step == 3 and t.weights_step == 3 and not t.stopped
+    tw = t.recipes["tensorwise"]
     # the Linear reading the outlier (its other channels flush under one tensor scale) and
     # the next, which the outlier reaches through it; not the first, before it
-    assert sorted(tw["keep"]) == ["3", "5"], tw["layers"]
-    assert all(tw["layers"][n]["grad_error"] > 2 * fp8trial.GRAD_ERROR for n in ("3", "5"))
-    assert tw["layers"]["0"]["grad_error"] < fp8trial.GRAD_ERROR
-    assert tw["all_but_keep"]["grad_error"] < fp8trial.GRAD_ERROR < tw["all"]["grad_error"]
+    assert sorted(tw.keep) == ["3", "5"], tw.layers
+    assert all(tw.layers[n]["grad_error"] > 2 * fp8trial.GRAD_ERROR for n in ("3", "5"))
+    assert tw.layers["0"]["grad_error"] < fp8trial.GRAD_ERROR
+    assert tw.all_but_keep["grad_error"] < fp8trial.GRAD_ERROR < tw.all["grad_error"]
     r = ampdoctor.fp8_readiness(path)
-    assert r.recipes["tensorwise"].keep_high_precision == tw["keep"]  # worst first
+    assert r.recipes["tensorwise"].keep_high_precision == tw.keep  # worst first
     assert r.recipes["tensorwise"].decided_by == "trial"
     assert r.recipes["delayed"].decided_by == "statistics"
     paste = r.recipes["tensorwise"].paste()
-    assert "KEEP = {'%s', '%s'}" % tuple(tw["keep"]) in paste["torchao"]
-    assert paste["apply"] == "--apply fp8=tensorwise:keep=" + ",".join(tw["keep"])
+    assert "KEEP = {'%s', '%s'}" % tuple(tw.keep) in paste["torchao"]
+    assert paste["apply"] == "--apply fp8=tensorwise:keep=" + ",".join(tw.keep)
     # what record --apply reads from it, and what the release report shows
-    assert prescription.parse(f"fp8=keep=from:{path}").value == ("tensorwise", *tw["keep"])
+    assert prescription.parse(f"fp8=keep=from:{path}").value == ("tensorwise", *tw.keep)
     assert prescription.parse(f"fp8=from:{path}").value[0] in ("tensorwise", "rowwise")
     with ampdoctor.release_report(path) as report:
         markdown, html = report.markdown(), report.html()
-    assert "| tensorwise | trial | 2: %s, %s |" % tuple(tw["keep"]) in markdown
+    assert "| tensorwise | trial | 2: %s, %s |" % tuple(tw.keep) in markdown
     assert "| delayed | statistics |" in markdown
     assert "def module_filter_fn(module, fqn):" in markdown and "te.fp8_autocast" in markdown
     assert "<td>trial</td>" in html and "module_filter_fn" in html
@@ -147,7 +147,7 @@ def test_a_recorded_run_trains_bit_for_bit_as_without_ampdoctor(tmp_path):
     torch.manual_seed(5)
     watched, model_b, opt_b = trained(path, steps=5)
     rng_b = torch.get_rng_state()
-    assert trial_of(path)["runs"] > 10  # the trial ran, at close
+    assert (trial_of(path).runs or 0) > 10  # the trial ran, at close
     assert plain == watched
     assert torch.equal(rng_a, rng_b)
     for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()):
@@ -170,8 +170,8 @@ def test_under_autocast_with_accumulation_the_run_is_unchanged(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  model2.state_dict().values()))
     t = trial_of(path)
-    assert t["step"] == 2 and set(t["recipes"]) == {"tensorwise", "rowwise", "mxfp8"}
-    assert set(t["recipes"]["tensorwise"]["layers"]) == {"fc1", "block.0", "head"}
+    assert t.step == 2 and set(t.recipes) == {"tensorwise", "rowwise", "mxfp8"}
+    assert set(t.recipes["tensorwise"].layers) == {"fc1", "block.0", "head"}
     assert len(list(batches(1))) == 1  # (helpers' batches, as train used them)
 
 
@@ -179,9 +179,9 @@ def test_a_spent_budget_leaves_layers_untried_and_says_so(tmp_path):
     path = str(tmp_path / "run.h5")
     trained(path, steps=2, fp8_trial=1e-9)
     t = trial_of(path)
-    assert "budget" in t["stopped"]
-    assert sorted(t["recipes"]["tensorwise"]["untried"]) == ["0", "3", "5"]
-    assert t["suits"] == ""  # no recipe was tried through
+    assert "budget" in t.stopped
+    assert sorted(t.recipes["tensorwise"].untried) == ["0", "3", "5"]
+    assert t.suits == ""  # no recipe was tried through
     assert ampdoctor.fp8_readiness(path).recipes["tensorwise"].decided_by == "trial"
 
 
@@ -198,7 +198,7 @@ def test_a_failure_in_the_trial_is_written_down_and_the_run_finishes(tmp_path, m
             F.cross_entropy(model(torch.randn(8, 32)), torch.zeros(8, dtype=torch.long)).backward()
             opt.step()
             opt.zero_grad()
-    assert "emulation broke" in trial_of(path)["error"]
+    assert "emulation broke" in trial_of(path).error
     run = store.load(path)
     assert run.meta["status"] == "finished" and len(run.steps) == 2
     r = ampdoctor.fp8_readiness(path)
@@ -269,7 +269,7 @@ def test_a_run_in_fp8_is_re_run_in_high_precision_and_trains_unchanged(tmp_path)
     assert plain == watched
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(),
                                                   b.state_dict().values()))
-    own = trial_of(path)["own"]
+    own = trial_of(path).own
     assert set(own["layers"]) == {"3", "5"}  # the fp8 layers; "0" is a plain Linear
     # the outlier channel reaches layer 3's input: per tensor, fp8 raises the step's loss
     # (6.5 % here, the gradient 7 % off); layer 3 kept in high precision, or cast row-wise,

@@ -16,7 +16,7 @@ import ampdoctor
 from ampdoctor.diagnosis import proofs
 from ampdoctor.diagnosis.facts import Facts
 from ampdoctor.record.forensic import lrrange
-from ampdoctor.runfile.payloads import LrRange
+from ampdoctor.runfile.payloads import LrRange, SnapshotDetail
 
 FAILING_LR = 0.3  # the loss is inf at step 8 (momentum 0.9)
 
@@ -69,8 +69,9 @@ def _train(lr, path=None, steps=30, loss_fn=None, inside=False, make=None):
 
 
 def _lr_range(path):
-    found = [s["detail"].part("lr_range") for s in Facts(ampdoctor.load(str(path))).snapshots]
-    return next(LrRange.of(x) for x in found if x)
+    found = [SnapshotDetail.of(s["detail"]).lr_range
+             for s in Facts(ampdoctor.load(str(path))).snapshots]
+    return next(x for x in found if x is not None)
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +95,24 @@ def test_the_ladder_goes_down_by_decades_then_finds_the_highest_that_trains_and_
         recorded):
     path, _ = recorded
     test = _lr_range(path)
-    assert test["state"] == "start" and test["state_step"] == 0 and test["event_step"] == 8
-    assert test["lr"] == pytest.approx(FAILING_LR) and test["optimizer"] == "SGD"
-    rungs = test["rungs"]
-    assert not rungs[0]["finite"] and rungs[0]["factor"] == 1.0  # fails in the trial too
-    halves = [round(-2 * np.log10(r["lr"] / test["lr"]), 6) for r in rungs]
+    assert test.state == "start" and test.state_step == 0 and test.event_step == 8
+    assert test.lr == pytest.approx(FAILING_LR) and test.optimizer == "SGD"
+    rungs = test.rungs
+    assert not rungs[0].finite and rungs[0].factor == 1.0  # fails in the trial too
+    halves = [round(-2 * np.log10(r.lr / test.lr), 6) for r in rungs]
     assert all(h == int(h) for h in halves), halves  # half-decades of the failing LR
     decades = [h // 2 for h in halves if h % 2 == 0]
     assert decades == list(range(len(decades)))  # a decade at a time, from the top
-    by_lr = sorted(rungs, key=lambda r: -r["lr"])
+    by_lr = sorted(rungs, key=lambda r: -r.lr)
     trained = [LrRange.trains(r) for r in by_lr]
     top = trained.index(True)
     assert not any(trained[:top]) and top + 1 < len(by_lr)  # above it none; below, a margin
-    assert by_lr[top + 1]["finite"]
-    assert by_lr[top - 1]["lr"] / by_lr[top]["lr"] == pytest.approx(10 ** 0.5)
+    assert by_lr[top + 1].finite
+    assert by_lr[top - 1].lr / by_lr[top].lr == pytest.approx(10 ** 0.5)
     for r in rungs:
-        assert r["losses"][0] == pytest.approx(rungs[0]["losses"][0])  # from one state
-        if r["finite"]:
-            assert len(r["losses"]) == test["steps"] + 1
+        assert r.losses[0] == pytest.approx(rungs[0].losses[0])  # from one state
+        if r.finite:
+            assert len(r.losses) == test.steps + 1
 
 
 def test_the_lr_the_trial_prescribes_trains_when_applied(recorded):
@@ -133,7 +134,7 @@ def test_the_lr_the_trial_prescribes_trains_when_applied(recorded):
 def test_a_state_too_big_to_keep_makes_the_dose_a_bound_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(lrrange, "STATE_BYTES", 0)
     _train(FAILING_LR, tmp_path / "run.h5", steps=12)
-    assert "over 0 MiB" in _lr_range(tmp_path / "run.h5")["note"]
+    assert "over 0 MiB" in _lr_range(tmp_path / "run.h5").note
     fx = next(fx for fx in ampdoctor.diagnose(str(tmp_path / "run.h5")).fixes
               if fx.id == "lower_lr")
     assert "a bound, not a trial (no LR range test ran: no state was kept: the weights and " \
@@ -143,7 +144,7 @@ def test_a_state_too_big_to_keep_makes_the_dose_a_bound_and_says_why(tmp_path, m
 def test_a_loss_written_by_hand_is_not_tried(tmp_path):
     _train(FAILING_LR, tmp_path / "run.h5", steps=12,
            loss_fn=lambda out, y: ((out - y) ** 2).mean())
-    assert "written by hand" in _lr_range(tmp_path / "run.h5")["note"]
+    assert "written by hand" in _lr_range(tmp_path / "run.h5").note
 
 
 def test_a_loss_the_model_returns_is_trained_on(tmp_path):
@@ -153,8 +154,8 @@ def test_a_loss_the_model_returns_is_trained_on(tmp_path):
     plain = _train(FAILING_LR, inside=True)[1]
     assert all(torch.equal(a, b) for a, b in zip(plain, weights))
     test = _lr_range(tmp_path / "run.h5")
-    assert not test.get("note"), test.get("note")
-    assert not test["rungs"][0]["finite"] and any(LrRange.trains(r) for r in test["rungs"])
+    assert not test.note, test.note
+    assert not test.rungs[0].finite and any(LrRange.trains(r) for r in test.rungs)
 
 
 class Frozen(dict):
@@ -193,8 +194,8 @@ def test_a_frozen_config_is_left_as_it_is_and_the_trial_runs(tmp_path):
     _, weights, _ = _train(FAILING_LR, tmp_path / "run.h5", make=make)
     assert dict(models[0].config) == {"scale": 1.0}
     test = _lr_range(tmp_path / "run.h5")
-    assert not test.get("note"), test.get("note")
-    assert any(LrRange.trains(r) for r in test["rungs"])
+    assert not test.note, test.note
+    assert any(LrRange.trains(r) for r in test.rungs)
     plain = _train(FAILING_LR, make=make)[1]
     assert all(torch.equal(a, b) for a, b in zip(plain, weights))
 
@@ -252,13 +253,14 @@ def test_a_loss_that_rises_with_no_nan_is_tried_and_the_run_stays_bit_identical(
     for a, b in zip(plain_opt.state.values(), opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
     with ampdoctor.load(str(path)) as run:
-        assert not [s for s in run.snapshots if s["detail"].part("lr_range")]
-        test = LrRange.of(run.lr_range)
+        assert not [s for s in run.snapshots if SnapshotDetail.of(s["detail"]).lr_range]
+        test = run.lr_range
+    assert test is not None
     first = next(i for i, x in enumerate(losses) if x >= lrrange.RISE * losses[0])
-    assert test["event_step"] == first and test["state"] == "start"
-    assert test["trigger"].startswith(f"the loss rose to {losses[first]:.4g}")
-    assert test["lr"] == pytest.approx(RISING_LR) and not test.get("note")
-    assert any(LrRange.trains(r) for r in test["rungs"])
+    assert test.event_step == first and test.state == "start"
+    assert test.trigger.startswith(f"the loss rose to {losses[first]:.4g}")
+    assert test.lr == pytest.approx(RISING_LR) and not test.note
+    assert any(LrRange.trains(r) for r in test.rungs)
 
 
 def test_the_lr_tried_at_a_rise_is_quoted_and_trains_when_applied(rising):
@@ -284,6 +286,6 @@ def test_a_model_held_under_two_names_keeps_its_own_tensors_after_the_trial(tmp_
     losses, weights, _ = _train_rising(RISING_LR, tmp_path / "run.h5", steps=12, wrap=True)
     plain_losses, plain_weights, _ = _train_rising(RISING_LR, steps=12, wrap=True)
     with ampdoctor.load(str(tmp_path / "run.h5")) as run:
-        assert run.lr_range and not run.lr_range.get("note")
+        assert run.lr_range and not run.lr_range.note
     assert plain_losses == losses
     assert all(torch.equal(a, b) for a, b in zip(plain_weights, weights))

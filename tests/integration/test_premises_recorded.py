@@ -60,7 +60,9 @@ def test_a_causal_mask_buffer_of_minus_inf_is_not_state_poisoning(tmp_path):
     assert [r["verdict"] for r in rejected] == ["state_poisoning"]
     premise = rejected[0]["premises"][0]
     assert premise["name"] == "buffer_was_finite" and premise["status"] == "failed"
-    assert "attn_mask was non-finite from its first sample (step 0)" in premise["fact"]
+    # told from the start check (/meta buffers): non-finite before the first forward
+    assert "attn_mask was already non-finite before the first forward" in premise["fact"]
+    assert ampdoctor.load(out).buffers.nonfinite_at_start == ["Causal.attn_mask"]
 
 
 NORM = textwrap.dedent('''

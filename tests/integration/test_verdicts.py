@@ -195,8 +195,8 @@ def test_the_prescribed_fix_applied_with_no_code_change_trains(recorded, treated
     assert d.verdict == "healthy", f"--apply {apply}\n{d}"
     assert not any(e.key == "loss_flat" for e in d.evidence), f"--apply {apply}\n{d}"
     with ampdoctor.load(path) as run:
-        assert [a["arg"] for a in run.applied] == [apply]
-        assert not any(a.get("missing") or a.get("error") for a in run.applied), run.applied
+        assert [a.arg for a in run.applied] == [apply]
+        assert not any(a.missing or a.error for a in run.applied), run.applied
         f = Facts(run)  # no layer flushes (an fp32 island's own gradients never were fp16)
         under = np.where(computed_in_fp32(f), np.nan, f.reduced.layer_under)
         assert not np.any(under[np.isfinite(under)] >= LAYER_UNDERFLOW), f"--apply {apply}"

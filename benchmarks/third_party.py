@@ -53,7 +53,10 @@ The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds wha
 ``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
 bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
 ``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
-a tiny UNet config, a folder of 16 px images) and torchtune's ``tune run
+a tiny UNet config, a folder of 16 px images), its ``train_text_to_image.py`` (under
+``accelerate launch --mixed_precision bf16`` as its README shows; a tiny random Stable Diffusion
+folder saved with diffusers' own pipeline, 16 px images with a captions column) and torchtune's
+``tune run
 full_finetune_single_device`` (a tiny random Llama-2 saved from torchtune's own builder, a
 SentencePiece tokenizer, ``text_completion_dataset``, on CPU) and transformers'
 ``examples/pytorch/language-modeling/run_clm_no_trainer.py`` (``--transformers-repo``; an
@@ -287,6 +290,43 @@ ROWS += [
         "AdamW at LR 10 (after 4 warm-up steps): the clip bounds the gradient, not Adam's "
         "step; the weights and activations blow up", dose="diffusers_uncond"),
 ]
+# diffusers' train_text_to_image.py, launched as its README shows (accelerate launch
+# --mixed_precision, --use_ema, --center_crop, --random_flip, gradient accumulation, a
+# constant LR with no warm-up, --max_grad_norm 1) on a tiny random Stable Diffusion folder
+# (third_party_trainers.text_to_image); the README's batch 1 x 4 is 4 x 2 here. Under bf16 it
+# casts the frozen VAE and text encoder to bf16 and trains the fp32 UNet under accelerate's
+# autocast. No precision failure of its own trains on CPU: --mixed_precision fp16 casts the
+# VAE and text encoder to fp16, accelerate gives no fp16 autocast on a CPU, and the first
+# forward stops ("mat1 and mat2 must have the same dtype, but got Half and Float"); a UNet
+# saved in bf16 is loaded back in fp32 by from_pretrained (no torch_dtype), and the script
+# passes no --variant to the UNet's load
+T2I = ["--pretrained_model_name_or_path", "{work}/model", "--train_data_dir",
+       "{work}/images/train", "--image_column", "image", "--caption_column", "text",
+       "--use_ema", "--resolution", "16", "--center_crop", "--random_flip",
+       "--train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_train_steps",
+       "40", "--max_grad_norm", "1", "--lr_scheduler", "constant", "--lr_warmup_steps", "0",
+       "--dataloader_num_workers", "0", "--checkpointing_steps", "100000", "--seed", "0",
+       "--output_dir", "{work}/out/{row}"]
+
+
+def t2i(precision: str) -> list[str]:
+    """``accelerate launch --mixed_precision PRECISION train_text_to_image.py`` with ``T2I``."""
+    return ["--mixed_precision", precision, "train_text_to_image.py", *T2I]
+
+
+ROWS += [
+    row("diffusers_t2i", "diffusers_t2i", t2i("bf16") + ["--learning_rate", "1e-3"],
+        "healthy", ["healthy"], "train_text_to_image.py under accelerate launch "
+        "--mixed_precision bf16 (the UNet fp32 under accelerate's autocast, the frozen VAE and "
+        "text encoder in bf16), EMA, AdamW at 1e-3 constant, clipped at 1: the "
+        "noise-prediction loss falls (1.04 to about 0.4 in 40 steps, the script's own "
+        "step_loss, run without ampdoctor)"),
+    row("diffusers_t2i_lr10", "diffusers_t2i", t2i("bf16") + ["--learning_rate", "10"],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 10 from the first step (constant, no warm-up): the clip bounds the "
+        "gradient, not Adam's step, so every weight moves by up to 10; the loss goes 1.04 to "
+        "2e5 on step 1 and NaN from step 2 (run without ampdoctor)", dose="diffusers_t2i"),
+]
 # torchtune's full finetune recipe on a tiny random Llama (fp32 and its default bf16, which
 # keeps bf16 weights), and transformers' run_clm_no_trainer.py (an accelerate loop, a GPT-2
 # trained from a config), launched as its README says (``accelerate launch``) with accelerate's
@@ -330,7 +370,7 @@ ROWS += [
         "updates round away"),
 ]
 STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning", "litgpt", "litgpt_ft",
-          "diffusers", "torchtune", "accelerate"]
+          "diffusers", "diffusers_t2i", "torchtune", "accelerate"]
 COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 200)),
           ("gray", (128, 128, 128))]
 
@@ -557,6 +597,18 @@ class Setup:
                 "fill": {"work": work}}
 
 
+    def diffusers_t2i(self) -> dict[str, Any]:
+        python = self.tv()
+        check_python(python, ["transformers", "tokenizers"], "pip install transformers")
+        work = trainers.text_to_image(os.path.join(self.workdir, "diffusers_t2i"), python,
+                                      child_env(1), make_images,
+                                      [color for color, _ in COLORS])
+        repo_file(self.args.diffusers_repo, "examples/text_to_image/train_text_to_image.py",
+                  os.path.join(work, "train_text_to_image.py"))
+        self.info["diffusers_commit"] = repo_commit(self.args.diffusers_repo)
+        return {"python": python, "cwd": work, "command": accelerate_launch(python),
+                "fill": {"work": work}}
+
     def torchtune(self) -> dict[str, Any]:
         python = self.tp()
         check_python(python, ["torchtune", "torchtune.training", "sentencepiece"],
@@ -575,9 +627,14 @@ class Setup:
                   os.path.join(work, "run_clm_no_trainer.py"))
         self.info["transformers_commit"] = repo_commit(self.args.transformers_repo) or \
             source_note(self.args.transformers_repo)
-        launch = [os.path.join(os.path.dirname(python), "accelerate"), "launch",
-                  "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
-        return {"python": python, "cwd": work, "command": launch, "fill": {"work": work}}
+        return {"python": python, "cwd": work, "command": accelerate_launch(python),
+                "fill": {"work": work}}
+
+
+def accelerate_launch(python: str) -> list[str]:
+    """``accelerate launch`` of ``python``'s venv on one process, with no config file."""
+    return [os.path.join(os.path.dirname(python), "accelerate"), "launch", "--num_processes",
+            "1", "--num_machines", "1", "--dynamo_backend", "no"]
 
 
 def source_note(folder: str) -> Optional[str]:

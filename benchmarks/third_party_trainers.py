@@ -1,7 +1,9 @@
 """What the LLM and diffusion trainers of ``benchmarks/third_party.py`` need, built offline in
 its workdir: litgpt's tokenizer, text files and pretraining config, a tiny random litgpt
 checkpoint (made with litgpt's own API) to finetune, a folder of 16 px images for diffusers'
-``train_unconditional.py`` with its UNet config, a tiny random Llama checkpoint for torchtune's
+``train_unconditional.py`` with its UNet config, a captioned image folder and a tiny random
+Stable Diffusion folder (made with diffusers' and transformers' own classes) for its
+``train_text_to_image.py``, a tiny random Llama checkpoint for torchtune's
 recipe, and a text corpus with a tokenizer and a GPT-2 config for transformers'
 ``run_clm_no_trainer.py`` (an accelerate loop); and the dose check: a failing row's prescribed
 ``--apply`` recorded on the same command, and compared with the failing and the healthy run.
@@ -191,6 +193,75 @@ def diffusers(folder: str, make_images: Callable[..., str]) -> str:
         os.makedirs(os.path.join(folder, "unet"), exist_ok=True)
         with open(os.path.join(folder, "unet", "config.json"), "w") as f:
             json.dump(UNET, f, indent=1)
+    return once(folder, build)
+
+
+# diffusers' examples/text_to_image/train_text_to_image.py loads a whole Stable Diffusion
+# folder (--pretrained_model_name_or_path): CLIP's tokenizer and text encoder, a VAE, a
+# conditional UNet and a DDPM scheduler. Each here is as small as its blocks allow: a CLIP BPE
+# of the byte alphabet plus the captions' words, a 2-layer CLIP text encoder 32 wide, a VAE of
+# two resolutions (16 px images to 8x8x4 latents), a UNet of two resolutions (16 and 32
+# channels, cross-attention 32 wide: the text encoder's width), saved with diffusers' own
+# StableDiffusionPipeline.save_pretrained
+T2I_BUILD = """
+import torch
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+# CLIP's byte-level alphabet: printable bytes as themselves, the rest shifted past 255
+keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+chars = [chr(b) for b in keep] + [chr(256 + i) for i in range(256 - len(keep))]
+tokens = chars + [c + "</w>" for c in chars]
+merges = []
+for word in {words!r}:
+    parts = list(word[:-1]) + [word[-1] + "</w>"]
+    while len(parts) > 1:
+        merges.append((parts[0], parts[1]))
+        parts = [parts[0] + parts[1]] + parts[2:]
+        if parts[0] not in tokens:
+            tokens.append(parts[0])
+tokens += ["<|startoftext|>", "<|endoftext|>"]
+vocab = {{t: i for i, t in enumerate(tokens)}}
+tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)
+torch.manual_seed(0)
+text_encoder = CLIPTextModel(CLIPTextConfig(
+    vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=2, max_position_embeddings=16, bos_token_id=vocab["<|startoftext|>"],
+    eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]))
+vae = AutoencoderKL(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
+    down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1, norm_num_groups=4, sample_size=16)
+unet = UNet2DConditionModel(
+    sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+    norm_num_groups=8, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
+    attention_head_dim=8)
+scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                          beta_schedule="scaled_linear", clip_sample=False, steps_offset=1)
+StableDiffusionPipeline(
+    vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+    safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+).save_pretrained({out!r})
+"""
+
+
+def text_to_image(folder: str, python: str, env: dict[str, str],
+                  make_images: Callable[..., str], colors: list[str]) -> str:
+    """``images/train`` (16 px, one colour per class, with the ``metadata.jsonl`` captions
+    column ``text``: "a photo of red noise", an imagefolder ``datasets`` reads) and ``model/``
+    (``T2I_BUILD``: the folder ``--pretrained_model_name_or_path`` names)."""
+    def build(folder: str) -> None:
+        images = make_images(os.path.join(folder, "images"), per_class=16, val_per_class=0,
+                             size=16)
+        with open(os.path.join(images, "train", "metadata.jsonl"), "w") as f:
+            for c, color in enumerate(colors):
+                for i in range(16):
+                    f.write(json.dumps({"file_name": f"class{c}/{i}.png",
+                                        "text": f"a photo of {color} noise"}) + "\n")
+        words = sorted({w for color in colors for w in f"a photo of {color} noise".split()})
+        side_run(python, T2I_BUILD.format(words=words, out=os.path.join(folder, "model")), env,
+                 "the tiny Stable Diffusion folder")
     return once(folder, build)
 
 

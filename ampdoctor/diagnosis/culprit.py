@@ -25,9 +25,11 @@ from ..runfile.detail import OpRecord
 from ..runfile.payloads import SnapshotDetail
 from .facts import Facts
 from .fixes.premises import DOMAIN as DOMAIN
+from .fixes.premises import FP32_MAX as FP32_MAX
 from .fixes.premises import OPERAND as OPERAND
 from .fixes.premises import OVERFLOW as OVERFLOW
 from .fixes.premises import nonfinite_kind as nonfinite_kind
+from .fixes.premises import squares_overflow as squares_overflow
 from .verdict import Evidence
 
 # -- which replay describes the failure ----------------------------------------------------
@@ -204,6 +206,11 @@ def kind_text(op: OpRecord, kind: str, fp32_finite: int) -> str:
     elif kind == OPERAND:
         text = (f"{name} made NaN from an inf among its inputs (0 x inf, or inf - inf): the inf "
                 "was made earlier")
+    elif squares_overflow(op):
+        text = (f"{name} made NaN from finite inputs up to {fmt(float(op.in_absmax or 0))}, "
+                f"whose squares pass fp32's largest value ({fmt(FP32_MAX)}): its variance "
+                "overflowed inside the op and inf - inf is NaN (an overflow, not a domain "
+                "error)")
     else:
         text = (f"{name} made NaN from finite inputs: no overflow, a domain error (sqrt or log of "
                 "a negative, 0/0, an empty reduction, a fully masked softmax row)")

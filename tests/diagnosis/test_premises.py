@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from synthetic import Synth
 
+from ampdoctor.diagnosis import culprit
 from ampdoctor.diagnosis.engine import diagnose
 from ampdoctor.diagnosis.facts import Facts
+from ampdoctor.diagnosis.fixes.premises import DOMAIN, squares_overflow
+from ampdoctor.runfile.detail import OpRecord
 from ampdoctor.runfile.schema import Event, Kind
 
 
@@ -393,6 +396,26 @@ def test_a_nan_from_finite_inputs_is_a_domain_error_not_an_overflow():
     kind = next(e for e in d.evidence if e.key == "nonfinite_kind")
     assert kind.text.startswith("sqrt made NaN from finite inputs: no overflow, a domain error")
     assert kind.text.endswith("in fp32 the same code is finite")
+
+
+def test_a_norm_whose_inputs_square_past_fp32_is_an_overflow_not_a_domain_error():
+    """A GroupNorm fed 7e21 (diffusers' UNet at LR 10, bf16): its variance sums squares in
+    fp32, which pass 3.4e38, and inf - inf is NaN; the same op at inputs whose squares fit,
+    and a sqrt at any size, stay a domain error."""
+    def op(name, absmax):
+        return OpRecord(op=name, created=["nan"], dtype="bfloat16", in_absmax=absmax)
+
+    assert squares_overflow(op("group_norm", 7.05e21))
+    assert squares_overflow(op("aten.native_layer_norm.default", 2e19))
+    assert not squares_overflow(op("group_norm", 1.8e19))  # 3.24e38: under fp32's max
+    assert not squares_overflow(op("sqrt", 7.05e21))
+    assert not squares_overflow(op("normal", 7.05e21))
+    text = culprit.kind_text(op("group_norm", 7.05e21), DOMAIN, 0)
+    assert text.startswith("group_norm made NaN from finite inputs up to 7.05e+21, whose "
+                           "squares pass fp32's largest value")
+    assert "(an overflow, not a domain error)" in text and "no overflow" not in text
+    assert culprit.kind_text(op("group_norm", 4.0), DOMAIN, 0).startswith(
+        "group_norm made NaN from finite inputs: no overflow, a domain error")
 
 
 def test_a_nan_from_an_inf_operand_is_said_so():

@@ -9,7 +9,8 @@ fails, the measured fact that rules the fix out, as a clause ("re-run in fp32, b
 is non-finite too").
 
 Also here, as the premises read them: the kind of non-finite value the first bad op made
-(``nonfinite_kind``; ``culprit.py`` tells it in the evidence) and the activation families
+(``nonfinite_kind``; ``culprit.py`` tells it in the evidence; ``squares_overflow``: a norm's
+NaN that is its squares overflowing, not a domain error) and the activation families
 (``relu_free``: a model whose recorded activations are all smooth has no ReLU to swap).
 
 Example::
@@ -57,6 +58,27 @@ def nonfinite_kind(op: Optional[OpRecord]) -> Optional[str]:
     if created and created <= {"posinf", "neginf"} and not bad_in:
         return OVERFLOW
     return None
+
+
+# A norm's variance (and var/std) sums squares in fp32 whatever the input dtype (PyTorch's
+# opmath for bf16 and fp16): inputs past sqrt(fp32 max) = 1.8e19 square to inf, and inf - inf
+# (E[x^2] - E[x]^2, or a Welford update) is NaN: an overflow inside the op that makes only NaN.
+FP32_MAX = 3.4028234663852886e38
+SQUARING = ("norm", "var", "std")
+
+
+def squares_overflow(op: Optional[OpRecord]) -> bool:
+    """``op`` made NaN from finite inputs, squares them (a norm, var, std) and its inputs'
+    squares pass fp32's largest value: its DOMAIN NaN is an overflow inside it.
+
+    Example::
+
+        squares_overflow(OpRecord(op="group_norm", created=["nan"], in_absmax=7e21))  # True
+    """
+    if nonfinite_kind(op) != DOMAIN or op is None or op.in_absmax is None:
+        return False
+    words = set(op.op.lower().replace(".", "_").split("_"))  # aten.native_layer_norm.default
+    return bool(words & set(SQUARING)) and float(op.in_absmax) ** 2 > FP32_MAX
 
 
 def relu_free(types: Iterable[str]) -> bool:

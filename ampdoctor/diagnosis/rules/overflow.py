@@ -141,7 +141,9 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
     elif snap["phase"] == "backward":
         text = _backward_text(module, snap, op, low)
     elif kind in (culprit.DOMAIN, culprit.OPERAND):
-        what = ("makes NaN from finite inputs (a domain error, no overflow)" if kind ==
+        what = ("makes NaN from finite inputs whose squares pass fp32's range (an overflow "
+                "inside the op)" if culprit.squares_overflow(op) else
+                "makes NaN from finite inputs (a domain error, no overflow)" if kind ==
                 culprit.DOMAIN else "turns an inf made earlier into NaN (0 x inf or inf - inf)")
         text = (f"One op in {module}, {op.op if op else None}, {what} in {low} {while_steady}. "
                 + _in_fp32(module, snap))

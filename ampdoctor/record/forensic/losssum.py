@@ -15,18 +15,21 @@ taken as the loss, as it is; several are not combined):
 * ``mean of the calls``: that sum over the number of calls (each a scalar);
 * ``sum / targets``: that sum over the class targets that are not ``ignore_index``
   (``cross_entropy``/``nll_loss`` with ``reduction="none"`` or ``"sum"``);
-* ``mean``: that sum over the number of elements.
+* ``mean``: that sum over the number of elements;
+* ``weighted``: each element times the gradient the step sent into it, over the loss scale
+  (``d loss / d element``: a loss divided by the micro-batches, or weighted by hand).
 
-Each is linear in the calls' results, so the gradients the trial sends into them (the ones
-the real step did, ``trial._loss_pairs``) are those of the combination at any weights. None
-verifies (a loss added to a term written by hand, a weighted sum): ``Combined.why`` says so,
-and the trial does not run.
+Each is linear in the calls' results (``weighted`` holds for a loss of degree one in them;
+one of another degree gives back another value there, and fails), so the gradients the trial
+sends into them (the ones the real step did, ``trial._loss_pairs``) are those of the
+combination at any weights. None verifies (a term written by hand added to the calls):
+``Combined.why`` says so, and the trial does not run.
 
 Event only (host reads). Example::
 
     combined = combination(captures)
-    combined.name, combined.divisors   # ('sum / targets', [376.0])
-    combined.of(0, recomputed_sum)     # the trial's loss of micro-batch 0, in the run's units
+    combined.name, combined.ways       # ('sum / targets', [Way(divisor=376.0)])
+    combined.ways[0].loss(recomputed)  # the trial's loss of micro-batch 0, in the run's units
 """
 
 from __future__ import annotations
@@ -38,23 +41,37 @@ from typing import Any, Optional
 import torch
 
 from .losscall import CLASS_INDEX, LossCall, bound
+from .trial import recorded_scale
 
 RTOL = 1e-4  # of a loss computed in fp32: the order of summation is all that differs
 
 
+@dataclass(frozen=True)
+class Way:
+    """How one micro-batch's recomputed calls give its loss: their elements summed over
+    ``divisor``, or (``weights``, one per call) each element times the gradient the step sent
+    into it, unscaled."""
+
+    divisor: float = 1.0
+    weights: Optional[list] = None
+
+    def loss(self, values: list) -> float:
+        """The loss of the recomputed calls' ``values`` (in the calls' order)."""
+        if self.weights is None:
+            return sum(float(v.detach().double().sum()) for v in values) / self.divisor
+        return sum(float((w.double() * v.detach().double()).sum())
+                   for w, v in zip(self.weights, values))
+
+
 @dataclass
 class Combined:
-    """The verified combination (``name``, ``divisors``: one per micro-batch), or ``why``
-    none verifies."""
+    """The verified combination (``name``, ``ways``: one per micro-batch), or ``why`` none
+    verifies."""
 
     name: str = ""
-    divisors: list = field(default_factory=list)
+    ways: list = field(default_factory=list)
     why: str = ""
     described: str = ""  # the combination in words, with its numbers
-
-    def of(self, micro: int, total: float) -> float:
-        """A micro-batch's loss from the sum of every element of its recomputed calls."""
-        return total / self.divisors[micro]
 
 
 def combination(captures: list) -> Combined:
@@ -68,21 +85,20 @@ def combination(captures: list) -> Combined:
                             "call, not one: which the calls combine into is not known")
         if not math.isfinite(recorded[0]):
             return _unchecked(captures)
-        calls = list(cap.loss_calls)
-        total = sum(float(c.value.detach().double().sum()) for c in calls)
-        rows.append((calls, total, recorded[0], _tolerance(cap)))
-    for name in ("sum", "mean of the calls", "sum / targets", "mean"):
-        divisors = [_divisor(name, calls) for calls, _, _, _ in rows]
-        if all(d is not None and d > 0 and
-               abs(total / d - loss) <= tol * max(abs(loss), 1e-12)
-               for d, (_, total, loss, tol) in zip(divisors, rows)):
-            return Combined(name=name, divisors=[float(d) for d in divisors if d],
-                            described=_describe(name, rows[0][0], divisors[0], rows[0][2]))
-    calls, total, loss, _ = rows[0]
+        rows.append((cap, list(cap.loss_calls), recorded[0], _tolerance(cap)))
+    for name in ("sum", "mean of the calls", "sum / targets", "mean", "weighted"):
+        ways = [_way(name, cap, calls) for cap, calls, _, _ in rows]
+        if all(w is not None and abs(w.loss([c.value for c in calls]) - loss)
+               <= tol * max(abs(loss), 1e-12) for w, (_, calls, loss, tol) in zip(ways, rows)):
+            return Combined(name=name, ways=ways, described=_describe(
+                name, rows[0][1], ways[0] or Way(), rows[0][2]))
+    _, calls, loss, _ = rows[0]
+    total = sum(float(c.value.detach().double().sum()) for c in calls)
     return Combined(why=f"no combination of the step's {len(calls)} loss calls verified: the "
                     f"loss the step backwarded ({loss:.6g}) is not their sum ({total:.6g}), "
-                    "their mean, nor their sum over the targets not ignored (the loss adds "
-                    "a term written by hand, or weighs them)")
+                    "their mean, their sum over the targets not ignored, nor their sum weighted "
+                    "by the gradient the step sent into each (the loss adds a term written by "
+                    "hand)")
 
 
 def _unchecked(captures: list) -> Combined:
@@ -91,22 +107,45 @@ def _unchecked(captures: list) -> Combined:
     or one per element, are not known to be."""
     calls = [c for cap in captures for c in cap.loss_calls]
     if len(calls) == len(captures) and all(c.value.numel() == 1 for c in calls):
-        return Combined(name="sum", divisors=[1.0] * len(captures),
+        return Combined(name="sum", ways=[Way()] * len(captures),
                         described=f"the {calls[0].name} call's result (not checked: the "
                                   "loss the step recorded is non-finite)")
     return Combined(why=f"the loss the step recorded is non-finite, so no combination of its "
                     f"{len(calls)} loss calls could be checked against it")
 
 
-def _divisor(name: str, calls: list) -> Optional[float]:
+def _way(name: str, cap: Any, calls: list) -> Optional[Way]:
+    if name == "weighted":
+        return _weighted(cap, calls)
     if name == "sum":
-        return 1.0
-    if name == "mean of the calls":
-        return float(len(calls)) if all(c.value.numel() == 1 for c in calls) else None
-    if name == "mean":
-        return float(sum(c.value.numel() for c in calls))
-    counted = [_targets(c) for c in calls]
-    return float(sum(counted)) if all(n is not None for n in counted) else None  # type: ignore
+        d: Optional[float] = 1.0
+    elif name == "mean of the calls":
+        d = float(len(calls)) if all(c.value.numel() == 1 for c in calls) else None
+    elif name == "mean":
+        d = float(sum(c.value.numel() for c in calls))
+    else:
+        counted = [_targets(c) for c in calls]
+        d = float(sum(n for n in counted if n is not None)) \
+            if all(n is not None for n in counted) else None
+    return Way(divisor=d) if d else None
+
+
+def _weighted(cap: Any, calls: list) -> Optional[Way]:
+    """Each call's elements times the gradient the step sent into it, over the loss scale:
+    d(loss)/d(call) for a loss linear in the calls (a loss divided by the micro-batches)."""
+    if not all(0 in c.grads for c in calls):
+        return None
+    scale = recorded_scale(cap) or 1.0
+    weights = []
+    for c in calls:
+        g = c.grads[0].detach().double() / scale
+        if g.shape != c.value.shape:
+            if g.numel() != c.value.numel() and g.numel() != 1:
+                return None
+            g = g.expand(c.value.shape) if g.numel() == 1 else g.reshape(c.value.shape)
+        weights.append(g)
+    return Way(weights=weights) if all(bool(torch.isfinite(w).all()) for w in weights) \
+        else None
 
 
 def _targets(call: LossCall) -> Optional[int]:
@@ -130,12 +169,14 @@ def _tolerance(cap: Any) -> float:
     return RTOL
 
 
-def _describe(name: str, calls: list, divisor: Optional[float], loss: float) -> str:
+def _describe(name: str, calls: list, way: Way, loss: float) -> str:
     n = len(calls)
     whose = (f"the {n} {calls[0].name} calls'" if n > 1 else f"the {calls[0].name} call's")
     text = {"sum": f"the sum of {whose} elements" if n > 1 else f"{whose} result",
             "mean of the calls": f"the mean of the {n} {calls[0].name} calls",
-            "sum / targets": f"the sum of {whose} elements over the {divisor:g} targets "
+            "sum / targets": f"the sum of {whose} elements over the {way.divisor:g} targets "
                              "not ignore_index",
-            "mean": f"the mean of {whose} elements"}[name]
+            "mean": f"the mean of {whose} elements",
+            "weighted": f"the sum of {whose} elements, each times the gradient the step sent "
+                        "into it (unscaled)"}[name]
     return f"{text}: {loss:.6g} at the captured step, as the run recorded it"

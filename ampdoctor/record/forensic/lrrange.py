@@ -71,7 +71,7 @@ from ...runfile.schema import Event, Phase
 from ..apply import lrfactors
 from ..sampler import tensors_in
 from .isolated import set_rng
-from .losssum import combination
+from .losssum import Way, combination
 from .trace import Capture, autocast, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, _factor, _grad_for, _loss_pairs, _losses
 
@@ -205,7 +205,7 @@ class RangeTest:
         if combined is not None and combined.why:
             return LrRange(note=f"the trial's loss cannot be put in the run's units: "
                            f"{combined.why}"[:300])
-        divisors = dict(zip(map(id, called), combined.divisors if combined else []))
+        ways = dict(zip(map(id, called), combined.ways if combined else []))
         out = LrRange(state="start", state_step=self.start.step, event_step=step, lr=top,
                      batch="the failing step's batch, repeated", steps=STEPS, rungs=[],
                      optimizer=type(optimizer).__name__,
@@ -219,7 +219,7 @@ class RangeTest:
                 out.stopped = f"the time budget of {SECONDS:g} s"
                 return None
             rung = self._rung(optimizer, captures, event_lrs, 10.0 ** -exponent, scale,
-                              out.max_norm, divisors)
+                              out.max_norm, ways)
             out.rungs = (out.rungs or []) + [rung]
             if not math.isfinite(rung.losses[0]):
                 out.stopped = ("the loss at the kept state is non-finite on this batch: no "
@@ -275,7 +275,7 @@ class RangeTest:
         return ""
 
     def _rung(self, optimizer: Any, captures: list, event_lrs: list, factor: float,
-              scale: Optional[float], max_norm: Optional[float], divisors: dict) -> LrRung:
+              scale: Optional[float], max_norm: Optional[float], ways: dict) -> LrRung:
         """One rung: ``STEPS`` steps from the kept state at each group's failing LR times
         ``factor``; its losses (the kept state's first), finite, skipped steps, seconds."""
         began = time.perf_counter()
@@ -296,7 +296,7 @@ class RangeTest:
         with self.forensics.guarded(captures), _optimizer_hooks_aside():
             for i in range(STEPS + 1):
                 loss, grads, s, skips = _step(root, weights, captures, trained, s,
-                                              i == STEPS, divisors)
+                                              i == STEPS, ways)
                 losses.append(loss)
                 skipped += skips
                 if not math.isfinite(loss) or (grads is None and i < STEPS):
@@ -317,17 +317,17 @@ class RangeTest:
 
 def _step(root: torch.nn.Module, weights: dict, captures: list, trained: list,
           scale: Optional[float], measure_only: bool,
-          divisors: dict) -> tuple[float, Any, Optional[float], int]:
+          ways: dict) -> tuple[float, Any, Optional[float], int]:
     """The loss at the copies (mean over the micro-batches) and, unless ``measure_only``,
     their gradients unscaled, summed over the micro-batches (None: non-finite at every
     scale tried); the scale left, and the steps tried again at a lower scale.
-    ``divisors``: what each capture's loss calls' summed elements are divided by (losssum)."""
+    ``ways``: how each capture's loss calls give its loss (``losssum.Way``)."""
     for retry in range(RETRIES + 1):
         total: list = [None] * len(trained)
         values: list = []
         for cap in captures:
             value, micro = _micro(root, weights, cap, trained, scale, measure_only,
-                                  divisors.get(id(cap), 1.0))
+                                  ways.get(id(cap), Way()))
             values.append(value)
             for i, g in enumerate(micro or ()):
                 if g is not None:
@@ -348,9 +348,9 @@ def _step(root: torch.nn.Module, weights: dict, captures: list, trained: list,
 
 def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
            scale: Optional[float], measure_only: bool,
-           divisor: float) -> tuple[float, Optional[tuple]]:
-    """One micro-batch at the copies: its recomputed loss (its loss calls' elements summed,
-    over ``divisor``), and the copies' gradients at ``scale`` (the gradient the real step
+           way: Way) -> tuple[float, Optional[tuple]]:
+    """One micro-batch at the copies: its recomputed loss (its loss calls combined as
+    ``way``), and the copies' gradients at ``scale`` (the gradient the real step
     sent into the loss, rescaled to it)."""
     set_rng(cap.rng)
     with torch.enable_grad(), autocast(cap.autocast), _slots_kept(root):
@@ -362,7 +362,7 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
         if out.loss is None or len(losses) < len(cap.loss_calls):
             # (not a non-finite loss: none was computed, or not all that make it)
             raise NotRecomputed(out.note or "no loss call could be rebuilt")
-        value = out.loss / divisor
+        value = way.loss([v for _, v in losses])
         pairs = _loss_pairs(cap, losses, Trial(scale=scale), out) if losses else []
     else:  # the model returns its loss (a Hugging Face model given labels)
         factor = _factor(cap, Trial(scale=scale))[1]

@@ -44,7 +44,7 @@ def _batches(n, seed=0):
     return out
 
 
-def _train(lr, path=None, steps=30, extra=0.0):
+def _train(lr, path=None, steps=30, extra=0.0, divide=1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -54,7 +54,7 @@ def _train(lr, path=None, steps=30, extra=0.0):
     with watch:
         for ids, targets in _batches(steps):
             logits = model(ids)
-            loss = chunked(logits[..., :-1, :], targets[..., 1:], extra=extra)
+            loss = chunked(logits[..., :-1, :], targets[..., 1:], extra=extra) / divide
             losses.append(loss.item())
             loss.backward()
             opt.step()
@@ -119,3 +119,14 @@ def test_a_loss_no_combination_of_its_calls_gives_keeps_the_dose_a_bound(tmp_pat
         test = run.lr_range
     assert test is not None and not test.rungs
     assert "no combination of the step's" in test.note, test.note
+
+
+def test_a_loss_divided_after_the_calls_is_combined_by_the_gradient_it_sent(tmp_path):
+    """``loss / 2`` (as a script divides by its micro-batches): no plain sum or mean of the
+    calls gives it; their elements weighted by the gradient the step sent into each do."""
+    _train(RISING_LR, tmp_path / "run.h5", divide=2)
+    with ampdoctor.load(str(tmp_path / "run.h5")) as run:
+        test = run.lr_range
+    assert test is not None and not test.note, test
+    assert "each times the gradient the step sent into it" in test.loss, test.loss
+    assert any(LrRange.trains(r) for r in test.rungs)

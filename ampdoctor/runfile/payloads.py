@@ -258,9 +258,13 @@ class LrRange(records.Record):
     # a divergence with no non-finite value: what rose (then the test is /meta lr_range)
     trigger: str | None = None
     seconds: float | None = None  # time the whole test took
+    # how the trial's loss combines the step's loss calls, as verified to give the loss the
+    # run recorded at the failing step (record/forensic/losssum.py; None: the model's loss)
+    loss: str | None = None
 
     OMIT = frozenset({"state", "state_step", "event_step", "lr", "batch", "steps", "rungs",
-                      "optimizer", "max_norm", "stopped", "note", "trigger", "seconds"})
+                      "optimizer", "max_norm", "stopped", "note", "trigger", "seconds",
+                      "loss"})
 
     def omitted(self) -> frozenset[str]:
         return self.OMIT - {"max_norm"} if self.state is not None else self.OMIT

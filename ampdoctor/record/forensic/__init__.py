@@ -23,6 +23,7 @@ its own parts. Importing this package imports nothing.
 - ``culprit_rerun``: the culprit alone, re-run in the run's precision and in fp32
 - ``reproduced``: the step re-run as recorded: did the replay repeat what the real step saw
 - ``losscall``: the loss as the step computed it (a torch loss function's call, held)
+- ``losssum``: how the step's loss calls combine into the loss it recorded, verified
 - ``accum``: micro-batch gradients recomputed and summed in a half ``.grad``
 - ``singular``: is the loss's backward singular at the failing values in fp32 too
 - ``trial``: a saved step re-run with one change applied (``Trial``), finite or not

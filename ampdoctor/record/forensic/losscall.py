@@ -9,7 +9,9 @@ inside it: a loss the model computes itself is replayed with the model) into a `
 
 * an argument that is a root output, a view of one, or a dtype cast of either (``logits``,
   ``logits.view(-1, V)``, ``logits.float()``) is not held at all: a ``FromOutput`` says how to
-  rebuild it from the replayed output (which output, the cast, the view's geometry);
+  rebuild it from the replayed output (which output, the cast, the view's geometry); so is one
+  made from an output by ops that only move elements, through a copy (``rearranged``: litgpt's
+  chunks of ``logits[..., :-1, :].reshape(-1, V)``, which copies), as those ops to do again;
 * an argument the training code computed from the outputs otherwise (a product of two
   outputs, as a contrastive loss's logits) is not held (``Derived``): a re-run cannot make it
   again, and starts its backward from the outputs;
@@ -77,6 +79,10 @@ class FromOutput:
     view: Optional[tuple] = None
     base: tuple = ()
     back: int = 0
+    # ops that only move elements, done again in order on the output (``rearranged``), and
+    # the shape they end at: a copy of a view, as ``logits[:, :-1].reshape(-1, V)`` makes
+    path: tuple = ()
+    shape: tuple = ()
 
     def rebuild(self, outputs: list) -> torch.Tensor:
         t = outputs[self.index] if self.index < len(outputs) else None
@@ -84,6 +90,16 @@ class FromOutput:
             raise Missing(f"the model's output {self.index} is not a tensor in the replay")
         if self.cast is not None:
             t = t.to(dtype=self.cast[0], device=self.cast[1])
+        if self.path:
+            try:
+                for step in self.path:
+                    t = _redo(t, step)
+            except (RuntimeError, IndexError, ValueError) as exc:
+                raise Missing(f"the replayed output could not be rearranged as the real one "
+                              f"was ({exc})") from exc
+            if tuple(t.shape) != self.shape:
+                raise Missing("the replayed output rearranged as the real one was has shape "
+                              f"{list(t.shape)}, not {list(self.shape)}")
         if self.view is not None:
             if (tuple(t.stride()), t.storage_offset()) != self.base:
                 raise Missing("the replayed output is laid out differently from the real one")
@@ -223,7 +239,7 @@ def relation(t: torch.Tensor, outputs: list) -> Optional[FromOutput]:
     cast = base if base is not None else t
     fn = cast.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
-        return None
+        return rearranged(t, outputs)
     source, nr = fn.next_functions[0]
     for i, o in enumerate(outputs):  # o: a tensor, or a freed one's stand-in (its node)
         if getattr(o, "grad_fn", None) is not None and source is o.grad_fn \
@@ -231,7 +247,132 @@ def relation(t: torch.Tensor, outputs: list) -> Optional[FromOutput]:
             view = _geometry(t) if cast is not t else None
             return FromOutput(i, cast=(cast.dtype, cast.device), view=view,
                               base=_layout(cast) if view else ())
+    return rearranged(t, outputs)
+
+
+def rearranged(t: torch.Tensor, outputs: list) -> Optional[FromOutput]:
+    """``t`` made from an output by ops that only move elements, through copies (litgpt's
+    ``logits[..., :-1, :].reshape(-1, V).split(128)``: the slice is not contiguous over the
+    batch, so the reshape copies, and each chunk is a view of that copy, not of the output),
+    as the ops to do again: read from the autograd nodes back from ``t`` to an output's
+    (``_REDO``), each one's shape from the node after it. None where a node on the way does
+    arithmetic, or its shape is not known. Python only: node attributes, no tensor read."""
+    node: Any = t.grad_fn
+    nr = t.output_nr
+    shape = tuple(t.shape)
+    dtype: Optional[torch.dtype] = t.dtype
+    path: list = []
+    for _ in range(PATH_STEPS):
+        if node is None:
+            return None
+        for i, o in enumerate(outputs):
+            if path and getattr(o, "grad_fn", None) is node and o.output_nr == nr and \
+                    tuple(o.shape) == shape:
+                return FromOutput(i, path=tuple(reversed(path)), shape=tuple(t.shape))
+        kind = type(node).__name__
+        if kind == "ToCopyBackward0":  # a cast: to the dtype after it, known once only
+            if dtype is None:
+                return None
+            step, shape_in, dtype = ("to", dtype), shape, None
+        elif kind in _REDO:
+            try:
+                step, shape_in = _REDO[kind](node, nr, shape)
+            except (AttributeError, IndexError, TypeError, ValueError):
+                return None
+        else:
+            return None
+        if shape_in is None or not node.next_functions:
+            return None
+        path.append(step)
+        shape = shape_in
+        node, nr = node.next_functions[0]
     return None
+
+
+PATH_STEPS = 12  # nodes walked back from a loss argument to an output, at most
+
+
+def _int(v: Any) -> int:
+    """A saved SymInt as read (``end=-1`` of ``[:-1]`` reads as 2**64 - 1)."""
+    v = int(v)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _sizes(node: Any) -> tuple:
+    return tuple(_int(x) for x in node._saved_self_sym_sizes)
+
+
+def _reshape_of(node: Any, nr: int, shape: tuple) -> tuple:
+    return ("reshape", shape), _sizes(node)
+
+
+def _unsqueeze_of(node: Any, nr: int, shape: tuple) -> tuple:
+    d = _int(node._saved_dim) % len(shape)
+    return ("reshape", shape), shape[:d] + shape[d + 1:]
+
+
+def _transpose_of(node: Any, nr: int, shape: tuple) -> tuple:
+    a, b = _int(node._saved_dim0) % len(shape), _int(node._saved_dim1) % len(shape)
+    before = list(shape)
+    before[a], before[b] = shape[b], shape[a]
+    return ("transpose", a, b), tuple(before)
+
+
+def _permute_of(node: Any, nr: int, shape: tuple) -> tuple:
+    dims = tuple(_int(d) % len(shape) for d in node._saved_dims)
+    before = [0] * len(shape)
+    for j, d in enumerate(dims):
+        before[d] = shape[j]
+    return ("permute", dims), tuple(before)
+
+
+_REDO: dict = {
+    # node -> (the forward op, the shape before it), given its output nr and the shape after
+    "CloneBackward0": lambda node, nr, shape: (("clone",), shape),
+    "AliasBackward0": lambda node, nr, shape: (("clone",), shape),
+    "ViewBackward0": _reshape_of, "UnsafeViewBackward0": _reshape_of,
+    "ReshapeAliasBackward0": _reshape_of, "SqueezeBackward0": _reshape_of,
+    "SqueezeBackward1": _reshape_of, "SqueezeBackward2": _reshape_of,
+    "UnsqueezeBackward0": _unsqueeze_of,
+    "ExpandBackward0": lambda node, nr, shape: (("expand", shape), _sizes(node)),
+    "TransposeBackward0": _transpose_of,
+    "TBackward0": lambda node, nr, shape: (("transpose", 0, 1), tuple(reversed(shape))),
+    "PermuteBackward0": _permute_of,
+    "SliceBackward0": lambda node, nr, shape: (
+        ("slice", _int(node._saved_dim), _int(node._saved_start), _int(node._saved_end),
+         _int(node._saved_step)), _sizes(node)),
+    "SelectBackward0": lambda node, nr, shape: (
+        ("select", _int(node._saved_dim), _int(node._saved_index)), _sizes(node)),
+    "SplitBackward0": lambda node, nr, shape: (
+        ("split", _int(node._saved_split_size), _int(node._saved_dim), nr), _sizes(node)),
+    "SplitWithSizesBackward0": lambda node, nr, shape: (
+        ("split", [_int(x) for x in node._saved_split_sizes], _int(node._saved_dim), nr),
+        _sizes(node)),
+}
+
+
+def _redo(t: torch.Tensor, step: tuple) -> torch.Tensor:
+    """One op of a ``FromOutput.path`` on the replayed tensor."""
+    kind, *a = step
+    if kind == "to":
+        return t.to(a[0])
+    if kind == "clone":
+        return t.clone()
+    if kind == "reshape":
+        return t.reshape(a[0])
+    if kind == "expand":
+        return t.expand(a[0])
+    if kind == "transpose":
+        return t.transpose(a[0], a[1])
+    if kind == "permute":
+        return t.permute(a[0])
+    if kind == "slice":
+        return torch.ops.aten.slice.Tensor(t, *a)
+    if kind == "select":
+        return t.select(a[0], a[1])
+    if kind == "split":
+        return t.split(a[0], a[1])[a[2]]
+    raise ValueError(f"no op {kind!r}")
 
 
 def _geometry(t: torch.Tensor) -> tuple:

@@ -40,7 +40,10 @@ aside), with the global optimizer-step hooks (ampdoctor's own and the user's) se
 around the copies' steps. The loss is each torch loss function the step called, recomputed
 from the copies' output and scaled as the step scaled it (a scaled loss whose gradients
 overflow is tried again at a lower scale, as GradScaler would); the user's own clip
-(``max_norm``) is applied as the run applies it. A loss the model returns (a Hugging Face
+(``max_norm``) is applied as the run applies it. Several calls combined by hand (litgpt's
+chunks, summed over the targets not ignored) are combined as ``losssum.combination`` verified
+they give the loss the run recorded at the failing step, and the record says which
+(``loss``); where none does, no trial. A loss the model returns (a Hugging Face
 model given labels) is backwarded from as the step did; a loss written by hand after the model
 cannot be recomputed: then no trial, and the snapshot says why.
 
@@ -68,6 +71,7 @@ from ...runfile.schema import Event, Phase
 from ..apply import lrfactors
 from ..sampler import tensors_in
 from .isolated import set_rng
+from .losssum import Way, combination
 from .trace import Capture, autocast, unwrap
 from .trial import AS_RECORDED, Outcome, Trial, _factor, _grad_for, _loss_pairs, _losses
 
@@ -196,10 +200,17 @@ class RangeTest:
             return LrRange(note="the failing step's LR was not known (an LR held on the device)")
         clip = self.clip.get("max_norm") if self.clip and self.clip.get("how") in (
             None, "clip_grad_norm_", "clip_grads_with_norm_") else None
+        called = [c for c in captures if c.loss_calls]
+        combined = combination(called) if called else None
+        if combined is not None and combined.why:
+            return LrRange(note=f"the trial's loss cannot be put in the run's units: "
+                           f"{combined.why}"[:300])
+        ways = dict(zip(map(id, called), combined.ways if combined else []))
         out = LrRange(state="start", state_step=self.start.step, event_step=step, lr=top,
                      batch="the failing step's batch, repeated", steps=STEPS, rungs=[],
                      optimizer=type(optimizer).__name__,
-                     max_norm=float(clip) if isinstance(clip, (int, float)) else None)
+                     max_norm=float(clip) if isinstance(clip, (int, float)) else None,
+                     loss=combined.described if combined else None)
         began = time.perf_counter()
 
         def tried(exponent: float) -> Optional[bool]:
@@ -208,7 +219,7 @@ class RangeTest:
                 out.stopped = f"the time budget of {SECONDS:g} s"
                 return None
             rung = self._rung(optimizer, captures, event_lrs, 10.0 ** -exponent, scale,
-                              out.max_norm)
+                              out.max_norm, ways)
             out.rungs = (out.rungs or []) + [rung]
             if not math.isfinite(rung.losses[0]):
                 out.stopped = ("the loss at the kept state is non-finite on this batch: no "
@@ -264,7 +275,7 @@ class RangeTest:
         return ""
 
     def _rung(self, optimizer: Any, captures: list, event_lrs: list, factor: float,
-              scale: Optional[float], max_norm: Optional[float]) -> LrRung:
+              scale: Optional[float], max_norm: Optional[float], ways: dict) -> LrRung:
         """One rung: ``STEPS`` steps from the kept state at each group's failing LR times
         ``factor``; its losses (the kept state's first), finite, skipped steps, seconds."""
         began = time.perf_counter()
@@ -285,7 +296,7 @@ class RangeTest:
         with self.forensics.guarded(captures), _optimizer_hooks_aside():
             for i in range(STEPS + 1):
                 loss, grads, s, skips = _step(root, weights, captures, trained, s,
-                                              measure_only=i == STEPS)
+                                              i == STEPS, ways)
                 losses.append(loss)
                 skipped += skips
                 if not math.isfinite(loss) or (grads is None and i < STEPS):
@@ -305,15 +316,18 @@ class RangeTest:
 
 
 def _step(root: torch.nn.Module, weights: dict, captures: list, trained: list,
-          scale: Optional[float], measure_only: bool) -> tuple[float, Any, Optional[float], int]:
+          scale: Optional[float], measure_only: bool,
+          ways: dict) -> tuple[float, Any, Optional[float], int]:
     """The loss at the copies (mean over the micro-batches) and, unless ``measure_only``,
     their gradients unscaled, summed over the micro-batches (None: non-finite at every
-    scale tried); the scale left, and the steps tried again at a lower scale."""
+    scale tried); the scale left, and the steps tried again at a lower scale.
+    ``ways``: how each capture's loss calls give its loss (``losssum.Way``)."""
     for retry in range(RETRIES + 1):
         total: list = [None] * len(trained)
         values: list = []
         for cap in captures:
-            value, micro = _micro(root, weights, cap, trained, scale, measure_only)
+            value, micro = _micro(root, weights, cap, trained, scale, measure_only,
+                                  ways.get(id(cap), Way()))
             values.append(value)
             for i, g in enumerate(micro or ()):
                 if g is not None:
@@ -333,9 +347,11 @@ def _step(root: torch.nn.Module, weights: dict, captures: list, trained: list,
 
 
 def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
-           scale: Optional[float], measure_only: bool) -> tuple[float, Optional[tuple]]:
-    """One micro-batch at the copies: its recomputed loss, and the copies' gradients at
-    ``scale`` (the gradient the real step sent into the loss, rescaled to it)."""
+           scale: Optional[float], measure_only: bool,
+           way: Way) -> tuple[float, Optional[tuple]]:
+    """One micro-batch at the copies: its recomputed loss (its loss calls combined as
+    ``way``), and the copies' gradients at ``scale`` (the gradient the real step
+    sent into the loss, rescaled to it)."""
     set_rng(cap.rng)
     with torch.enable_grad(), autocast(cap.autocast), _slots_kept(root):
         output = torch.func.functional_call(root, weights, cap.args, cap.kwargs)
@@ -343,9 +359,10 @@ def _micro(root: torch.nn.Module, weights: dict, cap: Capture, trained: list,
     outs = list(tensors_in(output))
     if cap.loss_calls:
         losses = _losses(cap, outs, AS_RECORDED, out)
-        if out.loss is None:  # (not a non-finite loss: none was computed)
+        if out.loss is None or len(losses) < len(cap.loss_calls):
+            # (not a non-finite loss: none was computed, or not all that make it)
             raise NotRecomputed(out.note or "no loss call could be rebuilt")
-        value = out.loss
+        value = way.loss([v for _, v in losses])
         pairs = _loss_pairs(cap, losses, Trial(scale=scale), out) if losses else []
     else:  # the model returns its loss (a Hugging Face model given labels)
         factor = _factor(cap, Trial(scale=scale))[1]

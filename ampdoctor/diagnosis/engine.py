@@ -393,8 +393,9 @@ def _conclude(f: Any, findings: list[Finding]) -> Diagnosis:
     fixes = list(top.fixes)
     # After the script's own misuse, or weights loaded non-finite, what followed (a scale
     # collapse) is fixed by fixing the calls or the checkpoint: a precision change for the
-    # consequence would not apply.
-    for x in (consequences if top.verdict not in ("clip_order", "nonfinite") else []) + also:
+    # consequence would not apply; nor after targets that make the loss non-finite in fp32 too.
+    own = top.verdict in ("clip_order", "nonfinite") or top.kind == "targets"
+    for x in (consequences if not own else []) + also:
         for fx in x.fixes:
             if fx.id not in seen:
                 seen.add(fx.id)

@@ -98,13 +98,29 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
 
 def _from_event(step: int, text: str) -> Optional[Singular]:
     for m in LossSingular.from_text(text).ops:
-        if m.fp32 is None:
+        if m.fp32 is None or m.op == "div":  # (a division's denominator: ``zero_count``'s)
             continue
         clamped = m.clamped
         return Singular(step, "graph", m.op, m.fp32.nonfinite, m.fp32.largest, m.numel or 0,
                         m.exponent, tuple(m.points) or (0.0,), m.dtype or "", m.at_point or 0,
                         m.nearest, m.eps, clamped.nonfinite if clamped else None,
                         clamped.largest if clamped else None)
+    return None
+
+
+def zero_count(f: Any, since: Optional[int]) -> Optional[tuple[int, int]]:
+    """(step, denominators at 0) of the first check at or after ``since`` that found a
+    division in a hand-written loss by a denominator exactly 0 that no gradient reaches from
+    the model: a count taken from the batch (a mask's sum, the labelled tokens), 0 on that
+    batch, so the loss is 0/0 (or x/0) in fp32 as in fp16 (record/forensic/singular.py,
+    armed where the loss itself went non-finite on finite outputs)."""
+    start = since if since is not None else -1
+    for row in f.events(Event.LOSS_SINGULAR):
+        if int(row["step"]) < start:
+            continue
+        for m in LossSingular.from_text(str(row["text"])).ops:
+            if m.op == "div" and m.constant and (m.at_point or 0) > 0:
+                return int(row["step"]), int(m.at_point or 0)
     return None
 
 

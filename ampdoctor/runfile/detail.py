@@ -288,9 +288,12 @@ class SingularOp(Record):
     eps: float | None = None  # that, rounded up to two digits: the clamp tried
     clamped: Derivative | None = None  # the derivative with the input clamped at eps
     error: str | None = None  # the measurement failed (nothing else is written)
+    # a division's denominator (op "div"): True when no gradient reaches it from the model
+    # (computed from the batch alone: a count of labelled tokens, a mask's sum)
+    constant: bool | None = None
 
     OMIT = frozenset({"note", "dtype", "numel", "at_point", "run", "fp32", "nearest",
-                      "eps_nearest", "eps", "clamped", "error"})
+                      "eps_nearest", "eps", "clamped", "error", "constant"})
     MEASURED = frozenset({"nearest", "eps_nearest", "eps"})  # written, null or not, once measured
 
     def omitted(self) -> frozenset[str]:

@@ -133,6 +133,14 @@ def _bad_targets(d: dict) -> Advice:
     """Targets that make the loss non-finite whatever the precision (issue 23's case: every
     target ignore_index, so a mean over no targets is 0/0)."""
     step = d.get("step")
+    if d.get("zero_count"):
+        at = f"  # step {step}: the count was 0" if step is not None else ""
+        snippet = ("mask = (labels != -100).float()\n"
+                   "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)" + at + "\n"
+                   "# or skip the batch: if mask.sum() == 0: continue")
+        return ("Clamp the loss's denominator to at least 1 (a batch with nothing to average "
+                "then adds 0), or skip such batches: the loss is 0/0 in fp32 too, so AMP is "
+                "not the cause and turning it off would not help.", snippet)
     if d.get("all_ignored"):
         ignore = d.get("ignore_index", -100)
         at = f"  # step {step}: every target was {ignore}" if step is not None else ""

@@ -406,6 +406,8 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
              and x["detail"].get("loss_nonfinite") and not _fp32_too(x)]
     if not snaps or (_value_minority(f) and any(_loss_backward_only(x) for x in f.snapshots)):
         return None  # the loss's backward failed on most steps: rule_loss_backward's
+    if singular.zero_count(f, f.failure_step) is not None:
+        return None  # a count of zero from the batch: 0/0 in fp32 too (rule_bad_targets')
     x = snaps[0]
     d = SnapshotDetail.of(x["detail"])
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]

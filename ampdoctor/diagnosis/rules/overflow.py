@@ -277,7 +277,7 @@ def steadiness(f: Facts) -> tuple[Premise, bool]:
         return Premise("weights_steady", HELD, f"step {f.step_at(hi)} failed before any "
                        "optimizer step was applied: the weights were the ones the run started "
                        "with"), False
-    idx = np.flatnonzero(f.reduced.sampled[:hi + 1])
+    idx = _past_adams_first(f, np.flatnonzero(f.reduced.sampled[:hi + 1]))
     upd = f.reduced.upd_log[idx] if len(idx) else np.zeros(0)
     ok = np.isfinite(upd)
     idx, upd = idx[ok], upd[ok]
@@ -439,6 +439,7 @@ def _weight_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
 
 
 def _update_size(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
+    idx = _past_adams_first(f, idx)
     upd = f.reduced.upd_log[idx] if len(idx) else np.zeros(0)
     upd = upd[np.isfinite(upd)]
     # Two samples at least: the very first updates are large for every optimizer.
@@ -447,6 +448,19 @@ def _update_size(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
     ratio = 10 ** float(np.median(upd))
     return Evidence(f"update ratio |dW|/|W| ~{fmt(ratio)} per step (median of {len(upd)} "
                     f"samples; above {UPDATE_TOO_LARGE:g} is too large)", "update_ratio", ratio)
+
+
+def _past_adams_first(f: Facts, idx: np.ndarray) -> np.ndarray:
+    """The sampled steps ``idx`` less the run's first applied update when an Adam-family
+    optimizer (one with ``betas``) made it: bias correction makes that step's m/sqrt(v) the
+    sign of the gradient, so it moves every weight by the full LR whatever the gradient, and
+    its update ratio says nothing of the ratios after it (blind10's Performer: 0.021 at step 0,
+    0.007 at step 49)."""
+    opts = f.optimizers
+    if not len(idx) or not opts or "betas" not in opts[0].hyper:
+        return idx
+    applied = np.flatnonzero(~f.skipped)
+    return idx[idx != applied[0]] if len(applied) else idx
 
 
 def _activation_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:

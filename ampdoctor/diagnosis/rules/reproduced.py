@@ -35,7 +35,7 @@ import numpy as np
 from ...numfmt import fmt
 from ...runfile.detail import Recorded, TargetsCheck, TrialOutcome
 from ...runfile.payloads import CompiledOp, CompiledReplay, CompiledRung, SnapshotDetail
-from .. import fixes
+from .. import fixes, singular
 from ..facts import Facts
 from ..reproduced import (
     _num,
@@ -266,7 +266,7 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     whose targets say why."""
     snap = next((s for s in f.snapshots if s["phase"] == "loss" and _target_problem(s)), None)
     if snap is None:
-        return None
+        return _zero_count(f)
     d = SnapshotDetail.of(snap["detail"])
     target = _target_problem(snap) or TargetsCheck()
     fp32 = d.loss_fp32 or TrialOutcome()
@@ -298,6 +298,46 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                + ": leave AMP as it is and keep such batches out.")
     return Finding("bad_input", 0.9, summary, ev, fixes.make(["check_data"], ctx),
                    first_bad(step, None, "loss"), priority=PRIORITY["bad_input"],
+                   kind="targets", explains=frozenset(steps))
+
+
+def _zero_count(f: Facts) -> Optional[Finding]:
+    """A hand-written loss that divides by a count the batch gives (a masked mean: the sum
+    over labelled tokens over their number), 0 on some batches: 0/0 in any precision. Told
+    by the denominator read from the loss's graph on a later non-finite step
+    (``singular.zero_count``); the replay found every module output finite."""
+    if f.failure_index is None:
+        return None
+    found = singular.zero_count(f, f.failure_step)
+    if found is None:
+        return None
+    at, zeros = found
+    first = f.failure_step
+    ev = [Evidence(f"replay of step {first}: every module output is finite; the loss is not",
+                   "output_finite", None, first),
+          Evidence(f"at step {at} a division in the loss (written by hand: its denominator read "
+                   "from the autograd graph before that step's backward) divides by exactly 0 "
+                   f"({zeros} of its denominators), a value no gradient reaches from the "
+                   "model: a count taken from the batch (a mask's sum, the labelled tokens) "
+                   "that is 0, so the loss is 0/0 in fp32 too: not the precision",
+                   "zero_count", float(zeros), at)]
+    steps = [f.step_at(int(i)) for i in np.flatnonzero(f.loss_bad)]
+    if steps:
+        skipped = int(f.skipped[f.loss_bad].sum())
+        ev.append(Evidence(f"{len(steps)} of {f.n} steps had a non-finite loss (first step "
+                           f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
+                           float(len(steps)), steps[0]))
+    problem = ("the loss divides by a count from the batch that is 0 (a mean over no "
+               "labelled token)")
+    ctx = f.fix_context(step=at)
+    ctx.data = {"kind": "targets", "step": at, "problem": problem, "zero_count": True}
+    summary = (f"The batches are the cause, not the precision: from step {first} some "
+               "batches leave the hand-written loss nothing to average over (its denominator, "
+               "a count from the batch, is 0), so it is 0/0 in fp32 as well; GradScaler skips "
+               "each such step and halves the scale. Leave AMP as it is; clamp the count or "
+               "skip those batches.")
+    return Finding("bad_input", 0.85, summary, ev, fixes.make(["check_data"], ctx),
+                   first_bad(first, None, "loss"), priority=PRIORITY["bad_input"],
                    kind="targets", explains=frozenset(steps))
 
 

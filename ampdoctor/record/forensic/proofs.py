@@ -97,6 +97,9 @@ class Prover:
             cap = captures[micro]
             if handwritten_backward(cap, f):
                 self.watch = singular.Watch(step, step + singular.WATCH_STEPS)
+            elif handwritten_nonfinite(cap, f):
+                self.watch = singular.Watch(step, step + singular.WATCH_STEPS,
+                                            singular.DIVISIONS)
             elif f.phase == Phase.LOSS and f.detail.get("output_grad_nonfinite"):
                 with fz.guarded(captures):
                     found = singular.torch_loss(cap, forward(cap, AS_RECORDED,
@@ -119,7 +122,8 @@ class Prover:
         if len(cap.singular) >= singular.MAX_READS:
             return
         try:
-            cap.singular += singular.inputs(loss, cap.output_nodes)
+            ops = self.watch.ops if self.watch is not None else None
+            cap.singular += singular.inputs(loss, cap.output_nodes, ops)
         except Exception as exc:  # noqa: BLE001 - the training step must go on without it
             if self.forensics.strict:
                 raise
@@ -242,6 +246,14 @@ def handwritten_backward(cap: Capture, f: Culprit) -> bool:
     ``singular.Watch`` is armed for."""
     return f.phase == Phase.LOSS and bool(f.detail.get("output_grad_nonfinite")) and \
         not f.detail.get("loss_nonfinite") and not cap.loss_calls
+
+
+def handwritten_nonfinite(cap: Capture, f: Culprit) -> bool:
+    """The loss itself is non-finite on finite outputs, and written by hand: the watch is
+    armed with its divisions (``singular.DIVISIONS``), whose denominators say whether it was
+    a count of zero (0/0 in any precision)."""
+    return f.phase == Phase.LOSS and bool(f.detail.get("loss_nonfinite")) and \
+        not cap.loss_calls
 
 
 def siblings(module: str, names: dict) -> list[str]:

@@ -37,7 +37,7 @@ Example (what ``Forensics`` does on a watched step and at its event)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,6 +77,11 @@ OPS = {
     "AcosBackward0": Op("acos", "_saved_self", (-1.0, 1.0), lambda x, e: torch.acos(x)),
     "AsinBackward0": Op("asin", "_saved_self", (-1.0, 1.0), lambda x, e: torch.asin(x)),
 }
+# Where the hand-written loss is itself non-finite on finite outputs, its divisions too: the
+# denominator held (``x / d`` saves ``d`` for its backward), so that a count that is 0 on a
+# batch (a masked mean over no labelled token: 0/0) is told from an op fp16 broke.
+DIVISIONS = {**OPS, "DivBackward0": Op("div", "_saved_other", (0.0,),
+                                        lambda x, e: torch.reciprocal(x), low=0.0)}
 
 
 @dataclass
@@ -88,14 +93,17 @@ class Read:
     exponent: Optional[float]
     value: Optional[torch.Tensor]  # the op's input (for sqrt: its result); None: not held
     note: str = ""
+    constant: bool = False  # no gradient reaches the input from the model (from the batch)
 
 
 @dataclass
 class Watch:
-    """The steps whose losses are walked: after a hand-written loss's backward event."""
+    """The steps whose losses are walked: after a hand-written loss's backward event (its
+    singular ops), or after its non-finite value (``DIVISIONS``: its divisions too)."""
 
     since: int  # the step of the event
     until: int  # the last step walked
+    ops: dict = field(default_factory=lambda: OPS)  # the nodes whose inputs are held
 
     def live(self, step: int) -> bool:
         return self.since < step <= self.until
@@ -105,8 +113,9 @@ class Watch:
 # on a watched step, before the backward: references only
 
 
-def inputs(loss: torch.Tensor, stop: list) -> list[Read]:
-    """The ops of ``OPS`` between ``loss`` and the model's outputs (``stop``: their autograd
+def inputs(loss: torch.Tensor, stop: list, ops: Optional[dict] = None) -> list[Read]:
+    """The ops of ``ops`` (``OPS``) between ``loss`` and the model's outputs (``stop``: their
+    autograd
     nodes, the walk ends there), with their inputs held. Python metadata only: no host read.
     Nothing when no output node is known (the loss could not be told from the model) or the
     loss has no graph."""
@@ -121,16 +130,16 @@ def inputs(loss: torch.Tensor, stop: list) -> list[Read]:
         if node is None or id(node) in seen or id(node) in stop_ids:
             continue
         seen.add(id(node))
-        read = _read(node)
+        read = _read(node, OPS if ops is None else ops)
         if read is not None:
             found.append(read)
         queue += [n for n, _ in node.next_functions if n is not None]
     return found
 
 
-def _read(node: Any) -> Optional[Read]:
+def _read(node: Any, ops: dict) -> Optional[Read]:
     name = type(node).__name__
-    op = OPS.get(name)
+    op = ops.get(name)
     if op is None:
         return None
     exponent = None
@@ -147,7 +156,7 @@ def _read(node: Any) -> Optional[Read]:
     if t.numel() * t.element_size() > HOLD_BYTES:
         return Read(name, op, exponent, None, f"its input ({t.numel()} values) was too large "
                     "to hold")
-    return Read(name, op, exponent, t.detach())
+    return Read(name, op, exponent, t.detach(), constant=not t.requires_grad)
 
 
 def _number(x: Any) -> Optional[float]:
@@ -169,7 +178,8 @@ def measure(reads: list[Read]) -> list[SingularOp]:
 
 
 def _measure(r: Read) -> SingularOp:
-    op = SingularOp(op=r.op.name, node=r.node, exponent=r.exponent, points=list(r.op.points))
+    op = SingularOp(op=r.op.name, node=r.node, exponent=r.exponent, points=list(r.op.points),
+                    constant=r.constant if r.op.name == "div" else None)
     if r.value is None:
         return replace(op, note=r.note)
     x = r.op.from_result(r.value) if r.op.from_result is not None else r.value

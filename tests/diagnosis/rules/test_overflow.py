@@ -136,6 +136,23 @@ def test_steady_weights_make_it_an_unstable_op_not_the_lr():
     assert verdict(s).verdict == "unstable_op"
 
 
+@pytest.mark.parametrize("betas,expected", [(True, "unstable_op"), (False, "lr_overflow")])
+def test_adams_first_update_says_nothing_of_the_lr(betas, expected):
+    """blind10's Performer: an update ratio of 0.021 at step 0 and 0.007 at step 49, median
+    0.012. Adam's first step (bias-corrected: the sign of the gradient) moves every weight by
+    the full LR, so under Adam it is left out and the weights were steady; an optimizer
+    without betas keeps it, and the median says the updates were too large."""
+    s = Synth(120, every=0)
+    if betas:
+        s.meta["optimizer"][0]["hyper"]["betas"] = [0.9, 0.999]
+    for step, update in ((0, 0.021), (49, 0.007)):
+        s.sampled([step], Kind.PARAM, "attn.weight", norm=5.0, update=update)
+        s.sampled([step], Kind.OUTPUT, "attn", absmax=3.0)
+    s.skip(range(100, 120), loss_nan=True)
+    s.snapshot(100, "backward", "attn", "FavorAttention", fp32_finite=1)
+    assert verdict(s).verdict == expected
+
+
 def test_early_lr_ramp_overflow_without_sampled_steps_is_the_lr():
     """A one-cycle ramp overflows at step 6, before any sampled step could show the weights
     growing: the loss and the gradient norm ramping in the steps before are enough, even

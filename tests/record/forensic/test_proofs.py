@@ -185,8 +185,8 @@ def test_a_handwritten_losss_singular_op_is_read_before_its_backward(run_path, m
     held = []
     walk = singular.inputs
 
-    def spy(loss, stop):
-        found = walk(loss, stop)
+    def spy(loss, stop, ops=None):
+        found = walk(loss, stop, ops)
         held.extend(weakref.ref(r.value) for r in found if r.value is not None)
         return found
 
@@ -218,6 +218,60 @@ def test_a_handwritten_losss_singular_op_is_read_before_its_backward(run_path, m
     _, trials, _ = trials_of(run_path)
     assert trials[0]["use_bf16"] == {"tried": False, "note": trials[0]["use_bf16"]["note"]}
     assert "written by hand" in trials[0]["loss_in_fp32"]["note"]
+
+
+def masked_mean(out, y):
+    """A hand-written masked mean of the per-row loss over the rows whose label is not -1:
+    0/0 on a batch with no labelled row, in any precision."""
+    mask = (y >= 0).float()
+    nll = -F.log_softmax(out.float(), -1).gather(-1, y.clamp(min=0)[:, None]).squeeze(-1)
+    return (nll * mask).sum() / mask.sum()
+
+
+def test_a_handwritten_loss_divided_by_a_count_of_zero_is_the_batch(run_path):
+    """Batches 1 and 3 have no labelled row: the loss is 0/0. The replay of step 1 finds
+    every output finite and the loss written by hand; the watch it arms reads the loss's
+    division at step 3, before its backward: a denominator of exactly 0, from the batch (no
+    gradient reaches it). The diagnosis says bad_input (kind targets), no precision fix; the
+    run is the run without ampdoctor, bit for bit."""
+    def run(path):
+        model = make(nn.Linear, 8, 4)
+        data = [(x, torch.full_like(y, -1) if i in (1, 3) else y)
+                for i, (x, y) in enumerate(batches(5))]
+        if path is None:
+            return loop(model, data, loss_fn=masked_mean)[0], _bits(model.parameters())
+        with watch(path, model):
+            losses = loop(model, data, loss_fn=masked_mean)[0]
+        return losses, _bits(model.parameters())
+
+    plain, recorded = run(None), run(run_path)
+    assert np.isnan(plain[0][1]) and np.isnan(plain[0][3])
+    assert np.array_equal(plain[0], recorded[0], equal_nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], recorded[1]))
+    run = ampdoctor.load(run_path)
+    rows = run.events[run.events["kind"] == int(Event.LOSS_SINGULAR)]
+    assert list(rows["step"]) == [3]
+    (div,) = json.loads(str(rows["text"][0]))["ops"]
+    assert div["op"] == "div" and div["constant"] is True and div["at_point"] == 1
+    assert div["dtype"] == "float32"
+    d = ampdoctor.diagnose(run_path)
+    assert (d.verdict, d.first_bad["step"]) == ("bad_input", 1)
+    assert [fx.id for fx in d.fixes] == ["check_data"]
+    assert any(e.key == "zero_count" for e in d.evidence)
+
+
+def test_a_division_by_the_models_own_value_is_not_a_count():
+    """A denominator a gradient reaches from the model is not a count from the batch."""
+    out = torch.randn(4, 3, requires_grad=True)
+    y = torch.tensor([0, 1, -1, 2])
+    mask = (y >= 0).float()
+    counted = masked_mean(out, y)
+    own = (out * mask[:, None]).sum() / out.abs().sum()
+    stop = [out.grad_fn] if out.grad_fn is not None else []
+    assert singular.inputs(counted, stop or [object()]) == []  # OPS alone: no division
+    (a,) = [r for r in singular.inputs(counted, stop or [object()], singular.DIVISIONS)]
+    (b,) = [r for r in singular.inputs(own, stop or [object()], singular.DIVISIONS)]
+    assert a.constant and not b.constant
 
 
 def test_a_torch_loss_is_checked_in_fp32_at_once(run_path):

@@ -996,7 +996,7 @@ def test_a_fault_the_replay_does_not_repeat_is_not_reproducible(run_path, dtype,
     ev = rec.events[0]
     assert (ev.step, ev.phase, ev.module) == (2, "none", None)
     d = ev.result.detail
-    assert d["reproduced"] is False and d["loss_recomputed"] is True
+    assert d.reproduced is False and d.loss_recomputed is True
     assert d.recorded.loss_nonfinite and d.recorded.output_nonfinite
     assert d.rerun.finite and d.rerun.loss_fns == ["cross_entropy"]
     assert d.rerun.backward_from == "loss" and d.rerun.grads == "finite"
@@ -1021,7 +1021,7 @@ def test_targets_all_ignore_index_are_the_loss_not_the_precision(run_path):
     assert (ev.step, ev.trigger, ev.phase, ev.fp32) == (2, "nonfinite_loss", "loss",
                                                         "non-finite")
     d = ev.result.detail
-    assert d["reproduced"] is True and d.loss_fp32.loss_finite is False
+    assert d.reproduced is True and d.loss_fp32.loss_finite is False
     assert d.loss_fp32.grads == "zero" and d.rerun.grads == "zero"
     assert d.targets[0].all_ignored and d.targets[0].ignored == 8
     assert not ampdoctor.load(run_path).steps["skipped"].any()
@@ -1239,6 +1239,6 @@ def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducib
     ev = next(e for e in rec.events if e.step == 1)
     d = ev.result.detail
     assert d.recorded.loss_nonfinite and ev.phase == "none"
-    assert d["reproduced"] is False and d["rerun_scale"] == 1.0
+    assert d.reproduced is False and d.rerun_scale == 1.0
     assert d.rerun.finite and d.rerun.grads == "finite"
     assert "at loss scale 1" in ev.result.summary

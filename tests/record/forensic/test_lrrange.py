@@ -69,7 +69,7 @@ def _train(lr, path=None, steps=30, loss_fn=None, inside=False, make=None):
 
 
 def _lr_range(path):
-    found = [SnapshotDetail.from_text(s["detail"]).lr_range
+    found = [SnapshotDetail.from_json(s["detail"]).lr_range
              for s in Facts(ampdoctor.load(str(path))).snapshots]
     return next(x for x in found if x is not None)
 

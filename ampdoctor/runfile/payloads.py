@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import records
 from .detail import (
@@ -243,7 +243,7 @@ class SnapshotDetail(records.Record):
         def __setattr__(self, name: str, value: Any) -> None:
             super().__setattr__(name, value)
             order = self.__dict__.get("_order")
-            if order is not None and name not in order and name in _fields_of(type(self)):
+            if order is not None and name not in order and name in _DETAIL_KEYS:
                 order.append(name)
 
     def to_json(self) -> dict[str, Any]:
@@ -261,17 +261,15 @@ class SnapshotDetail(records.Record):
         itself if a detail already."""
         got = super().from_json(value)
         if got is not value and isinstance(value, dict):
-            declared = _fields_of(cls)
-            object.__setattr__(got, "_order", [k for k in value if k in declared])
+            object.__setattr__(got, "_order", [k for k in value if k in _DETAIL_KEYS])
         return got
-
-
-def _fields_of(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(cast(Any, cls)))
 
 
 def _default(f: Any) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
+
+
+_DETAIL_KEYS = frozenset(f.name for f in fields(SnapshotDetail))
 
 
 @dataclass(frozen=True)

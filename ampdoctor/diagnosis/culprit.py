@@ -145,13 +145,13 @@ def evidence(f: Facts, snap: dict, op: Optional[OpRecord]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
     passed = snap.get("passed_on_by")  # (producer)
-    poisoned = list(SnapshotDetail.from_json(snap["detail"]).weights_nonfinite or [])
+    detail = SnapshotDetail.from_json(snap["detail"])
+    poisoned = list(detail.weights_nonfinite or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
-    made = SnapshotDetail.from_json(snap["detail"]).computed
+    made = detail.computed
     if made is not None:  # (record/forensic/computed.py)
         text = (f"replay of step {snap['step']}: the input given to {made.into} "
-                f"({made.label}) held NaN/inf, but the step computed it: "
-                f"{snap['detail'].get('how')}")
+                f"({made.label}) held NaN/inf, but the step computed it: {detail.how}")
     elif passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "
                 f"went non-finite (-inf); {passed} then turned it into NaN")

@@ -12,10 +12,13 @@
 - docs/verdicts.md, between ``<!-- begin: verdict-rules -->`` and ``<!-- end: verdict-rules -->``:
   where each is decided (its ``family``, then every other rule module of ``diagnosis/rules/``
   that returns a ``Finding`` with its id) and what the release report reads into it
-  (``report``).
+  (``report``);
+- docs/commands.md, between ``<!-- begin: apply-forms -->`` and ``<!-- end: apply-forms -->``:
+  a row per ``--apply`` form of ``ampdoctor/record/apply/prescription.py``'s ``FORMS``, in its
+  order, with its ``doc`` (a form ``with_row`` another joins that one's row).
 
-A verdict is declared once, in ``TABLE``, and a command's row beside the CLI; these tables are
-never edited by hand.
+A verdict is declared once, in ``TABLE``, a command's row beside the CLI, an ``--apply`` form
+in ``FORMS``; these tables are never edited by hand.
 ``tests/project/test_doctables.py`` (CI) fails while a table differs from what this writes.
 Standard library and ampdoctor only.
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 from ampdoctor import cli  # noqa: E402 - the checkout's own package
 from ampdoctor.diagnosis.verdict import TABLE  # noqa: E402
+from ampdoctor.record.apply.prescription import FORMS  # noqa: E402
 
 RULES_DIR = os.path.join(ROOT, "ampdoctor", "diagnosis", "rules")
 # What the release report's precision decision reads into a verdict (``Verdict.report``).
@@ -82,10 +86,24 @@ def verdict_rules() -> str:
     return "\n".join(rows)
 
 
+def apply_forms() -> str:
+    """docs/commands.md's ``--apply`` table: a row per form, those ``with_row`` it joined."""
+    rows = ["| `--apply` | what it changes |", "|---|---|"]
+    for name, form in FORMS.items():
+        if form.with_row:
+            continue
+        shared = [name] + [n for n, f in FORMS.items() if f.with_row == name]
+        shown = ", ".join(f"`{n}={FORMS[n].placeholder}`" if FORMS[n].placeholder else f"`{n}`"
+                          for n in shared)
+        rows.append(f"| {shown} | {form.doc} |")
+    return "\n".join(rows)
+
+
 # (document, marker name, writer)
 TABLES = [("README.md", "commands", commands),
           ("README.md", "verdicts", verdicts),
-          (os.path.join("docs", "verdicts.md"), "verdict-rules", verdict_rules)]
+          (os.path.join("docs", "verdicts.md"), "verdict-rules", verdict_rules),
+          (os.path.join("docs", "commands.md"), "apply-forms", apply_forms)]
 
 
 def rewrite(text: str, name: str, table: str) -> str:

@@ -24,8 +24,9 @@ def from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
     inputs = [s for s in f.snapshots if s["phase"] == "input"]
     if inputs:
         s = inputs[0]
-        how = "batch check; no replay under FSDP" if str(
-            (s["detail"] or {}).get("replay", "")).startswith("off") else "forensic replay"
+        replay = SnapshotDetail.from_json(s["detail"]).replay or ""
+        how = "batch check; no replay under FSDP" if replay.startswith("off") else \
+            "forensic replay"
         ev = [Evidence(f"the batch given to {s['module'] or 'the model'} at step {s['step']} "
                        f"held NaN/inf ({how})", "input_nonfinite_step", None,
                        s["step"], s["module"])]
@@ -33,7 +34,7 @@ def from_replays(f: Facts) -> tuple[Optional[dict], float, list[Evidence],
             ev.append(Evidence(f"{len(inputs)} replayed steps had non-finite inputs (steps "
                                f"{', '.join(str(x['step']) for x in inputs[:8])})",
                                "input_nonfinite_replays", float(len(inputs))))
-        labels = [b.label for b in SnapshotDetail.of(s["detail"]).bad_inputs if b.label]
+        labels = [b.label for b in SnapshotDetail.from_json(s["detail"]).bad_inputs if b.label]
         data = {"kind": "nonfinite", "step": s["step"], "labels": labels}
         return first_bad(s["step"], s["module"], "input"), 0.95, ev, data
     for s in f.snapshots:

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 from ..numfmt import fmt
@@ -65,7 +66,7 @@ def failure_replay(f: Facts) -> Optional[dict]:
     forward = [s for s in after if s["phase"] == "forward"]
     if forward:
         return forward[0]
-    stale = any(SnapshotDetail.of(s["detail"]).stale_grads for s in f.snapshots)  # C6h
+    stale = any(SnapshotDetail.from_json(s["detail"]).stale_grads for s in f.snapshots)  # C6h
     if not stale and (f.story.collapsed or f.story.terminal_run >= 3):
         backward = [s for s in after if s["phase"] == "backward" and not _scale_explains(s)]
         return backward[0] if backward else None
@@ -101,20 +102,19 @@ def producer(f: Facts, snap: dict) -> dict:
     happened: the first module of the propagation chain is. Returns the snapshot as seen from
     the producer (its fp32 verdict then unknown; ``passed_on_by``: the module that passed the
     -inf on, a key of the diagnosis's own, not of the file's detail)."""
-    if "turned -inf in its inputs" not in str(snap["detail"].get("how", "")):
+    if "turned -inf in its inputs" not in str(SnapshotDetail.from_json(snap["detail"]).how or ""):
         return snap
-    origin = chain_origin(snap["detail"].get("chain"), f.root_names)
+    origin = chain_origin(SnapshotDetail.from_json(snap["detail"]).chain or [], f.root_names)
     if origin is None or origin == snap["module"]:
         return snap
-    detail = SnapshotDetail.of(dict(snap["detail"]))
-    detail.pop("op", None)  # the op was the passing module's
+    detail = replace(SnapshotDetail.from_json(snap["detail"]), op=None)  # the op was the passer's
     return dict(snap, module=origin, module_type=f.module_type(origin), fp32_finite=-1,
                 in_absmax=math.nan, detail=detail, passed_on_by=snap["module"])
 
 
 def op_of(snap: dict) -> Optional[OpRecord]:
-    """The op the replay found inside ``snap``'s culprit (``detail["op"]``), or None."""
-    return SnapshotDetail.of(snap["detail"]).op
+    """The op the replay found inside ``snap``'s culprit (``detail.op``), or None."""
+    return SnapshotDetail.from_json(snap["detail"]).op
 
 
 def mask_pattern(op: Optional[OpRecord]) -> Optional[str]:
@@ -147,13 +147,13 @@ def evidence(f: Facts, snap: dict, op: Optional[OpRecord]) -> list[Evidence]:
     """What the replay of the failing step showed: the culprit, its first bad op, fp32."""
     module, phase = snap["module"], snap["phase"]
     passed = snap.get("passed_on_by")  # (producer)
-    poisoned = list(snap["detail"].get("weights_nonfinite") or [])
+    detail = SnapshotDetail.from_json(snap["detail"])
+    poisoned = list(detail.weights_nonfinite or [])
     same = [s for s in f.snapshots if s["module"] == (passed or module) and s["phase"] == phase]
-    made = SnapshotDetail.of(snap["detail"]).computed
+    made = detail.computed
     if made is not None:  # (record/forensic/computed.py)
         text = (f"replay of step {snap['step']}: the input given to {made.into} "
-                f"({made.label}) held NaN/inf, but the step computed it: "
-                f"{snap['detail'].get('how')}")
+                f"({made.label}) held NaN/inf, but the step computed it: {detail.how}")
     elif passed:
         text = (f"replay of step {snap['step']}: {module} is the first module whose output "
                 f"went non-finite (-inf); {passed} then turned it into NaN")

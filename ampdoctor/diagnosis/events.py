@@ -60,7 +60,7 @@ class EventViews(TensorViews):
         def build():
             out = []
             for s in self.run.snapshots:
-                detail = SnapshotDetail.from_json(s["detail"])
+                detail = SnapshotDetail.from_text(s["detail"])
                 out.append({"id": int(s["id"]), "step": int(s["step"]),
                             "phase": _phase_name(int(s["phase"])),
                             "module": str(s["module"]) or None,

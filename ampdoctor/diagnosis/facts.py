@@ -316,7 +316,7 @@ class Facts(EventViews):
                  s["phase"] in ("forward", "backward") and module in (None, s["module"]))
         snap = next(found, None)
         return snap and {"module": snap["module"], "phase": snap["phase"], "fp32_finite":
-                         snap["fp32_finite"], "op": SnapshotDetail.of(snap["detail"]).op}
+                         snap["fp32_finite"], "op": SnapshotDetail.from_json(snap["detail"]).op}
 
     @property
     def doses(self) -> Doses:

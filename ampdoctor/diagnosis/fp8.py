@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..runfile.meta import AppliedFix
-from ..runfile.payloads import Fp8Trial
+from ..runfile.payloads import Fp8Own, Fp8Trial
 from ..runfile.schema import E4M3_MAX, E5M2_MAX, Event, Fp8Format, Recipe, Role, columns
 from . import fixes
 from .facts import Facts
@@ -147,16 +147,16 @@ def fp8_trial(run: Any) -> Fp8Trial:
     return Fp8Trial.from_text(rows["text"][-1] if len(rows) else "")
 
 
-def own_trial(run: Any) -> dict:
+def own_trial(run: Any) -> tuple[Optional[Fp8Own], int]:
     """The fp8 trial's re-run of a run already in fp8 with its fp8 layers in high precision
     (``payloads.Fp8Trial``'s ``own``: the reference then, and each layer alone kept in high
-    precision or cast row-wise, measured against it, with the trial's ``step``); {} where
-    none ran."""
+    precision or cast row-wise, measured against it), and the trial's ``step``; (None, -1)
+    where none ran."""
     trial = fp8_trial(run)
     own = trial.own
-    if own is None or "as_recorded" not in own:
-        return {}
-    return dict(own, step=trial.step if trial.step is not None else -1)
+    if own is None or own.as_recorded is None:
+        return None, -1
+    return own, trial.step if trial.step is not None else -1
 
 
 def recipe_of(layer: dict, role: str) -> Optional[Recipe]:

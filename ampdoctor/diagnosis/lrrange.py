@@ -1,5 +1,5 @@
 """The learning rate a trial measured: the LR range test the recorder ran from the run's first
-state at its first failure (``record/forensic/lrrange.py``: ``detail["lr_range"]``), or at
+state at its first failure (``record/forensic/lrrange.py``: ``detail.lr_range``), or at
 the first step whose loss rose to 3x the first step's with no non-finite value (/meta
 ``lr_range``), read for ``dose.py``.
 
@@ -59,7 +59,7 @@ def read(f: Any) -> Optional[LrRange]:
     """The run's LR range test (the first snapshot that holds one, else the one run where the
     loss rose with no non-finite value: /meta ``lr_range``), or None."""
     for s in f.snapshots:
-        found = SnapshotDetail.of(s["detail"]).lr_range
+        found = SnapshotDetail.from_json(s["detail"]).lr_range
         if found is not None:
             return found
     rose = getattr(f.run, "lr_range", None)

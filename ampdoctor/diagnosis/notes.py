@@ -186,15 +186,18 @@ def _isolation_notes(f: Any) -> list[str]:
     """A replay refused because the model's code would have written outside the run; one that
     ran without the user's hooks and did not repeat the failure, or found nothing: a hook that
     changes values did not act in it."""
-    refused = [s for s in f.snapshots
-               if str(s["detail"].get("replay_error") or "").startswith("SideEffect: ")]
+    errors = [(s, str(SnapshotDetail.from_json(s["detail"]).replay_error or ""))
+              for s in f.snapshots]
+    refused = [(s, e) for s, e in errors if e.startswith("SideEffect: ")]
     if refused:
-        why = str(refused[0]["detail"]["replay_error"])[len("SideEffect: "):]
-        return [f"Step {refused[0]['step']} was not replayed: {why}. Move that write out of the "
+        s, error = refused[0]
+        why = error[len("SideEffect: "):]
+        return [f"Step {s['step']} was not replayed: {why}. Move that write out of the "
                 "model's forward (or into a hook) to let ampdoctor locate the failure."]
     for s in f.snapshots:
-        iso = SnapshotDetail.of(s["detail"]).isolation or Isolation()
-        unlocated = s["phase"] in ("none", "unknown") or s["detail"].get("reproduced") is False
+        d = SnapshotDetail.from_json(s["detail"])
+        iso = d.isolation or Isolation()
+        unlocated = s["phase"] in ("none", "unknown") or d.reproduced is False
         aside = iso.hooks_set_aside + iso.hooks_not_installed
         if aside and unlocated:
             return [f"The replay of step {s['step']} ran without the user's "

@@ -3,7 +3,7 @@ the evidence, and in the fixes' order.
 
 At the event the recorder tried the fixes one step can test on the failing step
 (``record/forensic/proofs.py``: an fp32 island around the culprit, bf16 instead of fp16, the loss in
-fp32, the logits form) and kept each outcome in the snapshot (``detail["trials"]``); a loss
+fp32, the logits form) and kept each outcome in the snapshot (``detail.trials``); a loss
 whose backward is singular had the clamp of its op's input tried on the held values
 (``singular.clamp_trial``). ``apply`` gives each fix of a diagnosis its ``tried``,
 ``outcome`` ("with this fix, step 12 is finite (loss 2.31; the run's losses before it: 1.9
@@ -128,7 +128,7 @@ def trials_error(f: Any, top: Finding) -> Any:
     if step is None:
         return None
     for s in f.snapshots:
-        err = s["detail"].get("trials_error")
+        err = SnapshotDetail.from_json(s["detail"]).trials_error
         if s["step"] >= step and err:
             return s["step"], str(err)[:200]
     return None
@@ -142,13 +142,13 @@ def found(f: Any, top: Finding) -> dict[str, TriedFix]:
         return {}
     out: dict[str, TriedFix] = {}
     tried = [s for s in f.snapshots if s["step"] >= step and
-             SnapshotDetail.of(s["detail"]).trials]
+             SnapshotDetail.from_json(s["detail"]).trials]
     # a trial is of its replay's module: the verdict's own module's replay where one tried
     # (an island around another module says nothing of an island around the culprit)
     module = (top.first_bad or {}).get("module")
     own = [s for s in tried if module is not None and s["module"] == module]
     for s in (own or tried)[:1]:
-        out = dict(SnapshotDetail.of(s["detail"]).trials)
+        out = dict(SnapshotDetail.from_json(s["detail"]).trials)
     if top.kind == "loss_backward":
         sing = singular.measured(f, step)
         clamp = singular.clamp_trial(sing) if sing is not None else None

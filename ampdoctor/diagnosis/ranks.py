@@ -302,7 +302,7 @@ def unreproduced_steps(run: Any) -> list[int]:
         if not isinstance(detail, dict):
             continue
         snap = {"phase": _PHASE_NAMES.get(int(s["phase"]), "unknown"),
-                "detail": SnapshotDetail.of(detail)}
+                "detail": SnapshotDetail.from_json(detail)}
         if unreproduced(snap) and began_here(snap):
             out.append(int(s["step"]))
     return out

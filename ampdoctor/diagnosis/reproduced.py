@@ -31,24 +31,24 @@ from .verdict import FAILED, HELD, NOT_MEASURED, Premise
 def unreproduced(snap: dict) -> bool:
     """Did this replay find the step finite where the real step was not? (Files written
     before the comparison existed: a replay whose every micro-batch stayed finite.)"""
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     if compiled_reproduced(snap):
         return False
-    if "reproduced" in d:
-        return d["reproduced"] is False
-    return snap["phase"] == "none" and not d.stale_grads and not d.get("input_modified")
+    if d.reproduced is not None:
+        return d.reproduced is False
+    return snap["phase"] == "none" and not d.stale_grads and not d.input_modified
 
 
 def compiled_reproduced(snap: dict) -> bool:
     """Did the compiled replay repeat the failure the eager replay did not?"""
-    got = SnapshotDetail.of(snap["detail"]).compiled
+    got = SnapshotDetail.from_json(snap["detail"]).compiled
     return got is not None and got.reproduced is True
 
 
 def began_here(snap: dict) -> bool:
     """The real step's own loss or model output was non-finite (not only the gradients, which
     an all-reduce brings from another rank)."""
-    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
+    seen = SnapshotDetail.from_json(snap["detail"]).recorded or Recorded()
     return bool(seen.loss_nonfinite or seen.output_nonfinite)
 
 
@@ -105,7 +105,7 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
     large finite gradients overflows to +inf (a NaN norm needs a NaN gradient)."""
     step = snap["step"]
     i = f.index_of(step)
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     seen = d.recorded or Recorded()
     loss = float(f.steps["loss"][i])
     norm = float(f.steps["grad_norm"][i])
@@ -117,9 +117,9 @@ def _same_quantity(f: Facts, snap: dict) -> Premise:
         if seen.output_nonfinite:
             return Premise("same_quantity", HELD, f"step {step}'s model output held NaN/inf; "
                            "the replay recomputed it finite")
-        if d.get("loss_not_recomputed"):
+        if d.loss_not_recomputed:
             return Premise("same_quantity", NOT_MEASURED, f"step {step}'s loss was non-finite "
-                           f"and the replay did not recompute it ({d['loss_not_recomputed']})")
+                           f"and the replay did not recompute it ({d.loss_not_recomputed})")
         return Premise("same_quantity", HELD, f"step {step}'s loss was non-finite; the replay "
                        "recomputed the forward and the backward finite")
     if seen.output_nonfinite:
@@ -150,7 +150,7 @@ def _last_finite_norm(f: Facts, i: int) -> Optional[tuple[int, float]]:
 def _later_failures(f: Facts, snap: dict) -> Premise:
     """Never "the machine" over a run whose later failures reproduce on finite weights."""
     later = [s for s in on_failing(f, failing(f)) if s["step"] > snap["step"]
-             and not SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
+             and not SnapshotDetail.from_json(s["detail"]).weights_nonfinite]
     again = [s for s in later if not unreproduced(s) and s["phase"] not in ("none", "unknown")]
     if again:
         first = again[0]

@@ -89,7 +89,7 @@ def measured(f: Any, since: Optional[int]) -> Optional[Singular]:
         if found is not None:
             return found
     for s in f.snapshots:
-        d = SnapshotDetail.of(s["detail"]).loss_singular_fp32
+        d = SnapshotDetail.from_json(s["detail"]).loss_singular_fp32
         if s["step"] >= start and d is not None:
             fns = d.loss_fns or ["the loss"]
             return Singular(s["step"], "torch_loss", fns[0], d.nonfinite, d.largest, d.numel)

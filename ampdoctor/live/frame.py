@@ -32,6 +32,7 @@ from ..diagnosis import fp8watch, objectives, ranks
 from ..release.readiness import fp16_readiness, plain, precision
 from ..release.report import Summary, summarize
 from ..runfile import paths
+from ..runfile.payloads import SnapshotDetail
 from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, Event
 
@@ -390,7 +391,7 @@ def _event_line(s: dict, replays: int) -> EventLine:
     except ValueError:
         trigger = "event"
     fp32 = {1: True, 0: False}.get(s["fp32_finite"])
-    how = s["detail"].get("how") if isinstance(s["detail"], dict) else None
+    how = SnapshotDetail.from_json(s["detail"]).how
     return EventLine(s["step"], trigger, s["module"], s["module_type"], s["phase"], fp32,
                      s["fp32_absmax"], str(how or ""), replays)
 

@@ -226,9 +226,10 @@ def _read_trial(run: Any, out: Fp8Readiness) -> None:
     for name, part in (t.recipes or {}).items():
         if name in out.recipes and part.keep is not None:
             out.recipes[name].trial = {
-                "all": part.all, "keep": list(part.keep),
-                "all_but_keep": part.all_but_keep or {}, "untried": list(part.untried),
-                "layers": dict(part.layers)}
+                "all": part.all.to_json(), "keep": list(part.keep),
+                "all_but_keep": part.all_but_keep.to_json() if part.all_but_keep else {},
+                "untried": list(part.untried),
+                "layers": {n: e.to_json() for n, e in part.layers.items()}}
 
 
 def _as(value: Any, kind: Any, default: Any) -> Any:

@@ -1,41 +1,32 @@
 """The JSON payloads of the run file, declared: a snapshot's ``detail`` and the JSON text of
-the ``/events`` kinds that carry one. The recorder builds each payload as one of these types
-and the analysis side reads it back through the same type, so a key has one spelling.
+the ``/events`` kinds that carry one. Each is a record (records.py: a dataclass, frozen, or
+filled in as a replay goes where its writer builds it step by step) that the recorder builds
+by keyword or attribute and the analysis side reads back by attribute through the same type,
+so a key has one spelling and mypy checks both sides: the ``HIDDEN_NONFINITE``,
+``LOSS_SINGULAR``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts (``to_text`` /
+``from_text``), and ``SnapshotDetail`` with the records it nests (detail.py, and the
+``compiled`` and ``lr_range`` here).
 
-Most are records (records.py: frozen dataclasses, or filled in as a replay goes where
-their writer builds them step by step), which mypy checks on both sides: the
-``HIDDEN_NONFINITE``, ``LOSS_SINGULAR``, ``FLAT_LOSS_PROBE`` and ``FP8_TRIAL`` texts
-(``to_text`` / ``from_text``), and the detail's ``compiled`` and ``lr_range``. What follows
-is of the one left a checked dict, ``SnapshotDetail``, whose keys are its own.
-
-A payload is a ``dict`` whose keys are checked against its declaration (``KEYS``: name ->
-``Key``, its type, its default, the payload version that added it): setting, reading or
-testing a key the declaration does not have raises ``UndeclaredKey`` (a bug on either side,
-caught by the tests that run it; tests/runfile/test_payloads.py also reads every writer and
-reader in the source for the keys they name). Reading a key a file does not hold gives its
-declared default (``get(key)``; ``get(key, other)`` gives ``other``). A key from a newer
-writer that this reader does not declare is kept as read (``from_json``) and never looked at.
-
-The JSON written is what ``json.dumps(payload, default=str)`` makes of a plain dict: the
+The JSON written is what ``json.dumps`` made of the plain dicts these replaced: the
 declarations add no field to the file, so the format version does not change with them. A new
-key is one line in ``KEYS`` with ``since`` raised to the payload's new ``VERSION``
-(docs/development.md, "Adding a key or a column"). This module imports the standard library
-only, as the rest of ``runfile/`` imports no torch.
+key is one field, its default what a reader of an older file gets (docs/development.md,
+"Adding a key or a column"). This module imports the standard library only, as the rest of
+``runfile/`` imports no torch.
 
 Example::
 
     detail = SnapshotDetail(micro_batches=2)
-    detail["reproduced"] = True
-    SnapshotDetail.from_json(detail.to_json()).get("stale_grads")     # None: its default
+    detail.reproduced = True
+    detail.to_text()          # '{"micro_batches": 2, "reproduced": true}'
+    SnapshotDetail.from_text(detail.to_text()).stale_grads    # []: its default
 """
 
 from __future__ import annotations
 
 import json
 import math
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, TypeVar
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import records
 from .detail import (
@@ -56,112 +47,6 @@ from .detail import (
     TrialOutcome,
     TriedFix,
 )
-
-R = TypeVar("R", bound=records.Record)
-P = TypeVar("P", bound="Payload")
-_DECLARED: Any = object()  # get()'s "no default given": the declared one
-
-
-class UndeclaredKey(KeyError):
-    """A key a payload's declaration does not have: a typo, or a key not declared yet."""
-
-
-@dataclass(frozen=True)
-class Key:
-    """One declared key: its JSON type(s), the value a reader gets when a file lacks it, the
-    payload version that added it, and what it holds."""
-
-    type: Any
-    doc: str
-    default: Any = None
-    since: int = 1
-
-
-class Payload(dict):
-    """A JSON object with declared keys (see the module docstring)."""
-
-    NAME: ClassVar[str] = "payload"
-    VERSION: ClassVar[int] = 1
-    KEYS: ClassVar[Mapping[str, Key]] = {}
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__()
-        self.update(*args, **kwargs)
-
-    @classmethod
-    def check(cls, key: Any) -> str:
-        if key not in cls.KEYS:
-            raise UndeclaredKey(f"{key!r} is not a key of {cls.NAME} (runfile/payloads.py "
-                                f"declares {', '.join(sorted(cls.KEYS))})")
-        return key
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(self.check(key), value)
-
-    def __missing__(self, key: str) -> Any:
-        return self.KEYS[self.check(key)].default
-
-    def __getitem__(self, key: str) -> Any:
-        self.check(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: object) -> bool:
-        self.check(key)
-        return super().__contains__(key)
-
-    def get(self, key: str, default: Any = _DECLARED) -> Any:
-        self.check(key)
-        if super().__contains__(key):
-            return super().__getitem__(key)
-        return self.KEYS[key].default if default is _DECLARED else default
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        self.check(key)
-        return super().setdefault(key, default)
-
-    def pop(self, key: str, *default: Any) -> Any:
-        self.check(key)
-        return super().pop(key, *default)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def to_json(self) -> str:
-        """The text written to the file: as ``json.dumps`` writes the same plain dict."""
-        return json.dumps(dict(self), default=_written)
-
-    @classmethod
-    def from_json(cls: type[P], text: Any) -> P:
-        """The payload in ``text``; empty where the text is empty, not JSON or not an object
-        (a damaged or foreign file). Keys this reader does not declare are kept, unread."""
-        try:
-            value = json.loads(text) if text else {}
-        except (ValueError, TypeError):
-            value = {}
-        return cls.of(value)
-
-    @classmethod
-    def of(cls: type[P], value: Any) -> P:
-        """``value`` (parsed JSON) as this payload; empty unless it is an object; ``value``
-        itself if it is one already."""
-        if isinstance(value, cls):
-            return value
-        out = cls()
-        if isinstance(value, dict):
-            dict.update(out, value)  # (undeclared keys of a newer writer kept as they are)
-            for key, declared in cls.KEYS.items():
-                if key in value and _is_record(declared.type):
-                    dict.__setitem__(out, key, records.read(declared.type, value[key]))
-        return out
-
-
-def _is_record(kind: Any) -> bool:
-    """A key whose value is a record (``records.Record``) or a list or map of them: read
-    into its type when the payload is, written back as its JSON object."""
-    if typing.get_origin(kind) in (list, dict):
-        kind = typing.get_args(kind)[-1]
-    return isinstance(kind, type) and issubclass(kind, records.Record)
 
 
 def _written(value: Any) -> Any:
@@ -279,161 +164,116 @@ class LrRange(records.Record):
         return last <= first - cls.FALL * abs(first)
 
 
-class SnapshotDetail(Payload):
+@dataclass
+class SnapshotDetail(records.Record):
     """``/snapshots`` ``detail``: what a forensic replay learnt beyond the row's columns
     (written by ``record/forensic/``: findings.py, culprit.py, culprit_rerun.py,
     reproduced.py, accum.py, proofs.py, forensics.py, snapshot.py; read by the diagnosis's
-    culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/)."""
+    culprit.py, singular.py, proofs.py, ranks.py, facts.py and rules/).
 
-    NAME = "a snapshot's detail"
-    VERSION = 4
-    KEYS = {
-        # the replay (findings.py, forensics.py)
-        "summary": Key(str, "the finding in one sentence"),
-        "micro_batches": Key(int, "micro-batches of the step", 1),
-        "model_calls": Key(int, "root-module calls captured in the step"),
-        "model_calls_dropped": Key(int, "calls past the capture cap, not kept"),
-        "replay": Key(str, "'off: why' where the replay could not run"),
-        "replay_error": Key(str, "the exception the replay raised"),
-        "rerun_error": Key(str, "the exception the re-run as recorded raised"),
-        "weights": Key(str, "the weights replayed: as at the event, or after the step"),
-        "input_modified": Key(bool, "the step modified its input in place", False),
-        "micro_batches_forward_only": Key(list, "micro-batches with no backward"),
-        "fed_by": Key(str, "the model replayed first, whose output this model's inputs were "
-                      "computed from (its output gradient came through this one)"),
-        "stale_grads": Key(list, ".grad non-finite before the step's backward: the parameters"),
-        "history": Key(History, "scale, LR and grad norm over the steps before the event"),
-        "arrays": Key(dict, "saved arrays: name -> 'saved' | 'truncated' | 'skipped'"),
-        "isolation": Key(Isolation, "what the replay kept from the user's code: hooks_set_aside, "
-                         "hooks_not_installed (they did not run in it), output_held_back", since=2),
-        # the culprit (culprit.py, accum.py)
-        "bad_inputs": Key(list[RowSummary], "the batch's non-finite inputs: label, counts"),
-        "chain": Key(list, "the modules the non-finite value passed through"),
-        "backward_not_replayed": Key(str, "why the backward was not replayed"),
-        "how": Key(str, "how the culprit made its non-finite value"),
-        "weights_nonfinite": Key(list, "parameters already non-finite: poisoned earlier"),
-        "run": Key(Rows, "the culprit's inputs and outputs in the run's precision"),
-        "output_grad_nonfinite": Key(bool, "the gradient at the model's output was"),
-        "loss_nonfinite": Key(bool, "the loss itself was non-finite"),
-        "output_grad": Key(OutputGrad, "the gradient at the model's output: counts, output_values"),
-        "loss": Key(LossInfo, "the loss as replayed: value, grad_nonfinite"),
-        "accum_overflow": Key(AccumOverflow, "micro-batch gradients that overflowed when summed"),
-        "computed": Key(Computed, "a root input made in this step outside any module (not the "
-                        "data): op, function, into, label, dtype, device, autocast", since=4),
-        # the culprit re-run (culprit_rerun.py)
-        "fp32": Key(Fp32Rerun, "the culprit re-run in fp32: inputs, outputs (detail.py)"),
-        "fp32_error": Key(str, "the exception the fp32 re-run raised"),
-        "op": Key(OpRecord, "the op inside the culprit that made the value (detail.py)"),
-        "op_error": Key(str, "the exception the op probe raised"),
-        # reproduced (reproduced.py)
-        "recorded": Key(Recorded, "what the real step saw: loss_nonfinite, output_nonfinite"),
-        "rerun": Key(TrialOutcome, "the step re-run as recorded"),
-        "rerun_scale": Key(float, "the loss scale ``rerun`` ran its backward at, where not the "
-                           "recorded one (1: at the recorded one a finite forward's gradients "
-                           "overflowed)", since=4),
-        "loss_recomputed": Key(bool, "the replay recomputed the loss"),
-        "loss_not_recomputed": Key(str, "why the loss was not recomputed"),
-        "loss_input_nonfinite": Key(list, "the loss's non-finite inputs"),
-        "reproduced": Key(bool, "did the replay repeat the failure (False: the machine)"),
-        "loss_fp32": Key(TrialOutcome, "the loss recomputed in fp32: loss_finite"),
-        "targets": Key(list[TargetsCheck], "each loss call's targets, checked (detail.py)"),
-        # the compiled replay (compiled_replay.py)
-        "compiled": Key(CompiledReplay, "the finite replay of a compiled model run again "
-                        "compiled: reproduced, rungs, region, op", since=3),
-        # proofs (proofs.py)
-        "trials": Key(dict[str, TriedFix], "the fixes tried on the step: fix id -> what it "
-                      "did (detail.py)"),
-        "trials_error": Key(str, "the exception the trials raised"),
-        "trials_seconds": Key(float, "time the trials took"),
-        "loss_singular_fp32": Key(LossDerivative, "a torch loss's backward checked in fp32"),
-        # the LR range test (lrrange.py)
-        "lr_range": Key(LrRange, "the LR range test from the run's first state", since=3),
-    }
+    Not frozen: the replay fills it in as it goes, and the JSON keeps the keys it set in the
+    order it first set them (``to_json``), as the dict it replaced wrote them; a field left at
+    its default is not written. Read back (``from_json``), the keys keep the file's order."""
 
-    # The keys that hold records (detail.py), read typed: None where the file holds none.
-    @property
-    def recorded(self) -> Recorded | None:
-        return self._record("recorded", Recorded)
+    # the replay (findings.py, forensics.py)
+    summary: str | None = None  # the finding in one sentence
+    micro_batches: int = 1  # micro-batches of the step
+    model_calls: int | None = None  # root-module calls captured in the step
+    model_calls_dropped: int | None = None  # calls past the capture cap, not kept
+    replay: str | None = None  # "off: why" where the replay could not run
+    replay_error: str | None = None  # the exception the replay raised
+    rerun_error: str | None = None  # the exception the re-run as recorded raised
+    weights: str | None = None  # the weights replayed: as at the event, or after the step
+    input_modified: bool = False  # the step modified its input in place
+    micro_batches_forward_only: list[int] | None = None  # micro-batches with no backward
+    # the model replayed first, whose output this model's inputs were computed from (its
+    # output gradient came through this one)
+    fed_by: str | None = None
+    # .grad non-finite before the step's backward: the parameters
+    stale_grads: list[str] = field(default_factory=list)
+    history: History | None = None  # scale, LR and grad norm over the steps before the event
+    arrays: dict[str, str] | None = None  # saved arrays: name -> saved, truncated, skipped
+    # what the replay kept from the user's code (since detail version 2)
+    isolation: Isolation | None = None
+    # the culprit (culprit.py, accum.py)
+    bad_inputs: list[RowSummary] = field(default_factory=list)  # the batch's non-finite inputs
+    chain: list[str] | None = None  # the modules the non-finite value passed through
+    backward_not_replayed: str | None = None  # why the backward was not replayed
+    how: str | None = None  # how the culprit made its non-finite value
+    weights_nonfinite: list[str] | None = None  # parameters already non-finite: poisoned earlier
+    run: Rows | None = None  # the culprit's inputs and outputs in the run's precision
+    output_grad_nonfinite: bool | None = None  # the gradient at the model's output was
+    loss_nonfinite: bool | None = None  # the loss itself was non-finite
+    output_grad: OutputGrad | None = None  # the gradient at the model's output
+    loss: LossInfo | None = None  # the loss as replayed: value, grad_nonfinite
+    accum_overflow: AccumOverflow | None = None  # micro-batch gradients that overflowed summed
+    # a root input made in this step outside any module, not the data (since version 4)
+    computed: Computed | None = None
+    # the culprit re-run (culprit_rerun.py)
+    fp32: Fp32Rerun | None = None  # the culprit re-run in fp32: inputs, outputs
+    fp32_error: str | None = None  # the exception the fp32 re-run raised
+    op: OpRecord | None = None  # the op inside the culprit that made the value
+    op_error: str | None = None  # the exception the op probe raised
+    # reproduced (reproduced.py)
+    recorded: Recorded | None = None  # what the real step saw
+    rerun: TrialOutcome | None = None  # the step re-run as recorded
+    # the loss scale ``rerun`` ran its backward at, where not the recorded one (1: at the
+    # recorded one a finite forward's gradients overflowed; since version 4)
+    rerun_scale: float | None = None
+    loss_recomputed: bool | None = None  # the replay recomputed the loss
+    loss_not_recomputed: str | None = None  # why the loss was not recomputed
+    loss_input_nonfinite: list[str] | None = None  # the loss's non-finite inputs
+    reproduced: bool | None = None  # did the replay repeat the failure (False: the machine)
+    loss_fp32: TrialOutcome | None = None  # the loss recomputed in fp32: loss_finite
+    targets: list[TargetsCheck] = field(default_factory=list)  # each loss call's targets
+    # the finite replay of a compiled model run again compiled (compiled_replay.py; since 3)
+    compiled: CompiledReplay | None = None
+    # proofs (proofs.py): the fixes tried on the step, fix id -> what it did
+    trials: dict[str, TriedFix] = field(default_factory=dict)
+    trials_error: str | None = None  # the exception the trials raised
+    trials_seconds: float | None = None  # time the trials took
+    loss_singular_fp32: LossDerivative | None = None  # a torch loss's backward checked in fp32
+    # the LR range test from the run's first state (lrrange.py; since version 3)
+    lr_range: LrRange | None = None
 
-    @property
-    def loss(self) -> LossInfo | None:
-        return self._record("loss", LossInfo)
+    VERSION: ClassVar[int] = 4  # raised with each key added (the since of the comments)
 
-    @property
-    def output_grad(self) -> OutputGrad | None:
-        return self._record("output_grad", OutputGrad)
+    def __post_init__(self) -> None:
+        # the keys set, in the order first set: those given at construction, then each set
+        object.__setattr__(self, "_order", [f.name for f in fields(self)
+                                            if getattr(self, f.name) != _default(f)])
 
-    @property
-    def accum_overflow(self) -> AccumOverflow | None:
-        return self._record("accum_overflow", AccumOverflow)
+    if not TYPE_CHECKING:  # (hidden from mypy, which lets any name be set on a class with it)
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, value)
+            order = self.__dict__.get("_order")
+            if order is not None and name not in order and name in _DETAIL_KEYS:
+                order.append(name)
 
-    @property
-    def op(self) -> OpRecord | None:
-        return self._record("op", OpRecord)
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written: the keys set, in the order they were first set."""
+        return {name: records.plain(getattr(self, name)) for name in self.__dict__["_order"]}
 
-    @property
-    def bad_inputs(self) -> list[RowSummary]:
-        value = self.get("bad_inputs")
-        return value if isinstance(value, list) else []
+    def to_text(self) -> str:
+        """The text written: what ``json.dumps`` writes of the plain dict it replaced."""
+        return json.dumps({name: getattr(self, name) for name in self.__dict__["_order"]},
+                          default=_written)
 
-    @property
-    def stale_grads(self) -> list[str]:
-        value = self.get("stale_grads")
-        return [str(p) for p in value] if isinstance(value, (list, dict)) else []
+    @classmethod
+    def from_json(cls, value: Any) -> SnapshotDetail:
+        """``value`` (parsed JSON) as a detail, its keys in the file's order; ``value``
+        itself if a detail already."""
+        got = super().from_json(value)
+        if got is not value and isinstance(value, dict):
+            object.__setattr__(got, "_order", [k for k in value if k in _DETAIL_KEYS])
+        return got
 
-    @property
-    def history(self) -> History | None:
-        return self._record("history", History)
 
-    @property
-    def isolation(self) -> Isolation | None:
-        return self._record("isolation", Isolation)
+def _default(f: Any) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
 
-    @property
-    def computed(self) -> Computed | None:
-        return self._record("computed", Computed)
 
-    @property
-    def trials(self) -> dict[str, TriedFix]:
-        value = self.get("trials")
-        return value if isinstance(value, dict) else {}
-
-    @property
-    def run(self) -> Rows | None:
-        return self._record("run", Rows)
-
-    @property
-    def fp32(self) -> Fp32Rerun | None:
-        return self._record("fp32", Fp32Rerun)
-
-    @property
-    def rerun(self) -> TrialOutcome | None:
-        return self._record("rerun", TrialOutcome)
-
-    @property
-    def loss_fp32(self) -> TrialOutcome | None:
-        return self._record("loss_fp32", TrialOutcome)
-
-    @property
-    def loss_singular_fp32(self) -> LossDerivative | None:
-        return self._record("loss_singular_fp32", LossDerivative)
-
-    @property
-    def targets(self) -> list[TargetsCheck]:
-        value = self.get("targets")
-        return value if isinstance(value, list) else []
-
-    @property
-    def lr_range(self) -> LrRange | None:
-        return self._record("lr_range", LrRange)
-
-    @property
-    def compiled(self) -> CompiledReplay | None:
-        return self._record("compiled", CompiledReplay)
-
-    def _record(self, key: str, kind: type[R]) -> R | None:
-        value = self.get(key)
-        return value if isinstance(value, kind) else None
+_DETAIL_KEYS = frozenset(f.name for f in fields(SnapshotDetail))
 
 
 @dataclass(frozen=True)
@@ -467,19 +307,76 @@ class FlatLossProbe(records.Record):
     probe: int = 0  # which probe of the run, from 1
 
 
+@dataclass(frozen=True)
+class Fp8Effect(records.Record):
+    """One re-run of the fp8 trial measured against its reference (record/forensic/
+    fp8trial.py's ``measured``): the loss, its relative change, the gradient's relative error
+    and cosine over every parameter, the parameter that moved most. Where no gradient came
+    back, the loss and the ``note`` alone. A non-finite error or cosine is written as text."""
+
+    loss: float | None = None  # the re-run's loss (None: no loss was recomputed)
+    note: str | None = None  # why no gradient came back (then no measure)
+    loss_change: float | None = None  # relative to the reference's loss (None: no loss)
+    grad_error: float | None = None  # |g - ref| / |ref| over every parameter
+    grad_cosine: float | None = None
+    worst_param: str | None = None  # the parameter whose own gradient moved most
+    worst_param_error: float | None = None  # its relative error
+    # no loss recomputed: sum <g, y> of this re-run less the reference's, the loss change
+    # to first order
+    output_term: float | None = None
+
+    OMIT = frozenset({"note", "loss_change", "grad_error", "grad_cosine", "worst_param",
+                      "worst_param_error", "output_term"})
+    AS_TEXT = frozenset({"grad_error", "grad_cosine", "worst_param_error"})
+
+    def omitted(self) -> frozenset[str]:
+        """A measure writes its loss change (null where no loss) and leaves out the note."""
+        return self.OMIT if self.note is not None else self.OMIT - {"loss_change"}
+
+
+@dataclass(frozen=True)
+class Fp8OwnLayer(records.Record):
+    """One fp8 layer of a run already in fp8 (``Fp8Own.layers``), re-run against the
+    high-precision reference: alone kept in high precision, and alone cast row-wise where it
+    is cast per tensor."""
+
+    high_precision: Fp8Effect | None = None
+    rowwise: Fp8Effect | None = None
+
+    OMIT = frozenset({"rowwise"})
+
+
+@dataclass
+class Fp8Own(records.Record):
+    """``Fp8Trial.own``: a run already in fp8, its fp8 layers re-run in high precision (the
+    reference then); against it the step as recorded and each layer's re-runs; or the
+    ``note`` alone where the high-precision re-run failed (record/forensic/fp8trial.py;
+    diagnosis/rules/fp8own.py). Not frozen: the trial fills in ``untried`` as it goes."""
+
+    note: str | None = None  # why no reference: then nothing else is written
+    loss: float | None = None  # the high-precision re-run's loss
+    as_recorded: Fp8Effect | None = None  # the step as recorded against it
+    layers: dict[str, Fp8OwnLayer] | None = None  # NAME -> its re-runs, in the order tried
+    thresholds: dict[str, float] | None = None  # grad_error, loss_change
+    untried: list[str] | None = None  # layers left untried when the budget ran out
+
+    OMIT = frozenset({"note", "loss", "as_recorded", "layers", "thresholds", "untried"})
+
+    def omitted(self) -> frozenset[str]:
+        return self.OMIT if self.note is not None else frozenset({"note", "untried"})
+
+
 @dataclass
 class Fp8Recipe(records.Record):
-    """One recipe of the fp8 trial (``Fp8Trial.recipes``). An effect is {"loss",
-    "loss_change", "grad_error", "grad_cosine", "worst_param", "worst_param_error"} against
-    the step re-run as recorded ("inf"/"nan" as strings; {"loss", "note"} where no gradient
-    came back). Not frozen: the trial fills it in as it goes."""
+    """One recipe of the fp8 trial (``Fp8Trial.recipes``): each effect (``Fp8Effect``)
+    against the step re-run as recorded. Not frozen: the trial fills it in as it goes."""
 
-    all: dict[str, Any] = field(default_factory=dict)  # every layer cast: its effect
-    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # NAME -> its effect alone
+    all: Fp8Effect = field(default_factory=Fp8Effect)  # every layer cast: its effect
+    layers: dict[str, Fp8Effect] = field(default_factory=dict)  # NAME -> its effect alone
     # the layers to keep in high precision (None: a file whose recipe holds no list of them)
     keep: list[str] | None = None
     untried: list[str] = field(default_factory=list)  # left untried when the budget ran out
-    all_but_keep: dict[str, Any] | None = None  # every layer cast but ``keep``: its effect
+    all_but_keep: Fp8Effect | None = None  # every layer cast but ``keep``: its effect
 
     OMIT = frozenset({"all_but_keep"})
 
@@ -498,10 +395,7 @@ class Fp8Trial(records.Record):
     thresholds: dict[str, float] | None = None
     note: str | None = None  # why the trial did not run, or what it could not do
     loss: float | None = None  # the loss of the step re-run as recorded (the reference)
-    # a run already in fp8: its fp8 layers re-run in high precision (the reference then),
-    # {"loss", "as_recorded": effect, "layers": {NAME: {"high_precision": effect, "rowwise":
-    # effect}}, "thresholds", "untried"}, or {"note"}
-    own: dict[str, Any] | None = None
+    own: Fp8Own | None = None  # a run already in fp8: its layers re-run in high precision
     recipes: dict[str, Fp8Recipe] | None = None  # recipe name -> what each re-run did
     # the recipe whose all-but-kept re-run stays within the thresholds with the fewest layers
     # kept ("": none)
@@ -519,6 +413,3 @@ class Fp8Trial(records.Record):
         recipes ran; before, only where it is known."""
         return self.OMIT - {"loss"} if self.recipes is not None else self.OMIT
 
-
-# Every declared payload: the contract test reads each writer and reader against these.
-PAYLOADS: tuple[type[Payload], ...] = (SnapshotDetail,)

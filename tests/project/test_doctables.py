@@ -1,6 +1,7 @@
 """The doc tables written from the code's tables (``docs/doctables.py``) are what it writes: the
-README's command table, from ``cli.py``'s ``COMMAND_TABLE``, and the verdict tables of the
-README and docs/verdicts.md, from ``diagnosis/verdict.py``'s ``TABLE``. A verdict added,
+README's command table, from ``cli.py``'s ``COMMAND_TABLE``, the verdict tables of the
+README and docs/verdicts.md, from ``diagnosis/verdict.py``'s ``TABLE``, and docs/commands.md's
+``--apply`` table, from ``record/apply/prescription.py``'s ``FORMS``. A verdict or form added,
 dropped or reworded in the code, a command without its row, or a row edited by hand, fails
 here with the command that rewrites them."""
 
@@ -34,6 +35,17 @@ def test_every_verdict_has_its_row_in_both_tables():
         assert f"\n| `{v.id}` | `{v.family}.py`" in rules or v.family == "engine", v.id
 
 
+def test_every_apply_form_has_its_row_in_its_own_spelling():
+    tables = doctables()
+    table = tables.apply_forms()
+    for name, form in tables.FORMS.items():
+        shown = f"`{name}={form.placeholder}`" if form.placeholder else f"`{name}`"
+        row = next(line for line in table.splitlines() if shown in line.split(" | ")[0])
+        host = tables.FORMS[form.with_row] if form.with_row else form
+        assert host.doc and not host.with_row and row.endswith(f" | {host.doc} |"), name
+    assert len(table.splitlines()) == 2 + sum(not f.with_row for f in tables.FORMS.values())
+
+
 def test_a_row_edited_by_hand_or_left_out_is_named(tmp_path):
     tables = doctables()
     for doc, _, _ in tables.TABLES:
@@ -46,9 +58,14 @@ def test_a_row_edited_by_hand_or_left_out_is_named(tmp_path):
     verdicts = tmp_path / "docs" / "verdicts.md"
     verdicts.write_text(verdicts.read_text().replace("| `diverged` | `progress.py`",
                                                      "| `diverged` | `trends.py`"))
+    commands = tmp_path / "docs" / "commands.md"
+    commands.write_text(commands.read_text().replace("| `use_bf16` | every fp16",
+                                                     "| `use_bf16` | any fp16"))
     assert tables.stale(str(tmp_path)) == ["README.md (verdicts)",
                                            os.path.join("docs", "verdicts.md")
-                                           + " (verdict-rules)"]
+                                           + " (verdict-rules)",
+                                           os.path.join("docs", "commands.md")
+                                           + " (apply-forms)"]
 
 
 def test_a_command_without_its_row_stops_the_generator(monkeypatch):

@@ -34,8 +34,8 @@ def test_a_record_writes_the_bytes_its_dict_wrote_and_reads_back_equal():
     assert OpRecord.from_json(json.loads(json.dumps(OP))) == op
     fp32 = Fp32Rerun(inputs=[RowSummary(**ROW)], outputs=[], copied_module=True)
     written = {"inputs": [ROW], "outputs": [], "copied_module": True}
-    assert SnapshotDetail(fp32=fp32).to_json() == json.dumps({"fp32": written})
-    read = SnapshotDetail.from_json(SnapshotDetail(fp32=fp32, op=op).to_json())
+    assert SnapshotDetail(fp32=fp32).to_text() == json.dumps({"fp32": written})
+    read = SnapshotDetail.from_text(SnapshotDetail(fp32=fp32, op=op).to_text())
     assert read.fp32 == fp32 and read.op == op and read.rerun is None
 
 
@@ -47,7 +47,7 @@ def test_an_older_or_damaged_value_reads_as_each_field_s_default():
     assert (bad.op, bad.created, bad.numel, bad.in_absmax) == ("", ["nan"], 0, None)
     assert bad.counts == {"posinf": 2}
     assert OpRecord.from_json([1, 2]) == OpRecord() == OpRecord.from_json(None)
-    d = SnapshotDetail.from_json('{"op": "not an object", "bad_inputs": [1, {"label": "y"}]}')
+    d = SnapshotDetail.from_text('{"op": "not an object", "bad_inputs": [1, {"label": "y"}]}')
     assert d.op is None and [b.label for b in d.bad_inputs] == ["y"]
 
 
@@ -81,10 +81,10 @@ def test_the_replay_s_own_records_read_back_as_written():
     made = Computed(op="exp", into="Net", label="args.0", dtype="float16", device="cpu")
     hist = History(step=[0, 1], loss=[2.0, math.nan], lr=[1e-3, 1e-3])
     text = SnapshotDetail(isolation=iso, computed=made, history=hist,
-                          stale_grads=["fc.weight"]).to_json()
+                          stale_grads=["fc.weight"]).to_text()
     assert json.loads(text)["isolation"] == {"hooks_set_aside": 2, "hooks_not_installed": 0,
                                              "output_held_back": 10}
-    d = SnapshotDetail.from_json(text)
+    d = SnapshotDetail.from_text(text)
     assert (d.isolation, d.computed, d.stale_grads) == (iso, made, ["fc.weight"])
     assert d.history.step == [0, 1] and math.isnan(d.history.loss[1])
 

@@ -60,7 +60,7 @@ def rule_loaded_nonfinite(f: Facts) -> Optional[Finding]:
     if not f.n:
         return None
     for snap in f.snapshots:
-        poisoned = SnapshotDetail.of(snap["detail"]).get("weights_nonfinite")
+        poisoned = SnapshotDetail.from_json(snap["detail"]).weights_nonfinite
         at = f.index_of(snap["step"])
         if not poisoned or f.step_at(at) != snap["step"] or (~f.skipped[:at]).any():
             continue
@@ -164,14 +164,14 @@ def _norm_overflow(f: Facts) -> Optional[Premise]:
 def _loss_replay_text(snap: dict) -> str:
     """What a loss-phase replay measured, and no more: the output, the loss recomputed (or
     why not), the fp32 recomputation, the targets."""
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     seen = d.recorded
     text = f"replay of step {snap['step']}: the batch and the model's outputs are finite"
     if seen is not None and seen.output_nonfinite is False:
         text += " (in the real step too)"
-    if d.get("loss_recomputed") is False and d.get("loss_not_recomputed"):
+    if d.loss_recomputed is False and d.loss_not_recomputed:
         return text + (f"; the loss was non-finite in the real step and was not recomputed "
-                       f"({d['loss_not_recomputed']})")
+                       f"({d.loss_not_recomputed})")
     if d.loss_fp32 is not None and d.loss_fp32.loss_finite is False:
         text += "; the loss recomputed is non-finite, in fp32 too"
         return text + ("; its targets hold nothing invalid: the loss's formula" if d.targets

@@ -76,7 +76,7 @@ def rule_accum_overflow(f: Facts) -> Optional[Finding]:
     """C6 (accumulation): every micro-batch's gradient is finite, but their sum in an fp16
     .grad passes 65504 (fp16 parameters, no fp32 master copy): the replay summed them in
     fp16, in order, and found where the running sum turned inf."""
-    found = ((x, SnapshotDetail.of(x["detail"]).accum_overflow) for x in f.snapshots)
+    found = ((x, SnapshotDetail.from_json(x["detail"]).accum_overflow) for x in f.snapshots)
     snap, acc = next(((x, a) for x, a in found if a is not None), (None, None))
     if snap is None or acc is None:
         return None
@@ -328,7 +328,8 @@ def _adam_eps_confirmed(f: Facts) -> tuple[float, Optional[dict], list[Evidence]
     prev_ok = fi > 0 and np.isfinite(s["loss"][fi - 1]) and np.isfinite(
         s["grad_norm"][fi - 1]) and not f.skipped[fi - 1]
     culprit = snapshot_at(f, f.failure_step)
-    poisoned = list(culprit["detail"].get("weights_nonfinite") or []) if culprit else []
+    poisoned = list(SnapshotDetail.from_json(culprit["detail"]).weights_nonfinite or []) \
+        if culprit else []
     weights_bad = culprit is not None and (culprit["fp32_finite"] == 0 or bool(poisoned))
     module = culprit["module"] if culprit else None
     ev = []
@@ -403,13 +404,13 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
     if f.failure_index is None or f.low_precision != "fp16":
         return None
     snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
-             and x["detail"].get("loss_nonfinite") and not _fp32_too(x)]
+             and SnapshotDetail.from_json(x["detail"]).loss_nonfinite and not _fp32_too(x)]
     if not snaps or (_value_minority(f) and any(_loss_backward_only(x) for x in f.snapshots)):
         return None  # the loss's backward failed on most steps: rule_loss_backward's
     if singular.zero_count(f, f.failure_step) is not None:
         return None  # a count of zero from the batch: 0/0 in fp32 too (rule_bad_targets')
     x = snaps[0]
-    d = SnapshotDetail.of(x["detail"])
+    d = SnapshotDetail.from_json(x["detail"])
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
     recomputed = d.loss_fp32 is not None and d.loss_fp32.loss_finite is True
     if recomputed:
@@ -512,7 +513,7 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
     """A replay of a skip that GradScaler's calibration or probing explains, with a finite loss:
     whichever phase overflowed at that scale (an fp16 loss always does at 65536), it is
     healthy."""
-    if not f.n or snap["detail"].get("loss_nonfinite"):
+    if not f.n or SnapshotDetail.from_json(snap["detail"]).loss_nonfinite:
         return False
     i = f.index_of(snap["step"])
     return f.step_at(i) == snap["step"] and bool(f.story.benign_mask[i])
@@ -520,25 +521,25 @@ def _calibration_artefact(f: Facts, snap: dict) -> bool:
 
 def _fp32_too(snap: dict) -> bool:
     """The replay recomputed the loss in fp32 and it was non-finite there too: not fp16's."""
-    fp32 = SnapshotDetail.of(snap["detail"]).loss_fp32
+    fp32 = SnapshotDetail.from_json(snap["detail"]).loss_fp32
     return fp32 is not None and fp32.loss_finite is False
 
 
 def _loss_backward_only(snap: dict) -> bool:
     """A loss replay whose loss is finite, and whose loss scale fits the loss's dtype, but whose
     backward sent NaN/inf into the model's output: the loss's derivative, not its value."""
-    d = SnapshotDetail.of(snap["detail"])
-    return bool(d.get("output_grad_nonfinite")) and not d.get("loss_nonfinite") and \
+    d = SnapshotDetail.from_json(snap["detail"])
+    return bool(d.output_grad_nonfinite) and not d.loss_nonfinite and \
         not (d.loss and d.loss.grad_nonfinite)
 
 
 def _loss_snapshot_text(snap: dict) -> str:
     """What a loss replay saw, from its detail (never more than it saw)."""
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     loss = d.loss or LossInfo()
     dtype = loss.dtype or "?"
     head = f"replay of step {snap['step']}: every module output is finite"
-    if d.get("loss_nonfinite"):
+    if d.loss_nonfinite:
         return f"{head}; the loss ({dtype}) is not"
     if loss.grad_nonfinite:
         return (f"{head} and so is the loss ({fmt(loss.value)}, {dtype}), but the loss "

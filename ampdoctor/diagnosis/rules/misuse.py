@@ -210,7 +210,7 @@ def rule_stale_grads(f: Facts) -> Optional[Finding]:
     if not f.n or not f.has_scaler:
         return None
     events = f.events(Event.GRAD_NOT_ZEROED)
-    stale = [s for s in f.snapshots if SnapshotDetail.of(s["detail"]).stale_grads]
+    stale = [s for s in f.snapshots if SnapshotDetail.from_json(s["detail"]).stale_grads]
     run = f.story.terminal_run
     start = f.n - run
     forward_clean = run and not f.loss_bad[start:].any()

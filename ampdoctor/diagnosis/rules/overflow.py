@@ -87,7 +87,8 @@ def rule_culprit(f: Facts) -> Optional[Finding]:
         return _mask_finding(f, snap, where, ev, op)
     score, growth = growth_evidence(f)
     steady, moved = steadiness(f)
-    poisoned = bool(snap["detail"].get("weights_nonfinite"))  # an update made them non-finite
+    # an update made them non-finite
+    poisoned = bool(SnapshotDetail.from_json(snap["detail"]).weights_nonfinite)
     replaced = any(e.key == "weights_replaced" for e in growth) or moved
     if replaced and poisoned and snap["step"] > f.failure_step:
         where = first_bad(f.failure_step, None, None)  # the culprit shows the poison only
@@ -135,7 +136,7 @@ def _unstable_op(f: Facts, snap: dict, where: dict, ev: list[Evidence],
         "(whether the weights were steady was not measured)"
     op = culprit.op_of(snap)
     kind = culprit.nonfinite_kind(op) if snap["phase"] == "forward" else None
-    made = SnapshotDetail.of(snap["detail"]).computed
+    made = SnapshotDetail.from_json(snap["detail"]).computed
     if made is not None:  # (record/forensic/computed.py) an op between two model calls
         text = _between_text(made, low)
     elif snap["phase"] == "backward":
@@ -341,7 +342,7 @@ def rule_sampled_culprit(f: Facts) -> Optional[Finding]:
     if any(s["phase"] == "input" for s in f.snapshots):
         return None
     if any(s["phase"] == "loss" and s["step"] == f.failure_step and
-           s["detail"].get("loss_nonfinite") for s in f.snapshots):
+           SnapshotDetail.from_json(s["detail"]).loss_nonfinite for s in f.snapshots):
         return None  # its replay found every module finite and the loss not: not a module's
     # The first forward overflow names the module (gradients overflow first on the way there
     # but only say where the scale was too high); else the first backward one.

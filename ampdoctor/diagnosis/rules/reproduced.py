@@ -80,7 +80,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
     ev = [Evidence(_seen_text(first, world), "recorded_nonfinite", None, step),
           Evidence(_replay_text(first), "replay_finite", None, step),
           _count(f, bad, unrep, world, rank)]
-    again = SnapshotDetail.of(first["detail"]).compiled
+    again = SnapshotDetail.from_json(first["detail"]).compiled
     ran = [r.backend for r in (again.rungs if again else None) or [] if r.finite]
     if ran:  # a compiled model: compiled again, the step is finite too (not the compiler)
         ev.append(Evidence(f"step {step} compiled again ({', '.join(ran)}) is finite too: not "
@@ -92,7 +92,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
         explains |= set(later)
         if later:
             poisoned = [s["step"] for s in f.snapshots if s["step"] in later
-                        and SnapshotDetail.of(s["detail"]).get("weights_nonfinite")]
+                        and SnapshotDetail.from_json(s["detail"]).weights_nonfinite]
             seen = (f" (the replays of steps {', '.join(map(str, poisoned[:STEPS_LISTED]))} "
                     "find the weights non-finite)") if poisoned else ""
             ev.append(Evidence(f"no GradScaler skipped step {step}: what it computed reached the "
@@ -118,7 +118,7 @@ def rule_not_reproducible(f: Facts) -> Optional[Finding]:
 
 def _seen_text(snap: dict, world: int) -> str:
     """What the real step saw, as the snapshot measured it on the event."""
-    seen = SnapshotDetail.of(snap["detail"]).recorded or Recorded()
+    seen = SnapshotDetail.from_json(snap["detail"]).recorded or Recorded()
     parts = []
     if seen.loss_nonfinite:
         parts.append("its loss was non-finite")
@@ -138,7 +138,7 @@ def _seen_text(snap: dict, world: int) -> str:
 
 def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
     """What the replay gave, from its snapshot (never more than it measured)."""
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     again = d.rerun or TrialOutcome()
     text = (f"replay of step {snap['step']} on the same batch, weights and RNG: the batch is "
             "finite (checked), the model's output is finite")
@@ -149,10 +149,10 @@ def _replay_text(snap: dict, end: str = ": it did not reproduce") -> str:
         grads = again.grads
         if grads in ("finite", "zero"):
             text += f" and every gradient is {'exactly zero' if grads == 'zero' else 'finite'}"
-            if d.get("rerun_scale") is not None:  # the recorded scale overflowed them
-                text += f" at loss scale {fmt(d['rerun_scale'])}"
-    elif d.get("loss_not_recomputed"):
-        text += f" (the loss was not recomputed: {d['loss_not_recomputed']})"
+            if d.rerun_scale is not None:  # the recorded scale overflowed them
+                text += f" at loss scale {fmt(d.rerun_scale)}"
+    elif d.loss_not_recomputed:
+        text += f" (the loss was not recomputed: {d.loss_not_recomputed})"
     else:
         text += ", and so is every gradient of its backward"
     return text + end
@@ -187,7 +187,7 @@ def rule_compiler(f: Facts) -> Optional[Finding]:
     if first is None or not compiled_reproduced(first):
         return None
     step = first["step"]
-    got = SnapshotDetail.of(first["detail"]).compiled or CompiledReplay()
+    got = SnapshotDetail.from_json(first["detail"]).compiled or CompiledReplay()
     region = got.region or ", ".join(got.regions)
     op = got.op or CompiledOp()
     rungs = got.rungs or []
@@ -267,7 +267,7 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     snap = next((s for s in f.snapshots if s["phase"] == "loss" and _target_problem(s)), None)
     if snap is None:
         return _zero_count(f)
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     target = _target_problem(snap) or TargetsCheck()
     fp32 = d.loss_fp32 or TrialOutcome()
     step = snap["step"]
@@ -344,7 +344,7 @@ def _zero_count(f: Facts) -> Optional[Finding]:
 def _target_problem(snap: dict) -> Optional[TargetsCheck]:
     """The first loss call whose targets hold a problem, if the fp32 recomputation did not
     make the loss finite."""
-    d = SnapshotDetail.of(snap["detail"])
+    d = SnapshotDetail.from_json(snap["detail"])
     if d.loss_fp32 is None or d.loss_fp32.loss_finite is not False:
         return None
     return next((t for t in d.targets if t.problem), None)

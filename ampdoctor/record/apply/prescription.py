@@ -49,13 +49,16 @@ class Form(NamedTuple):
     """One ``--apply`` form: the value's placeholder ("" for none), what it does, and for a
     number the range it must lie in (``low`` to ``high``, both included) with why: a value
     outside it would kill the run, crash GradScaler, overflow or silently train nothing, so it
-    is refused in the parent, before the command starts."""
+    is refused in the parent, before the command starts. ``doc`` is its row of the --apply
+    table in docs/commands.md, which docs/doctables.py writes."""
 
     placeholder: str
     does: str
     low: float = 0.0
     high: float = math.inf
     why: str = ""
+    doc: str = ""  # what it changes, in full: its row of docs/commands.md's --apply table
+    with_row: str = ""  # the form whose row it shares (its doc says both)
 
 
 # fp32's smallest normal number: GradScaler's scale and the optimizers' state are fp32.
@@ -64,33 +67,75 @@ FP32_TINY = 2.0 ** -126
 
 # The one declaration of the --apply forms: parse() accepts these, the CLI's help lists them
 # (help_text), treatment.INSTALL is derived from them (one ``_install_<form>`` each, or its
-# import fails) and docs/commands.md has a row each (tests/record/test_treatment.py checks it).
+# import fails) and docs/commands.md's --apply table is written from them (docs/doctables.py:
+# a row per form, ``doc`` what it changes; a form ``with_row`` another shares that one's row).
 FORMS: dict[str, Form] = {
-    "fp32_island": Form("NAME[,NAME...]",
-                        "the named modules run with autocast off, on fp32 inputs"),
-    "use_bf16": Form("", "fp16 autocast becomes bf16, and GradScalers are disabled"),
-    "adam_eps": Form("EPS", "every optimizer with an eps uses EPS", FP32_TINY, 1.0,
-                     "an eps above 1 drowns every gradient's own scale, below fp32's smallest "
-                     "normal number it is no eps at all"),
-    "init_scale": Form("S", "GradScaler starts at scale S", 2.0 ** -24, 2.0 ** 32,
-                       "below 2^-24 every fp16 gradient flushes to zero, and the steps are "
-                       "skipped without a word; above 2^32 every step overflows and is skipped "
-                       "while the scale halves"),
-    "growth_interval": Form("N", "GradScaler grows its scale every N clean steps", 1,
-                            2 ** 31 - 1, "GradScaler counts clean steps in a 32-bit integer"),
-    "lr_factor": Form("F", "each optimizer steps with its LR times F (schedules keep working)",
-                      1e-12, 1e3, "a larger factor blows the weights up within steps, a "
-                      "smaller one leaves them as they were"),
-    "lr": Form("LR", "each optimizer steps with its LR times LR / the LR it was created with",
-               1e-12, 1e3, "a larger LR blows the weights up within steps, a smaller one "
-               "leaves them as they were"),
-    "loss_in_fp32": Form("", "torch's loss functions run in fp32, autocast off"),
-    "scheduler_per_step": Form("", "an LR scheduler steps at most once per optimizer step"),
-    "fp8": Form("[RECIPE][:keep=NAME,...]", "the model's Linears train in fp8 (torchao's "
-                "RECIPE: tensorwise, rowwise or rowwise_with_gw_hp; tensorwise when left out), "
-                "those named kept in high precision (keep=from:RUN.h5: those RUN's fp8 trial "
-                "kept; fp8=from:RUN.h5: its recipe too); needs torchao (pip install "
-                "'ampdoctor[fp8]')"),
+    "fp32_island": Form(
+        "NAME[,NAME...]", "the named modules run with autocast off, on fp32 inputs",
+        doc="the modules of those qualified names (as `diagnose` names them) run with autocast "
+            "off on fp32 inputs: a forward pre-hook and hook on each, installed when the model "
+            "is first called, before their own first call; a name not in the model by the "
+            "first optimizer step is warned about in the run and noted by `diagnose`, a module "
+            "with half weights is left alone"),
+    "use_bf16": Form(
+        "", "fp16 autocast becomes bf16, and GradScalers are disabled",
+        doc="every fp16 autocast (also CUDA's default) runs in bf16, and every GradScaler is "
+            "disabled (bf16 has fp32's range: nothing to scale); weights the code made half "
+            "stay half"),
+    "adam_eps": Form(
+        "EPS", "every optimizer with an eps uses EPS", FP32_TINY, 1.0,
+        "an eps above 1 drowns every gradient's own scale, below fp32's smallest normal number "
+        "it is no eps at all",
+        doc="every optimizer with an `eps` (the Adam family, RMSprop, Adagrad) is created with "
+            "EPS, in every param group"),
+    "init_scale": Form(
+        "S", "GradScaler starts at scale S", 2.0 ** -24, 2.0 ** 32,
+        "below 2^-24 every fp16 gradient flushes to zero, and the steps are skipped without a "
+        "word; above 2^32 every step overflows and is skipped while the scale halves",
+        doc="every enabled GradScaler starts at scale S, grows every N clean steps"),
+    "growth_interval": Form(
+        "N", "GradScaler grows its scale every N clean steps", 1, 2 ** 31 - 1,
+        "GradScaler counts clean steps in a 32-bit integer", with_row="init_scale"),
+    "lr_factor": Form(
+        "F", "each optimizer steps with its LR times F (schedules keep working)", 1e-12, 1e3,
+        "a larger factor blows the weights up within steps, a smaller one leaves them as they "
+        "were",
+        doc="each optimizer step runs with every group's LR times F, put back after the step, "
+            "so that schedulers and the script's own `group[\"lr\"] = ...` keep working; "
+            "`lr=LR`: F = LR / the LR the optimizer was created with. The run file records the "
+            "LR the steps ran with"),
+    "lr": Form(
+        "LR", "each optimizer steps with its LR times LR / the LR it was created with", 1e-12,
+        1e3, "a larger LR blows the weights up within steps, a smaller one leaves them as they "
+        "were", with_row="lr_factor"),
+    "loss_in_fp32": Form(
+        "", "torch's loss functions run in fp32, autocast off",
+        doc="torch's loss functions (`torch.nn.functional`'s, which the `nn` loss modules "
+            "call) get fp32 inputs with autocast off; a hand-written loss is not reached"),
+    "scheduler_per_step": Form(
+        "", "an LR scheduler steps at most once per optimizer step",
+        doc="an LR scheduler's `step()` runs at most once per optimizer step that ran (the "
+            "later calls before the next optimizer step are left out; a step GradScaler "
+            "skipped does not count)"),
+    "fp8": Form(
+        "[RECIPE][:keep=NAME,...]", "the model's Linears train in fp8 (torchao's RECIPE: "
+        "tensorwise, rowwise or rowwise_with_gw_hp; tensorwise when left out), those named kept "
+        "in high precision (keep=from:RUN.h5: those RUN's fp8 trial kept; fp8=from:RUN.h5: its "
+        "recipe too); needs torchao (pip install 'ampdoctor[fp8]')",
+        doc="the model's Linears train in fp8: torchao's `convert_to_float8_training` with the "
+            "recipe's `Float8LinearConfig` (`tensorwise`, the default, `rowwise` or "
+            "`rowwise_with_gw_hp`), applied at the model's first call with grad enabled (a "
+            "copy on the meta device or one called under no_grad is not the model); the "
+            "Linears named after `keep=` (and everything under a name) and those whose sizes "
+            "are not multiples of 16 stay as they are (`keep=from:RUN.h5`: the layers RUN's "
+            "[fp8 trial](fp8.md#which-layers-to-keep-the-fp8-trial) kept under that recipe; "
+            "`fp8=from:RUN.h5`: its recipe too, read once before the command starts); emulated "
+            "(`emulate=True`) where the device has no fp8 matmul, CPU included; off CUDA a "
+            "converted Linear runs with autocast off on fp32 inputs (torchao's backward fails "
+            "under CPU autocast). Needs torchao: `pip install 'ampdoctor[fp8]'`; without it, "
+            "one sentence before the command starts. `/meta` `applied` lists the Linears "
+            "converted and kept, and whether emulated. `ampdoctor compare base.h5 fp8.h5` then "
+            "gives the fp8 run's parity against its baseline"),
 }
 # A number as a person types it: ASCII digits, a point, an exponent. float() and int() also
 # take "nan", "inf", "1_000" and any Unicode digit ("²", "١٢"), none of which is meant here.

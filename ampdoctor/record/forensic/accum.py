@@ -64,11 +64,11 @@ def explain(finding: Culprit, accum: AccumOverflow, n: int, names: dict) -> None
     finding.phase, finding.module = Phase.BACKWARD, owner
     finding.module_type = type(module).__name__ if module is not None else ""
     finding.fp32_absmax = accum.fp32_absmax  # the sum's (no module to re-run in fp32)
-    finding.detail["accum_overflow"] = accum
+    finding.detail.accum_overflow = accum
     finding.summary = (f"each of the {n} micro-batches' gradients is finite, but their sum "
                        f"in {accum.dtype} .grad passes 65504 at micro-batch "
                        f"{accum.micro} ({accum.param}, {accum.fp32_absmax:.3g} in fp32)")
-    finding.detail["how"] = finding.summary
+    finding.detail.how = finding.summary
 
 
 def _micro_param_grads(cap: Capture, params: list) -> list:

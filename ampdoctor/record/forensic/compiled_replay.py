@@ -3,7 +3,7 @@
 A replay runs compiled code eagerly (``compiled.eager``), so a NaN that only the compiled
 model makes (a decomposition, a fusion, a lowering that computes differently) replays finite
 and would read as "did not reproduce". Where the eager replay of a compiled model's step is
-finite (``detail["reproduced"]`` False), ``examine`` runs the step again with its compiled
+finite (``detail.reproduced`` False), ``examine`` runs the step again with its compiled
 regions compiled afresh, up a ladder of backends (``RUNGS``), each adding one layer of
 ``torch.compile``:
 
@@ -16,7 +16,7 @@ The first two run their graphs node by node (``_Probe``): the first node whose o
 non-finite from finite inputs is the op named (its source line, the op it was decomposed
 from). A step non-finite on a rung is reproduced by the compiler; with several regions, each
 is compiled alone on the lowest rung that reproduced, to name the one. The fixes are tried on
-the same step as the proofs' are (``detail["trials"]``): the region run eagerly
+the same step as the proofs' are (``detail.trials``): the region run eagerly
 (``compiler_disable``), a backend that keeps it finite (``compile_backend``).
 
 No observer effect: the user's compiled code and dynamo's caches of it are never used nor
@@ -32,7 +32,7 @@ compiled there too. Event only, and at most ``MAX_REPLAYS`` per run (each compil
 Example (what ``Forensics._run`` does after a finite replay)::
 
     compiled_replay.examine(captures, finding, names)
-    finding.detail["compiled"]["reproduced"]   # True: the compiled step is non-finite
+    finding.detail.compiled["reproduced"]   # True: the compiled step is non-finite
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def _region(m: torch.nn.Module, name: str) -> Optional[Region]:
 def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] = None,
             strict: bool = False) -> bool:
     """A finite replay of a compiled model's failing step, replayed compiled (see the module
-    docstring): ``finding.detail["compiled"]`` and, where it reproduced, its ``trials`` and
+    docstring): ``finding.detail.compiled`` and, where it reproduced, its ``trials`` and
     summary. Returns whether it ran (it counts against ``MAX_REPLAYS``)."""
-    if finding.detail.get("reproduced") is not False:
+    if finding.detail.reproduced is not False:
         return False
     regs = regions(captures, names)
     if not regs:
@@ -119,12 +119,12 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
     out = CompiledReplay(regions=[r.name for r in regs], reproduced=False)
     # The backward at the scale the eager replay was judged at (reproduced.py: 1 where the
     # recorded one overflowed a finite step's gradients, as at GradScaler's first steps).
-    as_eager = replace(AS_RECORDED, scale=finding.detail.get("rerun_scale"))
+    as_eager = replace(AS_RECORDED, scale=finding.detail.rerun_scale)
     try:
         _ladder(captures, names, regs, out, as_eager)
         if out.reproduced:
             _locate(captures, names, regs, out, as_eager)
-            finding.detail["trials"] = _trials(captures, names, regs, out, finding, step,
+            finding.detail.trials = _trials(captures, names, regs, out, finding, step,
                                                as_eager)
             finding.summary = summary(out)
     except Exception as exc:  # noqa: BLE001 - the eager replay's finding stands without it
@@ -132,7 +132,7 @@ def examine(captures: list, finding: Culprit, names: dict, step: Optional[int] =
             raise
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     out.seconds = round(time.perf_counter() - began, 3)
-    finding.detail["compiled"] = out
+    finding.detail.compiled = out
     return True
 
 

@@ -51,11 +51,11 @@ def computed_input(trace: Trace, bad: list) -> Optional[Culprit]:
         f = Culprit(Phase.FORWARD, module=op,
                     module_type="autograd.Function" if function else "op", culprit_slot=slot)
         f.in_absmax = float(trace.rows["absmax"][slot])
-        f.detail["bad_inputs"] = [trace.summary(slot)]
-        f.detail["computed"] = Computed(op=op, function=function, into=trace.root_name,
+        f.detail.bad_inputs = [trace.summary(slot)]
+        f.detail.computed = Computed(op=op, function=function, into=trace.root_name,
                                         label=label, dtype=str(t.dtype)[6:], device=device,
                                         autocast=dtype if enabled else None)
-        f.detail["how"] = (f"{op} ({what}) ran between modules, outside any module, {under}, "
+        f.detail.how = (f"{op} ({what}) ran between modules, outside any module, {under}, "
                            f"and its output, given to {trace.root_name} as {label}, holds "
                            "NaN/inf")
         f.summary = (f"the input given to {trace.root_name} ({label}) was computed in this "

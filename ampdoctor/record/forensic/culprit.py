@@ -55,7 +55,7 @@ def bad_batch(trace: Trace, bad: list) -> Culprit:
     f = Culprit(Phase.INPUT, module=trace.root_name, module_type=type(trace.root).__name__,
                 culprit_slot=first)
     f.in_absmax = float(np.nanmax(trace.rows["absmax"][[s for _, s, _ in bad]]))
-    f.detail["bad_inputs"] = [trace.summary(s) for _, s, _ in bad]
+    f.detail.bad_inputs = [trace.summary(s) for _, s, _ in bad]
     f.summary = (f"the batch given to {trace.root_name} already held NaN/inf "
                  f"({', '.join(labels[:4])}): the data, not the model")
     return f
@@ -64,7 +64,7 @@ def bad_batch(trace: Trace, bad: list) -> Culprit:
 def decide(trace: Trace, soft_inputs: list) -> Culprit:
     if trace.error is not None and not trace.calls:
         failed = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
-        failed.detail["replay_error"] = trace.error
+        failed.detail.replay_error = trace.error
         return failed
     f = _forward_culprit(trace) or _backward_culprit(trace)
     if f is None and soft_inputs and trace.out_level(trace.calls[0]) != CLEAN:
@@ -73,11 +73,11 @@ def decide(trace: Trace, soft_inputs: list) -> Culprit:
         f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {trace.error}")
     if f is None:
         f = _loss_or_nothing(trace)
-    f.detail["chain"] = trace.chain()
+    f.detail.chain = trace.chain()
     if trace.error is not None:
-        f.detail["replay_error"] = trace.error
+        f.detail.replay_error = trace.error
     if trace.backward_note:
-        f.detail["backward_not_replayed"] = trace.backward_note
+        f.detail.backward_not_replayed = trace.backward_note
     return f
 
 
@@ -123,7 +123,7 @@ def _forward_culprit(trace: Trace) -> Optional[Culprit]:
     f = _blame(trace, call, Phase.FORWARD)
     if call.end > call.index + 1 and how.startswith("its output holds NaN"):
         how += " (in its own code: no submodule of it went non-finite from finite inputs)"
-    f.detail["how"] = how
+    f.detail.how = how
     out_slots = [s for _, s in call.outputs if trace.level(s) != CLEAN]
     f.culprit_slot = out_slots[0] if out_slots else None
     return f
@@ -184,7 +184,7 @@ def _backward_culprit(trace: Trace) -> Optional[Culprit]:
         f = _blame(trace, call, Phase.BACKWARD)
         bad = [s for s, _ in sorted(call.grad_in, key=lambda x: x[1]) if trace.bad(s)]
         f.culprit_slot = bad[0]
-        f.detail["how"] = ("its backward made NaN/inf gradients "
+        f.detail.how = ("its backward made NaN/inf gradients "
                            f"({', '.join(sorted({trace.slots[s].label for s in bad})[:4])}) "
                            "from a finite grad_output")
         return f
@@ -193,7 +193,7 @@ def _backward_culprit(trace: Trace) -> Optional[Culprit]:
 
 def _blame(trace: Trace, call: Call, phase: Phase) -> Culprit:
     f = Culprit(phase, call=call, module=call.name, module_type=type(call.module).__name__)
-    f.detail["weights_nonfinite"] = _nonfinite_weights(call)
+    f.detail.weights_nonfinite = _nonfinite_weights(call)
     return f
 
 
@@ -212,7 +212,7 @@ def describe(trace: Trace, f: Culprit) -> None:
     ins, outs = _culprit_slots(f.call, f.phase)
     f.in_absmax = _max_abs(trace.rows, ins)
     f.out_absmax = _max_abs(trace.rows, outs, finite_only=False)
-    f.detail["run"] = Rows(inputs=[trace.summary(s) for s in ins][:16],
+    f.detail.run = Rows(inputs=[trace.summary(s) for s in ins][:16],
                            outputs=[trace.summary(s) for s in outs][:16])
 
 
@@ -241,12 +241,12 @@ def _loss_or_nothing(trace: Trace) -> Culprit:
     if not grads_bad and not loss_bad:
         return Culprit(Phase.NONE, summary="the replay of this micro-batch stayed finite")
     f = Culprit(Phase.LOSS)
-    f.detail["output_grad_nonfinite"] = bool(grads_bad)
-    f.detail["loss_nonfinite"] = loss_bad
+    f.detail.output_grad_nonfinite = bool(grads_bad)
+    f.detail.loss_nonfinite = loss_bad
     if grads_bad:
-        f.detail["output_grad"] = _output_grad_detail(trace, grads_bad)
+        f.detail.output_grad = _output_grad_detail(trace, grads_bad)
     loss_info = _loss_info(cap)
-    f.detail["loss"] = loss_info
+    f.detail.loss = loss_info
     f.in_absmax = _max_abs(trace.rows, [s for _, s in trace.calls[0].outputs]) \
         if trace.calls else math.nan
     dtype = loss_info.dtype

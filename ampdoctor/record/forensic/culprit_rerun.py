@@ -119,7 +119,7 @@ def check_culprit(trace: Trace, f: Culprit) -> None:
         off = (target.autocast[0], False, None, False)
         fp32 = run.measure(module, to_fp32(target.args), to_fp32(target.kwargs), off, fp32=True)
     except Exception as exc:  # noqa: BLE001 - some modules refuse fp32 inputs; say so
-        f.detail["fp32_error"] = f"{type(exc).__name__}: {exc}"
+        f.detail.fp32_error = f"{type(exc).__name__}: {exc}"
         return
     f.fp32_finite, f.fp32_absmax = _finite(run.results), _absmax(run.results)
     if not backward:
@@ -134,7 +134,7 @@ def check_culprit(trace: Trace, f: Culprit) -> None:
         rows.append((Slot(kind, name, index, owner, call.nth, label, call.index), row))
     f.fp32_rows = rows
     into = (Kind.INPUT, Kind.GRAD_OUTPUT)
-    f.detail["fp32"] = Fp32Rerun(
+    f.detail.fp32 = Fp32Rerun(
         inputs=[row_summary(r, s.label) for s, r in rows if s.kind in into][:16],
         outputs=[row_summary(r, s.label) for s, r in rows if s.kind not in into][:16],
         copied_module=module is not call.module)
@@ -149,10 +149,10 @@ def _probe_ops(f: Culprit, module: torch.nn.Module, target: _Target) -> None:
     try:
         op = first_nonfinite_op(module, target.args, target.kwargs, autocast(target.autocast))
     except Exception as exc:  # noqa: BLE001 - the probe only adds detail; it must not fail
-        f.detail["op_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        f.detail.op_error = f"{type(exc).__name__}: {exc}"[:300]
         return
     if op is not None:
-        f.detail["op"] = op
+        f.detail.op = op
 
 
 class _Local:

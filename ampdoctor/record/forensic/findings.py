@@ -112,16 +112,16 @@ def result(step: int, trigger: str, trace: Optional[Trace], f: Culprit, micro: i
     an index into ``captures``); the finding's detail gets its summary."""
     # A micro-batch is a backward call; a step may call the model more than once per one.
     micro = captures[micro].micro if 0 <= micro < len(captures) else 0
-    f.detail["micro_batches"] = max((c.micro for c in captures), default=0) + 1
-    f.detail["model_calls"] = len(captures)
+    f.detail.micro_batches = max((c.micro for c in captures), default=0) + 1
+    f.detail.model_calls = len(captures)
     r = ReplayResult(step=step, micro=micro, trigger=trigger,
                      phase=f.phase.name.lower(), module=f.module or None,
                      module_type=f.module_type or None, fp32_finite=f.fp32_finite,
                      fp32_absmax=f.fp32_absmax, in_absmax=f.in_absmax,
                      out_absmax=f.out_absmax, detail=f.detail,
-                     faithful=not f.detail.get("input_modified", False))
+                     faithful=not f.detail.input_modified)
     r.summary = summary(r, f)
-    f.detail["summary"] = r.summary
+    f.detail.summary = r.summary
     if trace is not None:
         r.trace = [TraceRow(i, s.kind.name.lower(), s.name, s.label,
                             schema.DType(int(row["dtype"])).name.lower(),
@@ -133,14 +133,14 @@ def result(step: int, trigger: str, trace: Optional[Trace], f: Culprit, micro: i
 
 def summary(r: ReplayResult, f: Culprit) -> str:
     """One paragraph for a person: where, what went non-finite, and what fp32 says."""
-    where = f"step {r.step}" + (f", micro-batch {r.micro}" if f.detail.get("micro_batches", 1) > 1
+    where = f"step {r.step}" + (f", micro-batch {r.micro}" if f.detail.micro_batches > 1
                                 else "")
     if f.phase in (Phase.FORWARD, Phase.BACKWARD):
         text = (f"{where}: {f.module} ({f.module_type}) went non-finite in {r.phase}: "
-                f"{f.detail.get('how', '')}.")
-        if f.detail.get("weights_nonfinite"):
+                f"{f.detail.how or ''}.")
+        if f.detail.weights_nonfinite:
             text += (" Its weights already hold NaN/inf "
-                     f"({', '.join(f.detail['weights_nonfinite'][:3])}): poisoned earlier.")
+                     f"({', '.join(f.detail.weights_nonfinite[:3])}): poisoned earlier.")
         if f.fp32_finite is True:
             what = "output" if f.phase == Phase.FORWARD else "backward"
             text += (f" Re-run alone in fp32 its {what} is finite (abs max "
@@ -148,7 +148,7 @@ def summary(r: ReplayResult, f: Culprit) -> str:
         elif f.fp32_finite is False:
             text += (" It is non-finite in fp32 too: the values themselves are too large "
                      "(weights grown by the learning rate, or the data).")
-        elif "fp32_error" in f.detail:
-            text += f" The fp32 re-run could not be done ({f.detail['fp32_error']})."
+        elif f.detail.fp32_error is not None:
+            text += f" The fp32 re-run could not be done ({f.detail.fp32_error})."
         return text
     return f"{where}: {f.summary}."

@@ -36,7 +36,7 @@ fp32) and say whether it comes out finite.
 
 **The fixes, tried on the step.** Once a replay located the failure, the fixes one step can
 test are tried on it (``proofs.Prover``: a few re-runs, once per culprit, at most
-``proofs.MAX_PROVED`` per run) and their outcomes go into the snapshot (``detail["trials"]``).
+``proofs.MAX_PROVED`` per run) and their outcomes go into the snapshot (``detail.trials``).
 Where the loss's backward failed, whether it is singular in fp32 too is checked
 (``singular``): a torch loss function at once, a loss written by hand on the next event
 within ``singular.WATCH_STEPS`` steps, its singular op's input held from the loss's graph
@@ -213,7 +213,7 @@ class Forensics:
         self.lrrange.after_replay(step.index, captures, finding, scale, why,
                                   getattr(step, "loss_nonfinite", None))
         if dropped:
-            finding.detail["model_calls_dropped"] = dropped
+            finding.detail.model_calls_dropped = dropped
         result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
         self._note_history(result, step)
         ev.replayed, ev.result = True, result
@@ -248,7 +248,7 @@ class Forensics:
             trace, finding = replay.check_batch(cap, names, root_name(names, cap.root))
             if finding is None:
                 continue
-            finding.detail["replay"] = f"off: {unsafe} runs collectives in its forward"
+            finding.detail.replay = f"off: {unsafe} runs collectives in its forward"
             result = findings.result(step.index, ev.trigger, trace, finding, micro, captures)
             self._note_history(result, step)
             ev.replayed, ev.result = True, result
@@ -276,7 +276,7 @@ class Forensics:
         result = findings.result(step, trigger, trace, finding, micro, captures)
         result.faithful = result.faithful and \
             kept.versions == _param_versions(self._roots(captures))
-        result.detail["weights"] = "as at the event" if result.faithful else \
+        result.detail.weights = "as at the event" if result.faithful else \
             "current: the optimizer has stepped since the event"
         if not result.faithful:
             result.summary += (" (Replayed against the current weights: the optimizer has "
@@ -321,7 +321,7 @@ class Forensics:
                         captures, finding, self.watched.names, step, self.strict):
                     self.recompiled += 1
             if isolation.hooks_set_aside or isolation.hooks_not_installed:
-                finding.detail["isolation"] = replace(isolation)
+                finding.detail.isolation = replace(isolation)
             return trace, finding, micro
         except Exception as exc:  # noqa: BLE001 - a replay must never stop the training run
             if self.strict:
@@ -329,7 +329,7 @@ class Forensics:
             self.journal.warn_once("replay", f"forensic replay failed ({type(exc).__name__}: "
                                           f"{exc}); recording goes on")
             f = Culprit(Phase.UNKNOWN, summary=f"the replay failed: {type(exc).__name__}: {exc}")
-            f.detail["replay_error"] = f"{type(exc).__name__}: {exc}"
+            f.detail.replay_error = f"{type(exc).__name__}: {exc}"
             return None, f, -1
         finally:
             self.replaying = False
@@ -399,7 +399,7 @@ class Forensics:
             rows.append((step.index, _max_lr(self.watched.optimizers),
                          device_values(step, self.log.constants)))
         values = columns(fetch([v for _, _, v in rows]))
-        result.detail["history"] = History(
+        result.detail.history = History(
             step=[int(s) for s, _, _ in rows], loss=values["loss_mean"].tolist(),
             scale=values["scale"].tolist(), found_inf=values["found_inf"].tolist(),
             grad_norm=values["grad_norm"].tolist(), lr=[float(x) for _, x, _ in rows])

@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from ...runfile.payloads import Fp8Recipe, Fp8Trial
+from ...runfile.payloads import Fp8Effect, Fp8Own, Fp8OwnLayer, Fp8Recipe, Fp8Trial
 from ...runfile.schema import Kind, Recipe
 from ..fp8 import matmul_weight
 from ..fp8layers import describe, is_float8
@@ -229,47 +230,49 @@ class _Run:
             self.out.stopped = (f"the budget of {self.owner.budget:g} s was spent after "
                                    f"{self.runs} re-runs")
 
-    def own(self, own: dict) -> dict:
+    def own(self, own: dict) -> Fp8Own:
         """A run already in fp8, the other way round: the high-precision re-run (every fp8
         layer as the Linear it was) is the reference; against it, the step as recorded
         (``as_recorded``: what fp8 does to this step's gradient), then each fp8 layer alone
-        kept in high precision (``layers[NAME]["high_precision"]``: what is left with it
-        kept) and, for a layer cast per tensor, alone in row-wise scaling (``"rowwise"``)."""
+        kept in high precision (``layers[NAME].high_precision``: what is left with it
+        kept) and, for a layer cast per tensor, alone in row-wise scaling (``rowwise``)."""
         loss, grads, note = self.rerun([], Recipe.TENSOR, high=list(own.values()))
         if not grads or not _finite(loss, grads):
-            return {"note": note or "the step re-run in high precision was not finite"}
+            return Fp8Own(note=note or "the step re-run in high precision was not finite")
         ref_loss, ref = self.reference
         self.linear_high = high = self.linear
         as_recorded = measured(ref_loss, ref, loss, grads, self.pnames)
         if high is not None and self.recorded_linear is not None:
-            as_recorded["output_term"] = self.recorded_linear - high
-        out: dict = {"loss": loss, "as_recorded": as_recorded, "layers": {},
-                     "thresholds": {"grad_error": GRAD_ERROR, "loss_change": LOSS_CHANGE}}
+            as_recorded = replace(as_recorded, output_term=self.recorded_linear - high)
+        layers: dict[str, Fp8OwnLayer] = {}
+        out = Fp8Own(loss=loss, as_recorded=as_recorded, layers=layers,
+                     thresholds={"grad_error": GRAD_ERROR, "loss_change": LOSS_CHANGE})
         for name, module in own.items():
             if self.spent(reserve=len(RECIPES)):
-                out.setdefault("untried", []).append(name)
+                out.untried = (out.untried or []) + [name]
                 continue
             rest = [m for n, m in own.items() if n != name]
-            tried = {"high_precision": self.against(loss, grads, [], rest)}
-            if (describe(module) or {}).get("recipe") == "tensorwise":
-                tried["rowwise"] = self.against(loss, grads, [module], rest, Recipe.ROWWISE)
-            out["layers"][name] = tried
+            rowwise = (describe(module) or {}).get("recipe") == "tensorwise"
+            layers[name] = Fp8OwnLayer(
+                high_precision=self.against(loss, grads, [], rest),
+                rowwise=self.against(loss, grads, [module], rest, Recipe.ROWWISE)
+                if rowwise else None)
         return out
 
     def against(self, loss: Optional[float], grads: list, cast: list, high: list,
-                recipe: Recipe = Recipe.TENSOR) -> dict:
+                recipe: Recipe = Recipe.TENSOR) -> Fp8Effect:
         """A re-run (``cast`` in emulated fp8 under ``recipe``, ``high`` in high precision,
         the rest as recorded) measured against the high-precision one."""
         got_loss, got, note = self.rerun(cast, recipe, high=high)
         effect = measured(got_loss, got, loss, grads, self.pnames, note)
         if self.linear is not None and self.linear_high is not None:
-            effect["output_term"] = self.linear - self.linear_high
+            effect = replace(effect, output_term=self.linear - self.linear_high)
         return effect
 
     def decide(self, recipe: Fp8Recipe, which: Recipe, everything: list) -> None:
         tried = recipe.layers
         keep = [n for n, e in tried.items() if over(e)]
-        recipe.keep = sorted(keep, key=lambda n: -_num(tried[n]["grad_error"]))
+        recipe.keep = sorted(keep, key=lambda n: -_num(tried[n].grad_error))
         rest = [n for n in everything if n not in keep]
         if keep and rest:
             recipe.all_but_keep = self.effect(rest, which)
@@ -285,7 +288,7 @@ class _Run:
     def ranked(self, names: list, recipe: Recipe) -> list:
         return sorted(names, key=lambda n: self.owner.risk(n, self.layers[n], recipe))
 
-    def effect(self, names: list, recipe: Recipe) -> dict:
+    def effect(self, names: list, recipe: Recipe) -> Fp8Effect:
         loss, grads, note = self.rerun([self.layers[n] for n in names], recipe)
         ref_loss, ref = self.reference
         return measured(loss, grads, ref_loss, ref, self.pnames, note)
@@ -324,12 +327,12 @@ class _Run:
 
 
 def measured(loss: Optional[float], grads: list, ref_loss: Optional[float], ref: list,
-             names: list, note: str = "") -> dict:
+             names: list, note: str = "") -> Fp8Effect:
     """The effect of one re-run against the reference: the loss, its relative change, the
     gradient's relative error and cosine over every parameter, the parameter that moved most
     (one read of the device per re-run)."""
     if not grads:
-        return {"loss": loss, "note": note or "no gradient"}
+        return Fp8Effect(loss=loss, note=note or "no gradient")
     parts = torch.stack([torch.stack([(g - r).square().sum(), r.square().sum(), (g * r).sum(),
                                       g.square().sum()]) for g, r in zip(grads, ref)])
     d, b, dot, gg = parts.double().cpu().numpy().T
@@ -341,23 +344,24 @@ def measured(loss: Optional[float], grads: list, ref_loss: Optional[float], ref:
     change = None
     if loss is not None and ref_loss is not None:
         change = (loss - ref_loss) / abs(ref_loss) if ref_loss else loss - ref_loss
-    return {"loss": loss, "loss_change": change,
-            "grad_error": error if math.isfinite(error) else "inf",
-            "grad_cosine": float(cosine) if math.isfinite(cosine) else "nan",
-            "worst_param": names[worst], "worst_param_error": _json(each[worst])}
+    # (written as text where not finite: a NaN error as "inf", a non-finite cosine as "nan")
+    return Fp8Effect(loss=loss, loss_change=change,
+                     grad_error=error if math.isfinite(error) else math.inf,
+                     grad_cosine=float(cosine) if math.isfinite(cosine) else math.nan,
+                     worst_param=names[worst], worst_param_error=float(each[worst]))
 
 
-def over(effect: dict) -> bool:
+def over(effect: Fp8Effect) -> bool:
     """Does this effect pass a threshold (a non-finite one always does)?"""
-    change = effect.get("loss_change")
-    return _num(effect.get("grad_error", 0.0)) > GRAD_ERROR or \
+    change = effect.loss_change
+    return _num(effect.grad_error if effect.grad_error is not None else 0.0) > GRAD_ERROR or \
         (change is not None and not abs(_num(change)) <= LOSS_CHANGE)
 
 
 def suits(recipes: dict[str, Fp8Recipe]) -> str:
     """The recipe whose all-but-kept re-run is within both thresholds with the fewest layers
     kept, then the smallest gradient error (``RECIPES``' order breaks ties); "" where none is."""
-    ok = [(len(r.keep or []), _num(r.all_but_keep.get("grad_error", math.inf)), i, name)
+    ok = [(len(r.keep or []), _num(_or(r.all_but_keep.grad_error, math.inf)), i, name)
           for i, (name, r) in enumerate(recipes.items())
           if r.all_but_keep is not None and not over(r.all_but_keep) and not r.untried]
     return min(ok)[3] if ok else ""
@@ -376,8 +380,8 @@ def _num(value: Any) -> float:
         return math.inf
 
 
-def _json(value: float) -> Any:
-    return float(value) if math.isfinite(value) else str(value)
+def _or(value: Optional[float], default: float) -> float:
+    return value if value is not None else default
 
 
 def _nbytes(value: Any) -> int:

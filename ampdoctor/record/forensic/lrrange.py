@@ -18,7 +18,7 @@ the first by a margin), then the half-decade above it (the highest that trains, 
 and, where that one does not, the half-decade below it: the rung below the highest that trains
 is the margin the diagnosis prescribes. A rung ends at its first non-finite loss or gradient;
 the ladder ends at ``SECONDS``. Each rung's losses (the loss at the kept state first, then
-after each step) go into the snapshot (``detail["lr_range"]``), in the order they ran; the
+after each step) go into the snapshot (``detail.lr_range``), in the order they ran; the
 diagnosis's ``lrrange.py`` picks the LR.
 
 **On a divergence with no non-finite value.** A run whose loss blows up without ever going
@@ -50,7 +50,7 @@ cannot be recomputed: then no trial, and the snapshot says why.
 Example (what ``Forensics`` does after the replay of the failing step)::
 
     forensics.lrrange.after_replay(step, captures, finding, scale, why, loss_nonfinite)
-    finding.detail["lr_range"]
+    finding.detail.lr_range
     # {'state': 'start', 'steps': 12, 'rungs': [{'factor': 1.0, 'lr': 0.5,
     #  'losses': [2.79, 2.75, ..., 'nan'], 'finite': False}, {'factor': 0.1, ...}], ...}
 """
@@ -171,7 +171,7 @@ class RangeTest:
         and whose batch is not the cause."""
         failed = loss_nonfinite is True or why in (Event.NONFINITE_LOSS, Event.NONFINITE_GRAD)
         if self.done or not failed or finding.phase == Phase.INPUT or not captures or \
-                finding.detail.stale_grads or finding.detail.get("input_modified"):
+                finding.detail.stale_grads or finding.detail.input_modified:
             return
         optimizer = self._optimizer()
         if optimizer is not None and not any(x != 0 for x in lrfactors.ran_with(optimizer)):
@@ -185,7 +185,7 @@ class RangeTest:
                 raise
             result = LrRange(note=f"the trial failed: {type(exc).__name__}: {exc}"[:300])
         result.seconds = round(time.perf_counter() - began, 4)
-        finding.detail["lr_range"] = result
+        finding.detail.lr_range = result
 
     def run(self, step: int, captures: list, scale: Optional[float]) -> LrRange:
         """The ladder from the kept state on ``captures`` (see the module docstring)."""

@@ -3,7 +3,7 @@
 Once a replay has located a failure (a module's forward or backward, or the loss), the fixes
 that one step can test are applied to the step's micro-batches and it is re-run
 (``trial.rerun_step``, with a replay's guarantees): the outcome of each, by fix id, goes
-into the snapshot's detail (``detail["trials"]``) for the diagnosis to rank the fixes by.
+into the snapshot's detail (``detail.trials``) for the diagnosis to rank the fixes by.
 
 ========================= ===================================================================
 fix id                    trial
@@ -27,7 +27,7 @@ trials are not run and say why (``singular.py`` measures what can be measured th
 that is not run is ``{"tried": False, "note": why}``.
 
 Where the loss's backward failed, ``Prover`` also checks whether it is singular in fp32 too
-(``singular.py``): a torch loss function at once (``detail["loss_singular_fp32"]``), a loss
+(``singular.py``): a torch loss function at once (``detail.loss_singular_fp32``), a loss
 written by hand on the next event of the ``singular.Watch`` it arms, as an
 ``Event.LOSS_SINGULAR`` row.
 
@@ -40,7 +40,7 @@ finding as it was (``trials_error``); the run goes on.
 Example (what ``Forensics`` does after a replay located the failure)::
 
     forensics.prover.after_replay(12, captures, finding, micro, scale)
-    finding.detail["trials"]
+    finding.detail.trials
     # {'fp32_island': {'tried': True, 'finite': True, 'loss': 2.31, ...},
     #  'use_bf16': {'tried': True, 'finite': False, 'first': 'backward', ...}}
 """
@@ -81,36 +81,36 @@ class Prover:
     def after_replay(self, step: int, captures: list, finding: Culprit, micro: int,
                      scale: Optional[float]) -> None:
         """The replay located ``finding`` at ``step``: its fixes tried on the step into
-        ``finding.detail["trials"]`` (``prove``); where the loss's backward failed, the fp32
+        ``finding.detail.trials`` (``prove``); where the loss's backward failed, the fp32
         check of a torch loss, or the watch armed for a hand-written one."""
         f, fz = finding, self.forensics
         key = (f.phase, f.module) if f.phase != Phase.LOSS else (step,)
         if not 0 <= micro < len(captures) or f.phase not in (
                 Phase.FORWARD, Phase.BACKWARD, Phase.LOSS) or key in self.proved or \
-                len(self.proved) >= MAX_PROVED or f.detail.get("accum_overflow") or \
-                f.detail.get("input_modified"):
+                len(self.proved) >= MAX_PROVED or f.detail.accum_overflow or \
+                f.detail.input_modified:
             return
         self.proved.add(key)
         began = time.perf_counter()
         try:
-            f.detail["trials"] = prove(fz, captures, f, micro, scale, step)
+            f.detail.trials = prove(fz, captures, f, micro, scale, step)
             cap = captures[micro]
             if handwritten_backward(cap, f):
                 self.watch = singular.Watch(step, step + singular.WATCH_STEPS)
             elif handwritten_nonfinite(cap, f):
                 self.watch = singular.Watch(step, step + singular.WATCH_STEPS,
                                             singular.DIVISIONS)
-            elif f.phase == Phase.LOSS and f.detail.get("output_grad_nonfinite"):
+            elif f.phase == Phase.LOSS and f.detail.output_grad_nonfinite:
                 with fz.guarded(captures):
                     found = singular.torch_loss(cap, forward(cap, AS_RECORDED,
                                                              fz.watched.names))
                 if found is not None:
-                    f.detail["loss_singular_fp32"] = found
+                    f.detail.loss_singular_fp32 = found
         except Exception as exc:  # noqa: BLE001 - the replay's finding stands without them
             if fz.strict:
                 raise
-            f.detail["trials_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        f.detail["trials_seconds"] = round(time.perf_counter() - began, 4)
+            f.detail.trials_error = f"{type(exc).__name__}: {exc}"[:300]
+        f.detail.trials_seconds = round(time.perf_counter() - began, 4)
 
     def watching(self, st: Any) -> bool:
         """Is step ``st`` (the recorder's current step) one whose loss's graph is walked?"""
@@ -166,7 +166,7 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
         "the weights are half (made so by the code): bf16 autocast would run on them as they "
         "are, which is not the fix")
     out: dict[str, Any] = {}
-    if f.detail.get("computed"):  # (computed.py) made by the code between two model calls
+    if f.detail.computed:  # (computed.py) made by the code between two model calls
         why = ("the op ran between two calls of the model, outside any module: a trial re-runs "
                "the calls on the inputs they were given, not the code between them")
         return {"fp32_island": why, **({"use_bf16": why} if fp16 else {})}
@@ -183,7 +183,7 @@ def plans(captures: list, f: Culprit, micro: int, names: dict) -> dict[str, Any]
     elif f.phase == Phase.LOSS:
         recomputed = bool(cap.loss_calls)
         out["loss_in_fp32"] = LOSS_FP32 if recomputed else HANDWRITTEN
-        if f.detail.get("output_grad_nonfinite") and not f.detail.get("loss_nonfinite"):
+        if f.detail.output_grad_nonfinite and not f.detail.loss_nonfinite:
             out["loss_on_logits"] = Trial("loss_on_logits", autocast="off", loss_fp32=True) \
                 if recomputed else HANDWRITTEN
         if fp16:
@@ -244,15 +244,15 @@ def _one_of_a_chain(captures: list, root: torch.nn.Module) -> bool:
 def handwritten_backward(cap: Capture, f: Culprit) -> bool:
     """The loss's backward is what failed, and the loss is written by hand: what
     ``singular.Watch`` is armed for."""
-    return f.phase == Phase.LOSS and bool(f.detail.get("output_grad_nonfinite")) and \
-        not f.detail.get("loss_nonfinite") and not cap.loss_calls
+    return f.phase == Phase.LOSS and bool(f.detail.output_grad_nonfinite) and \
+        not f.detail.loss_nonfinite and not cap.loss_calls
 
 
 def handwritten_nonfinite(cap: Capture, f: Culprit) -> bool:
     """The loss itself is non-finite on finite outputs, and written by hand: the watch is
     armed with its divisions (``singular.DIVISIONS``), whose denominators say whether it was
     a count of zero (0/0 in any precision)."""
-    return f.phase == Phase.LOSS and bool(f.detail.get("loss_nonfinite")) and \
+    return f.phase == Phase.LOSS and bool(f.detail.loss_nonfinite) and \
         not cap.loss_calls
 
 

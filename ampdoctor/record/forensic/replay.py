@@ -120,11 +120,11 @@ def search(captures: list, ctx: ReplayContext, scale: Optional[float], stale_che
         trace, finding = explain(cap, ctx, root_name(names, cap.root))
         modified = versions((cap.args, cap.kwargs)) != cap.versions
         if modified:
-            finding.detail["input_modified"] = True
+            finding.detail.input_modified = True
         elif finding.phase == Phase.LOSS:
             _examine(cap, trace, finding, ctx)
         if forward_only:
-            finding.detail["micro_batches_forward_only"] = list(forward_only)
+            finding.detail.micro_batches_forward_only = list(forward_only)
         if finding.phase == Phase.LOSS and feeds(cap, captures[micro + 1:]):
             # The gradient at this model's output came through a model called after it
             # (a generator's, through its discriminator): replay that one before blaming
@@ -133,11 +133,11 @@ def search(captures: list, ctx: ReplayContext, scale: Optional[float], stale_che
             continue
         if finding.phase not in (Phase.NONE, Phase.UNKNOWN):
             if through is not None and finding.phase != Phase.LOSS:
-                finding.detail["fed_by"] = root_name(names, captures[through[2]].root)
+                finding.detail.fed_by = root_name(names, captures[through[2]].root)
             return trace, finding, micro
         if through is not None:
             continue
-        if finding.detail.get("reproduced") is False and unreproduced is None:
+        if finding.detail.reproduced is False and unreproduced is None:
             unreproduced = (trace, finding, micro)
         if cap.grads_dropped:
             forward_only.append(micro)
@@ -164,17 +164,17 @@ def _none_located(last: tuple, captures: list, ctx: ReplayContext, stale_check: 
         explain_accumulation(finding, accum, len(captures), names)
         return trace, finding, accum.micro
     if stale and earlier:
-        finding.detail["stale_grads"] = stale
+        finding.detail.stale_grads = stale
         finding.summary = (f"every micro-batch replays finite, yet .grad already holds "
                            f"NaN/inf ({', '.join(stale[:3])}): left over from an earlier "
                            "step whose gradients were not zeroed (zero_grad skipped)")
-    elif finding.phase == Phase.NONE and finding.detail.get("input_modified"):
+    elif finding.phase == Phase.NONE and finding.detail.input_modified:
         finding.summary = ("the replay of every micro-batch stayed finite, but the batch "
                            "was changed in place after the step: the replay is not "
                            "faithful")
     elif finding.phase == Phase.NONE:
-        finding.detail["recorded"] = reproduced.recorded(captures[micro])
-        reproduced.not_reproduced(finding, finding.detail["recorded"], None)
+        finding.detail.recorded = reproduced.recorded(captures[micro])
+        reproduced.not_reproduced(finding, finding.detail.recorded, None)
     return trace, finding, micro
 
 def _examine(cap: Capture, trace: Trace, finding: Culprit, ctx: ReplayContext) -> None:
@@ -185,7 +185,7 @@ def _examine(cap: Capture, trace: Trace, finding: Culprit, ctx: ReplayContext) -
     except Exception as exc:  # noqa: BLE001 - the replay's finding stands without it
         if ctx.strict:
             raise
-        finding.detail["rerun_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finding.detail.rerun_error = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def _stale_grads(watched: Watched) -> list[str]:

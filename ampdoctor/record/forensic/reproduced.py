@@ -26,7 +26,7 @@ Example (what ``replay.search`` does with a micro-batch's finding)::
 
     if finding.phase == Phase.LOSS:
         reproduced.examine(cap, trace, finding, names)
-    finding.detail["reproduced"]     # False: the machine, not the numbers
+    finding.detail.reproduced     # False: the machine, not the numbers
 """
 
 from __future__ import annotations
@@ -67,22 +67,22 @@ def _any_bad(tensors: list) -> Optional[bool]:
 def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
     """A loss-phase finding checked against a re-run of the micro-batch (see the module
     docstring): its phase, summary and detail updated in place."""
-    seen = f.detail["recorded"] = recorded(cap)
+    seen = f.detail.recorded = recorded(cap)
     again = trial.rerun(cap, trial.AS_RECORDED, names) if cap.loss_calls else None
     if again is not None:
-        f.detail["rerun"] = replace(again)
+        f.detail.rerun = replace(again)
     if again is None or again.loss_finite is None:
-        f.detail["loss_recomputed"] = False
-        f.detail["loss_not_recomputed"] = again.note if again is not None else NO_LOSS_CALL
+        f.detail.loss_recomputed = False
+        f.detail.loss_not_recomputed = again.note if again is not None else NO_LOSS_CALL
         if seen.output_nonfinite and _finite(trace.outputs):
             not_reproduced(f, seen, None)
         return
-    f.detail["loss_recomputed"] = True
+    f.detail.loss_recomputed = True
     held_bad = [c.name for c in cap.loss_calls if _input_held_bad(c)]
     if again.loss_finite is False and held_bad:
         # The loss was given a non-finite input that is not the model's output as the replay
         # knows it (made by code after the model): whether it reproduces cannot be told.
-        f.detail["loss_input_nonfinite"] = held_bad
+        f.detail.loss_input_nonfinite = held_bad
         f.summary = (f"the input given to {', '.join(held_bad)} already held NaN/inf in the "
                      "real step; it was not the model's output but made from it by code the "
                      "replay does not run, and the replayed model output is finite")
@@ -92,13 +92,13 @@ def examine(cap: Capture, trace: Trace, f: Culprit, names: dict) -> None:
         low = again if again.finite else None if _after_the_loss_calls(cap, seen) else \
             _at_scale_one(cap, names, again)
         if low is None:
-            f.detail["reproduced"] = True
+            f.detail.reproduced = True
             return
         if low is not again:
-            f.detail["rerun"], f.detail["rerun_scale"] = replace(low), 1.0
+            f.detail.rerun, f.detail.rerun_scale = replace(low), 1.0
         not_reproduced(f, seen, low)
     else:
-        f.detail["reproduced"] = True
+        f.detail.reproduced = True
 
 
 def _after_the_loss_calls(cap: Capture, seen: Recorded) -> bool:
@@ -128,7 +128,7 @@ def not_reproduced(f: Culprit, seen: Recorded, again: Optional[trial.Outcome]) -
     f.phase = Phase.NONE
     f.module, f.module_type, f.call = "", "", None
     f.fp32_finite = None
-    f.detail["reproduced"] = False
+    f.detail.reproduced = False
     what = []
     if seen.loss_nonfinite:
         what.append("its loss was non-finite")
@@ -142,8 +142,8 @@ def not_reproduced(f: Culprit, seen: Recorded, again: Optional[trial.Outcome]) -
     if again is not None and again.loss is not None:
         replay += (f", the loss recomputed by {', '.join(again.loss_fns)} is {fmt(again.loss)}"
                    f" and every gradient is {'zero' if again.grads == 'zero' else 'finite'}")
-        if f.detail.get("rerun_scale") is not None:
-            replay += (f" at loss scale {fmt(f.detail['rerun_scale'])} (at the recorded one a "
+        if f.detail.rerun_scale is not None:
+            replay += (f" at loss scale {fmt(f.detail.rerun_scale)} (at the recorded one a "
                        "finite step's gradients overflow too, and GradScaler lowers it)")
     f.summary = (f"the real step was non-finite ({'; '.join(what)}), but its replay on the "
                  f"same batch, weights and RNG is finite ({replay}): it did not reproduce (a "
@@ -155,11 +155,11 @@ def _loss_again(cap: Capture, trace: Trace, f: Culprit, names: dict,
     """The recomputed loss is non-finite again: is it the precision (fp32 re-run) or not (the
     targets, the loss's formula)?"""
     fp32 = trial.rerun(cap, trial.LOSS_FP32, names)
-    f.detail["loss_fp32"] = replace(fp32)
+    f.detail.loss_fp32 = replace(fp32)
     found = [t for t in (_targets(call, trace.outputs) for call in cap.loss_calls)
              if t is not None]
-    f.detail["targets"] = found
-    f.detail["reproduced"] = True
+    f.detail.targets = found
+    f.detail.reproduced = True
     f.phase = Phase.LOSS
     f.fp32_finite = fp32.loss_finite
     problem = next((t.problem for t in found if t.problem), None)

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ...runfile import schema, store
-from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Event, Source
 from .. import sharding
 from .culprit import Culprit
@@ -58,8 +57,8 @@ def write(w: store.Writer, tensor_id: TensorId, step: int, why: Event, r: Replay
         if f.culprit_slot is not None:
             row["culprit"] = ids[f.culprit_slot]
     items = array_items(cap, f) if cap is not None else []
-    f.detail["arrays"] = _write_arrays(w, sid, items)
-    row["detail_off"], row["detail_len"] = w.text(SnapshotDetail(f.detail).to_json())
+    f.detail.arrays = _write_arrays(w, sid, items)
+    row["detail_off"], row["detail_len"] = w.text(f.detail.to_text())
     w.append("snapshots", row)
     return sid
 

@@ -165,13 +165,13 @@ def test_regions_are_the_outermost_compiled_modules_of_each_kind():
 def test_no_compiled_replay_where_the_eager_replay_reproduced_or_nothing_is_compiled():
     net = Net()
     f = Culprit(Phase.NONE)
-    f.detail["reproduced"] = False
+    f.detail.reproduced = False
     assert compiled_replay.examine([_Cap(net)], f, {}) is False  # nothing compiled
-    assert "compiled" not in f.detail
+    assert f.detail.compiled is None
     g = Culprit(Phase.FORWARD)
-    g.detail["reproduced"] = True
+    g.detail.reproduced = True
     assert compiled_replay.examine([_Cap(torch.compile(net))], g, {}) is False
-    assert "compiled" not in g.detail
+    assert g.detail.compiled is None
 
 
 def test_the_compiled_replay_runs_the_backward_at_the_scale_the_eager_replay_was_judged_at(
@@ -189,12 +189,12 @@ def test_the_compiled_replay_runs_the_backward_at_the_scale_the_eager_replay_was
 
     monkeypatch.setattr(compiled_replay, "_run", run)
     f = Culprit(Phase.NONE)
-    f.detail["reproduced"], f.detail["rerun_scale"] = False, 1.0
+    f.detail.reproduced, f.detail.rerun_scale = False, 1.0
     assert compiled_replay.examine([_Cap(torch.compile(Net()), 65536.0)], f, {}, step=0)
-    got = f.detail["compiled"]
+    got = f.detail.compiled
     assert got.reproduced is True and got.backend == "inductor"
     assert scales == [1.0, 1.0, 1.0]
-    for trial in f.detail["trials"].values():
+    for trial in f.detail.trials.values():
         assert (trial.at_scale, trial.recorded_scale) == (1.0, 65536.0)
 
 

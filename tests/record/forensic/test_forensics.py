@@ -155,7 +155,7 @@ def test_attention_without_scaling_is_a_forward_culprit_fixed_by_fp32(run_path, 
     assert math.isfinite(r.fp32_absmax) and r.fp32_absmax > 0
     assert "own code" in r.summary and "fp32 island" in r.summary
     # Execution order of what went non-finite: the culprit, then whatever consumed it.
-    assert r.detail["chain"] == ["AttnNet", "attn", "attn.proj", "head"]
+    assert r.detail.chain == ["AttnNet", "attn", "attn.proj", "head"]
     qkv = [t for t in r.trace if t.module == "attn.qkv" and t.kind == "output"]
     assert qkv and not qkv[0].nonfinite
     run, snap, detail = first_snapshot(run_path)
@@ -210,7 +210,7 @@ def test_nonfinite_input_is_a_bad_batch(run_path, dtype, use_scaler):
         assert [e.step for e in rec.events] == [2, 3]
         poisoned = rec.events[1].result
         assert (poisoned.phase, poisoned.module) == ("forward", "body.0")
-        assert poisoned.detail["weights_nonfinite"] == ["weight", "bias"]
+        assert poisoned.detail.weights_nonfinite == ["weight", "bias"]
         assert "poisoned" in poisoned.summary and poisoned.fp32 == "non-finite"
 
 
@@ -269,7 +269,7 @@ def test_loss_backward_singularity_is_replayed_after_the_calibration_skip(run_pa
         train(model, batches(13), scaler=sc, loss_fn=loss_fn)
     assert [e.step for e in rec.events if e.replayed] == [0, 9]
     detail = [e for e in rec.events if e.step == 9][0].result.detail
-    assert detail["output_grad_nonfinite"] and not detail["loss_nonfinite"]
+    assert detail.output_grad_nonfinite and not detail.loss_nonfinite
     assert detail.output_grad.nonfinite == 8 and detail.output_grad.numel == 8
     assert detail.output_grad.output_values == [1.0]
     d = ampdoctor.diagnose(run_path)
@@ -288,7 +288,7 @@ def test_loss_value_overflowing_fp16_without_scaler_is_the_loss(run_path):
         train(model, batches(2), loss_fn=fp16_loss)
     ev = rec.events[0]
     assert (ev.step, ev.trigger, ev.phase, ev.fp32) == (0, "nonfinite_loss", "loss", "not run")
-    assert ev.result.detail["loss_nonfinite"] is True
+    assert ev.result.detail.loss_nonfinite is True
     assert "loss computation" in ev.result.summary
 
 
@@ -304,7 +304,7 @@ def test_clamp_rounding_to_one_is_a_backward_culprit(run_path, use_scaler):
     assert (ev.phase, ev.module, ev.fp32) == ("backward", "comp", "finite")
     r = ev.result
     assert r.module_type == "Complement" and math.isfinite(r.fp32_absmax)
-    assert "args.0" in r.detail["how"]
+    assert "args.0" in r.detail.how
     run, snap, detail = first_snapshot(run_path)
     assert snap["phase"] == Phase.BACKWARD and snap["fp32_finite"] == 1
     culprit = run.tensors[run.tensors["id"] == snap["culprit"]][0]
@@ -329,7 +329,7 @@ def test_minus_inf_overflow_is_traced_to_its_producer(run_path):
     ev = rec.events[0]
     # lin makes -inf only; LayerNorm turns it into NaN. The producer is named.
     assert (ev.phase, ev.module, ev.fp32) == ("forward", "lin", "finite")
-    assert "ln turned into NaN" in ev.result.detail["how"]
+    assert "ln turned into NaN" in ev.result.detail.how
 
 
 class ResidualBlock(nn.Module):
@@ -368,7 +368,7 @@ def test_minus_inf_made_by_a_parents_own_code_is_traced_to_the_parent(run_path):
         train(model, batches(2), scaler=sc)
     ev = rec.events[0]
     assert (ev.phase, ev.module, ev.fp32) == ("forward", "block", "finite")
-    assert "its own code" in ev.result.detail["how"] and "block.ln2" in ev.result.detail["how"]
+    assert "its own code" in ev.result.detail.how and "block.ln2" in ev.result.detail.how
     op = ev.result.detail.op
     assert op.op == "add" and op.created == ["neginf"] and op.mask_operand is False
     d = ampdoctor.diagnose(run_path)
@@ -421,7 +421,7 @@ def test_gradient_accumulation_names_the_failing_micro_batch(run_path):
     ev = rec.events[0]
     assert (ev.step, ev.result.micro) == (1, 1)
     assert (ev.phase, ev.module) == ("forward", "body.1")
-    assert ev.result.detail["micro_batches"] == 3
+    assert ev.result.detail.micro_batches == 3
     assert "micro-batch 1" in ev.result.summary
     run, snap, _ = first_snapshot(run_path)
     assert snap["micro"] == 1
@@ -440,7 +440,7 @@ def test_gradients_left_non_finite_by_a_skipped_zero_grad_are_named(run_path):
     assert first.phase == "input"
     assert second.replayed and second.phase == "none"
     assert "zero_grad" in second.result.summary
-    assert "head.weight" in second.result.detail["stale_grads"]
+    assert "head.weight" in second.result.detail.stale_grads
     assert not rec.events[2].replayed  # 3rd event of the episode: rate-limited
     run = ampdoctor.load(run_path)  # stale, and said so as an event (issue 16)
     assert list(run.events["step"][run.events["kind"] == Event.GRAD_NOT_ZEROED]) == [2]
@@ -464,7 +464,7 @@ def test_finite_micro_batches_overflowing_an_fp16_grad_are_an_accumulation(run_p
     acc = ev.result.detail.accum_overflow
     assert acc.param == "1.bias" and acc.micro == 8 and acc.micro_batches == 12
     assert acc.dtype == "float16" and 65504 < acc.fp32_absmax <= 72000
-    assert "stale_grads" not in ev.result.detail
+    assert "stale_grads" not in ev.result.detail.to_json()
     run = ampdoctor.load(run_path)
     assert not (run.events["kind"] == Event.GRAD_NOT_ZEROED).any()
     d = ampdoctor.diagnose(run_path)
@@ -482,7 +482,7 @@ def test_earlier_micro_batch_gradients_are_bounded(run_path, monkeypatch):
     r = rec.events[0].result
     # Micro-batches 0 and 1 replay forward only (finite); micro-batch 2 names the culprit.
     assert (r.micro, r.phase, r.module) == (2, "backward", "comp")
-    assert r.detail["micro_batches_forward_only"] == [0, 1]
+    assert r.detail.micro_batches_forward_only == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,7 +541,7 @@ def test_a_replay_that_fails_in_user_code_is_reported_and_training_goes_on(run_p
                                                   m2.state_dict().values()))
     ev = rec.events[0]
     assert ev.replayed and ev.phase == "unknown"
-    assert "called twice" in ev.result.detail["replay_error"]
+    assert "called twice" in ev.result.detail.replay_error
     assert len(ampdoctor.load(run_path).snapshots) >= 1
 
 
@@ -847,7 +847,7 @@ def test_a_batch_edited_in_place_after_the_step_is_flagged(run_path):
         sc.step(model.opt)
         sc.update()
     r = rec.events[0].result
-    assert r.detail["input_modified"] is True and not r.faithful
+    assert r.detail.input_modified is True and not r.faithful
 
 
 def test_capture_holds_references_not_copies(run_path):
@@ -879,7 +879,7 @@ def test_a_discovered_model_is_replayed_from_its_first_step(run_path):
             model.opt.zero_grad()
     ev = rec.events[0]  # the keyword argument arrived after the call: replayed with it
     assert (ev.step, ev.phase, ev.module) == (0, "forward", "exp")
-    assert not ev.result.detail.get("input_modified")
+    assert not ev.result.detail.input_modified
 
 
 # ---------------------------------------------------------------------------------------------
@@ -996,7 +996,7 @@ def test_a_fault_the_replay_does_not_repeat_is_not_reproducible(run_path, dtype,
     ev = rec.events[0]
     assert (ev.step, ev.phase, ev.module) == (2, "none", None)
     d = ev.result.detail
-    assert d["reproduced"] is False and d["loss_recomputed"] is True
+    assert d.reproduced is False and d.loss_recomputed is True
     assert d.recorded.loss_nonfinite and d.recorded.output_nonfinite
     assert d.rerun.finite and d.rerun.loss_fns == ["cross_entropy"]
     assert d.rerun.backward_from == "loss" and d.rerun.grads == "finite"
@@ -1021,7 +1021,7 @@ def test_targets_all_ignore_index_are_the_loss_not_the_precision(run_path):
     assert (ev.step, ev.trigger, ev.phase, ev.fp32) == (2, "nonfinite_loss", "loss",
                                                         "non-finite")
     d = ev.result.detail
-    assert d["reproduced"] is True and d.loss_fp32.loss_finite is False
+    assert d.reproduced is True and d.loss_fp32.loss_finite is False
     assert d.loss_fp32.grads == "zero" and d.rerun.grads == "zero"
     assert d.targets[0].all_ignored and d.targets[0].ignored == 8
     assert not ampdoctor.load(run_path).steps["skipped"].any()
@@ -1179,7 +1179,7 @@ def test_the_comparison_and_its_rerun_leave_no_trace_on_the_run(run_path, dtype,
 
     (plain, _), (watched, rec) = run(False), run(True)
     ev = rec.events[0]
-    assert ev.step == 4 and ev.result.detail["reproduced"] is False
+    assert ev.step == 4 and ev.result.detail.reproduced is False
     assert ev.result.detail.rerun.finite
     assert np.array_equal(np.array(plain[0]), np.array(watched[0]), equal_nan=True)
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
@@ -1224,9 +1224,9 @@ def test_a_trial_outcome_is_the_run_file_s_declaration():
 
     assert trial.Outcome is TrialOutcome
     out = trial.Outcome("bf16", loss=float("inf"), loss_fns=["cross_entropy"], micro=1)
-    text = SnapshotDetail(rerun=out).to_json()
+    text = SnapshotDetail(rerun=out).to_text()
     assert json.loads(text)["rerun"]["loss"] == "inf"
-    assert SnapshotDetail.from_json(text).rerun == out
+    assert SnapshotDetail.from_text(text).rerun == out
 
 
 def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducible(run_path):
@@ -1241,6 +1241,6 @@ def test_a_fault_at_a_loss_scale_that_overflows_every_backward_is_not_reproducib
     ev = next(e for e in rec.events if e.step == 1)
     d = ev.result.detail
     assert d.recorded.loss_nonfinite and ev.phase == "none"
-    assert d["reproduced"] is False and d["rerun_scale"] == 1.0
+    assert d.reproduced is False and d.rerun_scale == 1.0
     assert d.rerun.finite and d.rerun.grads == "finite"
     assert "at loss scale 1" in ev.result.summary

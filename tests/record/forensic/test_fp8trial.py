@@ -109,9 +109,9 @@ def test_the_trial_keeps_the_layer_an_outlier_channel_ruins(tmp_path):
     # the Linear reading the outlier (its other channels flush under one tensor scale) and
     # the next, which the outlier reaches through it; not the first, before it
     assert sorted(tw.keep) == ["3", "5"], tw.layers
-    assert all(tw.layers[n]["grad_error"] > 2 * fp8trial.GRAD_ERROR for n in ("3", "5"))
-    assert tw.layers["0"]["grad_error"] < fp8trial.GRAD_ERROR
-    assert tw.all_but_keep["grad_error"] < fp8trial.GRAD_ERROR < tw.all["grad_error"]
+    assert all(tw.layers[n].grad_error > 2 * fp8trial.GRAD_ERROR for n in ("3", "5"))
+    assert tw.layers["0"].grad_error < fp8trial.GRAD_ERROR
+    assert tw.all_but_keep.grad_error < fp8trial.GRAD_ERROR < tw.all.grad_error
     r = ampdoctor.fp8_readiness(path)
     assert r.recipes["tensorwise"].keep_high_precision == tw.keep  # worst first
     assert r.recipes["tensorwise"].decided_by == "trial"
@@ -270,12 +270,12 @@ def test_a_run_in_fp8_is_re_run_in_high_precision_and_trains_unchanged(tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(),
                                                   b.state_dict().values()))
     own = trial_of(path).own
-    assert set(own["layers"]) == {"3", "5"}  # the fp8 layers; "0" is a plain Linear
+    assert set(own.layers) == {"3", "5"}  # the fp8 layers; "0" is a plain Linear
     # the outlier channel reaches layer 3's input: per tensor, fp8 raises the step's loss
     # (6.5 % here, the gradient 7 % off); layer 3 kept in high precision, or cast row-wise,
     # leaves less of it (2.8 %, 2.5 %)
-    fp8, three = own["as_recorded"], own["layers"]["3"]
-    assert own["loss"] is not None and fp8["loss_change"] > 0.02 and fp8["grad_error"] > 0.01
-    assert set(three) == {"high_precision", "rowwise"}
-    assert abs(three["high_precision"]["loss_change"]) < fp8["loss_change"] / 1.5
-    assert abs(three["rowwise"]["loss_change"]) < fp8["loss_change"] / 1.5
+    fp8, three = own.as_recorded, own.layers["3"]
+    assert own.loss is not None and fp8.loss_change > 0.02 and fp8.grad_error > 0.01
+    assert three.high_precision is not None and three.rowwise is not None
+    assert abs(three.high_precision.loss_change) < fp8.loss_change / 1.5
+    assert abs(three.rowwise.loss_change) < fp8.loss_change / 1.5

@@ -227,7 +227,7 @@ def test_a_replay_that_would_write_a_file_is_refused_and_says_so(tmp_path):
             model.opt.zero_grad(set_to_none=True)
     assert log.read_text().count("call") == len(data)  # the real calls only
     event = next(e for e in rec.events if e.step == 3)
-    error = event.result.detail.get("replay_error", "")
+    error = event.result.detail.replay_error
     assert "SideEffect" in error and "model.log" in error and "not replayed" in error
     notes = ampdoctor.diagnose(str(tmp_path / "run.h5")).notes
     assert any(n.startswith("Step 3 was not replayed: the model's code tried to open")

@@ -69,7 +69,7 @@ def _train(lr, path=None, steps=30, loss_fn=None, inside=False, make=None):
 
 
 def _lr_range(path):
-    found = [SnapshotDetail.of(s["detail"]).lr_range
+    found = [SnapshotDetail.from_json(s["detail"]).lr_range
              for s in Facts(ampdoctor.load(str(path))).snapshots]
     return next(x for x in found if x is not None)
 
@@ -253,7 +253,7 @@ def test_a_loss_that_rises_with_no_nan_is_tried_and_the_run_stays_bit_identical(
     for a, b in zip(plain_opt.state.values(), opt.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
     with ampdoctor.load(str(path)) as run:
-        assert not [s for s in run.snapshots if SnapshotDetail.of(s["detail"]).lr_range]
+        assert not [s for s in run.snapshots if SnapshotDetail.from_text(s["detail"]).lr_range]
         test = run.lr_range
     assert test is not None
     first = next(i for i, x in enumerate(losses) if x >= lrrange.RISE * losses[0])

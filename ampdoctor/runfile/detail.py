@@ -322,6 +322,7 @@ class TargetsCheck(Record):
     classes: int | None = None  # from the input's shape
     out_of_range: int | None = None
     all_ignored: bool | None = None
+    unalignable: int | None = None  # CTC label sequences longer than their input allows
 
     OMIT = frozenset({"nonfinite", "outside", "ignore_index", "ignored", "reduction",
-                      "classes", "out_of_range", "all_ignored"})
+                      "classes", "out_of_range", "all_ignored", "unalignable"})

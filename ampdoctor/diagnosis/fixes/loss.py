@@ -141,6 +141,16 @@ def _bad_targets(d: dict) -> Advice:
         return ("Clamp the loss's denominator to at least 1 (a batch with nothing to average "
                 "then adds 0), or skip such batches: the loss is 0/0 in fp32 too, so AMP is "
                 "not the cause and turning it off would not help.", snippet)
+    if d.get("unalignable"):
+        at = f"  # step {step}: {d.get('unalignable')} too long" if step is not None else ""
+        snippet = ("def frames_needed(lab):  # its labels and a blank between repeats\n"
+                   "    return len(lab) + int((lab[1:] == lab[:-1]).sum())\n"
+                   "keep = [i for i, lab in enumerate(labels) if frames_needed(lab) <= "
+                   f"input_lengths[i]]{at}\n"
+                   "# or: nn.CTCLoss(zero_infinity=True) drops their +inf loss and gradient")
+        return ("Drop (or shorten) the label sequences that need more frames than their "
+                "input has, or pass zero_infinity=True: CTC's loss for them is +inf in fp32 "
+                "too, so AMP is not the cause.", snippet)
     if d.get("all_ignored"):
         ignore = d.get("ignore_index", -100)
         at = f"  # step {step}: every target was {ignore}" if step is not None else ""

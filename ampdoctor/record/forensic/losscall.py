@@ -55,7 +55,7 @@ LOSSES = ("cross_entropy", "nll_loss", "binary_cross_entropy",
           "huber_loss", "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss",
           "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
           "hinge_embedding_loss", "margin_ranking_loss", "cosine_embedding_loss",
-          "triplet_margin_loss")
+          "triplet_margin_loss", "ctc_loss")
 CLASS_INDEX = ("cross_entropy", "nll_loss")  # targets are class indices (or probabilities)
 PROBABILITY = ("binary_cross_entropy", "binary_cross_entropy_with_logits")
 HELD_BYTES = 64 << 20  # loss arguments held by reference per step (targets, weights, masks)
@@ -348,6 +348,12 @@ _REDO: dict = {
     "SplitWithSizesBackward0": lambda node, nr, shape: (
         ("split", [_int(x) for x in node._saved_split_sizes], _int(node._saved_dim), nr),
         _sizes(node)),
+    # not a move, but a function of the output alone along one dim, in the dtype it returned
+    # (autocast runs it in fp32): ``ctc(logits.log_softmax(-1).transpose(0, 1), ...)``
+    "LogSoftmaxBackward0": lambda node, nr, shape: (
+        ("log_softmax", _int(node._saved_dim), node._saved_result.dtype), shape),
+    "SoftmaxBackward0": lambda node, nr, shape: (
+        ("softmax", _int(node._saved_dim), node._saved_result.dtype), shape),
 }
 
 
@@ -372,6 +378,10 @@ def _redo(t: torch.Tensor, step: tuple) -> torch.Tensor:
         return t.select(a[0], a[1])
     if kind == "split":
         return t.split(a[0], a[1])[a[2]]
+    if kind == "log_softmax":
+        return t.log_softmax(a[0], dtype=a[1])
+    if kind == "softmax":
+        return t.softmax(a[0], dtype=a[1])
     raise ValueError(f"no op {kind!r}")
 
 
@@ -401,6 +411,8 @@ def check_targets(call: LossCall, args: tuple, kwargs: dict) -> Optional[Targets
     """What the targets of a loss call hold (event only: host reads), with ``problem``: one
     sentence on what makes the loss non-finite whatever the precision, or None."""
     a = bound(call, args, kwargs)
+    if call.name == "ctc_loss":
+        return _ctc_targets(call, a)
     target, inp = a.get("target"), a.get("input")
     if not isinstance(target, torch.Tensor) or not target.numel():
         return None
@@ -444,3 +456,28 @@ def _class_targets(out: TargetsCheck, t: torch.Tensor, inp: Any, a: dict) -> Tar
     return replace(out, problem=problem, ignore_index=ignore, ignored=ignored,
                    reduction=reduction, classes=classes, out_of_range=wrong,
                    all_ignored=ignored == n)
+
+
+def _ctc_targets(call: LossCall, a: dict) -> Optional[TargetsCheck]:
+    """CTC's targets: a label sequence of L labels with r adjacent repeats needs L + r frames
+    (a blank between repeats); one that needs more than its input has cannot be aligned, and
+    its loss is +inf in any precision (unless ``zero_infinity``)."""
+    t, lengths, frames = a.get("targets"), a.get("target_lengths"), a.get("input_lengths")
+    if not all(isinstance(x, torch.Tensor) for x in (t, lengths, frames)) or t.is_floating_point():
+        return None
+    lengths, frames, t = lengths.detach().long().reshape(-1), frames.detach().long().reshape(-1), \
+        t.detach().long()
+    out = TargetsCheck(fn=call.name, numel=int(t.numel()), dtype=str(t.dtype).replace("torch.", ""))
+    if lengths.numel() != frames.numel():
+        return out
+    rows = [t[i, :int(n)] for i, n in enumerate(lengths)] if t.ndim == 2 else \
+        list(t.reshape(-1).split([int(n) for n in lengths]))
+    needed = torch.tensor([int(r.numel()) + int((r[1:] == r[:-1]).sum()) for r in rows])
+    short = int((needed > frames).sum())
+    if not short or a.get("zero_infinity"):
+        return replace(out, unalignable=short)
+    worst = int(torch.argmax(needed - frames))
+    return replace(out, unalignable=short, problem=(
+        f"{short} of the {len(rows)} label sequences cannot be aligned to their input: one "
+        f"needs {int(needed[worst])} frames (its labels and a blank between repeats) where the "
+        f"input has {int(frames[worst])}, so CTC's loss is +inf"))

@@ -1087,11 +1087,71 @@ def test_relation_of_a_loss_input_to_the_output():
                  out[1:].double(), out[:, 1:].t().reshape(-1).split(5)[1]):
         rel = losscall.relation(made, outputs)
         assert rel is not None and torch.equal(rel.rebuild([out * 1]), made), made.shape
+    # a (log-)softmax along one dim, in the dtype it returned: a function of the output alone
+    for made in (out.log_softmax(-1).t(), out.softmax(0)[1:],
+                 out.log_softmax(1, dtype=torch.float64)):
+        rel = losscall.relation(made, outputs)
+        assert rel is not None and torch.equal(rel.rebuild([out * 1]), made), made.shape
     assert losscall.relation(out * 3, outputs) is None  # computed from it: not rebuildable
     assert losscall.relation((out[1:] * 3).reshape(-1), outputs) is None
     assert losscall.relation(torch.randn(4, 6), outputs) is None
     a, b = (leaf * 1).unbind(0)[:2]
     assert losscall.relation(b.float(), [a, b]).index == 1  # the right one of two outputs
+
+
+class Frames(nn.Module):
+    """A CTC model's output: 6 frames of 5 symbols (blank 0) per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 6 * 5)
+
+    def forward(self, x):
+        return self.lin(x).view(-1, 6, 5)
+
+
+def test_ctc_targets_that_cannot_be_aligned_are_the_data_not_the_precision(run_path):
+    """CTC's loss is +inf in any precision for a label sequence that needs more frames than
+    the input has (its labels, a blank between repeats): the loss call rebuilt through the
+    log_softmax and transpose from the replayed output, recomputed in fp32 (inf too), its
+    targets read; ``bad_input`` with the sequences to drop."""
+    model = make(Frames)
+    sc = scaler(2.0**10)
+    ok, long = torch.tensor([1, 2, 3]), torch.tensor([1, 1, 2, 2, 3])  # 3 frames; 5 + 2 > 6
+    data = [(x, torch.tensor(int(i == 2))) for i, (x, _) in enumerate(batches(4))]
+    ctc = nn.CTCLoss(blank=0)
+
+    def loss_fn(out, bad):  # the last four samples' labels too long on the bad batch
+        labels = [ok] * 4 + [long if bool(bad) else ok] * 4
+        lp = out.log_softmax(-1).transpose(0, 1)
+        return ctc(lp, torch.cat(labels), torch.full((8,), 6, dtype=torch.long),
+                   torch.tensor([len(lab) for lab in labels]))
+
+    with record(run_path, model, sc) as rec:
+        losses = train(model, data, scaler=sc, loss_fn=loss_fn)
+    assert math.isinf(losses[2]) and all(math.isfinite(v) for i, v in enumerate(losses) if i != 2)
+    ev = rec.events[0]
+    assert (ev.step, ev.phase) == (2, "loss")
+    (t,) = ev.result.detail.targets
+    assert t.fn == "ctc_loss" and t.unalignable == 4 and "needs 7 frames" in t.problem
+    assert ev.result.detail.loss_fp32.loss_finite is False
+    diag = ampdoctor.diagnose(run_path)
+    assert (diag.verdict, diag.causes[0]["kind"]) == ("bad_input", "targets")
+    assert diag.fixes[0].id == "check_data" and "zero_infinity=True" in diag.fixes[0].snippet
+
+
+def test_ctc_targets_checked_by_their_lengths():
+    """Padded (2-D) and concatenated (1-D) targets alike; zero_infinity makes none a problem."""
+    call = losscall.LossCall("ctc_loss", F.ctc_loss, (), {}, ("cpu", False, None, False),
+                             torch.zeros(()))
+    lp = torch.randn(4, 2, 5).log_softmax(-1)
+    frames = torch.tensor([4, 4])
+    for targets, lengths in ((torch.tensor([[1, 1, 1, 0], [1, 2, 0, 0]]), torch.tensor([3, 2])),
+                             (torch.tensor([1, 1, 1, 1, 2]), torch.tensor([3, 2]))):
+        got = losscall.check_targets(call, (lp, targets, frames, lengths), {})
+        assert got.unalignable == 1 and "needs 5 frames" in got.problem  # 3 labels + 2 blanks
+        kept = losscall.check_targets(call, (lp, targets, frames, lengths), {"zero_infinity": True})
+        assert kept.unalignable == 1 and kept.problem is None
 
 
 class HandSoftmax(nn.Module):

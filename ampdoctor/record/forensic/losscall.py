@@ -463,10 +463,11 @@ def _ctc_targets(call: LossCall, a: dict) -> Optional[TargetsCheck]:
     (a blank between repeats); one that needs more than its input has cannot be aligned, and
     its loss is +inf in any precision (unless ``zero_infinity``)."""
     t, lengths, frames = a.get("targets"), a.get("target_lengths"), a.get("input_lengths")
-    if not all(isinstance(x, torch.Tensor) for x in (t, lengths, frames)) or t.is_floating_point():
+    if not isinstance(t, torch.Tensor) or not isinstance(lengths, torch.Tensor) or \
+            not isinstance(frames, torch.Tensor) or t.is_floating_point():
         return None
-    lengths, frames, t = lengths.detach().long().reshape(-1), frames.detach().long().reshape(-1), \
-        t.detach().long()
+    lengths, frames = lengths.detach().long().reshape(-1), frames.detach().long().reshape(-1)
+    t = t.detach().long()
     out = TargetsCheck(fn=call.name, numel=int(t.numel()), dtype=str(t.dtype).replace("torch.", ""))
     if lengths.numel() != frames.numel():
         return out

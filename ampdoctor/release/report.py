@@ -23,11 +23,15 @@ import numpy as np
 
 from ..diagnosis.verdict import TABLE, canonical
 from ..display import render
-from ..runfile.schema import Event, flag
+from ..runfile.schema import STEPS, Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .fp8 import Fp8Readiness, fp8_readiness
 from .fp8pays import fp8_pays
 from .readiness import Readiness, fp16_readiness, plain, precision
+
+# The /steps columns a report reads: the diagnosis's, the step time and the memory (not the
+# wall clock: 80 MB of a month-long run).
+STEP_COLUMNS = tuple(n for n in STEPS.names or () if n != "time")
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
 # The JSON report's first keys, as parity's JSON has its own: what makes a report file
@@ -166,7 +170,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
     elif isinstance(run, (str, os.PathLike)):
         paths = resolve(os.fspath(run))
         if len(paths) == 1:  # one file: read once, for the diagnosis and the report
-            loaded, owned = load(paths[0]), True
+            loaded, owned = load(paths[0], STEP_COLUMNS), True
             try:
                 d = engine.diagnose(loaded)
             except BaseException:
@@ -174,7 +178,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
                 raise
         else:
             d = engine.diagnose(paths)
-            loaded, owned = load(paths[0]), True
+            loaded, owned = load(paths[0], STEP_COLUMNS), True
             ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms
             notes.append(f"Curves and figures are rank {loaded.rank}'s ({loaded.path}); the "
                          f"diagnosis reads all {len(paths)} ranks.")

@@ -231,7 +231,7 @@ def _loss_verdict(c: Comparison, steps: np.ndarray, raw: np.ndarray, smooth: np.
     worst = int(np.argmax(values))
     c.max_rel, c.max_rel_step = float(smooth[worst]), int(steps[worst])
     c.max_rel_raw = float(np.nanmax(raw)) if (~np.isnan(raw)).any() else math.nan
-    last = int(np.flatnonzero(decided)[-1])
+    last = parity.last_true(decided)
     c.final_rel, c.final_step = float(smooth[last]), int(steps[last])
     first = diverged_at(smooth, raw, w, rtol, diverge)
     if first is not None:

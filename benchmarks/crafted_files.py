@@ -55,6 +55,9 @@ def measure_cpu(args: list[str], source: str = ROOT) -> tuple[int, float, float,
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)
+        # ``python -m`` puts the working directory first on sys.path, before PYTHONPATH: run
+        # from ``source``, or a checkout's own package would be measured whatever it says
+        os.chdir(source)
         os.execve(sys.executable, [sys.executable, "-m", "ampdoctor", *args], env)
     _pid, status, usage = os.wait4(pid, 0)
     return (os.waitstatus_to_exitcode(status), time.monotonic() - start,
@@ -102,7 +105,7 @@ def large(steps: int, modules: int, keep: str | None, source: str = ROOT,
     import make_large_run
 
     with tempfile.TemporaryDirectory() as folder:
-        path = keep or os.path.join(folder, "large.h5")
+        path = os.path.abspath(keep or os.path.join(folder, "large.h5"))
         if not os.path.exists(path):
             make_large_run.write_large_run(path, steps=steps, modules=modules,
                                            flush_steps=10_000, overflow_step=steps * 95 // 100)

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import AmpDoctorError, FormatTooNewError, RunFileError
 from ..numfmt import count, fmt
 from ..runfile.paths import resolve
+from ..runfile.schema import STEPS
 from . import fixes, forecast, fp8, fp8ranks, job, jobfiles, objectives, proofs, ranks, rankview
 from .facts import Facts
 from .notes import notes
@@ -36,6 +37,10 @@ from .verdict import EMPTY, VERDICTS, Diagnosis, Evidence, Finding
 
 __doc__ += "\n".join(f"    {k:<17} {v}" for k, v in VERDICTS.items()) + "\n"
 __all__ = ["EMPTY", "RULES", "VERDICTS", "Diagnosis", "Evidence", "Finding", "diagnose"]
+
+# The /steps columns a diagnosis reads: every one but the wall clock, the step time and the
+# memory (a month-long run's are 200 of its 620 MB). One it asks for later is read then.
+STEP_COLUMNS = tuple(n for n in STEPS.names or () if n not in ("time", "dt", "peak_mem"))
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
@@ -66,7 +71,7 @@ def diagnose(run: Any, *, rules: Optional[Iterable[Callable]] = None,
                 raise AmpDoctorError(f"{run} is {len(paths)} rank files: a baseline is "
                                      "compared with one (--rank R names it)")
             return diagnose_files(paths, rules=rules)
-        with load(paths[0]) as loaded:
+        with load(paths[0], STEP_COLUMNS) as loaded:
             return diagnose(loaded, rules=rules, rank=rank, baseline=baseline)
     if not isinstance(run, Run):
         raise TypeError(f"diagnose() takes a path or a Run, not {type(run).__name__}")
@@ -238,7 +243,7 @@ def _diagnose_rank(path: str, rules: Optional[Iterable[Callable]],
                    ) -> tuple[Diagnosis, job.RankFacts]:
     from ..runfile.store import load
 
-    with load(path) as run:
+    with load(path, STEP_COLUMNS) as run:
         if shares is not None:
             shares.apply(run.steps)
         return _with_ranks(run, rules, agreement(run)), job.from_run(run)

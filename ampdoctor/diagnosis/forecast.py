@@ -276,10 +276,11 @@ def _scale_fall(s: Series, cut: Optional[int]) -> Optional[float]:
     fin = np.isfinite(scale)
     if not fin.any() or not np.isfinite(loss).all():
         return None
-    applied = np.flatnonzero(~skipped & fin)
-    if not len(applied):
+    applied = ~skipped & fin
+    if not applied.any():
         return None
-    ref = scale[applied[0]:][fin[applied[0]:]]
+    first = int(np.argmax(applied))  # the first applied step (no index array of every step)
+    ref = scale[first:][fin[first:]]
     top, last = float(ref.max()), float(ref[-1])  # (in float64, as the scale is stored)
     return math.log2(top / last) if last > 0 else math.inf
 

@@ -106,12 +106,18 @@ def divergence_start(smooth: np.ndarray, decided: np.ndarray, rtol: float,
     above ``diverge``: the two tolerances make a hysteresis, so a diverged run's noisy batches
     that come near the baseline again do not undo the verdict, and one excursion that came
     back within ``rtol`` is no divergence."""
-    pos = np.flatnonzero(decided)
-    values = smooth[pos]
-    within = np.flatnonzero(values <= rtol)
-    after = int(within[-1]) + 1 if len(within) else 0
-    out = np.flatnonzero(values[after:] > diverge)
-    return int(pos[after + out[0]]) if len(out) else None
+    # (masks, not the decided positions and their values: on 10^7 steps each was 80 MB)
+    with np.errstate(invalid="ignore"):
+        within = decided & (smooth <= rtol)
+        after = last_true(within) + 1
+        del within
+        out = decided[after:] & (smooth[after:] > diverge)
+    return after + int(np.argmax(out)) if out.any() else None
+
+
+def last_true(mask: np.ndarray) -> int:
+    """The last position where ``mask`` holds, -1 where it holds nowhere (no index array)."""
+    return len(mask) - 1 - int(np.argmax(mask[::-1])) if mask.any() else -1
 
 
 def diverged_at(smooth: np.ndarray, raw: np.ndarray, w: int, rtol: float,

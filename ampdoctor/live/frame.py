@@ -396,20 +396,26 @@ def _event_line(s: dict, replays: int) -> EventLine:
                      s["fp32_absmax"], str(how or ""), replays)
 
 
-def buckets(values: np.ndarray, width: int, how: str = "mean") -> np.ndarray:
+def buckets(values: np.ndarray, width: int, how: str = "mean", of: Any = None) -> np.ndarray:
     """``values`` squeezed into at most ``width`` columns for a sparkline: each column the
-    mean (or min, max) of its finite values, NaN where a value in it was non-finite.
+    mean (or min, max) of its finite values, NaN where a value in it was non-finite. ``of``:
+    a function of the values (in float64) taken first. Each column's values are widened to
+    float64 on their own: a month-long curve is never copied whole.
 
     Example::
 
         buckets(np.arange(10.0), 5)           # array([0.5, 2.5, 4.5, 6.5, 8.5])
     """
-    v = np.asarray(values, np.float64)
+    v = np.asarray(values)
     if width <= 0 or not len(v):
         return np.zeros(0)
-    parts = np.array_split(v, min(width, len(v)))
     reduce = {"mean": np.mean, "min": np.min, "max": np.max}[how]
-    return np.array([reduce(p) if np.isfinite(p).all() else math.nan for p in parts])
+    out = []
+    for p in np.array_split(v, min(width, len(v))):
+        p = np.asarray(p, np.float64)
+        p = p if of is None else of(p)
+        out.append(reduce(p) if np.isfinite(p).all() else math.nan)
+    return np.array(out)
 
 
 def run_name(path: str) -> str:

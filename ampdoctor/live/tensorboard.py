@@ -72,6 +72,7 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
+GROUP_BLOCK = 1 << 20  # /groups rows read at a time (a month-long run's: 20 M)
 MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
 # .ampdoctor``): a second export into a directory that holds one would show every point twice,
@@ -175,10 +176,10 @@ class _RunWriter:
         if not len(table):
             return
         steps = _distinct(np.concatenate([_distinct(part["step"]) for part in
-                                          table.chunks(names=("step",))]))
+                                          table.chunks(GROUP_BLOCK, names=("step",))]))
         shown = steps[_thinned_steps(steps)]
         rows = np.concatenate([part[np.isin(part["step"], shown)] for part in
-                               table.chunks(names=("step", "group", "lr"))])
+                               table.chunks(GROUP_BLOCK, names=("step", "group", "lr"))])
         order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
         rows = rows[order]
         walls = _walls(state, rows["step"])
@@ -313,8 +314,8 @@ def _thinned(rows: np.ndarray) -> np.ndarray:
     curve's bin extremes and every skipped or non-finite step (module docstring)."""
     if len(rows) <= MAX_STEPS:
         return np.arange(len(rows))
-    keep = [extremes(rows[c].astype(np.float64), MAX_STEPS)
-            for c in ("loss", "grad_norm", "scale")]
+    # (as stored: ``extremes`` widens a block at a time, the same positions)
+    keep = [extremes(rows[c], MAX_STEPS) for c in ("loss", "grad_norm", "scale")]
     special = np.flatnonzero((rows["skipped"] == 1) | ~np.isfinite(rows["loss"]) |
                              ~np.isfinite(rows["grad_norm"]))
     if len(special) > MAX_STEPS:

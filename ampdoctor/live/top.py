@@ -127,8 +127,8 @@ def _curves(fr: _frame.Frame, width: int, unicode: bool) -> list[str]:
                      f"{sparkline(cols, unicode):<{spark_w}}  {site}")
     if scaled:
         # A scale that reached 0 is a value (the bottom of the curve), not a non-finite one.
-        scale = np.log2(np.maximum(fr.series["scale"].astype(np.float64), 2.0 ** -150))
-        cols = _frame.buckets(scale, spark_w, "min")
+        cols = _frame.buckets(fr.series["scale"], spark_w, "min",
+                              of=lambda p: np.log2(np.maximum(p, 2.0 ** -150)))
         lines.append(f"{'scale':<8}{fmt(fr.scale):>10}  {sparkline(cols, unicode):<{spark_w}}"
                      + f"  {scale_note}")
     first, last = f"step {int(steps[0])}", f"step {int(steps[-1])}"

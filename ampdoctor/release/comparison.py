@@ -42,6 +42,7 @@ import numpy as np
 
 from ..diagnosis import layers as _layers
 from ..diagnosis import parity
+from ..diagnosis.curve import median
 from ..diagnosis.layers import Kind
 from ..diagnosis.parity import LOSS_FLOOR, diverged_at, relative, trailing
 from ..diagnosis.thresholds import PARITY_DIVERGE, PARITY_RTOL
@@ -230,7 +231,7 @@ def _loss_verdict(c: Comparison, steps: np.ndarray, raw: np.ndarray, smooth: np.
     worst = int(np.argmax(values))
     c.max_rel, c.max_rel_step = float(smooth[worst]), int(steps[worst])
     c.max_rel_raw = float(np.nanmax(raw)) if (~np.isnan(raw)).any() else math.nan
-    last = int(np.flatnonzero(decided)[-1])
+    last = parity.last_true(decided)
     c.final_rel, c.final_step = float(smooth[last]), int(steps[last])
     first = diverged_at(smooth, raw, w, rtol, diverge)
     if first is not None:
@@ -432,16 +433,7 @@ def median_step_time(run: Any) -> Optional[float]:
     plain_steps = dt[s["sampled"][1:] == 0]
     pick = plain_steps if len(plain_steps) >= 3 else dt
     pick = pick[np.isfinite(pick) & (pick > 0)]
-    return _median(pick) if len(pick) else None
-
-
-def _median(x: np.ndarray) -> float:
-    """``np.median(x.astype(np.float64))`` for float32 ``x``, the same number, without a
-    float64 copy of 10^7 step times: the middle one or two found in ``x`` itself, widened."""
-    k = len(x) // 2
-    middle = [k - 1, k] if len(x) % 2 == 0 else [k]
-    part = np.partition(x, middle)[middle[0]:k + 1].astype(np.float64)
-    return float(np.mean(part))
+    return median(pick) if len(pick) else None
 
 
 def peak_memory(run: Any) -> tuple[Optional[int], str]:

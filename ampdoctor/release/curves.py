@@ -1,12 +1,17 @@
-"""Loss curves for people: a long series thinned to its shape, and percentages as people read
-them (two curves' trailing means and relative differences: ``diagnosis/parity.py``, where the
-diagnosis decides an fp8 run's drift from its baseline on them too).
+"""Loss curves for people: a long series thinned to its shape (whole, or a block at a time),
+and percentages as people read them (two curves' trailing means and relative differences:
+``diagnosis/parity.py``, where the diagnosis decides an fp8 run's drift from its baseline on
+them too).
 
 numpy only.
 
 Example::
 
     idx = extremes(loss, 2000)              # a million steps drawn in about 2000 points
+    t = Thinned(total=len(run.groups), max_points=2000)    # a series read a block at a time
+    for part in run.groups.chunks(names=("step", "lr")):
+        t.add(part["step"], part["lr"])
+    steps, lrs = t.result()
     percent(0.0019)                         # '0.19%'
 """
 
@@ -44,6 +49,33 @@ def extremes(y: np.ndarray, max_points: int, finite_only: bool = False) -> np.nd
                   base + np.argmax(np.where(nan, -np.inf, yy), axis=1)]
     idx = np.unique(np.concatenate(found))
     return idx[idx < n]
+
+
+class Thinned:
+    """A long series thinned as it is read, a block at a time (``add``), never held whole:
+    each block keeps the smallest and largest value of each bin of at most ``total /
+    (max_points / 2)`` values, the width ``extremes`` gives a series of ``total`` values, so a
+    one-step spike survives. ``total``: how many values all the blocks hold at most (a
+    series of no more than ``max_points`` is kept whole). A caller that draws at most
+    ``max_points`` thins ``result()`` again with ``extremes``: the extremes of bins' extremes
+    are the extremes of the wider bins."""
+
+    def __init__(self, total: int, max_points: int):
+        self.width = max(1, int(np.ceil(total / max(1, max_points // 2))))
+        self.x: list[np.ndarray] = []
+        self.y: list[np.ndarray] = []
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        """The next values (``y``) of the series, at ``x``, after those added before."""
+        idx = extremes(y, 2 * int(np.ceil(len(y) / self.width)), finite_only=True)
+        self.x.append(np.asarray(x)[idx])
+        self.y.append(np.asarray(y)[idx])
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y) of the values kept, in the order added."""
+        if not self.x:
+            return np.zeros(0, np.int64), np.zeros(0)
+        return np.concatenate(self.x), np.concatenate(self.y)
 
 
 def percent(x: Optional[float], digits: int = 2) -> str:

@@ -23,11 +23,15 @@ import numpy as np
 
 from ..diagnosis.verdict import TABLE, canonical
 from ..display import render
-from ..runfile.schema import Event, flag
+from ..runfile.schema import STEPS, Event, flag
 from .comparison import Comparison, compare, median_step_time, peak_memory
 from .fp8 import Fp8Readiness, fp8_readiness
 from .fp8pays import fp8_pays
 from .readiness import Readiness, fp16_readiness, plain, precision
+
+# The /steps columns a report reads: the diagnosis's, the step time and the memory (not the
+# wall clock: 80 MB of a month-long run).
+STEP_COLUMNS = tuple(n for n in STEPS.names or () if n != "time")
 
 # Verdicts whose cause is fp16's range: another dtype (or fp32 islands) is the remedy.
 # The JSON report's first keys, as parity's JSON has its own: what makes a report file
@@ -160,21 +164,22 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
 
         parity = load_parity(os.fspath(parity))
 
-    notes = []
+    notes, measured = [], None
     if isinstance(run, Run):
         loaded, owned, d = run, False, engine.diagnose(run)
     elif isinstance(run, (str, os.PathLike)):
         paths = resolve(os.fspath(run))
         if len(paths) == 1:  # one file: read once, for the diagnosis and the report
-            loaded, owned = load(paths[0]), True
+            loaded, owned = load(paths[0], STEP_COLUMNS), True
             try:
+                measured = _measured(loaded, narrow=baseline is None)
                 d = engine.diagnose(loaded)
             except BaseException:
                 loaded.close()
                 raise
         else:
             d = engine.diagnose(paths)
-            loaded, owned = load(paths[0]), True
+            loaded, owned = load(paths[0], STEP_COLUMNS), True
             ranks.combine_into(loaded, paths[1:])  # FSDP without clip: global grad norms
             notes.append(f"Curves and figures are rank {loaded.rank}'s ({loaded.path}); the "
                          f"diagnosis reads all {len(paths)} ranks.")
@@ -189,7 +194,7 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
         decision.fp8_matmuls, decision.fp8 = fp8_pays(decision, fp8, watch)
         if decision.fp8:
             decision.reasons.append(decision.fp8)
-        report = ReleaseReport(diagnosis=d, summary=summarize(loaded), decision=decision,
+        report = ReleaseReport(diagnosis=d, summary=summarize(loaded, measured), decision=decision,
                                readiness=readiness, comparison=comparison, parity=parity,
                                fp8=fp8, fp8_watch=watch, run=loaded, notes=notes)
     except BaseException:
@@ -204,8 +209,21 @@ def release_report(run: Any, baseline: Any = None, parity: Any = None,
 # Summary figures
 
 
-def summarize(run: Any) -> Summary:
-    """Headline numbers of a loaded ``Run``."""
+def _measured(run: Any, narrow: bool) -> tuple:
+    """The summary's memory and step time (``summarize``'s ``measured``), taken first; with
+    ``narrow``, the run then holds only the /steps columns the diagnosis reads (a month-long
+    run's step times and memory are 120 MB; one read later is read again then)."""
+    from ..diagnosis.engine import STEP_COLUMNS as READ
+
+    out = (peak_memory(run), median_step_time(run))
+    if narrow and hasattr(run.steps, "narrowed"):
+        run.steps = run.steps.narrowed(READ)
+    return out
+
+
+def summarize(run: Any, measured: Optional[tuple] = None) -> Summary:
+    """Headline numbers of a loaded ``Run``. ``measured``: its ``(peak_memory(run),
+    median_step_time(run))`` where they were taken already."""
     s = run.steps
     out = Summary(steps=int(len(s)))
     if not len(s):
@@ -225,8 +243,8 @@ def summarize(run: Any) -> Summary:
         out.final_loss = float(loss[len(loss) - 1 - int(np.argmax(finite[::-1]))])
         out.min_loss = float(np.min(loss, where=finite, initial=np.inf))
     _scales(out, run, s)
-    out.peak_memory, out.memory_measure = peak_memory(run)
-    out.median_step_time = median_step_time(run)
+    (out.peak_memory, out.memory_measure), out.median_step_time = \
+        measured if measured is not None else (peak_memory(run), median_step_time(run))
     return out
 
 

@@ -30,11 +30,12 @@ from .. import safe
 from ..diagnosis import layers as _layers
 from ..diagnosis import objectives
 from ..numfmt import fmt
-from ..release.curves import extremes
+from ..release.curves import Thinned, extremes
 from ..runfile.run import one_line
 from ..runfile.schema import FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, FP16_TINY, Event, flag
 
 MAX_POINTS = 4000  # per line; longer series keep each bin's min and max (spikes survive)
+LR_BLOCK = 1 << 20  # /groups rows read at a time for the LR figure
 WIDTH, HEIGHT = 8.0, 3.0  # inches; at 100 dpi an 800x300 image
 TOP_LAYERS = 8
 TOP_GRAD_LAYERS = 15
@@ -121,7 +122,7 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
     if not len(s):
         return None
     fig, ax = _axes("loss")
-    steps, loss = s["step"], s["loss"].astype(np.float64)
+    steps, loss = s["step"], s["loss"]  # as stored: what is drawn is widened (``_line``)
     ok = np.isfinite(loss)
     several = _losses(run)
     _line(ax, steps, loss, color=_MAIN, label="mean of the losses" if several else "loss")
@@ -129,11 +130,11 @@ def loss_figure(run: Any, diagnosis: Any = None) -> Optional[Any]:
         _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(*thin(steps[skipped], loss[skipped]), "o", ms=3, color=_SKIP,
+        ax.plot(*_wide(thin(steps[skipped], loss[skipped])), "o", ms=3, color=_SKIP,
                 label=f"skipped step ({int(skipped.sum())})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_LOSS)) != 0], "non-finite loss")
     _first_bad(ax, diagnosis)
-    _log_if_wide(ax, np.concatenate([loss[ok]] + [y[np.isfinite(y)] for _, _, y in several]))
+    _log_if_wide(ax, loss, *[y for _, _, y in several])
     ax.set_xlabel("step")
     _legend(ax)
     return fig
@@ -163,16 +164,18 @@ def _optimizer_norms(run: Any) -> list[tuple[str, np.ndarray, np.ndarray]]:
 
 def scale_figure(run: Any) -> Optional[Any]:
     s = run.steps
-    scale = s["scale"].astype(np.float64) if len(s) else np.zeros(0)
-    ok = np.isfinite(scale) & (scale > 0)
+    scale = s["scale"] if len(s) else np.zeros(0)  # as stored: what is drawn is widened
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(scale) & (scale > 0)
     if not ok.any():
         return None
     fig, ax = _axes("loss scale")
     steps = s["step"]
-    ax.plot(*thin(steps[ok], scale[ok]), drawstyle="steps-post", color=_MAIN, label="scale")
+    ax.plot(*_wide(thin(steps[ok], scale[ok])), drawstyle="steps-post", color=_MAIN,
+            label="scale")
     skipped = (s["skipped"] == 1) & ok
     if skipped.any():
-        ax.plot(*thin(steps[skipped], scale[skipped]), "x", ms=4, color=_BAD,
+        ax.plot(*_wide(thin(steps[skipped], scale[skipped])), "x", ms=4, color=_BAD,
                 label=f"skipped step ({int(skipped.sum())})")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
@@ -182,17 +185,20 @@ def scale_figure(run: Any) -> Optional[Any]:
 
 def grad_norm_figure(run: Any) -> Optional[Any]:
     s = run.steps
-    norm = s["grad_norm"].astype(np.float64) if len(s) else np.zeros(0)
+    norm = s["grad_norm"] if len(s) else np.zeros(0)  # as stored: what is drawn is widened
     ok = np.isfinite(norm)
     if not ok.any():
         return None
     fig, ax = _axes("gradient norm")
     steps = s["step"]
-    clip = s["clip_norm"].astype(np.float64)
+    clip = s["clip_norm"]
     shown = np.isfinite(clip)
     # clip_grad_norm_ returns the norm it saw: the grad norm, unless it ran on scaled
     # gradients (before unscale_), which is worth a line of its own.
-    same = not shown.any() or np.allclose(clip[shown & ok], norm[shown & ok], rtol=1e-3)
+    both = shown & ok
+    same = not shown.any() or np.allclose(clip[both].astype(np.float64),
+                                          norm[both].astype(np.float64), rtol=1e-3)
+    del both
     _line(ax, steps, norm, color=_MAIN, label="grad norm" + (
         " (= what clip_grad_norm_ saw)" if shown.any() and same else ""))
     if not same:
@@ -201,10 +207,11 @@ def grad_norm_figure(run: Any) -> Optional[Any]:
     for k, (label, x, y) in enumerate(_optimizer_norms(run)):
         _line(ax, x, y, lw=0.8, color=_PARTS[k % len(_PARTS)], label=label)
     i = int(np.argmax(np.where(ok, norm, -np.inf)))
-    ax.plot([steps[i]], [norm[i]], "v", color=_BAD, label=f"peak {fmt(float(norm[i]))} (step "
+    peak = float(norm[i])
+    ax.plot([steps[i]], [peak], "v", color=_BAD, label=f"peak {fmt(peak)} (step "
             f"{int(steps[i])})")
     _rug(ax, steps[(s["flags"] & flag(Event.NONFINITE_GRAD)) != 0], "non-finite grad")
-    _log_if_wide(ax, norm[ok])
+    _log_if_wide(ax, norm)
     ax.set_xlabel("step")
     _legend(ax)
     return fig
@@ -233,19 +240,21 @@ def lr_figure(run: Any) -> Optional[Any]:
 
 def _finite_lrs(groups: Any) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Each param group's (steps, LRs) where its LR is finite, by group (every group seen,
-    finite or not), /groups read a block at a time: a month-long run's is 20 M rows."""
+    finite or not), /groups read a block at a time and each group's curve thinned as it is
+    read (``curves.Thinned``, at four times the points a line draws: ``_line`` thins it
+    again): a month-long run's /groups is 20 M rows, 240 MB held whole."""
     if not len(groups):
         return {}
-    blocks = groups.chunks(names=("step", "group", "lr")) if hasattr(groups, "chunks") \
-        else [groups]
-    parts: dict[int, list] = {}
+    blocks = groups.chunks(LR_BLOCK, names=("step", "group", "lr")) \
+        if hasattr(groups, "chunks") else [groups]
+    parts: dict[int, Thinned] = {}
     for part in blocks:
         ok = np.isfinite(part["lr"])
         for group in np.unique(part["group"]):
             mine = ok & (part["group"] == group)
-            parts.setdefault(int(group), []).append((part["step"][mine], part["lr"][mine]))
-    return {group: (np.concatenate([x for x, _ in got]), np.concatenate([y for _, y in got]))
-            for group, got in sorted(parts.items())}
+            parts.setdefault(int(group), Thinned(len(groups), 4 * MAX_POINTS)).add(
+                part["step"][mine], part["lr"][mine])
+    return {group: got.result() for group, got in sorted(parts.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,10 +491,22 @@ def _first_bad(ax: Any, diagnosis: Any) -> None:
                    label=f"{diagnosis.verdict}: first bad step {step}")
 
 
-def _log_if_wide(ax: Any, values: np.ndarray) -> None:
-    values = values[np.isfinite(values)]
-    if len(values) and values.min() > 0 and values.max() / values.min() > 100:
+def _log_if_wide(ax: Any, *curves: np.ndarray) -> None:
+    """A log scale where the finite values of ``curves`` are positive and span more than
+    100x: their least and largest found in place (a month-long curve is never copied)."""
+    lows, highs = [], []
+    for y in curves:
+        finite = np.isfinite(y)
+        if finite.any():
+            lows.append(float(np.min(y, where=finite, initial=np.inf)))
+            highs.append(float(np.max(y, where=finite, initial=-np.inf)))
+    if lows and min(lows) > 0 and max(highs) / min(lows) > 100:
         ax.set_yscale("log")
+
+
+def _wide(xy: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Points to draw, their values widened to float64 (as matplotlib draws them)."""
+    return xy[0], np.asarray(xy[1], np.float64)
 
 
 def _per_step_max(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

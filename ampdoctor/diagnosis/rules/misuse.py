@@ -19,7 +19,7 @@ from ...runfile.payloads import SnapshotDetail
 from ...runfile.schema import Event
 from .. import fixes
 from ..facts import Facts
-from ..restarts import recalibration_skips, scale_resets
+from ..restarts import recalibration_skips, scale_jumps, scale_resets
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
 
 # The run's columns these rules read: /steps by name, /stats through the views of
@@ -172,10 +172,7 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
     if not f.n or not f.has_scaler:
         return None
     created = f.events(Event.SCALER_CREATED)
-    s = f.steps
-    before, after = s["scale"][1:].astype(float), s["scale_after"][:-1].astype(float)
-    with np.errstate(invalid="ignore"):
-        jumps = np.flatnonzero(np.isfinite(before) & np.isfinite(after) & (before > after * 1.5))
+    jumps = scale_jumps(f)
     later = created[created["step"] > f.step_at(0)] if len(created) else created
     if not len(jumps) and not len(later):
         return None
@@ -187,7 +184,8 @@ def rule_scaler_recreated(f: Facts) -> Optional[Finding]:
     ev = []
     if len(jumps):
         i = int(jumps[0])
-        ev.append(Evidence(f"the loss scale jumped from {fmt(after[i])} to {fmt(before[i])} "
+        before, after = float(f.steps["scale"][i + 1]), float(f.steps["scale_after"][i])
+        ev.append(Evidence(f"the loss scale jumped from {fmt(after)} to {fmt(before)} "
                            f"between steps {f.step_at(i)} and {f.step_at(i + 1)} without a "
                            f"growth interval ({len(jumps)} such resets)", "scale_resets",
                            float(len(jumps)), f.step_at(i + 1)))

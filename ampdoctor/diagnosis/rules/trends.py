@@ -16,6 +16,7 @@ from ...numfmt import fmt
 from ...runfile.meta import OptimizerInfo
 from ...runfile.schema import DType, Kind
 from .. import fixes
+from ..curve import median
 from ..facts import Facts, module_of
 from ..thresholds import LAYER_UNDERFLOW, LOW_SCALE, UNCHANGED_HIGH
 from ..verdict import FAILED, HELD, NOT_MEASURED, PRIORITY, Evidence, Finding, Premise, first_bad
@@ -470,9 +471,13 @@ def computed_in_fp32(f: Facts) -> np.ndarray:
 
 
 def _post_calibration_scale(f: Facts) -> float:
-    s = f.steps["scale"][f.story.calib_len:].astype(float)
-    s = s[np.isfinite(s)]
-    return float(np.median(s)) if len(s) else math.nan
+    """The median finite loss scale after calibration (as stored: the same median as of
+    its float64 copy, ``curve.median``), once per run."""
+    def find() -> float:
+        s = f.steps["scale"][f.story.calib_len:]
+        s = s[np.isfinite(s)]
+        return median(s) if len(s) else math.nan
+    return float(f.memo("post_calibration_scale", find))
 
 
 def _common_module(names: list[str]) -> Optional[str]:

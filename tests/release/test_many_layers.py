@@ -1,0 +1,95 @@
+"""Per-layer answers at 10^5 modules: readiness computed for every layer at once gives each
+layer's own figures, and the outputs that list layers stay readable past a few thousand.
+
+Unit tests on rows built in memory (no torch).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from ampdoctor.diagnosis import layers as _layers
+from ampdoctor.release import readiness
+from ampdoctor.runfile.schema import FP16_MAX, FP16_NEAR, STATS, Kind
+
+# ---------------------------------------------------------------------------------------------
+# readiness.layer_ranges against one layer at a time
+
+
+def one_layer(layer, rows, scale):
+    """The per-layer reference: each figure of ``LayerRange`` from one layer's own rows."""
+    out = readiness.LayerRange(layer.name, layer.label, int(len(np.unique(rows["step"]))))
+    codes, counts = np.unique(rows["dtype"], return_counts=True)
+    out.dtype = readiness._DTYPE_NAMES.get(int(codes[np.argmax(counts)]), "")
+    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
+    nonzero = readiness.nonzero_sampled(rows)
+    absmax = rows["absmax"].astype(np.float64)
+    inf = np.isinf(absmax) | ((rows["nonfinite"] & 6) != 0) | (rows["posinf"] + rows["neginf"]
+                                                               > 0)
+    finite_max = np.where(np.isfinite(absmax), absmax, -1.0)
+    over = (rows["over16"] > 0) | inf | (absmax > FP16_MAX)
+    near = over | (rows["near16"] > 0) | (absmax >= FP16_NEAR)
+    out.absmax = float(np.inf if inf.any() else finite_max.max())
+    out.absmax_step = int(rows["step"][int(np.argmax(np.where(inf, np.inf, finite_max)))])
+    mins = rows["absmin"].astype(np.float64)
+    mins = mins[np.isfinite(mins) & (mins > 0)]
+    out.absmin = float(mins.min()) if len(mins) else math.nan
+    if layer.kind in _layers.GRAD_KINDS:
+        out.scale = float(np.median(scale))
+    out.over = float(((rows["over16"] + rows["posinf"] + rows["neginf"]) / n).max())
+    out.over_steps = len(np.unique(rows["step"][over]))
+    out.first_over = int(rows["step"][over].min()) if over.any() else None
+    out.near, out.near_steps = float((rows["near16"] / n).max()), len(np.unique(rows["step"][near]))
+    for name, fraction in (("flush", rows["flush16"] / nonzero),
+                           ("sub", readiness.underflow_share(rows))):
+        i = int(np.argmax(fraction))
+        setattr(out, name, float(fraction[i]))
+        setattr(out, name + "_step", int(rows["step"][i]) if fraction[i] > 0 else None)
+    bad = rows["nonfinite"] > 0
+    out.nonfinite_steps = len(np.unique(rows["step"][bad]))
+    out.first_nonfinite = int(rows["step"][bad].min()) if bad.any() else None
+    return out
+
+
+def random_rows(rng, layers, rows_per_layer):
+    """Sampled rows of ``layers`` layers (some with none), steps out of order, repeated within
+    a layer (a module called twice a step), with NaN, inf, zeros and ties."""
+    names = [c for c in readiness._COLUMNS if c not in ("step", "tensor", "call")]
+    dtype = np.dtype([("step", "<i8"), ("layer", "<i8")] + [(c, STATS[c]) for c in names])
+    n = layers * rows_per_layer
+    rows = np.zeros(n, dtype)
+    rows["layer"] = rng.choice([i for i in range(layers) if i % 7 != 3], n)  # some: no rows
+    rows["step"] = rng.choice([0, 3, 7, 8, 100, 101], n)
+    rows["dtype"] = rng.choice([0, 1, 2, 2, 3], n)
+    rows["sample_n"] = rng.choice([0, 1, 64, 4096], n)
+    for c in ("zeros", "nan", "posinf", "neginf", "over16", "near16", "sub16", "flush16"):
+        rows[c] = rng.choice([0, 0, 0, 1, 3, 40, 5000], n)
+    rows["nonfinite"] = rng.choice([0, 0, 0, 1, 2, 4, 6, 7], n)
+    rows["absmax"] = rng.choice([0.0, 1.0, 2.0, 4e4, 7e4, np.inf, np.nan, 1e-30], n)
+    rows["absmin"] = rng.choice([0.0, 1e-8, 1e-3, 1.0, np.inf, np.nan, -1.0], n)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layer_ranges_match_one_layer_at_a_time(seed):
+    rng = np.random.default_rng(seed)
+    kinds = [Kind.INPUT, Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD]
+    found = [_layers.Layer(kinds[i % 4], f"m{i}") for i in range(60)]
+    rows = random_rows(rng, len(found), 5)
+    if seed == 0:  # one dtype everywhere: the shortcut
+        rows["dtype"] = 2
+    order = np.argsort(rows["layer"], kind="stable")
+    rows = rows[order]
+    scale = rng.choice([1.0, 2.0**16, 2.0**15, 3.0], len(rows))
+    got = readiness.layer_ranges(found, rows, scale)
+    bounds = np.searchsorted(rows["layer"], np.arange(len(found) + 1))
+    want = [one_layer(found[i], rows[a:b], scale[a:b])
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+    assert len(got) < len(found)  # some layers have no rows, and no LayerRange
+    assert [repr(x) for x in got] == [repr(x) for x in want]  # NaN == NaN in a repr
+
+
+def test_layer_ranges_of_no_rows():
+    rows = random_rows(np.random.default_rng(0), 3, 0)
+    assert readiness.layer_ranges([_layers.Layer(Kind.OUTPUT, "a")], rows, np.ones(0)) == []

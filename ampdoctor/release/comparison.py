@@ -295,19 +295,24 @@ def _layer_diffs(b: Any, a: Any, common: np.ndarray) -> tuple[list[LayerDiff], i
     if matched is None:
         return [], nsteps
     matched = matched[np.argsort(matched["layer"], kind="stable")]
+    if not len(matched):
+        return [], nsteps
+    # every layer at once (10^5 modules: 333 332 layers), then the few shown
+    g = _layers.Groups(matched["layer"], matched["step"])
+    log = matched["log"]
+    spread = g.median(np.abs(log))
+    _, worst = g.first_max(np.abs(log))
+    steps, typical = g.distinct_steps(None), g.median(log)
+    # (fmax: NaN only where every one is)
+    max_b, max_a = np.fmax.reduceat(matched["max_b"], g.starts), \
+        np.fmax.reduceat(matched["max_a"], g.starts)
     diffs = []
-    for rows in np.split(matched, np.flatnonzero(np.diff(matched["layer"])) + 1):
-        if not len(rows):
-            continue
-        worst = int(np.argmax(np.abs(rows["log"])))
-        layer = lb[int(rows["layer"][0])]
-        diffs.append(LayerDiff(layer.name, layer.label, int(len(np.unique(rows["step"]))),
-                               float(2 ** np.median(rows["log"])),
-                               float(np.median(np.abs(rows["log"]))),
-                               float(2 ** rows["log"][worst]), int(rows["step"][worst]),
-                               _nanmax(rows["max_b"]), _nanmax(rows["max_a"])))
-    diffs.sort(key=lambda d: -d.spread)
-    return diffs[:TOP_LAYERS], nsteps
+    for i in np.argsort(-spread, kind="stable")[:TOP_LAYERS].tolist():
+        layer, w = lb[int(g.ids[i])], int(worst[i])
+        diffs.append(LayerDiff(layer.name, layer.label, int(steps[i]), float(2 ** typical[i]),
+                               float(spread[i]), float(2 ** log[w]), int(matched["step"][w]),
+                               float(max_b[i]), float(max_a[i])))
+    return diffs, nsteps
 
 
 _MATCHED = np.dtype([("layer", "<i8"), ("step", "<i8"), ("log", "<f8"), ("max_b", "<f8"),
@@ -398,11 +403,6 @@ def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.n
     index = np.clip(rows["index"], 0, 255).astype(np.int64)
     call = np.clip(rows["call"], 0, 255).astype(np.int64)
     return (((gid[rows["layer"]] << 8 | index) << 8 | call) << 27) | pos
-
-
-def _nanmax(x: np.ndarray) -> float:
-    x = x[~np.isnan(x)]
-    return float(x.max()) if len(x) else math.nan
 
 
 def _range_summary(r: Readiness) -> dict:

@@ -222,7 +222,7 @@ def layer_ranges(found: list[_layers.Layer], rows: np.ndarray,
     once, a numpy reduction per figure: 10^5 modules are 333 332 layers."""
     if not len(rows):
         return []
-    g = _Groups(rows["layer"], rows["step"])
+    g = _layers.Groups(rows["layer"], rows["step"])
     n = np.maximum(rows["sample_n"].astype(np.float64), 1)
     nonzero = nonzero_sampled(rows)
     absmax = rows["absmax"].astype(np.float64)
@@ -243,89 +243,32 @@ def layer_ranges(found: list[_layers.Layer], rows: np.ndarray,
     bad = rows["nonfinite"] > 0
     columns = (
         [x.name for x in layers], [x.label for x in layers],
-        g.distinct_steps(None), g.mode(rows["dtype"]),
+        g.distinct_steps(None), _mode(g, rows["dtype"]),
         np.where(g.any(inf), np.inf, g.max(finite_max)), rows["step"][top_at],
         np.where(np.isinf(least), np.nan, least), np.where(grad, g.median(scale), 1.0),
         g.max((rows["over16"] + rows["posinf"] + rows["neginf"]) / n), g.distinct_steps(over),
         g.first_step(over), g.max(rows["near16"] / n), g.distinct_steps(near),
-        flush, _when(rows["step"][flush_at], flush > 0),
-        sub, _when(rows["step"][sub_at], sub > 0),
+        flush, _layers.when(rows["step"][flush_at], flush > 0),
+        sub, _layers.when(rows["step"][sub_at], sub > 0),
         g.distinct_steps(bad), g.first_step(bad))
     return [LayerRange(*values) for values in zip(*(
         c if isinstance(c, list) else c.tolist() for c in columns))]
 
 
-class _Groups:
-    """Rows sorted by layer: each figure of ``LayerRange`` for every layer at once, as the
-    layer's own rows would give it (a maximum's step: its first row, in row order)."""
-
-    def __init__(self, layer: np.ndarray, step: np.ndarray):
-        self.starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
-        self.ids = layer[self.starts]
-        self.size = len(layer)
-        self.of = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(layer)]))
-        self.step = step
-        # the rows in (layer, step) order, for the distinct steps of a layer
-        self.by_step = np.lexsort((step, self.of))
-
-    def max(self, values: np.ndarray) -> np.ndarray:
-        return np.maximum.reduceat(values, self.starts)
-
-    def min(self, values: np.ndarray) -> np.ndarray:
-        return np.minimum.reduceat(values, self.starts)
-
-    def any(self, mask: np.ndarray) -> np.ndarray:
-        return np.logical_or.reduceat(mask, self.starts)
-
-    def first_max(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each layer's largest value (NaN first, as ``np.argmax``) and the row of its first
-        occurrence."""
-        top = self.max(values)
-        mine = top[self.of]
-        hit = (values == mine) | (np.isnan(values) & np.isnan(mine))
-        return top, self.min(np.where(hit, np.arange(self.size), self.size))
-
-    def first_step(self, mask: np.ndarray) -> list[Optional[int]]:
-        first = self.min(np.where(mask, self.step, np.iinfo(np.int64).max))
-        return _when(first, self.any(mask))
-
-    def distinct_steps(self, mask: Optional[np.ndarray]) -> np.ndarray:
-        rows = self.by_step if mask is None else self.by_step[mask[self.by_step]]
-        layer, step = self.of[rows], self.step[rows]
-        new = np.r_[True, (layer[1:] != layer[:-1]) | (step[1:] != step[:-1])] \
-            if len(rows) else np.zeros(0, bool)
-        return np.bincount(layer[new], minlength=len(self.starts))
-
-    def mode(self, codes: np.ndarray) -> list[str]:
-        """Each layer's most frequent dtype (the smallest code of a tie, as ``np.unique``)."""
-        if np.all(codes == codes[0]):
-            return [_DTYPE_NAMES.get(int(codes[0]), "")] * len(self.starts)
-        order = np.lexsort((codes, self.of))
-        layer, code = self.of[order], codes[order]
-        runs = np.flatnonzero(np.r_[True, (layer[1:] != layer[:-1]) | (code[1:] != code[:-1])])
-        length = np.diff(np.r_[runs, self.size])
-        first = np.flatnonzero(np.r_[True, layer[runs][1:] != layer[runs][:-1]])
-        longest = np.maximum.reduceat(length, first)
-        owner = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(runs)]))
-        pick = np.minimum.reduceat(np.where(length == longest[owner], np.arange(len(runs)),
-                                            len(runs)), first)
-        return [_DTYPE_NAMES.get(c, "") for c in code[runs][pick].tolist()]
-
-    def median(self, values: np.ndarray) -> np.ndarray:
-        """Each layer's median (of an even count, the mean of the middle two, as
-        ``np.median``)."""
-        ordered = values[np.lexsort((values, self.of))]
-        length = np.diff(np.r_[self.starts, self.size])
-        upper = ordered[self.starts + length // 2]
-        out = upper.copy()
-        even = length % 2 == 0
-        out[even] = (ordered[self.starts[even] + length[even] // 2 - 1] + upper[even]) / 2
-        return out
-
-
-def _when(values: np.ndarray, present: np.ndarray) -> list[Optional[int]]:
-    """``values`` as ints, None where not ``present``."""
-    return [int(v) if ok else None for v, ok in zip(values.tolist(), present.tolist())]
+def _mode(g: _layers.Groups, codes: np.ndarray) -> list[str]:
+    """Each layer's most frequent dtype (the smallest code of a tie, as ``np.unique``)."""
+    if np.all(codes == codes[0]):
+        return [_DTYPE_NAMES.get(int(codes[0]), "")] * len(g.starts)
+    order = np.lexsort((codes, g.of))
+    layer, code = g.of[order], codes[order]
+    runs = np.flatnonzero(np.r_[True, (layer[1:] != layer[:-1]) | (code[1:] != code[:-1])])
+    length = np.diff(np.r_[runs, g.size])
+    first = np.flatnonzero(np.r_[True, layer[runs][1:] != layer[runs][:-1]])
+    longest = np.maximum.reduceat(length, first)
+    owner = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(runs)]))
+    pick = np.minimum.reduceat(np.where(length == longest[owner], np.arange(len(runs)),
+                                        len(runs)), first)
+    return [_DTYPE_NAMES.get(c, "") for c in code[runs][pick].tolist()]
 
 
 def _grad_range(ranges: list[LayerRange], scaled: bool) -> dict:

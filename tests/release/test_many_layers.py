@@ -5,9 +5,12 @@ Unit tests on rows built in memory (no torch).
 """
 
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from ampdoctor.diagnosis import layers as _layers
 from ampdoctor.release import readiness
@@ -93,3 +96,49 @@ def test_layer_ranges_match_one_layer_at_a_time(seed):
 def test_layer_ranges_of_no_rows():
     rows = random_rows(np.random.default_rng(0), 3, 0)
     assert readiness.layer_ranges([_layers.Layer(Kind.OUTPUT, "a")], rows, np.ones(0)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# export --tensorboard past LAYER_CURVES layer curves
+
+
+def test_export_past_its_layer_curves_writes_summaries_and_the_layers_closest_to_the_limits(
+        tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    from ampdoctor.live import tensorboard
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import make_large_run
+
+    path = str(tmp_path / "run.h5")  # 30 modules, the 15th's output overflows at step 40
+    make_large_run.write_large_run(path, steps=50, modules=30, every=10, overflow_step=40)
+    written = {}
+    for bound in (10_000, 20):
+        monkeypatch.setattr(tensorboard, "LAYER_CURVES", bound)
+        monkeypatch.setattr(tensorboard, "SHOWN_CURVES", 6)
+        logdir = str(tmp_path / f"tb{bound}")
+        tensorboard.export(path, logdir)
+        acc = ea.EventAccumulator(logdir, size_guidance={ea.SCALARS: 0})
+        acc.Reload()
+        written[bound] = {t: {e.step: e.value for e in acc.Scalars(t)}
+                          for t in acc.Tags()["scalars"]}
+    every, bounded = written[10_000], written[20]
+    layer = [t for t in every if t.startswith(("ampdoctor-absmax/", "ampdoctor-underflow/"))]
+    assert len(layer) > 20  # each layer's curve, below the bound
+    shown = [t for t in bounded if t.startswith(("ampdoctor-absmax/", "ampdoctor-underflow/"))]
+    assert len(shown) == 6 and all(bounded[t] == every[t] for t in shown)
+    assert "ampdoctor-absmax/activation/blocks.1.layer5" in shown  # the overflow (inf)
+    top = sorted(t for t in layer if t.startswith("ampdoctor-underflow/"))
+    top.sort(key=lambda t: -max(every[t].values()))
+    assert set(top[:3]) <= set(shown)
+    for kind in ("activation", "activation_grad", "weight_grad"):
+        tags = [t for t in layer if t.startswith(f"ampdoctor-absmax/{kind}/")]
+        for step in (0, 10, 20, 30, 40):
+            values = [every[t][step] for t in tags]
+            assert bounded[f"ampdoctor-layers/absmax_max/{kind}"][step] == max(values)
+            assert bounded[f"ampdoctor-layers/absmax_median/{kind}"][step] == \
+                pytest.approx(float(np.median(values)), rel=1e-6)
+    assert "ampdoctor-layers/underflow_max/weight_grad" in bounded
+    assert bounded["ampdoctor/loss"] == every["ampdoctor/loss"]

@@ -105,6 +105,10 @@ class Readiness:
     advice: str
     layers: list[LayerRange] = field(default_factory=list)
     grad_range: dict = field(default_factory=dict)  # unscaled max/min, powers of 2, scale
+    # the value layers of the largest abs max (NaN aside), largest first, with their rows'
+    # steps and abs max in the order recorded: what the report's activation figure draws,
+    # without a second read of /stats (not in ``to_dict``)
+    peaks: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def overflowing(self) -> list[LayerRange]:
@@ -147,7 +151,7 @@ class Readiness:
     def to_dict(self) -> dict:
         """The JSON form; past ``JSON_LAYERS`` layers, ``layers`` (and each list of names)
         bounded to the ones that matter (``shown``), and ``bounded`` counting them all."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peaks"}
         shown = self.shown()
         out["layers"] = [{f: getattr(x, f) for f in _LAYER_FIELDS} for x in shown]
         out["grad_range"] = dict(self.grad_range)
@@ -195,10 +199,31 @@ def fp16_readiness(run: Any) -> Readiness:
     ranges = layer_ranges(found, rows, scale)
     r = Readiness(dtype=precision(run), scaled=scaled,
                   sampled_steps=int(len(np.unique(rows["step"]))), status="unknown", advice="",
-                  layers=ranges)
+                  layers=ranges, peaks=_peaks(found, kinds, rows))
     r.grad_range = _grad_range(ranges, scaled)
     r.status, r.advice = _judge(r)
     return r
+
+
+PEAKS = 16  # value layers kept in ``Readiness.peaks``
+
+
+def _peaks(found: list[_layers.Layer], kinds: np.ndarray, rows: np.ndarray) -> list:
+    """``Readiness.peaks``: (layer, steps, abs max) of the ``PEAKS`` value layers of the
+    largest abs max, NaN counted as -1 (``rows``: sorted by layer, in the order recorded
+    within one; every value row is kept); ties in layer order."""
+    if not len(rows):
+        return []
+    value = np.isin(kinds[rows["layer"]], [int(k) for k in VALUE_KINDS])
+    absmax = rows["absmax"].astype(np.float64)
+    peak = np.full(len(found), -1.0)
+    np.maximum.at(peak, rows["layer"][value], np.where(np.isnan(absmax[value]), -1.0,
+                                                      absmax[value]))
+    mine = np.flatnonzero(np.isin(kinds[:len(found)], [int(k) for k in VALUE_KINDS]))
+    chosen = mine[np.argsort(-peak[mine], kind="stable")[:PEAKS]]
+    bounds = np.searchsorted(rows["layer"], np.stack([chosen, chosen + 1]))
+    return [(found[i], rows["step"][a:b].copy(), absmax[a:b].copy())
+            for i, a, b in zip(chosen.tolist(), *bounds.tolist()) if peak[i] >= 0]
 
 
 def nonzero_sampled(rows: np.ndarray) -> np.ndarray:
@@ -274,8 +299,8 @@ def _mode(g: _layers.Groups, codes: np.ndarray) -> list[str]:
 def _grad_range(ranges: list[LayerRange], scaled: bool) -> dict:
     """The gradients' true magnitudes, and what GradScaler could make of them in fp16."""
     grads = [x for x in ranges if x.is_grad]
-    top = [x.absmax / x.scale for x in grads if np.isfinite(x.absmax) and x.absmax > 0]
-    low = [x.absmin / x.scale for x in grads if np.isfinite(x.absmin) and x.absmin > 0]
+    top = [x.absmax / x.scale for x in grads if math.isfinite(x.absmax) and x.absmax > 0]
+    low = [x.absmin / x.scale for x in grads if math.isfinite(x.absmin) and x.absmin > 0]
     if not top or not low:
         return {}
     gmax, gmin = max(top), min(low)

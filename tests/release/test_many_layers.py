@@ -142,3 +142,23 @@ def test_export_past_its_layer_curves_writes_summaries_and_the_layers_closest_to
                 pytest.approx(float(np.median(values)), rel=1e-6)
     assert "ampdoctor-layers/underflow_max/weight_grad" in bounded
     assert bounded["ampdoctor/loss"] == every["ampdoctor/loss"]
+
+
+def test_the_activation_figure_from_readiness_peaks_is_the_one_read_from_the_run(tmp_path):
+    from ampdoctor.render import plots
+    from ampdoctor.runfile.store import load
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import make_large_run
+
+    path = str(tmp_path / "run.h5")  # an inf among 40 modules' outputs, from step 30 on
+    make_large_run.write_large_run(path, steps=50, modules=40, every=10, overflow_step=30,
+                                   persist=True)
+    with load(path) as run:
+        r = readiness.fp16_readiness(run)
+        figures = [plots.activation_range_figure(run),
+                   plots.activation_range_figure(run, readiness=r)]
+    read, given = ([(line.get_label(), list(line.get_xdata()), list(line.get_ydata()))
+                    for line in fig.axes[0].lines] for fig in figures)
+    assert read == given
+    assert read[0][0] == "blocks.2.layer0 (activation)" and len(read) > plots.TOP_LAYERS

@@ -90,9 +90,10 @@ def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
         end = filled + len(kept)
         if end > len(out):  # (a table that grew while read)
             out = np.concatenate([out[:filled], np.empty(end - filled, out_dtype)])
+        whole = len(kept) == len(rows)  # (every row kept: copied as they are, no gather)
         for c in ("step", "tensor", "call", *columns):
-            out[c][filled:end] = rows[c][kept]
-        tid = tid[kept]
+            out[c][filled:end] = rows[c] if whole else rows[c][kept]
+        tid = tid if whole else tid[kept]
         out["layer"][filled:end] = layer_of[tid]
         out["index"][filled:end] = index_of[tid]
         filled = end
@@ -182,6 +183,9 @@ class Groups:
     def median(self, values: np.ndarray) -> np.ndarray:
         """Each layer's median (of an even count, the mean of the middle two, as
         ``np.median``)."""
+        top = self.max(values)
+        if np.array_equal(top, self.min(values)):  # one value in each (a steady loss scale)
+            return top
         ordered = values[np.lexsort((values, self.of))]
         length = np.diff(np.r_[self.starts, self.size])
         upper = ordered[self.starts + length // 2]

@@ -381,7 +381,7 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
     if not len(steps):
         return None, lb, 0
     rb, ra = rb[np.isin(rb["step"], steps)], ra[np.isin(ra["step"], steps)]
-    names: dict[_layers.Layer, int] = {}
+    names: dict[tuple[int, str], int] = {}
     _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
                                return_indices=True)
     rms_b = _layers.unscale(b, rb, lb, "rms")[ib]
@@ -398,7 +398,9 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
 def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.ndarray:
     """One int64 per (layer, output index, call, step), the same in both runs: layers by
     name through ``names``, steps by their position in ``steps``."""
-    gid = np.array([names.setdefault(layer, len(names)) for layer in found] or [0], np.int64)
+    # (by kind code and name, not by Layer: its hash goes through the Kind enum's, in Python)
+    gid = np.array([names.setdefault((int(x.kind), x.name), len(names)) for x in found] or [0],
+                   np.int64)
     pos = np.searchsorted(steps, rows["step"]).astype(np.int64)
     index = np.clip(rows["index"], 0, 255).astype(np.int64)
     call = np.clip(rows["call"], 0, 255).astype(np.int64)

@@ -35,7 +35,7 @@ from ..diagnosis.facts import low_precision
 from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..numfmt import fmt
-from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, columns
+from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, Kind, columns
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
@@ -189,20 +189,30 @@ def fp16_readiness(run: Any) -> Readiness:
     # they say nothing about the range.
     skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
     kinds = np.array([int(x.kind) for x in found] or [0])
-    grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
-    keep = np.flatnonzero(~(grad & np.isin(rows["step"], skipped) & (scale != 1.0)))
-    del grad
+    keep = np.arange(len(rows))
+    if len(skipped):
+        grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
+        keep = np.flatnonzero(~(grad & np.isin(rows["step"], skipped) & (scale != 1.0)))
+        del grad
+    steps = _distinct(rows["step"][keep])
     # (the rows kept, in layer order, in one copy: on a month-long run each is 120 MB)
     order = keep[np.argsort(rows["layer"][keep], kind="stable")]
     del keep
     rows, scale = rows[order], scale[order]
     ranges = layer_ranges(found, rows, scale)
     r = Readiness(dtype=precision(run), scaled=scaled,
-                  sampled_steps=int(len(np.unique(rows["step"]))), status="unknown", advice="",
+                  sampled_steps=steps, status="unknown", advice="",
                   layers=ranges, peaks=_peaks(found, kinds, rows))
     r.grad_range = _grad_range(ranges, scaled)
     r.status, r.advice = _judge(r)
     return r
+
+
+def _distinct(steps: np.ndarray) -> int:
+    """``len(np.unique(steps))``, without the sort where they are in order (as recorded)."""
+    if bool(np.all(steps[1:] >= steps[:-1])):
+        return int(np.count_nonzero(steps[1:] != steps[:-1])) + int(len(steps) > 0)
+    return int(len(np.unique(steps)))
 
 
 PEAKS = 16  # value layers kept in ``Readiness.peaks``
@@ -262,12 +272,14 @@ def layer_ranges(found: list[_layers.Layer], rows: np.ndarray,
     mins = rows["absmin"].astype(np.float64)
     least = g.min(np.where(np.isfinite(mins) & (mins > 0), mins, np.inf))
     layers = [found[i] for i in g.ids.tolist()]
-    grad = np.isin([int(x.kind) for x in layers], [int(k) for k in GRAD_KINDS])
+    codes = [int(x.kind) for x in layers]
+    grad = np.isin(codes, [int(k) for k in GRAD_KINDS])
+    label_of = {c: _layers.Layer(Kind(c), "").label for c in set(codes)}
     flush, flush_at = g.first_max(rows["flush16"] / nonzero)
     sub, sub_at = g.first_max(underflow_share(rows))
     bad = rows["nonfinite"] > 0
     columns = (
-        [x.name for x in layers], [x.label for x in layers],
+        [x.name for x in layers], [label_of[c] for c in codes],
         g.distinct_steps(None), _mode(g, rows["dtype"]),
         np.where(g.any(inf), np.inf, g.max(finite_max)), rows["step"][top_at],
         np.where(np.isinf(least), np.nan, least), np.where(grad, g.median(scale), 1.0),

@@ -448,9 +448,15 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out = np.zeros(len(rows), TENSOR_VIEW)
     for name in ("id", "kind", "index", "dtype", "numel"):
         out[name] = rows[name]
-    out["name"] = [one_line(t) for t in blob.texts(rows["name_off"], rows["name_len"])]
-    out["type"] = [one_line(t) for t in blob.texts(rows["type_off"], rows["type_len"])]
+    out["name"] = _one_line_each(blob.texts(rows["name_off"], rows["name_len"]))
+    out["type"] = _one_line_each(blob.texts(rows["type_off"], rows["type_len"]))
     return out
+
+
+def _one_line_each(texts: list[str]) -> list[str]:
+    """``one_line`` of each text, with one search of them all first: 10^5 modules' 466 664
+    names seldom hold a line break."""
+    return [one_line(t) for t in texts] if _BREAK.search("\0".join(texts)) else texts
 
 
 def _is_expression(text: str) -> bool:

@@ -380,7 +380,7 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
                                           assume_unique=True), common, assume_unique=True)
     if not len(steps):
         return None, lb, 0
-    rb, ra = rb[np.isin(rb["step"], steps)], ra[np.isin(ra["step"], steps)]
+    rb, ra = _at_steps(rb, steps), _at_steps(ra, steps)
     names: dict[tuple[int, str], int] = {}
     _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
                                return_indices=True)
@@ -393,6 +393,13 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
     out["max_b"] = _layers.unscale(b, rb, lb, "absmax")[ib][ok]
     out["max_a"] = _layers.unscale(a, ra, la, "absmax")[ia][ok]
     return out, lb, int(len(steps))
+
+
+def _at_steps(rows: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The rows at ``steps``: ``rows`` themselves where every one is (no copy of 10^5
+    modules' rows)."""
+    mine = np.isin(rows["step"], steps)
+    return rows if bool(mine.all()) else rows[mine]
 
 
 def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.ndarray:

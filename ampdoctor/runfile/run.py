@@ -171,6 +171,14 @@ class Blob:
             return [self.text(o, n) for o, n in zip(offs.tolist(), lengths.tolist())]
         out = [""] * len(offs)
         ok = np.flatnonzero((lengths > 0) & (offs >= 0) & (offs + lengths <= self.size))
+        if len(ok):
+            lo, hi = int(offs[ok].min()), int((offs[ok] + lengths[ok]).max())
+            if hi - lo <= 2 * int(lengths[ok].sum()) + TEXT_SPAN:  # together: one read
+                raw = self.read(lo, hi - lo) or b""
+                for k, at_, n_ in zip(ok.tolist(), (offs[ok] - lo).tolist(),
+                                      lengths[ok].tolist()):
+                    out[k] = raw[at_:at_ + n_].decode("utf-8", errors="replace")
+                return out
         order = ok[np.argsort(offs[ok], kind="stable")].tolist()
         at, n = offs.tolist(), lengths.tolist()
         i = 0

@@ -173,11 +173,8 @@ class Blob:
         ok = np.flatnonzero((lengths > 0) & (offs >= 0) & (offs + lengths <= self.size))
         if len(ok):
             lo, hi = int(offs[ok].min()), int((offs[ok] + lengths[ok]).max())
-            if hi - lo <= 2 * int(lengths[ok].sum()) + TEXT_SPAN:  # together: one read
-                raw = self.read(lo, hi - lo) or b""
-                for k, at_, n_ in zip(ok.tolist(), (offs[ok] - lo).tolist(),
-                                      lengths[ok].tolist()):
-                    out[k] = raw[at_:at_ + n_].decode("utf-8", errors="replace")
+            if hi - lo <= 2 * int(lengths[ok].sum()) + TEXT_SPAN:  # together: by windows
+                self._together(offs, lengths, ok, out)
                 return out
         order = ok[np.argsort(offs[ok], kind="stable")].tolist()
         at, n = offs.tolist(), lengths.tolist()
@@ -192,6 +189,23 @@ class Blob:
                 out[k] = raw[at[k] - start:at[k] - start + n[k]].decode("utf-8", errors="replace")
             i = j
         return out
+
+
+    def _together(self, offs: np.ndarray, lengths: np.ndarray, ok: np.ndarray,
+                  out: list[str]) -> None:
+        """``texts`` of references that lie close together (no saved array between them):
+        each ``TEXT_SPAN`` window of starts read once and cut in one pass, no loop over
+        spans."""
+        ok = ok[np.argsort(offs[ok], kind="stable")]
+        start, end = offs[ok], offs[ok] + lengths[ok]
+        window = (start - start[0]) // TEXT_SPAN
+        cuts = np.flatnonzero(np.r_[True, window[1:] != window[:-1]]).tolist() + [len(ok)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            base = int(start[a])
+            raw = self.read(base, int(end[a:b].max()) - base) or b""
+            for k, at, n in zip(ok[a:b].tolist(), (start[a:b] - base).tolist(),
+                                lengths[ok[a:b]].tolist()):
+                out[k] = raw[at:at + n].decode("utf-8", errors="replace")
 
 
 TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype", "i1"),
@@ -464,7 +478,8 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
 def _one_line_each(texts: list[str]) -> list[str]:
     """``one_line`` of each text, with one search of them all first: 10^5 modules' 466 664
     names seldom hold a line break."""
-    return [one_line(t) for t in texts] if _BREAK.search("\0".join(texts)) else texts
+    broken = any(_BREAK.search("\0".join(texts[i:i + 4096])) for i in range(0, len(texts), 4096))
+    return [one_line(t) for t in texts] if broken else texts
 
 
 def _is_expression(text: str) -> bool:

@@ -55,10 +55,9 @@ def measure_cpu(args: list[str], source: str = ROOT) -> tuple[int, float, float,
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)
-        # ``python -m`` puts the working directory first on sys.path, before PYTHONPATH: run
-        # from ``source``, or a checkout's own package would be measured whatever it says
-        os.chdir(source)
-        os.execve(sys.executable, [sys.executable, "-m", "ampdoctor", *args], env)
+        # -P: not the working directory first on sys.path, where a checkout's ampdoctor would
+        # be run instead of the one in ``source``
+        os.execve(sys.executable, [sys.executable, "-P", "-m", "ampdoctor", *args], env)
     _pid, status, usage = os.wait4(pid, 0)
     return (os.waitstatus_to_exitcode(status), time.monotonic() - start,
             usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)

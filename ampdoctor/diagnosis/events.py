@@ -136,10 +136,13 @@ def hidden_nonfinite(run: Any) -> list[dict]:
         hidden_nonfinite(ampdoctor.load("run.h5"))[0]["op"]     # 'mul'
     """
     ev, t = run.events, run.tensors
+    found = ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]
+    if not len(found):  # (no name table to build: 10^5 modules are 466 664 tensors)
+        return []
     names = {int(i): str(n) for i, n in zip(t["id"], t["name"])}
     types = {int(i): str(c) for i, c in zip(t["id"], t["type"])}
     out = []
-    for row in ev[ev["kind"] == int(Event.HIDDEN_NONFINITE)]:
+    for row in found:
         detail = HiddenNonfinite.from_text(str(row["text"]))
         tid = int(row["tensor"])
         value = float(row["value"])

@@ -158,5 +158,6 @@ def module_types(run: Any) -> dict:
     t = run.tensors
     if not len(t) or "type" not in t.dtype.names:
         return {}
-    return {str(n): str(c) for n, c, k in zip(t["name"], t["type"], t["kind"])
-            if int(k) == int(Kind.OUTPUT) and c}
+    mine = t["kind"] == int(Kind.OUTPUT)
+    return {str(n): str(c) for n, c in zip(t["name"][mine].tolist(), t["type"][mine].tolist())
+            if c}

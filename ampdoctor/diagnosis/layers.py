@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -65,7 +65,8 @@ def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
     first: dict[tuple[int, str], int] = {}
     at = [first.setdefault((k, str(n)), len(first))
           for k, n in zip(tensors["kind"][chosen].tolist(), tensors["name"][chosen].tolist())]
-    layers += [Layer(Kind(k), n) for k, n in first]
+    members = {int(k): k for k in kinds}
+    layers += [Layer(members[k], n) for k, n in first]
     layer_of[tensors["id"][chosen]] = np.array(at, np.int64)
     index_of[tensors["id"][chosen]] = tensors["index"][chosen]
     columns = [c for c in dict.fromkeys(columns) if c not in ("step", "tensor", "call")]
@@ -73,24 +74,30 @@ def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
     out_dtype = np.dtype([("step", "<i8"), ("tensor", "<i4"), ("call", "<i2"),
                           ("index", "<i2"), ("layer", "<i8")]
                          + [(c, run.stats.dtype[c]) for c in columns])
-    parts = []
+    # Filled in place, column by column: no copy of the kept rows per chunk and none to join
+    # them (1.7 million rows of 10^5 modules); the pages past what is kept are never touched.
+    out = np.empty(len(run.stats), out_dtype)
+    filled = 0
     for rows in run.stats.chunks(chunk, names=read):
         tid = rows["tensor"]
         known = (tid >= 0) & (tid < max_id)
         keep = np.zeros(len(rows), bool)
         keep[known] = layer_of[tid[known]] >= 0
         keep &= rows["source"] == Source.SAMPLED
-        if not keep.any():
+        kept = np.flatnonzero(keep)
+        if not len(kept):
             continue
-        rows = rows[keep]
-        part = np.zeros(len(rows), out_dtype)
+        end = filled + len(kept)
+        if end > len(out):  # (a table that grew while read)
+            out = np.concatenate([out[:filled], np.empty(end - filled, out_dtype)])
+        whole = len(kept) == len(rows)  # (every row kept: copied as they are, no gather)
         for c in ("step", "tensor", "call", *columns):
-            part[c] = rows[c]
-        part["layer"] = layer_of[rows["tensor"]]
-        part["index"] = index_of[rows["tensor"]]
-        parts.append(part)
-    rows = np.concatenate(parts) if parts else np.zeros(0, out_dtype)
-    return rows, layers
+            out[c][filled:end] = rows[c] if whole else rows[c][kept]
+        tid = tid if whole else tid[kept]
+        out["layer"][filled:end] = layer_of[tid]
+        out["index"][filled:end] = index_of[tid]
+        filled = end
+    return out[:filled], layers
 
 
 def step_scale(run: Any, steps: np.ndarray) -> np.ndarray:
@@ -119,3 +126,75 @@ def unscale(run: Any, rows: np.ndarray, layers: list[Layer], column: str) -> np.
     if grad.any():
         values[grad] /= step_scale(run, rows["step"][grad])
     return values
+
+
+class Groups:
+    """Rows sorted by layer (``of``: a group index per row, over the layers that have rows):
+    a figure for every layer at once, each what the layer's own rows would give (a
+    maximum's row: its first, in row order). ``release.readiness`` and ``release.comparison``
+    reduce the 1.7 million rows of 10^5 modules so, not a layer at a time."""
+
+    def __init__(self, layer: np.ndarray, step: np.ndarray):
+        self.starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
+        self.ids = layer[self.starts]
+        self.size = len(layer)
+        self.of = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(layer)]))
+        self.step = step
+        self._by_step: Optional[np.ndarray] = None
+
+    @property
+    def by_step(self) -> np.ndarray:
+        """The rows in (layer, step) order, for the distinct steps of a layer (as they come,
+        where a writer's step order already is that)."""
+        if self._by_step is None:
+            of, step = self.of, self.step
+            ordered = bool(np.all((of[1:] != of[:-1]) | (step[1:] >= step[:-1])))
+            self._by_step = np.arange(self.size) if ordered else np.lexsort((step, of))
+        return self._by_step
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        return np.maximum.reduceat(values, self.starts)
+
+    def min(self, values: np.ndarray) -> np.ndarray:
+        return np.minimum.reduceat(values, self.starts)
+
+    def any(self, mask: np.ndarray) -> np.ndarray:
+        return np.logical_or.reduceat(mask, self.starts)
+
+    def first_max(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each layer's largest value (NaN first, as ``np.argmax``) and the row of its first
+        occurrence."""
+        top = self.max(values)
+        mine = top[self.of]
+        hit = (values == mine) | (np.isnan(values) & np.isnan(mine))
+        return top, self.min(np.where(hit, np.arange(self.size), self.size))
+
+    def first_step(self, mask: np.ndarray) -> list[Optional[int]]:
+        first = self.min(np.where(mask, self.step, np.iinfo(np.int64).max))
+        return when(first, self.any(mask))
+
+    def distinct_steps(self, mask: Optional[np.ndarray]) -> np.ndarray:
+        rows = self.by_step if mask is None else self.by_step[mask[self.by_step]]
+        layer, step = self.of[rows], self.step[rows]
+        new = np.r_[True, (layer[1:] != layer[:-1]) | (step[1:] != step[:-1])] \
+            if len(rows) else np.zeros(0, bool)
+        return np.bincount(layer[new], minlength=len(self.starts))
+
+    def median(self, values: np.ndarray) -> np.ndarray:
+        """Each layer's median (of an even count, the mean of the middle two, as
+        ``np.median``)."""
+        top = self.max(values)
+        if np.array_equal(top, self.min(values)):  # one value in each (a steady loss scale)
+            return top
+        ordered = values[np.lexsort((values, self.of))]
+        length = np.diff(np.r_[self.starts, self.size])
+        upper = ordered[self.starts + length // 2]
+        out = upper.copy()
+        even = length % 2 == 0
+        out[even] = (ordered[self.starts[even] + length[even] // 2 - 1] + upper[even]) / 2
+        return out
+
+
+def when(values: np.ndarray, present: np.ndarray) -> list[Optional[int]]:
+    """``values`` as ints, None where not ``present``."""
+    return [int(v) if ok else None for v, ok in zip(values.tolist(), present.tolist())]

@@ -84,8 +84,8 @@ class TensorViews:
     def _by_id(self, column: str) -> list[str]:
         """A /tensors text column as a list indexed by tensor id."""
         out = [""] * self._id_count()
-        for i, value in zip(self.run.tensors["id"], self.run.tensors[column]):
-            out[int(i)] = str(value)
+        for i, value in zip(self.run.tensors["id"].tolist(), self.run.tensors[column].tolist()):
+            out[i] = str(value)
         return out
 
     def module_type(self, name: str) -> Optional[str]:

@@ -17,6 +17,12 @@ the curves line up with a loop that logs by optimizer step):
                                       multiplied by the loss scale)
 ``ampdoctor-underflow/{kind}/{layer}`` share of a gradient's non-zero values subnormal or
                                       flushed in fp16 (``readiness.underflow_share``)
+``ampdoctor-layers/{what}/{kind}``    past ``LAYER_CURVES`` layer curves (10^5 modules: 560 000),
+                                      instead of each layer's: per kind, the largest and the
+                                      median over its layers (``absmax_max``,
+                                      ``absmax_median``, ``underflow_max``,
+                                      ``underflow_median``), beside the per-layer curves of
+                                      the ``SHOWN_CURVES`` layers closest to fp16's limits
 ``ampdoctor-fp8-headroom/{layer}``    sampled steps, every Linear: binades between its
                                       operands' amax and the fp8 format's top under the scale
                                       delayed scaling would have set (the least of input,
@@ -73,6 +79,13 @@ _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
 GROUP_BLOCK = 1 << 20  # /groups rows read at a time (a month-long run's: 20 M)
+# Layer curves written one by one, up to this many. Past it (10^5 modules are 560 000 curves:
+# 2.8 million scalars for 500 steps, and no TensorBoard page shows so many) each kind gets a
+# summary, and only the SHOWN_CURVES layer curves that come closest to fp16's limits are
+# written: half the largest abs max (NaN and inf first), half the largest underflow share, as
+# the first read past the bound saw them (kept for later reads of a followed run).
+LAYER_CURVES = 5_000
+SHOWN_CURVES = 500
 MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
 # .ampdoctor``): a second export into a directory that holds one would show every point twice,
@@ -126,6 +139,11 @@ class _RunWriter:
         self.under_of = np.zeros(0, np.int64)
         self.tags: list[str] = []
         self.tag_index: dict[str, int] = {}
+        # per tag: its (what, kind) summary, an index into ``groups`` (-1: not a layer curve)
+        self.group_of: list[int] = []
+        self.groups: dict[tuple[str, str], int] = {}
+        self.layer_curves = 0
+        self.shown: Optional[np.ndarray] = None  # past LAYER_CURVES: the layer curves written
         self.last: Optional[tuple[int, float]] = None  # the last step written, and its time
         self.scalars = self.texts = self.thinned = 0
 
@@ -205,6 +223,8 @@ class _RunWriter:
             return
         step, curve, value = (np.concatenate([f[i] for f in found]) for i in range(3))
         step, curve, value = _largest(step, curve, value)  # a curve's step across blocks
+        if self.layer_curves > LAYER_CURVES:
+            step, curve, value = self._bounded(step, curve, value)
         keep = _thinned_layers(step, curve, value)
         step, curve, value = step[keep], curve[keep], value[keep]
         starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
@@ -221,23 +241,59 @@ class _RunWriter:
         kinds, names = tensors["kind"][new], tensors["name"][new]
         absmax = np.full(len(kinds), -1, np.int64)
         under = np.full(len(kinds), -1, np.int64)
-        for i, (kind, name) in enumerate(zip(kinds, names)):
-            kind = int(kind)
-            if kind not in LAYER_KINDS:
+        labels = {int(k): KIND_LABELS[k].replace(" ", "_") for k in LAYER_KINDS}
+        grads = {int(k) for k in GRAD_KINDS}
+        for i, (kind, name) in enumerate(zip(kinds.tolist(), names.tolist())):
+            if kind not in labels:
                 continue
-            tag = f"{KIND_LABELS[Kind(kind)].replace(' ', '_')}/{name}"
-            absmax[i] = self._tag("ampdoctor-absmax/" + tag)
-            if kind in GRAD_KINDS:
-                under[i] = self._tag("ampdoctor-underflow/" + tag)
+            label = labels[kind]
+            absmax[i] = self._tag(f"ampdoctor-absmax/{label}/{name}", ("absmax", label))
+            if kind in grads:
+                under[i] = self._tag(f"ampdoctor-underflow/{label}/{name}",
+                                     ("underflow", label))
         self.absmax_of = np.concatenate([self.absmax_of, absmax])
         self.under_of = np.concatenate([self.under_of, under])
 
-    def _tag(self, tag: str) -> int:
-        """The index of curve ``tag`` (one for the tensors a layer has of a kind)."""
+    def _tag(self, tag: str, group: Optional[tuple[str, str]] = None) -> int:
+        """The index of curve ``tag`` (one for the tensors a layer has of a kind); ``group``:
+        the (what, kind) of a layer curve, summarised past ``LAYER_CURVES``."""
         if tag not in self.tag_index:
             self.tag_index[tag] = len(self.tags)
             self.tags.append(tag)
+            self.group_of.append(-1 if group is None else
+                                 self.groups.setdefault(group, len(self.groups)))
+            self.layer_curves += group is not None
         return self.tag_index[tag]
+
+    def _bounded(self, step: np.ndarray, curve: np.ndarray,
+                 value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Past ``LAYER_CURVES``: the ``SHOWN_CURVES`` layer curves closest to fp16's limits
+        and, per step, each (what, kind)'s largest and median value over its layers."""
+        group = np.asarray(self.group_of, np.int64)
+        if self.shown is None:
+            peak = np.full(len(self.tags), -np.inf)
+            np.maximum.at(peak, curve, np.where(np.isnan(value), np.inf, value))
+            under = np.isin(group, [g for (what, _), g in self.groups.items()
+                                    if what == "underflow"])
+            self.shown = np.zeros(len(self.tags), bool)
+            for mine in (~under & (group >= 0), under):
+                ids = np.flatnonzero(mine & (peak > -np.inf))
+                self.shown[ids[np.argsort(-peak[ids], kind="stable")[:SHOWN_CURVES // 2]]] = True
+        shown = np.zeros(len(self.tags), bool)
+        shown[:len(self.shown)] = self.shown
+        summary = _summaries(step, group[curve], value)
+        tags = {g: (self._tag(f"ampdoctor-layers/{what}_max/{kind}"),
+                    self._tag(f"ampdoctor-layers/{what}_median/{kind}"))
+                for (what, kind), g in self.groups.items()}
+        s_step, s_group, s_max, s_median = summary
+        top = np.array([tags[g][0] for g in s_group.tolist()], np.int64)
+        middle = np.array([tags[g][1] for g in s_group.tolist()], np.int64)
+        keep = shown[curve]
+        step = np.concatenate([step[keep], s_step, s_step])
+        curve = np.concatenate([curve[keep], top, middle])
+        value = np.concatenate([value[keep], s_max, s_median])
+        order = np.lexsort((curve, step))
+        return step[order], curve[order], value[order]
 
     def _layer_values(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(step, curve, value) of a block of sampled rows: the largest over a layer's tensors
@@ -307,6 +363,24 @@ def _kurtosis(rows: np.ndarray, names: dict[int, str]) -> dict[int, list]:
     for (step, tag), k in best.items():
         out.setdefault(step, []).append((tag, k))
     return out
+
+
+def _summaries(step: np.ndarray, group: np.ndarray, value: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per (step, group): the largest value (NaN first, as ``_largest``) and the median
+    (NaN counted as the largest)."""
+    mine = group >= 0
+    step, group, value = step[mine], group[mine], value[mine]
+    if not len(step):
+        return step, group, value, value
+    order = np.lexsort((value, group, step))
+    step, group, value = step[order], group[order], value[order]
+    starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (group[1:] != group[:-1])])
+    length = np.diff(np.r_[starts, len(step)])
+    median = value[starts + length // 2].copy()
+    even = length % 2 == 0
+    median[even] = (value[starts[even] + length[even] // 2 - 1] + median[even]) / 2
+    return step[starts], group[starts], np.maximum.reduceat(value, starts), median
 
 
 def _thinned(rows: np.ndarray) -> np.ndarray:

@@ -296,19 +296,24 @@ def _layer_diffs(b: Any, a: Any, common: np.ndarray) -> tuple[list[LayerDiff], i
     if matched is None:
         return [], nsteps
     matched = matched[np.argsort(matched["layer"], kind="stable")]
+    if not len(matched):
+        return [], nsteps
+    # every layer at once (10^5 modules: 333 332 layers), then the few shown
+    g = _layers.Groups(matched["layer"], matched["step"])
+    log = matched["log"]
+    spread = g.median(np.abs(log))
+    _, worst = g.first_max(np.abs(log))
+    steps, typical = g.distinct_steps(None), g.median(log)
+    # (fmax: NaN only where every one is)
+    max_b, max_a = np.fmax.reduceat(matched["max_b"], g.starts), \
+        np.fmax.reduceat(matched["max_a"], g.starts)
     diffs = []
-    for rows in np.split(matched, np.flatnonzero(np.diff(matched["layer"])) + 1):
-        if not len(rows):
-            continue
-        worst = int(np.argmax(np.abs(rows["log"])))
-        layer = lb[int(rows["layer"][0])]
-        diffs.append(LayerDiff(layer.name, layer.label, int(len(np.unique(rows["step"]))),
-                               float(2 ** np.median(rows["log"])),
-                               float(np.median(np.abs(rows["log"]))),
-                               float(2 ** rows["log"][worst]), int(rows["step"][worst]),
-                               _nanmax(rows["max_b"]), _nanmax(rows["max_a"])))
-    diffs.sort(key=lambda d: -d.spread)
-    return diffs[:TOP_LAYERS], nsteps
+    for i in np.argsort(-spread, kind="stable")[:TOP_LAYERS].tolist():
+        layer, w = lb[int(g.ids[i])], int(worst[i])
+        diffs.append(LayerDiff(layer.name, layer.label, int(steps[i]), float(2 ** typical[i]),
+                               float(spread[i]), float(2 ** log[w]), int(matched["step"][w]),
+                               float(max_b[i]), float(max_a[i])))
+    return diffs, nsteps
 
 
 _MATCHED = np.dtype([("layer", "<i8"), ("step", "<i8"), ("log", "<f8"), ("max_b", "<f8"),
@@ -376,8 +381,8 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
                                           assume_unique=True), common, assume_unique=True)
     if not len(steps):
         return None, lb, 0
-    rb, ra = rb[np.isin(rb["step"], steps)], ra[np.isin(ra["step"], steps)]
-    names: dict[_layers.Layer, int] = {}
+    rb, ra = _at_steps(rb, steps), _at_steps(ra, steps)
+    names: dict[tuple[int, str], int] = {}
     _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
                                return_indices=True)
     rms_b = _layers.unscale(b, rb, lb, "rms")[ib]
@@ -391,19 +396,23 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
     return out, lb, int(len(steps))
 
 
+def _at_steps(rows: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The rows at ``steps``: ``rows`` themselves where every one is (no copy of 10^5
+    modules' rows)."""
+    mine = np.isin(rows["step"], steps)
+    return rows if bool(mine.all()) else rows[mine]
+
+
 def _keys(rows: np.ndarray, found: list, steps: np.ndarray, names: dict) -> np.ndarray:
     """One int64 per (layer, output index, call, step), the same in both runs: layers by
     name through ``names``, steps by their position in ``steps``."""
-    gid = np.array([names.setdefault(layer, len(names)) for layer in found] or [0], np.int64)
+    # (by kind code and name, not by Layer: its hash goes through the Kind enum's, in Python)
+    gid = np.array([names.setdefault((int(x.kind), x.name), len(names)) for x in found] or [0],
+                   np.int64)
     pos = np.searchsorted(steps, rows["step"]).astype(np.int64)
     index = np.clip(rows["index"], 0, 255).astype(np.int64)
     call = np.clip(rows["call"], 0, 255).astype(np.int64)
     return (((gid[rows["layer"]] << 8 | index) << 8 | call) << 27) | pos
-
-
-def _nanmax(x: np.ndarray) -> float:
-    x = x[~np.isnan(x)]
-    return float(x.max()) if len(x) else math.nan
 
 
 def _range_summary(r: Readiness) -> dict:

@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -35,7 +35,7 @@ from ..diagnosis.facts import low_precision
 from ..diagnosis.layers import GRAD_KINDS, VALUE_KINDS
 from ..diagnosis.thresholds import LAYER_UNDERFLOW, RUNAWAY_SCALE
 from ..numfmt import fmt
-from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, columns
+from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MIN, Kind, columns
 
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
@@ -88,6 +88,12 @@ class LayerRange:
         return self.kind.endswith("grad")
 
 
+_LAYER_FIELDS = tuple(f.name for f in fields(LayerRange))
+# Layers listed in full in the JSON form; a run with more (10^5 modules are 333 332 layers, a
+# 193 MB report) lists the ones that matter and counts the rest (``Readiness.shown``).
+JSON_LAYERS = 10_000
+
+
 @dataclass
 class Readiness:
     """What fp16 would do to a run's values, layer by layer, and what that means."""
@@ -99,6 +105,10 @@ class Readiness:
     advice: str
     layers: list[LayerRange] = field(default_factory=list)
     grad_range: dict = field(default_factory=dict)  # unscaled max/min, powers of 2, scale
+    # the value layers of the largest abs max (NaN aside), largest first, with their rows'
+    # steps and abs max in the order recorded: what the report's activation figure draws,
+    # without a second read of /stats (not in ``to_dict``)
+    peaks: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def overflowing(self) -> list[LayerRange]:
@@ -121,11 +131,37 @@ class Readiness:
         """Layers that held NaN or inf on a sampled step (overflowing ones aside)."""
         return [x for x in self.layers if x.nonfinite_steps and not _overflows(x)]
 
+    def shown(self, limit: int = JSON_LAYERS) -> list[LayerRange]:
+        """Every layer, up to ``limit`` of them; past that the ``limit`` that matter most, in
+        layer order: those overflowing, non-finite, underflowing or near the max first, then
+        by turns the largest abs max (closest to overflow) and the largest subnormal or
+        flushed share (closest to flushing)."""
+        if len(self.layers) <= limit:
+            return self.layers
+        at = {id(x): i for i, x in enumerate(self.layers)}
+        found = [at[id(x)] for x in self.overflowing + self.nonfinite + self.underflowing
+                 + self.near]
+        top = np.argsort([-x.absmax for x in self.layers], kind="stable")
+        low = np.argsort([-x.sub for x in self.layers], kind="stable")
+        ranked = np.concatenate([np.array(found, np.int64), np.ravel([top, low], order="F")])
+        _, first = np.unique(ranked, return_index=True)
+        keep = np.sort(ranked[np.sort(first)][:limit])
+        return [self.layers[i] for i in keep.tolist()]
+
     def to_dict(self) -> dict:
-        out = asdict(self)
-        for key, items in (("overflowing", self.overflowing), ("near", self.near),
-                           ("underflowing", self.underflowing), ("nonfinite", self.nonfinite)):
-            out[key] = [x.name + f" ({x.kind})" for x in items]
+        """The JSON form; past ``JSON_LAYERS`` layers, ``layers`` (and each list of names)
+        bounded to the ones that matter (``shown``), and ``bounded`` counting them all."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peaks"}
+        shown = self.shown()
+        out["layers"] = [{f: getattr(x, f) for f in _LAYER_FIELDS} for x in shown]
+        out["grad_range"] = dict(self.grad_range)
+        lists = (("overflowing", self.overflowing), ("near", self.near),
+                 ("underflowing", self.underflowing), ("nonfinite", self.nonfinite))
+        for key, items in lists:
+            out[key] = [x.name + f" ({x.kind})" for x in items[:JSON_LAYERS]]
+        if len(shown) < len(self.layers):
+            out["bounded"] = {"layers": len(self.layers), "shown": len(shown),
+                              **{key: len(items) for key, items in lists}}
         return plain(out)
 
 
@@ -153,22 +189,55 @@ def fp16_readiness(run: Any) -> Readiness:
     # they say nothing about the range.
     skipped = run.steps["step"][run.steps["skipped"] == 1] if len(run.steps) else []
     kinds = np.array([int(x.kind) for x in found] or [0])
-    grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
-    keep = np.flatnonzero(~(grad & np.isin(rows["step"], skipped) & (scale != 1.0)))
-    del grad
+    keep = np.arange(len(rows))
+    if len(skipped):
+        grad = np.isin(kinds[rows["layer"]], [int(k) for k in GRAD_KINDS])
+        keep = np.flatnonzero(~(grad & np.isin(rows["step"], skipped) & (scale != 1.0)))
+        del grad
+    steps = _distinct(rows["step"][keep])
     # (the rows kept, in layer order, in one copy: on a month-long run each is 120 MB)
     order = keep[np.argsort(rows["layer"][keep], kind="stable")]
     del keep
     rows, scale = rows[order], scale[order]
-    bounds = np.searchsorted(rows["layer"], np.arange(len(found) + 1))
-    ranges = [_layer_range(found[i], rows[a:b], scale[a:b])
-              for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+    del order
+    peaks = _peaks(found, kinds, rows)
+    ids, figures = _figures(rows, scale)
+    del rows, scale  # (before the 333 332 objects of 10^5 modules are made)
+    ranges = _ranges(found, ids, figures)
     r = Readiness(dtype=precision(run), scaled=scaled,
-                  sampled_steps=int(len(np.unique(rows["step"]))), status="unknown", advice="",
-                  layers=ranges)
+                  sampled_steps=steps, status="unknown", advice="",
+                  layers=ranges, peaks=peaks)
     r.grad_range = _grad_range(ranges, scaled)
     r.status, r.advice = _judge(r)
     return r
+
+
+def _distinct(steps: np.ndarray) -> int:
+    """``len(np.unique(steps))``, without the sort where they are in order (as recorded)."""
+    if bool(np.all(steps[1:] >= steps[:-1])):
+        return int(np.count_nonzero(steps[1:] != steps[:-1])) + int(len(steps) > 0)
+    return int(len(np.unique(steps)))
+
+
+PEAKS = 16  # value layers kept in ``Readiness.peaks``
+
+
+def _peaks(found: list[_layers.Layer], kinds: np.ndarray, rows: np.ndarray) -> list:
+    """``Readiness.peaks``: (layer, steps, abs max) of the ``PEAKS`` value layers of the
+    largest abs max, NaN counted as -1 (``rows``: sorted by layer, in the order recorded
+    within one; every value row is kept); ties in layer order."""
+    if not len(rows):
+        return []
+    value = np.isin(kinds[rows["layer"]], [int(k) for k in VALUE_KINDS])
+    absmax = rows["absmax"].astype(np.float64)
+    peak = np.full(len(found), -1.0)
+    np.maximum.at(peak, rows["layer"][value], np.where(np.isnan(absmax[value]), -1.0,
+                                                      absmax[value]))
+    mine = np.flatnonzero(np.isin(kinds[:len(found)], [int(k) for k in VALUE_KINDS]))
+    chosen = mine[np.argsort(-peak[mine], kind="stable")[:PEAKS]]
+    bounds = np.searchsorted(rows["layer"], np.stack([chosen, chosen + 1]))
+    return [(found[i], rows["step"][a:b].copy(), absmax[a:b].copy())
+            for i, a, b in zip(chosen.tolist(), *bounds.tolist()) if peak[i] >= 0]
 
 
 def nonzero_sampled(rows: np.ndarray) -> np.ndarray:
@@ -185,57 +254,87 @@ def underflow_share(rows: np.ndarray) -> np.ndarray:
     return rows["sub16"] / nonzero_sampled(rows)
 
 
-def _layer_range(layer: _layers.Layer, rows: np.ndarray, scale: np.ndarray) -> LayerRange:
-    out = LayerRange(layer.name, layer.label, int(len(np.unique(rows["step"]))))
+def layer_ranges(found: list[_layers.Layer], rows: np.ndarray,
+                 scale: np.ndarray) -> list[LayerRange]:
+    """Each layer's ``LayerRange``, in layer order, for the layers with rows: ``rows`` sorted
+    by ``layer`` (in their order within one), ``scale`` each row's loss scale. All layers at
+    once, a numpy reduction per figure: 10^5 modules are 333 332 layers."""
+    return _ranges(found, *_figures(rows, scale))
+
+
+def _ranges(found: list[_layers.Layer], ids: np.ndarray, figures: list) -> list[LayerRange]:
+    """``LayerRange`` objects of ``_figures``' columns (the rows no longer needed)."""
+    layers = [found[i] for i in ids.tolist()]
+    codes = [int(x.kind) for x in layers]
+    label_of = {c: _layers.Layer(Kind(c), "").label for c in set(codes)}
+    grad = np.isin(codes, [int(k) for k in GRAD_KINDS])
+    figures[5] = np.where(grad, figures[5], 1.0)  # the scale: gradients' only
+    columns = [[x.name for x in layers], [label_of[c] for c in codes], *figures]
+    return [LayerRange(*values) for values in zip(*(
+        c if isinstance(c, list) else c.tolist() for c in columns))]
+
+
+def _figures(rows: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, list]:
+    """The layer ids with rows, and ``LayerRange``'s columns after ``kind`` for them (the
+    scale of every layer): each per-row array dropped once reduced (10^5 modules: 1.7 million
+    rows, 13 MB an array)."""
     if not len(rows):
-        return out
-    codes, counts = np.unique(rows["dtype"], return_counts=True)
-    out.dtype = _DTYPE_NAMES.get(int(codes[np.argmax(counts)]), "")
-    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
-    nonzero = nonzero_sampled(rows)
+        return np.zeros(0, np.int64), [[] for _ in range(17)]
+    g = _layers.Groups(rows["layer"], rows["step"])
+    step = rows["step"]
     absmax = rows["absmax"].astype(np.float64)
     # Presence bits and abs max are exact over the whole tensor; the counts are the sample's.
     inf = np.isinf(absmax) | ((rows["nonfinite"] & 6) != 0) | (rows["posinf"] + rows["neginf"]
                                                                > 0)
-    finite_max = np.where(np.isfinite(absmax), absmax, -1.0)
     # absmax is exact over the whole tensor: an outlier the sample missed still counts.
     over = (rows["over16"] > 0) | inf | (absmax > FP16_MAX)
     near = over | (rows["near16"] > 0) | (absmax >= FP16_NEAR)
-    over_frac = (rows["over16"] + rows["posinf"] + rows["neginf"]) / n
-    flush = rows["flush16"] / nonzero
-    out.absmax = float(np.inf if inf.any() else finite_max.max())
-    out.absmax_step = int(rows["step"][int(np.argmax(np.where(inf, np.inf, finite_max)))])
+    finite_max = np.where(np.isfinite(absmax), absmax, -1.0)
+    del absmax
+    top = np.where(g.any(inf), np.inf, g.max(finite_max))
+    top_at = g.first_max(np.where(inf, np.inf, finite_max))[1]
+    del inf, finite_max
     mins = rows["absmin"].astype(np.float64)
-    mins = mins[np.isfinite(mins) & (mins > 0)]
-    out.absmin = float(mins.min()) if len(mins) else math.nan
-    if layer.kind in GRAD_KINDS:
-        out.scale = float(np.median(scale))
-    out.over, out.over_steps = float(over_frac.max()), _steps(rows, over)
-    out.first_over = int(rows["step"][over].min()) if over.any() else None
-    out.near, out.near_steps = float((rows["near16"] / n).max()), _steps(rows, near)
-    out.flush, out.flush_step = _worst(rows, flush)
-    out.sub, out.sub_step = _worst(rows, underflow_share(rows))
-    bad_rows = rows["nonfinite"] > 0
-    out.nonfinite_steps = _steps(rows, bad_rows)
-    out.first_nonfinite = int(rows["step"][bad_rows].min()) if bad_rows.any() else None
-    return out
+    least = g.min(np.where(np.isfinite(mins) & (mins > 0), mins, np.inf))
+    del mins
+    n = np.maximum(rows["sample_n"].astype(np.float64), 1)
+    over_frac = g.max((rows["over16"] + rows["posinf"] + rows["neginf"]) / n)
+    near_frac = g.max(rows["near16"] / n)
+    del n
+    flush, flush_at = g.first_max(rows["flush16"] / nonzero_sampled(rows))
+    sub, sub_at = g.first_max(underflow_share(rows))
+    bad = rows["nonfinite"] > 0
+    return g.ids, [
+        g.distinct_steps(None), _mode(g, rows["dtype"]), top, step[top_at],
+        np.where(np.isinf(least), np.nan, least), g.median(scale),
+        over_frac, g.distinct_steps(over), g.first_step(over),
+        near_frac, g.distinct_steps(near),
+        flush, _layers.when(step[flush_at], flush > 0),
+        sub, _layers.when(step[sub_at], sub > 0),
+        g.distinct_steps(bad), g.first_step(bad)]
 
 
-def _worst(rows: np.ndarray, fraction: np.ndarray) -> tuple[float, Optional[int]]:
-    i = int(np.argmax(fraction))
-    value = float(fraction[i])
-    return value, (int(rows["step"][i]) if value > 0 else None)
-
-
-def _steps(rows: np.ndarray, mask: np.ndarray) -> int:
-    return int(len(np.unique(rows["step"][mask])))
+def _mode(g: _layers.Groups, codes: np.ndarray) -> list[str]:
+    """Each layer's most frequent dtype (the smallest code of a tie, as ``np.unique``)."""
+    if np.all(codes == codes[0]):
+        return [_DTYPE_NAMES.get(int(codes[0]), "")] * len(g.starts)
+    order = np.lexsort((codes, g.of))
+    layer, code = g.of[order], codes[order]
+    runs = np.flatnonzero(np.r_[True, (layer[1:] != layer[:-1]) | (code[1:] != code[:-1])])
+    length = np.diff(np.r_[runs, g.size])
+    first = np.flatnonzero(np.r_[True, layer[runs][1:] != layer[runs][:-1]])
+    longest = np.maximum.reduceat(length, first)
+    owner = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(runs)]))
+    pick = np.minimum.reduceat(np.where(length == longest[owner], np.arange(len(runs)),
+                                        len(runs)), first)
+    return [_DTYPE_NAMES.get(c, "") for c in code[runs][pick].tolist()]
 
 
 def _grad_range(ranges: list[LayerRange], scaled: bool) -> dict:
     """The gradients' true magnitudes, and what GradScaler could make of them in fp16."""
     grads = [x for x in ranges if x.is_grad]
-    top = [x.absmax / x.scale for x in grads if np.isfinite(x.absmax) and x.absmax > 0]
-    low = [x.absmin / x.scale for x in grads if np.isfinite(x.absmin) and x.absmin > 0]
+    top = [x.absmax / x.scale for x in grads if math.isfinite(x.absmax) and x.absmax > 0]
+    low = [x.absmin / x.scale for x in grads if math.isfinite(x.absmin) and x.absmin > 0]
     if not top or not low:
         return {}
     gmax, gmin = max(top), min(low)

@@ -171,6 +171,11 @@ class Blob:
             return [self.text(o, n) for o, n in zip(offs.tolist(), lengths.tolist())]
         out = [""] * len(offs)
         ok = np.flatnonzero((lengths > 0) & (offs >= 0) & (offs + lengths <= self.size))
+        if len(ok):
+            lo, hi = int(offs[ok].min()), int((offs[ok] + lengths[ok]).max())
+            if hi - lo <= 2 * int(lengths[ok].sum()) + TEXT_SPAN:  # together: by windows
+                self._together(offs, lengths, ok, out)
+                return out
         order = ok[np.argsort(offs[ok], kind="stable")].tolist()
         at, n = offs.tolist(), lengths.tolist()
         i = 0
@@ -184,6 +189,23 @@ class Blob:
                 out[k] = raw[at[k] - start:at[k] - start + n[k]].decode("utf-8", errors="replace")
             i = j
         return out
+
+
+    def _together(self, offs: np.ndarray, lengths: np.ndarray, ok: np.ndarray,
+                  out: list[str]) -> None:
+        """``texts`` of references that lie close together (no saved array between them):
+        each ``TEXT_SPAN`` window of starts read once and cut in one pass, no loop over
+        spans."""
+        ok = ok[np.argsort(offs[ok], kind="stable")]
+        start, end = offs[ok], offs[ok] + lengths[ok]
+        window = (start - start[0]) // TEXT_SPAN
+        cuts = np.flatnonzero(np.r_[True, window[1:] != window[:-1]]).tolist() + [len(ok)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            base = int(start[a])
+            raw = self.read(base, int(end[a:b].max()) - base) or b""
+            for k, at, n in zip(ok[a:b].tolist(), (start[a:b] - base).tolist(),
+                                lengths[ok[a:b]].tolist()):
+                out[k] = raw[at:at + n].decode("utf-8", errors="replace")
 
 
 TENSOR_VIEW = np.dtype([("id", "<i4"), ("kind", "i1"), ("index", "<i2"), ("dtype", "i1"),
@@ -448,9 +470,16 @@ def tensor_view(rows: np.ndarray, blob: Blob) -> np.ndarray:
     out = np.zeros(len(rows), TENSOR_VIEW)
     for name in ("id", "kind", "index", "dtype", "numel"):
         out[name] = rows[name]
-    out["name"] = [one_line(t) for t in blob.texts(rows["name_off"], rows["name_len"])]
-    out["type"] = [one_line(t) for t in blob.texts(rows["type_off"], rows["type_len"])]
+    out["name"] = _one_line_each(blob.texts(rows["name_off"], rows["name_len"]))
+    out["type"] = _one_line_each(blob.texts(rows["type_off"], rows["type_len"]))
     return out
+
+
+def _one_line_each(texts: list[str]) -> list[str]:
+    """``one_line`` of each text, with one search of them all first: 10^5 modules' 466 664
+    names seldom hold a line break."""
+    broken = any(_BREAK.search("\0".join(texts[i:i + 4096])) for i in range(0, len(texts), 4096))
+    return [one_line(t) for t in texts] if broken else texts
 
 
 def _is_expression(text: str) -> bool:

@@ -461,10 +461,13 @@ def computed_in_fp32(f: Facts) -> np.ndarray:
         t = f.run.tensors
         if f.autocast_dtype != "float16" or not len(t) or "dtype" not in t.dtype.names:
             return out
-        fp32 = {str(n) for k, n, d in zip(t["kind"], t["name"], t["dtype"])
-                if k == Kind.OUTPUT and d == DType.FLOAT32}
+        # (by the column, not row by row: 10^5 modules are 466 664 tensors)
+        fp32 = set(t["name"][(t["kind"] == int(Kind.OUTPUT))
+                             & (t["dtype"] == int(DType.FLOAT32))].tolist())
+        if not fp32:
+            return out
         names = f.tensor_names
-        for i in np.flatnonzero(f.tensor_kinds == Kind.PARAM_GRAD):
+        for i in np.flatnonzero(f.tensor_kinds == Kind.PARAM_GRAD).tolist():
             out[i] = module_of(names[i]) in fp32
         return out
     return f.memo("computed_in_fp32", build)

@@ -3,7 +3,8 @@ keeps its causal attention mask as a buffer filled with -inf (open_clip does) tr
 and the buffer's sampled statistics tell a constant from a poisoned statistic; a gradient norm
 that overflows over finite gradients is not the machine; and fp16 weights stepped by SGD
 (timm's ``--model-dtype float16``) lose their updates although a zero-initialised residual
-branch gets no gradient on the one step the default interval samples."""
+branch gets no gradient on the one step the default interval samples; and bf16 weights whose
+one sampled step ran at a warm-up's LR of 0 lose no update there."""
 
 import json
 import textwrap
@@ -154,3 +155,42 @@ def test_fp16_weights_under_sgd_behind_a_zero_initialised_branch_lose_their_upda
     assert premise["name"] == "at_peak_lr" and premise["status"] == "not measured"
     assert "at LR 1e-05 or below (sampled step 0), 5000x below the run's peak LR 0.05" in \
         premise["fact"]
+
+
+BF16_WARMUP = textwrap.dedent('''
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # litgpt finetune_lora's warm-up: LambdaLR(step / warmup_steps), so step 0 runs at LR 0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))
+    g = torch.Generator().manual_seed(1)
+    for step in range(12):
+        x = torch.randn(32, 8, generator=g)
+        loss = F.cross_entropy(model(x.bfloat16()).float(), x[:, :4].argmax(1))
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+''')
+
+
+def test_bf16_weights_sampled_only_at_a_warm_up_step_of_lr_0_lose_no_update(tmp_path):
+    """bf16 weights stepped by AdamW at 1e-2 (above half an ulp of each weight), recorded at
+    the default interval: step 0 alone is sampled, and its LR is 0, so the step leaves every
+    weight unchanged in any precision. That says nothing of rounding: healthy (before: a
+    ZeroDivisionError in lost_updates' at_peak_lr premise, then lost_updates at 0.6 once it
+    gave way; litgpt finetune_lora --precision bf16-true)."""
+    script = tmp_path / "bf16_warmup.py"
+    script.write_text(BF16_WARMUP)
+    out = str(tmp_path / "run.h5")
+    proc = record(str(script), out, every=DEFAULT_EVERY)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = ampdoctor.load(out)
+    kinds = dict(zip(run.tensors["id"], run.tensors["kind"]))
+    params = run.stats[[kinds[t] == Kind.PARAM for t in run.stats["tensor"]]]
+    assert set(params["step"]) == {0} and run.steps["lr"][0] == 0
+    assert np.all(params["unchanged"][np.isfinite(params["unchanged"])] == 1.0)
+    d = ampdoctor.diagnose(out)
+    assert d.verdict == "healthy", str(d)

@@ -52,7 +52,8 @@ script (``pip install torch==2.13.0 -e '.[test]'``).
 The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds what they need):
 ``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
 bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
-``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
+``JSON`` instruction data; ``litgpt finetune_lora`` on the same with its default adapters),
+diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
 a tiny UNet config, a folder of 16 px images), its ``train_text_to_image.py`` (under
 ``accelerate launch --mixed_precision bf16`` as its README shows; a tiny random Stable Diffusion
 folder saved with diffusers' own pipeline, 16 px images with a captions column) and torchtune's

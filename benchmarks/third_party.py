@@ -52,7 +52,8 @@ script (``pip install torch==2.13.0 -e '.[test]'``).
 The LLM and diffusion trainers (issue 40; ``third_party_trainers.py`` builds what they need):
 ``litgpt pretrain`` (a 2-layer GPT-NeoX from a config file, ``TextFiles`` data, bf16-mixed and
 bf16-true), ``litgpt finetune_full`` (a tiny random checkpoint saved with litgpt's own ``GPT``,
-``JSON`` instruction data), diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
+``JSON`` instruction data; ``litgpt finetune_lora`` on the same with its default adapters),
+diffusers' ``train_unconditional.py`` (``--diffusers-repo``; bf16,
 a tiny UNet config, a folder of 16 px images), its ``train_text_to_image.py`` (under
 ``accelerate launch --mixed_precision bf16`` as its README shows; a tiny random Stable Diffusion
 folder saved with diffusers' own pipeline, 16 px images with a captions column) and torchtune's
@@ -278,6 +279,33 @@ ROWS += [
         "bf16-true at AdamW 3e-5: as litgpt_pretrain_bf16_true, most updates round away",
         env=EAGER),
 ]
+# litgpt finetune_lora on the same checkpoint and data, with its default adapters (rank 8,
+# alpha 16, dropout 0.05, on the query and value weights: 4,096 trainable parameters beside
+# 149,248 frozen ones). Run plainly first (litgpt's own log): at LR 10 the loss spikes (5.90
+# to 6.51 at step 4, 5.12 to 6.15 at step 15) but ends at 4.73, below the healthy run's, so
+# the LR row is LR 100; and bf16-true is no precision failure here: its adapters' B starts at
+# 0 and A's steps at LR 1e-2 are above half an ulp of A, and its loss follows bf16-mixed's
+# to the third decimal (at 3e-5 neither precision's loss moves in 30 steps: 6.076 to 6.075)
+LITGPT_LORA = ["finetune_lora", *LITGPT_FT[1:]]
+ROWS += [
+    row("litgpt_lora", "litgpt_lora", LITGPT_LORA + ["--precision", "bf16-mixed",
+                                                    "--optimizer", adamw(1e-2)],
+        "healthy", ["healthy"], "litgpt finetune_lora (rank-8 adapters on the query and value "
+        "weights of the frozen tiny checkpoint), bf16-mixed, AdamW at 1e-2: the loss falls "
+        "(6.08 to 4.97 in 30 steps, litgpt's own log, run without ampdoctor)", env=EAGER),
+    row("litgpt_lora_lr100", "litgpt_lora", LITGPT_LORA + ["--precision", "bf16-mixed",
+                                                          "--optimizer", adamw(100)],
+        "lr_overflow", ["lr_overflow", "diverged"],
+        "AdamW at LR 100 after a 2-step warm-up: the loss rises (6.08 to 6.75 by step 5) and "
+        "is NaN from step 6 on (run without ampdoctor)", dose="litgpt_lora", env=EAGER),
+    row("litgpt_lora_bf16_true", "litgpt_lora", LITGPT_LORA + ["--precision", "bf16-true",
+                                                              "--optimizer", adamw(1e-2)],
+        "healthy", ["healthy"],
+        "bf16-true (bf16 adapters and base, no fp32 copy) at AdamW 1e-2: the adapters' B "
+        "starts at 0, and A's steps (|A| <= 1/8) stay above half an ulp until the cosine "
+        "decay's last steps; the loss follows litgpt_lora's (6.08 to 4.97, within 0.002 at "
+        "every step, run without ampdoctor)", env=EAGER),
+]
 ROWS += [
     row("diffusers_uncond", "diffusers", UNCOND + ["--mixed_precision", "bf16",
                                                   "--learning_rate", "1e-3"],
@@ -370,7 +398,7 @@ ROWS += [
         "updates round away"),
 ]
 STACKS = ["timm", "open_clip", "nanogpt", "hf_trainer", "lightning", "litgpt", "litgpt_ft",
-          "diffusers", "diffusers_t2i", "torchtune", "accelerate"]
+          "litgpt_lora", "diffusers", "diffusers_t2i", "torchtune", "accelerate"]
 COLORS = [("red", (200, 40, 40)), ("green", (40, 200, 40)), ("blue", (40, 40, 200)),
           ("gray", (128, 128, 128))]
 
@@ -585,6 +613,10 @@ class Setup:
         stack = self.litgpt()
         data = trainers.finetune_data(os.path.join(self.workdir, "litgpt_ft"))
         return {**stack, "fill": {**stack["fill"], "data": os.path.join(data, "train.json")}}
+
+    def litgpt_lora(self) -> dict[str, Any]:
+        """finetune_lora's rows: ``litgpt_ft``'s checkpoint and data."""
+        return self.litgpt_ft()
 
     def diffusers(self) -> dict[str, Any]:
         python = self.tv()

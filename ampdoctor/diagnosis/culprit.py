@@ -20,6 +20,8 @@ import math
 from dataclasses import replace
 from typing import Optional
 
+import numpy as np
+
 from ..numfmt import fmt
 from ..runfile import schema
 from ..runfile.detail import OpRecord
@@ -34,6 +36,29 @@ from .fixes.premises import squares_overflow as squares_overflow
 from .verdict import Evidence
 
 # -- which replay describes the failure ----------------------------------------------------
+
+
+def replay_out_absmax(f: Facts) -> Optional[tuple[int, float]]:
+    """The first replay at or after the failure, as a sample of the forward: its step and the
+    largest finite module output it recorded in the run's own precision (None: no replay, or
+    no finite output). A run shorter than the sampling interval has one sampled step; the
+    replay of its failing step measures the same statistic there."""
+    step = f.failure_step
+    later = [s["step"] for s in f.snapshots if step is not None and s["step"] >= step]
+    if not later:
+        return None
+    at, kinds, best = min(later), f.tensor_kinds, -1.0
+    for rows in f.run.stats.chunks(f.chunk, names=("step", "tensor", "source", "absmax",
+                                                    "nonfinite")):
+        t = rows["tensor"]
+        sel = ((rows["source"] == schema.Source.REPLAY) & (rows["step"] == at)
+               & (rows["nonfinite"] == 0) & (t >= 0) & (t < len(kinds)))
+        sel[sel] = kinds[t[sel]] == schema.Kind.OUTPUT
+        absmax = rows["absmax"][sel].astype(float)
+        absmax = absmax[np.isfinite(absmax)]
+        best = max(best, float(absmax.max())) if len(absmax) else best
+    return (int(at), best) if best > 0 else None
+
 
 
 def snapshot_at(f: Facts, step: Optional[int]) -> Optional[dict]:

@@ -266,7 +266,8 @@ class Facts(EventViews):
         """The /stats table streamed once and reduced per step and per tensor (``Reduced``)."""
         return self.memo("reduced", lambda: stream_stats(
             self.run, self.tensor_kinds, self.tensor_names, self.step_values, self.skipped,
-            self.horizon, self.low_precision or "fp16", self.chunk))
+            self.horizon, self.low_precision or "fp16", self.chunk,
+            still=self.steps["lr"] == 0))
 
     def first_nonfinite_sampled(self) -> Optional[dict]:
         """The first non-finite tensor in the sampled tier: {"step", "module", "phase"}."""

@@ -215,14 +215,18 @@ _PHASE_ORDER = {int(Kind.INPUT): (0, "input"), int(Kind.OUTPUT): (1, "forward"),
 
 
 def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarray,
-                 skipped: np.ndarray, horizon: int, low: str, chunk: int = 1 << 16) -> Reduced:
+                 skipped: np.ndarray, horizon: int, low: str, chunk: int = 1 << 16,
+                 still: Optional[np.ndarray] = None) -> Reduced:
     """One pass over /stats (SAMPLED rows), ``chunk`` rows at a time, vectorised per chunk.
 
     ``kinds``/``names``: tensor id -> Kind / name. ``step_values``: run.steps["step"] (sorted).
     ``horizon``: step number where the failure starts (pre-failure reductions stop there).
     ``low``: the run's low precision, "fp16" or "bf16" (which subnormal band counts).
+    ``still``: per step, True where the LR of every group was 0 (a warm-up's first step): its
+    optimizer step asked for no update, so what it left unchanged is not measured.
     """
     n, t = len(step_values), len(kinds)
+    still = np.zeros(n, bool) if still is None else still
     out = Reduced(n, t)
     sub_col = "subbf16" if low == "bf16" else "sub16"
     best: Optional[tuple] = None
@@ -253,7 +257,7 @@ def stream_stats(run: Any, kinds: np.ndarray, names: list, step_values: np.ndarr
         _reduce_outputs(out, rows, k, tid, kind == Kind.OUTPUT, bad, pre)
         _reduce_grads(out, rows, k, tid, (kind == Kind.PARAM_GRAD) & ~bad & clean_step,
                       pre, sub_col)
-        no_grad = _zero_grad_params(rows, tid, kind, bad, names, zero_grads)
+        no_grad = _zero_grad_params(rows, tid, kind, bad, names, zero_grads) | still[pos]
         _reduce_params(out, rows, k, tid, kind == Kind.PARAM, pre & clean_step, no_grad)
         _reduce_zero_grads(out, rows, tid, ((kind == Kind.PARAM_GRAD) | (
             kind == Kind.GRAD_OUTPUT)) & ~bad & clean_step)

@@ -467,15 +467,20 @@ def _past_adams_first(f: Facts, idx: np.ndarray) -> np.ndarray:
 def _activation_growth(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
     act = f.reduced.out_absmax[idx] if len(idx) else np.zeros(0)
     ok = np.isfinite(act)
-    if ok.sum() < 2:
-        return None
     a_idx, act = idx[ok], act[ok]
+    steps = [f.step_at(int(i)) for i in a_idx]
+    replay = culprit.replay_out_absmax(f) if len(act) == 1 else None
+    if replay is not None and replay[0] > steps[-1]:  # one sample: the replay is the second
+        steps, act = steps + [replay[0]], np.append(act, replay[1])
+    if len(act) < 2:
+        return None
     a0, a1 = float(act[0]), float(np.max(act[-max(1, len(act) // 3):]))
     if not (a0 > 0 and a1 / a0 >= ACTIVATION_GROWTH):
         return None
     return Evidence(f"the largest activation grew {a1 / a0:.0f}x, from {fmt(a0)} at step "
-                    f"{f.step_at(a_idx[0])} to {fmt(a1)} by step {f.step_at(a_idx[-1])}",
-                    "activation_growth", a1 / a0, f.step_at(a_idx[-1]))
+                    f"{steps[0]} to {fmt(a1)} by step {steps[-1]}"
+                    + (" (the replay of the failing step)" if replay else ""),
+                    "activation_growth", a1 / a0, steps[-1])
 
 
 def _loss_spike(f: Facts, hi: int) -> Optional[Evidence]:
@@ -544,6 +549,9 @@ def _weights_replaced(f: Facts, idx: np.ndarray) -> Optional[Evidence]:
 
 def _lr_rise(f: Facts, hi: int) -> Optional[Evidence]:
     lr = f.steps["lr"][:hi + 1].astype(float)
+    if lr[0] == 0 and lr[hi] > 0:  # a warm-up from LR 0 (litgpt's first step moves nothing)
+        return Evidence(f"the LR rose from 0 at step {f.step_at(0)} to {fmt(float(lr[hi]))} "
+                        f"at step {f.step_at(hi)}, the failure", "lr_rise", None, f.step_at(hi))
     fin = np.flatnonzero(np.isfinite(lr) & (lr > 0))
     if len(fin) < 2 or fin[-1] != hi:
         return None

@@ -299,10 +299,11 @@ def at_peak_lr(f: Facts) -> Premise:
     near = idx[lr[idx] * NEAR_PEAK_LR >= peak]
     if not len(near):
         top = float(lr[idx].max())
+        # (a warm-up's first step at LR 0, where nothing moves: litgpt finetune_lora's)
+        below = f"{peak / top:.0f}x below" if top > 0 else "below"
         return Premise("at_peak_lr", NOT_MEASURED, f"the updates were measured at LR "
-                       f"{fmt(top)} or below ({_sampled_text(f, idx)}), {peak / top:.0f}x "
-                       f"below the run's peak LR {fmt(peak)}: no sampled step measured them "
-                       "there")
+                       f"{fmt(top)} or below ({_sampled_text(f, idx)}), {below} the run's "
+                       f"peak LR {fmt(peak)}: no sampled step measured them there")
     share = float(np.mean(st.unchanged[near]))
     status = HELD if share >= UNCHANGED_HIGH else FAILED
     low, high = fmt(float(lr[near].min())), fmt(float(lr[near].max()))

@@ -269,3 +269,43 @@ def test_compare_of_paths_is_compare_of_runs_loaded_whole(long_run):
     from_paths = comparison.compare(long_run, long_run)
     assert from_paths.to_dict() == whole.to_dict()
     assert from_paths.layers and from_paths.common_steps == 6000
+
+
+def test_holding_reads_only_the_columns_named_that_are_missing_in_one_pass(long_run):
+    whole = store.load_steps(long_run)
+    with store.load(long_run, columns=("step", "loss", "dt")) as run:
+        few = run.steps
+        reads = []
+        rows_of, block = few._rest
+        few._rest = (lambda a, b: reads.append(a) or rows_of(a, b), block)
+        held = few.holding(("step", "grad_norm", "scale_after"))
+        assert set(held._cols) == {"step", "grad_norm", "scale_after"}
+        assert held._cols["step"] is few._cols["step"]  # the same array, not read again
+        assert len(reads) == -(-len(whole) // block)  # one pass
+        for name in ("grad_norm", "scale_after"):
+            assert np.array_equal(held[name], whole[name], equal_nan=True)
+        assert set(few._cols) == {"step", "loss", "dt"}  # the run's own columns unchanged
+    assert whole.holding(("step",)) is whole  # held whole (no file behind): as it is
+
+
+def test_a_fix_comparison_reads_the_diagnosis_columns_once_per_run(long_run, monkeypatch):
+    """A run and its fix: each run compare loaded gets the diagnosis's /steps columns in one
+    pass of its own (never the wall clock), and the answer is the one of runs loaded whole."""
+    from ampdoctor.release import fix_outcome
+
+    monkeypatch.setattr(fix_outcome, "question", lambda *a: "fix")
+    with store.load(long_run) as b, store.load(long_run) as a:
+        whole = comparison.compare(b, a)
+    asked = []
+    real = Columns.holding
+    monkeypatch.setattr(Columns, "holding", lambda self, keep: asked.append(
+        tuple(n for n in self.dtype.names if n in set(keep) and n not in self._cols))
+        or real(self, keep))
+    passes = []  # a read of every column left out (a column asked for and not held)
+    real_whole = Columns._whole
+    monkeypatch.setattr(Columns, "_whole", lambda self: passes.append(self._rest is not None)
+                        or real_whole(self))
+    got = comparison.compare(long_run, long_run)
+    assert got.kind == "fix" and got.to_dict() == whole.to_dict()
+    assert len(asked) == 2 and all("time" not in names and names for names in asked)
+    assert not any(passes)

@@ -268,6 +268,8 @@ def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
 
 def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
          la: np.ndarray, ours: tuple = ()) -> Comparison:
+    for run in ours:  # the compare's columns are done with: only the step numbers stay
+        run.steps = run.steps.narrowed(("step",))
     (before, base), (after, amp) = (_diagnosed(r, any(r is o for o in ours)) for r in (b, a))
     c.treatment = {"base": base, "amp": amp,
                    "change": fix_outcome.change(b, a),
@@ -286,20 +288,20 @@ def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
 
 def _diagnosed(run: Any, ours: bool) -> tuple[Any, dict]:
     """The diagnosis of one of the two runs and its side of the outcome
-    (``fix_outcome.outcome``). A run ``compare`` loaded holds its columns: the diagnosis's
-    are read for it in one pass (none it does not read: the wall clock's 80 MB on 10^7 steps
-    among them) and let go after, before the other run's are read."""
+    (``fix_outcome.outcome``). A run ``compare`` loaded gets the diagnosis's columns in one
+    pass (none it does not read: the wall clock's 80 MB on 10^7 steps among them), let go
+    after, before the other run's are read: one run's at a time (460 MB on 10^7 steps)."""
     from ..diagnosis.engine import STEP_COLUMNS as READ
     from ..diagnosis.engine import diagnose
 
-    held = run.steps
     if ours:
-        run.steps = held.holding(READ)
+        run.steps = run.steps.holding(READ)
     try:
         d = diagnose(run)
         return d, fix_outcome.outcome(run, d)
     finally:
-        run.steps = held
+        if ours:
+            run.steps = run.steps.narrowed(("step",))
 
 
 # ---------------------------------------------------------------------------------------------

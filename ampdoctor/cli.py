@@ -402,7 +402,10 @@ def export(run: str, logdir: str, follow: bool, wait: float, force: bool) -> Non
     group, per-layer abs max and underflow shares, forensic replays and the diagnosis.
 
     Needs the tensorboard package: pip install 'ampdoctor[tensorboard]'. Rank files of a
-    torchrun job become runs rank0, rank1... under DIR.
+    torchrun job become runs rank0, rank1... under DIR. A run of more than 20 000 steps is
+    thinned: each curve keeps each bin's smallest and largest value (about 4 000 points a
+    curve, so a one-step spike survives) and every skipped or non-finite step; TensorBoard
+    draws 1 000 points of a curve by default.
 
     \b
         ampdoctor export run.h5 --tensorboard runs/exp1

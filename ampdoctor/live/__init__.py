@@ -5,7 +5,8 @@
 * ``frame``: one frame of the live view as plain data, from the same functions the reports use;
 * ``top``: the terminal view and its loop (standard library only); ``fp8top``: its lines for
   the Linears at risk in fp8;
-* ``tensorboard``: the run's curves as TensorBoard event files (the ``tensorboard`` extra).
+* ``tensorboard``: the run's curves as TensorBoard event files (the ``tensorboard`` extra);
+  ``tfrecord``: the event file itself, its records checksummed by numpy a batch at a time.
 
 Like the rest of the analysis side, none of it imports torch.
 

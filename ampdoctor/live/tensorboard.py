@@ -1,10 +1,12 @@
 """``ampdoctor export --tensorboard``: a run's curves as TensorBoard scalars, beside the user's.
 
-Written with the ``tensorboard`` package alone (``pip install 'ampdoctor[tensorboard]'``):
-its ``EventFileWriter`` (the one ``torch.utils.tensorboard`` writes through) and its protocol
-buffers. Not ``torch.utils.tensorboard.SummaryWriter``, which would import torch into the
-analysis side and still need this package, nor ``tensorboardX``, a second writer to keep in step
-with TensorBoard's reader. What is written, per recorded optimizer step (the ``step`` axis, so
+Written with the ``tensorboard`` package's protocol buffers (``pip install
+'ampdoctor[tensorboard]'``) into the event file ``EventFileWriter`` (the one
+``torch.utils.tensorboard`` writes through) writes, framed and checksummed by ``tfrecord``
+(its CRC-32C in numpy, a batch of events at a time: tensorboard's is pure Python, one byte at a
+time). Not ``torch.utils.tensorboard.SummaryWriter``, which would import torch into the
+analysis side and still need this package, nor ``tensorboardX``, a second writer to keep in
+step with TensorBoard's reader. What is written, per recorded optimizer step (the ``step`` axis, so
 the curves line up with a loop that logs by optimizer step):
 
 ====================================  =========================================================
@@ -37,10 +39,12 @@ the curves line up with a loop that logs by optimizer step):
 ====================================  =========================================================
 
 A month-long run is thinned as its plots are: where one read brings more than ``MAX_STEPS``
-steps, each curve keeps each bin's smallest and largest value (``curves.extremes``: a one-step
-spike survives) and every skipped or non-finite step (at most ``MAX_STEPS`` of those too);
-TensorBoard itself shows 1000 points of a scalar by default. ``Exported.thinned`` counts the
-steps left out.
+steps, the loss, grad-norm and loss-scale curves keep each bin's smallest and largest value in
+about ``POINTS`` points each (``curves.extremes``: a one-step spike survives), with every
+skipped or non-finite step (at most ``MAX_STEPS`` of those), and each group's LR ``POINTS``
+evenly spaced steps. TensorBoard itself shows 1000 points of a scalar by default
+(``--samples_per_plugin scalars=N`` for more), so the thinned curves lose nothing it would
+draw. ``Exported.thinned`` counts the steps left out.
 
 Each rank file of a torchrun job becomes its own run (``DIR/rank0``, ``DIR/rank1``...), so the
 ranks' curves overlay in TensorBoard. ``follow=True`` keeps writing while the run is recorded
@@ -73,6 +77,7 @@ from ..release.curves import extremes
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Recipe, Role, Source, columns
 from .follow import STALE_SECONDS, Follower
+from .tfrecord import EventFile
 
 LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
@@ -87,11 +92,12 @@ GROUP_BLOCK = 1 << 20  # /groups rows read at a time (a month-long run's: 20 M)
 LAYER_CURVES = 5_000
 SHOWN_CURVES = 500
 MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
+POINTS = 4_000  # about the points a thinned read keeps of each steps' and LR curve (docstring)
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
 # .ampdoctor``): a second export into a directory that holds one would show every point twice,
 # so it refuses (or, with --force, removes that file first). The random token makes the name
-# one nobody can have made before: the writer opens it without O_EXCL, and a link planted at a
-# guessable name (time, host, pid) would be written through.
+# one nobody can have made before (and ``tfrecord.EventFile`` creates it with O_EXCL and
+# O_NOFOLLOW: a link planted at a guessable name is refused, never written through).
 SUFFIX = ".ampdoctor"
 
 
@@ -117,23 +123,21 @@ def _protos() -> Any:
             tensor_shape_pb2,
             types_pb2,
         )
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
     except ImportError:
         raise MissingExtraError(
             "ampdoctor export --tensorboard needs the tensorboard package, which is not "
             "installed: pip install 'ampdoctor[tensorboard]'") from None
-    return EventFileWriter, event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    return event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
 
 class _RunWriter:
     """One TensorBoard run: the event file of one run file."""
 
     def __init__(self, logdir: str, protos: Any):
-        writer_class, self.event_pb2, self.summary_pb2, self.tensor_pb2, self.shape_pb2, \
+        self.event_pb2, self.summary_pb2, self.tensor_pb2, self.shape_pb2, \
             self.types_pb2 = protos
         self.logdir = logdir
-        self.file = writer_class(logdir, max_queue_size=1000, flush_secs=30,
-                                 filename_suffix=f".{secrets.token_hex(8)}{SUFFIX}")
+        self.file = EventFile(logdir, f".{secrets.token_hex(8)}{SUFFIX}", self.event_pb2)
         # per tensor id, the index in ``tags`` of its abs max and underflow curves (-1: none)
         self.absmax_of = np.zeros(0, np.int64)
         self.under_of = np.zeros(0, np.int64)
@@ -171,7 +175,7 @@ class _RunWriter:
 
     def write(self, delta: Any, state: Any) -> None:
         self._steps(delta.rows["steps"])
-        self._groups(delta.rows["groups"], state)
+        self._groups(delta.rows["groups"], state, delta.rows["steps"])
         self._layers(delta, state)
         self._fp8(delta.rows.get("fp8"), state)
         self._forensics(delta.rows["snapshots"], state)
@@ -188,16 +192,11 @@ class _RunWriter:
                            ("ampdoctor/skipped", float(r["skipped"] == 1))]
             self.scalars_at(r["step"], float(r["time"]), values)
 
-    def _groups(self, table: Any, state: Any) -> None:
-        """Each param group's LR at the read's steps (thinned: ``_thinned_steps``), /groups
-        read a block at a time (a month-long run's is 20 M rows)."""
+    def _groups(self, table: Any, state: Any, steps: Any) -> None:
+        """Each param group's LR at the read's steps (thinned: ``_lr_rows``)."""
         if not len(table):
             return
-        steps = _distinct(np.concatenate([_distinct(part["step"]) for part in
-                                          table.chunks(GROUP_BLOCK, names=("step",))]))
-        shown = steps[_thinned_steps(steps)]
-        rows = np.concatenate([part[np.isin(part["step"], shown)] for part in
-                               table.chunks(GROUP_BLOCK, names=("step", "group", "lr"))])
+        rows = _lr_rows(table, steps["step"] if len(steps) else np.zeros(0, np.int64))
         order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
         rows = rows[order]
         walls = _walls(state, rows["step"])
@@ -383,18 +382,47 @@ def _summaries(step: np.ndarray, group: np.ndarray, value: np.ndarray
     return step[starts], group[starts], np.maximum.reduceat(value, starts), median
 
 
-def _thinned(rows: np.ndarray) -> np.ndarray:
+def _thinned(rows: Any) -> np.ndarray:
     """Which /steps rows of one read are written: all, up to ``MAX_STEPS``; else each
-    curve's bin extremes and every skipped or non-finite step (module docstring)."""
+    curve's bin extremes (about ``POINTS`` each) and every skipped or non-finite step (at most
+    ``MAX_STEPS`` of those; module docstring)."""
     if len(rows) <= MAX_STEPS:
         return np.arange(len(rows))
     # (as stored: ``extremes`` widens a block at a time, the same positions)
-    keep = [extremes(rows[c], MAX_STEPS) for c in ("loss", "grad_norm", "scale")]
+    keep = [extremes(rows[c], POINTS) for c in ("loss", "grad_norm", "scale")]
     special = np.flatnonzero((rows["skipped"] == 1) | ~np.isfinite(rows["loss"]) |
                              ~np.isfinite(rows["grad_norm"]))
     if len(special) > MAX_STEPS:
         special = special[::int(np.ceil(len(special) / MAX_STEPS))]
     return np.unique(np.concatenate(keep + [special]))
+
+
+def _lr_rows(table: Any, read: np.ndarray) -> np.ndarray:
+    """The (step, group, lr) rows of a read's /groups that are written, in one pass over it a
+    block at a time (a month-long run's is 20 M rows): every row where the rows hold at most
+    ``MAX_STEPS`` steps, else those at ``POINTS`` evenly spaced steps of the read's /steps
+    (``read``; an LR curve has no spikes to keep). Rows of a read no longer than that are
+    held until that is known (at most ``MAX_STEPS`` steps of rows)."""
+    names = ("step", "group", "lr")
+    shown = read[_thinned_steps(read)]
+    whole: Optional[list] = []
+    seen = np.zeros(0, np.int64)  # the distinct steps of ``whole``, while it is held
+    picked = []
+    for part in table.chunks(GROUP_BLOCK, names=names):
+        if whole is not None:
+            seen = _distinct(np.concatenate([seen, _distinct(part["step"])]))
+            whole = whole + [part] if len(seen) <= MAX_STEPS else None
+        steps = part["step"]  # (the shown steps within the block's: a tenth of the work)
+        near = shown[(shown >= steps.min()) & (shown <= steps.max())]
+        picked.append(part[np.isin(steps, near)])
+    if whole is not None:
+        return np.concatenate(whole)
+    if not len(shown):  # a read with no /steps rows (never written so): its own steps
+        steps = _distinct(np.concatenate([_distinct(p["step"]) for p in
+                                          table.chunks(GROUP_BLOCK, names=("step",))]))
+        shown = steps[_thinned_steps(steps)]
+        picked = [p[np.isin(p["step"], shown)] for p in table.chunks(GROUP_BLOCK, names=names)]
+    return np.concatenate(picked)
 
 
 def _distinct(steps: np.ndarray) -> np.ndarray:
@@ -407,11 +435,10 @@ def _distinct(steps: np.ndarray) -> np.ndarray:
 
 
 def _thinned_steps(steps: np.ndarray) -> np.ndarray:
-    """Which of a read's LR steps are written: all, up to ``MAX_STEPS``; else each group's
-    LR at evenly spaced steps (an LR curve has no spikes to keep)."""
+    """Positions of ``POINTS`` evenly spaced steps (every one, up to ``MAX_STEPS``)."""
     if len(steps) <= MAX_STEPS:
         return np.arange(len(steps))
-    return np.unique(np.linspace(0, len(steps) - 1, MAX_STEPS).astype(np.int64))
+    return np.unique(np.linspace(0, len(steps) - 1, POINTS).astype(np.int64))
 
 
 def _largest(step: np.ndarray, curve: np.ndarray,
@@ -477,8 +504,9 @@ def export(run: str, logdir: str, *, follow: bool = False, wait: float = 0.0,
         except KeyboardInterrupt:
             done.interrupted = True
         paths = follower.files()
+        read = {state.path: state.steps for state in follower.states}
         follower.close()
-        _diagnosis(paths, writers, done)
+        _diagnosis(paths, writers, done, read)
         for w in writers.values():  # a failing flush (disk full) said here, as one sentence
             w.close()
     except OSError as exc:
@@ -575,14 +603,21 @@ def _loop(follower: Follower, logdir: str, protos: Any, writers: dict, done: Exp
         time.sleep(interval)
 
 
-def _diagnosis(paths: list[str], writers: dict, done: Exported) -> None:
-    """The diagnosis as Markdown text, at the last step of each run written."""
+def _diagnosis(paths: list[str], writers: dict, done: Exported, read: dict) -> None:
+    """The diagnosis as Markdown text, at the last step of each run written. ``read``: each
+    file's /steps as the follower read it, which a one-file run's diagnosis takes instead of
+    reading it again (where the file has not grown since: ``store.load``'s ``steps``)."""
     if not paths or not writers or not done.steps:
         return
     from ..diagnosis import engine
     from ..render.diagnosis import render
+    from ..runfile.store import load
 
-    d = engine.diagnose(paths if len(paths) > 1 else paths[0])
+    if len(paths) > 1:
+        d = engine.diagnose(paths)
+    else:
+        with load(paths[0], engine.STEP_COLUMNS, steps=read.get(paths[0])) as run:
+            d = engine.diagnose(run)
     text = render(d, "markdown")
     for w in writers.values():  # at the last step each wrote (the run is not read again)
         if w.last is not None:

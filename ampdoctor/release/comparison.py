@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -166,8 +167,12 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int],
     lb = b.steps["loss"][ib].astype(np.float64)
     la = a.steps["loss"][ia].astype(np.float64)
     del ib, ia
-    if kind == "fix":
-        return _fix(c, b, a, common, lb, la)
+    if kind == "fix":  # the losses' part first, their arrays gone before the diagnoses
+        for run in ours:  # the columns read for the above are done with (each diagnosis
+            run.steps = run.steps.narrowed(())  # reads its own: ``_diagnosed``)
+        losses = _fix_losses(c, common, lb, la)
+        del common, lb, la, usable
+        return _fix(c, b, a, losses, ours)
     for run in ours:  # the columns read for the above are let go before the losses' arrays
         run.steps = run.steps.narrowed(LAYER_COLUMNS)
     floor = LOSS_FLOOR * float(np.max(np.abs(lb[usable])))
@@ -266,17 +271,18 @@ def _loss_summary(c: Comparison, rtol: float, diverge: float, w: int) -> str:
 # A run and its fix (kind "fix": see fix_outcome): what changed, not parity
 
 
-def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
-         la: np.ndarray) -> Comparison:
-    from ..diagnosis.engine import diagnose
-
-    before, after = diagnose(b), diagnose(a)
-    c.treatment = {"base": fix_outcome.outcome(b, before), "amp": fix_outcome.outcome(a, after),
-                   "change": fix_outcome.change(b, a),
-                   "at_steps": fix_outcome.at_steps(steps, lb, la),
-                   "loss_difference": fix_outcome.loss_difference(steps, lb, la,
-                                                                  c.tolerance["window"])}
+def _fix_losses(c: Comparison, steps: np.ndarray, lb: np.ndarray, la: np.ndarray) -> dict:
+    """What a run and its fix's lined-up losses say (the treatment's ``at_steps`` and
+    ``loss_difference``), and the figure's thinned curve."""
     c.curve = thinned({"step": steps, "base": lb, "amp": la})
+    return {"at_steps": fix_outcome.at_steps(steps, lb, la),
+            "loss_difference": fix_outcome.loss_difference(steps, lb, la,
+                                                           c.tolerance["window"])}
+
+
+def _fix(c: Comparison, b: Any, a: Any, losses: dict, ours: tuple = ()) -> Comparison:
+    (before, base), (after, amp) = (_diagnosed(r, any(r is o for o in ours)) for r in (b, a))
+    c.treatment = {"base": base, "amp": amp, "change": fix_outcome.change(b, a), **losses}
     c.verdict = fix_outcome.verdict(before.healthy, after.healthy,
                                     (c.treatment["amp"]["levels"] or {}).get("learned"))
     c.summary = fix_outcome.summary(c.verdict, c.treatment, c.common_steps, c.tolerance)
@@ -284,6 +290,28 @@ def _fix(c: Comparison, b: Any, a: Any, steps: np.ndarray, lb: np.ndarray,
                                                   c.amp["steps"], c.common_steps)
                + _device_note(c))
     return c
+
+
+def _diagnosed(run: Any, ours: bool) -> tuple[Any, dict]:
+    """The diagnosis of one of the two runs and its side of the outcome
+    (``fix_outcome.outcome``). A run ``compare`` loaded gets the diagnosis's columns in one
+    pass (none it does not read: the wall clock's 80 MB on 10^7 steps among them), let go
+    after, before the other run's are read: one run's at a time (420 MB on 10^7 steps)."""
+    from ..diagnosis.engine import STEP_COLUMNS as READ
+    from ..diagnosis.engine import diagnose
+
+    if ours:
+        run.steps = run.steps.holding(READ)
+    try:
+        d = diagnose(run)
+        if ours:  # what the outcome reads, the rest let go
+            run.steps = run.steps.narrowed(fix_outcome.OUTCOME_COLUMNS)
+        gc.collect()  # (the diagnosis's facts refer to themselves: their memos go now)
+        return d, fix_outcome.outcome(run, d)
+    finally:
+        if ours:
+            run.steps = run.steps.narrowed(())
+            gc.collect()  # these columns gone before the other run's are read
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ def extremes(y: np.ndarray, max_points: int, finite_only: bool = False) -> np.nd
     """The positions that keep a long series' shape in about ``max_points`` points: each
     bin's smallest and largest value, so a one-step spike in a million steps survives; every
     position of a series no longer than that. NaN counts as neither (``finite_only``: nor
-    does an infinity). Read ``BLOCK`` values at a time, in the series' own dtype: a float64
-    copy of a month-long curve is never made."""
+    does an infinity). Read ``BLOCK`` values at a time, in the series' own dtype where it is
+    a float one (widening keeps the order): a float64 copy of a month-long curve is never
+    made."""
     n = len(y)
     if n <= max_points:
         return np.arange(n)
@@ -38,15 +39,18 @@ def extremes(y: np.ndarray, max_points: int, finite_only: bool = False) -> np.nd
     step = max(1, BLOCK // k) * k  # whole bins per block
     found = []
     for start in range(0, n, step):
-        part = np.asarray(y[start:start + step], np.float64)
-        if finite_only:
-            part = np.where(np.isfinite(part), part, np.nan)
-        pad = (-len(part)) % k
-        yy = np.concatenate([part, np.full(pad, np.nan)]).reshape(-1, k)
-        base = start + np.arange(len(yy)) * k
-        nan = np.isnan(yy)
-        found += [base + np.argmin(np.where(nan, np.inf, yy), axis=1),
-                  base + np.argmax(np.where(nan, -np.inf, yy), axis=1)]
+        part = np.asarray(y[start:start + step])
+        if part.dtype.kind != "f":
+            part = part.astype(np.float64)
+        shown = np.isfinite(part) if finite_only else ~np.isnan(part)
+        whole = len(part) // k * k  # the last block's last bin may be short
+        base = start + np.arange(0, len(part), k)
+        for fill, pick in ((np.inf, np.argmin), (-np.inf, np.argmax)):
+            v = np.where(shown, part, part.dtype.type(fill))
+            at = [pick(v[:whole].reshape(-1, k), axis=1)] if whole else []
+            if whole < len(part):
+                at.append(np.array([pick(v[whole:])]))
+            found.append(base + np.concatenate(at))
     idx = np.unique(np.concatenate(found))
     return idx[idx < n]
 

@@ -147,6 +147,10 @@ def levels(loss: np.ndarray) -> Optional[dict]:
     return {"start": start, "end": end, "learned": bool(end <= start - FALL * abs(start))}
 
 
+# The /steps columns ``outcome`` reads (``comparison`` holds only these for it).
+OUTCOME_COLUMNS = ("step", "loss", "flags", "skipped", "scale", "scale_after")
+
+
 def outcome(run: Any, diagnosis: Any) -> dict:
     """One run's side of a fix comparison: applied (and what of it was not applied in full),
     verdict (with its confidence and first

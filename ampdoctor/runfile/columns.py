@@ -80,6 +80,20 @@ class Columns:
         out._rest = self._rest
         return out
 
+    def holding(self, keep: Iterable[str]) -> "Columns":
+        """The same rows holding exactly the columns ``keep``: those held kept (the same
+        arrays), the others of them read now, together (one pass over the table, none of the
+        columns not named: ``narrowed`` then a first use would read every one left out)."""
+        names = tuple(n for n in self.dtype.names or () if n in set(keep))
+        missing = tuple(n for n in names if n not in self._cols)
+        if missing and self._rest is None:  # nothing to read them from: held whole
+            return self
+        out = self.narrowed(names)
+        if missing:
+            rows_of, block = self._rest  # type: ignore[misc]
+            out._cols.update(_read_columns(rows_of, self._n, self.dtype, missing, block))
+        return out
+
     def __len__(self) -> int:
         return self._n
 

@@ -45,11 +45,15 @@ READ_ORDER = ("stats", "fp8", "events", "snapshots", "arrays", "steps", "groups"
               "optimizers", "meta", "tensors", schema.BLOB)
 
 
-def load(path: str | os.PathLike, columns: Iterable[str] | None = None) -> Run:
+def load(path: str | os.PathLike, columns: Iterable[str] | None = None,
+         steps: Columns | None = None) -> Run:
     """Open a run file and return its ``Run``.
 
     ``columns``: the /steps columns to hold (``Columns.read``'s ``keep``): a reader that asks
     for a few of a long run's columns holds those, and any other is read when first asked for.
+    ``steps``: this file's /steps as read already (checked, as ``load_steps`` or a ``Tail``
+    reads it): used instead of reading it again where the file holds that many rows still,
+    else /steps is read as usual.
 
     Raises ``RunFileError`` (one sentence naming the file) for anything that is not a readable
     ampdoctor run of a version this ampdoctor knows. Works on a file that is still being
@@ -61,7 +65,7 @@ def load(path: str | os.PathLike, columns: Iterable[str] | None = None) -> Run:
             print(len(run.steps), run.status)
     """
     path = os.fspath(path)
-    return retrying(path, lambda: _load_once(path, columns))
+    return retrying(path, lambda: _load_once(path, columns, steps))
 
 
 @contextlib.contextmanager
@@ -239,10 +243,11 @@ def _check_path(path: str) -> None:
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _load_once(path: str, columns: Iterable[str] | None = None) -> Run:
+def _load_once(path: str, columns: Iterable[str] | None = None,
+               steps: Columns | None = None) -> Run:
     f, live = open_file(path)
     try:
-        return _read(path, f, live, columns)
+        return _read(path, f, live, columns, steps)
     except RunFileError:
         f.close()
         raise
@@ -252,7 +257,8 @@ def _load_once(path: str, columns: Iterable[str] | None = None) -> Run:
                            f"({reason(exc)})") from None
 
 
-def _read(path: str, f: h5py.File, live: bool, columns: Iterable[str] | None = None) -> Run:
+def _read(path: str, f: h5py.File, live: bool, columns: Iterable[str] | None = None,
+          steps: Columns | None = None) -> Run:
     """Read a run; tables that point into others are read before what they point at.
 
     On a live file every table may grow between two reads. Reading the referring tables
@@ -267,6 +273,9 @@ def _read(path: str, f: h5py.File, live: bool, columns: Iterable[str] | None = N
     damaged = []
     for name in READ_ORDER:  # each table's length is fixed here, in this order
         try:
+            if name == "steps" and steps is not None and _same_rows(path, f, version, live, steps):
+                raw[name] = steps  # read already: not decompressed a second time
+                continue
             raw[name] = _read_table(path, f, name, live, version, columns)
         except H5_ERRORS:
             if name == "steps":  # without its steps a run has nothing to tell
@@ -353,6 +362,14 @@ def _read_table(path: str, f: h5py.File, name: str, live: bool,
                             written_rows(ds), schema.STEPS, keep=columns,
                             check=_steps_checker(path))
     return migrations.lift(name, version, without_unwritten_tail(name, ds[:]))
+
+
+def _same_rows(path: str, f: h5py.File, version: int, live: bool, steps: Columns) -> bool:
+    """Whether /steps holds as many written rows as ``steps`` (read from it before)."""
+    ds = dataset(path, f, "steps", version)
+    if live:
+        ds.refresh()
+    return written_rows(ds) == len(steps)
 
 
 def _steps_checker(path: str) -> Any:

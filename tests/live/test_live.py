@@ -534,7 +534,7 @@ def test_a_month_long_read_is_thinned_to_its_extremes_and_every_bad_step():
     short = rows[: tensorboard.MAX_STEPS]
     assert len(tensorboard._thinned(short)) == len(short)
     lr = tensorboard._thinned_steps(np.arange(n))
-    assert len(lr) == tensorboard.MAX_STEPS and lr[0] == 0 and lr[-1] == n - 1
+    assert len(lr) == tensorboard.POINTS and lr[0] == 0 and lr[-1] == n - 1
 
 
 def test_the_follower_keeps_the_delayed_fp8_rows_of_the_last_sampled_steps_only():

@@ -103,6 +103,78 @@ def test_distinct_steps_are_np_unique_whether_in_order_or_not(steps):
     assert np.array_equal(tensorboard._distinct(steps), np.unique(steps))
 
 
+def test_lr_rows_read_groups_once_and_keep_every_row_of_a_short_read(long_run, monkeypatch):
+    """One pass over /groups (a month-long run's is 20 M rows): every row while the read holds
+    at most MAX_STEPS steps, else the rows at POINTS evenly spaced steps of the read."""
+    with store.load(long_run) as run:
+        reads = []
+        real = run.groups.chunks
+        monkeypatch.setattr(run.groups, "chunks", lambda *a, **k: reads.append(1) or real(*a, **k))
+        rows = tensorboard._lr_rows(run.groups, run.steps["step"])
+        whole = run.groups.columns(("step", "group", "lr"))
+        assert len(reads) == 1 and np.array_equal(rows, whole)  # 6000 steps: all of them
+        monkeypatch.setattr(tensorboard, "MAX_STEPS", 500)
+        monkeypatch.setattr(tensorboard, "POINTS", 200)
+        thin = tensorboard._lr_rows(run.groups, run.steps["step"])
+        steps = np.unique(whole["step"])
+        assert len(reads) == 2 and len(np.unique(thin["step"])) == 200
+        assert thin["step"][0] == steps[0] and thin["step"][-1] == steps[-1]
+        for g in np.unique(whole["group"]):  # each group's LR at each kept step, as stored
+            mine = whole[np.isin(whole["step"], thin["step"]) & (whole["group"] == g)]
+            assert np.array_equal(thin[thin["group"] == g], mine)
+
+
+def test_export_diagnoses_the_steps_the_follower_read_not_a_second_read(long_run, tmp_path,
+                                                                         monkeypatch):
+    """The diagnosis takes the follower's /steps (``store.load``'s ``steps``) where the file
+    still holds that many rows; a file grown since is read again."""
+    pytest.importorskip("tensorboard")
+    from ampdoctor.diagnosis import engine
+
+    reads = []
+    real = Columns.read
+    monkeypatch.setattr(Columns, "read", lambda *a, **k: reads.append(1) or real(*a, **k))
+    tensorboard.export(long_run, str(tmp_path / "tb"))
+    assert len(reads) == 1  # the follower's read, and nothing more
+    given = store.load_steps(long_run)
+    reads.clear()
+    with store.load(long_run, engine.STEP_COLUMNS, steps=given) as run:
+        assert run.steps is given and not reads
+        assert engine.diagnose(run).to_dict() == engine.diagnose(long_run).to_dict()
+    with store.load(long_run, steps=given.head(len(given) - 1)) as run:  # not the file's
+        assert len(run.steps) == len(given) and reads
+
+
+def test_event_records_are_tensorboards_own_byte_for_byte(tmp_path):
+    """``tfrecord`` frames and checksums each event as tensorboard's RecordWriter does (its
+    pure-Python CRC-32C), whatever the lengths in a batch."""
+    pytest.importorskip("tensorboard")
+    import io
+
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from ampdoctor.live import tfrecord
+
+    rng = np.random.default_rng(0)
+    records = [rng.bytes(int(n)) for n in rng.integers(0, 700, 300)] + [b"", b"x" * 5000]
+    assert tfrecord.masked_crc32c(records).tolist() == [masked_crc32c(r) for r in records]
+    events = [event_pb2.Event(step=i, wall_time=1.5 * i, summary=summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=f"t{j}", simple_value=float(j)) for j in range(i % 7)]))
+        for i in range(3000)]  # more than a batch
+    f = tfrecord.EventFile(str(tmp_path))
+    for e in events:
+        f.add_event(e)
+    f.close()
+    theirs = io.BytesIO()
+    writer = RecordWriter(theirs)
+    for e in events:
+        writer.write(e.SerializeToString())
+    [path] = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    assert open(path, "rb").read() == theirs.getvalue()
+
+
 # ---------------------------------------------------------------------------------------------
 # compare on long runs: the columns it reads, its sums by slices, its thinned curves
 
@@ -197,3 +269,43 @@ def test_compare_of_paths_is_compare_of_runs_loaded_whole(long_run):
     from_paths = comparison.compare(long_run, long_run)
     assert from_paths.to_dict() == whole.to_dict()
     assert from_paths.layers and from_paths.common_steps == 6000
+
+
+def test_holding_reads_only_the_columns_named_that_are_missing_in_one_pass(long_run):
+    whole = store.load_steps(long_run)
+    with store.load(long_run, columns=("step", "loss", "dt")) as run:
+        few = run.steps
+        reads = []
+        rows_of, block = few._rest
+        few._rest = (lambda a, b: reads.append(a) or rows_of(a, b), block)
+        held = few.holding(("step", "grad_norm", "scale_after"))
+        assert set(held._cols) == {"step", "grad_norm", "scale_after"}
+        assert held._cols["step"] is few._cols["step"]  # the same array, not read again
+        assert len(reads) == -(-len(whole) // block)  # one pass
+        for name in ("grad_norm", "scale_after"):
+            assert np.array_equal(held[name], whole[name], equal_nan=True)
+        assert set(few._cols) == {"step", "loss", "dt"}  # the run's own columns unchanged
+    assert whole.holding(("step",)) is whole  # held whole (no file behind): as it is
+
+
+def test_a_fix_comparison_reads_the_diagnosis_columns_once_per_run(long_run, monkeypatch):
+    """A run and its fix: each run compare loaded gets the diagnosis's /steps columns in one
+    pass of its own (never the wall clock), and the answer is the one of runs loaded whole."""
+    from ampdoctor.release import fix_outcome
+
+    monkeypatch.setattr(fix_outcome, "question", lambda *a: "fix")
+    with store.load(long_run) as b, store.load(long_run) as a:
+        whole = comparison.compare(b, a)
+    asked = []
+    real = Columns.holding
+    monkeypatch.setattr(Columns, "holding", lambda self, keep: asked.append(
+        tuple(n for n in self.dtype.names if n in set(keep) and n not in self._cols))
+        or real(self, keep))
+    passes = []  # a read of every column left out (a column asked for and not held)
+    real_whole = Columns._whole
+    monkeypatch.setattr(Columns, "_whole", lambda self: passes.append(self._rest is not None)
+                        or real_whole(self))
+    got = comparison.compare(long_run, long_run)
+    assert got.kind == "fix" and got.to_dict() == whole.to_dict()
+    assert len(asked) == 2 and all("time" not in names and names for names in asked)
+    assert not any(passes)

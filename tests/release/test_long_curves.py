@@ -110,6 +110,58 @@ def test_lr_figure_reads_groups_a_block_at_a_time(monkeypatch):
     assert np.array_equal(y, lr[x]) and np.array_equal(got[1][1], lr[got[1][0]] / 2)
 
 
+@pytest.mark.parametrize("values", [[], [3], [2, 0, 2, -1], [5, 70_000, 5], [-40_000, 40_000]])
+def test_distinct_small_integers_are_np_unique(values):
+    values = np.array(values, np.int32)
+    got = plots._distinct_small(values)
+    assert np.array_equal(got, np.unique(values)) and got.dtype == values.dtype
+
+
+def test_activation_figure_draws_each_layers_extremes_not_every_sampled_step(long_run,
+                                                                             monkeypatch):
+    """10^5 sampled steps drawn with a marker each were half a second of PNG: the line is
+    thinned like every other (each bin's smallest and largest value: the peak survives)."""
+
+    monkeypatch.setattr(plots, "MAX_POINTS", 20)
+    with store.load(long_run) as run:
+        fig = plots.activation_range_figure(run)
+        rows, found = plots._layers.sampled(run, plots._layers.VALUE_KINDS, ("absmax",))
+    drawn = [line for line in fig.axes[0].get_lines() if line.get_marker() == "."]
+    assert drawn and all(len(line.get_xdata()) <= 2 * 20 + 2 for line in drawn)
+    sampled = len(np.unique(rows["step"]))
+    assert sampled > 40  # more than the points drawn of a line
+    peaks = {float(np.max(line.get_ydata())) for line in drawn}
+    absmax = rows["absmax"].astype(np.float64)
+    for i in np.unique(rows["layer"]):  # each drawn layer's largest finite value is drawn
+        mine = absmax[(rows["layer"] == i) & np.isfinite(absmax)]
+        assert not len(mine) or len(drawn) < len(found) or float(mine.max()) in peaks
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64])
+def test_extremes_in_the_series_own_dtype_are_those_of_its_float64_copy(dtype):
+    """``extremes`` reads a float series as stored (no float64 copy): the same positions as
+    on the widened copy, NaN and infinities included, a short last bin included."""
+    rng = np.random.default_rng(3)
+    y = (rng.standard_normal(10_007) * 100).astype(dtype)
+    if dtype != np.int64:
+        y[rng.integers(0, len(y), 900)] = np.nan
+        y[rng.integers(0, len(y), 300)] = np.inf
+        y[rng.integers(0, len(y), 300)] = -np.inf
+        y[4000:4500] = np.nan  # a bin with nothing drawable
+    wide = y.astype(np.float64)
+    for points in (10, 999, 4000):
+        for finite_only in (False, True):
+            got = curves.extremes(y, points, finite_only)
+            assert np.array_equal(got, curves.extremes(wide, points, finite_only))
+            shown = np.isfinite(wide) if finite_only else ~np.isnan(wide)
+            k = int(np.ceil(len(y) / (points // 2)))
+            for start in range(0, len(y), k):  # each bin's min and max (where it has any)
+                part = np.flatnonzero(shown[start:start + k]) + start
+                if len(part):
+                    assert {part[np.argmin(wide[part])], part[np.argmax(wide[part])]} <= \
+                        set(got.tolist())
+
+
 # ---------------------------------------------------------------------------------------------
 # no float64 or index copies of every step, the same numbers
 

@@ -6,7 +6,8 @@
 * ``top``: the terminal view and its loop (standard library only); ``fp8top``: its lines for
   the Linears at risk in fp8;
 * ``tensorboard``: the run's curves as TensorBoard event files (the ``tensorboard`` extra);
-  ``tfrecord``: the event file itself, its records checksummed by numpy a batch at a time.
+  ``tfrecord``: the event file itself, its records checksummed by numpy a batch at a time;
+  ``thinning``: which points of a month-long run's curves it writes.
 
 Like the rest of the analysis side, none of it imports torch.
 

@@ -38,13 +38,13 @@ the curves line up with a loop that logs by optimizer step):
 ``ampdoctor/diagnosis`` (text)        the diagnosis (Markdown), at the last step
 ====================================  =========================================================
 
-A month-long run is thinned as its plots are: where one read brings more than ``MAX_STEPS``
-steps, the loss, grad-norm and loss-scale curves keep each bin's smallest and largest value in
-about ``POINTS`` points each (``curves.extremes``: a one-step spike survives), with every
-skipped or non-finite step (at most ``MAX_STEPS`` of those), and each group's LR ``POINTS``
-evenly spaced steps. TensorBoard itself shows 1000 points of a scalar by default
-(``--samples_per_plugin scalars=N`` for more), so the thinned curves lose nothing it would
-draw. ``Exported.thinned`` counts the steps left out.
+A month-long run is thinned as its plots are (``thinning``): where one read brings more than
+``MAX_STEPS`` steps, the loss, grad-norm and loss-scale curves keep each bin's smallest and
+largest value in about ``POINTS`` points each (``curves.extremes``: a one-step spike
+survives), with every skipped or non-finite step (at most ``MAX_STEPS`` of those), and each
+group's LR ``POINTS`` evenly spaced steps. TensorBoard itself shows 1000 points of a scalar
+by default (``--samples_per_plugin scalars=N`` for more), so the thinned curves lose nothing
+it would draw. ``Exported.thinned`` counts the steps left out.
 
 Each rank file of a torchrun job becomes its own run (``DIR/rank0``, ``DIR/rank1``...), so the
 ranks' curves overlay in TensorBoard. ``follow=True`` keeps writing while the run is recorded
@@ -73,9 +73,9 @@ from .. import safe
 from ..diagnosis import fp8
 from ..diagnosis.layers import GRAD_KINDS, KIND_LABELS
 from ..errors import AmpDoctorError, MissingExtraError, OutputError, RunFileError
-from ..release.curves import extremes
 from ..release.readiness import underflow_share
 from ..runfile.schema import Kind, Recipe, Role, Source, columns
+from . import thinning
 from .follow import STALE_SECONDS, Follower
 from .tfrecord import EventFile
 
@@ -83,7 +83,6 @@ LAYER_KINDS = (Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD)
 _STATS_COLUMNS = columns("stats", "step", "tensor", "source", "absmax", "sample_n", "zeros",
                          "nan", "posinf", "neginf", "sub16")
 CHUNK = 1 << 16
-GROUP_BLOCK = 1 << 20  # /groups rows read at a time (a month-long run's: 20 M)
 # Layer curves written one by one, up to this many. Past it (10^5 modules are 560 000 curves:
 # 2.8 million scalars for 500 steps, and no TensorBoard page shows so many) each kind gets a
 # summary, and only the SHOWN_CURVES layer curves that come closest to fp16's limits are
@@ -91,8 +90,6 @@ GROUP_BLOCK = 1 << 20  # /groups rows read at a time (a month-long run's: 20 M)
 # the first read past the bound saw them (kept for later reads of a followed run).
 LAYER_CURVES = 5_000
 SHOWN_CURVES = 500
-MAX_STEPS = 20_000  # steps of one read written in full; a longer read is thinned (docstring)
-POINTS = 4_000  # about the points a thinned read keeps of each steps' and LR curve (docstring)
 # ampdoctor's event files end so (``events.out.tfevents.<time>.<host>.<pid>.<n>.<token>
 # .ampdoctor``): a second export into a directory that holds one would show every point twice,
 # so it refuses (or, with --force, removes that file first). The random token makes the name
@@ -183,7 +180,7 @@ class _RunWriter:
             self.last = int(state.steps["step"][-1]), float(state.steps["time"][-1])
 
     def _steps(self, rows: np.ndarray) -> None:
-        kept = _thinned(rows)
+        kept = thinning.thinned(rows)
         self.thinned += len(rows) - len(kept)
         for r in rows[kept]:
             values = [("ampdoctor/loss", r["loss"]), ("ampdoctor/grad_norm", r["grad_norm"])]
@@ -193,10 +190,10 @@ class _RunWriter:
             self.scalars_at(r["step"], float(r["time"]), values)
 
     def _groups(self, table: Any, state: Any, steps: Any) -> None:
-        """Each param group's LR at the read's steps (thinned: ``_lr_rows``)."""
+        """Each param group's LR at the read's steps (thinned: ``thinning.lr_rows``)."""
         if not len(table):
             return
-        rows = _lr_rows(table, steps["step"] if len(steps) else np.zeros(0, np.int64))
+        rows = thinning.lr_rows(table, steps["step"] if len(steps) else np.zeros(0, np.int64))
         order = np.argsort(rows["step"], kind="stable")  # one pass over the steps' groups
         rows = rows[order]
         walls = _walls(state, rows["step"])
@@ -209,7 +206,7 @@ class _RunWriter:
     def _layers(self, delta: Any, state: Any) -> None:
         """One value per sampled step and layer curve: each block of /stats rows reduced to
         (step, curve, value) as it is read, then thinned like the steps' curves
-        (``_thinned_layers``), then written one event per step."""
+        (``thinning.thinned_layers``), then written one event per step."""
         self._name_tensors(state.tensors)
         stop = len(delta.stats)
         found = []
@@ -221,10 +218,10 @@ class _RunWriter:
         if not found:
             return
         step, curve, value = (np.concatenate([f[i] for f in found]) for i in range(3))
-        step, curve, value = _largest(step, curve, value)  # a curve's step across blocks
+        step, curve, value = thinning.largest(step, curve, value)  # a curve's step across blocks
         if self.layer_curves > LAYER_CURVES:
             step, curve, value = self._bounded(step, curve, value)
-        keep = _thinned_layers(step, curve, value)
+        keep = thinning.thinned_layers(step, curve, value)
         step, curve, value = step[keep], curve[keep], value[keep]
         starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])
         walls = _walls(state, step[starts])
@@ -280,7 +277,7 @@ class _RunWriter:
                 self.shown[ids[np.argsort(-peak[ids], kind="stable")[:SHOWN_CURVES // 2]]] = True
         shown = np.zeros(len(self.tags), bool)
         shown[:len(self.shown)] = self.shown
-        summary = _summaries(step, group[curve], value)
+        summary = thinning.summaries(step, group[curve], value)
         tags = {g: (self._tag(f"ampdoctor-layers/{what}_max/{kind}"),
                     self._tag(f"ampdoctor-layers/{what}_median/{kind}"))
                 for (what, kind), g in self.groups.items()}
@@ -308,7 +305,7 @@ class _RunWriter:
         value = np.concatenate([rows["absmax"].astype(np.float64),
                                 np.asarray(share, np.float64)])
         mine = curve >= 0
-        return _largest(step[mine], curve[mine], value[mine])
+        return thinning.largest(step[mine], curve[mine], value[mine])
 
     def _fp8(self, rows: Optional[np.ndarray], state: Any) -> None:
         """fp8 headroom and the share flushed per sampled step and layer (``diagnosis.fp8``)."""
@@ -362,113 +359,6 @@ def _kurtosis(rows: np.ndarray, names: dict[int, str]) -> dict[int, list]:
     for (step, tag), k in best.items():
         out.setdefault(step, []).append((tag, k))
     return out
-
-
-def _summaries(step: np.ndarray, group: np.ndarray, value: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per (step, group): the largest value (NaN first, as ``_largest``) and the median
-    (NaN counted as the largest)."""
-    mine = group >= 0
-    step, group, value = step[mine], group[mine], value[mine]
-    if not len(step):
-        return step, group, value, value
-    order = np.lexsort((value, group, step))
-    step, group, value = step[order], group[order], value[order]
-    starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (group[1:] != group[:-1])])
-    length = np.diff(np.r_[starts, len(step)])
-    median = value[starts + length // 2].copy()
-    even = length % 2 == 0
-    median[even] = (value[starts[even] + length[even] // 2 - 1] + median[even]) / 2
-    return step[starts], group[starts], np.maximum.reduceat(value, starts), median
-
-
-def _thinned(rows: Any) -> np.ndarray:
-    """Which /steps rows of one read are written: all, up to ``MAX_STEPS``; else each
-    curve's bin extremes (about ``POINTS`` each) and every skipped or non-finite step (at most
-    ``MAX_STEPS`` of those; module docstring)."""
-    if len(rows) <= MAX_STEPS:
-        return np.arange(len(rows))
-    # (as stored: ``extremes`` widens a block at a time, the same positions)
-    keep = [extremes(rows[c], POINTS) for c in ("loss", "grad_norm", "scale")]
-    special = np.flatnonzero((rows["skipped"] == 1) | ~np.isfinite(rows["loss"]) |
-                             ~np.isfinite(rows["grad_norm"]))
-    if len(special) > MAX_STEPS:
-        special = special[::int(np.ceil(len(special) / MAX_STEPS))]
-    return np.unique(np.concatenate(keep + [special]))
-
-
-def _lr_rows(table: Any, read: np.ndarray) -> np.ndarray:
-    """The (step, group, lr) rows of a read's /groups that are written, in one pass over it a
-    block at a time (a month-long run's is 20 M rows): every row where the rows hold at most
-    ``MAX_STEPS`` steps, else those at ``POINTS`` evenly spaced steps of the read's /steps
-    (``read``; an LR curve has no spikes to keep). Rows of a read no longer than that are
-    held until that is known (at most ``MAX_STEPS`` steps of rows)."""
-    names = ("step", "group", "lr")
-    shown = read[_thinned_steps(read)]
-    whole: Optional[list] = []
-    seen = np.zeros(0, np.int64)  # the distinct steps of ``whole``, while it is held
-    picked = []
-    for part in table.chunks(GROUP_BLOCK, names=names):
-        if whole is not None:
-            seen = _distinct(np.concatenate([seen, _distinct(part["step"])]))
-            whole = whole + [part] if len(seen) <= MAX_STEPS else None
-        steps = part["step"]  # (the shown steps within the block's: a tenth of the work)
-        near = shown[(shown >= steps.min()) & (shown <= steps.max())]
-        picked.append(part[np.isin(steps, near)])
-    if whole is not None:
-        return np.concatenate(whole)
-    if not len(shown):  # a read with no /steps rows (never written so): its own steps
-        steps = _distinct(np.concatenate([_distinct(p["step"]) for p in
-                                          table.chunks(GROUP_BLOCK, names=("step",))]))
-        shown = steps[_thinned_steps(steps)]
-        picked = [p[np.isin(p["step"], shown)] for p in table.chunks(GROUP_BLOCK, names=names)]
-    return np.concatenate(picked)
-
-
-def _distinct(steps: np.ndarray) -> np.ndarray:
-    """``np.unique(steps)``, without sorting or hashing them where they are in order already
-    (a writer appends a step's rows together, step after step)."""
-    if not len(steps):
-        return steps
-    firsts = steps[np.r_[True, steps[1:] != steps[:-1]]]
-    return firsts if bool(np.all(firsts[1:] > firsts[:-1])) else np.unique(steps)
-
-
-def _thinned_steps(steps: np.ndarray) -> np.ndarray:
-    """Positions of ``POINTS`` evenly spaced steps (every one, up to ``MAX_STEPS``)."""
-    if len(steps) <= MAX_STEPS:
-        return np.arange(len(steps))
-    return np.unique(np.linspace(0, len(steps) - 1, POINTS).astype(np.int64))
-
-
-def _largest(step: np.ndarray, curve: np.ndarray,
-             value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One value per (step, curve), the largest, NaN first (``np.maximum`` keeps a NaN),
-    ordered by step, then curve."""
-    if not len(step):
-        return step, curve, value
-    order = np.lexsort((curve, step))
-    step, curve, value = step[order], curve[order], value[order]
-    starts = np.flatnonzero(np.r_[True, (step[1:] != step[:-1]) | (curve[1:] != curve[:-1])])
-    return step[starts], curve[starts], np.maximum.reduceat(value, starts)
-
-
-def _thinned_layers(step: np.ndarray, curve: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """Which (step, curve) values of one read are written: all, up to ``MAX_STEPS`` sampled
-    steps; else every value at the steps that hold a bin's smallest or largest value of some
-    curve (``MAX_STEPS`` points shared among the curves, at least a bin's two each) and at
-    every step with a non-finite value (at most ``MAX_STEPS`` of those)."""
-    steps = np.unique(step)
-    if len(steps) <= MAX_STEPS:
-        return np.arange(len(step))
-    order = np.lexsort((step, curve))  # each curve's values in step order
-    by_curve = np.split(order, np.flatnonzero(np.diff(curve[order])) + 1)
-    points = max(2, MAX_STEPS // len(by_curve))
-    keep = [step[rows[extremes(value[rows], points)]] for rows in by_curve]
-    special = np.unique(step[~np.isfinite(value)])
-    if len(special) > MAX_STEPS:
-        special = special[::int(np.ceil(len(special) / MAX_STEPS))]
-    return np.flatnonzero(np.isin(step, np.concatenate(keep + [special])))
 
 
 def _walls(state: Any, steps: np.ndarray) -> np.ndarray:

@@ -515,10 +515,10 @@ def test_a_month_long_read_is_thinned_to_its_extremes_and_every_bad_step():
     """Export of 10^6 steps wrote each of them (and looped over every step for each LR
     group: unfinished after 900 s); a read longer than MAX_STEPS keeps each curve's bin
     extremes, every skipped or non-finite step, and each group's LR at evenly spaced steps."""
-    from ampdoctor.live import tensorboard
+    from ampdoctor.live import thinning
     from ampdoctor.runfile import schema
 
-    n = 5 * tensorboard.MAX_STEPS
+    n = 5 * thinning.MAX_STEPS
     rows = schema.empty("steps", n)
     rows["step"] = np.arange(n)
     rows["loss"] = 2.0 - np.arange(n) / n
@@ -527,14 +527,14 @@ def test_a_month_long_read_is_thinned_to_its_extremes_and_every_bad_step():
     rows["loss"][12_345] = 50.0  # a one-step spike
     rows["skipped"][77_777] = 1
     rows["grad_norm"][88_888] = np.inf
-    kept = tensorboard._thinned(rows)
+    kept = thinning.thinned(rows)
     assert len(kept) < n // 2
     assert {12_345, 77_777, 88_888} <= set(kept.tolist())
     assert 0 in kept and n - 1 in kept  # the ends of the loss curve
-    short = rows[: tensorboard.MAX_STEPS]
-    assert len(tensorboard._thinned(short)) == len(short)
-    lr = tensorboard._thinned_steps(np.arange(n))
-    assert len(lr) == tensorboard.POINTS and lr[0] == 0 and lr[-1] == n - 1
+    short = rows[: thinning.MAX_STEPS]
+    assert len(thinning.thinned(short)) == len(short)
+    lr = thinning.thinned_steps(np.arange(n))
+    assert len(lr) == thinning.POINTS and lr[0] == 0 and lr[-1] == n - 1
 
 
 def test_the_follower_keeps_the_delayed_fp8_rows_of_the_last_sampled_steps_only():

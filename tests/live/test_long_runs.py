@@ -18,7 +18,7 @@ from conftest import ROOT
 
 from ampdoctor.diagnosis import parity
 from ampdoctor.errors import RunFileError
-from ampdoctor.live import follow, tensorboard
+from ampdoctor.live import follow, tensorboard, thinning
 from ampdoctor.release import comparison
 from ampdoctor.runfile import schema, store, values
 from ampdoctor.runfile.columns import Columns
@@ -37,7 +37,7 @@ def long_run(tmp_path_factory):
 
 
 def test_thinned_layer_curves_keep_each_curves_extremes_and_the_nonfinite_step(monkeypatch):
-    monkeypatch.setattr(tensorboard, "MAX_STEPS", 100)
+    monkeypatch.setattr(thinning, "MAX_STEPS", 100)
     steps = np.arange(5000, dtype=np.int64)
     quiet = np.sin(steps / 50.0)  # curve 0: a smooth wave with one spike
     quiet[1234] = 40.0
@@ -46,7 +46,7 @@ def test_thinned_layer_curves_keep_each_curves_extremes_and_the_nonfinite_step(m
     step = np.concatenate([steps, steps])
     curve = np.r_[np.zeros(len(steps), np.int64), np.ones(len(steps), np.int64)]
     value = np.concatenate([quiet, small])
-    keep = tensorboard._thinned_layers(step, curve, value)
+    keep = thinning.thinned_layers(step, curve, value)
     kept = set(step[keep].tolist())
     assert {1234, 3210, 777} <= kept  # the spike, the NaN, the other curve's dip
     assert int(np.argmax(quiet)) in kept and int(np.argmin(quiet)) in kept
@@ -59,7 +59,7 @@ def test_largest_per_step_and_curve_puts_nan_first():
     step = np.array([3, 3, 3, 1, 1], np.int64)
     curve = np.array([0, 0, 1, 0, 0], np.int64)
     value = np.array([1.0, np.nan, 2.0, 5.0, 7.0])
-    s, c, v = tensorboard._largest(step, curve, value)
+    s, c, v = thinning.largest(step, curve, value)
     assert s.tolist() == [1, 3, 3] and c.tolist() == [0, 0, 1]
     assert v[0] == 7.0 and math.isnan(v[1]) and v[2] == 2.0
 
@@ -81,7 +81,7 @@ def test_export_of_a_long_run_thins_every_curve_but_keeps_the_overflow(long_run,
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
 
-    monkeypatch.setattr(tensorboard, "MAX_STEPS", 500)
+    monkeypatch.setattr(thinning, "MAX_STEPS", 500)
     done = tensorboard.export(long_run, str(tmp_path / "tb"))
     assert done.steps == 6000 and done.thinned > 0
     points: dict[str, dict[int, float]] = {}
@@ -100,7 +100,7 @@ def test_export_of_a_long_run_thins_every_curve_but_keeps_the_overflow(long_run,
 @pytest.mark.parametrize("steps", [[], [3, 3, 4, 4, 9], [5, 1, 5, 2], [1, 1, 1]])
 def test_distinct_steps_are_np_unique_whether_in_order_or_not(steps):
     steps = np.array(steps, np.int64)
-    assert np.array_equal(tensorboard._distinct(steps), np.unique(steps))
+    assert np.array_equal(thinning.distinct(steps), np.unique(steps))
 
 
 def test_lr_rows_read_groups_once_and_keep_every_row_of_a_short_read(long_run, monkeypatch):
@@ -110,12 +110,12 @@ def test_lr_rows_read_groups_once_and_keep_every_row_of_a_short_read(long_run, m
         reads = []
         real = run.groups.chunks
         monkeypatch.setattr(run.groups, "chunks", lambda *a, **k: reads.append(1) or real(*a, **k))
-        rows = tensorboard._lr_rows(run.groups, run.steps["step"])
+        rows = thinning.lr_rows(run.groups, run.steps["step"])
         whole = run.groups.columns(("step", "group", "lr"))
         assert len(reads) == 1 and np.array_equal(rows, whole)  # 6000 steps: all of them
-        monkeypatch.setattr(tensorboard, "MAX_STEPS", 500)
-        monkeypatch.setattr(tensorboard, "POINTS", 200)
-        thin = tensorboard._lr_rows(run.groups, run.steps["step"])
+        monkeypatch.setattr(thinning, "MAX_STEPS", 500)
+        monkeypatch.setattr(thinning, "POINTS", 200)
+        thin = thinning.lr_rows(run.groups, run.steps["step"])
         steps = np.unique(whole["step"])
         assert len(reads) == 2 and len(np.unique(thin["step"])) == 200
         assert thin["step"][0] == steps[0] and thin["step"][-1] == steps[-1]

@@ -133,19 +133,25 @@ HALF_RESNET = textwrap.dedent('''
 ''')
 
 
-def test_fp16_weights_under_sgd_behind_a_zero_initialised_branch_lose_their_updates(tmp_path):
-    """The whole model .half(), SGD, no scaler, recorded at the default interval: step 0 alone
-    is sampled, where the branch's two Linear layers (4192 of the model's 4676 weights) get
-    an all-zero gradient. The recorder says their unchanged share is not measured (NaN), and the
-    rest of the weights' updates round away (before: 0.0 for them, and healthy)."""
-    script = tmp_path / "half_resnet.py"
-    script.write_text(HALF_RESNET)
+def _recorded_params(tmp_path, name, source):
+    """``source`` written to ``name`` and recorded at the default interval: the run file's
+    path, the run, and its parameters' /stats rows."""
+    script = tmp_path / name
+    script.write_text(source)
     out = str(tmp_path / "run.h5")
     proc = record(str(script), out, every=DEFAULT_EVERY)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = ampdoctor.load(out)
     kinds = dict(zip(run.tensors["id"], run.tensors["kind"]))
-    params = run.stats[[kinds[t] == Kind.PARAM for t in run.stats["tensor"]]]
+    return out, run, run.stats[[kinds[t] == Kind.PARAM for t in run.stats["tensor"]]]
+
+
+def test_fp16_weights_under_sgd_behind_a_zero_initialised_branch_lose_their_updates(tmp_path):
+    """The whole model .half(), SGD, no scaler, recorded at the default interval: step 0 alone
+    is sampled, where the branch's two Linear layers (4192 of the model's 4676 weights) get
+    an all-zero gradient. The recorder says their unchanged share is not measured (NaN), and the
+    rest of the weights' updates round away (before: 0.0 for them, and healthy)."""
+    out, run, params = _recorded_params(tmp_path, "half_resnet.py", HALF_RESNET)
     assert set(params["step"]) == {0}
     behind = {run.tensor_name(int(t)) for t, u in zip(params["tensor"], params["unchanged"])
               if np.isnan(u)}
@@ -183,14 +189,7 @@ def test_bf16_weights_sampled_only_at_a_warm_up_step_of_lr_0_lose_no_update(tmp_
     weight unchanged in any precision. That says nothing of rounding: healthy (before: a
     ZeroDivisionError in lost_updates' at_peak_lr premise, then lost_updates at 0.6 once it
     gave way; litgpt finetune_lora --precision bf16-true)."""
-    script = tmp_path / "bf16_warmup.py"
-    script.write_text(BF16_WARMUP)
-    out = str(tmp_path / "run.h5")
-    proc = record(str(script), out, every=DEFAULT_EVERY)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = ampdoctor.load(out)
-    kinds = dict(zip(run.tensors["id"], run.tensors["kind"]))
-    params = run.stats[[kinds[t] == Kind.PARAM for t in run.stats["tensor"]]]
+    out, run, params = _recorded_params(tmp_path, "bf16_warmup.py", BF16_WARMUP)
     assert set(params["step"]) == {0} and run.steps["lr"][0] == 0
     assert np.all(params["unchanged"][np.isfinite(params["unchanged"])] == 1.0)
     d = ampdoctor.diagnose(out)

@@ -282,12 +282,7 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
                            + (" and every gradient is exactly zero" if zero else "")
                            + ": not the precision (turning AMP off would not change it)",
                            "loss_fp32_nonfinite", None, step))
-    steps = [f.step_at(int(i)) for i in np.flatnonzero(f.loss_bad)]
-    if steps:
-        skipped = int(f.skipped[f.loss_bad].sum())
-        ev.append(Evidence(f"{len(steps)} of {f.n} steps had a non-finite loss (first step "
-                           f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
-                           float(len(steps)), steps[0]))
+    steps = _nonfinite_losses(f, ev)
     ctx = f.fix_context(step=step)
     ctx.data = {"kind": "targets", "step": step, **target.to_json()}
     summary = ("The targets are the cause, not the precision: at step "
@@ -299,6 +294,17 @@ def rule_bad_targets(f: Facts) -> Optional[Finding]:
     return Finding("bad_input", 0.9, summary, ev, fixes.make(["check_data"], ctx),
                    first_bad(step, None, "loss"), priority=PRIORITY["bad_input"],
                    kind="targets", explains=frozenset(steps))
+
+
+def _nonfinite_losses(f: Facts, ev: list[Evidence]) -> list[int]:
+    """The steps whose loss was non-finite, and (onto ``ev``) how many, how many skipped."""
+    steps = [f.step_at(int(i)) for i in np.flatnonzero(f.loss_bad)]
+    if steps:
+        skipped = int(f.skipped[f.loss_bad].sum())
+        ev.append(Evidence(f"{len(steps)} of {f.n} steps had a non-finite loss (first step "
+                           f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
+                           float(len(steps)), steps[0]))
+    return steps
 
 
 def _zero_count(f: Facts) -> Optional[Finding]:
@@ -321,12 +327,7 @@ def _zero_count(f: Facts) -> Optional[Finding]:
                    "model: a count taken from the batch (a mask's sum, the labelled tokens) "
                    "that is 0, so the loss is 0/0 in fp32 too: not the precision",
                    "zero_count", float(zeros), at)]
-    steps = [f.step_at(int(i)) for i in np.flatnonzero(f.loss_bad)]
-    if steps:
-        skipped = int(f.skipped[f.loss_bad].sum())
-        ev.append(Evidence(f"{len(steps)} of {f.n} steps had a non-finite loss (first step "
-                           f"{steps[0]}); {skipped} of them skipped", "nonfinite_loss_steps",
-                           float(len(steps)), steps[0]))
+    steps = _nonfinite_losses(f, ev)
     problem = ("the loss divides by a count from the batch that is 0 (a mean over no "
                "labelled token)")
     ctx = f.fix_context(step=at)

@@ -129,6 +129,11 @@ class ExitGuard:
                     signal.signal(signum, previous)
             except (ValueError, OSError):
                 pass  # closed from another thread: the handler passes signals on
+        held, self._pending = self._pending, None
+        if held is not None and os.getpid() == self.pid:
+            # A stop signal still held back (the file was closed before the re-send came: a
+            # short run ends within RESEND_SECONDS) is taken now, by the handler put back.
+            _resend(self.pid, held)
 
     def status(self, status: str) -> str:
         """The status to close with: a stop signal waiting to be taken again means the process

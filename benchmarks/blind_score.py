@@ -15,8 +15,8 @@ calibration: of the verdicts given with confidence >= 0.9, how many were right.
     python benchmarks/blind_score.py --show benchmarks/results/blind_before.json  # a saved table
     python benchmarks/blind_score.py --corpus fixtures/blind2 --root /path/to/other/checkout
 
-Ten corpora, each written by an engineer who had not read ``ampdoctor/diagnosis/``:
-``fixtures/blind`` (the default) to ``fixtures/blind10``; each one's theme is in the
+Eleven corpora, each written by an engineer who had not read ``ampdoctor/diagnosis/``:
+``fixtures/blind`` (the default) to ``fixtures/blind11``; each one's theme is in the
 ``_about`` of its ``expected.json``.
 
 Run from the repository root so that its ``ampdoctor`` is the one imported.

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -53,22 +54,8 @@ def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
     """Sampled-tier rows of ``kinds``: ``step``, ``tensor``, ``call``, ``index``, ``layer``
     (an index into the returned list of ``Layer``) and the requested ``columns``."""
     kinds = tuple(Kind(k) for k in kinds)
-    tensors = run.tensors
-    layers: list[Layer] = []
-    # tensor id -> layer index (-1: a kind not asked for)
-    max_id = int(tensors["id"].max()) + 1 if len(tensors) else 0
-    layer_of = np.full(max_id, -1, np.int64)
-    index_of = np.zeros(max_id, np.int16)
-    # (a layer per distinct kind and name, in the order first met: one dict lookup per tensor
-    # and one Layer per layer, not per tensor, for the 466 664 tensors of 10^5 modules)
-    chosen = np.isin(tensors["kind"], [int(k) for k in kinds])
-    first: dict[tuple[int, str], int] = {}
-    at = [first.setdefault((k, str(n)), len(first))
-          for k, n in zip(tensors["kind"][chosen].tolist(), tensors["name"][chosen].tolist())]
-    members = {int(k): k for k in kinds}
-    layers += [Layer(members[k], n) for k, n in first]
-    layer_of[tensors["id"][chosen]] = np.array(at, np.int64)
-    index_of[tensors["id"][chosen]] = tensors["index"][chosen]
+    layers, layer_of, index_of = _found(run.tensors, kinds)
+    max_id = len(layer_of)
     columns = [c for c in dict.fromkeys(columns) if c not in ("step", "tensor", "call")]
     read = ("step", "tensor", "call", "source", *columns)
     out_dtype = np.dtype([("step", "<i8"), ("tensor", "<i4"), ("call", "<i2"),
@@ -97,7 +84,54 @@ def sampled(run: Any, kinds: Iterable[Kind], columns: Iterable[str], *,
         out["layer"][filled:end] = layer_of[tid]
         out["index"][filled:end] = index_of[tid]
         filled = end
-    return out[:filled], layers
+    return out[:filled], list(layers)
+
+
+# The layers of the last few /tensors tables met, by kinds: ``_found`` of one run is asked
+# for again by each reader of a command (the diagnosis's forecast, readiness, comparison),
+# and 10^5 modules' 466 664 tensors took half a second each time. Held by the table itself
+# (a weak reference: a table freed takes its entry with it).
+_FOUND: dict[int, tuple[Any, dict]] = {}
+_FOUND_TABLES = 4
+
+
+def _found(tensors: np.ndarray, kinds: tuple[Kind, ...]
+           ) -> tuple[list[Layer], np.ndarray, np.ndarray]:
+    """The layers of ``kinds`` in ``tensors`` (one per distinct kind and name, in the order
+    first met), and per tensor id its layer (-1: a kind not asked for) and output index."""
+    table = id(tensors)
+    entry = _FOUND.get(table)
+    if entry is None or entry[0]() is not tensors:
+        try:
+            ref = weakref.ref(tensors, lambda _: _FOUND.pop(table, None))
+        except TypeError:  # (not an ndarray: nothing to hold it by)
+            return _discover(tensors, kinds)
+        while len(_FOUND) >= _FOUND_TABLES:
+            _FOUND.pop(next(iter(_FOUND)))
+        entry = _FOUND[table] = (ref, {})
+    by_kinds = entry[1]
+    key = (len(tensors), kinds)
+    if key not in by_kinds:
+        by_kinds[key] = _discover(tensors, kinds)
+    return by_kinds[key]
+
+
+def _discover(tensors: np.ndarray, kinds: tuple[Kind, ...]
+              ) -> tuple[list[Layer], np.ndarray, np.ndarray]:
+    max_id = int(tensors["id"].max()) + 1 if len(tensors) else 0
+    layer_of = np.full(max_id, -1, np.int64)
+    index_of = np.zeros(max_id, np.int16)
+    # (a layer per distinct kind and name, in the order first met: one dict lookup per tensor
+    # and one Layer per layer, not per tensor, for the 466 664 tensors of 10^5 modules)
+    chosen = np.isin(tensors["kind"], [int(k) for k in kinds])
+    first: dict[tuple[int, str], int] = {}
+    at = [first.setdefault((k, str(n)), len(first))
+          for k, n in zip(tensors["kind"][chosen].tolist(), tensors["name"][chosen].tolist())]
+    members = {int(k): k for k in kinds}
+    layers = [Layer(members[k], n) for k, n in first]
+    layer_of[tensors["id"][chosen]] = np.array(at, np.int64)
+    index_of[tensors["id"][chosen]] = tensors["index"][chosen]
+    return layers, layer_of, index_of
 
 
 def step_scale(run: Any, steps: np.ndarray) -> np.ndarray:

@@ -51,7 +51,7 @@ from ..display import Displayable
 from ..errors import AmpDoctorError
 from ..numfmt import count
 from ..runfile.store import Run, opened
-from . import fix_outcome
+from . import fix_outcome, readiness
 from .curves import extremes, percent
 from .readiness import Readiness, fp16_readiness, plain
 
@@ -181,9 +181,12 @@ def _compare(b: Any, a: Any, rtol: float, diverge: float, window: Optional[int],
     _loss_verdict(c, common, raw, smooth, rtol, diverge, w)
     c.curve = thinned({"step": common, "base": lb, "amp": la, "rel": smooth, "rel_raw": raw})
     del lb, la, raw, smooth  # 80 MB each on 10^7 steps: gone before the layers
-    c.layers, c.layer_steps = _layer_diffs(b, a, common)
-    if c.amp["dtype"] != "float32":  # fp16 range: the question of a run in low precision
-        c.amp_range = _range_summary(fp16_readiness(a))
+    judged = c.amp["dtype"] != "float32"  # fp16 range: the question of a run in low precision
+    # (then one pass over its /stats for both: the judgement's rows, the compared ones of them)
+    held = [_layers.sampled(a, readiness.KINDS, (*readiness.COLUMNS, "rms"))] if judged else []
+    c.layers, c.layer_steps = _layer_diffs(b, a, common, held[0] if held else None)
+    if judged:  # (handed over, not kept here: the judgement's sorted copy replaces them)
+        c.amp_range = _range_summary(fp16_readiness(a, held.pop()))
     c.notes = _notes(b, a, c)
     return c
 
@@ -318,9 +321,11 @@ def _diagnosed(run: Any, ours: bool) -> tuple[Any, dict]:
 # Per-layer statistics on common sampled steps
 
 
-def _layer_diffs(b: Any, a: Any, common: np.ndarray) -> tuple[list[LayerDiff], int]:
-    """The layers whose rms differs most between the runs, and how many steps both sampled."""
-    matched, lb, nsteps = _matched_rows(b, a, common)
+def _layer_diffs(b: Any, a: Any, common: np.ndarray, sampled: Optional[tuple] = None
+                 ) -> tuple[list[LayerDiff], int]:
+    """The layers whose rms differs most between the runs, and how many steps both sampled.
+    ``sampled``: ``a``'s sampled rows of more kinds and columns, read already."""
+    matched, lb, nsteps = _matched_rows(b, a, common, sampled)
     if matched is None:
         return [], nsteps
     matched = matched[np.argsort(matched["layer"], kind="stable")]
@@ -400,19 +405,20 @@ def _distinct(x: np.ndarray) -> np.ndarray:
     return _firsts(x)[0] if _ordered(x) else np.unique(x)
 
 
-def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarray], list, int]:
+def _matched_rows(b: Any, a: Any, common: np.ndarray, sampled: Optional[tuple] = None
+                  ) -> tuple[Optional[np.ndarray], list, int]:
     """Rows of the same tensor on the same step in both runs: layer (index into the baseline's
     layers), step, log2 of the rms ratio (amp over base, gradients unscaled), abs maxima."""
     rb, lb = _layers.sampled(b, COMPARED_KINDS, ("rms", "absmax"))
-    ra, la = _layers.sampled(a, COMPARED_KINDS, ("rms", "absmax"))
-    steps = np.intersect1d(np.intersect1d(_distinct(rb["step"]), _distinct(ra["step"]),
-                                          assume_unique=True), common, assume_unique=True)
+    ra, la = _layers.sampled(a, COMPARED_KINDS, ("rms", "absmax")) if sampled is None else \
+        _compared(*sampled)
+    steps = _within(np.intersect1d(_distinct(rb["step"]), _distinct(ra["step"]),
+                                   assume_unique=True), common)
     if not len(steps):
         return None, lb, 0
     rb, ra = _at_steps(rb, steps), _at_steps(ra, steps)
     names: dict[tuple[int, str], int] = {}
-    _, ib, ia = np.intersect1d(_keys(rb, lb, steps, names), _keys(ra, la, steps, names),
-                               return_indices=True)
+    ib, ia = _matches(_keys(rb, lb, steps, names), _keys(ra, la, steps, names))
     rms_b = _layers.unscale(b, rb, lb, "rms")[ib]
     rms_a = _layers.unscale(a, ra, la, "rms")[ia]
     ok = np.isfinite(rms_b) & np.isfinite(rms_a) & (rms_b > 0) & (rms_a > 0)
@@ -422,6 +428,40 @@ def _matched_rows(b: Any, a: Any, common: np.ndarray) -> tuple[Optional[np.ndarr
     out["max_b"] = _layers.unscale(b, rb, lb, "absmax")[ib][ok]
     out["max_a"] = _layers.unscale(a, ra, la, "absmax")[ia][ok]
     return out, lb, int(len(steps))
+
+
+def _within(x: np.ndarray, common: np.ndarray) -> np.ndarray:
+    """The values of ``x`` (sorted, distinct) that ``common`` (sorted, distinct) holds: a
+    bisection per sampled step, not ``intersect1d``'s sort of a month's 10^7 steps."""
+    if not len(x) or not len(common):
+        return x[:0]
+    pos = np.minimum(np.searchsorted(common, x), len(common) - 1)
+    return x[common[pos] == x]
+
+
+def _compared(rows: np.ndarray, found: list) -> tuple[np.ndarray, list]:
+    """Of ``layers.sampled`` rows of more kinds and columns, what ``_matched_rows`` reads of
+    the ``COMPARED_KINDS`` (the layers as they are: only their names and kinds are read)."""
+    kind_of = np.array([int(x.kind) for x in found] or [0], np.int64)
+    mine = np.isin(kind_of[rows["layer"]], [int(k) for k in COMPARED_KINDS])
+    names = ("step", "tensor", "call", "index", "layer", "rms", "absmax")
+    out = np.empty(int(mine.sum()), [(n, rows.dtype[n]) for n in names])
+    for n in names:
+        out[n] = rows[n][mine]
+    return out, found
+
+
+def _matches(kb: np.ndarray, ka: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each key found in both first is in ``kb`` and in ``ka``, in key order:
+    ``np.intersect1d(kb, ka, return_indices=True)[1:]``. Two runs of one script sampled
+    alike hold the same keys in the same order: then one sort of one of them, not the two
+    sorts and the merge of 2 x 1.6 million keys of a month-long run."""
+    if len(kb) != len(ka) or not np.array_equal(kb, ka):
+        return np.intersect1d(kb, ka, return_indices=True)[1:]
+    order = np.argsort(kb, kind="stable")
+    ordered = kb[order]
+    first = order[np.r_[True, ordered[1:] != ordered[:-1]]] if len(order) else order
+    return first, first
 
 
 def _at_steps(rows: np.ndarray, steps: np.ndarray) -> np.ndarray:

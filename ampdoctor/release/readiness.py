@@ -40,8 +40,9 @@ from ..runfile.schema import DTYPE_NAMES, FP16_MAX, FP16_NEAR, FP16_SUBNORMAL_MI
 _DTYPE_NAMES = {int(code): name for name, code in DTYPE_NAMES.items()}
 
 KINDS = VALUE_KINDS + GRAD_KINDS
-_COLUMNS = columns("stats", "dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf",
-                   "neginf", "absmax", "absmin", "over16", "near16", "sub16", "flush16")
+# the /stats columns the judgement reads (``fp16_readiness``'s ``sampled``: at least these)
+COLUMNS = columns("stats", "dtype", "nonfinite", "sample_n", "zeros", "nan", "posinf",
+                  "neginf", "absmax", "absmin", "over16", "near16", "sub16", "flush16")
 
 STATUSES = {
     "unknown": "no sampled statistics to judge from",
@@ -110,26 +111,53 @@ class Readiness:
     # without a second read of /stats (not in ``to_dict``)
     peaks: list = field(default_factory=list, repr=False, compare=False)
 
+    # the four lists below, made in one pass over ``layers`` when first asked for (10^5
+    # modules are 333 332 layers, each list asked for several times by the judgement, the
+    # JSON form and the report); made again if ``layers`` is replaced or grows
+    _lists: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
     @property
     def overflowing(self) -> list[LayerRange]:
-        """Layers whose values (activations; gradients at any scale >= 1) overflow fp16."""
-        return sorted((x for x in self.layers if _overflows(x)), key=lambda x: -x.absmax)
+        """Layers whose values (activations; gradients at any scale >= 1) overflow fp16,
+        largest abs max first."""
+        return list(self._classified()["overflowing"])
 
     @property
     def near(self) -> list[LayerRange]:
-        return sorted((x for x in self.layers if x.near_steps and not _overflows(x)
-                       and not x.is_grad), key=lambda x: -x.absmax)
+        """Value layers within a factor 2 of fp16's max that do not overflow, largest first."""
+        return list(self._classified()["near"])
 
     @property
     def underflowing(self) -> list[LayerRange]:
         """Gradient layers at least half subnormal or flushed, at the recorded scale."""
-        return sorted((x for x in self.layers if x.is_grad and x.sub >= LAYER_UNDERFLOW),
-                      key=lambda x: (-x.sub, -x.flush))
+        return list(self._classified()["underflowing"])
 
     @property
     def nonfinite(self) -> list[LayerRange]:
         """Layers that held NaN or inf on a sampled step (overflowing ones aside)."""
-        return [x for x in self.layers if x.nonfinite_steps and not _overflows(x)]
+        return list(self._classified()["nonfinite"])
+
+    def _classified(self) -> dict[str, list[LayerRange]]:
+        stamp = (id(self.layers), len(self.layers))
+        if self._lists.get("stamp") != stamp:
+            over, near, under, bad = [], [], [], []
+            for x in self.layers:
+                grad = x.is_grad
+                if _overflows(x):
+                    over.append(x)
+                else:
+                    if x.near_steps and not grad:
+                        near.append(x)
+                    if x.nonfinite_steps:
+                        bad.append(x)
+                if grad and x.sub >= LAYER_UNDERFLOW:
+                    under.append(x)
+            over.sort(key=lambda x: -x.absmax)
+            near.sort(key=lambda x: -x.absmax)
+            under.sort(key=lambda x: (-x.sub, -x.flush))
+            self._lists = {"stamp": stamp, "overflowing": over, "near": near,
+                           "underflowing": under, "nonfinite": bad}
+        return self._lists
 
     def shown(self, limit: int = JSON_LAYERS) -> list[LayerRange]:
         """Every layer, up to ``limit`` of them; past that the ``limit`` that matter most, in
@@ -151,7 +179,8 @@ class Readiness:
     def to_dict(self) -> dict:
         """The JSON form; past ``JSON_LAYERS`` layers, ``layers`` (and each list of names)
         bounded to the ones that matter (``shown``), and ``bounded`` counting them all."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peaks"}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("peaks", "_lists")}
         shown = self.shown()
         out["layers"] = [{f: getattr(x, f) for f in _LAYER_FIELDS} for x in shown]
         out["grad_range"] = dict(self.grad_range)
@@ -180,9 +209,14 @@ def precision(run: Any) -> str:
     return {"fp16": "float16", "bf16": "bfloat16"}.get(low_precision(run) or "", "float32")
 
 
-def fp16_readiness(run: Any) -> Readiness:
-    """Judge a loaded ``Run``'s recorded values against fp16's range (see the module doc)."""
-    rows, found = _layers.sampled(run, KINDS, _COLUMNS)
+def fp16_readiness(run: Any, sampled: Optional[tuple] = None) -> Readiness:
+    """Judge a loaded ``Run``'s recorded values against fp16's range (see the module doc).
+
+    ``sampled``: ``layers.sampled(run, KINDS, columns)`` (``columns`` holding ``COLUMNS``)
+    where the caller read it already for its own use (``compare``: one pass over /stats,
+    not two); kept by the caller, it stays in memory beside this judgement's sorted copy."""
+    rows, found = sampled if sampled is not None else _layers.sampled(run, KINDS, COLUMNS)
+    del sampled
     scale = _layers.step_scale(run, rows["step"])
     scaled = bool(np.any(scale != 1.0))
     # Under GradScaler a skipped step's gradients are inf by design (calibration, probing):

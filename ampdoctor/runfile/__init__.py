@@ -2,8 +2,9 @@
 
 - ``store``: the front door (``Writer``, ``load``), over ``writer`` (rows appended,
   crash-safe; ``descriptor``: the OS descriptor beneath its file, after a failed write) and
-  ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by column in ``columns``;
-  ``tail``: the rows added since the last read, for ``top``)
+  ``reader`` (``load`` -> ``run``'s ``Run``, its /steps held column by column in ``columns``,
+  a finished file's tables inflated on two threads by ``inflate``; ``tail``: the rows added
+  since the last read, for ``top``)
 - ``schema``: the tables and codes; ``migrations``: older versions' tables lifted into it;
   ``payloads``: the JSON payloads, declared; ``records``: the frozen dataclasses nested in
   them, ``detail`` those of a snapshot's detail and ``meta`` those of /meta; ``values``: the

@@ -19,7 +19,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -161,10 +162,38 @@ def _read_columns(rows_of: Callable[[int, int], np.ndarray], n: int, dtype: np.d
                   check: Callable[[np.ndarray, int], None] | None = None
                   ) -> dict[str, np.ndarray]:
     cols = {name: np.empty(n, dtype[name]) for name in names}
-    for start in range(0, n, block):
-        part = rows_of(start, min(n, start + block))
+    for start, part in zip(range(0, n, block), read_ahead(rows_of, n, block)):
         if check is not None:
             check(part, start)
         for name, col in cols.items():
             col[start:start + len(part)] = part[name]
     return cols
+
+
+T = TypeVar("T")
+
+
+def read_ahead(read: Callable[[int, int], T], n: int, block: int) -> Iterator[T]:
+    """``read(start, stop)`` of ``n`` rows, ``block`` at a time and in order, the next block
+    read on a second thread while the caller works on this one.
+
+    h5py lets go of the GIL while HDF5 reads and inflates a block, so the caller's numpy work
+    on one block and the read of the next share the two cores: a pass over a month-long
+    run's /steps or /stats costs its reads alone. One block is in flight at most; an error
+    reading it is raised where the caller takes it; a caller that stops early waits for that
+    one read, no more. A table of one block is read on the caller's thread."""
+    starts = range(0, n, block)
+    if len(starts) <= 1:
+        for start in starts:
+            yield read(start, min(n, start + block))
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ampdoctor-read") as pool:
+        pending = pool.submit(read, 0, min(n, block))
+        try:
+            for start in starts[1:]:
+                done = pending.result()
+                pending = pool.submit(read, start, min(n, start + block))
+                yield done
+            yield pending.result()
+        finally:
+            pending.cancel()  # (not started yet: dropped; started: waited for on leaving)

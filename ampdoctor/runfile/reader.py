@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from ..errors import RunFileError
-from . import guard, hdf5, liveness, migrations, schema, values
+from . import guard, hdf5, inflate, liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
 from .columns import Columns
 from .hdf5 import H5_ERRORS, reason
@@ -354,14 +354,21 @@ def _read_table(path: str, f: h5py.File, name: str, live: bool,
         ds.refresh()
     if name in ON_DEMAND:
         return Table(ds, nrows=written_rows(ds), path=path, name=name,
-                     lift=migrations.find(name, version, ds.dtype))
+                     lift=migrations.find(name, version, ds.dtype), threads=not live)
     if name == schema.BLOB:
         return Blob(ds, path)
     if name == "steps":  # column by column, read a block at a time (``columns``)
-        return Columns.read(lambda a, b: migrations.lift(name, version, ds[a:b]),
+        stored = None if live else inflate.Stored.of(ds)
+        return Columns.read(lambda a, b: migrations.lift(name, version, _rows(ds, stored, a, b)),
                             written_rows(ds), schema.STEPS, keep=columns,
                             check=_steps_checker(path))
     return migrations.lift(name, version, without_unwritten_tail(name, ds[:]))
+
+
+def _rows(ds: Any, stored: inflate.Stored | None, start: int, stop: int) -> np.ndarray:
+    """Rows ``start`` to ``stop`` of ``ds``: by its stored chunks where it can (``inflate``)."""
+    rows = None if stored is None else stored.rows(start, stop)
+    return ds[start:stop] if rows is None else rows
 
 
 def _same_rows(path: str, f: h5py.File, version: int, live: bool, steps: Columns) -> bool:

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import RunFileError
-from . import records, schema, values
+from . import inflate, records, schema, values
+from .columns import read_ahead
 from .hdf5 import H5_ERRORS, reason
 from .meta import AppliedFix, BuffersInfo, LossSlot, OptimizerInfo, ScalerInfo, ShardingInfo
 from .payloads import LrRange
@@ -46,7 +47,8 @@ class Table:
     """
 
     def __init__(self, data: Any, nrows: int | None = None, path: str | None = None,
-                 name: str = "stats", lift: Any = None, first: int = 0):
+                 name: str = "stats", lift: Any = None, first: int = 0,
+                 threads: bool = False):
         # rows ``first`` to ``nrows`` of ``data``, numbered from 0 here (a follower's new rows)
         self._data = data
         self._first = first
@@ -55,6 +57,9 @@ class Table:
         # dtype (a ``migrations.Migration``; None: stored as the schema has it).
         self._lift = lift
         self.dtype = data.dtype if lift is None else schema.TABLES[name]
+        # ``threads``: a finished file's table, whose stored chunks may be inflated on two
+        # threads (``inflate``); a file still written is read through HDF5 alone
+        self._stored = inflate.Stored.of(data) if threads and lift is None else None
         self._path = path
         self._name = name
         # How many tensors /tensors holds, set by the reader: every id read is checked
@@ -80,8 +85,10 @@ class Table:
                 out = self._lift.lift(self._data[start:stop])
                 out = out if what is None else out[what]
             else:
-                source = self._data if what is None else self._data.fields(what)
-                out = source[start:stop]
+                out = self._stored_rows(what, start, stop)
+                if out is None:
+                    source = self._data if what is None else self._data.fields(what)
+                    out = source[start:stop]
         except H5_ERRORS as exc:
             raise RunFileError(f"{self._path} is damaged: reading /{self._name} failed "
                                f"({reason(exc)})") from None
@@ -91,6 +98,13 @@ class Table:
             if ids is not None:
                 values.check_ids(str(self._path), self._name, ids, self.tensors, start)
         return out
+
+    def _stored_rows(self, what: Any, start: int, stop: int) -> np.ndarray | None:
+        """Rows read by their stored chunks (``inflate``), as h5py reads them; None: not so."""
+        if self._stored is None:
+            return None
+        rows = self._stored.rows(start, stop, [what] if isinstance(what, str) else what)
+        return rows[what] if rows is not None and isinstance(what, str) else rows
 
     def column(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         return self._read(name, start, stop)
@@ -104,12 +118,10 @@ class Table:
 
     def chunks(self, size: int = 1 << 16, names: tuple[str, ...] | None = None
                ) -> Iterator[np.ndarray]:
-        """Iterate over the table ``size`` rows at a time (bounded memory)."""
-        for start in range(0, self._n, size):
-            if names is None:
-                yield self.rows(start, start + size)
-            else:
-                yield self.columns(names, start, start + size)
+        """Iterate over the table ``size`` rows at a time (bounded memory), the next chunk
+        read while the caller works on this one (``columns.read_ahead``)."""
+        what = None if names is None else list(names)
+        yield from read_ahead(lambda start, stop: self._read(what, start, stop), self._n, size)
 
     def read(self) -> np.ndarray:
         return self.rows()

@@ -58,7 +58,7 @@ def one_layer(layer, rows, scale):
 def random_rows(rng, layers, rows_per_layer):
     """Sampled rows of ``layers`` layers (some with none), steps out of order, repeated within
     a layer (a module called twice a step), with NaN, inf, zeros and ties."""
-    names = [c for c in readiness._COLUMNS if c not in ("step", "tensor", "call")]
+    names = [c for c in readiness.COLUMNS if c not in ("step", "tensor", "call")]
     dtype = np.dtype([("step", "<i8"), ("layer", "<i8")] + [(c, STATS[c]) for c in names])
     n = layers * rows_per_layer
     rows = np.zeros(n, dtype)
@@ -96,6 +96,69 @@ def test_layer_ranges_match_one_layer_at_a_time(seed):
 def test_layer_ranges_of_no_rows():
     rows = random_rows(np.random.default_rng(0), 3, 0)
     assert readiness.layer_ranges([_layers.Layer(Kind.OUTPUT, "a")], rows, np.ones(0)) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_readiness_lists_are_their_definitions_made_once(seed):
+    """``overflowing``, ``near``, ``underflowing``, ``nonfinite``: one pass, kept, each what
+    its definition filters and sorts; made again when the layers are replaced."""
+    rng = np.random.default_rng(seed)
+    kinds = [Kind.INPUT, Kind.OUTPUT, Kind.GRAD_OUTPUT, Kind.PARAM_GRAD]
+    found = [_layers.Layer(kinds[i % 4], f"m{i}") for i in range(200)]
+    rows = random_rows(rng, len(found), 4)
+    rows = rows[np.argsort(rows["layer"], kind="stable")]
+    ranges = readiness.layer_ranges(found, rows, rng.choice([1.0, 2.0**16, 0.5], len(rows)))
+    r = readiness.Readiness("float16", True, 6, "unknown", "", layers=ranges)
+    over = readiness._overflows
+    assert r.overflowing == sorted([x for x in ranges if over(x)], key=lambda x: -x.absmax)
+    assert r.near == sorted([x for x in ranges if x.near_steps and not over(x)
+                             and not x.is_grad], key=lambda x: -x.absmax)
+    assert r.underflowing == sorted([x for x in ranges if x.is_grad and x.sub >= 0.5],
+                                    key=lambda x: (-x.sub, -x.flush))
+    assert r.nonfinite == [x for x in ranges if x.nonfinite_steps and not over(x)]
+    assert r.overflowing and sum(map(bool, (r.near, r.underflowing, r.nonfinite))) >= 1
+    kept = r._lists
+    r.overflowing.clear()  # (a copy: what is kept stays)
+    assert r._lists is kept and r.overflowing
+    r.layers = ranges[:3]
+    assert r.overflowing == sorted([x for x in ranges[:3] if over(x)], key=lambda x: -x.absmax)
+    assert "_lists" not in r.to_dict()
+
+
+def test_a_tables_layers_are_found_once_and_let_go_with_it():
+    tensors = np.zeros(4, _layers_tensor_view())
+    tensors["id"], tensors["kind"] = [0, 1, 2, 3], [Kind.OUTPUT, Kind.PARAM_GRAD, Kind.OUTPUT,
+                                                    Kind.OUTPUT]
+    tensors["name"] = ["a", "a.weight", "b", "a"]
+    first = _layers._found(tensors, (Kind.OUTPUT,))
+    assert [x.name for x in first[0]] == ["a", "b"] and first[1].tolist() == [0, -1, 1, 0]
+    assert _layers._found(tensors, (Kind.OUTPUT,)) is first
+    assert _layers._found(tensors, (Kind.PARAM_GRAD,))[1].tolist() == [-1, 0, -1, -1]
+    key = id(tensors)
+    assert key in _layers._FOUND
+    del tensors
+    assert key not in _layers._FOUND
+
+
+def _layers_tensor_view():
+    from ampdoctor.runfile.run import TENSOR_VIEW
+
+    return TENSOR_VIEW
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matching_two_runs_rows_is_intersect1d(seed):
+    from ampdoctor.release import comparison
+
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 40, rng.integers(0, 60))
+    for kb, ka in ((keys, keys.copy()), (keys, rng.integers(0, 40, len(keys))),
+                   (keys, keys[::-1].copy())):
+        want = np.intersect1d(kb, ka, return_indices=True)
+        got = comparison._matches(kb, ka)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want[1:]))
+        x, common = np.unique(kb), np.unique(ka)
+        assert np.array_equal(comparison._within(x, common), np.intersect1d(x, common))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -282,6 +282,25 @@ def pair(amp_loss, n=100, **kw):
     return comparison.compare(base, amp, **kw)
 
 
+@pytest.mark.parametrize("same_layers", [True, False])
+def test_compare_reads_the_amp_runs_stats_once_for_layers_and_range(same_layers):
+    """The fp16 range and the layer differences from one read of the amp run's rows are what
+    two reads gave (rows in the same order in both runs, or not: a layer only one run has)."""
+    grow = [(Kind.OUTPUT, "a", lambda i: {"absmax": 2.0 + i, "rms": 1.0 + i}),
+            (Kind.PARAM_GRAD, "a.weight", lambda i: {"absmax": 9e4, "rms": 0.5}),
+            (Kind.INPUT, "a", lambda i: {"absmax": 3.0, "rms": 1.0})]
+    base = synth(40, dtype=None, scaler=False, layers=grow)
+    other = grow[:2] + [(Kind.OUTPUT, "b", lambda i: {"absmax": 7e4, "rms": 2.0 ** -i})]
+    amp = synth(40, layers=[(k, n, lambda i, f=f: {**f(i), "rms": f(i)["rms"] * 1.5})
+                            for k, n, f in (grow if same_layers else other)])
+    c = comparison.compare(base, amp)
+    common = np.arange(40)
+    apart, _ = comparison._layer_diffs(base, amp, common)
+    assert [repr(x) for x in c.layers] == [repr(x) for x in apart] and apart
+    assert c.amp_range == comparison._range_summary(readiness.fp16_readiness(amp))
+    assert c.amp_range["status"] in ("overflow", "ready")
+
+
 def test_compare_identical_curves_match():
     c = pair(2.0 - np.arange(100) / 100 + 1e-4)
     assert c.verdict == "match" and c.divergence_step is None and c.max_rel < 1e-3

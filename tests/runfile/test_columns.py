@@ -15,7 +15,7 @@ def test_a_column_the_table_does_not_have_fails_when_declared():
         schema.columns("stats", "step", "absmaxx")
 
 
-@pytest.mark.parametrize("names", [dose._COLUMNS, streamed._COLUMNS, readiness._COLUMNS,
+@pytest.mark.parametrize("names", [dose._COLUMNS, streamed._COLUMNS, readiness.COLUMNS,
                                    tensorboard._STATS_COLUMNS])
 def test_each_module_reads_columns_of_stats(names):
     assert set(names) <= set(schema.STATS.names)

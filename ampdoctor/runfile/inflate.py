@@ -73,8 +73,7 @@ class Stored:
                 return None
             stored.append((k * self.per, raw))
         # (source offset, offset in ``out``'s rows, bytes) of each column
-        source, packed = self.dtype.fields or {}, dtype.fields or {}
-        columns = [(source[name][1], packed[name][1], dtype[name].itemsize)
+        columns = [(_offset(self.dtype, name), _offset(dtype, name), dtype[name].itemsize)
                    for name in (dtype.names or ())]
         into = out.view(np.uint8).reshape(n, dtype.itemsize)
         half = (len(stored) + 1) // 2
@@ -128,6 +127,12 @@ class Stored:
         except zlib.error:
             return None
         return data if len(data) == whole and not unzip.unconsumed_tail else None
+
+
+def _offset(dtype: np.dtype, name: str) -> int:
+    """Where column ``name`` lies in a row of ``dtype``."""
+    fields: Any = dtype.fields
+    return int(fields[name][1])
 
 
 def _readable(ds: Any) -> bool:

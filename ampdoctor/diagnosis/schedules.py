@@ -1,10 +1,13 @@
 """When the learning rate itself is the bug: an LR scheduler stepped several times per
-optimizer step (once per micro-batch), seen by the recorder (``Event.SCHEDULER_STEPS``).
+optimizer step (once per micro-batch), seen by the recorder (``Event.SCHEDULER_STEPS``), or a
+schedule that passed zero (a negative LR: each step then climbs the loss).
 
 A warm-up stepped once per micro-batch reaches its peak as many times too early as there are
 micro-batches; the fix is to step it once per optimizer step (``scheduler_per_step``), which
 comes before any advice to lower the peak: the same peak with the schedule the script meant
-may train. The LR rules (``overflow._lr_finding``, ``progress``'s divergence) ask here.
+may train. A schedule sized for fewer steps than the run takes (a one-cycle's annealing with
+no clamp) goes below 0; the fix is to floor it (``floor_lr``), before any lower peak. The LR
+rules (``overflow._lr_finding``, ``progress``'s divergence) ask here.
 
 Example::
 
@@ -18,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..numfmt import fmt
 from ..runfile.schema import Event
 from .facts import Facts
 from .verdict import Evidence
@@ -38,19 +42,43 @@ def per_micro(f: Facts) -> Optional[Evidence]:
                     "scheduler_per_micro", float(most), step)
 
 
-def lr_fixes(f: Facts, ids: list[str]) -> list[str]:
-    """``ids`` with ``scheduler_per_step`` first when the scheduler is the cause."""
-    return ["scheduler_per_step"] + ids if per_micro(f) is not None else ids
+def negative(f: Facts, before: Optional[int] = None) -> Optional[Evidence]:
+    """Evidence that the LR went below 0 (at or before step ``before``, when given), or None."""
+    if not f.n:
+        return None
+    lr = f.steps["lr"].astype(float)
+    below = np.isfinite(lr) & (lr < 0)
+    if before is not None:
+        below &= np.asarray(f.steps["step"]) <= before
+    at = np.flatnonzero(below)
+    if not len(at):
+        return None
+    step, low = f.step_at(int(at[0])), float(np.min(lr[below]))
+    return Evidence(f"the LR went below 0 at step {step} (down to {fmt(low)}): a schedule that "
+                    "passes zero, and from there each step moves the weights up the gradient",
+                    "lr_negative", low, step)
 
 
-def summary(f: Facts) -> str:
-    """A sentence for the LR finding's summary when the scheduler is the cause, else ""."""
-    ev = per_micro(f)
-    if ev is None:
-        return ""
-    return (f" The LR itself is a bug: the scheduler stepped {int(ev.value or 0)} times per "
-            "optimizer step, so its schedule ran that many times too fast; step it once per "
-            "optimizer step before lowering the peak.")
+def lr_fixes(f: Facts, ids: list[str], before: Optional[int] = None) -> list[str]:
+    """``ids`` with ``scheduler_per_step`` first when the scheduler is the cause, and
+    ``floor_lr`` when the LR went below 0 (at or before step ``before``)."""
+    first = (["scheduler_per_step"] if per_micro(f) is not None else []) + (
+        ["floor_lr"] if negative(f, before) is not None else [])
+    return first + [x for x in ids if x not in first]
+
+
+def summary(f: Facts, before: Optional[int] = None) -> str:
+    """A sentence for the LR finding's summary when the schedule is the cause, else ""."""
+    ev, below = per_micro(f), negative(f, before)
+    if ev is not None:
+        return (f" The LR itself is a bug: the scheduler stepped {int(ev.value or 0)} times per "
+                "optimizer step, so its schedule ran that many times too fast; step it once per "
+                "optimizer step before lowering the peak.")
+    if below is not None:
+        return (f" The LR itself is a bug: the schedule went below 0 at step {below.step} (down "
+                f"to {fmt(float(below.value or 0))}), and a negative LR climbs the loss; keep "
+                "it at or above 0 before lowering the peak.")
+    return ""
 
 
 def moving(f: Facts, step: Optional[int]) -> Optional[int]:

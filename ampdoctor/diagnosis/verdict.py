@@ -79,7 +79,8 @@ TABLE = (
             doc_fixes="`lower_lr` (LR from an LR range test on the run's first state, else a "
                       "bound from the update ratios and the LR history; `max_norm` the script's "
                       "own clip, else from the healthy steps' grad norms), `use_bf16`; first "
-                      "`scheduler_per_step` when a scheduler stepped per micro-batch"),
+                      "`scheduler_per_step` when a scheduler stepped per micro-batch, "
+                      "`floor_lr` when the LR went below 0"),
     Verdict("unstable_op",
             "one op overflows fp16 (or its backward goes NaN) while weights are steady",
             80, "overflow", "range", ("unstable_op", "hidden_overflow"),
@@ -158,7 +159,7 @@ TABLE = (
                 "(then `dead_units` is its consequence), or it climbed ≥ 10x above its start; the "
                 "learning rate, not the precision",
             doc_fixes="`lower_lr` (LR from the update ratios, below the LR of the jump), "
-                      "`revive_units`"),
+                      "`revive_units`; first `floor_lr` when the schedule went below 0"),
     Verdict("dead_units",
             "no inf/NaN, but the gradients are exactly 0: units died, the weights stopped",
             53, "progress", "neither", ("dead_units",),

@@ -73,8 +73,9 @@ def damaged(path: str, table: str, row: int, what: str) -> RunFileError:
 
 
 def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None = None) -> None:
-    """Step numbers are >= 0 and never go back, wall times neither infinite nor negative,
-    learning rates not negative.
+    """Step numbers are >= 0 and never go back, wall times neither infinite nor negative.
+    (A learning rate may be anything a scheduler set: torch refuses a negative one only when
+    the optimizer is made, and a schedule that passes 0 is a failure to diagnose, not damage.)
     ``start``: the row number of ``steps[0]``; ``before``: the step of the row before it (a
     follower's previous read)."""
     numbers = steps["step"]
@@ -94,15 +95,6 @@ def check_steps(path: str, steps: np.ndarray, start: int = 0, before: int | None
             raise damaged(path, "steps", start + row,
                           f"holds the wall time {float(steps['time'][row])!r} (a time "
                           "is in seconds since 1970)")
-    if "lr" in (steps.dtype.names or ()):
-        # (NaN: not measured; torch's optimizers refuse a negative learning rate, and a rule
-        # that compares LRs would meet one it cannot place on a schedule)
-        below = np.flatnonzero(steps["lr"] < 0)
-        if len(below):
-            row = int(below[0])
-            raise damaged(path, "steps", start + row,
-                          f"holds the learning rate {float(steps['lr'][row]):g} (a learning "
-                          "rate is 0 or more)")
     previous = np.concatenate(([before if before is not None else numbers[0]], numbers[:-1]))
     back = np.flatnonzero(numbers < previous)
     if len(back):

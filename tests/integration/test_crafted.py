@@ -24,7 +24,7 @@ spec.loader.exec_module(crafted)
 GOOD = os.path.join(ROOT, "fixtures", "formats", "v2.h5")
 # Values a writer never writes: dump, ampdoctor's look inside a file, still shows them, then
 # says what breaks the contract (exit 2).
-SHOWN_BY_DUMP = {"meta_types", "meta_nan", "negative_lr", "negative_steps", "unordered_steps",
+SHOWN_BY_DUMP = {"meta_types", "meta_nan", "negative_steps", "unordered_steps",
                  "tensor_nowhere", "text_offset"}
 TIMEOUT = 60
 

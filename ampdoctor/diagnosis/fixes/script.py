@@ -199,6 +199,21 @@ def scheduler_per_step(c: Context) -> Advice:
             "the peak then hits a model that has not warmed up.", snippet)
 
 
+@fix("floor_lr", "keep the LR schedule at or above 0: a schedule that passes zero climbs the "
+     "loss", manual="the schedule is the script's own arithmetic",
+     replay="the replay of one step cannot try a schedule, which needs many steps")
+def floor_lr(c: Context) -> Advice:
+    snippet = ("min_lr = 1e-6  # the floor the schedule anneals to\n"
+               "lr = max(min_lr, schedule(step))  # never below 0: a negative LR climbs the loss\n"
+               "for group in optimizer.param_groups:\n"
+               "    group[\"lr\"] = lr")
+    return ("Keep the learning rate at or above 0: the schedule passed zero, and with a "
+            "negative LR every step moves the weights up the gradient, so the loss climbs "
+            "however small the step. Clamp the schedule at a floor (the annealing's end, a "
+            "fraction of the minimum LR), or size it for the steps the run really takes.",
+            snippet)
+
+
 @fix("scheduler_after_real_step", "step the LR scheduler only when the optimizer step ran",
      apply="scheduler_per_step", replay="the replay of one step cannot try a schedule, which "
      "needs many steps")

@@ -228,15 +228,14 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
                                            for e in ev):
         ev = ev + [Evidence(steady.fact, "weights_not_steady")]
     ev = ev + lr_evidence(f)
-    scheduler = schedules.per_micro(f)
-    if scheduler is not None:
-        ev.insert(0, scheduler)
     module = where.get("module") if where else None
     if where and where.get("step") is not None:
         moved = schedules.moving(f, where["step"])
         if moved != where["step"]:  # (the module was located at the LR-0 step: not there)
             where = first_bad(moved, None, None)
             module = None
+    bad = where.get("step") if where else None
+    ev = [x for x in (schedules.per_micro(f), schedules.negative(f, bad)) if x is not None] + ev
     if f.low_precision == "fp16":
         text = ("The learning rate is too high: weights and activations grew step after step "
                 "until the forward pass overflowed fp16 (it diverges in bf16/fp32 too, later). "
@@ -246,8 +245,8 @@ def _lr_finding(f: Facts, where: dict, ev: list[Evidence], conf: float,
                 "until they overflowed even "
                 + ("bf16, which has fp32's range" if f.low_precision == "bf16" else "fp32")
                 + ". This is divergence, not a precision problem: lower the LR.")
-    return Finding("lr_overflow", conf, text + schedules.summary(f), ev,
-                   fixes.make(schedules.lr_fixes(f, ["lower_lr", "use_bf16"]),
+    return Finding("lr_overflow", conf, text + schedules.summary(f, bad), ev,
+                   fixes.make(schedules.lr_fixes(f, ["lower_lr", "use_bf16"], bad),
                               f.fix_context(module, step=where.get("step") if where else None)),
                    where, priority=PRIORITY["lr_overflow"], premises=[_grew(ev, steady)])
 

@@ -236,9 +236,9 @@ def rule_diverged(f: Facts) -> Optional[Finding]:
     return Finding("diverged", _sure(conf, answer),
                    f"Training diverged without any inf/NaN: the loss jumped {spike.jump:.0f}x at "
                    f"step {f.step_at(spike.index)} and {how}. {_conclusion(f, answer)}"
-                   + schedules.summary(f), _scheduled(f, ev + [answer]),
+                   + schedules.summary(f, onset), _scheduled(f, ev + [answer], onset),
                    fixes.make(schedules.lr_fixes(f, ["lower_lr"] + (
-                       ["revive_units"] if kind == "dead_units" else [])), ctx),
+                       ["revive_units"] if kind == "dead_units" else []), onset), ctx),
                    first_bad(schedules.moving(f, onset), module, None),
                    priority=PRIORITY["diverged"], kind=kind)
 
@@ -255,18 +255,19 @@ def _climbed(f: Facts) -> Finding:
     return Finding("diverged", _sure(0.7, answer),
                    f"Training diverged without any inf/NaN: the loss climbed "
                    f"{c.end / c.start:.0f}x above where it began, from step {onset} on, and "
-                   f"never came back. {_conclusion(f, answer)}" + schedules.summary(f),
-                   _scheduled(f, ev + [answer]),
-                   fixes.make(schedules.lr_fixes(f, ["lower_lr"]),
+                   f"never came back. {_conclusion(f, answer)}" + schedules.summary(f, onset),
+                   _scheduled(f, ev + [answer], onset),
+                   fixes.make(schedules.lr_fixes(f, ["lower_lr"], onset),
                               _blowup_context(f, None, c.climb_onset)),
                    first_bad(schedules.moving(f, onset), None, None),
                    priority=PRIORITY["diverged"], kind="climbed")
 
 
-def _scheduled(f: Facts, ev: list[Evidence]) -> list[Evidence]:
-    """The evidence, with a scheduler stepped per micro-batch first when there was one."""
-    found = schedules.per_micro(f)
-    return [found] + ev if found is not None else ev
+def _scheduled(f: Facts, ev: list[Evidence], onset: Optional[int] = None) -> list[Evidence]:
+    """The evidence, with a scheduler stepped per micro-batch, or an LR gone below 0 by the
+    ``onset``, first when there was one."""
+    found = [x for x in (schedules.per_micro(f), schedules.negative(f, onset)) if x is not None]
+    return found + ev
 
 
 def _blowup_context(f: Facts, module: Optional[str], index: int) -> fixes.Context:

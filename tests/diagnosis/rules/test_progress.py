@@ -226,6 +226,35 @@ def test_a_jump_that_stays_up_is_diverged_without_sampled_steps():
     assert d.first_bad["step"] == 50 and d.fixes[0].id == "lower_lr"
 
 
+def test_a_schedule_that_passes_zero_is_named_before_a_lower_peak(tmp_path):
+    """fixtures/blind11's one-cycle annealing with no clamp: the LR goes below 0 at step 160 and
+    the loss climbs from step 220. The file is read as it is (a negative LR is not damage), the
+    evidence says where the LR went below 0, and ``floor_lr`` comes before ``lower_lr``; an LR
+    that goes negative only after the failure is not named."""
+    from synthetic import write
+
+    n = 400
+    s = Synth(n, dtype="bfloat16", scaler=False, every=0)
+    lr = np.r_[np.linspace(3e-4, 3e-3, 80), np.linspace(3e-3, 0.0, 81)[:80],
+               np.linspace(-1e-5, -4.5e-3, n - 160)]
+    s.set("lr", lr)
+    s.set("loss", np.r_[noisy(decay(200, 0.3) * 2.3, 0.05, 1)[:200],
+                        np.geomspace(0.7, 7e4, n - 200)])
+    path = str(tmp_path / "run.h5")
+    write(s, path).close()
+    d = diagnose(path)
+    assert d.verdict == "diverged", str(d)
+    assert [fx.id for fx in d.fixes][:2] == ["floor_lr", "lower_lr"]
+    below = evidence(d, "lr_negative")
+    assert below.step == 160 and below.value < 0 and "below 0 at step 160" in d.summary
+    late = Synth(n, dtype="bfloat16", scaler=False, every=0)
+    late.set("lr", np.r_[np.full(300, 3e-3), np.full(100, -1e-4)])
+    late.set("loss", np.r_[noisy(np.full(100, 0.7), 0.1, 7), noisy(np.full(300, 25.0), 0.3, 8)])
+    d = verdict(late)
+    assert d.verdict == "diverged" and d.fixes[0].id == "lower_lr", str(d)
+    assert evidence(d, "lr_negative") is None
+
+
 def test_a_blow_up_the_loss_comes_back_from_only_late_is_diverged():
     """litgpt at LR 10 (the cosine schedule's peak): the loss 20-300x its start for most of the
     run, back to 1.6x only as the LR fell. Not a recovered spike, and not healthy."""

@@ -119,14 +119,17 @@ TABLE = (
             82, "located", "range", ("fp16_loss", "bce_saturation"),
             doc="the loss overflows while the model is finite: computed in fp16 past 65504; or "
                 "made non-finite by the training code's own ops between the model's finite "
-                "outputs and the loss under fp16 autocast (an entropy's `p * log p` on an fp16 "
-                "softmax: 0 x -inf), said at 0.6 where the loss is written by hand and neither "
+                "outputs and the loss under fp16 or bf16 autocast (an entropy's `p * log p` on "
+                "an fp16 softmax: 0 x -inf; `log(1 - p)` on a bf16 sigmoid rounded to exactly "
+                "1.0), said at 0.6 where the loss is written by hand and neither "
                 "the op nor fp32 could be measured; or (kind `loss_backward`) finite but with a "
                 "backward that is infinite at what fp16 rounded the model's output to (a Sigmoid "
                 "output of exactly 1.0 under `BCELoss`, a sqrt or log at 0), so GradScaler skips "
                 "at every scale; a single skip at the initial scale (an fp16 loss cannot take "
                 "65536) is calibration, healthy",
-            doc_fixes="`loss_in_fp32`; for `loss_backward`: `loss_on_logits`, `loss_in_fp32`, and "
+            doc_fixes="`loss_in_fp32` (in a bf16 run, from the logits: "
+                      "`binary_cross_entropy_with_logits`); for `loss_backward`: "
+                      "`loss_on_logits`, `loss_in_fp32`, and "
                       "first `clamp_loss_input` (eps from the values the step reached) where the "
                       "loss's derivative is infinite there in fp32 too (a power below 1 at 0)"),
     Verdict("clip_order", "GradScaler API misuse: clip before unscale_, optimizer.step() "

@@ -17,6 +17,8 @@ from .registry import (
 @fix("loss_in_fp32", "compute the loss in fp32 (inside autocast, or on .float() outputs)",
      apply="loss_in_fp32")
 def loss_in_fp32(c: Context) -> Advice:
+    if c.autocast == "bfloat16" or (c.autocast is None and c.low == "bf16"):
+        return _loss_in_fp32_bf16(c)
     snippet = (f'with torch.autocast("{c.device}", dtype=torch.float16):\n'
                "    out = model(x)\n"
                "    loss = criterion(out, y)  # autocast runs nn losses in fp32, not your own ops\n"
@@ -27,6 +29,23 @@ def loss_in_fp32(c: Context) -> Advice:
             "runs losses and reductions in fp32) or on .float() outputs. An fp16 sum over a "
             "batch passes 65504 easily. (--apply loss_in_fp32 casts the inputs of torch's own "
             "loss functions; a hand-written loss needs the change in its code.)", snippet)
+
+
+def _loss_in_fp32_bf16(c: Context) -> Advice:
+    """bf16 has fp32's range: its loss fails on precision (a probability rounded to 1.0)."""
+    snippet = (f'with torch.autocast("{c.device}", dtype=torch.bfloat16):\n'
+               "    logits = model(x)\n"
+               "loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), y)\n"
+               "# a hand-written loss: its ops on .float() outputs, log-probabilities from "
+               "logits\n"
+               "log_p = torch.nn.functional.logsigmoid(logits.float())\n"
+               "log_1mp = torch.nn.functional.logsigmoid(-logits.float())  # log(1 - p)")
+    return ("Compute the loss in fp32, from the logits: on .float() outputs (autocast runs "
+            "torch's losses in fp32, not your own ops). bf16 keeps 8 bits of precision: a "
+            "sigmoid past 6.24 is exactly 1.0 there, and log(1 - p) is -inf. "
+            "binary_cross_entropy_with_logits (or logsigmoid) never forms the probability. "
+            "(--apply loss_in_fp32 casts the inputs of torch's own loss functions; a "
+            "hand-written loss needs the change in its code.)", snippet)
 
 
 @fix("loss_on_logits", "compute the loss from logits (BCEWithLogitsLoss, logsigmoid), not "

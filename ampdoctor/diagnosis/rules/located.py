@@ -9,6 +9,7 @@ the batch is read in ``batches.py``.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -397,11 +398,12 @@ def rule_fp16_loss(f: Facts) -> Optional[Finding]:
 
 def _loss_in_the_step(f: Facts) -> Optional[Finding]:
     """The loss ends in fp32, but a replay of the failing step found it non-finite while every
-    module output was finite, in an fp16 run: the training code's own ops between the model's
-    outputs and the loss made it (an entropy's p * log p on an fp16 softmax: 0 x -inf). Where
-    the loss is written by hand the replay cannot recompute it: which op, and whether fp32 is
-    finite, is not measured, and the confidence says so."""
-    if f.failure_index is None or f.low_precision != "fp16":
+    module output was finite, in an fp16 or bf16 run: the training code's own ops between the
+    model's outputs and the loss made it (p * log p on an fp16 softmax: 0 x -inf; log(1 - p)
+    on a bf16 sigmoid rounded to 1.0). A loss written by hand is not recomputed: which op, and
+    whether fp32 is finite, is not measured, and the confidence says so."""
+    low = f.low_precision
+    if f.failure_index is None or low not in ("fp16", "bf16"):
         return None
     snaps = [x for x in f.snapshots if x["phase"] == "loss" and x["step"] >= f.failure_step
              and SnapshotDetail.from_json(x["detail"]).loss_nonfinite and not _fp32_too(x)]
@@ -412,21 +414,43 @@ def _loss_in_the_step(f: Facts) -> Optional[Finding]:
     x = snaps[0]
     d = SnapshotDetail.from_json(x["detail"])
     ev = [Evidence(_loss_snapshot_text(x), "replay_loss_phase", None, x["step"])]
+    ev += _output_grad_evidence(x, low)
     recomputed = d.loss_fp32 is not None and d.loss_fp32.loss_finite is True
     if recomputed:
         ev.append(Evidence(f"replay of step {x['step']}: the loss recomputed in fp32 is finite",
                            "loss_fp32_finite", None, x["step"]))
-        text = ("The loss is non-finite in fp16 and finite in fp32, while every module output "
-                "is finite: the loss's own computation fails in low precision.")
+        text = (f"The loss is non-finite in {low} and finite in fp32, while every module "
+                "output is finite: the loss's own computation fails in low precision.")
     else:
         text = ("The loss is non-finite while every module output is finite: the training "
-                "code's own ops between the model's outputs and the loss, run in fp16 on the "
-                "model's fp16 outputs (inside the autocast block or after it), made the "
-                "NaN/inf. The loss is written by hand, so the replay could "
-                "not recompute it to name the op or to say whether fp32 is finite.")
+                f"code's own ops between the model's outputs and the loss, run in {low} on the "
+                f"model's {low} outputs (inside the autocast block or after it), made the "
+                f"NaN/inf.{_BF16 if low == 'bf16' else ''} The loss is written by hand, so "
+                "the replay could not recompute it to name the op or to say whether fp32 is "
+                "finite.")
     return Finding("fp16_loss", 0.75 if recomputed else 0.6, text, ev,
                    fixes.make(["loss_in_fp32"], f.fix_context(step=x["step"])),
                    first_bad(x["step"], None, "loss"), priority=PRIORITY["fp16_loss"])
+
+
+_BF16 = (" bf16 has fp32's range, not its precision: a probability within 0.002 of 1 is "
+         "exactly 1.0, and log(1 - p) is -inf.")
+# A sigmoid is exactly 1.0 past ln(511) in bf16, ln(4095) in fp16: 1 - s <= 2**-9 (2**-12).
+SIGMOID_ONE = {"bf16": math.log(511), "fp16": math.log(4095)}
+
+
+def _output_grad_evidence(snap: dict, low: str) -> list[Evidence]:
+    """The few output elements whose gradient from the loss is NaN/inf, and their values."""
+    grad = SnapshotDetail.from_json(snap["detail"]).output_grad or OutputGrad()
+    values = grad.output_values or []
+    if not values or not 0 < grad.nonfinite < grad.numel:
+        return []
+    text = ("the gradient the loss sent into the model's output is NaN/inf at "
+            f"{grad.nonfinite} of {grad.numel} elements, where the output is "
+            + " or ".join(fmt(v) for v in values))
+    if min(values) >= SIGMOID_ONE[low]:
+        text += f": a sigmoid of it is exactly 1.0 in {low}, and log(1 - p) = -inf"
+    return [Evidence(text, "loss_output_grad", float(grad.nonfinite), snap["step"])]
 
 
 def rule_loss_backward(f: Facts) -> Optional[Finding]:

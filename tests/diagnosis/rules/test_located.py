@@ -195,6 +195,38 @@ def test_a_loss_made_non_finite_by_the_steps_own_fp16_ops_is_the_loss_not_a_modu
     assert not any(c["verdict"] == "unstable_op" for c in d.causes)
 
 
+def _bf16_sigmoid_bce_run(**detail):
+    """Blind corpus 11: BCE written by hand on a bf16 sigmoid, no scaler. A logit of 6.66
+    rounds its sigmoid to exactly 1.0, log(1 - p) is -inf and (1 - y) * -inf NaN: the loss is
+    NaN from step 84 while the outputs are finite, then the gradients and the weights."""
+    s = Synth(200, dtype="bfloat16", scaler=False, device="cpu")
+    s.nan_loss(range(84, 200)).nan_grad(range(84, 200))
+    return _loss_snap(s, 84, loss_nonfinite=True, output_grad={
+        "nonfinite": 1, "numel": 1024, "finite_absmax": 8e-4, "output_values": [6.65625]},
+        **detail)
+
+
+def test_a_hand_written_loss_non_finite_on_finite_bf16_outputs_is_the_loss():
+    """It was nonfinite 0.3 with check_data (the rule asked for fp16): a bf16 run's loss that
+    fails on finite outputs fails on bf16's precision, said as such, with the logits' fix."""
+    d = verdict(_bf16_sigmoid_bce_run())
+    assert (d.verdict, d.confidence) == ("fp16_loss", 0.6), str(d)
+    assert d.first_bad == {"step": 84, "module": None, "phase": "loss"}
+    assert "run in bf16" in d.summary and "fp16" not in d.summary
+    text = next(e.text for e in d.evidence if e.key == "loss_output_grad")
+    assert "1 of 1024 elements, where the output is 6.656" in text
+    assert "exactly 1.0 in bf16" in text
+    fx = d.fixes[0]
+    assert fix_ids(d) == ["loss_in_fp32"] and "65504" not in fx.text
+    assert "bfloat16" in fx.snippet and "binary_cross_entropy_with_logits" in fx.snippet
+
+
+def test_a_bf16_loss_non_finite_in_fp32_too_is_not_the_precision():
+    """The neighbour: the replay recomputed the loss in fp32 and it was NaN there too."""
+    d = verdict(_bf16_sigmoid_bce_run(loss_fp32={"loss_finite": False, "loss": "nan"}))
+    assert d.verdict != "fp16_loss", str(d)
+
+
 def _loss_backward_run(loss_dtype=DType.FLOAT32):
     """Sigmoid + BCELoss saturating in fp16: skipping from step 12 on, every loss finite."""
     s = Synth(150)

@@ -42,7 +42,8 @@ def _loss_in_fp32_bf16(c: Context) -> Advice:
                "log_1mp = torch.nn.functional.logsigmoid(-logits.float())  # log(1 - p)")
     return ("Compute the loss in fp32, from the logits: on .float() outputs (autocast runs "
             "torch's losses in fp32, not your own ops). bf16 keeps 8 bits of precision: a "
-            "sigmoid past 6.24 is exactly 1.0 there, and log(1 - p) is -inf. "
+            "probability near 1 is exactly 1.0 there (a sigmoid past 6.24), and log(1 - p) "
+            "is -inf. "
             "binary_cross_entropy_with_logits (or logsigmoid) never forms the probability. "
             "(--apply loss_in_fp32 casts the inputs of torch's own loss functions; a "
             "hand-written loss needs the change in its code.)", snippet)

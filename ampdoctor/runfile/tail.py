@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RunFileError
-from . import liveness, migrations, schema, values
+from . import inflate, liveness, migrations, schema, values
 from .attributes import check_format, root_attrs
 from .columns import Columns
 from .hdf5 import H5_ERRORS, reason
@@ -115,7 +115,8 @@ class Tail:
             if name == "stats":
                 if ds.shape[0] != self._stats_shape:  # finding the written end reads rows
                     stats = Table(ds, nrows=written_rows(ds), path=self.path, name="stats",
-                                  lift=migrations.find(name, self.version, ds.dtype))
+                                  lift=migrations.find(name, self.version, ds.dtype),
+                                  threads=not self.live)
                 continue
             start = self.done[name]
             if name == "steps":
@@ -124,7 +125,7 @@ class Tail:
             if name == "groups":  # a month-long run's first read: 20 M rows, read by range
                 rows[name] = Table(ds, nrows=max(start, written_rows(ds)), path=self.path,
                                    name=name, lift=migrations.find(name, self.version, ds.dtype),
-                                   first=start)
+                                   first=start, threads=not self.live)
                 continue
             rows[name] = migrations.lift(name, self.version, without_unwritten_tail(
                 name, ds[start:])) if ds.shape[0] > start else schema.empty(name)
@@ -132,9 +133,14 @@ class Tail:
 
     def _steps_from(self, ds: Any, start: int) -> Columns:
         """/steps from row ``start`` to its written end, column by column, read a block at a
-        time (``columns``): never the rows whole."""
+        time (``columns``): never the rows whole. A file no longer written: by its stored
+        chunks, on two threads (``inflate``)."""
+        stored = None if self.live else inflate.Stored.of(ds)
+
         def rows_of(a: int, b: int) -> np.ndarray:
-            return migrations.lift("steps", self.version, ds[start + a:start + b])
+            rows = None if stored is None else stored.rows(start + a, start + b)
+            return migrations.lift("steps", self.version,
+                                   ds[start + a:start + b] if rows is None else rows)
 
         return Columns.read(rows_of, max(0, written_rows(ds) - start), schema.STEPS)
 

@@ -12,7 +12,9 @@
   dicts, sets and deques it reads from its globals or closure (a module-level ``LOG.append``);
   and, through a profile function while the replay runs, the same for every function of the
   user's it calls (a helper that logs, a method of a plain object: that object's attributes),
-  each saved at its first call, before its body runs (``_Calls``);
+  each saved at its first call, before its body runs (``_Calls``); a signal handler that
+  runs meanwhile is not the replay (a SIGTERM's stop flag, a signal ampdoctor holds back
+  for later stay as it left them);
 - sets the user's hooks aside while it runs and puts them back in their order afterwards:
   forward, backward and pre-hooks on the roots' modules, the global module hooks, the tensor
   hooks on their parameters, and any tensor hook the user's forward registers while the
@@ -60,6 +62,7 @@ import functools
 import inspect
 import logging
 import os
+import signal
 import sys
 import types
 import warnings
@@ -207,11 +210,23 @@ class _Calls:
         self.users: dict = {}  # code -> is it the user's (and a method)
         if _Calls._LIBRARIES is None:
             _Calls._LIBRARIES = _library_roots()
+        self.handlers = _signal_handler_codes()
+        self.handling: Any = None  # the frame of a signal handler running now
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.handling is not None:
+            if frame is self.handling and event == "return":
+                self.handling = None
+            return
         if event != "call":
             return
         code = frame.f_code
+        if code in self.handlers:
+            # A signal that lands while the replay runs (a SIGTERM, the user's own handler
+            # or ampdoctor's) is not the replay: what its handler changes (a stop flag, a
+            # signal held back for later) stays changed.
+            self.handling = frame
+            return
         method = self.users.get(code)
         if method is None:
             method = self._first(frame, code)
@@ -237,6 +252,26 @@ class _Calls:
             self.known.add(id(obj))
             self.saved.append(_Namespace(namespace))
         return None
+
+
+def _signal_handler_codes() -> frozenset:
+    """The code of every Python signal handler set now (a function, a bound method, an
+    object's ``__call__``)."""
+    codes = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        if not callable(handler):
+            continue
+        target = getattr(handler, "__func__", handler)
+        code = getattr(target, "__code__", None)
+        if code is None:
+            code = getattr(vars(type(handler)).get("__call__"), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
 
 
 class _Namespace:

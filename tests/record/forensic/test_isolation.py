@@ -13,6 +13,7 @@ loss scale, user state and printed output.
 import contextlib
 import io
 import logging
+import signal
 import warnings
 
 import numpy as np
@@ -307,3 +308,45 @@ def test_state_that_the_forwards_helpers_keep_is_put_back():
     assert (LAST, TALLY, LOG, meter.n, meter.seen) == before
     model(torch.randn(6, 4))  # and the real run goes on counting from there
     assert meter.n == before[3] + 1 and TALLY["calls"] == before[1]["calls"] + 1
+
+
+class Job:
+    """A trainer that stops cleanly on a signal: its handler sets a flag the loop reads."""
+
+    def __init__(self):
+        self.stop_requested = False
+
+    def on_signal(self, signum, frame):
+        self.stop_requested = True
+
+
+class Signalled(nn.Module):
+    """A forward during which a signal lands (sent from inside it, so it lands there)."""
+
+    def __init__(self, job):
+        super().__init__()
+        self.job = job
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        signal.raise_signal(signal.SIGUSR1)
+        return self.lin(x)
+
+
+def test_what_a_signal_handler_changes_during_a_replay_is_kept():
+    """A signal is not the replay: a SIGTERM that lands while a step is replayed sets the
+    trainer's stop flag, and the flag stays set (the profile function that saves what the
+    user's functions change skips the handler), as ampdoctor's own held-back SIGTERM does."""
+    job = Job()
+    model = Signalled(job)
+    previous = signal.getsignal(signal.SIGUSR1)
+    # the handler as a bound method, then as a plain function
+    for handler in (job.on_signal, lambda s, f: setattr(job, "stop_requested", True)):
+        job.stop_requested = False
+        signal.signal(signal.SIGUSR1, handler)
+        try:
+            with preserved([model], devices=[]):
+                model(torch.randn(2, 4))
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert job.stop_requested

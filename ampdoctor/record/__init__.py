@@ -3,7 +3,8 @@
 ``recorder.Recorder`` is the facade behind ``ampdoctor.watch``, over its parts:
 
 - ``journal``: the run file's rows; ``watched``: model, optimizers, scaler (``discovery``:
-  the roots found in the first step; ``autocastnotes``: the autocast state they run in)
+  the roots found in the first step; ``autocastnotes``: the autocast state they run in;
+  ``mirrors``: an optimizer's master copies of the model's parameters)
 - ``hooks``: the hook groups, attached together: ``scalerhooks``, ``modulehooks``,
   ``losshooks``, ``optimizerhooks``, over ``stepflow`` (the step log they share, the step
   boundaries), ``sampledstep`` (the sampled step's hooks and drain) and ``gradnorm``; each

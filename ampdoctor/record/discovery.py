@@ -3,10 +3,11 @@
 Global module hooks (installed by ``start``, removed by ``finish``) see every call: the
 outermost module called with grad enabled that owns trainable parameters (or carries the
 gradient of a trained input) is adopted as a root before its forward runs, DDP/DataParallel
-wrappers looked through. At the end of the first step only the roots an optimizer trains are
-kept (with the micro-batches only they ran). Never adopted: a module run on meta or fake
-tensors, a module already left out because recording it failed (``skip``). The roots
-themselves, their names and hooks, are the ``Watched``'s (``watched.py``), which adopts them.
+wrappers looked through. At the end of the first step only the roots an optimizer trains (or
+whose master copies it trains: ``mirrors.py``) are kept (with the micro-batches only they ran).
+Never adopted: a module run on meta or fake tensors, a module already left out because
+recording it failed (``skip``). The roots themselves, their names and hooks, are the
+``Watched``'s (``watched.py``), which adopts them.
 
 Example::
 
@@ -184,8 +185,9 @@ class RootDiscovery:
         self.open = self._hooked = False
         self._discovering = None
         self.called = set()
-        trained = {id(p) for opt in w.optimizers for g in opt.param_groups
-                   for p in g["params"]}
+        # (a master copy of a parameter trains that parameter: watched.py, mirrors.py)
+        trained = {w.mirror_of.get(id(p), id(p)) for opt in w.optimizers
+                   for g in opt.param_groups for p in g["params"]}
         keep = [m for m in w.roots if any(id(p) in trained for p in m.parameters())]
         owned = {id(p) for m in keep for p in m.parameters()}
         if trained - owned:  # an optimizer trains a tensor outside every model: an input

@@ -13,7 +13,9 @@ Each is given to ``watch()`` or discovered in the first step:
   seen through an eager shim (``compiled.py``), a sharded one (FSDP2, FSDP1) is adopted with
   per-shard statistics and no replay (``sharding.py``).
 * **optimizers**: those that step the roots' parameters (any optimizer, while no root is
-  known); the list of trained parameters is cached until the param groups change.
+  known), or, where none does, copies of them (fp32 master weights kept by hand:
+  ``mirrors.py``; each copy named after its parameter); the list of trained parameters is
+  cached until the param groups change.
 * **scaler**: the first enabled GradScaler that scales a loss.
 * **autocast**: read at the root's pre-hook each training call, and inside the forward on the
   steps that have module hooks anyway (``autocastnotes.AutocastNotes``); /meta ``autocast`` on
@@ -40,7 +42,7 @@ import torch
 
 from ..errors import AmpDoctorError
 from ..runfile.schema import Event
-from . import buffers, compiled, handles, patches, sharding
+from . import buffers, compiled, handles, mirrors, patches, sharding
 from .autocastnotes import AutocastNotes
 from .discovery import RootDiscovery
 from .environment import device_info, model_summary, optimizer_info, scaler_info
@@ -80,6 +82,7 @@ class Watched:
         self.regions: list[tuple[str, str]] = []  # compiled regions in the roots
         self.eager: Optional[list[torch.nn.Module]] = None  # hookable modules, if compiled
         self._own_optimizer: dict[int, bool] = {}
+        self.mirror_of: dict[int, int] = {}  # id(master copy) -> id(model parameter)
         self._optimizer_meta_done: set[int] = set()
         self._params_key: Optional[tuple] = None  # param_groups the cached list was made from
         self._params: list[torch.Tensor] = []
@@ -168,6 +171,7 @@ class Watched:
                                for n, k in compiled.regions(root)]
             amp.declare(root)
             self._hook_root(root)
+        self._name_mirrors()
         self.eager = [m for r in roots for m in compiled.eager_modules(r)] \
             if self.regions else None
         self._adopt_sharding(roots)
@@ -255,7 +259,8 @@ class Watched:
         if known is None:
             if self.roots and self.param_names and not through_scaler:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
-                known = any(id(p) in self.param_names for p in params) or (
+                known = self._adopt_mirror(params) or \
+                    any(id(p) in self.param_names for p in params) or (
                     # the roots are frozen models a trained input flows through (a style
                     # transfer's image): the optimizer of a tensor outside them trains it
                     bool(self.discovery.by_input) and
@@ -269,6 +274,27 @@ class Watched:
                 # the optimizer-state dtypes follow after its first step.
                 self.journal.meta("optimizer", optimizer_info(self.optimizers))
         return known
+
+    def _adopt_mirror(self, params: list) -> bool:
+        """Does this optimizer step copies of the model's parameters (fp32 master weights
+        kept by hand: ``mirrors.py``) while no optimizer adopted steps the model's own?
+        Then its step is the model's: the model's gradients reach it through the copies'
+        ``.grad``, its update comes back into the model, and a run recorded without it would
+        hold no step at all. Each copy is named after the parameter it mirrors."""
+        if any(id(p) in self.param_names for o in self.optimizers for g in o.param_groups
+               for p in g["params"]):
+            return False  # the run's optimizer is known: another's copies are not the run's
+        pairs = mirrors.of_models(params, [list(unwrap(r).parameters()) for r in self.roots])
+        self.mirror_of.update(pairs)
+        self._name_mirrors()
+        return bool(pairs)
+
+    def _name_mirrors(self) -> None:
+        """Each master copy under its parameter's name (again after the roots are named)."""
+        for copy, param in self.mirror_of.items():
+            name = self.param_names.get(param)
+            if name is not None:
+                self.param_names[copy] = name
 
     def adopt_optimizer(self, optimizer: Any) -> None:
         """An engine's optimizer (``engines.py``: a DeepSpeed engine's): its param groups' LRs

@@ -29,15 +29,20 @@ import collections
 import torch
 
 
-def match(params: list[torch.Tensor], model: list[torch.Tensor]) -> dict[int, int]:
+def match(params: list[torch.Tensor], model: list[torch.Tensor],
+          others: frozenset = frozenset()) -> dict[int, int]:
     """``{id(copy): id(parameter)}`` where the tensors of ``params`` (an optimizer's) that are
     not ``model``'s (the model's parameters) are copies, shape for shape, of those of
     ``model`` it does not step; empty where they are not (another model's optimizer, a part
-    of the model, the model's own parameters only). Python-side only: shapes and ids, no
+    of the model, the model's own parameters only). A tensor in ``others`` (the ids of
+    another model's parameters) is never a copy: an optimizer of the real model is not one
+    of copies of a throwaway model of the same shapes. Python-side only: shapes and ids, no
     tensor read."""
     params, model = _unique(params), _unique(model)
     own = {id(q) for q in model}
     stepped = {id(p) for p in params}
+    if any(id(p) in others and id(p) not in own for p in params):
+        return {}
     copies = [p for p in params if id(p) not in own]
     rest = [q for q in model if id(q) not in stepped]
     if not copies or len(copies) != len(rest):
@@ -59,11 +64,12 @@ def of_models(params: list[torch.Tensor], models: list[list[torch.Tensor]]) -> d
     together, then each one's alone, the last adopted first (a model run and dropped in the
     first step comes before the real one, and may have its shapes); their trainable
     parameters first, then all of them (a frozen parameter copied too)."""
-    tries = [[p for model in models for p in model]] + (models[::-1] if len(models) > 1
-                                                         else [])
+    everything = [p for model in models for p in model]
+    tries = [everything] + (models[::-1] if len(models) > 1 else [])
+    others = frozenset(id(p) for p in everything)
     for model in tries:
         for wanted in ([p for p in model if p.requires_grad], model):
-            pairs = match(params, wanted)
+            pairs = match(params, wanted, others)
             if pairs:
                 return pairs
     return {}

@@ -47,6 +47,9 @@ def _cases():
             for k, at in enumerate(spread(8, seed=11))]
     term += [{"id": f"term-async-{k}", "async_step": 3 + 6 * k, "delay_us": 300 * k,
               "signal": signal.SIGTERM} for k in range(3)]
+    # Sent from inside a replay (the model's forward re-run by ampdoctor), while its
+    # isolation runs.
+    term += [{"id": "term-in-replay", "term_in_replay": True}]
     term += [{"id": "term-user-handler", "user_handler": True, "async_step": 5, "delay_us": 0,
               "signal": signal.SIGTERM},
              # Lands in ampdoctor's flush: waits for it, then the script's handler runs once.
@@ -170,6 +173,10 @@ def test_sigterm_finishes_the_file_and_still_ends_the_process(ended, reference, 
 def test_some_sigterm_landed_in_ampdoctor_code_and_waited_for_it(ended):
     waited = [c for c in _ids("term-at-") if "W" in ended[c]["lines"]]
     assert waited, "no SIGTERM case exercised the wait (the moments need re-drawing)"
+    # A SIGTERM sent from inside a replay waits for it, and is not lost when the replay's
+    # isolation puts the user's state back: the run ends by it.
+    replayed = ended["term-in-replay"]
+    assert "W" in replayed["lines"] and replayed["signal"] == signal.SIGTERM, replayed["lines"]
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ instead, a random fraction of a millisecond after the child announces a flush.
 The child reports on a pipe: ``S`` before each flush of the run file, ``F <steps>`` after it
 (steps on disk), ``T <step>`` after each optimizer step, ``R <tick>`` when recording started,
 ``W`` when a stop signal waits for ampdoctor's own code to finish, ``H`` from a script's own
-SIGTERM handler.
+SIGTERM handler. ``term_in_replay`` sends SIGTERM from the model's forward while ampdoctor
+re-runs it (the replay's isolation must not put the held signal's state back).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def train(path, report, case):
     ticks = case.get("ticks")
     if case.get("user_handler"):
         signal.signal(signal.SIGTERM, lambda s, f: say("H"))
+    if case.get("term_in_replay"):
+        _term_in_replay(model)
 
     def loop():
         for i, (x, y) in enumerate(batches(STEPS, bad_step=BAD_STEP)):
@@ -119,6 +122,25 @@ def train(path, report, case):
             loop()
     else:  # never closed by the script: the interpreter's exit finishes the file
         loop()
+
+
+def _term_in_replay(model):
+    """SIGTERM sent from inside a replay: the model's forward, called by ampdoctor's
+    forensic code (a fix trial's re-run: the NaN step's bad batch is found without one),
+    sends it to its own process."""
+    forward = model.forward
+    forensic = os.path.join("ampdoctor", "record", "forensic") + os.sep
+
+    def replayed_forward(*args, **kwargs):
+        frame = sys._getframe(1)
+        while frame is not None:
+            if forensic in frame.f_code.co_filename:
+                os.kill(os.getpid(), signal.SIGTERM)
+                break
+            frame = frame.f_back
+        return forward(*args, **kwargs)
+
+    model.forward = replayed_forward
 
 
 def child(path, report, case):

@@ -76,10 +76,5 @@ def of_models(params: list[torch.Tensor], models: list[list[torch.Tensor]]) -> d
 
 
 def _unique(tensors: list) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    """The tensors of ``tensors``, each once, in their order."""
+    return list({id(t): t for t in tensors if isinstance(t, torch.Tensor)}.values())

@@ -193,7 +193,7 @@ FORECAST = os.path.join(ROOT, "fixtures", "forecast")
 def recorded(tmp_path_factory):
     """attn_logits (overflows in ``logits``), lr_ramp (diverges with the LR) and a healthy
     long run, recorded side by side at --every 5."""
-    from recording import start
+    from recording import finish, start
 
     out = tmp_path_factory.mktemp("forecast")
     # Cut short a little after their failures (steps 141 and 111) to keep the suite lean.
@@ -205,7 +205,7 @@ def recorded(tmp_path_factory):
              for k, (script, args) in jobs.items()}
     done = {}
     for k, (path, proc) in procs.items():
-        _, err = proc.communicate(timeout=300)
+        _, err = finish(proc, timeout=300)
         assert proc.returncode == 0, err[-2000:]
         done[k] = path
     return done

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 from conftest import PYTHON, ROOT, python_env
-from recording import start
+from recording import finish, start
 
 import ampdoctor
 from ampdoctor.diagnosis import fp8
@@ -32,7 +32,7 @@ def recorded(tmp_path_factory):
     # one job at a time: two torchrun --standalone jobs side by side may meet at one port
     for name, args in {"drift": [], "healthy": ["--fix"]}.items():
         proc = start(SCRIPT, str(folder / f"{name}.h5"), args, every=5, nproc=2)
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = finish(proc, timeout=180)
         assert proc.returncode == 0, stderr[-3000:]
         out[name] = str(folder / f"{name}.h5")
     return out

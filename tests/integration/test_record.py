@@ -689,6 +689,7 @@ def test_mp_spawn_ranks_are_named_by_torch_distributed(tmp_path):
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for _ in range(3):
                 model(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            del model  # DDP's reducer freed last would free the group holding the GIL
             dist.destroy_process_group()
 
         if __name__ == "__main__":

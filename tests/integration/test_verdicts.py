@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from conftest import PYTHON, ROOT, python_env
 from consistency import contradictions
-from recording import command, start
+from recording import command, finish, start
 
 import ampdoctor
 from ampdoctor.diagnosis.engine import unmet_premises
@@ -45,6 +45,7 @@ ACTIVE = {k: v for k, v in EXPECTED.items()
           if not v.get("pending") or os.environ.get("AMPDOCTOR_TEST_PENDING")}
 PARALLEL = 2  # the CI machine has two cores; each child runs single-threaded
 EVERY = 10  # sampled tier every 10 steps: the fixtures run tens of steps, not thousands
+JOB_TIMEOUT = 300  # seconds: the slowest fixture records in about 40 on the CI machine
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +69,18 @@ def recorded(tmp_path_factory):
             args = list(e.get("args") or []) + (["--fix"] if fixed else [])
             script = os.path.join(FIXTURES, f"{e.get('script', name)}.py")
             every = int(e.get("every") or EVERY)
-            running.append(((name, fixed), path, start(script, path, args, every=every,
-                                                       nproc=int(e.get("nproc") or 0))))
+            running.append(((name, fixed), path, time.monotonic(),
+                            start(script, path, args, every=every,
+                                  nproc=int(e.get("nproc") or 0))))
         for item in list(running):
-            key, path, proc = item
-            if proc.poll() is not None:
+            key, path, began, proc = item
+            late = time.monotonic() - began > JOB_TIMEOUT
+            if proc.poll() is not None or late:
                 running.remove(item)
-                stdout, stderr = proc.communicate()
+                try:  # a hung job is killed, whole tree, and fails its own tests alone
+                    _, stderr = finish(proc, timeout=0 if late else 60)
+                except AssertionError as exc:
+                    stderr = str(exc)
                 done[key] = (path, proc.returncode, stderr)
         time.sleep(0.05)
     return done

@@ -7,6 +7,8 @@ no-code-change door (the model, optimizer and scaler are discovered as the scrip
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -34,6 +36,43 @@ def start(script: str, out: str, args: list[str] = (), every: int = 10,
     """Like ``record`` but without waiting (several fixtures record side by side)."""
     return subprocess.Popen(command(script, out, list(args), every, nproc), env=python_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux's /proc children lists; [] elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        try:
+            with open(f"/proc/{here}/task/{here}/children") as fh:
+                kids = [int(k) for k in fh.read().split()]
+        except OSError:
+            continue
+        found += kids
+        todo += kids
+    return found
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Wait for a started recording; returns its (stdout, stderr). Past ``timeout`` the whole
+    tree is killed (``record``, torchrun and its workers, which torchrun starts in sessions of
+    their own) and the test fails saying so, with the last of what it printed, instead of
+    leaving a hung job behind it."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process no longer below it holds the pipes
+            out, err = "", "(its output pipes were held by a process outside its tree)"
+        said = f"{(out or '')[-1500:]}\n{(err or '')[-3000:]}"
+        raise AssertionError(f"{' '.join(proc.args)} still ran after {timeout:.0f} s and was "
+                             f"killed; it printed:\n{said}") from None
 
 
 if __name__ == "__main__":  # python tests/support/recording.py SCRIPT OUT [EVERY] [-- ARGS]

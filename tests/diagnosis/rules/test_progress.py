@@ -648,14 +648,14 @@ def test_the_lightning_run_of_issue_15(tmp_path):
     import os
 
     from conftest import ROOT
-    from recording import start
+    from recording import finish, start
 
     script = os.path.join(ROOT, "fixtures", "lightning", "issue15.py")
     runs = {lr: (str(tmp_path / f"lr{lr}.h5"), start(script, str(tmp_path / f"lr{lr}.h5"),
                                                        ["--lr", lr, "--steps", "120"], every=20))
             for lr in ("3.0", "1e-3")}
     for lr, (path, proc) in runs.items():
-        _, err = proc.communicate(timeout=600)
+        _, err = finish(proc, timeout=600)
         assert proc.returncode == 0, err[-3000:]
     bad, good = diagnose(runs["3.0"][0]), diagnose(runs["1e-3"][0])
     assert bad.run["autocast_dtype"] == "bfloat16" and bad.run["steps"] == 120

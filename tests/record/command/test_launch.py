@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from recording import descendants
 
 from ampdoctor.record.command import launch
 
@@ -116,21 +117,6 @@ def test_force_removes_the_node_summaries_of_that_name_and_nothing_else(tmp_path
 # The training dies with its launcher (lifeline.py)
 
 
-def _descendants(pid):
-    """Every live process below ``pid`` (Linux's /proc children lists)."""
-    found, todo = [], [pid]
-    while todo:
-        here = todo.pop()
-        try:
-            with open(f"/proc/{here}/task/{here}/children") as fh:
-                kids = [int(k) for k in fh.read().split()]
-        except OSError:
-            continue
-        found += kids
-        todo += kids
-    return found
-
-
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -163,7 +149,7 @@ def test_a_sigkill_to_record_stops_the_training_and_the_file_says_terminated(tmp
         for line in proc.stdout:
             if line.startswith("step 3 "):
                 break
-        training = _descendants(proc.pid)
+        training = descendants(proc.pid)
         assert len(training) == (2 if wrapped else 1), training
         proc.kill()
         proc.wait(timeout=30)

@@ -53,11 +53,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+def finish(proc: subprocess.Popen, timeout: float, given: float | None = None
+           ) -> tuple[str, str]:
     """Wait for a started recording; returns its (stdout, stderr). Past ``timeout`` the whole
     tree is killed (``record``, torchrun and its workers, which torchrun starts in sessions of
     their own) and the test fails saying so, with the last of what it printed, instead of
-    leaving a hung job behind it."""
+    leaving a hung job behind it. ``given``: the time the job had in all, for that message,
+    where the caller has already waited part of it (default ``timeout``)."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -71,8 +73,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         except subprocess.TimeoutExpired:  # a process no longer below it holds the pipes
             out, err = "", "(its output pipes were held by a process outside its tree)"
         said = f"{(out or '')[-1500:]}\n{(err or '')[-3000:]}"
-        raise AssertionError(f"{' '.join(proc.args)} still ran after {timeout:.0f} s and was "
-                             f"killed; it printed:\n{said}") from None
+        raise AssertionError(f"{' '.join(proc.args)} still ran after {given or timeout:.0f} s "
+                             f"and was killed; it printed:\n{said}") from None
 
 
 if __name__ == "__main__":  # python tests/support/recording.py SCRIPT OUT [EVERY] [-- ARGS]
